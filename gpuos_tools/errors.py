@@ -1,0 +1,58 @@
+"""One exit-code enum for the whole toolkit, and the exception that carries one.
+
+Codes 64 and up are the toolkit's own, so that `gpu-trace run` can pass a traced program's
+own exit status (usually 0..63 or 128+signal) through unchanged. The `exit` record in the
+stream always says which of the two happened.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+    BAD_INPUT = 64
+    TRUNCATED = 65
+    NO_INPUT = 66
+    NOT_PYTHON = 67
+    PROGRAM_NOT_FOUND = 68
+    NO_DRIVER = 69
+    NO_CUPTI = 70
+    CUDA_ERROR = 71
+    NVML_ERROR = 72
+    PERMISSION = 73
+    IO_ERROR = 74
+    SOFTWARE = 75
+    INTERRUPTED = 130
+
+
+#: What each code means, for people: man pages (EXIT STATUS) are generated from this.
+DESCRIPTIONS: dict[ExitCode, str] = {
+    ExitCode.OK: "success",
+    ExitCode.FAILURE: "the tool ran but found problems (e.g. a check failed)",
+    ExitCode.USAGE: "bad command line (click's own code)",
+    ExitCode.BAD_INPUT: "malformed stream: a bad line or record",
+    ExitCode.TRUNCATED: "input ends in the middle of a record or compressed frame",
+    ExitCode.NO_INPUT: "input file missing or unreadable",
+    ExitCode.NOT_PYTHON: "the program to trace is not a Python program",
+    ExitCode.PROGRAM_NOT_FOUND: "the program to run does not exist or is not executable",
+    ExitCode.NO_DRIVER: "no NVIDIA driver (libcuda) or no GPU visible",
+    ExitCode.NO_CUPTI: "cupti-python or libcupti missing",
+    ExitCode.CUDA_ERROR: "a CUDA driver call failed",
+    ExitCode.NVML_ERROR: "NVML missing or failed",
+    ExitCode.PERMISSION: "not allowed (file or process)",
+    ExitCode.IO_ERROR: "writing output failed",
+    ExitCode.SOFTWARE: "internal error (a bug in gpuos-tools)",
+    ExitCode.INTERRUPTED: "interrupted (SIGINT)",
+}
+
+
+class GpuosError(Exception):
+    """A fatal, user-facing error: a message for stderr and an exit code."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.FAILURE):
+        super().__init__(message)
+        self.code = code

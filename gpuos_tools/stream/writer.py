@@ -1,0 +1,214 @@
+"""Writing a stream: one compact JSON object per line, to stdout, a file (atomically) or a .zst."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import json.encoder
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any, BinaryIO, Self
+
+import zstandard
+
+from gpuos_tools.errors import ExitCode
+from gpuos_tools.stream import atomic
+from gpuos_tools.stream.framing import STDIO, StreamError
+
+# Records are encoded one by one but written in batches of this many lines.
+_BATCH = 1024
+
+
+def _chunk_encoder() -> Callable[[Any, int], Iterable[str]]:
+    """``f(record, 0)``: the compact JSON of ``record`` as a list of str chunks.
+
+    Made once and called directly, the C encoder that json.dumps uses internally costs about
+    half of what JSONEncoder.encode does (which rebuilds it on every call).
+    """
+    base = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False)
+    c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+    if c_make_encoder is None:
+        return lambda record, _level: (base.encode(record),)
+    return c_make_encoder(None, base.default, json.encoder.encode_basestring, None, ":", ",", False, False, True)
+
+
+def _is_live(file: BinaryIO) -> bool:
+    """True when someone may be reading as we write: a pipe, a socket or a terminal."""
+    try:
+        fd = file.fileno()
+        mode = os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(fd)
+
+
+class Writer:
+    """Write records to one output; use as a context manager or call ``close()``.
+
+    Leaving the ``with`` block through an exception aborts: a file being written atomically is
+    discarded and the previous file (if any) stays as it was.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        file: BinaryIO,
+        *,
+        per_record: bool,
+        compress: bool,
+        owns_file: bool,
+        rename: tuple[str, str] | None = None,
+    ):
+        self.name = name
+        #: Flush after every record (pipes, terminals, ``unbuffered=True``).
+        self.per_record = per_record
+        self._file = file
+        self._owns_file = owns_file
+        #: (temp file, final name) when the output is written atomically
+        self._rename = rename
+        self._zstd = zstandard.ZstdCompressor().compressobj() if compress else None
+        self._pending: list[str] = []
+        self._closed = False
+        self._chunks = _chunk_encoder()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._closed:
+            raise ValueError(f"{self.name}: write to a closed stream")
+        pending = self._pending
+        pending.append("".join(self._chunks(record, 0)))
+        if self.per_record or len(pending) >= _BATCH:
+            self._drain()
+
+    def write_many(self, records: Iterable[dict[str, Any]]) -> None:
+        if self._closed:
+            raise ValueError(f"{self.name}: write to a closed stream")
+        if self.per_record:
+            for record in records:
+                self.write(record)
+            return
+        # Encoding happens in C as each record is pulled, so a producer that reuses one dict
+        # for every record still gets each version written.
+        lines = map("".join, map(self._chunks, records, itertools.repeat(0)))
+        pending = self._pending
+        while batch := list(itertools.islice(lines, _BATCH - len(pending))):
+            pending += batch
+            if len(pending) >= _BATCH:
+                self._drain()
+
+    def _drain(self) -> None:
+        """Write out the pending lines; in per-record mode also push them to the reader."""
+        pending = self._pending
+        pending.append("")
+        # Lone surrogates (from "\udXXX" escapes in the input) cannot be UTF-8; "backslashreplace"
+        # writes them back as the same JSON escape, since they can only occur inside strings.
+        data = "\n".join(pending).encode("utf-8", "backslashreplace")
+        pending.clear()
+        try:
+            if self._zstd is not None:
+                data = self._zstd.compress(data)
+                if self.per_record:
+                    data += self._zstd.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+            self._file.write(data)
+            if self.per_record:
+                self._file.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StreamError(f"{self.name}: write failed: {e.strerror}", ExitCode.IO_ERROR, path=self.name) from e
+
+    def close(self) -> None:
+        """Finish the output: flush, end the zstd frame, rename the temp file into place."""
+        if self._closed:
+            return
+        try:
+            try:
+                if self._pending:
+                    self._drain()
+                if self._zstd is not None:
+                    self._file.write(self._zstd.flush())
+                self._file.flush()
+                if self._owns_file:
+                    self._file.close()
+                if self._rename is not None:
+                    os.replace(*self._rename)
+            except BrokenPipeError:
+                raise
+            except OSError as e:
+                raise StreamError(f"{self.name}: write failed: {e.strerror}", ExitCode.IO_ERROR, path=self.name) from e
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+
+    def abort(self) -> None:
+        """Stop without finishing: discard a temp file; what already reached a pipe stays there."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        if self._owns_file:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+        if self._rename is not None:
+            atomic.discard(self._rename[0])
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        return f"<Writer {self.name!r} per_record={self.per_record}>"
+
+
+def open_output(path: str | os.PathLike[str], *, unbuffered: bool | None = None) -> Writer:
+    """Open an output stream.
+
+    ``"-"`` is stdout; a name ending in ``.zst`` is zstd-compressed; a regular file is written
+    to a temp file and renamed into place on ``close()``; an existing non-regular file (a FIFO,
+    a terminal, /dev/null) is written in place. ``unbuffered`` forces (True) or forbids (False)
+    a flush after every record; by default it happens exactly when the output is a pipe, a
+    socket or a terminal. ``unbuffered=True`` also writes a regular file in place, so that
+    ``tail -f`` can follow it.
+    """
+    name = os.fspath(path)
+    if name == STDIO:
+        stdout = sys.stdout.buffer
+        live = unbuffered if unbuffered is not None else _is_live(stdout)
+        return Writer("<stdout>", stdout, per_record=live, compress=False, owns_file=False)
+
+    compress = name.endswith(".zst")
+    rename = None
+    try:
+        try:
+            regular = stat.S_ISREG(os.stat(name).st_mode)
+        except FileNotFoundError:
+            regular = True
+        # A file written with per-record flushes is meant to be followed (tail -f) while it
+        # grows, so it is written in place; otherwise it appears only once complete.
+        if unbuffered or not regular:
+            file: BinaryIO = open(name, "wb")  # noqa: SIM115 (the Writer owns it)
+        else:
+            target = os.path.realpath(name)
+            temp, fd = atomic.create_temp(target)
+            rename = (temp, target)
+            file = open(fd, "wb")  # noqa: SIM115
+    except OSError as e:
+        raise StreamError(
+            f"{name}: cannot write: {e.strerror}",
+            ExitCode.PERMISSION if isinstance(e, PermissionError) else ExitCode.IO_ERROR,
+            path=name,
+        ) from e
+    live = unbuffered if unbuffered is not None else _is_live(file)
+    return Writer(name, file, per_record=live, compress=compress, owns_file=True, rename=rename)
