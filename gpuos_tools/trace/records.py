@@ -1,0 +1,49 @@
+"""The record types `gpu-trace` writes, and small helpers for reading them.
+
+Every record is one JSON object with a ``type``. Addresses, handles and sizes are JSON integers
+(device pointers fit in 64 bits; Python and jq read them exactly). Times are nanoseconds of
+CLOCK_MONOTONIC in ``ts``; ``tid`` is the native thread id of the caller.
+
+header       schema, tool, version, host, pid, argv, gpus [{index, uuid, name, memory}],
+             driver (version string), cuda (driver API version int), images (side directory)
+alloc        id, api, addr, size, kind (device|pitch|managed|async|pool|host|vmm), stream?
+free         id (null when the address was never seen allocated), api, addr, size?, stream?
+launch       seq, api, func, kernel (mangled), name (demangled), grid [x,y,z], block [x,y,z],
+             smem, stream, layout (cuFuncGetParamInfo|cuKernelGetParamInfo|nv.info|none),
+             params [{offset, size, hex}], module? (content hash of the image it came from),
+             result? (the CUresult, only when the launch failed),
+             dptrs? [[param index, offset, "device"|"unified"], ...]: with --check-pointers, the
+             argument words the driver itself says are device pointers (ground truth)
+memcpy       api, dir (HtoD|DtoH|DtoD|HtoH|default|peer), dst, src, bytes, stream?, async
+memset       api, dst, bytes (total), value, elem (1|2|4), stream?, async
+module       id, hash ("sha256:<hex>"), size, file (path relative to the images directory),
+             format (cubin|fatbin|ptx|unknown), kernels [mangled names, from the ELF symbols]
+library      api (cuModuleLoadData, cuLibraryLoadData...), format, size; hash and file for PTX
+             (cubins reach the trace as module records once the driver loads them)
+stream       stream (handle), event ("create"|"destroy")
+graph_launch graph (handle of the executable graph), stream
+error        source, message (a problem inside the tracer; the trace goes on)
+exit         code (the program's exit status), signal?, complete (the tracer said goodbye),
+             records {type: count}, wall_s
+
+A launch's argument bytes are in ``params[i].hex``; `pointer_words` yields every 8-byte-aligned
+word of them, which is where device pointers (raw or inside by-value structs such as CuPy's array
+struct) are found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+TRACE_TYPES = frozenset(
+    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "stream", "graph_launch", "exit"}
+)
+
+
+def pointer_words(launch: dict[str, Any]) -> Iterator[tuple[int, int, int]]:
+    """Yield (param index, byte offset within the param, value) for each aligned 8-byte word."""
+    for i, p in enumerate(launch.get("params") or ()):
+        raw = bytes.fromhex(p.get("hex", ""))
+        for off in range(0, len(raw) - 7, 8):
+            yield i, off, int.from_bytes(raw[off : off + 8], "little")
