@@ -5,7 +5,9 @@ Every record is one JSON object with a ``type``. Addresses, handles and sizes ar
 CLOCK_MONOTONIC in ``ts``; ``tid`` is the native thread id of the caller.
 
 header       schema, tool, version, host, pid, argv, gpus [{index, uuid, name, memory}],
-             driver (version string), cuda (driver API version int), images (side directory)
+             driver (version string), cuda (driver API version int), python, cupti, backend
+             (native|python), images (side directory of module images: relative to the trace
+             file's directory, absolute when the trace went to stdout; null with --no-images)
 alloc        id, api, addr, size, kind (device|pitch|managed|async|pool|host|vmm), stream?
 free         id (null when the address was never seen allocated), api, addr, size?, stream?
 launch       seq, api, func, kernel (mangled), name (demangled), grid [x,y,z], block [x,y,z],

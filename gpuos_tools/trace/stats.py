@@ -236,19 +236,35 @@ def _on_launch(stats: Stats, rec: dict[str, Any]) -> None:
     if rec.get("layout") == "none":
         k.layout_none += 1
         stats.layout_none += 1
-    hull = stats.table.hull
-    if hull is None:
-        return
-    low, high = hull[0] - ADDRESS_MARGIN, hull[1] + ADDRESS_MARGIN
     found = 0
-    for param, offset, value in pointer_words(rec):
-        if low <= value < high and stats.table.resolve(value) is None:
+    for param, offset, value in _pointer_candidates(stats, rec):
+        if stats.table.resolve(value) is None:
             found += 1
             if k.example is None:
                 k.example = (param, offset, value)
     if found:
         k.unknown_ptrs += found
         k.unknown_ptr_launches += 1
+
+
+def _pointer_candidates(stats: Stats, rec: dict[str, Any]) -> Iterator[tuple[int, int, int]]:
+    """Argument words that are device pointers: exactly the driver's ``dptrs`` when the trace was
+    recorded with --check-pointers, otherwise every word near recorded allocations (a guess:
+    uninitialised bytes of by-value structs can look like addresses)."""
+    dptrs = rec.get("dptrs")
+    if dptrs is not None:
+        params = rec.get("params") or ()
+        for param, offset, _memtype in dptrs:
+            raw = bytes.fromhex(params[param]["hex"])[offset : offset + 8]
+            yield param, offset, int.from_bytes(raw, "little")
+        return
+    hull = stats.table.hull
+    if hull is None:
+        return
+    low, high = hull[0] - ADDRESS_MARGIN, hull[1] + ADDRESS_MARGIN
+    for param, offset, value in pointer_words(rec):
+        if low <= value < high:
+            yield param, offset, value
 
 
 def _on_memcpy(stats: Stats, rec: dict[str, Any]) -> None:

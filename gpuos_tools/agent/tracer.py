@@ -1,0 +1,611 @@
+"""The in-process tracer: CUPTI driver-API and resource callbacks through cupti-python.
+
+Runs inside the traced program (started by the bootstrap in ``boot/sitecustomize.py``). Design
+for a short launch path:
+
+- subscribe only to the driver-API callbacks that matter; runtime API calls (PyTorch's
+  ``cudaLaunchKernel``, ``cudaMalloc``) reach the driver and are seen there, once;
+- read CUPTI's structs and the API parameter structs straight from process memory with
+  ``struct.unpack_from`` over one memoryview of the address space (no ctypes object per read);
+- learn each function's parameter layout once (``cuFuncGetParamInfo``/``cuKernelGetParamInfo``,
+  ``.nv.info`` of the loaded cubin as a fallback) and cache it by handle;
+- append a plain tuple to a deque; a drain thread ships batches to ``gpu-trace`` over a pipe,
+  which does all decoding, hashing, demangling and JSON off the program's path.
+
+Launches, allocations, copies and memsets are recorded at the callback's exit site, after the
+driver returned: the result code is known, allocated addresses exist, and a module loaded lazily
+by the launch has already been reported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import struct
+import sys
+import threading
+import time
+from collections import deque
+
+from gpuos_tools.agent import native, wire
+
+# One memoryview over the user address space (x86-64 and aarch64 user space is below 2**47).
+_MEM = memoryview((ctypes.c_char * (1 << 47)).from_address(0)).cast("B")
+
+# CUpti_CallbackData: callbackSite u32 @0, functionName @8, functionParams @16,
+# functionReturnValue @24 (points at the CUresult)
+_CBDATA = struct.Struct("<I4xQQQ").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+_ENTER, _EXIT = 0, 1
+
+# Parameter structs of the driver APIs (cupti's generated_cuda_meta.h); see wire.py for tags.
+_LAUNCH = struct.Struct("<Q7I4xQQQ").unpack_from  # f, grid, block, smem, stream, params, extra
+_LAUNCH_COOP = struct.Struct("<Q7I4xQQ").unpack_from  # no `extra`
+_LAUNCH_EX = struct.Struct("<QQQQ").unpack_from  # config*, f, params, extra
+_LAUNCH_CONFIG = struct.Struct("<7I4xQ").unpack_from  # grid, block, smem, stream
+_Q2 = struct.Struct("<QQ").unpack_from
+_Q3 = struct.Struct("<QQQ").unpack_from
+_Q4 = struct.Struct("<QQQQ").unpack_from
+_Q5 = struct.Struct("<QQQQQ").unpack_from
+_Q6 = struct.Struct("<QQQQQQ").unpack_from
+# CUDA_MEMCPY2D (v2, size_t fields)
+_MEMCPY2D = struct.Struct("<QQI4xQQQQQQI4xQQQQQQ").unpack_from
+_MEMTYPE_DIR = {(1, 2): "HtoD", (2, 1): "DtoH", (2, 2): "DtoD", (1, 1): "HtoH"}
+# CUpti_ResourceData: context @0, resourceHandle.stream @8, resourceDescriptor @16
+# CUpti_ModuleResourceData: moduleId u32 @0, cubinSize @8, pCubin @16
+_MODULE = struct.Struct("<I4xQQ").unpack_from
+
+_Q: deque = deque()
+_append = _Q.append
+_now = time.monotonic_ns
+_tid = threading.get_native_id
+
+# func handle -> (n params, struct for the kernelParams array, sizes, offsets) or None
+_layouts: dict[int, tuple | None] = {}
+_cubins: list[bytes] = []  # loaded module images, for the .nv.info fallback
+_counters = {"callbacks": 0, "errors": 0}
+_errors_seen: set[str] = set()
+
+
+def _result(rp: int) -> int:
+    return _U32(_MEM, rp)[0] if rp else 0
+
+
+# ---------------------------------------------------------------- parameter layouts
+
+def _param_info(func: int) -> tuple[tuple | None, str]:
+    """(((offset, size), ...), source) from the driver; (None, "none") if it cannot tell."""
+    from cuda.bindings import driver as drv
+
+    ok = drv.CUresult.CUDA_SUCCESS
+    bad_index = drv.CUresult.CUDA_ERROR_INVALID_VALUE
+    for getter, wrap, source in (
+        (drv.cuFuncGetParamInfo, drv.CUfunction, "cuFuncGetParamInfo"),
+        (drv.cuKernelGetParamInfo, drv.CUkernel, "cuKernelGetParamInfo"),
+    ):
+        handle = wrap(func)
+        out = []
+        while True:
+            err, offset, size = getter(handle, len(out))
+            if err != ok:
+                break
+            out.append((int(offset), int(size)))
+        # past the last parameter the driver answers INVALID_VALUE; other errors: wrong handle kind
+        if err == bad_index:
+            return tuple(out), source
+    return None, "none"
+
+
+def _nvinfo_layout(name: str) -> tuple | None:
+    from gpuos_tools.cuda import elf
+
+    for image in reversed(_cubins):
+        try:
+            if name in elf.kernels(image):
+                return tuple((off, size) for _, off, size in elf.param_layout(image, name))
+        except Exception:  # a malformed image must not break the program
+            continue
+    return None
+
+
+def _learn(func: int, cbdata) -> tuple | None:
+    name = cbdata.symbol_name or ""
+    layout, source = _param_info(func)
+    if layout is None and name:
+        layout = _nvinfo_layout(name)
+        source = "nv.info" if layout is not None else "none"
+    _append((wire.FUNC, func, name, source, layout))
+    if layout is None:
+        entry = None
+    else:
+        n = len(layout)
+        entry = (
+            n,
+            struct.Struct(f"<{n}Q").unpack_from,
+            tuple(s for _, s in layout),
+            tuple(o for o, _ in layout),
+        )
+    _layouts[func] = entry
+    return entry
+
+
+def _args(entry: tuple | None, kp: int, extra: int) -> bytes | None:
+    if entry is None:
+        return None
+    n, unpack_ptrs, sizes, offsets = entry
+    if n == 0:
+        return b""
+    mem = _MEM
+    if kp:
+        ptrs = unpack_ptrs(mem, kp)
+        return b"".join([mem[a : a + s] for a, s in zip(ptrs, sizes)])
+    if extra:  # CU_LAUNCH_PARAM_BUFFER_POINTER (1) / _SIZE (2) ... _END (0)
+        buf = 0
+        i = extra
+        while True:
+            key, val = _Q2(mem, i)
+            if key == 0:
+                break
+            if key == 1:
+                buf = val
+            i += 16
+        if buf:
+            return b"".join([mem[buf + o : buf + o + s] for o, s in zip(offsets, sizes)])
+    return None
+
+
+# ---------------------------------------------------------------- launches
+
+def _emit_launch(item: tuple, entry: tuple | None) -> None:
+    _append(item)
+
+
+def _emit_launch_checked(item: tuple, entry: tuple | None) -> None:
+    """--check-pointers: ask the driver which argument words are device pointers (slow, exact).
+
+    Appends ((param index, byte offset, CUmemorytype), ...) to the launch tuple: the ground
+    truth that tests and gpu-predict-access validate the allocation table against.
+    """
+    from cuda.bindings import driver as drv
+
+    args = item[13]
+    found = []
+    if entry is not None and args:
+        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+        ok = drv.CUresult.CUDA_SUCCESS
+        pos = 0
+        for index, size in enumerate(entry[2]):
+            for off in range(0, size - 7, 8):
+                word = int.from_bytes(args[pos + off : pos + off + 8], "little")
+                if 0x10000 <= word < (1 << 57):
+                    err, memtype = drv.cuPointerGetAttribute(attr, word)
+                    if err == ok and int(memtype) in (2, 4):  # CU_MEMORYTYPE_DEVICE / _UNIFIED
+                        found.append((index, off, int(memtype)))
+            pos += size
+    _append(item + (tuple(found),))
+
+
+# ---------------------------------------------------------------- handlers (cbid, cbdata)
+
+def _launch(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site == _ENTER:
+        return
+    f, gx, gy, gz, bx, by, bz, smem, stream, kp, extra = _LAUNCH(_MEM, pp)
+    entry = _layouts.get(f, False)
+    if entry is False:
+        entry = _learn(f, cbdata)
+    _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
+                  _args(entry, kp, extra), _result(rp)), entry)
+
+
+def _launch_coop(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site == _ENTER:
+        return
+    f, gx, gy, gz, bx, by, bz, smem, stream, kp = _LAUNCH_COOP(_MEM, pp)
+    entry = _layouts.get(f, False)
+    if entry is False:
+        entry = _learn(f, cbdata)
+    _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
+                  _args(entry, kp, 0), _result(rp)), entry)
+
+
+def _launch_ex(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site == _ENTER:
+        return
+    cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
+    gx, gy, gz, bx, by, bz, smem, stream = _LAUNCH_CONFIG(_MEM, cfg)
+    entry = _layouts.get(f, False)
+    if entry is False:
+        entry = _learn(f, cbdata)
+    _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
+                  _args(entry, kp, extra), _result(rp)), entry)
+
+
+def _graph_launch(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site == _EXIT and _result(rp) == 0:
+        graph, stream = _Q2(_MEM, pp)
+        _append((wire.GRAPH, _now(), _tid(), cbid, graph, stream))
+
+
+def _alloc_handler(kind: str, unpack, size_of, stream_of):
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        fields = unpack(_MEM, pp)
+        addr = _U64(_MEM, fields[0])[0]
+        _append((wire.ALLOC, _now(), _tid(), cbid, addr, size_of(fields), kind, stream_of(fields)))
+
+    return handler
+
+
+def _map_handler(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site == _EXIT and not _result(rp):
+        ptr, size, _off, _handle, _flags = _Q5(_MEM, pp)
+        _append((wire.ALLOC, _now(), _tid(), cbid, ptr, size, "vmm", 0))
+
+
+def _free_handler(unpack, size_of, stream_of):
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        fields = unpack(_MEM, pp)
+        _append((wire.FREE, _now(), _tid(), cbid, fields[0], size_of(fields), stream_of(fields)))
+
+    return handler
+
+
+def _copy_handler(direction: str, order: str, with_stream: bool):
+    """order "ds": params start (dst, src, n); "peer": (dst, dctx, src, sctx, n)."""
+    unpack = {("ds", False): _Q3, ("ds", True): _Q4, ("peer", False): _Q5, ("peer", True): _Q6}[
+        (order, with_stream)
+    ]
+
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        f = unpack(_MEM, pp)
+        if order == "ds":
+            dst, src, n = f[0], f[1], f[2]
+        else:
+            dst, src, n = f[0], f[2], f[4]
+        stream = f[-1] if with_stream else 0
+        _append((wire.COPY, _now(), _tid(), cbid, direction, dst, src, n, stream, with_stream, None))
+
+    return handler
+
+
+def _copy2d_handler(with_stream: bool):
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        pcopy, stream = _Q2(_MEM, pp) if with_stream else (_U64(_MEM, pp)[0], 0)
+        (sx, sy, stype, shost, sdev, _sarr, spitch,
+         dx, dy, dtype, dhost, ddev, _darr, dpitch, width, height) = _MEMCPY2D(_MEM, pcopy)
+        src = (shost if stype == 1 else sdev) + sy * spitch + sx
+        dst = (dhost if dtype == 1 else ddev) + dy * dpitch + dx
+        direction = _MEMTYPE_DIR.get((stype, dtype), "default")
+        _append((wire.COPY, _now(), _tid(), cbid, direction, dst, src, width * height, stream,
+                 with_stream, (width, height, spitch, dpitch)))
+
+    return handler
+
+
+def _memset_handler(elem: int, two_d: bool, with_stream: bool):
+    mask = (1 << (8 * elem)) - 1
+
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        if two_d:  # dst, pitch, value, width, height[, stream]
+            f = _Q6(_MEM, pp) if with_stream else _Q5(_MEM, pp)
+            dst, value, nbytes = f[0], f[2] & mask, f[3] * f[4] * elem
+            stream = f[5] if with_stream else 0
+        else:  # dst, value, n[, stream]
+            f = _Q4(_MEM, pp) if with_stream else _Q3(_MEM, pp)
+            dst, value, nbytes = f[0], f[1] & mask, f[2] * elem
+            stream = f[3] if with_stream else 0
+        _append((wire.SET, _now(), _tid(), cbid, dst, nbytes, value, elem, stream, with_stream))
+
+    return handler
+
+
+def _image_at(ptr: int) -> tuple[str, bytes | None, int]:
+    """(format, bytes for PTX, size) of a module image handed to a load call."""
+    mem = _MEM
+    magic = _U32(mem, ptr)[0]
+    if magic == 0x464C457F:  # ELF: section headers end the file
+        shoff = _U64(mem, ptr + 0x28)[0]
+        shentsize, shnum = struct.unpack_from("<HH", mem, ptr + 0x3A)
+        return "cubin", None, shoff + shentsize * shnum
+    if magic == 0xBA55ED50:
+        (hsize,) = struct.unpack_from("<H", mem, ptr + 6)  # u32 magic, u16 version, u16 header size
+        return "fatbin", None, hsize + _U64(mem, ptr + 8)[0]  # u64 payload size
+    if magic == 0x466243B1:  # __fatBinC_Wrapper_t {magic, version, data*, ...}
+        return _image_at(_U64(mem, ptr + 8)[0])
+    text = ctypes.string_at(ptr)
+    if text.lstrip()[:1] in (b"/", b".") and b".version" in text[:4096]:
+        return "ptx", text, len(text)
+    return "unknown", None, 0
+
+
+def _library_load(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site == _ENTER or _result(rp):
+        return
+    image = _Q2(_MEM, pp)[1]  # (CUmodule*/CUlibrary*, image, ...)
+    fmt, ptx, size = _image_at(image) if image else ("unknown", None, 0)
+    _append((wire.LIBRARY, _now(), _tid(), cbid, fmt, size, ptx))
+
+
+def _resource(cbid: int, cbdata) -> None:
+    ptr = cbdata.ptr
+    if cbid == 6:  # MODULE_LOADED
+        desc = _U64(_MEM, ptr + 16)[0]
+        module_id, size, image = _MODULE(_MEM, desc)
+        data = bytes(_MEM[image : image + size]) if image and size else b""
+        if data[:4] == b"\x7fELF":
+            _cubins.append(data)
+        _append((wire.MODULE, _now(), _tid(), module_id, data))
+    elif cbid in (3, 4):  # STREAM_CREATED / STREAM_DESTROY_STARTING
+        stream = _U64(_MEM, ptr + 8)[0]
+        _append((wire.STREAM, _now(), _tid(), stream, "create" if cbid == 3 else "destroy"))
+
+
+# ---------------------------------------------------------------- the API table
+
+_Z = lambda f: 0  # noqa: E731 - a field that the API does not have
+_F = lambda f: f[1]  # noqa: E731 - size is the second field
+_FREE1 = lambda m, p: (_U64(m, p)[0],)  # noqa: E731
+_NOSIZE = lambda f: -1  # noqa: E731
+
+
+def _copy(direction: str, peer: bool, with_stream: bool):
+    return (_copy_handler(direction, "peer" if peer else "ds", with_stream),
+            native.copy_kind(direction, peer, with_stream))
+
+
+def _set(elem: int, two_d: bool, with_stream: bool):
+    return _memset_handler(elem, two_d, with_stream), native.set_kind(elem, two_d, with_stream)
+
+
+# API base name -> (Python handler, native handler kind)
+_DRIVER_APIS: dict[str, tuple[object, int]] = {
+    "cuLaunchKernel": (_launch, native.KIND_LAUNCH),
+    "cuLaunchKernelEx": (_launch_ex, native.KIND_LAUNCH_EX),
+    "cuLaunchCooperativeKernel": (_launch_coop, native.KIND_LAUNCH_COOP),
+    "cuGraphLaunch": (_graph_launch, native.KIND_GRAPH),
+    "cuMemAlloc_v2": (_alloc_handler("device", _Q2, _F, _Z), native.KIND_ALLOC + 0),
+    "cuMemAllocPitch_v2": (_alloc_handler("pitch", _Q4, lambda f: _U64(_MEM, f[1])[0] * f[3], _Z),
+                           native.KIND_ALLOC + 1),
+    "cuMemAllocManaged": (_alloc_handler("managed", _Q2, _F, _Z), native.KIND_ALLOC + 2),
+    "cuMemAllocAsync": (_alloc_handler("async", _Q3, _F, lambda f: f[2]), native.KIND_ALLOC + 3),
+    "cuMemAllocFromPoolAsync": (_alloc_handler("pool", _Q4, _F, lambda f: f[3]), native.KIND_ALLOC + 4),
+    "cuMemAllocHost_v2": (_alloc_handler("host", _Q2, _F, _Z), native.KIND_ALLOC + 5),
+    "cuMemHostAlloc": (_alloc_handler("host", _Q2, _F, _Z), native.KIND_ALLOC + 5),
+    "cuMemMap": (_map_handler, native.KIND_MAP),
+    "cuMemFree_v2": (_free_handler(_FREE1, _NOSIZE, _Z), native.KIND_FREE),
+    "cuMemFreeAsync": (_free_handler(_Q2, _NOSIZE, lambda f: f[1]), native.KIND_FREE_ASYNC),
+    "cuMemFreeHost": (_free_handler(_FREE1, _NOSIZE, _Z), native.KIND_FREE_HOST),
+    "cuMemUnmap": (_free_handler(_Q2, _F, _Z), native.KIND_UNMAP),
+    "cuMemcpy": _copy("default", False, False),
+    "cuMemcpyAsync": _copy("default", False, True),
+    "cuMemcpyHtoD_v2": _copy("HtoD", False, False),
+    "cuMemcpyDtoH_v2": _copy("DtoH", False, False),
+    "cuMemcpyDtoD_v2": _copy("DtoD", False, False),
+    "cuMemcpyHtoDAsync_v2": _copy("HtoD", False, True),
+    "cuMemcpyDtoHAsync_v2": _copy("DtoH", False, True),
+    "cuMemcpyDtoDAsync_v2": _copy("DtoD", False, True),
+    "cuMemcpyPeer": _copy("peer", True, False),
+    "cuMemcpyPeerAsync": _copy("peer", True, True),
+    "cuMemcpy2D_v2": (_copy2d_handler(False), native.KIND_COPY2D),
+    "cuMemcpy2DUnaligned_v2": (_copy2d_handler(False), native.KIND_COPY2D),
+    "cuMemcpy2DAsync_v2": (_copy2d_handler(True), native.KIND_COPY2D_ASYNC),
+    "cuMemsetD8_v2": _set(1, False, False),
+    "cuMemsetD16_v2": _set(2, False, False),
+    "cuMemsetD32_v2": _set(4, False, False),
+    "cuMemsetD8Async": _set(1, False, True),
+    "cuMemsetD16Async": _set(2, False, True),
+    "cuMemsetD32Async": _set(4, False, True),
+    "cuMemsetD2D8_v2": _set(1, True, False),
+    "cuMemsetD2D16_v2": _set(2, True, False),
+    "cuMemsetD2D32_v2": _set(4, True, False),
+    "cuMemsetD2D8Async": _set(1, True, True),
+    "cuMemsetD2D16Async": _set(2, True, True),
+    "cuMemsetD2D32Async": _set(4, True, True),
+    "cuModuleLoadData": (_library_load, native.KIND_LIBRARY),
+    "cuModuleLoadDataEx": (_library_load, native.KIND_LIBRARY),
+    "cuLibraryLoadData": (_library_load, native.KIND_LIBRARY),
+}
+_VARIANTS = ("", "_ptsz", "_ptds")
+
+
+def driver_table(cbid_enum) -> dict[int, tuple[str, object, int]]:
+    """cbid -> (API name, Python handler, native kind) for every traced API this CUPTI knows."""
+    table = {}
+    for base, (handler, kind) in _DRIVER_APIS.items():
+        for suffix in _VARIANTS:
+            member = getattr(cbid_enum, base + suffix, None)
+            if member is not None:
+                table[int(member)] = (base + suffix, handler, kind)
+    return table
+
+
+# ---------------------------------------------------------------- lifecycle
+
+class Tracer:
+    """The Python path: cupti-python calls ``callback`` for every enabled API, enter and exit."""
+
+    backend = "python"
+
+    def __init__(self, fd: int, flush_interval: float = 0.02):
+        from cupti import cupti
+
+        self.cupti = cupti
+        self.fd = fd
+        self.flush_interval = flush_interval
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.table = driver_table(cupti.driver_api_trace_cbid)
+        self.subscriber = None
+        self.thread = None
+
+    def hello(self) -> tuple:
+        return (
+            wire.HELLO, os.getpid(), sys.version.split()[0], _cupti_version(),
+            {cbid: name for cbid, (name, _, _) in self.table.items()},
+            {3: "stream_created", 4: "stream_destroy", 6: "module_loaded"},
+            self.backend,
+        )
+
+    def start(self) -> None:
+        cupti = self.cupti
+        driver = {cbid: handler for cbid, (_, handler, _) in self.table.items()}
+        driver_domain = int(cupti.CallbackDomain.DRIVER_API)
+        resource_domain = int(cupti.CallbackDomain.RESOURCE)
+        counters = _counters
+
+        def callback(userdata, domain, cbid, cbdata):
+            try:
+                if domain == driver_domain:
+                    driver[cbid](cbid, cbdata)
+                elif domain == resource_domain:
+                    _resource(cbid, cbdata)
+            except Exception as exc:  # never let the tracer break the program
+                counters["errors"] += 1
+                key = f"{type(exc).__name__}: {exc}"
+                if key not in _errors_seen:
+                    _errors_seen.add(key)
+                    _append((wire.ERROR, _now(), f"callback {domain}/{cbid}: {key}"))
+
+        _append(self.hello())
+        self.subscriber = cupti.subscribe(callback, None)
+        for cbid in driver:
+            cupti.enable_callback(1, self.subscriber, cupti.CallbackDomain.DRIVER_API, cbid)
+        for cbid in (3, 4, 6):
+            cupti.enable_callback(1, self.subscriber, cupti.CallbackDomain.RESOURCE, cbid)
+        self.thread = threading.Thread(target=self._drain_loop, name="gpuos-trace-drain", daemon=True)
+        self.thread.start()
+        atexit.register(self.shutdown)
+        os.register_at_fork(after_in_child=self._forked)
+
+    def flush(self) -> None:
+        with self.lock:
+            items = []
+            pop = _Q.popleft
+            try:
+                while True:
+                    items.append(pop())
+            except IndexError:
+                pass
+            if items and self.fd >= 0:
+                wire.write_all(self.fd, wire.encode_frame(items))
+
+    def _drain_loop(self) -> None:
+        while not self.stop.wait(self.flush_interval):
+            try:
+                self.flush()
+            except OSError:  # gpu-trace went away: stop tracing, keep the program running
+                self._disable()
+                return
+
+    def shutdown(self) -> None:
+        """At interpreter exit (our atexit handler runs after the frameworks' own)."""
+        self.stop.set()
+        try:
+            self.cupti.unsubscribe(self.subscriber)
+        except Exception:
+            pass
+        _append((wire.END, _now(), dict(_counters, functions=len(_layouts))))
+        try:
+            self.flush()
+        except OSError:
+            pass
+        self._close()
+
+    def _disable(self) -> None:
+        try:
+            self.cupti.unsubscribe(self.subscriber)
+        except Exception:
+            pass
+        self._close()
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+    def _forked(self) -> None:
+        # A forked child must not write into the parent's trace, nor keep its pipe open.
+        _Q.clear()
+        self._close()
+
+
+class NativeTracer(Tracer):
+    """The native path: csrc/gpuos_trace.c is the CUPTI subscriber and ships binary records itself.
+
+    cupti-python still loads libcupti and names the callback ids; Python writes HELLO and END.
+    """
+
+    backend = "native"
+
+    def __init__(self, fd: int, flush_interval: float, library: str, check_pointers: bool):
+        super().__init__(fd, flush_interval)
+        kinds = {cbid: kind for cbid, (_, _, kind) in self.table.items()}
+        self.session = native.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
+
+    def start(self) -> None:
+        wire.write_all(self.fd, wire.encode_frame([self.hello()]))
+        self.session.start()
+        atexit.register(self.shutdown)
+        os.register_at_fork(after_in_child=self._close)
+
+    def shutdown(self) -> None:
+        counters = self.session.stop()
+        try:
+            wire.write_all(self.fd, wire.encode_frame([(wire.END, _now(), counters)]))
+        except OSError:
+            pass
+        self._close()
+
+
+def _cupti_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("cupti-python")
+    except Exception:
+        return "unknown"
+
+
+_tracer: Tracer | None = None
+
+
+def start(fd: int) -> Tracer:
+    """Start tracing into ``fd``, as the environment set by `gpu-trace run` says."""
+    global _tracer, _emit_launch
+    check = os.environ.pop("GPUOS_TRACE_CHECK_POINTERS", "0") == "1"
+    flush_ms = float(os.environ.pop("GPUOS_TRACE_FLUSH_MS", "20"))
+    library = os.environ.pop("GPUOS_TRACE_NATIVE", "")
+    if library:
+        _tracer = NativeTracer(fd, flush_ms / 1000.0, library, check)
+    else:
+        if check:
+            _emit_launch = _emit_launch_checked
+        _tracer = Tracer(fd, flush_ms / 1000.0)
+    _tracer.start()
+    return _tracer

@@ -1,0 +1,113 @@
+"""gpu-trace: run an unmodified Python program and stream its GPU allocations, launches and copies."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpuos_tools.cli import run_app, stderr_console
+
+app = typer.Typer(
+    name="gpu-trace",
+    help=(
+        "Run an unmodified Python program (CuPy, PyTorch, Numba...) with an in-process CUPTI tracer "
+        "and stream its allocations, kernel launches (arguments decoded), copies, memsets, module "
+        "loads and streams as gpuos NDJSON records; summarise a recorded trace."
+    ),
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    no_args_is_help=True,
+)
+def run(
+    program: list[str] = typer.Argument(..., metavar="-- PROGRAM [ARGS]...", help="The Python program and its arguments."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Trace file ('-' = stdout; *.zst is compressed)."),
+    images: Optional[Path] = typer.Option(
+        None, "--images", metavar="DIR",
+        help="Directory for module images (cubin/PTX, by content hash). Default: FILE's name with "
+        ".images, or ./gpu-trace-images when writing to stdout; $GPUOS_IMAGES overrides.",
+    ),
+    no_images: bool = typer.Option(False, "--no-images", help="Record module hashes but do not store the images."),
+    flush_ms: float = typer.Option(20.0, "--flush-ms", min=1.0, help="How often the tracer ships records (milliseconds)."),
+    unbuffered: bool = typer.Option(False, "--unbuffered", "-u", help="Flush every record even to a regular file."),
+    backend: str = typer.Option(
+        "auto", "--backend", metavar="auto|native|python",
+        help="Callback path: native (C, built once with the system compiler; fastest), python "
+        "(cupti-python callbacks), or auto (native when it builds).",
+    ),
+    check_pointers: bool = typer.Option(
+        False, "--check-pointers",
+        help="Ask the driver which argument words are device pointers and record them as 'dptrs' "
+        "(exact, slow: for validating traces and predictions).",
+    ),
+) -> None:
+    """Run PROGRAM with the tracer injected; exit with the program's own exit status.
+
+    Only the started process is traced (not programs it starts). Module images go to a side
+    directory by content hash, never inline.
+    """
+    from gpuos_tools.stream import open_output
+    from gpuos_tools.trace.run import default_images_dir, describe, trace_program
+
+    if backend not in ("auto", "native", "python"):
+        raise typer.BadParameter("must be auto, native or python", param_hint="--backend")
+    images_dir = None if no_images else (images or default_images_dir(output))
+    with open_output(output, unbuffered=unbuffered or None) as writer:
+        summary = trace_program(
+            program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers,
+            backend=backend, warn=lambda m: print(f"gpu-trace: warning: {m}", file=sys.stderr),
+            output_path=output,
+        )
+    if sys.stderr.isatty():
+        stderr_console().print(f"gpu-trace: {describe(summary)}", highlight=False)
+    for message in summary.errors[:10]:
+        print(f"gpu-trace: warning: {message}", file=sys.stderr)
+    raise typer.Exit(summary.code)
+
+
+@app.command()
+def stats(
+    trace: str = typer.Argument("-", metavar="[TRACE]", help="A gpu-trace stream ('-' = stdin, *.zst ok)."),
+    json_out: bool = typer.Option(False, "--json", help="JSON records even on a terminal."),
+    top: int = typer.Option(20, "--top", min=1, help="How many kernels to list."),
+) -> None:
+    """Per-kernel launch counts, copies, allocation peak and timeline, unknown pointer arguments.
+
+    Draws tables when stdout is a terminal, writes stats_* JSON records otherwise. Needs no GPU.
+    """
+    from rich.console import Console
+
+    from gpuos_tools.stream import make_header, open_input, open_output
+    from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
+
+    with open_input(trace) as reader:
+        result = compute_stats(reader)
+    if json_out or not sys.stdout.isatty():
+        with open_output("-") as writer:
+            writer.write(make_header("gpu-trace stats", source=trace))
+            kernels = 0
+            for rec in stats_records(result):
+                if rec["type"] == "stats_kernel":
+                    kernels += 1
+                    if kernels > top:
+                        continue
+                writer.write(rec)
+    else:
+        render_stats(result, Console(), top=top)
+
+
+def main() -> None:
+    run_app(app, prog="gpu-trace")
+
+
+if __name__ == "__main__":
+    main()

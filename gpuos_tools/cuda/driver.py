@@ -1,0 +1,72 @@
+"""Driver helpers through cuda-python: is there a usable driver, and which GPUs does it show."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuos_tools.errors import ExitCode, GpuosError
+
+
+@dataclass
+class DriverInfo:
+    version: int  #: CUDA driver API version, e.g. 13000
+    gpus: list[dict] = field(default_factory=list)  #: [{index, uuid, name, memory}]
+    release: str | None = None  #: driver release from NVML, e.g. "580.159.04"
+
+    @property
+    def version_string(self) -> str:
+        return f"{self.version // 1000}.{self.version % 1000 // 10}"
+
+
+def _uuid_string(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def probe_driver() -> DriverInfo:
+    """Initialise the driver (no context is created) and list the GPUs, or raise NO_DRIVER."""
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError as exc:
+        raise GpuosError(
+            f"cuda-python is not installed ({exc}); install the CUDA extra: pip install 'gpuos-tools[cuda]'",
+            ExitCode.NO_DRIVER,
+        ) from exc
+    try:
+        (err,) = drv.cuInit(0)
+    except Exception as exc:  # cuda-python raises (DynamicLibNotFoundError) without libcuda.so.1
+        raise GpuosError(f"no NVIDIA driver: {exc}", ExitCode.NO_DRIVER) from exc
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise GpuosError(f"no usable NVIDIA GPU: cuInit failed with {err.name}", ExitCode.NO_DRIVER)
+    err, version = drv.cuDriverGetVersion()
+    err, count = drv.cuDeviceGetCount()
+    if err != drv.CUresult.CUDA_SUCCESS or count == 0:
+        raise GpuosError("the NVIDIA driver sees no GPU", ExitCode.NO_DRIVER)
+    gpus = []
+    for index in range(count):
+        _, dev = drv.cuDeviceGet(index)
+        _, name = drv.cuDeviceGetName(256, dev)
+        _, uuid = drv.cuDeviceGetUuid(dev)
+        _, memory = drv.cuDeviceTotalMem(dev)
+        gpus.append({
+            "index": index,
+            "uuid": _uuid_string(bytes(uuid.bytes)),
+            "name": name.split(b"\0", 1)[0].decode(errors="replace"),
+            "memory": int(memory),
+        })
+    return DriverInfo(version=int(version), gpus=gpus, release=_nvml_driver_release())
+
+
+def _nvml_driver_release() -> str | None:
+    """The driver's release string (580.159.04) from NVML, when nvidia-ml-py is there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            release = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return release.decode() if isinstance(release, bytes) else str(release)
+    except Exception:
+        return None
