@@ -292,6 +292,16 @@ def stream_page() -> str:
 
 
 #: Every generated page: (name, section, renderer). Files are man/<name>.<section>.
+def gpu_trace_page() -> str:
+    """gpu-trace(1), from the typer app in gpuos_tools/commands/trace.py."""
+    import typer
+
+    from gpuos_tools.commands import trace
+
+    return render_man(typer.main.get_command(trace.app), "gpu-trace", 1, trace.MAN_SECTIONS)
+
+
 PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpuos-stream", 7, stream_page),
+    ("gpu-trace", 1, gpu_trace_page),
 ]
