@@ -219,3 +219,19 @@ def test_missing_cupti_in_program_is_reported(tmp_path):
     assert proc.returncode == 70, proc.stderr
     assert "tracer could not start" in proc.stderr and "cupti" in proc.stderr.lower()
     assert not (tmp_path / "t.ndjson").exists(), "a failed trace leaves no file behind"
+
+
+def test_a_reader_that_leaves_early_ends_gpu_trace_quietly_and_the_program_still_finishes(tmp_path):
+    """`gpu-trace run ... | head -3`: exit 0, no traceback, and the program runs to its end."""
+    done = tmp_path / "done"
+    prog = (f"import cupy\nx = cupy.zeros(1024)\nfor _ in range(20000):\n    x += 1\n"
+            f"assert float(x[0]) == 20000\nopen({str(done)!r}, 'w').write('ok')\n")
+    cmd = (f"set -o pipefail; {sys.executable} -m gpuos_tools.commands.trace run -- "
+           f"{sys.executable} -c \"$PROG\" | head -3")
+    env = os.environ.copy()
+    env["PROG"] = prog
+    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == 3 and '"type":"header"' in proc.stdout.splitlines()[0]
+    assert "Traceback" not in proc.stderr
+    assert done.read_text() == "ok"
