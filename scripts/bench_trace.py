@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "scripts" / "bench_trace_workload.py"
+CPUS: set[int] = set()  # every run on the same cores (--cpus), so runs differ by the tracer only
 
 
 def run_workload(mode: str, iters: int, trace: Path | None, backend: str = "native") -> tuple[dict, int | None]:
@@ -30,7 +31,8 @@ def run_workload(mode: str, iters: int, trace: Path | None, backend: str = "nati
     if trace is not None:
         cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--backend", backend,
                "--no-images", "-o", str(trace), "--", *cmd]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, CPUS)) if CPUS else None)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -103,7 +105,11 @@ def main() -> None:
     ap.add_argument("--cupy-iters", type=int, default=20000)
     ap.add_argument("--torch-iters", type=int, default=300)
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--cpus", default="2-5", help="cores for every run, e.g. 2-5 ('' = no pinning)")
     args = ap.parse_args()
+    if args.cpus:
+        lo, _, hi = args.cpus.partition("-")
+        CPUS.update(range(int(lo), int(hi or lo) + 1))
     with tempfile.TemporaryDirectory() as d:
         results = [
             *bench("cupy", args.cupy_iters, args.reps, Path(d)),
@@ -111,7 +117,8 @@ def main() -> None:
             *bench("torch", args.torch_iters, args.reps, Path(d)),
         ]
     doc = {"benchmark": "bench_trace", "date": time.strftime("%Y-%m-%d"), "gpu": gpu_name(),
-           "host": platform.node(), "python": platform.python_version(), "results": results}
+           "host": platform.node(), "python": platform.python_version(), "cpus": sorted(CPUS),
+           "command": " ".join(sys.argv), "results": results}
     print(f"{'workload':<12} {'tracer':<8} {'launch/it':>9} {'untraced us/launch':>19} {'overhead us/launch':>19}")
     for r in results:
         print(f"{r['workload']:<12} {r['tracer']:<8} {r['launches_per_iter']:>9.1f} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -141,7 +142,9 @@ def test_stats_on_a_missing_file():
 def test_stats_draws_tables_on_a_terminal():
     example = ROOT / "examples" / "torch-train-step.ndjson.zst"
     cmd = f"{sys.executable} {ROOT / 'cmd' / 'gpu-trace'} stats {example}"
-    proc = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "NO_COLOR": "1", "COLUMNS": "160", "TERM": "dumb"})
+    env = {"PATH": "/usr/bin:/bin", "NO_COLOR": "1", "COLUMNS": "160", "TERM": "dumb"}
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    proc = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stdout
     assert "stats_summary" not in proc.stdout and "launches" in proc.stdout

@@ -189,41 +189,31 @@ def _emit_launch_checked(item: tuple, entry: tuple | None) -> None:
 
 # ---------------------------------------------------------------- handlers (cbid, cbdata)
 
-def _launch(cbid: int, cbdata) -> None:
-    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
-    if site == _ENTER:
-        return
-    f, gx, gy, gz, bx, by, bz, smem, stream, kp, extra = _LAUNCH(_MEM, pp)
+def _launch_record(cbid, cbdata, rp, f, gx, gy, gz, bx, by, bz, smem, stream, kp, extra) -> None:
     entry = _layouts.get(f, False)
     if entry is False:
         entry = _learn(f, cbdata)
     _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
                   _args(entry, kp, extra), _result(rp)), entry)
+
+
+def _launch(cbid: int, cbdata) -> None:
+    site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+    if site != _ENTER:
+        _launch_record(cbid, cbdata, rp, *_LAUNCH(_MEM, pp))
 
 
 def _launch_coop(cbid: int, cbdata) -> None:
     site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
-    if site == _ENTER:
-        return
-    f, gx, gy, gz, bx, by, bz, smem, stream, kp = _LAUNCH_COOP(_MEM, pp)
-    entry = _layouts.get(f, False)
-    if entry is False:
-        entry = _learn(f, cbdata)
-    _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
-                  _args(entry, kp, 0), _result(rp)), entry)
+    if site != _ENTER:
+        _launch_record(cbid, cbdata, rp, *_LAUNCH_COOP(_MEM, pp), 0)
 
 
 def _launch_ex(cbid: int, cbdata) -> None:
     site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
-    if site == _ENTER:
-        return
-    cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
-    gx, gy, gz, bx, by, bz, smem, stream = _LAUNCH_CONFIG(_MEM, cfg)
-    entry = _layouts.get(f, False)
-    if entry is False:
-        entry = _learn(f, cbdata)
-    _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
-                  _args(entry, kp, extra), _result(rp)), entry)
+    if site != _ENTER:
+        cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
+        _launch_record(cbid, cbdata, rp, f, *_LAUNCH_CONFIG(_MEM, cfg), kp, extra)
 
 
 def _graph_launch(cbid: int, cbdata) -> None:
