@@ -41,10 +41,16 @@ def run_workload(mode: str, iters: int, trace: Path | None, backend: str = "nati
         sys.path.insert(0, str(ROOT))
         from gpuos_tools.stream import open_input
 
+        launches = 0
         with open_input(str(trace)) as reader:
-            launches = sum(
-                1 for r in reader if r["type"] == "launch" and result["t0"] <= r["ts"] <= result["t1"]
-            )
+            for r in reader:
+                if r["type"] == "launch" and result["t0"] <= r["ts"] <= result["t1"]:
+                    launches += 1
+                elif r["type"] == "exit":
+                    tracer = r.get("tracer") or {}
+                    if tracer.get("callback_ns") is not None and tracer.get("callbacks"):
+                        # the native tracer's own time per recorded call (whole run)
+                        result["callback_ns_mean"] = tracer["callback_ns"] / tracer["callbacks"]
     return result, launches
 
 
@@ -57,6 +63,7 @@ def bench(mode: str, iters: int, reps: int, tmp: Path) -> list[dict]:
     variants = ["native", "python"] if mode != "cupy-floor" else ["floor"]
     untraced: list[float] = []
     traced: dict[str, list[float]] = {v: [] for v in variants}
+    in_callback: dict[str, list[float]] = {v: [] for v in variants}
     lpi: list[float] = []
     for rep in range(reps):
         base, _ = run_workload("cupy" if mode == "cupy-floor" else mode, iters, None)
@@ -70,6 +77,8 @@ def bench(mode: str, iters: int, reps: int, tmp: Path) -> list[dict]:
                 res, launches = run_workload(mode, iters, tmp / f"{mode}-{v}-{rep}.ndjson", backend=v)
                 lpi.append(launches / iters)
             traced[v].append(per_iter_us(res))
+            if "callback_ns_mean" in res:
+                in_callback[v].append(res["callback_ns_mean"] / 1000.0)
             line += f", {v} {traced[v][-1]:.2f}"
         print(line + f" us/iter, {lpi[-1]:.1f} launches/iter", file=sys.stderr, flush=True)
     launches_per_iter = statistics.median(lpi)
@@ -87,6 +96,8 @@ def bench(mode: str, iters: int, reps: int, tmp: Path) -> list[dict]:
             "untraced_us_per_launch": statistics.median(untraced) / launches_per_iter,
             "overhead_us_per_launch_median": statistics.median(overheads),
             "overhead_us_per_launch_all": overheads,
+            # the native callback's own time per recorded call, timed inside the program
+            "in_callback_us_mean": statistics.median(in_callback[v]) if in_callback[v] else None,
         })
     return out
 
@@ -119,10 +130,12 @@ def main() -> None:
     doc = {"benchmark": "bench_trace", "date": time.strftime("%Y-%m-%d"), "gpu": gpu_name(),
            "host": platform.node(), "python": platform.python_version(), "cpus": sorted(CPUS),
            "command": " ".join(sys.argv), "results": results}
-    print(f"{'workload':<12} {'tracer':<8} {'launch/it':>9} {'untraced us/launch':>19} {'overhead us/launch':>19}")
+    print(f"{'workload':<12} {'tracer':<8} {'launch/it':>9} {'untraced us/launch':>19} "
+          f"{'overhead us/launch':>19} {'in callback us':>15}")
     for r in results:
+        inside = "-" if r["in_callback_us_mean"] is None else f"{r['in_callback_us_mean']:.3f}"
         print(f"{r['workload']:<12} {r['tracer']:<8} {r['launches_per_iter']:>9.1f} "
-              f"{r['untraced_us_per_launch']:>19.2f} {r['overhead_us_per_launch_median']:>19.2f}")
+              f"{r['untraced_us_per_launch']:>19.2f} {r['overhead_us_per_launch_median']:>19.2f} {inside:>15}")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
 

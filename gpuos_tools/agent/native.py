@@ -112,9 +112,10 @@ class NativeSession:
             raise RuntimeError(f"native tracer: {steps.get(rc, rc)} failed")
 
     def stop(self) -> dict[str, int]:
-        counters = (ctypes.c_uint64 * 3)()
+        counters = (ctypes.c_uint64 * 4)()
         self.lib.gpuos_trace_stop(counters)
-        return {"callbacks": counters[0], "errors": counters[1], "functions": counters[2]}
+        return {"callbacks": counters[0], "errors": counters[1], "functions": counters[2],
+                "callback_ns": counters[3]}
 
 
 # ---------------------------------------------------------------- parsing (in gpu-trace)

@@ -26,7 +26,8 @@ stream       stream (handle), event ("create"|"destroy")
 graph_launch graph (handle of the executable graph), stream
 error        source, message (a problem inside the tracer; the trace goes on)
 exit         code (the program's exit status), signal?, complete (the tracer said goodbye),
-             records {type: count}, wall_s
+             records {type: count}, wall_s, tracer? {callbacks, errors, functions, and on the
+             native path callback_ns: time spent in the tracer's callbacks}
 
 A launch's argument bytes are in ``params[i].hex``; `pointer_words` yields every 8-byte-aligned
 word of them, which is where device pointers (raw or inside by-value structs such as CuPy's array

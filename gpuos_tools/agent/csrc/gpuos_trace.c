@@ -78,7 +78,7 @@ static pthread_t writer_thread;
 static pthread_mutex_t lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP; /* a driver call made while recording may call back */
 static char *buf;
 static size_t buf_len, buf_cap;
-static uint64_t n_callbacks, n_errors, n_functions;
+static uint64_t n_callbacks, n_errors, n_functions, ns_in_callbacks;
 
 static __thread uint32_t my_tid;
 
@@ -395,9 +395,11 @@ static void callback(void *userdata, int domain, uint32_t cbid, const void *data
     if (domain == DOMAIN_DRIVER) {
         const cb_data_t *cb = (const cb_data_t *)data;
         if (cb->site == SITE_ENTER || cbid >= MAX_CBID || !kind_of[cbid]) return;
+        uint64_t t0 = now_ns(); /* our own time on the program's path, reported at the end */
         pthread_mutex_lock(&lock);
         n_callbacks++;
         on_driver(cbid, cb);
+        ns_in_callbacks += now_ns() - t0;
         pthread_mutex_unlock(&lock);
     } else if (domain == DOMAIN_RESOURCE) {
         pthread_mutex_lock(&lock);
@@ -487,8 +489,9 @@ int gpuos_trace_start(int fd, const char *cupti_path, const uint32_t *kinds, int
     return 0;
 }
 
-/* Unsubscribe, stop the writer, ship what is left. counters: callbacks, errors, functions. */
-void gpuos_trace_stop(uint64_t counters[3]) {
+/* Unsubscribe, stop the writer, ship what is left.
+   counters: callbacks, errors, functions, nanoseconds spent in driver-API callbacks. */
+void gpuos_trace_stop(uint64_t counters[4]) {
     if (__atomic_exchange_n(&running, 0, __ATOMIC_ACQ_REL)) {
         p_unsubscribe(subscriber);
         pthread_join(writer_thread, NULL);
@@ -497,4 +500,5 @@ void gpuos_trace_stop(uint64_t counters[3]) {
     counters[0] = n_callbacks;
     counters[1] = n_errors;
     counters[2] = n_functions;
+    counters[3] = ns_in_callbacks;
 }
