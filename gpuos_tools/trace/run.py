@@ -158,8 +158,9 @@ def trace_program(
                     writer.write(rec)
         except wire.TruncatedWire as exc:
             truncated = str(exc)
-        except BrokenPipeError:
-            # the reader of our output left (`| head`): stop tracing, let the program finish
+        except Exception:
+            # e.g. the reader of our output left (`| head`, BrokenPipeError) or the disk is full:
+            # closing the pipe stops the tracer inside; the program itself runs to its end
             os.close(read_fd)
             read_fd = -1
             proc.wait()
