@@ -235,3 +235,33 @@ def test_a_reader_that_leaves_early_ends_gpu_trace_quietly_and_the_program_still
     assert len(proc.stdout.splitlines()) == 3 and '"type":"header"' in proc.stdout.splitlines()[0]
     assert "Traceback" not in proc.stderr
     assert done.read_text() == "ok"
+
+
+@BACKENDS
+def test_less_common_driver_paths(tmp_path, backend):
+    records, report, _ = traced(tmp_path, "apis_prog.py", "apis", backend)
+    check_common(records)
+    by_type: dict[str, list] = {}
+    for rec in records:
+        by_type.setdefault(rec["type"], []).append(rec)
+
+    coop = [r for r in by_type["launch"] if r["kernel"] == "coop_sum"]
+    assert coop and coop[0]["api"].startswith("cuLaunchCooperativeKernel")
+    assert int.from_bytes(bytes.fromhex(coop[0]["params"][0]["hex"]), "little") == report["coop_out"]
+
+    allocs = {r["addr"]: r for r in by_type["alloc"]}
+    assert allocs[report["async_ptr"]]["kind"] in ("async", "pool")
+    assert any(r["addr"] == report["async_ptr"] and r["api"].startswith("cuMemFreeAsync") for r in by_type["free"])
+    assert allocs[report["managed_ptr"]]["kind"] == "managed"
+    assert any(a["kind"] == "host" and a["addr"] <= report["pinned_ptr"] < a["addr"] + a["size"]
+               for a in by_type["alloc"])
+
+    copy2d = [r for r in by_type["memcpy"] if "width" in r]
+    assert copy2d and copy2d[0]["dir"] == "DtoH" and (copy2d[0]["width"], copy2d[0]["height"]) == (8, 16)
+    assert copy2d[0]["bytes"] == 128 and copy2d[0]["src_pitch"] == 64 and copy2d[0]["dst_pitch"] == 8
+    assert any(r["dst"] == report["memset_dst"] and r["bytes"] == 4096 and r["value"] in (7, 0x0707, 0x07070707)
+               for r in by_type["memset"])
+
+    graphs = by_type.get("graph_launch", [])
+    assert len(graphs) == report["graph_replays"]
+    assert len({g["graph"] for g in graphs}) == 1
