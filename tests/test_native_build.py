@@ -29,13 +29,13 @@ def test_launch_and_function_records_parse():
     layout = [(0, 8), (8, 4)]
     func = struct.pack("<QIII4x", 0xF00, 1, 2, 5) + b"".join(struct.pack("<II", o, s) for o, s in layout) + b"_Z1kv"
     args = (0x7F0000001000).to_bytes(8, "little") + (3).to_bytes(4, "little")
-    launch = struct.pack("<Q7IIQII", 0xF00, 2, 1, 1, 64, 1, 1, 0, 0, 0x10, len(args), 1) + args
+    launch = struct.pack("<Q7IIQIII4x", 0xF00, 2, 1, 1, 64, 1, 1, 0, 0, 0x10, len(args), 1, 1) + args
     launch += struct.pack("<III", 0, 0, 2)
     data = _record(2, 0, func) + _record(1, 307, launch)
     f, l = native.parse_records(data, check_pointers=True)
     assert f == (wire.FUNC, 0xF00, "_Z1kv", "cuFuncGetParamInfo", ((0, 8), (8, 4)))
     assert l[:4] == (wire.LAUNCH, 1000, 77, 307)
-    assert l[13] == args and l[15] == ((0, 0, 2),)
+    assert l[13] == args and l[15] is True and l[16] == ((0, 0, 2),)
 
 
 def test_a_record_running_past_its_frame_is_an_error():

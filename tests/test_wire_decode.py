@@ -39,7 +39,7 @@ def test_launch_parameters_are_sliced_by_layout(tmp_path):
         (wire.HELLO, 42, "3.12", "13.0.1", {307: "cuLaunchKernel", 20: "cuMemAlloc_v2", 21: "cuMemFree_v2"}, {}),
         (wire.ALLOC, 10, 7, 20, ptr, 1 << 20, "device", 0),
         (wire.FUNC, 0xABC, "_Z3addPfi", "cuFuncGetParamInfo", ((0, 8), (8, 4), (16, 24))),
-        (wire.LAUNCH, 11, 7, 307, 0xABC, 4, 1, 1, 128, 1, 1, 0, 0, args, 0),
+        (wire.LAUNCH, 11, 7, 307, 0xABC, 4, 1, 1, 128, 1, 1, 0, 0, args, 0, False),
         (wire.FREE, 12, 7, 21, ptr, -1, 0),
         (wire.END, 13, {"callbacks": 3}),
     ]))
@@ -50,14 +50,16 @@ def test_launch_parameters_are_sliced_by_layout(tmp_path):
     assert int.from_bytes(bytes.fromhex(launch["params"][0]["hex"]), "little") == ptr
     assert launch["params"][2]["hex"] == bytes(range(24)).hex()
     assert free["id"] == 1 and "size" not in free
+    assert "captured" not in launch and "dptrs" not in launch
     assert dec.end == {"callbacks": 3}
 
 
 def test_a_launch_without_layout_says_so(tmp_path):
     dec = Decoder(None)
     list(dec.feed([(wire.FUNC, 1, "k", "none", None)]))
-    (launch,) = dec.feed([(wire.LAUNCH, 1, 1, 307, 1, 1, 1, 1, 1, 1, 1, 0, 0, None, 0)])
+    (launch,) = dec.feed([(wire.LAUNCH, 1, 1, 307, 1, 1, 1, 1, 1, 1, 1, 0, 0, None, 0, True)])
     assert launch["layout"] == "none" and launch["params"] == []
+    assert launch["captured"] is True
 
 
 def test_module_images_are_stored_once_by_hash(tmp_path):

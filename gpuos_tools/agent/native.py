@@ -121,7 +121,7 @@ class NativeSession:
 # ---------------------------------------------------------------- parsing (in gpu-trace)
 
 _HDR = struct.Struct("<HHIQII")  # tag, pad, length, ts, tid, cbid
-_LAUNCH = struct.Struct("<Q7IIQII")  # func, grid+block+smem, result, stream, args_len, ndptrs
+_LAUNCH = struct.Struct("<Q7IIQIII4x")  # func, grid+block+smem, result, stream, args_len, ndptrs, flags
 _FUNC = struct.Struct("<QIII4x")
 _U64 = {n: struct.Struct(f"<{n}Q") for n in (2, 3, 4, 6, 10)}
 _SOURCES = ("none", "cuFuncGetParamInfo", "cuKernelGetParamInfo")
@@ -141,10 +141,11 @@ def parse_records(data: bytes, check_pointers: bool = False) -> list[tuple]:
             raise ValueError(f"native record at byte {pos} runs past its frame")
         body = pos + _HDR.size
         if tag == 1:
-            func, gx, gy, gz, bx, by, bz, smem, result, stream, args_len, ndp = _LAUNCH.unpack_from(data, body)
+            func, gx, gy, gz, bx, by, bz, smem, result, stream, args_len, ndp, flags = _LAUNCH.unpack_from(data, body)
             a = body + _LAUNCH.size
             args = None if args_len == _NO_ARGS else data[a : a + args_len]
-            item = (wire.LAUNCH, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result)
+            item = (wire.LAUNCH, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result,
+                    bool(flags & 1))
             if check_pointers:
                 d = a + (0 if args is None else args_len)
                 flat = struct.unpack_from(f"<{3 * ndp}I", data, d)

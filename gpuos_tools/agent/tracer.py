@@ -189,12 +189,20 @@ def _emit_launch_checked(item: tuple, entry: tuple | None) -> None:
 
 # ---------------------------------------------------------------- handlers (cbid, cbdata)
 
+def _capturing(stream: int) -> bool:
+    """A launch into a stream being captured only adds a node to a graph; it does not run."""
+    from cuda.bindings import driver as drv
+
+    err, status = drv.cuStreamIsCapturing(drv.CUstream(stream))
+    return err == drv.CUresult.CUDA_SUCCESS and int(status) != 0
+
+
 def _launch_record(cbid, cbdata, rp, f, gx, gy, gz, bx, by, bz, smem, stream, kp, extra) -> None:
     entry = _layouts.get(f, False)
     if entry is False:
         entry = _learn(f, cbdata)
     _emit_launch((wire.LAUNCH, _now(), _tid(), cbid, f, gx, gy, gz, bx, by, bz, smem, stream,
-                  _args(entry, kp, extra), _result(rp)), entry)
+                  _args(entry, kp, extra), _result(rp), _capturing(stream)), entry)
 
 
 def _launch(cbid: int, cbdata) -> None:

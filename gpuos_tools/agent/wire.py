@@ -9,7 +9,8 @@ come from the same installed package, so marshal's version coupling is not a con
 Tuple layouts (first element is the tag):
 
 HELLO   (0, pid, python, cupti_version, {cbid: api name}, {resource cbid: name}, backend)
-LAUNCH  (1, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result[, dptrs])
+LAUNCH  (1, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result, captured[, dptrs])
+        captured: the stream was being captured into a graph, so the kernel did not run
         dptrs (only with --check-pointers): ((param index, offset, CUmemorytype), ...)
 FUNC    (2, func, mangled name, layout source, ((offset, size), ...) or None)
 ALLOC   (3, ts, tid, cbid, addr, size, kind, stream)

@@ -57,7 +57,7 @@ class Decoder:
         self.funcs[func] = {"name": name, "source": source, "layout": layout}
 
     def _launch(self, item: tuple) -> dict[str, Any]:
-        _, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result = item[:15]
+        _, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result, captured = item[:16]
         info = self.funcs.get(func, {"name": "", "source": "none", "layout": None})
         name = info["name"]
         params = []
@@ -79,8 +79,10 @@ class Decoder:
             rec["module"] = module
         if result:
             rec["result"] = result
-        if len(item) > 15:
-            rec["dptrs"] = [[i, off, _MEMTYPES.get(t, t)] for i, off, t in item[15]]
+        if captured:
+            rec["captured"] = True
+        if len(item) > 16:
+            rec["dptrs"] = [[i, off, _MEMTYPES.get(t, t)] for i, off, t in item[16]]
         return rec
 
     def _alloc(self, item: tuple) -> dict[str, Any]:

@@ -13,7 +13,9 @@ free         id (null when the address was never seen allocated), api, addr, siz
 launch       seq, api, func, kernel (mangled), name (demangled), grid [x,y,z], block [x,y,z],
              smem, stream, layout (cuFuncGetParamInfo|cuKernelGetParamInfo|nv.info|none),
              params [{offset, size, hex}], module? (content hash of the image it came from),
-             result? (the CUresult, only when the launch failed),
+             result? (the CUresult, only when the launch failed), captured? (true when the
+             stream was being captured into a CUDA graph: the kernel did not run then; it runs
+             with each graph_launch of that graph),
              dptrs? [[param index, offset, "device"|"unified"], ...]: with --check-pointers, the
              argument words the driver itself says are device pointers (ground truth)
 memcpy       api, dir (HtoD|DtoH|DtoD|HtoH|default|peer), dst, src, bytes, stream?, async

@@ -123,6 +123,7 @@ class Stats:
     libraries: int = 0
     errors: int = 0
     failed_launches: int = 0
+    captured_launches: int = 0
     exit: dict[str, Any] | None = None
 
     @property
@@ -225,6 +226,10 @@ def _on_launch(stats: Stats, rec: dict[str, Any]) -> None:
     if rec.get("result"):
         # The driver refused the launch: no kernel ran and no argument was used.
         stats.failed_launches += 1
+        return
+    if rec.get("captured"):
+        # recorded into a CUDA graph while the stream was captured: runs with each graph_launch
+        stats.captured_launches += 1
         return
     mangled = rec.get("kernel")
     name = rec.get("name") or (demangle(mangled) if mangled else "<unknown>")
@@ -341,6 +346,7 @@ def stats_records(stats: Stats) -> Iterator[dict[str, Any]]:
         "launches": stats.launches,
         "graph_launches": stats.graph_launches,
         "failed_launches": stats.failed_launches,
+        "captured_launches": stats.captured_launches,
         "kernels": len(stats.kernels),
         "layout_none": stats.layout_none,
         "unknown_ptrs": stats.unknown_ptrs,
@@ -441,6 +447,8 @@ def render_stats(stats: Stats, console: Console, top: int = 20) -> None:
     summary.add_row("graph launches", f"{stats.graph_launches:,}")
     if stats.failed_launches:
         summary.add_row("failed launches", f"{stats.failed_launches:,}")
+    if stats.captured_launches:
+        summary.add_row("launches captured into graphs", f"{stats.captured_launches:,}")
     summary.add_row("launches with unknown layout", f"{stats.layout_none:,}")
     summary.add_row("modules", f"{stats.modules:,} (+{stats.libraries:,} library loads)")
     summary.add_row("streams", f"{len(stats.streams):,}")

@@ -262,6 +262,9 @@ def test_less_common_driver_paths(tmp_path, backend):
     assert any(r["dst"] == report["memset_dst"] and r["bytes"] == 4096 and r["value"] in (7, 0x0707, 0x07070707)
                for r in by_type["memset"])
 
+    captured = [r for r in by_type["launch"] if r.get("captured")]
+    assert captured, "the launches made while torch.cuda.graph() captured are marked"
+    assert not [r for r in coop if r.get("captured")]
     graphs = by_type.get("graph_launch", [])
     assert len(graphs) == report["graph_replays"]
     assert len({g["graph"] for g in graphs}) == 1

@@ -45,6 +45,7 @@ typedef int (*enable_t)(uint32_t, void *, int, uint32_t);
 typedef int (*unsubscribe_t)(void *);
 typedef int (*param_info_t)(void *, size_t, size_t *, size_t *);
 typedef int (*pointer_attr_t)(void *, int, uint64_t);
+typedef int (*is_capturing_t)(void *, int *);
 
 enum { DOMAIN_DRIVER = 1, DOMAIN_RESOURCE = 3 };
 enum { SITE_ENTER = 0 };
@@ -73,6 +74,7 @@ static enable_t p_enable;
 static unsubscribe_t p_unsubscribe;
 static param_info_t p_func_param_info, p_kernel_param_info;
 static pointer_attr_t p_pointer_attr;
+static is_capturing_t p_is_capturing;
 static int out_fd = -1, check_pointers, flush_us = 20000, running;
 static pthread_t writer_thread;
 static pthread_mutex_t lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP; /* a driver call made while recording may call back */
@@ -189,7 +191,8 @@ static inline layout_t *layout_of(void *func, const char *name) {
 }
 
 /* LAUNCH: u64 func, u32 grid[3], u32 block[3], u32 smem, u32 result, u64 stream,
-   u32 args_len (0xffffffff: unknown), u32 ndptrs, args, ndptrs x (u32 index, u32 offset, u32 type) */
+   u32 args_len (0xffffffff: unknown), u32 ndptrs, u32 flags (1: captured into a graph, not run),
+   u32 pad, args, ndptrs x (u32 index, u32 offset, u32 type) */
 static void launch(uint32_t cbid, const cb_data_t *cb, void *func, const uint32_t dims[7],
                    uint64_t stream, void **kp, void **extra) {
     layout_t *l = layout_of(func, cb->symbol_name);
@@ -203,7 +206,7 @@ static void launch(uint32_t cbid, const cb_data_t *cb, void *func, const uint32_
     }
     uint32_t dp[64][3];
     uint32_t ndp = 0;
-    size_t body = 56 + (have ? args_len : 0);
+    size_t body = 64 + (have ? args_len : 0);
     char *p = begin(R_LAUNCH, cbid, body);
     if (!p) return;
     uint64_t f = (uint64_t)(uintptr_t)func;
@@ -213,7 +216,12 @@ static void launch(uint32_t cbid, const cb_data_t *cb, void *func, const uint32_
     memcpy(p + 36, &result, 4);
     memcpy(p + 40, &stream, 8);
     memcpy(p + 48, &args_len, 4);
-    char *a = p + 56;
+    int capture = 0; /* a launch into a stream being captured only adds a node to a graph */
+    uint32_t flags = p_is_capturing && p_is_capturing((void *)(uintptr_t)stream, &capture) == 0 && capture;
+    uint32_t pad = 0;
+    memcpy(p + 56, &flags, 4);
+    memcpy(p + 60, &pad, 4);
+    char *a = p + 64;
     if (have) {
         for (uint32_t i = 0; i < l->n; i++) {
             const char *src = kp ? (const char *)kp[i] : packed + l->offsets[i];
@@ -469,6 +477,7 @@ int gpuos_trace_start(int fd, const char *cupti_path, const uint32_t *kinds, int
     p_func_param_info = (param_info_t)dlsym(cuda, "cuFuncGetParamInfo");
     p_kernel_param_info = (param_info_t)dlsym(cuda, "cuKernelGetParamInfo");
     p_pointer_attr = (pointer_attr_t)dlsym(cuda, "cuPointerGetAttribute");
+    p_is_capturing = (is_capturing_t)dlsym(cuda, "cuStreamIsCapturing");
     if (!p_subscribe || !p_enable || !p_unsubscribe) return -3;
     out_fd = fd;
     check_pointers = check;
