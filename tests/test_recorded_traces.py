@@ -18,7 +18,8 @@ from gpuos_tools.trace.allocs import AllocTable
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "recorded"
-TRACES = ["cupy.ndjson.zst", "cupy-python.ndjson.zst", "torch.ndjson.zst", "torch-python.ndjson.zst"]
+TRACES = ["cupy.ndjson.zst", "cupy-python.ndjson.zst", "torch.ndjson.zst", "torch-python.ndjson.zst",
+          "apis.ndjson.zst"]
 
 
 def load(name: str) -> list[dict]:
@@ -88,6 +89,18 @@ def test_torch_allocator_segments_are_live_at_exit():
             live.pop(rec["addr"], None)
     for addr, size in report["segments"]:
         assert live[addr] == size
+
+
+def test_stats_separates_graph_capture_from_executed_launches():
+    from gpuos_tools.trace.stats import compute_stats, stats_records
+
+    summary = next(stats_records(compute_stats(load("apis.ndjson.zst"))))
+    records = load("apis.ndjson.zst")
+    launches = [r for r in records if r["type"] == "launch"]
+    captured = [r for r in launches if r.get("captured")]
+    assert captured and summary["captured_launches"] == len(captured)
+    assert summary["launches"] == len(launches) - len(captured)
+    assert summary["graph_launches"] == 2
 
 
 def stats(*args: str, **kw) -> subprocess.CompletedProcess:
