@@ -26,6 +26,15 @@ class ExitCode(enum.IntEnum):
     PERMISSION = 73
     IO_ERROR = 74
     SOFTWARE = 75
+    NO_SUCH_PROCESS = 76
+    NOT_CUDA_PROCESS = 77
+    DRIVER_TOO_OLD = 78
+    WRONG_STATE = 79
+    LOCK_TIMEOUT = 80
+    BAD_GPU = 81
+    CRIU_UNUSABLE = 82
+    CRIU_FAILED = 83
+    NOT_CHECKPOINTABLE = 84
     INTERRUPTED = 130
 
 
@@ -46,6 +55,15 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.PERMISSION: "not allowed (file or process)",
     ExitCode.IO_ERROR: "writing output failed",
     ExitCode.SOFTWARE: "internal error (a bug in gpuos-tools)",
+    ExitCode.NO_SUCH_PROCESS: "no process with that PID (or it exited, or its PID was reused)",
+    ExitCode.NOT_CUDA_PROCESS: "the process does not use CUDA (it maps no libcuda, or the driver knows no CUDA state for it)",
+    ExitCode.DRIVER_TOO_OLD: "the NVIDIA driver has no checkpoint API (cuCheckpointProcess*) or does not support it here",
+    ExitCode.WRONG_STATE: "the process is in the wrong checkpoint state for the action (e.g. already checkpointed, or running when asked to restore)",
+    ExitCode.LOCK_TIMEOUT: "the process could not be locked within the timeout; it was left running",
+    ExitCode.BAD_GPU: "the GPU to restore onto was not found or is not compatible (other chip, too little free memory, incomplete device map)",
+    ExitCode.CRIU_UNUSABLE: "CRIU is needed but missing, older than 4, or failing `criu check`; nothing was touched",
+    ExitCode.CRIU_FAILED: "`criu dump` or `criu restore` failed (its log is named in the message)",
+    ExitCode.NOT_CHECKPOINTABLE: "the driver could not checkpoint or restore the process (managed memory, IPC, MPS, MIG...)",
     ExitCode.INTERRUPTED: "interrupted (SIGINT)",
 }
 

@@ -1,0 +1,11 @@
+"""Checkpoint and restore of GPU processes.
+
+- ``procs``: what /proc says about a process (owner, command line, start time, libcuda mapped).
+- ``driver``: the driver path — lock, checkpoint, restore, unlock of any CUDA process through
+  the NVIDIA driver checkpoint API (cuda-python), with every error path leaving the process
+  running or in a documented, restorable state.
+- ``registry``: what gpu-ckpt remembers about the processes it checkpointed (their GPUs, bytes).
+- ``criu``: full-process images through CRIU >= 4 (``criu dump`` / ``criu restore``).
+- ``profile``: TOML profiles that select processes for a maintenance run, and their state files.
+- ``records``: the stream records these write.
+"""

@@ -1,0 +1,84 @@
+"""The records gpu-ckpt and gpu-restore write, and the sink that writes them after a header.
+
+RECORDS = '''
+header         tool, action, pid or profile; once the driver was reached also
+               driver {cuda, release} and gpus [{index, uuid, name, memory}]
+ckpt_process   pid, user, command, starttime, state (before anything is done);
+               when checkpointing also gpus [{index, uuid, name, memory}] and
+               bytes: the process's GPU memory as NVML shows it (null: unknown)
+ckpt_step      pid, step (lock, checkpoint, restore, unlock, criu_dump,
+               criu_restore), ok, state_before, state_after, duration_s,
+               error (a CUresult name or exit status) when it failed,
+               recovery: true when the step undoes a failed action
+ckpt_result    action (checkpoint, restore, dump), pid, ok, state (what the
+               process was left in: running, locked, checkpointed, failed,
+               dumped; null when unknown), touched (false: nothing was done),
+               code and error (the exit code and its name), message; on
+               success bytes, lock_s, checkpoint_s, gbps, restore_s, unlock_s,
+               duration_s, device and gpu_map (for a move), image
+ckpt_status    (gpu-ckpt status) pid, user, command, state, error, gpus,
+               memory (bytes on GPUs; 0 when checkpointed), seen_by (nvml,
+               maps, gpu-ckpt, asked), checkpointed {checkpointed_at, bytes,
+               gpus} for processes gpu-ckpt checkpointed
+ckpt_profile   (--profile) action, profile, state_file, counts: selected,
+               suspended, resumed, skipped [{pid, why}], failed [{pid, error,
+               state, message}], ok
+'''
+
+The last ``ckpt_result`` of a stream says what the process was left in, on success and on
+every error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gpuos_tools.stream import Writer, make_header, open_output
+
+RECORDS = __doc__.split("RECORDS = '''\n", 1)[1].split("'''", 1)[0]
+
+
+class Sink:
+    """Hands records to a stream writer, the header first; the header is made at the first
+    record, so that it carries the driver and the GPUs once they are known. Keeps every record."""
+
+    def __init__(self, writer: Writer | None, tool: str, header_fields: Callable[[], dict[str, Any]],
+                 **fields: Any):
+        self.writer = writer
+        self.tool = tool
+        self.fields = fields
+        self.header_fields = header_fields
+        self.records: list[dict[str, Any]] = []
+        self._started = False
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            if self.writer is not None:
+                self.writer.write(make_header(self.tool, **self.fields, **self.header_fields()))
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self._start()
+        self.records.append(record)
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def finish(self) -> None:
+        self._start()
+
+
+@contextmanager
+def record_stream(output: str | None, tool: str, header_fields: Callable[[], dict[str, Any]],
+                  **fields: Any) -> Iterator[Sink]:
+    """A Sink on ``output`` (None: records are kept but written nowhere). The stream is
+    finished (header at least) when the block ends normally."""
+    if output is None:
+        sink = Sink(None, tool, header_fields, **fields)
+        yield sink
+        return
+    with open_output(output) as writer:
+        sink = Sink(writer, tool, header_fields, **fields)
+        yield sink
+        sink.finish()
