@@ -1,0 +1,207 @@
+"""Full-process images through CRIU: the GPU checkpoint around ``criu dump`` / ``criu restore``.
+
+CRIU does the process (memory, threads, files, sockets); the driver does the GPU. gpu-ckpt
+checkpoints the GPU state first (the process then holds no GPU, which CRIU requires) and runs
+``criu dump``; gpu-restore runs ``criu restore`` and then restores the GPU state and unlocks.
+Process checkpointing is not re-implemented here.
+
+CRIU is checked before anything is touched: it must be on PATH, version 4 or later (3.x, e.g.
+Debian 12's 3.17, fails on recent kernels) and ``criu check`` must pass (which needs root).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuos_tools.ckpt import procs, registry
+from gpuos_tools.ckpt.driver import Checkpointer, Record, left_message
+from gpuos_tools.errors import ExitCode, GpuosError
+
+MIN_VERSION = (4, 0)
+#: What gpu-ckpt writes beside CRIU's images: the process, its GPUs and bytes.
+METADATA = "gpuos-ckpt.json"
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+RESTORED_PID = "restored.pid"
+
+
+@dataclass
+class Criu:
+    path: str
+    version: tuple[int, int]
+    version_text: str
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    rows = [r for r in text.strip().splitlines() if r.strip()]
+    return " | ".join(rows[-lines:]) if rows else "(no output)"
+
+
+def find_criu(timeout: float = 60) -> Criu:
+    """The usable CRIU on PATH, or raise CRIU_UNUSABLE saying what is missing. Touches no process."""
+    untouched = "nothing was touched (without --image, the GPU state alone is checkpointed)"
+    exe = shutil.which("criu")
+    if exe is None:
+        raise GpuosError(
+            f"--image needs CRIU 4 or later and there is no `criu` on PATH; {untouched}", ExitCode.CRIU_UNUSABLE)
+    try:
+        done = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise GpuosError(f"cannot run `{exe} --version`: {e}; {untouched}", ExitCode.CRIU_UNUSABLE) from e
+    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", done.stdout + done.stderr)
+    if done.returncode != 0 or m is None:
+        raise GpuosError(
+            f"cannot tell the version of {exe} (`criu --version` said: {_tail(done.stdout + done.stderr)}); "
+            f"{untouched}", ExitCode.CRIU_UNUSABLE)
+    version = (int(m.group(1)), int(m.group(2)))
+    text = ".".join(g for g in m.groups() if g is not None)
+    if version < MIN_VERSION:
+        raise GpuosError(
+            f"{exe} is CRIU {text}; --image needs CRIU {MIN_VERSION[0]} or later (3.x, such as Debian 12's "
+            f"3.17, fails on recent kernels): install a newer CRIU; {untouched}", ExitCode.CRIU_UNUSABLE)
+    try:
+        check = subprocess.run([exe, "check"], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise GpuosError(f"cannot run `{exe} check`: {e}; {untouched}", ExitCode.CRIU_UNUSABLE) from e
+    if check.returncode != 0:
+        raise GpuosError(
+            f"`criu check` failed (exit {check.returncode}): {_tail(check.stdout + check.stderr)}; CRIU {text} "
+            f"cannot checkpoint on this machine (it needs root and kernel support); {untouched}",
+            ExitCode.CRIU_UNUSABLE)
+    return Criu(exe, version, text)
+
+
+def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], log: Path) -> subprocess.CompletedProcess:
+    t = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rec: Record = {
+        "type": "ckpt_step",
+        "pid": pid,
+        "step": step,
+        "ok": done.returncode == 0,
+        "duration_s": round(time.monotonic() - t, 6),
+        "command": cmd,
+        "log": str(log),
+    }
+    if done.returncode != 0:
+        rec["error"] = f"exit {done.returncode}"
+    ckpt.emit(rec)
+    return done
+
+
+def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
+         criu_args: list[str] | None = None) -> Record:
+    """GPU checkpoint of ``pid``, then ``criu dump`` of it into ``image_dir``.
+
+    Without ``leave_running`` CRIU ends the process after the dump (the image is its restorable
+    state); with it, the process gets its GPU state back and runs on. If ``criu dump`` fails
+    the process is restored and unlocked, and CRIU_FAILED raised.
+    """
+    try:
+        criu = find_criu()
+    except GpuosError as e:
+        raise ckpt.fail("dump", pid, str(e), e.code, None, False) from None
+    image_dir = Path(image_dir).resolve()
+    if (image_dir / "inventory.img").exists() or (image_dir / METADATA).exists():
+        raise ckpt.fail("dump", pid, f"{image_dir} already holds an image: choose an empty directory; "
+                         "nothing was touched", ExitCode.USAGE, None, False)
+    try:
+        image_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ckpt.fail("dump", pid, f"{image_dir}: cannot create: {e.strerror}; nothing was touched",
+                         ExitCode.IO_ERROR, None, False) from e
+    info = procs.read_proc(pid) if procs.exists(pid) else None
+    gpu = ckpt.suspend(pid, timeout_ms)  # raises CkptError, the process left running
+    entry = registry.lookup(pid) or {}
+    meta = {
+        **(registry.entry_for(info) if info else {"pid": pid}),
+        "gpus": entry.get("gpus", []),
+        "bytes": gpu.get("bytes"),
+        "criu": criu.version_text,
+        "leave_running": leave_running,
+        **ckpt.header_fields(),
+    }
+    try:
+        registry.write_json_atomic(image_dir / METADATA, meta, mode=0o644)
+    except GpuosError as e:
+        left = ckpt.bring_back(pid)
+        raise ckpt.fail("dump", pid, f"{e}; {left_message(left, pid)}", e.code, left, left != "running") from None
+    cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(image_dir), "--log-file", DUMP_LOG,
+           "--shell-job", *(["--leave-running"] if leave_running else []), *(criu_args or [])]
+    done = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG)
+    if done.returncode != 0:
+        (image_dir / METADATA).unlink(missing_ok=True)
+        if procs.exists(pid):
+            left = ckpt.bring_back(pid)
+            where = left_message(left, pid)
+        else:
+            left, where = None, "the process is gone"
+        raise ckpt.fail(
+            "dump", pid,
+            f"criu dump failed (exit {done.returncode}; log {image_dir / DUMP_LOG}): "
+            f"{_tail(done.stdout + done.stderr)}; {where}", ExitCode.CRIU_FAILED, left, True)
+    if leave_running:
+        ckpt.resume(pid)
+        state, message = "running", f"PID {pid} dumped to {image_dir} and left running"
+    else:
+        registry.forget(pid)
+        state = "dumped"
+        message = f"PID {pid} dumped to {image_dir} and ended by CRIU; `gpu-restore --image {image_dir}` brings it back"
+    result: Record = {
+        "type": "ckpt_result",
+        "action": "dump",
+        "pid": pid,
+        "ok": True,
+        "state": state,
+        "touched": True,
+        "code": 0,
+        "image": str(image_dir),
+        "bytes": gpu.get("bytes"),
+        "message": message,
+    }
+    ckpt.emit(result)
+    return result
+
+
+def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
+            criu_args: list[str] | None = None) -> Record:
+    """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock."""
+    try:
+        criu = find_criu()
+    except GpuosError as e:
+        raise ckpt.fail("restore", None, str(e), e.code, None, False) from None
+    image_dir = Path(image_dir).resolve()
+    meta = registry.read_json(image_dir / METADATA)
+    if not isinstance(meta, dict) or "pid" not in meta:
+        raise ckpt.fail("restore", None, f"{image_dir} holds no image written by gpu-ckpt --image "
+                         f"(no {METADATA})", ExitCode.NO_INPUT, None, False)
+    pid = int(meta["pid"])
+    if procs.exists(pid):
+        raise ckpt.fail("restore", pid, f"PID {pid} is taken by a running process, and CRIU restores the "
+                         f"image under its old PID (is the dumped process still running? then "
+                         f"`gpu-restore --pid {pid}`); nothing was touched", ExitCode.WRONG_STATE, None, False)
+    try:
+        _ = ckpt.api  # the driver must be there before CRIU brings the process back
+    except GpuosError as e:
+        raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    pidfile = image_dir / RESTORED_PID
+    pidfile.unlink(missing_ok=True)
+    cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
+           "--restore-detached", "--pidfile", str(pidfile), *(criu_args or [])]
+    done = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG)
+    if done.returncode != 0:
+        raise ckpt.fail(
+            "restore", pid, f"criu restore failed (exit {done.returncode}; log {image_dir / RESTORE_LOG}): "
+            f"{_tail(done.stdout + done.stderr)}; nothing was restored, the image is intact",
+            ExitCode.CRIU_FAILED, None, False)
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        pass
+    sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
+    return ckpt.resume(pid, device, device_map, source_gpus=sources or None)
