@@ -172,7 +172,9 @@ def _synopsis(command: Command, ctx: Context, words: str) -> list[str]:
                 arg = arg if p.required else f"[{arg}]"
             pieces.append(arg)
     if _is_group(command):
-        pieces.append("\\fICOMMAND\\fR [\\fIARGS\\fR]...")
+        sub = "\\fICOMMAND\\fR [\\fIARGS\\fR]..."
+        # a group that acts without a command (typer: invoke_without_command) shows it optional
+        pieces.append(f"[{sub}]" if getattr(command, "invoke_without_command", False) else sub)
     return [".nf", " ".join(pieces), ".fi"]
 
 
@@ -301,7 +303,27 @@ def gpu_trace_page() -> str:
     return render_man(typer.main.get_command(trace.app), "gpu-trace", 1, trace.MAN_SECTIONS)
 
 
+def gpu_ckpt_page() -> str:
+    """gpu-ckpt(1), from the typer app in gpuos_tools/commands/ckpt.py."""
+    import typer
+
+    from gpuos_tools.commands import ckpt
+
+    return render_man(typer.main.get_command(ckpt.app), "gpu-ckpt", 1, ckpt.MAN_SECTIONS)
+
+
+def gpu_restore_page() -> str:
+    """gpu-restore(1), from the typer app in gpuos_tools/commands/restore.py."""
+    import typer
+
+    from gpuos_tools.commands import restore
+
+    return render_man(typer.main.get_command(restore.app), "gpu-restore", 1, restore.MAN_SECTIONS)
+
+
 PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpuos-stream", 7, stream_page),
     ("gpu-trace", 1, gpu_trace_page),
+    ("gpu-ckpt", 1, gpu_ckpt_page),
+    ("gpu-restore", 1, gpu_restore_page),
 ]

@@ -1,0 +1,276 @@
+"""gpu-ckpt: checkpoint the GPU state of any CUDA process through the driver (and CRIU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from gpuos_tools.ckpt.records import RECORDS as _RECORDS
+from gpuos_tools.cli import error, run_app, stderr_console
+from gpuos_tools.errors import ExitCode, GpuosError
+
+EXAMPLES = """\
+Free the GPU held by one process, then give it back:
+
+    gpu-ckpt --pid 4242 -o ckpt.ndjson
+    gpu-restore --pid 4242
+
+Give a busy process at most 30 s to finish its submitted GPU work:
+
+    gpu-ckpt --pid 4242 --timeout 30000
+
+What is on the GPUs, and what is checkpointed:
+
+    gpu-ckpt status
+    gpu-ckpt status --json | jq -r 'select(.state=="checkpointed") | .pid'
+
+Nightly maintenance from root's crontab: suspend the jobs the profile selects at 02:00, bring
+exactly those back at 02:30 (chronic, from moreutils, shows output only when a command fails;
+the commands are quiet on success anyway):
+
+    0 2 * * *  chronic gpu-ckpt --profile /etc/gpuos-tools/maintenance.toml
+    30 2 * * * chronic gpu-restore --profile /etc/gpuos-tools/maintenance.toml
+
+The profile (profiles/maintenance.toml in the source tree):
+
+    [select]
+    users = ["alice", "bob"]
+    command = 'python3? .*train'
+    exclude_command = 'jupyter'
+
+    [checkpoint]
+    timeout_ms = 600000
+    on_error = "resume"
+
+    [state]
+    file = "/var/lib/gpuos-tools/maintenance.json"
+
+A full-process image with CRIU 4 or later (as root), and back:
+
+    gpu-ckpt --pid 4242 --image /var/tmp/job.img
+    gpu-restore --image /var/tmp/job.img"""
+
+NOTES = """\
+A checkpoint is stop-the-world: the lock waits for the process's CUDA calls in flight and its
+submitted GPU work, then the driver copies its device memory to host memory (about 1 GB/s on
+an H100 or H200) and releases its GPUs. The CPU side keeps running; its next CUDA call blocks
+until the process is restored. `gpu-restore --pid PID` copies the memory back (onto another GPU
+of the same kind with `--device`) and unlocks it.
+
+The driver cannot checkpoint processes that use managed (unified) memory, CUDA IPC memory, MPS,
+MIG or NCCL; it needs release 570 or later (580 to move onto another GPU).
+
+Never stranded: if the lock times out, the process keeps running; if the checkpoint fails after
+the lock, the process is unlocked (or restored and unlocked) before gpu-ckpt exits; SIGINT,
+SIGTERM and SIGHUP during a checkpoint do the same. The error message and the `state` of the
+last `ckpt_result` record say what the process was left in: `running`, `checkpointed`
+(restorable with `gpu-restore --pid PID`), `locked` (`gpu-restore --pid PID` unlocks it), or
+`failed` (the driver gave up on its CUDA state).
+
+gpu-ckpt remembers, per checkpointed process, which GPUs it used and how much memory it had
+there, in the state directory (`$GPUOS_CKPT_STATE_DIR`, or `/run/gpuos-tools/ckpt` for root,
+`$XDG_RUNTIME_DIR/gpuos-tools/ckpt` otherwise); gpu-restore needs it to move the process with
+`--device`, and `gpu-ckpt status` lists the processes it names.
+
+With `--profile`, gpu-ckpt suspends every running CUDA process that the profile selects (by
+user and/or command line) and writes the list of those it suspended to the profile's state
+file, atomically, after each one; `gpu-restore --profile` resumes exactly those. Records are
+written only where `-o` says, so both commands are silent on success and exit 0; a failure is
+reported on standard error with a non-zero status. With `on_error = "resume"` (the default)
+the first failure stops the run and the processes suspended so far are resumed; with `"keep"`
+the run goes on and the failed processes stay running.
+
+`--image DIR` needs CRIU 4 or later on PATH and a passing `criu check` (so root); both are
+checked before the process is touched. The GPU state is checkpointed first, then `criu dump`
+writes the image (by default CRIU ends the process; `--leave-running` resumes it on the GPU
+afterwards). If `criu dump` fails, the process is restored and unlocked."""
+
+MAN_SECTIONS = {
+    "RECORDS": (
+        "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
+        "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in _RECORDS.strip("\n").splitlines())
+    ),
+    "NOTES": NOTES,
+    "ENVIRONMENT": (
+        "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
+        "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
+        "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
+        "- `PATH`: where `criu` is looked for (`--image`)."
+    ),
+    "FILES": (
+        "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
+        "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
+        "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
+    ),
+    "EXAMPLES": EXAMPLES,
+    "SEE ALSO": "gpu-restore(1), criu(8), chronic(1)",
+}
+
+app = typer.Typer(
+    name="gpu-ckpt",
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+PROG = "gpu-ckpt"
+
+
+def _say(message: str) -> None:
+    """A line for people, on a terminal only."""
+    if sys.stderr.isatty():
+        stderr_console().print(f"{PROG}: {message}", highlight=False)
+
+
+@app.callback(invoke_without_command=True)
+def checkpoint(
+    ctx: typer.Context,
+    pid: Optional[int] = typer.Option(None, "--pid", "-p", metavar="PID", help="The CUDA process to checkpoint."),
+    timeout: int = typer.Option(
+        0, "--timeout", "-t", min=0, metavar="MS",
+        help="How long the lock may wait for the process's CUDA calls and submitted GPU work, in "
+        "milliseconds (0: as long as it takes). On timeout the process is left running.",
+    ),
+    image: Optional[Path] = typer.Option(
+        None, "--image", metavar="DIR",
+        help="Also dump the whole process with CRIU (>= 4) into DIR, an empty directory.",
+    ),
+    leave_running: bool = typer.Option(
+        False, "--leave-running", help="With --image: resume the process after the dump instead of letting CRIU end it.",
+    ),
+    criu_arg: Optional[list[str]] = typer.Option(
+        None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu dump` (repeatable).",
+    ),
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", metavar="FILE",
+        help="Suspend every CUDA process the TOML profile selects and list them in its state file.",
+    ),
+    output: Optional[str] = typer.Option(
+        None, "--output", "-o", metavar="FILE",
+        help="Records to FILE ('-': stdout; *.zst compressed). Default: stdout, none with --profile.",
+    ),
+) -> None:
+    """Checkpoint the GPU state of a CUDA process, or of every process a profile selects.
+
+    `gpu-ckpt --pid PID` locks the process's CUDA driver API (waiting for its submitted work),
+    copies its device memory into host memory and releases its GPUs, through the NVIDIA driver
+    checkpoint API: any CUDA program, no preparation. `gpu-restore --pid PID` brings it back.
+    `gpu-ckpt status` lists every CUDA process with its checkpoint state. Each step is written
+    as a gpuos stream record.
+    """
+    if ctx.invoked_subcommand is not None:
+        if pid is not None or image is not None or profile is not None or criu_arg or leave_running or output:
+            raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
+        return
+    if (pid is None) == (profile is None):
+        raise GpuosError(
+            f"give --pid PID or --profile FILE, or a command (`{PROG} status`); see `{PROG} --help`", ExitCode.USAGE)
+    if profile is not None and (image is not None or timeout):
+        raise GpuosError("--profile takes its timeout from the profile and cannot make images", ExitCode.USAGE)
+    if image is None and (leave_running or criu_arg):
+        raise GpuosError("--leave-running and --criu-arg go with --image", ExitCode.USAGE)
+
+    from gpuos_tools.ckpt import criu
+    from gpuos_tools.ckpt.driver import Checkpointer, CkptError
+    from gpuos_tools.ckpt.records import record_stream
+
+    ckpt = Checkpointer()
+    failure: CkptError | None = None
+    if profile is not None:
+        from gpuos_tools.ckpt.profile import load_profile, suspend_profile
+
+        prof = load_profile(profile)
+        with record_stream(output, PROG, ckpt.header_fields, action="checkpoint", profile=str(profile)) as sink:
+            ckpt.emit = sink
+            summary, failures = suspend_profile(ckpt, prof)
+        for e in failures:
+            error(PROG, str(e))
+        if failures:
+            error(PROG, f"{summary['suspended']} suspended, {len(failures)} failed; the suspended are listed "
+                  f"in {prof.state_file}")
+            raise typer.Exit(int(failures[0].code))
+        return
+    assert pid is not None
+    with record_stream("-" if output is None else output, PROG, ckpt.header_fields,
+                       action="dump" if image else "checkpoint", pid=pid) as sink:
+        ckpt.emit = sink
+        try:
+            if image is not None:
+                result = criu.dump(ckpt, pid, image, timeout, leave_running, criu_arg or [])
+            else:
+                result = ckpt.suspend(pid, timeout)
+        except CkptError as e:
+            failure = e
+    if failure is not None:
+        raise failure
+    _say(_describe(result))
+
+
+def _describe(result: dict[str, Any]) -> str:
+    text = result["message"]
+    if result.get("bytes"):
+        text += f" ({result['bytes'] / 2**30:.2f} GiB"
+        if result.get("checkpoint_s"):
+            text += f" in {result['checkpoint_s']:.2f} s"
+        text += ")"
+    return text
+
+
+@app.command()
+def status(
+    pid: Optional[list[int]] = typer.Option(
+        None, "--pid", "-p", metavar="PID",
+        help="Also report this process (repeatable), e.g. one checkpointed by another tool.",
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Records even on a terminal."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Records to FILE ('-': stdout)."),
+) -> None:
+    """Every CUDA process with its checkpoint state and GPU memory.
+
+    Lists the processes NVML shows on the GPUs, the processes that map libcuda (checkpointed
+    ones hold no GPU, so NVML no longer shows them; without root, only your own are readable),
+    those gpu-ckpt checkpointed, and each --pid. Draws a table when stdout is a terminal, writes
+    ckpt_status records otherwise.
+    """
+    from gpuos_tools.ckpt.driver import Checkpointer
+
+    ckpt = Checkpointer()
+    rows = ckpt.list_processes(pid or [])
+    if ckpt.nvml_missing:
+        print(f"{PROG}: warning: {ckpt.nvml_missing}: GPU memory per process is unknown", file=sys.stderr)
+    if ckpt.unreadable and sys.stderr.isatty():
+        _say(f"{ckpt.unreadable} processes of other users could not be inspected (run as root to see them)")
+    if json_out or output != "-" or not sys.stdout.isatty():
+        from gpuos_tools.stream import make_header, open_output
+
+        with open_output(output) as writer:
+            writer.write(make_header(f"{PROG} status", **ckpt.header_fields()))
+            for rec in rows:
+                writer.write(rec)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for column, justify in (("PID", "right"), ("USER", "left"), ("STATE", "left"), ("GPU MEMORY", "right"),
+                            ("GPUS", "left"), ("COMMAND", "left")):
+        table.add_column(column, justify=justify, no_wrap=column != "COMMAND")
+    for rec in rows:
+        mem = rec.get("memory")
+        gpus = ",".join(str(g["index"]) for g in rec.get("gpus") or [])
+        if not gpus and rec.get("checkpointed"):
+            gpus = "(" + ",".join(str(g.get("index")) for g in rec["checkpointed"].get("gpus") or []) + ")"
+        table.add_row(str(rec["pid"]), rec.get("user", "?"), rec.get("state") or rec.get("error", "?"),
+                      "?" if mem is None else f"{mem / 2**30:.2f} GiB", gpus, rec.get("command", ""))
+    Console().print(table)
+
+
+def main() -> None:
+    run_app(app, prog=PROG)
+
+
+if __name__ == "__main__":
+    main()
