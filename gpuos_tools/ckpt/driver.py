@@ -444,6 +444,7 @@ class Checkpointer:
             raise self.fail("checkpoint", pid, f"cannot checkpoint PID {pid}: {hint}; nothing was done",
                             ExitCode.WRONG_STATE, state, False)
         api = self.api
+        locked = False
         with _signals_raise():
             try:
                 t = time.monotonic()
@@ -461,6 +462,7 @@ class Checkpointer:
                     else:
                         message = f"cannot lock PID {pid}: {err}; {left_message(left, pid)}"
                     raise self.fail("checkpoint", pid, message, code, left, left != "running")
+                locked = True
                 t = time.monotonic()
                 err = api.checkpoint(pid)
                 checkpoint_s = time.monotonic() - t
@@ -471,7 +473,7 @@ class Checkpointer:
                     why = (" (the process uses something the driver cannot checkpoint: managed memory, "
                            "IPC memory, MPS, MIG or NCCL)" if code == ExitCode.NOT_CHECKPOINTABLE else "")
                     raise self.fail("checkpoint", pid, f"checkpoint of PID {pid} failed: {err}{why}; "
-                                    f"{left_message(left, pid)}", code, left, left != "running")
+                                    f"{left_message(left, pid)}", code, left, True)
             except CkptError:
                 raise
             except BaseException as e:
@@ -479,7 +481,8 @@ class Checkpointer:
                 left = self.bring_back(pid)
                 code = ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else ExitCode.SOFTWARE
                 raise self.fail("checkpoint", pid, f"interrupted ({type(e).__name__}: {e}) while checkpointing "
-                                f"PID {pid}; {left_message(left, pid)}", code, left, left != "running") from e
+                                f"PID {pid}; {left_message(left, pid)}", code, left,
+                                locked or left != "running") from e
         registry.remember(registry.entry_for(info, gpus=gpus, bytes=nbytes))
         result: Record = {
             "type": "ckpt_result",

@@ -12,7 +12,7 @@ ckpt_step      pid, step (lock, checkpoint, restore, unlock, criu_dump,
                recovery: true when the step undoes a failed action
 ckpt_result    action (checkpoint, restore, dump), pid, ok, state (what the
                process was left in: running, locked, checkpointed, failed,
-               dumped; null when unknown), touched (false: nothing was done),
+               dumped; null when unknown), touched (false: nothing was done to it),
                code and error (the exit code and its name), message; on
                success bytes, lock_s, checkpoint_s, gbps, restore_s, unlock_s,
                duration_s, device and gpu_map (for a move), image

@@ -189,8 +189,10 @@ def checkpoint(
         for e in failures:
             error(PROG, str(e))
         if failures:
-            error(PROG, f"{summary['suspended']} suspended, {len(failures)} failed; the suspended are listed "
-                  f"in {prof.state_file}")
+            held = summary["suspended"] + summary["already_suspended"]
+            where = f"the suspended are listed in {prof.state_file}" if held else "nothing is left suspended"
+            error(PROG, f"{summary['suspended']} suspended, {summary['resumed_after_failure']} resumed after the "
+                  f"failure, {len(failures)} failed; {where}")
             raise typer.Exit(int(failures[0].code))
         return
     assert pid is not None
@@ -242,7 +244,7 @@ def status(
     if ckpt.nvml_missing:
         print(f"{PROG}: warning: {ckpt.nvml_missing}: GPU memory per process is unknown", file=sys.stderr)
     if ckpt.unreadable and sys.stderr.isatty():
-        _say(f"{ckpt.unreadable} processes of other users could not be inspected (run as root to see them)")
+        _say(f"{ckpt.unreadable} process(es) could not be inspected (another user's: run as root to see them)")
     if json_out or output != "-" or not sys.stdout.isatty():
         from gpuos_tools.stream import make_header, open_output
 
@@ -264,7 +266,7 @@ def status(
         if not gpus and rec.get("checkpointed"):
             gpus = "(" + ",".join(str(g.get("index")) for g in rec["checkpointed"].get("gpus") or []) + ")"
         table.add_row(str(rec["pid"]), rec.get("user", "?"), rec.get("state") or rec.get("error", "?"),
-                      "?" if mem is None else f"{mem / 2**30:.2f} GiB", gpus, rec.get("command", ""))
+                      "?" if mem is None else f"{mem / 2**30:.2f} GiB", gpus, " ".join(rec.get("command", "").split()))
     Console().print(table)
 
 
