@@ -618,3 +618,30 @@ def test_ckpt_error_carries_the_state() -> None:
     err = ckpt.fail("checkpoint", 7, "boom; left running", ExitCode.LOCK_TIMEOUT, "running", False)
     assert isinstance(err, CkptError) and err.code == ExitCode.LOCK_TIMEOUT and err.state == "running"
     assert seen == [err.record] and err.record["error"] == "LOCK_TIMEOUT" and err.record["code"] == 80
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_failing_output_neither_undoes_nor_hides_the_work() -> None:
+    from gpuos_tools.ckpt.records import run_recorded
+
+    ckpt = Checkpointer()
+    done: list[str] = []
+
+    def work() -> dict:
+        ckpt.out({"type": "ckpt_step", "pid": 1})
+        done.append("checkpointed")  # the work goes on although the output fails
+        return {"message": "PID 1 checkpointed"}
+
+    with pytest.raises(GpuosError) as e:
+        run_recorded("/dev/full", "gpu-ckpt", ckpt, work, pid=1)
+    assert done == ["checkpointed"]
+    assert e.value.code == ExitCode.IO_ERROR and "PID 1 checkpointed" in str(e.value)
+
+    def failing() -> dict:
+        ckpt.out({"type": "ckpt_step", "pid": 1})
+        raise ckpt.fail("checkpoint", 1, "lock timed out; left running", ExitCode.LOCK_TIMEOUT, "running", False)
+
+    ckpt = Checkpointer()
+    with pytest.raises(CkptError) as f:
+        run_recorded("/dev/full", "gpu-ckpt", ckpt, failing, pid=1)
+    assert f.value.code == ExitCode.LOCK_TIMEOUT  # the action's own failure wins

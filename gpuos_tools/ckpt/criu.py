@@ -90,7 +90,7 @@ def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], lo
     }
     if done.returncode != 0:
         rec["error"] = f"exit {done.returncode}"
-    ckpt.emit(rec)
+    ckpt.out(rec)
     return done
 
 
@@ -164,7 +164,7 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
         "bytes": gpu.get("bytes"),
         "message": message,
     }
-    ckpt.emit(result)
+    ckpt.out(result)
     return result
 
 

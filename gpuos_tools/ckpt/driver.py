@@ -279,6 +279,18 @@ class Checkpointer:
         self.nvml_missing: str | None = None
         #: processes whose maps list_processes() could not read (another user's, without root)
         self.unreadable = 0
+        #: the first error writing records (a closed pipe...); records stop, the action goes on
+        self.output_error: BaseException | None = None
+
+    def out(self, record: Record) -> None:
+        """Hand a record to ``emit``. A failing output (``| head``, a full disk) must neither
+        strand the process nor undo what was asked: it is remembered and records stop."""
+        if self.output_error is not None:
+            return
+        try:
+            self.emit(record)
+        except (OSError, GpuosError) as e:  # BrokenPipeError is an OSError
+            self.output_error = e
 
     # -- the driver, the GPUs --------------------------------------------------------------
 
@@ -355,7 +367,7 @@ class Checkpointer:
             rec["error"] = err
         if recovery:
             rec["recovery"] = True
-        self.emit(rec)
+        self.out(rec)
         return rec
 
     def fail(self, action: str, pid: int | None, message: str, code: ExitCode, state: str | None,
@@ -375,7 +387,7 @@ class Checkpointer:
             **fields,
         }
         if not quiet:
-            self.emit(err.record)
+            self.out(err.record)
         return err
 
     def bring_back(self, pid: int, restore: bool = True) -> str | None:
@@ -438,7 +450,7 @@ class Checkpointer:
         start = time.monotonic()
         info, state = self._prepare("checkpoint", pid)
         gpus, nbytes = self.usage(pid)
-        self.emit({"type": "ckpt_process", **info.describe(), "state": state, "gpus": gpus, "bytes": nbytes})
+        self.out({"type": "ckpt_process", **info.describe(), "state": state, "gpus": gpus, "bytes": nbytes})
         if state != "running":
             hint = _WRONG_STATE_HINT.get(state, f"it is {state}").format(pid=pid)
             raise self.fail("checkpoint", pid, f"cannot checkpoint PID {pid}: {hint}; nothing was done",
@@ -500,7 +512,7 @@ class Checkpointer:
             "message": f"PID {pid} checkpointed: its GPU memory is in host memory and its GPUs are released; "
                        f"`gpu-restore --pid {pid}` resumes it",
         }
-        self.emit(result)
+        self.out(result)
         return result
 
     def resume(self, pid: int, device: str | None = None, device_map: str | None = None,
@@ -513,7 +525,7 @@ class Checkpointer:
         """
         start = time.monotonic()
         info, state = self._prepare("restore", pid)
-        self.emit({"type": "ckpt_process", **info.describe(), "state": state})
+        self.out({"type": "ckpt_process", **info.describe(), "state": state})
         moving = bool(device is not None or device_map)
         if state not in ("checkpointed", "locked") or (state == "locked" and moving):
             hint = _WRONG_STATE_HINT.get(state, f"it is {state}").format(pid=pid)
@@ -589,7 +601,7 @@ class Checkpointer:
             "message": f"PID {pid} restored and running" + (f" on {target['uuid']}" if target else "")
                        + ("" if state == "checkpointed" else " (it was locked, not checkpointed: unlocked)"),
         }
-        self.emit(result)
+        self.out(result)
         return result
 
     # -- GPU remapping ---------------------------------------------------------------------

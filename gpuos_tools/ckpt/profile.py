@@ -210,7 +210,7 @@ def write_state(profile: Profile, entries: list[dict[str, Any]]) -> None:
 def _summary(ckpt: Checkpointer, action: str, profile: Profile, **counts: Any) -> Record:
     rec: Record = {"type": "ckpt_profile", "action": action, "profile": str(profile.path),
                    "state_file": str(profile.state_file), **counts}
-    ckpt.emit(rec)
+    ckpt.out(rec)
     return rec
 
 
@@ -236,7 +236,7 @@ def suspend_profile(ckpt: Checkpointer, profile: Profile) -> tuple[Record, list[
             if e.code in (ExitCode.NO_SUCH_PROCESS, ExitCode.NOT_CUDA_PROCESS):
                 skipped.append({"pid": info.pid, "why": str(e)})
                 continue
-            ckpt.emit(e.record)
+            ckpt.out(e.record)
             failures.append(e)
             break
         if state != "running":

@@ -69,6 +69,43 @@ class Sink:
         self._start()
 
 
+def run_recorded(output: str | None, tool: str, ckpt: Any, work: Callable[[], Any], **fields: Any) -> Any:
+    """Run ``work`` (what a Checkpointer does) with its records going to ``output``.
+
+    The work's own outcome comes first: its CkptError is raised as it is even when the output
+    failed too; a closed pipe after a successful action ends quietly (BrokenPipeError, status 0,
+    as everywhere in the toolkit); any other output failure after a successful action is an
+    IO_ERROR that says the action itself succeeded.
+    """
+    from gpuos_tools.ckpt.driver import CkptError
+    from gpuos_tools.errors import ExitCode, GpuosError
+
+    started = False
+    failure: CkptError | None = None
+    result: Any = None
+    try:
+        with record_stream(output, tool, ckpt.header_fields, **fields) as sink:
+            ckpt.emit = sink
+            started = True
+            try:
+                result = work()
+            except CkptError as e:
+                failure = e
+    except (OSError, GpuosError) as e:
+        if not started:
+            raise
+        ckpt.output_error = ckpt.output_error or e
+    if failure is not None:
+        raise failure
+    problem = ckpt.output_error
+    if isinstance(problem, BrokenPipeError):
+        raise problem
+    if problem is not None:
+        done = result.get("message", "the action succeeded") if isinstance(result, dict) else "the action succeeded"
+        raise GpuosError(f"writing records failed ({problem}); {done}", ExitCode.IO_ERROR)
+    return result
+
+
 @contextmanager
 def record_stream(output: str | None, tool: str, header_fields: Callable[[], dict[str, Any]],
                   **fields: Any) -> Iterator[Sink]:

@@ -174,18 +174,16 @@ def checkpoint(
         raise GpuosError("--leave-running and --criu-arg go with --image", ExitCode.USAGE)
 
     from gpuos_tools.ckpt import criu
-    from gpuos_tools.ckpt.driver import Checkpointer, CkptError
-    from gpuos_tools.ckpt.records import record_stream
+    from gpuos_tools.ckpt.driver import Checkpointer
+    from gpuos_tools.ckpt.records import run_recorded
 
     ckpt = Checkpointer()
-    failure: CkptError | None = None
     if profile is not None:
         from gpuos_tools.ckpt.profile import load_profile, suspend_profile
 
         prof = load_profile(profile)
-        with record_stream(output, PROG, ckpt.header_fields, action="checkpoint", profile=str(profile)) as sink:
-            ckpt.emit = sink
-            summary, failures = suspend_profile(ckpt, prof)
+        summary, failures = run_recorded(output, PROG, ckpt, lambda: suspend_profile(ckpt, prof),
+                                         action="checkpoint", profile=str(profile))
         for e in failures:
             error(PROG, str(e))
         if failures:
@@ -196,18 +194,13 @@ def checkpoint(
             raise typer.Exit(int(failures[0].code))
         return
     assert pid is not None
-    with record_stream("-" if output is None else output, PROG, ckpt.header_fields,
-                       action="dump" if image else "checkpoint", pid=pid) as sink:
-        ckpt.emit = sink
-        try:
-            if image is not None:
-                result = criu.dump(ckpt, pid, image, timeout, leave_running, criu_arg or [])
-            else:
-                result = ckpt.suspend(pid, timeout)
-        except CkptError as e:
-            failure = e
-    if failure is not None:
-        raise failure
+    if image is not None:
+        result = run_recorded("-" if output is None else output, PROG, ckpt,
+                              lambda: criu.dump(ckpt, pid, image, timeout, leave_running, criu_arg or []),
+                              action="dump", pid=pid)
+    else:
+        result = run_recorded("-" if output is None else output, PROG, ckpt, lambda: ckpt.suspend(pid, timeout),
+                              action="checkpoint", pid=pid)
     _say(_describe(result))
 
 

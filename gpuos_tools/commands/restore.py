@@ -129,17 +129,16 @@ def restore(
         raise GpuosError("--criu-arg goes with --image", ExitCode.USAGE)
 
     from gpuos_tools.ckpt import criu
-    from gpuos_tools.ckpt.driver import Checkpointer, CkptError
-    from gpuos_tools.ckpt.records import record_stream
+    from gpuos_tools.ckpt.driver import Checkpointer
+    from gpuos_tools.ckpt.records import run_recorded
 
     ckpt = Checkpointer()
     if profile is not None:
         from gpuos_tools.ckpt.profile import load_profile, resume_profile
 
         prof = load_profile(profile)
-        with record_stream(output, PROG, ckpt.header_fields, action="restore", profile=str(profile)) as sink:
-            ckpt.emit = sink
-            summary, failures = resume_profile(ckpt, prof)
+        summary, failures = run_recorded(output, PROG, ckpt, lambda: resume_profile(ckpt, prof),
+                                         action="restore", profile=str(profile))
         for e in failures:
             error(PROG, str(e))
         if failures:
@@ -147,20 +146,14 @@ def restore(
                   f"{summary['still_suspended']} still listed in {prof.state_file}")
             raise typer.Exit(int(failures[0].code))
         return
-    failure: CkptError | None = None
-    with record_stream("-" if output is None else output, PROG, ckpt.header_fields,
-                       action="restore", **({"pid": pid} if pid is not None else {"image": str(image)})) as sink:
-        ckpt.emit = sink
-        try:
-            if image is not None:
-                result = criu.restore(ckpt, image, device, device_map, criu_arg or [])
-            else:
-                assert pid is not None
-                result = ckpt.resume(pid, device, device_map)
-        except CkptError as e:
-            failure = e
-    if failure is not None:
-        raise failure
+    if image is not None:
+        result = run_recorded("-" if output is None else output, PROG, ckpt,
+                              lambda: criu.restore(ckpt, image, device, device_map, criu_arg or []),
+                              action="restore", image=str(image))
+    else:
+        assert pid is not None
+        result = run_recorded("-" if output is None else output, PROG, ckpt,
+                              lambda: ckpt.resume(pid, device, device_map), action="restore", pid=pid)
     if sys.stderr.isatty():
         text = result["message"]
         if result.get("restore_s") is not None:
