@@ -645,3 +645,25 @@ def test_failing_output_neither_undoes_nor_hides_the_work() -> None:
     with pytest.raises(CkptError) as f:
         run_recorded("/dev/full", "gpu-ckpt", ckpt, failing, pid=1)
     assert f.value.code == ExitCode.LOCK_TIMEOUT  # the action's own failure wins
+
+
+def test_man_pages_show_cron_the_profile_and_the_codes() -> None:
+    import tomllib
+
+    from gpuos_tools.commands import ckpt as ckpt_command
+
+    ckpt_page = (REPO / "man" / "gpu-ckpt.1").read_text()
+    restore_page = (REPO / "man" / "gpu-restore.1").read_text()
+    for page in (ckpt_page, restore_page):
+        assert "chronic gpu\\-ckpt \\-\\-profile" in page and "chronic gpu\\-restore \\-\\-profile" in page
+        for code in (76, 77, 78, 79, 80, 81, 82, 83, 84):
+            assert f".TP\n\\fB{code}\\fR\n" in page
+    assert "[\\fICOMMAND\\fR [\\fIARGS\\fR]...]" in ckpt_page  # `gpu-ckpt --pid` works without one
+    # the profile the examples show is a valid profile with the shipped profile's sections
+    example = ckpt_command.EXAMPLES.split("The profile (profiles/maintenance.toml in the source tree):", 1)[1]
+    example = example.split("A full-process image", 1)[0]
+    block = "\n".join(line[4:] for line in example.splitlines() if line.startswith("    "))
+    shown = tomllib.loads(block)
+    shipped = tomllib.loads((REPO / "profiles" / "maintenance.toml").read_text())
+    assert shown.keys() == shipped.keys() and shown["select"] == shipped["select"]
+    assert shown["checkpoint"] == shipped["checkpoint"] and shown["state"] == shipped["state"]

@@ -262,7 +262,7 @@ def test_error_paths_against_real_processes(children, state_dir: Path) -> None:
     assert done.returncode == ExitCode.WRONG_STATE, done.stderr
     assert "already checkpointed" in done.stderr
     assert last_result(records)["state"] == "checkpointed" and steps(records) == []
-    # a checkpointed process cannot be locked again from outside either, and is restorable
+    # and it is still restorable
     done, records = cli("restore", "--pid", str(child.pid), state_dir=state_dir)
     assert done.returncode == 0, done.stderr
     assert status_of(child.pid, state_dir)["state"] == "running"
