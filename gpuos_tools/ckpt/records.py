@@ -119,3 +119,27 @@ def record_stream(output: str | None, tool: str, header_fields: Callable[[], dic
         sink = Sink(writer, tool, header_fields, **fields)
         yield sink
         sink.finish()
+
+
+def man_sections(notes: str, examples: str, see_also: str) -> dict[str, str]:
+    """The man-page sections gpu-ckpt(1) and gpu-restore(1) share, around their own text."""
+    return {
+        "RECORDS": (
+            "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
+            "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in RECORDS.strip("\n").splitlines())
+        ),
+        "NOTES": notes,
+        "ENVIRONMENT": (
+            "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
+            "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
+            "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
+            "- `PATH`: where `criu` is looked for (`--image`)."
+        ),
+        "FILES": (
+            "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
+            "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
+            "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
+        ),
+        "EXAMPLES": examples,
+        "SEE ALSO": see_also,
+    }

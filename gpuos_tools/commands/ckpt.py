@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpuos_tools.ckpt.records import RECORDS as _RECORDS
+from gpuos_tools.ckpt.records import man_sections
 from gpuos_tools.cli import error, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 
@@ -88,26 +88,7 @@ checked before the process is touched. The GPU state is checkpointed first, then
 writes the image (by default CRIU ends the process; `--leave-running` resumes it on the GPU
 afterwards). If `criu dump` fails, the process is restored and unlocked."""
 
-MAN_SECTIONS = {
-    "RECORDS": (
-        "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
-        "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in _RECORDS.strip("\n").splitlines())
-    ),
-    "NOTES": NOTES,
-    "ENVIRONMENT": (
-        "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
-        "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
-        "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
-        "- `PATH`: where `criu` is looked for (`--image`)."
-    ),
-    "FILES": (
-        "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
-        "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
-        "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
-    ),
-    "EXAMPLES": EXAMPLES,
-    "SEE ALSO": "gpu-restore(1), criu(8), chronic(1)",
-}
+MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)")
 
 app = typer.Typer(
     name="gpu-ckpt",

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from gpuos_tools.ckpt.records import RECORDS as _RECORDS
+from gpuos_tools.ckpt.records import man_sections
 from gpuos_tools.cli import error, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 
@@ -63,26 +63,7 @@ its old PID, which must be free.
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
 that failed, so that running it again retries them. It is silent on success."""
 
-MAN_SECTIONS = {
-    "RECORDS": (
-        "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
-        "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in _RECORDS.strip("\n").splitlines())
-    ),
-    "NOTES": NOTES,
-    "ENVIRONMENT": (
-        "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
-        "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
-        "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
-        "- `PATH`: where `criu` is looked for (`--image`)."
-    ),
-    "FILES": (
-        "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
-        "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
-        "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
-    ),
-    "EXAMPLES": EXAMPLES,
-    "SEE ALSO": "gpu-ckpt(1), criu(8), chronic(1)",
-}
+MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-ckpt(1), criu(8), chronic(1)")
 
 app = typer.Typer(name=PROG, add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
