@@ -42,7 +42,8 @@ MAN_SECTIONS = {
         "stops tracing in the child. The native tracer needs a C compiler once; without one, "
         "`--backend auto` falls back to cupti-python callbacks, which cost about 12 us per launch "
         "instead of well under one. Another CUPTI tool (Nsight Systems, a profiler) attached to "
-        "the same program prevents tracing."
+        "the same program prevents tracing. With `--check-pointers` the native path records at "
+        "most 64 driver-confirmed pointers per launch (`--backend python` records all of them)."
     ),
     "SEE ALSO": "gpuos-stream(7)",
 }
