@@ -321,9 +321,21 @@ def gpu_restore_page() -> str:
     return render_man(typer.main.get_command(restore.app), "gpu-restore", 1, restore.MAN_SECTIONS)
 
 
+def gpu_predict_access_page() -> str:
+    """gpu-predict-access(1), from the typer app in gpuos_tools/commands/predict_access.py."""
+    import typer
+
+    from gpuos_tools.commands import predict_access
+
+    return render_man(
+        typer.main.get_command(predict_access.app), "gpu-predict-access", 1, predict_access.MAN_SECTIONS
+    )
+
+
 PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpuos-stream", 7, stream_page),
     ("gpu-trace", 1, gpu_trace_page),
     ("gpu-ckpt", 1, gpu_ckpt_page),
     ("gpu-restore", 1, gpu_restore_page),
+    ("gpu-predict-access", 1, gpu_predict_access_page),
 ]

@@ -102,6 +102,14 @@ class AllocTable:
         elif kind == "free":
             self.remove(rec)
 
+    def find(self, addr: int) -> Allocation | None:
+        """The live allocation that contains ``addr``, else None."""
+        i = bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        alloc = self._live[self._starts[i]]
+        return alloc if addr < alloc.end else None
+
     def resolve(self, addr: int) -> tuple[int, int] | None:
         """(allocation id, offset into it) for an address inside a live allocation, else None."""
         i = bisect_right(self._starts, addr) - 1

@@ -1,0 +1,53 @@
+"""Which buffers each kernel launch, copy and memset reads and writes, speculated from a trace.
+
+access       of ("launch"|"memcpy"|"memset"|"graph_launch"), seq (launches: the launch's
+             seq) or index (memcpy, memset, graph_launch: 1-based count of those records),
+             kernel (launches: the launch's mangled kernel name), captured? (true: the launch
+             was captured into a CUDA graph and did not run then), graph? (graph_launch),
+             reads [{alloc, offset, size, how}], writes [{alloc, offset, size, how}],
+             unknown (true: the launch may touch any memory), why? (text: what made it
+             unknown, or that a failed launch ran nothing)
+
+A buffer is an allocation id (of an `alloc` record) and a byte range inside it. Granularity
+`alloc` (default) gives the whole allocation; `range` gives, for a launch, the range from the
+pointer to the end of its allocation (all that the arguments alone justify: tighter ranges
+need size templates fitted per kernel, not built yet) and, for a copy or memset, exactly the
+bytes it covers. A buffer that is both read and written is listed in both. Several pointers
+into one allocation give one entry (the hull of their ranges).
+
+`how` says how a buffer was found and why its direction: for a launch
+`dptr:BASIS` (an argument word the driver confirmed as a device pointer) or `scan:BASIS`
+(without `dptrs`: an 8-byte-aligned argument word that lies in a live allocation), where
+BASIS is what the parameter's type says: `const` (`T const*`: read only), `pointer` (`T*`:
+read and write), `struct` (passed by value: a struct, array or lambda, or any parameter
+over 8 bytes of an extern "C" kernel; direction unknown, read and write assumed), `untyped`
+(an 8-byte parameter of an extern "C" kernel, which has no prototype, or of a kernel whose
+prototype does not match its launch: read and write assumed), `value` (a scalar by its type
+whose word lies in a live allocation: read and write assumed), `reference`, and
+`pointer-to-pointer` (the launch is unknown: the pointers it lists live in device memory and
+are not followed). For copies: `copy source`, `copy destination`; for memsets: `memset`.
+
+A launch is unknown when its layout is `none` (arguments not decoded), when a
+driver-confirmed pointer lies in no traced allocation, or when a parameter is a pointer to
+pointers; every graph_launch is unknown (graph contents are not traced yet). A copy or
+memset is unknown when a device address in it lies in no traced allocation or it runs past
+its allocation's end. Host addresses that are not traced allocations are not listed; pinned
+host memory from `cuMemHostAlloc` is a traced allocation (kind `host`) and is listed.
+
+Nothing here is validated on a GPU yet: read/write directions come from prototypes, not
+from the kernels' code.
+"""
+
+from gpuos_tools.access.predict import GRANULARITIES, Finding, KernelInfo, Predictor, kernel_info
+from gpuos_tools.access.proto import classify, prototype, split_params
+
+__all__ = [
+    "GRANULARITIES",
+    "Finding",
+    "KernelInfo",
+    "Predictor",
+    "classify",
+    "kernel_info",
+    "prototype",
+    "split_params",
+]

@@ -1,0 +1,192 @@
+"""``gpu-predict-access --report`` and ``--explain SEQ``: summaries of the predictions, per
+kernel, and the reasoning behind one launch's prediction."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuos_tools.access.predict import BASIS_TEXT, Predictor
+from gpuos_tools.trace.stats import human_bytes
+
+
+@dataclass(slots=True)
+class Row:
+    """Predictions for one kernel (or for all copies, memsets or graph launches)."""
+
+    of: str
+    name: str
+    kernel: str | None = None
+    launches: int = 0
+    captured: int = 0
+    reads: int = 0  #: buffer entries over all launches
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    unknown: int = 0
+    why: Counter[str] = field(default_factory=Counter)
+
+
+def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc") -> list[Row]:
+    """One pass over a trace: a row per kernel, then one each for memcpy, memset, graph_launch."""
+    pred = Predictor(granularity)
+    rows: dict[tuple[str, str], Row] = {}
+    feed = pred.feed
+    for rec in records:
+        acc = feed(rec)
+        if acc is None:
+            continue
+        of = acc["of"]
+        if of == "launch":
+            info = pred.info(rec)
+            key = (of, info.kernel)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = Row(of, info.name, info.kernel)
+        else:
+            key = (of, of)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = Row(of, f"({of})")
+        row.launches += 1
+        row.captured += bool(acc.get("captured"))
+        row.reads += len(acc["reads"])
+        row.writes += len(acc["writes"])
+        row.bytes_read += sum(e["size"] for e in acc["reads"])
+        row.bytes_written += sum(e["size"] for e in acc["writes"])
+        if acc["unknown"]:
+            row.unknown += 1
+            row.why[acc.get("why", "")] += 1
+    kernels = sorted((r for r in rows.values() if r.of == "launch"), key=lambda r: (-r.launches, r.name))
+    others = [rows[(of, of)] for of in ("memcpy", "memset", "graph_launch") if (of, of) in rows]
+    return kernels + others
+
+
+def report_records(rows: list[Row], granularity: str) -> Iterable[dict[str, Any]]:
+    for row in rows:
+        rec: dict[str, Any] = {"type": "access_report", "of": row.of}
+        if row.kernel is not None:
+            rec["kernel"] = row.kernel
+        rec.update(
+            name=row.name, granularity=granularity, launches=row.launches, captured=row.captured,
+            reads_per_launch=round(row.reads / row.launches, 3),
+            writes_per_launch=round(row.writes / row.launches, 3),
+            bytes_read=row.bytes_read, bytes_written=row.bytes_written,
+            unknown=row.unknown, why=dict(row.why),
+        )  # fmt: skip
+        yield rec
+
+
+def render_report(rows: list[Row], console: Console, granularity: str) -> None:
+    table = Table(title=f"predicted accesses ({granularity} granularity; not validated on a GPU)")
+    for col, justify in (("kernel", "left"), ("launches", "right"), ("reads/launch", "right"),
+                         ("writes/launch", "right"), ("bytes read", "right"), ("bytes written", "right"),
+                         ("unknown", "right")):  # fmt: skip
+        table.add_column(col, justify=justify, overflow="fold" if col == "kernel" else "ellipsis")
+    for row in rows:
+        name = row.name if len(row.name) <= 100 else row.name[:97] + "..."
+        table.add_row(
+            name, str(row.launches), f"{row.reads / row.launches:.2f}", f"{row.writes / row.launches:.2f}",
+            human_bytes(row.bytes_read), human_bytes(row.bytes_written),
+            str(row.unknown) if row.unknown else "",
+        )  # fmt: skip
+    console.print(table)
+    for row in rows:
+        for why, n in row.why.items():
+            console.print(f"unknown ×{n}: {row.name[:80]}: {why}", highlight=False)
+
+
+# -- explain ----------------------------------------------------------------------------------
+
+
+def explain(records: Iterable[dict[str, Any]], seq: int, granularity: str = "alloc") -> dict[str, Any] | None:
+    """The ``access_explain`` record of the launch with this ``seq`` (the first one), or None."""
+    pred = Predictor(granularity)
+    for rec in records:
+        if rec["type"] == "launch" and rec.get("seq") == seq:
+            return explain_launch(pred, rec)
+        pred.feed(rec)
+    return None
+
+
+def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
+    """How each buffer of one launch was inferred, given the predictor's state just before it."""
+    access, info, found = pred.launch(rec)
+    params = rec.get("params") or ()
+    words = []
+    for f in found:
+        basis = info.bases[f.param] if f.param < len(info.bases) else "untyped"
+        entry: dict[str, Any] = {
+            "param": f.param,
+            "param_offset": params[f.param].get("offset") if f.param < len(params) else None,
+            "offset": f.offset,
+            "word": f.word,
+            "found": f.found,
+            "alloc": f.alloc.id if f.alloc else None,
+            "alloc_offset": f.word - f.alloc.addr if f.alloc else None,
+            "alloc_size": f.alloc.size if f.alloc else None,
+            "type": info.types[f.param] if f.param < len(info.types) else None,
+            "basis": basis,
+        }
+        if f.alloc is None:
+            entry["decision"] = "in no traced allocation: the launch is unknown"
+        elif basis == "const":
+            entry["decision"] = "read"
+        else:
+            entry["decision"] = "read+write: " + BASIS_TEXT.get(basis, basis)
+        words.append(entry)
+    return {
+        "type": "access_explain",
+        "seq": rec.get("seq"),
+        "kernel": info.kernel,
+        "name": info.name,
+        "layout": rec.get("layout"),
+        "source": "dptrs (driver-confirmed pointers)" if "dptrs" in rec else "scan of the argument words",
+        "prototype": info.note,
+        "params": [
+            {"index": i, "offset": p.get("offset"), "size": p.get("size"), "type": info.types[i] if i < len(info.types) else None,
+             "basis": info.bases[i] if i < len(info.bases) else "untyped"}
+            for i, p in enumerate(params)
+        ],  # fmt: skip
+        "words": words,
+        "access": access,
+    }
+
+
+def render_explain(ex: dict[str, Any], console: Console) -> None:
+    out = console.print
+    acc = ex["access"]
+    out(f"launch {ex['seq']}: {ex['name']}", highlight=False)
+    if ex["kernel"] != ex["name"]:
+        out(f"  mangled: {ex['kernel']}", highlight=False)
+    out(f"  layout: {ex['layout']}; pointers from: {ex['source']}; types: {ex['prototype']}", highlight=False)
+    if acc.get("captured"):
+        out("  captured into a CUDA graph: it runs with each graph_launch, not now", highlight=False)
+    out("  parameters:", highlight=False)
+    for p in ex["params"]:
+        out(f"    [{p['index']}] +{p['offset']} ({p['size']} B) {p['type'] or '?'}: {p['basis']}", highlight=False)
+    out("  pointer words:", highlight=False)
+    if not ex["words"]:
+        out("    none", highlight=False)
+    for w in ex["words"]:
+        where = (
+            f"allocation {w['alloc']} +{w['alloc_offset']} (of {w['alloc_size']} B)" if w["alloc"] is not None
+            else "no traced allocation"
+        )  # fmt: skip
+        out(
+            f"    param {w['param']} +{w['offset']}: {w['word']:#x} ({w['found']}) -> {where}; "
+            f"{w['type'] or 'type unknown'} -> {w['decision']}",
+            highlight=False,
+        )
+    for label in ("reads", "writes"):
+        entries = ", ".join(f"{e['alloc']}[{e['offset']}:+{e['size']}]" for e in acc[label]) or "none"
+        out(f"  {label}: {entries}", highlight=False)
+    if acc["unknown"]:
+        out(f"  UNKNOWN: {acc.get('why')}", highlight=False)
+    elif acc.get("why"):
+        out(f"  note: {acc['why']}", highlight=False)
