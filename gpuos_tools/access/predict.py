@@ -293,6 +293,8 @@ def _merge(into: dict[int, list], alloc_id: int, offset: int, size: int, how: st
     if entry is None:
         into[alloc_id] = [offset, size, how]
         return
+    if entry[0] == offset and entry[1] == size and entry[2] == how:
+        return
     end = max(entry[0] + entry[1], offset + size)
     entry[0] = min(entry[0], offset)
     entry[1] = end - entry[0]
