@@ -112,10 +112,5 @@ class AllocTable:
 
     def resolve(self, addr: int) -> tuple[int, int] | None:
         """(allocation id, offset into it) for an address inside a live allocation, else None."""
-        i = bisect_right(self._starts, addr) - 1
-        if i < 0:
-            return None
-        alloc = self._live[self._starts[i]]
-        if addr >= alloc.end:
-            return None
-        return alloc.id, addr - alloc.addr
+        alloc = self.find(addr)
+        return None if alloc is None else (alloc.id, addr - alloc.addr)
