@@ -167,7 +167,9 @@ def parse_records(data: bytes, check_pointers: bool = False) -> list[tuple]:
         elif tag == 5:
             d, dst, src, n, stream, is_async, w, h, sp, dp = _U64[10].unpack_from(data, body)
             shape = (w, h, sp, dp) if (w or h) else None
-            append((wire.COPY, ts, tid, cbid, COPY_DIRS[d], dst, src, n, stream, bool(is_async), shape))
+            payload = data[body + 80 : body + 80 + n] if length > _HDR.size + 80 else None
+            append((wire.COPY, ts, tid, cbid, COPY_DIRS[d], dst, src, n, stream, bool(is_async), shape,
+                    payload))
         elif tag == 6:
             dst, nbytes, value, elem, stream, is_async = _U64[6].unpack_from(data, body)
             append((wire.SET, ts, tid, cbid, dst, nbytes, value, elem, stream, bool(is_async)))

@@ -67,6 +67,7 @@ enum { R_LAUNCH = 1, R_FUNC = 2, R_ALLOC = 3, R_FREE = 4, R_COPY = 5, R_SET = 6,
        R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12 };
 
 #define MAX_CBID 4096
+#define SMALL_COPY 4096 /* bytes of a host-to-device copy kept in its record */
 static uint8_t kind_of[MAX_CBID];
 static void *subscriber;
 static subscribe_t p_subscribe;
@@ -315,7 +316,18 @@ static void on_driver(uint32_t cbid, const cb_data_t *cb) {
         uint64_t dst = q[0], src = peer ? q[2] : q[1], n = peer ? q[4] : q[2];
         uint64_t stream = st ? q[peer ? 5 : 3] : 0;
         uint64_t v[10] = {dir, dst, src, n, stream, st, 0, 0, 0, 0};
-        put_u64s(R_COPY, cbid, v, 10);
+        /* Small copies from host memory carry their bytes: pointer arrays reach the GPU this
+           way, and gpu-predict-access follows the pointers in them. A "default" copy's source
+           is host memory when the driver does not know it as device memory. */
+        uint32_t type = 0;
+        int from_host = dir == 1 || (dir == 0 && p_pointer_attr &&
+                        (p_pointer_attr(&type, 2, src) != 0 || type == 1));
+        if (from_host && n && n <= SMALL_COPY && src) {
+            char *p = begin(R_COPY, cbid, 80 + ((n + 7) & ~7ull));
+            if (p) { memcpy(p, v, 80); memcpy(p + 80, (const void *)(uintptr_t)src, n); }
+        } else {
+            put_u64s(R_COPY, cbid, v, 10);
+        }
         return;
     }
     if (kind == K_COPY2D || kind == K_COPY2D_ASYNC) {
