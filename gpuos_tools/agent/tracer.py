@@ -261,6 +261,17 @@ def _free_handler(unpack, size_of, stream_of):
     return handler
 
 
+SMALL_COPY = 4096  #: bytes of a host-to-device copy kept in its record (as in gpuos_trace.c)
+
+
+def _host(addr: int) -> bool:
+    """True when the driver does not know ``addr`` as device memory (so it is host memory)."""
+    from cuda.bindings import driver as drv
+
+    err, memtype = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
+    return err != drv.CUresult.CUDA_SUCCESS or int(memtype) == 1
+
+
 def _copy_handler(direction: str, order: str, with_stream: bool):
     """order "ds": params start (dst, src, n); "peer": (dst, dctx, src, sctx, n)."""
     unpack = {("ds", False): _Q3, ("ds", True): _Q4, ("peer", False): _Q5, ("peer", True): _Q6}[
@@ -277,7 +288,10 @@ def _copy_handler(direction: str, order: str, with_stream: bool):
         else:
             dst, src, n = f[0], f[2], f[4]
         stream = f[-1] if with_stream else 0
-        _append((wire.COPY, _now(), _tid(), cbid, direction, dst, src, n, stream, with_stream, None))
+        data = None
+        if 0 < n <= SMALL_COPY and src and (direction == "HtoD" or (direction == "default" and _host(src))):
+            data = bytes(_MEM[src : src + n])  # pointer arrays reach the GPU this way
+        _append((wire.COPY, _now(), _tid(), cbid, direction, dst, src, n, stream, with_stream, None, data))
 
     return handler
 
@@ -294,7 +308,7 @@ def _copy2d_handler(with_stream: bool):
         dst = (dhost if dtype == 1 else ddev) + dy * dpitch + dx
         direction = _MEMTYPE_DIR.get((stype, dtype), "default")
         _append((wire.COPY, _now(), _tid(), cbid, direction, dst, src, width * height, stream,
-                 with_stream, (width, height, spitch, dpitch)))
+                 with_stream, (width, height, spitch, dpitch), None))
 
     return handler
 
@@ -442,14 +456,90 @@ def driver_table(cbid_enum) -> dict[int, tuple[str, object, int]]:
 
 # ---------------------------------------------------------------- lifecycle
 
+# ---------------------------------------------------------------- --validate
+
+def _validating_handlers(validator, table: dict) -> dict:
+    """Launch handlers that check sampled launches on the GPU around the program's own launch."""
+    from gpuos_tools.agent.validate import CudaFailure
+
+    handlers = {}
+
+    def make(name: str, base):
+        def handler(cbid: int, cbdata) -> None:
+            site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+            tid = _tid()
+            if site == _ENTER:
+                if name.startswith("cuLaunchKernelEx"):
+                    cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
+                    stream = _LAUNCH_CONFIG(_MEM, cfg)[7]
+                    raw = (cfg, f, kp, extra)
+                elif name.startswith("cuLaunchCooperativeKernel"):
+                    raw = _LAUNCH_COOP(_MEM, pp)
+                    f, stream, kp, extra = raw[0], raw[8], raw[9], 0
+                else:
+                    raw = _LAUNCH(_MEM, pp)
+                    f, stream, kp, extra = raw[0], raw[8], raw[9], raw[10]
+                if not validator.wants(f) or _capturing(stream):
+                    return
+                entry = _layouts.get(f, False)
+                if entry is False:
+                    entry = _learn(f, cbdata)
+                sizes = entry[2] if entry is not None else None
+                validator.busy_tid = tid
+                try:
+                    validator.enter(tid, name, (name, raw), f, cbdata.symbol_name or "", sizes,
+                                    _args(entry, kp, extra))
+                except CudaFailure as exc:
+                    _append((wire.ERROR, _now(), f"validation of {cbdata.symbol_name}: {exc}"))
+                finally:
+                    validator.busy_tid = 0
+            else:
+                base(cbid, cbdata)
+                if tid in validator.pending:
+                    validator.busy_tid = tid
+                    try:
+                        body = validator.exit(tid, _result(rp))
+                    finally:
+                        validator.busy_tid = 0
+                    if body is not None:
+                        _append((wire.VALID, _now(), tid, body))
+
+        return handler
+
+    for cbid, (name, handler, _) in table.items():
+        if name.startswith(("cuLaunchKernel", "cuLaunchCooperativeKernel")):
+            handlers[cbid] = make(name, handler)
+    return handlers
+
+
+def _validating_append(validator):
+    """The queue's append, also keeping the validator's allocation table."""
+    append = _Q.append
+
+    def tee(item: tuple) -> None:
+        tag = item[0]
+        if tag == wire.ALLOC:
+            validator.on_alloc(item[4], item[5], item[6])
+        elif tag == wire.FREE:
+            validator.on_free(item[4])
+        elif tag == wire.COPY:
+            validator.on_copy(item[4], item[5], item[7], item[10], item[11])
+        elif tag == wire.SET:
+            validator.on_set(item[4], item[5])
+        append(item)
+
+    return tee
+
+
 class Tracer:
     """The Python path: cupti-python calls ``callback`` for every enabled API, enter and exit."""
 
     backend = "python"
 
-    def __init__(self, fd: int, flush_interval: float = 0.02):
+    def __init__(self, fd: int, flush_interval: float = 0.02, validator=None):
         from cupti import cupti
 
+        self.validator = validator
         self.cupti = cupti
         self.fd = fd
         self.flush_interval = flush_interval
@@ -473,8 +563,21 @@ class Tracer:
         driver_domain = int(cupti.CallbackDomain.DRIVER_API)
         resource_domain = int(cupti.CallbackDomain.RESOURCE)
         counters = _counters
+        validator = self.validator
+        if validator is not None:
+            global _append
+            _append = _validating_append(validator)
+            driver.update(_validating_handlers(validator, self.table))
 
         def callback(userdata, domain, cbid, cbdata):
+            if validator is not None:
+                if validator.busy_tid == _tid():
+                    return  # the validator's own driver calls
+                with validator.lock:
+                    return checked(domain, cbid, cbdata)
+            return checked(domain, cbid, cbdata)
+
+        def checked(domain, cbid, cbdata):
             try:
                 if domain == driver_domain:
                     driver[cbid](cbid, cbdata)
@@ -599,7 +702,16 @@ def start(fd: int) -> Tracer:
     check = os.environ.pop("GPUOS_TRACE_CHECK_POINTERS", "0") == "1"
     flush_ms = float(os.environ.pop("GPUOS_TRACE_FLUSH_MS", "20"))
     library = os.environ.pop("GPUOS_TRACE_NATIVE", "")
-    if library:
+    validate = os.environ.pop("GPUOS_TRACE_VALIDATE", "")
+    if validate:
+        from gpuos_tools.agent.validate import Validator
+
+        samples, max_bytes, extents = validate.split(":")
+        validator = Validator(int(samples), int(max_bytes), extents == "1")
+        if check:
+            _emit_launch = _emit_launch_checked
+        _tracer = Tracer(fd, flush_ms / 1000.0, validator)
+    elif library:
         _tracer = NativeTracer(fd, flush_ms / 1000.0, library, check)
     else:
         if check:

@@ -15,7 +15,9 @@ LAUNCH  (1, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, res
 FUNC    (2, func, mangled name, layout source, ((offset, size), ...) or None)
 ALLOC   (3, ts, tid, cbid, addr, size, kind, stream)
 FREE    (4, ts, tid, cbid, addr, size or -1, stream)
-COPY    (5, ts, tid, cbid, direction, dst, src, nbytes, stream, is_async)
+COPY    (5, ts, tid, cbid, direction, dst, src, nbytes, stream, is_async, shape, data)
+        shape: (width, height, src pitch, dst pitch) of 2-D copies, else None; data: the bytes
+        of a copy from host memory of at most 4096 bytes, else None
 SET     (6, ts, tid, cbid, dst, nbytes, value, elem, stream, is_async)
 MODULE  (7, ts, tid, cupti module id, image bytes)
 STREAM  (8, ts, tid, stream, event)
@@ -23,6 +25,7 @@ GRAPH   (9, ts, tid, cbid, graph exec, stream)
 ERROR   (10, ts, message)
 END     (11, ts, {counter: value})
 LIBRARY (12, ts, tid, cbid, image bytes or None)
+VALID   (13, ts, tid, {validation record body}) right after the LAUNCH it checked (--validate)
 
 ``args`` is every parameter's bytes concatenated in ordinal order (sizes from the FUNC layout);
 ``stream`` is the raw CUstream handle (0: legacy default stream, 2: per-thread default).
@@ -35,7 +38,7 @@ import os
 import struct
 from collections.abc import Iterator
 
-HELLO, LAUNCH, FUNC, ALLOC, FREE, COPY, SET, MODULE, STREAM, GRAPH, ERROR, END, LIBRARY = range(13)
+HELLO, LAUNCH, FUNC, ALLOC, FREE, COPY, SET, MODULE, STREAM, GRAPH, ERROR, END, LIBRARY, VALID = range(14)
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 1 << 31

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from gpuos_tools.cli import run_app, stderr_console
+from gpuos_tools.agent.validate import __doc__ as _validate_doc
 from gpuos_tools.trace.records import __doc__ as _records_doc
 
 TRACE_RECORDS = _records_doc.split("\n\n", 2)[2].split("\n\nA launch's")[0]
@@ -45,7 +46,11 @@ MAN_SECTIONS = {
         "the same program prevents tracing. With `--check-pointers` the native path records at "
         "most 64 driver-confirmed pointers per launch (`--backend python` records all of them)."
     ),
-    "SEE ALSO": "gpuos-stream(7)",
+    "VALIDATION": _validate_doc.split("\n\n", 1)[1].strip("\n")
+    + "\n\n`--validate` runs in the python backend; with its trials a validated launch takes "
+    "milliseconds (tens with extents), so sample few launches in big programs "
+    "(`--validate-samples`).",
+    "SEE ALSO": "gpuos-stream(7), gpu-predict-access(1)",
 }
 
 app = typer.Typer(
@@ -89,6 +94,25 @@ def run(
         help="Ask the driver which argument words are device pointers and record them as 'dptrs' "
         "(exact, slow: for validating traces and predictions).",
     ),
+    validate: bool = typer.Option(
+        False, "--validate",
+        help="Check gpu-predict-access's predictions on the GPU for sampled launches and add "
+        "'validation' records (slow; uses the python backend).",
+    ),
+    validate_samples: int = typer.Option(
+        3, "--validate-samples", min=1, metavar="N",
+        help="With --validate: check the first N launches of each kernel, then its 2^k-th ones.",
+    ),
+    validate_max: str = typer.Option(
+        "8GiB", "--validate-max", metavar="SIZE",
+        help="With --validate: skip launches while more device memory than this is live (the "
+        "snapshot needs as much again).",
+    ),
+    validate_extents: bool = typer.Option(
+        True, "--validate-extents/--no-validate-extents",
+        help="With --validate: also measure how far past each pointer a kernel reads (bisection; "
+        "the data for size templates).",
+    ),
 ) -> None:
     """Run PROGRAM with the tracer injected; exit with the program's own exit status.
 
@@ -100,12 +124,23 @@ def run(
 
     if backend not in ("auto", "native", "python"):
         raise typer.BadParameter("must be auto, native or python", param_hint="--backend")
+    validation = None
+    if validate:
+        from gpuos_tools.cli import parse_size
+
+        if backend == "native":
+            raise typer.BadParameter("--validate runs in the python backend", param_hint="--backend")
+        try:
+            validation = (validate_samples, parse_size(validate_max), validate_extents)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--validate-max") from None
+        backend = "python"
     images_dir = None if no_images else (images or default_images_dir(output))
     with open_output(output, unbuffered=unbuffered or None) as writer:
         summary = trace_program(
             program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers,
             backend=backend, warn=lambda m: print(f"gpu-trace: warning: {m}", file=sys.stderr),
-            output_path=output,
+            output_path=output, validate=validation,
         )
     if sys.stderr.isatty():
         stderr_console().print(f"gpu-trace: {describe(summary)}", highlight=False)

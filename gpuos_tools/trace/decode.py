@@ -107,11 +107,13 @@ class Decoder:
         return rec
 
     def _copy(self, item: tuple) -> dict[str, Any]:
-        _, ts, tid, cbid, direction, dst, src, nbytes, stream, is_async, shape = item
+        _, ts, tid, cbid, direction, dst, src, nbytes, stream, is_async, shape = item[:11]
         rec = {"type": "memcpy", "ts": ts, "tid": tid, "api": self.api(cbid), "dir": direction,
                "dst": dst, "src": src, "bytes": nbytes, "stream": stream, "async": bool(is_async)}
         if shape is not None:
             rec["width"], rec["height"], rec["src_pitch"], rec["dst_pitch"] = shape
+        if len(item) > 11 and item[11] is not None:
+            rec["data"] = item[11].hex()
         return rec
 
     def _set(self, item: tuple) -> dict[str, Any]:
@@ -168,6 +170,10 @@ class Decoder:
         self.errors.append(message)
         return {"type": "error", "ts": ts, "source": "tracer", "message": message}
 
+    def _valid(self, item: tuple) -> dict[str, Any]:
+        _, ts, tid, body = item
+        return {"type": "validation", "ts": ts, "tid": tid, "seq": self.seq, **body}
+
     def _end(self, item: tuple) -> None:
         self.end = dict(item[2])
 
@@ -188,4 +194,5 @@ _HANDLERS = {
     wire.GRAPH: Decoder._graph,
     wire.ERROR: Decoder._error,
     wire.END: Decoder._end,
+    wire.VALID: Decoder._valid,
 }

@@ -7,7 +7,8 @@ CLOCK_MONOTONIC in ``ts``; ``tid`` is the native thread id of the caller.
 header       schema, tool, version, host, pid, argv, gpus [{index, uuid, name, memory}],
              driver (version string), cuda (driver API version int), python, cupti, backend
              (native|python), images (side directory of module images: relative to the trace
-             file's directory, absolute when the trace went to stdout; null with --no-images)
+             file's directory, absolute when the trace went to stdout; null with --no-images),
+             validate? {samples, max_bytes, extents} (with --validate)
 alloc        id, api, addr, size, kind (device|pitch|managed|async|pool|host|vmm), stream?
 free         id (null when the address was never seen allocated), api, addr, size?, stream?
 launch       seq, api, func, kernel (mangled), name (demangled), grid [x,y,z], block [x,y,z],
@@ -18,7 +19,9 @@ launch       seq, api, func, kernel (mangled), name (demangled), grid [x,y,z], b
              with each graph_launch of that graph),
              dptrs? [[param index, offset, "device"|"unified"], ...]: with --check-pointers, the
              argument words the driver itself says are device pointers (ground truth)
-memcpy       api, dir (HtoD|DtoH|DtoD|HtoH|default|peer), dst, src, bytes, stream?, async
+memcpy       api, dir (HtoD|DtoH|DtoD|HtoH|default|peer), dst, src, bytes, stream?, async,
+             width?, height?, src_pitch?, dst_pitch? (2-D copies), data? (hex of the bytes of a
+             copy from host memory of at most 4096 bytes: how pointer arrays are seen)
 memset       api, dst, bytes (total), value, elem (1|2|4), stream?, async
 module       id, hash ("sha256:<hex>"), size, file (path relative to the images directory),
              format (cubin|fatbin|ptx|unknown), kernels [mangled names, from the ELF symbols]
@@ -26,6 +29,15 @@ library      api (cuModuleLoadData, cuLibraryLoadData...), format, size; hash an
              (cubins reach the trace as module records once the driver loads them)
 stream       stream (handle), event ("create"|"destroy")
 graph_launch graph (handle of the executable graph), stream
+validation   (--validate) seq (of the launch it follows), kernel, checked (false: skipped,
+             see why), predicted {reads, writes: [[addr, size]...], unknown} (gpu-predict-
+             access's range prediction, made in the program), chunk (bytes per hashed chunk),
+             checked_bytes, written [[addr, size]...] (the chunks whose contents changed),
+             missed_writes [[addr, size]...] (written outside the predicted writes), reads
+             ("ok"|"missed"|"nondeterministic"|"skipped"), read_effects? [[addr, size]...]
+             (output that changed when memory outside the predicted reads was poisoned),
+             extents? [{param, offset, ptr, limit, read, written, steps}] (bytes past each
+             pointer read and written, chunk-rounded), why?, ms (time the check took)
 error        source, message (a problem inside the tracer; the trace goes on)
 exit         code (the program's exit status), signal?, complete (the tracer said goodbye),
              records {type: count}, wall_s, tracer? {callbacks, errors, functions, and on the
@@ -42,7 +54,8 @@ from collections.abc import Iterator
 from typing import Any
 
 TRACE_TYPES = frozenset(
-    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "stream", "graph_launch", "exit"}
+    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "stream", "graph_launch", "validation",
+     "exit"}
 )
 
 

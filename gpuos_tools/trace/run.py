@@ -94,8 +94,12 @@ def native_library(backend: str, warn) -> str | None:
 def trace_program(
     cmd: list[str], writer, images_dir: Path | None, flush_ms: float = 20.0, check_pointers: bool = False,
     backend: str = "auto", warn=lambda message: None, output_path: str = "-",
+    validate: tuple[int, int, bool] | None = None,
 ) -> RunSummary:
-    """Run ``cmd`` traced, writing header, records and an exit record to ``writer``."""
+    """Run ``cmd`` traced, writing header, records and an exit record to ``writer``.
+
+    ``validate``: (samples per kernel, max live bytes, measure extents) for --validate.
+    """
     from gpuos_tools.agent.native import parse_records
     from gpuos_tools.cuda.driver import probe_driver
     from gpuos_tools.stream import make_header
@@ -117,6 +121,8 @@ def trace_program(
     env["GPUOS_TRACE_FLUSH_MS"] = str(flush_ms)
     env["GPUOS_TRACE_CHECK_POINTERS"] = "1" if check_pointers else "0"
     env["GPUOS_TRACE_NATIVE"] = library or ""
+    if validate is not None:
+        env["GPUOS_TRACE_VALIDATE"] = f"{validate[0]}:{validate[1]}:{int(validate[2])}"
 
     decoder = Decoder(images_dir)
     started = time.monotonic()
@@ -139,6 +145,8 @@ def trace_program(
             python=hello[2] if hello else None, cupti=hello[3] if hello else None,
             backend=hello[6] if hello else None,
             images=_images_ref(images_dir, output_path),
+            **({"validate": {"samples": validate[0], "max_bytes": validate[1], "extents": validate[2]}}
+               if validate else {}),
         )
 
     wrote_header = False
