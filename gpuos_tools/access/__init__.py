@@ -13,7 +13,8 @@ A buffer is an allocation id (of an `alloc` record) and a byte range inside it. 
 pointer to the end of its allocation (all that the arguments alone justify: tighter ranges
 need size templates fitted per kernel, not built yet) and, for a copy or memset, exactly the
 bytes it covers. A buffer that is both read and written is listed in both. Several pointers
-into one allocation give one entry (the hull of their ranges).
+into one allocation give one entry per disjoint range (ranges that overlap or touch are merged;
+at alloc granularity that is one entry per allocation).
 
 `how` says how a buffer was found and why its direction: for a launch
 `dptr:BASIS` (an argument word the driver confirmed as a device pointer) or `scan:BASIS`
@@ -24,12 +25,17 @@ over 8 bytes of an extern "C" kernel; direction unknown, read and write assumed)
 (an 8-byte parameter of an extern "C" kernel, which has no prototype, or of a kernel whose
 prototype does not match its launch: read and write assumed), `value` (a scalar by its type
 whose word lies in a live allocation: read and write assumed), `reference`, and
-`pointer-to-pointer` (the launch is unknown: the pointers it lists live in device memory and
-are not followed). For copies: `copy source`, `copy destination`; for memsets: `memset`.
+`pointer-to-pointer`. A buffer found through memory is `stored`: a pointer held in device
+memory that an argument points to, where that memory's contents are known because they were
+copied from the host (`data` of a memcpy record; how batched GEMM's pointer arrays arrive):
+read and write assumed. For copies: `copy source`, `copy destination`; for memsets: `memset`.
 
 A launch is unknown when its layout is `none` (arguments not decoded), when a
 driver-confirmed pointer lies in no traced allocation, or when a parameter is a pointer to
-pointers; every graph_launch is unknown (graph contents are not traced yet). A copy or
+pointers whose memory's contents are not known (written on the GPU, or copied in pieces over
+4096 bytes); every graph_launch is unknown (graph contents are not traced yet). A kernel that
+rewrites a pointer array on the GPU is not seen: the contents last copied from the host are
+used (`gpu-trace run --validate` reports the pointers it finds in device memory). A copy or
 memset is unknown when a device address in it lies in no traced allocation or it runs past
 its allocation's end. Host addresses that are not traced allocations are not listed; pinned
 host memory from `cuMemHostAlloc` is a traced allocation (kind `host`) and is listed.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuos_tools.access.proto import CONST, POINTERS, STRUCT, VALUE, prototype
+from gpuos_tools.access.templates import Templates
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.trace.allocs import Allocation, AllocTable
 
@@ -22,6 +23,10 @@ GRANULARITIES = ("alloc", "range")
 #: Basis of a parameter whose type is not known: the kernel is extern "C", or its prototype
 #: does not match the launch's parameters.
 UNTYPED = "untyped"
+
+#: Basis of a pointer found in device memory that an argument points to (contents known from a
+#: small host-to-device copy, the `data` of a memcpy record).
+STORED = "stored"
 
 #: What each basis means for the memory behind a pointer found in that parameter.
 BASIS_TEXT = {
@@ -32,6 +37,7 @@ BASIS_TEXT = {
     VALUE: "a scalar by its type, yet the word lies in a live allocation: read and write assumed",
     "reference": "a reference: direction unknown, read and write assumed",
     UNTYPED: "no parameter types (see the kernel's note): read and write assumed",
+    STORED: "stored in device memory an argument points to (copied from the host): read and write assumed",
 }
 
 GRAPH_WHY = "graph contents are not traced yet"
@@ -76,8 +82,9 @@ class Finding:
     param: int
     offset: int  #: byte offset of the word inside its parameter
     word: int
-    found: str  #: "dptr" (the driver said so) or "scan" (it lies in a live allocation)
+    found: str  #: "dptr" (the driver said so), "scan" (it lies in a live allocation) or "stored"
     alloc: Allocation | None  #: None: a driver-confirmed pointer into no traced allocation
+    via: int | None = None  #: "stored": the device address the pointer was read from
 
 
 def _word(hexs: str, offset: int) -> int:
@@ -106,13 +113,19 @@ def _nonzero_words(hexs: str) -> tuple[tuple[int, int], ...]:
 class Predictor:
     """Feed trace records in order; get an access record for each launch, copy and memset."""
 
-    def __init__(self, granularity: str = "alloc") -> None:
+    def __init__(self, granularity: str = "alloc", templates: Templates | None = None) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
+        if templates is not None and granularity != "range":
+            raise ValueError("size templates apply at range granularity")
         self.granularity = granularity
+        self.templates = templates if templates else None
         self.allocs = AllocTable()
         self._kernels: dict[tuple[str, int], KernelInfo] = {}
         self._counts = {"memcpy": 0, "memset": 0, "graph_launch": 0}
+        #: allocation id -> [(offset, bytes)]: device memory whose contents came from the host
+        self.contents: dict[int, list[tuple[int, bytes]]] = {}
+        self.by_id: dict[int, Allocation] = {}  #: live allocations by id (for scoring)
 
     # -- the stream --------------------------------------------------------------------------
 
@@ -122,9 +135,13 @@ class Predictor:
         if kind == "launch":
             return self.launch(rec)[0]
         if kind == "alloc":
-            self.allocs.add(rec)
+            a = self.allocs.add(rec)
+            self.by_id[a.id] = a
         elif kind == "free":
-            self.allocs.remove(rec)
+            old = self.allocs.remove(rec)
+            if old is not None:
+                self.contents.pop(old.id, None)
+                self.by_id.pop(old.id, None)
         elif kind == "memcpy":
             return self._memcpy(rec)
         elif kind == "memset":
@@ -138,14 +155,41 @@ class Predictor:
             return out
         return None
 
-    def annotate(self, records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        """Every record, each followed by the access record it causes."""
+    def annotate(self, records: Iterable[dict[str, Any]], validated: bool = False) -> Iterator[dict[str, Any]]:
+        """Every record, each followed by the access record it causes.
+
+        ``validated`` (the trace was made with --validate): a launch's access record is held
+        until the next record, so that the `validation` following it can be scored into its
+        ``validated`` entry (gpuos_tools/access/score.py).
+        """
         feed = self.feed
+        if not validated:
+            for rec in records:
+                yield rec
+                out = feed(rec)
+                if out is not None:
+                    yield out
+            return
+        from gpuos_tools.access.score import score
+
+        held = None
         for rec in records:
+            if held is not None:
+                if rec["type"] == "validation" and rec.get("seq") == held.get("seq"):
+                    v = score(held, rec, self.by_id)
+                    if v is not None:
+                        held["validated"] = v
+                yield held
+                held = None
             yield rec
             out = feed(rec)
             if out is not None:
-                yield out
+                if out["of"] == "launch":
+                    held = out
+                else:
+                    yield out
+        if held is not None:
+            yield held
 
     # -- launches ----------------------------------------------------------------------------
 
@@ -183,7 +227,41 @@ class Predictor:
             for off, word in _nonzero_words(hexs):
                 if low <= word < high and (alloc := find(word)) is not None:
                     out.append(Finding(i, off, word, "scan", alloc))
+        if self.contents:
+            out += self._stored(out)
         return out
+
+    def _stored(self, found: list[Finding]) -> list[Finding]:
+        """Pointers held in known device memory (a pointer array) that a found pointer reaches."""
+        out: list[Finding] = []
+        find = self.allocs.find
+        for f in found:
+            if f.alloc is None or f.alloc.id not in self.contents:
+                continue
+            at = f.word - f.alloc.addr
+            for start, data in self.contents[f.alloc.id]:
+                if not start <= at < start + len(data):
+                    continue
+                first = at - start
+                for k in range(first - first % 8 + (8 if first % 8 else 0), len(data) - 7, 8):
+                    word = int.from_bytes(data[k : k + 8], "little")
+                    if word and (alloc := find(word)) is not None:
+                        out.append(Finding(f.param, f.offset, word, STORED, alloc, f.alloc.addr + start + k))
+        return out
+
+    def _known(self, addr: int, extent: int, data: bytes | None) -> None:
+        """Bytes [addr, addr + extent) of device memory were overwritten, with ``data`` if known."""
+        alloc = self.allocs.find(addr)
+        if alloc is None:
+            return
+        off = addr - alloc.addr
+        pieces = self.contents.get(alloc.id)
+        if pieces:
+            pieces[:] = [(s, d) for s, d in pieces if s + len(d) <= off or s >= off + extent]
+        if data:
+            self.contents.setdefault(alloc.id, []).append((off, data))
+        if pieces is not None and not self.contents.get(alloc.id):
+            self.contents.pop(alloc.id, None)
 
     def launch(self, rec: dict[str, Any]) -> tuple[dict[str, Any], KernelInfo, list[Finding]]:
         """The access record of a launch, with what it was inferred from."""
@@ -194,6 +272,9 @@ class Predictor:
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
         why: list[str] = []
+        followed = {f.param for f in found if f.found == STORED}
+        templates = self.templates
+        params = rec.get("params") or ()
         for f in found:
             alloc = f.alloc
             if alloc is None:
@@ -201,15 +282,30 @@ class Predictor:
                     f"param {f.param} +{f.offset}: device pointer {f.word:#x} (driver) in no traced allocation"
                 )
                 continue
-            basis = bases[f.param] if f.param < len(bases) else UNTYPED
-            if basis == POINTERS:
-                why.append(f"param {f.param} is {info.types[f.param]}: pointers stored in device memory are not followed")
-            how = f"{f.found}:{basis}"
+            basis = STORED if f.found == STORED else bases[f.param] if f.param < len(bases) else UNTYPED
+            if basis == POINTERS and f.param not in followed:
+                why.append(f"param {f.param} is {info.types[f.param]}: the pointers it lists are in device "
+                           "memory not copied from the host, and are not followed")
+            how = STORED if basis == STORED else f"{f.found}:{basis}"
             if whole:
                 offset, size = 0, alloc.size
             else:
                 offset = f.word - alloc.addr
                 size = alloc.size - offset
+                if templates is not None and basis != STORED:
+                    sizes = templates.sizes(info.kernel, f.param, f.offset, params)
+                    if sizes is not None:
+                        rs, ws = sizes
+                        if rs is None:
+                            _merge(reads, alloc.id, offset, size, how)
+                        elif rs > 0:
+                            _merge(reads, alloc.id, offset, min(rs, size), "template:" + basis)
+                        if basis != CONST:
+                            if ws is None:
+                                _merge(writes, alloc.id, offset, size, how)
+                            elif ws > 0:
+                                _merge(writes, alloc.id, offset, min(ws, size), "template:" + basis)
+                        continue
             _merge(reads, alloc.id, offset, size, how)
             if basis != CONST:
                 _merge(writes, alloc.id, offset, size, how)
@@ -263,6 +359,9 @@ class Predictor:
         if n:
             self._range(rec.get("src") or 0, src_extent, "copy source", reads, why, direction in ("DtoH", "DtoD"))
             self._range(rec.get("dst") or 0, dst_extent, "copy destination", writes, why, direction in ("HtoD", "DtoD"))
+            if writes or self.contents:
+                data = rec.get("data")
+                self._known(rec.get("dst") or 0, dst_extent, bytes.fromhex(data) if data else None)
         out = {"type": "access", "of": "memcpy", "index": self._counts["memcpy"],
                "reads": _entries(reads), "writes": _entries(writes), "unknown": bool(why)}  # fmt: skip
         if why:
@@ -280,6 +379,8 @@ class Predictor:
         why: list[str] = []
         if n:
             self._range(rec.get("dst") or 0, extent, "memset", writes, why, True)
+            if self.contents:
+                self._known(rec.get("dst") or 0, extent, None)
         out = {"type": "access", "of": "memset", "index": self._counts["memset"],
                "reads": [], "writes": _entries(writes), "unknown": bool(why)}  # fmt: skip
         if why:
@@ -288,19 +389,33 @@ class Predictor:
 
 
 def _merge(into: dict[int, list], alloc_id: int, offset: int, size: int, how: str) -> None:
-    """Add [offset, offset + size) of an allocation; ranges of one allocation become their hull."""
-    entry = into.get(alloc_id)
-    if entry is None:
-        into[alloc_id] = [offset, size, how]
+    """Add [offset, offset + size) of an allocation; overlapping or touching ranges of one
+    allocation become one, disjoint ones stay separate entries."""
+    ranges = into.get(alloc_id)
+    if ranges is None:
+        into[alloc_id] = [[offset, size, how]]
         return
-    if entry[0] == offset and entry[1] == size and entry[2] == how:
-        return
-    end = max(entry[0] + entry[1], offset + size)
-    entry[0] = min(entry[0], offset)
-    entry[1] = end - entry[0]
-    if how not in entry[2].split(","):
-        entry[2] += "," + how
+    if len(ranges) == 1:
+        r = ranges[0]
+        if r[0] == offset and r[1] == size:
+            if r[2] != how and how not in r[2].split(","):
+                r[2] += "," + how
+            return
+    end = offset + size
+    keep = []
+    hows: list[str] = []
+    for r in ranges:
+        if r[0] <= end and offset <= r[0] + r[1]:
+            end = max(end, r[0] + r[1])
+            offset = min(offset, r[0])
+            hows += [h for h in r[2].split(",") if h not in hows]
+        else:
+            keep.append(r)
+    hows += [h for h in how.split(",") if h not in hows]
+    keep.append([offset, end - offset, ",".join(hows)])
+    keep.sort()
+    into[alloc_id] = keep
 
 
 def _entries(ranges: dict[int, list]) -> list[dict[str, Any]]:
-    return [{"alloc": a, "offset": o, "size": s, "how": h} for a, (o, s, h) in ranges.items()]
+    return [{"alloc": a, "offset": o, "size": s, "how": h} for a, rs in ranges.items() for o, s, h in rs]

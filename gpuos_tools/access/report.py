@@ -30,14 +30,49 @@ class Row:
     bytes_written: int = 0
     unknown: int = 0
     why: Counter[str] = field(default_factory=Counter)
+    # from validation records (gpu-trace run --validate), scored by gpuos_tools/access/score.py
+    validated: int = 0
+    missed_write_launches: int = 0
+    missed_write_bytes: int = 0
+    extra_write_bytes: int = 0
+    written_bytes: int = 0
+    missed_read_launches: int = 0
+    missed_read_bytes: int = 0
+    extra_read_bytes: int = 0
+    read_bytes: int = 0
+    read_measured: int = 0  #: validated launches with read extents measured
+    reads_unchecked: Counter[str] = field(default_factory=Counter)  #: nondeterministic, skipped...
+
+    def add_score(self, v: dict[str, Any]) -> None:
+        self.validated += 1
+        self.missed_write_launches += v["writes"] == "missed"
+        self.missed_write_bytes += v["missed_write_bytes"]
+        self.extra_write_bytes += v.get("extra_write_bytes", 0)
+        self.written_bytes += v["written_bytes"]
+        self.missed_read_launches += v["reads"] == "missed"
+        if v["reads"] not in ("ok", "missed"):
+            self.reads_unchecked[v["reads"]] += 1
+        if "read_bytes" in v:
+            self.read_measured += 1
+            self.read_bytes += v["read_bytes"]
+            self.missed_read_bytes += v.get("missed_read_bytes", 0)
+            self.extra_read_bytes += v.get("extra_read_bytes", 0)
 
 
-def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc") -> list[Row]:
+def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc", templates=None) -> list[Row]:
     """One pass over a trace: a row per kernel, then one each for memcpy, memset, graph_launch."""
-    pred = Predictor(granularity)
+    from gpuos_tools.access.score import score
+
+    pred = Predictor(granularity, templates)
     rows: dict[tuple[str, str], Row] = {}
     feed = pred.feed
+    last: tuple[dict[str, Any], Row] | None = None
     for rec in records:
+        if rec["type"] == "validation" and last is not None and last[0].get("seq") == rec.get("seq"):
+            v = score(last[0], rec, pred.by_id)
+            if v is not None:
+                last[1].add_score(v)
+            continue
         acc = feed(rec)
         if acc is None:
             continue
@@ -53,6 +88,7 @@ def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc"
             row = rows.get(key)
             if row is None:
                 row = rows[key] = Row(of, f"({of})")
+        last = (acc, row) if of == "launch" else None
         row.launches += 1
         row.captured += bool(acc.get("captured"))
         row.reads += len(acc["reads"])
@@ -79,11 +115,27 @@ def report_records(rows: list[Row], granularity: str) -> Iterable[dict[str, Any]
             bytes_read=row.bytes_read, bytes_written=row.bytes_written,
             unknown=row.unknown, why=dict(row.why),
         )  # fmt: skip
+        if row.validated:
+            rec["validation"] = {
+                "launches": row.validated,
+                "missed_write_launches": row.missed_write_launches,
+                "missed_write_bytes": row.missed_write_bytes,
+                "extra_write_bytes": row.extra_write_bytes,
+                "written_bytes": row.written_bytes,
+                "missed_read_launches": row.missed_read_launches,
+                "read_measured": row.read_measured,
+                "missed_read_bytes": row.missed_read_bytes,
+                "extra_read_bytes": row.extra_read_bytes,
+                "read_bytes": row.read_bytes,
+                "reads_unchecked": dict(row.reads_unchecked),
+            }
         yield rec
 
 
 def render_report(rows: list[Row], console: Console, granularity: str) -> None:
-    table = Table(title=f"predicted accesses ({granularity} granularity; not validated on a GPU)")
+    if any(r.validated for r in rows):
+        render_validation(rows, console, granularity)
+    table = Table(title=f"predicted accesses ({granularity} granularity)")
     for col, justify in (("kernel", "left"), ("launches", "right"), ("reads/launch", "right"),
                          ("writes/launch", "right"), ("bytes read", "right"), ("bytes written", "right"),
                          ("unknown", "right")):  # fmt: skip
@@ -101,12 +153,38 @@ def render_report(rows: list[Row], console: Console, granularity: str) -> None:
             console.print(f"unknown ×{n}: {row.name[:80]}: {why}", highlight=False)
 
 
+def render_validation(rows: list[Row], console: Console, granularity: str) -> None:
+    table = Table(title=f"validated on the GPU ({granularity} granularity): missed and extra bytes")
+    for col in ("kernel", "checked", "missed writes", "extra write bytes", "missed reads",
+                "extra read bytes", "reads not judged"):
+        table.add_column(col, justify="left" if col == "kernel" else "right",
+                         overflow="fold" if col == "kernel" else "ellipsis")
+    for row in rows:
+        if not row.validated:
+            continue
+        name = row.name if len(row.name) <= 80 else row.name[:77] + "..."
+        missed_w = f"{row.missed_write_launches} ({human_bytes(row.missed_write_bytes)})" if row.missed_write_launches else "0"
+        missed_r = (f"{row.missed_read_launches} ({human_bytes(row.missed_read_bytes)})"
+                    if row.missed_read_launches else "0")
+        extra_w = f"{human_bytes(row.extra_write_bytes)} ({_pct(row.extra_write_bytes, row.written_bytes)})"
+        extra_r = (f"{human_bytes(row.extra_read_bytes)} ({_pct(row.extra_read_bytes, row.read_bytes)})"
+                   if row.read_measured else "-")
+        unjudged = ", ".join(f"{k} {n}" for k, n in row.reads_unchecked.items())
+        table.add_row(name, str(row.validated), missed_w, extra_w, missed_r, extra_r, unjudged)
+    console.print(table)
+
+
+def _pct(extra: int, true: int) -> str:
+    return f"{100 * extra / true:.0f}%" if true else ("0%" if not extra else "∞")
+
+
 # -- explain ----------------------------------------------------------------------------------
 
 
-def explain(records: Iterable[dict[str, Any]], seq: int, granularity: str = "alloc") -> dict[str, Any] | None:
+def explain(records: Iterable[dict[str, Any]], seq: int, granularity: str = "alloc",
+            templates=None) -> dict[str, Any] | None:
     """The ``access_explain`` record of the launch with this ``seq`` (the first one), or None."""
-    pred = Predictor(granularity)
+    pred = Predictor(granularity, templates)
     for rec in records:
         if rec["type"] == "launch" and rec.get("seq") == seq:
             return explain_launch(pred, rec)
@@ -120,7 +198,7 @@ def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
     params = rec.get("params") or ()
     words = []
     for f in found:
-        basis = info.bases[f.param] if f.param < len(info.bases) else "untyped"
+        basis = "stored" if f.found == "stored" else info.bases[f.param] if f.param < len(info.bases) else "untyped"
         entry: dict[str, Any] = {
             "param": f.param,
             "param_offset": params[f.param].get("offset") if f.param < len(params) else None,
@@ -133,6 +211,8 @@ def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
             "type": info.types[f.param] if f.param < len(info.types) else None,
             "basis": basis,
         }
+        if f.via is not None:
+            entry["via"] = f.via  # the device address the pointer was read from
         if f.alloc is None:
             entry["decision"] = "in no traced allocation: the launch is unknown"
         elif basis == "const":
@@ -179,7 +259,8 @@ def render_explain(ex: dict[str, Any], console: Console) -> None:
             else "no traced allocation"
         )  # fmt: skip
         out(
-            f"    param {w['param']} +{w['offset']}: {w['word']:#x} ({w['found']}) -> {where}; "
+            f"    param {w['param']} +{w['offset']}: {w['word']:#x} ({w['found']}"
+            + (f" at {w['via']:#x}" if "via" in w else "") + f") -> {where}; "
             f"{w['type'] or 'type unknown'} -> {w['decision']}",
             highlight=False,
         )

@@ -8,9 +8,11 @@ from typing import Optional
 import typer
 
 from gpuos_tools.access import __doc__ as _access_doc
+from gpuos_tools.access.templates import __doc__ as _templates_doc
 from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
 
 _RECORD, _REST = _access_doc.split("\n\n", 2)[1:]
+_TEMPLATE_RECORD, _TEMPLATE_REST = _templates_doc.split("\n\n", 3)[2:]
 
 MAN_SECTIONS = {
     "RECORDS": (
@@ -32,16 +34,34 @@ MAN_SECTIONS = {
         "value, how it was found, the allocation and offset it lies in and the decision; and the "
         "`access` record. On a terminal it prints the same as text."
     ),
+    "VALIDATION": (
+        "`gpu-trace run --validate` checks these predictions on the GPU for sampled launches "
+        "(see gpu-trace(1)) and puts a `validation` record after each launch it checked. On "
+        "such a trace each launch's `access` record gains `validated`: `writes` and `reads` "
+        "(\"ok\", \"missed\", \"unknown\", \"nondeterministic\", \"skipped\" or \"unchecked\"), "
+        "`missed_write_bytes`, `extra_write_bytes`, `written_bytes`, and where read extents were "
+        "measured `read_bytes`, `missed_read_bytes`, `extra_read_bytes`; `--report` adds per "
+        "kernel a `validation` object with the same sums and draws a table of them. The prediction "
+        "scored is this command's, at its granularity and with its templates, against what the "
+        "GPU showed, in 128-byte chunks.\n\n"
+        "`--learn` writes size templates (`access_template` records) fitted to the read and write "
+        "extents in the validation records; `--templates FILE` uses them at range granularity:\n\n"
+        + "\n".join("    " + line for line in _TEMPLATE_RECORD.splitlines())
+        + "\n\n" + _TEMPLATE_REST.strip("\n")
+    ),
     "NOTES": (
-        "What is predicted here is speculation (as PhOS does it), not yet checked on a GPU: "
-        "directions come from the demangled prototype (const pointer: read; anything else: read "
-        "and write), not from the kernels' code, and launch ranges run to the end of the "
-        "allocation. Tighter ranges need per-kernel size templates, and validation needs the "
-        "agent on the GPU; neither is built yet.\n\n"
-        "Pointers inside by-value structs are found, but pointers stored in device memory "
-        "(arrays of pointers) are not followed. PyTorch's caching allocator places many tensors "
-        "in one allocation, so at `alloc` granularity a PyTorch kernel usually reads and writes "
-        "the whole segment."
+        "Without validation this is speculation (as PhOS does it): directions come from the "
+        "demangled prototype (const pointer: read; anything else: read and write), and launch "
+        "ranges run to the end of the allocation unless a size template says otherwise. Measured "
+        "on the suite in BENCHMARKS.md, range and alloc predictions missed nothing; templates "
+        "learned at one program size cut the extra bytes several times but missed accesses at "
+        "another size, so use templates where being tight matters more than being safe, and "
+        "validate them.\n\n"
+        "Pointers inside by-value structs are found, and pointer arrays copied from the host are "
+        "followed; pointers written into device memory by kernels are not (a launch through such "
+        "a `T**` parameter is unknown). PyTorch's caching allocator places many tensors in one "
+        "allocation, so at `alloc` granularity a PyTorch kernel usually reads and writes the "
+        "whole segment."
     ),
     "EXAMPLES": (
         "Annotate a trace as it is recorded and keep the launches that may write allocation 3:\n\n"
@@ -50,7 +70,12 @@ MAN_SECTIONS = {
         "Per-kernel summary of a recorded trace:\n\n"
         "    gpu-predict-access --report trace.ndjson.zst\n\n"
         "Why launch 14 was predicted as it was:\n\n"
-        "    gpu-predict-access --explain 14 trace.ndjson.zst"
+        "    gpu-predict-access --explain 14 trace.ndjson.zst\n\n"
+        "Validate on the GPU, learn size templates, then score them on a run at another size:\n\n"
+        "    gpu-trace run --validate -o small.ndjson.zst -- python3 step.py --batch 16\n"
+        "    gpu-predict-access --learn small.ndjson.zst -o step.templates\n"
+        "    gpu-trace run --validate -o big.ndjson.zst -- python3 step.py --batch 32\n"
+        "    gpu-predict-access --templates step.templates --report big.ndjson.zst"
     ),
     "SEE ALSO": "gpu-trace(1)",
 }
@@ -67,15 +92,25 @@ app = typer.Typer(
 def predict(
     trace: str = typer.Argument("-", metavar="[TRACE]", help="A gpu-trace stream ('-' = stdin, *.zst ok)."),
     output: OutputOpt = "-",
-    granularity: str = typer.Option(
-        "alloc", "--granularity", metavar="alloc|range",
-        help="alloc: whole allocations; range: from each pointer to the end of its allocation "
-        "(copies and memsets: exactly their bytes).",
+    granularity: Optional[str] = typer.Option(
+        None, "--granularity", metavar="alloc|range",
+        help="alloc (default): whole allocations; range (default with --templates): from each "
+        "pointer to the end of its allocation, or as far as its size template says (copies and "
+        "memsets: exactly their bytes).",
     ),
     explain_seq: Optional[int] = typer.Option(
         None, "--explain", metavar="SEQ", help="Explain the launch with this seq instead of writing the stream."
     ),
     report: bool = typer.Option(False, "--report", help="Per-kernel summary instead of the stream."),
+    templates_file: Optional[str] = typer.Option(
+        None, "--templates", metavar="FILE",
+        help="Size templates (from --learn) for launch ranges; implies --granularity range.",
+    ),
+    learn_out: bool = typer.Option(
+        False, "--learn",
+        help="Write size templates learned from the validation records of TRACE (a trace made "
+        "with `gpu-trace run --validate`) instead of the stream.",
+    ),
     unbuffered: UnbufferedOpt = False,
 ) -> None:
     """Speculate which buffers each kernel launch, copy and memset reads and writes.
@@ -92,16 +127,40 @@ def predict(
     from gpuos_tools.errors import ExitCode, GpuosError
     from gpuos_tools.stream import make_header, open_input, open_output
 
+    if granularity is None:
+        granularity = "range" if templates_file else "alloc"
     if granularity not in GRANULARITIES:
         raise typer.BadParameter("must be alloc or range", param_hint="--granularity")
-    if report and explain_seq is not None:
-        raise typer.BadParameter("--report and --explain exclude each other", param_hint="--report")
+    if sum((report, explain_seq is not None, learn_out)) > 1:
+        raise typer.BadParameter("--report, --explain and --learn exclude each other", param_hint="--report")
     table = output == "-" and sys.stdout.isatty()
+    if learn_out:
+        from gpuos_tools.access.templates import learn
+
+        with open_input(trace) as reader:
+            learned = learn(reader)
+        if not learned:
+            raise GpuosError(f"{trace}: no validation records with extents (record it with "
+                             "`gpu-trace run --validate`)", ExitCode.FAILURE)
+        with open_output(output, unbuffered=unbuffered or None) as writer:
+            writer.write(make_header("gpu-predict-access", source=trace, learned=len(learned)))
+            writer.write_many(t.record() for t in learned)
+        return
+    templates = None
+    if templates_file is not None:
+        from gpuos_tools.access.templates import Templates
+
+        if granularity != "range":
+            raise typer.BadParameter("templates give ranges: use --granularity range", param_hint="--templates")
+        with open_input(templates_file) as reader:
+            templates = Templates(reader)
+        if not templates:
+            raise GpuosError(f"{templates_file}: no access_template records", ExitCode.BAD_INPUT)
     if explain_seq is not None:
         from gpuos_tools.access.report import explain, render_explain
 
         with open_input(trace) as reader:
-            ex = explain(reader, explain_seq, granularity)
+            ex = explain(reader, explain_seq, granularity, templates)
         if ex is None:
             raise GpuosError(f"{trace}: no launch with seq {explain_seq}", ExitCode.FAILURE)
         if table:
@@ -115,7 +174,7 @@ def predict(
         from gpuos_tools.access.report import compute_report, render_report, report_records
 
         with open_input(trace) as reader:
-            rows = compute_report(reader, granularity)
+            rows = compute_report(reader, granularity, templates)
         if table:
             render_report(rows, Console(), granularity)
             return
@@ -126,7 +185,8 @@ def predict(
     with open_input(trace) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
         if reader.header is None:
             writer.write(make_header("gpu-predict-access", source=trace))
-        writer.write_many(Predictor(granularity).annotate(reader))
+        validated = bool(reader.header and reader.header.get("validate"))
+        writer.write_many(Predictor(granularity, templates).annotate(reader, validated))
 
 
 def main() -> None:

@@ -1,0 +1,140 @@
+"""Scoring predictions against `validation` records, and size templates, on traces recorded
+with `gpu-trace run --validate` on an H100 (tests/data/recorded/README.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuos_tools.access.predict import Predictor
+from gpuos_tools.access.report import compute_report
+from gpuos_tools.access.templates import Sample, Templates, evaluate, fit, learn, observed
+from gpuos_tools.stream import open_input
+
+DATA = Path(__file__).resolve().parent / "data" / "recorded"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str) -> list[dict]:
+    with open_input(str(DATA / name)) as reader:
+        return list(reader)
+
+
+def scored(records, granularity="range", templates=None) -> dict[str, dict]:
+    """kernel -> the `validated` entry of its (only) validated launch."""
+    out = {}
+    for rec in Predictor(granularity, templates).annotate(records, validated=True):
+        if rec["type"] == "access" and "validated" in rec:
+            out[rec["kernel"]] = rec["validated"]
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["range", "alloc"])
+def test_validated_entries_say_what_the_gpu_showed(granularity):
+    v = scored(load("validate.ndjson.zst"), granularity)
+    copy = v["_Z4copyIfEvPKT_PS0_i"]
+    assert copy["writes"] == "ok" and copy["reads"] == "ok"
+    assert copy["written_bytes"] == 40064  # 10000 floats, rounded to 128-byte chunks
+    # range: from y to the end of its allocation; alloc: all of it (3x as much)
+    assert copy["extra_write_bytes"] >= 2 * 40000
+    assert copy["missed_read_bytes"] == 0 and copy["read_bytes"] == 40064
+    # a pointer written into device memory by a kernel: no prediction sees through it
+    assert v["hidden_write"]["writes"] == "missed" and v["hidden_write"]["missed_write_bytes"] >= 40000
+    assert v["hidden_read"]["reads"] == "missed"
+    # a pointer array copied from the host is followed (the memcpy record carries its bytes)
+    assert v["follow_write"]["writes"] == "ok" and v["follow_write"]["reads"] == "ok"
+    assert v["stamp"]["reads"] == "nondeterministic"
+
+
+def test_access_records_precede_their_validation_and_pass_everything_through():
+    records = load("validate.ndjson.zst")
+    out = list(Predictor("range").annotate(records, validated=True))
+    assert [r for r in out if r["type"] != "access"] == records
+    for i, rec in enumerate(out):
+        if rec["type"] == "validation":
+            assert out[i - 1]["type"] == "access" and out[i - 1]["seq"] == rec["seq"]
+            assert out[i - 2]["type"] == "launch" and out[i - 2]["seq"] == rec["seq"]
+
+
+def test_report_sums_validation_per_kernel():
+    rows = {r.kernel: r for r in compute_report(load("validate.ndjson.zst"), "range") if r.kernel}
+    assert rows["hidden_write"].validated == 1 and rows["hidden_write"].missed_write_launches == 1
+    assert rows["hidden_read"].missed_read_launches == 1
+    assert rows["stamp"].reads_unchecked == {"nondeterministic": 1}
+    assert rows["_Z4copyIfEvPKT_PS0_i"].missed_write_bytes == 0
+
+
+@pytest.mark.parametrize("program", ["cupy_suite", "torch_cnn"])
+def test_suite_range_and_alloc_predictions_miss_nothing(program):
+    """The speculation (no templates) held on every validated launch of the recorded suite."""
+    for scale in (1, 2):
+        records = load(f"suite-{program}.s{scale}.ndjson.zst")
+        for granularity in ("range", "alloc"):
+            rows = compute_report(records, granularity)
+            assert sum(r.validated for r in rows) > 20
+            assert sum(r.missed_write_launches + r.missed_read_launches for r in rows) == 0
+
+
+def test_pointer_array_batched_gemm_is_followed():
+    records = load("suite-cupy_suite.s1.ndjson.zst")
+    accs = [r for r in Predictor("alloc").annotate(records) if r["type"] == "access" and r["of"] == "launch"]
+    stored = [a for a in accs if any("stored" in e["how"] for e in a["writes"])]
+    assert stored and not any(a["unknown"] for a in stored)
+
+
+def test_templates_reproduce_the_samples_they_were_fitted_on():
+    records = load("suite-torch_cnn.s1.ndjson.zst")
+    learned = learn(records)
+    assert len(learned) > 50
+    templates = Templates(t.record() for t in learned)
+    with_t = compute_report(records, "range", templates)
+    plain = compute_report(records, "range")
+    assert sum(r.missed_write_launches for r in with_t) == 0
+    assert sum(r.missed_read_bytes for r in with_t) == 0
+    assert sum(r.extra_write_bytes for r in with_t) * 2 < sum(r.extra_write_bytes for r in plain)
+
+
+def test_fit_finds_a_product_of_scalar_arguments():
+    # a pooling kernel's input: N*C*H*W floats, with N varying between samples
+    def sample(n):
+        ints = {(2, 0, 4): n, (3, 0, 4): 32, (4, 0, 4): 16, (5, 0, 4): 16, (6, 0, 4): 2}
+        return Sample(ints, frozenset(ints), 0x10000, 1 << 24, observed(0x10000, 1 << 24, 4 * n * 32 * 16 * 16), 0)
+
+    expr, _ = fit([sample(16), sample(8)], "read")
+    assert evaluate(expr, sample(32).ints) == 4 * 32 * 32 * 16 * 16
+    assert fit([sample(16)], "written")[0] == {"const": 0}
+
+
+def test_observed_rounds_to_chunks_within_the_span():
+    assert observed(0x1000, 1000, 0) == 0
+    assert observed(0x1000, 1000, 1) == 128
+    assert observed(0x1000, 1000, 999) == 1000  # clipped at the span's end
+    assert observed(0x1040, 4096, 64) == 64  # to the next absolute chunk boundary
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gpuos_tools.commands.predict_access", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_learn_then_templates(tmp_path):
+    tpl = tmp_path / "cnn.templates"
+    proc = run_cli("--learn", str(DATA / "suite-torch_cnn.s1.ndjson.zst"), "-o", str(tpl))
+    assert proc.returncode == 0, proc.stderr
+    recs = [json.loads(line) for line in tpl.read_text().splitlines()]
+    assert recs[0]["type"] == "header" and all(r["type"] == "access_template" for r in recs[1:])
+    proc = run_cli("--templates", str(tpl), "--report", str(DATA / "suite-torch_cnn.s2.ndjson.zst"))
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()[1:]]
+    assert rows[0]["granularity"] == "range" and any("validation" in r for r in rows)
+    proc = run_cli("--templates", str(tpl), "--granularity", "alloc", str(DATA / "validate.ndjson.zst"))
+    assert proc.returncode != 0 and "range" in proc.stderr
+
+
+def test_cli_learn_without_validation_records_fails_clearly():
+    proc = run_cli("--learn", str(DATA / "cupy.ndjson.zst"))
+    assert proc.returncode == 1 and "gpu-trace run --validate" in proc.stderr
