@@ -6,7 +6,8 @@ copy) and its allocation ids by k * (max id + 1), and every allocation still liv
 a copy is freed before the next copy allocates the same addresses again, so the allocation
 table stays consistent. Measured: prediction alone (records already parsed, as a filter inside
 a Python pipeline would see them), the same without `dptrs` (the argument scan), and the whole
-command path (parse the NDJSON, predict, encode the output), all in this one process.
+command path (parse the NDJSON, predict, encode the output), all in this one process. Then the
+steady state of a training loop: one recorded step's launches repeated (`steady_state`).
 
     scripts/bench_predict.py [--copies N] [--json FILE]
 """
@@ -54,6 +55,33 @@ def replicate(records: list[dict], copies: int) -> list[dict]:
             out.append(r)
         for a in live.values():
             out.append({"type": "free", "id": a["id"], "api": "bench", "addr": a["addr"]})
+    return out
+
+
+def steady_state(copies: int) -> dict:
+    """A training loop after its first steps: the same launches again and again, with no
+    allocation in between (the caching allocator reuses its segments). The launches of the last
+    of the three training steps in a recorded PyTorch CNN trace are predicted ``copies`` times,
+    with and without the predictor's memo."""
+    with open_input(ROOT / "tests" / "data" / "recorded" / "suite-torch_cnn.s2.ndjson.zst") as reader:
+        records = [r for r in reader if r["type"] != "validation"]
+    launches = [r for r in records if r["type"] == "launch"]
+    step = launches[len(launches) * 2 // 3 :]
+    out = {"step_launches": len(step)}
+    for label, memo in (("memo", True), ("no_memo", False)):
+        pred = Predictor("range")
+        for r in records:
+            pred.feed(r)
+        if not memo:
+            pred._launch_memo = lambda rec, pred=pred: pred.launch(rec)[0]  # type: ignore[method-assign]
+
+        def run(pred=pred):
+            feed = pred.feed
+            for _ in range(copies):
+                for r in step:
+                    feed(r)
+
+        out[label] = round(timed(run, copies * len(step)))
     return out
 
 
@@ -109,9 +137,13 @@ def main() -> int:
             f"parse+predict+write {row['pipeline_launches_per_s']:>9,}/s ({row['input_mb']} MB)",
             flush=True,
         )
+    steady = steady_state(args.copies)
+    print(f"steady state (torch_cnn's last training step repeated {args.copies}x): "
+          f"predict {steady['memo']:,}/s, without the memo {steady['no_memo']:,}/s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"python": platform.python_version(), "cpu": platform.processor(),
-                                               "copies": args.copies, "results": results}, indent=1) + "\n")  # fmt: skip
+                                               "copies": args.copies, "results": results,
+                                               "steady_state": steady}, indent=1) + "\n")  # fmt: skip
     return 0
 
 
