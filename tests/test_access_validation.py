@@ -138,3 +138,16 @@ def test_cli_learn_then_templates(tmp_path):
 def test_cli_learn_without_validation_records_fails_clearly():
     proc = run_cli("--learn", str(DATA / "cupy.ndjson.zst"))
     assert proc.returncode == 1 and "gpu-trace run --validate" in proc.stderr
+
+
+def test_plot_draws_an_access_map(tmp_path):
+    from gpuos_tools.access.plot import READ, UNKNOWN, WRITE, access_matrix
+
+    records = load("suite-torch_cnn.s2.ndjson.zst")
+    m, ids, seqs = access_matrix(records)
+    assert m.shape == (len(ids), len(seqs)) and len(seqs) > 100
+    assert (m == WRITE).any() and (m == READ).any() and not (m == UNKNOWN).any()
+    png = tmp_path / "map.png"
+    proc = run_cli("--plot", str(png), str(DATA / "suite-torch_cnn.s2.ndjson.zst"))
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

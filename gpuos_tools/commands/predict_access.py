@@ -111,6 +111,11 @@ def predict(
         help="Write size templates learned from the validation records of TRACE (a trace made "
         "with `gpu-trace run --validate`) instead of the stream.",
     ),
+    plot_file: Optional[str] = typer.Option(
+        None, "--plot", metavar="FILE.png",
+        help="Draw an access map (launches x allocations, read/written/unknown) into FILE "
+        "instead of the stream (needs matplotlib).",
+    ),
     unbuffered: UnbufferedOpt = False,
 ) -> None:
     """Speculate which buffers each kernel launch, copy and memset reads and writes.
@@ -131,8 +136,8 @@ def predict(
         granularity = "range" if templates_file else "alloc"
     if granularity not in GRANULARITIES:
         raise typer.BadParameter("must be alloc or range", param_hint="--granularity")
-    if sum((report, explain_seq is not None, learn_out)) > 1:
-        raise typer.BadParameter("--report, --explain and --learn exclude each other", param_hint="--report")
+    if sum((report, explain_seq is not None, learn_out, plot_file is not None)) > 1:
+        raise typer.BadParameter("--report, --explain, --learn and --plot exclude each other", param_hint="--report")
     table = output == "-" and sys.stdout.isatty()
     if learn_out:
         from gpuos_tools.access.templates import learn
@@ -156,6 +161,17 @@ def predict(
             templates = Templates(reader)
         if not templates:
             raise GpuosError(f"{templates_file}: no access_template records", ExitCode.BAD_INPUT)
+    if plot_file is not None:
+        from pathlib import Path
+
+        from gpuos_tools.access.plot import plot
+
+        with open_input(trace) as reader:
+            dims = plot(reader, Path(plot_file), granularity, templates, title=f"{trace}: predicted accesses")
+        if sys.stderr.isatty():
+            Console(stderr=True).print(f"wrote {plot_file}: {dims['launches']} launches x "
+                                       f"{dims['allocations']} allocations", highlight=False)
+        return
     if explain_seq is not None:
         from gpuos_tools.access.report import explain, render_explain
 
