@@ -130,7 +130,8 @@ def test_captured_launches_and_graph_launches() -> None:
     assert all("captured" not in a for k, a in acc.items() if k != ("launch", 9))
     for i in (1, 2):
         g = acc[("graph_launch", i)]
-        assert g["unknown"] is True and g["why"] == "graph contents are not traced yet"
+        # recorded before the tracer saw stream captures: the graph's contents are unknown
+        assert g["unknown"] is True and "contents were not seen" in g["why"]
         assert g["reads"] == g["writes"] == [] and g["graph"] == 401265728
 
 

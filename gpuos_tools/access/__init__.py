@@ -4,6 +4,7 @@ access       of ("launch"|"memcpy"|"memset"|"graph_launch"), seq (launches: the 
              seq) or index (memcpy, memset, graph_launch: 1-based count of those records),
              kernel (launches: the launch's mangled kernel name), captured? (true: the launch
              was captured into a CUDA graph and did not run then), graph? (graph_launch),
+             launches? (graph_launch: the captured launches it runs),
              reads [{alloc, offset, size, how}], writes [{alloc, offset, size, how}],
              unknown (true: the launch may touch any memory), why? (text: what made it
              unknown, or that a failed launch ran nothing)
@@ -33,7 +34,11 @@ read and write assumed. For copies: `copy source`, `copy destination`; for memse
 A launch is unknown when its layout is `none` (arguments not decoded), when a
 driver-confirmed pointer lies in no traced allocation, or when a parameter is a pointer to
 pointers whose memory's contents are not known (written on the GPU, or copied in pieces over
-4096 bytes); every graph_launch is unknown (graph contents are not traced yet). A kernel that
+4096 bytes). A graph_launch reads and writes what the launches captured into its graph
+(stream capture, `graph` records of the trace) do, predicted against the allocations live at
+the graph launch, and says how many (`launches`); it is unknown when the graph was not built
+by a stream capture the trace saw (memcpy and memset nodes captured into a graph are not
+attributed to its launches). A kernel that
 rewrites a pointer array on the GPU is not seen: the contents last copied from the host are
 used (`gpu-trace run --validate` reports the pointers it finds in device memory). A copy or
 memset is unknown when a device address in it lies in no traced allocation or it runs past

@@ -40,7 +40,7 @@ BASIS_TEXT = {
     STORED: "stored in device memory an argument points to (copied from the host): read and write assumed",
 }
 
-GRAPH_WHY = "graph contents are not traced yet"
+GRAPH_WHY = "the graph's contents were not seen (built without stream capture, or captured before tracing)"
 
 
 @dataclass(slots=True)
@@ -130,6 +130,11 @@ class Predictor:
         # allocation table and the known pointer arrays stay as they are; training loops repeat
         # the same launches, so predictions are memoized and the memo is dropped on any change.
         self._memo: dict[tuple, dict[str, Any]] = {}
+        # CUDA graphs: open stream captures (stream -> captured launch records), captured
+        # graphs (graph -> records, None when the capture was not seen whole), executables
+        self._captures: dict[int, list[dict[str, Any]]] = {}
+        self._graphs: dict[int, list[dict[str, Any]] | None] = {}
+        self._execs: dict[int, list[dict[str, Any]] | None] = {}
 
     # -- the stream --------------------------------------------------------------------------
 
@@ -153,13 +158,57 @@ class Predictor:
         elif kind == "memset":
             return self._memset(rec)
         elif kind == "graph_launch":
-            self._counts["graph_launch"] += 1
-            out = {"type": "access", "of": "graph_launch", "index": self._counts["graph_launch"]}
-            if "graph" in rec:
-                out["graph"] = rec["graph"]
+            return self._graph_launch(rec)
+        elif kind == "graph":
+            self._graph_event(rec)
+        return None
+
+    # -- CUDA graphs: a graph_launch runs the launches captured into its graph ---------------
+
+    def _graph_event(self, rec: dict[str, Any]) -> None:
+        event = rec.get("event")
+        if event == "capture_begin":
+            self._captures[rec.get("stream")] = []
+        elif event == "capture_end":
+            captured = self._captures.pop(rec.get("stream"), None)
+            if rec.get("graph"):
+                self._graphs[rec["graph"]] = captured
+        elif event == "instantiate" and rec.get("exec"):
+            self._execs[rec["exec"]] = self._graphs.get(rec.get("graph"))
+
+    def _capture(self, rec: dict[str, Any]) -> None:
+        """Keep a captured launch for the graph its stream's capture builds."""
+        into = self._captures.get(rec.get("stream"))
+        if into is None and self._captures:
+            # a stream forked into the capture by an event: the newest capture it can belong to
+            into = next(reversed(self._captures.values()))
+        if into is not None:
+            into.append(rec)
+
+    def _graph_launch(self, rec: dict[str, Any]) -> dict[str, Any]:
+        self._counts["graph_launch"] += 1
+        out: dict[str, Any] = {"type": "access", "of": "graph_launch", "index": self._counts["graph_launch"]}
+        if "graph" in rec:
+            out["graph"] = rec["graph"]
+        captured = self._execs.get(rec.get("graph"))
+        if captured is None:
             out.update(reads=[], writes=[], unknown=True, why=GRAPH_WHY)
             return out
-        return None
+        # predicted now, against the allocations live now: the graph uses the addresses it baked in
+        reads: dict[int, list] = {}
+        writes: dict[int, list] = {}
+        why: list[str] = []
+        for launch in captured:
+            acc = self.launch({**launch, "captured": False})[0]
+            for into, entries in ((reads, acc["reads"]), (writes, acc["writes"])):
+                for e in entries:
+                    _merge(into, e["alloc"], e["offset"], e["size"], e["how"])
+            if acc["unknown"]:
+                why.append(f"captured launch {launch.get('seq')}: {acc.get('why', 'unknown')}")
+        out.update(reads=_entries(reads), writes=_entries(writes), unknown=bool(why), launches=len(captured))
+        if why:
+            out["why"] = "; ".join(why)
+        return out
 
     def annotate(self, records: Iterable[dict[str, Any]], validated: bool = False) -> Iterator[dict[str, Any]]:
         """Every record, each followed by the access record it causes.
@@ -272,6 +321,8 @@ class Predictor:
             self.contents.pop(alloc.id, None)
 
     def _launch_memo(self, rec: dict[str, Any]) -> dict[str, Any]:
+        if rec.get("captured"):
+            self._capture(rec)
         params = rec.get("params") or ()
         key = (rec.get("kernel"), tuple([p.get("hex") for p in params]), rec.get("captured"),
                rec.get("result"), rec.get("layout"), "dptrs" in rec)

@@ -26,6 +26,8 @@ KIND_ALLOC, KIND_MAP = 10, 16
 KIND_FREE, KIND_FREE_ASYNC, KIND_FREE_HOST, KIND_UNMAP = 20, 21, 22, 23
 KIND_COPY, KIND_COPY2D, KIND_COPY2D_ASYNC = 32, 56, 57
 KIND_SET, KIND_LIBRARY = 64, 80
+KIND_CAPTURE_BEGIN, KIND_CAPTURE_END, KIND_INSTANTIATE = 90, 91, 92
+GRAPH_OPS = ("capture_begin", "capture_end", "instantiate")
 
 ALLOC_KINDS = ("device", "pitch", "managed", "async", "pool", "host", "vmm")
 COPY_DIRS = ("default", "HtoD", "DtoH", "DtoD", "peer", "HtoH")
@@ -182,6 +184,9 @@ def parse_records(data: bytes, check_pointers: bool = False) -> list[tuple]:
         elif tag == 9:
             graph, stream = _U64[2].unpack_from(data, body)
             append((wire.GRAPH, ts, tid, cbid, graph, stream))
+        elif tag == 14:
+            op, a, b = _U64[3].unpack_from(data, body)
+            append((wire.GRAPHOP, ts, tid, cbid, GRAPH_OPS[op], a, b))
         elif tag == 12:
             fmt, size, ptx_len = _U64[3].unpack_from(data, body)
             ptx = data[body + 24 : body + 24 + ptx_len] if ptx_len else None

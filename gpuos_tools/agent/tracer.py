@@ -231,6 +231,23 @@ def _graph_launch(cbid: int, cbdata) -> None:
         _append((wire.GRAPH, _now(), _tid(), cbid, graph, stream))
 
 
+def _graphop_handler(op: str):
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        a, b = _Q2(_MEM, pp)
+        if op == "capture_begin":
+            a, b = a, 0
+        elif op == "capture_end":
+            b = _U64(_MEM, b)[0] if b else 0
+        else:  # instantiate: (CUgraphExec*, CUgraph, ...)
+            a, b = b, (_U64(_MEM, a)[0] if a else 0)
+        _append((wire.GRAPHOP, _now(), _tid(), cbid, op, a, b))
+
+    return handler
+
+
 def _alloc_handler(kind: str, unpack, size_of, stream_of):
     def handler(cbid: int, cbdata) -> None:
         site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
@@ -436,6 +453,14 @@ _DRIVER_APIS: dict[str, tuple[object, int]] = {
     "cuMemsetD2D8Async": _set(1, True, True),
     "cuMemsetD2D16Async": _set(2, True, True),
     "cuMemsetD2D32Async": _set(4, True, True),
+    "cuStreamBeginCapture": (_graphop_handler("capture_begin"), native.KIND_CAPTURE_BEGIN),
+    "cuStreamBeginCapture_v2": (_graphop_handler("capture_begin"), native.KIND_CAPTURE_BEGIN),
+    "cuStreamBeginCaptureToGraph": (_graphop_handler("capture_begin"), native.KIND_CAPTURE_BEGIN),
+    "cuStreamEndCapture": (_graphop_handler("capture_end"), native.KIND_CAPTURE_END),
+    "cuGraphInstantiate": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
+    "cuGraphInstantiate_v2": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
+    "cuGraphInstantiateWithFlags": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
+    "cuGraphInstantiateWithParams": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
     "cuModuleLoadData": (_library_load, native.KIND_LIBRARY),
     "cuModuleLoadDataEx": (_library_load, native.KIND_LIBRARY),
     "cuLibraryLoadData": (_library_load, native.KIND_LIBRARY),

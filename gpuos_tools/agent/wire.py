@@ -26,6 +26,8 @@ ERROR   (10, ts, message)
 END     (11, ts, {counter: value})
 LIBRARY (12, ts, tid, cbid, image bytes or None)
 VALID   (13, ts, tid, {validation record body}) right after the LAUNCH it checked (--validate)
+GRAPHOP (14, ts, tid, cbid, op, a, b): op "capture_begin" (a = stream), "capture_end" (a = stream,
+        b = graph), "instantiate" (a = graph, b = executable graph)
 
 ``args`` is every parameter's bytes concatenated in ordinal order (sizes from the FUNC layout);
 ``stream`` is the raw CUstream handle (0: legacy default stream, 2: per-thread default).
@@ -38,7 +40,7 @@ import os
 import struct
 from collections.abc import Iterator
 
-HELLO, LAUNCH, FUNC, ALLOC, FREE, COPY, SET, MODULE, STREAM, GRAPH, ERROR, END, LIBRARY, VALID = range(14)
+HELLO, LAUNCH, FUNC, ALLOC, FREE, COPY, SET, MODULE, STREAM, GRAPH, ERROR, END, LIBRARY, VALID, GRAPHOP = range(15)
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 1 << 31

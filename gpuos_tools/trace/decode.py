@@ -165,6 +165,17 @@ class Decoder:
         return {"type": "graph_launch", "ts": ts, "tid": tid, "api": self.api(cbid),
                 "graph": graph, "stream": stream}
 
+    def _graphop(self, item: tuple) -> dict[str, Any]:
+        _, ts, tid, cbid, op, a, b = item
+        rec: dict[str, Any] = {"type": "graph", "ts": ts, "tid": tid, "api": self.api(cbid), "event": op}
+        if op == "instantiate":
+            rec["graph"], rec["exec"] = a, b
+        else:
+            rec["stream"] = a
+            if op == "capture_end":
+                rec["graph"] = b
+        return rec
+
     def _error(self, item: tuple) -> dict[str, Any]:
         _, ts, message = item
         self.errors.append(message)
@@ -195,4 +206,5 @@ _HANDLERS = {
     wire.ERROR: Decoder._error,
     wire.END: Decoder._end,
     wire.VALID: Decoder._valid,
+    wire.GRAPHOP: Decoder._graphop,
 }

@@ -29,6 +29,8 @@ library      api (cuModuleLoadData, cuLibraryLoadData...), format, size; hash an
              (cubins reach the trace as module records once the driver loads them)
 stream       stream (handle), event ("create"|"destroy")
 graph_launch graph (handle of the executable graph), stream
+graph        event: "capture_begin" (stream), "capture_end" (stream, graph: the graph captured),
+             "instantiate" (graph, exec: the executable graph that graph_launch names)
 validation   (--validate) seq (of the launch it follows), kernel, checked (false: skipped,
              see why), predicted {reads, writes: [[addr, size]...], unknown} (gpu-predict-
              access's range prediction, made in the program), chunk (bytes per hashed chunk),
@@ -54,7 +56,8 @@ from collections.abc import Iterator
 from typing import Any
 
 TRACE_TYPES = frozenset(
-    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "stream", "graph_launch", "validation",
+    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "stream", "graph_launch", "graph",
+     "validation",
      "exit"}
 )
 

@@ -268,6 +268,17 @@ def test_less_common_driver_paths(tmp_path, backend):
     graphs = by_type.get("graph_launch", [])
     assert len(graphs) == report["graph_replays"]
     assert len({g["graph"] for g in graphs}) == 1
+    # the capture and the instantiation link the captured launches to the executable graph
+    events = {r["event"]: r for r in by_type["graph"]}
+    assert set(events) >= {"capture_begin", "capture_end", "instantiate"}
+    assert events["capture_end"]["graph"] == events["instantiate"]["graph"]
+    assert events["instantiate"]["exec"] == graphs[0]["graph"]
+    from gpuos_tools.access.predict import Predictor
+
+    pred = Predictor("range")
+    graph_acc = [a for a in map(pred.feed, records) if a and a["of"] == "graph_launch"]
+    assert len(graph_acc) == 2 and not graph_acc[0]["unknown"], graph_acc
+    assert graph_acc[0]["launches"] == len(captured) and graph_acc[0]["writes"]
 
 
 @BACKENDS

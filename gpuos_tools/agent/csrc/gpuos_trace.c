@@ -60,11 +60,12 @@ enum {
     K_COPY2D = 56, K_COPY2D_ASYNC = 57,
     K_SET = 64, /* | elem code << 2 | 2d << 1 | stream; elem code 0:1 1:2 2:4 bytes */
     K_LIBRARY = 80,
+    K_CAPTURE_BEGIN = 90, K_CAPTURE_END = 91, K_INSTANTIATE = 92,
 };
 
 /* ---- record tags (parse_records in native.py) */
 enum { R_LAUNCH = 1, R_FUNC = 2, R_ALLOC = 3, R_FREE = 4, R_COPY = 5, R_SET = 6, R_MODULE = 7,
-       R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12 };
+       R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12, R_GRAPHOP = 14 };
 
 #define MAX_CBID 4096
 #define SMALL_COPY 4096 /* bytes of a host-to-device copy kept in its record */
@@ -292,6 +293,19 @@ static void on_driver(uint32_t cbid, const cb_data_t *cb) {
     }
     if (result_of(cb)) return; /* failed calls allocate, free or copy nothing */
     if (kind == K_GRAPH) { uint64_t v[2] = {q[0], q[1]}; put_u64s(R_GRAPH, cbid, v, 2); return; }
+    /* GRAPHOP: u64 op (0 capture begin, 1 capture end, 2 instantiate), a, b:
+       begin (stream, 0); end (stream, graph); instantiate (graph, exec) */
+    if (kind == K_CAPTURE_BEGIN) { uint64_t v[3] = {0, q[0], 0}; put_u64s(R_GRAPHOP, cbid, v, 3); return; }
+    if (kind == K_CAPTURE_END) {
+        uint64_t v[3] = {1, q[0], q[1] ? *(const uint64_t *)(uintptr_t)q[1] : 0};
+        put_u64s(R_GRAPHOP, cbid, v, 3);
+        return;
+    }
+    if (kind == K_INSTANTIATE) {
+        uint64_t v[3] = {2, q[1], q[0] ? *(const uint64_t *)(uintptr_t)q[0] : 0};
+        put_u64s(R_GRAPHOP, cbid, v, 3);
+        return;
+    }
     if (kind >= K_ALLOC && kind <= K_ALLOC + 5) {
         /* ALLOC: u64 addr, size, kind, stream */
         uint32_t ak = kind - K_ALLOC;
