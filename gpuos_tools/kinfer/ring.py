@@ -347,7 +347,7 @@ class Client:
     ``slots_per_lane`` requests be in flight at once.
     """
 
-    def __init__(self, name: str, *, spin_s: float = 50e-6, lane: int | None = None):
+    def __init__(self, name: str, *, spin_s: float = 200e-6, lane: int | None = None):
         self.ring = Ring.attach(name)
         self.spin_s = spin_s
         self.pid = os.getpid()

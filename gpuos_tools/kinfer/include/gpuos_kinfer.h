@@ -133,12 +133,37 @@ struct gpuos_kinfer_meta {
     uint64_t reserved[7];  /* 72 */
 };
 
+/* The feature store (LAKE): /dev/shm/<name>, a header then `capacity` records of record_size
+ * bytes: {uint64_t ts_ns; uint64_t seq; float values[n_fields];} padded to 8 bytes. Record k
+ * lives at GPUOS_KINFER_FEATURES_HEADER_SIZE + (k % capacity) * record_size. A writer takes the
+ * POSIX record lock on byte GPUOS_KINFER_LOCK_DAEMON exclusively, writes record write_index,
+ * adds 1 to write_index, and unlocks; readers take it shared. */
+#define GPUOS_KINFER_FEATURES_MAGIC 0x31544145464B5047ULL /* "GPKFEAT1" */
+#define GPUOS_KINFER_FEATURES_VERSION 1u
+#define GPUOS_KINFER_FEATURES_HEADER_SIZE 4096u
+#define GPUOS_KINFER_FEATURES_MAX_FIELDS 64
+#define GPUOS_KINFER_FEATURES_NAME_LEN 48
+
+struct gpuos_kinfer_features {
+    uint64_t magic;        /*  0 */
+    uint32_t version;      /*  8 */
+    uint32_t n_fields;     /* 12 */
+    uint32_t capacity;     /* 16: records */
+    uint32_t record_size;  /* 20: 16 + 4 * n_fields rounded up to 8 */
+    uint64_t write_index;  /* 24: records ever written */
+    char schema[GPUOS_KINFER_FEATURES_NAME_LEN];                                     /* 32 */
+    char fields[GPUOS_KINFER_FEATURES_MAX_FIELDS][GPUOS_KINFER_FEATURES_NAME_LEN];   /* 80 */
+    uint8_t reserved[GPUOS_KINFER_FEATURES_HEADER_SIZE - 80 - GPUOS_KINFER_FEATURES_MAX_FIELDS * GPUOS_KINFER_FEATURES_NAME_LEN];
+};
+
 #ifdef __cplusplus
 static_assert(sizeof(struct gpuos_kinfer_header) == GPUOS_KINFER_HEADER_SIZE, "header size");
 static_assert(sizeof(struct gpuos_kinfer_meta) == 128, "meta size");
+static_assert(sizeof(struct gpuos_kinfer_features) == GPUOS_KINFER_FEATURES_HEADER_SIZE, "features size");
 #else
 _Static_assert(sizeof(struct gpuos_kinfer_header) == GPUOS_KINFER_HEADER_SIZE, "header size");
 _Static_assert(sizeof(struct gpuos_kinfer_meta) == 128, "meta size");
+_Static_assert(sizeof(struct gpuos_kinfer_features) == GPUOS_KINFER_FEATURES_HEADER_SIZE, "features size");
 #endif
 
 #endif /* GPUOS_KINFER_H */
