@@ -496,6 +496,7 @@ def test_cli_synth_train_replay(tmp_path: Path) -> None:
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["type"] == "kinfer_replay" and out["reads"] == rep["reads"] and out["inference_us"] > 0
     assert set(out["linnos"]) == {"n", "avg", "p50", "p99", "p99.9", "max"}
+    assert out["linnos"]["avg"] == pytest.approx(out["linnos_uncharged"]["avg"] + out["inference_us"], abs=1e-2)
     done = run("train", str(tmp_path / "none.ndjson"), "--model", str(model))
     assert done.returncode == 66
     trace.write_text('{"type":"io","dev":0}\n')

@@ -74,7 +74,7 @@ MAN_SECTIONS = {
         "`replay` sends every read of a trace through the bridge; a read predicted slow goes to the "
         "replica (the next device of the trace) and costs the latency of the replica's read nearest "
         "in time. It reports average, p50, p99 and p99.9 read latency with no prediction, with "
-        "LinnOS (each read also charged the measured bridge round trip) and with an oracle.\n\n"
+        "LinnOS (each read also charged the measured bridge round trip; `linnos_uncharged` without that charge) and with an oracle.\n\n"
         "Traces: `collect` measures real reads and writes with O_DIRECT on files here; `synth` "
         "generates Poisson arrivals, log-normal sizes and periodic slow (GC) phases from a seed. "
         "Both write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "

@@ -9,7 +9,8 @@ A read predicted slow is sent to the replica instead (device ``(dev + 1) % devic
 costs what the replica's nearest read in time cost, plus ``reroute_us``. Three columns:
 no prediction (every read on its device), LinnOS (the model's decisions, each read also
 charged the measured inference time), oracle (exactly the reads that were slow rerouted, at no
-inference cost).
+inference cost). ``linnos_uncharged`` is the LinnOS column without the inference charge: what
+the decisions alone are worth, whatever the machine's round trip.
 """
 
 from __future__ import annotations
@@ -124,5 +125,6 @@ def replay(
         "false_slow": float(np.mean(pred[~slow] == M.SLOW)) if (~slow).any() else 0.0,
         "none": M.summary(base),
         "linnos": M.summary(linnos),
+        "linnos_uncharged": M.summary(linnos - inference_us),  # the decisions alone, inference free
         "oracle": M.summary(oracle),
     }
