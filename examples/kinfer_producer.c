@@ -4,7 +4,8 @@
  *   ./kinfer_producer RING N [ENTRY_VERSION]
  *
  * Sends N requests of 31 inputs (request k: input j = (k + j) % 10) one after the other and
- * prints one line per answer: "k status decision where batch out0 out1". ENTRY_VERSION (default
+ * prints one line per answer: "k status decision where batch out0 out1 rt_ns", rt_ns being the
+ * round trip from before the request was written to after the answer was seen. ENTRY_VERSION (default
  * GPUOS_KINFER_ENTRY_VERSION) lets a test send entries of a wrong version. Exit status: 0 when
  * every request got an answer, 2 on bad use, 3 when the ring is unusable, 4 on a timeout.
  */
@@ -101,6 +102,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "slot %u busy (state %u)\n", slot, s);
             return 4;
         }
+        uint64_t t0 = now_ns();
         __atomic_store_n(&state[slot], GPUOS_KINFER_WRITING, __ATOMIC_RELAXED);
         struct gpuos_kinfer_meta *m = &meta[slot];
         m->version = entry_version;
@@ -108,7 +110,7 @@ int main(int argc, char **argv)
         m->n_inputs = 31;
         m->status = 0;
         m->seq = (uint64_t)k;
-        m->submit_ns = now_ns();
+        m->submit_ns = t0;
         m->producer_pid = (uint32_t)getpid();
         m->waiting = 0;
         float *x = inputs + (size_t)slot * h->max_inputs;
@@ -138,10 +140,11 @@ int main(int argc, char **argv)
                 futex(&state[slot], FUTEX_WAIT, s, &slice);
             }
         }
+        uint64_t rt = now_ns() - t0;
         m->waiting = 0;
         float *y = outputs + (size_t)slot * h->max_outputs;
-        printf("%ld %u %d %u %u %.6f %.6f\n", k, m->status, m->decision, m->where, m->batch,
-               m->n_outputs > 0 ? y[0] : 0.0f, m->n_outputs > 1 ? y[1] : 0.0f);
+        printf("%ld %u %d %u %u %.6f %.6f %llu\n", k, m->status, m->decision, m->where, m->batch,
+               m->n_outputs > 0 ? y[0] : 0.0f, m->n_outputs > 1 ? y[1] : 0.0f, (unsigned long long)rt);
         if (m->answer_seq != m->seq && m->status == GPUOS_KINFER_OK) {
             fprintf(stderr, "request %ld: answer for seq %llu\n", k, (unsigned long long)m->answer_seq);
             return 4;

@@ -3,7 +3,8 @@
 
 - round_trip (CPU, P8): a daemon (`gpu-kinfer-bridge serve --gpu off`, its own process) and one
   Python producer here; sequential requests of batch 1; p50/p99/p99.9 of the producer's wall
-  time from submit to answer, and of the daemon's part (submit_ns to done_ns).
+  time from submit to answer, and of the daemon's part (submit_ns to done_ns); then the same
+  with examples/kinfer_producer.c as the producer.
 - sweep: median latency of one batch on the CPU (numpy) and the GPU (copy in, run, copy out,
   synchronise) across batch sizes, and the crossover.
 - gpu_throughput (P9): inferences/s of the LinnOS model at batch >= 1024, end to end (host
@@ -22,8 +23,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 import uuid
@@ -103,14 +106,29 @@ def round_trip(requests: int, spin_us: float, cores: list[int] | None) -> dict:
                 daemon.append(a.latency_ns / 1e3)
                 batches.append(a.batch)
             counters = client.ring.counter_values()
+        c_rt = c_round_trip(name, requests)
     finally:
         os.sched_setaffinity(0, mask)
         proc.terminate()
         proc.wait(timeout=30)
         R.ring_path(name).unlink(missing_ok=True)
     return {"producer_us": pct(wall), "daemon_us": pct(daemon), "batch_max": int(max(batches)),
-            "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores,
+            "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores, "c_producer": c_rt,
             "target": {"p50_us": 5, "p99_us": 20}}
+
+
+def c_round_trip(name: str, requests: int) -> dict:
+    """The same with examples/kinfer_producer.c as the producer (no Python on that side)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return {"skipped": "no C compiler"}
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "kinfer_producer"
+        subprocess.run([cc, "-O2", "-I", str(R.HEADER_FILE.parent), str(ROOT / "examples" / "kinfer_producer.c"), "-o", str(exe)],
+                       check=True)
+        done = subprocess.run([str(exe), name, str(requests + 2000)], capture_output=True, text=True, check=True, timeout=600)
+    rt = [int(line.split()[7]) / 1e3 for line in done.stdout.splitlines()[2000:]]
+    return {"producer_us": pct(rt)}
 
 
 def inputs(b: int) -> np.ndarray:
@@ -226,6 +244,9 @@ def main() -> int:
     result["round_trip"] = round_trip(args.requests, args.spin_us, cores)
     rt = result["round_trip"]["producer_us"]
     log(f"round trip p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
+    crt = result["round_trip"]["c_producer"].get("producer_us")
+    if crt:
+        log(f"with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")
     gpu = None
     reason = None
     try:

@@ -158,9 +158,9 @@ def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: 
         lines = stdout.splitlines()
         assert len(lines) == 40
         for line in lines:
-            k, status, decision, where, batch, y0, y1 = line.split()
+            k, status, decision, where, batch, y0, y1, rt_ns = line.split()
             want = _expected(7, int(k))
-            assert int(status) == R.OK and int(where) == R.CPU and int(batch) >= 1
+            assert int(status) == R.OK and int(where) == R.CPU and int(batch) >= 1 and int(rt_ns) > 0
             assert np.allclose([float(y0), float(y1)], want, rtol=1e-5, atol=1e-4)
             assert int(decision) == int(np.argmax(want))
     want = M.Mlp.random(seed=7).forward((np.arange(31) % 10).astype(np.float32)[None])[0]
