@@ -162,17 +162,18 @@ class GpuMlp:
 
     def run_device(self, dx: Any, dy: Any, n: int) -> None:
         """The model on device arrays (n rows), queued on ``self.stream``; no copy, no wait."""
-        if self.kernel is not None:
-            grid = ((n + ROWS - 1) // ROWS,)
-            self.kernel(grid, (self.w1.shape[1],), (dx, np.int32(n), self.w1, self.b1, self.w2, self.b2, dy), stream=self.stream)
-        else:
-            cp = self.cp
-            with self.stream:
+        cp = self.cp
+        with self.stream:  # RawKernel launches on the current stream
+            if self.kernel is not None:
+                grid = ((n + ROWS - 1) // ROWS,)
+                self.kernel(grid, (self.w1.shape[1],), (dx, np.int32(n), self.w1, self.b1, self.w2, self.b2, dy))
+            else:
                 h = dx[:n] @ self.w1
                 h += self.b1
                 cp.maximum(h, 0, out=h)
-                cp.matmul(h, self.w2, out=dy[:n])
-                dy[:n] += self.b2
+                y = dy[:n]
+                y[...] = h @ self.w2
+                y += self.b2
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         n = x.shape[0]

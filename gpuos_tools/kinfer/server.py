@@ -411,7 +411,6 @@ class Server:
     def _start_load(self, seq: int, model_id: int, path: str) -> None:
         """Load a model in a thread; the loop swaps it in between two batches."""
         self._loading = True
-        old = self.models.get(model_id)
 
         def load() -> None:
             try:
@@ -424,9 +423,7 @@ class Server:
                 self._pending_swap = (seq, model_id, backend, "")
             except Exception as e:  # a bad file must not take the daemon down
                 self._pending_swap = (seq, model_id, None, f"{type(e).__name__}: {e}")
-        if old is not None and old.model.n_inputs > self.ring.geometry.max_inputs:
-            self._pending_swap = (seq, model_id, None, "model has more inputs than the ring carries")
-            return
+
         threading.Thread(target=load, name="kinfer-load", daemon=True).start()
 
     def _apply_swap(self) -> None:
