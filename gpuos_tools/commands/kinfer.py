@@ -25,6 +25,7 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    short_help="a LAKE-style inference service over shared memory, with LinnOS",
     help="A LAKE-style inference service over shared memory: producers in any language put "
     "feature vectors into a ring, a daemon batches them and runs the model on the CPU or the "
     "GPU, as measured, and answers each. LinnOS (slow-read prediction with hedging) is the "
@@ -498,7 +499,7 @@ def synth(
 
 @app.command()
 def collect(
-    directory: str = typer.Option(..., "--dir", "-d", metavar="DIR", help="Where to put the test files (a real disk, not tmpfs)."),
+    directory: str = typer.Option(..., "--dir", "-d", metavar="DIR", help="Where to put the test files: on the disk to measure (tmpfs measures memory)."),
     reads: int = typer.Option(20_000, "--reads", "-n", help="Stop after this many reads."),
     devices: int = typer.Option(2, "--devices", help="Files, each standing for one device."),
     depth: int = typer.Option(4, "--depth", help="Threads (outstanding I/Os) per file."),
@@ -517,7 +518,7 @@ def collect(
         records = run(directory, reads, devices=devices, depth=depth, file_size=size_mib << 20,
                       write_fraction=write_fraction, seed=seed)
     except OSError as e:
-        raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a real filesystem; tmpfs refuses it)", ExitCode.IO_ERROR) from None
+        raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a filesystem that supports it)", ExitCode.IO_ERROR) from None
     with open_output(output) as writer:
         writer.write(make_header("gpu-kinfer-bridge", trace="collected", host=socket.gethostname(), dir=directory,
                                  devices=devices, depth=depth, size_mib=size_mib, write_fraction=write_fraction, seed=seed))
