@@ -288,6 +288,15 @@ def test_client_says_when_no_daemon_answers(ring_name: str) -> None:
             client.submit(np.zeros(40))
 
 
+def test_client_of_a_replaced_ring_is_told_so(ring_name: str) -> None:
+    R.Ring.create(ring_name, R.Geometry(2, 2)).close()
+    with R.Client(ring_name) as client:
+        R.Ring.create(ring_name, R.Geometry(2, 2)).close()  # a new file: the old mapping stays valid
+        assert client.ring.replaced()
+        with pytest.raises(R.RingError, match="replaced or removed"):
+            client.infer(np.zeros(31), timeout=0.05)
+
+
 def test_lanes_are_exclusive_within_and_across_processes(ring_name: str) -> None:
     R.Ring.create(ring_name, R.Geometry(2, 2)).close()
     with R.Client(ring_name) as a, R.Client(ring_name) as b:

@@ -208,12 +208,16 @@ class Ring:
 
     @classmethod
     def create(cls, name: str, geometry: Geometry) -> Ring:
-        """Create (or replace) the ring file with an empty ring."""
+        """Create (or replace) the ring file with an empty ring.
+
+        A file already there is unlinked, never truncated: producers that still map it keep
+        valid memory (and learn from ``replaced()`` that it is gone) instead of SIGBUS.
+        """
         path = ring_path(name)
         off = geometry.offsets()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            os.ftruncate(fd, 0)
             os.ftruncate(fd, off["total"])
             mm = mmap.mmap(fd, off["total"])
         except OSError:
@@ -282,6 +286,24 @@ class Ring:
 
     def daemon_alive(self) -> bool:
         return pid_alive(int(self.header["daemon_pid"]))
+
+    def replaced(self) -> bool:
+        """Has the file at ``path`` been replaced (``serve --recreate``) since it was mapped?"""
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return True
+
+    def why_silent(self) -> str:
+        """Why requests on this ring may go unanswered, in words for a message."""
+        if self.replaced():
+            return "the ring file was replaced or removed since this producer attached; attach again"
+        pid = int(self.header["daemon_pid"])
+        if pid == 0:
+            return "no daemon is serving this ring"
+        if self.daemon_alive():
+            return f"daemon pid {pid} is alive but did not answer"
+        return f"daemon pid {pid} is gone"
 
     def counter_values(self) -> dict[str, int]:
         return {name: int(self.counters[i]) for i, name in enumerate(COUNTERS)}
@@ -469,12 +491,9 @@ class Client:
                 break
             left = deadline - time.perf_counter()
             if left <= 0:
-                alive = self.ring.daemon_alive()
-                pid = int(self.ring.header["daemon_pid"])
                 raise RingError(
                     f"{self.ring.path}: no answer in time for slot {slot} (state {STATE_NAMES.get(state, state)}); "
-                    + (f"daemon pid {pid} is alive but did not answer" if alive else
-                       "no daemon is serving this ring" if pid == 0 else f"daemon pid {pid} is gone"),
+                    + self.ring.why_silent(),
                     ExitCode.FAILURE,
                 )
             struct.pack_into("<I", mm, waiting_at, 1)

@@ -170,7 +170,13 @@ class Server:
                 raise R.RingError(f"--gpu on, but the GPU path cannot run: {reason}", ExitCode.NO_DRIVER)
             self.log(f"GPU path off: {reason}; every batch runs on the CPU")
             return
-        backend.gpu = gpu.GpuMlp(backend.model, self.options.device, self.options.gpu_mode)
+        try:
+            backend.gpu = gpu.GpuMlp(backend.model, self.options.device, self.options.gpu_mode)
+        except Exception as e:  # a CUDA error, a kernel that does not build...
+            if self.options.use_gpu == "on":
+                raise R.RingError(f"--gpu on, but the GPU path failed: {type(e).__name__}: {e}", ExitCode.CUDA_ERROR) from e
+            self.log(f"GPU path off: {type(e).__name__}: {e}; every batch runs on the CPU")
+            return
         if backend.gpu.note:
             self.log(backend.gpu.note)
         self.gpu_ready = True
