@@ -303,6 +303,9 @@ def test_lanes_are_exclusive_within_and_across_processes(ring_name: str) -> None
         assert {a.lane, b.lane} == {0, 1}
         with pytest.raises(R.RingError, match="no free lane"):
             R.Client(ring_name)
+        # the refused client closed its descriptor: a and b must still hold their lanes
+        with pytest.raises(R.RingError, match="no free lane"):
+            R.Client(ring_name)
     code = f"from gpuos_tools.kinfer import ring as R\nc = R.Client({ring_name!r})\nprint(c.lane)\n"
     with R.Client(ring_name) as a:
         other = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)

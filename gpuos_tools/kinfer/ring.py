@@ -22,7 +22,6 @@ import mmap
 import os
 import platform
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,14 +274,21 @@ class Ring:
     # -- locks --
 
     def try_lock(self, start: int) -> bool:
+        """Take the write lock on byte ``start`` without waiting; False when someone holds it.
+
+        Open-file-description locks (F_OFD_SETLK): they belong to this open file, so two clients
+        of one process exclude each other and closing one does not drop the other's lock, as
+        closing any descriptor does with classic POSIX locks. They conflict with the classic
+        F_SETLK locks a C producer takes, so both kinds share the lanes safely.
+        """
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, start)
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, start))
         except OSError:
             return False
         return True
 
     def unlock(self, start: int) -> None:
-        fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, start)
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, start))
 
     def daemon_alive(self) -> bool:
         return pid_alive(int(self.header["daemon_pid"]))
@@ -307,6 +313,11 @@ class Ring:
 
     def counter_values(self) -> dict[str, int]:
         return {name: int(self.counters[i]) for i, name in enumerate(COUNTERS)}
+
+
+def _flock(kind: int, start: int) -> bytes:
+    """struct flock for one byte at ``start`` (l_type, l_whence, l_start, l_len, l_pid = 0)."""
+    return struct.pack("hhqqi", kind, os.SEEK_SET, start, 1, 0)
 
 
 def check_header(raw: bytes, file_size: int) -> str | None:
@@ -357,11 +368,6 @@ class Answer:
         )
 
 
-# POSIX record locks belong to the process: two clients of one process must not share a lane.
-_LANES_HELD: set[tuple[str, int]] = set()
-_LANES_LOCK = threading.Lock()
-
-
 class Client:
     """A producer: owns one lane of the ring (one client per thread) and sends requests.
 
@@ -394,14 +400,9 @@ class Client:
 
     def _claim(self, lane: int | None) -> int:
         lanes = range(self.ring.geometry.lanes) if lane is None else [lane]
-        key = str(self.ring.path)
-        with _LANES_LOCK:
-            for candidate in lanes:
-                if (key, candidate) in _LANES_HELD:
-                    continue
-                if self.ring.try_lock(LOCK_LANE0 + candidate):
-                    _LANES_HELD.add((key, candidate))
-                    return candidate
+        for candidate in lanes:
+            if self.ring.try_lock(LOCK_LANE0 + candidate):
+                return candidate
         self.ring.close()
         raise RingError(
             f"{self.ring.path}: no free lane ({self.ring.geometry.lanes} producers attached)"
@@ -410,8 +411,6 @@ class Client:
         )
 
     def close(self) -> None:
-        with _LANES_LOCK:
-            _LANES_HELD.discard((str(self.ring.path), self.lane))
         self._state.release()
         self._doorbell.release()
         self.ring.close()

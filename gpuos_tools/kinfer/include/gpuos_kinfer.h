@@ -12,8 +12,10 @@
  *
  * Slots are grouped in lanes of slots_per_lane consecutive slots. A producer owns a lane while it
  * holds a POSIX record lock (fcntl F_SETLK, F_WRLCK) on byte GPUOS_KINFER_LOCK_LANE0 + lane of
- * the file; the kernel drops the lock when the producer dies, so a lane is never lost. Within its
- * lane a producer uses any slot whose state is FREE or DONE. The daemon holds the lock on byte
+ * the file; the kernel drops the lock when the producer dies, so a lane is never lost.
+ * F_OFD_SETLK works too and is what the Python client uses: it lets several producers of one
+ * process hold lanes, which F_SETLK's per-process locks do not. Within its lane a producer
+ * uses any slot whose state is FREE or DONE. The daemon holds the lock on byte
  * GPUOS_KINFER_LOCK_DAEMON while it serves.
  *
  * One request:
