@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuos_tools.errors import ExitCode
-from gpuos_tools.kinfer.ring import LOCK_DAEMON, RingError, _flock, ring_path
+from gpuos_tools.kinfer.ring import LOCK_DAEMON, RingError, flock_struct, ring_path
 
 MAGIC = 0x31544145464B5047  # "GPKFEAT1"
 VERSION = 1
@@ -123,7 +123,7 @@ class FeatureStore:
         if vec.size != self.n_fields:
             raise ValueError(f"{vec.size} values, schema {self.schema!r} has {self.n_fields} fields")
         ts = time.monotonic_ns() if ts_ns is None else int(ts_ns)
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK, LOCK_DAEMON))
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, flock_struct(fcntl.F_WRLCK, LOCK_DAEMON))
         try:
             seq = int(self.header["write_index"])
             off = HEADER_SIZE + (seq % self.capacity) * self.record_size
@@ -131,17 +131,17 @@ class FeatureStore:
             self.mm[off + 16 : off + 16 + 4 * self.n_fields] = vec.tobytes()
             self.header["write_index"] = seq + 1
         finally:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, LOCK_DAEMON))
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_UNLCK, LOCK_DAEMON))
         return seq
 
     def window(self, since_ns: int = 0, until_ns: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ts_ns, seq, values) of the records with since_ns <= ts < until_ns, oldest first."""
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_RDLCK, LOCK_DAEMON))
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, flock_struct(fcntl.F_RDLCK, LOCK_DAEMON))
         try:
             count = min(int(self.header["write_index"]), self.capacity)
             raw = np.frombuffer(self.mm, dtype=np.uint8, count=count * self.record_size, offset=HEADER_SIZE).copy()
         finally:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, LOCK_DAEMON))
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_UNLCK, LOCK_DAEMON))
         recs = raw.reshape(count, self.record_size)
         head = recs[:, :16].copy().view("<u8")
         ts, seq = head[:, 0], head[:, 1]

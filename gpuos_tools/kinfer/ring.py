@@ -282,13 +282,13 @@ class Ring:
         F_SETLK locks a C producer takes, so both kinds share the lanes safely.
         """
         try:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, start))
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_WRLCK, start))
         except OSError:
             return False
         return True
 
     def unlock(self, start: int) -> None:
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, start))
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_UNLCK, start))
 
     def daemon_alive(self) -> bool:
         return pid_alive(int(self.header["daemon_pid"]))
@@ -315,7 +315,7 @@ class Ring:
         return {name: int(self.counters[i]) for i, name in enumerate(COUNTERS)}
 
 
-def _flock(kind: int, start: int) -> bytes:
+def flock_struct(kind: int, start: int) -> bytes:
     """struct flock for one byte at ``start`` (l_type, l_whence, l_start, l_len, l_pid = 0)."""
     return struct.pack("hhqqi", kind, os.SEEK_SET, start, 1, 0)
 
