@@ -543,6 +543,28 @@ def test_feature_store_records_from_several_processes(ring_name: str) -> None:
         F.FeatureStore.open(ring_name)
 
 
+def test_capture_then_train_from_the_store(ring_name: str, tmp_path: Path) -> None:
+    trace, model = tmp_path / "io.ndjson", tmp_path / "m.npz"
+    run = lambda *a: subprocess.run([*BRIDGE, *a], env=child_env(), capture_output=True, text=True, timeout=300)  # noqa: E731
+    assert run("synth", "-n", "6000", "--seed", "5", "-o", str(trace)).returncode == 0
+    done = run("features", "capture", str(trace), ring_name)
+    assert done.returncode == 0, done.stderr
+    store = F.FeatureStore.open(ring_name)
+    _, _, values = store.window()
+    store.close()
+    data, _ = linnos.dataset(list(T.io_records(json.loads(line) for line in trace.read_text().splitlines())))
+    assert np.array_equal(values[:, :31], data.x) and np.allclose(values[:, 31], data.lat_us, rtol=1e-6)
+    from_store = run("train", "--features", ring_name, "--model", str(model), "--epochs", "2")
+    from_trace = run("train", str(trace), "--model", str(tmp_path / "t.npz"), "--epochs", "2")
+    assert from_store.returncode == 0, from_store.stderr
+    a, b = (json.loads(d.stdout.splitlines()[-1]) for d in (from_store, from_trace))
+    assert a["reads"] == b["reads"] and a["threshold_us"] == pytest.approx(b["threshold_us"], rel=1e-5)
+    assert run("train", "--model", str(model)).returncode == 2
+    F.FeatureStore.register(ring_name, "other", ["a"]).close()
+    bad = run("train", "--features", ring_name, "--model", str(model))
+    assert bad.returncode == 64 and "not a LinnOS feature store" in bad.stderr
+
+
 def test_feature_store_cli(ring_name: str) -> None:
     run = lambda *a, **k: subprocess.run([*BRIDGE, "features", *a], env=child_env(), capture_output=True, text=True, timeout=60, **k)  # noqa: E731
     assert run("register", ring_name, "-f", "a", "-f", "b").returncode == 0

@@ -99,6 +99,9 @@ MAN_SECTIONS = {
         "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
         "    gpu-kinfer-bridge serve --profile linnos --model linnos.npz &\n"
         "    gpu-kinfer-bridge replay io.ndjson --ring gpuos-kinfer --model linnos.npz\n\n"
+        "Capture features as LAKE does, then train on the last minute of them:\n\n"
+        "    gpu-kinfer-bridge features capture io.ndjson linnos-features\n"
+        "    gpu-kinfer-bridge train --features linnos-features --last-s 60 --model linnos-v2.npz\n\n"
         "Swap in a retrained model without stopping the daemon:\n\n"
         "    gpu-kinfer-bridge load linnos-v2.npz --ring gpuos-kinfer\n\n"
         "Measure the crossover on this machine and store it in the profile:\n\n"
@@ -341,8 +344,12 @@ def calibrate(
 
 @app.command()
 def train(
-    trace: str = typer.Argument(..., metavar="TRACE", help="An io trace (collect or synth; '-' = stdin)."),
+    trace: Optional[str] = typer.Argument(None, metavar="[TRACE]", help="An io trace (collect or synth; '-' = stdin)."),
     model: str = typer.Option(..., "--model", "-m", metavar="FILE", help="Where to write the model (.npz, atomically)."),
+    features: Optional[str] = typer.Option(
+        None, "--features", metavar="STORE", help="Train on a LinnOS feature store (features capture) instead of a trace."
+    ),
+    last_s: Optional[float] = typer.Option(None, "--last-s", help="With --features: only the last this many seconds."),
     label: str = typer.Option("inflection", "--label", metavar="inflection|percentile", help="How slow reads are told from fast."),
     percentile: float = typer.Option(90.0, "--percentile", help="With --label percentile: slow above this percentile."),
     epochs: int = typer.Option(20, "--epochs", help="Passes over the training reads."),
@@ -350,23 +357,40 @@ def train(
     seed: int = typer.Option(0, "--seed", help="Initialisation and shuffling seed."),
     output: OutputOpt = "-",
 ) -> None:
-    """Train the LinnOS model on a trace; write it and a `kinfer_train` report record."""
-    from gpuos_tools.kinfer.linnos import train_trace
+    """Train the LinnOS model on a trace or a feature-store window; write it and a
+    `kinfer_train` report record."""
+    from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, train_arrays, train_trace
     from gpuos_tools.stream import make_header, open_output
 
     ExitCode, GpuosError = _err()
     if label not in ("inflection", "percentile"):
         raise typer.BadParameter("inflection or percentile", param_hint="--label")
-    records = _read_trace(trace)
+    if (trace is None) == (features is None):
+        raise typer.BadParameter("give a TRACE or --features STORE (one of them)", param_hint="--features")
+    kwargs = {"label": label, "percentile": percentile, "epochs": epochs, "slow_weight": slow_weight, "seed": seed}
+    source = trace or f"features:{features}"
     try:
-        mlp, report = train_trace(records, label=label, percentile=percentile, epochs=epochs, slow_weight=slow_weight, seed=seed)
+        if features is not None:
+            from gpuos_tools.kinfer.features import FeatureStore
+
+            store = FeatureStore.open(features)
+            try:
+                if store.fields != FEATURE_FIELDS:
+                    raise GpuosError(f"{features}: not a LinnOS feature store ({len(store.fields)} fields)", ExitCode.BAD_INPUT)
+                since = 0 if last_s is None else max(0, time.monotonic_ns() - int(last_s * 1e9))
+                _, _, values = store.window(since)
+            finally:
+                store.close()
+            mlp, report = train_arrays(values[:, :-1], values[:, -1].astype("float64"), **kwargs)
+        else:
+            mlp, report = train_trace(_read_trace(trace), **kwargs)
     except ValueError as e:
-        raise GpuosError(f"{trace}: {e}", ExitCode.BAD_INPUT) from None
-    mlp.meta["trace"] = trace
+        raise GpuosError(f"{source}: {e}", ExitCode.BAD_INPUT) from None
+    mlp.meta["trace"] = source
     mlp.save(model)
     report["model"] = model
     with open_output(output) as writer:
-        writer.write(make_header("gpu-kinfer-bridge", source=trace))
+        writer.write(make_header("gpu-kinfer-bridge", source=source))
         writer.write(report)
 
 
@@ -539,6 +563,35 @@ def features_register(
         FeatureStore.register(name, schema, fields, capacity).close()
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--field") from None
+
+
+@features_app.command("capture")
+def features_capture(
+    trace: str = typer.Argument(..., metavar="TRACE", help="An io trace."),
+    name: str = typer.Argument(..., metavar="NAME", help="Store name; created with LinnOS's schema if missing."),
+    capacity: int = typer.Option(1 << 20, "--capacity", help="Records kept, when the store is created here."),
+) -> None:
+    """Record each read of a trace into a LinnOS feature store: its 31 inputs and its latency
+    (what `train --features` learns from)."""
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.features import FeatureStore
+    from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, capture
+
+    ExitCode, GpuosError = _err()
+    records = _read_trace(trace)
+    try:
+        store = FeatureStore.open(name)
+    except R.RingError:
+        if R.ring_path(name).exists():
+            raise
+        store = FeatureStore.register(name, "linnos", FEATURE_FIELDS, capacity)
+    try:
+        n = capture(records, store)
+    except ValueError as e:
+        raise GpuosError(f"{name}: {e}", ExitCode.BAD_INPUT) from None
+    finally:
+        store.close()
+    print(f"gpu-kinfer-bridge: {n} reads recorded into {name}", file=sys.stderr)
 
 
 @features_app.command("record")

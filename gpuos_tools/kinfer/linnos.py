@@ -52,8 +52,32 @@ def dataset(records: list[dict[str, Any]]) -> tuple[Dataset, dict[int, dict[str,
     return Dataset(*(c[order] for c in cat)), per
 
 
+#: The feature-store schema LinnOS captures into: the 31 inputs, then the read's latency (the label).
+FEATURE_FIELDS = [f"in{i}" for i in range(M.N_INPUTS)] + ["latency_us"]
+
+
+def capture(records: list[dict[str, Any]], store: Any) -> int:
+    """Record every read of a trace into a feature store (``FEATURE_FIELDS``), in issue order;
+    return how many. This is LAKE's capture step: what a kernel hook would record per I/O."""
+    if store.fields != FEATURE_FIELDS:
+        raise ValueError(f"the store's schema is not LinnOS's ({len(store.fields)} fields; register one with FEATURE_FIELDS)")
+    data, _ = dataset(records)
+    for row in np.concatenate([data.x, data.lat_us[:, None].astype(np.float32)], axis=1):
+        store.record(row)
+    return len(data.lat_us)
+
+
 def train_trace(
     records: list[dict[str, Any]],
+    **kwargs: Any,
+) -> tuple[M.Mlp, dict[str, Any]]:
+    data, _ = dataset(records)
+    return train_arrays(data.x, data.lat_us, **kwargs)
+
+
+def train_arrays(
+    x: np.ndarray,
+    lat_us: np.ndarray,
     *,
     label: str = "inflection",
     percentile: float = 90.0,
@@ -62,13 +86,16 @@ def train_trace(
     slow_weight: float = 5.0,
     seed: int = 0,
 ) -> tuple[M.Mlp, dict[str, Any]]:
-    data, _ = dataset(records)
-    thr = M.threshold(data.lat_us, label, percentile)
-    y = data.labels(thr)
+    """Train on reads in time order: inputs ``x`` (n, 31) and latencies; the last ``holdout``
+    of them measure the model."""
+    if len(lat_us) == 0:
+        raise ValueError("no reads to train on")
+    thr = M.threshold(lat_us, label, percentile)
+    y = (np.asarray(lat_us) > thr).astype(np.int64)
     cut = int(len(y) * (1 - holdout))
     if cut < 1:
         raise ValueError("too few reads to train on")
-    model, losses = M.train(data.x[:cut], y[:cut], epochs=epochs, slow_weight=slow_weight, seed=seed)
+    model, losses = M.train(x[:cut], y[:cut], epochs=epochs, slow_weight=slow_weight, seed=seed)
     model.meta = {
         "name": "linnos", "threshold_us": thr, "label": label, "percentile": percentile if label == "percentile" else None,
         "slow_weight": slow_weight, "epochs": epochs, "train_reads": cut, "seed": seed,
@@ -81,8 +108,8 @@ def train_trace(
         "label": label,
         "slow_fraction": float(y.mean()),
         "loss": [round(v, 5) for v in losses],
-        "train": M.evaluate(model, data.x[:cut], y[:cut]),
-        "holdout": M.evaluate(model, data.x[cut:], y[cut:]) if cut < len(y) else None,
+        "train": M.evaluate(model, x[:cut], y[:cut]),
+        "holdout": M.evaluate(model, x[cut:], y[cut:]) if cut < len(y) else None,
     }
     return model, report
 
