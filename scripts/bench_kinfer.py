@@ -203,7 +203,7 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
                     best = "gpu" if g < c else "cpu"
                     rows.append({"duty": duty, "batch": b, "busy": busy, "util": load.util, "others": load.others,
                                  "pick": pick, "faster": best, "cpu_us": round(c, 3), "gpu_us": round(g, 3),
-                                 "right": pick == best})
+                                 "gpu_slowdown": round(g / pol.estimate("gpu", b), 3), "right": pick == best})
             finally:
                 if child is not None:
                     child.kill()
@@ -211,7 +211,10 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
     finally:
         load.stop()
     right = sum(r["right"] for r in rows)
-    return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95}
+    # what busy_factor the profile would need: the GPU's slowdown under each load, median over batches
+    slowdown = {str(d): float(np.median([r["gpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
+    return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95, "busy_factor": pol.busy_factor,
+            "gpu_slowdown_median": slowdown}
 
 
 def main() -> int:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -152,7 +151,7 @@ def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: 
         outs = [r.communicate(timeout=60) for r in runs]
         bad = subprocess.run([str(c_producer), ring_name, "3", "9"], capture_output=True, text=True, timeout=60)
     finally:
-        out, err = _stop(proc)
+        out, _ = _stop(proc)
     for r, (stdout, stderr) in zip(runs, outs):
         assert r.returncode == 0, stderr
         lines = stdout.splitlines()

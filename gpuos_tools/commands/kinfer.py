@@ -224,7 +224,7 @@ def status(ring: Optional[str] = RingOpt, profile: Optional[str] = ProfileOpt, o
     try:
         h = r.header
         g = r.geometry
-        slots = {R.STATE_NAMES.get(s, str(s)): int((r.state == s).sum()) for s in set(int(v) for v in r.state)}
+        slots = {R.STATE_NAMES.get(s, str(s)): int((r.state == s).sum()) for s in {int(v) for v in r.state}}
         rec = {
             "type": "kinfer_status", "ring": str(r.path), "version": int(h["version"]), "lanes": g.lanes,
             "slots_per_lane": g.slots_per_lane, "max_inputs": g.max_inputs, "max_outputs": g.max_outputs,
@@ -322,7 +322,6 @@ def calibrate(
     from gpuos_tools.kinfer.policy import load_profile, write_profile
     from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     try:
         sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
     except ValueError:

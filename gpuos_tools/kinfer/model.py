@@ -46,7 +46,7 @@ class Mlp:
         self.b1 = np.ascontiguousarray(self.b1, dtype=np.float32).ravel()
         self.w2 = np.ascontiguousarray(self.w2, dtype=np.float32)
         self.b2 = np.ascontiguousarray(self.b2, dtype=np.float32).ravel()
-        ni, nh = self.w1.shape
+        nh = self.w1.shape[1]
         if self.b1.shape != (nh,) or self.w2.shape[0] != nh or self.b2.shape != (self.w2.shape[1],):
             raise ValueError(f"inconsistent layer shapes {self.w1.shape} {self.b1.shape} {self.w2.shape} {self.b2.shape}")
 

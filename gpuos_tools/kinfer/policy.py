@@ -218,7 +218,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        return repr(round(value, 3)) if math.isfinite(value) else ("nan" if value != value else ("inf" if value > 0 else "-inf"))
+        return repr(round(value, 3)) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
     if isinstance(value, (list, tuple)):

@@ -158,7 +158,11 @@ class Server:
         backend = Backend(model)
         server = cls(ring, {0: backend}, policy, options, say)
         if policy_gpu:
-            server._start_gpu(backend)
+            try:
+                server._start_gpu(backend)
+            except BaseException:
+                server.close()  # the lock goes; the ring stays for the next daemon
+                raise
         return server
 
     def _start_gpu(self, backend: Backend) -> None:

@@ -63,8 +63,12 @@ def test_fused_kernel_takes_other_shapes_and_refuses_odd_ones() -> None:
 def test_daemon_answers_on_the_gpu_and_swaps_weights(tmp_path: Path) -> None:
     name = f"kinfer-gpu-{uuid.uuid4().hex[:8]}"
     a, b = M.Mlp.random(seed=1), M.Mlp.random(seed=2)
-    srv = S.Server.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=8), S.ServeOptions(use_gpu="on"), recreate=True,
-                        log=lambda m: None)
+    try:
+        srv = S.Server.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=8), S.ServeOptions(use_gpu="on"), recreate=True,
+                            log=lambda m: None)
+    except BaseException:
+        R.ring_path(name).unlink(missing_ok=True)
+        raise
     sampler, srv.gpu_load = srv.gpu_load, None  # another job on a shared GPU must not make this a CPU test
     try:
         assert srv.gpu_ready and srv.models[0].gpu is not None
