@@ -496,7 +496,7 @@ def replay(
 
 @app.command()
 def synth(
-    reads: int = typer.Option(100_000, "--ios", "-n", help="I/Os to generate (reads and writes)."),
+    ios: int = typer.Option(100_000, "--ios", "-n", help="I/Os to generate (reads and writes)."),
     seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives the same trace."),
     devices: int = typer.Option(2, "--devices", help="Devices (a read can be hedged to the next one)."),
     rate: float = typer.Option(8000.0, "--rate", help="I/Os per second per device (Poisson)."),
@@ -511,13 +511,13 @@ def synth(
     from gpuos_tools.kinfer.traces import synthesize
     from gpuos_tools.stream import make_header, open_output
 
-    if devices < 1 or reads < 1:
+    if devices < 1 or ios < 1:
         raise typer.BadParameter("must be positive", param_hint="--ios/--devices")
     params = {"devices": devices, "rate_per_s": rate, "read_fraction": read_fraction, "gc_period_ms": gc_period_ms,
               "gc_duty": gc_duty, "gc_slowdown": gc_slowdown}
     with open_output(output) as writer:
         writer.write(make_header("gpu-kinfer-bridge", trace="synthetic", seed=seed, **params))
-        writer.write_many(synthesize(reads, seed=seed, **params))
+        writer.write_many(synthesize(ios, seed=seed, **params))
 
 
 @app.command()
