@@ -332,10 +332,20 @@ def gpu_predict_access_page() -> str:
     )
 
 
+def gpu_kinfer_bridge_page() -> str:
+    """gpu-kinfer-bridge(1), from the typer app in gpuos_tools/commands/kinfer.py."""
+    import typer
+
+    from gpuos_tools.commands import kinfer
+
+    return render_man(typer.main.get_command(kinfer.app), "gpu-kinfer-bridge", 1, kinfer.MAN_SECTIONS)
+
+
 PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpuos-stream", 7, stream_page),
     ("gpu-trace", 1, gpu_trace_page),
     ("gpu-ckpt", 1, gpu_ckpt_page),
     ("gpu-restore", 1, gpu_restore_page),
     ("gpu-predict-access", 1, gpu_predict_access_page),
+    ("gpu-kinfer-bridge", 1, gpu_kinfer_bridge_page),
 ]

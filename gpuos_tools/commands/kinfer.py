@@ -1,0 +1,649 @@
+"""gpu-kinfer-bridge: a LAKE-style inference service over shared memory, with LinnOS."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
+
+# The daemon's CPU path runs small batches on one core next to a spinning loop: BLAS threads
+# only fight it (on a 2-core machine a 128-row batch took 16 ms with OpenBLAS's threads, 74 µs
+# without). Set before numpy is first imported; an explicit setting wins.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+app = typer.Typer(
+    name="gpu-kinfer-bridge",
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    short_help="a LAKE-style inference service over shared memory, with LinnOS",
+    help="A LAKE-style inference service over shared memory: producers in any language put "
+    "feature vectors into a ring, a daemon batches them and runs the model on the CPU or the "
+    "GPU, as measured, and answers each. LinnOS (slow-read prediction with hedging) is the "
+    "model it ships with.",
+)
+features_app = typer.Typer(help="LAKE's feature store: register a schema, record vectors, read a window.")
+app.add_typer(features_app, name="features")
+
+ProfileOpt = typer.Option(
+    None, "--profile", "-p", metavar="NAME|FILE", help="Profile: profiles/NAME.toml of this checkout, or a TOML file."
+)
+RingOpt = typer.Option(None, "--ring", "-r", metavar="NAME", help="Ring name (/dev/shm/NAME); default: the profile's.")
+
+_LAYOUT = """The ring is one file, `/dev/shm/NAME`, laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
+
+- `struct gpuos_kinfer_header`, 4096 bytes: magic `0x31524E49464B5047` ("GPKINFR1"), layout version 1, header size, slot count, lanes, slots per lane, floats per request and per answer, meta size (128), file size, the offsets of the four arrays below, the daemon's pid, epoch and heartbeat, the model generation, the doorbell futex word (offset 128) and the daemon's sleeping flag (132), 16 counters (offset 192: served, batches, cpu_batches, gpu_batches, drop_bad_version, drop_bad_size, drop_bad_model, drop_bad_value, drop_abandoned, drop_bad_state, requeued, model_swaps, sleeps) and the model-load control block (offset 320).
+- `uint32_t state[nslots]`: FREE 0, WRITING 1, READY 2, TAKEN 3, DONE 4; each word is also the futex its producer sleeps on.
+- `struct gpuos_kinfer_meta meta[nslots]`, 128 bytes each: version (1), model_id, n_inputs, status, seq, submit_ns, done_ns, producer_pid, waiting, decision, n_outputs, batch, where (0 CPU, 1 GPU), answer_seq.
+- `float inputs[nslots][max_inputs]`, then `float outputs[nslots][max_outputs]`.
+
+Slots come in lanes; a producer owns a lane while it holds the POSIX record lock (`fcntl` `F_SETLK`) on byte 2^40 + 1 + lane of the file, which the kernel releases if it dies. To ask: set `state` WRITING, fill `meta` and `inputs`, store READY (release), add 1 to the doorbell and futex-wake it if the daemon sleeps. To wait: spin on `state` until DONE, then set `waiting`, re-check, and futex-wait on the state word. Status: 0 ok, 1 bad version, 2 bad size, 3 unknown model, 4 NaN or infinite input.
+
+Bad input never stops the daemon: an entry of another version, of the wrong size, for an unknown model or with non-finite values is answered with that status and counted; a slot left WRITING by a producer that died is freed and counted (`drop_abandoned`); a word in no known state is reset and counted. A daemon that restarts on an existing ring of the same geometry keeps the producers attached: requests the old one had TAKEN are served again (`requeued`). A ring of another geometry is refused unless `--recreate`, which makes a new file (producers of the old one get "daemon gone", never a crash).
+
+Wake-up: the daemon spins on the doorbell for `--spin-us`, then announces sleep, re-checks and futex-waits; producers spin for 50 us before sleeping. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
+
+MAN_SECTIONS = {
+    "RING LAYOUT": _LAYOUT,
+    "POLICY": (
+        "Each batch runs on the CPU (numpy) or the GPU (CuPy, one fused kernel). With a "
+        "calibration in the profile (`gpu-kinfer-bridge calibrate`), the side whose measured "
+        "latency at that batch size (log-log interpolation) is lower wins; the GPU's estimate is "
+        "multiplied by `busy_factor` while the GPU is busy. Without one, LAKE's rule: CPU below "
+        "`cpu_below` or while busy. Busy means NVML utilisation above `busy_util` percent with at "
+        "least `busy_procs` other processes on the GPU, sampled every 20 ms.\n\n"
+        "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
+        "batch above 1.5); a lone producer is answered at once."
+    ),
+    "LINNOS": (
+        "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
+        "(3 digits), pending I/Os at the issue of each of the last 4 completed reads (4 x 3), and "
+        "those reads' latencies in microseconds (4 x 4). Network 31-256-2 with ReLU; output 1 = "
+        "slow. Labels: slow above the knee of the latency CDF (`--label inflection`) or a "
+        "percentile. Loss: hinge on the class margin, 5x weight on slow reads (predicting a slow "
+        "read fast is the costly mistake). Training uses the first 80% of the reads in time and "
+        "reports accuracy on the rest.\n\n"
+        "`replay` sends every read of a trace through the bridge; a read predicted slow goes to the "
+        "replica (the next device of the trace) and costs the latency of the replica's read nearest "
+        "in time. It reports average, p50, p99 and p99.9 read latency with no prediction, with "
+        "LinnOS (each read also charged the measured bridge round trip; `linnos_uncharged` without that charge) and with an oracle.\n\n"
+        "Traces: `collect` measures real reads and writes with O_DIRECT on files here; `synth` "
+        "generates Poisson arrivals, log-normal sizes and periodic slow (GC) phases from a seed. "
+        "Both write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "
+        "lat_us; the header's `trace` field says collected or synthetic."
+    ),
+    "PROFILE": (
+        "TOML, read with tomllib. Tables: `[model]` name, file (model .npz, relative to the "
+        "profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
+        "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, busy_factor; `[calibration]` "
+        "(written by calibrate) batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` "
+        "rewrites the whole file atomically; comments added by hand are not kept."
+    ),
+    "FILES": (
+        "- `/dev/shm/NAME`: the ring, and feature stores.\n"
+        "- `profiles/linnos.toml`: the LinnOS profile.\n"
+        "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout."
+    ),
+    "EXAMPLES": (
+        "Train on a synthetic trace, serve, replay:\n\n"
+        "    gpu-kinfer-bridge synth --reads 100000 --seed 1 -o io.ndjson\n"
+        "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
+        "    gpu-kinfer-bridge serve --profile linnos --model linnos.npz &\n"
+        "    gpu-kinfer-bridge replay io.ndjson --ring gpuos-kinfer --model linnos.npz\n\n"
+        "Capture features as LAKE does, then train on the last minute of them:\n\n"
+        "    gpu-kinfer-bridge features capture io.ndjson linnos-features\n"
+        "    gpu-kinfer-bridge train --features linnos-features --last-s 60 --model linnos-v2.npz\n\n"
+        "Swap in a retrained model without stopping the daemon:\n\n"
+        "    gpu-kinfer-bridge load linnos-v2.npz --ring gpuos-kinfer\n\n"
+        "Measure the crossover on this machine and store it in the profile:\n\n"
+        "    gpu-kinfer-bridge calibrate --profile linnos"
+    ),
+    "SEE ALSO": "gpu-trace(1)",
+}
+
+
+def _err() -> tuple[Any, Any]:
+    from gpuos_tools.errors import ExitCode, GpuosError
+
+    return ExitCode, GpuosError
+
+
+def _load_model(path: str) -> Any:
+    from gpuos_tools.kinfer.model import Mlp
+
+    ExitCode, GpuosError = _err()
+    if not os.path.exists(path):
+        raise GpuosError(f"{path}: no such model file (gpu-kinfer-bridge train writes one)", ExitCode.NO_INPUT)
+    try:
+        return Mlp.load(path)
+    except ValueError as e:
+        raise GpuosError(str(e), ExitCode.BAD_INPUT) from None
+
+
+def _read_trace(path: str) -> list[dict[str, Any]]:
+    from gpuos_tools.kinfer.traces import io_records
+    from gpuos_tools.stream import open_input
+
+    ExitCode, GpuosError = _err()
+    with open_input(path) as reader:
+        try:
+            records = list(io_records(reader))
+        except ValueError as e:
+            raise GpuosError(f"{path}: {e}", ExitCode.BAD_INPUT) from None
+    if not records:
+        raise GpuosError(f"{path}: no io records", ExitCode.BAD_INPUT)
+    return records
+
+
+@app.command()
+def serve(
+    profile: Optional[str] = ProfileOpt,
+    ring: Optional[str] = RingOpt,
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="FILE", help="Model file (.npz); default: the profile's."),
+    random_model: Optional[int] = typer.Option(
+        None, "--random-model", metavar="SEED", help="Serve random weights of the profile's shape (benchmarks, tests)."
+    ),
+    gpu: str = typer.Option("auto", "--gpu", metavar="auto|on|off", help="auto: the GPU when CuPy and a GPU are there; on: fail without."),
+    device: int = typer.Option(0, "--device", help="GPU index."),
+    window_us: Optional[float] = typer.Option(None, "--window-us", help="Batching window (µs); default: the profile's."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch; default: the profile's."),
+    spin_us: float = typer.Option(200.0, "--spin-us", help="Spin this long on an empty ring before sleeping."),
+    recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of another geometry."),
+    output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
+) -> None:
+    """Serve inference requests from the ring until SIGTERM or SIGINT.
+
+    Creates the ring (or attaches to the one a previous daemon left, keeping its producers),
+    then answers every request. At exit writes one `kinfer_stats` record (the ring's counters)
+    to the output; messages go to stderr.
+    """
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.model import Mlp
+    from gpuos_tools.kinfer.policy import load_profile
+    from gpuos_tools.kinfer.server import ServeOptions, Server
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    if gpu not in ("auto", "on", "off"):
+        raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
+    prof = load_profile(profile)
+    shape = prof.section("model")
+    if random_model is not None:
+        mlp = Mlp.random(int(shape["inputs"]), int(shape["hidden"]), int(shape["outputs"]), random_model)
+    else:
+        path = model or (str(prof.model_file()) if prof.model_file() else None)
+        if path is None:
+            raise GpuosError("no model: give --model FILE (or --random-model SEED), or set [model] file in the profile", ExitCode.USAGE)
+        mlp = _load_model(path)
+    rs, bs = prof.section("ring"), prof.section("batch")
+    geometry = R.Geometry(int(rs["lanes"]), int(rs["slots_per_lane"]), max(32, mlp.n_inputs), max(4, mlp.n_outputs))
+    opts = ServeOptions(
+        window_us=float(bs["window_us"] if window_us is None else window_us),
+        max_batch=int(bs["max"] if max_batch is None else max_batch),
+        spin_us=spin_us, use_gpu=gpu, device=device,
+    )
+    name = ring or str(rs["name"])
+    server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
+    try:
+        server.install_signals()
+        where = "CPU and GPU" if server.gpu_ready else "CPU only"
+        print(
+            f"gpu-kinfer-bridge: serving {server.ring.path} (pid {os.getpid()}, {geometry.lanes} lanes x "
+            f"{geometry.slots_per_lane} slots, {where})", file=sys.stderr, flush=True,
+        )
+        t0 = time.monotonic()
+        server.serve()
+        stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
+                 **server.ring.counter_values()}
+    finally:
+        server.close()
+    with open_output(output, unbuffered=unbuffered or None) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", ring=name))
+        writer.write(stats)
+
+
+@app.command()
+def status(ring: Optional[str] = RingOpt, profile: Optional[str] = ProfileOpt, output: OutputOpt = "-") -> None:
+    """Write one `kinfer_status` record: the ring's geometry, daemon and counters."""
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.policy import load_profile
+    from gpuos_tools.stream import make_header, open_output
+
+    name = ring or str(load_profile(profile).section("ring")["name"])
+    r = R.Ring.attach(name)
+    try:
+        h = r.header
+        g = r.geometry
+        slots = {R.STATE_NAMES.get(s, str(s)): int((r.state == s).sum()) for s in {int(v) for v in r.state}}
+        rec = {
+            "type": "kinfer_status", "ring": str(r.path), "version": int(h["version"]), "lanes": g.lanes,
+            "slots_per_lane": g.slots_per_lane, "max_inputs": g.max_inputs, "max_outputs": g.max_outputs,
+            "daemon_pid": int(h["daemon_pid"]), "daemon_alive": r.daemon_alive(), "daemon_epoch": int(h["daemon_epoch"]),
+            "model_generation": int(h["model_generation"]), "slots": slots, "counters": r.counter_values(),
+        }
+        del h
+    finally:
+        r.close()
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", ring=name))
+        writer.write(rec)
+
+
+@app.command()
+def infer(
+    input: str = typer.Argument("-", metavar="[INPUT]", help="Stream of records with an `x` list of numbers ('-' = stdin)."),
+    ring: Optional[str] = RingOpt,
+    profile: Optional[str] = ProfileOpt,
+    model_id: int = typer.Option(0, "--model-id", help="Model to ask (0: the daemon's default)."),
+    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for each answer."),
+    output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
+) -> None:
+    """The Python client as a filter: each record with an `x` field is sent to the daemon and
+    followed by a `kinfer_answer` record (status, decision, outputs, batch, where, latency_us);
+    every other record passes through."""
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.policy import load_profile
+    from gpuos_tools.stream import make_header, open_input, open_output
+
+    name = ring or str(load_profile(profile).section("ring")["name"])
+    with R.Client(name) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
+        if reader.header is None:
+            writer.write(make_header("gpu-kinfer-bridge", ring=name))
+        for rec in reader:
+            writer.write(rec)
+            if "x" not in rec or rec["type"] == "header":
+                continue
+            try:
+                answer = client.infer(rec["x"], model_id, timeout)
+            except (ValueError, TypeError) as e:
+                writer.write({"type": "error", "message": f"x: {e}"})
+                continue
+            writer.write({
+                "type": "kinfer_answer", "status": R.STATUS_NAMES.get(answer.status, answer.status),
+                "decision": answer.decision, "outputs": [round(v, 6) for v in answer.outputs.tolist()],
+                "batch": answer.batch, "where": "gpu" if answer.where == R.GPU else "cpu",
+                "latency_us": round(answer.latency_ns / 1e3, 3),
+            })
+
+
+@app.command()
+def load(
+    model: str = typer.Argument(..., metavar="MODEL", help="Model file (.npz) to swap in."),
+    ring: Optional[str] = RingOpt,
+    profile: Optional[str] = ProfileOpt,
+    model_id: int = typer.Option(0, "--model-id", help="Which model to replace or add (0: the default)."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the daemon to take it."),
+) -> None:
+    """Swap a model into the running daemon without restarting it.
+
+    The daemon loads the file in a thread and swaps it in between two batches; requests
+    already being answered finish on the old model. The file is checked here first.
+    """
+    from gpuos_tools.kinfer.policy import load_profile
+    from gpuos_tools.kinfer.server import request_load
+
+    ExitCode, GpuosError = _err()
+    _load_model(model)
+    name = ring or str(load_profile(profile).section("ring")["name"])
+    code = request_load(name, model, model_id, timeout)
+    if code != 0:
+        raise GpuosError(f"the daemon refused {model} (status {code}; its stderr says why)", ExitCode.FAILURE)
+    print(f"gpu-kinfer-bridge: model {model_id} is now {model}", file=sys.stderr)
+
+
+@app.command()
+def calibrate(
+    profile: str = typer.Option("linnos", "--profile", "-p", metavar="NAME|FILE", help="Profile to measure for and update."),
+    batches: str = typer.Option("1,2,4,8,16,32,64,128,256,512,1024,2048,4096", "--batches", help="Batch sizes, comma-separated."),
+    reps: int = typer.Option(50, "--reps", help="Timed runs per batch size (median kept)."),
+    device: int = typer.Option(0, "--device", help="GPU index."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Measure and report; leave the profile as it is."),
+    output: OutputOpt = "-",
+) -> None:
+    """Measure CPU and GPU latency of the profile's model across batch sizes and write the
+    curves and the crossover into the profile.
+
+    GPU time covers what the daemon pays per batch: copy in, run, copy out, synchronise.
+    Without a GPU only the CPU curve is measured and the profile is left unchanged. Writes one
+    `kinfer_calibration` record.
+    """
+    from gpuos_tools.kinfer import calibrate as cal
+    from gpuos_tools.kinfer.policy import load_profile, write_profile
+    from gpuos_tools.stream import make_header, open_output
+
+    try:
+        sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
+    except ValueError:
+        raise typer.BadParameter("comma-separated integers", param_hint="--batches") from None
+    if not sizes or sizes[0] < 1:
+        raise typer.BadParameter("batch sizes must be positive", param_hint="--batches")
+    prof = load_profile(profile)
+    result = cal.measure(prof, sizes, reps, device)
+    if result["gpu_error"]:
+        print(f"gpu-kinfer-bridge: GPU not measured: {result['gpu_error']}", file=sys.stderr)
+    if not dry_run and result["gpu_us"] and prof.path is not None:
+        data = cal.updated_profile(prof, result)
+        write_profile(prof.path, data, cal.PROFILE_COMMENT)
+        print(f"gpu-kinfer-bridge: {prof.path}: crossover {result['crossover']}", file=sys.stderr)
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", profile=str(prof.path)))
+        writer.write({"type": "kinfer_calibration", **result})
+
+
+@app.command()
+def train(
+    trace: Optional[str] = typer.Argument(None, metavar="[TRACE]", help="An io trace (collect or synth; '-' = stdin)."),
+    model: str = typer.Option(..., "--model", "-m", metavar="FILE", help="Where to write the model (.npz, atomically)."),
+    features: Optional[str] = typer.Option(
+        None, "--features", metavar="STORE", help="Train on a LinnOS feature store (features capture) instead of a trace."
+    ),
+    last_s: Optional[float] = typer.Option(None, "--last-s", help="With --features: only the last this many seconds."),
+    label: str = typer.Option("inflection", "--label", metavar="inflection|percentile", help="How slow reads are told from fast."),
+    percentile: float = typer.Option(90.0, "--percentile", help="With --label percentile: slow above this percentile."),
+    epochs: int = typer.Option(20, "--epochs", help="Passes over the training reads."),
+    slow_weight: float = typer.Option(5.0, "--slow-weight", help="Loss weight of slow reads (predicted fast)."),
+    seed: int = typer.Option(0, "--seed", help="Initialisation and shuffling seed."),
+    output: OutputOpt = "-",
+) -> None:
+    """Train the LinnOS model on a trace or a feature-store window; write it and a
+    `kinfer_train` report record."""
+    from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, train_arrays, train_trace
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    if label not in ("inflection", "percentile"):
+        raise typer.BadParameter("inflection or percentile", param_hint="--label")
+    if (trace is None) == (features is None):
+        raise typer.BadParameter("give a TRACE or --features STORE (one of them)", param_hint="--features")
+    kwargs = {"label": label, "percentile": percentile, "epochs": epochs, "slow_weight": slow_weight, "seed": seed}
+    source = trace or f"features:{features}"
+    try:
+        if features is not None:
+            from gpuos_tools.kinfer.features import FeatureStore
+
+            store = FeatureStore.open(features)
+            try:
+                if store.fields != FEATURE_FIELDS:
+                    raise GpuosError(f"{features}: not a LinnOS feature store ({len(store.fields)} fields)", ExitCode.BAD_INPUT)
+                since = 0 if last_s is None else max(0, time.monotonic_ns() - int(last_s * 1e9))
+                _, _, values = store.window(since)
+            finally:
+                store.close()
+            mlp, report = train_arrays(values[:, :-1], values[:, -1].astype("float64"), **kwargs)
+        else:
+            mlp, report = train_trace(_read_trace(trace), **kwargs)
+    except ValueError as e:
+        raise GpuosError(f"{source}: {e}", ExitCode.BAD_INPUT) from None
+    mlp.meta["trace"] = source
+    mlp.save(model)
+    report["model"] = model
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", source=source))
+        writer.write(report)
+
+
+def _spawn_daemon(model: str, gpu: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A daemon of our own on a private ring, for replay without --ring."""
+    from gpuos_tools.kinfer import ring as R
+
+    ExitCode, GpuosError = _err()
+    name = f"gpuos-kinfer-replay-{os.getpid()}"
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuos_tools.commands.kinfer", "serve", "--ring", name, "--model", model,
+         "--gpu", gpu, "--recreate", "-o", os.devnull],
+        env=env, stdin=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise GpuosError(f"the replay daemon exited with status {proc.returncode}", ExitCode.FAILURE)
+        try:
+            r = R.Ring.attach(name)
+            ok = int(r.header["daemon_pid"]) == proc.pid
+            r.close()
+            if ok:
+                return proc, name
+        except R.RingError:
+            pass
+        time.sleep(0.02)
+    proc.terminate()
+    raise GpuosError("the replay daemon did not start within 60 s", ExitCode.FAILURE)
+
+
+@app.command()
+def replay(
+    trace: str = typer.Argument(..., metavar="TRACE", help="An io trace with reads on at least two devices."),
+    model: str = typer.Option(..., "--model", "-m", metavar="FILE", help="The LinnOS model (its threshold labels the oracle)."),
+    ring: Optional[str] = typer.Option(
+        None, "--ring", "-r", metavar="NAME", help="Use the daemon serving this ring (it must serve MODEL); default: start one."
+    ),
+    gpu: str = typer.Option("off", "--gpu", metavar="auto|on|off", help="For the daemon replay starts itself."),
+    reroute_us: float = typer.Option(0.0, "--reroute-us", help="Extra cost of sending a read to the replica (µs)."),
+    output: OutputOpt = "-",
+) -> None:
+    """Replay a trace's reads through the bridge with hedging (a read predicted slow goes to
+    the replica); write a `kinfer_replay` record: avg, p50, p99, p99.9 read latency with no
+    prediction, with LinnOS and with an oracle."""
+    import numpy as np
+
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.linnos import replay as run_replay
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    mlp = _load_model(model)
+    thr = mlp.meta.get("threshold_us")
+    if thr is None:
+        raise GpuosError(f"{model}: no threshold_us in the model (train it with gpu-kinfer-bridge train)", ExitCode.BAD_INPUT)
+    records = _read_trace(trace)
+    proc = None
+    name = ring
+    if name is None:
+        proc, name = _spawn_daemon(model, gpu)
+    probe_us: list[float] = []
+    try:
+        with R.Client(name) as client:
+            depth = client.ring.geometry.slots_per_lane
+
+            def decide(x: np.ndarray) -> np.ndarray:
+                out = np.empty(len(x), dtype=np.int64)
+                for start in range(0, len(x), depth):
+                    tickets = [client.submit(row) for row in x[start : start + depth]]
+                    for k, t in enumerate(tickets):
+                        a = client.wait(t)
+                        if not a.ok:
+                            raise GpuosError(f"the daemon refused read {start + k}: {R.STATUS_NAMES.get(a.status)}", ExitCode.FAILURE)
+                        out[start + k] = a.decision
+                for row in x[:500]:  # the inference time charged to every read: sequential round trips, warm
+                    t0 = time.perf_counter_ns()
+                    client.infer(row)
+                    probe_us.append((time.perf_counter_ns() - t0) / 1e3)
+                return out
+
+            try:
+                report = run_replay(records, decide, float(thr), reroute_us=reroute_us,
+                                    inference_us=0.0)
+            except ValueError as e:
+                raise GpuosError(f"{trace}: {e}", ExitCode.BAD_INPUT) from None
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+            R.ring_path(name).unlink(missing_ok=True)
+    inference = float(np.median(probe_us)) if probe_us else 0.0
+    # charge the measured round trip to every LinnOS read (the replay itself ran pipelined)
+    for key in ("avg", "p50", "p99", "p99.9", "max"):
+        report["linnos"][key] += inference
+    report["inference_us"] = round(inference, 3)
+    report["model"] = model
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", source=trace, ring=name))
+        writer.write(report)
+
+
+@app.command()
+def synth(
+    ios: int = typer.Option(100_000, "--ios", "-n", help="I/Os to generate (reads and writes)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives the same trace."),
+    devices: int = typer.Option(2, "--devices", help="Devices (a read can be hedged to the next one)."),
+    rate: float = typer.Option(8000.0, "--rate", help="I/Os per second per device (Poisson)."),
+    read_fraction: float = typer.Option(0.7, "--read-fraction", help="Share of reads."),
+    gc_period_ms: float = typer.Option(100.0, "--gc-period-ms", help="Period of the slow (GC) phases."),
+    gc_duty: float = typer.Option(0.1, "--gc-duty", help="Share of each period spent slow."),
+    gc_slowdown: float = typer.Option(8.0, "--gc-slowdown", help="Service time multiplier while slow."),
+    output: OutputOpt = "-",
+) -> None:
+    """Generate a synthetic block-I/O trace: Poisson arrivals, log-normal sizes, periodic slow
+    phases standing for garbage collection."""
+    from gpuos_tools.kinfer.traces import synthesize
+    from gpuos_tools.stream import make_header, open_output
+
+    if devices < 1 or ios < 1:
+        raise typer.BadParameter("must be positive", param_hint="--ios/--devices")
+    params = {"devices": devices, "rate_per_s": rate, "read_fraction": read_fraction, "gc_period_ms": gc_period_ms,
+              "gc_duty": gc_duty, "gc_slowdown": gc_slowdown}
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", trace="synthetic", seed=seed, **params))
+        writer.write_many(synthesize(ios, seed=seed, **params))
+
+
+@app.command()
+def collect(
+    directory: str = typer.Option(..., "--dir", "-d", metavar="DIR", help="Where to put the test files: on the disk to measure (tmpfs measures memory)."),
+    reads: int = typer.Option(20_000, "--reads", "-n", help="Stop after this many reads."),
+    devices: int = typer.Option(2, "--devices", help="Files, each standing for one device."),
+    depth: int = typer.Option(4, "--depth", help="Threads (outstanding I/Os) per file."),
+    size_mib: int = typer.Option(256, "--size-mib", help="Size of each file."),
+    write_fraction: float = typer.Option(0.2, "--write-fraction", help="Share of writes."),
+    seed: int = typer.Option(0, "--seed", help="Seed of offsets and sizes."),
+    output: OutputOpt = "-",
+) -> None:
+    """Collect a real block-I/O trace here: O_DIRECT reads and writes on files, recording the
+    pending I/Os at issue and the latency of each."""
+    from gpuos_tools.kinfer.traces import collect as run
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    try:
+        records = run(directory, reads, devices=devices, depth=depth, file_size=size_mib << 20,
+                      write_fraction=write_fraction, seed=seed)
+    except OSError as e:
+        raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a filesystem that supports it)", ExitCode.IO_ERROR) from None
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", trace="collected", host=socket.gethostname(), dir=directory,
+                                 devices=devices, depth=depth, size_mib=size_mib, write_fraction=write_fraction, seed=seed))
+        writer.write_many(records)
+
+
+@features_app.command("register")
+def features_register(
+    name: str = typer.Argument(..., metavar="NAME", help="Store name (/dev/shm/NAME)."),
+    fields: list[str] = typer.Option(..., "--field", "-f", help="A field name (repeat, in order)."),
+    schema: str = typer.Option("features", "--schema", help="Schema name."),
+    capacity: int = typer.Option(65536, "--capacity", help="Records kept (the oldest are overwritten)."),
+) -> None:
+    """Create a feature store for vectors of the given fields."""
+    from gpuos_tools.kinfer.features import FeatureStore
+
+    try:
+        FeatureStore.register(name, schema, fields, capacity).close()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--field") from None
+
+
+@features_app.command("capture")
+def features_capture(
+    trace: str = typer.Argument(..., metavar="TRACE", help="An io trace."),
+    name: str = typer.Argument(..., metavar="NAME", help="Store name; created with LinnOS's schema if missing."),
+    capacity: int = typer.Option(1 << 20, "--capacity", help="Records kept, when the store is created here."),
+) -> None:
+    """Record each read of a trace into a LinnOS feature store: its 31 inputs and its latency
+    (what `train --features` learns from)."""
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.features import FeatureStore
+    from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, capture
+
+    ExitCode, GpuosError = _err()
+    records = _read_trace(trace)
+    try:
+        store = FeatureStore.open(name)
+    except R.RingError:
+        if R.ring_path(name).exists():
+            raise
+        store = FeatureStore.register(name, "linnos", FEATURE_FIELDS, capacity)
+    try:
+        n = capture(records, store)
+    except ValueError as e:
+        raise GpuosError(f"{name}: {e}", ExitCode.BAD_INPUT) from None
+    finally:
+        store.close()
+    print(f"gpu-kinfer-bridge: {n} reads recorded into {name}", file=sys.stderr)
+
+
+@features_app.command("record")
+def features_record(
+    name: str = typer.Argument(..., metavar="NAME", help="Store name."),
+    input: str = typer.Argument("-", metavar="[INPUT]", help="Records with an `x` list (one value per field)."),
+) -> None:
+    """Append the `x` vector of every input record, timestamped now."""
+    from gpuos_tools.kinfer.features import FeatureStore
+    from gpuos_tools.stream import open_input
+
+    ExitCode, GpuosError = _err()
+    store = FeatureStore.open(name)
+    try:
+        with open_input(input) as reader:
+            for n, rec in enumerate(reader, 1):
+                if "x" in rec and rec["type"] != "header":
+                    try:
+                        store.record(rec["x"])
+                    except (ValueError, TypeError) as e:
+                        raise GpuosError(f"{input}: record {n}: {e}", ExitCode.BAD_INPUT) from None
+    finally:
+        store.close()
+
+
+@features_app.command("window")
+def features_window(
+    name: str = typer.Argument(..., metavar="NAME", help="Store name."),
+    last_s: Optional[float] = typer.Option(None, "--last-s", help="Only the last this many seconds."),
+    output: OutputOpt = "-",
+) -> None:
+    """Write the stored vectors (oldest first) as `feature` records: seq, ts_ns, x."""
+    from gpuos_tools.kinfer.features import FeatureStore
+    from gpuos_tools.stream import make_header, open_output
+
+    store = FeatureStore.open(name)
+    try:
+        since = 0 if last_s is None else max(0, time.monotonic_ns() - int(last_s * 1e9))
+        ts, seq, values = store.window(since)
+        fields, schema = store.fields, store.schema
+    finally:
+        store.close()
+    with open_output(output) as writer:
+        writer.write(make_header("gpu-kinfer-bridge", store=name, schema=schema, fields=fields))
+        writer.write_many(
+            {"type": "feature", "seq": int(s), "ts_ns": int(t), "x": [float(v) for v in row]}
+            for t, s, row in zip(ts.tolist(), seq.tolist(), values)
+        )
+
+
+def main() -> None:
+    run_app(app, prog="gpu-kinfer-bridge")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""CPU or GPU for one batch, and the profile (TOML) that holds the numbers the choice is made from.
+
+The choice, per batch:
+
+- no usable GPU: CPU;
+- with a calibration (latency curves measured by ``gpu-kinfer-bridge calibrate``): the side
+  whose measured latency at this batch size, interpolated in log-log space, is lower; the GPU's
+  is multiplied by ``busy_factor`` while the GPU is busy;
+- without one, LAKE's rule: CPU below ``cpu_below`` or while the GPU is busy, else GPU.
+
+"Busy" is LAKE's test: NVML utilisation above ``busy_util`` percent while at least
+``busy_procs`` other processes hold a context on the GPU.
+
+Profiles are read with tomllib. They are written by ``dump_profile``, which knows only what a
+profile holds (tables of strings, numbers, booleans and lists of numbers) and writes them in a
+fixed order with a comment saying the file is generated: comments added by hand are not kept.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream.atomic import create_temp, discard
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent.parent / "profiles"
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"name": "linnos", "file": "", "inputs": 31, "hidden": 256, "outputs": 2},
+    "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8},
+    "batch": {"window_us": 20.0, "max": 4096},
+    "policy": {"cpu_below": 8, "busy_util": 70, "busy_procs": 1, "busy_factor": 4.0},
+}
+
+
+@dataclass
+class Policy:
+    cpu_below: int = 8
+    busy_util: int = 70
+    busy_procs: int = 1
+    busy_factor: float = 4.0
+    batches: list[int] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+    gpu_us: list[float] = field(default_factory=list)
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.batches) >= 2 and len(self.cpu_us) == len(self.batches) == len(self.gpu_us)
+
+    def estimate(self, side: str, batch: int) -> float:
+        """Calibrated latency (µs) of a batch on ``side``, log-log interpolation, linear beyond."""
+        ys = self.cpu_us if side == "cpu" else self.gpu_us
+        xs = np.log(np.asarray(self.batches, dtype=np.float64))
+        ly = np.log(np.maximum(np.asarray(ys, dtype=np.float64), 1e-3))
+        b = max(batch, 1)
+        if b > self.batches[-1]:  # beyond the sweep: time grows at most linearly with the batch
+            return float(ys[-1]) * b / self.batches[-1]
+        return float(np.exp(np.interp(math.log(b), xs, ly)))
+
+    def choose(self, batch: int, gpu_available: bool, busy: bool) -> str:
+        if not gpu_available:
+            return "cpu"
+        if self.calibrated:
+            gpu = self.estimate("gpu", batch) * (self.busy_factor if busy else 1.0)
+            return "gpu" if gpu < self.estimate("cpu", batch) else "cpu"
+        return "cpu" if batch < self.cpu_below or busy else "gpu"
+
+
+def crossover(batches: list[int], cpu_us: list[float], gpu_us: list[float]) -> int | None:
+    """Smallest measured batch from which the GPU is faster at every larger measured batch."""
+    best = None
+    for b, c, g in reversed(list(zip(batches, cpu_us, gpu_us))):
+        if g < c:
+            best = b
+        else:
+            break
+    return best
+
+
+# -- GPU load ---------------------------------------------------------------------------------
+
+
+class GpuLoad:
+    """Samples NVML in a thread (utilisation and other processes on one GPU) every ``period_s``,
+    so that the daemon reads a flag instead of calling NVML per batch."""
+
+    def __init__(self, policy: Policy, device: int = 0, period_s: float = 0.02, nvml: Any = None):
+        self.policy = policy
+        self.busy = False
+        self.util = 0
+        self.others = 0
+        self.error: str | None = None
+        self._device = device
+        self._period = period_s
+        self._nvml = nvml
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        nv = self._nvml
+        h = nv.nvmlDeviceGetHandleByIndex(self._device)
+        self.util = int(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+        me = os.getpid()
+        try:
+            procs = nv.nvmlDeviceGetComputeRunningProcesses(h)
+        except Exception:
+            procs = []
+        self.others = sum(1 for p in procs if int(p.pid) != me)
+        self.busy = self.util > self.policy.busy_util and self.others >= self.policy.busy_procs
+
+    def start(self) -> bool:
+        """Start sampling; False (and ``error`` says why) when NVML is not there."""
+        if self._nvml is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception as e:  # ImportError, NVMLError...
+                self.error = f"NVML unavailable ({e}); the GPU is taken as idle"
+                return False
+        try:
+            self.sample()
+        except Exception as e:
+            self.error = f"NVML failed ({e}); the GPU is taken as idle"
+            return False
+        self._thread = threading.Thread(target=self._run, name="kinfer-nvml", daemon=True)
+        self._thread.start()
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.sample()
+            except Exception as e:
+                self.error = f"NVML failed ({e})"
+                self.busy = False
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+
+
+# -- profiles ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    path: Path | None
+    data: dict[str, dict[str, Any]]
+
+    def section(self, name: str) -> dict[str, Any]:
+        return {**DEFAULTS.get(name, {}), **self.data.get(name, {})}
+
+    def policy(self) -> Policy:
+        p = self.section("policy")
+        cal = self.data.get("calibration", {})
+        return Policy(
+            cpu_below=int(p["cpu_below"]),
+            busy_util=int(p["busy_util"]),
+            busy_procs=int(p["busy_procs"]),
+            busy_factor=float(p["busy_factor"]),
+            batches=[int(b) for b in cal.get("batches", [])],
+            cpu_us=[float(v) for v in cal.get("cpu_us", [])],
+            gpu_us=[float(v) for v in cal.get("gpu_us", [])],
+        )
+
+    def model_file(self) -> Path | None:
+        name = self.section("model")["file"]
+        if not name:
+            return None
+        path = Path(name)
+        return path if path.is_absolute() or self.path is None else self.path.parent / path
+
+
+def find_profile(name_or_path: str) -> Path:
+    """A path as given, or a name looked up as profiles/NAME.toml of this checkout."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or "/" in name_or_path:
+        return path
+    return PROFILE_DIR / f"{name_or_path}.toml"
+
+
+def load_profile(name_or_path: str | None) -> Profile:
+    if name_or_path is None:
+        return Profile(None, {})
+    path = find_profile(name_or_path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
+    except tomllib.TOMLDecodeError as e:
+        raise GpuosError(f"{path}: not valid TOML: {e}", ExitCode.BAD_INPUT) from None
+    for table, keys in data.items():
+        if not isinstance(keys, dict):
+            raise GpuosError(f"{path}: {table} must be a table", ExitCode.BAD_INPUT)
+        known = DEFAULTS.get(table)
+        if known is not None and set(keys) - set(known):
+            raise GpuosError(f"{path}: unknown keys in [{table}]: {', '.join(sorted(set(keys) - set(known)))}", ExitCode.BAD_INPUT)
+    return Profile(path, data)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(round(value, 3)) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to a profile")
+
+
+def dump_profile(data: dict[str, dict[str, Any]], comment: str = "") -> str:
+    """TOML text of a profile: one table per section, keys in insertion order."""
+    lines = [f"# {line}" if line else "#" for line in comment.splitlines()]
+    for table, keys in data.items():
+        lines += ["", f"[{table}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def write_profile(path: Path, data: dict[str, dict[str, Any]], comment: str = "") -> None:
+    """Write atomically (temp file + rename), as sponge does."""
+    text = dump_profile(data, comment)
+    tomllib.loads(text)  # never write what cannot be read back
+    temp, fd = create_temp(str(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        discard(temp)
+        raise
+
+
+def time_us(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn()`` in µs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return float(np.median(times)) / 1e3

@@ -1,0 +1,500 @@
+"""The daemon: takes READY requests from the ring in batches, runs the model where the policy
+says, answers each request, and keeps the ring healthy (abandoned slots, bad entries, restarts,
+model swaps).
+
+One loop, one thread (plus a loader thread for model swaps and NVML's sampler):
+
+1. find READY slots (one vectorised compare over the state words);
+2. none: spin ``spin_us``, then announce sleep, re-check, futex-wait on the doorbell;
+3. some: while traffic has recently come in bursts (mean batch > 1.5), wait up to
+   ``window_us`` for more, as LAKE does; a lone producer is never delayed;
+4. mark them TAKEN, refuse malformed entries (each refusal counted in the header), run the
+   good ones per model on CPU or GPU, write outputs and metadata, store DONE, wake sleepers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuos_tools.errors import ExitCode
+from gpuos_tools.kinfer import ring as R
+from gpuos_tools.kinfer.model import Mlp
+from gpuos_tools.kinfer.policy import GpuLoad, Policy
+
+HOUSEKEEPING_S = 0.1
+RESCAN_S = 50e-6
+#: Batches up to this size take the per-slot path (struct and memoryview), larger ones numpy's.
+SMALL_BATCH = 8
+_READY_WORD = R.READY.to_bytes(4, "little")
+_HEAD = struct.Struct("<III")  # version, model_id, n_inputs
+_STATUS = struct.Struct("<I")
+_DONE_NS = struct.Struct("<Q")
+_DROP = {R.BAD_VERSION: "drop_bad_version", R.BAD_SIZE: "drop_bad_size", R.BAD_MODEL: "drop_bad_model", R.BAD_VALUE: "drop_bad_value"}
+
+
+@dataclass
+class Backend:
+    """One model on the CPU and, when there is a GPU, on the GPU too."""
+
+    model: Mlp
+    gpu: Any = None  # gpu.GpuMlp
+
+    def run(self, x: np.ndarray, where: str) -> np.ndarray:
+        if where == "gpu" and self.gpu is not None:
+            return self.gpu.forward(x)
+        return self.model.forward(x)
+
+
+@dataclass
+class ServeOptions:
+    window_us: float = 20.0
+    max_batch: int = 4096
+    spin_us: float = 200.0
+    use_gpu: str = "auto"  # auto | on | off
+    device: int = 0
+    gpu_mode: str = "auto"  # fused | matmul | auto
+
+
+@dataclass
+class Server:
+    ring: R.Ring
+    models: dict[int, Backend]
+    policy: Policy
+    options: ServeOptions = field(default_factory=ServeOptions)
+    log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True)
+    gpu_load: GpuLoad | None = None
+    gpu_ready: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = threading.Event()
+        self._pending_swap: tuple[int, int, Backend | None, str] | None = None
+        self._loading = False
+        self._ewma = 1.0
+        self._next_housekeeping = 0.0
+        r = self.ring
+        raw = memoryview(r.mm).cast("B")
+        off = int(r.header["state_offset"])
+        self._state_mv = raw[off : off + 4 * r.nslots]
+        self._st = self._state_mv.cast("I")
+        bell_off = R.HEADER_DTYPE.fields["doorbell"][1]
+        self._bell = raw[bell_off : bell_off + 4].cast("I")
+        cnt_off = R.HEADER_DTYPE.fields["counters"][1]
+        self._cnt = raw[cnt_off : cnt_off + 8 * R.NCOUNTERS].cast("Q")  # cheaper per += than numpy
+        self._meta_off = int(r.header["meta_offset"])
+        self._in_off = int(r.header["inputs_offset"])
+        self._out_off = int(r.header["outputs_offset"])
+
+    # -- setup --
+
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        geometry: R.Geometry,
+        model: Mlp,
+        policy: Policy,
+        options: ServeOptions,
+        *,
+        recreate: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> Server:
+        """Attach to the ring ``name`` (restart: producers stay attached) or create it."""
+        say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        path = R.ring_path(name)
+        ring = None
+        if path.exists() and not recreate:
+            ring = R.Ring.attach(name)
+            if ring.geometry != geometry:
+                have = ring.geometry
+                ring.close()
+                raise R.RingError(
+                    f"{path}: existing ring has {have.lanes}x{have.slots_per_lane} slots, "
+                    f"{have.max_inputs} inputs, {have.max_outputs} outputs; asked for {geometry.lanes}x"
+                    f"{geometry.slots_per_lane}, {geometry.max_inputs}, {geometry.max_outputs} "
+                    "(--recreate replaces it; attached producers must then reattach)",
+                    ExitCode.BAD_INPUT,
+                )
+        if ring is None:
+            if path.exists():
+                probe = None
+                try:
+                    probe = R.Ring.attach(name)
+                    if not probe.try_lock(R.LOCK_DAEMON):
+                        raise R.RingError(f"{path}: served by pid {int(probe.header['daemon_pid'])}", ExitCode.FAILURE)
+                except R.RingError as e:
+                    if "served by" in str(e):
+                        raise
+                finally:
+                    if probe is not None:
+                        probe.close()
+                path.unlink()  # a new inode: producers of the old one fail cleanly, never SIGBUS
+            ring = R.Ring.create(name, geometry)
+        if not ring.try_lock(R.LOCK_DAEMON):
+            pid = int(ring.header["daemon_pid"])
+            ring.close()
+            raise R.RingError(f"{path}: already served by pid {pid}", ExitCode.FAILURE)
+        h = ring.header
+        taken = np.flatnonzero(ring.state == R.TAKEN)
+        if taken.size:  # the previous daemon died holding these: serve them again
+            ring.state[taken] = R.READY
+            ring.counters[R.C["requeued"]] += taken.size
+            say(f"{path}: {taken.size} requests taken by the previous daemon are served again")
+        h["daemon_pid"] = os.getpid()
+        h["daemon_epoch"] = (int(h["daemon_epoch"]) + 1) & 0xFFFFFFFF
+        h["control_ack"] = h["control_seq"]
+        policy_gpu = options.use_gpu != "off"
+        backend = Backend(model)
+        server = cls(ring, {0: backend}, policy, options, say)
+        if policy_gpu:
+            try:
+                server._start_gpu(backend)
+            except BaseException:
+                server.close()  # the lock goes; the ring stays for the next daemon
+                raise
+        return server
+
+    def _start_gpu(self, backend: Backend) -> None:
+        from gpuos_tools.kinfer import gpu
+
+        reason = gpu.gpu_unavailable_reason()
+        if reason is not None:
+            if self.options.use_gpu == "on":
+                raise R.RingError(f"--gpu on, but the GPU path cannot run: {reason}", ExitCode.NO_DRIVER)
+            self.log(f"GPU path off: {reason}; every batch runs on the CPU")
+            return
+        try:
+            backend.gpu = gpu.GpuMlp(backend.model, self.options.device, self.options.gpu_mode)
+        except Exception as e:  # a CUDA error, a kernel that does not build...
+            if self.options.use_gpu == "on":
+                raise R.RingError(f"--gpu on, but the GPU path failed: {type(e).__name__}: {e}", ExitCode.CUDA_ERROR) from e
+            self.log(f"GPU path off: {type(e).__name__}: {e}; every batch runs on the CPU")
+            return
+        if backend.gpu.note:
+            self.log(backend.gpu.note)
+        self.gpu_ready = True
+        self.gpu_load = GpuLoad(self.policy, self.options.device)
+        if not self.gpu_load.start():
+            self.log(self.gpu_load.error or "NVML unavailable")
+
+    # -- the loop --
+
+    def serve(self, max_batches: int | None = None) -> None:
+        """Serve until ``stop`` is set (or ``max_batches`` batches, for tests).
+
+        While spinning, the loop watches the doorbell word (one read) and scans the state words
+        only when it changed, or every ``RESCAN_S`` in case two Python producers wrote the same
+        doorbell value.
+        """
+        ring = self.ring
+        state = ring.state
+        header = ring.header
+        bell = self._bell
+        spin = self.options.spin_us / 1e6
+        window = self.options.window_us / 1e6
+        max_batch = self.options.max_batch
+        batches = 0
+        idle_since = None
+        seen = -1
+        next_scan = 0.0
+        perf = time.perf_counter
+        while not self.stop.is_set():
+            now = perf()
+            if now >= self._next_housekeeping:
+                self.housekeeping()
+                self._next_housekeeping = now + HOUSEKEEPING_S
+            if self._pending_swap is not None:
+                self._apply_swap()
+            rung = bell[0]
+            if rung == seen and now < next_scan:
+                if idle_since is None:
+                    idle_since = now
+                elif now - idle_since > spin:
+                    self._sleep(header, state)
+                    idle_since = None
+                    next_scan = 0.0
+                continue
+            seen = rung
+            next_scan = now + RESCAN_S
+            ready = self.ready_slots()
+            if not ready:
+                continue
+            idle_since = None
+            if window > 0 and self._ewma > 1.5 and len(ready) < max_batch:
+                deadline = now + window
+                while perf() < deadline and bell[0] == seen:
+                    pass
+                ready = self.ready_slots()
+                seen = -1
+            ready = ready[:max_batch]
+            if len(ready) <= SMALL_BATCH:
+                self.process_small(ready)
+            else:
+                self.process(np.asarray(ready, dtype=np.intp))
+            self._ewma = 0.9 * self._ewma + 0.1 * len(ready)
+            batches += 1
+            if max_batches is not None and batches >= max_batches:
+                break
+
+    def ready_slots(self) -> list[int]:
+        """Slots in READY state, in slot order (a byte search: cheaper than numpy here)."""
+        raw = self._state_mv.tobytes()
+        out = []
+        find = raw.find
+        pos = find(_READY_WORD)
+        while pos >= 0:
+            if pos % 4 == 0:
+                out.append(pos // 4)
+                pos = find(_READY_WORD, pos + 4)
+            else:
+                pos = find(_READY_WORD, pos + 1)
+        return out
+
+    def _sleep(self, header: Any, state: np.ndarray) -> None:
+        bell = int(header["doorbell"])
+        header["daemon_sleeping"] = 1
+        if not (state == R.READY).any() and self._pending_swap is None and not self.stop.is_set():
+            self.ring.counters[R.C["sleeps"]] += 1
+            R.futex_wait(self.ring.doorbell_addr, bell, HOUSEKEEPING_S)
+        header["daemon_sleeping"] = 0
+
+    def process(self, idx: np.ndarray) -> None:
+        """Answer the requests in slots ``idx`` (all READY)."""
+        ring = self.ring
+        ring.state[idx] = R.TAKEN
+        m32 = ring.meta32[idx]
+        version, model_id, n_in = m32[:, R.M32["version"]], m32[:, R.M32["model_id"]], m32[:, R.M32["n_inputs"]]
+        status = np.full(idx.size, R.OK, dtype=np.uint32)
+        status[version != R.ENTRY_VERSION] = R.BAD_VERSION
+        known = np.isin(model_id, list(self.models))
+        status[(status == R.OK) & ~known] = R.BAD_MODEL
+        where = np.zeros(idx.size, dtype=np.uint32)
+        decision = np.full(idx.size, -1, dtype=np.int32)
+        n_out = np.zeros(idx.size, dtype=np.uint32)
+        counters = ring.counters
+        for mid in np.unique(model_id[status == R.OK]):
+            backend = self.models[int(mid)]  # the model this batch started with, even if a swap comes in now
+            mine = (model_id == mid) & (status == R.OK)
+            sizes_ok = n_in == backend.model.n_inputs
+            status[mine & ~sizes_ok] = R.BAD_SIZE
+            mine &= sizes_ok
+            rows = np.flatnonzero(mine)
+            x = ring.inputs[idx[rows], : backend.model.n_inputs]
+            finite = np.isfinite(x).all(axis=1)
+            if not finite.all():
+                status[rows[~finite]] = R.BAD_VALUE
+                rows, x = rows[finite], x[finite]
+            if rows.size == 0:
+                continue
+            side = self.policy.choose(rows.size, self.gpu_ready and backend.gpu is not None, self.gpu_load is not None and self.gpu_load.busy)
+            y = backend.run(x, side)
+            ring.outputs[idx[rows], : y.shape[1]] = y
+            decision[rows] = np.argmax(y, axis=1)
+            n_out[rows] = y.shape[1]
+            where[rows] = R.GPU if side == "gpu" else R.CPU
+            counters[R.C["gpu_batches" if side == "gpu" else "cpu_batches"]] += 1
+        m32[:, R.M32["status"]] = status
+        m32[:, R.M32["decision"]] = decision.view(np.uint32)
+        m32[:, R.M32["n_outputs"]] = n_out
+        m32[:, R.M32["batch"]] = idx.size
+        m32[:, R.M32["where"]] = where
+        ring.meta32[idx, R.M32["status"]] = status
+        ring.meta32[idx, R.M32["decision"] : R.M32["where"] + 1] = m32[:, R.M32["decision"] : R.M32["where"] + 1]
+        ring.meta64[idx, R.M64["answer_seq"]] = ring.meta64[idx, R.M64["seq"]]
+        ring.meta64[idx, R.M64["done_ns"]] = time.monotonic_ns()
+        ring.state[idx] = R.DONE  # after every answer field: TSO keeps the order of these stores
+        sleepers = idx[ring.meta32[idx, R.M32["waiting"]] != 0]
+        for slot in sleepers:
+            R.futex_wake(ring.state_addr + 4 * int(slot))
+        counters[R.C["batches"]] += 1
+        served = int((status == R.OK).sum())
+        counters[R.C["served"]] += served
+        for code, name in _DROP.items():
+            bad = int((status == code).sum())
+            if bad:
+                counters[R.C[name]] += bad
+
+    def process_small(self, slots: list[int]) -> None:
+        """``process`` for a few requests: per-slot struct reads and writes, one numpy forward.
+
+        Same answers as ``process``; it exists because each numpy call costs about a
+        microsecond, and ``process`` makes dozens of them whatever the batch size.
+        """
+        ring = self.ring
+        st = self._st
+        mm = ring.mm
+        counters = self._cnt
+        for slot in slots:
+            st[slot] = R.TAKEN
+        good: dict[int, list[int]] = {}
+        bad: list[tuple[int, int]] = []
+        models = self.models
+        for slot in slots:
+            m = self._meta_off + slot * R.META_SIZE
+            version, model_id, n_in = _HEAD.unpack_from(mm, m)
+            if version != R.ENTRY_VERSION:
+                bad.append((slot, R.BAD_VERSION))
+            elif model_id not in models:
+                bad.append((slot, R.BAD_MODEL))
+            elif n_in != models[model_id].model.n_inputs:
+                bad.append((slot, R.BAD_SIZE))
+            else:
+                good.setdefault(model_id, []).append(slot)
+        n = len(slots)
+        max_out = ring.geometry.max_outputs
+        for model_id, mine in good.items():
+            backend = models[model_id]
+            x = ring.inputs[mine, : backend.model.n_inputs]
+            if not math.isfinite(float(x.sum(dtype=np.float64))):  # one call; the exact check only then
+                finite = np.isfinite(x).all(axis=1)
+                bad += [(s, R.BAD_VALUE) for s, f in zip(mine, finite) if not f]
+                mine = [s for s, f in zip(mine, finite) if f]
+                x = x[finite]
+                if not mine:
+                    continue
+            side = self.policy.choose(len(mine), self.gpu_ready and backend.gpu is not None, self.gpu_load is not None and self.gpu_load.busy)
+            y = backend.run(x, side)
+            where = R.GPU if side == "gpu" else R.CPU
+            n_out = y.shape[1]
+            rows = y.tolist()
+            outs = range(n_out)
+            decisions = [max(outs, key=row.__getitem__) for row in rows]  # np.argmax's first-maximum rule
+            done = time.monotonic_ns()
+            for slot, row, decision in zip(mine, rows, decisions):
+                m = self._meta_off + slot * R.META_SIZE
+                o = self._out_off + slot * 4 * max_out
+                struct.pack_into(f"<{n_out}f", mm, o, *row)
+                _STATUS.pack_into(mm, m + 12, R.OK)
+                _DONE_NS.pack_into(mm, m + 32, done)
+                R._ANSWER.pack_into(mm, m + 48, decision, n_out, n, where, _DONE_NS.unpack_from(mm, m + 16)[0])
+                st[slot] = R.DONE
+                if _STATUS.unpack_from(mm, m + 44)[0]:
+                    R.futex_wake(ring.state_addr + 4 * slot)
+            counters[R.C["gpu_batches" if side == "gpu" else "cpu_batches"]] += 1
+            counters[R.C["served"]] += len(mine)
+        done = time.monotonic_ns()
+        for slot, code in bad:
+            m = self._meta_off + slot * R.META_SIZE
+            _STATUS.pack_into(mm, m + 12, code)
+            _DONE_NS.pack_into(mm, m + 32, done)
+            R._ANSWER.pack_into(mm, m + 48, -1, 0, n, R.CPU, _DONE_NS.unpack_from(mm, m + 16)[0])
+            st[slot] = R.DONE
+            if _STATUS.unpack_from(mm, m + 44)[0]:
+                R.futex_wake(ring.state_addr + 4 * slot)
+            counters[R.C[_DROP[code]]] += 1
+        counters[R.C["batches"]] += 1
+
+    # -- housekeeping --
+
+    def housekeeping(self) -> None:
+        """Heartbeat, slots abandoned mid-write, impossible states, model-load requests."""
+        ring = self.ring
+        ring.header["heartbeat_ns"] = time.monotonic_ns()
+        state = ring.state
+        writing = np.flatnonzero(state == R.WRITING)
+        for slot in writing:
+            pid = int(ring.meta32[slot, R.M32["producer_pid"]])
+            if not R.pid_alive(pid) and state[slot] == R.WRITING:
+                state[slot] = R.FREE
+                ring.counters[R.C["drop_abandoned"]] += 1
+                self.log(f"slot {int(slot)}: producer pid {pid} died while writing; request dropped")
+        strange = np.flatnonzero(state > R.DONE)
+        if strange.size:
+            state[strange] = R.FREE
+            ring.counters[R.C["drop_bad_state"]] += strange.size
+            self.log(f"{strange.size} slots had an unknown state word; reset to FREE")
+        h = ring.header
+        if int(h["control_seq"]) != int(h["control_ack"]) and not self._loading:
+            self._start_load(int(h["control_seq"]), int(h["control_model_id"]), bytes(h["control_path"]).split(b"\0")[0].decode(errors="replace"))
+
+    def _start_load(self, seq: int, model_id: int, path: str) -> None:
+        """Load a model in a thread; the loop swaps it in between two batches."""
+        self._loading = True
+
+        def load() -> None:
+            try:
+                model = Mlp.load(path)
+                backend = Backend(model)
+                if self.gpu_ready:
+                    from gpuos_tools.kinfer import gpu
+
+                    backend.gpu = gpu.GpuMlp(model, self.options.device, self.options.gpu_mode)
+                self._pending_swap = (seq, model_id, backend, "")
+            except Exception as e:  # a bad file must not take the daemon down
+                self._pending_swap = (seq, model_id, None, f"{type(e).__name__}: {e}")
+
+        threading.Thread(target=load, name="kinfer-load", daemon=True).start()
+
+    def _apply_swap(self) -> None:
+        seq, model_id, backend, error = self._pending_swap  # type: ignore[misc]
+        self._pending_swap = None
+        self._loading = False
+        h = self.ring.header
+        if backend is None:
+            h["control_status"] = 1
+            self.log(f"model load refused, model {model_id} unchanged: {error}")
+        elif backend.model.n_inputs > self.ring.geometry.max_inputs or backend.model.n_outputs > self.ring.geometry.max_outputs:
+            h["control_status"] = 2
+            self.log(f"model load refused: {backend.model.n_inputs} inputs / {backend.model.n_outputs} outputs do not fit the ring")
+        else:
+            self.models[model_id] = backend  # one reference store: batches already running keep the old one
+            h["model_generation"] = (int(h["model_generation"]) + 1) & 0xFFFFFFFF
+            self.ring.counters[R.C["model_swaps"]] += 1
+            h["control_status"] = 0
+            self.log(f"model {model_id} swapped in ({backend.model.meta.get('name', 'model')})")
+        h["control_ack"] = seq
+
+    def close(self) -> None:
+        for view in (self._bell, self._cnt, self._st, self._state_mv):
+            view.release()
+        if self.gpu_load is not None:
+            self.gpu_load.stop()
+        try:
+            self.ring.unlock(R.LOCK_DAEMON)
+        finally:
+            self.ring.close()
+
+    def install_signals(self) -> None:
+        """SIGTERM, SIGINT and SIGHUP end the loop between batches."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: self.stop.set())
+
+
+
+def request_load(name: str, path: str | Path, model_id: int = 0, timeout: float = 30.0) -> int:
+    """Ask the daemon serving ``name`` to swap in the model file ``path``; wait for its answer.
+
+    Returns the daemon's status (0: swapped). The daemon loads the file itself, so the path
+    is made absolute here.
+    """
+    ring = R.Ring.attach(name)
+    try:
+        if not ring.daemon_alive():
+            raise R.RingError(f"{ring.path}: no daemon is serving this ring", ExitCode.FAILURE)
+        full = os.path.abspath(os.fspath(path)).encode()
+        if len(full) >= 256:
+            raise R.RingError(f"{path}: path longer than 255 bytes", ExitCode.USAGE)
+        h = ring.header
+        h["control_path"] = full
+        h["control_model_id"] = model_id
+        seq = (int(h["control_seq"]) + 1) & 0xFFFFFFFF
+        h["control_seq"] = seq
+        deadline = time.monotonic() + timeout
+        while int(h["control_ack"]) != seq:
+            if time.monotonic() > deadline or not ring.daemon_alive():
+                raise R.RingError(f"{ring.path}: the daemon did not take the model within {timeout:g} s", ExitCode.FAILURE)
+            time.sleep(0.005)
+        return int(h["control_status"])
+    finally:
+        ring.close()

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Benchmarks of gpu-kinfer-bridge; JSON to --json.
+
+- round_trip (CPU, P8): a daemon (`gpu-kinfer-bridge serve --gpu off`, its own process) and one
+  Python producer here; sequential requests of batch 1; p50/p99/p99.9 of the producer's wall
+  time from submit to answer, and of the daemon's part (submit_ns to done_ns); then the same
+  with examples/kinfer_producer.c as the producer.
+- sweep: median latency of one batch on the CPU (numpy) and the GPU (copy in, run, copy out,
+  synchronise) across batch sizes, and the crossover.
+- gpu_throughput (P9): inferences/s of the LinnOS model at batch >= 1024, end to end (host
+  arrays in and out) and on device arrays only (CUDA events), fused kernel and cuBLAS.
+- policy: for each GPU load (none, and a second process running matrix products at a duty
+  cycle) and each batch size, the side the policy picks (profile calibrated from the idle
+  sweep, NVML load sampled live) against the side measured faster under that load.
+
+GPU parts are skipped, with the reason in the JSON and on stderr, where CuPy or a GPU is
+missing. BLAS runs on one thread, as in the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import sys
+import time
+import uuid
+from pathlib import Path
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from gpuos_tools.kinfer import ring as R  # noqa: E402
+from gpuos_tools.kinfer.model import Mlp  # noqa: E402
+from gpuos_tools.kinfer.policy import GpuLoad, Policy, crossover, time_us  # noqa: E402
+
+LOAD_CHILD = r"""
+import sys, time, cupy as cp
+duty = float(sys.argv[1])
+a = cp.random.random((8192, 8192), dtype=cp.float32)
+b = cp.random.random((8192, 8192), dtype=cp.float32)
+c = a @ b
+cp.cuda.Device().synchronize()
+print("ready", flush=True)
+while True:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.05 * duty:
+        cp.matmul(a, b, out=c)
+        cp.cuda.Device().synchronize()
+    time.sleep(0.05 * (1 - duty))
+"""
+
+
+def log(message: str) -> None:
+    print(f"bench_kinfer: {message}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float] | np.ndarray) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"n": int(a.size), "p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "p99.9": round(float(np.percentile(a, 99.9)), 3), "mean": round(float(a.mean()), 3)}
+
+
+def round_trip(requests: int, spin_us: float, cores: list[int] | None) -> dict:
+    name = f"kinfer-bench-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cmd" / "gpu-kinfer-bridge"), "serve", "--ring", name, "--gpu", "off",
+                             "--random-model", "0", "--spin-us", str(spin_us), "-o", os.devnull], env=env)
+    mask = os.sched_getaffinity(0)
+    if cores:  # daemon and producer each on a core of its own, as a kernel helper and a daemon would be
+        os.sched_setaffinity(proc.pid, {cores[0]})
+        os.sched_setaffinity(0, {cores[1]})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = R.Ring.attach(name)
+                ok = int(r.header["daemon_pid"]) == proc.pid
+                r.close()
+                if ok:
+                    break
+            except R.RingError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("daemon did not start")
+            time.sleep(0.02)
+        with R.Client(name) as client:
+            x = np.random.default_rng(0).integers(0, 10, 31).astype(np.float32)
+            for _ in range(2000):
+                client.infer(x)
+            wall, daemon, batches = [], [], []
+            for _ in range(requests):
+                t0 = time.perf_counter_ns()
+                a = client.infer(x)
+                wall.append((time.perf_counter_ns() - t0) / 1e3)
+                daemon.append(a.latency_ns / 1e3)
+                batches.append(a.batch)
+            counters = client.ring.counter_values()
+        c_rt = c_round_trip(name, requests)
+    finally:
+        os.sched_setaffinity(0, mask)
+        proc.terminate()
+        proc.wait(timeout=30)
+        R.ring_path(name).unlink(missing_ok=True)
+    return {"producer_us": pct(wall), "daemon_us": pct(daemon), "batch_max": int(max(batches)),
+            "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores, "c_producer": c_rt,
+            "target": {"p50_us": 5, "p99_us": 20}}
+
+
+def c_round_trip(name: str, requests: int) -> dict:
+    """The same with examples/kinfer_producer.c as the producer (no Python on that side)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return {"skipped": "no C compiler"}
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "kinfer_producer"
+        subprocess.run([cc, "-O2", "-I", str(R.HEADER_FILE.parent), str(ROOT / "examples" / "kinfer_producer.c"), "-o", str(exe)],
+                       check=True)
+        done = subprocess.run([str(exe), name, str(requests + 2000)], capture_output=True, text=True, check=True, timeout=600)
+    rt = [int(line.split()[7]) / 1e3 for line in done.stdout.splitlines()[2000:]]
+    return {"producer_us": pct(rt)}
+
+
+def inputs(b: int) -> np.ndarray:
+    return np.random.default_rng(b).integers(0, 10, (b, 31)).astype(np.float32)
+
+
+def sweep(batches: list[int], reps: int, gpu: object | None) -> dict:
+    model = Mlp.random(seed=0)
+    cpu = [round(time_us(lambda x=inputs(b): model.forward(x), reps), 3) for b in batches]
+    out = {"batches": batches, "cpu_us": cpu, "gpu_us": [], "crossover": None}
+    if gpu is not None:
+        out["gpu_us"] = [round(time_us(lambda x=inputs(b): gpu.forward(x), reps, warmup=10), 3) for b in batches]
+        out["crossover"] = crossover(batches, cpu, out["gpu_us"])
+        out["gpu_mode"] = gpu.mode
+    return out
+
+
+def gpu_throughput(batches: list[int], reps: int) -> dict:
+    import cupy as cp
+
+    from gpuos_tools.kinfer.gpu import GpuMlp
+
+    model = Mlp.random(seed=0)
+    out: dict = {}
+    for mode in ("fused", "matmul"):
+        g = GpuMlp(model, mode=mode)
+        rows = []
+        for b in batches:
+            x = inputs(b)
+            e2e = time_us(lambda: g.forward(x), reps, warmup=10)
+            dx = cp.asarray(x)
+            dy = cp.empty((b, 2), dtype=cp.float32)
+            for _ in range(10):
+                g.run_device(dx, dy, b)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(g.stream)
+            for _ in range(reps):
+                g.run_device(dx, dy, b)
+            stop.record(g.stream)
+            stop.synchronize()
+            dev_us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps
+            rows.append({"batch": b, "end_to_end_us": round(e2e, 3), "end_to_end_per_s": round(b / e2e * 1e6),
+                         "device_us": round(dev_us, 3), "device_per_s": round(b / dev_us * 1e6)})
+        out[mode] = rows
+    out["target_per_s"] = 20_000_000
+    return out
+
+
+def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duties: list[float]) -> dict:
+    """For each load, measure both sides at each batch and compare with the policy's pick."""
+    model = Mlp.random(seed=0)
+    pol = Policy(batches=idle["batches"], cpu_us=idle["cpu_us"], gpu_us=idle["gpu_us"])
+    load = GpuLoad(pol)
+    if not load.start():
+        return {"skipped": load.error}
+    rows = []
+    try:
+        for duty in duties:
+            child = None
+            if duty > 0:
+                child = subprocess.Popen([sys.executable, "-c", LOAD_CHILD, str(duty)], stdout=subprocess.PIPE, text=True)
+                if child.stdout.readline().strip() != "ready":
+                    raise RuntimeError("load process did not start")
+                time.sleep(0.5)
+            try:
+                for b in batches:
+                    x = inputs(b)
+                    busy = load.busy
+                    pick = pol.choose(b, True, busy)
+                    c = time_us(lambda: model.forward(x), reps)
+                    g = time_us(lambda: gpu.forward(x), reps, warmup=5)
+                    best = "gpu" if g < c else "cpu"
+                    rows.append({"duty": duty, "batch": b, "busy": busy, "util": load.util, "others": load.others,
+                                 "pick": pick, "faster": best, "cpu_us": round(c, 3), "gpu_us": round(g, 3),
+                                 "gpu_slowdown": round(g / pol.estimate("gpu", b), 3), "right": pick == best})
+            finally:
+                if child is not None:
+                    child.kill()
+                    child.wait()
+    finally:
+        load.stop()
+    right = sum(r["right"] for r in rows)
+    # what busy_factor the profile would need: the GPU's slowdown under each load, median over batches
+    slowdown = {str(d): float(np.median([r["gpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
+    return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95, "busy_factor": pol.busy_factor,
+            "gpu_slowdown_median": slowdown}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--requests", type=int, default=20000, help="round trips measured (batch 1)")
+    ap.add_argument("--spin-us", type=float, default=200.0, help="the daemon's spin before sleeping")
+    ap.add_argument("--cores", default="auto",
+                    help="DAEMON,PRODUCER cores for the round trip; auto: the last two this process may use; none: no pinning")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,16384,65536")
+    ap.add_argument("--throughput-batches", default="1024,4096,16384,65536,262144")
+    ap.add_argument("--policy-batches", default="1,4,8,16,32,64,128,256,1024,4096")
+    ap.add_argument("--duties", default="0,0.5,1", help="GPU load duty cycles of the second process")
+    args = ap.parse_args()
+    batches = [int(v) for v in args.batches.split(",")]
+    result: dict = {
+        "host": socket.gethostname(), "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "python": platform.python_version(), "numpy": np.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
+    }
+    log("round trip, batch 1, CPU path")
+    allowed = sorted(os.sched_getaffinity(0))
+    if args.cores == "none" or len(allowed) < 2:
+        cores = None
+    elif args.cores == "auto":
+        cores = allowed[-2:]
+    else:
+        cores = [int(v) for v in args.cores.split(",")]
+    result["round_trip"] = round_trip(args.requests, args.spin_us, cores)
+    rt = result["round_trip"]["producer_us"]
+    log(f"round trip p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
+    crt = result["round_trip"]["c_producer"].get("producer_us")
+    if crt:
+        log(f"with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")
+    gpu = None
+    reason = None
+    try:
+        from gpuos_tools.kinfer.gpu import GpuMlp, gpu_unavailable_reason
+
+        reason = gpu_unavailable_reason()
+        if reason is None:
+            gpu = GpuMlp(Mlp.random(seed=0))
+            result["gpu"] = gpu.cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception as e:
+        reason = f"{type(e).__name__}: {e}"
+    if gpu is None:
+        log(f"GPU parts skipped: {reason}")
+        result["gpu_skipped"] = reason
+    log("latency sweep")
+    result["sweep"] = sweep(batches, args.reps, gpu)
+    log(f"crossover: {result['sweep']['crossover']}")
+    if gpu is not None:
+        log("GPU throughput")
+        result["gpu_throughput"] = gpu_throughput([int(v) for v in args.throughput_batches.split(",")], args.reps)
+        for mode in ("fused", "matmul"):
+            for row in result["gpu_throughput"][mode]:
+                log(f"{mode} batch {row['batch']}: {row['end_to_end_per_s'] / 1e6:.1f} M/s end to end, "
+                    f"{row['device_per_s'] / 1e6:.1f} M/s on device")
+        log("policy accuracy under GPU load")
+        result["policy"] = policy_accuracy([int(v) for v in args.policy_batches.split(",")], max(10, args.reps // 2), gpu,
+                                           result["sweep"], [float(v) for v in args.duties.split(",")])
+        log(f"policy accuracy: {result['policy'].get('accuracy')}")
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

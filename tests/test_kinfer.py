@@ -1,0 +1,663 @@
+"""gpu-kinfer-bridge on the CPU: the C layout against the Python one, a C producer round-tripping
+through a real daemon, bad input, restarts, model swaps, LinnOS encoding/training/replay, traces,
+the feature store, the policy and profiles. No timing assertions (scripts/bench_kinfer.py
+measures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import REPO, child_env
+
+from gpuos_tools.kinfer import features as F
+from gpuos_tools.kinfer import linnos
+from gpuos_tools.kinfer import model as M
+from gpuos_tools.kinfer import policy as P
+from gpuos_tools.kinfer import ring as R
+from gpuos_tools.kinfer import server as S
+from gpuos_tools.kinfer import traces as T
+
+CC = shutil.which("cc") or shutil.which("gcc")
+BRIDGE = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
+INCLUDE = R.HEADER_FILE.parent
+
+
+def _name() -> str:
+    return f"kinfer-test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def ring_name() -> Iterator[str]:
+    name = _name()
+    yield name
+    R.ring_path(name).unlink(missing_ok=True)
+
+
+def _server(name: str, model: M.Mlp | None = None, geometry: R.Geometry = R.Geometry(4, 4)) -> S.Server:
+    return S.Server.open(name, geometry, model or M.Mlp.random(seed=3), P.Policy(), S.ServeOptions(use_gpu="off"),
+                         recreate=True, log=lambda m: None)
+
+
+def _daemon(name: str, *args: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", *args], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            r = R.Ring.attach(name)
+            ok = int(r.header["daemon_pid"]) == proc.pid
+            r.close()
+            if ok:
+                return proc
+        except R.RingError:
+            pass
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("daemon did not start")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    return out, err
+
+
+# -- the layout ------------------------------------------------------------------------------
+
+_OFFSETS_C = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include "gpuos_kinfer.h"
+#define H(f) printf("header %s %zu\n", #f, offsetof(struct gpuos_kinfer_header, f));
+#define M(f) printf("meta %s %zu\n", #f, offsetof(struct gpuos_kinfer_meta, f));
+#define F(f) printf("features %s %zu\n", #f, offsetof(struct gpuos_kinfer_features, f));
+int main(void) {
+  BODY
+  printf("size header %zu\nsize meta %zu\nsize features %zu\n", sizeof(struct gpuos_kinfer_header),
+         sizeof(struct gpuos_kinfer_meta), sizeof(struct gpuos_kinfer_features));
+  printf("const %llu %u %u %lld %lld\n", (unsigned long long)GPUOS_KINFER_MAGIC, GPUOS_KINFER_VERSION,
+         GPUOS_KINFER_ENTRY_VERSION, (long long)GPUOS_KINFER_LOCK_DAEMON, (long long)GPUOS_KINFER_LOCK_LANE0);
+  printf("states %d %d %d %d %d\n", GPUOS_KINFER_FREE, GPUOS_KINFER_WRITING, GPUOS_KINFER_READY, GPUOS_KINFER_TAKEN, GPUOS_KINFER_DONE);
+  printf("fmagic %llu\n", (unsigned long long)GPUOS_KINFER_FEATURES_MAGIC);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler")
+def test_c_header_matches_the_python_layout(tmp_path: Path) -> None:
+    body = " ".join(f"H({n})" for n in R.HEADER_DTYPE.names) + " " + " ".join(f"M({n})" for n in R.META_DTYPE.names)
+    body += " " + " ".join(f"F({n})" for n in F.HEADER_DTYPE.names)
+    src = tmp_path / "offsets.c"
+    src.write_text(_OFFSETS_C.replace("BODY", body))
+    subprocess.run([CC, "-std=c11", "-Wall", "-Werror", "-I", str(INCLUDE), str(src), "-o", str(tmp_path / "offsets")], check=True)
+    out = subprocess.run([str(tmp_path / "offsets")], capture_output=True, text=True, check=True).stdout.split("\n")
+    table = {("header", n): R.HEADER_DTYPE.fields[n][1] for n in R.HEADER_DTYPE.names}
+    table |= {("meta", n): R.META_DTYPE.fields[n][1] for n in R.META_DTYPE.names}
+    table |= {("features", n): F.HEADER_DTYPE.fields[n][1] for n in F.HEADER_DTYPE.names}
+    seen = 0
+    for line in out:
+        words = line.split()
+        if words and words[0] in ("header", "meta", "features"):
+            assert table[(words[0], words[1])] == int(words[2]), line
+            seen += 1
+        elif words[:1] == ["size"]:
+            want = {"header": R.HEADER_SIZE, "meta": R.META_SIZE, "features": F.HEADER_SIZE}[words[1]]
+            assert int(words[2]) == want
+        elif words[:1] == ["const"]:
+            assert [int(w) for w in words[1:]] == [R.MAGIC, R.VERSION, R.ENTRY_VERSION, R.LOCK_DAEMON, R.LOCK_LANE0]
+        elif words[:1] == ["states"]:
+            assert [int(w) for w in words[1:]] == [R.FREE, R.WRITING, R.READY, R.TAKEN, R.DONE]
+        elif words[:1] == ["fmagic"]:
+            assert int(words[1]) == F.MAGIC
+    assert seen == len(table)
+    assert [R.HEADER_DTYPE.fields["counters"][1] + 8 * i for i in range(len(R.COUNTERS))] == [192 + 8 * i for i in range(len(R.COUNTERS))]
+
+
+@pytest.fixture(scope="module")
+def c_producer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if CC is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path_factory.mktemp("cprod") / "kinfer_producer"
+    subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror", "-I", str(INCLUDE), str(REPO / "examples" / "kinfer_producer.c"),
+                    "-o", str(exe)], check=True)
+    return exe
+
+
+def _expected(seed: int, k: int) -> np.ndarray:
+    x = np.array([[(k + j) % 10 for j in range(31)]], dtype=np.float32)
+    return M.Mlp.random(seed=seed).forward(x)[0]
+
+
+def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: str) -> None:
+    proc = _daemon(ring_name, "--random-model", "7")
+    try:
+        runs = [subprocess.Popen([str(c_producer), ring_name, "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(3)]
+        with R.Client(ring_name) as client:  # a Python producer at the same time
+            py = [client.infer(np.arange(31) % 10) for _ in range(20)]
+        outs = [r.communicate(timeout=60) for r in runs]
+        bad = subprocess.run([str(c_producer), ring_name, "3", "9"], capture_output=True, text=True, timeout=60)
+    finally:
+        out, _ = _stop(proc)
+    for r, (stdout, stderr) in zip(runs, outs):
+        assert r.returncode == 0, stderr
+        lines = stdout.splitlines()
+        assert len(lines) == 40
+        for line in lines:
+            k, status, decision, where, batch, y0, y1, rt_ns = line.split()
+            want = _expected(7, int(k))
+            assert int(status) == R.OK and int(where) == R.CPU and int(batch) >= 1 and int(rt_ns) > 0
+            assert np.allclose([float(y0), float(y1)], want, rtol=1e-5, atol=1e-4)
+            assert int(decision) == int(np.argmax(want))
+    want = M.Mlp.random(seed=7).forward((np.arange(31) % 10).astype(np.float32)[None])[0]
+    assert all(a.ok and np.allclose(a.outputs, want, rtol=1e-5, atol=1e-4) for a in py)
+    assert bad.returncode == 0
+    assert [int(line.split()[1]) for line in bad.stdout.splitlines()] == [R.BAD_VERSION] * 3
+    stats = [json.loads(line) for line in out.decode().splitlines()][-1]
+    assert stats["type"] == "kinfer_stats" and stats["served"] == 3 * 40 + 20 and stats["drop_bad_version"] == 3
+
+
+# -- bad input, in process --------------------------------------------------------------------
+
+
+def _put(ring: R.Ring, slot: int, x: np.ndarray, *, version: int = R.ENTRY_VERSION, model_id: int = 0, n: int | None = None) -> None:
+    ring.state[slot] = R.WRITING
+    m = ring.meta[slot:slot + 1]
+    m["version"], m["model_id"], m["n_inputs"], m["seq"] = version, model_id, len(x) if n is None else n, 1000 + slot
+    m["producer_pid"] = os.getpid()
+    ring.inputs[slot, : len(x)] = x
+    ring.state[slot] = R.READY
+
+
+@pytest.mark.parametrize("path", ["small", "vector"])
+def test_bad_entries_are_answered_and_counted(ring_name: str, path: str) -> None:
+    model = M.Mlp.random(seed=5)
+    srv = _server(ring_name, model)
+    try:
+        ring = srv.ring
+        good = np.arange(31, dtype=np.float32) % 7
+        nan = good.copy()
+        nan[3] = np.nan
+        _put(ring, 0, good)
+        _put(ring, 1, good, version=9)
+        _put(ring, 2, good[:5])
+        _put(ring, 3, good, model_id=4)
+        _put(ring, 4, nan)
+        _put(ring, 5, good)
+        ready = srv.ready_slots()
+        assert ready == [0, 1, 2, 3, 4, 5]
+        srv.process_small(ready) if path == "small" else srv.process(np.array(ready))
+        assert list(ring.state[:6]) == [R.DONE] * 6
+        assert list(ring.meta["status"][:6]) == [R.OK, R.BAD_VERSION, R.BAD_SIZE, R.BAD_MODEL, R.BAD_VALUE, R.OK]
+        want = model.forward(good[None])[0]
+        for slot in (0, 5):
+            assert np.allclose(ring.outputs[slot, :2], want, rtol=1e-5)
+            assert ring.meta["decision"][slot] == np.argmax(want)
+            assert ring.meta["answer_seq"][slot] == 1000 + slot
+            assert ring.meta["batch"][slot] == 6
+        c = ring.counter_values()
+        assert (c["served"], c["drop_bad_version"], c["drop_bad_size"], c["drop_bad_model"], c["drop_bad_value"]) == (2, 1, 1, 1, 1)
+    finally:
+        srv.close()
+
+
+def test_small_and_vector_paths_agree(ring_name: str) -> None:
+    srv = _server(ring_name)
+    try:
+        ring = srv.ring
+        xs = np.random.default_rng(0).integers(0, 10, (8, 31)).astype(np.float32)
+        results = []
+        for fn in (srv.process_small, lambda slots: srv.process(np.array(slots))):
+            for i in range(8):
+                _put(ring, i, xs[i])
+            fn(srv.ready_slots())
+            results.append((ring.outputs[:8, :2].copy(), ring.meta["decision"][:8].copy(), ring.meta["n_outputs"][:8].copy()))
+        for a, b in zip(*results):
+            assert np.array_equal(a, b)
+    finally:
+        srv.close()
+
+
+def test_producer_dying_mid_write_is_reclaimed(ring_name: str) -> None:
+    srv = _server(ring_name)
+    try:
+        code = (
+            "import os, sys\n"
+            "from gpuos_tools.kinfer import ring as R\n"
+            f"c = R.Client({ring_name!r})\n"
+            "slot = c._first\n"
+            "c._state[slot] = R.WRITING\n"
+            "c.ring.meta32[slot, R.M32['producer_pid']] = os.getpid()\n"
+            "print(slot, flush=True)\n"
+            "os._exit(0)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
+        slot = int(done.stdout)
+        assert srv.ring.state[slot] == R.WRITING
+        srv.housekeeping()
+        assert srv.ring.state[slot] == R.FREE
+        assert srv.ring.counter_values()["drop_abandoned"] == 1
+        srv.ring.state[1] = 77  # a word no producer should write
+        srv.housekeeping()
+        assert srv.ring.state[1] == R.FREE and srv.ring.counter_values()["drop_bad_state"] == 1
+        with R.Client(ring_name) as again:  # the dead producer's lane is free again
+            assert again.lane == 0
+    finally:
+        srv.close()
+
+
+def test_ring_attach_refuses_bad_files(tmp_path: Path, ring_name: str) -> None:
+    with pytest.raises(R.RingError, match="no such ring"):
+        R.Ring.attach(str(tmp_path / "missing"))
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"x" * 8192)
+    with pytest.raises(R.RingError, match="not a gpu-kinfer-bridge ring"):
+        R.Ring.attach(str(junk))
+    ring = R.Ring.create(ring_name, R.Geometry(2, 2))
+    ring.header["version"] = 2
+    ring.close()
+    with pytest.raises(R.RingError, match="layout version 2"):
+        R.Ring.attach(ring_name)
+    ring = R.Ring.create(ring_name, R.Geometry(2, 2))
+    ring.close()
+    os.truncate(R.ring_path(ring_name), 5000)
+    with pytest.raises(R.RingError, match="layout needs"):
+        R.Ring.attach(ring_name)
+
+
+def test_client_says_when_no_daemon_answers(ring_name: str) -> None:
+    R.Ring.create(ring_name, R.Geometry(2, 2)).close()
+    with R.Client(ring_name) as client:
+        with pytest.raises(R.RingError, match="no daemon is serving"):
+            client.infer(np.zeros(31), timeout=0.05)
+        with pytest.raises(ValueError, match="at most 32"):
+            client.submit(np.zeros(40))
+
+
+def test_client_of_a_replaced_ring_is_told_so(ring_name: str) -> None:
+    R.Ring.create(ring_name, R.Geometry(2, 2)).close()
+    with R.Client(ring_name) as client:
+        R.Ring.create(ring_name, R.Geometry(2, 2)).close()  # a new file: the old mapping stays valid
+        assert client.ring.replaced()
+        with pytest.raises(R.RingError, match="replaced or removed"):
+            client.infer(np.zeros(31), timeout=0.05)
+
+
+def test_lanes_are_exclusive_within_and_across_processes(ring_name: str) -> None:
+    R.Ring.create(ring_name, R.Geometry(2, 2)).close()
+    with R.Client(ring_name) as a, R.Client(ring_name) as b:
+        assert {a.lane, b.lane} == {0, 1}
+        with pytest.raises(R.RingError, match="no free lane"):
+            R.Client(ring_name)
+        # the refused client closed its descriptor: a and b must still hold their lanes
+        with pytest.raises(R.RingError, match="no free lane"):
+            R.Client(ring_name)
+    code = f"from gpuos_tools.kinfer import ring as R\nc = R.Client({ring_name!r})\nprint(c.lane)\n"
+    with R.Client(ring_name) as a:
+        other = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
+        assert int(other.stdout) == 1 - a.lane
+
+
+def test_daemon_restart_keeps_producers_attached(ring_name: str) -> None:
+    proc = _daemon(ring_name, "--random-model", "1")
+    with R.Client(ring_name) as client:
+        x = np.arange(31) % 10
+        first = client.infer(x)
+        epoch = int(client.ring.header["daemon_epoch"])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        ticket = client.submit(x)  # sent while no daemon runs
+        orphan = client.ring.nslots - 1  # a request the dead daemon had taken (never written: version 0)
+        assert orphan // client.ring.geometry.slots_per_lane != client.lane
+        client.ring.state[orphan] = R.TAKEN
+        proc = _daemon(ring_name, "--random-model", "1")
+        try:
+            again = client.wait(ticket, timeout=30)
+            assert again.ok and np.allclose(again.outputs, first.outputs)
+            assert int(client.ring.header["daemon_epoch"]) == epoch + 1
+            assert client.infer(x).ok
+            c = client.ring.counter_values()
+            assert c["requeued"] == 1 and c["drop_bad_version"] == 1
+            assert client.ring.state[orphan] == R.DONE
+        finally:
+            _stop(proc)
+
+
+def test_second_daemon_is_refused(ring_name: str) -> None:
+    proc = _daemon(ring_name, "--random-model", "1")
+    try:
+        done = subprocess.run([*BRIDGE, "serve", "--ring", ring_name, "--random-model", "1", "--gpu", "off"],
+                              env=child_env(), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and f"served by pid {proc.pid}" in done.stderr
+        done = subprocess.run([*BRIDGE, "serve", "--ring", ring_name, "--random-model", "1", "--gpu", "off", "--recreate"],
+                              env=child_env(), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "served by" in done.stderr
+    finally:
+        _stop(proc)
+
+
+# -- model swaps -----------------------------------------------------------------------------
+
+
+def test_swap_applies_between_batches(ring_name: str, tmp_path: Path) -> None:
+    a, b = M.Mlp.random(seed=1), M.Mlp.random(seed=2)
+    srv = _server(ring_name, a)
+    try:
+        x = np.arange(31, dtype=np.float32) % 10
+        srv._pending_swap = (1, 0, S.Backend(b), "")  # arrived while a batch is being answered
+        _put(srv.ring, 0, x)
+        srv.process_small(srv.ready_slots())
+        assert np.allclose(srv.ring.outputs[0, :2], a.forward(x[None])[0])
+        srv._apply_swap()
+        _put(srv.ring, 0, x)
+        srv.process_small(srv.ready_slots())
+        assert np.allclose(srv.ring.outputs[0, :2], b.forward(x[None])[0])
+        assert int(srv.ring.header["model_generation"]) == 1
+    finally:
+        srv.close()
+
+
+def test_load_command_hot_swaps_the_running_daemon(ring_name: str, tmp_path: Path) -> None:
+    a, b = M.Mlp.random(seed=1), M.Mlp.random(seed=2)
+    a.save(tmp_path / "a.npz")
+    b.save(tmp_path / "b.npz")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    proc = _daemon(ring_name, "--model", str(tmp_path / "a.npz"))
+    try:
+        x = np.arange(31, dtype=np.float32) % 10
+        with R.Client(ring_name) as client:
+            assert np.allclose(client.infer(x).outputs, a.forward(x[None])[0])
+            done = subprocess.run([*BRIDGE, "load", str(tmp_path / "b.npz"), "--ring", ring_name], env=child_env(),
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert np.allclose(client.infer(x).outputs, b.forward(x[None])[0])
+            done = subprocess.run([*BRIDGE, "load", str(tmp_path / "bad.npz"), "--ring", ring_name], env=child_env(),
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 64 and "not a model file" in done.stderr
+            assert S.request_load(ring_name, tmp_path / "bad.npz") == 1  # the daemon refuses it too, and lives
+            assert np.allclose(client.infer(x).outputs, b.forward(x[None])[0])
+            assert client.ring.counter_values()["model_swaps"] == 1
+    finally:
+        _stop(proc)
+
+
+# -- LinnOS ----------------------------------------------------------------------------------
+
+
+def test_encoding_is_31_digits() -> None:
+    x = M.encode(np.array([7, 1234]), np.array([[1, 22, 333, 4444], [0, 0, 0, 0]]), np.array([[5, 66, 777, 8888], [12345, 0, 0, 1]]))
+    assert x.shape == (2, 31)
+    assert x[0].tolist() == [0, 0, 7, 0, 0, 1, 0, 2, 2, 3, 3, 3, 9, 9, 9, 0, 0, 0, 5, 0, 0, 6, 6, 0, 7, 7, 7, 8, 8, 8, 8]
+    assert x[1, :3].tolist() == [9, 9, 9] and x[1, 15:19].tolist() == [9, 9, 9, 9] and x[1, 27:].tolist() == [0, 0, 0, 1]
+
+
+def test_history_is_the_last_reads_completed_before_issue() -> None:
+    issue = np.array([0.0, 10.0, 20.0, 30.0])
+    lat = np.array([100.0, 5.0, 5.0, 5.0])  # read 0 completes last (t=100)
+    pending = np.array([1, 2, 3, 4])
+    x = M.features_from_reads(pending, lat, issue + lat, issue)
+    # read 3 (issued at 30) has seen reads 1 (done 15) and 2 (done 25) complete, newest first
+    assert x[3, 3:9].tolist() == [0, 0, 3, 0, 0, 2]
+    assert x[3, 15:23].tolist() == [0, 0, 0, 5, 0, 0, 0, 5]
+    assert x[3, 9:15].tolist() == [0] * 6 and x[0, 3:].sum() == 0
+
+
+def test_thresholds() -> None:
+    rng = np.random.default_rng(0)
+    lat = np.concatenate([rng.normal(100, 5, 9000), rng.normal(2000, 100, 1000)])
+    knee = M.inflection_threshold(lat)
+    assert 100 < knee < 1500
+    assert M.threshold(lat, "percentile", 50) == pytest.approx(np.percentile(lat, 50))
+    with pytest.raises(ValueError):
+        M.threshold(lat, "median")
+
+
+def test_weighted_hinge_gradient_and_weight() -> None:
+    rng = np.random.default_rng(1)
+    s = rng.normal(0, 1, (6, 2)).astype(np.float64)
+    y = np.array([0, 1, 1, 0, 1, 0])
+    loss, g = M.weighted_hinge(s, y, 5.0)
+    eps = 1e-6
+    for i in range(6):
+        for j in range(2):
+            d = np.zeros_like(s)
+            d[i, j] = eps
+            num = (M.weighted_hinge(s + d, y, 5.0)[0] - M.weighted_hinge(s - d, y, 5.0)[0]) / (2 * eps)
+            assert g[i, j] == pytest.approx(num, abs=1e-5)
+    wrong = np.array([[2.0, 0.0]])  # predicted fast
+    assert M.weighted_hinge(wrong, np.array([1]), 5.0)[0] == pytest.approx(5 * M.weighted_hinge(wrong[:, ::-1], np.array([0]), 5.0)[0])
+
+
+def test_training_learns_and_model_files_round_trip(tmp_path: Path) -> None:
+    recs = T.synthesize(20000, seed=3)
+    model, report = linnos.train_trace(recs, epochs=6)
+    assert report["holdout"]["accuracy"] > 0.9
+    assert report["loss"][-1] < report["loss"][0]
+    model.save(tmp_path / "m.npz")
+    back = M.Mlp.load(tmp_path / "m.npz")
+    assert np.array_equal(back.w1, model.w1) and back.meta["threshold_us"] == report["threshold_us"]
+    (tmp_path / "bad.npz").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a model file"):
+        M.Mlp.load(tmp_path / "bad.npz")
+    np.savez(tmp_path / "nan.npz", w1=np.full((31, 4), np.nan), b1=np.zeros(4), w2=np.zeros((4, 2)), b2=np.zeros(2))
+    with pytest.raises(ValueError, match="NaN"):
+        M.Mlp.load(tmp_path / "nan.npz")
+
+
+def test_replay_columns() -> None:
+    recs = T.synthesize(20000, seed=4)
+    model, report = linnos.train_trace(recs, epochs=6)
+    thr = report["threshold_us"]
+    out = linnos.replay(recs, model.predict, thr)
+    assert out["oracle"]["avg"] <= out["none"]["avg"]
+    never = linnos.replay(recs, lambda x: np.zeros(len(x)), thr)
+    assert never["linnos"] == never["none"] and never["rerouted"] == 0 and never["false_fast"] == 1.0
+    with pytest.raises(ValueError, match="two devices"):
+        linnos.replay([r for r in recs if r["dev"] == 0], model.predict, thr)
+
+
+def test_synthetic_trace_is_seeded_and_consistent() -> None:
+    a, b, c = T.synthesize(3000, seed=9), T.synthesize(3000, seed=9), T.synthesize(3000, seed=10)
+    assert a == b and a != c
+    assert list(T.io_records(a)) == a
+    assert [r["t_us"] for r in a] == sorted(r["t_us"] for r in a)
+    assert {r["dev"] for r in a} == {0, 1} and all(r["size"] % 4096 == 0 for r in a)
+    assert max(r["pending"] for r in a) > 0
+    with pytest.raises(ValueError, match="record 1"):
+        list(T.io_records([{"type": "io", "op": "X"}]))
+
+
+def test_collect_measures_real_io(tmp_path: Path) -> None:
+    try:
+        recs = T.collect(tmp_path, 200, devices=2, depth=2, file_size=8 << 20)
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused here: {e}")
+    reads = [r for r in recs if r["op"] == "R"]
+    assert len(reads) >= 200 and all(r["lat_us"] > 0 for r in recs)
+    assert {r["dev"] for r in recs} == {0, 1}
+    assert not list(tmp_path.glob("kinfer-io-*"))
+
+
+def test_cli_synth_train_replay(tmp_path: Path) -> None:
+    trace, model = tmp_path / "io.ndjson", tmp_path / "m.npz"
+    run = lambda *a: subprocess.run([*BRIDGE, *a], env=child_env(), capture_output=True, text=True, timeout=300)  # noqa: E731
+    done = run("synth", "-n", "8000", "--seed", "2", "-o", str(trace))
+    assert done.returncode == 0, done.stderr
+    header = json.loads(trace.read_text().split("\n", 1)[0])
+    assert header["trace"] == "synthetic" and header["seed"] == 2
+    done = run("train", str(trace), "--model", str(model), "--epochs", "3")
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout.splitlines()[-1])
+    assert rep["type"] == "kinfer_train" and model.exists()
+    done = run("replay", str(trace), "--model", str(model))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["type"] == "kinfer_replay" and out["reads"] == rep["reads"] and out["inference_us"] > 0
+    assert set(out["linnos"]) == {"n", "avg", "p50", "p99", "p99.9", "max"}
+    assert out["linnos"]["avg"] == pytest.approx(out["linnos_uncharged"]["avg"] + out["inference_us"], abs=1e-2)
+    done = run("train", str(tmp_path / "none.ndjson"), "--model", str(model))
+    assert done.returncode == 66
+    trace.write_text('{"type":"io","dev":0}\n')
+    done = run("train", str(trace), "--model", str(model))
+    assert done.returncode == 64 and "not a valid io record" in done.stderr
+
+
+# -- feature store ---------------------------------------------------------------------------
+
+
+def test_feature_store_records_from_several_processes(ring_name: str) -> None:
+    store = F.FeatureStore.register(ring_name, "linnos", ["pending", "latency_us"], capacity=64)
+    t0 = time.monotonic_ns()
+    code = (
+        "from gpuos_tools.kinfer.features import FeatureStore\n"
+        f"s = FeatureStore.open({ring_name!r})\n"
+        "for i in range(20): s.record([i, 1000 + i])\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=child_env()) for _ in range(3)]
+    for i in range(10):
+        store.record([i, -i])
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    ts, seq, values = store.window(t0)
+    assert len(seq) == 64 and seq.tolist() == list(range(70 - 64, 70))  # the oldest 6 were overwritten
+    assert (np.diff(seq) == 1).all() and (ts >= t0).all()
+    assert store.fields == ["pending", "latency_us"] and store.schema == "linnos"
+    with pytest.raises(ValueError, match="2 fields"):
+        store.record([1, 2, 3])
+    store.header["version"] = 5
+    store.close()
+    with pytest.raises(R.RingError, match="version 5"):
+        F.FeatureStore.open(ring_name)
+
+
+def test_capture_then_train_from_the_store(ring_name: str, tmp_path: Path) -> None:
+    trace, model = tmp_path / "io.ndjson", tmp_path / "m.npz"
+    run = lambda *a: subprocess.run([*BRIDGE, *a], env=child_env(), capture_output=True, text=True, timeout=300)  # noqa: E731
+    assert run("synth", "-n", "6000", "--seed", "5", "-o", str(trace)).returncode == 0
+    done = run("features", "capture", str(trace), ring_name)
+    assert done.returncode == 0, done.stderr
+    store = F.FeatureStore.open(ring_name)
+    _, _, values = store.window()
+    store.close()
+    data, _ = linnos.dataset(list(T.io_records(json.loads(line) for line in trace.read_text().splitlines())))
+    assert np.array_equal(values[:, :31], data.x) and np.allclose(values[:, 31], data.lat_us, rtol=1e-6)
+    from_store = run("train", "--features", ring_name, "--model", str(model), "--epochs", "2")
+    from_trace = run("train", str(trace), "--model", str(tmp_path / "t.npz"), "--epochs", "2")
+    assert from_store.returncode == 0, from_store.stderr
+    a, b = (json.loads(d.stdout.splitlines()[-1]) for d in (from_store, from_trace))
+    assert a["reads"] == b["reads"] and a["threshold_us"] == pytest.approx(b["threshold_us"], rel=1e-5)
+    assert run("train", "--model", str(model)).returncode == 2
+    F.FeatureStore.register(ring_name, "other", ["a"]).close()
+    bad = run("train", "--features", ring_name, "--model", str(model))
+    assert bad.returncode == 64 and "not a LinnOS feature store" in bad.stderr
+
+
+def test_feature_store_cli(ring_name: str) -> None:
+    run = lambda *a, **k: subprocess.run([*BRIDGE, "features", *a], env=child_env(), capture_output=True, text=True, timeout=60, **k)  # noqa: E731
+    assert run("register", ring_name, "-f", "a", "-f", "b").returncode == 0
+    assert run("record", ring_name, input='{"type":"v","x":[1,2]}\n{"type":"v","x":[3,4]}\n').returncode == 0
+    done = run("window", ring_name)
+    recs = [json.loads(line) for line in done.stdout.splitlines()]
+    assert recs[0]["fields"] == ["a", "b"] and [r["x"] for r in recs[1:]] == [[1.0, 2.0], [3.0, 4.0]]
+    bad = run("record", ring_name, input='{"type":"v","x":[1]}\n')
+    assert bad.returncode == 64 and "record 1" in bad.stderr
+
+
+# -- policy and profiles ---------------------------------------------------------------------
+
+
+def test_policy_rules() -> None:
+    lake = P.Policy(cpu_below=8)
+    assert lake.choose(4, True, False) == "cpu" and lake.choose(8, True, False) == "gpu"
+    assert lake.choose(512, True, True) == "cpu" and lake.choose(512, False, False) == "cpu"
+    cal = P.Policy(batches=[1, 8, 64, 512], cpu_us=[5, 40, 320, 2560], gpu_us=[50, 50, 60, 100], busy_factor=4)
+    assert cal.choose(1, True, False) == "cpu" and cal.choose(8, True, False) == "cpu" and cal.choose(16, True, False) == "gpu"
+    assert cal.choose(16, True, True) == "cpu" and cal.choose(512, True, True) == "gpu"
+    assert cal.estimate("cpu", 4096) == pytest.approx(2560 * 8)
+    assert P.crossover([1, 8, 64], [5, 40, 320], [50, 30, 60]) == 8
+    assert P.crossover([1, 8, 64], [5, 40, 320], [50, 50, 400]) is None
+
+
+def test_gpu_load_sampling_with_stubbed_nvml() -> None:
+    class Proc:
+        def __init__(self, pid: int):
+            self.pid = pid
+
+    class Nvml:
+        util = 90
+        procs = [Proc(os.getpid()), Proc(1)]
+
+        def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+            return i
+
+        def nvmlDeviceGetUtilizationRates(self, h: int):
+            return type("U", (), {"gpu": self.util})()
+
+        def nvmlDeviceGetComputeRunningProcesses(self, h: int):
+            return self.procs
+
+    nv = Nvml()
+    load = P.GpuLoad(P.Policy(busy_util=70, busy_procs=1), nvml=nv)
+    load.sample()
+    assert load.busy and load.others == 1
+    nv.procs = [Proc(os.getpid())]
+    load.sample()
+    assert not load.busy
+    nv.procs, nv.util = [Proc(1)], 50
+    load.sample()
+    assert not load.busy
+
+
+def test_profile_round_trip_and_calibration(tmp_path: Path) -> None:
+    from gpuos_tools.kinfer import calibrate as C
+
+    shipped = P.load_profile("linnos")
+    assert shipped.section("model")["inputs"] == 31 and shipped.model_file() == REPO / "profiles" / "linnos.npz"
+    path = tmp_path / "p.toml"
+    path.write_text((REPO / "profiles" / "linnos.toml").read_text())
+    prof = P.load_profile(str(path))
+    result = C.measure(prof, [1, 4], 3)
+    assert len(result["cpu_us"]) == 2 and all(v > 0 for v in result["cpu_us"])
+    result["gpu_us"] = [100.0, 1.0]  # as a GPU machine would report it
+    result["crossover"] = P.crossover(result["batches"], result["cpu_us"], result["gpu_us"])
+    P.write_profile(path, C.updated_profile(prof, result), C.PROFILE_COMMENT)
+    again = P.load_profile(str(path))
+    pol = again.policy()
+    assert pol.calibrated and pol.cpu_below == 4 and pol.gpu_us == [100.0, 1.0]
+    assert again.section("ring") == shipped.section("ring")
+    assert P.dump_profile({"t": {"s": 'a"b\\', "l": [1, 2.5], "b": True}}) == '[t]\ns = "a\\"b\\\\"\nl = [1, 2.5]\nb = true\n'
+    path.write_text("[policy]\nbogus = 1\n")
+    with pytest.raises(Exception, match="unknown keys"):
+        P.load_profile(str(path))
+
+
+def test_cli_infer_and_status(ring_name: str) -> None:
+    proc = _daemon(ring_name, "--random-model", "2")
+    try:
+        x = (np.arange(31) % 10).tolist()
+        done = subprocess.run([*BRIDGE, "infer", "--ring", ring_name], env=child_env(), capture_output=True, text=True,
+                              timeout=60, input=json.dumps({"type": "q", "x": x}) + "\n" + '{"type":"other"}\n')
+        assert done.returncode == 0, done.stderr
+        recs = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [r["type"] for r in recs] == ["header", "q", "kinfer_answer", "other"]
+        want = M.Mlp.random(seed=2).forward(np.array([x], dtype=np.float32))[0]
+        assert recs[2]["status"] == "ok" and np.allclose(recs[2]["outputs"], want, rtol=1e-5, atol=1e-4)
+        st = subprocess.run([*BRIDGE, "status", "--ring", ring_name], env=child_env(), capture_output=True, text=True, timeout=60)
+        rec = json.loads(st.stdout.splitlines()[-1])
+        assert rec["daemon_pid"] == proc.pid and rec["daemon_alive"] and rec["counters"]["served"] == 1
+    finally:
+        _stop(proc)
+    gone = subprocess.run([*BRIDGE, "status", "--ring", ring_name + "-none"], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 66 and "no such ring" in gone.stderr
