@@ -1,0 +1,254 @@
+"""Residency planning: which chunks to load and which to evict before each step.
+
+A planner walks a known sequence of steps (each a working set of chunk ids, the chunks it
+writes and the chunks freed before it) in order, under a byte budget, and returns one
+`Decision` per step: the chunks to copy in, the chunks to make resident with nothing to copy
+(first touch of memory never written), the chunks to evict (each with whether it must be
+written back) and the chunks that did not fit. It decides *what* moves; when the copies run is
+the simulator's business (or, online, the engine's), so the same planner serves both.
+
+Policies differ only in the victim they pick:
+
+- `BeladyPlanner`: the resident chunk whose next use is furthest in the future (never used
+  again first). Next uses come from an index built once over the sequence (each chunk's sorted
+  list of step positions and a cursor), and victims from a max-heap keyed by next use with lazy
+  deletion, so a step costs O(|working set| log n). With equal chunk sizes this is Belady's MIN
+  and loads the fewest chunks of any policy; with unequal sizes it is the usual heuristic.
+- `LRUPlanner`: the resident chunk used least recently (no knowledge of the future).
+
+Rules shared by both:
+
+- Chunks of the step's own working set are never victims while it is planned.
+- A chunk is *populated* once written; loading one that is not (fresh memory, or memory only
+  ever read) copies nothing. A chunk is *dirty* when written since it was last copied in; only
+  dirty chunks are written back when evicted, clean ones are dropped. Both come from the
+  predicted writes, so with unvalidated predictions an online engine must treat every chunk a
+  kernel may write as written (gpu-predict-access already errs that way: every non-const
+  pointer is a write).
+- A freed allocation's chunks leave residency for free and lose their contents.
+- A working set larger than the budget cannot be resident at once: the planner evicts all it
+  may, places what fits and returns the rest as ``overflow``; the simulator charges those as
+  demand paging and counts the step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpuos_tools.sched.workload import Step
+
+NEVER = 1 << 62  #: next use of a chunk that is not used again
+
+
+@dataclass(slots=True)
+class Decision:
+    """What has to change before step ``step`` runs, in the order it was decided."""
+
+    step: int
+    loads: list[int] = field(default_factory=list)  #: chunks copied host -> device
+    first: list[int] = field(default_factory=list)  #: chunks made resident, nothing to copy
+    evicts: list[int] = field(default_factory=list)  #: chunks removed to make room
+    writeback: list[bool] = field(default_factory=list)  #: per evict: copied device -> host first
+    overflow: list[int] = field(default_factory=list)  #: working-set chunks that did not fit
+    freed: list[int] = field(default_factory=list)  #: resident chunks released by a free
+
+
+class Planner:
+    """Shared bookkeeping; subclasses choose victims (`_touch`, `_insert`, `_victim`, `_remove`)."""
+
+    name = "base"
+
+    def __init__(self, sizes: Sequence[int], budget: int, steps: Sequence[Step]) -> None:
+        self.sizes = sizes
+        self.budget = budget
+        self.steps = steps
+        n = len(sizes)
+        self.resident = bytearray(n)
+        self.dirty = bytearray(n)
+        self.populated = bytearray(n)
+        self._pin = [-1] * n
+        self.used = 0
+        self.peak = 0
+        self.position = 0  #: the next step to plan
+
+    def plan(self, i: int) -> Decision:
+        """Decide step ``i`` (steps must be planned in order, each once)."""
+        if i != self.position:
+            raise ValueError(f"planned step {i}, expected {self.position}")
+        self.position += 1
+        st = self.steps[i]
+        sizes = self.sizes
+        resident = self.resident
+        d = Decision(i)
+        for c in st.frees:
+            if resident[c]:
+                resident[c] = 0
+                self.used -= sizes[c]
+                self._remove(c)
+                d.freed.append(c)
+            self.dirty[c] = 0
+            self.populated[c] = 0
+        ws = st.ws
+        pin = self._pin
+        for c in ws:
+            pin[c] = i
+        self._touch(ws, i)
+        missing = [c for c in ws if not resident[c]]
+        if missing:
+            need = 0
+            for c in missing:
+                need += sizes[c]
+            budget = self.budget
+            if self.used + need > budget:
+                dirty = self.dirty
+                while self.used + need > budget:
+                    v = self._victim(i)
+                    if v is None:
+                        break
+                    resident[v] = 0
+                    self.used -= sizes[v]
+                    d.evicts.append(v)
+                    d.writeback.append(bool(dirty[v]))
+                    dirty[v] = 0
+            populated = self.populated
+            for c in missing:
+                if self.used + sizes[c] <= budget:
+                    resident[c] = 1
+                    self.used += sizes[c]
+                    self._insert(c, i)
+                    (d.loads if populated[c] else d.first).append(c)
+                else:
+                    d.overflow.append(c)
+            if self.used > self.peak:
+                self.peak = self.used
+        if st.writes:
+            dirty = self.dirty
+            populated = self.populated
+            for c in st.writes:
+                populated[c] = 1
+                if resident[c]:
+                    dirty[c] = 1
+        return d
+
+    # -- policy hooks ----------------------------------------------------------------------
+
+    def _touch(self, ws: tuple[int, ...], i: int) -> None:
+        """The chunks of ``ws`` are used by step ``i`` (resident or not)."""
+
+    def _insert(self, c: int, i: int) -> None:
+        """Chunk ``c`` became resident for step ``i``."""
+
+    def _victim(self, i: int) -> int | None:
+        """A resident chunk not pinned by step ``i``, to evict; None if there is none."""
+        raise NotImplementedError
+
+    def _remove(self, c: int) -> None:
+        """Chunk ``c`` left residency other than as a victim (its allocation was freed)."""
+
+
+class BeladyPlanner(Planner):
+    """Evict the resident chunk used furthest in the future."""
+
+    name = "belady"
+
+    def __init__(self, sizes: Sequence[int], budget: int, steps: Sequence[Step]) -> None:
+        super().__init__(sizes, budget, steps)
+        uses: list[list[int]] = [[] for _ in range(len(sizes))]
+        for i, st in enumerate(steps):
+            for c in st.ws:
+                uses[c].append(i)
+        for u in uses:
+            u.append(NEVER)
+        self._uses = uses
+        self._cursor = [0] * len(sizes)
+        self._next = [NEVER] * len(sizes)
+        self._heap: list[tuple[int, int]] = []
+
+    def next_use(self, c: int) -> int:
+        """The next step (after the last one planned) that uses chunk ``c``, or NEVER."""
+        return self._next[c]
+
+    def _touch(self, ws: tuple[int, ...], i: int) -> None:
+        uses = self._uses
+        cursor = self._cursor
+        nxt = self._next
+        resident = self.resident
+        heap = self._heap
+        for c in ws:
+            k = cursor[c] + 1
+            cursor[c] = k
+            n = uses[c][k]
+            nxt[c] = n
+            if resident[c]:
+                heapq.heappush(heap, (-n, c))
+
+    def _insert(self, c: int, i: int) -> None:
+        heapq.heappush(self._heap, (-self._next[c], c))
+
+    def _victim(self, i: int) -> int | None:
+        heap = self._heap
+        nxt = self._next
+        resident = self.resident
+        pin = self._pin
+        held: list[tuple[int, int]] = []
+        found = None
+        while heap:
+            key, c = heapq.heappop(heap)
+            if not resident[c] or nxt[c] != -key:
+                continue  # stale: evicted, freed, or used again since
+            if pin[c] == i:
+                held.append((key, c))
+                continue
+            found = c
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        if len(heap) > 4 * len(nxt) + 64:
+            self._compact()
+        return found
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (they pile up as chunks are used again)."""
+        nxt = self._next
+        resident = self.resident
+        self._heap = [(-nxt[c], c) for c in range(len(nxt)) if resident[c]]
+        heapq.heapify(self._heap)
+
+
+class LRUPlanner(Planner):
+    """Evict the resident chunk used least recently."""
+
+    name = "lru"
+
+    def __init__(self, sizes: Sequence[int], budget: int, steps: Sequence[Step]) -> None:
+        super().__init__(sizes, budget, steps)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def _touch(self, ws: tuple[int, ...], i: int) -> None:
+        order = self._order
+        resident = self.resident
+        for c in ws:
+            if resident[c]:
+                order.move_to_end(c)
+
+    def _insert(self, c: int, i: int) -> None:
+        self._order[c] = None
+
+    def _victim(self, i: int) -> int | None:
+        order = self._order
+        pin = self._pin
+        for c in order:
+            if pin[c] == i:
+                return None  # chunks are in recency order: the rest are this step's too
+            del order[c]
+            return c
+        return None
+
+    def _remove(self, c: int) -> None:
+        self._order.pop(c, None)
+
+
+PLANNERS: dict[str, type[Planner]] = {"belady": BeladyPlanner, "lru": LRUPlanner}
