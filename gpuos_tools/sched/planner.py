@@ -1,34 +1,30 @@
 """Residency planning: which chunks to load and which to evict before each step.
 
-A planner walks a known sequence of steps (each a working set of chunk ids, the chunks it
-writes and the chunks freed before it) in order, under a byte budget, and returns one
-`Decision` per step: the chunks to copy in, the chunks to make resident with nothing to copy
-(first touch of memory never written), the chunks to evict (each with whether it must be
-written back) and the chunks that did not fit. It decides *what* moves; when the copies run is
-the simulator's business (or, online, the engine's), so the same planner serves both.
+A planner walks the known sequence of steps in order, under the byte budget, and decides per
+step: the chunks to copy in, the chunks to make resident with nothing to copy (memory never
+written), the chunks to evict (each written back or dropped) and the chunks that did not fit.
+It decides what moves; when the copies run is the time model's business (or, online, the
+engine's), so the same planner serves both. The policies differ only in the victim:
 
-Policies differ only in the victim they pick:
+- `belady`: the resident chunk whose next use is furthest in the future (never used again
+  first). Next uses come from an index built once over the sequence (per chunk, its step
+  positions and a cursor) and victims from a max-heap keyed by next use with lazy deletion, so
+  a step costs O(w log n) for a working set of w chunks. With equal chunk sizes this is
+  Belady's MIN, which loads the fewest chunks of any policy; with unequal sizes it is the
+  usual heuristic.
+- `lru`: the resident chunk used least recently (no knowledge of the future). Both prefetch
+  along the predicted sequence as `--lookahead` allows; `--lookahead 0` makes them reactive.
+- `demand`: CUDA managed memory, fault-driven, without the predictions (see TIME MODEL).
 
-- `BeladyPlanner`: the resident chunk whose next use is furthest in the future (never used
-  again first). Next uses come from an index built once over the sequence (each chunk's sorted
-  list of step positions and a cursor), and victims from a max-heap keyed by next use with lazy
-  deletion, so a step costs O(|working set| log n). With equal chunk sizes this is Belady's MIN
-  and loads the fewest chunks of any policy; with unequal sizes it is the usual heuristic.
-- `LRUPlanner`: the resident chunk used least recently (no knowledge of the future).
-
-Rules shared by both:
+Rules shared by `belady` and `lru`:
 
 - Chunks of the step's own working set are never victims while it is planned.
-- A chunk is *populated* once written; loading one that is not (fresh memory, or memory only
-  ever read) copies nothing. A chunk is *dirty* when written since it was last copied in; only
-  dirty chunks are written back when evicted, clean ones are dropped. Both come from the
-  predicted writes, so with unvalidated predictions an online engine must treat every chunk a
-  kernel may write as written (gpu-predict-access already errs that way: every non-const
-  pointer is a write).
-- A freed allocation's chunks leave residency for free and lose their contents.
-- A working set larger than the budget cannot be resident at once: the planner evicts all it
-  may, places what fits and returns the rest as ``overflow``; the simulator charges those as
-  demand paging and counts the step.
+- A chunk is populated once written; making one resident that is not (fresh memory, or memory
+  only ever read) copies nothing. A chunk is dirty when written since it was last copied in;
+  only dirty chunks are written back when evicted, clean ones are dropped.
+- A freed allocation's chunks leave residency at no cost and lose their contents.
+- A working set larger than the budget cannot be resident at once: everything else is
+  evicted, what fits is placed, and the rest is charged as demand paging (`over_budget`).
 """
 
 from __future__ import annotations
@@ -53,6 +49,8 @@ class Decision:
     evicts: list[int] = field(default_factory=list)  #: chunks removed to make room
     writeback: list[bool] = field(default_factory=list)  #: per evict: copied device -> host first
     overflow: list[int] = field(default_factory=list)  #: working-set chunks that did not fit
+    overflow_in: list[bool] = field(default_factory=list)  #: per overflow chunk: it held data before
+    overflow_out: list[bool] = field(default_factory=list)  #: per overflow chunk: it holds data after
     freed: list[int] = field(default_factory=list)  #: resident chunks released by a free
 
 
@@ -122,6 +120,7 @@ class Planner:
                     (d.loads if populated[c] else d.first).append(c)
                 else:
                     d.overflow.append(c)
+                    d.overflow_in.append(bool(populated[c]))
             if self.used > self.peak:
                 self.peak = self.used
         if st.writes:
@@ -131,6 +130,9 @@ class Planner:
                 populated[c] = 1
                 if resident[c]:
                     dirty[c] = 1
+        if d.overflow:
+            populated = self.populated
+            d.overflow_out = [bool(populated[c]) for c in d.overflow]
         return d
 
     # -- policy hooks ----------------------------------------------------------------------

@@ -1,34 +1,34 @@
 """Estimated run time of a workload under a memory budget: planned policies and demand paging.
 
-Time model (one GPU, steps run one after another in the workload's order):
+One GPU runs the steps one after another in the workload's order. A step starts when the
+previous one has ended and its working set is resident, then computes for its estimated time;
+the wait before it is a stall.
 
-- A step starts when the previous one has ended and its working set is resident; it then
-  computes for its estimated time (`Step.compute`). The wait before it is a *stall*.
-- Two copy engines, one per link direction, each FIFO at its own bandwidth (`h2d_bw`,
-  `d2h_bw`), so evictions and loads run at the same time. Default: half of the 101 GB/s
-  measured on an H200 with both directions busy.
-- Planned policies (`belady`, `lru`): the planner decides each step's evictions and loads in
-  step order; the copies for step i may begin once step i-L has started (``lookahead`` L;
-  None: as early as the engines and the budget allow; 0: only when step i is reached, i.e.
-  reactive swapping). An eviction of chunk c waits for the last step that used c to end; a
-  dirty victim is copied out, a clean one dropped. Loads wait for the room their step's
-  evictions make, pipelined one chunk behind them (the last chunk cannot land before the room
-  for it exists). First-touch chunks (never written: nothing to copy) need only the room.
-- Chunks of a working set that cannot fit (a step that needs more than the budget, typically an
-  unknown launch whose job holds more than the budget) are charged as demand paging: faults
-  plus the copy in, plus the copy out at managed-memory eviction bandwidth, all stalling, and
-  counted in the bytes moved both ways.
-- Demand paging (`demand`), CUDA managed memory as the driver runs it: no prefetch; each
-  non-resident chunk a step uses faults in when the step runs (``ceil(size / fault_size)``
-  faults of ``fault_s`` each, plus the copy at `h2d_bw` if it holds data); room is made by
-  evicting least recently used chunks, each copied out at `um_evict_bw`; all of it stalls.
-  Defaults: 30 µs per fault (DESIGN.md: ~29 µs measured on an H200, ~32 µs in MSched) and
-  256 KiB per fault, which puts a fault-driven first touch of 2 GiB at 0.29 s against 0.318 s
-  measured on an H200; 12 GB/s eviction (9.8-13.7 GB/s measured on an H100).
+Two copy engines, one per link direction, each first-in first-out at its own bandwidth
+(`--bw H2D,D2H`), so evictions and loads run at the same time. The default, 50.5 GB/s each
+way, is half of the 101 GB/s measured on an H200 with both directions busy.
 
-The transfer-bound floor of a policy is ``max(compute, bytes in / h2d_bw, bytes out / d2h_bw)``:
-what it would take if every copy hid perfectly behind compute or behind the other direction.
-``in_memory_s`` is the total compute: the same job with all of its memory resident.
+`belady` and `lru`: the copies for step i may begin once step i-L has started (`--lookahead`
+L; `all`: as early as the engines and the budget allow; 0: only when step i is reached, which
+is reactive swapping). Evicting a chunk waits until the last step that used it has ended; a
+dirty victim is copied out, a clean one dropped. A step's loads wait for the room its
+evictions make: they start when the first victim is out and, pipelined one chunk behind the
+evictions, the last chunk cannot land before the room for it exists. First-touch chunks need only the room. Working-set chunks that did not fit
+(over budget) cost faults, the copy in (if they hold data) and the copy out at managed-memory
+eviction bandwidth (if they hold data after the step), all stalling and all counted in the
+bytes moved.
+
+`demand`: no prefetch; each non-resident chunk a step uses faults in when the step runs:
+ceil(size / `--fault-size`) faults of `--fault-cost` each, plus the copy at the H2D bandwidth
+if it holds data; room is made by evicting the least recently used chunks, every one copied
+out at `--um-evict-bw` (managed memory keeps one copy); all of it stalls. Defaults: 30 us per
+fault (about 29 us measured for one fault on an H200; MSched reports 32 us) and 256 KiB per
+fault, which puts a fault-driven first touch of 2 GiB of host data at 0.29 s against 0.318 s
+measured on an H200; 12 GB/s eviction (9.8 to 13.7 GB/s measured on an H100).
+
+The transfer-bound floor of a policy is max(compute, bytes in / H2D bandwidth, bytes out /
+D2H bandwidth): its time if every copy hid behind compute or behind the other direction. The
+in-memory time is the total compute: the same steps with all memory resident.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
         else:
             window = starts[i - look] if i >= look else 0.0
         room = window
+        first_room = -1.0
         evict_times: list[tuple[float, float]] | None = [] if observe is not None else None
         if d.evicts:
             for v, wb in zip(d.evicts, d.writeback, strict=True):
@@ -155,12 +156,16 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
                     bytes_out += size
                     if d2h_free > room:
                         room = d2h_free
+                    if first_room < 0:
+                        first_room = d2h_free
                     if evict_times is not None:
                         evict_times.append((t0, d2h_free))
                 else:
                     dropped += size
                     if ready > room:
                         room = ready
+                    if first_room < 0:
+                        first_room = ready
                     if evict_times is not None:
                         evict_times.append((ready, ready))
             evictions += len(d.evicts)
@@ -175,6 +180,8 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
                 if s > biggest:
                     biggest = s
             load_start = h2d_free if h2d_free > window else window
+            if first_room > load_start:
+                load_start = first_room  # nothing lands before the first victim has made room
             load_end = load_start + nbytes / h2d_bw
             behind = room + biggest / h2d_bw
             if behind > load_end:
@@ -190,14 +197,18 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
         penalty = 0.0
         if d.overflow:
             over_steps += 1
-            for c in d.overflow:
+            for c, held, holds in zip(d.overflow, d.overflow_in, d.overflow_out, strict=True):
                 size = sizes[c]
                 over_bytes += size
                 k = -(-size // cfg.fault_size)
                 faults += k
-                penalty += k * cfg.fault_s + size / h2d_bw + size / cfg.um_evict_bw
-                bytes_in += size
-                bytes_out += size
+                penalty += k * cfg.fault_s
+                if held:
+                    penalty += size / h2d_bw
+                    bytes_in += size
+                if holds:
+                    penalty += size / cfg.um_evict_bw
+                    bytes_out += size
         start = ready_at if ready_at > prev_end else prev_end
         stall = start - prev_end + penalty
         end = start + penalty + st.compute

@@ -27,7 +27,7 @@ _SIZE_UNITS = {
     "gb": 10**9,
     "tb": 10**12,
 }
-_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+_TIME_UNITS = {"ns": 1e9, "us": 1e6, "µs": 1e6, "ms": 1e3, "s": 1.0}  # divisors: 30/1e6 is exact, 30*1e-6 not
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([a-zA-Zµ%/]*)\s*$")
 
 SIZE_HELP = "bytes, or with a unit: B, KiB, MiB, GiB, TiB (K, M, G, T alike), KB, MB, GB, TB"
@@ -86,7 +86,7 @@ def parse_duration(text: str) -> float:
     parts = _split(text)
     if parts is None or parts[1].lower() not in _TIME_UNITS:
         raise ValueError(f"not a duration: {text!r} (a number with ns, us, ms or s)")
-    return parts[0] * _TIME_UNITS[parts[1].lower()]
+    return parts[0] / _TIME_UNITS[parts[1].lower()]
 
 
 def format_size(n: float) -> str:

@@ -1,31 +1,30 @@
 """Access streams as the simulator sees them: jobs made of steps, memory made of chunks.
 
-A *step* is one operation that ran on the GPU: a kernel launch, a memcpy, a memset or a graph
-launch, in trace order, with the chunks it needs resident (its working set), the chunks it
-writes, the chunks freed just before it, and an estimate of how long it computes.
+A step is one operation that ran on the GPU: a kernel launch, a memcpy, a memset or a graph
+launch, in trace order, with the chunks it needs resident (its working set), the chunks it may
+write, the chunks freed just before it, and an estimate of how long it computes.
 
-A *chunk* is the unit of residency: allocation ``a`` of ``size`` bytes is cut into
-``ceil(size / chunk)`` chunks of ``chunk`` bytes (the last one shorter; a small allocation is one
-chunk of its own size). An access entry ``{alloc, offset, size}`` needs every chunk its byte
-range overlaps, so whole-allocation (``--granularity alloc``) and range predictions both work,
-and a range inside a large allocation needs only its part. ``chunk=None`` makes every
-allocation a single chunk (whole-allocation residency).
+A chunk is the unit of residency: an allocation of S bytes is cut into ceil(S / `--chunk`)
+chunks (the last one shorter; an allocation smaller than a chunk is one chunk of its own size).
+An access entry (allocation, offset, size) needs every chunk its byte range overlaps, so both
+`--granularity alloc` and `--granularity range` predictions work, and a range inside a large
+allocation needs only its part. `--chunk alloc` makes every allocation one chunk.
 
-Only device memory counts: allocations of kind ``host`` (pinned host memory) never occupy the
-GPU, and access entries naming them, or naming no live allocation, are left out (counted in
-``Job.skipped_entries``). Launches captured into a CUDA graph (``captured``) did not run when
-recorded and are not steps; the graph launch that runs them is.
+Only device memory counts: allocations of kind `host` (pinned host memory) never occupy the
+GPU, and access entries naming them, or naming no live allocation, are left out. Launches
+captured into a CUDA graph (`captured`) did not run when they were recorded and are not steps;
+the graph launch that runs them is.
 
-An ``unknown`` access (the launch may touch any memory) is made safe here, once for every
-policy: its working set and its writes are every chunk of every live device allocation of the
-job at that moment.
+An `unknown` access (the launch may touch any memory) is made safe here, the same for every
+policy: its working set, and its writes, are every chunk of every live device allocation of
+its job at that moment.
 
-Compute time per step (``kernel_time``): ``"gaps"`` takes the time from the step's record to the
-job's next step record (the trace's ``ts``, nanoseconds), clipped to ``[0, gap_cap]`` because a
-long gap is the host doing something else (start-up, cuBLAS initialisation, Python) while the
-GPU idles; the last step gets the median of the others. A number is a fixed time per step in
-seconds. Neither is measured kernel time: a trace records when work was submitted, not how long
-it ran.
+Compute time per step (`--kernel-time`): `gaps` (the default) takes the time from the step's
+record to the job's next step record (the trace's `ts`), capped at `--gap-cap` (1 ms), because
+a longer gap is the host doing something else (start-up, library initialisation, Python) while
+the GPU idles; the last step gets the median of the others. A duration instead gives every step
+that time. Neither is measured kernel time: a trace records when work was submitted, not how
+long it ran, so the estimates are relative (the same compute under every policy).
 """
 
 from __future__ import annotations
