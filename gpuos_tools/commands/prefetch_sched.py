@@ -179,6 +179,12 @@ def sched(
         raise typer.BadParameter("must be positive", param_hint="--fault-size")
     evict_bw = _opt(parse_bandwidth, um_evict_bw, "--um-evict-bw")
 
+    try:  # the syntax now, before reading anything; a percentage resolves once the footprint is known
+        if parse_budget(budget, 1 << 60) <= 0:
+            raise ValueError("must be more than 0 bytes")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+
     chunks = Chunks(chunk_size)
     jobs = []
     with progress() as bar:

@@ -133,6 +133,7 @@ class Planner:
         if d.overflow:
             populated = self.populated
             d.overflow_out = [bool(populated[c]) for c in d.overflow]
+        self._after(ws, i)
         return d
 
     # -- policy hooks ----------------------------------------------------------------------
@@ -142,6 +143,9 @@ class Planner:
 
     def _insert(self, c: int, i: int) -> None:
         """Chunk ``c`` became resident for step ``i``."""
+
+    def _after(self, ws: tuple[int, ...], i: int) -> None:
+        """Step ``i`` is planned and its writes applied."""
 
     def _victim(self, i: int) -> int | None:
         """A resident chunk not pinned by step ``i``, to evict; None if there is none."""
@@ -167,7 +171,7 @@ class BeladyPlanner(Planner):
         self._uses = uses
         self._cursor = [0] * len(sizes)
         self._next = [NEVER] * len(sizes)
-        self._heap: list[tuple[int, int]] = []
+        self._heap: list[tuple[int, int, int]] = []
 
     def next_use(self, c: int) -> int:
         """The next step (after the last one planned) that uses chunk ``c``, or NEVER."""
@@ -177,32 +181,38 @@ class BeladyPlanner(Planner):
         uses = self._uses
         cursor = self._cursor
         nxt = self._next
-        resident = self.resident
-        heap = self._heap
         for c in ws:
             k = cursor[c] + 1
             cursor[c] = k
-            n = uses[c][k]
-            nxt[c] = n
-            if resident[c]:
-                heapq.heappush(heap, (-n, c))
+            nxt[c] = uses[c][k]
 
-    def _insert(self, c: int, i: int) -> None:
-        heapq.heappush(self._heap, (-self._next[c], c))
+    def _after(self, ws: tuple[int, ...], i: int) -> None:
+        # Pushed once the step's writes are known, so that among chunks used equally far ahead
+        # (above all those never used again) a clean one, which costs no write-back, goes first.
+        nxt = self._next
+        resident = self.resident
+        dirty = self.dirty
+        heap = self._heap
+        push = heapq.heappush
+        for c in ws:
+            if resident[c]:
+                push(heap, (-nxt[c], dirty[c], c))
 
     def _victim(self, i: int) -> int | None:
         heap = self._heap
         nxt = self._next
         resident = self.resident
+        dirty = self.dirty
         pin = self._pin
-        held: list[tuple[int, int]] = []
+        held: list[tuple[int, int, int]] = []
         found = None
         while heap:
-            key, c = heapq.heappop(heap)
-            if not resident[c] or nxt[c] != -key:
+            entry = heapq.heappop(heap)
+            key, dirt, c = entry
+            if not resident[c] or nxt[c] != -key or dirty[c] != dirt:
                 continue  # stale: evicted, freed, or used again since
             if pin[c] == i:
-                held.append((key, c))
+                held.append(entry)
                 continue
             found = c
             break
@@ -216,7 +226,8 @@ class BeladyPlanner(Planner):
         """Drop stale heap entries (they pile up as chunks are used again)."""
         nxt = self._next
         resident = self.resident
-        self._heap = [(-nxt[c], c) for c in range(len(nxt)) if resident[c]]
+        dirty = self.dirty
+        self._heap = [(-nxt[c], dirty[c], c) for c in range(len(nxt)) if resident[c]]
         heapq.heapify(self._heap)
 
 
