@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from gpuos_tools.sched.planner import BeladyPlanner, LRUPlanner
+from gpuos_tools.sched.planner import NEVER, BeladyPlanner, LRUPlanner
 from gpuos_tools.sched.simulate import Config, simulate
 from gpuos_tools.sched.units import parse_bandwidth, parse_budget, parse_duration, parse_size
 from gpuos_tools.sched.workload import Chunks, Step, Workload, interleave, load_job, working_footprint
@@ -293,3 +293,58 @@ def test_enough_budget_means_no_copies_and_no_stall() -> None:
         assert s["bytes_in"] == s["bytes_out"] == s["evictions"] == 0
         if policy != "demand":
             assert s["est_s"] == pytest.approx(s["compute_s"])
+
+
+# -- the planner online: the future arrives in pieces ------------------------------------------
+
+
+def _decisions(p) -> list[tuple]:  # type: ignore[no-untyped-def]
+    return [(d.loads, d.first, d.evicts, d.writeback, d.overflow) for d in p.decisions()]
+
+
+@pytest.mark.parametrize("cls", [BeladyPlanner, LRUPlanner])
+@pytest.mark.parametrize("seed", range(10))
+def test_extending_before_planning_equals_knowing_it_all(cls: type, seed: int) -> None:
+    rng = random.Random(seed)
+    seq = [tuple(rng.sample(range(8), rng.randint(1, 3))) for _ in range(60)]
+    steps = [Step(0, "launch", i, ws, ws[:1]) for i, ws in enumerate(seq)]
+    whole = _decisions(cls([3] * 8, 12, steps))
+    sizes: list[int] = [3] * 2  # the chunk ids grow as steps arrive
+    p = cls(sizes, 12, [])
+    for k in range(0, 60, 7):
+        part = steps[k : k + 7]
+        sizes.extend([3] * (max(max(st.ws) for st in part) + 1 - len(sizes)))
+        p.extend(part)
+    assert _decisions(p) == whole
+
+
+def test_belady_with_a_window_of_the_future_stays_safe_and_is_no_better_than_knowing_it_all() -> None:
+    rng = random.Random(7)
+    seq = [tuple(rng.sample(range(10), rng.randint(1, 3))) for _ in range(300)]
+    steps = [Step(0, "launch", i, ws, ws[:1]) for i, ws in enumerate(seq)]
+    full = sum(len(d.loads) + len(d.first) for d in BeladyPlanner([1] * 10, 5, steps).decisions())
+    p = BeladyPlanner([1] * 10, 5, steps[:8])
+    windowed = 0
+    for i in range(300):
+        if i + 8 < 300:
+            p.extend([steps[i + 8]])  # always 8 steps of known future
+        d = p.plan(i)
+        windowed += len(d.loads) + len(d.first)
+        assert all(p.resident[c] for c in steps[i].ws) and p.used <= 5
+    assert windowed >= full
+
+
+def test_belady_learns_a_next_use_that_arrives_after_planning() -> None:
+    # Room for two chunks. Steps 0 and 1 are planned knowing nothing more, so chunks 0 and 1
+    # have no next use; then steps 2 and 3 arrive, and step 3 uses chunk 0 again: making room
+    # for chunk 2 must evict chunk 1, not chunk 0.
+    steps = [Step(0, "launch", i, (c,), ()) for i, c in enumerate((0, 1, 2, 0))]
+    p = BeladyPlanner([1, 1, 1], 2, steps[:2])
+    p.plan(0)
+    p.plan(1)
+    assert p.next_use(0) == p.next_use(1) == NEVER
+    p.extend(steps[2:])
+    assert p.next_use(0) == 3
+    assert p.plan(2).evicts == [1]
+    d = p.plan(3)
+    assert d.loads == d.first == d.evicts == []  # chunk 0 stayed

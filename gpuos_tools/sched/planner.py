@@ -4,7 +4,9 @@ A planner walks the known sequence of steps in order, under the byte budget, and
 step: the chunks to copy in, the chunks to make resident with nothing to copy (memory never
 written), the chunks to evict (each written back or dropped) and the chunks that did not fit.
 It decides what moves; when the copies run is the time model's business (or, online, the
-engine's), so the same planner serves both. The policies differ only in the victim:
+engine's), so the same planner serves both, and an online engine can append predicted steps
+as it learns them (a chunk with no known next use then counts as never used again). The
+policies differ only in the victim:
 
 - `belady`: the resident chunk whose next use is furthest in the future (never used again
   first). Next uses come from an index built once over the sequence (per chunk, its step
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gpuos_tools.sched.workload import Step
@@ -60,9 +62,9 @@ class Planner:
     name = "base"
 
     def __init__(self, sizes: Sequence[int], budget: int, steps: Sequence[Step]) -> None:
-        self.sizes = sizes
+        self.sizes = sizes  #: bytes per chunk id; may grow between calls (see `extend`)
         self.budget = budget
-        self.steps = steps
+        self.steps: list[Step] = list(steps)
         n = len(sizes)
         self.resident = bytearray(n)
         self.dirty = bytearray(n)
@@ -71,6 +73,29 @@ class Planner:
         self.used = 0
         self.peak = 0
         self.position = 0  #: the next step to plan
+
+    def decisions(self) -> Iterator[Decision]:
+        """Plan every known step not planned yet, in order."""
+        while self.position < len(self.steps):
+            yield self.plan(self.position)
+
+    def extend(self, steps: Iterable[Step]) -> None:
+        """Append steps to the known future, as an online engine learns them (predictions of
+        launches not issued yet). Chunk ids in them may be new: ``sizes`` must already cover
+        them. Planning decides with the future known at the time: a chunk with no known next
+        use counts as never used again."""
+        start = len(self.steps)
+        self.steps.extend(steps)
+        grow = len(self.sizes) - len(self.resident)
+        if grow > 0:
+            self.resident.extend(bytes(grow))
+            self.dirty.extend(bytes(grow))
+            self.populated.extend(bytes(grow))
+            self._pin.extend([-1] * grow)
+        self._extended(start, grow)
+
+    def _extended(self, start: int, grow: int) -> None:
+        """Steps from ``start`` on were appended; ``grow`` new chunk ids exist."""
 
     def plan(self, i: int) -> Decision:
         """Decide step ``i`` (steps must be planned in order, each once)."""
@@ -172,6 +197,29 @@ class BeladyPlanner(Planner):
         self._cursor = [0] * len(sizes)
         self._next = [NEVER] * len(sizes)
         self._heap: list[tuple[int, int, int]] = []
+
+    def _extended(self, start: int, grow: int) -> None:
+        uses = self._uses
+        if grow > 0:
+            uses.extend([NEVER] for _ in range(grow))
+            self._cursor.extend([0] * grow)
+            self._next.extend([NEVER] * grow)
+        touched: set[int] = set()
+        for i in range(start, len(self.steps)):
+            for c in self.steps[i].ws:
+                u = uses[c]
+                u[-1] = i  # the NEVER sentinel becomes this use, and goes after it
+                u.append(NEVER)
+                touched.add(c)
+        nxt = self._next
+        cursor = self._cursor
+        resident = self.resident
+        dirty = self.dirty
+        for c in touched:
+            if nxt[c] == NEVER and cursor[c] > 0:  # had no known next use: now it has one
+                nxt[c] = uses[c][cursor[c]]
+                if resident[c]:
+                    heapq.heappush(self._heap, (-nxt[c], dirty[c], c))
 
     def next_use(self, c: int) -> int:
         """The next step (after the last one planned) that uses chunk ``c``, or NEVER."""
