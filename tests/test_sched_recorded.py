@@ -239,3 +239,32 @@ def test_command_on_a_raw_trace_says_to_predict_first() -> None:
     done = run("--simulate", "--budget", "1GiB", str(RECORDED / "torch.ndjson.zst"))
     assert done.returncode == ExitCode.BAD_INPUT
     assert b"gpu-predict-access" in done.stderr and done.stdout == b""
+
+
+def test_command_summaries_only_whole_allocations_fixed_kernel_time() -> None:
+    predicted = subprocess.run(
+        [*PREDICT, str(RECORDED / "apis.ndjson.zst")], capture_output=True, env=child_env(), timeout=120, check=True
+    ).stdout
+    done = run("--simulate", "--budget", "4MiB", "--chunk", "alloc", "--schedule", "none", "--kernel-time", "5us",
+               stdin=predicted)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    recs = records(done.stdout)
+    assert [r["type"] for r in recs] == ["header"] + ["sched_summary"] * 3
+    assert recs[0]["chunk"] is None and recs[0]["kernel_time"] == "5us"
+    for s in recs[1:]:
+        assert s["in_memory_s"] == pytest.approx(5e-6 * s["steps"])
+        assert s["unknown"] == 2 and s["peak_resident"] <= 4 << 20
+
+
+def test_table_names_every_policy() -> None:
+    from rich.console import Console
+
+    from gpuos_tools.sched.report import render_summaries
+
+    w = workload(["torch"], "range", 64 << 10)
+    cfg = Config(int(w.footprint * 0.66))
+    console = Console(record=True, width=100)
+    render_summaries([simulate(w, p, cfg) for p in ("belady", "lru", "demand")], console)
+    text = console.export_text()
+    assert all(p in text for p in ("belady", "lru", "demand"))
+    assert "1 job(s), 100 steps" in text
