@@ -26,12 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.access import Predictor  # noqa: E402
-from gpuos_tools.sched.schedule import write_schedule  # noqa: E402
-from gpuos_tools.sched.simulate import Config, simulate  # noqa: E402
-from gpuos_tools.sched.workload import Chunks, Workload, load_job, working_footprint  # noqa: E402
-from gpuos_tools.stream import open_input  # noqa: E402
-from gpuos_tools.stream.writer import open_output  # noqa: E402
+from gpuos_tools.access import Predictor
+from gpuos_tools.sched.schedule import write_schedule
+from gpuos_tools.sched.simulate import Config, simulate
+from gpuos_tools.sched.workload import Chunks, Workload, load_job, working_footprint
+from gpuos_tools.stream import open_input
+from gpuos_tools.stream.writer import open_output
 
 
 def best(fn, reps: int = 3) -> float:  # type: ignore[no-untyped-def]
@@ -66,12 +66,12 @@ def main() -> int:
             row = {"chunk": chunk, "budget_fraction": fraction, "copies": copies, "steps": len(steps),
                    "launches": launches, "chunks": len(chunks), "chunk_uses": uses}  # fmt: skip
             for policy in ("belady", "lru", "demand"):
-                secs = best(lambda p=policy: simulate(w, p, cfg))
+                secs = best(lambda p=policy, w=w, cfg=cfg: simulate(w, p, cfg))
                 row[f"{policy}_launches_per_s"] = launches / secs
                 row[f"{policy}_steps_per_s"] = len(steps) / secs
                 row[f"{policy}_chunk_uses_per_s"] = uses / secs
             with open_output("/dev/null") as writer:
-                secs = best(lambda: write_schedule(w, "belady", cfg, writer.write))
+                secs = best(lambda w=w, cfg=cfg, out=writer.write: write_schedule(w, "belady", cfg, out))
             row["belady_with_records_launches_per_s"] = launches / secs
             s = simulate(w, "belady", cfg)
             row["belady_bytes_in"] = s["bytes_in"]

@@ -14,9 +14,20 @@ import pytest
 
 from gpuos_tools.sched.planner import NEVER, BeladyPlanner, LRUPlanner
 from gpuos_tools.sched.simulate import Config, simulate
-from gpuos_tools.sched.units import parse_bandwidth, parse_budget, parse_duration, parse_size
-from gpuos_tools.sched.workload import Chunks, Step, Workload, interleave, load_job, working_footprint
-
+from gpuos_tools.sched.units import (
+    parse_bandwidth,
+    parse_budget,
+    parse_duration,
+    parse_size,
+)
+from gpuos_tools.sched.workload import (
+    Chunks,
+    Step,
+    Workload,
+    interleave,
+    load_job,
+    working_footprint,
+)
 
 # -- units ------------------------------------------------------------------------------------
 
@@ -85,7 +96,7 @@ def _optimal_misses(seq: list[tuple[int, ...]], k: int) -> int:
             pool = held | need
             extra = sorted(pool - need)
             step_cost = cost + len(need - held)
-            for r in range(0, min(len(extra), k - len(need)) + 1):
+            for r in range(min(len(extra), k - len(need)) + 1):
                 for keep in itertools.combinations(extra, r):
                     state = need | frozenset(keep)
                     if nxt.get(state, 1 << 30) > step_cost:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import typer
 
@@ -88,7 +87,7 @@ def _opt(parse, text: str, name: str):  # type: ignore[no-untyped-def]
 
 @app.command()
 def sched(
-    streams: Optional[list[str]] = typer.Argument(
+    streams: list[str] | None = typer.Argument(
         None, metavar="[ACCESS-STREAM]...",
         help="gpu-predict-access output, one per job ('-' = stdin, the default; *.zst ok).",
     ),
@@ -137,8 +136,14 @@ def sched(
     from gpuos_tools.sched.planner import PLANNERS
     from gpuos_tools.sched.report import render_summaries
     from gpuos_tools.sched.schedule import write_schedule
-    from gpuos_tools.sched.simulate import POLICIES, Config, simulate as run_policy
-    from gpuos_tools.sched.units import parse_bandwidth, parse_budget, parse_duration, parse_size
+    from gpuos_tools.sched.simulate import POLICIES, Config
+    from gpuos_tools.sched.simulate import simulate as run_policy
+    from gpuos_tools.sched.units import (
+        parse_bandwidth,
+        parse_budget,
+        parse_duration,
+        parse_size,
+    )
     from gpuos_tools.sched.workload import Chunks, interleave, load_job
     from gpuos_tools.stream import make_header, open_input, open_output
 
@@ -240,10 +245,8 @@ def _isatty(stream: object) -> bool:
 
 def _counted(records, bar, source):  # type: ignore[no-untyped-def]
     """The records, showing a count every 65536 of them: short inputs show nothing."""
-    n = 0
     task = None
-    for rec in records:
-        n += 1
+    for n, rec in enumerate(records, 1):
         if not n & 0xFFFF:
             if task is None:
                 task = bar.add_task(f"reading {source}", total=None)

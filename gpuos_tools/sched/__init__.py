@@ -31,7 +31,14 @@ percentage budget is of), `floor_s` the transfer-bound floor and `in_memory_s` t
 all memory resident.
 """
 
-from gpuos_tools.sched.planner import NEVER, PLANNERS, BeladyPlanner, Decision, LRUPlanner, Planner
+from gpuos_tools.sched.planner import (
+    NEVER,
+    PLANNERS,
+    BeladyPlanner,
+    Decision,
+    LRUPlanner,
+    Planner,
+)
 from gpuos_tools.sched.simulate import POLICIES, Config, simulate
 from gpuos_tools.sched.workload import Chunks, Job, Step, Workload, interleave, load_job
 

@@ -146,8 +146,7 @@ class Planner:
                 else:
                     d.overflow.append(c)
                     d.overflow_in.append(bool(populated[c]))
-            if self.used > self.peak:
-                self.peak = self.used
+            self.peak = max(self.peak, self.used)
         if st.writes:
             dirty = self.dirty
             populated = self.populated

@@ -147,23 +147,20 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
         if d.evicts:
             for v, wb in zip(d.evicts, d.writeback, strict=True):
                 ready = last_end[v]
-                if ready < window:
-                    ready = window
+                ready = max(ready, window)
                 size = sizes[v]
                 if wb:
-                    t0 = d2h_free if d2h_free > ready else ready
+                    t0 = max(ready, d2h_free)
                     d2h_free = t0 + size / d2h_bw
                     bytes_out += size
-                    if d2h_free > room:
-                        room = d2h_free
+                    room = max(room, d2h_free)
                     if first_room < 0:
                         first_room = d2h_free
                     if evict_times is not None:
                         evict_times.append((t0, d2h_free))
                 else:
                     dropped += size
-                    if ready > room:
-                        room = ready
+                    room = max(room, ready)
                     if first_room < 0:
                         first_room = ready
                     if evict_times is not None:
@@ -177,20 +174,16 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
             for c in d.loads:
                 s = sizes[c]
                 nbytes += s
-                if s > biggest:
-                    biggest = s
-            load_start = h2d_free if h2d_free > window else window
-            if first_room > load_start:
-                load_start = first_room  # nothing lands before the first victim has made room
+                biggest = max(biggest, s)
+            load_start = max(window, h2d_free)
+            load_start = max(load_start, first_room)  # nothing lands before the first victim has made room
             load_end = load_start + nbytes / h2d_bw
             behind = room + biggest / h2d_bw
-            if behind > load_end:
-                load_end = behind
+            load_end = max(load_end, behind)
             h2d_free = load_end
             bytes_in += nbytes
             loads += len(d.loads)
-            if load_end > ready_at:
-                ready_at = load_end
+            ready_at = max(ready_at, load_end)
         if d.first:
             for c in d.first:
                 first_bytes += sizes[c]
@@ -209,7 +202,7 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
                 if holds:
                     penalty += size / cfg.um_evict_bw
                     bytes_out += size
-        start = ready_at if ready_at > prev_end else prev_end
+        start = max(prev_end, ready_at)
         stall = start - prev_end + penalty
         end = start + penalty + st.compute
         if stall > 0:
@@ -293,8 +286,7 @@ def simulate_demand(w: Workload, cfg: Config) -> dict[str, Any]:
                 resident[c] = 1
                 used += size
                 order[c] = None
-                if used > peak:
-                    peak = used
+                peak = max(peak, used)
             else:  # one chunk larger than the whole budget: it streams through
                 over = True
                 over_bytes += size

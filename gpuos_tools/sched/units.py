@@ -47,7 +47,7 @@ def parse_size(text: str) -> int:
     if parts is None or parts[1].lower() not in _SIZE_UNITS or parts[1] == "b":
         raise ValueError(f"not a size: {text!r} ({SIZE_HELP})")
     value, unit = parts
-    return int(round(value * _SIZE_UNITS[unit.lower()]))
+    return round(value * _SIZE_UNITS[unit.lower()])
 
 
 def parse_budget(text: str, footprint: int | None) -> int:

@@ -126,8 +126,8 @@ class _Live:
 
     def free(self, rec: dict[str, Any], pending_frees: list[int]) -> None:
         alloc_id = rec.get("id")
-        if alloc_id is None:
-            alloc_id = self.by_addr.get(rec.get("addr"))
+        if alloc_id is None and rec.get("addr") is not None:
+            alloc_id = self.by_addr.get(rec["addr"])
         if alloc_id is not None and alloc_id in self.by_id:
             self._free(alloc_id, pending_frees)
 
@@ -258,8 +258,7 @@ def working_footprint(steps: list[Step], sizes: list[int]) -> int:
             if seen[c] != 1:
                 seen[c] = 1
                 now += sizes[c]
-        if now > peak:
-            peak = now
+        peak = max(peak, now)
     return peak
 
 
@@ -268,8 +267,8 @@ def interleave(chunks: Chunks, jobs: list[Job], time_slice: float) -> Workload:
     is used up (at least one step), then the next job with steps left runs. One job: no switches.
     """
     if len(jobs) <= 1:
-        steps = list(jobs[0].steps) if jobs else []
-        return Workload(chunks, jobs, steps, [], working_footprint(steps, chunks.sizes))
+        only = list(jobs[0].steps) if jobs else []
+        return Workload(chunks, jobs, only, [], working_footprint(only, chunks.sizes))
     pos = [0] * len(jobs)
     steps: list[Step] = []
     switches: list[int] = []
