@@ -44,6 +44,13 @@ MAN_SECTIONS = {
         "- Nothing here runs on a GPU, and nothing is validated: the schedule is as good as the "
         "predictions and the time model."
     ),
+    "NOTES": (
+        "Every input is read to its end before anything is written: Belady needs the whole "
+        "future of the sequence, and the round-robin order needs every job. Memory use grows "
+        "with the number of steps and of chunks they use.\n\n"
+        "`--simulate` is the only mode so far; running a schedule online (through the agent's "
+        "residency API) and serving several live processes are not built."
+    ),
     "RECORDS": (
         "The output is a new stream (the input records are not repeated): a header, then the "
         "schedule of `--schedule`'s policy in step order, then one `sched_summary` per policy "

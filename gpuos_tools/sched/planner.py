@@ -57,7 +57,24 @@ class Decision:
 
 
 class Planner:
-    """Shared bookkeeping; subclasses choose victims (`_touch`, `_insert`, `_victim`, `_remove`)."""
+    """Shared bookkeeping; subclasses choose victims (`_touch`, `_insert`, `_after`, `_victim`,
+    `_remove`, `_extended`).
+
+    Offline (the simulator)::
+
+        planner = BeladyPlanner(chunks.sizes, budget, steps)
+        for d in planner.decisions():   # one Decision per step, in order
+            ...
+
+    Online, the engine appends the steps it predicts as it predicts them and plans each step
+    before it is issued; everything planned so far is reflected in ``resident``, ``dirty`` and
+    ``used``::
+
+        planner = BeladyPlanner(sizes, budget, predicted_so_far)
+        planner.extend(newly_predicted)       # sizes must already cover new chunk ids
+        d = planner.plan(planner.position)    # evict d.evicts (write back where d.writeback),
+                                              # then copy in d.loads, map d.first
+    """
 
     name = "base"
 
