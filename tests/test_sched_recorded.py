@@ -268,3 +268,24 @@ def test_table_names_every_policy() -> None:
     text = console.export_text()
     assert all(p in text for p in ("belady", "lru", "demand"))
     assert "1 job(s), 100 steps" in text
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_more_lookahead_is_never_slower(policy: str) -> None:
+    # every time in the model is a max-plus function of when copies may start: monotone
+    w = workload(["torch", "cupy"], "range", 64 << 10)
+    for fraction in (0.5, 0.9):
+        est = [
+            simulate(w, policy, Config(int(w.footprint * fraction), lookahead=look))["est_s"]
+            for look in (0, 1, 4, 32, None)
+        ]
+        assert all(a >= b - 1e-12 for a, b in zip(est, est[1:], strict=False)), est
+    reactive = simulate(w, policy, Config(int(w.footprint * 0.9), lookahead=0))
+    ahead = simulate(w, policy, Config(int(w.footprint * 0.9), lookahead=None))
+    assert ahead["stall_s"] < reactive["stall_s"]
+    assert ahead["bytes_in"] == reactive["bytes_in"]  # when copies run, not what moves
+
+
+def test_shorter_slices_switch_more() -> None:
+    counts = [len(workload(["torch", "cupy", "apis"], "alloc", 2 << 20, s).switches) for s in (5e-3, 1e-3, 1e-4)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]
