@@ -289,3 +289,14 @@ def test_more_lookahead_is_never_slower(policy: str) -> None:
 def test_shorter_slices_switch_more() -> None:
     counts = [len(workload(["torch", "cupy", "apis"], "alloc", 2 << 20, s).switches) for s in (5e-3, 1e-3, 1e-4)]
     assert counts == sorted(counts) and counts[0] < counts[-1]
+
+
+def test_command_warns_when_the_stream_has_no_times() -> None:
+    only_access = b"".join(
+        json.dumps(r).encode() + b"\n" for r in access_stream("cupy", "alloc") if r["type"] in ("header", "alloc", "access")
+    )
+    done = run("--simulate", "--budget", "50%", "--schedule", "none", stdin=only_access)
+    assert done.returncode == 0, done.stderr
+    assert b"warning: no time between steps" in done.stderr
+    fixed = run("--simulate", "--budget", "50%", "--schedule", "none", "--kernel-time", "10us", stdin=only_access)
+    assert fixed.returncode == 0 and fixed.stderr == b""

@@ -359,3 +359,19 @@ def test_belady_learns_a_next_use_that_arrives_after_planning() -> None:
     assert p.plan(2).evicts == [1]
     d = p.plan(3)
     assert d.loads == d.first == d.evicts == []  # chunk 0 stayed
+
+
+def test_demand_paging_defaults_match_the_measured_fault_driven_first_touch() -> None:
+    # DESIGN.md §3: 2 GiB of host data first touched by the GPU, fault-driven: 0.318 s on an
+    # H200. Here: 2 GiB written (A), pushed out by 2 GiB more (B), then A read again.
+    n = 1024  # 2 MiB chunks
+    a = tuple(range(n))
+    b = tuple(range(n, 2 * n))
+    steps = [Step(0, "launch", 1, a, a), Step(0, "launch", 2, b, b), Step(0, "launch", 3, a, ())]
+    w = _with_jobs(_work(steps, [2 << 20] * (2 * n)))
+    fast_evict = Config(2 << 30, um_evict_bw=1e30)  # leave eviction out: only faults and copies
+    d = simulate(w, "demand", fast_evict)
+    first_touch = 2 * (2 << 30) // (256 << 10) * 30e-6  # A and B: faults, nothing to copy
+    refault = d["est_s"] - first_touch
+    assert refault == pytest.approx((2 << 30) // (256 << 10) * 30e-6 + (2 << 30) / 50.5e9)
+    assert 0.9 * 0.318 < refault < 1.1 * 0.318

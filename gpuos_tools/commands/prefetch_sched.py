@@ -209,6 +209,12 @@ def sched(
             f"{', '.join(empty)}: no access records (pipe the trace through gpu-predict-access first)",
             ExitCode.BAD_INPUT,
         )
+    if ktime == "gaps" and any(len(j.steps) > 1 and not any(st.compute for st in j.steps) for j in jobs):
+        stderr_console().print(
+            "gpu-prefetch-sched: warning: no time between steps (the launch, memcpy and memset "
+            "records with their `ts` are missing?): compute time is 0; --kernel-time sets one",
+            highlight=False,
+        )
     work = interleave(chunks, jobs, slice_s)
     try:
         budget_bytes = parse_budget(budget, work.footprint)
