@@ -34,26 +34,35 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 from gpuos_tools.sched.workload import Step
 
 NEVER = 1 << 62  #: next use of a chunk that is not used again
 
 
-@dataclass(slots=True)
 class Decision:
-    """What has to change before step ``step`` runs, in the order it was decided."""
+    """What has to change before step ``step`` runs, in the order it was decided.
 
-    step: int
-    loads: list[int] = field(default_factory=list)  #: chunks copied host -> device
-    first: list[int] = field(default_factory=list)  #: chunks made resident, nothing to copy
-    evicts: list[int] = field(default_factory=list)  #: chunks removed to make room
-    writeback: list[bool] = field(default_factory=list)  #: per evict: copied device -> host first
-    overflow: list[int] = field(default_factory=list)  #: working-set chunks that did not fit
-    overflow_in: list[bool] = field(default_factory=list)  #: per overflow chunk: it held data before
-    overflow_out: list[bool] = field(default_factory=list)  #: per overflow chunk: it holds data after
-    freed: list[int] = field(default_factory=list)  #: resident chunks released by a free
+    A plain class rather than a dataclass: one is made per step, and eight ``default_factory``
+    calls cost more than the literals.
+    """
+
+    __slots__ = ("evicts", "first", "freed", "loads", "overflow", "overflow_in", "overflow_out", "step", "writeback")
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.loads: list[int] = []  #: chunks copied host -> device
+        self.first: list[int] = []  #: chunks made resident, nothing to copy
+        self.evicts: list[int] = []  #: chunks removed to make room
+        self.writeback: list[bool] = []  #: per evict: copied device -> host first
+        self.overflow: list[int] = []  #: working-set chunks that did not fit
+        self.overflow_in: list[bool] = []  #: per overflow chunk: it held data before
+        self.overflow_out: list[bool] = []  #: per overflow chunk: it holds data after
+        self.freed: list[int] = []  #: resident chunks released by a free
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__ if name != "step")
+        return f"Decision(step={self.step}, {fields})"
 
 
 class Planner:
@@ -133,14 +142,15 @@ class Planner:
             self.populated[c] = 0
         ws = st.ws
         pin = self._pin
+        missing: list[int] = []
+        need = 0
         for c in ws:
             pin[c] = i
-        self._touch(ws, i)
-        missing = [c for c in ws if not resident[c]]
-        if missing:
-            need = 0
-            for c in missing:
+            if not resident[c]:
+                missing.append(c)
                 need += sizes[c]
+        self._touch(ws, i)
+        if missing:
             budget = self.budget
             if self.used + need > budget:
                 dirty = self.dirty
