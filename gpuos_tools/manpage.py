@@ -341,6 +341,17 @@ def gpu_kinfer_bridge_page() -> str:
     return render_man(typer.main.get_command(kinfer.app), "gpu-kinfer-bridge", 1, kinfer.MAN_SECTIONS)
 
 
+def gpu_prefetch_sched_page() -> str:
+    """gpu-prefetch-sched(1), from the typer app in gpuos_tools/commands/prefetch_sched.py."""
+    import typer
+
+    from gpuos_tools.commands import prefetch_sched
+
+    return render_man(
+        typer.main.get_command(prefetch_sched.app), "gpu-prefetch-sched", 1, prefetch_sched.MAN_SECTIONS
+    )
+
+
 PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpuos-stream", 7, stream_page),
     ("gpu-trace", 1, gpu_trace_page),
@@ -348,4 +359,7 @@ PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpu-restore", 1, gpu_restore_page),
     ("gpu-predict-access", 1, gpu_predict_access_page),
     ("gpu-kinfer-bridge", 1, gpu_kinfer_bridge_page),
+
+
+    ("gpu-prefetch-sched", 1, gpu_prefetch_sched_page),
 ]

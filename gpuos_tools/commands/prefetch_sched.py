@@ -1,0 +1,275 @@
+"""gpu-prefetch-sched: which memory to prefetch and evict before each kernel, under a budget."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
+from gpuos_tools.sched import __doc__ as _sched_doc
+from gpuos_tools.sched.planner import __doc__ as _planner_doc
+from gpuos_tools.sched.simulate import __doc__ as _simulate_doc
+from gpuos_tools.sched.workload import __doc__ as _workload_doc
+
+_RECORDS, _FIELDS = _sched_doc.split("\n\n", 2)[1:]
+
+
+MAN_SECTIONS = {
+    "BUDGET": (
+        "`--budget` is the most device memory the job(s) may hold at once. Units: a plain number "
+        "is bytes; `B`; binary `KiB`, `MiB`, `GiB`, `TiB` (the bare letters `K`, `M`, `G`, `T` "
+        "mean the same); decimal `KB`, `MB`, `GB`, `TB`; `N%` is a percentage of the footprint: "
+        "the most memory resident at once with no budget (every chunk from its first use until "
+        "its allocation is freed). The footprint is not the total allocated: memory that is "
+        "allocated but never used (workspaces, pools) needs no room. `--budget 66%` is 150% "
+        "oversubscription.\n\n"
+        "Bandwidths (`--bw`, `--um-evict-bw`) are sizes per second (`50.5GB/s`); durations take "
+        "`ns`, `us`, `ms` or `s`."
+    ),
+    "MEMORY AND STEPS": _workload_doc.split("\n\n", 1)[1].strip("\n"),
+    "POLICIES": _planner_doc.split("\n\n", 1)[1].strip("\n"),
+    "TIME MODEL": _simulate_doc.split("\n\n", 1)[1].strip("\n"),
+    "SAFETY": (
+        "- An `unknown` access (a launch whose buffers could not be bounded, every graph launch) "
+        "needs every live device allocation of its job resident while it runs. These steps are "
+        "counted (`unknown`).\n"
+        "- When a working set is larger than the budget (an unknown step of a job bigger than the "
+        "budget, or one huge kernel), it cannot be resident at once: the step is counted in "
+        "`over_budget` and what did not fit is charged as demand paging. `peak_resident` never "
+        "exceeds the budget.\n"
+        "- Dirty chunks are written back before eviction; only chunks whose host copy is current "
+        "(or whose allocation was freed) are dropped. Dirtiness comes from the predicted writes, "
+        "which count every non-const pointer as written.\n"
+        "- Nothing here runs on a GPU, and nothing is validated: the schedule is as good as the "
+        "predictions and the time model."
+    ),
+    "NOTES": (
+        "Every input is read to its end before anything is written: Belady needs the whole "
+        "future of the sequence, and the round-robin order needs every job. Memory use grows "
+        "with the number of steps and of chunks they use.\n\n"
+        "`--simulate` is the only mode so far; running a schedule online (through the agent's "
+        "residency API) and serving several live processes are not built."
+    ),
+    "RECORDS": (
+        "The output is a new stream (the input records are not repeated): a header, then the "
+        "schedule of `--schedule`'s policy in step order, then one `sched_summary` per policy "
+        "of `--compare`.\n\n"
+        + "\n".join("    " + line for line in _RECORDS.splitlines())
+        + "\n\n"
+        + _FIELDS.strip("\n")
+        + "\n\nOn a terminal the summaries are drawn as a table instead of the stream; when "
+        "standard output is not a terminal and standard error is, the table also goes to "
+        "standard error."
+    ),
+    "EXAMPLES": (
+        "The main pipeline: trace, predict, plan under an 8 GiB budget:\n\n"
+        "    gpu-trace run -- python3 train.py | gpu-predict-access | \\\n"
+        "      gpu-prefetch-sched --simulate --budget 8GiB\n\n"
+        "A recorded trace at 150% oversubscription, byte ranges, 64 KiB chunks, summaries only:\n\n"
+        "    gpu-predict-access --granularity range train.ndjson.zst | \\\n"
+        "      gpu-prefetch-sched --simulate --budget 66% --chunk 64KiB --schedule none\n\n"
+        "Two jobs time-sliced on one GPU, 5 ms slices, H100 link figures:\n\n"
+        "    gpu-prefetch-sched --simulate --budget 4GiB --slice 5ms --bw 40GB/s a.acc b.acc\n\n"
+        "The evictions that are not write-backs:\n\n"
+        "    gpu-prefetch-sched --simulate --budget 50% a.acc | jq -c 'select(.type==\"evict\" and (.writeback|not))'"
+    ),
+    "SEE ALSO": "gpu-predict-access(1), gpu-trace(1)",
+}
+
+app = typer.Typer(
+    name="gpu-prefetch-sched",
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+def _opt(parse, text: str, name: str):  # type: ignore[no-untyped-def]
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=name) from e
+
+
+@app.command()
+def sched(
+    streams: list[str] | None = typer.Argument(
+        None, metavar="[ACCESS-STREAM]...",
+        help="gpu-predict-access output, one per job ('-' = stdin, the default; *.zst ok).",
+    ),
+    simulate: bool = typer.Option(
+        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required: online execution is not built yet."
+    ),
+    budget: str = typer.Option(..., "--budget", metavar="SIZE", help="Device memory budget: bytes with a unit (8GiB, 500MB) or N% of the footprint."),
+    bw: str = typer.Option(
+        "50.5GB/s", "--bw", metavar="H2D[,D2H]",
+        help="Copy bandwidth per link direction while both are busy (one value: both). Default: half of 101 GB/s, H200.",
+    ),
+    chunk: str = typer.Option("2MiB", "--chunk", metavar="SIZE|alloc", help="Residency unit: chunks of SIZE, or whole allocations."),
+    schedule: str = typer.Option("belady", "--schedule", metavar="belady|lru|none", help="Whose schedule records to write."),
+    compare: str = typer.Option(
+        "belady,lru,demand", "--compare", metavar="POLICY,...", help="Policies to summarise side by side (belady, lru, demand)."
+    ),
+    lookahead: str = typer.Option(
+        "all", "--lookahead", metavar="N|all",
+        help="Copies for a step may start once the step N before it has started; 0: reactive (when the step is reached); all: as early as room allows.",
+    ),
+    kernel_time: str = typer.Option(
+        "gaps", "--kernel-time", metavar="gaps|DURATION",
+        help="Compute time per step: the gap to the job's next step in the trace (capped by --gap-cap), or a fixed duration.",
+    ),
+    gap_cap: str = typer.Option("1ms", "--gap-cap", metavar="DURATION", help="Longest gap counted as compute (longer: the host was busy)."),
+    time_slice: str = typer.Option("10ms", "--slice", metavar="DURATION", help="Round-robin time slice between jobs, in estimated compute time."),
+    fault_cost: str = typer.Option("30us", "--fault-cost", metavar="DURATION", help="Cost of one page fault (demand paging, over-budget steps)."),
+    fault_size: str = typer.Option("256KiB", "--fault-size", metavar="SIZE", help="Bytes brought in per fault."),
+    um_evict_bw: str = typer.Option("12GB/s", "--um-evict-bw", metavar="BW", help="Managed-memory eviction bandwidth, device to host."),
+    output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
+) -> None:
+    """Plan which memory to prefetch and evict before each kernel, and estimate the cost.
+
+    Reads the access streams of one or more jobs (gpu-predict-access output: alloc, free and
+    launch records with an `access` record after each launch, copy and memset), runs them
+    time-sliced round-robin on one simulated GPU whose memory is limited to `--budget`, and
+    writes the schedule of one policy (prefetch, evict, stall and switch records) and a
+    summary per policy: Belady (evict what is used furthest in the future, from the known
+    sequence), LRU, and demand paging as CUDA managed memory does it (faults, no
+    prediction). Each summary gives the bytes moved each way, stalls, and the estimated time
+    against the transfer-bound floor and against all memory resident. Needs no GPU.
+    """
+    from gpuos_tools.cli import progress, stderr_console
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.sched.planner import PLANNERS
+    from gpuos_tools.sched.report import render_summaries
+    from gpuos_tools.sched.schedule import write_schedule
+    from gpuos_tools.sched.simulate import POLICIES, Config
+    from gpuos_tools.sched.simulate import simulate as run_policy
+    from gpuos_tools.sched.units import (
+        parse_bandwidth,
+        parse_budget,
+        parse_duration,
+        parse_size,
+    )
+    from gpuos_tools.sched.workload import Chunks, interleave, load_job
+    from gpuos_tools.stream import make_header, open_input, open_output
+
+    if not simulate:
+        raise typer.BadParameter(
+            "only --simulate is built: online execution through the agent is not there yet", param_hint="--simulate"
+        )
+    sources = list(streams or ["-"])
+    if sources.count("-") > 1:
+        raise typer.BadParameter("standard input ('-') can be read only once", param_hint="ACCESS-STREAM")
+    bws = [_opt(parse_bandwidth, part, "--bw") for part in bw.split(",")]
+    if len(bws) not in (1, 2):
+        raise typer.BadParameter("one bandwidth, or two: H2D,D2H", param_hint="--bw")
+    chunk_size = None if chunk == "alloc" else _opt(parse_size, chunk, "--chunk")
+    if chunk_size is not None and chunk_size <= 0:
+        raise typer.BadParameter("must be positive, or alloc", param_hint="--chunk")
+    if schedule != "none" and schedule not in PLANNERS:
+        raise typer.BadParameter("must be belady, lru or none", param_hint="--schedule")
+    policies = [p.strip() for p in compare.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise typer.BadParameter(f"policies are {', '.join(POLICIES)}", param_hint="--compare")
+    if lookahead == "all":
+        look: int | None = None
+    else:
+        try:
+            look = int(lookahead)
+        except ValueError:
+            look = -1
+        if look < 0:
+            raise typer.BadParameter("a number of steps (0 or more) or all", param_hint="--lookahead")
+    ktime: str | float = "gaps" if kernel_time == "gaps" else _opt(parse_duration, kernel_time, "--kernel-time")
+    cap = _opt(parse_duration, gap_cap, "--gap-cap")
+    slice_s = _opt(parse_duration, time_slice, "--slice")
+    fault_s = _opt(parse_duration, fault_cost, "--fault-cost")
+    fault_bytes = _opt(parse_size, fault_size, "--fault-size")
+    if fault_bytes <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--fault-size")
+    evict_bw = _opt(parse_bandwidth, um_evict_bw, "--um-evict-bw")
+
+    try:  # the syntax now, before reading anything; a percentage resolves once the footprint is known
+        if parse_budget(budget, 1 << 60) <= 0:
+            raise ValueError("must be more than 0 bytes")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+
+    chunks = Chunks(chunk_size)
+    jobs = []
+    with progress() as bar:
+        for index, source in enumerate(sources):
+            with open_input(source) as reader:
+                jobs.append(load_job(_counted(reader, bar, source), chunks, index, source, ktime, cap))
+    empty = [j.source for j in jobs if not j.steps]
+    if empty:
+        raise GpuosError(
+            f"{', '.join(empty)}: no access records (pipe the trace through gpu-predict-access first)",
+            ExitCode.BAD_INPUT,
+        )
+    if ktime == "gaps" and any(len(j.steps) > 1 and not any(st.compute for st in j.steps) for j in jobs):
+        stderr_console().print(
+            "gpu-prefetch-sched: warning: no time between steps (the launch, memcpy and memset "
+            "records with their `ts` are missing?): compute time is 0; --kernel-time sets one",
+            highlight=False,
+        )
+    work = interleave(chunks, jobs, slice_s)
+    try:
+        budget_bytes = parse_budget(budget, work.footprint)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+    if budget_bytes <= 0:
+        raise typer.BadParameter("must be more than 0 bytes", param_hint="--budget")
+    cfg = Config(budget_bytes, bws[0], bws[-1], fault_s, fault_bytes, evict_bw, look)
+
+    table_only = output == "-" and sys.stdout.isatty()
+    summaries = []
+    if table_only:
+        summaries = [run_policy(work, p, cfg) for p in policies]
+    else:
+        with open_output(output, unbuffered=unbuffered or None) as writer:
+            writer.write(make_header(
+                "gpu-prefetch-sched", sources=sources, budget=budget_bytes, footprint=work.footprint,
+                chunk=chunk_size, h2d_bw=cfg.h2d_bw, d2h_bw=cfg.d2h_bw, fault_s=fault_s, fault_size=fault_bytes,
+                um_evict_bw=evict_bw, lookahead=lookahead, kernel_time=kernel_time, gap_cap_s=cap, slice_s=slice_s,
+            ))  # fmt: skip
+            done: dict[str, dict] = {}
+            if schedule != "none":
+                done[schedule] = write_schedule(work, schedule, cfg, writer.write)
+            for p in policies:
+                summaries.append(done.get(p) or run_policy(work, p, cfg))
+                writer.write(summaries[-1])
+    if table_only:
+        from rich.console import Console
+
+        render_summaries(summaries, Console())
+    elif _isatty(sys.stderr):
+        render_summaries(summaries, stderr_console())
+
+
+def _isatty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        return False
+
+
+def _counted(records, bar, source):  # type: ignore[no-untyped-def]
+    """The records, showing a count every 65536 of them: short inputs show nothing."""
+    task = None
+    for n, rec in enumerate(records, 1):
+        if not n & 0xFFFF:
+            if task is None:
+                task = bar.add_task(f"reading {source}", total=None)
+            bar.update(task, description=f"reading {source}: {n:,} records")
+        yield rec
+
+
+def main() -> None:
+    run_app(app, prog="gpu-prefetch-sched")
+
+
+if __name__ == "__main__":
+    main()
