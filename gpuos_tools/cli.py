@@ -153,18 +153,3 @@ def progress(transient: bool = True) -> Progress | NullProgress:
         live = False
     return Progress(console=stderr_console(), transient=transient) if live else NullProgress()
 
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "8GiB", "512MiB", "1.5GB", "4096": binary units are KiB/MiB/GiB/TiB, decimal
-    ones KB/MB/GB/TB (K, M, G, T alone are decimal too); case does not matter."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 1.5GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])

@@ -14,7 +14,7 @@ import pytest
 
 from gpuos_tools.sched.planner import NEVER, BeladyPlanner, LRUPlanner
 from gpuos_tools.sched.simulate import Config, simulate
-from gpuos_tools.sched.units import (
+from gpuos_tools.units import (
     parse_bandwidth,
     parse_budget,
     parse_duration,

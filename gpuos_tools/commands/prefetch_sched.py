@@ -145,7 +145,7 @@ def sched(
     from gpuos_tools.sched.schedule import write_schedule
     from gpuos_tools.sched.simulate import POLICIES, Config
     from gpuos_tools.sched.simulate import simulate as run_policy
-    from gpuos_tools.sched.units import (
+    from gpuos_tools.units import (
         parse_bandwidth,
         parse_budget,
         parse_duration,

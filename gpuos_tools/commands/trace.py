@@ -126,7 +126,7 @@ def run(
         raise typer.BadParameter("must be auto, native or python", param_hint="--backend")
     validation = None
     if validate:
-        from gpuos_tools.cli import parse_size
+        from gpuos_tools.units import parse_size
 
         if backend == "native":
             raise typer.BadParameter("--validate runs in the python backend", param_hint="--backend")

@@ -8,7 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gpuos_tools.sched.units import format_duration, format_size
+from gpuos_tools.units import format_duration, format_size
 
 
 def _size(n: float) -> str:
