@@ -151,3 +151,19 @@ def test_plot_draws_an_access_map(tmp_path):
     proc = run_cli("--plot", str(png), str(DATA / "suite-torch_cnn.s2.ndjson.zst"))
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_graph_launch_runs_what_was_captured():
+    records = load("apis-graph.ndjson.zst")
+    events = [r for r in records if r["type"] == "graph"]
+    assert [e["event"] for e in events][:3] == ["capture_begin", "capture_end", "instantiate"]
+    captured = [r for r in records if r["type"] == "launch" and r.get("captured")]
+    pred = Predictor("range")
+    graphs = [a for a in map(pred.feed, records) if a and a["of"] == "graph_launch"]
+    assert len(graphs) == 2
+    for g in graphs:
+        assert not g["unknown"] and g["launches"] == len(captured)
+        # the captured kernel reads x and writes y: the same allocations as when it was captured
+        first = Predictor("range")
+        caps = [a for a in map(first.feed, records) if a and a.get("captured")]
+        assert {e["alloc"] for e in g["writes"]} == {e["alloc"] for a in caps for e in a["writes"]}
