@@ -130,15 +130,10 @@ def futex_wake(addr: int, count: int = 1) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """True while a process (not a zombie: a dead producer not yet reaped) has this pid."""
+    from gpuos_tools.ckpt.procs import exists
+
+    return exists(pid)
 
 
 # -- layout -----------------------------------------------------------------------------------
