@@ -556,15 +556,119 @@ def _validating_append(validator):
     return tee
 
 
+# ---------------------------------------------------------------- --agent
+
+def _agent_enter(name: str, pp: int):
+    """(device address written, stream) of a copy, memset or free about to be issued."""
+    if name.startswith(("cuMemcpy2D",)):
+        if "Async" in name:
+            pcopy, stream = _Q2(_MEM, pp)
+        else:
+            pcopy, stream = _U64(_MEM, pp)[0], 0
+        m = _MEMCPY2D(_MEM, pcopy)
+        dtype, dhost, ddev, dpitch, dx, dy = m[9], m[10], m[11], m[13], m[7], m[8]
+        return ((dhost if dtype == 1 else ddev) + dy * dpitch + dx), stream
+    if name.startswith("cuMemcpyPeer"):
+        f = _Q6(_MEM, pp)
+        return f[0], (f[5] if "Async" in name else 0)
+    if name.startswith("cuMemcpy"):
+        f = _Q4(_MEM, pp)
+        return f[0], (f[3] if "Async" in name else 0)
+    if name.startswith("cuMemsetD2D"):
+        f = _Q6(_MEM, pp)
+        return f[0], (f[5] if "Async" in name else 0)
+    if name.startswith("cuMemset"):
+        f = _Q4(_MEM, pp)
+        return f[0], (f[3] if "Async" in name else 0)
+    if name.startswith("cuMemFreeAsync"):
+        return _Q2(_MEM, pp)
+    # cuMemFree, cuMemUnmap: the first parameter; cuMemFreeHost frees host memory
+    return (0 if name.startswith("cuMemFreeHost") else _U64(_MEM, pp)[0]), 0
+
+
+def _agent_handlers(agent, table: dict) -> dict:
+    """Handlers that let the agent act before launches, copies, memsets and frees are issued."""
+    handlers = {}
+
+    def launch(name: str, base):
+        def handler(cbid: int, cbdata) -> None:
+            site, _, pp, _ = _CBDATA(_MEM, cbdata.ptr)
+            if site != _ENTER:
+                base(cbid, cbdata)
+                return
+            if name.startswith("cuLaunchKernelEx"):
+                cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
+                stream = _LAUNCH_CONFIG(_MEM, cfg)[7]
+            elif name.startswith("cuLaunchCooperativeKernel"):
+                raw = _LAUNCH_COOP(_MEM, pp)
+                f, stream, kp, extra = raw[0], raw[8], raw[9], 0
+            else:
+                raw = _LAUNCH(_MEM, pp)
+                f, stream, kp, extra = raw[0], raw[8], raw[9], raw[10]
+            if agent.snap is not None and _capturing(stream):
+                agent.ops += 1  # only recorded into a graph: it writes nothing now
+                return
+            entry = _layouts.get(f, False)
+            if entry is False:
+                entry = _learn(f, cbdata)
+            agent.before_launch(name, stream, cbdata.symbol_name or "", entry[2] if entry else None,
+                                _args(entry, kp, extra))
+
+        return handler
+
+    def write(name: str, base):
+        def handler(cbid: int, cbdata) -> None:
+            site, _, pp, _ = _CBDATA(_MEM, cbdata.ptr)
+            if site != _ENTER:
+                base(cbid, cbdata)
+                return
+            dst, stream = _agent_enter(name, pp)
+            if agent.snap is not None and stream and _capturing(stream):
+                agent.ops += 1
+                return
+            agent.before_write(name, dst, stream)
+
+        return handler
+
+    for cbid, (name, handler, _) in table.items():
+        if name.startswith(("cuLaunchKernel", "cuLaunchCooperativeKernel")):
+            handlers[cbid] = launch(name, handler)
+        elif name.startswith(("cuMemcpy", "cuMemset", "cuMemFree", "cuMemUnmap")):
+            handlers[cbid] = write(name, handler)
+    return handlers
+
+
+def _agent_append(agent):
+    """The queue's append, also keeping the agent's allocations, streams and pointer arrays."""
+    append = _Q.append
+
+    def tee(item: tuple) -> None:
+        tag = item[0]
+        if tag == wire.ALLOC:
+            agent.on_alloc(item[4], item[5], item[6])
+        elif tag == wire.FREE:
+            agent.on_free_done(item[4])
+        elif tag == wire.COPY:
+            agent.on_copy_record(item[4], item[5], item[7], item[10], item[11], item[8])
+        elif tag == wire.SET:
+            agent.on_set_record(item[4], item[5], item[8])
+        elif tag == wire.STREAM:
+            (agent.streams.add if item[4] == "create" else agent.streams.discard)(item[3])
+        append(item)
+
+    return tee
+
+
 class Tracer:
     """The Python path: cupti-python calls ``callback`` for every enabled API, enter and exit."""
 
     backend = "python"
 
-    def __init__(self, fd: int, flush_interval: float = 0.02, validator=None):
+    def __init__(self, fd: int, flush_interval: float = 0.02, validator=None, agent=None):
         from cupti import cupti
 
         self.validator = validator
+        self.agent = agent
         self.cupti = cupti
         self.fd = fd
         self.flush_interval = flush_interval
@@ -589,12 +693,21 @@ class Tracer:
         resource_domain = int(cupti.CallbackDomain.RESOURCE)
         counters = _counters
         validator = self.validator
+        agent = self.agent
+        global _append
         if validator is not None:
-            global _append
             _append = _validating_append(validator)
             driver.update(_validating_handlers(validator, self.table))
+        elif agent is not None:
+            _append = _agent_append(agent)
+            driver.update(_agent_handlers(agent, self.table))
 
         def callback(userdata, domain, cbid, cbdata):
+            if agent is not None:
+                if _tid() in agent.own:
+                    return  # the agent's own driver calls
+                with agent.lock:
+                    return checked(domain, cbid, cbdata)
             if validator is not None:
                 if validator.busy_tid == _tid():
                     return  # the validator's own driver calls
@@ -623,6 +736,8 @@ class Tracer:
             cupti.enable_callback(1, self.subscriber, cupti.CallbackDomain.RESOURCE, cbid)
         self.thread = threading.Thread(target=self._drain_loop, name="gpuos-trace-drain", daemon=True)
         self.thread.start()
+        if agent is not None:
+            os.environ["GPUOS_AGENT_SOCKET"] = agent.start_server()
         atexit.register(self.shutdown)
         os.register_at_fork(after_in_child=self._forked)
 
@@ -649,6 +764,8 @@ class Tracer:
     def shutdown(self) -> None:
         """At interpreter exit (our atexit handler runs after the frameworks' own)."""
         self.stop.set()
+        if self.agent is not None and self.agent.server is not None:
+            self.agent.server.close()
         try:
             self.cupti.unsubscribe(self.subscriber)
         except Exception:
@@ -728,7 +845,15 @@ def start(fd: int) -> Tracer:
     flush_ms = float(os.environ.pop("GPUOS_TRACE_FLUSH_MS", "20"))
     library = os.environ.pop("GPUOS_TRACE_NATIVE", "")
     validate = os.environ.pop("GPUOS_TRACE_VALIDATE", "")
-    if validate:
+    agent_on = os.environ.pop("GPUOS_TRACE_AGENT", "")
+    if agent_on:
+        from gpuos_tools.agent.agent import Agent
+
+        budget = os.environ.pop("GPUOS_AGENT_COW_BUDGET", "")
+        if check:
+            _emit_launch = _emit_launch_checked
+        _tracer = Tracer(fd, flush_ms / 1000.0, agent=Agent(int(budget) if budget else None))
+    elif validate:
         from gpuos_tools.agent.validate import Validator
 
         samples, max_bytes, extents = validate.split(":")

@@ -108,6 +108,16 @@ def run(
         help="With --validate: skip launches while more device memory than this is live (the "
         "snapshot needs as much again).",
     ),
+    agent: bool = typer.Option(
+        False, "--agent",
+        help="Also run the agent: a control socket through which `gpu-ckpt --agent PID` takes "
+        "consistent snapshots while the program runs (uses the python backend).",
+    ),
+    cow_budget: Optional[str] = typer.Option(
+        None, "--cow-budget", metavar="SIZE",
+        help="With --agent: device memory for copy-on-write slots during a snapshot (default: a "
+        "quarter of the free memory, at most the snapshot's size).",
+    ),
     validate_extents: bool = typer.Option(
         True, "--validate-extents/--no-validate-extents",
         help="With --validate: also measure how far past each pointer a kernel reads (bisection; "
@@ -135,12 +145,26 @@ def run(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--validate-max") from None
         backend = "python"
+    budget = None
+    if agent:
+        from gpuos_tools.units import parse_size
+
+        if validate:
+            raise typer.BadParameter("--agent and --validate exclude each other", param_hint="--agent")
+        if backend == "native":
+            raise typer.BadParameter("--agent runs in the python backend", param_hint="--backend")
+        backend = "python"
+        if cow_budget is not None:
+            try:
+                budget = parse_size(cow_budget)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--cow-budget") from None
     images_dir = None if no_images else (images or default_images_dir(output))
     with open_output(output, unbuffered=unbuffered or None) as writer:
         summary = trace_program(
             program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers,
             backend=backend, warn=lambda m: print(f"gpu-trace: warning: {m}", file=sys.stderr),
-            output_path=output, validate=validation,
+            output_path=output, validate=validation, agent=agent, cow_budget=budget,
         )
     if sys.stderr.isatty():
         stderr_console().print(f"gpu-trace: {describe(summary)}", highlight=False)

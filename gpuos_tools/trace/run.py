@@ -94,7 +94,7 @@ def native_library(backend: str, warn) -> str | None:
 def trace_program(
     cmd: list[str], writer, images_dir: Path | None, flush_ms: float = 20.0, check_pointers: bool = False,
     backend: str = "auto", warn=lambda message: None, output_path: str = "-",
-    validate: tuple[int, int, bool] | None = None,
+    validate: tuple[int, int, bool] | None = None, agent: bool = False, cow_budget: int | None = None,
 ) -> RunSummary:
     """Run ``cmd`` traced, writing header, records and an exit record to ``writer``.
 
@@ -123,6 +123,10 @@ def trace_program(
     env["GPUOS_TRACE_NATIVE"] = library or ""
     if validate is not None:
         env["GPUOS_TRACE_VALIDATE"] = f"{validate[0]}:{validate[1]}:{int(validate[2])}"
+    if agent:
+        env["GPUOS_TRACE_AGENT"] = "1"
+        if cow_budget is not None:
+            env["GPUOS_AGENT_COW_BUDGET"] = str(cow_budget)
 
     decoder = Decoder(images_dir)
     started = time.monotonic()
@@ -147,6 +151,7 @@ def trace_program(
             images=_images_ref(images_dir, output_path),
             **({"validate": {"samples": validate[0], "max_bytes": validate[1], "extents": validate[2]}}
                if validate else {}),
+            **({"agent": {"socket": str(_agent_socket(proc.pid))}} if agent else {}),
         )
 
     wrote_header = False
@@ -206,6 +211,12 @@ def trace_program(
         exit_rec["truncated"] = truncated
     writer.write(exit_rec)
     return summary
+
+
+def _agent_socket(pid: int):
+    from gpuos_tools.agent.control import socket_path
+
+    return socket_path(pid)
 
 
 def _images_ref(images_dir: Path | None, output_path: str) -> str | None:

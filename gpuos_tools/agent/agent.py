@@ -1,0 +1,405 @@
+"""The in-process agent (`gpu-trace run --agent`): consistent snapshots of a running program's
+device memory, taken while it keeps launching work.
+
+The agent rides on the python callback path. It keeps the live allocations and the streams the
+program uses, predicts each launch's write set (gpu-predict-access at range granularity, made
+in-process), and answers requests on its control socket (gpuos_tools/agent/control.py).
+
+A snapshot captures every device allocation as it was at T0, the moment the request took the
+agent's lock (no program callback runs while it is held, so T0 falls between two of the
+program's operations: ``ops_before`` says how many launches, copies, memsets and frees came
+before it):
+
+- at T0 an event is recorded on every stream the program has used, and a side stream of the
+  agent waits on all of them: its copies come after all work submitted before T0;
+- a copier thread then copies the allocations one by one, device to pinned host memory, on the
+  side stream, a bounded amount in flight;
+- the program goes on. Before each operation that may write an allocation not yet copied
+  (its predicted write set; every allocation for launches marked unknown; frees count as
+  writes), the agent acts on the operation's own stream, before it, without waiting on the
+  host: an allocation not yet started is copied on the GPU into a copy-on-write slot (the
+  copier takes it from there), or, past the slot budget, copied to host memory right there; an
+  allocation whose copy is in flight makes the stream wait for that copy's event. Streams first
+  wait for the T0 events, so those copies too come after everything before T0;
+- when every copy has completed, the snapshot is the host buffers; the program never stopped.
+
+What the program feels: the agent's time inside its callbacks (reported as ``stall_s``), and
+GPU-side waits of its streams behind in-flight copies of what it is about to overwrite.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuos_tools.access.predict import Predictor
+from gpuos_tools.trace.allocs import Allocation
+
+CHECKED_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
+UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
+PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
+COPY_PIECE = 64 << 20  # bytes per side-stream copy
+IN_FLIGHT = 4  # pieces in flight on the side stream
+
+
+def _ok(result: tuple, what: str) -> Any:
+    from cuda.bindings import driver as drv
+
+    err = result[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {getattr(err, 'name', err)}")
+    return result[1] if len(result) == 2 else (result[1:] or None)
+
+
+@dataclass
+class Snap:
+    """One snapshot in progress."""
+
+    buffers: list[Allocation]
+    offsets: list[int]
+    host: int  #: pinned host memory holding every buffer, at offsets
+    total: int
+    side: Any
+    t0_events: list
+    t0_ns: int
+    ops_before: int
+    budget: int  #: bytes of copy-on-write slots allowed on the device
+    pool: int = 0  #: the device memory of the slots (allocated on first use)
+    pool_used: int = 0
+    state: list[int] = field(default_factory=list)
+    event: list = field(default_factory=list)  #: per buffer: the event after its copy
+    slot: list[int] = field(default_factory=list)  #: COW: the slot's address
+    ordered: set = field(default_factory=set)  #: program streams already after the T0 events
+    index: dict[int, int] = field(default_factory=dict)  #: allocation id -> buffer index
+    cow: int = 0
+    cow_bytes: int = 0
+    host_saves: int = 0
+    waits: int = 0
+    stall_ns: int = 0
+
+
+class Agent:
+    """State and operations of the agent; the tracer calls the ``on_*`` hooks from callbacks."""
+
+    def __init__(self, cow_budget: int | None = None) -> None:
+        self.lock = threading.RLock()
+        self.pred = Predictor("range")
+        self.by_id: dict[int, Allocation] = {}
+        self.next_id = 1
+        self.streams: set[int] = {0}
+        self.ops = 0  #: launches, copies, memsets and frees seen (for T0 and references)
+        self.own: set[int] = set()  #: thread ids whose CUDA calls are the agent's own
+        self.snap: Snap | None = None
+        self.cow_budget = cow_budget
+        self.server = None
+        self.references = _parse_references(os.environ.pop("GPUOS_AGENT_REFERENCE_AT", ""))
+        self.reference_out = os.environ.pop("GPUOS_AGENT_REFERENCE_OUT", "")
+        self.last: dict[str, Any] | None = None
+        self.ctx = None
+        self._staging: tuple[int, int] | None = None  #: (pinned address, capacity)
+
+    # -- bookkeeping from the tracer's records -------------------------------------------------
+
+    def on_alloc(self, addr: int, size: int, kind: str) -> None:
+        if self.ctx is None:  # the program's context, which the agent's threads make current
+            from cuda.bindings import driver as drv
+
+            err, ctx = drv.cuCtxGetCurrent()
+            if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
+                self.ctx = ctx
+        a = self.pred.allocs.add({"id": self.next_id, "addr": addr, "size": size, "kind": kind})
+        self.by_id[a.id] = a
+        self.next_id += 1
+
+    def on_free_done(self, addr: int) -> None:
+        a = self.pred.allocs.remove({"addr": addr})
+        if a is not None:
+            self.by_id.pop(a.id, None)
+
+    def on_copy_record(self, direction: str, dst: int, nbytes: int, shape, data, stream: int) -> None:
+        rec: dict[str, Any] = {"type": "memcpy", "dir": direction, "dst": dst, "src": 0, "bytes": nbytes}
+        if shape is not None:
+            rec["width"], rec["height"], rec["src_pitch"], rec["dst_pitch"] = shape
+        if data is not None:
+            rec["data"] = data.hex()
+        self.pred.feed(rec)
+        self.streams.add(stream)
+
+    def on_set_record(self, dst: int, nbytes: int, stream: int) -> None:
+        self.pred.feed({"type": "memset", "dst": dst, "bytes": nbytes})
+        self.streams.add(stream)
+
+    def buffers(self) -> list[Allocation]:
+        allocs = self.pred.allocs
+        return [allocs._live[s] for s in allocs._starts if allocs._live[s].kind in CHECKED_KINDS]
+
+    # -- hooks before an operation (the callback's enter site, lock held) ------------------------
+
+    def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+        self.ops += 1
+        self.streams.add(stream)
+        if self.references and self.ops in self.references:
+            self._reference(self.ops)
+        snap = self.snap
+        if snap is None:
+            return
+        params = []
+        if sizes is not None and args is not None:
+            pos = 0
+            for s in sizes:
+                params.append({"size": s, "hex": args[pos : pos + s].hex()})
+                pos += s
+        rec: dict[str, Any] = {"kernel": kernel, "params": params}
+        if sizes is None or args is None:
+            rec["layout"] = "none"
+        acc = self.pred.launch(rec)[0]
+        if acc["unknown"]:
+            targets = range(len(snap.buffers))
+        else:
+            targets = [snap.index[e["alloc"]] for e in acc["writes"] if e["alloc"] in snap.index]
+        self._protect(snap, targets, _stream_of(api, stream))
+
+    def before_write(self, api: str, addr: int, stream: int) -> None:
+        """A copy or memset into ``addr``, or a free of it, is about to be issued."""
+        self.ops += 1
+        self.streams.add(stream)
+        if self.references and self.ops in self.references:
+            self._reference(self.ops)
+        snap = self.snap
+        if snap is None:
+            return
+        a = self.pred.allocs.find(addr)
+        if a is not None and a.id in snap.index:
+            self._protect(snap, [snap.index[a.id]], _stream_of(api, stream))
+
+    def _protect(self, snap: Snap, targets, stream: int) -> None:
+        from cuda.bindings import driver as drv
+
+        t0 = time.perf_counter_ns()
+        me = threading.get_native_id()
+        self.own.add(me)
+        try:
+            for i in targets:
+                st = snap.state[i]
+                if st == DONE:
+                    continue
+                if st == UNSAVED:
+                    if stream not in snap.ordered:
+                        for ev in snap.t0_events:
+                            _ok(drv.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(T0)")
+                        snap.ordered.add(stream)
+                    b = snap.buffers[i]
+                    ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                    slot = self._slot(snap, b.size)
+                    if slot is not None:
+                        _ok(drv.cuMemcpyDtoDAsync(slot, b.addr, b.size, stream), "cuMemcpyDtoDAsync(cow)")
+                        snap.state[i], snap.slot[i] = COW, slot
+                        snap.cow += 1
+                        snap.cow_bytes += b.size
+                    else:
+                        _ok(drv.cuMemcpyDtoHAsync(snap.host + snap.offsets[i], b.addr, b.size, stream),
+                            "cuMemcpyDtoHAsync(save)")
+                        snap.state[i] = HOST
+                        snap.host_saves += 1
+                    _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
+                    snap.event[i] = ev
+                else:  # in flight, or saved on another stream: this stream writes after it
+                    ev = snap.event[i]
+                    if drv.cuEventQuery(ev)[0] == drv.CUresult.CUDA_SUCCESS:
+                        if st == ENQUEUED:
+                            snap.state[i] = DONE
+                        continue
+                    _ok(drv.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(copy)")
+                    snap.waits += 1
+        finally:
+            self.own.discard(me)
+            snap.stall_ns += time.perf_counter_ns() - t0
+
+    def _slot(self, snap: Snap, size: int) -> int | None:
+        from cuda.bindings import driver as drv
+
+        size_aligned = (size + 255) // 256 * 256
+        if snap.pool_used + size_aligned > snap.budget:
+            return None
+        if not snap.pool:
+            err, ptr = drv.cuMemAlloc(snap.budget)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                snap.budget = 0
+                return None
+            snap.pool = int(ptr)
+        slot = snap.pool + snap.pool_used
+        snap.pool_used += size_aligned
+        return slot
+
+    # -- the snapshot (on the control thread) -----------------------------------------------------
+
+    def snapshot(self, digest: bool = True, cow_budget: int | None = None) -> dict[str, Any]:
+        """Take a consistent snapshot; return its description (and per-buffer digests)."""
+        from cuda.bindings import driver as drv
+
+        self.own.add(threading.get_native_id())
+        if self.ctx is None:
+            raise RuntimeError("the program has no CUDA allocation yet: nothing to snapshot")
+        _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        with self.lock:
+            total = sum(b.size for b in self.buffers())
+        # pinned host memory is slow to get (the kernel pins page by page): keep it between snapshots
+        if self._staging is None or self._staging[1] < total:
+            if self._staging is not None:
+                drv.cuMemFreeHost(self._staging[0])
+                self._staging = None
+            capacity = max(total, 1) + (64 << 20)
+            self._staging = (int(_ok(drv.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc(snapshot)")), capacity)
+        host, capacity = self._staging
+        side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        if cow_budget is None:
+            cow_budget = self.cow_budget
+        if cow_budget is None:
+            free, _ = _ok(drv.cuMemGetInfo(), "cuMemGetInfo")
+            cow_budget = min(int(free) // 4, total)
+        with self.lock:
+            t_start = time.perf_counter()
+            buffers = self.buffers()
+            total = sum(b.size for b in buffers)
+            if total > capacity:
+                raise RuntimeError("allocations grew while the snapshot was prepared; try again")
+            offsets, off = [], 0
+            for b in buffers:
+                offsets.append(off)
+                off += b.size
+            events = []
+            for s in sorted(self.streams):
+                ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                if drv.cuEventRecord(ev, s)[0] != drv.CUresult.CUDA_SUCCESS:
+                    continue  # a stream the program destroyed
+                _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent(side)")
+                events.append(ev)
+            n = len(buffers)
+            snap = Snap(buffers, offsets, host, total, side, events, time.time_ns(), self.ops, cow_budget,
+                        state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
+                        index={b.id: i for i, b in enumerate(buffers)})
+            self.snap = snap
+        try:
+            self._copy_all(snap)
+            elapsed = time.perf_counter() - t_start
+            out: dict[str, Any] = {
+                "ok": True, "t0_ns": snap.t0_ns, "ops_before": snap.ops_before, "buffers": len(buffers),
+                "bytes": total, "seconds": round(elapsed, 6),
+                "gbps": round(total / elapsed / 1e9, 3) if elapsed > 0 else None,
+                "cow": snap.cow, "cow_bytes": snap.cow_bytes, "host_saves": snap.host_saves,
+                "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6),
+                "allocations": [[b.id, b.addr, b.size, b.kind] for b in buffers],
+            }
+            if digest:
+                out["digests"] = self._digests(snap)
+            self.last = out
+            return out
+        finally:
+            self._release(snap)
+
+    def _copy_all(self, snap: Snap) -> None:
+        from cuda.bindings import driver as drv
+
+        in_flight: list = []
+        for i, b in enumerate(snap.buffers):
+            with self.lock:
+                st = snap.state[i]
+                if st in (UNSAVED, COW):
+                    src = b.addr if st == UNSAVED else snap.slot[i]
+                    if st == COW:
+                        _ok(drv.cuStreamWaitEvent(snap.side, snap.event[i], 0), "cuStreamWaitEvent(cow)")
+                    for p in range(0, b.size, COPY_PIECE):
+                        n = min(COPY_PIECE, b.size - p)
+                        _ok(drv.cuMemcpyDtoHAsync(snap.host + snap.offsets[i] + p, src + p, n, snap.side),
+                            "cuMemcpyDtoHAsync")
+                    ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                    _ok(drv.cuEventRecord(ev, snap.side), "cuEventRecord(side)")
+                    if st == UNSAVED:
+                        snap.state[i], snap.event[i] = ENQUEUED, ev
+                    in_flight.append(ev)
+            while len(in_flight) > IN_FLIGHT:
+                _ok(drv.cuEventSynchronize(in_flight.pop(0)), "cuEventSynchronize")
+        _ok(drv.cuStreamSynchronize(snap.side), "cuStreamSynchronize(side)")
+        for i, st in enumerate(snap.state):
+            if st == HOST:
+                _ok(drv.cuEventSynchronize(snap.event[i]), "cuEventSynchronize(saved)")
+        with self.lock:
+            snap.state = [DONE] * len(snap.state)
+            self.snap = None
+
+    def _digests(self, snap: Snap) -> list[str]:
+        view = memoryview((ctypes.c_char * max(snap.total, 1)).from_address(snap.host)).cast("B")
+        return [hashlib.sha256(view[o : o + b.size]).hexdigest() for b, o in zip(snap.buffers, snap.offsets)]
+
+    def _release(self, snap: Snap) -> None:
+        from cuda.bindings import driver as drv
+
+        with self.lock:
+            if self.snap is snap:
+                self.snap = None
+        drv.cuStreamSynchronize(snap.side)
+        if snap.pool:
+            drv.cuMemFree(snap.pool)
+        drv.cuStreamDestroy(snap.side)
+
+    # -- references for tests: the state after exactly N operations, stop-the-world ------------
+
+    def _reference(self, n: int) -> None:
+        """Before operation n+1... called at operation n's enter: the state after n-1 ops."""
+        from cuda.bindings import driver as drv
+
+        me = threading.get_native_id()
+        self.own.add(me)
+        try:
+            _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+            digests = []
+            for b in self.buffers():
+                buf = (ctypes.c_char * b.size)()
+                _ok(drv.cuMemcpyDtoH(ctypes.addressof(buf), b.addr, b.size), "cuMemcpyDtoH(reference)")
+                digests.append(hashlib.sha256(memoryview(buf)).hexdigest())
+            with open(self.reference_out, "a") as f:
+                f.write(json.dumps({"ops_before": n - 1, "digests": digests,
+                                    "sizes": [b.size for b in self.buffers()]}) + "\n")
+        finally:
+            self.own.discard(me)
+
+    # -- control ------------------------------------------------------------------------------
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request["op"]
+        if op == "ping":
+            with self.lock:
+                bufs = self.buffers()
+            return {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
+                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams)}
+        if op == "snapshot":
+            return self.snapshot(digest=bool(request.get("digest", True)), cow_budget=request.get("cow_budget"))
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def start_server(self) -> str:
+        from gpuos_tools.agent.control import Server
+
+        def handler(request: dict[str, Any]) -> dict[str, Any]:
+            self.own.add(threading.get_native_id())
+            return self.handle(request)
+
+        self.server = Server(handler)
+        self.server.start()
+        return str(self.server.path)
+
+
+def _stream_of(api: str, stream: int) -> int:
+    """The stream an API call really uses: handle 0 of a _ptsz call is the per-thread stream."""
+    return PER_THREAD_STREAM if stream == 0 and api.endswith(("_ptsz", "_ptds")) else stream
+
+
+def _parse_references(text: str) -> set[int]:
+    """GPUOS_AGENT_REFERENCE_AT: operation counts (comma-separated) at whose start the state is
+    dumped; 'ops_before' k of a snapshot compares with the reference taken at operation k+1."""
+    return {int(x) + 1 for x in text.split(",") if x.strip()}

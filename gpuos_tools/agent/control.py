@@ -1,0 +1,162 @@
+"""The agent's control socket: how `gpu-ckpt --agent` and `gpu-restore --agent` reach a program
+started with `gpu-trace run --agent`.
+
+A Unix stream socket per agent process, ``agent-<pid>.sock`` in ``$XDG_RUNTIME_DIR/gpuos``
+(else ``/run/gpuos`` when writable, else ``/tmp/gpuos-<uid>``); the directory is created mode
+0700 and the socket is mode 0600, and every connection's peer uid (SO_PEERCRED) must be the
+agent's own uid or root. One request per line, a JSON object with an ``op``; one JSON answer
+per line, with ``ok`` and, when false, ``error``. The operations are the agent's (see
+gpuos_tools/agent/agent.py); ``ping`` answers the pid, argv and what the agent knows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpuos_tools.errors import ExitCode, GpuosError
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+MAX_REQUEST = 1 << 20
+
+
+def socket_dir() -> Path:
+    """Where agent sockets live for this user (created on demand by the agent)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "gpuos"
+    if os.geteuid() == 0 or os.access("/run/gpuos", os.W_OK):
+        return Path("/run/gpuos")
+    return Path(f"/tmp/gpuos-{os.getuid()}")
+
+
+def socket_path(pid: int) -> Path:
+    return socket_dir() / f"agent-{pid}.sock"
+
+
+def resolve(target: str) -> Path:
+    """A PID or a socket path, as given on a command line, to the socket's path."""
+    if target.isdigit():
+        path = socket_path(int(target))
+        if not path.exists():
+            raise GpuosError(
+                f"no agent socket for PID {target} at {path}: was the program started with "
+                "`gpu-trace run --agent`, by this user?", ExitCode.NO_SUCH_PROCESS,
+            )
+        return path
+    path = Path(target)
+    if not path.exists():
+        raise GpuosError(f"{target}: no such agent socket", ExitCode.NO_SUCH_PROCESS)
+    return path
+
+
+class Server:
+    """Accepts connections on a thread; ``handler(request) -> answer`` runs on that thread."""
+
+    def __init__(self, handler: Callable[[dict[str, Any]], dict[str, Any]], path: Path | None = None):
+        self.handler = handler
+        self.path = path or socket_path(os.getpid())
+        self.sock: socket.socket | None = None
+        self.thread: threading.Thread | None = None
+        self.uid = os.getuid()
+
+    def start(self) -> None:
+        d = self.path.parent
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if d.stat().st_uid != self.uid:
+            raise GpuosError(f"{d} belongs to another user: refusing to put the agent socket there")
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is created 0600
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        sock.listen(4)
+        self.sock = sock
+        self.thread = threading.Thread(target=self._serve, name="gpuos-agent-control", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass
+
+    def _serve(self) -> None:
+        while self.sock is not None:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._one(conn)
+                except OSError:
+                    pass
+
+    def _one(self, conn: socket.socket) -> None:
+        _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        f = conn.makefile("rwb")
+        if uid not in (self.uid, 0):
+            _answer(f, {"ok": False, "error": f"uid {uid} may not control this agent"})
+            return
+        while True:
+            line = f.readline(MAX_REQUEST)
+            if not line:
+                return
+            try:
+                request = json.loads(line)
+                if not isinstance(request, dict) or "op" not in request:
+                    raise ValueError("a request is a JSON object with an 'op'")
+            except ValueError as exc:
+                _answer(f, {"ok": False, "error": f"bad request: {exc}"})
+                continue
+            try:
+                answer = self.handler(request)
+            except Exception as exc:  # the agent must outlive a failed request
+                answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            _answer(f, answer)
+
+
+def _answer(f, answer: dict[str, Any]) -> None:
+    f.write(json.dumps(answer).encode() + b"\n")
+    f.flush()
+
+
+def request(target: str | Path, op: str, timeout: float | None = 600.0, **fields: Any) -> dict[str, Any]:
+    """Send one request to an agent and return its answer (raises GpuosError when not ok)."""
+    path = target if isinstance(target, Path) else resolve(target)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        raise GpuosError(f"cannot reach the agent at {path}: {exc}", ExitCode.NO_SUCH_PROCESS) from exc
+    with sock, sock.makefile("rwb") as f:
+        f.write(json.dumps({"op": op, **fields}).encode() + b"\n")
+        f.flush()
+        try:
+            line = f.readline(MAX_REQUEST)
+        except TimeoutError as exc:
+            raise GpuosError(f"the agent at {path} did not answer within {timeout} s", ExitCode.FAILURE) from exc
+    if not line:
+        raise GpuosError(f"the agent at {path} closed the connection (did the program exit?)", ExitCode.FAILURE)
+    answer = json.loads(line)
+    if not answer.get("ok"):
+        raise GpuosError(f"agent: {answer.get('error', 'failed')}", ExitCode.FAILURE)
+    return answer
