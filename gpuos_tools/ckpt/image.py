@@ -538,7 +538,8 @@ class Image:
     def read_chunk(self, entry: dict[str, Any], chunk: dict[str, Any], out: memoryview, verify: bool = True) -> None:
         """Read one chunk of ``entry`` (a buffer of this image) into ``out`` (its size)."""
         path = os.path.join(self.path, CHUNKS, chunk["file"])
-        where = f"chunk {chunk['file']} (buffer {entry['id']}, bytes {chunk['n'] * self.manifest['chunk_size']}+{chunk['size']})"
+        start = chunk["n"] * self.manifest["chunk_size"]
+        where = f"{path}: chunk {chunk['n']} of buffer {entry['id']} (bytes {start}+{chunk['size']})"
         try:
             with open(path, "rb", buffering=0) as f:
                 if chunk.get("zstd"):
@@ -546,10 +547,10 @@ class Image:
                     try:
                         data = self._decompressor().decompress(packed, max_output_size=chunk["size"])
                     except Exception as e:  # zstandard.ZstdError
-                        raise ImageError(f"{self.path}: {where}: does not decompress ({e})",
+                        raise ImageError(f"{where}: does not decompress ({e})",
                                          ExitCode.IMAGE_CORRUPT, path) from None
                     if len(data) != chunk["size"]:
-                        raise ImageError(f"{self.path}: {where}: decompresses to {len(data)} bytes",
+                        raise ImageError(f"{where}: decompresses to {len(data)} bytes",
                                          ExitCode.IMAGE_CORRUPT, path)
                     out[:] = data
                 else:
@@ -560,14 +561,14 @@ class Image:
                             break
                         got += n
                     if got != chunk["size"] or f.read(1):
-                        raise ImageError(f"{self.path}: {where}: file is not {chunk['size']} bytes long",
+                        raise ImageError(f"{where}: file is not {chunk['size']} bytes long",
                                          ExitCode.IMAGE_CORRUPT, path)
         except FileNotFoundError:
-            raise ImageError(f"{self.path}: {where}: missing", ExitCode.IMAGE_CORRUPT, path) from None
+            raise ImageError(f"{where}: missing", ExitCode.IMAGE_CORRUPT, path) from None
         except OSError as e:
             raise _io_error("cannot read", path, e) from e
         if verify and checksum(self.manifest["checksum"], out) != chunk["sum"]:
-            raise ImageError(f"{self.path}: {where}: checksum mismatch", ExitCode.IMAGE_CORRUPT, path)
+            raise ImageError(f"{where}: checksum mismatch", ExitCode.IMAGE_CORRUPT, path)
 
     def read(self, buffer_id: int, out: Buffer | None = None, *, verify: bool = True,
              threads: int | None = None) -> bytes | memoryview:
