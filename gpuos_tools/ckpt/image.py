@@ -659,10 +659,11 @@ def _reachable_parents(image: Image) -> list[Image]:
         out.append(cur)
 
 
-def _verify_one(image: Image, data: bool) -> list[str]:
+def _verify_one(image: Image, data: bool, threads: int | None = None) -> list[str]:
     problems = []
     cs = image.manifest["chunk_size"]
     expected: set[str] = set()
+    to_read: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for b in image.buffers:
         if not b.get("stored", True):
             continue
@@ -684,10 +685,23 @@ def _verify_one(image: Image, data: bool) -> list[str]:
                                 f"(buffer {b['id']}, chunk {c['n']})")
                 continue
             if data:
-                try:
-                    image.read_chunk(b, c, memoryview(bytearray(c["size"])))
-                except ImageError as e:
-                    problems.append(str(e))
+                to_read.append((b, c))
+    local = threading.local()
+
+    def check(job: tuple[dict[str, Any], dict[str, Any]]) -> str | None:
+        b, c = job
+        scratch = getattr(local, "buf", None)  # one chunk-sized buffer per thread, reused
+        if scratch is None or len(scratch) < c["size"]:
+            scratch = local.buf = bytearray(max(cs, c["size"]))
+        try:
+            image.read_chunk(b, c, memoryview(scratch)[:c["size"]])
+        except ImageError as e:
+            return str(e)
+        return None
+
+    if to_read:
+        with ThreadPoolExecutor(max_workers=min(threads or min(16, os.cpu_count() or 1), len(to_read))) as pool:
+            problems += [p for p in pool.map(check, to_read) if p is not None]
     try:
         present = set(os.listdir(os.path.join(image.path, CHUNKS)))
     except FileNotFoundError:
