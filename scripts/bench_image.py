@@ -8,7 +8,7 @@
 3. An image of --total bytes in buffers of --buffer-size, written from host memory with
    ImageWriter (every chunk hashed and fsynced, the directory renamed), verified (verify():
    every chunk read back and hashed), and read back into a preallocated buffer (Image.read with
-   out=), each timed end to end; uncompressed and zstd level 1, on random bytes (what fp32
+   out=), each timed end to end, with the images' checksum (--checksum, crc32 by default); uncompressed and zstd level 1, on random bytes (what fp32
    weights look like to zstd: ~1.08x) and on zeros.
 
 Figures are the best of --repeat runs, in GB/s (10^9 bytes per second). --dir picks where the
@@ -99,7 +99,7 @@ def bench_memcpy(repeat: int) -> float:
 
 
 def bench_image(directory: Path, total: int, buffer_size: int, chunk_size: int, compress: bool, data: str,
-                repeat: int, threads: int | None) -> dict[str, Any]:
+                repeat: int, threads: int | None, checksum: str) -> dict[str, Any]:
     block = os.urandom(buffer_size) if data == "random" else bytes(buffer_size)
     n = max(1, total // buffer_size)
     view = memoryview(block)
@@ -111,7 +111,7 @@ def bench_image(directory: Path, total: int, buffer_size: int, chunk_size: int, 
         if path.exists():
             shutil.rmtree(path)
         with img.ImageWriter(path, {"bench": True}, compress=compress, chunk_size=chunk_size,
-                             threads=threads) as w:
+                             threads=threads, checksum=checksum) as w:
             for i in range(n):
                 w.add(i, 0x7F0000000000 + i * buffer_size, buffer_size, view)
             summary.update(w.commit())
@@ -143,6 +143,8 @@ def main() -> int:
     ap.add_argument("--buffer-size", default="256MiB", help="bytes per buffer (default 256MiB)")
     ap.add_argument("--chunk-size", default="64MiB", help="bytes per chunk (default 64MiB)")
     ap.add_argument("--threads", type=int, default=None, help="writer/reader threads (default: min(16, CPUs))")
+    ap.add_argument("--checksum", default="crc32", choices=sorted(img.CHECKSUMS),
+                    help="the images' checksum (default crc32, the writer's default)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout instead of a table")
     args = ap.parse_args()
@@ -153,11 +155,12 @@ def main() -> int:
             "tool": "bench_image", "date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpu": cpu_model(),
             "cpus": cpus, "python": platform.python_version(), "dir": args.dir,
             "filesystem": _fs_type(args.dir), "chunk_size": parse_size(args.chunk_size),
-            "threads": args.threads or min(16, cpus),
+            "threads": args.threads or min(16, cpus), "checksum": args.checksum,
             "checksums": bench_checksums(args.repeat, sorted({1, 2, cpus})),
             "memcpy_gbps": bench_memcpy(args.repeat),
             "images": [bench_image(work, parse_size(args.total), parse_size(args.buffer_size),
-                                   parse_size(args.chunk_size), compress, data, args.repeat, args.threads)
+                                   parse_size(args.chunk_size), compress, data, args.repeat, args.threads,
+                                   args.checksum)
                        for data in ("random", "zeros") for compress in (False, True)],
         }
     finally:
@@ -165,7 +168,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{result['cpu']} x{cpus}, {result['dir']} ({result['filesystem']}), chunks {args.chunk_size}")
+    print(f"{result['cpu']} x{cpus}, {result['dir']} ({result['filesystem']}), chunks {args.chunk_size}, "
+          f"{args.checksum}")
     print("checksums (GB/s): " + ", ".join(f"{k[:-5]} {v}" for k, v in result["checksums"].items()))
     print(f"memcpy 1 GiB: {result['memcpy_gbps']} GB/s")
     print(f"{'data':8} {'zstd':5} {'ratio':>6} {'write':>7} {'verify':>7} {'read':>7}  GB/s")

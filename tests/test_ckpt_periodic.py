@@ -66,7 +66,7 @@ def take(prof: per.PeriodicProfile, snap: FakeSnapshot, n: int, start: float = T
 def test_shipped_profile_loads() -> None:
     prof = per.load_periodic_profile(REPO / "profiles" / "ckpt-periodic.toml")
     assert prof.chain_length == 6 and prof.keep == 14 and prof.max_age_s == 7 * 86400
-    assert prof.chunk_size == 64 << 20 and prof.checksum == "sha256" and prof.agent == {"command": "python3? .*train"}
+    assert prof.chunk_size == 64 << 20 and prof.checksum == "crc32" and prof.agent == {"command": "python3? .*train"}
 
 
 @pytest.mark.parametrize("text, message", [

@@ -316,8 +316,11 @@ def test_diff(tmp_path: Path) -> None:
     b[CS] ^= 1
     b[3 * CS + 5] ^= 1
     write(tmp_path / "a", a)
-    write(tmp_path / "b", {1: bytes(b)}, checksum="crc32", chunk_size=2 * CS)  # bytes are compared
+    write(tmp_path / "b", {1: bytes(b)}, chunk_size=2 * CS)  # other chunk size: bytes are compared
     assert diff(tmp_path / "a", tmp_path / "b")[0]["ranges"] == [[0, 2 * CS], [3 * CS, 4 * CS]]
+    write(tmp_path / "a256", a, checksum="sha256")
+    write(tmp_path / "b256", {1: bytes(b)}, checksum="sha256")  # sha256 sums alone decide
+    assert diff(tmp_path / "a256", tmp_path / "b256")[0]["ranges"] == [[0, 2 * CS], [3 * CS, 4 * CS]]
     with ImageWriter(tmp_path / "c", {}) as w:
         w.add(1, 0x1, 4 * CS, a[1])
         w.commit()

@@ -12,7 +12,7 @@ manifest.json:
   image_id       32 hex digits, new for every image
   created        UTC time the image was committed (ISO 8601)
   chunk_size     bytes per chunk (the last chunk of a buffer may be shorter)
-  checksum       "sha256" or "crc32": of each chunk's raw (uncompressed) bytes
+  checksum       "crc32" (default) or "sha256": of each chunk's raw (uncompressed) bytes
   compression    "zstd" or null; level
   parent         null, or {path (relative to this image's directory), image_id}
   buffers        [{id, addr, size, kind, stored: true, chunks: [{n, file,
@@ -31,11 +31,14 @@ midway leaves only a dot-named temp directory, which ``clean_stale_temps`` remov
 writer is dead. There is no single-file form: a directory can be written by many threads at
 once without a shared file offset, and ``tar`` carries one anywhere.
 
-Checksums: sha256 (hashlib, OpenSSL with SHA-NI where the CPU has it; it releases the GIL, so
-chunks are hashed on several cores at once). Measured on the development VM: sha256 1.3–1.4 GB/s
-per core, crc32 2.6–3.0 GB/s, blake2b 0.6 GB/s (BENCHMARKS.md). crc32 may be chosen per image
-for speed; it detects corruption as well but is too short to call two chunks equal with
-confidence, so ``diff`` between crc32 images compares bytes.
+Checksums: crc32 (zlib) by default, sha256 on request, both computed on the writer's threads
+(zlib and hashlib release the GIL on large buffers). Measured on the development VM
+(BENCHMARKS.md, scripts/bench_image.py): crc32 2.7–3.3 GB/s on one core and 4.4–4.6 GB/s on two,
+sha256 (OpenSSL, SHA-NI) 1.3 and 2.5–2.7, blake2b 0.6. The image must keep up with the agent's
+copies at link speed (45 GB/s target), so the default is the cheapest per byte; crc32 catches
+any burst error up to 32 bits and other damage with odds of 2^-32 per chunk. sha256 gives
+content identity: ``diff`` trusts equal sha256 sums, and reads and compares the bytes of
+chunks whose crc32 sums are equal.
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ class ImageWriter:
 
     def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any], *, compress: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, parent: str | os.PathLike[str] | None = None,
-                 checksum: str = "sha256", level: int = 1, threads: int | None = None, fsync: bool = True):
+                 checksum: str = "crc32", level: int = 1, threads: int | None = None, fsync: bool = True):
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         if checksum not in CHECKSUMS:
@@ -230,8 +233,10 @@ class ImageWriter:
             raise ImageError(f"{self.path}: already exists (an image is never overwritten)", ExitCode.IO_ERROR,
                              self.path)
         self.temp = _temp_name(self.path)
-        try:
-            os.makedirs(os.path.join(self.temp, CHUNKS))
+        try:  # 0700 and 0600: an image holds a process's memory
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.mkdir(self.temp, 0o700)
+            os.mkdir(os.path.join(self.temp, CHUNKS), 0o700)
         except OSError as e:
             raise _io_error("cannot create", self.temp, e) from e
         self._lock = threading.Lock()
@@ -748,10 +753,18 @@ def _changed_ranges(ia: Image, ib: Image, buf_id: int) -> list[list[int]]:
         return []  # the very same stored bytes
     cs_a, cs_b = int(ha.manifest["chunk_size"]), int(hb.manifest["chunk_size"])
     ranges: list[list[int]] = []
-    if cs_a == cs_b and ha.manifest["checksum"] == hb.manifest["checksum"] == "sha256":
-        sums_b = {c["n"]: c["sum"] for c in eb["chunks"]}
+    if cs_a == cs_b and ha.manifest["checksum"] == hb.manifest["checksum"]:
+        trusted = ha.manifest["checksum"] == "sha256"  # equal sums mean equal bytes
+        chunks_b = {c["n"]: c for c in eb["chunks"]}
         for c in ea["chunks"]:
-            if sums_b.get(c["n"]) != c["sum"]:
+            cb = chunks_b.get(c["n"])
+            same = cb is not None and cb["sum"] == c["sum"] and cb["size"] == c["size"]
+            if same and not trusted:  # a short checksum: equal sums are checked byte by byte
+                pa, pb = memoryview(bytearray(c["size"])), memoryview(bytearray(c["size"]))
+                ha.read_chunk(ea, c, pa)
+                hb.read_chunk(eb, cb, pb)
+                same = pa == pb
+            if not same:
                 _merge(ranges, c["n"] * cs_a, c["n"] * cs_a + c["size"])
         return ranges
     da, db = ia.read(buf_id), ib.read(buf_id)  # different layouts or short checksums: compare bytes

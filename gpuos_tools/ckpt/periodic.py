@@ -6,7 +6,7 @@ called, and which old images to delete, for a profile like profiles/ckpt-periodi
     name = "train"            # images are NAME-YYYYmmddTHHMMSS.mmmZ (UTC), sorting by time
     compress = false          # zstd per chunk (only where it makes a chunk smaller)
     chunk_size = "64MiB"
-    checksum = "sha256"       # or "crc32"
+    checksum = "crc32"        # or "sha256"
 
     [chain]
     length = 6                # incremental images after each full one (0: every image is full)
@@ -73,7 +73,7 @@ class PeriodicProfile:
     name: str = "image"
     compress: bool = False
     chunk_size: int = img.DEFAULT_CHUNK_SIZE
-    checksum: str = "sha256"
+    checksum: str = "crc32"
     chain_length: int = 0
     keep: int = 0
     max_age_s: float | None = None
@@ -130,7 +130,7 @@ def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
         raise _bad(path, f"images.chunk_size: {e}") from None
     if prof.chunk_size < 4096:
         raise _bad(path, "images.chunk_size must be at least 4KiB")
-    prof.checksum = images.get("checksum", "sha256")
+    prof.checksum = images.get("checksum", "crc32")
     if prof.checksum not in img.CHECKSUMS:
         raise _bad(path, f"images.checksum must be one of {', '.join(img.CHECKSUMS)}")
     length = chain.get("length", 0)

@@ -52,7 +52,18 @@ The profile (profiles/maintenance.toml in the source tree):
 A full-process image with CRIU 4 or later (as root), and back:
 
     gpu-ckpt --pid 4242 --image /var/tmp/job.img
-    gpu-restore --image /var/tmp/job.img"""
+    gpu-restore --image /var/tmp/job.img
+
+A checkpoint image of a job every 15 minutes through its agent, from cron (full, then up to
+`chain.length` incremental images, old ones retired by the profile's retention):
+
+    */15 * * * * chronic gpu-ckpt periodic --profile /etc/gpuos-tools/ckpt-periodic.toml
+    gpu-ckpt periodic --profile /etc/gpuos-tools/ckpt-periodic.toml --plan | jq .
+
+Fold an incremental image and its chain into one full image, and check it:
+
+    gpu-ckpt compact /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z /var/tmp/train.full
+    gpu-restore verify /var/tmp/train.full"""
 
 NOTES = """\
 A checkpoint is stop-the-world: the lock waits for the process's CUDA calls in flight and its
@@ -89,7 +100,47 @@ checked before the process is touched. The GPU state is checkpointed first, then
 writes the image (by default CRIU ends the process; `--leave-running` resumes it on the GPU
 afterwards). If `criu dump` fails, the process is restored and unlocked."""
 
-MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)")
+PERIODIC = """\
+`gpu-ckpt periodic --profile FILE` takes one image of an agent process per run, for cron. The
+profile (profiles/ckpt-periodic.toml in the source tree) says where the images go and what they
+are called, whether chunks are compressed, how many incremental images may follow a full one,
+and how many images to keep and for how long:
+
+    [images]
+    directory = "/var/lib/gpuos-tools/images/train"
+    name = "train"
+    compress = false
+    chunk_size = "64MiB"
+    checksum = "crc32"
+
+    [chain]
+    length = 6
+
+    [retention]
+    keep = 14
+    max_age = "7d"
+
+    [agent]
+    command = 'python3? .*train'
+
+Each run removes the temp directories of image writers that died, then takes the next image:
+incremental on the newest image while that image's chain has fewer than `chain.length`
+increments and reads, full otherwise (or when `chain.length` is 0). Images are named
+`NAME-YYYYmmddTHHMMSS.mmmZ` (UTC). The image appears only once complete; if the snapshot fails,
+nothing is left and nothing is deleted. Then retention keeps the newest `keep` images no older
+than `max_age`, the newest image always, and every image a kept image chains to; the rest are
+deleted newest first (a child before its parent), each by one rename. Files in the directory
+that are not this profile's images are never touched, and a lock file keeps two runs of the
+same profile apart. Records go only where `-o` says: a run is silent on success, and a failure
+is a message on standard error with a non-zero status. `--plan` writes what the next run would
+do and changes nothing.
+
+The snapshot is the agent's (the concurrent checkpoint path): the command asks
+`gpuos_tools.agent.snapshot.periodic_snapshot` for it. In a build without that module the
+command fails with status 91 (SNAPSHOT_UNAVAILABLE) and writes nothing."""
+
+MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
+                            {"PERIODIC CHECKPOINTS": PERIODIC})
 
 app = typer.Typer(
     name="gpu-ckpt",

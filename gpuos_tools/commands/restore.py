@@ -37,7 +37,13 @@ only when a command fails; both are quiet on success anyway):
 
 A full-process image written by `gpu-ckpt --pid 4242 --image /var/tmp/job.img` (as root):
 
-    gpu-restore --image /var/tmp/job.img"""
+    gpu-restore --image /var/tmp/job.img
+
+Check an image of the agent path (and its parent chain), and compare two:
+
+    gpu-restore verify /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
+    gpu-restore diff before.img after.img
+    gpu-restore diff before.img after.img | jq -c 'select(.type=="image_diff") | [.buffer, .change, .bytes]'"""
 
 NOTES = """\
 A process checkpointed by `gpu-ckpt --pid` is restored in place by default: its memory goes
@@ -61,7 +67,21 @@ its old PID, which must be free.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
-that failed, so that running it again retries them. It is silent on success."""
+that failed, so that running it again retries them. It is silent on success.
+
+`gpu-restore verify IMAGE` checks an image of the agent path and its parent chain: the manifest
+parses and is complete, every chunk file the manifest lists is there with its size, its bytes
+(decompressed) match its checksum, no chunk file is extra, and every parent is there with the
+image id recorded, holding each inherited buffer at the same address and size. Each problem is a
+line on standard error naming the file, the buffer and the chunk; the status is then 90
+(IMAGE_CORRUPT). `--quick` skips reading the chunks.
+
+`gpu-restore diff A B` compares the contents two images describe, each read through its chain:
+buffers (by id) added, removed, moved or resized, and for the others the byte ranges that differ,
+at chunk granularity: by the chunks' checksums when both images use the same chunk size (equal
+sha256 sums are trusted; chunks with equal crc32 sums are read and compared), by reading and
+comparing the bytes otherwise. Like diff(1) it exits 0 when the contents are the
+same and 1 when they differ."""
 
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-ckpt(1), criu(8), chronic(1)")
 
@@ -208,8 +228,8 @@ def diff(
 ) -> None:
     """Which buffers differ between two images, and where (ad-hoc debugging).
 
-    Compares buffer by buffer, by the chunk checksums where both images use sha256 and the same
-    chunk size (by their bytes otherwise): buffers added, removed, moved or resized, and the
+    Compares buffer by buffer, by the chunk checksums where both images use the same chunk size
+    (chunks with equal crc32 sums are read and compared; by their bytes otherwise): buffers added, removed, moved or resized, and the
     changed byte ranges at chunk granularity. Draws a table on a terminal, writes image_diff
     records and an image_diff_summary otherwise. Exits 0 when they hold the same contents, 1
     when they differ (as diff(1) does).
