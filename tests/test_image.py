@@ -354,3 +354,20 @@ def test_commands_verify_diff_compact(tmp_path: Path) -> None:
     assert done.returncode == 0 and json.loads(done.stdout.splitlines()[-1])["identical"] is True
     assert run_restore("verify", str(tmp_path / "nope")).returncode == ExitCode.NO_INPUT
     assert run_restore("--pid", "1", "verify", str(inc2)).returncode == ExitCode.USAGE
+
+
+def test_checked_in_format_fixture() -> None:
+    """tests/data/image-format: written once from fixed patterns (see its README), read now."""
+    def pattern(n: int, k: int) -> bytes:
+        return bytes((i * k + 7) % 251 for i in range(n))
+
+    base = REPO / "tests" / "data" / "image-format"
+    inc = open_image(base / "inc")
+    assert inc.manifest["schema"] == "gpuos-image/1" and inc.manifest["launch_seq"] == 42
+    assert [i.path for i in inc.chain()] == [str(base / "inc"), str(base / "full")]
+    assert inc.read(1) == pattern(10000, 3) and inc.read(3) == pattern(8192, 11)
+    assert inc.buffer(2) is None and open_image(base / "full").read(2) == pattern(4096, 5)
+    assert open_image(base / "full").read(3) == bytes(8192)
+    assert verify(base / "inc") == [] and verify(base / "full") == []
+    assert [(r["buffer"], r["change"], r.get("ranges")) for r in diff(base / "full", base / "inc")] == [
+        (2, "removed", None), (3, "changed", [[0, 8192]])]
