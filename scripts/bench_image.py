@@ -81,8 +81,8 @@ def bench_checksums(repeat: int, threads: list[int]) -> dict[str, Any]:
     for name in ("sha256", "crc32"):
         for n in threads:
             views = [chunk] * n
-            out[f"{name}_{n}t_gbps"] = round(n * len(chunk) / best(repeat, lambda: threaded(fns[name], views)) / 1e9,
-                                             3)
+            run = lambda f=fns[name], v=views: threaded(f, v)
+            out[f"{name}_{n}t_gbps"] = round(n * len(chunk) / best(repeat, run) / 1e9, 3)
     return out
 
 
@@ -174,7 +174,7 @@ def main() -> int:
     print(f"memcpy 1 GiB: {result['memcpy_gbps']} GB/s")
     print(f"{'data':8} {'zstd':5} {'ratio':>6} {'write':>7} {'verify':>7} {'read':>7}  GB/s")
     for r in result["images"]:
-        print(f"{r['data']:8} {str(r['compress']):5} {r['ratio']:6.2f} {r['write_gbps']:7.2f} {r['verify_gbps']:7.2f} "
+        print(f"{r['data']:8} {r['compress']!s:5} {r['ratio']:6.2f} {r['write_gbps']:7.2f} {r['verify_gbps']:7.2f} "
               f"{r['read_gbps']:7.2f}")
     return 0
 

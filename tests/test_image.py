@@ -21,7 +21,14 @@ import pytest
 from helpers import REPO, child_env
 
 from gpuos_tools.ckpt import image as img
-from gpuos_tools.ckpt.image import ImageError, ImageWriter, compact, diff, open_image, verify
+from gpuos_tools.ckpt.image import (
+    ImageError,
+    ImageWriter,
+    compact,
+    diff,
+    open_image,
+    verify,
+)
 from gpuos_tools.errors import ExitCode
 
 CS = 4096  # a small chunk size, so that small buffers span several chunks
@@ -179,10 +186,9 @@ def test_nothing_visible_before_commit_and_abort_cleans(tmp_path: Path) -> None:
     assert not img.is_image(tmp_path / temps(tmp_path)[0])  # no manifest yet: not loadable either
     w.abort()
     assert os.listdir(tmp_path) == []
-    with pytest.raises(RuntimeError, match="agent died"):
-        with ImageWriter(tmp_path / "im", {}) as w:
-            w.add(1, 0x10, 100, rand(100, 8))
-            raise RuntimeError("agent died")
+    with pytest.raises(RuntimeError, match="agent died"), ImageWriter(tmp_path / "im", {}) as w:
+        w.add(1, 0x10, 100, rand(100, 8))
+        raise RuntimeError("agent died")
     assert os.listdir(tmp_path) == []
     with ImageWriter(tmp_path / "im", {}) as w:
         w.add(1, 0x10, 100, rand(100, 8))  # left without commit: aborted too
@@ -290,7 +296,7 @@ def test_incremental_chain_reads_through_and_compacts(tmp_path: Path) -> None:
 
 
 def test_broken_chain(tmp_path: Path) -> None:
-    full, inc1, inc2, _ = chain3(tmp_path)
+    full, _, inc2, _ = chain3(tmp_path)
     os.rename(full, tmp_path / "away")
     write(full, {1: b"other image, same name"})
     problems = verify(inc2)
@@ -303,7 +309,7 @@ def test_broken_chain(tmp_path: Path) -> None:
 
 
 def test_diff(tmp_path: Path) -> None:
-    full, inc1, inc2, _ = chain3(tmp_path)
+    full, inc1, _, _ = chain3(tmp_path)
     records = diff(full, inc1)
     by = {r["buffer"]: r for r in records}
     assert set(by) == {2, 3, 4}
@@ -333,7 +339,7 @@ def run_restore(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_commands_verify_diff_compact(tmp_path: Path) -> None:
-    full, inc1, inc2, want = chain3(tmp_path)
+    full, inc1, inc2, _ = chain3(tmp_path)
     done = run_restore("verify", str(inc2))
     assert done.returncode == 0 and done.stderr == ""
     header, rec = [json.loads(line) for line in done.stdout.splitlines()]

@@ -55,7 +55,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from gpuos_tools.errors import ExitCode, GpuosError
 
@@ -248,10 +249,11 @@ class ImageWriter:
         self._done = False
 
     # context manager: abort on exception, never commit implicitly
-    def __enter__(self) -> ImageWriter:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None or not self._done:
             self.abort()
 
@@ -549,9 +551,11 @@ class Image:
             with open(path, "rb", buffering=0) as f:
                 if chunk.get("zstd"):
                     packed = f.read()
+                    import zstandard
+
                     try:
                         data = self._decompressor().decompress(packed, max_output_size=chunk["size"])
-                    except Exception as e:  # zstandard.ZstdError
+                    except zstandard.ZstdError as e:
                         raise ImageError(f"{where}: does not decompress ({e})",
                                          ExitCode.IMAGE_CORRUPT, path) from None
                     if len(data) != chunk["size"]:
