@@ -146,7 +146,7 @@ def main() -> int:
     ap.add_argument("--checksum", default="crc32", choices=sorted(img.CHECKSUMS),
                     help="the images' checksum (default crc32, the writer's default)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json", action="store_true", help="one JSON object on stdout instead of a table")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-': stdout) instead of a table")
     args = ap.parse_args()
     cpus = os.cpu_count() or 1
     work = Path(tempfile.mkdtemp(prefix="bench-image-", dir=args.dir))
@@ -166,7 +166,11 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        print(json.dumps(result, indent=1))
+        text = json.dumps(result, indent=1) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.json).write_text(text, encoding="utf-8")
         return 0
     print(f"{result['cpu']} x{cpus}, {result['dir']} ({result['filesystem']}), chunks {args.chunk_size}, "
           f"{args.checksum}")
