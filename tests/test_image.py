@@ -250,6 +250,49 @@ def test_kill_9_mid_write_leaves_no_loadable_image(tmp_path: Path, delay: float)
     assert os.listdir(tmp_path) == []
 
 
+LOOP_CHILD = r"""
+import os, sys
+from gpuos_tools.ckpt.image import ImageWriter
+block = os.urandom(1 << 18)
+for n in range(100000):
+    with ImageWriter(os.path.join(sys.argv[1], f"im-{n}"), {}, chunk_size=1 << 16, compress=n % 2 == 1) as w:
+        for i in range(4):
+            w.add(i, 0x1000 * i, len(block), block)
+        w.commit()
+    if n == 0:
+        print("writing", flush=True)
+"""
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kill_9_at_random_points_leaves_only_sound_images(tmp_path: Path, seed: int) -> None:
+    """Images written back to back, commit and rename included, killed at a random moment:
+    every image that is visible verifies, and what is left besides is a dot-named temp."""
+    import random
+
+    child = subprocess.Popen([sys.executable, "-c", LOOP_CHILD, str(tmp_path)], cwd=REPO, env=child_env(),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "writing\n"
+        time.sleep(random.Random(seed).uniform(0, 0.3))
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    names = os.listdir(tmp_path)
+    visible = [n for n in names if not n.startswith(".")]
+    assert visible and all(n.startswith("im-") for n in visible)
+    for n in visible:
+        assert verify(tmp_path / n) == [], n
+        assert open_image(tmp_path / n).read(3) == open_image(tmp_path / "im-0").read(3)
+    leftovers = [n for n in names if n.startswith(".")]
+    assert len(leftovers) <= 1 and all(n.endswith(".tmp") for n in leftovers)
+    img.clean_stale_temps(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(visible)
+
+
 def test_clean_stale_temps_keeps_live_writers(tmp_path: Path) -> None:
     w = ImageWriter(tmp_path / "im", {})
     assert img.clean_stale_temps(tmp_path) == []
