@@ -35,6 +35,8 @@ class ExitCode(enum.IntEnum):
     CRIU_UNUSABLE = 82
     CRIU_FAILED = 83
     NOT_CHECKPOINTABLE = 84
+    IMAGE_CORRUPT = 90
+    SNAPSHOT_UNAVAILABLE = 91
     INTERRUPTED = 130
 
 
@@ -64,6 +66,8 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.CRIU_UNUSABLE: "CRIU is needed but missing, older than 4, or failing `criu check`; nothing was touched",
     ExitCode.CRIU_FAILED: "`criu dump` or `criu restore` failed (its log is named in the message)",
     ExitCode.NOT_CHECKPOINTABLE: "the driver could not checkpoint or restore the process (managed memory, IPC, MPS, MIG...)",
+    ExitCode.IMAGE_CORRUPT: "a checkpoint image is damaged or incomplete: a chunk missing, extra, truncated or with the wrong checksum, a truncated manifest, or a broken parent chain (the message names the file)",
+    ExitCode.SNAPSHOT_UNAVAILABLE: "the agent snapshot path is not available (not connected in this build, or no agent to ask); no image was written",
     ExitCode.INTERRUPTED: "interrupted (SIGINT)",
 }
 

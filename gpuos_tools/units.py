@@ -89,6 +89,18 @@ def parse_duration(text: str) -> float:
     return parts[0] / _TIME_UNITS[parts[1].lower()]
 
 
+_AGE_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """Seconds in an age as retention settings write it (``90s``, ``30m``, ``12h``, ``7d``, ``2w``;
+    a plain number is seconds)."""
+    parts = _split(text)
+    if parts is None or parts[1].lower() not in (*_AGE_UNITS, ""):
+        raise ValueError(f"not an age: {text!r} (a number with s, m, h, d or w)")
+    return parts[0] * _AGE_UNITS.get(parts[1].lower(), 1)
+
+
 def format_size(n: float) -> str:
     """Bytes for people, binary units (``1.5 GiB``)."""
     value = float(n)

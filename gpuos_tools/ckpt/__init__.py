@@ -8,4 +8,8 @@
 - ``criu``: full-process images through CRIU >= 4 (``criu dump`` / ``criu restore``).
 - ``profile``: TOML profiles that select processes for a maintenance run, and their state files.
 - ``records``: the stream records these write.
+- ``image``: the image format of the agent path (a directory: manifest and checksummed chunks,
+  incremental chains), with verify, diff and compaction.
+- ``periodic``: periodic checkpoints from cron (full vs incremental, names, retention), with the
+  agent's snapshot function injected.
 """

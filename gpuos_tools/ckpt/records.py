@@ -23,6 +23,21 @@ ckpt_status    (gpu-ckpt status) pid, user, command, state, error, gpus,
 ckpt_profile   (--profile) action, profile, state_file, counts: selected,
                suspended, resumed, skipped [{pid, why}], failed [{pid, error,
                state, message}], ok
+image_verify   (gpu-restore verify) image, ok, problems [sentences naming the
+               file], chain [image paths, newest first], buffers, bytes
+image_diff     (gpu-restore diff) buffer, change (added, removed, resized,
+               changed), addr, size, kind; changed: ranges [[start, end)] at
+               chunk granularity and bytes; resized: new_addr, new_size
+image_diff_summary  a, b, buffers_a, buffers_b, added, removed, resized,
+               changed, bytes_changed, identical
+image_compact  (gpu-ckpt compact) head, chain [image ids folded], image,
+               image_id, bytes, stored_bytes, chunks, buffers, seconds
+ckpt_periodic  (gpu-ckpt periodic) profile, directory, image, kind (full,
+               incremental), parent, why, bytes, stored_bytes, seconds,
+               snapshot (the agent's summary), kept, deleted, cleaned (temp
+               directories of dead writers removed)
+ckpt_periodic_plan  (gpu-ckpt periodic --plan) the same without taking the
+               image: image, kind, parent, why, would_keep, would_delete
 '''
 
 The last ``ckpt_result`` of a stream says what the process was left in, on success and on
@@ -121,14 +136,37 @@ def record_stream(output: str | None, tool: str, header_fields: Callable[[], dic
         sink.finish()
 
 
-def man_sections(notes: str, examples: str, see_also: str) -> dict[str, str]:
+IMAGE_FORMAT = """\
+Images of the agent path (`gpu-ckpt compact`, `gpu-ckpt periodic`, `gpu-restore verify` and
+`gpu-restore diff`; the agent writes them through `gpuos_tools.ckpt.image.ImageWriter`) are
+directories, not live processes: a JSON manifest (the allocation table with addresses and
+sizes, GPU, driver, CUDA, process, parent image, T0 and the launch sequence number at T0) and
+each buffer's bytes in fixed-size chunk files (64 MiB by default), each with a checksum of its
+raw bytes and, optionally, zstd compression (kept only where it makes the chunk smaller). They
+are unrelated to `--image DIR`, which is a CRIU process image.
+
+An image is written under a dot-named temp directory beside its final name, every file fsynced,
+the manifest last, and renamed into place only when complete: a reader sees a whole image or
+none, and a writer killed midway leaves only `.NAME.PID.XXXXXXXX.tmp`, removed by the next
+`gpu-ckpt periodic` (or by hand) once that PID is gone. An incremental image holds only the
+buffers written since its parent and names the parent (relative path and image id); reading a
+buffer it does not hold goes down the chain. `gpu-ckpt compact` folds a chain into one full
+image. There is no single-file form; `tar` carries an image directory.
+"""
+
+
+def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The man-page sections gpu-ckpt(1) and gpu-restore(1) share, around their own text."""
+    from gpuos_tools.ckpt.image import IMAGE_DOC
+
     return {
         "RECORDS": (
             "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
             "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in RECORDS.strip("\n").splitlines())
         ),
         "NOTES": notes,
+        **(extra or {}),
+        "IMAGE FORMAT": IMAGE_FORMAT + "\n\n" + "\n".join("    " + line for line in IMAGE_DOC.strip("\n").splitlines()),
         "ENVIRONMENT": (
             "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
             "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
@@ -137,6 +175,7 @@ def man_sections(notes: str, examples: str, see_also: str) -> dict[str, str]:
         ),
         "FILES": (
             "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
+            "- `profiles/ckpt-periodic.toml`: the example profile for periodic checkpoints (`gpu-ckpt periodic`).\n"
             "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
             "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
         ),

@@ -11,6 +11,7 @@ import typer
 from gpuos_tools.ckpt.records import man_sections
 from gpuos_tools.cli import error, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.units import SIZE_HELP, parse_size
 
 EXAMPLES = """\
 Free the GPU held by one process, then give it back:
@@ -51,7 +52,18 @@ The profile (profiles/maintenance.toml in the source tree):
 A full-process image with CRIU 4 or later (as root), and back:
 
     gpu-ckpt --pid 4242 --image /var/tmp/job.img
-    gpu-restore --image /var/tmp/job.img"""
+    gpu-restore --image /var/tmp/job.img
+
+A checkpoint image of a job every 15 minutes through its agent, from cron (full, then up to
+`chain.length` incremental images, old ones retired by the profile's retention):
+
+    */15 * * * * chronic gpu-ckpt periodic --profile /etc/gpuos-tools/ckpt-periodic.toml
+    gpu-ckpt periodic --profile /etc/gpuos-tools/ckpt-periodic.toml --plan | jq .
+
+Fold an incremental image and its chain into one full image, and check it:
+
+    gpu-ckpt compact /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z /var/tmp/train.full
+    gpu-restore verify /var/tmp/train.full"""
 
 NOTES = """\
 A checkpoint is stop-the-world: the lock waits for the process's CUDA calls in flight and its
@@ -88,7 +100,47 @@ checked before the process is touched. The GPU state is checkpointed first, then
 writes the image (by default CRIU ends the process; `--leave-running` resumes it on the GPU
 afterwards). If `criu dump` fails, the process is restored and unlocked."""
 
-MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)")
+PERIODIC = """\
+`gpu-ckpt periodic --profile FILE` takes one image of an agent process per run, for cron. The
+profile (profiles/ckpt-periodic.toml in the source tree) says where the images go and what they
+are called, whether chunks are compressed, how many incremental images may follow a full one,
+and how many images to keep and for how long:
+
+    [images]
+    directory = "/var/lib/gpuos-tools/images/train"
+    name = "train"
+    compress = false
+    chunk_size = "64MiB"
+    checksum = "crc32"
+
+    [chain]
+    length = 6
+
+    [retention]
+    keep = 14
+    max_age = "7d"
+
+    [agent]
+    command = 'python3? .*train'
+
+Each run removes the temp directories of image writers that died, then takes the next image:
+incremental on the newest image while that image's chain has fewer than `chain.length`
+increments and reads, full otherwise (or when `chain.length` is 0). Images are named
+`NAME-YYYYmmddTHHMMSS.mmmZ` (UTC). The image appears only once complete; if the snapshot fails,
+nothing is left and nothing is deleted. Then retention keeps the newest `keep` images no older
+than `max_age`, the newest image always, and every image a kept image chains to; the rest are
+deleted newest first (a child before its parent), each by one rename. Files in the directory
+that are not this profile's images are never touched, and a lock file keeps two runs of the
+same profile apart. Records go only where `-o` says: a run is silent on success, and a failure
+is a message on standard error with a non-zero status. `--plan` writes what the next run would
+do and changes nothing.
+
+The snapshot is the agent's (the concurrent checkpoint path): the command asks
+`gpuos_tools.agent.snapshot.periodic_snapshot` for it. In a build without that module the
+command fails with status 91 (SNAPSHOT_UNAVAILABLE) and writes nothing."""
+
+MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
+                            {"PERIODIC CHECKPOINTS": PERIODIC})
 
 app = typer.Typer(
     name="gpu-ckpt",
@@ -242,6 +294,90 @@ def status(
         table.add_row(str(rec["pid"]), rec.get("user", "?"), rec.get("state") or rec.get("error", "?"),
                       "?" if mem is None else f"{mem / 2**30:.2f} GiB", gpus, " ".join(rec.get("command", "").split()))
     Console().print(table)
+
+
+def _records(output: str, tool: str, records: list[dict[str, Any]], **fields: Any) -> None:
+    from gpuos_tools.stream import make_header, open_output
+
+    with open_output(output) as writer:
+        writer.write(make_header(tool, **fields))
+        for rec in records:
+            writer.write(rec)
+
+
+@app.command()
+def compact(
+    head: Path = typer.Argument(..., metavar="HEAD", help="The newest image of a chain (an agent-path image directory)."),
+    out: Path = typer.Argument(..., metavar="OUT", help="The full image to write (must not exist)."),
+    compress: Optional[bool] = typer.Option(
+        None, "--compress/--no-compress", help="zstd per chunk (default: as HEAD was written)."),
+    chunk_size: Optional[str] = typer.Option(
+        None, "--chunk-size", metavar="SIZE", help="Bytes per chunk (default: HEAD's); " + SIZE_HELP + "."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Records to FILE ('-': stdout)."),
+) -> None:
+    """Fold an incremental image and its parent chain into one full image.
+
+    Reads every buffer of HEAD through its chain (checking each chunk's checksum) and writes
+    them into OUT, which appears only when complete. The images of the chain are left as they
+    are. Writes one image_compact record.
+    """
+    from gpuos_tools.ckpt import image as img
+
+    size = None
+    if chunk_size is not None:
+        try:
+            size = parse_size(chunk_size)
+        except ValueError as e:
+            raise GpuosError(f"--chunk-size: {e}", ExitCode.USAGE) from None
+        if size <= 0:
+            raise GpuosError("--chunk-size must be positive", ExitCode.USAGE)
+    chain = [i.image_id for i in img.open_image(head).chain()]
+    summary = img.compact(head, out, compress=compress, chunk_size=size)
+    _records(output, f"{PROG} compact", [{"type": "image_compact", "head": str(head), "chain": chain,
+                                          "image": summary["path"], **{k: v for k, v in summary.items()
+                                                                       if k != "path"}}])
+    _say(f"{out}: {len(chain)} image(s) folded, {summary['bytes'] / 2**30:.2f} GiB in {summary['seconds']:.2f} s")
+
+
+@app.command()
+def periodic(
+    profile: Path = typer.Option(..., "--profile", metavar="FILE", help="The periodic-checkpoint profile (TOML)."),
+    plan: bool = typer.Option(
+        False, "--plan", help="Only say what the run would do (next image, full or incremental, what retention "
+        "would delete); take nothing, delete nothing."),
+    output: Optional[str] = typer.Option(
+        None, "--output", "-o", metavar="FILE",
+        help="Records to FILE ('-': stdout). Default: none (quiet on success, for cron); stdout with --plan."),
+) -> None:
+    """Take the next periodic checkpoint image of an agent process, and apply retention.
+
+    For cron: one consistent snapshot through the process's agent into the profile's directory,
+    full or incremental on the newest image (chain.length), visible only once complete; then the
+    images retention no longer wants are deleted (never one a kept image chains to). Silent on
+    success; a message on stderr and a non-zero status on failure.
+    """
+    import time
+
+    from gpuos_tools.ckpt import periodic as per
+
+    prof = per.load_periodic_profile(profile)
+    if plan:
+        now = time.time()
+        images = per.list_images(prof)
+        step = per.plan_next(prof, images, now)
+        parent_id = None if step.parent is None else next(e.image_id for e in images if e.path == step.parent)
+        future = [per.Entry(step.name, step.path, now, "(new)", parent_id), *images]
+        kept, doomed = per.retention(prof, future, now)
+        _records("-" if output is None else output, f"{PROG} periodic", [{
+            "type": "ckpt_periodic_plan", "profile": str(profile), "directory": str(prof.directory),
+            "image": step.name, "kind": "full" if step.parent is None else "incremental",
+            "parent": None if step.parent is None else step.parent.name, "why": step.why,
+            "would_keep": [e.name for e in kept], "would_delete": [e.name for e in doomed]}], profile=str(profile))
+        return
+    snapshot = per.agent_snapshot(prof)
+    record = per.run_periodic(prof, snapshot)
+    if output is not None:
+        _records(output, f"{PROG} periodic", [record], profile=str(profile))
 
 
 def main() -> None:

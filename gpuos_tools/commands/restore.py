@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -37,7 +37,13 @@ only when a command fails; both are quiet on success anyway):
 
 A full-process image written by `gpu-ckpt --pid 4242 --image /var/tmp/job.img` (as root):
 
-    gpu-restore --image /var/tmp/job.img"""
+    gpu-restore --image /var/tmp/job.img
+
+Check an image of the agent path (and its parent chain), and compare two:
+
+    gpu-restore verify /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
+    gpu-restore diff before.img after.img
+    gpu-restore diff before.img after.img | jq -c 'select(.type=="image_diff") | [.buffer, .change, .bytes]'"""
 
 NOTES = """\
 A process checkpointed by `gpu-ckpt --pid` is restored in place by default: its memory goes
@@ -61,15 +67,30 @@ its old PID, which must be free.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
-that failed, so that running it again retries them. It is silent on success."""
+that failed, so that running it again retries them. It is silent on success.
+
+`gpu-restore verify IMAGE` checks an image of the agent path and its parent chain: the manifest
+parses and is complete, every chunk file the manifest lists is there with its size, its bytes
+(decompressed) match its checksum, no chunk file is extra, and every parent is there with the
+image id recorded, holding each inherited buffer at the same address and size. Each problem is a
+line on standard error naming the file, the buffer and the chunk; the status is then 90
+(IMAGE_CORRUPT). `--quick` skips reading the chunks.
+
+`gpu-restore diff A B` compares the contents two images describe, each read through its chain:
+buffers (by id) added, removed, moved or resized, and for the others the byte ranges that differ,
+at chunk granularity: by the chunks' checksums when both images use the same chunk size (equal
+sha256 sums are trusted; chunks with equal crc32 sums are read and compared), by reading and
+comparing the bytes otherwise. Like diff(1) it exits 0 when the contents are the
+same and 1 when they differ."""
 
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-ckpt(1), criu(8), chronic(1)")
 
 app = typer.Typer(name=PROG, add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
-@app.command()
+@app.callback(invoke_without_command=True)
 def restore(
+    ctx: typer.Context,
     pid: Optional[int] = typer.Option(None, "--pid", "-p", metavar="PID", help="The checkpointed process."),
     device: Optional[str] = typer.Option(
         None, "--device", "-d", metavar="INDEX|UUID",
@@ -99,7 +120,14 @@ def restore(
     Restores the device memory of a process checkpointed through the NVIDIA driver checkpoint
     API (by gpu-ckpt or any other tool), onto the GPUs it was on or onto another GPU of the same
     kind, and unlocks its CUDA calls. Each step is written as a gpuos stream record.
+    `gpu-restore verify IMAGE` and `gpu-restore diff A B` check and compare images of the
+    agent path.
     """
+    if ctx.invoked_subcommand is not None:
+        if any(x is not None for x in (pid, device, device_map, image, profile, output)) or criu_arg:
+            raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]",
+                             ExitCode.USAGE)
+        return
     if sum(x is not None for x in (pid, image, profile)) != 1:
         raise GpuosError(f"give one of --pid PID, --image DIR, --profile FILE; see `{PROG} --help`", ExitCode.USAGE)
     if device is not None and device_map:
@@ -140,6 +168,109 @@ def restore(
         if result.get("restore_s") is not None:
             text += f" (restore {result['restore_s']:.2f} s)"
         stderr_console().print(f"{PROG}: {text}", highlight=False)
+
+
+def _records(output: str, tool: str, records: list[dict[str, Any]]) -> None:
+    from gpuos_tools.stream import make_header, open_output
+
+    with open_output(output) as writer:
+        writer.write(make_header(tool))
+        for rec in records:
+            writer.write(rec)
+
+
+def _to_terminal(json_out: bool, output: str) -> bool:
+    return not json_out and output == "-" and sys.stdout.isatty()
+
+
+@app.command()
+def verify(
+    image: Path = typer.Argument(..., metavar="IMAGE", help="An image directory of the agent path."),
+    quick: bool = typer.Option(False, "--quick", help="Check files and sizes only; do not read the chunks."),
+    json_out: bool = typer.Option(False, "--json", help="The record even on a terminal."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Records to FILE ('-': stdout)."),
+) -> None:
+    """Check an image and its parent chain: manifest, every chunk's presence, size and checksum.
+
+    Each problem is reported on standard error naming the file (and the buffer and chunk); the
+    status is then IMAGE_CORRUPT (90). Writes one image_verify record (a line on standard
+    error instead when standard output is a terminal).
+    """
+    from gpuos_tools.ckpt import image as img
+
+    if not image.exists():
+        raise GpuosError(f"{image}: no such image", ExitCode.NO_INPUT)
+    problems = img.verify(image, data=not quick)
+    rec: dict[str, Any] = {"type": "image_verify", "image": str(image), "ok": not problems, "problems": problems,
+                           "quick": quick}
+    if not problems:
+        opened = img.open_image(image)
+        rec.update(chain=[i.path for i in opened.chain()], buffers=len(opened.buffers),
+                   bytes=sum(int(b["size"]) for b in opened.buffers))
+    if _to_terminal(json_out, output):
+        if not problems:
+            stderr_console().print(f"{PROG}: {image}: ok ({rec['buffers']} buffers, {rec['bytes'] / 2**30:.2f} GiB, "
+                                   f"chain of {len(rec['chain'])})", highlight=False)
+    else:
+        _records(output, f"{PROG} verify", [rec])
+    for problem in problems:
+        error(PROG, problem)
+    if problems:
+        raise typer.Exit(int(ExitCode.IMAGE_CORRUPT))
+
+
+@app.command()
+def diff(
+    a: Path = typer.Argument(..., metavar="A", help="An image directory of the agent path."),
+    b: Path = typer.Argument(..., metavar="B", help="Another one (each is read through its parent chain)."),
+    json_out: bool = typer.Option(False, "--json", help="Records even on a terminal."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Records to FILE ('-': stdout)."),
+) -> None:
+    """Which buffers differ between two images, and where (ad-hoc debugging).
+
+    Compares buffer by buffer, by the chunk checksums where both images use the same chunk size
+    (chunks with equal crc32 sums are read and compared; by their bytes otherwise): buffers added, removed, moved or resized, and the
+    changed byte ranges at chunk granularity. Draws a table on a terminal, writes image_diff
+    records and an image_diff_summary otherwise. Exits 0 when they hold the same contents, 1
+    when they differ (as diff(1) does).
+    """
+    from gpuos_tools.ckpt import image as img
+
+    for p in (a, b):
+        if not p.exists():
+            raise GpuosError(f"{p}: no such image", ExitCode.NO_INPUT)
+    ia, ib = img.open_image(a), img.open_image(b)
+    rows = img.diff(ia, ib)
+    count = {c: sum(r["change"] == c for r in rows) for c in ("added", "removed", "resized", "changed")}
+    summary = {"type": "image_diff_summary", "a": str(a), "b": str(b), "buffers_a": len(ia.buffers),
+               "buffers_b": len(ib.buffers), **count,
+               "bytes_changed": sum(r.get("bytes", 0) for r in rows), "identical": not rows}
+    if _to_terminal(json_out, output):
+        from rich.console import Console
+        from rich.table import Table
+
+        from gpuos_tools.units import format_size
+
+        table = Table(box=None, header_style="bold")
+        for column, justify in (("BUFFER", "right"), ("CHANGE", "left"), ("ADDRESS", "right"), ("SIZE", "right"),
+                                ("CHANGED", "right"), ("RANGES", "left")):
+            table.add_column(column, justify=justify)
+        for r in rows:
+            ranges = ", ".join(f"{s:#x}-{e:#x}" for s, e in r.get("ranges", [])[:4])
+            if len(r.get("ranges", [])) > 4:
+                ranges += f", ... ({len(r['ranges'])} ranges)"
+            table.add_row(str(r["buffer"]), r["change"], f"{r['addr']:#x}", format_size(r["size"]),
+                          format_size(r["bytes"]) if "bytes" in r else "", ranges)
+        if rows:
+            Console().print(table)
+        stderr_console().print(
+            f"{PROG}: {'identical' if not rows else 'differ'}: {count['changed']} changed "
+            f"({summary['bytes_changed'] / 2**20:.1f} MiB), {count['added']} added, {count['removed']} removed, "
+            f"{count['resized']} resized", highlight=False)
+    else:
+        _records(output, f"{PROG} diff", [*rows, summary])
+    if rows:
+        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 def main() -> None:

@@ -1,0 +1,362 @@
+"""Periodic checkpoints from cron: which image to take next (full or incremental), what it is
+called, and which old images to delete, for a profile like profiles/ckpt-periodic.toml::
+
+    [images]
+    directory = "/var/lib/gpuos-tools/images/train"  # relative paths: to the profile's directory
+    name = "train"            # images are NAME-YYYYmmddTHHMMSS.mmmZ (UTC), sorting by time
+    compress = false          # zstd per chunk (only where it makes a chunk smaller)
+    chunk_size = "64MiB"
+    checksum = "crc32"        # or "sha256"
+
+    [chain]
+    length = 6                # incremental images after each full one (0: every image is full)
+
+    [retention]
+    keep = 14                 # the newest images kept (0: no limit by count)
+    max_age = "7d"            # and none older than this (absent: no limit by age)
+
+    [agent]
+    pid = 4242                # the agent to snapshot: pid, socket, or a command regex
+    # socket = "/run/gpuos/agent-4242.sock"
+    # command = 'python3? .*train'
+
+The snapshot itself is the agent's: ``run_periodic`` takes it as a function
+``snapshot(path, parent) -> summary`` that writes a committed image at ``path`` (through
+``ImageWriter``, so a failure leaves nothing visible), incremental on ``parent`` when that is
+not None. ``agent_snapshot`` is where the command gets that function from the agent package.
+
+Rules: the newest image and every image a kept image chains to are never deleted; images are
+deleted newest first, each by one rename, so no image ever points at a deleted parent; files in
+the directory that are not images named by this profile are never touched; temp directories of
+writers that died are removed; a lock file keeps two runs of one profile apart.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import importlib.util
+import os
+import re
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuos_tools.ckpt import image as img
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.units import parse_age, parse_size
+
+#: ``snapshot(path, parent) -> summary``: writes one committed image at ``path``.
+SnapshotFn = Callable[[str, "str | None"], dict[str, Any]]
+
+#: The module and function the agent engineer provides (see ``agent_snapshot``).
+AGENT_SNAPSHOT_MODULE = "gpuos_tools.agent.snapshot"
+AGENT_SNAPSHOT_FACTORY = "periodic_snapshot"
+
+_KEYS = {
+    "images": {"directory", "name", "compress", "chunk_size", "checksum"},
+    "chain": {"length"},
+    "retention": {"keep", "max_age"},
+    "agent": {"pid", "socket", "command"},
+}
+_STAMP = "%Y%m%dT%H%M%S"
+LOCK_FILE = ".gpuos-periodic.lock"
+
+
+@dataclass
+class PeriodicProfile:
+    path: Path
+    directory: Path
+    name: str = "image"
+    compress: bool = False
+    chunk_size: int = img.DEFAULT_CHUNK_SIZE
+    checksum: str = "crc32"
+    chain_length: int = 0
+    keep: int = 0
+    max_age_s: float | None = None
+    agent: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """What the snapshot function needs to know to write the image."""
+        return {"compress": self.compress, "chunk_size": self.chunk_size, "checksum": self.checksum}
+
+
+def _bad(path: Path, message: str) -> GpuosError:
+    return GpuosError(f"{path}: {message}", ExitCode.BAD_INPUT)
+
+
+def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
+    """Read and check a periodic-checkpoint profile; NO_INPUT when missing, BAD_INPUT when wrong."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
+    except PermissionError as e:
+        raise GpuosError(f"{path}: cannot read: {e.strerror}", ExitCode.PERMISSION) from None
+    except tomllib.TOMLDecodeError as e:
+        raise _bad(path, f"not valid TOML: {e}") from None
+    for table, value in data.items():
+        if table not in _KEYS:
+            raise _bad(path, f"unknown table [{table}] (known: {', '.join(sorted(_KEYS))})")
+        if not isinstance(value, dict):
+            raise _bad(path, f"{table} must be a table ([{table}])")
+        for key in value:
+            if key not in _KEYS[table]:
+                raise _bad(path, f"unknown key {table}.{key} (known: {', '.join(sorted(_KEYS[table]))})")
+    images, chain, retention = data.get("images", {}), data.get("chain", {}), data.get("retention", {})
+    directory = images.get("directory")
+    if not isinstance(directory, str) or not directory:
+        raise _bad(path, "images.directory is required: where the images go")
+    d = Path(os.path.expanduser(directory))
+    prof = PeriodicProfile(path=path, directory=d if d.is_absolute() else path.resolve().parent / d)
+    name = images.get("name", "image")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_+-]*", name):
+        raise _bad(path, "images.name must be letters, digits, _, + or - (it starts every image's name)")
+    prof.name = name
+    compress = images.get("compress", False)
+    if not isinstance(compress, bool):
+        raise _bad(path, "images.compress must be true or false")
+    prof.compress = compress
+    chunk = images.get("chunk_size", img.DEFAULT_CHUNK_SIZE)
+    try:
+        prof.chunk_size = chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else parse_size(str(chunk))
+    except ValueError as e:
+        raise _bad(path, f"images.chunk_size: {e}") from None
+    if prof.chunk_size < 4096:
+        raise _bad(path, "images.chunk_size must be at least 4KiB")
+    prof.checksum = images.get("checksum", "crc32")
+    if prof.checksum not in img.CHECKSUMS:
+        raise _bad(path, f"images.checksum must be one of {', '.join(img.CHECKSUMS)}")
+    length = chain.get("length", 0)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise _bad(path, "chain.length must be an integer >= 0")
+    prof.chain_length = length
+    keep = retention.get("keep", 0)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise _bad(path, "retention.keep must be an integer >= 0 (0: no limit by count)")
+    prof.keep = keep
+    age = retention.get("max_age")
+    if age is not None:
+        try:
+            prof.max_age_s = float(age) if isinstance(age, (int, float)) and not isinstance(age, bool) \
+                else parse_age(str(age))
+        except ValueError as e:
+            raise _bad(path, f"retention.max_age: {e}") from None
+        if prof.max_age_s <= 0:
+            raise _bad(path, "retention.max_age must be positive")
+    agent = data.get("agent", {})
+    if sum(k in agent for k in ("pid", "socket", "command")) != 1:
+        raise _bad(path, "[agent] needs exactly one of pid, socket, command: which process to snapshot")
+    if "command" in agent:
+        try:
+            re.compile(agent["command"])
+        except (re.error, TypeError) as e:
+            raise _bad(path, f"agent.command: bad regular expression: {e}") from None
+    prof.agent = dict(agent)
+    return prof
+
+
+# -- the images of a profile ------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """An image of the profile's directory: its name, time (from the name), id and parent id."""
+
+    name: str
+    path: Path
+    time: float
+    image_id: str | None = None
+    parent_id: str | None = None
+    readable: bool = True
+
+
+def image_name(prof: PeriodicProfile, now: float) -> str:
+    ms = min(999, int((now % 1) * 1000))
+    return f"{prof.name}-{time.strftime(_STAMP, time.gmtime(now))}.{ms:03d}Z"
+
+
+def _name_time(prof: PeriodicProfile, name: str) -> float | None:
+    m = re.fullmatch(re.escape(prof.name) + r"-(\d{8}T\d{6})\.(\d{3})Z", name)
+    if m is None:
+        return None
+    import calendar
+
+    return calendar.timegm(time.strptime(m.group(1), _STAMP)) + int(m.group(2)) / 1000
+
+
+def list_images(prof: PeriodicProfile) -> list[Entry]:
+    """The profile's images, newest first. An unreadable one is listed with readable=False."""
+    out = []
+    try:
+        names = os.listdir(prof.directory)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        t = _name_time(prof, name)
+        path = prof.directory / name
+        if t is None or not path.is_dir():
+            continue
+        entry = Entry(name, path, t)
+        try:
+            m = img.open_image(path).manifest
+            entry.image_id = m["image_id"]
+            entry.parent_id = (m.get("parent") or {}).get("image_id")
+        except img.ImageError:
+            entry.readable = False
+        out.append(entry)
+    out.sort(key=lambda e: (e.time, e.name), reverse=True)
+    return out
+
+
+def chain_depth(path: Path) -> int | None:
+    """How many incremental links lead from this image to its full image; None if it or its
+    chain cannot be read (the next image is then full)."""
+    try:
+        return len(img.open_image(path).chain()) - 1
+    except img.ImageError:
+        return None
+
+
+@dataclass
+class Plan:
+    name: str
+    path: Path
+    parent: Path | None
+    why: str
+
+
+def plan_next(prof: PeriodicProfile, images: list[Entry], now: float) -> Plan:
+    """Full or incremental, and on what: incremental on the newest image while its chain is
+    shorter than chain.length and it reads; full otherwise."""
+    name = image_name(prof, now)
+    newest = images[0] if images else None
+    if newest is not None and newest.time >= (_name_time(prof, name) or now):
+        raise GpuosError(f"{newest.path} is not older than the image to take now ({name}): is the clock right?",
+                         ExitCode.FAILURE)
+    if prof.chain_length == 0:
+        return Plan(name, prof.directory / name, None, "chain.length = 0: every image is full")
+    if newest is None:
+        return Plan(name, prof.directory / name, None, "no image yet")
+    depth = chain_depth(newest.path)
+    if depth is None:
+        return Plan(name, prof.directory / name, None, f"{newest.name} or its chain does not read")
+    if depth >= prof.chain_length:
+        return Plan(name, prof.directory / name, None, f"{newest.name} ends a chain of {depth} increments")
+    return Plan(name, prof.directory / name, newest.path, f"increment {depth + 1} of {prof.chain_length}")
+
+
+def retention(prof: PeriodicProfile, images: list[Entry], now: float) -> tuple[list[Entry], list[Entry]]:
+    """(kept, to delete), both newest first: the newest ``keep`` images not older than
+    ``max_age``, the newest image always, and every image a kept one chains to."""
+    kept_ids: set[str] = set()
+    kept: set[str] = set()
+    for i, e in enumerate(images):
+        young = prof.max_age_s is None or now - e.time <= prof.max_age_s
+        if i == 0 or ((prof.keep == 0 or i < prof.keep) and young):
+            kept.add(e.name)
+    by_id = {e.image_id: e for e in images if e.image_id}
+    for e in images:
+        if e.name in kept:
+            cur: Entry | None = e
+            while cur is not None:
+                kept.add(cur.name)
+                if cur.image_id in kept_ids:
+                    break
+                if cur.image_id:
+                    kept_ids.add(cur.image_id)
+                cur = by_id.get(cur.parent_id) if cur.parent_id else None
+    return [e for e in images if e.name in kept], [e for e in images if e.name not in kept]
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+def run_periodic(prof: PeriodicProfile, snapshot: SnapshotFn, now: float | None = None) -> dict[str, Any]:
+    """Take the next image and apply retention; return a ``ckpt_periodic`` record.
+
+    A failing snapshot is raised after its temp is gone (nothing visible is left and nothing is
+    deleted); retention runs only after a new image is committed and opens."""
+    try:
+        prof.directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GpuosError(f"{prof.directory}: cannot create: {e.strerror}",
+                         ExitCode.PERMISSION if isinstance(e, PermissionError) else ExitCode.IO_ERROR) from e
+    lock_fd = os.open(prof.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise GpuosError(f"{prof.directory}: another periodic checkpoint of it is running",
+                             ExitCode.FAILURE) from None
+        return _run_locked(prof, snapshot, time.time() if now is None else now)
+    finally:
+        os.close(lock_fd)
+
+
+def _run_locked(prof: PeriodicProfile, snapshot: SnapshotFn, now: float) -> dict[str, Any]:
+    cleaned = img.clean_stale_temps(prof.directory)
+    images = list_images(prof)
+    plan = plan_next(prof, images, now)
+    started = time.perf_counter()
+    try:
+        summary = snapshot(str(plan.path), None if plan.parent is None else str(plan.parent))
+    finally:
+        img.clean_stale_temps(prof.directory)
+    try:
+        made = img.open_image(plan.path)
+    except img.ImageError as e:
+        raise GpuosError(f"the snapshot did not leave an image at {plan.path}: {e}", ExitCode.SOFTWARE) from None
+    recorded = (made.manifest.get("parent") or {}).get("image_id")
+    wanted = None if plan.parent is None else img.open_image(plan.parent).image_id
+    if recorded != wanted:
+        raise GpuosError(f"{plan.path}: the snapshot chained to {recorded}, not to {wanted} as planned",
+                         ExitCode.SOFTWARE)
+    seconds = time.perf_counter() - started
+    images = list_images(prof)
+    kept, doomed = retention(prof, images, now)
+    deleted = []
+    for e in doomed:  # newest first: a child goes before its parent
+        img.remove_image(e.path)
+        deleted.append(e.name)
+    return {
+        "type": "ckpt_periodic", "profile": str(prof.path), "directory": str(prof.directory),
+        "image": plan.name, "kind": "full" if plan.parent is None else "incremental",
+        "parent": None if plan.parent is None else plan.parent.name, "why": plan.why,
+        "bytes": made.manifest.get("bytes"), "stored_bytes": made.manifest.get("stored_bytes"),
+        "seconds": round(seconds, 6), "snapshot": summary, "kept": [e.name for e in kept],
+        "deleted": deleted, "cleaned": [os.path.basename(p) for p in cleaned],
+    }
+
+
+# -- THE HOOK: where the agent's snapshot path plugs in -----------------------------------------
+
+
+def agent_snapshot(prof: PeriodicProfile) -> SnapshotFn:
+    """The snapshot function for ``gpu-ckpt periodic``, from the agent package.
+
+    Contract for the agent side: module ``gpuos_tools.agent.snapshot`` defines
+    ``periodic_snapshot(agent: dict, options: dict) -> snapshot`` where ``agent`` is the
+    profile's [agent] table (pid, socket or command), ``options`` is {compress, chunk_size,
+    checksum}, and ``snapshot(path, parent)`` takes one consistent snapshot of that agent's
+    process into a committed image at ``path`` (ImageWriter, with ``parent`` when not None)
+    and returns its summary. Until that module exists this raises SNAPSHOT_UNAVAILABLE: no
+    image is ever faked.
+    """
+    if importlib.util.find_spec(AGENT_SNAPSHOT_MODULE) is None:
+        raise GpuosError(
+            f"the agent snapshot path is not available in this build ({AGENT_SNAPSHOT_MODULE}."
+            f"{AGENT_SNAPSHOT_FACTORY} is not there yet): no image was written",
+            ExitCode.SNAPSHOT_UNAVAILABLE)
+    module = importlib.import_module(AGENT_SNAPSHOT_MODULE)
+    factory = getattr(module, AGENT_SNAPSHOT_FACTORY, None)
+    if factory is None:
+        raise GpuosError(f"{AGENT_SNAPSHOT_MODULE} has no {AGENT_SNAPSHOT_FACTORY}(): the agent snapshot path "
+                         "is not connected; no image was written", ExitCode.SNAPSHOT_UNAVAILABLE)
+    return factory(dict(prof.agent), prof.options)
