@@ -157,6 +157,10 @@ def serve(
     window_us: Optional[float] = typer.Option(None, "--window-us", help="Batching window (µs); default: the profile's."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch; default: the profile's."),
     spin_us: float = typer.Option(200.0, "--spin-us", help="Spin this long on an empty ring before sleeping."),
+    native: Optional[str] = typer.Option(
+        None, "--native", metavar="auto|on|off",
+        help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",
+    ),
     recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of another geometry."),
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
@@ -177,6 +181,10 @@ def serve(
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
     prof = load_profile(profile)
+    ns = prof.section("native")
+    native_mode = str(ns["mode"]) if native is None else native
+    if native_mode not in ("auto", "on", "off"):
+        raise typer.BadParameter("must be auto, on or off", param_hint="--native")
     shape = prof.section("model")
     if random_model is not None:
         mlp = Mlp.random(int(shape["inputs"]), int(shape["hidden"]), int(shape["outputs"]), random_model)
@@ -190,21 +198,24 @@ def serve(
     opts = ServeOptions(
         window_us=float(bs["window_us"] if window_us is None else window_us),
         max_batch=int(bs["max"] if max_batch is None else max_batch),
-        spin_us=spin_us, use_gpu=gpu, device=device,
+        spin_us=spin_us, use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
     )
     name = ring or str(rs["name"])
     server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
     try:
         server.install_signals()
         where = "CPU and GPU" if server.gpu_ready else "CPU only"
+        loop = f"native loop for CPU batches up to {opts.native_max}" if server.native is not None else "Python loop"
         print(
             f"gpu-kinfer-bridge: serving {server.ring.path} (pid {os.getpid()}, {geometry.lanes} lanes x "
-            f"{geometry.slots_per_lane} slots, {where})", file=sys.stderr, flush=True,
+            f"{geometry.slots_per_lane} slots, {where}, {loop})", file=sys.stderr, flush=True,
         )
         t0 = time.monotonic()
         server.serve()
         stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
-                 **server.ring.counter_values()}
+                 **server.ring.counter_values(), "native": server.native is not None,
+                 **(server.native.stats() if server.native is not None else {}),
+                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes}
     finally:
         server.close()
     with open_output(output, unbuffered=unbuffered or None) as writer:
