@@ -55,14 +55,40 @@ Wake-up: the daemon spins on the doorbell for `--spin-us`, then announces sleep,
 MAN_SECTIONS = {
     "RING LAYOUT": _LAYOUT,
     "POLICY": (
-        "Each batch runs on the CPU (numpy) or the GPU (CuPy, one fused kernel). With a "
-        "calibration in the profile (`gpu-kinfer-bridge calibrate`), the side whose measured "
-        "latency at that batch size (log-log interpolation) is lower wins; the GPU's estimate is "
-        "multiplied by `busy_factor` while the GPU is busy. Without one, LAKE's rule: CPU below "
-        "`cpu_below` or while busy. Busy means NVML utilisation above `busy_util` percent with at "
-        "least `busy_procs` other processes on the GPU, sampled every 20 ms.\n\n"
+        "Each batch runs on the CPU (the native loop's C code or numpy) or the GPU (CuPy, one fused "
+        "kernel). With a calibration in the profile (`gpu-kinfer-bridge calibrate`), the side with "
+        "the lower predicted latency at that batch size wins. The CPU's prediction is its "
+        "calibrated curve (log-log interpolation); the GPU's is its calibrated curve times the "
+        "GPU's measured slowdown: the median, over the last `slowdown_samples` GPU batches younger "
+        "than `slowdown_max_age_ms`, of measured latency over calibrated latency (1 when there are "
+        "none). The daemon measures every batch it runs on the GPU, and probes (times a batch of "
+        "`probe_batch` rows, twice, the faster kept) when its last measurement is older than "
+        "`probe_busy_ms` while NVML shows at least `busy_procs` other processes on the GPU, or "
+        "older than `probe_idle_ms` otherwise. So another process on the GPU moves batches to the "
+        "CPU only as far as it really slows the GPU down. Without a calibration, LAKE's rule: CPU "
+        "below `cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent "
+        "with at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
+        "`kinfer_stats` record at exit gives `gpu_slowdown` and `gpu_probes`.\n\n"
         "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
         "batch above 1.5); a lone producer is answered at once."
+    ),
+    "NATIVE PATH": (
+        "By default (`--native auto`, profile `[native] mode`) the ring is served by a C thread: "
+        "`gpuos_tools/kinfer/csrc/kinfer_native.c`, compiled once with the system C compiler (`cc`, "
+        "or `$CC`) into `~/.cache/gpuos-tools/` (`$XDG_CACHE_HOME`), loaded with ctypes. It spins "
+        "and sleeps on the doorbell as RING LAYOUT describes, batches as the daemon does, and "
+        "answers itself every batch of at most `[native] max_batch` requests that the policy "
+        "gives to the CPU, when every entry is well-formed (version, a model it holds, the model's "
+        "input count, finite values): the 31-256-2 perceptron runs in plain C on the daemon's "
+        "weights and gives numpy's outputs up to float rounding. Every other batch (GPU batches, "
+        "larger ones, any bad entry, models above id 63 or of a shape it does not take) is handed "
+        "whole to the Python loop, which answers and counts it as before, and also does "
+        "housekeeping, probes and model loads. A model swap replaces the C side's weights with "
+        "one atomic pointer store; a batch in flight finishes on the weights it started with, "
+        "which are freed only once the thread no longer holds them.\n\n"
+        "Without a compiler (or if the build fails) `--native auto` says so on stderr and the "
+        "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
+        "instead. `--native off` always uses the Python loop."
     ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
@@ -84,14 +110,19 @@ MAN_SECTIONS = {
     "PROFILE": (
         "TOML, read with tomllib. Tables: `[model]` name, file (model .npz, relative to the "
         "profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
-        "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, busy_factor; `[calibration]` "
-        "(written by calibrate) batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` "
-        "rewrites the whole file atomically; comments added by hand are not kept."
+        "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
+        "probe_busy_ms, slowdown_samples, slowdown_max_age_ms (see POLICY); `[native]` mode "
+        "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
+        "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
+        "atomically; comments added by hand are not kept. An old profile's `busy_factor` is "
+        "ignored, with a message."
     ),
     "FILES": (
         "- `/dev/shm/NAME`: the ring, and feature stores.\n"
         "- `profiles/linnos.toml`: the LinnOS profile.\n"
-        "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout."
+        "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
+        "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
+        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
