@@ -155,9 +155,8 @@ def sweep(batches: list[int], reps: int, gpu: object | None) -> dict:
     try:
         from gpuos_tools.kinfer import native
 
-        lib = native.library()
-        out["cpu_native_us"] = [round(time_us(lambda x=inputs(b): native.native_forward(model, x, lib), reps), 3)
-                                for b in batches if b <= 4096]
+        fwd = native.Forward(model)
+        out["cpu_native_us"] = [round(time_us(lambda x=inputs(b): fwd(x), reps), 3) for b in batches if b <= 4096]
     except native.BuildError as e:
         out["cpu_native_us"] = f"skipped: {e}"
     if gpu is not None:

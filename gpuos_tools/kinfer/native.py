@@ -21,7 +21,7 @@ from gpuos_tools.kinfer.model import Mlp
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kinfer_native.c"
 INCLUDE = Path(__file__).resolve().parent / "include"
 
-__all__ = ["BuildError", "NativeLoop", "library", "native_forward"]
+__all__ = ["BuildError", "Forward", "NativeLoop", "library", "native_forward"]
 
 
 class _Model(ctypes.Structure):
@@ -83,16 +83,26 @@ def fits(lib: ctypes.CDLL, model: Mlp, max_inputs: int, max_outputs: int) -> boo
     return model.w1.shape[1] <= lib.kn_max_hidden() and model.n_inputs <= max_inputs and model.n_outputs <= min(max_outputs, 16)
 
 
+class Forward:
+    """The C path's forward, callable on rows like ``Mlp.forward`` (weights prepared once)."""
+
+    def __init__(self, model: Mlp, lib: ctypes.CDLL | None = None):
+        self.lib = lib or library()
+        self.weights = _Weights(model)
+        self.model = model
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty((x.shape[0], self.model.n_outputs), dtype=np.float32)
+        rc = self.lib.kn_forward_rows(self.weights.addr, x.ctypes.data, x.shape[0], x.shape[1], y.ctypes.data, self.model.n_outputs)
+        if rc != 0:
+            raise ValueError(f"the native forward refused a {x.shape} batch for this model")
+        return y
+
+
 def native_forward(model: Mlp, x: np.ndarray, lib: ctypes.CDLL | None = None) -> np.ndarray:
     """The C path's forward on rows of ``x`` (for tests and the bench: the same code the thread runs)."""
-    lib = lib or library()
-    w = _Weights(model)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    y = np.empty((x.shape[0], model.n_outputs), dtype=np.float32)
-    rc = lib.kn_forward_rows(w.addr, x.ctypes.data, x.shape[0], x.shape[1], y.ctypes.data, model.n_outputs)
-    if rc != 0:
-        raise ValueError(f"the native forward refused a {x.shape} batch for this model")
-    return y
+    return Forward(model, lib)(x)
 
 
 class NativeLoop:
