@@ -766,8 +766,24 @@ def _until(cond, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
 
 
 @native_only
-@pytest.mark.parametrize("shape", [(31, 256, 2), (5, 64, 3), (32, 100, 4), (1, 8, 1)])
-def test_native_model_gives_the_numpy_outputs(shape: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("kind", ["generic", "avx2"])
+@pytest.mark.parametrize("shape", [(31, 256, 2), (5, 64, 3), (32, 100, 4), (1, 8, 1), (31, 48, 2)])
+def test_native_model_gives_the_numpy_outputs(shape: tuple[int, int, int], kind: str) -> None:
+    from gpuos_tools.kinfer import native as N
+
+    lib = N.library()
+    best = lib.kn_forward_kind()
+    if kind == "avx2" and lib.kn_use_forward(1) != 1:
+        pytest.skip("no AVX2+FMA on this CPU")
+    if kind == "generic":
+        assert lib.kn_use_forward(0) == 0
+    try:
+        _check_native_model(shape)
+    finally:
+        lib.kn_use_forward(best)
+
+
+def _check_native_model(shape: tuple[int, int, int]) -> None:
     from gpuos_tools.kinfer import native as N
 
     model = M.Mlp.random(*shape, seed=sum(shape))

@@ -57,6 +57,8 @@ def library(cache: Path | None = None) -> ctypes.CDLL:
         ("kn_max_models", ctypes.c_int, []),
         ("kn_max_batch", ctypes.c_int, []),
         ("kn_max_hidden", ctypes.c_int, []),
+        ("kn_forward_kind", ctypes.c_int, []),
+        ("kn_use_forward", ctypes.c_int, [ctypes.c_int]),
         ("kn_forward_rows", ctypes.c_int, [vp, vp, u32, u32, vp, u32]),
     ]:
         fn = getattr(lib, name)

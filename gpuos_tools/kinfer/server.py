@@ -371,6 +371,8 @@ class Server:
                     break
         finally:
             self.native.stop()
+            while n := self.native.take(buf, 0.0):  # batches handed over just before the stop: answer them
+                self.process(np.asarray(sorted(buf[:n]), dtype=np.intp))
 
     def ready_slots(self) -> list[int]:
         """Slots in READY state, in slot order (a byte search: cheaper than numpy here)."""

@@ -120,16 +120,20 @@ static void handoff(struct kn *k, const uint32_t *slots, uint32_t n)
     __atomic_fetch_add(&k->handed_batches, 1, __ATOMIC_RELAXED);
 }
 
-/* hidden = relu(x w1 + b1); y = hidden w2 + b2. Both loops run over hidden units, contiguous, so
- * the compiler vectorises them (an AVX2 clone where the CPU has it); the second sum keeps 8
- * partial sums per output, which differs from numpy's order only by float rounding. */
-__attribute__((target_clones("avx2", "default")))
-static void forward(const struct kn_model *m, const float *restrict x, float *restrict hidden, float *restrict y)
+/* hidden = relu(x w1 + b1); y = hidden w2 + b2. Two versions, picked once at load time:
+ *
+ * - forward_generic: plain loops over the hidden units (contiguous), which the compiler
+ *   vectorises for the baseline ISA;
+ * - forward_avx2 (x86-64 with AVX2 and FMA): hidden units taken 32 at a time in four 8-wide
+ *   vectors that stay in registers across all inputs, folded into one vector of partial sums
+ *   per output. About 2.5x faster per row than the generic one on the development VM.
+ *
+ * The order of the sums differs from numpy's only by float rounding. */
+static void forward_generic(const struct kn_model *m, const float *restrict x, float *restrict hidden, float *restrict y)
 {
     const uint32_t nh = m->hidden, no = m->n_outputs;
-    const float *restrict b1 = m->b1;
     for (uint32_t j = 0; j < nh; j++)
-        hidden[j] = b1[j];
+        hidden[j] = m->b1[j];
     for (uint32_t i = 0; i < m->n_inputs; i++) {
         const float xi = x[i];
         const float *restrict row = m->w1 + (size_t)i * nh;
@@ -148,8 +152,92 @@ static void forward(const struct kn_model *m, const float *restrict x, float *re
         float s = 0.0f;
         for (; j < nh; j++)
             s += hidden[j] * col[j];
-        y[o] = m->b2[o] + (((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + s);
+        y[o] = m->b2[o] + ((((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))) + s);
     }
+}
+
+typedef void (*kn_forward_fn)(const struct kn_model *, const float *restrict, float *restrict, float *restrict);
+static kn_forward_fn forward = forward_generic;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+typedef float kn_v8 __attribute__((vector_size(32)));
+typedef int32_t kn_i8 __attribute__((vector_size(32)));
+typedef float kn_v8u __attribute__((vector_size(32), aligned(4))); /* for unaligned loads */
+#define KN_LOAD8(p) (*(const kn_v8u *)(p))
+#define KN_RELU8(v) ((kn_v8)((kn_i8)(v) & ((v) > (kn_v8){0, 0, 0, 0, 0, 0, 0, 0})))
+
+__attribute__((target("avx2,fma")))
+static void forward_avx2(const struct kn_model *m, const float *restrict x, float *restrict hidden, float *restrict y)
+{
+    const uint32_t nh = m->hidden, no = m->n_outputs, ni = m->n_inputs;
+    kn_v8 part[KN_MAX_OUTPUTS];
+    memset(part, 0, sizeof part);
+    uint32_t j0 = 0;
+    for (; j0 + 32 <= nh; j0 += 32) {
+        const float *b1 = m->b1 + j0;
+        kn_v8 a0 = KN_LOAD8(b1), a1 = KN_LOAD8(b1 + 8), a2 = KN_LOAD8(b1 + 16), a3 = KN_LOAD8(b1 + 24);
+        for (uint32_t i = 0; i < ni; i++) {
+            const kn_v8 xi = {x[i], x[i], x[i], x[i], x[i], x[i], x[i], x[i]};
+            const float *row = m->w1 + (size_t)i * nh + j0;
+            a0 += xi * KN_LOAD8(row);
+            a1 += xi * KN_LOAD8(row + 8);
+            a2 += xi * KN_LOAD8(row + 16);
+            a3 += xi * KN_LOAD8(row + 24);
+        }
+        a0 = KN_RELU8(a0);
+        a1 = KN_RELU8(a1);
+        a2 = KN_RELU8(a2);
+        a3 = KN_RELU8(a3);
+        for (uint32_t o = 0; o < no; o++) {
+            const float *col = m->w2t + (size_t)o * nh + j0;
+            part[o] += (a0 * KN_LOAD8(col) + a1 * KN_LOAD8(col + 8)) + (a2 * KN_LOAD8(col + 16) + a3 * KN_LOAD8(col + 24));
+        }
+    }
+    for (uint32_t j = j0; j < nh; j++) { /* hidden units past the last whole group of 32 */
+        float h = m->b1[j];
+        for (uint32_t i = 0; i < ni; i++)
+            h += x[i] * m->w1[(size_t)i * nh + j];
+        hidden[j] = h > 0.0f ? h : 0.0f;
+    }
+    for (uint32_t o = 0; o < no; o++) {
+        const kn_v8 q = part[o];
+        float s = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+        for (uint32_t j = j0; j < nh; j++)
+            s += hidden[j] * m->w2t[(size_t)o * nh + j];
+        y[o] = m->b2[o] + s;
+    }
+}
+
+__attribute__((constructor)) static void pick_forward(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !getenv("GPUOS_KINFER_GENERIC"))
+        forward = forward_avx2;
+}
+#endif
+
+/* which forward runs here: 1 for the AVX2 one */
+int kn_forward_kind(void)
+{
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    return forward == forward_avx2;
+#else
+    return 0;
+#endif
+}
+
+/* Use the generic forward (0) or the AVX2 one (1, where the CPU has it); for tests and benchmarks,
+ * before the serve thread starts. Returns the kind now in use. */
+int kn_use_forward(int kind)
+{
+    forward = forward_generic;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (kind == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        forward = forward_avx2;
+#else
+    (void)kind;
+#endif
+    return kn_forward_kind();
 }
 
 /* Answer the batch here if it is ours to answer; return 0 to hand it to the daemon. */
