@@ -704,6 +704,10 @@ def test_profile_round_trip_and_calibration(tmp_path: Path) -> None:
     path.write_text("[policy]\nbogus = 1\n")
     with pytest.raises(Exception, match="unknown keys"):
         P.load_profile(str(path))
+    path.write_text("[policy]\nbusy_factor = 4.0\ncpu_below = 9\n")  # a profile from before the measured slowdown
+    old = P.load_profile(str(path))
+    assert old.policy().cpu_below == 9 and "busy_factor" not in old.section("policy")
+    assert old.section("native") == P.DEFAULTS["native"]
 
 
 def test_cli_infer_and_status(ring_name: str) -> None:
