@@ -49,8 +49,8 @@ def _server(name: str, model: M.Mlp | None = None, geometry: R.Geometry = R.Geom
                          recreate=True, log=lambda m: None)
 
 
-def _daemon(name: str, *args: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", *args], env=child_env(),
+def _daemon(name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", *args], env=env or child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -938,10 +938,8 @@ def test_native_loop_leaves_gpu_batches_to_python_by_the_measured_slowdown(ring_
 
 def test_without_a_compiler_the_daemon_says_so_and_serves_in_python(ring_name: str, tmp_path: Path) -> None:
     env = child_env(CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", ring_name, "--gpu", "off", "--random-model", "3"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _daemon(ring_name, "--random-model", "3", env=env)
     try:
-        _until(lambda: R.ring_path(ring_name).exists() and R.Ring.attach(ring_name).daemon_alive(), "daemon up", 60)
         with R.Client(ring_name) as client:
             x = np.arange(31) % 10
             answer = client.infer(x)

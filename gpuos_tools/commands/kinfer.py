@@ -86,6 +86,8 @@ MAN_SECTIONS = {
         "housekeeping, probes and model loads. A model swap replaces the C side's weights with "
         "one atomic pointer store; a batch in flight finishes on the weights it started with, "
         "which are freed only once the thread no longer holds them.\n\n"
+        "The `kinfer_stats` record at exit says whether it ran (`native`) and how many batches it "
+        "answered (`native_batches`, `native_served`) and handed over (`handed_batches`).\n\n"
         "Without a compiler (or if the build fails) `--native auto` says so on stderr and the "
         "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
         "instead. `--native off` always uses the Python loop."
