@@ -215,7 +215,9 @@ class Server:
         if self.native is None:
             return
         busy = self.gpu_load is not None and self.gpu_load.busy
-        key = (self.gpu_ready, busy, round(self._slowdown, 4))
+        # the table is recomputed (tens of µs of numpy) only when the slowdown moved by 1% or more
+        bucket = round(math.log(self._slowdown) / math.log(1.01)) if 0 < self._slowdown < math.inf else self._slowdown
+        key = (self.gpu_ready, busy, bucket)
         if force or key != self._table_key:
             self._table_key = key
             limit = max(0, min(self.options.native_max, self.options.max_batch))
