@@ -481,9 +481,11 @@ class Client:
         mm = self._mm
         status, _, submit_ns, done_ns, _, _, decision, n_out, batch, where, _ = _READ_BACK.unpack_from(
             mm, self._meta_off + slot * META_SIZE + 12)
-        n_out = min(n_out, self._max_out)
-        fmt = _FLOATS.get(n_out) or struct.Struct(f"<{n_out}f")
-        values = fmt.unpack_from(mm, self._out_off + slot * 4 * self._max_out) if n_out else ()
+        values: tuple[float, ...] = ()
+        if n_out:  # 0 for a refused request
+            n_out = min(n_out, self._max_out)
+            fmt = _FLOATS.get(n_out) or struct.Struct(f"<{n_out}f")
+            values = fmt.unpack_from(mm, self._out_off + slot * 4 * self._max_out)
         return Answer(status, decision, values, batch, where, done_ns - submit_ns)
 
     def _sleep(self, slot: int, deadline: float) -> None:
