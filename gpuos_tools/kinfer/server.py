@@ -55,12 +55,7 @@ class Backend:
     """One model on the CPU and, when there is a GPU, on the GPU too."""
 
     model: Mlp
-    gpu: Any = None  # gpu.GpuMlp
-
-    def run(self, x: np.ndarray, where: str) -> np.ndarray:
-        if where == "gpu" and self.gpu is not None:
-            return self.gpu.forward(x)
-        return self.model.forward(x)
+    gpu: Any = None  # gpu.GpuMlp (Server._run times it for the slowdown estimate)
 
 
 @dataclass
