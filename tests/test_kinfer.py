@@ -951,3 +951,36 @@ def test_without_a_compiler_the_daemon_says_so_and_serves_in_python(ring_name: s
     refused = subprocess.run([*BRIDGE, "serve", "--ring", ring_name, "--gpu", "off", "--random-model", "3", "--native", "on"],
                              env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "--native on" in refused.stderr
+
+
+@pytest.mark.parametrize("path", ["small", "vector"])
+def test_python_loop_picks_by_the_measured_slowdown_and_feeds_it(ring_name: str, path: str) -> None:
+    model = M.Mlp.random(seed=8)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[10, 10, 10], slowdown_max_age_ms=1e9)
+    srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
+                        log=lambda m: None)
+    fake = _FakeGpu(model)
+    srv.models[0].gpu = fake
+    srv.gpu_ready = True
+    x = np.random.default_rng(3).integers(0, 10, (8, 31)).astype(np.float32)
+    run = srv.process_small if path == "small" else (lambda slots: srv.process(np.array(slots)))
+    try:
+        assert srv.native is None
+        for i in range(8):
+            _put(srv.ring, i, x[i])
+        run(srv.ready_slots())  # no measurement yet: the calibration as it stands, GPU from batch 3
+        assert (srv.ring.meta["where"][:8] == R.GPU).all() and fake.batches == [8]
+        assert len(srv.speed.samples) == 1  # the daemon measured its own GPU batch
+        srv.speed.samples.clear()
+        for _ in range(3):
+            srv.speed.observe(8, 500.0)  # 50x slower than calibrated
+        srv._refresh_policy()
+        for i in range(8):
+            _put(srv.ring, i, x[i])
+        run(srv.ready_slots())
+        assert (srv.ring.meta["where"][:8] == R.CPU).all() and fake.batches == [8]
+        assert np.allclose(srv.ring.outputs[:8, :2], model.forward(x), rtol=1e-5, atol=1e-4)
+        c = srv.ring.counter_values()
+        assert (c["gpu_batches"], c["cpu_batches"], c["served"]) == (1, 1, 16)
+    finally:
+        srv.close()
