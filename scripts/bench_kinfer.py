@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """Benchmarks of gpu-kinfer-bridge; JSON to --json.
 
-- round_trip (CPU, P8): a daemon (`gpu-kinfer-bridge serve --gpu off`, its own process) and one
-  Python producer here; sequential requests of batch 1; p50/p99/p99.9 of the producer's wall
-  time from submit to answer, and of the daemon's part (submit_ns to done_ns); then the same
-  with examples/kinfer_producer.c as the producer.
-- sweep: median latency of one batch on the CPU (numpy) and the GPU (copy in, run, copy out,
-  synchronise) across batch sizes, and the crossover.
+- round_trip (CPU, P8): a daemon (`gpu-kinfer-bridge serve --gpu off`, its own process, with
+  the native C loop) and one Python producer here; sequential requests of batch 1; p50/p99/p99.9
+  of the producer's wall time from submit to answer, and of the daemon's part (submit_ns to
+  done_ns); then the same with examples/kinfer_producer.c as the producer.
+  round_trip_python: the same with `--native off` (the CPython loop), for comparison.
+- sweep: median latency of one batch on the CPU (numpy, and the native loop's C forward) and
+  the GPU (copy in, run, copy out, synchronise) across batch sizes, and the crossover.
 - gpu_throughput (P9): inferences/s of the LinnOS model at batch >= 1024, end to end (host
   arrays in and out) and on device arrays only (CUDA events), fused kernel and cuBLAS.
 - policy: for each GPU load (none, and a second process running matrix products at a duty
-  cycle) and each batch size, the side the policy picks (profile calibrated from the idle
-  sweep, NVML load sampled live) against the side measured faster under that load.
+  cycle) and each batch size, the side the policy picks against the side measured faster under
+  that load. The pick is the daemon's: the profile calibrated from the idle sweep, times the
+  GPU's measured slowdown (policy.GpuSpeed), kept fresh the way the daemon keeps it: probes on
+  the schedule NVML's view of other processes sets, and the latency of the batches it picked
+  the GPU for. The old fixed-factor rule (x4 while NVML says busy) is reported beside it.
 
 GPU parts are skipped, with the reason in the JSON and on stderr, where CuPy or a GPU is
 missing. BLAS runs on one thread, as in the daemon.
@@ -42,7 +46,7 @@ import numpy as np  # noqa: E402
 
 from gpuos_tools.kinfer import ring as R  # noqa: E402
 from gpuos_tools.kinfer.model import Mlp  # noqa: E402
-from gpuos_tools.kinfer.policy import GpuLoad, Policy, crossover, time_us  # noqa: E402
+from gpuos_tools.kinfer.policy import GpuLoad, GpuSpeed, Policy, crossover, time_us  # noqa: E402
 
 LOAD_CHILD = r"""
 import sys, time, cupy as cp
@@ -71,15 +75,21 @@ def pct(values: list[float] | np.ndarray) -> dict[str, float]:
             "p99.9": round(float(np.percentile(a, 99.9)), 3), "mean": round(float(a.mean()), 3)}
 
 
-def round_trip(requests: int, spin_us: float, cores: list[int] | None) -> dict:
+def pin_process(pid: int, cores: set[int]) -> None:
+    """Every thread of ``pid`` (the native loop is a thread of its own) on ``cores``."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except ProcessLookupError:
+            pass
+
+
+def round_trip(requests: int, spin_us: float, cores: list[int] | None, native: str = "on") -> dict:
     name = f"kinfer-bench-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.Popen([sys.executable, str(ROOT / "cmd" / "gpu-kinfer-bridge"), "serve", "--ring", name, "--gpu", "off",
-                             "--random-model", "0", "--spin-us", str(spin_us), "-o", os.devnull], env=env)
+                             "--random-model", "0", "--spin-us", str(spin_us), "--native", native, "-o", os.devnull], env=env)
     mask = os.sched_getaffinity(0)
-    if cores:  # daemon and producer each on a core of its own, as a kernel helper and a daemon would be
-        os.sched_setaffinity(proc.pid, {cores[0]})
-        os.sched_setaffinity(0, {cores[1]})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -94,6 +104,9 @@ def round_trip(requests: int, spin_us: float, cores: list[int] | None) -> dict:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("daemon did not start")
             time.sleep(0.02)
+        if cores:  # daemon and producer each on a core of its own, as a kernel helper and a daemon would be
+            pin_process(proc.pid, {cores[0]})
+            os.sched_setaffinity(0, {cores[1]})
         with R.Client(name) as client:
             x = np.random.default_rng(0).integers(0, 10, 31).astype(np.float32)
             for _ in range(2000):
@@ -113,7 +126,7 @@ def round_trip(requests: int, spin_us: float, cores: list[int] | None) -> dict:
         proc.wait(timeout=30)
         R.ring_path(name).unlink(missing_ok=True)
     return {"producer_us": pct(wall), "daemon_us": pct(daemon), "batch_max": int(max(batches)),
-            "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores, "c_producer": c_rt,
+            "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores, "native": native, "c_producer": c_rt,
             "target": {"p50_us": 5, "p99_us": 20}}
 
 
@@ -139,6 +152,13 @@ def sweep(batches: list[int], reps: int, gpu: object | None) -> dict:
     model = Mlp.random(seed=0)
     cpu = [round(time_us(lambda x=inputs(b): model.forward(x), reps), 3) for b in batches]
     out = {"batches": batches, "cpu_us": cpu, "gpu_us": [], "crossover": None}
+    try:
+        from gpuos_tools.kinfer import native
+
+        fwd = native.Forward(model)
+        out["cpu_native_us"] = [round(time_us(lambda x=inputs(b): fwd(x), reps), 3) for b in batches if b <= 4096]
+    except native.BuildError as e:
+        out["cpu_native_us"] = f"skipped: {e}"
     if gpu is not None:
         out["gpu_us"] = [round(time_us(lambda x=inputs(b): gpu.forward(x), reps, warmup=10), 3) for b in batches]
         out["crossover"] = crossover(batches, cpu, out["gpu_us"])
@@ -177,7 +197,7 @@ def gpu_throughput(batches: list[int], reps: int) -> dict:
     return out
 
 
-def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duties: list[float]) -> dict:
+def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duties: list[float], settle_s: float) -> dict:
     """For each load, measure both sides at each batch and compare with the policy's pick."""
     model = Mlp.random(seed=0)
     pol = Policy(batches=idle["batches"], cpu_us=idle["cpu_us"], gpu_us=idle["gpu_us"])
@@ -185,6 +205,7 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
     if not load.start():
         return {"skipped": load.error}
     rows = []
+    probes_total = 0
     try:
         for duty in duties:
             child = None
@@ -193,27 +214,45 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
                 if child.stdout.readline().strip() != "ready":
                     raise RuntimeError("load process did not start")
                 time.sleep(0.5)
+            # a daemon that was running through the load change: its estimate starts from scratch
+            # and is kept fresh on its schedule for settle_s before the first pick
+            speed = GpuSpeed(pol)
+            others = lambda: load.others >= max(1, pol.busy_procs)  # noqa: E731
+            end = time.monotonic() + settle_s
+            while time.monotonic() < end:
+                if speed.probe_due(others()):
+                    speed.probe(gpu.forward)
+                time.sleep(0.001)
             try:
                 for b in batches:
                     x = inputs(b)
+                    if speed.probe_due(others()):
+                        speed.probe(gpu.forward)
                     busy = load.busy
-                    pick = pol.choose(b, True, busy)
+                    slowdown = speed.slowdown()
+                    pick = pol.choose(b, True, busy, slowdown)
+                    old_pick = pol.choose(b, True, slowdown=4.0 if busy else 1.0)
                     c = time_us(lambda: model.forward(x), reps)
                     g = time_us(lambda: gpu.forward(x), reps, warmup=5)
+                    if pick == "gpu":  # the daemon learns from the GPU batches it runs
+                        speed.observe(b, g)
                     best = "gpu" if g < c else "cpu"
                     rows.append({"duty": duty, "batch": b, "busy": busy, "util": load.util, "others": load.others,
-                                 "pick": pick, "faster": best, "cpu_us": round(c, 3), "gpu_us": round(g, 3),
+                                 "slowdown_used": round(slowdown, 3), "pick": pick, "busy_factor_4_pick": old_pick,
+                                 "faster": best, "cpu_us": round(c, 3), "gpu_us": round(g, 3),
                                  "gpu_slowdown": round(g / pol.estimate("gpu", b), 3), "right": pick == best})
             finally:
+                probes_total += speed.probes
                 if child is not None:
                     child.kill()
                     child.wait()
     finally:
         load.stop()
     right = sum(r["right"] for r in rows)
-    # what busy_factor the profile would need: the GPU's slowdown under each load, median over batches
+    old_right = sum(r["busy_factor_4_pick"] == r["faster"] for r in rows)
     slowdown = {str(d): float(np.median([r["gpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
-    return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95, "busy_factor": pol.busy_factor,
+    return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95,
+            "busy_factor_4_accuracy": round(old_right / len(rows), 4), "probes": probes_total,
             "gpu_slowdown_median": slowdown}
 
 
@@ -229,6 +268,8 @@ def main() -> int:
     ap.add_argument("--throughput-batches", default="1024,4096,16384,65536,262144")
     ap.add_argument("--policy-batches", default="1,4,8,16,32,64,128,256,1024,4096")
     ap.add_argument("--duties", default="0,0.5,1", help="GPU load duty cycles of the second process")
+    ap.add_argument("--settle-s", type=float, default=1.0, help="policy: probe on the daemon's schedule this long before picking")
+    ap.add_argument("--skip-python-loop", action="store_true", help="round trip: skip the --native off comparison")
     args = ap.parse_args()
     batches = [int(v) for v in args.batches.split(",")]
     result: dict = {
@@ -244,12 +285,14 @@ def main() -> int:
         cores = allowed[-2:]
     else:
         cores = [int(v) for v in args.cores.split(",")]
-    result["round_trip"] = round_trip(args.requests, args.spin_us, cores)
-    rt = result["round_trip"]["producer_us"]
-    log(f"round trip p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
-    crt = result["round_trip"]["c_producer"].get("producer_us")
-    if crt:
-        log(f"with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")
+    runs = [("round_trip", "on")] + ([] if args.skip_python_loop else [("round_trip_python", "off")])
+    for key, native in runs:
+        result[key] = round_trip(args.requests, args.spin_us, cores, native)
+        rt = result[key]["producer_us"]
+        log(f"{key} (--native {native}): p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
+        crt = result[key]["c_producer"].get("producer_us")
+        if crt:
+            log(f"  with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")
     gpu = None
     reason = None
     try:
@@ -276,8 +319,9 @@ def main() -> int:
                     f"{row['device_per_s'] / 1e6:.1f} M/s on device")
         log("policy accuracy under GPU load")
         result["policy"] = policy_accuracy([int(v) for v in args.policy_batches.split(",")], max(10, args.reps // 2), gpu,
-                                           result["sweep"], [float(v) for v in args.duties.split(",")])
-        log(f"policy accuracy: {result['policy'].get('accuracy')}")
+                                           result["sweep"], [float(v) for v in args.duties.split(",")], args.settle_s)
+        log(f"policy accuracy: {result['policy'].get('accuracy')} "
+            f"(the old x4-while-busy rule on the same rows: {result['policy'].get('busy_factor_4_accuracy')})")
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

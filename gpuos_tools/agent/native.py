@@ -52,11 +52,29 @@ def cache_dir() -> Path:
     return Path(base) / "gpuos-tools"
 
 
-def build_library(cache: Path | None = None) -> Path:
-    """Compile the native tracer (once per source version) and return the shared library's path."""
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source).hexdigest()[:16]
-    target = (cache or cache_dir()) / f"libgpuos_trace-{tag}.so"
+def build_library(
+    cache: Path | None = None,
+    *,
+    source: Path = SOURCE,
+    stem: str = "libgpuos_trace",
+    flags: tuple[str, ...] = ("-O2",),
+    libs: tuple[str, ...] = ("-ldl", "-lpthread"),
+    includes: tuple[Path, ...] = (),
+) -> Path:
+    """Compile a native library (once per version of its source and headers) and return its path.
+
+    The tracer's by default; gpu-kinfer-bridge's serve loop passes its own source, include
+    directory and flags. The file name carries a hash of the source, every header of
+    ``includes`` and the flags, so an edit rebuilds and two versions never share a file.
+    BuildError says why when there is no compiler or it fails.
+    """
+    digest = hashlib.sha256(source.read_bytes())
+    for directory in includes:
+        for header in sorted(Path(directory).glob("*.h")):
+            digest.update(header.read_bytes())
+    digest.update(" ".join((*flags, *libs)).encode())
+    tag = digest.hexdigest()[:16]
+    target = (cache or cache_dir()) / f"{stem}-{tag}.so"
     if target.is_file():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -64,8 +82,11 @@ def build_library(cache: Path | None = None) -> Path:
         raise BuildError("no C compiler (cc, gcc or clang) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [compiler, *flags, "-shared", "-fPIC", *(f"-I{d}" for d in includes), "-o", str(tmp), str(source), *libs]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:  # CC names a program that is not there
+        raise BuildError(f"{compiler}: {e.strerror or e}") from None
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")

@@ -55,14 +55,42 @@ Wake-up: the daemon spins on the doorbell for `--spin-us`, then announces sleep,
 MAN_SECTIONS = {
     "RING LAYOUT": _LAYOUT,
     "POLICY": (
-        "Each batch runs on the CPU (numpy) or the GPU (CuPy, one fused kernel). With a "
-        "calibration in the profile (`gpu-kinfer-bridge calibrate`), the side whose measured "
-        "latency at that batch size (log-log interpolation) is lower wins; the GPU's estimate is "
-        "multiplied by `busy_factor` while the GPU is busy. Without one, LAKE's rule: CPU below "
-        "`cpu_below` or while busy. Busy means NVML utilisation above `busy_util` percent with at "
-        "least `busy_procs` other processes on the GPU, sampled every 20 ms.\n\n"
+        "Each batch runs on the CPU (the native loop's C code or numpy) or the GPU (CuPy, one fused "
+        "kernel). With a calibration in the profile (`gpu-kinfer-bridge calibrate`), the side with "
+        "the lower predicted latency at that batch size wins. The CPU's prediction is its "
+        "calibrated curve (log-log interpolation); the GPU's is its calibrated curve times the "
+        "GPU's measured slowdown: the median, over the last `slowdown_samples` GPU batches younger "
+        "than `slowdown_max_age_ms`, of measured latency over calibrated latency (1 when there are "
+        "none). The daemon measures every batch it runs on the GPU, and probes (times a batch of "
+        "`probe_batch` rows, twice, the faster kept) when its last measurement is older than "
+        "`probe_busy_ms` while NVML shows at least `busy_procs` other processes on the GPU, or "
+        "older than `probe_idle_ms` otherwise. So another process on the GPU moves batches to the "
+        "CPU only as far as it really slows the GPU down. Without a calibration, LAKE's rule: CPU "
+        "below `cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent "
+        "with at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
+        "`kinfer_stats` record at exit gives `gpu_slowdown` and `gpu_probes`.\n\n"
         "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
         "batch above 1.5); a lone producer is answered at once."
+    ),
+    "NATIVE PATH": (
+        "By default (`--native auto`, profile `[native] mode`) the ring is served by a C thread: "
+        "`gpuos_tools/kinfer/csrc/kinfer_native.c`, compiled once with the system C compiler (`cc`, "
+        "or `$CC`) into `~/.cache/gpuos-tools/` (`$XDG_CACHE_HOME`), loaded with ctypes. It spins "
+        "and sleeps on the doorbell as RING LAYOUT describes, batches as the daemon does, and "
+        "answers itself every batch of at most `[native] max_batch` requests that the policy "
+        "gives to the CPU, when every entry is well-formed (version, a model it holds, the model's "
+        "input count, finite values): the 31-256-2 perceptron runs in plain C on the daemon's "
+        "weights and gives numpy's outputs up to float rounding. Every other batch (GPU batches, "
+        "larger ones, any bad entry, models above id 63 or of a shape it does not take) is handed "
+        "whole to the Python loop, which answers and counts it as before, and also does "
+        "housekeeping, probes and model loads. A model swap replaces the C side's weights with "
+        "one atomic pointer store; a batch in flight finishes on the weights it started with, "
+        "which are freed only once the thread no longer holds them.\n\n"
+        "The `kinfer_stats` record at exit says whether it ran (`native`) and how many batches it "
+        "answered (`native_batches`, `native_served`) and handed over (`handed_batches`).\n\n"
+        "Without a compiler (or if the build fails) `--native auto` says so on stderr and the "
+        "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
+        "instead. `--native off` always uses the Python loop."
     ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
@@ -84,14 +112,19 @@ MAN_SECTIONS = {
     "PROFILE": (
         "TOML, read with tomllib. Tables: `[model]` name, file (model .npz, relative to the "
         "profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
-        "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, busy_factor; `[calibration]` "
-        "(written by calibrate) batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` "
-        "rewrites the whole file atomically; comments added by hand are not kept."
+        "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
+        "probe_busy_ms, slowdown_samples, slowdown_max_age_ms (see POLICY); `[native]` mode "
+        "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
+        "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
+        "atomically; comments added by hand are not kept. An old profile's `busy_factor` is "
+        "ignored, with a message."
     ),
     "FILES": (
         "- `/dev/shm/NAME`: the ring, and feature stores.\n"
         "- `profiles/linnos.toml`: the LinnOS profile.\n"
-        "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout."
+        "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
+        "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
+        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
@@ -157,6 +190,10 @@ def serve(
     window_us: Optional[float] = typer.Option(None, "--window-us", help="Batching window (µs); default: the profile's."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch; default: the profile's."),
     spin_us: float = typer.Option(200.0, "--spin-us", help="Spin this long on an empty ring before sleeping."),
+    native: Optional[str] = typer.Option(
+        None, "--native", metavar="auto|on|off",
+        help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",
+    ),
     recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of another geometry."),
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
@@ -177,6 +214,10 @@ def serve(
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
     prof = load_profile(profile)
+    ns = prof.section("native")
+    native_mode = str(ns["mode"]) if native is None else native
+    if native_mode not in ("auto", "on", "off"):
+        raise typer.BadParameter("must be auto, on or off", param_hint="--native")
     shape = prof.section("model")
     if random_model is not None:
         mlp = Mlp.random(int(shape["inputs"]), int(shape["hidden"]), int(shape["outputs"]), random_model)
@@ -190,21 +231,24 @@ def serve(
     opts = ServeOptions(
         window_us=float(bs["window_us"] if window_us is None else window_us),
         max_batch=int(bs["max"] if max_batch is None else max_batch),
-        spin_us=spin_us, use_gpu=gpu, device=device,
+        spin_us=spin_us, use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
     )
     name = ring or str(rs["name"])
     server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
     try:
         server.install_signals()
         where = "CPU and GPU" if server.gpu_ready else "CPU only"
+        loop = f"native loop for CPU batches up to {opts.native_max}" if server.native is not None else "Python loop"
         print(
             f"gpu-kinfer-bridge: serving {server.ring.path} (pid {os.getpid()}, {geometry.lanes} lanes x "
-            f"{geometry.slots_per_lane} slots, {where})", file=sys.stderr, flush=True,
+            f"{geometry.slots_per_lane} slots, {where}, {loop})", file=sys.stderr, flush=True,
         )
         t0 = time.monotonic()
         server.serve()
         stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
-                 **server.ring.counter_values()}
+                 **server.ring.counter_values(), "native": server.native is not None,
+                 **(server.native.stats() if server.native is not None else {}),
+                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes}
     finally:
         server.close()
     with open_output(output, unbuffered=unbuffered or None) as writer:

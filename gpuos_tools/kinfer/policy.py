@@ -4,12 +4,17 @@ The choice, per batch:
 
 - no usable GPU: CPU;
 - with a calibration (latency curves measured by ``gpu-kinfer-bridge calibrate``): the side
-  whose measured latency at this batch size, interpolated in log-log space, is lower; the GPU's
-  is multiplied by ``busy_factor`` while the GPU is busy;
+  whose predicted latency at this batch size is lower. The CPU's is the calibrated curve,
+  interpolated in log-log space; the GPU's is its calibrated curve times the GPU's *measured
+  slowdown* (``GpuSpeed``): the median ratio of the GPU batch latencies the daemon saw lately
+  (its own GPU batches, and probes) to what the curve predicts for them. Another process on
+  the GPU changes the choice only as much as it actually slows the GPU down;
 - without one, LAKE's rule: CPU below ``cpu_below`` or while the GPU is busy, else GPU.
 
 "Busy" is LAKE's test: NVML utilisation above ``busy_util`` percent while at least
-``busy_procs`` other processes hold a context on the GPU.
+``busy_procs`` other processes hold a context on the GPU. With a calibration NVML only decides
+how often the daemon probes the GPU's speed (every ``probe_busy_ms`` while another process is on
+the GPU, every ``probe_idle_ms`` otherwise, when none of its own GPU batches measured it lately).
 
 Profiles are read with tomllib. They are written by ``dump_profile``, which knows only what a
 profile holds (tables of strings, numbers, booleans and lists of numbers) and writes them in a
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 import tomllib
@@ -39,8 +45,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"name": "linnos", "file": "", "inputs": 31, "hidden": 256, "outputs": 2},
     "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8},
     "batch": {"window_us": 20.0, "max": 4096},
-    "policy": {"cpu_below": 8, "busy_util": 70, "busy_procs": 1, "busy_factor": 4.0},
+    "policy": {
+        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 1000.0,
+        "probe_busy_ms": 50.0, "slowdown_samples": 5, "slowdown_max_age_ms": 2000.0,
+    },
+    "native": {"mode": "auto", "max_batch": 64},
 }
+#: Keys that older profiles may still hold; read and ignored, with a message.
+OBSOLETE = {"policy": {"busy_factor": "replaced by the measured GPU slowdown"}}
 
 
 @dataclass
@@ -48,7 +60,11 @@ class Policy:
     cpu_below: int = 8
     busy_util: int = 70
     busy_procs: int = 1
-    busy_factor: float = 4.0
+    probe_batch: int = 64
+    probe_idle_ms: float = 1000.0
+    probe_busy_ms: float = 50.0
+    slowdown_samples: int = 5
+    slowdown_max_age_ms: float = 2000.0
     batches: list[int] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     gpu_us: list[float] = field(default_factory=list)
@@ -59,21 +75,106 @@ class Policy:
 
     def estimate(self, side: str, batch: int) -> float:
         """Calibrated latency (µs) of a batch on ``side``, log-log interpolation, linear beyond."""
-        ys = self.cpu_us if side == "cpu" else self.gpu_us
-        xs = np.log(np.asarray(self.batches, dtype=np.float64))
-        ly = np.log(np.maximum(np.asarray(ys, dtype=np.float64), 1e-3))
-        b = max(batch, 1)
-        if b > self.batches[-1]:  # beyond the sweep: time grows at most linearly with the batch
-            return float(ys[-1]) * b / self.batches[-1]
-        return float(np.exp(np.interp(math.log(b), xs, ly)))
+        return float(self.estimate_many(side, np.asarray([batch]))[0])
 
-    def choose(self, batch: int, gpu_available: bool, busy: bool) -> str:
+    def estimate_many(self, side: str, batches: np.ndarray) -> np.ndarray:
+        ys = np.asarray(self.cpu_us if side == "cpu" else self.gpu_us, dtype=np.float64)
+        xs = np.log(np.asarray(self.batches, dtype=np.float64))
+        b = np.maximum(np.asarray(batches, dtype=np.float64), 1.0)
+        inside = np.exp(np.interp(np.log(b), xs, np.log(np.maximum(ys, 1e-3))))
+        # beyond the sweep: time grows at most linearly with the batch
+        return np.where(b > self.batches[-1], ys[-1] * b / self.batches[-1], inside)
+
+    def choose(self, batch: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0) -> str:
+        """CPU or GPU for one batch. ``slowdown``: the GPU's measured slowdown (``GpuSpeed``),
+        used with a calibration; ``busy``: NVML's verdict, used without one (LAKE's rule)."""
         if not gpu_available:
             return "cpu"
         if self.calibrated:
-            gpu = self.estimate("gpu", batch) * (self.busy_factor if busy else 1.0)
+            gpu = self.estimate("gpu", batch) * slowdown
             return "gpu" if gpu < self.estimate("cpu", batch) else "cpu"
         return "cpu" if batch < self.cpu_below or busy else "gpu"
+
+    def cpu_batches(self, largest: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0) -> np.ndarray:
+        """``choose`` for every batch size 0..largest at once: True where it says CPU."""
+        b = np.arange(largest + 1)
+        if not gpu_available:
+            return np.ones(largest + 1, dtype=bool)
+        if self.calibrated:
+            return ~(self.estimate_many("gpu", b) * slowdown < self.estimate_many("cpu", b))
+        return (b < self.cpu_below) | busy
+
+
+class GpuSpeed:
+    """How much slower the GPU runs now than its calibrated curve says: the median of the ratios
+    measured / calibrated of the last ``slowdown_samples`` GPU batches (the daemon's own, and
+    probes), those younger than ``slowdown_max_age_ms``; 1.0 (the calibration) when there are none.
+
+    ``clock`` (seconds, monotonic) is injectable so the logic is tested without a GPU or a timer.
+    """
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self.clock = clock
+        self.samples: list[tuple[float, float]] = []  # (when, ratio)
+        self.probes = 0
+        self.last_probe_us: float | None = None
+
+    def observe(self, batch: int, us: float, now: float | None = None) -> None:
+        """A GPU batch of ``batch`` requests took ``us`` µs end to end (copies and sync included)."""
+        if not self.policy.calibrated or batch < 1 or not us > 0:
+            return
+        when = self.clock() if now is None else now
+        self.samples.append((when, us / self.policy.estimate("gpu", batch)))
+        del self.samples[: -max(1, self.policy.slowdown_samples)]
+
+    def fresh(self, now: float | None = None) -> list[float]:
+        now = self.clock() if now is None else now
+        age = self.policy.slowdown_max_age_ms / 1e3
+        return [r for t, r in self.samples if now - t <= age]
+
+    def slowdown(self, now: float | None = None) -> float:
+        ratios = sorted(self.fresh(now))  # a handful: cheaper than numpy, once per GPU batch
+        n = len(ratios)
+        if n == 0:
+            return 1.0
+        return ratios[n // 2] if n % 2 else 0.5 * (ratios[n // 2 - 1] + ratios[n // 2])
+
+    def last_seen(self) -> float | None:
+        return self.samples[-1][0] if self.samples else None
+
+    def probe_due(self, others_on_gpu: bool, now: float | None = None) -> bool:
+        """Should the daemon time a probe batch on the GPU now? When its last measurement is older
+        than ``probe_busy_ms`` while another process is on the GPU, ``probe_idle_ms`` otherwise."""
+        if not self.policy.calibrated:
+            return False
+        now = self.clock() if now is None else now
+        last = self.last_seen()
+        period = (self.policy.probe_busy_ms if others_on_gpu else self.policy.probe_idle_ms) / 1e3
+        return last is None or now - last >= period
+
+    def probe(self, forward: Callable[[np.ndarray], Any], inputs: np.ndarray | None = None) -> float:
+        """Time a batch of ``probe_batch`` rows through ``forward`` (the GPU's) and record it.
+
+        Run twice, the faster kept: the first run after an idle second also pays for the GPU
+        waking up (clocks, caches), which is not what the next real batch would see."""
+        n = max(1, self.policy.probe_batch)
+        x = inputs if inputs is not None else probe_inputs(n, 31)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter_ns()
+            forward(x)
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        us = min(times)
+        self.observe(len(x), us)
+        self.probes += 1
+        self.last_probe_us = us
+        return us
+
+
+def probe_inputs(batch: int, n_inputs: int) -> np.ndarray:
+    """Digits, as LinnOS inputs are: what the probe sends through the GPU."""
+    return (np.arange(batch * n_inputs, dtype=np.int64).reshape(batch, n_inputs) * 7 % 10).astype(np.float32)
 
 
 def crossover(batches: list[int], cpu_us: list[float], gpu_us: list[float]) -> int | None:
@@ -170,7 +271,11 @@ class Profile:
             cpu_below=int(p["cpu_below"]),
             busy_util=int(p["busy_util"]),
             busy_procs=int(p["busy_procs"]),
-            busy_factor=float(p["busy_factor"]),
+            probe_batch=int(p["probe_batch"]),
+            probe_idle_ms=float(p["probe_idle_ms"]),
+            probe_busy_ms=float(p["probe_busy_ms"]),
+            slowdown_samples=int(p["slowdown_samples"]),
+            slowdown_max_age_ms=float(p["slowdown_max_age_ms"]),
             batches=[int(b) for b in cal.get("batches", [])],
             cpu_us=[float(v) for v in cal.get("cpu_us", [])],
             gpu_us=[float(v) for v in cal.get("gpu_us", [])],
@@ -207,6 +312,9 @@ def load_profile(name_or_path: str | None) -> Profile:
         if not isinstance(keys, dict):
             raise GpuosError(f"{path}: {table} must be a table", ExitCode.BAD_INPUT)
         known = DEFAULTS.get(table)
+        for key in set(keys) & set(OBSOLETE.get(table, {})):
+            print(f"gpu-kinfer-bridge: {path}: [{table}] {key} is ignored ({OBSOLETE[table][key]})", file=sys.stderr)
+            del keys[key]
         if known is not None and set(keys) - set(known):
             raise GpuosError(f"{path}: unknown keys in [{table}]: {', '.join(sorted(set(keys) - set(known)))}", ExitCode.BAD_INPUT)
     return Profile(path, data)

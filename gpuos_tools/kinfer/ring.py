@@ -87,8 +87,14 @@ M32 = {name: META_DTYPE.fields[name][1] // 4 for name in META_DTYPE.names}
 M64 = {name: META_DTYPE.fields[name][1] // 8 for name in META_DTYPE.names if META_DTYPE.fields[name][0].itemsize == 8}
 # What the producer writes in one go: version, model_id, n_inputs, status, seq, submit_ns.
 _REQUEST = struct.Struct("<IIIIQQ")
-_PID_WAITING = struct.Struct("<II")
 _ANSWER = struct.Struct("<iIIIQ")  # decision, n_outputs, batch, where, answer_seq (at offset 48)
+# The producer's whole request in one store: _REQUEST, done_ns (0), producer_pid, waiting (0).
+_REQUEST_FULL = struct.Struct("<IIIIQQQII")
+# What the producer reads back in one load, from offset 12: status, seq, submit_ns, done_ns,
+# producer_pid, waiting, decision, n_outputs, batch, where, answer_seq.
+_READ_BACK = struct.Struct("<IQQQIIiIIIQ")
+_F32 = np.dtype(np.float32)
+_FLOATS = {n: struct.Struct(f"<{n}f") for n in range(1, 17)}
 
 #: Longest single futex sleep: bounds the cost of a wake-up lost to store/load reordering.
 WAIT_SLICE_S = 0.002
@@ -342,15 +348,20 @@ def check_header(raw: bytes, file_size: int) -> str | None:
 class Answer:
     """One answer: the model's outputs, its decision (argmax), and where it ran."""
 
-    __slots__ = ("status", "decision", "outputs", "batch", "where", "latency_ns")
+    __slots__ = ("status", "decision", "values", "batch", "where", "latency_ns")
 
-    def __init__(self, status: int, decision: int, outputs: np.ndarray, batch: int, where: int, latency_ns: int):
+    def __init__(self, status: int, decision: int, values: tuple[float, ...], batch: int, where: int, latency_ns: int):
         self.status = status
         self.decision = decision
-        self.outputs = outputs
+        self.values = values  # the outputs as Python floats (what the ring holds, as read)
         self.batch = batch
         self.where = where
         self.latency_ns = latency_ns
+
+    @property
+    def outputs(self) -> np.ndarray:
+        """The outputs as a float32 array (made on access: a numpy call costs a round trip's worth)."""
+        return np.array(self.values, dtype=np.float32)
 
     @property
     def ok(self) -> bool:
@@ -382,6 +393,8 @@ class Client:
         self._meta_off = int(self.ring.header["meta_offset"])
         self._in_off = int(self.ring.header["inputs_offset"])
         self._out_off = int(self.ring.header["outputs_offset"])
+        self._max_out = g.max_outputs
+        self._max_in = g.max_inputs
         self._mm = self.ring.mm
         self._hdr_doorbell = HEADER_DTYPE.fields["doorbell"][1]
         self._doorbell = memoryview(self.ring.mm).cast("B")[self._hdr_doorbell : self._hdr_doorbell + 8].cast("I")
@@ -420,21 +433,22 @@ class Client:
 
     def submit(self, x: Any, model_id: int = 0) -> int:
         """Publish one request; return its slot (the ticket for ``wait``)."""
-        vec = np.ascontiguousarray(x, dtype=np.float32).ravel()
-        n = vec.size
-        g = self.ring.geometry
-        if n > g.max_inputs:
-            raise ValueError(f"{n} inputs, the ring carries at most {g.max_inputs}")
+        if type(x) is np.ndarray and x.dtype == _F32 and x.ndim == 1:
+            data = x.tobytes()  # a copy in C order, strided or not
+        else:
+            data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
+        n = len(data) >> 2
+        if n > self._max_in:
+            raise ValueError(f"{n} inputs, the ring carries at most {self._max_in}")
         slot = self._free_slot()
         st = self._state
         st[slot] = WRITING
         mm = self._mm
         self._seq += 1
         m = self._meta_off + slot * META_SIZE
-        _REQUEST.pack_into(mm, m, ENTRY_VERSION, model_id, n, 0, self._seq, time.monotonic_ns())
-        _PID_WAITING.pack_into(mm, m + 40, self.pid, 0)
-        o = self._in_off + slot * 4 * g.max_inputs
-        mm[o : o + 4 * n] = vec.tobytes()
+        _REQUEST_FULL.pack_into(mm, m, ENTRY_VERSION, model_id, n, 0, self._seq, time.monotonic_ns(), 0, self.pid, 0)
+        o = self._in_off + slot * 4 * self._max_in
+        mm[o : o + 4 * n] = data
         st[slot] = READY
         bell = self._doorbell
         bell[0] = (bell[0] + 1) & 0xFFFFFFFF
@@ -465,14 +479,14 @@ class Client:
                 self._sleep(slot, t0 + timeout)
         self._busy.discard(slot)
         mm = self._mm
-        m = self._meta_off + slot * META_SIZE
-        status = struct.unpack_from("<I", mm, m + 12)[0]
-        done_ns, = struct.unpack_from("<Q", mm, m + 32)
-        submit_ns, = struct.unpack_from("<Q", mm, m + 24)
-        decision, n_out, batch, where, _seq = _ANSWER.unpack_from(mm, m + 48)
-        o = self._out_off + slot * 4 * self.ring.geometry.max_outputs
-        outputs = np.frombuffer(mm, dtype=np.float32, count=min(n_out, self.ring.geometry.max_outputs), offset=o).copy()
-        return Answer(status, decision, outputs, batch, where, int(done_ns) - int(submit_ns))
+        status, _, submit_ns, done_ns, _, _, decision, n_out, batch, where, _ = _READ_BACK.unpack_from(
+            mm, self._meta_off + slot * META_SIZE + 12)
+        values: tuple[float, ...] = ()
+        if n_out:  # 0 for a refused request
+            n_out = min(n_out, self._max_out)
+            fmt = _FLOATS.get(n_out) or struct.Struct(f"<{n_out}f")
+            values = fmt.unpack_from(mm, self._out_off + slot * 4 * self._max_out)
+        return Answer(status, decision, values, batch, where, done_ns - submit_ns)
 
     def _sleep(self, slot: int, deadline: float) -> None:
         st = self._state

@@ -2,7 +2,13 @@
 says, answers each request, and keeps the ring healthy (abandoned slots, bad entries, restarts,
 model swaps).
 
-One loop, one thread (plus a loader thread for model swaps and NVML's sampler):
+With the native path (the default where a C compiler is found), the ring is served by a C
+thread (``native.NativeLoop``, csrc/kinfer_native.c) doing steps 1-3 below: it answers itself
+the batches the policy gives to the CPU, up to ``native_max`` requests, whose entries are all
+well-formed, and hands every other batch (GPU batches, larger ones, any bad entry) to this
+Python loop, which runs step 4 on them, probes the GPU's speed and keeps the ring healthy.
+Without it, one Python loop does everything (plus a loader thread for model swaps and NVML's
+sampler):
 
 1. find READY slots (one vectorised compare over the state words);
 2. none: spin ``spin_us``, then announce sleep, re-check, futex-wait on the doorbell;
@@ -31,7 +37,7 @@ import numpy as np
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.kinfer import ring as R
 from gpuos_tools.kinfer.model import Mlp
-from gpuos_tools.kinfer.policy import GpuLoad, Policy
+from gpuos_tools.kinfer.policy import GpuLoad, GpuSpeed, Policy
 
 HOUSEKEEPING_S = 0.1
 RESCAN_S = 50e-6
@@ -49,12 +55,7 @@ class Backend:
     """One model on the CPU and, when there is a GPU, on the GPU too."""
 
     model: Mlp
-    gpu: Any = None  # gpu.GpuMlp
-
-    def run(self, x: np.ndarray, where: str) -> np.ndarray:
-        if where == "gpu" and self.gpu is not None:
-            return self.gpu.forward(x)
-        return self.model.forward(x)
+    gpu: Any = None  # gpu.GpuMlp (Server._run times it for the slowdown estimate)
 
 
 @dataclass
@@ -65,6 +66,8 @@ class ServeOptions:
     use_gpu: str = "auto"  # auto | on | off
     device: int = 0
     gpu_mode: str = "auto"  # fused | matmul | auto
+    native: str = "auto"  # auto | on | off: the C serve loop
+    native_max: int = 64  # largest batch the C loop answers itself
 
 
 @dataclass
@@ -83,6 +86,11 @@ class Server:
         self._loading = False
         self._ewma = 1.0
         self._next_housekeeping = 0.0
+        self.native: Any = None  # native.NativeLoop while the C loop serves
+        self.speed = GpuSpeed(self.policy)
+        self._slowdown = 1.0
+        self._table_key: tuple[Any, ...] | None = None
+        self._add = self._add_py
         r = self.ring
         raw = memoryview(r.mm).cast("B")
         off = int(r.header["state_offset"])
@@ -157,13 +165,89 @@ class Server:
         policy_gpu = options.use_gpu != "off"
         backend = Backend(model)
         server = cls(ring, {0: backend}, policy, options, say)
-        if policy_gpu:
-            try:
+        try:
+            if policy_gpu:
                 server._start_gpu(backend)
-            except BaseException:
-                server.close()  # the lock goes; the ring stays for the next daemon
-                raise
+            if options.native != "off":
+                server._start_native()
+        except BaseException:
+            server.close()  # the lock goes; the ring stays for the next daemon
+            raise
         return server
+
+    def _start_native(self) -> None:
+        """Build (once) and start the C serve loop; without a compiler, say so and stay in Python."""
+        from gpuos_tools.kinfer import native
+
+        g = self.ring.geometry
+        try:
+            loop = native.NativeLoop(self.ring.base, self.options.spin_us, self.options.window_us, self.options.max_batch,
+                                     g.max_inputs, g.max_outputs)
+        except (native.BuildError, OSError) as e:
+            if self.options.native == "on":
+                raise R.RingError(f"--native on, but the native serve loop cannot run: {e}", ExitCode.FAILURE) from None
+            self.log(f"native path off ({e}); the CPU path runs in Python, several times slower at batch 1")
+            return
+        for model_id, backend in self.models.items():
+            if not loop.set_model(model_id, backend.model):
+                self.log(f"model {model_id}: its shape does not fit the native path; its requests are served in Python")
+        self.native = loop
+        self._add = self._add_native
+        self._refresh_policy(force=True)  # the thread starts with serve()
+
+    def _add_py(self, name: str, n: int = 1) -> None:
+        """Add to a ring counter (atomically while the C loop, which adds to them too, runs)."""
+        self._cnt[R.C[name]] += n
+
+    def _add_native(self, name: str, n: int = 1) -> None:
+        self.native.count(R.C[name], n)
+
+    # -- the policy's inputs --
+
+    def _refresh_policy(self, force: bool = False) -> None:
+        """Recompute the GPU's measured slowdown and, for the C loop, which batch sizes it answers."""
+        self._slowdown = self.speed.slowdown()
+        if self.native is None:
+            return
+        busy = self.gpu_load is not None and self.gpu_load.busy
+        # the table is recomputed (tens of µs of numpy) only when the slowdown moved by 1% or more
+        bucket = round(math.log(self._slowdown) / math.log(1.01)) if 0 < self._slowdown < math.inf else self._slowdown
+        key = (self.gpu_ready, busy, bucket)
+        if force or key != self._table_key:
+            self._table_key = key
+            limit = max(0, min(self.options.native_max, self.options.max_batch))
+            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._slowdown))
+
+    def _others_on_gpu(self) -> bool:
+        load = self.gpu_load
+        return load is not None and load.others >= max(1, self.policy.busy_procs)
+
+    def maybe_probe(self) -> bool:
+        """Time a probe batch on the GPU when the slowdown estimate is stale (``GpuSpeed.probe_due``)."""
+        backend = self.models.get(0)
+        if not self.gpu_ready or backend is None or backend.gpu is None or not self.speed.probe_due(self._others_on_gpu()):
+            return False
+        try:
+            self.speed.probe(backend.gpu.forward)
+        except Exception as e:  # a CUDA error: the next batch on the GPU will say it again
+            self.log(f"GPU probe failed: {type(e).__name__}: {e}")
+            self.speed.observe(1, float("inf"))
+        self._refresh_policy()
+        return True
+
+    def _side(self, n: int, backend: Backend) -> str:
+        busy = self.gpu_load is not None and self.gpu_load.busy
+        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._slowdown)
+
+    def _run(self, backend: Backend, x: np.ndarray, side: str) -> np.ndarray:
+        """The batch on ``side``; a GPU batch's latency feeds the slowdown estimate."""
+        if side != "gpu" or backend.gpu is None:
+            return backend.model.forward(x)
+        t0 = time.perf_counter_ns()
+        y = backend.gpu.forward(x)
+        self.speed.observe(len(x), (time.perf_counter_ns() - t0) / 1e3)
+        self._refresh_policy()
+        return y
 
     def _start_gpu(self, backend: Backend) -> None:
         from gpuos_tools.kinfer import gpu
@@ -197,6 +281,9 @@ class Server:
         only when it changed, or every ``RESCAN_S`` in case two Python producers wrote the same
         doorbell value.
         """
+        if self.native is not None:
+            self._serve_native(max_batches)
+            return
         ring = self.ring
         state = ring.state
         header = ring.header
@@ -216,6 +303,8 @@ class Server:
                 self._next_housekeeping = now + HOUSEKEEPING_S
             if self._pending_swap is not None:
                 self._apply_swap()
+            if self.gpu_ready:
+                self.maybe_probe()
             rung = bell[0]
             if rung == seen and now < next_scan:
                 if idle_since is None:
@@ -247,6 +336,41 @@ class Server:
             if max_batches is not None and batches >= max_batches:
                 break
 
+    def _serve_native(self, max_batches: int | None) -> None:
+        """The Python side of the native path: answer the batches the C loop hands over, probe the
+        GPU, housekeeping, model swaps. The C loop is stopped on the way out."""
+        import ctypes
+
+        buf = (ctypes.c_uint32 * self.ring.nslots)()
+        perf = time.perf_counter
+        batches = 0
+        self.native.start()
+        try:
+            while not self.stop.is_set():
+                now = perf()
+                if now >= self._next_housekeeping:
+                    self.housekeeping()
+                    self._next_housekeeping = now + HOUSEKEEPING_S
+                if self._pending_swap is not None:
+                    self._apply_swap()
+                if self.gpu_ready:
+                    self.maybe_probe()
+                n = self.native.take(buf, min(0.02, max(0.0, self._next_housekeeping - perf())))
+                if n == 0:
+                    continue
+                slots = sorted(buf[:n])
+                if n <= SMALL_BATCH:
+                    self.process_small(slots)
+                else:
+                    self.process(np.asarray(slots, dtype=np.intp))
+                batches += 1
+                if max_batches is not None and batches >= max_batches:
+                    break
+        finally:
+            self.native.stop()
+            while n := self.native.take(buf, 0.0):  # batches handed over just before the stop: answer them
+                self.process(np.asarray(sorted(buf[:n]), dtype=np.intp))
+
     def ready_slots(self) -> list[int]:
         """Slots in READY state, in slot order (a byte search: cheaper than numpy here)."""
         raw = self._state_mv.tobytes()
@@ -265,7 +389,7 @@ class Server:
         bell = int(header["doorbell"])
         header["daemon_sleeping"] = 1
         if not (state == R.READY).any() and self._pending_swap is None and not self.stop.is_set():
-            self.ring.counters[R.C["sleeps"]] += 1
+            self._add("sleeps")
             R.futex_wait(self.ring.doorbell_addr, bell, HOUSEKEEPING_S)
         header["daemon_sleeping"] = 0
 
@@ -282,7 +406,6 @@ class Server:
         where = np.zeros(idx.size, dtype=np.uint32)
         decision = np.full(idx.size, -1, dtype=np.int32)
         n_out = np.zeros(idx.size, dtype=np.uint32)
-        counters = ring.counters
         for mid in np.unique(model_id[status == R.OK]):
             backend = self.models[int(mid)]  # the model this batch started with, even if a swap comes in now
             mine = (model_id == mid) & (status == R.OK)
@@ -297,13 +420,13 @@ class Server:
                 rows, x = rows[finite], x[finite]
             if rows.size == 0:
                 continue
-            side = self.policy.choose(rows.size, self.gpu_ready and backend.gpu is not None, self.gpu_load is not None and self.gpu_load.busy)
-            y = backend.run(x, side)
+            side = self._side(rows.size, backend)
+            y = self._run(backend, x, side)
             ring.outputs[idx[rows], : y.shape[1]] = y
             decision[rows] = np.argmax(y, axis=1)
             n_out[rows] = y.shape[1]
             where[rows] = R.GPU if side == "gpu" else R.CPU
-            counters[R.C["gpu_batches" if side == "gpu" else "cpu_batches"]] += 1
+            self._add("gpu_batches" if side == "gpu" else "cpu_batches")
         m32[:, R.M32["status"]] = status
         m32[:, R.M32["decision"]] = decision.view(np.uint32)
         m32[:, R.M32["n_outputs"]] = n_out
@@ -317,13 +440,14 @@ class Server:
         sleepers = idx[ring.meta32[idx, R.M32["waiting"]] != 0]
         for slot in sleepers:
             R.futex_wake(ring.state_addr + 4 * int(slot))
-        counters[R.C["batches"]] += 1
+        self._add("batches")
         served = int((status == R.OK).sum())
-        counters[R.C["served"]] += served
+        if served:
+            self._add("served", served)
         for code, name in _DROP.items():
             bad = int((status == code).sum())
             if bad:
-                counters[R.C[name]] += bad
+                self._add(name, bad)
 
     def process_small(self, slots: list[int]) -> None:
         """``process`` for a few requests: per-slot struct reads and writes, one numpy forward.
@@ -334,7 +458,7 @@ class Server:
         ring = self.ring
         st = self._st
         mm = ring.mm
-        counters = self._cnt
+        add = self._add
         for slot in slots:
             st[slot] = R.TAKEN
         good: dict[int, list[int]] = {}
@@ -363,8 +487,8 @@ class Server:
                 x = x[finite]
                 if not mine:
                     continue
-            side = self.policy.choose(len(mine), self.gpu_ready and backend.gpu is not None, self.gpu_load is not None and self.gpu_load.busy)
-            y = backend.run(x, side)
+            side = self._side(len(mine), backend)
+            y = self._run(backend, x, side)
             where = R.GPU if side == "gpu" else R.CPU
             n_out = y.shape[1]
             rows = y.tolist()
@@ -381,8 +505,8 @@ class Server:
                 st[slot] = R.DONE
                 if _STATUS.unpack_from(mm, m + 44)[0]:
                     R.futex_wake(ring.state_addr + 4 * slot)
-            counters[R.C["gpu_batches" if side == "gpu" else "cpu_batches"]] += 1
-            counters[R.C["served"]] += len(mine)
+            add("gpu_batches" if side == "gpu" else "cpu_batches")
+            add("served", len(mine))
         done = time.monotonic_ns()
         for slot, code in bad:
             m = self._meta_off + slot * R.META_SIZE
@@ -392,8 +516,8 @@ class Server:
             st[slot] = R.DONE
             if _STATUS.unpack_from(mm, m + 44)[0]:
                 R.futex_wake(ring.state_addr + 4 * slot)
-            counters[R.C[_DROP[code]]] += 1
-        counters[R.C["batches"]] += 1
+            add(_DROP[code])
+        add("batches")
 
     # -- housekeeping --
 
@@ -407,13 +531,16 @@ class Server:
             pid = int(ring.meta32[slot, R.M32["producer_pid"]])
             if not R.pid_alive(pid) and state[slot] == R.WRITING:
                 state[slot] = R.FREE
-                ring.counters[R.C["drop_abandoned"]] += 1
+                self._add("drop_abandoned")
                 self.log(f"slot {int(slot)}: producer pid {pid} died while writing; request dropped")
         strange = np.flatnonzero(state > R.DONE)
         if strange.size:
             state[strange] = R.FREE
-            ring.counters[R.C["drop_bad_state"]] += strange.size
+            self._add("drop_bad_state", int(strange.size))
             self.log(f"{strange.size} slots had an unknown state word; reset to FREE")
+        self._refresh_policy()  # old slowdown samples age out; NVML's verdict may have changed
+        if self.native is not None:
+            self.native.release()
         h = ring.header
         if int(h["control_seq"]) != int(h["control_ack"]) and not self._loading:
             self._start_load(int(h["control_seq"]), int(h["control_model_id"]), bytes(h["control_path"]).split(b"\0")[0].decode(errors="replace"))
@@ -449,13 +576,19 @@ class Server:
             self.log(f"model load refused: {backend.model.n_inputs} inputs / {backend.model.n_outputs} outputs do not fit the ring")
         else:
             self.models[model_id] = backend  # one reference store: batches already running keep the old one
+            if self.native is not None and not self.native.set_model(model_id, backend.model):
+                self.log(f"model {model_id}: its shape does not fit the native path; its requests are served in Python")
             h["model_generation"] = (int(h["model_generation"]) + 1) & 0xFFFFFFFF
-            self.ring.counters[R.C["model_swaps"]] += 1
+            self._add("model_swaps")
             h["control_status"] = 0
             self.log(f"model {model_id} swapped in ({backend.model.meta.get('name', 'model')})")
         h["control_ack"] = seq
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()  # joins the C thread before the ring is unmapped
+            self.native = None
+            self._add = self._add_py
         for view in (self._bell, self._cnt, self._st, self._state_mv):
             view.release()
         if self.gpu_load is not None:

@@ -125,3 +125,68 @@ def test_calibrate_writes_the_gpu_curve(tmp_path: Path) -> None:
     pol = P.load_profile(str(profile)).policy()
     assert pol.calibrated and pol.gpu_us == rec["gpu_us"]
     assert pol.cpu_below == (rec["crossover"] if rec["crossover"] is not None else 4097)
+
+
+def _serve_in_thread(srv: S.Server):  # noqa: ANN202
+    import threading
+
+    thread = threading.Thread(target=srv.serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("gpu_wins", [True, False])
+def test_measured_slowdown_and_native_loop_on_a_real_gpu(gpu_wins: bool) -> None:
+    """The daemon probes the real GPU (no measurement yet), feeds the slowdown estimate from its
+    own GPU batches, and its native loop leaves to Python exactly the batches the policy gives the
+    GPU. The calibration is made one-sided on purpose so the right side is known whatever the
+    GPU's load: with the CPU calibrated at 1 s per batch the GPU always wins, at 1 ns never."""
+    name = f"kinfer-gpu-{uuid.uuid4().hex[:8]}"
+    cpu = 1e6 if gpu_wins else 1e-3
+    pol = P.Policy(batches=[1, 4096], cpu_us=[cpu, cpu], gpu_us=[30.0, 80.0])
+    model = M.Mlp.random(seed=6)
+    try:
+        srv = S.Server.open(name, R.Geometry(16, 8), model, pol, S.ServeOptions(use_gpu="on", native="auto"), recreate=True,
+                            log=lambda m: None)
+    except BaseException:
+        R.ring_path(name).unlink(missing_ok=True)
+        raise
+    try:
+        assert srv.gpu_ready and srv.native is not None, "needs the GPU and a C compiler"
+        thread = _serve_in_thread(srv)
+        try:
+            deadline = time.monotonic() + 60
+            while srv.speed.probes == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.speed.probes >= 1 and srv.speed.last_probe_us > 0  # nothing measured yet: probed at once
+            x = _x(40, seed=9)
+            with R.Client(name) as client:
+                answers = [client.infer(row) for row in x]
+        finally:
+            srv.stop.set()
+            thread.join(timeout=30)
+        want_where = R.GPU if gpu_wins else R.CPU
+        assert all(a.ok and a.where == want_where for a in answers)
+        assert np.allclose(np.array([a.outputs for a in answers]), model.forward(x), rtol=1e-4, atol=1e-3)
+        stats = srv.native.stats()
+        if gpu_wins:
+            assert stats["native_served"] == 0 and stats["handed_batches"] >= 1
+            assert len(srv.speed.samples) >= 2  # the probe and the GPU batches themselves
+        else:
+            assert stats["native_served"] == 40
+    finally:
+        srv.close()
+        R.ring_path(name).unlink(missing_ok=True)
+
+
+def test_probe_measures_the_gpu_against_its_calibration() -> None:
+    """GpuSpeed.probe on the real GpuMlp: a positive ratio to a curve calibrated here."""
+    from gpuos_tools.kinfer import calibrate as C
+    from gpuos_tools.kinfer.gpu import GpuMlp
+
+    res = C.measure(P.load_profile("linnos"), [1, 64, 1024], 10)
+    pol = P.Policy(batches=res["batches"], cpu_us=res["cpu_us"], gpu_us=res["gpu_us"], probe_batch=64)
+    speed = P.GpuSpeed(pol)
+    g = GpuMlp(M.Mlp.random(seed=0))
+    us = speed.probe(g.forward)
+    assert us > 0 and speed.slowdown() > 0 and speed.samples[-1][1] == pytest.approx(us / pol.estimate("gpu", 64))
