@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def main() -> int:
                    GPUOS_JOB_LOG=str(t / "log"), GPUOS_JOB_READY=str(t / "ready"))
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
-             "--", sys.executable, str(ROOT / "tests" / "gpu" / "progs" / "agent_job.py")], cwd=ROOT, env=env)
+             "--", sys.executable, str(ROOT / "tests" / "gpu" / "progs" / "agent_job.py")], cwd=ROOT, env=env,
+            start_new_session=True)  # so that a failure here kills the job too, not only gpu-trace
         try:
             deadline = time.time() + 300
             while not (t / "ready").exists():
@@ -59,8 +61,10 @@ def main() -> int:
             (t / "stop").touch()
             proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         rates = [tuple(map(float, line.split())) for line in (t / "log").read_text().splitlines()]
     during = [r for ts, r in rates if any(a["wall_start"] <= ts <= a["wall_end"] + 0.1 for a in answers)]
     before = [r for ts, r in rates if ts < answers[0]["wall_start"]]
