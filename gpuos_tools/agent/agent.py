@@ -38,10 +38,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuos_tools.access.predict import Predictor
+from gpuos_tools.agent.view import ProcessView
 from gpuos_tools.trace.allocs import Allocation
 
-CHECKED_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 COPY_PIECE = 64 << 20  # bytes per side-stream copy
@@ -84,15 +83,12 @@ class Snap:
     stall_ns: int = 0
 
 
-class Agent:
-    """State and operations of the agent; the tracer calls the ``on_*`` hooks from callbacks."""
+class Agent(ProcessView):
+    """State and operations of the agent; the tracer calls its hooks from callbacks."""
 
     def __init__(self, cow_budget: int | None = None) -> None:
+        super().__init__()
         self.lock = threading.RLock()
-        self.pred = Predictor("range")
-        self.by_id: dict[int, Allocation] = {}
-        self.next_id = 1
-        self.streams: set[int] = {0}
         self.ops = 0  #: launches, copies, memsets and frees seen (for T0 and references)
         self.own: set[int] = set()  #: thread ids whose CUDA calls are the agent's own
         self.snap: Snap | None = None
@@ -104,7 +100,7 @@ class Agent:
         self.ctx = None
         self._staging: tuple[int, int] | None = None  #: (pinned address, capacity)
 
-    # -- bookkeeping from the tracer's records -------------------------------------------------
+    # -- bookkeeping from the tracer's records ------------------------------------------------
 
     def on_alloc(self, addr: int, size: int, kind: str) -> None:
         if self.ctx is None:  # the program's context, which the agent's threads make current
@@ -113,31 +109,10 @@ class Agent:
             err, ctx = drv.cuCtxGetCurrent()
             if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
                 self.ctx = ctx
-        a = self.pred.allocs.add({"id": self.next_id, "addr": addr, "size": size, "kind": kind})
-        self.by_id[a.id] = a
-        self.next_id += 1
-
-    def on_free_done(self, addr: int) -> None:
-        a = self.pred.allocs.remove({"addr": addr})
-        if a is not None:
-            self.by_id.pop(a.id, None)
-
-    def on_copy_record(self, direction: str, dst: int, nbytes: int, shape, data, stream: int) -> None:
-        rec: dict[str, Any] = {"type": "memcpy", "dir": direction, "dst": dst, "src": 0, "bytes": nbytes}
-        if shape is not None:
-            rec["width"], rec["height"], rec["src_pitch"], rec["dst_pitch"] = shape
-        if data is not None:
-            rec["data"] = data.hex()
-        self.pred.feed(rec)
-        self.streams.add(stream)
-
-    def on_set_record(self, dst: int, nbytes: int, stream: int) -> None:
-        self.pred.feed({"type": "memset", "dst": dst, "bytes": nbytes})
-        self.streams.add(stream)
+        super().on_alloc(addr, size, kind)
 
     def buffers(self) -> list[Allocation]:
-        allocs = self.pred.allocs
-        return [allocs._live[s] for s in allocs._starts if allocs._live[s].kind in CHECKED_KINDS]
+        return self.device_allocations()
 
     # -- hooks before an operation (the callback's enter site, lock held) ------------------------
 

@@ -537,25 +537,6 @@ def _validating_handlers(validator, table: dict) -> dict:
     return handlers
 
 
-def _validating_append(validator):
-    """The queue's append, also keeping the validator's allocation table."""
-    append = _Q.append
-
-    def tee(item: tuple) -> None:
-        tag = item[0]
-        if tag == wire.ALLOC:
-            validator.on_alloc(item[4], item[5], item[6])
-        elif tag == wire.FREE:
-            validator.on_free(item[4])
-        elif tag == wire.COPY:
-            validator.on_copy(item[4], item[5], item[7], item[10], item[11])
-        elif tag == wire.SET:
-            validator.on_set(item[4], item[5])
-        append(item)
-
-    return tee
-
-
 # ---------------------------------------------------------------- --agent
 
 def _agent_enter(name: str, pp: int):
@@ -638,22 +619,14 @@ def _agent_handlers(agent, table: dict) -> dict:
     return handlers
 
 
-def _agent_append(agent):
-    """The queue's append, also keeping the agent's allocations, streams and pointer arrays."""
+def _observing_append(view):
+    """The queue's append, also showing each tuple to the validator's or the agent's view of the
+    program (gpuos_tools/agent/view.py)."""
     append = _Q.append
+    observe = view.observe
 
     def tee(item: tuple) -> None:
-        tag = item[0]
-        if tag == wire.ALLOC:
-            agent.on_alloc(item[4], item[5], item[6])
-        elif tag == wire.FREE:
-            agent.on_free_done(item[4])
-        elif tag == wire.COPY:
-            agent.on_copy_record(item[4], item[5], item[7], item[10], item[11], item[8])
-        elif tag == wire.SET:
-            agent.on_set_record(item[4], item[5], item[8])
-        elif tag == wire.STREAM:
-            (agent.streams.add if item[4] == "create" else agent.streams.discard)(item[3])
+        observe(item)
         append(item)
 
     return tee
@@ -696,10 +669,10 @@ class Tracer:
         agent = self.agent
         global _append
         if validator is not None:
-            _append = _validating_append(validator)
+            _append = _observing_append(validator)
             driver.update(_validating_handlers(validator, self.table))
         elif agent is not None:
-            _append = _agent_append(agent)
+            _append = _observing_append(agent)
             driver.update(_agent_handlers(agent, self.table))
 
         def callback(userdata, domain, cbid, cbdata):

@@ -41,13 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuos_tools.access.predict import Predictor
+from gpuos_tools.agent.view import DEVICE_KINDS, ProcessView
 from gpuos_tools.trace.allocs import Allocation
 
 CHUNK = 128  #: bytes per hashed chunk (the PTX kernel below is written for this size)
 POISONS = (0x00, 0xFF)
 _SEED = 0x9E3779B97F4A7C15
-_CHECKED_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
 
 # One thread per 128-byte chunk: h = seed; for each 8-byte word w: h = (h ^ w) * FNV prime;
 # h ^= h >> 29 (no position in the seed: a chunk hashes alike in any layout). Every step is a bijection of h, so any single changed word changes h.
@@ -222,7 +221,7 @@ def complement(regions: list[Allocation], keep: list[tuple[int, int]]) -> list[t
     return out
 
 
-class Validator:
+class Validator(ProcessView):
     """Samples launches and checks their predicted access sets (see the module docstring)."""
 
     def __init__(self, samples: int = 3, max_bytes: int = 8 << 30, extents: bool = True,
@@ -231,9 +230,7 @@ class Validator:
         self.max_bytes = max_bytes
         self.extents = extents
         self.max_launches = max_launches
-        self.pred = Predictor("range")
-        self.by_id: dict[int, Allocation] = {}
-        self.next_id = 1
+        super().__init__()
         self.seen: dict[int, int] = {}  # func -> launches seen
         self.validated = 0
         self.busy_tid = 0  # the thread inside the validator: its own CUDA calls are not traced
@@ -242,33 +239,8 @@ class Validator:
         self._hash_fn: dict[int, Any] = {}  # context -> hash kernel
         self._launchers: dict[str, Any] = {}
 
-    # -- allocation table ---------------------------------------------------------------------
-
-    def on_alloc(self, addr: int, size: int, kind: str) -> None:
-        a = self.pred.allocs.add({"id": self.next_id, "addr": addr, "size": size, "kind": kind})
-        self.by_id[a.id] = a
-        self.next_id += 1
-
-    def on_free(self, addr: int) -> None:
-        a = self.pred.allocs.remove({"addr": addr})
-        if a is not None:
-            self.by_id.pop(a.id, None)
-
-    def on_copy(self, direction: str, dst: int, nbytes: int, shape: tuple | None, data: bytes | None) -> None:
-        """Copies keep the predictor's knowledge of pointer arrays (as gpu-predict-access does)."""
-        rec: dict[str, Any] = {"type": "memcpy", "dir": direction, "dst": dst, "src": 0, "bytes": nbytes}
-        if shape is not None:
-            rec["width"], rec["height"], rec["src_pitch"], rec["dst_pitch"] = shape
-        if data is not None:
-            rec["data"] = data.hex()
-        self.pred.feed(rec)
-
-    def on_set(self, dst: int, nbytes: int) -> None:
-        self.pred.feed({"type": "memset", "dst": dst, "bytes": nbytes})
-
     def regions(self) -> list[Allocation]:
-        allocs = self.pred.allocs
-        return [allocs._live[s] for s in allocs._starts if allocs._live[s].kind in _CHECKED_KINDS]
+        return self.device_allocations()
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -464,7 +436,7 @@ class Validator:
 
         by_alloc: dict[int, list] = {}
         for f in found:
-            if f.alloc is not None and f.alloc.kind in _CHECKED_KINDS:
+            if f.alloc is not None and f.alloc.kind in DEVICE_KINDS:
                 by_alloc.setdefault(f.alloc.id, []).append(f)
         out = []
         done: dict[tuple[int, int], dict[str, Any]] = {}

@@ -39,13 +39,13 @@ import importlib.util
 import os
 import re
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpuos_tools.ckpt import image as img
+from gpuos_tools.ckpt.profile import _bad, read_tables
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.units import parse_age, parse_size
 
@@ -85,30 +85,10 @@ class PeriodicProfile:
         return {"compress": self.compress, "chunk_size": self.chunk_size, "checksum": self.checksum}
 
 
-def _bad(path: Path, message: str) -> GpuosError:
-    return GpuosError(f"{path}: {message}", ExitCode.BAD_INPUT)
-
-
 def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
     """Read and check a periodic-checkpoint profile; NO_INPUT when missing, BAD_INPUT when wrong."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
-    except PermissionError as e:
-        raise GpuosError(f"{path}: cannot read: {e.strerror}", ExitCode.PERMISSION) from None
-    except tomllib.TOMLDecodeError as e:
-        raise _bad(path, f"not valid TOML: {e}") from None
-    for table, value in data.items():
-        if table not in _KEYS:
-            raise _bad(path, f"unknown table [{table}] (known: {', '.join(sorted(_KEYS))})")
-        if not isinstance(value, dict):
-            raise _bad(path, f"{table} must be a table ([{table}])")
-        for key in value:
-            if key not in _KEYS[table]:
-                raise _bad(path, f"unknown key {table}.{key} (known: {', '.join(sorted(_KEYS[table]))})")
+    data = read_tables(path, _KEYS)
     images, chain, retention = data.get("images", {}), data.get("chain", {}), data.get("retention", {})
     directory = images.get("directory")
     if not isinstance(directory, str) or not directory:

@@ -93,9 +93,9 @@ def _regex(path: Path, key: str, value: Any) -> re.Pattern[str] | None:
         raise _bad(path, f"select.{key}: bad regular expression: {e}") from None
 
 
-def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """Read and check a profile; NO_INPUT when missing, BAD_INPUT when wrong."""
-    path = Path(path)
+def read_tables(path: Path, keys: dict[str, Any]) -> dict[str, Any]:
+    """A TOML profile whose tables and keys must all be known (``keys``: table -> its keys);
+    NO_INPUT when missing, PERMISSION when unreadable, BAD_INPUT naming what is wrong."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -106,13 +106,20 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     except tomllib.TOMLDecodeError as e:
         raise _bad(path, f"not valid TOML: {e}") from None
     for table, value in data.items():
-        if table not in _KEYS:
-            raise _bad(path, f"unknown table [{table}] (known: {', '.join(sorted(_KEYS))})")
+        if table not in keys:
+            raise _bad(path, f"unknown table [{table}] (known: {', '.join(sorted(keys))})")
         if not isinstance(value, dict):
             raise _bad(path, f"{table} must be a table ([{table}])")
         for key in value:
-            if key not in _KEYS[table]:
-                raise _bad(path, f"unknown key {table}.{key} (known: {', '.join(sorted(_KEYS[table]))})")
+            if key not in keys[table]:
+                raise _bad(path, f"unknown key {table}.{key} (known: {', '.join(sorted(keys[table]))})")
+    return data
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read and check a profile; NO_INPUT when missing, BAD_INPUT when wrong."""
+    path = Path(path)
+    data = read_tables(path, _KEYS)
     select = data.get("select", {})
     ckpt = data.get("checkpoint", {})
     state = data.get("state", {})

@@ -1,0 +1,58 @@
+"""What the in-process helpers (the validator, the agent) know of the traced program: its live
+allocations, the pointer arrays it copied to the GPU, and the streams it used — kept from the
+same records the tracer ships, so that their predictions are gpu-predict-access's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuos_tools.access.predict import Predictor
+from gpuos_tools.agent import wire
+from gpuos_tools.trace.allocs import Allocation
+
+#: allocation kinds whose memory lives on the GPU (host allocations are pinned host memory)
+DEVICE_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
+
+
+class ProcessView:
+    """The program's allocations and streams, replayed from the tracer's wire tuples."""
+
+    def __init__(self) -> None:
+        self.pred = Predictor("range")
+        self.by_id: dict[int, Allocation] = {}
+        self.next_id = 1
+        self.streams: set[int] = {0}
+
+    def observe(self, item: tuple) -> None:
+        """Apply one wire tuple (gpuos_tools/agent/wire.py) the tracer is about to ship."""
+        tag = item[0]
+        if tag == wire.ALLOC:
+            self.on_alloc(item[4], item[5], item[6])
+        elif tag == wire.FREE:
+            a = self.pred.allocs.remove({"addr": item[4]})
+            if a is not None:
+                self.by_id.pop(a.id, None)
+        elif tag == wire.COPY:
+            _, _, _, _, direction, dst, _, nbytes, stream, _, shape, data = item
+            rec: dict[str, Any] = {"type": "memcpy", "dir": direction, "dst": dst, "src": 0, "bytes": nbytes}
+            if shape is not None:
+                rec["width"], rec["height"], rec["src_pitch"], rec["dst_pitch"] = shape
+            if data is not None:
+                rec["data"] = data.hex()
+            self.pred.feed(rec)
+            self.streams.add(stream)
+        elif tag == wire.SET:
+            self.pred.feed({"type": "memset", "dst": item[4], "bytes": item[5]})
+            self.streams.add(item[8])
+        elif tag == wire.STREAM:
+            (self.streams.add if item[4] == "create" else self.streams.discard)(item[3])
+
+    def on_alloc(self, addr: int, size: int, kind: str) -> None:
+        a = self.pred.allocs.add({"id": self.next_id, "addr": addr, "size": size, "kind": kind})
+        self.by_id[a.id] = a
+        self.next_id += 1
+
+    def device_allocations(self) -> list[Allocation]:
+        """Live allocations of device memory, by address."""
+        allocs = self.pred.allocs
+        return [allocs._live[s] for s in allocs._starts if allocs._live[s].kind in DEVICE_KINDS]
