@@ -167,3 +167,11 @@ def test_graph_launch_runs_what_was_captured():
         first = Predictor("range")
         caps = [a for a in map(first.feed, records) if a and a.get("captured")]
         assert {e["alloc"] for e in g["writes"]} == {e["alloc"] for a in caps for e in a["writes"]}
+
+
+def test_access_records_carry_their_source_records_time():
+    records = load("suite-torch_cnn.s2.ndjson.zst")
+    pred = Predictor("range")
+    pairs = [(r, pred.feed(r)) for r in records]
+    pairs = [(r, a) for r, a in pairs if a is not None]
+    assert pairs and all(a["ts"] == r["ts"] for r, a in pairs)

@@ -7,7 +7,8 @@ access       of ("launch"|"memcpy"|"memset"|"graph_launch"), seq (launches: the 
              launches? (graph_launch: the captured launches it runs),
              reads [{alloc, offset, size, how}], writes [{alloc, offset, size, how}],
              unknown (true: the launch may touch any memory), why? (text: what made it
-             unknown, or that a failed launch ran nothing)
+             unknown, or that a failed launch ran nothing), ts? (the `ts` of the record it
+             follows, so that a stream of access records alone keeps its times)
 
 A buffer is an allocation id (of an `alloc` record) and a byte range inside it. Granularity
 `alloc` (default) gives the whole allocation; `range` gives, for a launch, the range from the

@@ -139,7 +139,13 @@ class Predictor:
     # -- the stream --------------------------------------------------------------------------
 
     def feed(self, rec: dict[str, Any]) -> dict[str, Any] | None:
-        """Apply one record; the access record it causes, or None."""
+        """Apply one record; the access record it causes (with the record's ``ts``), or None."""
+        out = self._feed(rec)
+        if out is not None and "ts" in rec:
+            out["ts"] = rec["ts"]
+        return out
+
+    def _feed(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         kind = rec["type"]
         if kind == "launch":
             return self._launch_memo(rec)

@@ -20,7 +20,8 @@ policy: its working set, and its writes, are every chunk of every live device al
 its job at that moment.
 
 Compute time per step (`--kernel-time`): `gaps` (the default) takes the time from the step's
-record to the job's next step record (the trace's `ts`), capped at `--gap-cap` (1 ms), because
+record to the job's next step record (the trace's `ts`: the access record's own, else that of
+the launch, memcpy or memset record before it), capped at `--gap-cap` (1 ms), because
 a longer gap is the host doing something else (start-up, library initialisation, Python) while
 the GPU idles; the last step gets the median of the others. A duration instead gives every step
 that time. Neither is measured kernel time: a trace records when work was submitted, not how
@@ -208,7 +209,7 @@ def load_job(
                 Step(index, of, ref, ws, writes, tuple(pending_frees), 0.0, unknown, rec.get("kernel"))
             )
             pending_frees = []
-            stamps.append(last_ts)
+            stamps.append(rec.get("ts", last_ts))  # access records carry their own ts
     job.peak_bytes = live.peak
     _estimate_compute(job.steps, stamps, kernel_time, gap_cap)
     return job
