@@ -18,9 +18,11 @@ The observations are whole 128-byte chunks (the validator's granularity): an exp
 launch when rounding the pointer plus its value up to a chunk boundary (at most to the end of
 the pointer's span) gives what the GPU showed. Reads are fitted to the larger of the read and
 the written extent, because a kernel that updates memory in place may read what it overwrites
-and the poison bisection cannot see that read. Single integer arguments are tried first, then
-products of 2 to 4 scalar arguments (parameters of at most 8 bytes), then products of two words
-anywhere, then a constant; element sizes 4, 2, 8, 1, 16, 32, 64 in that order. When several
+and the poison bisection cannot see that read. With element sizes 4, 2, 8, 1, 16 as the factor,
+single integer arguments are tried first, then products of 2 to 4 scalar arguments (parameters
+of at most 8 bytes); then the same with factors 32 and 64 (a wide factor on one argument is
+often a product in disguise: a batch of 16 times 4-byte floats); then products of two words
+anywhere; then a constant. When several
 expressions fit every sample, those whose arguments changed between samples win; if none
 changed, up to 32 are kept and the largest value is predicted (samples of one size cannot say
 which argument is the length).
@@ -38,7 +40,9 @@ from typing import Any
 
 CHUNK = 128
 MAX_ALTERNATIVES = 32  #: expressions kept when the samples cannot tell them apart
-SCALES = (4, 2, 8, 1, 16, 32, 64)
+ELEMENT_SIZES = (4, 2, 8, 1, 16)
+WIDE_SCALES = (32, 64)
+SCALES = ELEMENT_SIZES + WIDE_SCALES
 _MAX_WORD = 1 << 40
 
 
@@ -122,7 +126,7 @@ def _words_of(params: list[dict[str, Any]], keys) -> dict[tuple[int, int, int], 
     return out
 
 
-def _products(samples: list[Sample], common: list, attr: str, ok) -> list[dict[str, Any]]:
+def _products(samples: list[Sample], common: list, attr: str, ok, scales=SCALES) -> list[dict[str, Any]]:
     """k times a product of 2 to 4 scalar arguments (parameters of at most 8 bytes, such as the
     N, C, H, W of a pooling kernel), found by a depth-first search bounded by the extent."""
     first = samples[0]
@@ -130,7 +134,7 @@ def _products(samples: list[Sample], common: list, attr: str, ok) -> list[dict[s
     scalars = sorted((key for key in common if key[2] >= 4 and 2 <= first.ints[key] <= 1 << 24
                       and key in first.scalar_keys), key=lambda k: k)
     found: list[dict[str, Any]] = []
-    for k in SCALES:
+    for k in scales:
         if e // k < 2:
             continue
 
@@ -171,16 +175,22 @@ def fit(samples: list[Sample], attr: str) -> tuple[dict[str, Any] | None, int]:
     e = getattr(first, attr)
     if all(getattr(s, attr) == 0 for s in samples):
         return {"const": 0}, 1
-    found: list[dict[str, Any]] = []
     common = [k for k in first.ints if all(k in s.ints for s in samples)]
-    for k in SCALES:
-        for key in common:
-            v = first.ints[key]
-            if e - CHUNK < k * v <= e or observed(first.ptr, first.limit, k * v) == e:
-                if ok(lambda s, key=key, k=k: k * s.ints[key]):
-                    found.append({"scale": k, "args": [list(key)]})
-    if not found:
-        found = _products(samples, common, attr, ok)
+
+    def singles(scales) -> list[dict[str, Any]]:
+        out = []
+        for k in scales:
+            for key in common:
+                v = first.ints[key]
+                if e - CHUNK < k * v <= e or observed(first.ptr, first.limit, k * v) == e:
+                    if ok(lambda s, key=key, k=k: k * s.ints[key]):
+                        out.append({"scale": k, "args": [list(key)]})
+        return out
+
+    # element sizes first, single arguments then products of scalars; a wide factor (32, 64)
+    # on one argument is more often a product in disguise (batch 16 x 4-byte floats = 64)
+    found = (singles(ELEMENT_SIZES) or _products(samples, common, attr, ok, ELEMENT_SIZES)
+             or singles(WIDE_SCALES) or _products(samples, common, attr, ok, WIDE_SCALES))
     if not found:
         by_value: dict[int, list] = {}
         for key in common:
