@@ -7,7 +7,7 @@ in-process), and answers requests on its control socket (gpuos_tools/agent/contr
 
 A snapshot captures every device allocation as it was at T0, the moment the request took the
 agent's lock (no program callback runs while it is held, so T0 falls between two of the
-program's operations: ``ops_before`` says how many launches, copies, memsets and frees came
+program's operations: `ops_before` says how many launches, copies, memsets and frees came
 before it):
 
 - at T0 an event is recorded on every stream the program has used, and a side stream of the
@@ -23,7 +23,7 @@ before it):
   wait for the T0 events, so those copies too come after everything before T0;
 - when every copy has completed, the snapshot is the host buffers; the program never stopped.
 
-What the program feels: the agent's time inside its callbacks (reported as ``stall_s``), and
+What the program feels: the agent's time inside its callbacks (reported as `stall_s`), and
 GPU-side waits of its streams behind in-flight copies of what it is about to overwrite.
 """
 

@@ -1,12 +1,14 @@
 """The agent's control socket: how `gpu-ckpt --agent` and `gpu-restore --agent` reach a program
 started with `gpu-trace run --agent`.
 
-A Unix stream socket per agent process, ``agent-<pid>.sock`` in ``$XDG_RUNTIME_DIR/gpuos``
-(else ``/run/gpuos`` when writable, else ``/tmp/gpuos-<uid>``); the directory is created mode
-0700 and the socket is mode 0600, and every connection's peer uid (SO_PEERCRED) must be the
-agent's own uid or root. One request per line, a JSON object with an ``op``; one JSON answer
-per line, with ``ok`` and, when false, ``error``. The operations are the agent's (see
-gpuos_tools/agent/agent.py); ``ping`` answers the pid, argv and what the agent knows.
+A Unix stream socket per agent process, `agent-PID.sock` in `$XDG_RUNTIME_DIR/gpuos` (else
+`/run/gpuos` when writable, else `/tmp/gpuos-UID`); the directory is created mode 0700 and the
+socket is mode 0600, and every connection's peer uid (SO_PEERCRED) must be the agent's own uid
+or root. One request per line, a JSON object with an `op`; one JSON answer per line, with `ok`
+and, when false, `error`. `ping` answers the pid, the operations seen, the live allocations
+and bytes, and the streams; `snapshot` (with `digest`: a sha256 per allocation; `cow_budget`:
+bytes of copy-on-write slots) answers T0, `ops_before`, bytes, seconds, GB/s, `cow`,
+`cow_bytes`, `host_saves`, `stream_waits`, `stall_s` and the allocations snapshotted.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 
 from gpuos_tools.cli import run_app, stderr_console
+from gpuos_tools.agent.agent import __doc__ as _agent_doc
+from gpuos_tools.agent.control import __doc__ as _control_doc
 from gpuos_tools.agent.validate import __doc__ as _validate_doc
 from gpuos_tools.trace.records import __doc__ as _records_doc
 
@@ -50,7 +52,9 @@ MAN_SECTIONS = {
     + "\n\n`--validate` runs in the python backend; with its trials a validated launch takes "
     "milliseconds (tens with extents), so sample few launches in big programs "
     "(`--validate-samples`).",
-    "SEE ALSO": "gpuos-stream(7), gpu-predict-access(1)",
+    "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
+    + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
+    "SEE ALSO": "gpuos-stream(7), gpu-predict-access(1), gpu-ckpt(1)",
 }
 
 app = typer.Typer(
