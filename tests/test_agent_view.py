@@ -25,3 +25,12 @@ def test_allocations_copies_and_streams():
     v.observe((wire.STREAM, 8, 1, 77, "destroy"))
     assert [a.id for a in v.device_allocations()] == [1] and 3 not in v.by_id
     assert v.streams == {0}
+
+
+def test_launch_record_slices_arguments_by_parameter_size():
+    from gpuos_tools.agent.view import launch_record
+
+    rec = launch_record("k", (8, 4), bytes(range(12)))
+    assert rec == {"kernel": "k", "params": [{"size": 8, "hex": bytes(range(8)).hex()},
+                                             {"size": 4, "hex": bytes(range(8, 12)).hex()}]}
+    assert launch_record("k", None, None)["layout"] == "none"

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuos_tools.agent.view import ProcessView
+from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.trace.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
@@ -116,24 +116,19 @@ class Agent(ProcessView):
 
     # -- hooks before an operation (the callback's enter site, lock held) ------------------------
 
-    def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+    def _operation(self, stream: int) -> None:
+        """Count one operation of the program (and dump a reference where one is asked for)."""
         self.ops += 1
         self.streams.add(stream)
         if self.references and self.ops in self.references:
             self._reference(self.ops)
+
+    def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+        self._operation(stream)
         snap = self.snap
         if snap is None:
             return
-        params = []
-        if sizes is not None and args is not None:
-            pos = 0
-            for s in sizes:
-                params.append({"size": s, "hex": args[pos : pos + s].hex()})
-                pos += s
-        rec: dict[str, Any] = {"kernel": kernel, "params": params}
-        if sizes is None or args is None:
-            rec["layout"] = "none"
-        acc = self.pred.launch(rec)[0]
+        acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
         if acc["unknown"]:
             targets = range(len(snap.buffers))
         else:
@@ -142,10 +137,7 @@ class Agent(ProcessView):
 
     def before_write(self, api: str, addr: int, stream: int) -> None:
         """A copy or memset into ``addr``, or a free of it, is about to be issued."""
-        self.ops += 1
-        self.streams.add(stream)
-        if self.references and self.ops in self.references:
-            self._reference(self.ops)
+        self._operation(stream)
         snap = self.snap
         if snap is None:
             return

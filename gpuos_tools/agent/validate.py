@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuos_tools.agent.view import DEVICE_KINDS, ProcessView
+from gpuos_tools.agent.view import DEVICE_KINDS, ProcessView, launch_record
 from gpuos_tools.trace.allocs import Allocation
 
 CHUNK = 128  #: bytes per hashed chunk (the PTX kernel below is written for this size)
@@ -340,16 +340,7 @@ class Validator(ProcessView):
         from cuda.bindings import driver as drv
 
         t0 = time.perf_counter()
-        params = []
-        if sizes is not None and args is not None:
-            pos = 0
-            for s in sizes:
-                params.append({"size": s, "hex": args[pos : pos + s].hex()})
-                pos += s
-        rec = {"kernel": kernel, "params": params}
-        if sizes is None or args is None:
-            rec["layout"] = "none"
-        acc, _info, found = self.pred.launch(rec)
+        acc, _info, found = self.pred.launch(launch_record(kernel, sizes, args))
         state: dict[str, Any] = {"kernel": kernel, "func": func, "t0": t0}
         state["reads"] = self._absolute(acc["reads"])
         state["writes"] = self._absolute(acc["writes"])

@@ -14,6 +14,20 @@ from gpuos_tools.trace.allocs import Allocation
 DEVICE_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
 
 
+def launch_record(kernel: str, sizes: tuple | None, args: bytes | None) -> dict[str, Any]:
+    """A launch as gpu-predict-access reads it, from the tracer's parameter sizes and argument
+    bytes (layout none when either is unknown)."""
+    rec: dict[str, Any] = {"kernel": kernel, "params": []}
+    if sizes is None or args is None:
+        rec["layout"] = "none"
+        return rec
+    pos = 0
+    for size in sizes:
+        rec["params"].append({"size": size, "hex": args[pos : pos + size].hex()})
+        pos += size
+    return rec
+
+
 class ProcessView:
     """The program's allocations and streams, replayed from the tracer's wire tuples."""
 
