@@ -274,6 +274,17 @@ class Server:
 
     # -- the loop --
 
+    def _tick(self, now: float) -> None:
+        """What both serve loops do each turn: housekeeping when due, a pending model swap,
+        a GPU probe when one is due."""
+        if now >= self._next_housekeeping:
+            self.housekeeping()
+            self._next_housekeeping = now + HOUSEKEEPING_S
+        if self._pending_swap is not None:
+            self._apply_swap()
+        if self.gpu_ready:
+            self.maybe_probe()
+
     def serve(self, max_batches: int | None = None) -> None:
         """Serve until ``stop`` is set (or ``max_batches`` batches, for tests).
 
@@ -298,13 +309,7 @@ class Server:
         perf = time.perf_counter
         while not self.stop.is_set():
             now = perf()
-            if now >= self._next_housekeeping:
-                self.housekeeping()
-                self._next_housekeeping = now + HOUSEKEEPING_S
-            if self._pending_swap is not None:
-                self._apply_swap()
-            if self.gpu_ready:
-                self.maybe_probe()
+            self._tick(now)
             rung = bell[0]
             if rung == seen and now < next_scan:
                 if idle_since is None:
@@ -347,14 +352,7 @@ class Server:
         self.native.start()
         try:
             while not self.stop.is_set():
-                now = perf()
-                if now >= self._next_housekeeping:
-                    self.housekeeping()
-                    self._next_housekeeping = now + HOUSEKEEPING_S
-                if self._pending_swap is not None:
-                    self._apply_swap()
-                if self.gpu_ready:
-                    self.maybe_probe()
+                self._tick(perf())
                 n = self.native.take(buf, min(0.02, max(0.0, self._next_housekeeping - perf())))
                 if n == 0:
                     continue
