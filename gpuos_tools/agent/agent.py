@@ -33,6 +33,7 @@ import ctypes
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,10 @@ class Agent(ProcessView):
         self.last: dict[str, Any] | None = None
         self.ctx = None
         self._staging: tuple[int, int] | None = None  #: (pinned address, capacity)
+        #: allocation ids written since the last snapshot's T0 (predicted); None: not known
+        #: (no snapshot yet, or an unknown launch since), so the next image must be full
+        self.dirty: set[int] | None = None
+        self.last_image: str | None = None  #: path of the last image this agent wrote
 
     # -- bookkeeping from the tracer's records ------------------------------------------------
 
@@ -110,6 +115,8 @@ class Agent(ProcessView):
             if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
                 self.ctx = ctx
         super().on_alloc(addr, size, kind)
+        if self.dirty is not None:
+            self.dirty.add(self.next_id - 1)  # new since the parent: the next image needs it
 
     def buffers(self) -> list[Allocation]:
         return self.device_allocations()
@@ -126,9 +133,16 @@ class Agent(ProcessView):
     def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         self._operation(stream)
         snap = self.snap
-        if snap is None:
+        if snap is None and self.dirty is None:
             return
         acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
+        if self.dirty is not None:
+            if acc["unknown"]:
+                self.dirty = None
+            else:
+                self.dirty.update(e["alloc"] for e in acc["writes"])
+        if snap is None:
+            return
         if acc["unknown"]:
             targets = range(len(snap.buffers))
         else:
@@ -139,9 +153,11 @@ class Agent(ProcessView):
         """A copy or memset into ``addr``, or a free of it, is about to be issued."""
         self._operation(stream)
         snap = self.snap
+        a = self.pred.allocs.find(addr)
+        if a is not None and self.dirty is not None:
+            self.dirty.add(a.id)
         if snap is None:
             return
-        a = self.pred.allocs.find(addr)
         if a is not None and a.id in snap.index:
             self._protect(snap, [snap.index[a.id]], _stream_of(api, stream))
 
@@ -206,8 +222,12 @@ class Agent(ProcessView):
 
     # -- the snapshot (on the control thread) -----------------------------------------------------
 
-    def snapshot(self, digest: bool = True, cow_budget: int | None = None) -> dict[str, Any]:
-        """Take a consistent snapshot; return its description (and per-buffer digests)."""
+    def snapshot(self, digest: bool = True, cow_budget: int | None = None, image: str | None = None,
+                 parent: str | None = None, compress: bool = False, chunk_size: int | None = None,
+                 checksum: str = "crc32") -> dict[str, Any]:
+        """Take a consistent snapshot; return its description (per-buffer digests with
+        ``digest``). With ``image``, write it there (gpuos_tools/ckpt/image.py); with ``parent``
+        (this agent's last image), an incremental image of what was written since."""
         from cuda.bindings import driver as drv
 
         self.own.add(threading.get_native_id())
@@ -252,6 +272,7 @@ class Agent(ProcessView):
                         state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
                         index={b.id: i for i, b in enumerate(buffers)})
             self.snap = snap
+            written, self.dirty = self.dirty, set()  # what changed since the last T0, and anew
         try:
             self._copy_all(snap)
             elapsed = time.perf_counter() - t_start
@@ -265,10 +286,44 @@ class Agent(ProcessView):
             }
             if digest:
                 out["digests"] = self._digests(snap)
+            if image is not None:
+                out["image"] = self._write_image(snap, image, parent, written, compress, chunk_size, checksum)
             self.last = out
             return out
+        except BaseException:
+            self.dirty = None  # the next image cannot be an increment of this one
+            raise
         finally:
             self._release(snap)
+
+    def _write_image(self, snap: Snap, path: str, parent: str | None, written: set[int] | None,
+                     compress: bool, chunk_size: int | None, checksum: str) -> dict[str, Any]:
+        """Write the snapshot's host copies as an image; incremental when ``parent`` is the
+        image this agent wrote last and what was written since it is known."""
+        from gpuos_tools.ckpt.image import DEFAULT_CHUNK_SIZE, ImageWriter
+
+        incremental = parent is not None and written is not None and self.last_image is not None \
+            and os.path.realpath(parent) == os.path.realpath(self.last_image)
+        manifest = {
+            "source": "gpuos-agent", "pid": os.getpid(), "argv": sys.argv, "t0_ns": snap.t0_ns,
+            "ops_before": snap.ops_before, **_device_facts(),
+            "allocations": [{"id": b.id, "addr": b.addr, "size": b.size, "kind": b.kind} for b in snap.buffers],
+        }
+        view = memoryview((ctypes.c_char * max(snap.total, 1)).from_address(snap.host)).cast("B")
+        with ImageWriter(path, manifest, compress=compress, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+                         parent=parent if incremental else None, checksum=checksum) as w:
+            for b, off in zip(snap.buffers, snap.offsets):
+                if incremental and b.id not in written:
+                    continue
+                w.add(b.id, b.addr, b.size, view[off : off + b.size])
+            summary = w.commit()
+        self.last_image = summary["path"]
+        summary["incremental"] = incremental
+        if parent is not None and not incremental:
+            summary["why_full"] = ("the parent is not this agent's last image" if written is not None
+                                   else "what was written since the parent is not known (an unknown launch, "
+                                        "or no image since the agent started)")
+        return summary
 
     def _copy_all(self, snap: Snap) -> None:
         from cuda.bindings import driver as drv
@@ -346,7 +401,11 @@ class Agent(ProcessView):
             return {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
                     "bytes": sum(b.size for b in bufs), "streams": len(self.streams)}
         if op == "snapshot":
-            return self.snapshot(digest=bool(request.get("digest", True)), cow_budget=request.get("cow_budget"))
+            return self.snapshot(
+                digest=bool(request.get("digest", True)), cow_budget=request.get("cow_budget"),
+                image=request.get("image"), parent=request.get("parent"), compress=bool(request.get("compress")),
+                chunk_size=request.get("chunk_size"), checksum=request.get("checksum") or "crc32",
+            )
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def start_server(self) -> str:
@@ -359,6 +418,25 @@ class Agent(ProcessView):
         self.server = Server(handler)
         self.server.start()
         return str(self.server.path)
+
+
+def _device_facts() -> dict[str, Any]:
+    """The GPU, driver and CUDA version of the current context, for an image's manifest."""
+    from cuda.bindings import driver as drv
+
+    facts: dict[str, Any] = {}
+    err, dev = drv.cuCtxGetDevice()
+    if err == drv.CUresult.CUDA_SUCCESS:
+        err, name = drv.cuDeviceGetName(256, dev)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            facts["gpu"] = name.split(b"\0", 1)[0].decode()
+        err, uuid = drv.cuDeviceGetUuid(dev)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            facts["gpu_uuid"] = bytes(uuid.bytes).hex()
+    err, version = drv.cuDriverGetVersion()
+    if err == drv.CUresult.CUDA_SUCCESS:
+        facts["cuda"] = int(version)
+    return facts
 
 
 def _stream_of(api: str, stream: int) -> int:

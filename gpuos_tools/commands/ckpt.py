@@ -169,7 +169,8 @@ def checkpoint(
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
-        help="Also dump the whole process with CRIU (>= 4) into DIR, an empty directory.",
+        help="Also dump the whole process with CRIU (>= 4) into DIR, an empty directory. With "
+        "--agent: the checkpoint image to write (it must not exist; it appears only when complete).",
     ),
     leave_running: bool = typer.Option(
         False, "--leave-running", help="With --image: resume the process after the dump instead of letting CRIU end it.",
@@ -185,6 +186,18 @@ def checkpoint(
         None, "--output", "-o", metavar="FILE",
         help="Records to FILE ('-': stdout; *.zst compressed). Default: stdout, none with --profile.",
     ),
+    agent: Optional[str] = typer.Option(
+        None, "--agent", metavar="PID|SOCKET",
+        help="Snapshot a program started with `gpu-trace run --agent` while it runs, into the image "
+        "--image DIR (the agent path: no stop, no lock).",
+    ),
+    parent: Optional[Path] = typer.Option(
+        None, "--parent", metavar="IMAGE",
+        help="With --agent: write an incremental image of what was written since IMAGE (this agent's "
+        "last image; otherwise the image is full and the record says why).",
+    ),
+    compress: bool = typer.Option(False, "--compress", help="With --agent: zstd per chunk."),
+    checksum: str = typer.Option("crc32", "--checksum", metavar="crc32|sha256", help="With --agent: chunk checksum."),
 ) -> None:
     """Checkpoint the GPU state of a CUDA process, or of every process a profile selects.
 
@@ -197,6 +210,23 @@ def checkpoint(
     if ctx.invoked_subcommand is not None:
         if pid is not None or image is not None or profile is not None or criu_arg or leave_running or output:
             raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
+        return
+    if agent is not None:
+        if pid is not None or profile is not None or leave_running or criu_arg or timeout:
+            raise GpuosError("--agent goes with --image, --parent, --compress, --checksum and -o only", ExitCode.USAGE)
+        if image is None:
+            raise GpuosError("--agent needs --image DIR: where the image goes", ExitCode.USAGE)
+        from gpuos_tools.agent import control
+        from gpuos_tools.agent.snapshot import snapshot_to_image
+
+        answer = snapshot_to_image(control.resolve(agent), str(image), str(parent) if parent else None,
+                                   compress=compress, checksum=checksum)
+        answer.pop("allocations", None)
+        _records("-" if output is None else output, PROG, [{"type": "agent_snapshot", **answer}], agent=agent)
+        img = answer.get("image", {})
+        _say(f"{img.get('path', image)}: {answer['bytes'] / 2**30:.2f} GiB of {answer['buffers']} allocations as of "
+             f"T0, {'incremental' if img.get('incremental') else 'full'}; {answer['stall_s'] * 1e3:.2f} ms on the "
+             f"program's path, {answer['cow']} copy-on-write")
         return
     if (pid is None) == (profile is None):
         raise GpuosError(

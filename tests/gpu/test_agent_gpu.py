@@ -65,3 +65,53 @@ def test_snapshots_equal_the_state_at_t0(tmp_path, seed):
     compared, bad = trials(tmp_path, seed, snapshots=25)
     assert not bad, bad
     assert compared >= 5
+
+
+def test_snapshot_images_full_then_incremental(tmp_path):
+    """Snapshots of a running job written as images: every buffer read back from the image (and
+    through the incremental chain) equals the snapshot's own digest; the chain verifies and
+    compacts into an equal full image."""
+    import hashlib
+    import signal
+    import time
+
+    from gpuos_tools.agent.control import request, socket_path
+    from gpuos_tools.ckpt.image import compact, open_image, verify
+
+    env = dict(os.environ, GPU_JOB_GIB="0.5", GPUOS_JOB_STOP=str(tmp_path / "stop"),
+               GPUOS_JOB_LOG=str(tmp_path / "log"), GPUOS_JOB_READY=str(tmp_path / "ready"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
+         "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.time() < deadline, "the job did not start"
+            time.sleep(0.1)
+        sock = socket_path(int((tmp_path / "ready").read_text()))
+        images = []
+        for k in range(3):
+            parent = str(images[-1]) if images else None
+            path = tmp_path / f"img{k}"
+            ans = request(sock, "snapshot", digest=True, image=str(path), parent=parent)
+            assert ans["image"]["incremental"] == (parent is not None), ans["image"]
+            assert verify(path) == []
+            img = open_image(path)
+            ids = [a[0] for a in ans["allocations"]]
+            for buffer_id, want in zip(ids, ans["digests"]):
+                assert hashlib.sha256(img.read(buffer_id)).hexdigest() == want, (k, buffer_id)
+            images.append(path)
+            time.sleep(0.2)
+        full = tmp_path / "compacted"
+        compact(images[-1], full)
+        assert verify(full) == []
+        a, b = open_image(images[-1]), open_image(full)
+        for entry in b.buffers:
+            assert a.read(entry["id"]) == b.read(entry["id"])
+        (tmp_path / "stop").touch()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
