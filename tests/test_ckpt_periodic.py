@@ -201,12 +201,12 @@ def test_clock_going_back_is_refused(tmp_path: Path) -> None:
 
 
 def test_command_without_the_agent_fails_clearly(tmp_path: Path) -> None:
-    prof = profile(tmp_path)
+    prof = profile(tmp_path)  # names PID 4242, which runs no agent
     done = subprocess.run([sys.executable, "-m", "gpuos_tools.commands.ckpt", "periodic", "--profile",
                            str(prof.path)], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60,
                           check=False)
-    assert done.returncode == ExitCode.SNAPSHOT_UNAVAILABLE
-    assert "agent snapshot path is not available" in done.stderr and done.stdout == ""
+    assert done.returncode == ExitCode.NO_SUCH_PROCESS
+    assert "gpu-trace run --agent" in done.stderr and done.stdout == ""
     assert not prof.directory.exists()
 
 

@@ -135,9 +135,17 @@ same profile apart. Records go only where `-o` says: a run is silent on success,
 is a message on standard error with a non-zero status. `--plan` writes what the next run would
 do and changes nothing.
 
-The snapshot is the agent's (the concurrent checkpoint path): the command asks
-`gpuos_tools.agent.snapshot.periodic_snapshot` for it. In a build without that module the
-command fails with status 91 (SNAPSHOT_UNAVAILABLE) and writes nothing."""
+The snapshot is the agent's (the concurrent checkpoint path): the profile's [agent] names a
+program started with `gpu-trace run --agent` (pid, socket, or a command-line pattern that must
+match exactly one agent process), and each run asks it, over its control socket, for a
+consistent snapshot written as the next image (incremental when the agent knows what was
+written since the previous one). With no such agent the run fails (status 76) and writes
+nothing.
+
+`gpu-ckpt --agent PID|SOCKET --image DIR [--parent IMAGE]` takes one such image by hand and
+writes an `agent_snapshot` record: T0, the operations before it, bytes, seconds and GB/s, the
+copy-on-write count and bytes, stream waits, and `stall_s`, the time spent on the program's
+path."""
 
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
                             {"PERIODIC CHECKPOINTS": PERIODIC})
