@@ -37,6 +37,7 @@ class ExitCode(enum.IntEnum):
     NOT_CHECKPOINTABLE = 84
     IMAGE_CORRUPT = 90
     SNAPSHOT_UNAVAILABLE = 91
+    IMAGE_MISMATCH = 92
     INTERRUPTED = 130
 
 
@@ -68,6 +69,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.NOT_CHECKPOINTABLE: "the driver could not checkpoint or restore the process (managed memory, IPC, MPS, MIG...)",
     ExitCode.IMAGE_CORRUPT: "a checkpoint image is damaged or incomplete: a chunk missing, extra, truncated or with the wrong checksum, a truncated manifest, or a broken parent chain (the message names the file)",
     ExitCode.SNAPSHOT_UNAVAILABLE: "the agent snapshot path is not available (not connected in this build, or no agent to ask); no image was written",
+    ExitCode.IMAGE_MISMATCH: "the image does not fit the process it is to be rolled back into (allocation table, GPU model or driver); nothing was written",
     ExitCode.INTERRUPTED: "interrupted (SIGINT)",
 }
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuos_tools.agent.view import ProcessView, launch_record
+from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.trace.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
@@ -236,14 +237,7 @@ class Agent(ProcessView):
         _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         with self.lock:
             total = sum(b.size for b in self.buffers())
-        # pinned host memory is slow to get (the kernel pins page by page): keep it between snapshots
-        if self._staging is None or self._staging[1] < total:
-            if self._staging is not None:
-                drv.cuMemFreeHost(self._staging[0])
-                self._staging = None
-            capacity = max(total, 1) + (64 << 20)
-            self._staging = (int(_ok(drv.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc(snapshot)")), capacity)
-        host, capacity = self._staging
+        host, capacity = self._ensure_staging(total)
         side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         if cow_budget is None:
             cow_budget = self.cow_budget
@@ -296,6 +290,87 @@ class Agent(ProcessView):
         finally:
             self._release(snap)
 
+    def _ensure_staging(self, total: int) -> tuple[int, int]:
+        """Pinned host memory of at least ``total`` bytes: (address, capacity). Pinned memory is
+        slow to get (the kernel pins it page by page), so it is kept between snapshots."""
+        from cuda.bindings import driver as drv
+
+        if self._staging is None or self._staging[1] < total:
+            if self._staging is not None:
+                drv.cuMemFreeHost(self._staging[0])
+                self._staging = None
+            capacity = max(total, 1) + (64 << 20)
+            self._staging = (int(_ok(drv.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc(staging)")), capacity)
+        return self._staging
+
+    # -- rollback (on the control thread) ---------------------------------------------------------
+
+    def rollback(self, image: str) -> dict[str, Any]:
+        """Write ``image`` (and its parent chain) back into the program's allocations, at the
+        same addresses, stop-the-world.
+
+        The image is read and every chunk checked into pinned host memory first, while the
+        program runs; nothing is written unless all of it is sound and it fits this process
+        (``fit_problems``). Then, under the agent's lock (the program's next launch, copy,
+        memset or free waits in its callback, and none is between its callback and the driver),
+        the context is synchronised, every buffer is copied back and the copies complete before
+        the lock is let go. Only device memory goes back: the program's host state is its own.
+        """
+        from cuda.bindings import driver as drv
+
+        from gpuos_tools.ckpt.image import open_image
+
+        if self.ctx is None:
+            raise GpuosError("the program has no CUDA allocation yet: nothing to roll back", ExitCode.WRONG_STATE)
+        _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        img = open_image(image)
+        img.chain()  # a broken chain is refused before anything else
+        facts = _device_facts()
+        with self.lock:
+            live = self.buffers()
+        problems = fit_problems(img.manifest, live, facts)
+        if problems:
+            raise GpuosError(f"{img.path} does not fit process {os.getpid()}: " + "; ".join(problems),
+                             ExitCode.IMAGE_MISMATCH)
+        entries = sorted(img.buffers, key=lambda b: int(b["addr"]))
+        total = sum(int(b["size"]) for b in entries)
+        host, _ = self._ensure_staging(total)
+        view = memoryview((ctypes.c_char * max(total, 1)).from_address(host)).cast("B")
+        t_read = time.perf_counter()
+        offsets, off = [], 0
+        for b in entries:
+            offsets.append(off)
+            img.read(int(b["id"]), view[off : off + int(b["size"])])  # checksums checked, through the chain
+            off += int(b["size"])
+        read_s = time.perf_counter() - t_read
+        side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        try:
+            with self.lock:
+                if self.snap is not None:
+                    raise GpuosError("a snapshot is in progress; roll back after it", ExitCode.WRONG_STATE)
+                problems = fit_problems(img.manifest, self.buffers(), facts)
+                if problems:
+                    raise GpuosError(f"the program's allocations changed while {img.path} was read: "
+                                     + "; ".join(problems), ExitCode.IMAGE_MISMATCH)
+                t0 = time.perf_counter()
+                _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+                for b, o in zip(entries, offsets):
+                    addr, size = int(b["addr"]), int(b["size"])
+                    for p in range(0, size, COPY_PIECE):
+                        n = min(COPY_PIECE, size - p)
+                        _ok(drv.cuMemcpyHtoDAsync(addr + p, host + o + p, n, side), "cuMemcpyHtoDAsync(rollback)")
+                _ok(drv.cuStreamSynchronize(side), "cuStreamSynchronize(rollback)")
+                stall = time.perf_counter() - t0
+                # what was written since the last image is no longer known: the next one is full
+                self.dirty = None
+                ops = self.ops
+        finally:
+            drv.cuStreamDestroy(side)
+        return {"ok": True, "image": img.path, "image_id": img.image_id, "chain": len(img.chain()),
+                "buffers": len(entries), "bytes": total, "read_s": round(read_s, 6),
+                "stall_s": round(stall, 6), "gbps": round(total / stall / 1e9, 3) if stall > 0 else None,
+                "ops_before": ops, "t0_image_ns": img.manifest.get("t0_ns")}
+
     def _write_image(self, snap: Snap, path: str, parent: str | None, written: set[int] | None,
                      compress: bool, chunk_size: int | None, checksum: str) -> dict[str, Any]:
         """Write the snapshot's host copies as an image; incremental when ``parent`` is the
@@ -322,7 +397,7 @@ class Agent(ProcessView):
         if parent is not None and not incremental:
             summary["why_full"] = ("the parent is not this agent's last image" if written is not None
                                    else "what was written since the parent is not known (an unknown launch, "
-                                        "or no image since the agent started)")
+                                        "a rollback, or no image since the agent started)")
         return summary
 
     def _copy_all(self, snap: Snap) -> None:
@@ -406,6 +481,10 @@ class Agent(ProcessView):
                 image=request.get("image"), parent=request.get("parent"), compress=bool(request.get("compress")),
                 chunk_size=request.get("chunk_size"), checksum=request.get("checksum") or "crc32",
             )
+        if op == "rollback":
+            if not isinstance(request.get("image"), str):
+                return {"ok": False, "error": "rollback needs 'image': the image's path"}
+            return self.rollback(request["image"])
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def start_server(self) -> str:
@@ -418,6 +497,35 @@ class Agent(ProcessView):
         self.server = Server(handler)
         self.server.start()
         return str(self.server.path)
+
+
+def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[str, Any]) -> list[str]:
+    """Why an image (its manifest) cannot be rolled back into a process whose live device
+    allocations are ``live`` on a GPU and driver described by ``facts`` (``_device_facts``);
+    empty when it fits. The allocation tables must be the same set of (address, size): a buffer
+    of the image with nowhere to go, or an allocation the image would leave as it is, refuses."""
+    problems = []
+    for key, what in (("gpu", "GPU"), ("cuda", "CUDA driver version")):
+        mine, theirs = facts.get(key), manifest.get(key)
+        if mine is not None and theirs is not None and mine != theirs:
+            problems.append(f"the image was taken on {what} {theirs}, this process has {mine}")
+        elif theirs is None:
+            problems.append(f"the image does not say its {what}")
+    want = {(int(b["addr"]), int(b["size"])) for b in manifest.get("buffers", [])}
+    have = {(a.addr, a.size) for a in live}
+
+    def listed(pairs: set[tuple[int, int]]) -> str:
+        first = sorted(pairs)[:3]
+        more = f" and {len(pairs) - 3} more" if len(pairs) > 3 else ""
+        return ", ".join(f"{size} B at {addr:#x}" for addr, size in first) + more
+
+    if want - have:
+        problems.append(f"{len(want - have)} of its buffers have no allocation of that address and size "
+                        f"here ({listed(want - have)})")
+    if have - want:
+        problems.append(f"{len(have - want)} allocations of this process are not in the image "
+                        f"({listed(have - want)})")
+    return problems
 
 
 def _device_facts() -> dict[str, Any]:

@@ -8,7 +8,9 @@ or root. One request per line, a JSON object with an `op`; one JSON answer per l
 and, when false, `error`. `ping` answers the pid, the operations seen, the live allocations
 and bytes, and the streams; `snapshot` (with `digest`: a sha256 per allocation; `cow_budget`:
 bytes of copy-on-write slots) answers T0, `ops_before`, bytes, seconds, GB/s, `cow`,
-`cow_bytes`, `host_saves`, `stream_waits`, `stall_s` and the allocations snapshotted.
+`cow_bytes`, `host_saves`, `stream_waits`, `stall_s` and the allocations snapshotted;
+`rollback` (with `image`) writes an image back into the program's memory, stop-the-world. A
+refusal the user should see (a GpuosError in the agent) answers its exit status as `code`.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class Server:
                 continue
             try:
                 answer = self.handler(request)
+            except GpuosError as exc:  # a refusal meant for the user: its message and exit code
+                answer = {"ok": False, "error": str(exc), "code": int(exc.code)}
             except Exception as exc:  # the agent must outlive a failed request
                 answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             _answer(f, answer)
@@ -160,5 +164,9 @@ def request(target: str | Path, op: str, timeout: float | None = 600.0, **fields
         raise GpuosError(f"the agent at {path} closed the connection (did the program exit?)", ExitCode.FAILURE)
     answer = json.loads(line)
     if not answer.get("ok"):
-        raise GpuosError(f"agent: {answer.get('error', 'failed')}", ExitCode.FAILURE)
+        try:
+            code = ExitCode(answer.get("code", ExitCode.FAILURE))
+        except ValueError:
+            code = ExitCode.FAILURE
+        raise GpuosError(f"agent: {answer.get('error', 'failed')}", code)
     return answer

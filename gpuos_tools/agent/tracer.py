@@ -668,17 +668,36 @@ class Tracer:
         validator = self.validator
         agent = self.agent
         global _append
+        held: frozenset[int] = frozenset()  # the agent's acting callbacks (launches, writes)
+        holding = threading.local()
         if validator is not None:
             _append = _observing_append(validator)
             driver.update(_validating_handlers(validator, self.table))
         elif agent is not None:
             _append = _observing_append(agent)
-            driver.update(_agent_handlers(agent, self.table))
+            acting = _agent_handlers(agent, self.table)
+            driver.update(acting)
+            held = frozenset(acting)
 
         def callback(userdata, domain, cbid, cbdata):
             if agent is not None:
                 if _tid() in agent.own:
                     return  # the agent's own driver calls
+                if domain == driver_domain and cbid in held:
+                    # A launch, copy, memset or free keeps the agent's lock from its enter to its
+                    # exit: the work is enqueued before a snapshot's T0 (or a rollback) can come
+                    # between the agent seeing the operation and the driver issuing it.
+                    if _CBDATA(_MEM, cbdata.ptr)[0] == _ENTER:
+                        if not getattr(holding, "on", False):  # not twice if an exit went missing
+                            agent.lock.acquire()
+                            holding.on = True
+                        return checked(domain, cbid, cbdata)
+                    try:
+                        return checked(domain, cbid, cbdata)
+                    finally:
+                        if getattr(holding, "on", False):
+                            holding.on = False
+                            agent.lock.release()
                 with agent.lock:
                     return checked(domain, cbid, cbdata)
             if validator is not None:

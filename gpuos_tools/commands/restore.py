@@ -39,6 +39,11 @@ A full-process image written by `gpu-ckpt --pid 4242 --image /var/tmp/job.img` (
 
     gpu-restore --image /var/tmp/job.img
 
+Roll a program started with `gpu-trace run --agent` back to an image `gpu-ckpt --agent` took
+of it (say, the last one before its loss went NaN), then let it go on:
+
+    gpu-restore --agent 4242 --image /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
+
 Check an image of the agent path (and its parent chain), and compare two:
 
     gpu-restore verify /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
@@ -68,6 +73,21 @@ its old PID, which must be free.
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
 that failed, so that running it again retries them. It is silent on success.
+
+`--agent PID|SOCKET --image DIR` rolls a program started with `gpu-trace run --agent` back to an
+image of the agent path (full, or incremental and read down its chain): its device memory is
+written back at the same addresses. The image is read and every chunk's checksum checked into
+pinned host memory first, while the program runs; then the agent stops the world (the program's
+next launch, copy, memset or free waits), waits for the GPU work already submitted, copies every
+buffer back and lets the program go on. Only device memory goes back: the program's host state
+(its Python objects, a step counter) is its own, so roll back at a point the program knows
+about. Refused, with nothing written: a damaged image or broken chain (90, IMAGE_CORRUPT, naming
+the chunk); an image taken on another GPU model or CUDA driver version, or whose allocations
+(address and size) are not exactly the program's live device allocations (92,
+IMAGE_MISMATCH: allocations made or freed since the image was taken). A fresh run of the same
+deterministic program often gets the same addresses, so an image can restart a job that
+crashed. One `agent_rollback` record: the image, buffers, bytes, read_s, stall_s (how long
+the program was held) and GB/s.
 
 `gpu-restore verify IMAGE` checks an image of the agent path and its parent chain: the manifest
 parses and is complete, every chunk file the manifest lists is there with its size, its bytes
@@ -102,7 +122,18 @@ def restore(
         help="Restore each GPU OLD onto NEW (indexes or UUIDs), for processes on several GPUs.",
     ),
     image: Optional[Path] = typer.Option(
-        None, "--image", metavar="DIR", help="Restore the CRIU image gpu-ckpt --image wrote into DIR.",
+        None, "--image", metavar="DIR",
+        help="Restore the CRIU image gpu-ckpt --image wrote into DIR. With --agent: the agent-path "
+        "image (gpu-ckpt --agent) to roll the program back to.",
+    ),
+    agent: Optional[str] = typer.Option(
+        None, "--agent", metavar="PID|SOCKET",
+        help="Roll a program started with `gpu-trace run --agent` back to the image --image DIR: its "
+        "device memory is written back at the same addresses (stop-the-world, while it waits).",
+    ),
+    timeout: float = typer.Option(
+        3600.0, "--timeout", metavar="S", min=1.0,
+        help="With --agent: how long to wait for the agent's answer, in seconds.",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu restore` (repeatable).",
@@ -124,9 +155,16 @@ def restore(
     agent path.
     """
     if ctx.invoked_subcommand is not None:
-        if any(x is not None for x in (pid, device, device_map, image, profile, output)) or criu_arg:
+        if any(x is not None for x in (pid, device, device_map, image, profile, output, agent)) or criu_arg:
             raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]",
                              ExitCode.USAGE)
+        return
+    if agent is not None:
+        if any(x is not None for x in (pid, device, device_map, profile)) or criu_arg:
+            raise GpuosError("--agent goes with --image, --timeout and -o only", ExitCode.USAGE)
+        if image is None:
+            raise GpuosError("--agent needs --image DIR: the image to roll back to", ExitCode.USAGE)
+        _rollback(agent, image, output, timeout)
         return
     if sum(x is not None for x in (pid, image, profile)) != 1:
         raise GpuosError(f"give one of --pid PID, --image DIR, --profile FILE; see `{PROG} --help`", ExitCode.USAGE)
@@ -168,6 +206,21 @@ def restore(
         if result.get("restore_s") is not None:
             text += f" (restore {result['restore_s']:.2f} s)"
         stderr_console().print(f"{PROG}: {text}", highlight=False)
+
+
+def _rollback(agent: str, image: Path, output: Optional[str], timeout: float) -> None:
+    """`gpu-restore --agent`: ask the agent to write the image back; one agent_rollback record."""
+    from gpuos_tools.agent import control
+    from gpuos_tools.ckpt.image import open_image
+
+    open_image(image).chain()  # a missing or broken image is refused here, before the agent is asked
+    answer = control.request(control.resolve(agent), "rollback", timeout=timeout, image=str(image.absolute()))
+    answer.pop("ok", None)
+    _records("-" if output is None else output, PROG, [{"type": "agent_rollback", "agent": agent, **answer}])
+    if sys.stderr.isatty():
+        stderr_console().print(
+            f"{PROG}: {answer['image']}: {answer['bytes'] / 2**30:.2f} GiB in {answer['buffers']} allocations written "
+            f"back; the program waited {answer['stall_s'] * 1e3:.1f} ms", highlight=False)
 
 
 def _records(output: str, tool: str, records: list[dict[str, Any]]) -> None:

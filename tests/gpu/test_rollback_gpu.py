@@ -1,0 +1,117 @@
+"""Rollback into a live agent process on a real GPU (pytest -m gpu): `gpu-restore --agent`
+writes an image back, the job continues, and its result equals an uninterrupted run; damaged or
+mismatched images are refused and write nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+PROG = Path(__file__).resolve().parent / "progs" / "rollback_prog.py"
+
+
+def start(tmp: Path, twin: bool) -> subprocess.Popen:
+    env = dict(os.environ, GPUOS_RB_DIR=str(tmp), GPUOS_RB_TWIN="1" if twin else "0")
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
+         "--", sys.executable, str(PROG)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+        start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, path: Path, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job exited ({proc.returncode}) before {path.name}"
+        assert time.time() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def records(out: str, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, out.splitlines()) if r.get("type") == kind]
+
+
+def test_rollback_then_continue_equals_an_uninterrupted_run(tmp_path):
+    from gpuos_tools.agent.control import request, socket_path
+    from gpuos_tools.ckpt.image import open_image
+
+    (tmp_path / "twin").mkdir()
+    twin = start(tmp_path / "twin", twin=True)
+    out, _ = twin.communicate(timeout=300)
+    assert twin.returncode == 0
+    want = json.loads(out.splitlines()[-1])["digest"]
+
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    proc = start(job_dir, twin=False)
+    try:
+        pid = wait_for(proc, job_dir / "ready")
+        full, inc = tmp_path / "full.img", tmp_path / "inc.img"
+        r = tool("gpuos_tools.commands.ckpt", "--agent", pid, "--image", str(full))
+        assert r.returncode == 0, r.stderr
+        r = tool("gpuos_tools.commands.ckpt", "--agent", pid, "--image", str(inc), "--parent", str(full))
+        assert r.returncode == 0, r.stderr
+        assert records(r.stdout, "agent_snapshot")[0]["image"]["incremental"] is True
+        (job_dir / "go").touch()
+        wait_for(proc, job_dir / "damaged")
+        sock = socket_path(int(pid))
+        before = request(sock, "snapshot", digest=True)["digests"]
+
+        # refusals first: each must leave the job's memory as it was
+        bad = tmp_path / "flipped.img"
+        shutil.copytree(full, bad)
+        chunk = sorted((bad / "chunks").iterdir())[0]
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        chunk.write_bytes(bytes(data))
+        r = tool("gpuos_tools.commands.restore", "--agent", pid, "--image", str(bad))
+        assert r.returncode == 90, r.stderr
+        assert chunk.name in r.stderr and "checksum" in r.stderr, r.stderr
+
+        moved = tmp_path / "moved.img"
+        shutil.copytree(full, moved)
+        manifest = json.loads((moved / "manifest.json").read_text())
+        manifest["buffers"][0]["addr"] += 1 << 21
+        (moved / "manifest.json").write_text(json.dumps(manifest))
+        r = tool("gpuos_tools.commands.restore", "--agent", pid, "--image", str(moved))
+        assert r.returncode == 92, r.stderr
+        assert "no allocation of that address and size" in r.stderr, r.stderr
+        assert request(sock, "snapshot", digest=True)["digests"] == before, "a refused rollback wrote something"
+
+        # the incremental image holds nothing of its own: every buffer comes through the chain
+        r = tool("gpuos_tools.commands.restore", "--agent", pid, "--image", str(inc))
+        assert r.returncode == 0, r.stderr
+        rec = records(r.stdout, "agent_rollback")[0]
+        assert rec["chain"] == 2 and rec["bytes"] > 0 and rec["stall_s"] > 0, rec
+        now = request(sock, "snapshot", digest=True)
+        after = now["digests"]
+        assert after != before, "the rollback changed nothing"
+        image = open_image(full)
+        for (buffer_id, *_), digest in zip(now["allocations"], after):
+            assert hashlib.sha256(image.read(buffer_id)).hexdigest() == digest, f"buffer {buffer_id} is not the image's"
+        (job_dir / "go2").touch()
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0
+        got = json.loads(out.splitlines()[-1])["digest"]
+        assert got == want, "the rolled-back job did not end where the uninterrupted one did"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
