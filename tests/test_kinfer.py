@@ -590,10 +590,16 @@ def test_policy_rules() -> None:
     assert cal.choose(16, True, busy=True) == "gpu" and cal.choose(16, True, slowdown=4) == "cpu"
     assert cal.choose(512, True, slowdown=4) == "gpu" and cal.choose(512, True, slowdown=30) == "cpu"
     assert cal.estimate("cpu", 4096) == pytest.approx(2560 * 8)
+    # the CPU's measured slowdown moves a calibrated choice the other way; LAKE's rule ignores it
+    assert cal.choose(8, True, cpu_slowdown=2) == "gpu" and cal.choose(16, True, slowdown=4, cpu_slowdown=4) == "gpu"
+    assert lake.choose(4, True, cpu_slowdown=100) == "cpu" and lake.choose(8, True, cpu_slowdown=0.01) == "gpu"
     for pol in (lake, cal):
-        for busy, slowdown, gpu in [(False, 1.0, True), (True, 1.0, True), (False, 6.0, True), (False, 1.0, False)]:
-            table = pol.cpu_batches(600, gpu, busy, slowdown)
-            assert [bool(v) for v in table[1:]] == [pol.choose(b, gpu, busy, slowdown) == "cpu" for b in range(1, 601)]
+        for busy, slowdown, cpu_slowdown, gpu in [(False, 1.0, 1.0, True), (True, 1.0, 1.0, True), (False, 6.0, 1.0, True),
+                                                  (False, 1.0, 1.0, False), (False, 1.0, 1.7, True), (False, 6.0, 0.5, True),
+                                                  (False, 1.0, 3.0, False)]:
+            table = pol.cpu_batches(600, gpu, busy, slowdown, cpu_slowdown)
+            assert [bool(v) for v in table[1:]] == [pol.choose(b, gpu, busy, slowdown, cpu_slowdown) == "cpu"
+                                                    for b in range(1, 601)]
     assert P.crossover([1, 8, 64], [5, 40, 320], [50, 30, 60]) == 8
     assert P.crossover([1, 8, 64], [5, 40, 320], [50, 50, 400]) is None
 
@@ -630,6 +636,47 @@ def test_measured_slowdown_picks_the_faster_side_under_load() -> None:
     clock.t += H100.slowdown_max_age_ms / 1e3 + 0.001
     assert half.slowdown() == 1.0 and half.fresh() == []
     assert len(full.samples) == H100.slowdown_samples
+
+
+def test_measured_cpu_slowdown_moves_the_crossover() -> None:
+    """The two misses of the GPU-only measurement (H100, policy phase): the CPU ran ~1.6x slower
+    than its calibration at the crossover, and the policy, taking the CPU from the calibration
+    alone, kept it. Measured, the CPU's slowdown gives those batches to the GPU."""
+    clock = Clock()
+    pol = P.Policy(batches=[1, 8, 64, 128, 256, 1024], cpu_us=[5.8, 8.3, 22.0, 48.7, 85.3, 310],
+                   gpu_us=[52.0, 52.5, 54.0, 57.0, 58.0, 66.0])
+    cpu, gpu = P.CpuSpeed(pol, clock), P.GpuSpeed(pol, clock)
+    for b in (64, 128, 64):
+        gpu.observe(b, pol.estimate("gpu", b))  # the GPU as calibrated
+    assert pol.choose(128, True, slowdown=gpu.slowdown(), cpu_slowdown=cpu.slowdown()) == "cpu"  # 48.7 < 57
+    assert cpu.slowdown() == 1.0 and cpu.fresh() == [] and cpu.last_seen() is None
+    for b, us in [(32, 24.0), (64, 35.5), (128, 78.0), (16, 19.0), (64, 33.0)]:  # ~1.6x slower
+        cpu.observe(b, us)
+    assert cpu.slowdown() == pytest.approx(78.0 / 48.7)  # the median of the five ratios
+    slow = cpu.slowdown()
+    assert [pol.choose(b, True, slowdown=gpu.slowdown(), cpu_slowdown=slow) for b in (8, 64, 128, 256)] == \
+        ["cpu", "cpu", "gpu", "gpu"]
+    table = pol.cpu_batches(300, True, False, gpu.slowdown(), slow)
+    assert [bool(v) for v in table[1:]] == [pol.choose(b, True, False, gpu.slowdown(), slow) == "cpu" for b in range(1, 301)]
+    assert table[:96].all() and not table[96:].any()  # the crossover moved from batch 157 to 96
+    assert pol.cpu_batches(300, True, False, gpu.slowdown())[:157].all()
+    # one outlier is ignored; only the last slowdown_samples count; old samples age out to the calibration
+    cpu.observe(8, pol.estimate("cpu", 8) * 50)
+    assert cpu.slowdown() == pytest.approx(slow, rel=0.01) and len(cpu.samples) == pol.slowdown_samples
+    assert cpu.last_seen() == clock.t
+    clock.t += pol.slowdown_max_age_ms / 1e3 + 0.001
+    assert cpu.slowdown() == 1.0 and cpu.fresh() == []
+    assert pol.choose(128, True, slowdown=gpu.slowdown(), cpu_slowdown=cpu.slowdown()) == "cpu"
+    # without a calibration there is nothing to compare with, and the measurements are not kept
+    lake = P.CpuSpeed(P.Policy(), clock)
+    lake.observe(8, 100.0)
+    assert lake.samples == [] and lake.slowdown() == 1.0
+    cpu.observe(0, 10.0)
+    cpu.observe(8, 0.0)
+    assert cpu.samples[-1][1] == pytest.approx(50.0)  # empty or zero-time batches are not samples
+    assert P.CpuSpeed(pol).side == "cpu" and P.GpuSpeed(pol).side == "gpu"
+    with pytest.raises(ValueError):
+        P.Speed(pol, "tpu")
 
 
 def test_probe_schedule_and_probe() -> None:
