@@ -170,6 +170,7 @@ def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: 
     assert stats["type"] == "kinfer_stats" and stats["served"] == 3 * 40 + 20 and stats["drop_bad_version"] == 3
     # the daemon served through the native loop, which handed the bad entries to Python
     assert stats["native"] is True and stats["native_served"] >= 1 and stats["handed_batches"] >= 1
+    assert stats["gpu_slowdown"] == stats["cpu_slowdown"] == 1.0  # --gpu off: nothing to choose, nothing measured
 
 
 # -- bad input, in process --------------------------------------------------------------------
@@ -1029,5 +1030,77 @@ def test_python_loop_picks_by_the_measured_slowdown_and_feeds_it(ring_name: str,
         assert np.allclose(srv.ring.outputs[:8, :2], model.forward(x), rtol=1e-5, atol=1e-4)
         c = srv.ring.counter_values()
         assert (c["gpu_batches"], c["cpu_batches"], c["served"]) == (1, 1, 16)
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("path", ["small", "vector"])
+def test_python_loop_times_its_cpu_batches_and_picks_by_the_cpu_slowdown(ring_name: str, path: str) -> None:
+    model = M.Mlp.random(seed=9)
+    # calibrated: a batch of 2 takes 10 µs on the CPU, 12 on the GPU
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], slowdown_max_age_ms=1e9)
+    srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
+                        log=lambda m: None)
+    x = np.random.default_rng(4).integers(0, 10, (2, 31)).astype(np.float32)
+    run = srv.process_small if path == "small" else (lambda slots: srv.process(np.array(slots)))
+
+    def serve_two() -> None:
+        for i in range(2):
+            _put(srv.ring, i, x[i])
+        run(srv.ready_slots())
+        assert np.allclose(srv.ring.outputs[:2, :2], model.forward(x), rtol=1e-5, atol=1e-4)
+
+    try:
+        serve_two()  # no GPU: nothing to choose between, so nothing is timed
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and srv.cpu_speed.samples == []
+        fake = _FakeGpu(model)
+        srv.models[0].gpu = fake
+        srv.gpu_ready = True
+        serve_two()  # the calibration as it stands: CPU
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and fake.batches == []
+        assert len(srv.cpu_speed.samples) == 1 and srv.speed.samples == []  # the daemon timed its own CPU batch
+        assert srv._cpu_slowdown == srv.cpu_speed.slowdown() == pytest.approx(srv.cpu_speed.samples[0][1])
+        srv.cpu_speed.samples.clear()
+        for _ in range(3):
+            srv.cpu_speed.observe(2, 30.0)  # 3x slower than calibrated
+        srv._refresh_policy()
+        serve_two()
+        assert (srv.ring.meta["where"][:2] == R.GPU).all() and fake.batches == [2]
+        assert len(srv.cpu_speed.samples) == 3 and len(srv.speed.samples) == 1  # a GPU batch feeds the GPU's estimate
+        c = srv.ring.counter_values()
+        assert (c["gpu_batches"], c["cpu_batches"], c["served"]) == (1, 2, 6)
+    finally:
+        srv.close()
+
+
+@native_only
+def test_native_loop_table_follows_the_cpu_slowdown(ring_name: str) -> None:
+    model = M.Mlp.random(seed=10)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], probe_idle_ms=1e9, slowdown_max_age_ms=1e9)
+    srv = _native_server(ring_name, model, pol)
+    fake = _FakeGpu(model)
+    srv.models[0].gpu = fake
+    srv.gpu_ready = True
+    srv.speed.observe(4, 12.0)  # the GPU measured as calibrated: no probe due
+    srv._refresh_policy(force=True)
+    x = np.random.default_rng(5).integers(0, 10, (2, 31)).astype(np.float32)
+    try:
+        for i in range(2):
+            _put(srv.ring, i, x[i])
+        with _Serving(srv):
+            _until(lambda: (srv.ring.state[:2] == R.DONE).all(), "batch of 2")
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and fake.batches == []
+        assert srv.native.stats()["native_served"] == 2
+        assert srv.cpu_speed.samples == []  # the C loop's own batches are not timed
+        for _ in range(3):
+            srv.cpu_speed.observe(2, 30.0)  # the CPU measured 3x slower than calibrated
+        srv._refresh_policy()
+        for i in range(2):
+            _put(srv.ring, i, x[i])
+        with _Serving(srv):
+            _until(lambda: (srv.ring.state[:2] == R.DONE).all(), "batch of 2 again")
+        assert (srv.ring.meta["where"][:2] == R.GPU).all() and fake.batches == [2]
+        assert srv.native.stats()["native_served"] == 2
+        assert np.allclose(srv.ring.outputs[:2, :2], model.forward(x), rtol=1e-5, atol=1e-4)
     finally:
         srv.close()

@@ -248,7 +248,8 @@ def serve(
         stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
                  **server.ring.counter_values(), "native": server.native is not None,
                  **(server.native.stats() if server.native is not None else {}),
-                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes}
+                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes,
+                 "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
     finally:
         server.close()
     with open_output(output, unbuffered=unbuffered or None) as writer:

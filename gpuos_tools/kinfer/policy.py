@@ -136,16 +136,19 @@ class Speed:
 
     def observe(self, batch: int, us: float, now: float | None = None) -> None:
         """A batch of ``batch`` requests took ``us`` µs on this side."""
-        if batch < 1 or not us > 0 or not self.policy.calibrated:
+        if not us > 0:
             return
         cal = self._calibrated_us.get(batch)
-        if cal is None:
+        if cal is None:  # a size not seen yet (or a policy without curves: nothing to compare with)
+            if batch < 1 or not self.policy.calibrated:
+                return
             if len(self._calibrated_us) >= self.CACHE_SIZES:
                 self._calibrated_us.clear()
             cal = self._calibrated_us[batch] = self.policy.estimate(self.side, batch)
-        when = self.clock() if now is None else now
-        self.samples.append((when, us / cal))
-        del self.samples[: -max(1, self.policy.slowdown_samples)]
+        samples = self.samples
+        samples.append((self.clock() if now is None else now, us / cal))
+        if len(samples) > self.policy.slowdown_samples:
+            del samples[: -max(1, self.policy.slowdown_samples)]
 
     def fresh(self, now: float | None = None) -> list[float]:
         now = self.clock() if now is None else now
@@ -153,6 +156,8 @@ class Speed:
         return [r for t, r in self.samples if now - t <= age]
 
     def slowdown(self, now: float | None = None) -> float:
+        if not self.samples:
+            return 1.0
         ratios = sorted(self.fresh(now))  # a handful: cheaper than numpy, once per batch
         n = len(ratios)
         if n == 0:
