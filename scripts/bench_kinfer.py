@@ -32,8 +32,8 @@ import platform
 import shutil
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -48,7 +48,14 @@ import numpy as np  # noqa: E402
 
 from gpuos_tools.kinfer import ring as R  # noqa: E402
 from gpuos_tools.kinfer.model import Mlp  # noqa: E402
-from gpuos_tools.kinfer.policy import CpuSpeed, GpuLoad, GpuSpeed, Policy, crossover, time_us  # noqa: E402
+from gpuos_tools.kinfer.policy import (  # noqa: E402
+    CpuSpeed,
+    GpuLoad,
+    GpuSpeed,
+    Policy,
+    crossover,
+    time_us,
+)
 
 LOAD_CHILD = r"""
 import sys, time, cupy as cp
