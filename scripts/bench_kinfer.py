@@ -12,10 +12,12 @@
   arrays in and out) and on device arrays only (CUDA events), fused kernel and cuBLAS.
 - policy: for each GPU load (none, and a second process running matrix products at a duty
   cycle) and each batch size, the side the policy picks against the side measured faster under
-  that load. The pick is the daemon's: the profile calibrated from the idle sweep, times the
-  GPU's measured slowdown (policy.GpuSpeed), kept fresh the way the daemon keeps it: probes on
-  the schedule NVML's view of other processes sets, and the latency of the batches it picked
-  the GPU for. The old fixed-factor rule (x4 while NVML says busy) is reported beside it.
+  that load. The pick is the daemon's: the profile calibrated from the idle sweep, each side's
+  curve times that side's measured slowdown, kept fresh the way the daemon keeps them: the GPU's
+  (policy.GpuSpeed) by probes on the schedule NVML's view of other processes sets and the
+  latency of the batches it picked the GPU for, the CPU's (policy.CpuSpeed) by the latency of
+  the batches it picked the CPU for. The old fixed-factor rule (x4 while NVML says busy, the CPU
+  as calibrated) is reported beside it.
 
 GPU parts are skipped, with the reason in the JSON and on stderr, where CuPy or a GPU is
 missing. BLAS runs on one thread, as in the daemon.
@@ -30,8 +32,8 @@ import platform
 import shutil
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -46,7 +48,14 @@ import numpy as np  # noqa: E402
 
 from gpuos_tools.kinfer import ring as R  # noqa: E402
 from gpuos_tools.kinfer.model import Mlp  # noqa: E402
-from gpuos_tools.kinfer.policy import GpuLoad, GpuSpeed, Policy, crossover, time_us  # noqa: E402
+from gpuos_tools.kinfer.policy import (  # noqa: E402
+    CpuSpeed,
+    GpuLoad,
+    GpuSpeed,
+    Policy,
+    crossover,
+    time_us,
+)
 
 LOAD_CHILD = r"""
 import sys, time, cupy as cp
@@ -206,6 +215,9 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
         return {"skipped": load.error}
     rows = []
     probes_total = 0
+    # the CPU's estimate lives through the GPU load changes, as a running daemon's would (its
+    # samples age out on their own); it is fed by the batches picked for the CPU
+    cpu_speed = CpuSpeed(pol)
     try:
         for duty in duties:
             child = None
@@ -230,17 +242,22 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
                         speed.probe(gpu.forward)
                     busy = load.busy
                     slowdown = speed.slowdown()
-                    pick = pol.choose(b, True, busy, slowdown)
+                    cpu_slowdown = cpu_speed.slowdown()
+                    pick = pol.choose(b, True, busy, slowdown, cpu_slowdown)
                     old_pick = pol.choose(b, True, slowdown=4.0 if busy else 1.0)
                     c = time_us(lambda: model.forward(x), reps)
                     g = time_us(lambda: gpu.forward(x), reps, warmup=5)
-                    if pick == "gpu":  # the daemon learns from the GPU batches it runs
+                    if pick == "gpu":  # the daemon learns from the batches it runs, on the side it runs them
                         speed.observe(b, g)
+                    else:
+                        cpu_speed.observe(b, c)
                     best = "gpu" if g < c else "cpu"
                     rows.append({"duty": duty, "batch": b, "busy": busy, "util": load.util, "others": load.others,
-                                 "slowdown_used": round(slowdown, 3), "pick": pick, "busy_factor_4_pick": old_pick,
+                                 "slowdown_used": round(slowdown, 3), "cpu_slowdown_used": round(cpu_slowdown, 3),
+                                 "pick": pick, "busy_factor_4_pick": old_pick,
                                  "faster": best, "cpu_us": round(c, 3), "gpu_us": round(g, 3),
-                                 "gpu_slowdown": round(g / pol.estimate("gpu", b), 3), "right": pick == best})
+                                 "gpu_slowdown": round(g / pol.estimate("gpu", b), 3),
+                                 "cpu_slowdown": round(c / pol.estimate("cpu", b), 3), "right": pick == best})
             finally:
                 probes_total += speed.probes
                 if child is not None:
@@ -251,9 +268,10 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
     right = sum(r["right"] for r in rows)
     old_right = sum(r["busy_factor_4_pick"] == r["faster"] for r in rows)
     slowdown = {str(d): float(np.median([r["gpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
+    cpu_slowdown = {str(d): float(np.median([r["cpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
     return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95,
             "busy_factor_4_accuracy": round(old_right / len(rows), 4), "probes": probes_total,
-            "gpu_slowdown_median": slowdown}
+            "gpu_slowdown_median": slowdown, "cpu_slowdown_median": cpu_slowdown}
 
 
 def main() -> int:

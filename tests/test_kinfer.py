@@ -170,6 +170,7 @@ def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: 
     assert stats["type"] == "kinfer_stats" and stats["served"] == 3 * 40 + 20 and stats["drop_bad_version"] == 3
     # the daemon served through the native loop, which handed the bad entries to Python
     assert stats["native"] is True and stats["native_served"] >= 1 and stats["handed_batches"] >= 1
+    assert stats["gpu_slowdown"] == stats["cpu_slowdown"] == 1.0  # --gpu off: nothing to choose, nothing measured
 
 
 # -- bad input, in process --------------------------------------------------------------------
@@ -590,10 +591,16 @@ def test_policy_rules() -> None:
     assert cal.choose(16, True, busy=True) == "gpu" and cal.choose(16, True, slowdown=4) == "cpu"
     assert cal.choose(512, True, slowdown=4) == "gpu" and cal.choose(512, True, slowdown=30) == "cpu"
     assert cal.estimate("cpu", 4096) == pytest.approx(2560 * 8)
+    # the CPU's measured slowdown moves a calibrated choice the other way; LAKE's rule ignores it
+    assert cal.choose(8, True, cpu_slowdown=2) == "gpu" and cal.choose(16, True, slowdown=4, cpu_slowdown=4) == "gpu"
+    assert lake.choose(4, True, cpu_slowdown=100) == "cpu" and lake.choose(8, True, cpu_slowdown=0.01) == "gpu"
     for pol in (lake, cal):
-        for busy, slowdown, gpu in [(False, 1.0, True), (True, 1.0, True), (False, 6.0, True), (False, 1.0, False)]:
-            table = pol.cpu_batches(600, gpu, busy, slowdown)
-            assert [bool(v) for v in table[1:]] == [pol.choose(b, gpu, busy, slowdown) == "cpu" for b in range(1, 601)]
+        for busy, slowdown, cpu_slowdown, gpu in [(False, 1.0, 1.0, True), (True, 1.0, 1.0, True), (False, 6.0, 1.0, True),
+                                                  (False, 1.0, 1.0, False), (False, 1.0, 1.7, True), (False, 6.0, 0.5, True),
+                                                  (False, 1.0, 3.0, False)]:
+            table = pol.cpu_batches(600, gpu, busy, slowdown, cpu_slowdown)
+            assert [bool(v) for v in table[1:]] == [pol.choose(b, gpu, busy, slowdown, cpu_slowdown) == "cpu"
+                                                    for b in range(1, 601)]
     assert P.crossover([1, 8, 64], [5, 40, 320], [50, 30, 60]) == 8
     assert P.crossover([1, 8, 64], [5, 40, 320], [50, 50, 400]) is None
 
@@ -630,6 +637,47 @@ def test_measured_slowdown_picks_the_faster_side_under_load() -> None:
     clock.t += H100.slowdown_max_age_ms / 1e3 + 0.001
     assert half.slowdown() == 1.0 and half.fresh() == []
     assert len(full.samples) == H100.slowdown_samples
+
+
+def test_measured_cpu_slowdown_moves_the_crossover() -> None:
+    """The two misses of the GPU-only measurement (H100, policy phase): the CPU ran ~1.6x slower
+    than its calibration at the crossover, and the policy, taking the CPU from the calibration
+    alone, kept it. Measured, the CPU's slowdown gives those batches to the GPU."""
+    clock = Clock()
+    pol = P.Policy(batches=[1, 8, 64, 128, 256, 1024], cpu_us=[5.8, 8.3, 22.0, 48.7, 85.3, 310],
+                   gpu_us=[52.0, 52.5, 54.0, 57.0, 58.0, 66.0])
+    cpu, gpu = P.CpuSpeed(pol, clock), P.GpuSpeed(pol, clock)
+    for b in (64, 128, 64):
+        gpu.observe(b, pol.estimate("gpu", b))  # the GPU as calibrated
+    assert pol.choose(128, True, slowdown=gpu.slowdown(), cpu_slowdown=cpu.slowdown()) == "cpu"  # 48.7 < 57
+    assert cpu.slowdown() == 1.0 and cpu.fresh() == [] and cpu.last_seen() is None
+    for b, us in [(32, 24.0), (64, 35.5), (128, 78.0), (16, 19.0), (64, 33.0)]:  # ~1.6x slower
+        cpu.observe(b, us)
+    assert cpu.slowdown() == pytest.approx(78.0 / 48.7)  # the median of the five ratios
+    slow = cpu.slowdown()
+    assert [pol.choose(b, True, slowdown=gpu.slowdown(), cpu_slowdown=slow) for b in (8, 64, 128, 256)] == \
+        ["cpu", "cpu", "gpu", "gpu"]
+    table = pol.cpu_batches(300, True, False, gpu.slowdown(), slow)
+    assert [bool(v) for v in table[1:]] == [pol.choose(b, True, False, gpu.slowdown(), slow) == "cpu" for b in range(1, 301)]
+    assert table[:96].all() and not table[96:].any()  # the crossover moved from batch 157 to 96
+    assert pol.cpu_batches(300, True, False, gpu.slowdown())[:157].all()
+    # one outlier is ignored; only the last slowdown_samples count; old samples age out to the calibration
+    cpu.observe(8, pol.estimate("cpu", 8) * 50)
+    assert cpu.slowdown() == pytest.approx(slow, rel=0.01) and len(cpu.samples) == pol.slowdown_samples
+    assert cpu.last_seen() == clock.t
+    clock.t += pol.slowdown_max_age_ms / 1e3 + 0.001
+    assert cpu.slowdown() == 1.0 and cpu.fresh() == []
+    assert pol.choose(128, True, slowdown=gpu.slowdown(), cpu_slowdown=cpu.slowdown()) == "cpu"
+    # without a calibration there is nothing to compare with, and the measurements are not kept
+    lake = P.CpuSpeed(P.Policy(), clock)
+    lake.observe(8, 100.0)
+    assert lake.samples == [] and lake.slowdown() == 1.0
+    cpu.observe(0, 10.0)
+    cpu.observe(8, 0.0)
+    assert cpu.samples[-1][1] == pytest.approx(50.0)  # empty or zero-time batches are not samples
+    assert P.CpuSpeed(pol).side == "cpu" and P.GpuSpeed(pol).side == "gpu"
+    with pytest.raises(ValueError):
+        P.Speed(pol, "tpu")
 
 
 def test_probe_schedule_and_probe() -> None:
@@ -982,5 +1030,77 @@ def test_python_loop_picks_by_the_measured_slowdown_and_feeds_it(ring_name: str,
         assert np.allclose(srv.ring.outputs[:8, :2], model.forward(x), rtol=1e-5, atol=1e-4)
         c = srv.ring.counter_values()
         assert (c["gpu_batches"], c["cpu_batches"], c["served"]) == (1, 1, 16)
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("path", ["small", "vector"])
+def test_python_loop_times_its_cpu_batches_and_picks_by_the_cpu_slowdown(ring_name: str, path: str) -> None:
+    model = M.Mlp.random(seed=9)
+    # calibrated: a batch of 2 takes 10 µs on the CPU, 12 on the GPU
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], slowdown_max_age_ms=1e9)
+    srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
+                        log=lambda m: None)
+    x = np.random.default_rng(4).integers(0, 10, (2, 31)).astype(np.float32)
+    run = srv.process_small if path == "small" else (lambda slots: srv.process(np.array(slots)))
+
+    def serve_two() -> None:
+        for i in range(2):
+            _put(srv.ring, i, x[i])
+        run(srv.ready_slots())
+        assert np.allclose(srv.ring.outputs[:2, :2], model.forward(x), rtol=1e-5, atol=1e-4)
+
+    try:
+        serve_two()  # no GPU: nothing to choose between, so nothing is timed
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and srv.cpu_speed.samples == []
+        fake = _FakeGpu(model)
+        srv.models[0].gpu = fake
+        srv.gpu_ready = True
+        serve_two()  # the calibration as it stands: CPU
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and fake.batches == []
+        assert len(srv.cpu_speed.samples) == 1 and srv.speed.samples == []  # the daemon timed its own CPU batch
+        assert srv._cpu_slowdown == srv.cpu_speed.slowdown() == pytest.approx(srv.cpu_speed.samples[0][1])
+        srv.cpu_speed.samples.clear()
+        for _ in range(3):
+            srv.cpu_speed.observe(2, 30.0)  # 3x slower than calibrated
+        srv._refresh_policy()
+        serve_two()
+        assert (srv.ring.meta["where"][:2] == R.GPU).all() and fake.batches == [2]
+        assert len(srv.cpu_speed.samples) == 3 and len(srv.speed.samples) == 1  # a GPU batch feeds the GPU's estimate
+        c = srv.ring.counter_values()
+        assert (c["gpu_batches"], c["cpu_batches"], c["served"]) == (1, 2, 6)
+    finally:
+        srv.close()
+
+
+@native_only
+def test_native_loop_table_follows_the_cpu_slowdown(ring_name: str) -> None:
+    model = M.Mlp.random(seed=10)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], probe_idle_ms=1e9, slowdown_max_age_ms=1e9)
+    srv = _native_server(ring_name, model, pol)
+    fake = _FakeGpu(model)
+    srv.models[0].gpu = fake
+    srv.gpu_ready = True
+    srv.speed.observe(4, 12.0)  # the GPU measured as calibrated: no probe due
+    srv._refresh_policy(force=True)
+    x = np.random.default_rng(5).integers(0, 10, (2, 31)).astype(np.float32)
+    try:
+        for i in range(2):
+            _put(srv.ring, i, x[i])
+        with _Serving(srv):
+            _until(lambda: (srv.ring.state[:2] == R.DONE).all(), "batch of 2")
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and fake.batches == []
+        assert srv.native.stats()["native_served"] == 2
+        assert srv.cpu_speed.samples == []  # the C loop's own batches are not timed
+        for _ in range(3):
+            srv.cpu_speed.observe(2, 30.0)  # the CPU measured 3x slower than calibrated
+        srv._refresh_policy()
+        for i in range(2):
+            _put(srv.ring, i, x[i])
+        with _Serving(srv):
+            _until(lambda: (srv.ring.state[:2] == R.DONE).all(), "batch of 2 again")
+        assert (srv.ring.meta["where"][:2] == R.GPU).all() and fake.batches == [2]
+        assert srv.native.stats()["native_served"] == 2
+        assert np.allclose(srv.ring.outputs[:2, :2], model.forward(x), rtol=1e-5, atol=1e-4)
     finally:
         srv.close()

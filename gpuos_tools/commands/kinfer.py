@@ -57,18 +57,23 @@ MAN_SECTIONS = {
     "POLICY": (
         "Each batch runs on the CPU (the native loop's C code or numpy) or the GPU (CuPy, one fused "
         "kernel). With a calibration in the profile (`gpu-kinfer-bridge calibrate`), the side with "
-        "the lower predicted latency at that batch size wins. The CPU's prediction is its "
-        "calibrated curve (log-log interpolation); the GPU's is its calibrated curve times the "
-        "GPU's measured slowdown: the median, over the last `slowdown_samples` GPU batches younger "
-        "than `slowdown_max_age_ms`, of measured latency over calibrated latency (1 when there are "
-        "none). The daemon measures every batch it runs on the GPU, and probes (times a batch of "
-        "`probe_batch` rows, twice, the faster kept) when its last measurement is older than "
-        "`probe_busy_ms` while NVML shows at least `busy_procs` other processes on the GPU, or "
-        "older than `probe_idle_ms` otherwise. So another process on the GPU moves batches to the "
-        "CPU only as far as it really slows the GPU down. Without a calibration, LAKE's rule: CPU "
-        "below `cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent "
-        "with at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
-        "`kinfer_stats` record at exit gives `gpu_slowdown` and `gpu_probes`.\n\n"
+        "the lower predicted latency at that batch size wins. Each side's prediction is its "
+        "calibrated curve (log-log interpolation) times that side's measured slowdown: the median, "
+        "over the last `slowdown_samples` batches it ran younger than `slowdown_max_age_ms`, of "
+        "measured latency over calibrated latency (1 when there are none). The daemon measures "
+        "every batch it runs on the GPU, and probes (times a batch of `probe_batch` rows, twice, "
+        "the faster kept) when its last measurement is older than `probe_busy_ms` while NVML shows "
+        "at least `busy_procs` other processes on the GPU, or older than `probe_idle_ms` "
+        "otherwise. It times the model's forward pass of every CPU batch its Python loop runs "
+        "while there is a GPU to choose; the CPU is not probed, and the batches the native loop "
+        "answers itself are not timed, so with the native path the CPU's slowdown comes from the "
+        "CPU batches handed to the Python loop (above `[native] max_batch`, or with a bad entry) "
+        "and is 1 (the calibration) while there are none. So another process on the GPU, or on "
+        "the CPU, moves batches to the other side only as far as it really slows that side down. "
+        "Without a calibration, LAKE's rule: CPU below "
+        "`cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent with "
+        "at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
+        "`kinfer_stats` record at exit gives `gpu_slowdown`, `gpu_probes` and `cpu_slowdown`.\n\n"
         "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
         "batch above 1.5); a lone producer is answered at once."
     ),
@@ -248,7 +253,8 @@ def serve(
         stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
                  **server.ring.counter_values(), "native": server.native is not None,
                  **(server.native.stats() if server.native is not None else {}),
-                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes}
+                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes,
+                 "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
     finally:
         server.close()
     with open_output(output, unbuffered=unbuffered or None) as writer:

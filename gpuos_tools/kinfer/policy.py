@@ -4,11 +4,13 @@ The choice, per batch:
 
 - no usable GPU: CPU;
 - with a calibration (latency curves measured by ``gpu-kinfer-bridge calibrate``): the side
-  whose predicted latency at this batch size is lower. The CPU's is the calibrated curve,
-  interpolated in log-log space; the GPU's is its calibrated curve times the GPU's *measured
-  slowdown* (``GpuSpeed``): the median ratio of the GPU batch latencies the daemon saw lately
-  (its own GPU batches, and probes) to what the curve predicts for them. Another process on
-  the GPU changes the choice only as much as it actually slows the GPU down;
+  whose predicted latency at this batch size is lower. Each side's prediction is its calibrated
+  curve, interpolated in log-log space, times that side's *measured slowdown* (``Speed``): the
+  median ratio of the batch latencies the daemon saw lately on that side to what the curve
+  predicts for them. The GPU's (``GpuSpeed``) comes from the daemon's own GPU batches and from
+  probes; the CPU's (``CpuSpeed``) from the CPU batches the daemon's Python loop runs, and needs
+  no probes: with no recent CPU batch it is 1.0, the calibration. Another process on the GPU,
+  or on the CPU, changes the choice only as much as it actually slows that side down;
 - without one, LAKE's rule: CPU below ``cpu_below`` or while the GPU is busy, else GPU.
 
 "Busy" is LAKE's test: NVML utilisation above ``busy_util`` percent while at least
@@ -85,48 +87,68 @@ class Policy:
         # beyond the sweep: time grows at most linearly with the batch
         return np.where(b > self.batches[-1], ys[-1] * b / self.batches[-1], inside)
 
-    def choose(self, batch: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0) -> str:
-        """CPU or GPU for one batch. ``slowdown``: the GPU's measured slowdown (``GpuSpeed``),
-        used with a calibration; ``busy``: NVML's verdict, used without one (LAKE's rule)."""
+    def choose(self, batch: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0,
+               cpu_slowdown: float = 1.0) -> str:
+        """CPU or GPU for one batch. ``slowdown`` and ``cpu_slowdown``: the GPU's and the CPU's
+        measured slowdowns (``GpuSpeed``, ``CpuSpeed``), used with a calibration; ``busy``:
+        NVML's verdict, used without one (LAKE's rule)."""
         if not gpu_available:
             return "cpu"
         if self.calibrated:
             gpu = self.estimate("gpu", batch) * slowdown
-            return "gpu" if gpu < self.estimate("cpu", batch) else "cpu"
+            return "gpu" if gpu < self.estimate("cpu", batch) * cpu_slowdown else "cpu"
         return "cpu" if batch < self.cpu_below or busy else "gpu"
 
-    def cpu_batches(self, largest: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0) -> np.ndarray:
+    def cpu_batches(self, largest: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0,
+                    cpu_slowdown: float = 1.0) -> np.ndarray:
         """``choose`` for every batch size 0..largest at once: True where it says CPU."""
         b = np.arange(largest + 1)
         if not gpu_available:
             return np.ones(largest + 1, dtype=bool)
         if self.calibrated:
-            return ~(self.estimate_many("gpu", b) * slowdown < self.estimate_many("cpu", b))
+            return ~(self.estimate_many("gpu", b) * slowdown < self.estimate_many("cpu", b) * cpu_slowdown)
         return (b < self.cpu_below) | busy
 
 
-class GpuSpeed:
-    """How much slower the GPU runs now than its calibrated curve says: the median of the ratios
-    measured / calibrated of the last ``slowdown_samples`` GPU batches (the daemon's own, and
-    probes), those younger than ``slowdown_max_age_ms``; 1.0 (the calibration) when there are none.
+class Speed:
+    """How much slower one side (``"cpu"`` or ``"gpu"``) runs now than its calibrated curve says:
+    the median of the ratios measured / calibrated of the last ``slowdown_samples`` batches
+    measured on it, those younger than ``slowdown_max_age_ms``; 1.0 (the calibration) when there
+    are none. Without a calibration nothing is recorded.
 
     ``clock`` (seconds, monotonic) is injectable so the logic is tested without a GPU or a timer.
+    The calibrated latency of each batch size is computed once (numpy costs microseconds; the
+    daemon observes every batch it runs), so a ``Speed`` is for the curves its policy had when
+    it first saw that size.
     """
 
-    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
+    #: sizes whose calibrated latency is kept; past that the cache starts again
+    CACHE_SIZES = 8192
+
+    def __init__(self, policy: Policy, side: str, clock: Callable[[], float] = time.monotonic):
+        if side not in ("cpu", "gpu"):
+            raise ValueError(f"side must be cpu or gpu, not {side!r}")
         self.policy = policy
+        self.side = side
         self.clock = clock
         self.samples: list[tuple[float, float]] = []  # (when, ratio)
-        self.probes = 0
-        self.last_probe_us: float | None = None
+        self._calibrated_us: dict[int, float] = {}
 
     def observe(self, batch: int, us: float, now: float | None = None) -> None:
-        """A GPU batch of ``batch`` requests took ``us`` µs end to end (copies and sync included)."""
-        if not self.policy.calibrated or batch < 1 or not us > 0:
+        """A batch of ``batch`` requests took ``us`` µs on this side."""
+        if not us > 0:
             return
-        when = self.clock() if now is None else now
-        self.samples.append((when, us / self.policy.estimate("gpu", batch)))
-        del self.samples[: -max(1, self.policy.slowdown_samples)]
+        cal = self._calibrated_us.get(batch)
+        if cal is None:  # a size not seen yet (or a policy without curves: nothing to compare with)
+            if batch < 1 or not self.policy.calibrated:
+                return
+            if len(self._calibrated_us) >= self.CACHE_SIZES:
+                self._calibrated_us.clear()
+            cal = self._calibrated_us[batch] = self.policy.estimate(self.side, batch)
+        samples = self.samples
+        samples.append((self.clock() if now is None else now, us / cal))
+        if len(samples) > self.policy.slowdown_samples:
+            del samples[: -max(1, self.policy.slowdown_samples)]
 
     def fresh(self, now: float | None = None) -> list[float]:
         now = self.clock() if now is None else now
@@ -134,7 +156,9 @@ class GpuSpeed:
         return [r for t, r in self.samples if now - t <= age]
 
     def slowdown(self, now: float | None = None) -> float:
-        ratios = sorted(self.fresh(now))  # a handful: cheaper than numpy, once per GPU batch
+        if not self.samples:
+            return 1.0
+        ratios = sorted(self.fresh(now))  # a handful: cheaper than numpy, once per batch
         n = len(ratios)
         if n == 0:
             return 1.0
@@ -142,6 +166,25 @@ class GpuSpeed:
 
     def last_seen(self) -> float | None:
         return self.samples[-1][0] if self.samples else None
+
+
+class CpuSpeed(Speed):
+    """The CPU's measured slowdown, from the CPU batches the daemon times (the model's forward
+    pass, as ``calibrate`` times it). No probes: the daemon runs CPU batches all the time, and
+    when none ran lately the calibration (1.0) stands."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
+        super().__init__(policy, "cpu", clock)
+
+
+class GpuSpeed(Speed):
+    """The GPU's measured slowdown, from the daemon's own GPU batches (end to end: copies and
+    sync included) and from probes, timed when no batch measured it lately (``probe_due``)."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
+        super().__init__(policy, "gpu", clock)
+        self.probes = 0
+        self.last_probe_us: float | None = None
 
     def probe_due(self, others_on_gpu: bool, now: float | None = None) -> bool:
         """Should the daemon time a probe batch on the GPU now? When its last measurement is older

@@ -16,6 +16,10 @@ sampler):
    ``window_us`` for more, as LAKE does; a lone producer is never delayed;
 4. mark them TAKEN, refuse malformed entries (each refusal counted in the header), run the
    good ones per model on CPU or GPU, write outputs and metadata, store DONE, wake sleepers.
+
+The policy's measured slowdowns (``policy.GpuSpeed``, ``policy.CpuSpeed``) come from the batches
+this Python loop runs, timed around the model's forward pass, and from the GPU probes; the C
+loop's own CPU batches are not timed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import numpy as np
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.kinfer import ring as R
 from gpuos_tools.kinfer.model import Mlp
-from gpuos_tools.kinfer.policy import GpuLoad, GpuSpeed, Policy
+from gpuos_tools.kinfer.policy import CpuSpeed, GpuLoad, GpuSpeed, Policy
 
 HOUSEKEEPING_S = 0.1
 RESCAN_S = 50e-6
@@ -88,7 +92,9 @@ class Server:
         self._next_housekeeping = 0.0
         self.native: Any = None  # native.NativeLoop while the C loop serves
         self.speed = GpuSpeed(self.policy)
+        self.cpu_speed = CpuSpeed(self.policy)
         self._slowdown = 1.0
+        self._cpu_slowdown = 1.0
         self._table_key: tuple[Any, ...] | None = None
         self._add = self._add_py
         r = self.ring
@@ -205,18 +211,22 @@ class Server:
     # -- the policy's inputs --
 
     def _refresh_policy(self, force: bool = False) -> None:
-        """Recompute the GPU's measured slowdown and, for the C loop, which batch sizes it answers."""
+        """Recompute the GPU's and the CPU's measured slowdowns and, for the C loop, which batch
+        sizes it answers."""
         self._slowdown = self.speed.slowdown()
-        if self.native is None:
-            return
+        self._cpu_slowdown = self.cpu_speed.slowdown()
+        if self.native is not None:
+            self._refresh_table(force)
+
+    def _refresh_table(self, force: bool = False) -> None:
+        """The C loop's table of the batch sizes it answers, from the slowdowns as they stand."""
         busy = self.gpu_load is not None and self.gpu_load.busy
-        # the table is recomputed (tens of µs of numpy) only when the slowdown moved by 1% or more
-        bucket = round(math.log(self._slowdown) / math.log(1.01)) if 0 < self._slowdown < math.inf else self._slowdown
-        key = (self.gpu_ready, busy, bucket)
+        # the table is recomputed (tens of µs of numpy) only when a slowdown moved by 1% or more
+        key = (self.gpu_ready, busy, _bucket(self._slowdown), _bucket(self._cpu_slowdown))
         if force or key != self._table_key:
             self._table_key = key
             limit = max(0, min(self.options.native_max, self.options.max_batch))
-            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._slowdown))
+            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._slowdown, self._cpu_slowdown))
 
     def _others_on_gpu(self) -> bool:
         load = self.gpu_load
@@ -237,16 +247,31 @@ class Server:
 
     def _side(self, n: int, backend: Backend) -> str:
         busy = self.gpu_load is not None and self.gpu_load.busy
-        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._slowdown)
+        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._slowdown, self._cpu_slowdown)
 
     def _run(self, backend: Backend, x: np.ndarray, side: str) -> np.ndarray:
-        """The batch on ``side``; a GPU batch's latency feeds the slowdown estimate."""
-        if side != "gpu" or backend.gpu is None:
+        """The batch on ``side``; its latency feeds that side's measured slowdown.
+
+        A CPU batch is timed only while there is a choice to make (a GPU for this model): without
+        one the measurement could change nothing. The CPU batches the C loop answers itself are
+        not timed (kinfer_native.c keeps no clock for them): with the native path the CPU's
+        estimate comes from the CPU batches handed to this loop (above ``native_max``, or with a
+        bad entry), and stays at the calibration while there are none.
+        """
+        if side == "gpu" and backend.gpu is not None:
+            t0 = time.perf_counter_ns()
+            y = backend.gpu.forward(x)
+            self.speed.observe(len(x), (time.perf_counter_ns() - t0) / 1e3)
+            self._slowdown = self.speed.slowdown()
+        elif self.gpu_ready and backend.gpu is not None:
+            t0 = time.perf_counter_ns()
+            y = backend.model.forward(x)
+            self.cpu_speed.observe(len(x), (time.perf_counter_ns() - t0) / 1e3)
+            self._cpu_slowdown = self.cpu_speed.slowdown()  # only the side that moved: a few µs per batch
+        else:
             return backend.model.forward(x)
-        t0 = time.perf_counter_ns()
-        y = backend.gpu.forward(x)
-        self.speed.observe(len(x), (time.perf_counter_ns() - t0) / 1e3)
-        self._refresh_policy()
+        if self.native is not None:
+            self._refresh_table()
         return y
 
     def _start_gpu(self, backend: Backend) -> None:
@@ -601,6 +626,11 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.stop.set())
 
+
+
+def _bucket(slowdown: float) -> float:
+    """A slowdown in steps of 1% (log scale), for telling when the C loop's table must change."""
+    return round(math.log(slowdown) / math.log(1.01)) if 0 < slowdown < math.inf else slowdown
 
 
 def request_load(name: str, path: str | Path, model_id: int = 0, timeout: float = 30.0) -> int:
