@@ -438,7 +438,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job", choices=sorted(JOBS), default="cupy", help="the job to run (default cupy)")
     ap.add_argument("--gib", type=float, default=8.0, help="GiB the job holds on the GPU (GPU_JOB_GIB; default 8)")
-    ap.add_argument("--snapshots", type=int, default=4, help="agent snapshots, 1 s apart (default 4)")
+    ap.add_argument("--snapshots", type=int, default=6, help="agent snapshots, 1 s apart (default 6)")
     ap.add_argument("--driver", action=argparse.BooleanOptionalAction, default=True,
                     help="then time the driver path (suspend + resume) on the same job (default on)")
     ap.add_argument("--lock-timeout-ms", type=int, default=10_000, help="the driver lock's timeout (default 10000)")
