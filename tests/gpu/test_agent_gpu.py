@@ -3,6 +3,7 @@ twin run's stop-the-world references."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,28 +18,37 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGS = Path(__file__).resolve().parent / "progs"
 
 
-def traced_run(tmp: Path, name: str, env_extra: dict) -> subprocess.CompletedProcess:
+#: the trial programs: random work on several streams while snapshots are taken (same protocol)
+PROGRAMS = {"cupy": PROGS / "snapshot_prog.py", "torch": PROGS / "snapshot_prog_torch.py"}
+
+
+def traced_run(tmp: Path, name: str, env_extra: dict, program: str = "cupy") -> subprocess.CompletedProcess:
     env = dict(os.environ, **env_extra)
     return subprocess.run(
         [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
-         str(tmp / f"{name}.ndjson.zst"), "--", sys.executable, str(PROGS / "snapshot_prog.py")],
+         str(tmp / f"{name}.ndjson.zst"), "--", sys.executable, str(PROGRAMS[program])],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
 
 
-def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | None = None) -> tuple[int, list[str]]:
-    """(snapshots compared, mismatches) for one seed: a run with snapshots, then its twin.
-    ``stats`` collects each compared snapshot's answer (without digests)."""
-    report = tmp / f"a{seed}.json"
-    a = traced_run(tmp, f"a{seed}", {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops),
-                                     "GPUOS_TRIAL_SNAPSHOTS": str(snapshots), "GPUOS_TEST_REPORT": str(report)})
+def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | None = None,
+           program: str = "cupy") -> tuple[int, list[str]]:
+    """(snapshots compared, mismatches) for one seed of ``program`` (a key of PROGRAMS): a run
+    with snapshots, then its twin. ``stats`` collects each compared snapshot's answer (without
+    digests)."""
+    tag = "" if program == "cupy" else f"{program}-"
+    env = {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops)}
+    report = tmp / f"{tag}a{seed}.json"
+    a = traced_run(tmp, f"{tag}a{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": str(snapshots),
+                                          "GPUOS_TEST_REPORT": str(report)}, program)
     assert a.returncode == 0, a.stderr[-3000:]
     answers = json.loads(report.read_text())["answers"]
     assert answers, "no snapshot was taken"
-    refs = tmp / f"b{seed}.refs"
-    b = traced_run(tmp, f"b{seed}", {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops),
-                                     "GPUOS_TRIAL_SNAPSHOTS": "0", "GPUOS_AGENT_REFERENCE_OUT": str(refs),
-                                     "GPUOS_AGENT_REFERENCE_AT": ",".join(str(x["ops_before"]) for x in answers)})
+    refs = tmp / f"{tag}b{seed}.refs"
+    refs.unlink(missing_ok=True)  # the agent appends
+    b = traced_run(tmp, f"{tag}b{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": "0", "GPUOS_AGENT_REFERENCE_OUT": str(refs),
+                                          "GPUOS_AGENT_REFERENCE_AT": ",".join(str(x["ops_before"]) for x in answers)},
+                   program)
     assert b.returncode == 0, b.stderr[-3000:]
     by_ops = {}
     for line in refs.read_text().splitlines():
@@ -55,7 +65,7 @@ def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | 
             stats.append({k: v for k, v in x.items() if k not in ("digests", "allocations")})
         if x["digests"] != ref["digests"]:
             diff = [i for i, (p, q) in enumerate(zip(x["digests"], ref["digests"])) if p != q]
-            bad.append(f"seed {seed} ops_before {x['ops_before']}: buffers {diff} differ "
+            bad.append(f"{program} seed {seed} ops_before {x['ops_before']}: buffers {diff} differ "
                        f"(cow {x['cow']}, host saves {x['host_saves']}, waits {x['stream_waits']})")
     return compared, bad
 
@@ -63,6 +73,17 @@ def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_snapshots_equal_the_state_at_t0(tmp_path, seed):
     compared, bad = trials(tmp_path, seed, snapshots=25)
+    assert not bad, bad
+    assert compared >= 5
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_snapshots_of_pytorch_work_equal_the_state_at_t0(tmp_path, seed):
+    """The same with PyTorch: library kernels (cuBLAS, cuDNN, index and reduction kernels), the
+    caching allocator's segments with their freed temporaries, driver memsets and copies."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("no PyTorch")
+    compared, bad = trials(tmp_path, seed, snapshots=25, ops=4000, program="torch")
     assert not bad, bad
     assert compared >= 5
 
