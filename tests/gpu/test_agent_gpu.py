@@ -136,3 +136,168 @@ def test_snapshot_images_full_then_incremental(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def start_job(tmp: Path, gib: str = "0.5") -> tuple[subprocess.Popen, Path]:
+    """tests/gpu/progs/agent_job.py under `gpu-trace run --agent`, in its own process group:
+    (the process, its agent's socket) once its arrays are ready."""
+    import time
+
+    from gpuos_tools.agent.control import socket_path
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, GPU_JOB_GIB=gib, GPUOS_JOB_STOP=str(tmp / "stop"), GPUOS_JOB_LOG=str(tmp / "log"),
+               GPUOS_JOB_READY=str(tmp / "ready"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
+         "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env, start_new_session=True)
+    deadline = time.time() + 120
+    while not (tmp / "ready").exists():
+        if proc.poll() is not None or time.time() > deadline:
+            _kill_group(proc)
+            raise AssertionError("the job did not start")
+        time.sleep(0.1)
+    return proc, socket_path(int((tmp / "ready").read_text()))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.001)
+
+
+def test_kill9_of_the_job_while_it_writes_an_image_leaves_no_loadable_corrupt_image(tmp_path):
+    """kill -9 of the program (its agent inside) at random moments while the agent writes images,
+    full and incremental, back to back: every image in the directory verifies clean, the rest
+    are dot-named temp directories, which clean_stale_temps removes once the writer is dead."""
+    import random
+    import shutil
+    import threading
+    import time
+
+    from helpers import image_dir_problems  # tests/ is on sys.path under pytest
+
+    from gpuos_tools.agent.control import request
+    from gpuos_tools.ckpt.image import _pid_alive, clean_stale_temps, is_image
+
+    rng = random.Random(6)
+    outcomes = []
+    for point in range(4):
+        images = tmp_path / f"images{point}"
+        images.mkdir()
+        proc, sock = start_job(tmp_path / f"job{point}")
+        errors: list[str] = []
+
+        def snapshots(images=images, sock=sock, errors=errors) -> None:
+            parent = None
+            for k in range(50):
+                path = images / f"img{k}"
+                try:
+                    ans = request(sock, "snapshot", digest=False, image=str(path), parent=parent, timeout=120)
+                except Exception as exc:  # the job was killed: the answer never comes
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    return
+                parent = ans["image"]["path"]
+
+        thread = threading.Thread(target=snapshots, daemon=True)
+        try:
+            after = rng.choice([0, 1, 2])  # images committed before the kill
+            delay = rng.uniform(0.0, 0.25)  # after the next image's writer has started
+            thread.start()
+
+            def committed() -> int:
+                return sum(1 for p in images.iterdir() if not p.name.startswith(".") and is_image(p))
+
+            def writing() -> bool:
+                return any(p.name.startswith(".") for p in images.iterdir())
+
+            _wait_for(lambda: errors or committed() >= after, 120, f"point {point}: {after} images were not written")
+            _wait_for(lambda: errors or writing(), 60, f"point {point}: no image writer started")
+            assert not errors, f"point {point}: a snapshot failed before the kill: {errors}"
+            time.sleep(delay)
+        finally:
+            _kill_group(proc)
+        job = int((tmp_path / f"job{point}" / "ready").read_text())
+        _wait_for(lambda: not _pid_alive(job), 120, f"point {point}: the killed job {job} is still there")
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a request to the killed agent did not end"
+        assert errors, "the snapshots went on after the kill"
+        problems = image_dir_problems(images)
+        assert problems == [], (point, problems)
+        temps = sorted(p for p in images.iterdir() if p.name.startswith("."))
+        assert sorted(map(Path, clean_stale_temps(images))) == temps
+        outcomes.append({"point": point, "after": after, "delay_s": round(delay, 3), "temps": len(temps),
+                         "images": sorted(p.name for p in images.iterdir())})
+        shutil.rmtree(images)  # 0.5 GiB an image: keep the disk free
+    print(json.dumps(outcomes))
+    assert any(o["temps"] for o in outcomes), f"no kill landed inside an image write: {outcomes}"
+
+
+def test_kill9_of_gpu_ckpt_leaves_the_agent_serving_and_no_corrupt_image(tmp_path):
+    """kill -9 of `gpu-ckpt --agent PID --image DIR` at random moments while the job runs: the
+    agent finishes (or never starts) each image, still answers, and takes a good image after."""
+    import hashlib
+    import random
+    import shutil
+    import signal
+    import time
+
+    from helpers import image_dir_problems  # tests/ is on sys.path under pytest
+
+    from gpuos_tools.agent.control import request
+    from gpuos_tools.ckpt.image import is_image, open_image, verify
+
+    rng = random.Random(7)
+    images = tmp_path / "images"
+    images.mkdir()
+    proc, sock = start_job(tmp_path / "job")
+    pid = int((tmp_path / "job" / "ready").read_text())
+    try:
+        killed = []
+        for k in range(6):
+            ckpt = subprocess.Popen([sys.executable, "-m", "gpuos_tools.commands.ckpt", "--agent", str(pid),
+                                     "--image", str(images / f"img{k}"), "-o", os.devnull], cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if k % 2:  # anywhere in the command's life, its start-up included
+                delay = rng.uniform(0.0, 2.0)
+            else:  # while the agent writes the image it asked for
+                _wait_for(lambda k=k: any(p.name.startswith(f".img{k}.") for p in images.iterdir())
+                          or ckpt.poll() is not None, 120, f"the agent never started img{k}")
+                delay = rng.uniform(0.0, 0.2)
+            time.sleep(delay)
+            ckpt.send_signal(signal.SIGKILL)
+            rc = ckpt.wait(timeout=60)
+            killed.append((k, round(delay, 3), rc))
+            assert proc.poll() is None, f"the job died after gpu-ckpt was killed: {killed}"
+        ping = request(sock, "ping", timeout=300)  # after any image still being written
+        assert ping["ok"] and ping["pid"] == pid
+        assert image_dir_problems(images) == [], killed
+        # a request whose client was killed mid-way still made its image
+        assert all(is_image(images / f"img{k}") for k, _, _ in killed if k % 2 == 0), killed
+        assert any(rc == -signal.SIGKILL for k, _, rc in killed if k % 2 == 0), f"no kill landed mid-request: {killed}"
+        good = images / "good"
+        ans = request(sock, "snapshot", digest=True, image=str(good), timeout=300)
+        assert verify(good) == []
+        img = open_image(good)
+        for (buffer_id, *_), want in zip(ans["allocations"], ans["digests"]):
+            assert hashlib.sha256(img.read(buffer_id)).hexdigest() == want, buffer_id
+        assert image_dir_problems(images) == [], killed
+        print(json.dumps({"killed": killed, "left": sorted(p.name for p in images.iterdir())}))
+        (tmp_path / "job" / "stop").touch()
+        assert proc.wait(timeout=120) == 0
+        shutil.rmtree(images)  # 0.5 GiB an image: keep the disk free
+    finally:
+        _kill_group(proc)
