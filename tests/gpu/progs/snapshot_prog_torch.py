@@ -55,8 +55,6 @@ rng = random.Random(seed)
 
 torch.backends.cudnn.deterministic = True
 torch.backends.cudnn.benchmark = False
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
 torch.use_deterministic_algorithms(True)
 
 NSTREAMS = 3
