@@ -86,3 +86,81 @@ def test_closing_removes_the_socket(tmp_path):
     assert srv.path.exists()
     srv.close()
     assert not srv.path.exists()
+
+
+def test_a_client_killed_mid_request_leaves_the_agent_serving(tmp_path):
+    """kill -9 of `gpu-ckpt --agent` while the agent works on its snapshot: the answer has nowhere
+    to go, and the next client is served all the same."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def handler(req):
+        if req["op"] == "slow":
+            entered.set()
+            release.wait(30)
+        return {"ok": True, "op": req["op"]}
+
+    srv = control.Server(handler, tmp_path / "s" / "agent-3.sock")
+    srv.start()
+    try:
+        client = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                                   "from gpuos_tools.agent.control import request; request(Path(sys.argv[1]), 'slow')",
+                                   str(srv.path)], cwd=Path(__file__).resolve().parents[1])
+        assert entered.wait(30), "the request never reached the handler"
+        client.send_signal(signal.SIGKILL)
+        assert client.wait(30) == -signal.SIGKILL
+        release.set()  # the handler finishes; its answer goes to a dead peer
+        assert control.request(srv.path, "ping", timeout=10) == {"ok": True, "op": "ping"}
+        assert control.request(srv.path, "ping", timeout=10)["ok"]
+    finally:
+        release.set()
+        srv.close()
+
+
+CHILD_WITH_DEFAULT_SIGPIPE = r"""
+import signal, socket, sys, time
+from pathlib import Path
+from gpuos_tools.agent import control
+
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as many command-line programs do
+def handler(req):
+    if req["op"] == "slow":
+        time.sleep(0.3)  # the client is gone by now
+    return {"ok": True}
+srv = control.Server(handler, Path(sys.argv[1]))
+srv.start()
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+c.connect(str(srv.path))
+c.sendall(b'{"op": "slow"}\n')
+c.close()
+time.sleep(0.6)
+print("alive", control.request(srv.path, "ping", timeout=10)["ok"])
+"""
+
+
+def test_a_vanished_client_is_no_sigpipe_for_the_program(tmp_path):
+    """The agent lives inside someone's program, which may have set SIGPIPE back to its default:
+    answering a client that went away must not kill that program."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", CHILD_WITH_DEFAULT_SIGPIPE, str(tmp_path / "agent-4.sock")],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.strip() == "alive True"
+
+
+def test_an_answer_that_cannot_be_encoded_is_an_error_not_a_dead_agent(tmp_path):
+    srv = control.Server(lambda r: {"ok": True, "odd": {1, 2}} if r["op"] == "odd" else {"ok": True},
+                         tmp_path / "s" / "agent-5.sock")
+    srv.start()
+    try:
+        with pytest.raises(GpuosError, match="could not be encoded"):
+            control.request(srv.path, "odd", timeout=10)
+        assert control.request(srv.path, "ping", timeout=10)["ok"]
+    finally:
+        srv.close()

@@ -86,3 +86,65 @@ def test_gpu_ckpt_agent_usage_errors(tmp_path):
     assert "--agent goes with" in run("--agent", "123", "--pid", "5", "--image", str(tmp_path / "x")).stderr
     missing = run("--agent", "999999", "--image", str(tmp_path / "x"))
     assert missing.returncode != 0 and "gpu-trace run --agent" in missing.stderr
+
+
+def test_kill9_of_gpu_ckpt_mid_snapshot_leaves_sound_images_and_a_serving_agent(tmp_path, monkeypatch):
+    """kill -9 of `gpu-ckpt --agent` at random moments, against a stand-in agent that writes real
+    images (ImageWriter, fsync and all) as the agent does: the images that appear verify, the
+    agent answers the next request, and the job (here: this process) lives on. The same on a
+    GPU: tests/gpu/test_agent_gpu.py::test_kill9_of_gpu_ckpt_leaves_the_agent_serving_and_no_corrupt_image."""
+    import random
+    import signal
+    import threading
+    import time
+
+    from helpers import image_dir_problems
+
+    from gpuos_tools.ckpt.image import ImageWriter, verify
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    data = random.Random(1).randbytes(24 << 20)
+    arrived = threading.Event()
+
+    def handler(req):
+        if req["op"] == "ping":
+            return {"ok": True}
+        arrived.set()
+        time.sleep(0.2)  # the snapshot's copies
+        with ImageWriter(req["image"], {"allocations": [{"id": 1, "addr": 4096, "size": len(data), "kind": "device"}]},
+                         chunk_size=1 << 20) as w:
+            w.add(1, 4096, len(data), data)
+            summary = w.commit()
+        return {"ok": True, "t0_ns": 1, "ops_before": 5, "buffers": 1, "bytes": len(data), "seconds": 0.1,
+                "gbps": 1.0, "cow": 0, "cow_bytes": 0, "host_saves": 0, "stream_waits": 0, "stall_s": 0.0,
+                "allocations": [[1, 4096, len(data), "device"]], "image": summary}
+
+    srv = control.Server(handler, control.socket_path(os.getpid()))
+    srv.start()
+    try:
+        rng = random.Random(2)
+        images = tmp_path / "images"
+        images.mkdir()
+        outcomes = []
+        for k in range(4):
+            arrived.clear()
+            ckpt = subprocess.Popen([sys.executable, "-m", "gpuos_tools.commands.ckpt", "--agent", str(os.getpid()),
+                                     "--image", str(images / f"img{k}"), "-o", os.devnull], cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if k % 2:  # anywhere in the command's life, its start-up included
+                time.sleep(rng.uniform(0.0, 1.0))
+            else:  # while the agent works on its request
+                assert arrived.wait(60), "the request never reached the agent"
+                time.sleep(rng.uniform(0.0, 0.15))
+            ckpt.send_signal(signal.SIGKILL)
+            outcomes.append((k, ckpt.wait(timeout=60)))
+        assert control.request(srv.path, "ping", timeout=60)["ok"]  # after the stand-in's last image
+        assert image_dir_problems(images) == [], outcomes
+        # the requests whose client was killed mid-way still made their images
+        made = sorted(p.name for p in images.iterdir())
+        assert all(f"img{k}" in made for k, _ in outcomes if k % 2 == 0), (outcomes, made)
+        answer = snapshot.snapshot_to_image(srv.path, str(images / "good"))
+        assert verify(answer["image"]["path"]) == []
+        assert image_dir_problems(images) == []
+    finally:
+        srv.close()

@@ -20,6 +20,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,46 +103,57 @@ class Server:
                     pass
 
     def _serve(self) -> None:
-        while self.sock is not None:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
+        while True:
+            sock = self.sock
+            if sock is None:
                 return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                if self.sock is None or sock.fileno() < 0:
+                    return  # closed
+                time.sleep(0.05)  # a transient failure (out of descriptors, ...): go on serving
+                continue
             with conn:
                 try:
                     self._one(conn)
-                except OSError:
+                except Exception:  # noqa: BLE001 - a client that went away mid-request must not end the agent
                     pass
 
     def _one(self, conn: socket.socket) -> None:
         _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        f = conn.makefile("rwb")
-        if uid not in (self.uid, 0):
-            _answer(f, {"ok": False, "error": f"uid {uid} may not control this agent"})
-            return
-        while True:
-            line = f.readline(MAX_REQUEST)
-            if not line:
+        with conn.makefile("rb") as f:
+            if uid not in (self.uid, 0):
+                _answer(conn, {"ok": False, "error": f"uid {uid} may not control this agent"})
                 return
-            try:
-                request = json.loads(line)
-                if not isinstance(request, dict) or "op" not in request:
-                    raise ValueError("a request is a JSON object with an 'op'")
-            except ValueError as exc:
-                _answer(f, {"ok": False, "error": f"bad request: {exc}"})
-                continue
-            try:
-                answer = self.handler(request)
-            except GpuosError as exc:  # a refusal meant for the user: its message and exit code
-                answer = {"ok": False, "error": str(exc), "code": int(exc.code)}
-            except Exception as exc:  # the agent must outlive a failed request
-                answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            _answer(f, answer)
+            while True:
+                line = f.readline(MAX_REQUEST)
+                if not line:
+                    return
+                try:
+                    request = json.loads(line)
+                    if not isinstance(request, dict) or "op" not in request:
+                        raise ValueError("a request is a JSON object with an 'op'")
+                except ValueError as exc:
+                    _answer(conn, {"ok": False, "error": f"bad request: {exc}"})
+                    continue
+                try:
+                    answer = self.handler(request)
+                except GpuosError as exc:  # a refusal meant for the user: its message and exit code
+                    answer = {"ok": False, "error": str(exc), "code": int(exc.code)}
+                except Exception as exc:  # the agent must outlive a failed request
+                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                _answer(conn, answer)
 
 
-def _answer(f, answer: dict[str, Any]) -> None:
-    f.write(json.dumps(answer).encode() + b"\n")
-    f.flush()
+def _answer(conn: socket.socket, answer: dict[str, Any]) -> None:
+    """Send one answer line. MSG_NOSIGNAL: a client that died (kill -9 of `gpu-ckpt --agent`) is
+    an EPIPE here, never a SIGPIPE, which would end a program that set SIGPIPE to its default."""
+    try:
+        data = json.dumps(answer).encode() + b"\n"
+    except (TypeError, ValueError) as exc:
+        data = json.dumps({"ok": False, "error": f"the answer could not be encoded: {exc}"}).encode() + b"\n"
+    conn.sendall(data, socket.MSG_NOSIGNAL)
 
 
 def request(target: str | Path, op: str, timeout: float | None = 600.0, **fields: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@ twin run's stop-the-world references."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,28 +18,37 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGS = Path(__file__).resolve().parent / "progs"
 
 
-def traced_run(tmp: Path, name: str, env_extra: dict) -> subprocess.CompletedProcess:
+#: the trial programs: random work on several streams while snapshots are taken (same protocol)
+PROGRAMS = {"cupy": PROGS / "snapshot_prog.py", "torch": PROGS / "snapshot_prog_torch.py"}
+
+
+def traced_run(tmp: Path, name: str, env_extra: dict, program: str = "cupy") -> subprocess.CompletedProcess:
     env = dict(os.environ, **env_extra)
     return subprocess.run(
         [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
-         str(tmp / f"{name}.ndjson.zst"), "--", sys.executable, str(PROGS / "snapshot_prog.py")],
+         str(tmp / f"{name}.ndjson.zst"), "--", sys.executable, str(PROGRAMS[program])],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
 
 
-def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | None = None) -> tuple[int, list[str]]:
-    """(snapshots compared, mismatches) for one seed: a run with snapshots, then its twin.
-    ``stats`` collects each compared snapshot's answer (without digests)."""
-    report = tmp / f"a{seed}.json"
-    a = traced_run(tmp, f"a{seed}", {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops),
-                                     "GPUOS_TRIAL_SNAPSHOTS": str(snapshots), "GPUOS_TEST_REPORT": str(report)})
+def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | None = None,
+           program: str = "cupy") -> tuple[int, list[str]]:
+    """(snapshots compared, mismatches) for one seed of ``program`` (a key of PROGRAMS): a run
+    with snapshots, then its twin. ``stats`` collects each compared snapshot's answer (without
+    digests)."""
+    tag = "" if program == "cupy" else f"{program}-"
+    env = {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops)}
+    report = tmp / f"{tag}a{seed}.json"
+    a = traced_run(tmp, f"{tag}a{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": str(snapshots),
+                                          "GPUOS_TEST_REPORT": str(report)}, program)
     assert a.returncode == 0, a.stderr[-3000:]
     answers = json.loads(report.read_text())["answers"]
     assert answers, "no snapshot was taken"
-    refs = tmp / f"b{seed}.refs"
-    b = traced_run(tmp, f"b{seed}", {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops),
-                                     "GPUOS_TRIAL_SNAPSHOTS": "0", "GPUOS_AGENT_REFERENCE_OUT": str(refs),
-                                     "GPUOS_AGENT_REFERENCE_AT": ",".join(str(x["ops_before"]) for x in answers)})
+    refs = tmp / f"{tag}b{seed}.refs"
+    refs.unlink(missing_ok=True)  # the agent appends
+    b = traced_run(tmp, f"{tag}b{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": "0", "GPUOS_AGENT_REFERENCE_OUT": str(refs),
+                                          "GPUOS_AGENT_REFERENCE_AT": ",".join(str(x["ops_before"]) for x in answers)},
+                   program)
     assert b.returncode == 0, b.stderr[-3000:]
     by_ops = {}
     for line in refs.read_text().splitlines():
@@ -55,7 +65,7 @@ def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | 
             stats.append({k: v for k, v in x.items() if k not in ("digests", "allocations")})
         if x["digests"] != ref["digests"]:
             diff = [i for i, (p, q) in enumerate(zip(x["digests"], ref["digests"])) if p != q]
-            bad.append(f"seed {seed} ops_before {x['ops_before']}: buffers {diff} differ "
+            bad.append(f"{program} seed {seed} ops_before {x['ops_before']}: buffers {diff} differ "
                        f"(cow {x['cow']}, host saves {x['host_saves']}, waits {x['stream_waits']})")
     return compared, bad
 
@@ -63,6 +73,17 @@ def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_snapshots_equal_the_state_at_t0(tmp_path, seed):
     compared, bad = trials(tmp_path, seed, snapshots=25)
+    assert not bad, bad
+    assert compared >= 5
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_snapshots_of_pytorch_work_equal_the_state_at_t0(tmp_path, seed):
+    """The same with PyTorch: library kernels (cuBLAS, cuDNN, index and reduction kernels), the
+    caching allocator's segments with their freed temporaries, driver memsets and copies."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("no PyTorch")
+    compared, bad = trials(tmp_path, seed, snapshots=25, ops=4000, program="torch")
     assert not bad, bad
     assert compared >= 5
 
@@ -115,3 +136,168 @@ def test_snapshot_images_full_then_incremental(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def start_job(tmp: Path, gib: str = "0.5") -> tuple[subprocess.Popen, Path]:
+    """tests/gpu/progs/agent_job.py under `gpu-trace run --agent`, in its own process group:
+    (the process, its agent's socket) once its arrays are ready."""
+    import time
+
+    from gpuos_tools.agent.control import socket_path
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, GPU_JOB_GIB=gib, GPUOS_JOB_STOP=str(tmp / "stop"), GPUOS_JOB_LOG=str(tmp / "log"),
+               GPUOS_JOB_READY=str(tmp / "ready"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
+         "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env, start_new_session=True)
+    deadline = time.time() + 120
+    while not (tmp / "ready").exists():
+        if proc.poll() is not None or time.time() > deadline:
+            _kill_group(proc)
+            raise AssertionError("the job did not start")
+        time.sleep(0.1)
+    return proc, socket_path(int((tmp / "ready").read_text()))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.001)
+
+
+def test_kill9_of_the_job_while_it_writes_an_image_leaves_no_loadable_corrupt_image(tmp_path):
+    """kill -9 of the program (its agent inside) at random moments while the agent writes images,
+    full and incremental, back to back: every image in the directory verifies clean, the rest
+    are dot-named temp directories, which clean_stale_temps removes once the writer is dead."""
+    import random
+    import shutil
+    import threading
+    import time
+
+    from helpers import image_dir_problems  # tests/ is on sys.path under pytest
+
+    from gpuos_tools.agent.control import request
+    from gpuos_tools.ckpt.image import _pid_alive, clean_stale_temps, is_image
+
+    rng = random.Random(6)
+    outcomes = []
+    for point in range(4):
+        images = tmp_path / f"images{point}"
+        images.mkdir()
+        proc, sock = start_job(tmp_path / f"job{point}")
+        errors: list[str] = []
+
+        def snapshots(images=images, sock=sock, errors=errors) -> None:
+            parent = None
+            for k in range(50):
+                path = images / f"img{k}"
+                try:
+                    ans = request(sock, "snapshot", digest=False, image=str(path), parent=parent, timeout=120)
+                except Exception as exc:  # the job was killed: the answer never comes
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    return
+                parent = ans["image"]["path"]
+
+        thread = threading.Thread(target=snapshots, daemon=True)
+        try:
+            after = rng.choice([0, 1, 2])  # images committed before the kill
+            delay = rng.uniform(0.0, 0.25)  # after the next image's writer has started
+            thread.start()
+
+            def committed() -> int:
+                return sum(1 for p in images.iterdir() if not p.name.startswith(".") and is_image(p))
+
+            def writing() -> bool:
+                return any(p.name.startswith(".") for p in images.iterdir())
+
+            _wait_for(lambda: errors or committed() >= after, 120, f"point {point}: {after} images were not written")
+            _wait_for(lambda: errors or writing(), 60, f"point {point}: no image writer started")
+            assert not errors, f"point {point}: a snapshot failed before the kill: {errors}"
+            time.sleep(delay)
+        finally:
+            _kill_group(proc)
+        job = int((tmp_path / f"job{point}" / "ready").read_text())
+        _wait_for(lambda: not _pid_alive(job), 120, f"point {point}: the killed job {job} is still there")
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a request to the killed agent did not end"
+        assert errors, "the snapshots went on after the kill"
+        problems = image_dir_problems(images)
+        assert problems == [], (point, problems)
+        temps = sorted(p for p in images.iterdir() if p.name.startswith("."))
+        assert sorted(map(Path, clean_stale_temps(images))) == temps
+        outcomes.append({"point": point, "after": after, "delay_s": round(delay, 3), "temps": len(temps),
+                         "images": sorted(p.name for p in images.iterdir())})
+        shutil.rmtree(images)  # 0.5 GiB an image: keep the disk free
+    print(json.dumps(outcomes))
+    assert any(o["temps"] for o in outcomes), f"no kill landed inside an image write: {outcomes}"
+
+
+def test_kill9_of_gpu_ckpt_leaves_the_agent_serving_and_no_corrupt_image(tmp_path):
+    """kill -9 of `gpu-ckpt --agent PID --image DIR` at random moments while the job runs: the
+    agent finishes (or never starts) each image, still answers, and takes a good image after."""
+    import hashlib
+    import random
+    import shutil
+    import signal
+    import time
+
+    from helpers import image_dir_problems  # tests/ is on sys.path under pytest
+
+    from gpuos_tools.agent.control import request
+    from gpuos_tools.ckpt.image import is_image, open_image, verify
+
+    rng = random.Random(7)
+    images = tmp_path / "images"
+    images.mkdir()
+    proc, sock = start_job(tmp_path / "job")
+    pid = int((tmp_path / "job" / "ready").read_text())
+    try:
+        killed = []
+        for k in range(6):
+            ckpt = subprocess.Popen([sys.executable, "-m", "gpuos_tools.commands.ckpt", "--agent", str(pid),
+                                     "--image", str(images / f"img{k}"), "-o", os.devnull], cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if k % 2:  # anywhere in the command's life, its start-up included
+                delay = rng.uniform(0.0, 2.0)
+            else:  # while the agent writes the image it asked for
+                _wait_for(lambda k=k: any(p.name.startswith(f".img{k}.") for p in images.iterdir())
+                          or ckpt.poll() is not None, 120, f"the agent never started img{k}")
+                delay = rng.uniform(0.0, 0.2)
+            time.sleep(delay)
+            ckpt.send_signal(signal.SIGKILL)
+            rc = ckpt.wait(timeout=60)
+            killed.append((k, round(delay, 3), rc))
+            assert proc.poll() is None, f"the job died after gpu-ckpt was killed: {killed}"
+        ping = request(sock, "ping", timeout=300)  # after any image still being written
+        assert ping["ok"] and ping["pid"] == pid
+        assert image_dir_problems(images) == [], killed
+        # a request whose client was killed mid-way still made its image
+        assert all(is_image(images / f"img{k}") for k, _, _ in killed if k % 2 == 0), killed
+        assert any(rc == -signal.SIGKILL for k, _, rc in killed if k % 2 == 0), f"no kill landed mid-request: {killed}"
+        good = images / "good"
+        ans = request(sock, "snapshot", digest=True, image=str(good), timeout=300)
+        assert verify(good) == []
+        img = open_image(good)
+        for (buffer_id, *_), want in zip(ans["allocations"], ans["digests"]):
+            assert hashlib.sha256(img.read(buffer_id)).hexdigest() == want, buffer_id
+        assert image_dir_problems(images) == [], killed
+        print(json.dumps({"killed": killed, "left": sorted(p.name for p in images.iterdir())}))
+        (tmp_path / "job" / "stop").touch()
+        assert proc.wait(timeout=120) == 0
+        shutil.rmtree(images)  # 0.5 GiB an image: keep the disk free
+    finally:
+        _kill_group(proc)
