@@ -70,6 +70,7 @@ def summary(stats: list[dict], bad: list[str], compared: int, first: int, seed: 
         "with_cow": sum(1 for s in stats if s["cow"]), "cow_total": sum(s["cow"] for s in stats),
         "with_host_saves": sum(1 for s in stats if s["host_saves"]),
         "with_stream_waits": sum(1 for s in stats if s["stream_waits"]),
+        "unsettled": sum(1 for s in stats if s.get("unsettled")),
         "bytes_median": statistics.median(s["bytes"] for s in stats) if stats else None,
     }
 

@@ -34,3 +34,30 @@ def test_launch_record_slices_arguments_by_parameter_size():
     assert rec == {"kernel": "k", "params": [{"size": 8, "hex": bytes(range(8)).hex()},
                                              {"size": 4, "hex": bytes(range(8, 12)).hex()}]}
     assert launch_record("k", None, None)["layout"] == "none"
+
+
+def test_settle_waits_for_operations_being_issued():
+    """T0 and rollbacks wait until every operation past its enter callback reached its exit."""
+    import threading
+    import time
+
+    from gpuos_tools.agent.agent import Agent
+
+    agent = Agent()
+    assert agent.settle(timeout=0.01) == 0
+    agent.issue_begin()
+    agent.issue_begin()
+    assert agent.settle(timeout=0.01) == 2  # an exit that never comes: reported, not waited for forever
+
+    def exits():
+        time.sleep(0.05)
+        agent.issue_end()
+        agent.issue_end()
+
+    t = threading.Thread(target=exits)
+    t.start()
+    start = time.monotonic()
+    assert agent.settle(timeout=5) == 0 and time.monotonic() - start < 4
+    t.join()
+    agent.issue_end()  # one too many never goes below zero
+    assert agent.issuing == 0

@@ -47,6 +47,7 @@ UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 COPY_PIECE = 64 << 20  # bytes per side-stream copy
 IN_FLIGHT = 4  # pieces in flight on the side stream
+SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
 
 
 def _ok(result: tuple, what: str) -> Any:
@@ -105,6 +106,32 @@ class Agent(ProcessView):
         #: (no snapshot yet, or an unknown launch since), so the next image must be full
         self.dirty: set[int] | None = None
         self.last_image: str | None = None  #: path of the last image this agent wrote
+        #: the program's launches, copies, memsets and frees past their enter callback and not
+        #: yet at their exit: seen by the agent but maybe not yet enqueued by the driver
+        self.issuing = 0
+        self._issued = threading.Condition(threading.Lock())
+
+    # -- operations being issued (the tracer calls these) ---------------------------------------
+
+    def issue_begin(self) -> None:
+        """At an operation's enter callback, with the agent's lock held."""
+        with self._issued:
+            self.issuing += 1
+
+    def issue_end(self) -> None:
+        """At its exit callback, without the lock (the agent may hold it in ``settle``)."""
+        with self._issued:
+            self.issuing = max(0, self.issuing - 1)
+            if self.issuing == 0:
+                self._issued.notify_all()
+
+    def settle(self, timeout: float = SETTLE_S) -> int:
+        """With the lock held (no operation can start), wait until every operation that started
+        has been enqueued by the driver; return how many had not after ``timeout`` seconds (0:
+        all), which would mean an exit callback never came."""
+        with self._issued:
+            self._issued.wait_for(lambda: self.issuing == 0, timeout)
+            return self.issuing
 
     # -- bookkeeping from the tracer's records ------------------------------------------------
 
@@ -246,6 +273,7 @@ class Agent(ProcessView):
             cow_budget = min(int(free) // 4, total)
         with self.lock:
             t_start = time.perf_counter()
+            unsettled = self.settle()
             buffers = self.buffers()
             total = sum(b.size for b in buffers)
             if total > capacity:
@@ -275,7 +303,7 @@ class Agent(ProcessView):
                 "bytes": total, "seconds": round(elapsed, 6),
                 "gbps": round(total / elapsed / 1e9, 3) if elapsed > 0 else None,
                 "cow": snap.cow, "cow_bytes": snap.cow_bytes, "host_saves": snap.host_saves,
-                "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6),
+                "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6), "unsettled": unsettled,
                 "allocations": [[b.id, b.addr, b.size, b.kind] for b in buffers],
             }
             if digest:
@@ -353,6 +381,10 @@ class Agent(ProcessView):
                     raise GpuosError(f"the program's allocations changed while {img.path} was read: "
                                      + "; ".join(problems), ExitCode.IMAGE_MISMATCH)
                 t0 = time.perf_counter()
+                unsettled = self.settle()
+                if unsettled:
+                    raise GpuosError(f"{unsettled} operations of the program were still being issued after "
+                                     f"{SETTLE_S} s; nothing was written", ExitCode.WRONG_STATE)
                 _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
                 for b, o in zip(entries, offsets):
                     addr, size = int(b["addr"]), int(b["size"])

@@ -669,7 +669,6 @@ class Tracer:
         agent = self.agent
         global _append
         held: frozenset[int] = frozenset()  # the agent's acting callbacks (launches, writes)
-        holding = threading.local()
         if validator is not None:
             _append = _observing_append(validator)
             driver.update(_validating_handlers(validator, self.table))
@@ -683,21 +682,20 @@ class Tracer:
             if agent is not None:
                 if _tid() in agent.own:
                     return  # the agent's own driver calls
+                if domain == resource_domain:
+                    # The driver calls these (module loaded, stream created) holding its own
+                    # locks; the agent makes driver calls under its lock: taking it here could
+                    # deadlock (seen: a module load against the snapshot's copies).
+                    return checked(domain, cbid, cbdata)
                 if domain == driver_domain and cbid in held:
-                    # A launch, copy, memset or free keeps the agent's lock from its enter to its
-                    # exit: the work is enqueued before a snapshot's T0 (or a rollback) can come
-                    # between the agent seeing the operation and the driver issuing it.
+                    # A launch, copy, memset or free counts as issuing from its enter (where the
+                    # agent acts on it) to its exit (the driver has enqueued it): a snapshot's T0
+                    # or a rollback waits, under the lock, until none is between the two.
                     if _CBDATA(_MEM, cbdata.ptr)[0] == _ENTER:
-                        if not getattr(holding, "on", False):  # not twice if an exit went missing
-                            agent.lock.acquire()
-                            holding.on = True
-                        return checked(domain, cbid, cbdata)
-                    try:
-                        return checked(domain, cbid, cbdata)
-                    finally:
-                        if getattr(holding, "on", False):
-                            holding.on = False
-                            agent.lock.release()
+                        with agent.lock:
+                            agent.issue_begin()
+                            return checked(domain, cbid, cbdata)
+                    agent.issue_end()  # before the lock: the agent may hold it, waiting for this
                 with agent.lock:
                     return checked(domain, cbid, cbdata)
             if validator is not None:

@@ -41,7 +41,7 @@ def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | 
     report = tmp / f"{tag}a{seed}.json"
     a = traced_run(tmp, f"{tag}a{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": str(snapshots),
                                           "GPUOS_TEST_REPORT": str(report)}, program)
-    assert a.returncode == 0, a.stderr[-3000:]
+    assert a.returncode == 0, a.stderr[-12000:]
     answers = json.loads(report.read_text())["answers"]
     assert answers, "no snapshot was taken"
     refs = tmp / f"{tag}b{seed}.refs"
@@ -49,7 +49,7 @@ def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | 
     b = traced_run(tmp, f"{tag}b{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": "0", "GPUOS_AGENT_REFERENCE_OUT": str(refs),
                                           "GPUOS_AGENT_REFERENCE_AT": ",".join(str(x["ops_before"]) for x in answers)},
                    program)
-    assert b.returncode == 0, b.stderr[-3000:]
+    assert b.returncode == 0, b.stderr[-12000:]
     by_ops = {}
     for line in refs.read_text().splitlines():
         r = json.loads(line)
