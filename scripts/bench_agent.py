@@ -421,7 +421,7 @@ def human(out: dict[str, Any]) -> str:
     if a.get("snapshots"):
         lines.append(f"  agent: job {a['job_iters_per_s_during']} iters/s during snapshots "
                      f"(loss {a['job_throughput_loss']})")
-    if d.get("ok"):
+    if d and d.get("ok"):
         lines.append(f"  driver: stall {d['stall_s']:.3f} s (lock {d['lock_s']:.4f} + checkpoint {d['checkpoint_s']:.3f}"
                      f" + restore {d['restore_s']:.3f} + unlock {d['unlock_s']:.4f} + {d['between_steps_s']:.4f} "
                      f"between), checkpoint {d['checkpoint_gbps']} GB/s ({d['bytes_source']} bytes), restore "

@@ -326,8 +326,8 @@ def agent_snapshot(prof: PeriodicProfile) -> SnapshotFn:
     profile's [agent] table (pid, socket or command), ``options`` is {compress, chunk_size,
     checksum}, and ``snapshot(path, parent)`` takes one consistent snapshot of that agent's
     process into a committed image at ``path`` (ImageWriter, with ``parent`` when not None)
-    and returns its summary. Until that module exists this raises SNAPSHOT_UNAVAILABLE: no
-    image is ever faked.
+    and returns its summary. Where that module is missing (a partial install) this raises
+    SNAPSHOT_UNAVAILABLE: no image is ever faked.
     """
     if importlib.util.find_spec(AGENT_SNAPSHOT_MODULE) is None:
         raise GpuosError(
