@@ -54,6 +54,7 @@ from gpuos_tools.kinfer.policy import (  # noqa: E402
     GpuSpeed,
     Policy,
     crossover,
+    steady_curve,
     time_us,
 )
 
@@ -159,7 +160,7 @@ def inputs(b: int) -> np.ndarray:
 
 def sweep(batches: list[int], reps: int, gpu: object | None) -> dict:
     model = Mlp.random(seed=0)
-    cpu = [round(time_us(lambda x=inputs(b): model.forward(x), reps), 3) for b in batches]
+    cpu = steady_curve(lambda b: (lambda x=inputs(b): model.forward(x)), batches, reps)
     out = {"batches": batches, "cpu_us": cpu, "gpu_us": [], "crossover": None}
     try:
         from gpuos_tools.kinfer import native
@@ -169,7 +170,7 @@ def sweep(batches: list[int], reps: int, gpu: object | None) -> dict:
     except native.BuildError as e:
         out["cpu_native_us"] = f"skipped: {e}"
     if gpu is not None:
-        out["gpu_us"] = [round(time_us(lambda x=inputs(b): gpu.forward(x), reps, warmup=10), 3) for b in batches]
+        out["gpu_us"] = steady_curve(lambda b: (lambda x=inputs(b): gpu.forward(x)), batches, reps, warmup=10)
         out["crossover"] = crossover(batches, cpu, out["gpu_us"])
         out["gpu_mode"] = gpu.mode
     return out

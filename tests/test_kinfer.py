@@ -1109,3 +1109,25 @@ def test_native_loop_table_follows_the_cpu_slowdown(ring_name: str) -> None:
         assert np.allclose(srv.ring.outputs[:2, :2], model.forward(x), rtol=1e-5, atol=1e-4)
     finally:
         srv.close()
+
+
+def test_steady_curve_keeps_each_batch_s_best_pass() -> None:
+    """A batch that is slow in one sweep only (a GPU waking up) gets its steady figure; every
+    pass starts with work at the largest batch, and the sweeps alternate direction."""
+    from gpuos_tools.kinfer.policy import steady_curve
+
+    calls: list[int] = []
+    slow_once = {8: 1}
+
+    def run(batch: int):
+        def fn() -> None:
+            calls.append(batch)
+            if slow_once.get(batch) and len([c for c in calls if c == batch]) <= 3:
+                time.sleep(0.003)  # the first pass of batch 8: 3 ms a call
+
+        return fn
+
+    curve = steady_curve(run, [1, 8, 64], reps=3, passes=2, warm_s=0.0, warmup=0)
+    assert curve[1] < 1000, curve  # µs: the slow pass is not the one kept
+    timed = [c for c in calls if c != 64]
+    assert timed[:6] == [1, 1, 1, 8, 8, 8] and timed[6:] == [8, 8, 8, 1, 1, 1]

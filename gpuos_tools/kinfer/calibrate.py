@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpuos_tools.kinfer.model import Mlp
-from gpuos_tools.kinfer.policy import DEFAULTS, Profile, crossover, time_us
+from gpuos_tools.kinfer.policy import DEFAULTS, Profile, crossover, steady_curve
 
 PROFILE_COMMENT = (
     "gpu-kinfer-bridge profile (see gpu-kinfer-bridge(1), PROFILE).\n"
@@ -25,10 +25,11 @@ def _inputs(batch: int, n_inputs: int, seed: int = 0) -> np.ndarray:
 
 
 def measure(profile: Profile, batches: list[int], reps: int, device: int = 0) -> dict[str, Any]:
-    """Median latency (µs) per batch on the CPU and, when it can run, the GPU."""
+    """Latency (µs) per batch on the CPU and, when it can run, the GPU (``steady_curve``: the
+    lowest median of three warmed-up sweeps)."""
     shape = profile.section("model")
     model = Mlp.random(int(shape["inputs"]), int(shape["hidden"]), int(shape["outputs"]))
-    cpu = [round(time_us(lambda x=_inputs(b, model.n_inputs): model.forward(x), reps), 3) for b in batches]
+    cpu = steady_curve(lambda b: (lambda x=_inputs(b, model.n_inputs): model.forward(x)), batches, reps)
     gpu_us: list[float] = []
     gpu_name = None
     error = None
@@ -39,7 +40,7 @@ def measure(profile: Profile, batches: list[int], reps: int, device: int = 0) ->
         g = GpuMlp(model, device)
         mode = g.mode
         gpu_name = g.cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
-        gpu_us = [round(time_us(lambda x=_inputs(b, model.n_inputs): g.forward(x), reps, warmup=10), 3) for b in batches]
+        gpu_us = steady_curve(lambda b: (lambda x=_inputs(b, model.n_inputs): g.forward(x)), batches, reps, warmup=10)
     except Exception as e:  # ImportError (no CuPy), CUDA errors: the CPU curve still stands
         error = f"{type(e).__name__}: {e}"
     return {

@@ -400,6 +400,26 @@ def write_profile(path: Path, data: dict[str, dict[str, Any]], comment: str = ""
         raise
 
 
+def steady_curve(run: Callable[[int], Callable[[], Any]], batches: list[int], reps: int, passes: int = 3,
+                 warm_s: float = 0.3, warmup: int = 3) -> list[float]:
+    """Latency (µs) per batch size for a calibration curve: ``run(batch)`` gives the function to
+    time. Each of ``passes`` sweeps (alternately upwards and downwards) starts with ``warm_s``
+    seconds of work at the largest batch, and each batch keeps the lowest of its per-pass
+    medians. One sweep is not enough on a GPU: measured on an H100, a sweep right after idle time
+    gave medians of 329 µs at batch 64 and 395 µs at 2048 where the steady figure was 45 µs, and
+    a policy scaling such a curve picked the wrong side (BENCHMARKS.md, P9)."""
+    best = [math.inf] * len(batches)
+    largest = run(max(batches))
+    for p in range(max(1, passes)):
+        end = time.perf_counter() + warm_s
+        while time.perf_counter() < end:
+            largest()
+        order = range(len(batches)) if p % 2 == 0 else range(len(batches) - 1, -1, -1)
+        for i in order:
+            best[i] = min(best[i], time_us(run(batches[i]), reps, warmup))
+    return [round(v, 3) for v in best]
+
+
 def time_us(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     """Median wall time of ``fn()`` in µs."""
     for _ in range(warmup):
