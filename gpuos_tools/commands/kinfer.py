@@ -601,7 +601,7 @@ def collect(
 @features_app.command("register")
 def features_register(
     name: str = typer.Argument(..., metavar="NAME", help="Store name (/dev/shm/NAME)."),
-    fields: list[str] = typer.Option(..., "--field", "-f", help="A field name (repeat, in order)."),
+    fields: list[str] = typer.Option(..., "--field", "-f", metavar="NAME", help="A field name (repeat, in order)."),
     schema: str = typer.Option("features", "--schema", help="Schema name."),
     capacity: int = typer.Option(65536, "--capacity", help="Records kept (the oldest are overwritten)."),
 ) -> None:
