@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,33 @@ def child_env(**extra: str) -> dict[str, str]:
     env.pop("GPUOS_DEBUG", None)
     env.update(extra)
     return env
+
+
+FAKE_CUDA = """
+import mmap, sys
+f = open(sys.argv[1], 'rb')
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+print('ready', flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def fake_cuda_process(directory: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A real process that maps a file named libcuda.so.1 (made under ``directory``): a CUDA
+    process to everything but the driver. It lives until the block ends; ``args`` are extra
+    words on its command line."""
+    lib = directory / "fakelib" / "libcuda.so.1"
+    lib.parent.mkdir()
+    lib.write_bytes(b"\0" * 4096)
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_CUDA, str(lib), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def python(code: str, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:

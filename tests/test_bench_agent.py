@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import REPO
+from helpers import REPO, fake_cuda_process
 
 from gpuos_tools.ckpt import driver as ckpt_driver
 from gpuos_tools.ckpt import registry
@@ -79,15 +79,6 @@ def test_summaries_put_the_first_snapshot_apart() -> None:
     assert "agent first snapshot" in text and "stall ratio" in text
 
 
-FAKE_CUDA = """
-import mmap, sys
-f = open(sys.argv[1], 'rb')
-m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-print('ready', flush=True)
-sys.stdin.read()
-"""
-
-
 class FakeAPI:
     """The driver's checkpoint state machine; each step sleeps a little; ``fail`` names a failing step."""
 
@@ -128,17 +119,8 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(registry.ENV, str(tmp_path / "state"))
     monkeypatch.setattr(ckpt_driver, "DriverAPI", FakeAPI)
     monkeypatch.setattr(FakeAPI, "fail", None)
-    lib = tmp_path / "fakelib" / "libcuda.so.1"
-    lib.parent.mkdir()
-    lib.write_bytes(b"\0" * 4096)
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_CUDA, str(lib)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with fake_cuda_process(tmp_path) as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_driver_path_times_lock_to_unlock(fake_job) -> None:

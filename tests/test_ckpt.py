@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, child_env
+from helpers import REPO, child_env, fake_cuda_process
 
 from gpuos_tools.ckpt import criu, procs, registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, error_code, uuid_bytes
@@ -62,29 +62,11 @@ def sleeper():
         proc.wait()
 
 
-FAKE_CUDA = """
-import mmap, sys
-f = open(sys.argv[1], 'rb')
-m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-print('ready', flush=True)
-sys.stdin.read()
-"""
-
-
 @pytest.fixture
 def fake_cuda(tmp_path: Path):
     """A real process that maps a file named libcuda.so.1: a CUDA process to everything but the driver."""
-    lib = tmp_path / "fakelib" / "libcuda.so.1"
-    lib.parent.mkdir()
-    lib.write_bytes(b"\0" * 4096)
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_CUDA, str(lib), "gpuos-fake-cuda"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with fake_cuda_process(tmp_path, "gpuos-fake-cuda") as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def reaped_pid() -> int:
