@@ -668,7 +668,7 @@ class Tracer:
         validator = self.validator
         agent = self.agent
         global _append
-        held: frozenset[int] = frozenset()  # the agent's acting callbacks (launches, writes)
+        acting_ids: frozenset[int] = frozenset()  # the agent's acting callbacks (launches, writes)
         if validator is not None:
             _append = _observing_append(validator)
             driver.update(_validating_handlers(validator, self.table))
@@ -676,7 +676,7 @@ class Tracer:
             _append = _observing_append(agent)
             acting = _agent_handlers(agent, self.table)
             driver.update(acting)
-            held = frozenset(acting)
+            acting_ids = frozenset(acting)
 
         def callback(userdata, domain, cbid, cbdata):
             if agent is not None:
@@ -687,7 +687,7 @@ class Tracer:
                     # locks; the agent makes driver calls under its lock: taking it here could
                     # deadlock (seen: a module load against the snapshot's copies).
                     return checked(domain, cbid, cbdata)
-                if domain == driver_domain and cbid in held:
+                if domain == driver_domain and cbid in acting_ids:
                     # A launch, copy, memset or free counts as issuing from its enter (where the
                     # agent acts on it) to its exit (the driver has enqueued it): a snapshot's T0
                     # or a rollback waits, under the lock, until none is between the two.
