@@ -64,14 +64,27 @@ DRIVER_STEPS = ("lock", "checkpoint", "restore", "unlock")
 
 def read_rates(path: Path) -> list[tuple[float, float]]:
     """(unix time at the end of the window, iterations/s in it), complete lines only."""
+    return [(ts, r) for ts, r, _ in read_log(path)]
+
+
+def read_log(path: Path) -> list[tuple[float, float, float | None]]:
+    """(end of the window, iterations/s, the longest iteration in it or None), complete lines."""
     if not path.exists():
         return []
-    rates = []
+    out = []
     for line in path.read_text().splitlines(keepends=True):
         parts = line.split()
-        if line.endswith("\n") and len(parts) == 2:
-            rates.append((float(parts[0]), float(parts[1])))
-    return rates
+        if line.endswith("\n") and len(parts) in (2, 3):
+            out.append((float(parts[0]), float(parts[1]), float(parts[2]) if len(parts) == 3 else None))
+    return out
+
+
+def longest_gap(log: list[tuple[float, float, float | None]], intervals: list[tuple[float, float]]) -> float | None:
+    """The job's longest iteration (between two synchronisations) in the windows that overlap
+    ``intervals``: its own view of how long it was stopped, at iteration resolution."""
+    gaps = [g for (s, _, _), (e, _, g) in itertools.pairwise(log)
+            if g is not None and any(min(e, b) > max(s, a) for a, b in intervals)]
+    return round(max(gaps), 4) if gaps else None
 
 
 def windows(rates: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
@@ -221,9 +234,10 @@ def missing_modules(names: tuple[str, ...]) -> list[str]:
     return [m for m in names if importlib.util.find_spec(m) is None]
 
 
-def job_command(program: Path) -> list[str]:
+def job_command(program: Path, stage_ahead: bool = False) -> list[str]:
     """The job under the agent; its own process is the one to snapshot and checkpoint."""
-    return [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
+    return [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent",
+            *(["--stage-ahead"] if stage_ahead else []), "--no-images", "-o", os.devnull,
             "--", sys.executable, str(program)]
 
 
@@ -236,7 +250,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                          "cannot import")
     failures: list[str] = []
     out: dict[str, Any] = {"benchmark": "bench_agent", "job": args.job, "program": f"tests/gpu/progs/{program}",
-                           "gib": args.gib, **gpu_info(), "host": platform.node(),
+                           "gib": args.gib, "stage_ahead": args.stage_ahead, **gpu_info(), "host": platform.node(),
                            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "command": " ".join([Path(sys.executable).name, *sys.argv])}
     with tempfile.TemporaryDirectory() as tmp:
@@ -245,7 +259,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         env = dict(os.environ, GPU_JOB_GIB=str(args.gib), GPUOS_JOB_STOP=str(t / "stop"),
                    GPUOS_JOB_LOG=str(log), GPUOS_JOB_READY=str(t / "ready"))
         started = time.time()
-        proc = subprocess.Popen(job_command(PROGS / program), cwd=ROOT, env=env,
+        proc = subprocess.Popen(job_command(PROGS / program, args.stage_ahead), cwd=ROOT, env=env,
                                 start_new_session=True)  # so that a failure here kills the job too, not only gpu-trace
         pid = None
         driver: dict[str, Any] | None = None
@@ -322,13 +336,15 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
             except ProcessLookupError:
                 pass
             proc.wait()
-        rates = read_rates(log)
+        job_log = read_log(log)
+        rates = [(ts, r) for ts, r, _ in job_log]
 
     wins = windows(rates)
     first_action = answers[0]["wall_start"] if answers else (driver or {}).get("wall_lock_start", time.time())
     before = median_rate(wins, ready + 0.3, first_action)
     out["job_iters_per_s_before"] = before
-    out["agent"] = summarize_agent(answers, wins, before)
+    out["job_longest_iteration_s_before"] = longest_gap(job_log, [(ready + 0.3, first_action)])
+    out["agent"] = summarize_agent(answers, wins, before, job_log)
     if driver is not None:
         if driver.get("ok"):
             interval = [(driver["wall_lock_start"], driver["wall_unlock_end"])]
@@ -344,16 +360,28 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     return out, failures
 
 
-def summarize_agent(answers: list[dict[str, Any]], wins: list, before: float | None) -> dict[str, Any]:
+def summarize_agent(answers: list[dict[str, Any]], wins: list, before: float | None,
+                    job_log: list | None = None) -> dict[str, Any]:
+    """The agent's snapshots: the first (which may pin the staging) apart from the steady ones,
+    each with the job's throughput and longest iteration while they ran."""
     if not answers:
         return {"snapshots": []}
+    job_log = job_log or []
     agent: dict[str, Any] = {"snapshots": answers}
     a = answers[0]
+    first_iv = [(a["wall_start"], a["wall_end"])]
+    first_during = over(wins, first_iv)
     agent["first"] = {"wall_s": a["wall_s"], "seconds": a["seconds"], "gbps": a["gbps"],
                       "stall_ms": round(1e3 * a["stall_s"], 3), "cow": a.get("cow"), "bytes": a["bytes"],
-                      "staging_and_request_s": round(a["wall_s"] - a["seconds"], 3)}
+                      "staging_and_request_s": round(a["wall_s"] - a["seconds"], 3),
+                      "staging_s": a.get("staging_s"), "pool_s": a.get("pool_s"),
+                      "job_iters_per_s_during": first_during["iters_per_s"] if first_during else None,
+                      "job_throughput_loss": loss(before, first_during["iters_per_s"] if first_during else None),
+                      "job_longest_iteration_s": longest_gap(job_log, first_iv)}
     rest = answers[1:]
     if rest:
+        steady_iv = [(x["wall_start"], x["wall_end"]) for x in rest]
+        steady_during = over(wins, steady_iv)
         agent["steady"] = {
             "n": len(rest),
             "wall_s_median": round(statistics.median(x["wall_s"] for x in rest), 6),
@@ -362,6 +390,11 @@ def summarize_agent(answers: list[dict[str, Any]], wins: list, before: float | N
             "gbps_min": min(x["gbps"] for x in rest),
             "stall_ms_median": round(1e3 * statistics.median(x["stall_s"] for x in rest), 3),
             "stall_ms_max": round(1e3 * max(x["stall_s"] for x in rest), 3),
+            "pool_s_median": (round(statistics.median(x["pool_s"] for x in rest), 6)
+                              if all("pool_s" in x for x in rest) else None),
+            "job_iters_per_s_during": steady_during["iters_per_s"] if steady_during else None,
+            "job_throughput_loss": loss(before, steady_during["iters_per_s"] if steady_during else None),
+            "job_longest_iteration_s": longest_gap(job_log, steady_iv),
         }
     agent["stall_ms"] = [round(1e3 * x["stall_s"], 3) for x in answers]
     agent["gbps"] = [x["gbps"] for x in answers]
@@ -409,15 +442,19 @@ def human(out: dict[str, Any]) -> str:
     sbs = out["side_by_side"]
     a, d = out["agent"], out.get("driver") or {}
     lines = [(f"bench_agent: {out['job']} job, {out['gib']} GiB asked, on {out.get('gpu', '?')}; job "
-              f"{out['job_iters_per_s_before']} iters/s before")]
+              f"{out['job_iters_per_s_before']} iters/s before, longest iteration "
+              f"{out.get('job_longest_iteration_s_before')} s")]
     if a.get("first"):
         f = a["first"]
         lines.append(f"  agent first snapshot: {f['wall_s']:.3f} s wall ({f['staging_and_request_s']:.3f} s pinned "
-                     f"staging + request), {f['seconds']:.3f} s copying, {f['gbps']} GB/s, stall {f['stall_ms']} ms")
+                     f"staging + request), {f['seconds']:.3f} s copying, {f['gbps']} GB/s, stall {f['stall_ms']} ms; "
+                     f"job {f['job_iters_per_s_during']} iters/s, longest iteration {f['job_longest_iteration_s']} s")
     if a.get("steady"):
         s = a["steady"]
         lines.append(f"  agent steady ({s['n']}): {s['wall_s_median']:.3f} s wall, {s['gbps_median']} GB/s, stall "
-                     f"{s['stall_ms_median']} ms median / {s['stall_ms_max']} ms max")
+                     f"{s['stall_ms_median']} ms median / {s['stall_ms_max']} ms max; job "
+                     f"{s['job_iters_per_s_during']} iters/s (loss {s['job_throughput_loss']}), longest iteration "
+                     f"{s['job_longest_iteration_s']} s")
     if a.get("snapshots"):
         lines.append(f"  agent: job {a['job_iters_per_s_during']} iters/s during snapshots "
                      f"(loss {a['job_throughput_loss']})")
@@ -437,6 +474,9 @@ def human(out: dict[str, Any]) -> str:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job", choices=sorted(JOBS), default="cupy", help="the job to run (default cupy)")
+    ap.add_argument("--stage-ahead", action="store_true",
+                    help="run the job with `gpu-trace run --agent --stage-ahead` (staging pinned in the background; "
+                    "give it --settle time: ~4 s per 8 GiB of pinning at a quarter duty)")
     ap.add_argument("--gib", type=float, default=8.0, help="GiB the job holds on the GPU (GPU_JOB_GIB; default 8)")
     ap.add_argument("--snapshots", type=int, default=6, help="agent snapshots, 1 s apart (default 6)")
     ap.add_argument("--driver", action=argparse.BooleanOptionalAction, default=True,

@@ -52,6 +52,21 @@ def test_log_arithmetic(tmp_path: Path) -> None:
     assert bench.loss(100.0, 75.0) == 0.25 and bench.loss(None, 1.0) is None
 
 
+def test_longest_iteration_from_the_log_gap_column(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    # iterations of 10 ms, one window holding a 4.7 s iteration (the job stopped), old 2-field lines read too
+    log.write_text("9.000000 100.0\n9.100000 100.0 0.010000\n13.800000 0.4 4.700000\n13.900000 100.0 0.012000\n"
+                   "14.000000 100.0\n")
+    rows = bench.read_log(log)
+    assert rows[0][2] is None and rows[2] == (13.8, 0.4, 4.7)
+    assert bench.read_rates(log)[2] == (13.8, 0.4)
+    assert bench.longest_gap(rows, [(10.0, 11.0)]) == 4.7  # inside the long window
+    assert bench.longest_gap(rows, [(13.85, 13.86)]) == 0.012
+    assert bench.longest_gap(rows, [(9.0, 9.05)]) == 0.01
+    assert bench.longest_gap(rows, [(13.95, 13.99)]) is None  # that window logged no gap
+    assert bench.longest_gap(rows, [(20, 21)]) is None
+
+
 def answer(start: float, wall: float, seconds: float, stall: float) -> dict:
     return {"ok": True, "bytes": 8 << 30, "seconds": seconds, "gbps": round((8 << 30) / seconds / 1e9, 3),
             "stall_s": stall, "cow": 1, "wall_start": start, "wall_end": start + wall, "wall_s": wall}
@@ -65,6 +80,13 @@ def test_summaries_put_the_first_snapshot_apart() -> None:
     assert agent["steady"]["n"] == 2 and agent["steady"]["stall_ms_max"] == 6.0
     assert agent["stall_ms"] == [7.0, 5.0, 6.0]
     assert agent["job_throughput_loss"] == 0.0
+    assert agent["first"]["job_iters_per_s_during"] == 100.0 and agent["first"]["job_throughput_loss"] == 0.0
+    assert agent["steady"]["job_iters_per_s_during"] == 100.0 and agent["steady"]["job_throughput_loss"] == 0.0
+    assert agent["first"]["job_longest_iteration_s"] is None  # no log given
+    log = [(9.0 + 0.1 * k, 100.0, 0.5 if 10.0 <= 9.0 + 0.1 * k <= 15.0 else 0.01) for k in range(100)]
+    with_log = bench.summarize_agent(answers, wins, 100.0, log)
+    assert with_log["first"]["job_longest_iteration_s"] == 0.5
+    assert with_log["steady"]["job_longest_iteration_s"] == 0.01
     driver = {"ok": True, "stall_s": 7.9, "checkpoint_s": 5.6, "restore_s": 2.2, "checkpoint_gbps": 1.6,
               "restore_gbps": 4.1, "bytes": 9 << 30, "bytes_source": "nvml", "job_iters_per_s_during": 2.0,
               "job_throughput_loss": 0.98}
@@ -168,7 +190,7 @@ def test_run_end_to_end_with_a_fake_job(fake_job, tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(bench, "JOBS", {"fake": (prog.name, ())})
     monkeypatch.setattr(bench, "PROGS", tmp_path)
     monkeypatch.setattr(bench, "missing_modules", lambda names: [])
-    monkeypatch.setattr(bench, "job_command", lambda program: [sys.executable, str(program), str(lib)])
+    monkeypatch.setattr(bench, "job_command", lambda program, stage_ahead=False: [sys.executable, str(program), str(lib)])
     monkeypatch.setattr(bench, "gpu_info", lambda: {"gpu": "fake"})
 
     def snapshot(pid: int, timeout: float) -> dict:

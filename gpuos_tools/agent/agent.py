@@ -23,6 +23,12 @@ before it):
   wait for the T0 events, so those copies too come after everything before T0;
 - when every copy has completed, the snapshot is the host buffers; the program never stopped.
 
+Before T0 the agent makes its host staging as large as the program's device memory, pinned a
+piece of 64 MiB at a time with rests between (pinning is ~2 GB/s and competes with the
+program's driver calls), and keeps it for later snapshots; with `--stage-ahead` a background
+thread keeps it that large from the start, so that no snapshot waits for it. The device memory
+of the copy-on-write slots is allocated before T0 too, and freed after the snapshot.
+
 What the program feels: the agent's time inside its callbacks (reported as `stall_s`), and
 GPU-side waits of its streams behind in-flight copies of what it is about to overwrite.
 """
@@ -39,15 +45,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuos_tools.agent.staging import Staging
 from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.trace.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
-COPY_PIECE = 64 << 20  # bytes per side-stream copy
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
+
+
+def STAGING_PAUSE(took: float) -> float:
+    """Rest after pinning a piece of staging for a snapshot request: half the piece's time,
+    so the program keeps two thirds of its driver time while the first snapshot pins."""
+    return took / 2
 
 
 def _ok(result: tuple, what: str) -> Any:
@@ -65,14 +77,14 @@ class Snap:
 
     buffers: list[Allocation]
     offsets: list[int]
-    host: int  #: pinned host memory holding every buffer, at offsets
+    staging: Staging  #: pinned host memory holding every buffer, at offsets
     total: int
     side: Any
     t0_events: list
     t0_ns: int
     ops_before: int
     budget: int  #: bytes of copy-on-write slots allowed on the device
-    pool: int = 0  #: the device memory of the slots (allocated on first use)
+    pool: int = 0  #: the device memory of the slots (allocated before T0)
     pool_used: int = 0
     state: list[int] = field(default_factory=list)
     event: list = field(default_factory=list)  #: per buffer: the event after its copy
@@ -101,7 +113,9 @@ class Agent(ProcessView):
         self.reference_out = os.environ.pop("GPUOS_AGENT_REFERENCE_OUT", "")
         self.last: dict[str, Any] | None = None
         self.ctx = None
-        self._staging: tuple[int, int] | None = None  #: (pinned address, capacity)
+        self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
+        self._staging_made = threading.Lock()
+        self._ahead_stop = threading.Event()
         #: allocation ids written since the last snapshot's T0 (predicted); None: not known
         #: (no snapshot yet, or an unknown launch since), so the next image must be full
         self.dirty: set[int] | None = None
@@ -214,8 +228,10 @@ class Agent(ProcessView):
                         snap.cow += 1
                         snap.cow_bytes += b.size
                     else:
-                        _ok(drv.cuMemcpyDtoHAsync(snap.host + snap.offsets[i], b.addr, b.size, stream),
-                            "cuMemcpyDtoHAsync(save)")
+                        base = snap.staging.base + snap.offsets[i]
+                        for host, n in snap.staging.spans(snap.offsets[i], b.size):
+                            _ok(drv.cuMemcpyDtoHAsync(host, b.addr + (host - base), n, stream),
+                                "cuMemcpyDtoHAsync(save)")
                         snap.state[i] = HOST
                         snap.host_saves += 1
                     _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
@@ -233,17 +249,9 @@ class Agent(ProcessView):
             snap.stall_ns += time.perf_counter_ns() - t0
 
     def _slot(self, snap: Snap, size: int) -> int | None:
-        from cuda.bindings import driver as drv
-
         size_aligned = (size + 255) // 256 * 256
-        if snap.pool_used + size_aligned > snap.budget:
+        if not snap.pool or snap.pool_used + size_aligned > snap.budget:
             return None
-        if not snap.pool:
-            err, ptr = drv.cuMemAlloc(snap.budget)
-            if err != drv.CUresult.CUDA_SUCCESS:
-                snap.budget = 0
-                return None
-            snap.pool = int(ptr)
         slot = snap.pool + snap.pool_used
         snap.pool_used += size_aligned
         return slot
@@ -264,19 +272,33 @@ class Agent(ProcessView):
         _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         with self.lock:
             total = sum(b.size for b in self.buffers())
-        host, capacity = self._ensure_staging(total)
-        side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        t_prep = time.perf_counter()
+        staging = self._ensure_staging(total, pause=STAGING_PAUSE)
+        staging_s = time.perf_counter() - t_prep
         if cow_budget is None:
             cow_budget = self.cow_budget
         if cow_budget is None:
             free, _ = _ok(drv.cuMemGetInfo(), "cuMemGetInfo")
             cow_budget = min(int(free) // 4, total)
-        with self.lock:
+        # the slots' device memory is allocated here, before T0, and not in the program's
+        # callback at its first copy-on-write (a multi-GiB cuMemAlloc is milliseconds)
+        pool = 0
+        t_pool = time.perf_counter()
+        if cow_budget > 0:
+            err, ptr = drv.cuMemAlloc(cow_budget)
+            if err == drv.CUresult.CUDA_SUCCESS:
+                pool = int(ptr)
+            else:
+                cow_budget = 0  # no room: writes save to host on the program's stream
+        pool_s = time.perf_counter() - t_pool
+        side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.lock.acquire()
+        try:
             t_start = time.perf_counter()
             unsettled = self.settle()
             buffers = self.buffers()
             total = sum(b.size for b in buffers)
-            if total > capacity:
+            if total > staging.capacity:
                 raise RuntimeError("allocations grew while the snapshot was prepared; try again")
             offsets, off = [], 0
             for b in buffers:
@@ -290,11 +312,18 @@ class Agent(ProcessView):
                 _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent(side)")
                 events.append(ev)
             n = len(buffers)
-            snap = Snap(buffers, offsets, host, total, side, events, time.time_ns(), self.ops, cow_budget,
-                        state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
+            snap = Snap(buffers, offsets, staging, total, side, events, time.time_ns(), self.ops, cow_budget,
+                        pool=pool, state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
                         index={b.id: i for i, b in enumerate(buffers)})
             self.snap = snap
             written, self.dirty = self.dirty, set()  # what changed since the last T0, and anew
+        except BaseException:
+            self.lock.release()
+            drv.cuStreamDestroy(side)
+            if pool:
+                drv.cuMemFree(pool)
+            raise
+        self.lock.release()
         try:
             self._copy_all(snap)
             elapsed = time.perf_counter() - t_start
@@ -304,6 +333,7 @@ class Agent(ProcessView):
                 "gbps": round(total / elapsed / 1e9, 3) if elapsed > 0 else None,
                 "cow": snap.cow, "cow_bytes": snap.cow_bytes, "host_saves": snap.host_saves,
                 "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6), "unsettled": unsettled,
+                "staging_s": round(staging_s, 6), "pool_s": round(pool_s, 6), "cow_budget": cow_budget,
                 "allocations": [[b.id, b.addr, b.size, b.kind] for b in buffers],
             }
             if digest:
@@ -318,18 +348,53 @@ class Agent(ProcessView):
         finally:
             self._release(snap)
 
-    def _ensure_staging(self, total: int) -> tuple[int, int]:
-        """Pinned host memory of at least ``total`` bytes: (address, capacity). Pinned memory is
-        slow to get (the kernel pins it page by page), so it is kept between snapshots."""
+    def _ensure_staging(self, total: int, pause=None, stop: threading.Event | None = None) -> Staging:
+        """Pinned host memory of at least ``total`` bytes (gpuos_tools/agent/staging.py). It is
+        pinned a piece at a time, with ``pause`` between pieces, and kept between snapshots."""
         from cuda.bindings import driver as drv
 
-        if self._staging is None or self._staging[1] < total:
-            if self._staging is not None:
-                drv.cuMemFreeHost(self._staging[0])
-                self._staging = None
-            capacity = max(total, 1) + (64 << 20)
-            self._staging = (int(_ok(drv.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc(staging)")), capacity)
-        return self._staging
+        from gpuos_tools.agent.staging import PIECE, driver_staging
+
+        with self._staging_made:
+            if self.staging is None:
+                dev = _ok(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+                reserve = int(_ok(drv.cuDeviceTotalMem(dev), "cuDeviceTotalMem")) + PIECE
+                self.staging = driver_staging(reserve)
+        self.staging.grow(total, pause, stop)
+        return self.staging
+
+    def stage_ahead(self, interval: float = 0.5) -> threading.Thread:
+        """Keep the pinned staging as large as the program's device memory from now on, in a
+        background thread, so that no snapshot waits for pinning (`gpu-trace run --agent
+        --stage-ahead`). It pins a piece, then rests three times as long: pinning competes with
+        the program's own driver calls. The cost is host memory: as much pinned as the program
+        has on the device, for as long as it runs."""
+
+        def loop() -> None:
+            from cuda.bindings import driver as drv
+
+            self.own.add(threading.get_native_id())
+            while not self._ahead_stop.wait(interval):
+                if self.ctx is None:
+                    continue
+                with self.lock:
+                    total = sum(b.size for b in self.buffers())
+                if self.staging is not None and self.staging.capacity >= total:
+                    continue
+                try:
+                    _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+                    self._ensure_staging(total, pause=lambda took: 3 * took, stop=self._ahead_stop)
+                except Exception as exc:  # noqa: BLE001 (a snapshot will pin what it needs, or say why)
+                    print(f"gpuos agent: staging ahead stopped: {exc}", file=sys.stderr, flush=True)
+                    return
+
+        t = threading.Thread(target=loop, name="gpuos-agent-staging", daemon=True)
+        t.start()
+        return t
+
+    def stop_background(self) -> None:
+        """At exit: no more staging ahead (a piece being pinned finishes)."""
+        self._ahead_stop.set()
 
     # -- rollback (on the control thread) ---------------------------------------------------------
 
@@ -362,8 +427,8 @@ class Agent(ProcessView):
                              ExitCode.IMAGE_MISMATCH)
         entries = sorted(img.buffers, key=lambda b: int(b["addr"]))
         total = sum(int(b["size"]) for b in entries)
-        host, _ = self._ensure_staging(total)
-        view = memoryview((ctypes.c_char * max(total, 1)).from_address(host)).cast("B")
+        staging = self._ensure_staging(total)
+        view = staging.view(total)
         t_read = time.perf_counter()
         offsets, off = [], 0
         for b in entries:
@@ -387,10 +452,10 @@ class Agent(ProcessView):
                                      f"{SETTLE_S} s; nothing was written", ExitCode.WRONG_STATE)
                 _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
                 for b, o in zip(entries, offsets):
-                    addr, size = int(b["addr"]), int(b["size"])
-                    for p in range(0, size, COPY_PIECE):
-                        n = min(COPY_PIECE, size - p)
-                        _ok(drv.cuMemcpyHtoDAsync(addr + p, host + o + p, n, side), "cuMemcpyHtoDAsync(rollback)")
+                    addr = int(b["addr"])
+                    for host, n in staging.spans(o, int(b["size"])):
+                        _ok(drv.cuMemcpyHtoDAsync(addr + (host - staging.base - o), host, n, side),
+                            "cuMemcpyHtoDAsync(rollback)")
                 _ok(drv.cuStreamSynchronize(side), "cuStreamSynchronize(rollback)")
                 stall = time.perf_counter() - t0
                 # what was written since the last image is no longer known: the next one is full
@@ -416,7 +481,7 @@ class Agent(ProcessView):
             "ops_before": snap.ops_before, **_device_facts(),
             "allocations": [{"id": b.id, "addr": b.addr, "size": b.size, "kind": b.kind} for b in snap.buffers],
         }
-        view = memoryview((ctypes.c_char * max(snap.total, 1)).from_address(snap.host)).cast("B")
+        view = snap.staging.view(snap.total)
         with ImageWriter(path, manifest, compress=compress, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
                          parent=parent if incremental else None, checksum=checksum) as w:
             for b, off in zip(snap.buffers, snap.offsets):
@@ -443,10 +508,9 @@ class Agent(ProcessView):
                     src = b.addr if st == UNSAVED else snap.slot[i]
                     if st == COW:
                         _ok(drv.cuStreamWaitEvent(snap.side, snap.event[i], 0), "cuStreamWaitEvent(cow)")
-                    for p in range(0, b.size, COPY_PIECE):
-                        n = min(COPY_PIECE, b.size - p)
-                        _ok(drv.cuMemcpyDtoHAsync(snap.host + snap.offsets[i] + p, src + p, n, snap.side),
-                            "cuMemcpyDtoHAsync")
+                    base = snap.staging.base + snap.offsets[i]
+                    for host, n in snap.staging.spans(snap.offsets[i], b.size):
+                        _ok(drv.cuMemcpyDtoHAsync(host, src + (host - base), n, snap.side), "cuMemcpyDtoHAsync")
                     ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                     _ok(drv.cuEventRecord(ev, snap.side), "cuEventRecord(side)")
                     if st == UNSAVED:
@@ -463,7 +527,7 @@ class Agent(ProcessView):
             self.snap = None
 
     def _digests(self, snap: Snap) -> list[str]:
-        view = memoryview((ctypes.c_char * max(snap.total, 1)).from_address(snap.host)).cast("B")
+        view = snap.staging.view(snap.total)
         return [hashlib.sha256(view[o : o + b.size]).hexdigest() for b, o in zip(snap.buffers, snap.offsets)]
 
     def _release(self, snap: Snap) -> None:

@@ -728,6 +728,8 @@ class Tracer:
         self.thread.start()
         if agent is not None:
             os.environ["GPUOS_AGENT_SOCKET"] = agent.start_server()
+            if os.environ.pop("GPUOS_AGENT_STAGE_AHEAD", "") == "1":
+                agent.stage_ahead()
         atexit.register(self.shutdown)
         os.register_at_fork(after_in_child=self._forked)
 
@@ -754,8 +756,10 @@ class Tracer:
     def shutdown(self) -> None:
         """At interpreter exit (our atexit handler runs after the frameworks' own)."""
         self.stop.set()
-        if self.agent is not None and self.agent.server is not None:
-            self.agent.server.close()
+        if self.agent is not None:
+            self.agent.stop_background()
+            if self.agent.server is not None:
+                self.agent.server.close()
         try:
             self.cupti.unsubscribe(self.subscriber)
         except Exception:

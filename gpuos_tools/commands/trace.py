@@ -122,6 +122,12 @@ def run(
         help="With --agent: device memory for copy-on-write slots during a snapshot (default: a "
         "quarter of the free memory, at most the snapshot's size).",
     ),
+    stage_ahead: bool = typer.Option(
+        False, "--stage-ahead",
+        help="With --agent: pin host staging for snapshots in the background as the program "
+        "allocates, so that no snapshot waits for it (costs as much pinned host memory as the "
+        "program has on the GPU).",
+    ),
     validate_extents: bool = typer.Option(
         True, "--validate-extents/--no-validate-extents",
         help="With --validate: also measure how far past each pointer a kernel reads (bisection; "
@@ -150,6 +156,8 @@ def run(
             raise typer.BadParameter(str(exc), param_hint="--validate-max") from None
         backend = "python"
     budget = None
+    if stage_ahead and not agent:
+        raise typer.BadParameter("--stage-ahead is an option of --agent", param_hint="--stage-ahead")
     if agent:
         from gpuos_tools.units import parse_size
 
@@ -169,6 +177,7 @@ def run(
             program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers,
             backend=backend, warn=lambda m: print(f"gpu-trace: warning: {m}", file=sys.stderr),
             output_path=output, validate=validation, agent=agent, cow_budget=budget,
+            stage_ahead=stage_ahead,
         )
     if sys.stderr.isatty():
         stderr_console().print(f"gpu-trace: {describe(summary)}", highlight=False)

@@ -95,10 +95,12 @@ def trace_program(
     cmd: list[str], writer, images_dir: Path | None, flush_ms: float = 20.0, check_pointers: bool = False,
     backend: str = "auto", warn=lambda message: None, output_path: str = "-",
     validate: tuple[int, int, bool] | None = None, agent: bool = False, cow_budget: int | None = None,
+    stage_ahead: bool = False,
 ) -> RunSummary:
     """Run ``cmd`` traced, writing header, records and an exit record to ``writer``.
 
     ``validate``: (samples per kernel, max live bytes, measure extents) for --validate.
+    ``agent``: with the agent; ``cow_budget`` and ``stage_ahead`` are its options.
     """
     from gpuos_tools.agent.native import parse_records
     from gpuos_tools.cuda.driver import probe_driver
@@ -127,6 +129,8 @@ def trace_program(
         env["GPUOS_TRACE_AGENT"] = "1"
         if cow_budget is not None:
             env["GPUOS_AGENT_COW_BUDGET"] = str(cow_budget)
+        if stage_ahead:
+            env["GPUOS_AGENT_STAGE_AHEAD"] = "1"
 
     decoder = Decoder(images_dir)
     started = time.monotonic()

@@ -32,12 +32,12 @@ def traced_run(tmp: Path, name: str, env_extra: dict, program: str = "cupy") -> 
 
 
 def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | None = None,
-           program: str = "cupy") -> tuple[int, list[str]]:
+           program: str = "cupy", env_extra: dict | None = None) -> tuple[int, list[str]]:
     """(snapshots compared, mismatches) for one seed of ``program`` (a key of PROGRAMS): a run
     with snapshots, then its twin. ``stats`` collects each compared snapshot's answer (without
     digests)."""
     tag = "" if program == "cupy" else f"{program}-"
-    env = {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops)}
+    env = {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops), **(env_extra or {})}
     report = tmp / f"{tag}a{seed}.json"
     a = traced_run(tmp, f"{tag}a{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": str(snapshots),
                                           "GPUOS_TEST_REPORT": str(report)}, program)
@@ -86,6 +86,39 @@ def test_snapshots_of_pytorch_work_equal_the_state_at_t0(tmp_path, seed):
     compared, bad = trials(tmp_path, seed, snapshots=25, ops=4000, program="torch")
     assert not bad, bad
     assert compared >= 5
+
+
+def test_snapshots_of_buffers_across_staging_pieces_equal_the_state_at_t0(tmp_path):
+    """Buffers of odd sizes up to 80 MB, so that copies into the pinned staging are cut at its
+    64 MiB pieces in the middle of buffers (and of the copy-on-write saves to host)."""
+    stats: list = []
+    compared, bad = trials(tmp_path, 4, snapshots=6, ops=600, stats=stats, env_extra={"GPUOS_TRIAL_BIG": "1"})
+    assert compared >= 3 and not bad, bad
+    assert max(a["bytes"] for a in stats) > 3 * (64 << 20), "the buffers did not span several staging pieces"
+
+
+def test_stage_ahead_pins_the_staging_before_the_first_snapshot(tmp_path):
+    """`gpu-trace run --agent --stage-ahead`: a background thread pins the staging as the program
+    allocates, so the first snapshot finds it ready; the snapshot is still a sound image."""
+    import time
+
+    from gpuos_tools.agent.control import request
+    from gpuos_tools.ckpt.image import verify
+
+    proc, sock = start_job(tmp_path / "job", gib="1", extra=["--stage-ahead"])
+    try:
+        ans = request(sock, "ping", timeout=30)
+        time.sleep(6.0)  # pinning 1 GiB a piece at a time at a quarter duty: ~2 s
+        first = request(sock, "snapshot", digest=False, image=str(tmp_path / "img"), timeout=120)
+        assert first["staging_s"] < 0.05, first
+        assert first["bytes"] == ans["bytes"]
+        assert verify(tmp_path / "img") == []
+    finally:
+        (tmp_path / "job" / "stop").touch()
+        try:
+            proc.wait(timeout=60)
+        finally:
+            _kill_group(proc)
 
 
 def test_snapshot_images_full_then_incremental(tmp_path):
@@ -138,7 +171,7 @@ def test_snapshot_images_full_then_incremental(tmp_path):
             pass
 
 
-def start_job(tmp: Path, gib: str = "0.5") -> tuple[subprocess.Popen, Path]:
+def start_job(tmp: Path, gib: str = "0.5", extra: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
     """tests/gpu/progs/agent_job.py under `gpu-trace run --agent`, in its own process group:
     (the process, its agent's socket) once its arrays are ready."""
     import time
@@ -149,8 +182,9 @@ def start_job(tmp: Path, gib: str = "0.5") -> tuple[subprocess.Popen, Path]:
     env = dict(os.environ, GPU_JOB_GIB=gib, GPUOS_JOB_STOP=str(tmp / "stop"), GPUOS_JOB_LOG=str(tmp / "log"),
                GPUOS_JOB_READY=str(tmp / "ready"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
-         "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env, start_new_session=True)
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", *(extra or []), "--no-images",
+         "-o", os.devnull, "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env,
+        start_new_session=True)
     deadline = time.time() + 120
     while not (tmp / "ready").exists():
         if proc.poll() is not None or time.time() > deadline:

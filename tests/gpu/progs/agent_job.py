@@ -1,5 +1,6 @@
 """A CuPy job holding GPU_JOB_GIB GiB in 256 MiB arrays that keeps updating them on two streams
-until $GPUOS_JOB_STOP exists; writes iterations/s per 100 ms window to $GPUOS_JOB_LOG."""
+until $GPUOS_JOB_STOP exists; writes "unix_time iters_per_s longest_gap_s" per >= 100 ms window to
+$GPUOS_JOB_LOG (the gap: the longest time between two synchronisations, every 8 iterations)."""
 
 import os
 import sys
@@ -19,8 +20,9 @@ with open(os.environ["GPUOS_JOB_READY"] + ".tmp", "w") as f:
 os.rename(os.environ["GPUOS_JOB_READY"] + ".tmp", os.environ["GPUOS_JOB_READY"])
 print(f"agent_job: {n} arrays of 256 MiB ready", file=sys.stderr, flush=True)
 i = 0
-window = time.perf_counter()
+window = last = time.perf_counter()
 count = 0
+gap = 0.0
 while not os.path.exists(stop):
     s = streams[i % 2]
     with s:
@@ -31,7 +33,8 @@ while not os.path.exists(stop):
     if count % 8 == 0:
         s.synchronize()
         now = time.perf_counter()
+        gap, last = max(gap, now - last), now
         if now - window >= 0.1:
-            log.write(f"{time.time():.6f} {count / (now - window):.1f}\n")
-            window, count = now, 0
+            log.write(f"{time.time():.6f} {count / (now - window):.1f} {gap:.6f}\n")
+            window, count, gap = now, 0, 0.0
 cp.cuda.Device().synchronize()

@@ -1,6 +1,6 @@
 """An LLM job for scripts/bench_agent.py: a transformers Llama model built from a LlamaConfig with
 random weights (nothing downloaded), bf16 on the GPU, running forward passes under
-torch.no_grad() until $GPUOS_JOB_STOP exists. Writes "unix_time iters_per_s" per >= 100 ms
+torch.no_grad() until $GPUOS_JOB_STOP exists. Writes "unix_time iters_per_s longest_iteration_s" per >= 100 ms
 window to $GPUOS_JOB_LOG and, after warm-up, its pid to $GPUOS_JOB_READY (atomically): the
 protocol of agent_job.py.
 
@@ -85,16 +85,18 @@ def main() -> None:
     with open(ready + ".tmp", "w") as f:
         f.write(str(os.getpid()))  # the agent's socket is named after this process
     os.rename(ready + ".tmp", ready)
-    window = time.perf_counter()
+    window = last = time.perf_counter()
     count = 0
+    gap = 0.0
     while not os.path.exists(stop):
         ids = step(ids)
         torch.cuda.synchronize()
         count += 1
         now = time.perf_counter()
+        gap, last = max(gap, now - last), now  # the longest iteration of the window
         if now - window >= 0.1:
-            log.write(f"{time.time():.6f} {count / (now - window):.1f}\n")
-            window, count = now, 0
+            log.write(f"{time.time():.6f} {count / (now - window):.1f} {gap:.6f}\n")
+            window, count, gap = now, 0, 0.0
     torch.cuda.synchronize()
     del ballast
 

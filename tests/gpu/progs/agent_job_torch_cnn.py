@@ -1,6 +1,6 @@
 """A PyTorch job for scripts/bench_agent.py: a ResNet-18-like CNN (torch.nn, BasicBlocks, batch
 norm) trained with SGD + momentum under bf16 autocast on fixed random 224x224 images, until
-$GPUOS_JOB_STOP exists. Writes "unix_time iters_per_s" per >= 100 ms window to $GPUOS_JOB_LOG
+$GPUOS_JOB_STOP exists. Writes "unix_time iters_per_s longest_iteration_s" per >= 100 ms window to $GPUOS_JOB_LOG
 and, after warm-up, its pid to $GPUOS_JOB_READY (atomically): the protocol of agent_job.py.
 
 One iteration = forward + backward + optimizer step of one batch, then a synchronize (as a
@@ -95,8 +95,9 @@ def main() -> None:
         f.write(str(os.getpid()))  # the agent's socket is named after this process
     os.rename(ready + ".tmp", ready)
     i = 0
-    window = time.perf_counter()
+    window = last = time.perf_counter()
     count = 0
+    gap = 0.0
     while not os.path.exists(stop):
         step()
         if ballast:
@@ -105,9 +106,10 @@ def main() -> None:
         i += 1
         count += 1
         now = time.perf_counter()
+        gap, last = max(gap, now - last), now  # the longest iteration of the window
         if now - window >= 0.1:
-            log.write(f"{time.time():.6f} {count / (now - window):.1f}\n")
-            window, count = now, 0
+            log.write(f"{time.time():.6f} {count / (now - window):.1f} {gap:.6f}\n")
+            window, count, gap = now, 0, 0.0
     torch.cuda.synchronize()
 
 
