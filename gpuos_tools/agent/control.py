@@ -52,7 +52,7 @@ def resolve(target: str) -> Path:
         if not path.exists():
             raise GpuosError(
                 f"no agent socket for PID {target} at {path}: was the program started with "
-                "`gpu-trace run --agent`, by this user?", ExitCode.NO_SUCH_PROCESS,
+                "`gpu-trace run --agent` (or `gpu-ckpt run`), by this user?", ExitCode.NO_SUCH_PROCESS,
             )
         return path
     path = Path(target)

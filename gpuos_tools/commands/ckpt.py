@@ -196,7 +196,7 @@ def checkpoint(
     ),
     agent: Optional[str] = typer.Option(
         None, "--agent", metavar="PID|SOCKET",
-        help="Snapshot a program started with `gpu-trace run --agent` while it runs, into the image "
+        help="Snapshot a program started with `gpu-ckpt run` (`gpu-trace run --agent`) while it runs, into the image "
         "--image DIR (the agent path: no stop, no lock).",
     ),
     parent: Optional[Path] = typer.Option(
@@ -212,11 +212,14 @@ def checkpoint(
     `gpu-ckpt --pid PID` locks the process's CUDA driver API (waiting for its submitted work),
     copies its device memory into host memory and releases its GPUs, through the NVIDIA driver
     checkpoint API: any CUDA program, no preparation. `gpu-restore --pid PID` brings it back.
+    A program started with `gpu-ckpt run` (the agent) is checkpointed while it runs instead,
+    with `gpu-ckpt --agent PID --image DIR`.
     `gpu-ckpt status` lists every CUDA process with its checkpoint state. Each step is written
     as a gpuos stream record.
     """
     if ctx.invoked_subcommand is not None:
-        if pid is not None or image is not None or profile is not None or criu_arg or leave_running or output:
+        if (pid is not None or image is not None or profile is not None or criu_arg or leave_running or output
+                or agent is not None):
             raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
     if agent is not None:
@@ -416,6 +419,36 @@ def periodic(
     record = per.run_periodic(prof, snapshot)
     if output is not None:
         _records(output, f"{PROG} periodic", [record], profile=str(profile))
+
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    no_args_is_help=True,
+)
+def run(
+    program: list[str] = typer.Argument(..., metavar="-- PROGRAM [ARGS]...", help="The Python program and its arguments."),
+    output: str = typer.Option(
+        "-", "--output", "-o", metavar="FILE", help="The trace stream to FILE ('-': stdout; *.zst compressed)."),
+    cow_budget: Optional[str] = typer.Option(
+        None, "--cow-budget", metavar="SIZE",
+        help="Device memory for copy-on-write slots during a snapshot (default: a quarter of the free "
+        "memory, at most the snapshot's size); " + SIZE_HELP + ".",
+    ),
+    no_images: bool = typer.Option(False, "--no-images", help="Record module hashes but do not store the images."),
+) -> None:
+    """Start PROGRAM under the agent, so that it can be checkpointed while it runs.
+
+    The same as `gpu-trace run --agent`, through the same code: the trace stream goes to
+    standard output, or to FILE with -o; gpu-trace(1) has the options not repeated here. Then
+    `gpu-ckpt --agent PID --image DIR` takes images of the running program and
+    `gpu-restore --agent PID --image DIR` rolls it back, PID being the program's (the stream's
+    header names it and the agent's socket). Exits with the program's own status.
+    """
+    from gpuos_tools.commands import trace
+
+    raise typer.Exit(trace.run_program(program, output=output, no_images=no_images, agent=True,
+                                       cow_budget=cow_budget, prog=PROG))
 
 
 def main() -> None:

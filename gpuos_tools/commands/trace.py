@@ -139,6 +139,22 @@ def run(
     Only the started process is traced (not programs it starts). Module images go to a side
     directory by content hash, never inline.
     """
+    raise typer.Exit(run_program(
+        program, output=output, images=images, no_images=no_images, flush_ms=flush_ms, unbuffered=unbuffered,
+        backend=backend, check_pointers=check_pointers, validate=validate, validate_samples=validate_samples,
+        validate_max=validate_max, validate_extents=validate_extents, agent=agent, cow_budget=cow_budget,
+    ))
+
+
+def run_program(
+    program: list[str], *, output: str = "-", images: Optional[Path] = None, no_images: bool = False,
+    flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
+    validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
+    agent: bool = False, cow_budget: Optional[str] = None, prog: str = "gpu-trace",
+) -> int:
+    """What `gpu-trace run` does with its options, for it and for the commands that alias it
+    (`gpu-ckpt run` is `gpu-trace run --agent`): check them, trace PROGRAM into ``output``,
+    report on stderr as ``prog``; return the program's own exit status."""
     from gpuos_tools.stream import open_output
     from gpuos_tools.trace.run import default_images_dir, describe, trace_program
 
@@ -175,15 +191,15 @@ def run(
     with open_output(output, unbuffered=unbuffered or None) as writer:
         summary = trace_program(
             program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers,
-            backend=backend, warn=lambda m: print(f"gpu-trace: warning: {m}", file=sys.stderr),
+            backend=backend, warn=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr),
             output_path=output, validate=validation, agent=agent, cow_budget=budget,
             stage_ahead=stage_ahead,
         )
     if sys.stderr.isatty():
-        stderr_console().print(f"gpu-trace: {describe(summary)}", highlight=False)
+        stderr_console().print(f"{prog}: {describe(summary)}", highlight=False)
     for message in summary.errors[:10]:
-        print(f"gpu-trace: warning: {message}", file=sys.stderr)
-    raise typer.Exit(summary.code)
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+    return summary.code
 
 
 @app.command()
