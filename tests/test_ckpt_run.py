@@ -49,6 +49,7 @@ def traced(monkeypatch):
     ["--cow-budget", "2GiB"],
     ["-o", "{tmp}/t.ndjson"],
     ["--output", "{tmp}/t.ndjson.zst", "--no-images", "--cow-budget", "512M"],
+    ["--stage-ahead", "--cow-budget", "2GiB"],
 ])
 def test_run_is_gpu_trace_run_agent(traced, tmp_path, monkeypatch, options):
     monkeypatch.chdir(tmp_path)  # the default module image directory is relative
@@ -62,6 +63,7 @@ def test_run_is_gpu_trace_run_agent(traced, tmp_path, monkeypatch, options):
     assert traced[1]["program"] == ["python3", "train.py", "--epochs", "1", "-o", "x"]
     if "--cow-budget" in options:
         assert traced[1]["cow_budget"] == {"2GiB": 2 << 30, "512M": 512 << 20}[options[options.index("--cow-budget") + 1]]
+    assert traced[1]["stage_ahead"] is ("--stage-ahead" in options)
 
 
 def test_run_calls_gpu_trace_run_program(monkeypatch):
@@ -75,7 +77,7 @@ def test_run_calls_gpu_trace_run_program(monkeypatch):
     monkeypatch.setattr(trace, "run_program", fake)
     assert invoke(ckpt.app, "gpu-ckpt", "run", "--cow-budget", "1G", "-o", "f.ndjson", "--", "python3", "p.py") == 3
     assert seen == {"program": ["python3", "p.py"], "output": "f.ndjson", "no_images": False, "agent": True,
-                    "cow_budget": "1G", "prog": "gpu-ckpt"}
+                    "cow_budget": "1G", "stage_ahead": False, "prog": "gpu-ckpt"}
 
 
 def test_run_messages_are_gpu_ckpts(monkeypatch, capsys, tmp_path):

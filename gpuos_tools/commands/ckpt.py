@@ -436,6 +436,11 @@ def run(
         "memory, at most the snapshot's size); " + SIZE_HELP + ".",
     ),
     no_images: bool = typer.Option(False, "--no-images", help="Record module hashes but do not store the images."),
+    stage_ahead: bool = typer.Option(
+        False, "--stage-ahead",
+        help="Pin host staging for snapshots in the background as the program allocates, so that no "
+        "snapshot waits for it (costs as much pinned host memory as the program has on the GPU).",
+    ),
 ) -> None:
     """Start PROGRAM under the agent, so that it can be checkpointed while it runs.
 
@@ -448,7 +453,7 @@ def run(
     from gpuos_tools.commands import trace
 
     raise typer.Exit(trace.run_program(program, output=output, no_images=no_images, agent=True,
-                                       cow_budget=cow_budget, prog=PROG))
+                                       cow_budget=cow_budget, stage_ahead=stage_ahead, prog=PROG))
 
 
 def main() -> None:

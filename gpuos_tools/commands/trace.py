@@ -143,6 +143,7 @@ def run(
         program, output=output, images=images, no_images=no_images, flush_ms=flush_ms, unbuffered=unbuffered,
         backend=backend, check_pointers=check_pointers, validate=validate, validate_samples=validate_samples,
         validate_max=validate_max, validate_extents=validate_extents, agent=agent, cow_budget=cow_budget,
+        stage_ahead=stage_ahead,
     ))
 
 
@@ -150,7 +151,7 @@ def run_program(
     program: list[str], *, output: str = "-", images: Optional[Path] = None, no_images: bool = False,
     flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
     validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
-    agent: bool = False, cow_budget: Optional[str] = None, prog: str = "gpu-trace",
+    agent: bool = False, cow_budget: Optional[str] = None, stage_ahead: bool = False, prog: str = "gpu-trace",
 ) -> int:
     """What `gpu-trace run` does with its options, for it and for the commands that alias it
     (`gpu-ckpt run` is `gpu-trace run --agent`): check them, trace PROGRAM into ``output``,
