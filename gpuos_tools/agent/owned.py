@@ -32,7 +32,7 @@ for the program's):
 - `prefetch_async(addr, stream)`: make_resident + load on ``stream``; returns the event a
   caller (or another stream) waits on before it touches the buffer.
 
-save → release → make_resident → load gives the same bytes at the same addresses (tested on the
+save -> release -> make_resident -> load gives the same bytes at the same addresses (tested on the
 GPU, tests/gpu/test_owned_gpu.py).
 
 PyTorch (not wired yet): the library also exports `gpuos_torch_malloc(ssize_t size, int device,
