@@ -862,4 +862,9 @@ def start(fd: int) -> Tracer:
             _emit_launch = _emit_launch_checked
         _tracer = Tracer(fd, flush_ms / 1000.0)
     _tracer.start()
+    # GPUOS_AGENT_OWN=1: the program's CuPy allocations go through the owned allocator
+    # (gpuos_tools/agent/owned.py), installed after the tracer so that its mappings are traced
+    from gpuos_tools.agent import owned
+
+    owned.boot_from_environment()
     return _tracer

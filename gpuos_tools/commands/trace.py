@@ -11,6 +11,7 @@ import typer
 from gpuos_tools.cli import run_app, stderr_console
 from gpuos_tools.agent.agent import __doc__ as _agent_doc
 from gpuos_tools.agent.control import __doc__ as _control_doc
+from gpuos_tools.agent.owned import __doc__ as _owned_doc
 from gpuos_tools.agent.validate import __doc__ as _validate_doc
 from gpuos_tools.trace.records import __doc__ as _records_doc
 
@@ -34,8 +35,10 @@ MAN_SECTIONS = {
     "ENVIRONMENT": (
         "- `GPUOS_IMAGES`: default directory for module images.\n"
         "- `CC`: the C compiler that builds the native tracer (default `cc`).\n"
-        "- `XDG_CACHE_HOME`: the native tracer is cached in `$XDG_CACHE_HOME/gpuos-tools` "
-        "(default `~/.cache/gpuos-tools`)."
+        "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy allocations go through the owned "
+        "allocator (see OWNED ALLOCATIONS); opt-in, default off.\n"
+        "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "
+        "`$XDG_CACHE_HOME/gpuos-tools` (default `~/.cache/gpuos-tools`)."
     ),
     "NOTES": (
         "`gpu-trace run` exits with the program's own status (128+N when signal N ended it); "
@@ -54,6 +57,7 @@ MAN_SECTIONS = {
     "(`--validate-samples`).",
     "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
     + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
+    "OWNED ALLOCATIONS": _owned_doc.split("\n\n", 1)[1].strip("\n"),
     "SEE ALSO": "gpuos-stream(7), gpu-predict-access(1), gpu-ckpt(1)",
 }
 

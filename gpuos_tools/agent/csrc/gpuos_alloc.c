@@ -1,0 +1,501 @@
+/*
+ * gpuos owned allocations: a device-memory allocator on the CUDA virtual memory API, so that the
+ * agent can take a buffer's physical memory away and give it back at the same address.
+ *
+ * Every buffer the program gets lies in a virtual address range of its own (reserved with
+ * cuMemAddressReserve, rounded up to the allocation granularity, 2 MiB on Hopper), backed by one
+ * physical allocation (cuMemCreate + cuMemMap + cuMemSetAccess). Releasing a buffer unmaps and
+ * releases the physical memory but keeps the reservation; making it resident creates physical
+ * memory again and maps it at the same address, so every pointer the program holds stays valid.
+ *
+ * Small requests (up to SMALL_MAX bytes) would waste most of a granule each, so they are carved
+ * out of granule-sized "segments" by power-of-two size class; the segment is then the unit of
+ * residency (release / make-resident act on the whole segment holding an address).
+ *
+ * The table of ranges ("records") is readable from Python through gpuos_alloc_table().
+ *
+ * Locking: one mutex guards the table, and it is never held across a driver call. The driver
+ * calls below fire CUPTI callbacks, which in the traced program enter Python and need the GIL;
+ * a thread holding the GIL (the program, inside CuPy's malloc) may wait for this mutex, so a
+ * thread holding the mutex must never wait for the GIL. Records being released or made resident
+ * are marked busy instead; allocation skips busy segments, and a free of a busy record is left
+ * to the thread that finishes the residency operation (FREE_PENDING).
+ *
+ * Entry points for frameworks (same library, no glue code in between):
+ *   CuPy   cupy.cuda.memory.CFunctionAllocator(0, gpuos_cupy_malloc, gpuos_cupy_free, owner)
+ *          void *malloc(void *param, size_t size, int device); void free(void *param, void *ptr, int device)
+ *   torch  torch.cuda.memory.CUDAPluggableAllocator(path, "gpuos_torch_malloc", "gpuos_torch_free")
+ *          void *alloc(ssize_t size, int device, void *stream); void free(void *ptr, ssize_t size, int device, void *stream)
+ *
+ * No CUDA header is needed: the few types are declared below with the layouts of cuda.h.
+ * Build: cc -O2 -shared -fPIC -o libgpuos_alloc.so gpuos_alloc.c -ldl -lpthread
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+/* ---- ABI of the driver's virtual memory API (cuda.h) */
+typedef uint64_t CUdeviceptr;
+typedef uint64_t CUhandle;
+typedef struct { int type; int id; } mem_location_t;          /* CUmemLocation */
+typedef struct {                                              /* CUmemAllocationProp */
+    int type;                   /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requested_handle_types; /* none = 0 */
+    mem_location_t location;    /* CU_MEM_LOCATION_TYPE_DEVICE = 1, device ordinal */
+    void *win32_meta;
+    unsigned char compression_type, rdma_capable;
+    unsigned short usage;
+    unsigned char reserved[4];
+} alloc_prop_t;
+typedef struct { mem_location_t location; int flags; } access_desc_t; /* CUmemAccessDesc; RW = 3 */
+
+typedef int (*granularity_t)(size_t *, const alloc_prop_t *, int);
+typedef int (*reserve_t)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef int (*addr_free_t)(CUdeviceptr, size_t);
+typedef int (*create_t)(CUhandle *, size_t, const alloc_prop_t *, unsigned long long);
+typedef int (*release_t)(CUhandle);
+typedef int (*map_t)(CUdeviceptr, size_t, size_t, CUhandle, unsigned long long);
+typedef int (*unmap_t)(CUdeviceptr, size_t);
+typedef int (*set_access_t)(CUdeviceptr, size_t, const access_desc_t *, size_t);
+typedef int (*ctx_sync_t)(void);
+
+static granularity_t p_granularity;
+static reserve_t p_reserve;
+static addr_free_t p_addr_free;
+static create_t p_create;
+static release_t p_release;
+static map_t p_map;
+static unmap_t p_unmap;
+static set_access_t p_set_access;
+static ctx_sync_t p_ctx_sync;
+
+/* ---- the table */
+enum { F_RESIDENT = 1, F_BUSY = 2, F_SMALL = 4, F_FREE_PENDING = 8 };
+#define SMALL_MIN_SHIFT 9 /* 512 B, CuPy's allocation unit */
+#define SMALL_MAX_SHIFT 20 /* 1 MiB */
+#define N_CLASSES (SMALL_MAX_SHIFT - SMALL_MIN_SHIFT + 1)
+#define MAX_DEVICES 64
+
+/* What Python reads (gpuos_tools/agent/owned.py RECORD mirrors it). */
+typedef struct {
+    uint64_t base;      /* start of the reserved range (granularity-aligned) */
+    uint64_t size;      /* bytes reserved; mapped while resident */
+    uint64_t handle;    /* physical allocation; 0 while released */
+    uint64_t requested; /* large: bytes asked for; segment: live blocks x block size */
+    int32_t device;
+    uint32_t flags;     /* F_* */
+    uint32_t block;     /* segment: its block size; 0 for a large buffer */
+    uint32_t live;      /* segment: live blocks; large: 1 */
+} gpuos_alloc_record_t;
+
+typedef struct {
+    gpuos_alloc_record_t r;
+    uint64_t *bitmap; /* segment: one bit per block, set = in use */
+    uint32_t nblocks;
+} entry_t;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static entry_t *table;      /* sorted by base */
+static size_t n_entries, cap_entries;
+static size_t granule[MAX_DEVICES];
+static uint64_t stats[8]; /* see gpuos_alloc_stats */
+enum { S_MALLOC, S_FREE, S_RESERVED, S_MAPPED, S_RELEASES, S_RESIDENTS, S_DRIVER_ERRORS, S_LAST_ERROR };
+static int last_error;
+
+static int note_error(int err) {
+    if (err) {
+        __atomic_add_fetch(&stats[S_DRIVER_ERRORS], 1, __ATOMIC_RELAXED);
+        last_error = err;
+    }
+    return err;
+}
+
+/* index of the entry whose range holds addr, or -1 (lock held) */
+static ssize_t find(uint64_t addr) {
+    size_t lo = 0, hi = n_entries;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (table[mid].r.base <= addr) lo = mid + 1; else hi = mid;
+    }
+    if (lo == 0) return -1;
+    entry_t *e = &table[lo - 1];
+    return addr < e->r.base + e->r.size ? (ssize_t)(lo - 1) : -1;
+}
+
+/* insert (lock held); 0 or ENOMEM */
+static int insert(const entry_t *e) {
+    if (n_entries == cap_entries) {
+        size_t cap = cap_entries ? cap_entries * 2 : 256;
+        entry_t *t = realloc(table, cap * sizeof *t);
+        if (!t) return ENOMEM;
+        table = t;
+        cap_entries = cap;
+    }
+    size_t lo = 0, hi = n_entries;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (table[mid].r.base < e->r.base) lo = mid + 1; else hi = mid;
+    }
+    memmove(&table[lo + 1], &table[lo], (n_entries - lo) * sizeof *table);
+    table[lo] = *e;
+    n_entries++;
+    return 0;
+}
+
+static void erase(size_t i) {
+    memmove(&table[i], &table[i + 1], (n_entries - i - 1) * sizeof *table);
+    n_entries--;
+}
+
+static void fill_prop(alloc_prop_t *prop, int device) {
+    memset(prop, 0, sizeof *prop);
+    prop->type = 1;
+    prop->location.type = 1;
+    prop->location.id = device;
+}
+
+static size_t granularity(int device) {
+    if (device < 0 || device >= MAX_DEVICES) return 0;
+    size_t g = __atomic_load_n(&granule[device], __ATOMIC_ACQUIRE);
+    if (g) return g;
+    alloc_prop_t prop;
+    fill_prop(&prop, device);
+    if (note_error(p_granularity(&g, &prop, 0 /* minimum */)) || !g) return 0;
+    __atomic_store_n(&granule[device], g, __ATOMIC_RELEASE);
+    return g;
+}
+
+/* Physical memory for [base, base+size) on device: create, map, allow access. 0 or a CUresult. */
+static int back(uint64_t base, size_t size, int device, CUhandle *handle) {
+    alloc_prop_t prop;
+    fill_prop(&prop, device);
+    CUhandle h = 0;
+    int err = p_create(&h, size, &prop, 0);
+    if (err) return note_error(err);
+    err = p_map(base, size, 0, h, 0);
+    if (err) { p_release(h); return note_error(err); }
+    access_desc_t desc = {{1, device}, 3};
+    err = p_set_access(base, size, &desc, 1);
+    if (err) { p_unmap(base, size); p_release(h); return note_error(err); }
+    __atomic_add_fetch(&stats[S_MAPPED], size, __ATOMIC_RELAXED);
+    *handle = h;
+    return 0;
+}
+
+static int unback(uint64_t base, size_t size, CUhandle handle) {
+    int err = p_unmap(base, size);
+    if (err) return note_error(err);
+    err = p_release(handle);
+    __atomic_sub_fetch(&stats[S_MAPPED], size, __ATOMIC_RELAXED);
+    return note_error(err);
+}
+
+/* A new range of size bytes (a multiple of the granule), reserved and backed. 0 or a CUresult. */
+static int new_range(size_t size, size_t align, int device, uint64_t *base, CUhandle *handle) {
+    CUdeviceptr va = 0;
+    int err = p_reserve(&va, size, align, 0, 0);
+    if (err) return note_error(err);
+    err = back(va, size, device, handle);
+    if (err) { p_addr_free(va, size); return err; }
+    __atomic_add_fetch(&stats[S_RESERVED], size, __ATOMIC_RELAXED);
+    *base = va;
+    return 0;
+}
+
+/* Give a whole record back to the driver (no lock held; the record is out of the table).
+   Like cudaFree, it waits for the device first: work still in flight may use the memory. */
+static void destroy(const entry_t *e) {
+    p_ctx_sync();
+    if (e->r.flags & F_RESIDENT) unback(e->r.base, e->r.size, e->r.handle);
+    note_error(p_addr_free(e->r.base, e->r.size));
+    __atomic_sub_fetch(&stats[S_RESERVED], e->r.size, __ATOMIC_RELAXED);
+    free(e->bitmap);
+}
+
+/* ---- public: setup */
+
+/* Resolve the driver's entry points from libcuda (or the library at path, for tests).
+   0 when ready; -1 dlopen failed, -2 a symbol is missing. Idempotent. */
+int gpuos_alloc_init(const char *libcuda_path) {
+    if (p_map) return 0;
+    void *cuda = dlopen(libcuda_path ? libcuda_path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!cuda) return -1;
+    granularity_t g = (granularity_t)dlsym(cuda, "cuMemGetAllocationGranularity");
+    p_reserve = (reserve_t)dlsym(cuda, "cuMemAddressReserve");
+    p_addr_free = (addr_free_t)dlsym(cuda, "cuMemAddressFree");
+    p_create = (create_t)dlsym(cuda, "cuMemCreate");
+    p_release = (release_t)dlsym(cuda, "cuMemRelease");
+    p_unmap = (unmap_t)dlsym(cuda, "cuMemUnmap");
+    p_set_access = (set_access_t)dlsym(cuda, "cuMemSetAccess");
+    p_ctx_sync = (ctx_sync_t)dlsym(cuda, "cuCtxSynchronize");
+    map_t m = (map_t)dlsym(cuda, "cuMemMap");
+    if (!g || !p_reserve || !p_addr_free || !p_create || !p_release || !p_unmap || !p_set_access ||
+        !p_ctx_sync || !m)
+        return -2;
+    p_granularity = g;
+    __atomic_store_n(&p_map, m, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* ---- public: allocation */
+
+static uint64_t malloc_large(size_t size, int device, size_t g) {
+    size_t rounded = (size + g - 1) / g * g;
+    entry_t e = {0};
+    CUhandle h;
+    if (new_range(rounded, g, device, &e.r.base, &h)) return 0;
+    e.r.size = rounded;
+    e.r.handle = h;
+    e.r.requested = size;
+    e.r.device = device;
+    e.r.flags = F_RESIDENT;
+    e.r.live = 1;
+    pthread_mutex_lock(&lock);
+    int err = insert(&e);
+    pthread_mutex_unlock(&lock);
+    if (err) { destroy(&e); return 0; }
+    return e.r.base;
+}
+
+/* take a free block of a segment (lock held); 0 when it is full */
+static uint64_t take_block(entry_t *e) {
+    for (uint32_t w = 0; w * 64 < e->nblocks; w++) {
+        uint64_t bits = e->bitmap[w];
+        if (bits == ~0ull) continue;
+        uint32_t bit = (uint32_t)__builtin_ctzll(~bits);
+        uint32_t i = w * 64 + bit;
+        if (i >= e->nblocks) return 0;
+        e->bitmap[w] |= 1ull << bit;
+        e->r.live++;
+        e->r.requested += e->r.block;
+        return e->r.base + (uint64_t)i * e->r.block;
+    }
+    return 0;
+}
+
+static uint64_t malloc_small(size_t size, int device, size_t g) {
+    unsigned shift = SMALL_MIN_SHIFT;
+    while (((size_t)1 << shift) < size) shift++;
+    uint32_t block = 1u << shift;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < n_entries; i++) {
+        entry_t *e = &table[i];
+        if (e->r.block == block && e->r.device == device && (e->r.flags & (F_RESIDENT | F_BUSY)) == F_RESIDENT &&
+            e->r.live < e->nblocks) {
+            uint64_t p = take_block(e);
+            pthread_mutex_unlock(&lock);
+            return p;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    /* no room: a new segment, made without the lock */
+    entry_t e = {0};
+    e.nblocks = (uint32_t)(g / block);
+    e.bitmap = calloc((e.nblocks + 63) / 64, 8);
+    if (!e.bitmap) return 0;
+    CUhandle h;
+    if (new_range(g, g, device, &e.r.base, &h)) { free(e.bitmap); return 0; }
+    e.r.size = g;
+    e.r.handle = h;
+    e.r.device = device;
+    e.r.flags = F_RESIDENT | F_SMALL;
+    e.r.block = block;
+    pthread_mutex_lock(&lock);
+    uint64_t p = take_block(&e);
+    int err = insert(&e);
+    pthread_mutex_unlock(&lock);
+    if (err) { destroy(&e); return 0; }
+    return p;
+}
+
+/* Device memory of at least size bytes on device; 0 when the driver refuses (out of memory). */
+uint64_t gpuos_alloc_malloc(size_t size, int device) {
+    if (!p_map || size == 0) return 0;
+    size_t g = granularity(device);
+    if (!g) return 0;
+    __atomic_add_fetch(&stats[S_MALLOC], 1, __ATOMIC_RELAXED);
+    if (size <= ((size_t)1 << SMALL_MAX_SHIFT) && size <= g / 2) return malloc_small(size, device, g);
+    return malloc_large(size, device, g);
+}
+
+/* Free what gpuos_alloc_malloc returned. 0, or -EINVAL for an address we did not hand out. */
+int gpuos_alloc_free(uint64_t ptr) {
+    if (!ptr) return 0;
+    __atomic_add_fetch(&stats[S_FREE], 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&lock);
+    ssize_t i = find(ptr);
+    if (i < 0) { pthread_mutex_unlock(&lock); return -EINVAL; }
+    entry_t *e = &table[i];
+    if (e->r.flags & F_SMALL) {
+        uint64_t k = (ptr - e->r.base) / e->r.block;
+        if ((ptr - e->r.base) % e->r.block || !(e->bitmap[k / 64] >> (k % 64) & 1)) {
+            pthread_mutex_unlock(&lock);
+            return -EINVAL;
+        }
+        e->bitmap[k / 64] &= ~(1ull << (k % 64));
+        e->r.live--;
+        e->r.requested -= e->r.block;
+        /* an empty segment stays, cached for the next small request of its class */
+        pthread_mutex_unlock(&lock);
+        return 0;
+    }
+    if (ptr != e->r.base) { pthread_mutex_unlock(&lock); return -EINVAL; }
+    if (e->r.flags & F_BUSY) { /* released or made resident right now: that thread frees it */
+        e->r.flags |= F_FREE_PENDING;
+        pthread_mutex_unlock(&lock);
+        return 0;
+    }
+    entry_t gone = *e;
+    erase((size_t)i);
+    pthread_mutex_unlock(&lock);
+    destroy(&gone);
+    return 0;
+}
+
+/* Give empty small segments back to the driver; returns how many. */
+int gpuos_alloc_trim(void) {
+    int n = 0;
+    for (;;) {
+        entry_t gone;
+        int found = 0;
+        pthread_mutex_lock(&lock);
+        for (size_t i = 0; i < n_entries; i++) {
+            if ((table[i].r.flags & F_SMALL) && table[i].r.live == 0 && !(table[i].r.flags & F_BUSY)) {
+                gone = table[i];
+                erase(i);
+                found = 1;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&lock);
+        if (!found) return n;
+        destroy(&gone);
+        n++;
+    }
+}
+
+/* ---- public: residency */
+
+/* Mark the record holding addr busy and copy it out (lock taken here). 0, -ENOENT, -EBUSY, or
+   -EALREADY when it is already in the state wanted (resident == want_resident). */
+static int claim(uint64_t addr, int want_resident, entry_t *out) {
+    pthread_mutex_lock(&lock);
+    ssize_t i = find(addr);
+    int rc = 0;
+    if (i < 0) rc = -ENOENT;
+    else if (table[i].r.flags & F_BUSY) rc = -EBUSY;
+    else if (!!(table[i].r.flags & F_RESIDENT) == want_resident) rc = -EALREADY;
+    else {
+        table[i].r.flags |= F_BUSY;
+        *out = table[i];
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+/* Clear busy and set the outcome; carry out a free that came meanwhile. */
+static void settle(uint64_t base, int resident, CUhandle handle) {
+    pthread_mutex_lock(&lock);
+    ssize_t i = find(base);
+    entry_t *e = &table[i]; /* busy records are never erased by others */
+    e->r.flags &= ~(uint32_t)F_BUSY;
+    if (resident) { e->r.flags |= F_RESIDENT; e->r.handle = handle; }
+    else { e->r.flags &= ~(uint32_t)F_RESIDENT; e->r.handle = 0; }
+    if (e->r.flags & F_FREE_PENDING) {
+        entry_t gone = *e;
+        erase((size_t)i);
+        pthread_mutex_unlock(&lock);
+        destroy(&gone);
+        return;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* Unmap and release the physical memory of the record holding addr, keeping its addresses.
+   The caller has saved what it needs and no work in flight touches the range.
+   0; -ENOENT not ours; -EBUSY another residency operation on it runs; -EALREADY already
+   released; or the driver's CUresult, > 0 (the record then stays resident). */
+int gpuos_alloc_release(uint64_t addr) {
+    entry_t e;
+    int rc = claim(addr, 0, &e);
+    if (rc) return rc;
+    rc = unback(e.r.base, e.r.size, e.r.handle);
+    settle(e.r.base, rc != 0, rc ? e.r.handle : 0);
+    if (!rc) __atomic_add_fetch(&stats[S_RELEASES], 1, __ATOMIC_RELAXED);
+    return rc;
+}
+
+/* Create physical memory for the record holding addr again and map it at the same addresses.
+   Its contents are undefined until loaded. Same codes as gpuos_alloc_release. */
+int gpuos_alloc_make_resident(uint64_t addr) {
+    entry_t e;
+    int rc = claim(addr, 1, &e);
+    if (rc) return rc;
+    CUhandle h = 0;
+    rc = back(e.r.base, e.r.size, e.r.device, &h);
+    settle(e.r.base, rc == 0, h);
+    if (!rc) __atomic_add_fetch(&stats[S_RESIDENTS], 1, __ATOMIC_RELAXED);
+    return rc;
+}
+
+/* ---- public: reading the table */
+
+size_t gpuos_alloc_record_size(void) { return sizeof(gpuos_alloc_record_t); }
+
+/* Copy up to cap records (by address) into out; returns how many there are in all. */
+size_t gpuos_alloc_table(gpuos_alloc_record_t *out, size_t cap) {
+    pthread_mutex_lock(&lock);
+    size_t n = n_entries;
+    for (size_t i = 0; i < n && i < cap; i++) out[i] = table[i].r;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+/* The record holding addr into *out; 0 or -ENOENT. */
+int gpuos_alloc_lookup(uint64_t addr, gpuos_alloc_record_t *out) {
+    pthread_mutex_lock(&lock);
+    ssize_t i = find(addr);
+    if (i >= 0) *out = table[i].r;
+    pthread_mutex_unlock(&lock);
+    return i < 0 ? -ENOENT : 0;
+}
+
+/* counters: mallocs, frees, bytes reserved, bytes mapped, releases, make-residents, driver
+   errors, the last driver error */
+void gpuos_alloc_stats(uint64_t out[8]) {
+    for (int i = 0; i < 7; i++) out[i] = __atomic_load_n(&stats[i], __ATOMIC_RELAXED);
+    out[S_LAST_ERROR] = (uint64_t)last_error;
+}
+
+/* ---- framework entry points */
+
+void *gpuos_cupy_malloc(void *param, size_t size, int device) {
+    (void)param;
+    return (void *)(uintptr_t)gpuos_alloc_malloc(size, device);
+}
+
+void gpuos_cupy_free(void *param, void *ptr, int device) {
+    (void)param;
+    (void)device;
+    gpuos_alloc_free((uint64_t)(uintptr_t)ptr);
+}
+
+/* torch.cuda.memory.CUDAPluggableAllocator's signatures. The library needs gpuos_alloc_init
+   first (owned.py does it); torch's own caching allocator is then not in front, so a caller
+   that wants caching keeps its own. */
+void *gpuos_torch_malloc(ssize_t size, int device, void *stream) {
+    (void)stream;
+    return size > 0 ? (void *)(uintptr_t)gpuos_alloc_malloc((size_t)size, device) : NULL;
+}
+
+void gpuos_torch_free(void *ptr, ssize_t size, int device, void *stream) {
+    (void)size;
+    (void)device;
+    (void)stream;
+    gpuos_alloc_free((uint64_t)(uintptr_t)ptr);
+}

@@ -1,0 +1,426 @@
+"""Owned allocations: the agent as the allocator of the traced program, on the CUDA virtual
+memory API, so that a buffer's physical memory can be saved and released and later made
+resident again at the same address (issue 7, first part).
+
+The allocator is a small C library (csrc/gpuos_alloc.c), built once with the system compiler
+into the user's cache like the native tracer, and loaded with ctypes. Every buffer gets its own
+reserved address range, rounded up to the allocation granularity (2 MiB on Hopper) and backed by
+one physical allocation; requests of up to 1 MiB are carved out of granule-sized segments by
+power-of-two size class, and such a segment is then the unit of residency. The library's table
+(address, size, physical handle, resident) is read here through ctypes.
+
+CuPy: `GPUOS_AGENT_OWN=1` in the environment of `gpu-trace run` (any backend, with or without
+`--agent`) makes the tracer's bootstrap route CuPy's allocations through the library, before
+the program's first line: a `cupy.cuda.MemoryPool` over a `CFunctionAllocator` of the library,
+so CuPy's own caching stays in front and allocation-heavy programs keep their speed
+(scripts/bench_alloc.py). `install_cupy()` does the same from any program.
+
+Residency (`Residency`), per record, from a thread of the agent's (never with the agent's lock
+held; the thread is marked as the agent's own so that the tracer does not take its driver calls
+for the program's):
+
+- `save(addr)`: copy the record's whole range to pinned host memory on a side stream; returns
+  the event after the copy. The caller makes sure no work in flight writes the buffer (for now:
+  the device is synchronised or the program is stopped).
+- `release(addr)`: unmap and release the physical memory, keeping the address range. Its
+  contents must have been saved (`save`, waited for) and no work may touch it until it is
+  resident again: a kernel that does faults.
+- `make_resident(addr)`: create physical memory and map it at the same address (contents
+  undefined until loaded).
+- `load(addr, stream)`: copy the saved contents back (on ``stream``, else the side stream);
+  returns the event after the copy.
+- `prefetch_async(addr, stream)`: make_resident + load on ``stream``; returns the event a
+  caller (or another stream) waits on before it touches the buffer.
+
+save -> release -> make_resident -> load gives the same bytes at the same addresses (tested on the
+GPU, tests/gpu/test_owned_gpu.py).
+
+PyTorch (not wired yet): the library also exports `gpuos_torch_malloc(ssize_t size, int device,
+void *stream)` and `gpuos_torch_free(void *ptr, ssize_t size, int device, void *stream)`, the
+signatures of `torch.cuda.memory.CUDAPluggableAllocator(path, "gpuos_torch_malloc",
+"gpuos_torch_free")` (after `OwnedLibrary.load()` has initialised it). A pluggable allocator
+replaces torch's caching allocator instead of sitting under it, and this library's free of a
+large buffer synchronises the device like cudaFree, so before torch programs are owned the
+library needs stream-ordered caching of its own (reuse a freed range on the same stream without
+a synchronisation); the residency operations need no change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuos_tools.agent import native
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_alloc.c"
+ENV = "GPUOS_AGENT_OWN"
+
+F_RESIDENT, F_BUSY, F_SMALL, F_FREE_PENDING = 1, 2, 4, 8
+
+
+class RECORD(ctypes.Structure):
+    """gpuos_alloc_record_t."""
+
+    _fields_ = [("base", ctypes.c_uint64), ("size", ctypes.c_uint64), ("handle", ctypes.c_uint64),
+                ("requested", ctypes.c_uint64), ("device", ctypes.c_int32), ("flags", ctypes.c_uint32),
+                ("block", ctypes.c_uint32), ("live", ctypes.c_uint32)]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One reserved range of the library: a large buffer, or a segment of small blocks."""
+
+    base: int
+    size: int  #: bytes reserved (and mapped while resident)
+    handle: int  #: the physical allocation; 0 while released
+    requested: int  #: large: bytes asked for; segment: live blocks x block size
+    device: int
+    flags: int
+    block: int  #: segment: its block size; 0 for a large buffer
+    live: int  #: segment: live blocks; large: 1
+
+    @property
+    def resident(self) -> bool:
+        return bool(self.flags & F_RESIDENT)
+
+    @property
+    def small(self) -> bool:
+        return bool(self.flags & F_SMALL)
+
+    @classmethod
+    def of(cls, r: RECORD) -> Record:
+        return cls(r.base, r.size, r.handle, r.requested, r.device, r.flags, r.block, r.live)
+
+
+class OwnedError(RuntimeError):
+    pass
+
+
+#: the library's own refusals (negative errno values; a positive code is the driver's CUresult)
+_CODES = {-errno.ENOENT: "not an owned allocation", -errno.EBUSY: "another residency operation is running on it",
+          -errno.EALREADY: "already in that state", -errno.EINVAL: "not an address the library handed out"}
+
+
+def parse_option(value: str | None) -> str | None:
+    """GPUOS_AGENT_OWN's value -> the framework to own (``"cupy"``) or None (off)."""
+    v = (value or "").strip().lower()
+    if v in ("", "0", "off", "no", "false"):
+        return None
+    if v in ("1", "on", "yes", "true", "cupy"):
+        return "cupy"
+    raise ValueError(f"{ENV}={value!r}: expected 1 (own CuPy's allocations) or 0")
+
+
+def build(cache: Path | None = None) -> Path:
+    """The library's path, compiled once per source version (native.build_library)."""
+    return native.build_library(cache, source=SOURCE, stem="libgpuos_alloc")
+
+
+class OwnedLibrary:
+    """The loaded C library (one per process: its table is process-wide)."""
+
+    def __init__(self, path: str | os.PathLike, libcuda: str | None = None) -> None:
+        self.path = str(path)
+        lib = ctypes.CDLL(self.path)
+        lib.gpuos_alloc_init.argtypes = [ctypes.c_char_p]
+        lib.gpuos_alloc_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
+        lib.gpuos_alloc_malloc.restype = ctypes.c_uint64
+        for name in ("gpuos_alloc_free", "gpuos_alloc_release", "gpuos_alloc_make_resident"):
+            getattr(lib, name).argtypes = [ctypes.c_uint64]
+        lib.gpuos_alloc_table.argtypes = [ctypes.POINTER(RECORD), ctypes.c_size_t]
+        lib.gpuos_alloc_table.restype = ctypes.c_size_t
+        lib.gpuos_alloc_lookup.argtypes = [ctypes.c_uint64, ctypes.POINTER(RECORD)]
+        lib.gpuos_alloc_record_size.restype = ctypes.c_size_t
+        lib.gpuos_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        if lib.gpuos_alloc_record_size() != ctypes.sizeof(RECORD):
+            raise OwnedError(f"{self.path}: record layout differs from owned.RECORD")
+        rc = lib.gpuos_alloc_init(libcuda.encode() if libcuda else None)
+        if rc:
+            what = {-1: f"cannot load {libcuda or 'libcuda.so.1'}", -2: "the driver lacks the virtual memory API"}
+            raise OwnedError(f"owned allocations: {what.get(rc, rc)}")
+        self.lib = lib
+
+    @classmethod
+    def load(cls) -> OwnedLibrary:
+        """The process's library, built and loaded on first use."""
+        global _library
+        with _load_lock:
+            if _library is None:
+                _library = cls(build())
+            return _library
+
+    # -- allocation (what the framework hooks call, here for tests and benchmarks) ------------
+
+    def malloc(self, size: int, device: int = 0) -> int:
+        """Device memory of ``size`` bytes; 0 when the driver refuses."""
+        return self.lib.gpuos_alloc_malloc(size, device)
+
+    def free(self, ptr: int) -> None:
+        rc = self.lib.gpuos_alloc_free(ptr)
+        if rc:
+            raise OwnedError(f"free {ptr:#x}: {_CODES.get(rc, rc)}")
+
+    def trim(self) -> int:
+        """Give empty small segments back to the driver; how many."""
+        return self.lib.gpuos_alloc_trim()
+
+    # -- residency ----------------------------------------------------------------------------
+
+    def release(self, addr: int) -> None:
+        """Unmap and release the physical memory of the record holding ``addr`` (its range stays)."""
+        self._check(self.lib.gpuos_alloc_release(addr), "release", addr)
+
+    def make_resident(self, addr: int) -> None:
+        """Physical memory for the record holding ``addr`` again, mapped at the same address."""
+        self._check(self.lib.gpuos_alloc_make_resident(addr), "make_resident", addr)
+
+    def _check(self, rc: int, what: str, addr: int) -> None:
+        if rc:
+            reason = _CODES.get(rc) if rc < 0 else f"CUDA error {rc} ({_cu_name(rc)})"
+            raise OwnedError(f"{what} {addr:#x}: {reason}")
+
+    # -- the table ----------------------------------------------------------------------------
+
+    def table(self) -> list[Record]:
+        """Every record, by address."""
+        while True:
+            n = self.lib.gpuos_alloc_table(None, 0)
+            buf = (RECORD * max(n, 1))()
+            total = self.lib.gpuos_alloc_table(buf, n)
+            if total <= n:
+                return [Record.of(buf[i]) for i in range(total)]
+
+    def lookup(self, addr: int) -> Record | None:
+        r = RECORD()
+        return Record.of(r) if self.lib.gpuos_alloc_lookup(addr, ctypes.byref(r)) == 0 else None
+
+    def stats(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * 8)()
+        self.lib.gpuos_alloc_stats(out)
+        keys = ("mallocs", "frees", "reserved_bytes", "mapped_bytes", "releases", "make_residents",
+                "driver_errors", "last_error")
+        return dict(zip(keys, (int(x) for x in out)))
+
+    def function(self, name: str) -> int:
+        """Address of an exported C function (for CFunctionAllocator / CUDAPluggableAllocator)."""
+        return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value or 0
+
+
+_library: OwnedLibrary | None = None
+_load_lock = threading.Lock()
+_pool: Any = None
+
+
+def _cu_name(code: int) -> str:
+    try:
+        from cuda.bindings import driver as drv
+
+        return drv.CUresult(code).name
+    except Exception:
+        return "?"
+
+
+# ---------------------------------------------------------------- CuPy
+
+def install_cupy() -> Any:
+    """Make CuPy allocate through the library, with a MemoryPool in front; returns the pool.
+
+    A failed allocation raises CuPy's out-of-memory runtime error, so that the pool frees its
+    cached blocks and retries as it does over cudaMalloc."""
+    global _pool
+    import cupy
+    from cupy.cuda import memory
+
+    try:
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    except ImportError:  # pragma: no cover - older layouts
+        from cupy.cuda.runtime import CUDARuntimeError
+
+    lib = OwnedLibrary.load()
+    raw = memory.CFunctionAllocator(0, lib.function("gpuos_cupy_malloc"), lib.function("gpuos_cupy_free"), lib)
+    raw_malloc = raw.malloc
+
+    def allocate(size: int):
+        ptr = raw_malloc(size)
+        if size and not ptr.ptr:
+            raise CUDARuntimeError(2)  # cudaErrorMemoryAllocation: the pool frees and retries
+        return ptr
+
+    pool = cupy.cuda.MemoryPool(allocator=allocate)
+    cupy.cuda.set_allocator(pool.malloc)
+    _pool = pool
+    return pool
+
+
+def pool() -> Any:
+    """The CuPy pool install_cupy put in place, or None."""
+    return _pool
+
+
+def boot_from_environment(environ: dict[str, str] | None = None) -> str | None:
+    """Read GPUOS_AGENT_OWN (removing it, so programs this one starts are not affected) and
+    install what it asks for; returns what was owned. Called by tracer.start."""
+    env = os.environ if environ is None else environ
+    what = parse_option(env.pop(ENV, None))
+    if what == "cupy":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            sys.stderr.write(f"gpu-trace: warning: {ENV}=1 but CuPy is not importable: nothing is owned\n")
+            return None
+        install_cupy()
+    return what
+
+
+# ---------------------------------------------------------------- residency with copies
+
+def _ok(result: tuple, what: str) -> Any:
+    from cuda.bindings import driver as drv
+
+    if result[0] != drv.CUresult.CUDA_SUCCESS:
+        raise OwnedError(f"{what}: {getattr(result[0], 'name', result[0])}")
+    return result[1] if len(result) == 2 else (result[1:] or None)
+
+
+@contextmanager
+def _agents_own_thread() -> Iterator[None]:
+    """While inside, this thread's driver calls are the agent's, not the program's (the tracer
+    skips them): releasing a buffer is not the program freeing it."""
+    tracer = sys.modules.get("gpuos_tools.agent.tracer")  # loaded only in a traced program
+    agent = getattr(getattr(tracer, "_tracer", None), "agent", None)
+    me = threading.get_native_id()
+    mine = agent is not None and me not in agent.own
+    if mine:
+        agent.own.add(me)
+    try:
+        yield
+    finally:
+        if mine:
+            agent.own.discard(me)
+
+
+class Residency:
+    """save / release / make_resident / load / prefetch_async per record, with pinned host
+    copies and a side stream (module docstring). Not for concurrent use from several threads."""
+
+    def __init__(self, lib: OwnedLibrary | None = None) -> None:
+        self.lib = lib or OwnedLibrary.load()
+        self.host: dict[int, tuple[int, int]] = {}  #: record base -> (pinned address, size)
+        self.side: dict[int, Any] = {}  #: device -> side stream
+        self.ctx: dict[int, Any] = {}
+
+    def _record(self, addr: int) -> Record:
+        r = self.lib.lookup(addr)
+        if r is None:
+            raise OwnedError(f"{addr:#x}: not an owned allocation")
+        return r
+
+    def _enter(self, device: int) -> Any:
+        """Make ``device``'s primary context (the one CuPy and torch use) current; its side stream."""
+        from cuda.bindings import driver as drv
+
+        if device not in self.ctx:
+            _ok(drv.cuInit(0), "cuInit")
+            dev = _ok(drv.cuDeviceGet(device), "cuDeviceGet")
+            self.ctx[device] = _ok(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _ok(drv.cuCtxSetCurrent(self.ctx[device]), "cuCtxSetCurrent")
+        if device not in self.side:
+            self.side[device] = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        return self.side[device]
+
+    def _event(self, stream: Any) -> Any:
+        from cuda.bindings import driver as drv
+
+        ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
+        return ev
+
+    def save(self, addr: int, after: Any = None) -> Any:
+        """Copy the record holding ``addr`` to pinned host memory on the side stream (after the
+        work submitted so far to stream ``after``, when given); the event after the copy."""
+        from cuda.bindings import driver as drv
+
+        r = self._record(addr)
+        if not r.resident:
+            raise OwnedError(f"save {r.base:#x}: it is released")
+        with _agents_own_thread():
+            side = self._enter(r.device)
+            host = self.host.get(r.base)
+            if host is None or host[1] != r.size:
+                if host is not None:
+                    drv.cuMemFreeHost(host[0])
+                host = (int(_ok(drv.cuMemHostAlloc(r.size, 0), "cuMemHostAlloc")), r.size)
+                self.host[r.base] = host
+            if after is not None:
+                _ok(drv.cuStreamWaitEvent(side, self._event(after), 0), "cuStreamWaitEvent")
+            _ok(drv.cuMemcpyDtoHAsync(host[0], r.base, r.size, side), "cuMemcpyDtoHAsync(save)")
+            return self._event(side)
+
+    def release(self, addr: int) -> None:
+        """Release the physical memory of the record holding ``addr`` (saved first: ``save``)."""
+        r = self._record(addr)
+        with _agents_own_thread():
+            self._enter(r.device)
+            self.lib.release(r.base)
+
+    def make_resident(self, addr: int) -> None:
+        r = self._record(addr)
+        with _agents_own_thread():
+            self._enter(r.device)
+            self.lib.make_resident(r.base)
+
+    def load(self, addr: int, stream: Any = None) -> Any:
+        """Copy the saved contents back into the (resident) record holding ``addr``, on
+        ``stream`` or the side stream; the event after the copy."""
+        from cuda.bindings import driver as drv
+
+        r = self._record(addr)
+        host = self.host.get(r.base)
+        if host is None or host[1] != r.size:
+            raise OwnedError(f"load {r.base:#x}: nothing saved for it")
+        if not r.resident:
+            raise OwnedError(f"load {r.base:#x}: it is released (make_resident first)")
+        with _agents_own_thread():
+            side = self._enter(r.device)
+            s = side if stream is None else stream
+            _ok(drv.cuMemcpyHtoDAsync(r.base, host[0], r.size, s), "cuMemcpyHtoDAsync(load)")
+            return self._event(s)
+
+    def prefetch_async(self, addr: int, stream: Any = None) -> Any:
+        """make_resident (if released) + load on ``stream``; the event a user waits on."""
+        r = self._record(addr)
+        if not r.resident:
+            self.make_resident(r.base)
+        return self.load(r.base, stream)
+
+    def drop(self, addr: int) -> None:
+        """Forget the saved copy of the record holding ``addr`` (frees its pinned memory)."""
+        from cuda.bindings import driver as drv
+
+        r = self._record(addr)
+        host = self.host.pop(r.base, None)
+        if host is not None:
+            with _agents_own_thread():
+                self._enter(r.device)
+                drv.cuMemFreeHost(host[0])
+
+    def close(self) -> None:
+        from cuda.bindings import driver as drv
+
+        with _agents_own_thread():
+            for device, side in self.side.items():
+                self._enter(device)
+                drv.cuStreamSynchronize(side)
+                drv.cuStreamDestroy(side)
+            for ptr, _ in self.host.values():
+                drv.cuMemFreeHost(ptr)
+        self.side.clear()
+        self.host.clear()

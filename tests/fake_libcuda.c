@@ -1,0 +1,161 @@
+/*
+ * A stand-in for libcuda's virtual memory API, for the CPU tests of gpuos_alloc.c: address
+ * ranges come from a counter, physical handles are numbers, and every call checks what the
+ * driver checks (maps inside a reservation, no double map, unmap of exactly a mapping, release
+ * of a live handle), counting what is live so that the tests can see leaks.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GRANULE (2u << 20)
+#define MAXN 65536
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2 };
+
+typedef struct { uint64_t base, size; int used; } range_t;
+typedef struct { uint64_t base, size, handle; int used; } mapping_t;
+
+static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+static range_t ranges[MAXN];
+static mapping_t maps[MAXN];
+static uint64_t next_va = 0x7f0000000000ull, next_handle = 1;
+static int64_t live_handles, mapped_bytes, reserved_bytes, syncs;
+static int64_t physical_limit = -1; /* bytes of physical memory allowed; -1 unlimited */
+static int64_t physical_used;
+static uint64_t handle_size[MAXN];
+
+int cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    (void)prop; (void)option;
+    *g = GRANULE;
+    return OK;
+}
+
+int cuMemAddressReserve(uint64_t *ptr, size_t size, size_t align, uint64_t addr, unsigned long long flags) {
+    (void)addr; (void)flags;
+    if (size % GRANULE || (align && align % GRANULE)) return INVALID_VALUE;
+    pthread_mutex_lock(&m);
+    for (int i = 0; i < MAXN; i++) {
+        if (!ranges[i].used) {
+            ranges[i] = (range_t){next_va, size, 1};
+            *ptr = next_va;
+            next_va += size + GRANULE; /* a gap, so that overruns find nothing */
+            reserved_bytes += (int64_t)size;
+            pthread_mutex_unlock(&m);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&m);
+    return OUT_OF_MEMORY;
+}
+
+int cuMemAddressFree(uint64_t ptr, size_t size) {
+    pthread_mutex_lock(&m);
+    for (int i = 0; i < MAXN; i++) {
+        if (ranges[i].used && ranges[i].base == ptr && ranges[i].size == size) {
+            for (int j = 0; j < MAXN; j++)
+                if (maps[j].used && maps[j].base >= ptr && maps[j].base < ptr + size) {
+                    pthread_mutex_unlock(&m);
+                    return INVALID_VALUE; /* still mapped */
+                }
+            ranges[i].used = 0;
+            reserved_bytes -= (int64_t)size;
+            pthread_mutex_unlock(&m);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&m);
+    return INVALID_VALUE;
+}
+
+int cuMemCreate(uint64_t *handle, size_t size, const void *prop, unsigned long long flags) {
+    (void)prop; (void)flags;
+    if (size % GRANULE) return INVALID_VALUE;
+    pthread_mutex_lock(&m);
+    if (physical_limit >= 0 && physical_used + (int64_t)size > physical_limit) {
+        pthread_mutex_unlock(&m);
+        return OUT_OF_MEMORY;
+    }
+    if (next_handle >= MAXN) { pthread_mutex_unlock(&m); return OUT_OF_MEMORY; }
+    *handle = next_handle;
+    handle_size[next_handle++] = size;
+    live_handles++;
+    physical_used += (int64_t)size;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+int cuMemRelease(uint64_t handle) {
+    pthread_mutex_lock(&m);
+    if (handle == 0 || handle >= MAXN || !handle_size[handle]) { pthread_mutex_unlock(&m); return INVALID_VALUE; }
+    physical_used -= (int64_t)handle_size[handle];
+    handle_size[handle] = 0;
+    live_handles--;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+int cuMemMap(uint64_t ptr, size_t size, size_t offset, uint64_t handle, unsigned long long flags) {
+    (void)flags;
+    pthread_mutex_lock(&m);
+    int inside = 0;
+    for (int i = 0; i < MAXN; i++)
+        if (ranges[i].used && ptr >= ranges[i].base && ptr + size <= ranges[i].base + ranges[i].size) inside = 1;
+    int bad = !inside || offset || handle >= MAXN || handle_size[handle] != size;
+    for (int j = 0; j < MAXN && !bad; j++)
+        if (maps[j].used && ptr < maps[j].base + maps[j].size && maps[j].base < ptr + size) bad = 1;
+    if (bad) { pthread_mutex_unlock(&m); return INVALID_VALUE; }
+    for (int j = 0; j < MAXN; j++)
+        if (!maps[j].used) {
+            maps[j] = (mapping_t){ptr, size, handle, 1};
+            mapped_bytes += (int64_t)size;
+            pthread_mutex_unlock(&m);
+            return OK;
+        }
+    pthread_mutex_unlock(&m);
+    return OUT_OF_MEMORY;
+}
+
+int cuMemUnmap(uint64_t ptr, size_t size) {
+    pthread_mutex_lock(&m);
+    for (int j = 0; j < MAXN; j++)
+        if (maps[j].used && maps[j].base == ptr && maps[j].size == size) {
+            maps[j].used = 0;
+            mapped_bytes -= (int64_t)size;
+            pthread_mutex_unlock(&m);
+            return OK;
+        }
+    pthread_mutex_unlock(&m);
+    return INVALID_VALUE;
+}
+
+int cuMemSetAccess(uint64_t ptr, size_t size, const void *desc, size_t count) {
+    (void)desc;
+    pthread_mutex_lock(&m);
+    int found = 0;
+    for (int j = 0; j < MAXN; j++)
+        if (maps[j].used && maps[j].base == ptr && maps[j].size == size) found = 1;
+    pthread_mutex_unlock(&m);
+    return found && count == 1 ? OK : INVALID_VALUE;
+}
+
+int cuCtxSynchronize(void) {
+    __atomic_add_fetch(&syncs, 1, __ATOMIC_RELAXED);
+    return OK;
+}
+
+/* for the tests: live handles, mapped bytes, reserved bytes, synchronisations */
+void fake_counters(int64_t out[4]) {
+    pthread_mutex_lock(&m);
+    out[0] = live_handles;
+    out[1] = mapped_bytes;
+    out[2] = reserved_bytes;
+    out[3] = syncs;
+    pthread_mutex_unlock(&m);
+}
+
+void fake_set_physical_limit(int64_t bytes) {
+    pthread_mutex_lock(&m);
+    physical_limit = bytes;
+    pthread_mutex_unlock(&m);
+}

@@ -1,0 +1,140 @@
+"""Deterministic CuPy work for the owned-allocation tests (tests/gpu/test_owned_gpu.py).
+
+Arrays of many sizes (small ones share the library's segments, large ones have ranges of their
+own), elementwise work with temporaries, matmul (cuBLAS), FFT (cuFFT work areas), reductions and
+frees. GPUOS_OWNED_CYCLE=1: half way, from a thread of its own, every record of the owned
+allocator is saved to pinned memory, released, made resident again (overwritten with garbage
+first), reloaded (half by load, half by prefetch_async on another stream) and compared byte for
+byte; device free memory is measured around the release. Writes a JSON report to
+GPUOS_OWNED_OUT: digests of the results, whether CuPy's allocations were owned, the cycle's
+findings.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import threading
+
+import cupy as cp
+
+STEPS = 40
+
+
+def digest(a) -> str:
+    return hashlib.sha256(cp.ascontiguousarray(a).get().tobytes()).hexdigest()
+
+
+def used_by_me() -> int | None:
+    """Device memory NVML charges to this process, or None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(cp.cuda.Device().id)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid():
+                return int(p.usedGpuMemory or 0)
+        return 0
+    except Exception:
+        return None
+
+
+def cycle(report: dict) -> None:
+    """save -> release -> make_resident -> (garbage) -> load/prefetch of every record."""
+    from cuda.bindings import driver as drv
+
+    from gpuos_tools.agent import owned
+
+    lib = owned.OwnedLibrary.load()
+    res = owned.Residency(lib)
+    records = lib.table()
+    events = [res.save(r.base) for r in records]
+    for ev in events:
+        drv.cuEventSynchronize(ev)
+    before = [hashlib.sha256(ctypes.string_at(res.host[r.base][0], r.size)).hexdigest() for r in records]
+    total = sum(r.size for r in records)
+    free0 = int(drv.cuMemGetInfo()[1])
+    nvml0 = used_by_me()
+    for r in records:
+        res.release(r.base)
+    free1 = int(drv.cuMemGetInfo()[1])
+    nvml1 = used_by_me()
+    released = [not r.resident for r in lib.table()]
+    stream = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)[1]
+    events = []
+    for i, r in enumerate(records):
+        if i % 2:
+            res.make_resident(r.base)
+            drv.cuMemsetD8(r.base, 0xA5, r.size)  # what a fresh mapping holds must not matter
+            events.append(res.load(r.base))
+        else:
+            events.append(res.prefetch_async(r.base, stream))
+    for ev in events:
+        drv.cuEventSynchronize(ev)
+    after = []
+    for r in records:
+        buf = (ctypes.c_char * r.size)()
+        drv.cuMemcpyDtoH(ctypes.addressof(buf), r.base, r.size)
+        after.append(hashlib.sha256(memoryview(buf)).hexdigest())
+    drv.cuStreamDestroy(stream)
+    res.close()
+    report["cycle"] = {
+        "records": len(records), "bytes": total, "small_segments": sum(r.small for r in records),
+        "all_released": all(released), "meminfo_freed": free1 - free0,
+        "nvml_freed": None if nvml0 is None or nvml1 is None else nvml0 - nvml1,
+        "identical": before == after, "differ": [i for i, (a, b) in enumerate(zip(before, after)) if a != b],
+        "same_addresses": [r.base for r in lib.table()] == [r.base for r in records],
+        "resident_after": all(r.resident for r in lib.table()),
+    }
+
+
+def main() -> None:
+    report: dict = {}
+    rng = cp.random.RandomState(7)
+    state = {
+        "big": rng.standard_normal(8 << 20, dtype=cp.float32),  # 32 MiB
+        "mat": rng.standard_normal((512, 512), dtype=cp.float32),
+        "odd": rng.standard_normal(3 * (1 << 19) + 11, dtype=cp.float64),  # 12 MiB + 88 B
+        "small": [rng.standard_normal(n, dtype=cp.float32) for n in (1, 7, 100, 1000, 5000, 60000, 200000)],
+        "ints": cp.arange(123457, dtype=cp.int64),
+    }
+    for step in range(STEPS):
+        if step == STEPS // 2 and os.environ.get("GPUOS_OWNED_CYCLE") == "1":
+            cp.cuda.Device().synchronize()  # the caller's part: nothing in flight touches the buffers
+            t = threading.Thread(target=cycle, args=(report,))
+            t.start()
+            t.join()
+        big = state["big"]
+        tmp = cp.sin(big) * 0.5 + cp.cos(big[::-1]) * 0.25  # temporaries, freed at once
+        state["big"] = (big * 0.9 + tmp * 0.1).astype(cp.float32)
+        state["mat"] = cp.tanh(state["mat"] @ state["mat"].T / 512.0)
+        spec = cp.fft.rfft(state["odd"])
+        state["odd"] = cp.fft.irfft(spec * 0.5, n=state["odd"].size) + state["odd"] * 0.5
+        state["small"] = [s * 1.0001 + float(s.sum() % 3) for s in state["small"]]
+        state["ints"] = (state["ints"] * 3 + step) % 1000003
+        if step % 5 == 0:  # allocation churn: many short-lived arrays of assorted sizes
+            junk = [cp.full(int(n), step, dtype=cp.int32) for n in rng.randint(1, 300000, size=20).get()]
+            state["ints"][: len(junk)] += cp.asarray([int(j[-1]) for j in junk])
+    cp.cuda.Device().synchronize()
+    report["digests"] = {k: ([digest(x) for x in v] if isinstance(v, list) else digest(v)) for k, v in state.items()}
+    from gpuos_tools.agent import owned
+
+    pool = owned.pool()
+    report["owned"] = pool is not None and cp.cuda.get_allocator() == pool.malloc
+    if report["owned"]:
+        table = owned.OwnedLibrary.load().table()
+        report["records"] = len(table)
+        report["small_segments"] = sum(r.small for r in table)
+        report["stats"] = owned.OwnedLibrary.load().stats()
+        lib = owned.OwnedLibrary.load()
+        arrays = [x for v in state.values() for x in (v if isinstance(v, list) else [v])]
+        report["arrays_owned"] = all(lib.lookup(a.data.ptr) is not None for a in arrays)
+    with open(os.environ["GPUOS_OWNED_OUT"], "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
