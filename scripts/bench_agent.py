@@ -221,7 +221,8 @@ def gpu_info() -> dict[str, Any]:
             if nv is None:
                 return {}
             g = nv.gpus()[0]
-            return {"gpu": g["name"], "gpu_memory": g["memory"], "driver": nv.driver_release()}
+            # not "driver": that key is the driver checkpoint path's results
+            return {"gpu": g["name"], "gpu_memory": g["memory"], "driver_version": nv.driver_release()}
     except Exception as e:  # noqa: BLE001 (the benchmark does not need it)
         return {"gpu_info_error": str(e)}
 
@@ -441,6 +442,8 @@ def side_by_side(agent: dict[str, Any], driver: dict[str, Any] | None) -> dict[s
 def human(out: dict[str, Any]) -> str:
     sbs = out["side_by_side"]
     a, d = out["agent"], out.get("driver") or {}
+    if not isinstance(d, dict):  # results written before the key "driver_version" existed
+        d = {}
     lines = [(f"bench_agent: {out['job']} job, {out['gib']} GiB asked, on {out.get('gpu', '?')}; job "
               f"{out['job_iters_per_s_before']} iters/s before, longest iteration "
               f"{out.get('job_longest_iteration_s_before')} s")]

@@ -98,6 +98,8 @@ def test_summaries_put_the_first_snapshot_apart() -> None:
     out = {"job": "cupy", "gib": 8.0, "job_iters_per_s_before": 100.0, "agent": agent, "side_by_side": sbs,
            "driver": {**driver, "lock_s": 0.001, "unlock_s": 0.001, "between_steps_s": 0.01}}
     text = bench.human(out)
+    no_driver = {k: v for k, v in out.items() if k != "driver"} | {"driver_version": "580.159.04"}
+    assert "agent steady" in bench.human(no_driver) and "driver" not in bench.human(no_driver)
     assert "agent first snapshot" in text and "stall ratio" in text
 
 

@@ -92,7 +92,8 @@ def test_snapshots_of_buffers_across_staging_pieces_equal_the_state_at_t0(tmp_pa
     """Buffers of odd sizes up to 80 MB, so that copies into the pinned staging are cut at its
     64 MiB pieces in the middle of buffers (and of the copy-on-write saves to host)."""
     stats: list = []
-    compared, bad = trials(tmp_path, 4, snapshots=6, ops=600, stats=stats, env_extra={"GPUOS_TRIAL_BIG": "1"})
+    # a snapshot with digests of ~400 MB takes about a second: enough operations to overlap several
+    compared, bad = trials(tmp_path, 4, snapshots=6, ops=6000, stats=stats, env_extra={"GPUOS_TRIAL_BIG": "1"})
     assert compared >= 3 and not bad, bad
     assert max(a["bytes"] for a in stats) > 3 * (64 << 20), "the buffers did not span several staging pieces"
 
