@@ -130,6 +130,9 @@ class Predictor:
         # allocation table and the known pointer arrays stay as they are; training loops repeat
         # the same launches, so predictions are memoized and the memo is dropped on any change.
         self._memo: dict[tuple, dict[str, Any]] = {}
+        #: bumped whenever a launch's prediction may change for the same arguments (allocations
+        #: added or removed, known device memory overwritten): callers' memos compare it
+        self.epoch = 0
         # CUDA graphs: open stream captures (stream -> captured launch records), captured
         # graphs (graph -> records, None when the capture was not seen whole), executables
         self._captures: dict[int, list[dict[str, Any]]] = {}
@@ -152,10 +155,10 @@ class Predictor:
         if kind == "alloc":
             a = self.allocs.add(rec)
             self.by_id[a.id] = a
-            self._memo.clear()
+            self.invalidate()
         elif kind == "free":
             old = self.allocs.remove(rec)
-            self._memo.clear()
+            self.invalidate()
             if old is not None:
                 self.contents.pop(old.id, None)
                 self.by_id.pop(old.id, None)
@@ -318,13 +321,19 @@ class Predictor:
         off = addr - alloc.addr
         pieces = self.contents.get(alloc.id)
         if data or pieces:
-            self._memo.clear()
+            self.invalidate()
         if pieces:
             pieces[:] = [(s, d) for s, d in pieces if s + len(d) <= off or s >= off + extent]
         if data:
             self.contents.setdefault(alloc.id, []).append((off, data))
         if pieces is not None and not self.contents.get(alloc.id):
             self.contents.pop(alloc.id, None)
+
+    def invalidate(self) -> None:
+        """Forget memoised launch predictions: the allocation table or known memory changed
+        (for callers that change ``allocs`` directly)."""
+        self._memo.clear()
+        self.epoch += 1
 
     def _launch_memo(self, rec: dict[str, Any]) -> dict[str, Any]:
         if rec.get("captured"):

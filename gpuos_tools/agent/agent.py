@@ -54,6 +54,7 @@ UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
+MEMO_MAX = 65536  # launch predictions kept (see Agent._writes)
 
 
 def STAGING_PAUSE(took: float) -> float:
@@ -115,6 +116,8 @@ class Agent(ProcessView):
         self.ctx = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
         self._staging_made = threading.Lock()
+        self._memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}  #: see _writes
+        self._memo_epoch = -1
         self._ahead_stop = threading.Event()
         #: allocation ids written since the last snapshot's T0 (predicted); None: not known
         #: (no snapshot yet, or an unknown launch since), so the next image must be full
@@ -177,19 +180,37 @@ class Agent(ProcessView):
         snap = self.snap
         if snap is None and self.dirty is None:
             return
-        acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
+        unknown, writes = self._writes(kernel, sizes, args)
         if self.dirty is not None:
-            if acc["unknown"]:
+            if unknown:
                 self.dirty = None
             else:
-                self.dirty.update(e["alloc"] for e in acc["writes"])
+                self.dirty.update(writes)
         if snap is None:
             return
-        if acc["unknown"]:
+        if unknown:
             targets = range(len(snap.buffers))
         else:
-            targets = [snap.index[e["alloc"]] for e in acc["writes"] if e["alloc"] in snap.index]
+            targets = [snap.index[w] for w in writes if w in snap.index]
         self._protect(snap, targets, _stream_of(api, stream))
+
+    def _writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
+        """(unknown, allocation ids written) of a launch, memoised on its exact arguments
+        until the predictor's epoch moves (an allocation came or went, or known device memory
+        changed): a training loop repeats the same launches every step, and predicting one
+        costs tens of microseconds in Python, paid on the program's launch path."""
+        if self._memo_epoch != self.pred.epoch:
+            self._memo.clear()
+            self._memo_epoch = self.pred.epoch
+        key = (kernel, sizes, args)
+        hit = self._memo.get(key)
+        if hit is None:
+            acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
+            hit = (bool(acc["unknown"]), tuple(e["alloc"] for e in acc["writes"]))
+            if len(self._memo) >= MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = hit
+        return hit
 
     def before_write(self, api: str, addr: int, stream: int) -> None:
         """A copy or memset into ``addr``, or a free of it, is about to be issued."""

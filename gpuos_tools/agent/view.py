@@ -46,6 +46,8 @@ class ProcessView:
             a = self.pred.allocs.remove({"addr": item[4]})
             if a is not None:
                 self.by_id.pop(a.id, None)
+                self.pred.contents.pop(a.id, None)
+                self.pred.invalidate()
         elif tag == wire.COPY:
             _, _, _, _, direction, dst, _, nbytes, stream, _, shape, data = item
             rec: dict[str, Any] = {"type": "memcpy", "dir": direction, "dst": dst, "src": 0, "bytes": nbytes}
@@ -65,6 +67,7 @@ class ProcessView:
         a = self.pred.allocs.add({"id": self.next_id, "addr": addr, "size": size, "kind": kind})
         self.by_id[a.id] = a
         self.next_id += 1
+        self.pred.invalidate()
 
     def device_allocations(self) -> list[Allocation]:
         """Live allocations of device memory, by address."""

@@ -1,0 +1,66 @@
+"""The agent's memo of launch write sets (Agent._writes): the same launch is predicted once,
+and a change of the allocation table or of known device memory makes it predict again."""
+
+import struct
+
+import pytest
+
+from gpuos_tools.agent import wire
+from gpuos_tools.agent.agent import Agent
+
+KERNEL = "_Z5scalePffx"  # scale(float*, float, long long)
+SIZES = (8, 4, 8)
+
+
+def args(ptr: int) -> bytes:
+    return struct.pack("<Qfq", ptr, 2.0, 1024)
+
+
+@pytest.fixture
+def agent(monkeypatch):
+    a = Agent()
+    a.ctx = object()  # no CUDA here: on_alloc must not look for the program's context
+    a.dirty = set()  # tracking writes (after a first snapshot), no snapshot in progress
+    calls = []
+    real = a.pred.launch
+    monkeypatch.setattr(a.pred, "launch", lambda rec: calls.append(rec["kernel"]) or real(rec))
+    a.calls = calls
+    return a
+
+
+def test_a_repeated_launch_is_predicted_once(agent):
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    for _ in range(3):
+        agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    assert agent.calls == [KERNEL]
+    assert agent.dirty == {1}
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0010))  # other arguments
+    assert len(agent.calls) == 2
+
+
+def test_a_new_allocation_at_the_same_address_is_predicted_anew(agent):
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    agent.observe((wire.FREE, 0, 0, 0, 0x7000_0000))
+    agent.on_alloc(0x7000_0000, 4096, "device")  # id 2 now lives there
+    agent.dirty = set()
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    assert len(agent.calls) == 2
+    assert agent.dirty == {2}
+
+
+def test_a_pointer_table_copied_to_the_gpu_is_predicted_anew(agent):
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    epoch = agent.pred.epoch
+    data = struct.pack("<Q", 0x7000_0100)
+    agent.observe((wire.COPY, 0, 0, 0, "HtoD", 0x7000_0000, 0, len(data), 0, 0, None, data))
+    assert agent.pred.epoch != epoch
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    assert len(agent.calls) == 2
+
+
+def test_an_unknown_launch_stops_incremental_tracking(agent):
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, None, None)  # no layout: unknown
+    assert agent.dirty is None
