@@ -133,6 +133,33 @@ def snapshot(pid: int, timeout: float) -> dict[str, Any]:
     return a
 
 
+def ping_hooks(pid: int) -> dict[str, Any] | None:
+    """The agent's counters of its own time in the program's launch callbacks."""
+    from gpuos_tools.agent.control import request, socket_path
+
+    try:
+        return request(socket_path(pid), "ping", timeout=30).get("launch_hooks")
+    except Exception:  # noqa: BLE001 (an older agent, or none: the figure is missing, not the run)
+        return None
+
+
+def hook_costs(h0: dict[str, Any] | None, h1: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per launch, the agent's time on the launch path before the first snapshot (h0: from the
+    start) and from it to after the last (h1 - h0: write sets predicted for every launch), and
+    how many launches the predictor saw (the rest hit the memo)."""
+    if not h0 or not h1:
+        return None
+
+    def per(calls: int, seconds: float, predicted: int) -> dict[str, Any]:
+        return {"launches": calls, "us_per_launch": round(1e6 * seconds / calls, 2) if calls else None,
+                "predicted": predicted}
+
+    return {"before": per(h0["calls"], h0["seconds"], h0["predicted"]),
+            "after_first": per(h1["calls"] - h0["calls"], h1["seconds"] - h0["seconds"],
+                               h1["predicted"] - h0["predicted"]),
+            "epochs_after_first": h1["epoch"] - h0["epoch"]}
+
+
 def driver_path(pid: int, lock_timeout_ms: int, fallback_bytes: int | None) -> dict[str, Any]:
     """Suspend then resume ``pid`` through the driver, timing each driver call from outside."""
     from gpuos_tools.ckpt.driver import Checkpointer, CkptError
@@ -279,6 +306,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                   file=sys.stderr, flush=True)
             time.sleep(args.settle)  # steady state
 
+            hooks0 = ping_hooks(pid)
             answers = []
             for k in range(args.snapshots):
                 try:
@@ -293,6 +321,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                       file=sys.stderr, flush=True)
                 time.sleep(1.0)
 
+            out["launch_hooks"] = hook_costs(hooks0, ping_hooks(pid))
             if args.driver:
                 time.sleep(args.settle - 1.0 if args.settle > 1.0 else 0)
                 driver = driver_path(pid, args.lock_timeout_ms, answers[-1]["bytes"] if answers else None)
@@ -458,6 +487,11 @@ def human(out: dict[str, Any]) -> str:
                      f"{s['stall_ms_median']} ms median / {s['stall_ms_max']} ms max; job "
                      f"{s['job_iters_per_s_during']} iters/s (loss {s['job_throughput_loss']}), longest iteration "
                      f"{s['job_longest_iteration_s']} s")
+    h = out.get("launch_hooks")
+    if h:
+        lines.append(f"  agent on the launch path: {h['before']['us_per_launch']} us/launch before the first snapshot, "
+                     f"{h['after_first']['us_per_launch']} after ({h['after_first']['predicted']} of "
+                     f"{h['after_first']['launches']} launches predicted, {h['epochs_after_first']} epochs)")
     if a.get("snapshots"):
         lines.append(f"  agent: job {a['job_iters_per_s_during']} iters/s during snapshots "
                      f"(loss {a['job_throughput_loss']})")

@@ -64,3 +64,31 @@ def test_an_unknown_launch_stops_incremental_tracking(agent):
     agent.on_alloc(0x7000_0000, 4096, "device")
     agent.before_launch("cuLaunchKernel", 0, KERNEL, None, None)  # no layout: unknown
     assert agent.dirty is None
+
+
+def test_bytes_with_no_pointer_keep_the_memo(agent):
+    """A training step copies labels or scalars to the GPU every step: they hold no address of
+    an allocation, so no prediction can change and the memo stays."""
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    epoch = agent.pred.epoch
+    labels = struct.pack("<8q", *range(8))
+    agent.observe((wire.COPY, 0, 0, 0, "HtoD", 0x7000_0040, 0, len(labels), 0, 0, None, labels))
+    agent.observe((wire.COPY, 0, 0, 0, "HtoD", 0x7000_0040, 0, len(labels), 0, 0, None, labels[::-1]))
+    assert agent.pred.epoch == epoch
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    assert len(agent.calls) == 1
+    # overwriting a stored pointer with plain bytes does change what is reachable
+    table = struct.pack("<Q", 0x7000_0100)
+    agent.observe((wire.COPY, 0, 0, 0, "HtoD", 0x7000_0080, 0, len(table), 0, 0, None, table))
+    epoch = agent.pred.epoch
+    agent.observe((wire.COPY, 0, 0, 0, "HtoD", 0x7000_0080, 0, 8, 0, 0, None, bytes(8)))
+    assert agent.pred.epoch != epoch
+
+
+def test_ping_reports_the_launch_hooks_cost(agent):
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    for _ in range(4):
+        agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    hooks = agent.handle({"op": "ping"})["launch_hooks"]
+    assert hooks["calls"] == 4 and hooks["predicted"] == 1 and hooks["seconds"] > 0

@@ -213,3 +213,13 @@ def test_run_end_to_end_with_a_fake_job(fake_job, tmp_path: Path, monkeypatch: p
     assert out["side_by_side"]["stall_ratio_driver_over_agent"] > 1
     json.dumps(out)
     assert "stall ratio" in bench.human(out)
+
+
+def test_hook_costs_split_before_and_after_the_first_snapshot() -> None:
+    h0 = {"calls": 1000, "seconds": 0.002, "predicted": 0, "epoch": 7}
+    h1 = {"calls": 3000, "seconds": 0.012, "predicted": 40, "epoch": 9}
+    c = bench.hook_costs(h0, h1)
+    assert c["before"] == {"launches": 1000, "us_per_launch": 2.0, "predicted": 0}
+    assert c["after_first"] == {"launches": 2000, "us_per_launch": 5.0, "predicted": 40}
+    assert c["epochs_after_first"] == 2
+    assert bench.hook_costs(None, h1) is None

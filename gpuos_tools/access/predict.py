@@ -320,14 +320,33 @@ class Predictor:
             return
         off = addr - alloc.addr
         pieces = self.contents.get(alloc.id)
-        if data or pieces:
+        if pieces:
+            kept = [(s, d) for s, d in pieces if s + len(d) <= off or s >= off + extent]
+            gone = [d for s, d in pieces if not (s + len(d) <= off or s >= off + extent)]
+        # Predictions read stored contents only for the pointers in them: bytes with no word
+        # that points into an allocation (a batch of labels, a scalar) change none, and must
+        # not throw away every memoised prediction (a training step copies some each step).
+        if (data and self._has_pointer(data)) or (pieces and any(self._has_pointer(d) for d in gone)):
             self.invalidate()
         if pieces:
-            pieces[:] = [(s, d) for s, d in pieces if s + len(d) <= off or s >= off + extent]
+            pieces[:] = kept
         if data:
             self.contents.setdefault(alloc.id, []).append((off, data))
         if pieces is not None and not self.contents.get(alloc.id):
             self.contents.pop(alloc.id, None)
+
+    def _has_pointer(self, data: bytes) -> bool:
+        """Whether an aligned 8-byte word of ``data`` is an address inside an allocation."""
+        hull = self.allocs.hull
+        if hull is None:
+            return False
+        low, high = hull
+        find = self.allocs.find
+        for off in range(0, len(data) - 7, 8):
+            word = int.from_bytes(data[off : off + 8], "little")
+            if low <= word < high and find(word) is not None:
+                return True
+        return False
 
     def invalidate(self) -> None:
         """Forget memoised launch predictions: the allocation table or known memory changed

@@ -118,6 +118,10 @@ class Agent(ProcessView):
         self._staging_made = threading.Lock()
         self._memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}  #: see _writes
         self._memo_epoch = -1
+        self.memo_misses = 0
+        #: the agent's own time in the program's launch callbacks, and how many (ping says)
+        self.hook_ns = 0
+        self.hook_calls = 0
         self._ahead_stop = threading.Event()
         #: allocation ids written since the last snapshot's T0 (predicted); None: not known
         #: (no snapshot yet, or an unknown launch since), so the next image must be full
@@ -176,6 +180,14 @@ class Agent(ProcessView):
             self._reference(self.ops)
 
     def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+        t = time.perf_counter_ns()
+        try:
+            self._before_launch(api, stream, kernel, sizes, args)
+        finally:
+            self.hook_ns += time.perf_counter_ns() - t
+            self.hook_calls += 1
+
+    def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         self._operation(stream)
         snap = self.snap
         if snap is None and self.dirty is None:
@@ -205,6 +217,7 @@ class Agent(ProcessView):
         key = (kernel, sizes, args)
         hit = self._memo.get(key)
         if hit is None:
+            self.memo_misses += 1
             acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
             hit = (bool(acc["unknown"]), tuple(e["alloc"] for e in acc["writes"]))
             if len(self._memo) >= MEMO_MAX:
@@ -591,7 +604,9 @@ class Agent(ProcessView):
             with self.lock:
                 bufs = self.buffers()
             return {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
-                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams)}
+                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams),
+                    "launch_hooks": {"calls": self.hook_calls, "seconds": round(self.hook_ns / 1e9, 6),
+                                     "predicted": self.memo_misses, "epoch": self.pred.epoch}}
         if op == "snapshot":
             return self.snapshot(
                 digest=bool(request.get("digest", True)), cow_budget=request.get("cow_budget"),

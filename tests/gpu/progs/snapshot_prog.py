@@ -89,6 +89,9 @@ for i in range(ops):
             x = rng.choice(owned[j])
             n = min(x.nbytes, y.nbytes)
             cp.cuda.runtime.memcpyAsync(y.data.ptr, x.data.ptr, n, cp.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+            # and stream j's later writes to x wait for this read: without it, which of the two
+            # ran first decided y's contents, and a run and its twin could differ (seeds 213, 614)
+            streams[j].wait_event(s.record())
         else:
             y += 1  # a CuPy elementwise kernel on this stream
     if wanted and i % 5 == 0:
