@@ -92,3 +92,25 @@ def test_ping_reports_the_launch_hooks_cost(agent):
         agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
     hooks = agent.handle({"op": "ping"})["launch_hooks"]
     assert hooks["calls"] == 4 and hooks["predicted"] == 1 and hooks["seconds"] > 0
+
+
+def test_arguments_that_differ_only_in_scalars_share_a_prediction(agent):
+    """A step count, seed or learning rate changes every step; the pointers do not."""
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    for step in range(5):
+        a = struct.pack("<Qfq", 0x7000_0000, 0.1 * step, 1000 + step)
+        agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, a)
+    assert agent.calls == [KERNEL]
+    assert agent.dirty == {1}
+
+
+def test_a_pointer_at_another_word_is_another_prediction(agent):
+    agent.on_alloc(0x7000_0000, 4096, "device")
+    agent.on_alloc(0x7100_0000, 4096, "device")
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7000_0000))
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, args(0x7100_0000))
+    # the same value in a scalar slot (the last 8 bytes) is not a pointer for the kernel's type,
+    # but it is in the hull: another key, predicted again (conservative)
+    agent.before_launch("cuLaunchKernel", 0, KERNEL, SIZES, struct.pack("<Qfq", 0x7000_0000, 1.0, 0x7100_0000))
+    assert len(agent.calls) == 3
+    assert agent.dirty == {1, 2}

@@ -39,6 +39,7 @@ import ctypes
 import hashlib
 import json
 import os
+import struct
 import sys
 import threading
 import time
@@ -55,6 +56,7 @@ PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
 MEMO_MAX = 65536  # launch predictions kept (see Agent._writes)
+_UNPACK: dict[int, Any] = {}  # n -> unpack_from of n little-endian 8-byte words
 
 
 def STAGING_PAUSE(took: float) -> float:
@@ -117,6 +119,7 @@ class Agent(ProcessView):
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
         self._staging_made = threading.Lock()
         self._memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}  #: see _writes
+        self._memo_words: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
         self._memo_epoch = -1
         self.memo_misses = 0
         #: the agent's own time in the program's launch callbacks, and how many (ping says)
@@ -207,23 +210,64 @@ class Agent(ProcessView):
         self._protect(snap, targets, _stream_of(api, stream))
 
     def _writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
-        """(unknown, allocation ids written) of a launch, memoised on its exact arguments
-        until the predictor's epoch moves (an allocation came or went, or known device memory
-        changed): a training loop repeats the same launches every step, and predicting one
-        costs tens of microseconds in Python, paid on the program's launch path."""
+        """(unknown, allocation ids written) of a launch, memoised until the predictor's epoch
+        moves (an allocation came or went, or known device memory changed): a training loop
+        repeats its launches every step, and predicting one costs 30-300 us in Python, paid on
+        the program's launch path.
+
+        Two levels: the exact arguments (a dict lookup), then only the words of them that fall
+        inside the allocations' address range, which are all a range prediction depends on: a
+        launch whose arguments differ only in scalars (a step count, a random seed, a learning
+        rate) reuses the prediction."""
         if self._memo_epoch != self.pred.epoch:
             self._memo.clear()
+            self._memo_words.clear()
             self._memo_epoch = self.pred.epoch
         key = (kernel, sizes, args)
         hit = self._memo.get(key)
         if hit is None:
-            self.memo_misses += 1
-            acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
-            hit = (bool(acc["unknown"]), tuple(e["alloc"] for e in acc["writes"]))
+            words = self._pointer_key(kernel, sizes, args)
+            hit = self._memo_words.get(words) if words is not None else None
+            if hit is None:
+                self.memo_misses += 1
+                acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
+                hit = (bool(acc["unknown"]), tuple(e["alloc"] for e in acc["writes"]))
+                if words is not None:
+                    if len(self._memo_words) >= MEMO_MAX:
+                        self._memo_words.clear()
+                    self._memo_words[words] = hit
             if len(self._memo) >= MEMO_MAX:
                 self._memo.clear()
             self._memo[key] = hit
         return hit
+
+    def _pointer_key(self, kernel: str, sizes, args) -> tuple | None:
+        """What a range prediction of this launch depends on besides the kernel: (parameter,
+        word, value) of each aligned 8-byte word of a parameter that lies inside the
+        allocations' hull, as Predictor.findings scans them. None where that is not all
+        (arguments not decoded, or size templates, which read scalars too)."""
+        if sizes is None or args is None or self.pred.templates is not None:
+            return None
+        hull = self.pred.allocs.hull
+        if hull is None:
+            return (kernel, sizes)
+        low, high = hull
+        found = []
+        pos = 0
+        for i, size in enumerate(sizes):
+            n = size >> 3
+            if n:
+                unpack = _UNPACK.get(n)
+                if unpack is None:
+                    unpack = _UNPACK[n] = struct.Struct(f"<{n}Q").unpack_from
+                ws = unpack(args, pos)
+                if n == 1:
+                    if low <= ws[0] < high:
+                        found.append((i, 0, ws[0]))
+                else:
+                    found += [(i, j, w) for j, w in enumerate(ws) if low <= w < high]
+            pos += size
+        return (kernel, sizes, tuple(found))
 
     def before_write(self, api: str, addr: int, stream: int) -> None:
         """A copy or memset into ``addr``, or a free of it, is about to be issued."""
