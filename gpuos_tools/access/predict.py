@@ -9,6 +9,7 @@ count; per launch the work is finding the pointer words and looking them up.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,10 @@ def _word(hexs: str, offset: int) -> int:
 
 
 _WORDS_CACHE: dict[str, tuple[tuple[int, int], ...]] = {}
+
+
+def _start(piece: tuple[int, bytes]) -> int:
+    return piece[0]
 
 
 def _nonzero_words(hexs: str) -> tuple[tuple[int, int], ...]:
@@ -303,9 +308,10 @@ class Predictor:
             if f.alloc is None or f.alloc.id not in self.contents:
                 continue
             at = f.word - f.alloc.addr
-            for start, data in self.contents[f.alloc.id]:
-                if not start <= at < start + len(data):
-                    continue
+            pieces = self.contents[f.alloc.id]
+            i = bisect_right(pieces, at, key=_start) - 1  # the one piece that can hold it
+            if i >= 0 and at < pieces[i][0] + len(pieces[i][1]):
+                start, data = pieces[i]
                 first = at - start
                 for k in range(first - first % 8 + (8 if first % 8 else 0), len(data) - 7, 8):
                     word = int.from_bytes(data[k : k + 8], "little")
@@ -319,20 +325,28 @@ class Predictor:
         if alloc is None:
             return
         off = addr - alloc.addr
+        # the pieces are sorted by offset and never overlap: those overlapping the write are a
+        # run [lo, hi), found by bisection (a PyTorch segment collects thousands of them)
         pieces = self.contents.get(alloc.id)
+        gone: list[tuple[int, bytes]] = []
+        lo = hi = 0
         if pieces:
-            kept = [(s, d) for s, d in pieces if s + len(d) <= off or s >= off + extent]
-            gone = [d for s, d in pieces if not (s + len(d) <= off or s >= off + extent)]
+            lo = bisect_right(pieces, off, key=_start)
+            if lo and pieces[lo - 1][0] + len(pieces[lo - 1][1]) > off:
+                lo -= 1
+            hi = bisect_left(pieces, off + extent, key=_start)
+            gone = pieces[lo:hi]
         # Predictions read stored contents only for the pointers in them: bytes with no word
         # that points into an allocation (a batch of labels, a scalar) change none, and must
         # not throw away every memoised prediction (a training step copies some each step).
-        if (data and self._has_pointer(data)) or (pieces and any(self._has_pointer(d) for d in gone)):
+        if (data and self._has_pointer(data)) or any(self._has_pointer(d) for _, d in gone):
             self.invalidate()
-        if pieces:
-            pieces[:] = kept
-        if data:
-            self.contents.setdefault(alloc.id, []).append((off, data))
-        if pieces is not None and not self.contents.get(alloc.id):
+        if pieces is None:
+            if data:
+                self.contents[alloc.id] = [(off, data)]
+            return
+        pieces[lo:hi] = [(off, data)] if data else []
+        if not pieces:
             self.contents.pop(alloc.id, None)
 
     def _has_pointer(self, data: bytes) -> bool:
