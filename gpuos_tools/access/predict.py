@@ -9,6 +9,7 @@ count; per launch the work is finding the pointer words and looking them up.
 
 from __future__ import annotations
 
+import struct
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -99,16 +100,24 @@ def _start(piece: tuple[int, bytes]) -> int:
     return piece[0]
 
 
+_UNPACKERS: dict[int, Any] = {}
+
+
+def _unpack_words(n: int) -> Any:
+    """unpack_from of ``n`` little-endian 8-byte words (cached per n)."""
+    f = _UNPACKERS.get(n)
+    if f is None:
+        f = _UNPACKERS[n] = struct.Struct(f"<{n}Q").unpack_from
+    return f
+
+
 def _nonzero_words(hexs: str) -> tuple[tuple[int, int], ...]:
     """(offset, value) of each non-zero aligned 8-byte word of a parameter's bytes (cached)."""
     words = _WORDS_CACHE.get(hexs)
     if words is None:
         raw = bytes.fromhex(hexs)
-        words = tuple(
-            (off, v)
-            for off in range(0, len(raw) - 7, 8)
-            if (v := int.from_bytes(raw[off : off + 8], "little"))
-        )
+        n = len(raw) >> 3
+        words = tuple([(off << 3, v) for off, v in enumerate(_unpack_words(n)(raw)) if v]) if n else ()
         if len(_WORDS_CACHE) > 65536:
             _WORDS_CACHE.clear()
         _WORDS_CACHE[hexs] = words
