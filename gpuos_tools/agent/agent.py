@@ -99,6 +99,9 @@ class Snap:
     host_saves: int = 0
     waits: int = 0
     stall_ns: int = 0
+    #: where stall_ns went: "order" (streams made to wait for T0), "copy" (copy-on-write or save
+    #: enqueued, event created and recorded), "wait" (a stream made to wait for a copy)
+    parts_ns: dict[str, int] = field(default_factory=lambda: {"order": 0, "copy": 0, "wait": 0})
 
 
 class Agent(ProcessView):
@@ -288,15 +291,19 @@ class Agent(ProcessView):
         me = threading.get_native_id()
         self.own.add(me)
         try:
+            parts = snap.parts_ns
             for i in targets:
                 st = snap.state[i]
                 if st == DONE:
                     continue
                 if st == UNSAVED:
                     if stream not in snap.ordered:
+                        t = time.perf_counter_ns()
                         for ev in snap.t0_events:
                             _ok(drv.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(T0)")
                         snap.ordered.add(stream)
+                        parts["order"] += time.perf_counter_ns() - t
+                    t = time.perf_counter_ns()
                     b = snap.buffers[i]
                     ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                     slot = self._slot(snap, b.size)
@@ -314,14 +321,17 @@ class Agent(ProcessView):
                         snap.host_saves += 1
                     _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
                     snap.event[i] = ev
+                    parts["copy"] += time.perf_counter_ns() - t
                 else:  # in flight, or saved on another stream: this stream writes after it
                     ev = snap.event[i]
                     if drv.cuEventQuery(ev)[0] == drv.CUresult.CUDA_SUCCESS:
                         if st == ENQUEUED:
                             snap.state[i] = DONE
                         continue
+                    t = time.perf_counter_ns()
                     _ok(drv.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(copy)")
                     snap.waits += 1
+                    parts["wait"] += time.perf_counter_ns() - t
         finally:
             self.own.discard(me)
             snap.stall_ns += time.perf_counter_ns() - t0
@@ -411,6 +421,8 @@ class Agent(ProcessView):
                 "gbps": round(total / elapsed / 1e9, 3) if elapsed > 0 else None,
                 "cow": snap.cow, "cow_bytes": snap.cow_bytes, "host_saves": snap.host_saves,
                 "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6), "unsettled": unsettled,
+                "stall_parts_s": {k: round(v / 1e9, 6) for k, v in snap.parts_ns.items()},
+                "t0_streams": len(events),
                 "staging_s": round(staging_s, 6), "pool_s": round(pool_s, 6), "cow_budget": cow_budget,
                 "allocations": [[b.id, b.addr, b.size, b.kind] for b in buffers],
             }
