@@ -93,6 +93,12 @@ class Snap:
     event: list = field(default_factory=list)  #: per buffer: the event after its copy
     slot: list[int] = field(default_factory=list)  #: COW: the slot's address
     ordered: set = field(default_factory=set)  #: program streams already after the T0 events
+    #: per buffer, once its copy is enqueued: the program streams whose later writes are ordered
+    #: after that copy (the stream it was enqueued on, or made to wait), None: every stream
+    #: (the copy completed); a write on such a stream needs nothing more
+    safe: list = field(default_factory=list)
+    spare: list = field(default_factory=list)  #: events made before T0 for the callbacks
+    created: list = field(default_factory=list)  #: every event of this snapshot, destroyed after
     index: dict[int, int] = field(default_factory=dict)  #: allocation id -> buffer index
     cow: int = 0
     cow_bytes: int = 0
@@ -305,7 +311,11 @@ class Agent(ProcessView):
                         parts["order"] += time.perf_counter_ns() - t
                     t = time.perf_counter_ns()
                     b = snap.buffers[i]
-                    ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                    if snap.spare:
+                        ev = snap.spare.pop()
+                    else:
+                        ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                        snap.created.append(ev)
                     slot = self._slot(snap, b.size)
                     if slot is not None:
                         _ok(drv.cuMemcpyDtoDAsync(slot, b.addr, b.size, stream), "cuMemcpyDtoDAsync(cow)")
@@ -321,16 +331,22 @@ class Agent(ProcessView):
                         snap.host_saves += 1
                     _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
                     snap.event[i] = ev
+                    snap.safe[i] = {stream}  # its later writes follow the copy in stream order
                     parts["copy"] += time.perf_counter_ns() - t
                 else:  # in flight, or saved on another stream: this stream writes after it
+                    safe = snap.safe[i]
+                    if safe is None or stream in safe:
+                        continue
                     ev = snap.event[i]
                     if drv.cuEventQuery(ev)[0] == drv.CUresult.CUDA_SUCCESS:
                         if st == ENQUEUED:
                             snap.state[i] = DONE
+                        snap.safe[i] = None
                         continue
                     t = time.perf_counter_ns()
                     _ok(drv.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent(copy)")
                     snap.waits += 1
+                    safe.add(stream)
                     parts["wait"] += time.perf_counter_ns() - t
         finally:
             self.own.discard(me)
@@ -380,6 +396,11 @@ class Agent(ProcessView):
                 cow_budget = 0  # no room: writes save to host on the program's stream
         pool_s = time.perf_counter() - t_pool
         side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        # an event for each copy-on-write the callbacks may issue, made here and not there
+        with self.lock:
+            n_now = len(self.buffers())
+        spare = [_ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                 for _ in range(n_now)]
         self.lock.acquire()
         try:
             t_start = time.perf_counter()
@@ -396,13 +417,15 @@ class Agent(ProcessView):
             for s in sorted(self.streams):
                 ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                 if drv.cuEventRecord(ev, s)[0] != drv.CUresult.CUDA_SUCCESS:
+                    drv.cuEventDestroy(ev)
                     continue  # a stream the program destroyed
                 _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent(side)")
                 events.append(ev)
             n = len(buffers)
             snap = Snap(buffers, offsets, staging, total, side, events, time.time_ns(), self.ops, cow_budget,
                         pool=pool, state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
-                        index={b.id: i for i, b in enumerate(buffers)})
+                        index={b.id: i for i, b in enumerate(buffers)}, safe=[None] * n,
+                        spare=spare, created=events + spare)
             self.snap = snap
             written, self.dirty = self.dirty, set()  # what changed since the last T0, and anew
         except BaseException:
@@ -410,6 +433,8 @@ class Agent(ProcessView):
             drv.cuStreamDestroy(side)
             if pool:
                 drv.cuMemFree(pool)
+            for ev in spare:
+                drv.cuEventDestroy(ev)
             raise
         self.lock.release()
         try:
@@ -602,9 +627,11 @@ class Agent(ProcessView):
                     for host, n in snap.staging.spans(snap.offsets[i], b.size):
                         _ok(drv.cuMemcpyDtoHAsync(host, src + (host - base), n, snap.side), "cuMemcpyDtoHAsync")
                     ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                    snap.created.append(ev)
                     _ok(drv.cuEventRecord(ev, snap.side), "cuEventRecord(side)")
                     if st == UNSAVED:
                         snap.state[i], snap.event[i] = ENQUEUED, ev
+                        snap.safe[i] = set()  # every stream's next write waits for it
                     in_flight.append(ev)
             while len(in_flight) > IN_FLIGHT:
                 _ok(drv.cuEventSynchronize(in_flight.pop(0)), "cuEventSynchronize")
@@ -630,6 +657,8 @@ class Agent(ProcessView):
         if snap.pool:
             drv.cuMemFree(snap.pool)
         drv.cuStreamDestroy(snap.side)
+        for ev in snap.created:  # recorded work completes first; the driver releases them then
+            drv.cuEventDestroy(ev)
 
     # -- references for tests: the state after exactly N operations, stop-the-world ------------
 
