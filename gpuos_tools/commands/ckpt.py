@@ -136,8 +136,8 @@ is a message on standard error with a non-zero status. `--plan` writes what the 
 do and changes nothing.
 
 The snapshot is the agent's (the concurrent checkpoint path): the profile's [agent] names a
-program started with `gpu-ckpt run` or `gpu-trace run --agent` (pid, socket, or a command-line pattern that must
-match exactly one agent process), and each run asks it, over its control socket, for a
+program started with `gpu-ckpt run` or `gpu-trace run --agent` (pid, socket, or a command-line
+pattern that must match exactly one agent process), and each run asks it, over its control socket, for a
 consistent snapshot written as the next image (incremental when the agent knows what was
 written since the previous one). With no such agent the run fails (status 76) and writes
 nothing.
