@@ -145,7 +145,10 @@ nothing.
 `gpu-ckpt --agent PID|SOCKET --image DIR [--parent IMAGE]` takes one such image by hand and
 writes an `agent_snapshot` record: T0, the operations before it, bytes, seconds and GB/s, the
 copy-on-write count and bytes, stream waits, and `stall_s`, the time spent on the program's
-path."""
+path (`stall_parts_s` splits it: ordering streams after T0, enqueueing copy-on-writes, stream
+waits). `staging_s` is the time spent before T0 pinning host staging (the first snapshot of a
+process, unless it was started with `--stage-ahead`), `pool_s` the time allocating the
+copy-on-write slots."""
 
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
                             {"PERIODIC CHECKPOINTS": PERIODIC})
