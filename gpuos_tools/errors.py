@@ -38,6 +38,7 @@ class ExitCode(enum.IntEnum):
     IMAGE_CORRUPT = 90
     SNAPSHOT_UNAVAILABLE = 91
     IMAGE_MISMATCH = 92
+    NOT_OWNED = 93
     INTERRUPTED = 130
 
 
@@ -70,6 +71,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.IMAGE_CORRUPT: "a checkpoint image is damaged or incomplete: a chunk missing, extra, truncated or with the wrong checksum, a truncated manifest, or a broken parent chain (the message names the file)",
     ExitCode.SNAPSHOT_UNAVAILABLE: "the agent snapshot path is not available (not connected in this build, or no agent to ask); no image was written",
     ExitCode.IMAGE_MISMATCH: "the image does not fit the process it is to be rolled back into (allocation table, GPU model or driver); nothing was written",
+    ExitCode.NOT_OWNED: "the program's device memory is not (all) owned by the agent, so it cannot be suspended through it (start it with GPUOS_AGENT_OWN=1, or suspend what is owned with --partial); the message names the buffers; nothing was changed",
     ExitCode.INTERRUPTED: "interrupted (SIGINT)",
 }
 

@@ -143,6 +143,7 @@ class Agent(ProcessView):
         #: yet at their exit: seen by the agent but maybe not yet enqueued by the driver
         self.issuing = 0
         self._issued = threading.Condition(threading.Lock())
+        self.suspension = None  #: gpuos_tools/agent/suspend.py's Suspension, from the first suspend
 
     # -- operations being issued (the tracer calls these) ---------------------------------------
 
@@ -508,8 +509,11 @@ class Agent(ProcessView):
         return t
 
     def stop_background(self) -> None:
-        """At exit: no more staging ahead (a piece being pinned finishes)."""
+        """At exit: no more staging ahead (a piece being pinned finishes); a suspended program
+        is resumed."""
         self._ahead_stop.set()
+        if self.suspension is not None:
+            self.suspension.shutdown()
 
     # -- rollback (on the control thread) ---------------------------------------------------------
 
@@ -685,11 +689,31 @@ class Agent(ProcessView):
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]
+        sus = self.suspension
+        if sus is not None and sus.held:  # the holder has the lock: answer without it
+            if op == "ping":
+                return {"ok": True, "pid": os.getpid(), "ops": self.ops, **sus.status()}
+            if op == "resume":
+                return sus.resume()
+            if op in ("suspend", "snapshot", "rollback"):
+                raise GpuosError(f"the program is {sus.state}: {op} after `gpu-restore --agent PID --resume`",
+                                 ExitCode.WRONG_STATE)
+        if op == "suspend":
+            from gpuos_tools.agent.suspend import Suspension
+
+            if self.suspension is None:
+                self.suspension = Suspension(self)
+            return self.suspension.suspend(
+                partial=bool(request.get("partial")), image=request.get("image"),
+                compress=bool(request.get("compress")), chunk_size=request.get("chunk_size"),
+                checksum=request.get("checksum") or "crc32", max_hold_s=request.get("max_hold_s"))
+        if op == "resume":
+            raise GpuosError("the program is not suspended: nothing to resume", ExitCode.WRONG_STATE)
         if op == "ping":
             with self.lock:
                 bufs = self.buffers()
             return {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
-                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams),
+                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams), "state": "running",
                     "launch_hooks": {"calls": self.hook_calls, "seconds": round(self.hook_ns / 1e9, 6),
                                      "predicted": self.memo_misses, "epoch": self.pred.epoch}}
         if op == "snapshot":

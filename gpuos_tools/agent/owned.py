@@ -260,6 +260,11 @@ def install_cupy() -> Any:
     return pool
 
 
+def loaded() -> OwnedLibrary | None:
+    """The process's library if something loaded it (install_cupy, Residency), else None."""
+    return _library
+
+
 def pool() -> Any:
     """The CuPy pool install_cupy put in place, or None."""
     return _pool
