@@ -54,6 +54,12 @@ A full-process image with CRIU 4 or later (as root), and back:
     gpu-ckpt --pid 4242 --image /var/tmp/job.img
     gpu-restore --image /var/tmp/job.img
 
+Suspend a program started with `GPUOS_AGENT_OWN=1 gpu-ckpt run` (its GPU memory goes to host
+RAM at link speed; it waits), with an image of it, then let it go on:
+
+    gpu-ckpt --agent 4242 --suspend --image /var/tmp/job.suspended
+    gpu-restore --agent 4242 --resume
+
 A checkpoint image of a job every 15 minutes through its agent, from cron (full, then up to
 `chain.length` incremental images, old ones retired by the profile's retention):
 
@@ -150,8 +156,57 @@ waits). `staging_s` is the time spent before T0 pinning host staging (the first 
 process, unless it was started with `--stage-ahead`), `pool_s` the time allocating the
 copy-on-write slots."""
 
+SUSPEND = """\
+`gpu-ckpt --agent PID --suspend` frees the GPU memory of a program started under the agent with
+its allocations owned (`GPUOS_AGENT_OWN=1 gpu-trace run --agent`, or `gpu-ckpt run`; CuPy
+programs), at link speed, and keeps the program waiting until `gpu-restore --agent PID
+--resume`:
+
+    GPUOS_AGENT_OWN=1 gpu-ckpt run -o run.ndjson.zst -- python3 job.py &
+    gpu-ckpt --agent PID --suspend --partial -o suspend.ndjson
+    gpu-restore --agent PID --resume
+
+The agent takes its lock (the program's next launch, copy, memset, free or other driver call
+waits in its callback), waits until the operations already issued are enqueued and the GPU has
+done them, copies every owned buffer to its pinned host staging on a side stream and gives each
+buffer's physical memory back to the driver as soon as its copy completed; the addresses stay
+reserved. Resume maps new physical memory at the same addresses, copies the contents back, waits
+for the copies and lets the program go on. The program's memory lives in host RAM (pinned) in
+between; the first suspend of a process pins that staging first, while the program still runs
+(about 2.4 s for 8 GiB on an H100), later ones reuse it.
+
+With `--image DIR` the saved memory is also written as an image of the agent path (full; the
+program's other device allocations are copied for it too), readable by `gpu-restore verify`,
+`diff` and `--agent PID --image DIR`. `--max-hold S` resumes by itself after S seconds.
+
+Guarantees: the program's state after resume is what it was at the suspend, at the same device
+addresses (tested bit for bit against an uninterrupted run). While suspended, the agent's
+control socket keeps serving: `ping` answers `state` `suspended`; `snapshot`, `rollback` and a
+second suspend are refused (79, WRONG_STATE); a resume without a suspend is refused (79). A
+resume that cannot get the memory back (another process took the GPU) is refused with the
+program still suspended and its memory still in host RAM: free the GPU and resume again. The
+agent's shutdown resumes a suspended program first.
+
+Not owned: the CUDA context and module images, and device memory allocated outside CuPy's
+allocator (cuBLAS's workspace, cuFFT's plans, cudaMalloc in extensions) stay on the GPU. A
+program with such allocations is refused (93, NOT_OWNED, naming the largest) unless `--partial`
+is given; a program started without GPUOS_AGENT_OWN=1 is refused with or without it; nothing is
+changed then. The `agent_suspend` record lists what stayed (`not_owned`: count, bytes, the
+largest), the bytes released, `staging_s`, `lock_s`, `settle_s`, `sync_s`, `save_s` and
+`save_gbps`, `suspend_s` (from the request to the last buffer released) and NVML's view of the
+process before and after (`process_gpu_memory_before`, `_after`); the `agent_resume` record
+`resume_s`, `load_gbps` and `held_s`.
+
+The remainder through the driver: the driver checkpoint API refuses to lock a process under
+the agent (CUDA_ERROR_NOT_SUPPORTED), measured on an H100 with driver 580.159 also after the
+agent unsubscribed its CUPTI callbacks and called cuptiFinalize, idle or parked; the same program
+without CUPTI, its memory owned (virtual memory API), locks, checkpoints and restores
+(scripts/probe_driver_remainder.py). So a suspend does not free the remainder: it stays on the
+GPU (about 0.5 GiB for a CuPy job on an H100), and a process that needs it all freed has to be
+run without the agent and checkpointed with `gpu-ckpt --pid`."""
+
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
-                            {"PERIODIC CHECKPOINTS": PERIODIC})
+                            {"PERIODIC CHECKPOINTS": PERIODIC, "SUSPEND THROUGH THE AGENT": SUSPEND})
 
 app = typer.Typer(
     name="gpu-ckpt",
@@ -209,6 +264,20 @@ def checkpoint(
     ),
     compress: bool = typer.Option(False, "--compress", help="With --agent: zstd per chunk."),
     checksum: str = typer.Option("crc32", "--checksum", metavar="crc32|sha256", help="With --agent: chunk checksum."),
+    suspend: bool = typer.Option(
+        False, "--suspend",
+        help="With --agent: suspend the program (started with GPUOS_AGENT_OWN=1): its owned device memory goes to "
+        "pinned host memory and back to the driver, and it waits until `gpu-restore --agent PID --resume`. With "
+        "--image DIR, also write that memory as an image.",
+    ),
+    partial: bool = typer.Option(
+        False, "--partial",
+        help="With --suspend: go on when some device memory is not owned (it stays on the GPU; the record lists it).",
+    ),
+    max_hold: Optional[float] = typer.Option(
+        None, "--max-hold", metavar="S", min=0.0,
+        help="With --suspend: resume by itself after S seconds if no resume came (default: wait for one).",
+    ),
 ) -> None:
     """Checkpoint the GPU state of a CUDA process, or of every process a profile selects.
 
@@ -216,7 +285,7 @@ def checkpoint(
     copies its device memory into host memory and releases its GPUs, through the NVIDIA driver
     checkpoint API: any CUDA program, no preparation. `gpu-restore --pid PID` brings it back.
     A program started with `gpu-ckpt run` (the agent) is checkpointed while it runs instead,
-    with `gpu-ckpt --agent PID --image DIR`.
+    with `gpu-ckpt --agent PID --image DIR`, or suspended with `gpu-ckpt --agent PID --suspend`.
     `gpu-ckpt status` lists every CUDA process with its checkpoint state. Each step is written
     as a gpuos stream record.
     """
@@ -225,8 +294,17 @@ def checkpoint(
                 or agent is not None):
             raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
+    if (suspend or partial or max_hold is not None) and agent is None:
+        raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",
+                         ExitCode.USAGE)
+    if agent is not None and suspend:
+        if pid is not None or profile is not None or leave_running or criu_arg or timeout or parent is not None:
+            raise GpuosError("--agent --suspend goes with --image, --partial, --max-hold, --compress, --checksum "
+                             "and -o only (a suspend's image is full: no --parent)", ExitCode.USAGE)
+        _suspend(agent, image, partial, max_hold, compress, checksum, output)
+        return
     if agent is not None:
-        if pid is not None or profile is not None or leave_running or criu_arg or timeout:
+        if pid is not None or profile is not None or leave_running or criu_arg or timeout or partial:
             raise GpuosError("--agent goes with --image, --parent, --compress, --checksum and -o only", ExitCode.USAGE)
         if image is None:
             raise GpuosError("--agent needs --image DIR: where the image goes", ExitCode.USAGE)
@@ -279,6 +357,26 @@ def checkpoint(
         result = run_recorded("-" if output is None else output, PROG, ckpt, lambda: ckpt.suspend(pid, timeout),
                               action="checkpoint", pid=pid)
     _say(_describe(result))
+
+
+def _suspend(agent: str, image: Optional[Path], partial: bool, max_hold: Optional[float], compress: bool,
+             checksum: str, output: Optional[str]) -> None:
+    """`gpu-ckpt --agent PID --suspend`: one agent_suspend record (gpuos_tools/agent/suspend.py)."""
+    from gpuos_tools.agent import control
+    from gpuos_tools.agent.suspend import request_suspend
+
+    answer = request_suspend(control.resolve(agent), partial=partial, image=str(image) if image else None,
+                             compress=compress, checksum=checksum, max_hold_s=max_hold)
+    _records("-" if output is None else output, PROG, [{"type": "agent_suspend", "agent": agent, **answer}],
+             agent=agent)
+    rest = answer["not_owned"]
+    text = (f"suspended: {answer['released_bytes'] / 2**30:.2f} GiB of {answer['buffers']} owned buffers released "
+            f"in {answer['suspend_s']:.3f} s ({answer['save_gbps']} GB/s to host)")
+    if rest["count"]:
+        text += f"; {rest['count']} allocations not owned stay on the GPU ({rest['bytes'] / 2**20:.1f} MiB)"
+    if answer.get("image"):
+        text += f"; image {answer['image']['path']}"
+    _say(text + f"; `gpu-restore --agent {agent} --resume` lets it go on")
 
 
 def _describe(result: dict[str, Any]) -> str:

@@ -44,6 +44,10 @@ of it (say, the last one before its loss went NaN), then let it go on:
 
     gpu-restore --agent 4242 --image /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
 
+Let a program suspended by `gpu-ckpt --agent 4242 --suspend` go on:
+
+    gpu-restore --agent 4242 --resume
+
 Check an image of the agent path (and its parent chain), and compare two:
 
     gpu-restore verify /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
@@ -88,6 +92,14 @@ IMAGE_MISMATCH: allocations made or freed since the image was taken). A fresh ru
 deterministic program often gets the same addresses, so an image can restart a job that
 crashed. One `agent_rollback` record: the image, buffers, bytes, read_s, stall_s (how long
 the program was held) and GB/s.
+
+`--agent PID|SOCKET --resume` lets a program suspended by `gpu-ckpt --agent PID --suspend` go
+on: its owned buffers get new physical memory at the same addresses, their contents are copied
+back from the agent's pinned host memory, and the program's waiting call proceeds. One
+`agent_resume` record: buffers, bytes, resume_s, load_gbps and held_s (how long the program
+waited). Refused with 79 (WRONG_STATE) when the program is not suspended. When the GPU has not
+enough free memory for it any more, the resume fails (71, CUDA_ERROR) and the program stays
+suspended, its memory in host RAM: free the GPU and resume again. Onto another GPU: not yet.
 
 `gpu-restore verify IMAGE` checks an image of the agent path and its parent chain: the manifest
 parses and is complete, every chunk file the manifest lists is there with its size, its bytes
@@ -135,6 +147,11 @@ def restore(
         3600.0, "--timeout", metavar="S", min=1.0,
         help="With --agent: how long to wait for the agent's answer, in seconds.",
     ),
+    resume: bool = typer.Option(
+        False, "--resume",
+        help="With --agent: let a program suspended by `gpu-ckpt --agent PID --suspend` go on (its memory is "
+        "mapped again at the same addresses and reloaded).",
+    ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu restore` (repeatable).",
     ),
@@ -155,9 +172,17 @@ def restore(
     agent path.
     """
     if ctx.invoked_subcommand is not None:
-        if any(x is not None for x in (pid, device, device_map, image, profile, output, agent)) or criu_arg:
+        if any(x is not None for x in (pid, device, device_map, image, profile, output, agent)) or criu_arg or resume:
             raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]",
                              ExitCode.USAGE)
+        return
+    if resume and agent is None:
+        raise GpuosError("--resume goes with --agent PID (the driver path: --pid PID)", ExitCode.USAGE)
+    if agent is not None and resume:
+        if any(x is not None for x in (pid, device, device_map, profile, image)) or criu_arg:
+            raise GpuosError("--agent --resume goes with --timeout and -o only (onto another GPU: not yet)",
+                             ExitCode.USAGE)
+        _resume(agent, output, timeout)
         return
     if agent is not None:
         if any(x is not None for x in (pid, device, device_map, profile)) or criu_arg:
@@ -206,6 +231,20 @@ def restore(
         if result.get("restore_s") is not None:
             text += f" (restore {result['restore_s']:.2f} s)"
         stderr_console().print(f"{PROG}: {text}", highlight=False)
+
+
+def _resume(agent: str, output: Optional[str], timeout: float) -> None:
+    """`gpu-restore --agent PID --resume`: one agent_resume record (gpuos_tools/agent/suspend.py)."""
+    from gpuos_tools.agent import control
+    from gpuos_tools.agent.suspend import request_resume
+
+    answer = request_resume(control.resolve(agent), timeout=timeout)
+    _records("-" if output is None else output, PROG, [{"type": "agent_resume", "agent": agent, **answer}])
+    if sys.stderr.isatty():
+        stderr_console().print(
+            f"{PROG}: resumed: {answer['bytes'] / 2**30:.2f} GiB in {answer['buffers']} buffers back in "
+            f"{answer['resume_s']:.3f} s ({answer['load_gbps']} GB/s); the program waited {answer['held_s']:.2f} s",
+            highlight=False)
 
 
 def _rollback(agent: str, image: Path, output: Optional[str], timeout: float) -> None:
