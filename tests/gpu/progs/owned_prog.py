@@ -5,7 +5,10 @@ own), elementwise work with temporaries, matmul (cuBLAS), FFT (cuFFT work areas)
 frees. GPUOS_OWNED_CYCLE=1: half way, from a thread of its own, every record of the owned
 allocator is saved to pinned memory, released, made resident again (overwritten with garbage
 first), reloaded (half by load, half by prefetch_async on another stream) and compared byte for
-byte; device free memory is measured around the release. Writes a JSON report to
+byte; device free memory is measured around the release. GPUOS_SUSPEND_DIR=D: half way, it
+writes its pid to D/pid and launches a small kernel on a scratch array every millisecond (its
+results untouched) until D/go exists, so that a test can suspend and resume it through the
+agent meanwhile (tests/gpu/test_suspend_gpu.py). Writes a JSON report to
 GPUOS_OWNED_OUT: digests of the results, whether CuPy's allocations were owned, the cycle's
 findings.
 """
@@ -91,6 +94,24 @@ def cycle(report: dict) -> None:
     }
 
 
+def wait_for_go(d: str, report: dict) -> None:
+    """Launch on a scratch array until d/go appears (a suspend and resume happen meanwhile)."""
+    import time
+
+    scratch = cp.zeros(1 << 16, dtype=cp.float32)
+    with open(os.path.join(d, "pid.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(d, "pid.tmp"), os.path.join(d, "pid"))
+    spins = 0
+    while not os.path.exists(os.path.join(d, "go")):
+        scratch += 1.0
+        cp.cuda.Device().synchronize()
+        spins += 1
+        time.sleep(0.001)
+    report["spins"] = spins
+    report["scratch_ok"] = float(scratch[0]) == float(spins)
+
+
 def main() -> None:
     report: dict = {}
     rng = cp.random.RandomState(7)
@@ -107,6 +128,8 @@ def main() -> None:
             t = threading.Thread(target=cycle, args=(report,))
             t.start()
             t.join()
+        if step == STEPS // 2 and os.environ.get("GPUOS_SUSPEND_DIR"):
+            wait_for_go(os.environ["GPUOS_SUSPEND_DIR"], report)
         big = state["big"]
         tmp = cp.sin(big) * 0.5 + cp.cos(big[::-1]) * 0.25  # temporaries, freed at once
         state["big"] = (big * 0.9 + tmp * 0.1).astype(cp.float32)

@@ -1,0 +1,64 @@
+"""The job scripts/bench_suspend.py suspends: --gib GiB of pseudo-random data in 256 MiB CuPy
+arrays (a splitmix64 kernel, as bench_ckpt_child.py), then a loop that launches a small kernel
+about every millisecond, so that a suspend finds it between launches. The same file runs under
+`gpu-trace run --agent` with GPUOS_AGENT_OWN=1 (the agent path) and alone (the driver path).
+
+--dir D: D/ready holds {"pid", "checksum"} once the data is there; whenever D/check exists the
+job writes D/check.json with the checksum computed again and removes D/check; D/exit ends it.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import cupy as cp
+
+FILL = cp.ElementwiseKernel(
+    "uint64 seed", "uint32 x",
+    """
+    unsigned long long z = (unsigned long long)i + seed + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    x = (unsigned int)(z ^ (z >> 31));
+    """,
+    "gpuos_suspend_fill",
+)
+CHUNK = 256 << 20
+
+
+def checksum(chunks: list) -> int:
+    return sum(int(c.sum(dtype=cp.uint64)) for c in chunks) % (1 << 64)
+
+
+def write(path: str, obj: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.rename(path + ".tmp", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, required=True)
+    ap.add_argument("--dir", required=True)
+    args = ap.parse_args()
+    n = int(args.gib * (1 << 30)) // CHUNK
+    chunks = []
+    for k in range(n):
+        c = cp.empty(CHUNK // 4, dtype=cp.uint32)
+        FILL(cp.uint64(k * (CHUNK // 4)), c)
+        chunks.append(c)
+    small = cp.zeros(1 << 18, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    write(os.path.join(args.dir, "ready"), {"pid": os.getpid(), "checksum": checksum(chunks), "chunks": n})
+    check, stop = os.path.join(args.dir, "check"), os.path.join(args.dir, "exit")
+    while not os.path.exists(stop):
+        small += 1.0
+        if os.path.exists(check):
+            write(check + ".json", {"checksum": checksum(chunks)})
+            os.unlink(check)
+        time.sleep(0.001)
+
+
+if __name__ == "__main__":
+    main()
