@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Suspend and resume of a >= 8 GiB CuPy job through the agent against the driver checkpoint
+path on a CUPTI-free copy of the same job, side by side in one run (issue 7, items 2 and 5).
+
+The job is tests/gpu/progs/suspend_job.py (--gib GiB in 256 MiB arrays, then a launch about
+every millisecond).
+
+1. agent path: the job under `gpu-trace run --agent` with GPUOS_AGENT_OWN=1; --reps times:
+   suspend through the control socket (--partial: the job has no cuBLAS, but the context-side
+   remainder is reported either way), hold --hold s, resume. The first suspend pins the
+   agent's host staging (`staging_s`, reported apart); the later ones reuse it.
+2. driver path: the same job run alone (no agent, no CUPTI, CuPy's own allocator);
+   gpuos_tools.ckpt.driver's Checkpointer.suspend (lock + checkpoint), hold, resume (restore +
+   unlock), --reps times.
+
+For each: the suspend call's wall time, the time until NVML shows the job's memory given back
+(sampled every ~2 ms from here: the first sample at which the process holds less than its
+usage before minus 90% of --gib; the driver path's process disappears from NVML's list, which
+counts as 0), the resume call's wall time, GB/s each way over the job's bytes, and whether the
+job's checksum is unchanged afterwards. JSON to --json; a table on stderr.
+
+    python3 scripts/bench_suspend.py [--gib 8] [--reps 2] [--hold 0.5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+JOB = ROOT / "tests" / "gpu" / "progs" / "suspend_job.py"
+GIB = 1 << 30
+
+
+class Sampler:
+    """NVML's view of one process's GPU memory, sampled on a thread."""
+
+    def __init__(self, nv: Any, pid: int) -> None:
+        self.nv, self.pid = nv, pid
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def used(self) -> int:
+        return sum(g["memory"] or 0 for g in self.nv.processes().get(self.pid, []))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), self.used()))
+            time.sleep(0.002)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def first_below(self, limit: int, since: float) -> float | None:
+        for t, used in self.samples:
+            if t >= since and used <= limit:
+                return t - since
+        return None
+
+
+def wait_file(path: Path, proc: subprocess.Popen, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"the job ended (status {proc.returncode}) before {path.name}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path.name} after {timeout} s")
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def check(d: Path, proc: subprocess.Popen) -> int:
+    out = d / "check.json"
+    if out.exists():
+        out.unlink()
+    (d / "check").write_text("")
+    return wait_file(out, proc)["checksum"]
+
+
+def start(d: Path, gib: float, agent: bool) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("GPUOS_AGENT_OWN", None)
+    cmd = [sys.executable, str(JOB), "--gib", str(gib), "--dir", str(d)]
+    if agent:
+        env["GPUOS_AGENT_OWN"] = "1"
+        cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
+               str(d / "trace.ndjson.zst"), "--", *cmd]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT)
+
+
+def stop(d: Path, proc: subprocess.Popen) -> None:
+    (d / "exit").write_text("")
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def agent_path(nv: Any, gib: float, reps: int, hold: float) -> dict[str, Any]:
+    from gpuos_tools.agent import control
+    from gpuos_tools.agent.suspend import request_resume, request_suspend
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        proc = start(d, gib, agent=True)
+        rows: list[dict[str, Any]] = []
+        try:
+            ready = wait_file(d / "ready", proc)
+            pid = ready["pid"]
+            sock = control.resolve(str(pid))
+            for _ in range(reps):
+                with Sampler(nv, pid) as smp:
+                    base = smp.used()
+                    t0 = time.perf_counter()
+                    s = request_suspend(sock, partial=True)
+                    t1 = time.perf_counter()
+                    time.sleep(hold)
+                    ping = control.request(sock, "ping", timeout=30)
+                    t2 = time.perf_counter()
+                    r = request_resume(sock)
+                    t3 = time.perf_counter()
+                    time.sleep(0.05)
+                freed = smp.first_below(base - int(0.9 * gib * GIB), t0)
+                back = smp.first_below(10 ** 18, t3)  # a sample after resume exists
+                low = min((u for t, u in smp.samples if t1 <= t <= t2), default=None)
+                rows.append({
+                    "suspend_wall_s": t1 - t0, "resume_wall_s": t3 - t2, "gpu_freed_s": freed,
+                    "nvml_before": base, "nvml_suspended": low, "ping_state": ping.get("state"),
+                    "suspend": s, "resume": r, "sampled_after_resume": back is not None,
+                })
+                print(f"  agent: suspend {t1 - t0:.3f} s (staging {s['staging_s']:.3f}, lock+settle+sync "
+                      f"{s['lock_s'] + s['settle_s'] + s['sync_s']:.4f}, save {s['save_s']:.3f} s @ {s['save_gbps']} GB/s), "
+                      f"freed after {freed}, resume {t3 - t2:.3f} s @ {r['load_gbps']} GB/s", file=sys.stderr, flush=True)
+            same = check(d, proc) == ready["checksum"]
+        finally:
+            stop(d, proc)
+    return {"rows": rows, "checksum_same": same, "bytes": rows[0]["suspend"]["released_bytes"] if rows else None}
+
+
+def driver_path(nv: Any, gib: float, reps: int, hold: float) -> dict[str, Any]:
+    from gpuos_tools.ckpt.driver import Checkpointer
+
+    ckpt = Checkpointer()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        proc = start(d, gib, agent=False)
+        rows: list[dict[str, Any]] = []
+        try:
+            ready = wait_file(d / "ready", proc)
+            pid = ready["pid"]
+            for _ in range(reps):
+                with Sampler(nv, pid) as smp:
+                    base = smp.used()
+                    t0 = time.perf_counter()
+                    s = ckpt.suspend(pid)
+                    t1 = time.perf_counter()
+                    time.sleep(hold)
+                    t2 = time.perf_counter()
+                    r = ckpt.resume(pid)
+                    t3 = time.perf_counter()
+                freed = smp.first_below(base - int(0.9 * gib * GIB), t0)
+                rows.append({"suspend_wall_s": t1 - t0, "resume_wall_s": t3 - t2, "gpu_freed_s": freed,
+                             "nvml_before": base, "lock_s": s["lock_s"], "checkpoint_s": s["checkpoint_s"],
+                             "restore_s": r["restore_s"], "unlock_s": r["unlock_s"], "bytes": s.get("bytes")})
+                print(f"  driver: suspend {t1 - t0:.3f} s (checkpoint {s['checkpoint_s']:.3f}), freed after {freed}, "
+                      f"resume {t3 - t2:.3f} s (restore {r['restore_s']:.3f})", file=sys.stderr, flush=True)
+            same = check(d, proc) == ready["checksum"]
+        finally:
+            if proc.poll() is None:
+                try:
+                    if ckpt.state(pid) in ("checkpointed", "locked"):
+                        ckpt.resume(pid)
+                except Exception as e:  # noqa: BLE001 (report; the job ends next anyway)
+                    print(f"bench_suspend: could not resume the driver-path job: {e}", file=sys.stderr)
+            stop(d, proc)
+    return {"rows": rows, "checksum_same": same}
+
+
+def med(rows: list[dict[str, Any]], get: Any) -> float | None:
+    vals = [v for v in (get(r) for r in rows) if v is not None]
+    return round(statistics.median(vals), 6) if vals else None
+
+
+def side_by_side(agent: dict[str, Any], driver: dict[str, Any] | None, gib: float) -> dict[str, Any]:
+    a = agent["rows"]
+    steady = a[1:] or a  # the first suspend pins the staging
+    nbytes = agent.get("bytes") or gib * GIB
+    out: dict[str, Any] = {
+        "agent": {
+            "suspend_s_first": a[0]["suspend_wall_s"] if a else None,
+            "staging_s_first": a[0]["suspend"]["staging_s"] if a else None,
+            "suspend_s": med(steady, lambda r: r["suspend_wall_s"]),
+            "stall_to_stop_s": med(steady, lambda r: r["suspend"]["lock_s"] + r["suspend"]["settle_s"] + r["suspend"]["sync_s"]),
+            "gpu_freed_s": med(steady, lambda r: r["gpu_freed_s"]),
+            "save_gbps": med(steady, lambda r: r["suspend"]["save_gbps"]),
+            "resume_s": med(a, lambda r: r["resume_wall_s"]),
+            "load_gbps": med(a, lambda r: r["resume"]["load_gbps"]),
+            "not_owned": a[0]["suspend"]["not_owned"] if a else None,
+            "nvml_suspended": med(a, lambda r: r["nvml_suspended"]),
+            "checksum_same": agent["checksum_same"],
+        },
+    }
+    if driver is not None:
+        d = driver["rows"]
+        out["driver"] = {
+            "suspend_s": med(d, lambda r: r["suspend_wall_s"]),
+            "gpu_freed_s": med(d, lambda r: r["gpu_freed_s"]),
+            "checkpoint_gbps": med(d, lambda r: nbytes / r["checkpoint_s"] / 1e9),
+            "resume_s": med(d, lambda r: r["resume_wall_s"]),
+            "restore_gbps": med(d, lambda r: nbytes / r["restore_s"] / 1e9),
+            "checksum_same": driver["checksum_same"],
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--hold", type=float, default=0.5, help="seconds suspended")
+    ap.add_argument("--no-driver", action="store_true")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args()
+    from gpuos_tools.cuda.nvml import open_nvml
+
+    nv = open_nvml()
+    if nv is None:
+        raise SystemExit("bench_suspend needs NVML (nvidia-ml-py)")
+    gpu = nv.gpus()[0]
+    if gpu["memory_free"] < (args.gib + 2) * GIB:
+        raise SystemExit(f"GPU 0 has {gpu['memory_free'] / GIB:.1f} GiB free; {args.gib + 2} GiB needed")
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+                           "gpu": gpu["name"], "driver_version": nv.driver_release(), "gib": args.gib,
+                           "reps": args.reps, "hold_s": args.hold}
+    rc = 0
+    print("bench_suspend: agent path", file=sys.stderr, flush=True)
+    out["agent_path"] = agent_path(nv, args.gib, args.reps, args.hold)
+    out["driver_path"] = None
+    if not args.no_driver:
+        print("bench_suspend: driver path (the same job without the agent)", file=sys.stderr, flush=True)
+        try:
+            out["driver_path"] = driver_path(nv, args.gib, args.reps, args.hold)
+        except Exception as e:  # noqa: BLE001 (the agent's figures still stand)
+            out["driver_path_error"] = f"{type(e).__name__}: {e}"
+            rc = 1
+    out["summary"] = side_by_side(out["agent_path"], out["driver_path"], args.gib)
+    if not out["agent_path"]["checksum_same"] or (out["driver_path"] and not out["driver_path"]["checksum_same"]):
+        rc = 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["summary"]))
+    nv.close()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
