@@ -309,6 +309,33 @@ class Predictor:
             out += self._stored(out)
         return out
 
+    def pointer_key(self, kernel: str, sizes: tuple[int, ...] | None, args: bytes | None) -> tuple | None:
+        """What a range prediction of a launch (its parameter sizes, its argument bytes) depends
+        on, with the allocation table and known contents as they are: (parameter, word, value)
+        of each aligned 8-byte word of a parameter that lies inside the allocations' hull, as
+        ``findings`` scans them. Launches with equal keys get equal predictions (the agent
+        memoises on it). None where that is not all (arguments not decoded, or size templates,
+        which read scalars too)."""
+        if sizes is None or args is None or self.templates is not None:
+            return None
+        hull = self.allocs.hull
+        if hull is None:
+            return (kernel, sizes)
+        low, high = hull
+        found: list[tuple[int, int, int]] = []
+        pos = 0
+        for i, size in enumerate(sizes):
+            n = size >> 3
+            if n:
+                ws = _unpack_words(n)(args, pos)
+                if n == 1:
+                    if low <= ws[0] < high:
+                        found.append((i, 0, ws[0]))
+                else:
+                    found += [(i, j, w) for j, w in enumerate(ws) if low <= w < high]
+            pos += size
+        return (kernel, sizes, tuple(found))
+
     def _stored(self, found: list[Finding]) -> list[Finding]:
         """Pointers held in known device memory (a pointer array) that a found pointer reaches."""
         out: list[Finding] = []
@@ -365,11 +392,8 @@ class Predictor:
             return False
         low, high = hull
         find = self.allocs.find
-        for off in range(0, len(data) - 7, 8):
-            word = int.from_bytes(data[off : off + 8], "little")
-            if low <= word < high and find(word) is not None:
-                return True
-        return False
+        n = len(data) >> 3
+        return n > 0 and any(low <= w < high and find(w) is not None for w in _unpack_words(n)(data))
 
     def invalidate(self) -> None:
         """Forget memoised launch predictions: the allocation table or known memory changed

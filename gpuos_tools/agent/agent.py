@@ -39,7 +39,6 @@ import ctypes
 import hashlib
 import json
 import os
-import struct
 import sys
 import threading
 import time
@@ -56,7 +55,6 @@ PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
 MEMO_MAX = 65536  # launch predictions kept (see Agent._writes)
-_UNPACK: dict[int, Any] = {}  # n -> unpack_from of n little-endian 8-byte words
 
 
 def STAGING_PAUSE(took: float) -> float:
@@ -236,7 +234,7 @@ class Agent(ProcessView):
         key = (kernel, sizes, args)
         hit = self._memo.get(key)
         if hit is None:
-            words = self._pointer_key(kernel, sizes, args)
+            words = self.pred.pointer_key(kernel, sizes, args)
             hit = self._memo_words.get(words) if words is not None else None
             if hit is None:
                 self.memo_misses += 1
@@ -250,34 +248,6 @@ class Agent(ProcessView):
                 self._memo.clear()
             self._memo[key] = hit
         return hit
-
-    def _pointer_key(self, kernel: str, sizes, args) -> tuple | None:
-        """What a range prediction of this launch depends on besides the kernel: (parameter,
-        word, value) of each aligned 8-byte word of a parameter that lies inside the
-        allocations' hull, as Predictor.findings scans them. None where that is not all
-        (arguments not decoded, or size templates, which read scalars too)."""
-        if sizes is None or args is None or self.pred.templates is not None:
-            return None
-        hull = self.pred.allocs.hull
-        if hull is None:
-            return (kernel, sizes)
-        low, high = hull
-        found = []
-        pos = 0
-        for i, size in enumerate(sizes):
-            n = size >> 3
-            if n:
-                unpack = _UNPACK.get(n)
-                if unpack is None:
-                    unpack = _UNPACK[n] = struct.Struct(f"<{n}Q").unpack_from
-                ws = unpack(args, pos)
-                if n == 1:
-                    if low <= ws[0] < high:
-                        found.append((i, 0, ws[0]))
-                else:
-                    found += [(i, j, w) for j, w in enumerate(ws) if low <= w < high]
-            pos += size
-        return (kernel, sizes, tuple(found))
 
     def before_write(self, api: str, addr: int, stream: int) -> None:
         """A copy or memset into ``addr``, or a free of it, is about to be issued."""
