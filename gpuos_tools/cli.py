@@ -107,6 +107,21 @@ def run(command: Any, prog: str, args: Sequence[str] | None = None) -> int:
     return ExitCode.OK
 
 
+def options_before_subcommand(ctx: typer.Context) -> list[str]:
+    """The group options the user gave before a subcommand, which the subcommand would ignore.
+
+    Asks click where each value came from, so options added later are covered without a list to
+    keep in step.
+    """
+    given = []
+    for param in ctx.command.params:
+        # by name: typer >= 0.26 carries its own copy of click, with its own ParameterSource enum
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given.append(param.opts[0] if param.opts else param.name)
+    return given
+
+
 def run_app(app: typer.Typer, prog: str | None = None) -> NoReturn:
     """Entry point of a command: run ``app`` on sys.argv and exit with its status."""
     name = prog or os.path.basename(sys.argv[0])

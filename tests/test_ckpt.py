@@ -112,6 +112,12 @@ def test_new_exit_codes_are_distinct_and_described() -> None:
     ("restore", ["--pid", "1", "--device", "0", "--device-map", "0=1"]),
     ("restore", ["--profile", "p.toml", "--device", "1"]),
     ("restore", ["--pid", "1", "--criu-arg", "-v4"]),
+    # group options before a subcommand would be ignored by it: refused, whichever option it is
+    ("ckpt", ["--timeout", "5", "status"]),
+    ("ckpt", ["--parent", "img", "compact", "a", "b"]),
+    ("ckpt", ["--compress", "status"]),
+    ("ckpt", ["--checksum", "sha256", "status"]),
+    ("restore", ["--timeout", "5", "verify", "img"]),
 ])
 def test_usage_errors(command: str, args: list[str], state_dir: Path) -> None:
     done, records = run_cmd(command, *args, state_dir=state_dir)

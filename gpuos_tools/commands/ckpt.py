@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from gpuos_tools.ckpt.records import man_sections
-from gpuos_tools.cli import error, run_app, stderr_console
+from gpuos_tools.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.units import SIZE_HELP, parse_size
 
@@ -290,9 +290,10 @@ def checkpoint(
     as a gpuos stream record.
     """
     if ctx.invoked_subcommand is not None:
-        if (pid is not None or image is not None or profile is not None or criu_arg or leave_running or output
-                or agent is not None):
-            raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
+        given = options_before_subcommand(ctx)
+        if given:
+            raise GpuosError(f"{', '.join(given)}: options go after the command: "
+                             f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
     if (suspend or partial or max_hold is not None) and agent is None:
         raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from gpuos_tools.ckpt.records import man_sections
-from gpuos_tools.cli import error, run_app, stderr_console
+from gpuos_tools.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 
 PROG = "gpu-restore"
@@ -172,9 +172,10 @@ def restore(
     agent path.
     """
     if ctx.invoked_subcommand is not None:
-        if any(x is not None for x in (pid, device, device_map, image, profile, output, agent)) or criu_arg or resume:
-            raise GpuosError(f"options go after the command: {PROG} {ctx.invoked_subcommand} [OPTIONS]",
-                             ExitCode.USAGE)
+        given = options_before_subcommand(ctx)
+        if given:
+            raise GpuosError(f"{', '.join(given)}: options go after the command: "
+                             f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
     if resume and agent is None:
         raise GpuosError("--resume goes with --agent PID (the driver path: --pid PID)", ExitCode.USAGE)
