@@ -23,7 +23,8 @@ owned, default, owned), and each figure is the better of a kind's two processes:
   memory); alloc warm: the same again (every request served from the cache). µs per
   allocation+free, medians of --repeat rounds.
 - train: a small CNN with an MLP head (cuDNN, cuBLAS), batch 128, SGD, iterations per second
-  (after 20 warm-up iterations, device synchronised).
+  (after 20 warm-up iterations, device synchronised; the median of three windows of
+  --train-iters iterations).
 
 Usage: scripts/bench_alloc.py [--json FILE] [--repeat N] [--torch] [--no-cupy]
 """
@@ -177,13 +178,16 @@ def torch_child(kind: str, sz: list[int], repeat: int, iters: int) -> dict[str, 
 
     for _ in range(20):
         step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        step()
-    torch.cuda.synchronize()
+    rates = []
+    for _ in range(3):  # three windows, the median
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        rates.append(iters / (time.perf_counter() - t))
     out = {"alloc_cold_us": statistics.median(cold), "alloc_warm_us": statistics.median(warm),
-           "train_it_per_s": iters / (time.perf_counter() - t)}
+           "train_it_per_s": statistics.median(rates), "train_windows": rates}
     if kind == "owned":
         out["torch_stats"] = owned.loaded().torch_stats()
     return out
@@ -217,7 +221,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=2000, help="iterations of the ops loop")
     ap.add_argument("--torch", action="store_true", help="also the PyTorch section (a process per way)")
     ap.add_argument("--no-cupy", action="store_true", help="leave out the CuPy section")
-    ap.add_argument("--train-iters", type=int, default=300, help="iterations of the torch training loop")
+    ap.add_argument("--train-iters", type=int, default=1000, help="iterations of the torch training loop")
     ap.add_argument("--torch-child", choices=("default", "owned"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     sz = sizes(args.n)

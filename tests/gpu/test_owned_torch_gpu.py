@@ -76,6 +76,10 @@ def test_owned_torch_training_is_bit_identical_to_the_untraced_run(tmp_path, pla
     assert run["losses"] == plain["losses"]
     assert run["digest"] == plain["digest"]
     assert run["empty_cache"]["cached_before"] > 0 and run["empty_cache"]["cached_after"] == 0
+    # stream order across streams: not while the freeing stream still works, then yes
+    cross = run["probes"]["cross_stream"]
+    assert cross["main_was_busy"] and cross["other_while_busy"] and cross["reused_after"], cross
+    assert plain["probes"]["cross_stream"]["other_while_busy"]
 
 
 def gpu_memory_of(pid: int) -> int | None:

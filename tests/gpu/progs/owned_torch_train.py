@@ -96,7 +96,32 @@ def probes(report: dict) -> None:
     except Exception as e:  # noqa: BLE001
         out["cuda_graph"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     torch.cuda.synchronize()
+    out["cross_stream"] = cross_stream()
     report["probes"] = out
+
+
+def cross_stream() -> dict:
+    """A block freed on the main stream while a kernel there still runs is not handed to another
+    stream; once the main stream is done, it is (the owned cache; torch's own never crosses)."""
+    n = 48 << 20
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    pa = a.data_ptr()
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU time on the main stream, then a writes a
+    a.fill_(7)
+    del a  # back to the cache, freed on the main stream with that work still queued
+    with torch.cuda.stream(side):
+        b = torch.empty(n, dtype=torch.uint8, device="cuda")
+    busy = torch.cuda.current_stream().query() is False
+    pb = b.data_ptr()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        c = torch.empty(n, dtype=torch.uint8, device="cuda")
+    pc = c.data_ptr()
+    del b, c
+    torch.cuda.synchronize()
+    return {"main_was_busy": busy, "other_while_busy": pb != pa, "reused_after": pc == pa}
 
 
 def main() -> None:
