@@ -45,11 +45,17 @@ on its stream, on another stream only after an event recorded on its stream has 
 free synchronises the device; sizes are rounded to classes (at most 25 % over, or the power of
 two up to 1 MiB). Cached blocks stay in the table and are saved and released by a suspend like
 live ones. `torch.cuda.empty_cache()` is wrapped to give the cache back (`torch_trim`).
-Limits (torch's, for any pluggable allocator): `torch.cuda.memory_stats()` and friends have
-nothing to report, `Tensor.record_stream` is not seen (free happens on the allocation stream;
-a program that frees a block still used on another stream must synchronise first, as it must
-with torch's allocator without record_stream), and CUDA graph capture's private memory pools
-are not available.
+Not owned in a PyTorch program (measured on an H100, torch 2.11, scripts/probe_torch_not_owned.py):
+cuBLAS's and cuBLASLt's workspaces (one each, sized by CUBLAS_WORKSPACE_CONFIG: 32 MiB at
+:4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's 2 x 24.75 KiB + 2 x 4 B: torch
+allocates these with cudaMalloc past its allocator, so a suspend needs --partial and they stay
+on the GPU. Limits (torch's, for any pluggable allocator): `torch.cuda.memory_stats()` and
+`torch.cuda.memory_allocated()` raise RuntimeError ("CUDAPluggableAllocator does not yet
+support getDeviceStats"); `Tensor.record_stream` is not seen (a block is freed on its
+allocation stream: a program that frees a tensor still used on another stream must make that
+stream wait first); CUDA graph capture and replay run (tested), but there is no private pool:
+a block freed during capture goes back to the shared cache, so memory the graph still writes on
+replay can be handed to another tensor; keep owning off for programs that replay graphs.
 """
 
 from __future__ import annotations
