@@ -63,7 +63,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -361,8 +360,13 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         if fullname != "torch" or self.busy:
             return None
         self.busy = True
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        try:  # whichever finder after this one would have found it (the path, an editable install)
+            spec = None
+            for finder in [f for f in sys.meta_path if f is not self]:
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find else None
+                if spec is not None:
+                    break
         finally:
             self.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
