@@ -139,8 +139,11 @@ int cuMemSetAccess(uint64_t ptr, size_t size, const void *desc, size_t count) {
     return found && count == 1 ? OK : INVALID_VALUE;
 }
 
+static void all_streams_done(void);
+
 int cuCtxSynchronize(void) {
     __atomic_add_fetch(&syncs, 1, __ATOMIC_RELAXED);
+    all_streams_done(); /* what was enqueued has run */
     return OK;
 }
 
@@ -157,5 +160,92 @@ void fake_counters(int64_t out[4]) {
 void fake_set_physical_limit(int64_t bytes) {
     pthread_mutex_lock(&m);
     physical_limit = bytes;
+    pthread_mutex_unlock(&m);
+}
+
+/* Events: an event records the count of "work" its stream had when recorded; it is complete
+   once the test has marked the stream's work done up to that point (fake_stream_done). Streams
+   are any pointer values; up to 64 distinct ones. */
+#define NOT_READY 600
+typedef struct { void *stream; uint64_t seq; int live; } fake_event_t;
+static fake_event_t events[MAXN];
+static void *stream_ids[64];
+static uint64_t stream_recorded[64], stream_done[64];
+static int64_t live_events, records, queries;
+
+static int stream_slot(void *s) {
+    for (int i = 0; i < 64; i++) if (stream_ids[i] == s && (s || i == 0)) return i;
+    for (int i = 1; i < 64; i++) if (!stream_ids[i]) { stream_ids[i] = s; return i; }
+    return -1;
+}
+
+int cuEventCreate(void **ev, unsigned flags) {
+    (void)flags;
+    pthread_mutex_lock(&m);
+    for (int i = 1; i < MAXN; i++)
+        if (!events[i].live) {
+            events[i] = (fake_event_t){0, 0, 1};
+            live_events++;
+            *ev = (void *)(uintptr_t)i;
+            pthread_mutex_unlock(&m);
+            return OK;
+        }
+    pthread_mutex_unlock(&m);
+    return OUT_OF_MEMORY;
+}
+
+int cuEventRecord(void *ev, void *stream) {
+    uintptr_t i = (uintptr_t)ev;
+    pthread_mutex_lock(&m);
+    int s = stream_slot(stream);
+    if (i == 0 || i >= MAXN || !events[i].live || s < 0) { pthread_mutex_unlock(&m); return INVALID_VALUE; }
+    events[i].stream = stream;
+    events[i].seq = ++stream_recorded[s];
+    records++;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+int cuEventQuery(void *ev) {
+    uintptr_t i = (uintptr_t)ev;
+    pthread_mutex_lock(&m);
+    if (i == 0 || i >= MAXN || !events[i].live) { pthread_mutex_unlock(&m); return INVALID_VALUE; }
+    queries++;
+    int s = stream_slot(events[i].stream);
+    int rc = events[i].seq <= stream_done[s] ? OK : NOT_READY;
+    pthread_mutex_unlock(&m);
+    return rc;
+}
+
+int cuEventDestroy_v2(void *ev) {
+    uintptr_t i = (uintptr_t)ev;
+    pthread_mutex_lock(&m);
+    if (i == 0 || i >= MAXN || !events[i].live) { pthread_mutex_unlock(&m); return INVALID_VALUE; }
+    events[i].live = 0;
+    live_events--;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+/* for the tests: everything recorded on stream so far is complete */
+void fake_stream_done(void *stream) {
+    pthread_mutex_lock(&m);
+    int s = stream_slot(stream);
+    if (s >= 0) stream_done[s] = stream_recorded[s];
+    pthread_mutex_unlock(&m);
+}
+
+/* live events, records, queries */
+void fake_event_counters(int64_t out[3]) {
+    pthread_mutex_lock(&m);
+    out[0] = live_events;
+    out[1] = records;
+    out[2] = queries;
+    pthread_mutex_unlock(&m);
+}
+
+static void all_streams_done(void) {
+    pthread_mutex_lock(&m);
+    for (int i = 0; i < 64; i++) stream_done[i] = stream_recorded[i];
     pthread_mutex_unlock(&m);
 }

@@ -39,6 +39,7 @@ def env(tmp_path):
         return dict(zip(("handles", "mapped", "reserved", "syncs"), out))
 
     counters.limit = lambda n: fake_lib.fake_set_physical_limit(ctypes.c_int64(n))  # type: ignore[attr-defined]
+    counters.fake = fake_lib  # type: ignore[attr-defined]
     return lib, counters
 
 
@@ -197,9 +198,10 @@ def test_concurrent_mallocs_frees_and_residency_keep_the_table_sound(env):
 def test_option_parsing():
     assert owned.parse_option(None) is None
     assert owned.parse_option("0") is None and owned.parse_option("") is None
-    assert owned.parse_option("1") == "cupy" and owned.parse_option(" CuPy ") == "cupy"
+    assert owned.parse_option("1") == ("cupy", "torch") and owned.parse_option(" CuPy ") == ("cupy",)
+    assert owned.parse_option("torch") == ("torch",) and owned.parse_option("torch,cupy") == ("cupy", "torch")
     with pytest.raises(ValueError, match="GPUOS_AGENT_OWN"):
-        owned.parse_option("torch")
+        owned.parse_option("jax")
     env = {"GPUOS_AGENT_OWN": "0", "OTHER": "x"}
     assert owned.boot_from_environment(env) is None and env == {"OTHER": "x"}
 
@@ -207,3 +209,202 @@ def test_option_parsing():
 def test_record_layout_matches_the_c_struct(env):
     lib, _ = env
     assert lib.lib.gpuos_alloc_record_size() == ctypes.sizeof(owned.RECORD) == 48
+
+
+# -- the PyTorch cache (gpuos_torch_malloc / gpuos_torch_free) -----------------------------------
+
+S1, S2 = 0x1000, 0x2000  # two streams (opaque pointers to the library)
+
+
+def events(counters) -> dict[str, int]:
+    out = (ctypes.c_int64 * 3)()
+    counters.fake.fake_event_counters(out)
+    return dict(zip(("live", "records", "queries"), out))
+
+
+def test_torch_size_classes_bound_the_rounding(env):
+    lib, _ = env
+    assert [lib.torch_round(n) for n in (1, 512, 513, 4096, 700_000, 1 << 20)] == [512, 512, 1024, 4096, 1 << 20, 1 << 20]
+    assert lib.torch_round((1 << 20) + 1) == G
+    assert lib.torch_round(5 * G + 1) == 6 * G  # quarter of 8 MiB = 2 MiB steps
+    for n in (3 << 20, 17 << 20, 100_000_000, 3_000_000_000, (1 << 30) + 1):
+        r = lib.torch_round(n)
+        assert r >= n and r % G == 0 and r <= max(1.25 * n, n + G), (n, r)
+
+
+def test_torch_free_caches_and_same_stream_reuse_needs_no_driver_call(env):
+    lib, counters = env
+    a = lib.torch_malloc(10 * G, 0, S1)
+    b = lib.torch_malloc(3000, 0, S1)
+    assert a and b and lib.lookup(a).size == 10 * G and lib.lookup(b).block == 4096
+    before = counters()
+    lib.torch_free(a, 10 * G, 0, S1)
+    lib.torch_free(b, 3000, 0, S1)
+    assert counters() == before  # no unmap, no synchronisation: the blocks wait in the cache
+    st = lib.torch_stats()
+    assert st["cached_bytes"] == 10 * G + 4096 and st["cached_blocks"] == 2
+    assert lib.torch_malloc(9 * G + 5, 0, S1) == a  # same class (10 * G), same stream: at once
+    assert lib.torch_malloc(2100, 0, S1) == b
+    assert counters() == before and events(counters)["records"] == 0
+    st = lib.torch_stats()
+    assert st["hits"] == 2 and st["misses"] == 2 and st["cached_blocks"] == 0
+    # another class is not served from a cached block, however large
+    lib.torch_free(a, 10 * G, 0, S1)
+    c = lib.torch_malloc(G, 0, S1)
+    assert c != a and lib.torch_stats()["misses"] == 3
+
+
+def test_torch_cross_stream_reuse_waits_for_an_event_after_the_free(env):
+    lib, counters = env
+    a = lib.torch_malloc(4 * G, 0, S1)
+    lib.torch_free(a, 4 * G, 0, S1)
+    # S2 may not take it while S1's work (up to the free) may still run: an event is recorded
+    # on S1 now, and it has not completed
+    b = lib.torch_malloc(4 * G, 0, S2)
+    assert b and b != a
+    ev = events(counters)
+    assert ev["records"] == 1 and ev["live"] == 1
+    assert lib.torch_malloc(4 * G, 0, S2) not in (0, a)  # still not complete: not taken
+    assert events(counters)["records"] == 1  # recorded once, queried again
+    counters.fake.fake_stream_done(ctypes.c_void_p(S1))
+    assert lib.torch_malloc(4 * G, 0, S2) == a
+    st = lib.torch_stats()
+    assert st["cross_stream_hits"] == 1 and st["events"] == 1 and st["cached_blocks"] == 0
+    # the event is kept for the next block that needs one
+    lib.torch_free(a, 4 * G, 0, S2)
+    lib.torch_malloc(4 * G, 0, S1)
+    assert events(counters)["live"] == 1 and events(counters)["records"] == 2
+
+
+def test_torch_trim_synchronises_once_and_gives_everything_back(env):
+    lib, counters = env
+    ptrs = [(lib.torch_malloc(n, 0, S1), n) for n in (700, 700, 5000, 3 * G, 7 * G, 7 * G)]
+    for p, n in ptrs:
+        lib.torch_free(p, n, 0, S1)
+    syncs = counters()["syncs"]
+    assert counters()["handles"] == 5  # two small segments, three large ranges
+    assert lib.torch_trim() == 6
+    assert counters()["syncs"] == syncs + 1 + 2  # once for all; the empty segments once each (as before)
+    assert counters() == dict(counters(), handles=0, mapped=0, reserved=0)
+    assert lib.table() == [] and lib.torch_stats()["cached_bytes"] == 0
+    assert lib.torch_trim() == 0
+
+
+def test_torch_malloc_out_of_memory_trims_the_cache_and_retries(env):
+    lib, counters = env
+    a = lib.torch_malloc(6 * G, 0, S1)
+    lib.torch_free(a, 6 * G, 0, S1)
+    counters.limit(8 * G)
+    b = lib.torch_malloc(4 * G, 0, S1)  # 6 G cached + 4 G > 8 G: the cache goes back first
+    assert b and lib.lookup(a) is None
+    assert lib.torch_stats()["oom_retries"] == 1
+    assert lib.torch_malloc(6 * G, 0, S1) == 0  # really out of memory: NULL (torch raises OOM)
+    counters.limit(-1)
+
+
+def test_cached_torch_blocks_are_records_residency_acts_on(env):
+    lib, counters = env
+    a = lib.torch_malloc(3 * G, 0, S1)
+    lib.torch_free(a, 3 * G, 0, S1)
+    lib.release(a)  # a suspend releases cached blocks too
+    assert not lib.lookup(a).resident and counters()["mapped"] == 0
+    lib.make_resident(a)
+    assert lib.torch_malloc(3 * G, 0, S1) == a and lib.lookup(a).resident
+
+
+def test_concurrent_torch_traffic_on_several_streams_keeps_the_cache_sound(env):
+    lib, counters = env
+    errors: list[str] = []
+    live: set[int] = set()
+    guard = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        stream = [S1, S2][seed % 2]
+        mine: list[tuple[int, int]] = []
+        try:
+            for _ in range(500):
+                if mine and rng.random() < 0.5:
+                    p, n = mine.pop(rng.randrange(len(mine)))
+                    with guard:
+                        live.discard(p)
+                    lib.torch_free(p, n, 0, stream)
+                else:
+                    n = rng.choice([100, 4000, 70000, 1 << 20, G + 1, 3 * G])
+                    p = lib.torch_malloc(n, 0, stream)
+                    assert p, "malloc failed"
+                    with guard:
+                        assert p not in live, f"{p:#x} handed out twice"
+                        live.add(p)
+                    mine.append((p, n))
+                if rng.random() < 0.05:
+                    counters.fake.fake_stream_done(ctypes.c_void_p(stream))
+            for p, n in mine:
+                with guard:
+                    live.discard(p)
+                lib.torch_free(p, n, 0, stream)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    st = lib.torch_stats()
+    assert st["hits"] > 0 and st["misses"] > 0 and st["events"] > 0
+    assert lib.torch_trim() == st["cached_blocks"]
+    assert counters() == dict(counters(), handles=0, mapped=0, reserved=0)
+    assert events(counters)["live"] == 0 and lib.stats()["driver_errors"] == 0
+
+
+FAKE_TORCH = """
+import types
+calls = []
+_C = types.SimpleNamespace(_cuda_customAllocator=object())
+class CUDAPluggableAllocator:
+    def __init__(self, path, alloc, free):
+        calls.append(("allocator", path, alloc, free))
+def change_current_allocator(a):
+    calls.append(("change", type(a).__name__))
+def empty_cache():
+    calls.append(("empty_cache",))
+memory = types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator,
+                               change_current_allocator=change_current_allocator, empty_cache=empty_cache)
+cuda = types.SimpleNamespace(memory=memory, empty_cache=empty_cache, is_initialized=lambda: True)
+"""
+
+
+def test_torch_is_owned_when_imported_after_boot(env, tmp_path, monkeypatch):
+    """GPUOS_AGENT_OWN=torch before torch is imported: an import hook installs the allocator
+    as `import torch` finishes; empty_cache then trims the library's cache."""
+    import sys
+
+    lib, _ = env
+    pkg = tmp_path / "site" / "torch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_TORCH)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(owned, "_library", lib)
+    monkeypatch.setattr(owned, "_torch_allocator", None)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    env_vars = {"GPUOS_AGENT_OWN": "torch"}
+    assert owned.boot_from_environment(env_vars) == ("torch",) and env_vars == {}
+    assert "torch" not in sys.modules  # nothing imported for a program that may never use it
+    import torch
+
+    try:
+        assert torch.calls == [("allocator", lib.path, "gpuos_torch_malloc", "gpuos_torch_free"),
+                               ("change", "CUDAPluggableAllocator")]
+        assert not any(isinstance(f, owned._TorchImportHook) for f in sys.meta_path)  # done, gone
+        a = lib.torch_malloc(3 * G)
+        lib.torch_free(a, 3 * G)
+        assert lib.torch_stats()["cached_blocks"] == 1
+        torch.cuda.empty_cache()
+        assert lib.torch_stats()["cached_blocks"] == 0 and lib.lookup(a) is None
+        assert torch.calls[-1] == ("empty_cache",)  # torch's own still runs
+        assert owned.torch_allocator() is not None and owned.watch_torch() == "now"
+    finally:
+        sys.modules.pop("torch", None)

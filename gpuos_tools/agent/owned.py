@@ -35,20 +35,35 @@ for the program's):
 save -> release -> make_resident -> load gives the same bytes at the same addresses (tested on the
 GPU, tests/gpu/test_owned_gpu.py).
 
-PyTorch (not wired yet): the library also exports `gpuos_torch_malloc(ssize_t size, int device,
-void *stream)` and `gpuos_torch_free(void *ptr, ssize_t size, int device, void *stream)`, the
-signatures of `torch.cuda.memory.CUDAPluggableAllocator(path, "gpuos_torch_malloc",
-"gpuos_torch_free")` (after `OwnedLibrary.load()` has initialised it). A pluggable allocator
-replaces torch's caching allocator instead of sitting under it, and this library's free of a
-large buffer synchronises the device like cudaFree, so before torch programs are owned the
-library needs stream-ordered caching of its own (reuse a freed range on the same stream without
-a synchronisation); the residency operations need no change.
+PyTorch: the same `GPUOS_AGENT_OWN=1` makes torch allocate through the library's
+`gpuos_torch_malloc` / `gpuos_torch_free` (`torch.cuda.memory.CUDAPluggableAllocator`), put in
+place by `install_torch()` before the first CUDA allocation: at boot when torch is already
+imported, else by an import hook the moment `import torch` finishes (programs that never import
+torch never load it). A pluggable allocator replaces torch's caching allocator, so the library
+caches itself, stream-ordered (csrc/gpuos_alloc.c, "PyTorch"): a freed block is reused at once
+on its stream, on another stream only after an event recorded on its stream has completed; no
+free synchronises the device; sizes are rounded to classes (at most 25 % over, or the power of
+two up to 1 MiB). Cached blocks stay in the table and are saved and released by a suspend like
+live ones. `torch.cuda.empty_cache()` is wrapped to give the cache back (`torch_trim`).
+Not owned in a PyTorch program (measured on an H100, torch 2.11, scripts/probe_torch_not_owned.py):
+cuBLAS's and cuBLASLt's workspaces (one each, sized by CUBLAS_WORKSPACE_CONFIG: 32 MiB at
+:4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's 2 x 24.75 KiB + 2 x 4 B: torch
+allocates these with cudaMalloc past its allocator, so a suspend needs --partial and they stay
+on the GPU. Limits (torch's, for any pluggable allocator): `torch.cuda.memory_stats()` and
+`torch.cuda.memory_allocated()` raise RuntimeError ("CUDAPluggableAllocator does not yet
+support getDeviceStats"); `Tensor.record_stream` is not seen (a block is freed on its
+allocation stream: a program that frees a tensor still used on another stream must make that
+stream wait first); CUDA graph capture and replay run (tested), but there is no private pool:
+a block freed during capture goes back to the shared cache, so memory the graph still writes on
+replay can be handed to another tensor; keep owning off for programs that replay graphs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import importlib.abc
+import importlib.util
 import os
 import sys
 import threading
@@ -109,14 +124,21 @@ _CODES = {-errno.ENOENT: "not an owned allocation", -errno.EBUSY: "another resid
           -errno.EALREADY: "already in that state", -errno.EINVAL: "not an address the library handed out"}
 
 
-def parse_option(value: str | None) -> str | None:
-    """GPUOS_AGENT_OWN's value -> the framework to own (``"cupy"``) or None (off)."""
+FRAMEWORKS = ("cupy", "torch")
+
+
+def parse_option(value: str | None) -> tuple[str, ...] | None:
+    """GPUOS_AGENT_OWN's value -> the frameworks to own, or None (off): 1 (both, whichever
+    the program uses), or a comma-separated list of cupy, torch."""
     v = (value or "").strip().lower()
     if v in ("", "0", "off", "no", "false"):
         return None
-    if v in ("1", "on", "yes", "true", "cupy"):
-        return "cupy"
-    raise ValueError(f"{ENV}={value!r}: expected 1 (own CuPy's allocations) or 0")
+    if v in ("1", "on", "yes", "true", "all"):
+        return FRAMEWORKS
+    names = [x.strip() for x in v.split(",") if x.strip()]
+    if names and all(n in FRAMEWORKS for n in names):
+        return tuple(n for n in FRAMEWORKS if n in names)
+    raise ValueError(f"{ENV}={value!r}: expected 1 (own CuPy's and PyTorch's allocations), cupy, torch, or 0")
 
 
 def build(cache: Path | None = None) -> Path:
@@ -140,6 +162,12 @@ class OwnedLibrary:
         lib.gpuos_alloc_lookup.argtypes = [ctypes.c_uint64, ctypes.POINTER(RECORD)]
         lib.gpuos_alloc_record_size.restype = ctypes.c_size_t
         lib.gpuos_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.gpuos_torch_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.gpuos_torch_round.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+        lib.gpuos_torch_round.restype = ctypes.c_size_t
+        lib.gpuos_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpuos_torch_malloc.restype = ctypes.c_uint64
+        lib.gpuos_torch_free.argtypes = [ctypes.c_uint64, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         if lib.gpuos_alloc_record_size() != ctypes.sizeof(RECORD):
             raise OwnedError(f"{self.path}: record layout differs from owned.RECORD")
         rc = lib.gpuos_alloc_init(libcuda.encode() if libcuda else None)
@@ -171,6 +199,29 @@ class OwnedLibrary:
     def trim(self) -> int:
         """Give empty small segments back to the driver; how many."""
         return self.lib.gpuos_alloc_trim()
+
+    # -- the PyTorch cache (what torch calls through CUDAPluggableAllocator) -------------------
+
+    def torch_malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        return self.lib.gpuos_torch_malloc(size, device, stream)
+
+    def torch_free(self, ptr: int, size: int, device: int = 0, stream: int = 0) -> None:
+        self.lib.gpuos_torch_free(ptr, size, device, stream)
+
+    def torch_trim(self) -> int:
+        """Wait for the device once and give every cached block back; how many."""
+        return self.lib.gpuos_torch_trim()
+
+    def torch_round(self, size: int, granule: int = 2 << 20) -> int:
+        """The size class a request of ``size`` bytes is served from."""
+        return self.lib.gpuos_torch_round(size, granule)
+
+    def torch_stats(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * 8)()
+        self.lib.gpuos_torch_stats(out)
+        keys = ("hits", "cross_stream_hits", "misses", "cached_bytes", "cached_blocks", "trimmed",
+                "oom_retries", "events")
+        return dict(zip(keys, (int(x) for x in out)))
 
     # -- residency ----------------------------------------------------------------------------
 
@@ -260,8 +311,114 @@ def install_cupy() -> Any:
     return pool
 
 
+# ---------------------------------------------------------------- PyTorch
+
+_torch_allocator: Any = None
+
+
+def install_torch() -> Any:
+    """Make torch allocate through the library (CUDAPluggableAllocator over gpuos_torch_malloc /
+    gpuos_torch_free); returns the allocator. It must run before torch's first CUDA allocation
+    (torch refuses to swap an allocator in use). torch.cuda.empty_cache() then trims the
+    library's cache."""
+    global _torch_allocator
+    import torch
+
+    if _torch_allocator is not None:
+        return _torch_allocator
+    lib = OwnedLibrary.load()  # initialised before torch dlopens the same file
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "gpuos_torch_malloc", "gpuos_torch_free")
+    torch.cuda.memory.change_current_allocator(alloc)
+    original = torch.cuda.memory.empty_cache
+
+    def empty_cache() -> None:
+        """Give the owned allocator's cached blocks back to the driver (gpuos agent)."""
+        if torch.cuda.is_initialized():
+            lib.torch_trim()
+        original()
+
+    empty_cache.__wrapped__ = original  # type: ignore[attr-defined]
+    torch.cuda.memory.empty_cache = empty_cache
+    torch.cuda.empty_cache = empty_cache
+    _torch_allocator = alloc
+    return alloc
+
+
+def torch_allocator() -> Any:
+    """The pluggable allocator install_torch put in place, or None."""
+    return _torch_allocator
+
+
+class _TorchImportHook(importlib.abc.MetaPathFinder):
+    """Runs install_torch the moment `import torch` has finished executing torch/__init__.py
+    (before the program can allocate anything), then takes itself off sys.meta_path."""
+
+    def __init__(self) -> None:
+        self.busy = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torch" or self.busy:
+            return None
+        self.busy = True
+        try:  # whichever finder after this one would have found it (the path, an editable install)
+            spec = None
+            for finder in [f for f in sys.meta_path if f is not self]:
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find else None
+                if spec is not None:
+                    break
+        finally:
+            self.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _InstallAfter(spec.loader, self)
+        return spec
+
+
+class _InstallAfter(importlib.abc.Loader):
+    def __init__(self, loader: Any, hook: _TorchImportHook) -> None:
+        self.loader, self.hook = loader, hook
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        if self.hook in sys.meta_path:
+            sys.meta_path.remove(self.hook)
+        _install_torch_or_warn()
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...
+        return getattr(self.loader, name)
+
+
+def _install_torch_or_warn() -> bool:
+    try:
+        import torch
+
+        if not hasattr(torch._C, "_cuda_customAllocator"):
+            sys.stderr.write(f"gpu-trace: warning: {ENV}: this PyTorch has no CUDA: nothing of it is owned\n")
+            return False
+        install_torch()
+        return True
+    except Exception as exc:  # noqa: BLE001 (the program runs on; a suspend will say what is not owned)
+        sys.stderr.write(f"gpu-trace: warning: {ENV}: PyTorch's allocations are not owned: "
+                         f"{type(exc).__name__}: {exc}\n")
+        return False
+
+
+def watch_torch() -> str:
+    """Own torch's allocations: now if torch is imported, else when it is ("now", "hooked")."""
+    if "torch" in sys.modules:
+        _install_torch_or_warn()
+        return "now"
+    if not any(isinstance(f, _TorchImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportHook())
+    return "hooked"
+
+
 def loaded() -> OwnedLibrary | None:
-    """The process's library if something loaded it (install_cupy, Residency), else None."""
+    """The process's library if something loaded it (install_cupy, install_torch, Residency), else None."""
     return _library
 
 
@@ -270,19 +427,25 @@ def pool() -> Any:
     return _pool
 
 
-def boot_from_environment(environ: dict[str, str] | None = None) -> str | None:
+def boot_from_environment(environ: dict[str, str] | None = None) -> tuple[str, ...] | None:
     """Read GPUOS_AGENT_OWN (removing it, so programs this one starts are not affected) and
-    install what it asks for; returns what was owned. Called by tracer.start."""
+    install what it asks for; returns the frameworks owned (torch: also when only hooked, to be
+    installed on import). Called by tracer.start."""
     env = os.environ if environ is None else environ
     what = parse_option(env.pop(ENV, None))
-    if what == "cupy":
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            sys.stderr.write(f"gpu-trace: warning: {ENV}=1 but CuPy is not importable: nothing is owned\n")
-            return None
+    if what is None:
+        return None
+    done = []
+    if "cupy" in what and importlib.util.find_spec("cupy") is not None:
         install_cupy()
-    return what
+        done.append("cupy")
+    if "torch" in what and importlib.util.find_spec("torch") is not None:
+        watch_torch()
+        done.append("torch")
+    if not done:
+        sys.stderr.write(f"gpu-trace: warning: {ENV}: neither {' nor '.join(what)} is importable: nothing is owned\n")
+        return None
+    return tuple(done)
 
 
 # ---------------------------------------------------------------- residency with copies

@@ -24,8 +24,9 @@ the memory back (another process took the GPU meanwhile) is refused with the pro
 suspended and nothing lost; it can be retried. The agent's shutdown, and ``max_hold_s`` when
 the suspend asked for it, resume by themselves.
 
-Not owned: what the program allocated outside CuPy's allocator (cuBLAS's workspace, cuFFT's
-plans, cudaMalloc from extensions), the CUDA context and module images. A suspend of a program
+Not owned: what the program allocated outside CuPy's and PyTorch's allocators (cuBLAS's
+workspace, cuDNN's and cuFFT's own small buffers and plans, cudaMalloc from extensions), the
+CUDA context and module images. A suspend of a program
 with such allocations is refused (NOT_OWNED, naming them) unless ``partial`` is asked; then the
 owned memory is suspended and the answer reports what stayed (count, bytes, the largest).
 
@@ -109,8 +110,8 @@ def refusal(owning: bool, owned_records: int, outside: Sequence[Allocation], par
         return text + (f"; its device memory: {named(outside)}" if outside else "")
     if outside and not partial:
         return (f"device memory outside the owned allocator would stay on the GPU: {named(outside)} "
-                "(CUDA libraries' workspaces, or allocations not made through CuPy); --partial suspends "
-                "what is owned and reports the rest")
+                "(CUDA libraries' workspaces, or allocations not made through CuPy's or PyTorch's allocator); "
+                "--partial suspends what is owned and reports the rest")
     if owned_records == 0:
         return "no owned buffer is resident: nothing to suspend"
     return None

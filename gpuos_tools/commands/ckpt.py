@@ -159,7 +159,7 @@ copy-on-write slots."""
 SUSPEND = """\
 `gpu-ckpt --agent PID --suspend` frees the GPU memory of a program started under the agent with
 its allocations owned (`GPUOS_AGENT_OWN=1 gpu-trace run --agent`, or `gpu-ckpt run`; CuPy
-programs), at link speed, and keeps the program waiting until `gpu-restore --agent PID
+and PyTorch programs), at link speed, and keeps the program waiting until `gpu-restore --agent PID
 --resume`:
 
     GPUOS_AGENT_OWN=1 gpu-ckpt run -o run.ndjson.zst -- python3 job.py &
@@ -187,8 +187,10 @@ resume that cannot get the memory back (another process took the GPU) is refused
 program still suspended and its memory still in host RAM: free the GPU and resume again. The
 agent's shutdown resumes a suspended program first.
 
-Not owned: the CUDA context and module images, and device memory allocated outside CuPy's
-allocator (cuBLAS's workspace, cuFFT's plans, cudaMalloc in extensions) stay on the GPU. A
+Not owned: the CUDA context and module images, and device memory allocated outside CuPy's and
+PyTorch's allocators (cuBLAS's workspace, cuFFT's plans, cuDNN's small buffers, cudaMalloc in
+extensions) stay on the GPU; a PyTorch training job keeps about 64 MiB there with the default
+cuBLAS workspace on an H100 (gpu-trace(1), OWNED ALLOCATIONS). A
 program with such allocations is refused (93, NOT_OWNED, naming the largest) unless `--partial`
 is given; a program started without GPUOS_AGENT_OWN=1 is refused with or without it; nothing is
 changed then. The `agent_suspend` record lists what stayed (`not_owned`: count, bytes, the

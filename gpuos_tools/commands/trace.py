@@ -35,8 +35,8 @@ MAN_SECTIONS = {
     "ENVIRONMENT": (
         "- `GPUOS_IMAGES`: default directory for module images.\n"
         "- `CC`: the C compiler that builds the native tracer (default `cc`).\n"
-        "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy allocations go through the owned "
-        "allocator (see OWNED ALLOCATIONS); opt-in, default off.\n"
+        "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy and PyTorch allocations go through the "
+        "owned allocator (`cupy` or `torch` for one of them; see OWNED ALLOCATIONS); opt-in, default off.\n"
         "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "
         "`$XDG_CACHE_HOME/gpuos-tools` (default `~/.cache/gpuos-tools`)."
     ),

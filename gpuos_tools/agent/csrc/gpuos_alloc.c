@@ -63,6 +63,12 @@ typedef int (*map_t)(CUdeviceptr, size_t, size_t, CUhandle, unsigned long long);
 typedef int (*unmap_t)(CUdeviceptr, size_t);
 typedef int (*set_access_t)(CUdeviceptr, size_t, const access_desc_t *, size_t);
 typedef int (*ctx_sync_t)(void);
+typedef void *CUevent;
+typedef void *CUstream;
+typedef int (*event_create_t)(CUevent *, unsigned);
+typedef int (*event_record_t)(CUevent, CUstream);
+typedef int (*event_query_t)(CUevent);
+typedef int (*event_destroy_t)(CUevent);
 
 static granularity_t p_granularity;
 static reserve_t p_reserve;
@@ -73,6 +79,10 @@ static map_t p_map;
 static unmap_t p_unmap;
 static set_access_t p_set_access;
 static ctx_sync_t p_ctx_sync;
+static event_create_t p_event_create;
+static event_record_t p_event_record;
+static event_query_t p_event_query;
+static event_destroy_t p_event_destroy;
 
 /* ---- the table */
 enum { F_RESIDENT = 1, F_BUSY = 2, F_SMALL = 4, F_FREE_PENDING = 8 };
@@ -208,14 +218,17 @@ static int new_range(size_t size, size_t align, int device, uint64_t *base, CUha
 }
 
 /* Give a whole record back to the driver (no lock held; the record is out of the table).
-   Like cudaFree, it waits for the device first: work still in flight may use the memory. */
-static void destroy(const entry_t *e) {
-    p_ctx_sync();
+   Like cudaFree, it waits for the device first (sync): work still in flight may use the memory;
+   a caller that has synchronised already passes 0. */
+static void destroy_sync(const entry_t *e, int sync) {
+    if (sync) p_ctx_sync();
     if (e->r.flags & F_RESIDENT) unback(e->r.base, e->r.size, e->r.handle);
     note_error(p_addr_free(e->r.base, e->r.size));
     __atomic_sub_fetch(&stats[S_RESERVED], e->r.size, __ATOMIC_RELAXED);
     free(e->bitmap);
 }
+
+static void destroy(const entry_t *e) { destroy_sync(e, 1); }
 
 /* ---- public: setup */
 
@@ -233,9 +246,13 @@ int gpuos_alloc_init(const char *libcuda_path) {
     p_unmap = (unmap_t)dlsym(cuda, "cuMemUnmap");
     p_set_access = (set_access_t)dlsym(cuda, "cuMemSetAccess");
     p_ctx_sync = (ctx_sync_t)dlsym(cuda, "cuCtxSynchronize");
+    p_event_create = (event_create_t)dlsym(cuda, "cuEventCreate");
+    p_event_record = (event_record_t)dlsym(cuda, "cuEventRecord");
+    p_event_query = (event_query_t)dlsym(cuda, "cuEventQuery");
+    p_event_destroy = (event_destroy_t)dlsym(cuda, "cuEventDestroy_v2");
     map_t m = (map_t)dlsym(cuda, "cuMemMap");
     if (!g || !p_reserve || !p_addr_free || !p_create || !p_release || !p_unmap || !p_set_access ||
-        !p_ctx_sync || !m)
+        !p_ctx_sync || !p_event_create || !p_event_record || !p_event_query || !p_event_destroy || !m)
         return -2;
     p_granularity = g;
     __atomic_store_n(&p_map, m, __ATOMIC_RELEASE);
@@ -323,8 +340,8 @@ uint64_t gpuos_alloc_malloc(size_t size, int device) {
     return malloc_large(size, device, g);
 }
 
-/* Free what gpuos_alloc_malloc returned. 0, or -EINVAL for an address we did not hand out. */
-int gpuos_alloc_free(uint64_t ptr) {
+/* Free what gpuos_alloc_malloc returned (sync: wait for the device before a range goes back). */
+static int free_sync(uint64_t ptr, int sync) {
     if (!ptr) return 0;
     __atomic_add_fetch(&stats[S_FREE], 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&lock);
@@ -353,9 +370,12 @@ int gpuos_alloc_free(uint64_t ptr) {
     entry_t gone = *e;
     erase((size_t)i);
     pthread_mutex_unlock(&lock);
-    destroy(&gone);
+    destroy_sync(&gone, sync);
     return 0;
 }
+
+/* Free what gpuos_alloc_malloc returned. 0, or -EINVAL for an address we did not hand out. */
+int gpuos_alloc_free(uint64_t ptr) { return free_sync(ptr, 1); }
 
 /* Give empty small segments back to the driver; returns how many. */
 int gpuos_alloc_trim(void) {
@@ -485,17 +505,240 @@ void gpuos_cupy_free(void *param, void *ptr, int device) {
     gpuos_alloc_free((uint64_t)(uintptr_t)ptr);
 }
 
-/* torch.cuda.memory.CUDAPluggableAllocator's signatures. The library needs gpuos_alloc_init
-   first (owned.py does it); torch's own caching allocator is then not in front, so a caller
-   that wants caching keeps its own. */
+/* ---- PyTorch: a stream-ordered cache in front of the library
+ *
+ * A pluggable allocator replaces torch's caching allocator, so the caching is here. torch hands
+ * free() the stream the block was allocated on (its "allocation stream"), as its own allocator
+ * assumes: a program that uses a block on another stream synchronises that stream with the
+ * allocation stream before the free (record_stream is not available to pluggable allocators).
+ *
+ * - Sizes are rounded to a class: up to 1 MiB a power of two (a block of the library's
+ *   segments); above, to a quarter of the power of two below the size (at most 25 % over),
+ *   then to the granule. A freed block waits in its class's bucket and is handed out again
+ *   only for that class: what is wasted is bounded by the rounding.
+ * - A freed block is reused at once by a request on the same stream (stream order makes it
+ *   safe, as in torch's allocator). A request on another stream takes it only once an event
+ *   recorded on the block's stream after its free has completed; the event is recorded
+ *   lazily, on the first such request (recording later covers the free too), so a free costs
+ *   no driver call and a program of one stream records none.
+ * - No free synchronises the device: cached blocks stay mapped (and owned: suspend saves and
+ *   releases them like live ones). gpuos_torch_trim() waits for the device once and gives
+ *   every cached block back; a malloc the driver refuses trims and tries again.
+ */
+#define CROSS_TRIES 4 /* blocks of other streams whose events one request checks */
+
+typedef struct { uint64_t ptr; CUstream stream; CUevent event; } cblock_t;
+typedef struct { uint64_t size; int device; cblock_t *v; size_t n, cap; } bucket_t;
+
+static pthread_mutex_t tlock = PTHREAD_MUTEX_INITIALIZER; /* guards the buckets; no driver call under it */
+static bucket_t *buckets; /* sorted by (device, size) */
+static size_t n_buckets, cap_buckets;
+static CUevent *spare_events; /* created, free for reuse */
+static size_t n_spare, cap_spare;
+static uint64_t tstats[8];
+enum { T_HITS, T_CROSS_HITS, T_MISSES, T_CACHED_BYTES, T_CACHED_BLOCKS, T_TRIMMED, T_OOM_RETRIES, T_EVENTS };
+
+/* the class a request of size bytes is served from */
+size_t gpuos_torch_round(size_t size, size_t g) {
+    if (size <= ((size_t)1 << SMALL_MAX_SHIFT) && size <= g / 2) {
+        unsigned shift = SMALL_MIN_SHIFT;
+        while (((size_t)1 << shift) < size) shift++;
+        return (size_t)1 << shift;
+    }
+    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)size));
+    size_t step = p / 4;
+    size_t r = (size + step - 1) / step * step;
+    return (r + g - 1) / g * g;
+}
+
+/* the bucket of (device, size); created when make (tlock held); NULL when absent or no memory */
+static bucket_t *bucket(int device, uint64_t size, int make) {
+    size_t lo = 0, hi = n_buckets;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        bucket_t *b = &buckets[mid];
+        if (b->device < device || (b->device == device && b->size < size)) lo = mid + 1; else hi = mid;
+    }
+    if (lo < n_buckets && buckets[lo].device == device && buckets[lo].size == size) return &buckets[lo];
+    if (!make) return NULL;
+    if (n_buckets == cap_buckets) {
+        size_t cap = cap_buckets ? cap_buckets * 2 : 64;
+        bucket_t *t = realloc(buckets, cap * sizeof *t);
+        if (!t) return NULL;
+        buckets = t;
+        cap_buckets = cap;
+    }
+    memmove(&buckets[lo + 1], &buckets[lo], (n_buckets - lo) * sizeof *buckets);
+    buckets[lo] = (bucket_t){size, device, NULL, 0, 0};
+    n_buckets++;
+    return &buckets[lo];
+}
+
+static int push(bucket_t *b, cblock_t c) {
+    if (b->n == b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 16;
+        cblock_t *t = realloc(b->v, cap * sizeof *t);
+        if (!t) return -ENOMEM;
+        b->v = t;
+        b->cap = cap;
+    }
+    b->v[b->n++] = c;
+    return 0;
+}
+
+static void take(bucket_t *b, size_t i) {
+    memmove(&b->v[i], &b->v[i + 1], (b->n - i - 1) * sizeof *b->v);
+    b->n--;
+    tstats[T_CACHED_BYTES] -= b->size;
+    tstats[T_CACHED_BLOCKS]--;
+}
+
+static void spare(CUevent ev) { /* tlock held; an event no block needs any more */
+    if (!ev) return;
+    if (n_spare == cap_spare) {
+        size_t cap = cap_spare ? cap_spare * 2 : 64;
+        CUevent *t = realloc(spare_events, cap * sizeof *t);
+        if (!t) return; /* leaks one event, harmless */
+        spare_events = t;
+        cap_spare = cap;
+    }
+    spare_events[n_spare++] = ev;
+}
+
+/* A cached block of the class for stream, or 0. */
+static uint64_t cache_take(int device, size_t size, CUstream stream) {
+    pthread_mutex_lock(&tlock);
+    bucket_t *b = bucket(device, size, 0);
+    if (!b || !b->n) { pthread_mutex_unlock(&tlock); return 0; }
+    for (size_t i = b->n; i-- > 0;) { /* the newest of this stream: it is likely in cache */
+        if (b->v[i].stream == stream) {
+            cblock_t c = b->v[i];
+            take(b, i);
+            spare(c.event);
+            tstats[T_HITS]++;
+            pthread_mutex_unlock(&tlock);
+            return c.ptr;
+        }
+    }
+    /* others' blocks, the oldest first: out of the bucket while their events are looked at */
+    cblock_t cand[CROSS_TRIES];
+    CUevent fresh[CROSS_TRIES];
+    size_t k = 0;
+    while (k < CROSS_TRIES && b->n) {
+        cand[k] = b->v[0];
+        fresh[k] = NULL;
+        if (!cand[k].event && n_spare) fresh[k] = spare_events[--n_spare];
+        take(b, 0);
+        k++;
+    }
+    pthread_mutex_unlock(&tlock);
+    size_t won = k;
+    for (size_t j = 0; j < k; j++) {
+        cblock_t *c = &cand[j];
+        if (!c->event) {
+            CUevent ev = fresh[j];
+            if (!ev && p_event_create(&ev, 2 /* CU_EVENT_DISABLE_TIMING */)) ev = NULL;
+            if (ev && note_error(p_event_record(ev, c->stream))) { p_event_destroy(ev); ev = NULL; }
+            if (ev) __atomic_add_fetch(&tstats[T_EVENTS], 1, __ATOMIC_RELAXED);
+            c->event = ev; /* NULL: its stream is gone or refused; only a trim frees it */
+        }
+        if (won == k && c->event && p_event_query(c->event) == 0) won = j;
+    }
+    pthread_mutex_lock(&tlock);
+    b = bucket(device, size, 1);
+    for (size_t j = 0; j < k; j++) {
+        if (j == won) continue;
+        if (!b || push(b, cand[j])) { /* no memory for the table: wait and hand it back */
+            pthread_mutex_unlock(&tlock);
+            free_sync(cand[j].ptr, 1);
+            if (cand[j].event) p_event_destroy(cand[j].event);
+            pthread_mutex_lock(&tlock);
+            b = bucket(device, size, 1);
+            continue;
+        }
+        tstats[T_CACHED_BYTES] += size;
+        tstats[T_CACHED_BLOCKS]++;
+    }
+    uint64_t p = 0;
+    if (won < k) {
+        p = cand[won].ptr;
+        spare(cand[won].event);
+        tstats[T_CROSS_HITS]++;
+    }
+    pthread_mutex_unlock(&tlock);
+    return p;
+}
+
+/* Give every cached block back to the driver after one wait for the device; how many. */
+int gpuos_torch_trim(void) {
+    pthread_mutex_lock(&tlock);
+    size_t n = 0;
+    for (size_t i = 0; i < n_buckets; i++) n += buckets[i].n;
+    cblock_t *all = n ? malloc(n * sizeof *all) : NULL;
+    if (n && !all) { pthread_mutex_unlock(&tlock); return -ENOMEM; }
+    size_t k = 0;
+    for (size_t i = 0; i < n_buckets; i++) {
+        memcpy(&all[k], buckets[i].v, buckets[i].n * sizeof *all);
+        k += buckets[i].n;
+        buckets[i].n = 0;
+    }
+    tstats[T_CACHED_BYTES] = 0;
+    tstats[T_CACHED_BLOCKS] = 0;
+    tstats[T_TRIMMED] += n;
+    CUevent *evs = spare_events;
+    size_t n_evs = n_spare;
+    spare_events = NULL;
+    n_spare = cap_spare = 0;
+    pthread_mutex_unlock(&tlock);
+    if (n) p_ctx_sync(); /* work in flight on them ends first, once for all */
+    for (size_t i = 0; i < n; i++) {
+        free_sync(all[i].ptr, 0);
+        if (all[i].event) p_event_destroy(all[i].event);
+    }
+    for (size_t i = 0; i < n_evs; i++) p_event_destroy(evs[i]);
+    free(evs);
+    free(all);
+    gpuos_alloc_trim(); /* segments left empty */
+    return (int)n;
+}
+
+/* counters: hits (same stream), cross-stream hits, misses (new memory), cached bytes, cached
+   blocks, blocks trimmed, out-of-memory retries, events recorded */
+void gpuos_torch_stats(uint64_t out[8]) {
+    pthread_mutex_lock(&tlock);
+    memcpy(out, tstats, sizeof tstats);
+    pthread_mutex_unlock(&tlock);
+}
+
+/* torch.cuda.memory.CUDAPluggableAllocator's signatures (gpuos_alloc_init first: owned.py). */
 void *gpuos_torch_malloc(ssize_t size, int device, void *stream) {
-    (void)stream;
-    return size > 0 ? (void *)(uintptr_t)gpuos_alloc_malloc((size_t)size, device) : NULL;
+    if (size <= 0 || !p_map) return NULL;
+    size_t g = granularity(device);
+    if (!g) return NULL;
+    size_t r = gpuos_torch_round((size_t)size, g);
+    uint64_t p = cache_take(device, r, stream);
+    if (p) return (void *)(uintptr_t)p;
+    p = gpuos_alloc_malloc(r, device);
+    if (!p && gpuos_torch_trim() > 0) { /* the driver refused: give the cache back, once more */
+        __atomic_add_fetch(&tstats[T_OOM_RETRIES], 1, __ATOMIC_RELAXED);
+        p = gpuos_alloc_malloc(r, device);
+    }
+    if (p) __atomic_add_fetch(&tstats[T_MISSES], 1, __ATOMIC_RELAXED);
+    return (void *)(uintptr_t)p;
 }
 
 void gpuos_torch_free(void *ptr, ssize_t size, int device, void *stream) {
-    (void)size;
-    (void)device;
-    (void)stream;
-    gpuos_alloc_free((uint64_t)(uintptr_t)ptr);
+    if (!ptr) return;
+    size_t g = granularity(device);
+    size_t r = g && size > 0 ? gpuos_torch_round((size_t)size, g) : 0;
+    pthread_mutex_lock(&tlock);
+    bucket_t *b = r ? bucket(device, r, 1) : NULL;
+    if (b && !push(b, (cblock_t){(uint64_t)(uintptr_t)ptr, stream, NULL})) {
+        tstats[T_CACHED_BYTES] += r;
+        tstats[T_CACHED_BLOCKS]++;
+        pthread_mutex_unlock(&tlock);
+        return;
+    }
+    pthread_mutex_unlock(&tlock);
+    gpuos_alloc_free((uint64_t)(uintptr_t)ptr); /* no room to cache it: back to the driver */
 }
