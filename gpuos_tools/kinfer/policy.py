@@ -20,7 +20,7 @@ The choice, per batch:
 ``busy_procs`` other processes hold a context on the GPU. With a calibration NVML only decides
 how often the daemon probes the GPU's speed (about every ``probe_busy_ms`` while another process
 is on the GPU, about every ``probe_idle_ms`` otherwise, jittered, when none of its own GPU batches
-measured it lately).
+measured it lately; never so rarely that the window holds fewer than two probes).
 
 Profiles are read with tomllib. They are written by ``dump_profile``, which knows only what a
 profile holds (tables of strings, numbers, booleans and lists of numbers) and writes them in a
@@ -54,7 +54,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8},
     "batch": {"window_us": 20.0, "max": 4096},
     "policy": {
-        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 1000.0,
+        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 250.0,
         "probe_busy_ms": 20.0, "window_ms": 1000.0, "window_samples": 4096,
     },
     "native": {"mode": "auto", "max_batch": 64},
@@ -73,7 +73,7 @@ class Policy:
     busy_util: int = 70
     busy_procs: int = 1
     probe_batch: int = 64
-    probe_idle_ms: float = 1000.0
+    probe_idle_ms: float = 250.0
     probe_busy_ms: float = 20.0
     window_ms: float = 1000.0
     window_samples: int = 4096
@@ -252,16 +252,26 @@ class GpuSpeed(Speed):
     copies and sync included) and from probes, timed when no batch measured it lately
     (``probe_due``).
 
+    A probe measures what the next request would pay: one run, timed, as a request's batch is
+    run. Dense traffic keeps the window full of real batches (a warm GPU); sparse traffic fills
+    it with probes and isolated batches, each paying whatever an idle GPU makes a lone batch pay
+    (on an H100 ~200 µs for batches 7 ms apart, against 30 µs back to back: BENCHMARKS.md, P9,
+    2026-11-24). Either way the window holds the kind of batch the traffic sends, as the CPU's
+    does.
+
     Probe intervals are drawn uniformly from ``PROBE_JITTER`` either side of the nominal period,
     afresh after every measurement, so that probes do not lock onto the phase of a periodic
     load (a second process that computes for 40 ms of every 65 would otherwise be seen always
-    at the same point of its cycle). ``rng`` is injectable for tests.
+    at the same point of its cycle). The nominal period is capped so that even the longest
+    interval leaves ``MIN_PROBES_IN_WINDOW`` probes in ``window_ms``: one probe is too few for
+    a mean (an idle H100 gave single probes of 41 to 248 µs for batch 64). ``rng`` is
+    injectable for tests.
     """
 
     #: probe interval: the nominal period times a factor uniform in [1 - PROBE_JITTER, 1 + PROBE_JITTER]
     PROBE_JITTER = 0.5
-    #: a GPU this long without work from the daemon gets an untimed run before a probe is timed
-    WARM_GAP_S = 0.1
+    #: probes the window holds at least, without other GPU batches (the nominal period's cap)
+    MIN_PROBES_IN_WINDOW = 2
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         super().__init__(policy, "gpu", clock)
@@ -275,30 +285,33 @@ class GpuSpeed(Speed):
         self._last = now
         self._factor = 1.0 + self.PROBE_JITTER * (2.0 * self.rng.random() - 1.0)
 
+    def period_s(self, others_on_gpu: bool) -> float:
+        """The nominal probe period: ``probe_busy_ms`` while another process is on the GPU,
+        ``probe_idle_ms`` otherwise, at most ``window_ms / (MIN_PROBES_IN_WINDOW * (1 +
+        PROBE_JITTER))`` (333 ms with a 1 s window)."""
+        nominal = self.policy.probe_busy_ms if others_on_gpu else self.policy.probe_idle_ms
+        cap = self.policy.window_ms / (self.MIN_PROBES_IN_WINDOW * (1.0 + self.PROBE_JITTER))
+        return min(nominal, cap) / 1e3
+
     def probe_due(self, others_on_gpu: bool, now: float | None = None) -> bool:
         """Should the daemon time a probe batch on the GPU now? When its last measurement is older
-        than ``probe_busy_ms`` (jittered) while another process is on the GPU, ``probe_idle_ms``
-        (jittered) otherwise."""
+        than ``period_s`` (jittered)."""
         if not self.policy.calibrated:
             return False
         now = self.clock() if now is None else now
         if self._last is None:
             return True
-        period = (self.policy.probe_busy_ms if others_on_gpu else self.policy.probe_idle_ms) / 1e3
-        return now - self._last >= period * self._factor
+        return now - self._last >= self.period_s(others_on_gpu) * self._factor
 
     def probe(self, forward: Callable[[np.ndarray], Any], inputs: np.ndarray | None = None) -> float:
         """Time one batch of ``probe_batch`` rows through ``forward`` (the GPU's) and record it.
 
-        One run, not the best of several: the estimate is a mean, and a probe that waited
-        behind another process's work is exactly what a batch sent then would have paid. Only
-        after ``WARM_GAP_S`` without GPU work from the daemon (an idle GPU probed once a second)
-        an untimed run goes first, so the GPU's wake-up (clocks, caches), which a stream of real
-        batches would not pay, is not taken for its speed."""
+        One run, timed, with no untimed run before it, however long the GPU was left alone: a
+        request arriving then would pay the GPU's wake-up too, so the probe must. Not the best
+        of several either: the estimate is a mean, and a probe that waited behind another
+        process's work is exactly what a batch sent then would have paid."""
         n = max(1, self.policy.probe_batch)
         x = inputs if inputs is not None else probe_inputs(n, 31)
-        if self._last is None or self.clock() - self._last >= self.WARM_GAP_S:
-            forward(x)
         t0 = time.perf_counter_ns()
         forward(x)
         us = (time.perf_counter_ns() - t0) / 1e3
