@@ -11,13 +11,16 @@
 - gpu_throughput (P9): inferences/s of the LinnOS model at batch >= 1024, end to end (host
   arrays in and out) and on device arrays only (CUDA events), fused kernel and cuBLAS.
 - policy: for each GPU load (none, and a second process running matrix products at a duty
-  cycle) and each batch size, the side the policy picks against the side measured faster under
-  that load. The pick is the daemon's: the profile calibrated from the idle sweep, each side's
-  curve times that side's measured slowdown, kept fresh the way the daemon keeps them: the GPU's
-  (policy.GpuSpeed) by probes on the schedule NVML's view of other processes sets and the
-  latency of the batches it picked the GPU for, the CPU's (policy.CpuSpeed) by the latency of
-  the batches it picked the CPU for. The old fixed-factor rule (x4 while NVML says busy, the CPU
-  as calibrated) is reported beside it.
+  cycle) and each batch size, the side the policy picks against the side faster on average
+  under that load: the mean latency of --truth-n batches per side spread evenly over
+  --truth-span-s seconds, i.e. over many periods of the load's duty cycle (the median of the
+  same batches is reported, and judged against, beside it). The pick is the daemon's: the
+  profile calibrated from the idle sweep, the GPU's curve plus its measured mean delay
+  (policy.GpuSpeed: probes on the jittered schedule NVML's view of other processes sets, and
+  the batches it picked the GPU for), the CPU's curve times its measured slowdown
+  (policy.CpuSpeed: the batches it picked the CPU for). Beside it, on the same rows: the same
+  GPU samples as a ratio of means scaling the GPU's curve, and the first session's fixed-factor
+  rule (x4 while NVML says busy, the CPU as calibrated).
 
 GPU parts are skipped, with the reason in the JSON and on stderr, where CuPy or a GPU is
 missing. BLAS runs on one thread, as in the daemon.
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import socket
 import subprocess
@@ -66,12 +70,17 @@ b = cp.random.random((8192, 8192), dtype=cp.float32)
 c = a @ b
 cp.cuda.Device().synchronize()
 print("ready", flush=True)
+n, period, busy = 0, 0.0, 0.0
 while True:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 0.05 * duty:
         cp.matmul(a, b, out=c)
         cp.cuda.Device().synchronize()
+    t1 = time.perf_counter()
     time.sleep(0.05 * (1 - duty))
+    n, period, busy = n + 1, period + time.perf_counter() - t0, busy + t1 - t0
+    if n % 10 == 0:
+        print(f"cycle {n} {period / n * 1e3:.3f} {busy / n * 1e3:.3f}", flush=True)
 """
 
 
@@ -207,15 +216,48 @@ def gpu_throughput(batches: list[int], reps: int) -> dict:
     return out
 
 
-def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duties: list[float], settle_s: float) -> dict:
-    """For each load, measure both sides at each batch and compare with the policy's pick."""
+def _load_cycles(child: subprocess.Popen) -> dict:
+    """The load process's own account of its duty cycle (its last 'cycle' line)."""
+    try:
+        out = child.stdout.read() if child.stdout is not None else ""
+    except (OSError, ValueError):
+        out = ""
+    lines = [line.split() for line in out.splitlines() if line.startswith("cycle ")]
+    if not lines:
+        return {}
+    n, period_ms, busy_ms = int(lines[-1][1]), float(lines[-1][2]), float(lines[-1][3])
+    return {"cycles": n, "period_ms": round(period_ms, 2), "busy_ms": round(busy_ms, 2),
+            "busy_fraction": round(busy_ms / period_ms, 3) if period_ms > 0 else None}
+
+
+def _summary(values: list[float]) -> dict:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": round(float(a.mean()), 3), "median": round(float(np.median(a)), 3),
+            "se": round(float(a.std(ddof=1) / np.sqrt(a.size)), 3), "p90": round(float(np.percentile(a, 90)), 3),
+            "max": round(float(a.max()), 3)}
+
+
+def policy_accuracy(batches: list[int], gpu: object, idle: dict, duties: list[float], settle_s: float,
+                    truth_n: int, truth_span_s: float, seed: int = 0) -> dict:
+    """For each load and batch size: the daemon's pick, then the truth, the expected latency of
+    one batch on each side under that load.
+
+    The truth is the mean of ``truth_n`` batches on each side, one of each per time slot, the
+    slots evenly covering ``truth_span_s`` and each batch started at a random point of its
+    slot, so that the samples cover the load process's duty cycle (~65 ms at half load) evenly
+    and lock onto no phase of it. The median of the same samples is reported beside it, and
+    the picks are judged against both. While the truth is measured the daemon's estimates are
+    kept as a daemon keeps them: probes when due, in the gaps between the slots, and the
+    batches of the side it picked fed to that side's estimate."""
     model = Mlp.random(seed=0)
     pol = Policy(batches=idle["batches"], cpu_us=idle["cpu_us"], gpu_us=idle["gpu_us"])
     load = GpuLoad(pol)
     if not load.start():
         return {"skipped": load.error}
+    rng = random.Random(seed)
     rows = []
-    probes_total = 0
+    loads: dict[str, dict] = {}
+    probing: dict[str, dict] = {}
     # the CPU's estimate lives through the GPU load changes, as a running daemon's would (its
     # samples age out on their own); it is fed by the batches picked for the CPU
     cpu_speed = CpuSpeed(pol)
@@ -229,50 +271,113 @@ def policy_accuracy(batches: list[int], reps: int, gpu: object, idle: dict, duti
                 time.sleep(0.5)
             # a daemon that was running through the load change: its estimate starts from scratch
             # and is kept fresh on its schedule for settle_s before the first pick
-            speed = GpuSpeed(pol)
+            speed = GpuSpeed(pol, rng=random.Random(rng.random()))
+            probe_ns = [0]
+
+            def forward_probe(x: np.ndarray) -> object:
+                t0 = time.perf_counter_ns()
+                try:
+                    return gpu.forward(x)
+                finally:
+                    probe_ns[0] += time.perf_counter_ns() - t0
+
             others = lambda: load.others >= max(1, pol.busy_procs)  # noqa: E731
+
+            def tick() -> None:
+                if speed.probe_due(others()):
+                    speed.probe(forward_probe)
+
+            t_duty = time.perf_counter()
             end = time.monotonic() + settle_s
             while time.monotonic() < end:
-                if speed.probe_due(others()):
-                    speed.probe(gpu.forward)
+                tick()
                 time.sleep(0.001)
             try:
                 for b in batches:
                     x = inputs(b)
-                    if speed.probe_due(others()):
-                        speed.probe(gpu.forward)
+                    for _ in range(5):  # untimed: buffers of this size, code paths
+                        gpu.forward(x)
+                        model.forward(x)
+                    tick()
                     busy = load.busy
-                    slowdown = speed.slowdown()
-                    cpu_slowdown = cpu_speed.slowdown()
-                    pick = pol.choose(b, True, busy, slowdown, cpu_slowdown)
-                    old_pick = pol.choose(b, True, slowdown=4.0 if busy else 1.0)
-                    c = time_us(lambda: model.forward(x), reps)
-                    g = time_us(lambda: gpu.forward(x), reps, warmup=5)
-                    if pick == "gpu":  # the daemon learns from the batches it runs, on the side it runs them
-                        speed.observe(b, g)
-                    else:
-                        cpu_speed.observe(b, c)
-                    best = "gpu" if g < c else "cpu"
+                    delay, ratio, cpu_slowdown = speed.delay_us(), speed.slowdown(), cpu_speed.slowdown()
+                    n_est = len(speed.fresh())
+                    pick = pol.choose(b, True, busy, delay, cpu_slowdown)
+                    # the same samples summarised as a ratio of the means (the GPU curve scaled)
+                    gpu_ratio = pol.estimate("gpu", b) * ratio
+                    ratio_pick = "gpu" if gpu_ratio < pol.estimate("cpu", b) * cpu_slowdown else "cpu"
+                    # the first session's rule: the GPU's curve x4 while NVML says busy, the CPU's as calibrated
+                    old_pick = "gpu" if pol.estimate("gpu", b) * (4.0 if busy else 1.0) < pol.estimate("cpu", b) else "cpu"
+                    g_us, c_us = [], []
+                    slot = truth_span_s / truth_n
+                    t0 = time.perf_counter()
+                    for i in range(truth_n):
+                        target = t0 + (i + rng.random()) * slot
+                        while True:
+                            now = time.perf_counter()
+                            if now >= target:
+                                break
+                            tick()
+                            if target - now > 0.0015:
+                                time.sleep(0.0005)
+                        for side in (("gpu", "cpu") if i % 2 == 0 else ("cpu", "gpu")):
+                            ta = time.perf_counter_ns()
+                            if side == "gpu":
+                                gpu.forward(x)
+                                us = (time.perf_counter_ns() - ta) / 1e3
+                                g_us.append(us)
+                                if pick == "gpu":  # the daemon learns from the batches it runs, on their side
+                                    speed.observe(b, us)
+                            else:
+                                model.forward(x)
+                                us = (time.perf_counter_ns() - ta) / 1e3
+                                c_us.append(us)
+                                if pick == "cpu":
+                                    cpu_speed.observe(b, us)
+                    took = time.perf_counter() - t0
+                    g, c = _summary(g_us), _summary(c_us)
+                    faster = "gpu" if g["mean"] < c["mean"] else "cpu"
+                    faster_median = "gpu" if g["median"] < c["median"] else "cpu"
+                    margin = abs(g["mean"] - c["mean"]) / max(1e-9, float(np.hypot(g["se"], c["se"])))
                     rows.append({"duty": duty, "batch": b, "busy": busy, "util": load.util, "others": load.others,
-                                 "slowdown_used": round(slowdown, 3), "cpu_slowdown_used": round(cpu_slowdown, 3),
-                                 "pick": pick, "busy_factor_4_pick": old_pick,
-                                 "faster": best, "cpu_us": round(c, 3), "gpu_us": round(g, 3),
-                                 "gpu_slowdown": round(g / pol.estimate("gpu", b), 3),
-                                 "cpu_slowdown": round(c / pol.estimate("cpu", b), 3), "right": pick == best})
+                                 "gpu_delay_used_us": round(delay, 3), "gpu_ratio_used": round(ratio, 3),
+                                 "cpu_slowdown_used": round(cpu_slowdown, 3), "gpu_samples_in_window": n_est,
+                                 "gpu_predicted_us": round(pol.estimate("gpu", b) + delay, 3),
+                                 "cpu_predicted_us": round(pol.estimate("cpu", b) * cpu_slowdown, 3),
+                                 "pick": pick, "ratio_of_means_pick": ratio_pick, "busy_factor_4_pick": old_pick,
+                                 "gpu_us": g, "cpu_us": c, "faster": faster, "faster_by_median": faster_median,
+                                 "margin_se": round(margin, 2), "truth_s": round(took, 3),
+                                 "right": pick == faster, "right_by_median": pick == faster_median})
+                    log(f"duty {duty} batch {b}: pick {pick} (GPU {pol.estimate('gpu', b) + delay:.0f} vs CPU "
+                        f"{pol.estimate('cpu', b) * cpu_slowdown:.0f} us predicted), mean GPU {g['mean']:.0f} CPU "
+                        f"{c['mean']:.0f} us (median {g['median']:.0f} / {c['median']:.0f}), {'right' if pick == faster else 'WRONG'}")
             finally:
-                probes_total += speed.probes
+                span = time.perf_counter() - t_duty
+                probing[str(duty)] = {"probes": speed.probes, "seconds": round(span, 2),
+                                      "probes_per_s": round(speed.probes / span, 1),
+                                      "probe_time_fraction": round(probe_ns[0] / 1e9 / span, 5),
+                                      "probe_mean_us": round(probe_ns[0] / 1e3 / max(1, speed.probes), 1)}
                 if child is not None:
                     child.kill()
                     child.wait()
+                    loads[str(duty)] = _load_cycles(child)
     finally:
         load.stop()
-    right = sum(r["right"] for r in rows)
-    old_right = sum(r["busy_factor_4_pick"] == r["faster"] for r in rows)
-    slowdown = {str(d): float(np.median([r["gpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
-    cpu_slowdown = {str(d): float(np.median([r["cpu_slowdown"] for r in rows if r["duty"] == d])) for d in duties}
-    return {"rows": rows, "accuracy": round(right / len(rows), 4), "target": 0.95,
-            "busy_factor_4_accuracy": round(old_right / len(rows), 4), "probes": probes_total,
-            "gpu_slowdown_median": slowdown, "cpu_slowdown_median": cpu_slowdown}
+    n = len(rows)
+
+    def score(key: str, truth: str) -> float:
+        return round(sum(r[key] == r[truth] for r in rows) / n, 4)
+
+    decided = [r for r in rows if r["margin_se"] >= 2]
+    return {"rows": rows, "target": 0.95, "truth": {"n": truth_n, "span_s": truth_span_s},
+            "accuracy": score("pick", "faster"), "accuracy_by_median": score("pick", "faster_by_median"),
+            "ratio_of_means_accuracy": score("ratio_of_means_pick", "faster"),
+            "ratio_of_means_accuracy_by_median": score("ratio_of_means_pick", "faster_by_median"),
+            "busy_factor_4_accuracy": score("busy_factor_4_pick", "faster"),
+            "busy_factor_4_accuracy_by_median": score("busy_factor_4_pick", "faster_by_median"),
+            "cases": n, "right": sum(r["right"] for r in rows), "right_by_median": sum(r["right_by_median"] for r in rows),
+            "decided_cases": len(decided), "right_of_decided": sum(r["right"] for r in decided),
+            "load": loads, "probing": probing}
 
 
 def main() -> int:
@@ -289,6 +394,9 @@ def main() -> int:
     ap.add_argument("--duties", default="0,0.5,1", help="GPU load duty cycles of the second process")
     ap.add_argument("--settle-s", type=float, default=1.0, help="policy: probe on the daemon's schedule this long before picking")
     ap.add_argument("--skip-python-loop", action="store_true", help="round trip: skip the --native off comparison")
+    ap.add_argument("--skip-round-trip", action="store_true", help="skip the CPU round trip (P8) altogether")
+    ap.add_argument("--truth-n", type=int, default=500, help="policy: batches per side and case for the mean")
+    ap.add_argument("--truth-span-s", type=float, default=3.5, help="policy: seconds those batches are spread over")
     args = ap.parse_args()
     batches = [int(v) for v in args.batches.split(",")]
     result: dict = {
@@ -296,7 +404,6 @@ def main() -> int:
         "python": platform.python_version(), "numpy": np.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
     }
-    log("round trip, batch 1, CPU path")
     allowed = sorted(os.sched_getaffinity(0))
     if args.cores == "none" or len(allowed) < 2:
         cores = None
@@ -305,7 +412,10 @@ def main() -> int:
     else:
         cores = [int(v) for v in args.cores.split(",")]
     runs = [("round_trip", "on")] + ([] if args.skip_python_loop else [("round_trip_python", "off")])
+    if args.skip_round_trip:
+        runs = []
     for key, native in runs:
+        log(f"round trip, batch 1, CPU path, --native {native}")
         result[key] = round_trip(args.requests, args.spin_us, cores, native)
         rt = result[key]["producer_us"]
         log(f"{key} (--native {native}): p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
@@ -337,11 +447,22 @@ def main() -> int:
                 log(f"{mode} batch {row['batch']}: {row['end_to_end_per_s'] / 1e6:.1f} M/s end to end, "
                     f"{row['device_per_s'] / 1e6:.1f} M/s on device")
         log("policy accuracy under GPU load")
-        result["policy"] = policy_accuracy([int(v) for v in args.policy_batches.split(",")], max(10, args.reps // 2), gpu,
-                                           result["sweep"], [float(v) for v in args.duties.split(",")], args.settle_s)
-        log(f"policy accuracy: {result['policy'].get('accuracy')} "
-            f"(the old x4-while-busy rule on the same rows: {result['policy'].get('busy_factor_4_accuracy')})")
+        result["policy"] = pa = policy_accuracy([int(v) for v in args.policy_batches.split(",")], gpu, result["sweep"],
+                                                [float(v) for v in args.duties.split(",")], args.settle_s, args.truth_n,
+                                                args.truth_span_s)
+        log(f"policy accuracy against the mean: {pa.get('accuracy')} ({pa.get('right')}/{pa.get('cases')}); "
+            f"against the median: {pa.get('accuracy_by_median')}; ratio-of-means rule: {pa.get('ratio_of_means_accuracy')}; "
+            f"the old x4-while-busy rule: {pa.get('busy_factor_4_accuracy')}")
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    rows = result.get("policy", {}).get("rows", [])
+    if rows:  # the short table, last
+        print(f"{'duty':>5} {'batch':>6} {'pick':>4} {'ratio':>5} {'x4':>4} {'GPU mean':>9} {'CPU mean':>9} "
+              f"{'GPU med':>8} {'CPU med':>8} {'delay':>7} {'margin':>6} right", file=sys.stderr)
+        for r in rows:
+            print(f"{r['duty']:>5} {r['batch']:>6} {r['pick']:>4} {r['ratio_of_means_pick']:>5} {r['busy_factor_4_pick']:>4} "
+                  f"{r['gpu_us']['mean']:>9.1f} {r['cpu_us']['mean']:>9.1f} {r['gpu_us']['median']:>8.1f} "
+                  f"{r['cpu_us']['median']:>8.1f} {r['gpu_delay_used_us']:>7.1f} {r['margin_se']:>6.1f} "
+                  f"{'yes' if r['right'] else 'NO'}{'' if r['right_by_median'] else ' (median: no)'}", file=sys.stderr)
     return 0
 
 

@@ -6,7 +6,9 @@ measures)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -170,7 +172,7 @@ def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: 
     assert stats["type"] == "kinfer_stats" and stats["served"] == 3 * 40 + 20 and stats["drop_bad_version"] == 3
     # the daemon served through the native loop, which handed the bad entries to Python
     assert stats["native"] is True and stats["native_served"] >= 1 and stats["handed_batches"] >= 1
-    assert stats["gpu_slowdown"] == stats["cpu_slowdown"] == 1.0  # --gpu off: nothing to choose, nothing measured
+    assert stats["gpu_delay_us"] == 0.0 and stats["cpu_slowdown"] == 1.0  # --gpu off: nothing to choose, nothing measured
 
 
 # -- bad input, in process --------------------------------------------------------------------
@@ -592,19 +594,21 @@ def test_policy_rules() -> None:
     assert lake.choose(512, True, True) == "cpu" and lake.choose(512, False, False) == "cpu"
     cal = P.Policy(batches=[1, 8, 64, 512], cpu_us=[5, 40, 320, 2560], gpu_us=[50, 50, 60, 100])
     assert cal.choose(1, True) == "cpu" and cal.choose(8, True) == "cpu" and cal.choose(16, True) == "gpu"
-    # NVML's "busy" no longer moves a calibrated choice: only the measured slowdown does
-    assert cal.choose(16, True, busy=True) == "gpu" and cal.choose(16, True, slowdown=4) == "cpu"
-    assert cal.choose(512, True, slowdown=4) == "gpu" and cal.choose(512, True, slowdown=30) == "cpu"
+    # NVML's "busy" does not move a calibrated choice: only the GPU's measured delay does, added to
+    # its curve whatever the batch size (16: CPU 80 µs, GPU ~53 + delay)
+    assert cal.choose(16, True, busy=True) == "gpu" and cal.choose(16, True, gpu_delay_us=40) == "cpu"
+    assert cal.choose(512, True, gpu_delay_us=2000) == "gpu" and cal.choose(512, True, gpu_delay_us=3000) == "cpu"
+    assert cal.choose(512, True, gpu_delay_us=math.inf) == "cpu"  # a failed GPU batch in the window
     assert cal.estimate("cpu", 4096) == pytest.approx(2560 * 8)
-    # the CPU's measured slowdown moves a calibrated choice the other way; LAKE's rule ignores it
-    assert cal.choose(8, True, cpu_slowdown=2) == "gpu" and cal.choose(16, True, slowdown=4, cpu_slowdown=4) == "gpu"
+    # the CPU's measured slowdown multiplies its curve; LAKE's rule ignores both
+    assert cal.choose(8, True, cpu_slowdown=2) == "gpu" and cal.choose(16, True, gpu_delay_us=40, cpu_slowdown=4) == "gpu"
     assert lake.choose(4, True, cpu_slowdown=100) == "cpu" and lake.choose(8, True, cpu_slowdown=0.01) == "gpu"
     for pol in (lake, cal):
-        for busy, slowdown, cpu_slowdown, gpu in [(False, 1.0, 1.0, True), (True, 1.0, 1.0, True), (False, 6.0, 1.0, True),
-                                                  (False, 1.0, 1.0, False), (False, 1.0, 1.7, True), (False, 6.0, 0.5, True),
-                                                  (False, 1.0, 3.0, False)]:
-            table = pol.cpu_batches(600, gpu, busy, slowdown, cpu_slowdown)
-            assert [bool(v) for v in table[1:]] == [pol.choose(b, gpu, busy, slowdown, cpu_slowdown) == "cpu"
+        for busy, delay, cpu_slowdown, gpu in [(False, 0.0, 1.0, True), (True, 0.0, 1.0, True), (False, 250.0, 1.0, True),
+                                               (False, 0.0, 1.0, False), (False, 0.0, 1.7, True), (False, 250.0, 0.5, True),
+                                               (False, -20.0, 3.0, False), (False, 2e4, 1.0, True)]:
+            table = pol.cpu_batches(600, gpu, busy, delay, cpu_slowdown)
+            assert [bool(v) for v in table[1:]] == [pol.choose(b, gpu, busy, delay, cpu_slowdown) == "cpu"
                                                     for b in range(1, 601)]
     assert P.crossover([1, 8, 64], [5, 40, 320], [50, 30, 60]) == 8
     assert P.crossover([1, 8, 64], [5, 40, 320], [50, 50, 400]) is None
@@ -624,24 +628,134 @@ class Clock:
         return self.t
 
 
-def test_measured_slowdown_picks_the_faster_side_under_load() -> None:
-    """The four misses of the fixed busy_factor, decided by injected GPU measurements."""
+class DutyLoad:
+    """A second process on the GPU as the H100 bench's load makes it (BENCHMARKS.md, P9): matrix
+    products for the first ``busy_s`` of every ``period_s``; a batch sent then waits ``wait_us``
+    (a time slice: 2.41 ms measured at full load, whatever the batch) on top of its idle latency."""
+
+    def __init__(self, period_s: float = 0.065, busy_s: float = 0.040, wait_us: float = 2410.0):
+        self.period_s, self.busy_s, self.wait_us = period_s, busy_s, wait_us
+
+    def gpu_us(self, pol: P.Policy, batch: int, t: float) -> float:
+        return pol.estimate("gpu", batch) + (self.wait_us if t % self.period_s < self.busy_s else 0.0)
+
+    def mean_gpu_us(self, pol: P.Policy, batch: int) -> float:
+        return pol.estimate("gpu", batch) + self.wait_us * self.busy_s / self.period_s
+
+
+def _probe_on_schedule(speed: P.GpuSpeed, load: DutyLoad, clock: Clock, seconds: float, others: bool = True) -> None:
+    """The daemon's loop, simulated: every millisecond it asks whether a probe is due and, if so,
+    times a batch of probe_batch rows, which takes as long as the load makes it."""
+    end = clock.t + seconds
+    while clock.t < end:
+        if speed.probe_due(others):
+            b = speed.policy.probe_batch
+            us = load.gpu_us(speed.policy, b, clock.t)
+            speed.observe(b, us)
+            speed.probes += 1
+            clock.t += us / 1e6
+        clock.t += 0.001
+
+
+def test_delay_follows_the_mean_under_a_duty_cycled_load() -> None:
+    """Half load as on the H100 (the GPU busy 40 ms of every 65): the probes (jittered, every ~20
+    ms) see the GPU idle in ~40% of cases and 2.4 ms late in the rest. The mean delay they give is
+    what a batch pays on average, and picks the side that is faster on average; the median of the
+    same probes (the former estimate) says 0 or 2.4 ms depending on luck, never the mean."""
+    clock, load = Clock(), DutyLoad()
+    speed = P.GpuSpeed(H100, clock, random.Random(1))
+    _probe_on_schedule(speed, load, clock, 1.0)
+    n = len(speed.fresh())
+    assert 35 <= n <= 60 and speed.probes >= n  # ~50 probes in the 1 s window
+    true_delay = load.mean_gpu_us(H100, 64) - H100.estimate("gpu", 64)  # 1483 µs
+    assert speed.delay_us() == pytest.approx(true_delay, rel=0.2)
+    ratios = sorted(speed.fresh())
+    assert abs(ratios[n // 2] * H100.estimate("gpu", 64) - H100.estimate("gpu", 64) - true_delay) > 0.5 * true_delay
+    # the pick against the side faster on average (H100 CPU curve): GPU only at 4096 (1.56 vs 1.77 ms)
+    for b in (1, 64, 128, 256, 1024, 4096):
+        faster = "gpu" if load.mean_gpu_us(H100, b) < H100.estimate("cpu", b) else "cpu"
+        assert H100.choose(b, True, busy=True, gpu_delay_us=speed.delay_us()) == faster, b
+    # the ratio of the means (the probes' mean slowdown, ~45x) scales the whole curve and says CPU
+    # at 4096 too: under time-slicing the wait does not grow with the batch
+    assert H100.estimate("gpu", 4096) * speed.slowdown() > H100.estimate("cpu", 4096)
+    # full load: every batch waits, 4096 goes to the CPU; idle: no delay, the calibrated crossover
+    full = P.GpuSpeed(H100, clock, random.Random(2))
+    _probe_on_schedule(full, DutyLoad(busy_s=0.065), clock, 1.0)
+    assert full.delay_us() == pytest.approx(2410.0)
+    assert [H100.choose(b, True, gpu_delay_us=full.delay_us()) for b in (64, 1024, 4096)] == ["cpu"] * 3
+    idle = P.GpuSpeed(H100, clock, random.Random(3))
+    _probe_on_schedule(idle, DutyLoad(busy_s=0.0), clock, 3.0, others=False)
+    assert 8 <= idle.probes <= 24 and idle.delay_us() == pytest.approx(0.0, abs=1e-9)  # ~every 250 ms
+    assert [H100.choose(b, True, gpu_delay_us=idle.delay_us()) for b in (64, 128, 256)] == ["cpu", "gpu", "gpu"]
+    # old samples age out and the calibration is back
+    clock.t += H100.window_ms / 1e3 + 0.001
+    assert speed.delay_us() == 0.0 and speed.slowdown() == 1.0 and speed.fresh() == []
+
+
+class IdleGpu:
+    """An idle GPU as the H100 showed it (BENCHMARKS.md, P9, 2026-11-24): a batch costs its
+    calibrated latency right after another, ``wake_us`` more once the GPU has been left alone
+    for ``wake_s`` (batches 7 ms apart paid ~200 µs against 30 back to back)."""
+
+    def __init__(self, wake_s: float = 0.005, wake_us: float = 170.0):
+        self.wake_s, self.wake_us, self.last = wake_s, wake_us, -math.inf
+
+    def run_us(self, pol: P.Policy, batch: int, t: float) -> float:
+        us = pol.estimate("gpu", batch) + (self.wake_us if t - self.last >= self.wake_s else 0.0)
+        self.last = t
+        return us
+
+
+@pytest.mark.parametrize("probe_idle_ms", [250.0, 1000.0, 5000.0])
+def test_an_idle_gpu_is_known_by_several_unwarmed_probes(probe_idle_ms: float) -> None:
+    """At idle (no other process on the GPU, no GPU batches of its own) the window must hold
+    more than one probe at every moment, whatever the profile's probe_idle_ms, and the probes,
+    unwarmed, give the GPU's cost as a lone request finds it. The two misses of the first H100
+    run under the mean truth: batch 4 (GPU 257 vs CPU 71 µs) and 64 (278 vs 122), picked for the
+    GPU on one warmed probe that said 41 and 62 µs."""
+    pol = P.Policy(batches=H100.batches, cpu_us=H100.cpu_us, gpu_us=H100.gpu_us, probe_idle_ms=probe_idle_ms)
+    clock, gpu = Clock(), IdleGpu()
+    speed = P.GpuSpeed(pol, clock, random.Random(7))
+    counts = []
+    end = clock.t + 10.0
+    while clock.t < end:  # the daemon's loop, as _probe_on_schedule (a probe is one run: test above)
+        if speed.probe_due(False):
+            speed.observe(pol.probe_batch, gpu.run_us(pol, pol.probe_batch, clock.t))
+            speed.probes += 1
+        if clock.t > 100.0 + pol.window_ms / 1e3 * 1.01:
+            counts.append(len(speed.fresh()))
+        clock.t += 0.001
+    assert min(counts) >= P.GpuSpeed.MIN_PROBES_IN_WINDOW and speed.probes >= 20
+    assert speed.period_s(False) == min(probe_idle_ms, 1000.0 / 3) / 1e3 and speed.period_s(True) == pol.probe_busy_ms / 1e3
+    # every probe paid the wake-up, as a lone request does: the mean delay is the wake-up, and
+    # batches 4 and 64 go to the CPU, the side faster on average for requests this sparse
+    assert speed.delay_us() == pytest.approx(170.0)
+    assert [pol.choose(b, True, gpu_delay_us=speed.delay_us()) for b in (4, 64, 1024, 4096)] == ["cpu", "cpu", "gpu", "gpu"]
+    # dense traffic on the GPU keeps it warm: its own batches fill the window and the delay falls
+    for _ in range(2000):
+        speed.observe(64, gpu.run_us(pol, 64, clock.t))
+        clock.t += 0.0002
+    assert speed.delay_us() < 5.0 and not speed.probe_due(False)
+
+
+def test_jittered_probes_do_not_lock_onto_the_load_s_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probing exactly once per load period sees the load at one phase only: always idle or always
+    busy. Jittered, the same probes see it in proportion to its duty cycle."""
+    pol = P.Policy(batches=H100.batches, cpu_us=H100.cpu_us, gpu_us=H100.gpu_us, probe_busy_ms=65.0, window_ms=30_000.0)
+    load = DutyLoad(period_s=0.065, busy_s=0.040)
+    true_delay = load.wait_us * load.busy_s / load.period_s
+    monkeypatch.setattr(P.GpuSpeed, "PROBE_JITTER", 0.0)
     clock = Clock()
-    half, full = P.GpuSpeed(H100, clock), P.GpuSpeed(H100, clock)
-    for b in (64, 128, 256, 64, 1024):  # half load: NVML says busy, the GPU runs as fast as idle
-        half.observe(b, H100.estimate("gpu", b) * 1.02)
-    for b, ratio in [(64, 35.0), (1024, 30.0), (4096, 57.0), (64, 40.0), (256, 45.0)]:  # full load
-        full.observe(b, H100.estimate("gpu", b) * ratio)
-    assert half.slowdown() == pytest.approx(1.02) and full.slowdown() == pytest.approx(40.0)
-    assert [H100.choose(b, True, busy=True, slowdown=half.slowdown()) for b in (128, 256)] == ["gpu", "gpu"]
-    assert [H100.choose(b, True, busy=True, slowdown=full.slowdown()) for b in (1024, 4096)] == ["cpu", "cpu"]
-    assert H100.choose(4096, True, slowdown=20.0) == "gpu"  # a big enough batch still pays on a slowed GPU
-    # the median ignores one outlier; old samples age out and the calibration (1.0) is back
-    half.observe(64, H100.estimate("gpu", 64) * 500)
-    assert half.slowdown() == pytest.approx(1.02)
-    clock.t += H100.slowdown_max_age_ms / 1e3 + 0.001
-    assert half.slowdown() == 1.0 and half.fresh() == []
-    assert len(full.samples) == H100.slowdown_samples
+    clock.t += 0.050  # starts in the idle part of a period
+    locked = P.GpuSpeed(pol, clock, random.Random(4))
+    _probe_on_schedule(locked, load, clock, 20.0)
+    assert locked.delay_us() < 0.35 * true_delay or locked.delay_us() > 1.4 * true_delay
+    monkeypatch.undo()
+    clock = Clock()
+    clock.t += 0.050
+    jittered = P.GpuSpeed(pol, clock, random.Random(5))
+    _probe_on_schedule(jittered, load, clock, 20.0)
+    assert len(jittered.fresh()) > 200 and jittered.delay_us() == pytest.approx(true_delay, rel=0.15)
 
 
 def test_measured_cpu_slowdown_moves_the_crossover() -> None:
@@ -650,36 +764,51 @@ def test_measured_cpu_slowdown_moves_the_crossover() -> None:
     alone, kept it. Measured, the CPU's slowdown gives those batches to the GPU."""
     clock = Clock()
     pol = P.Policy(batches=[1, 8, 64, 128, 256, 1024], cpu_us=[5.8, 8.3, 22.0, 48.7, 85.3, 310],
-                   gpu_us=[52.0, 52.5, 54.0, 57.0, 58.0, 66.0])
+                   gpu_us=[52.0, 52.5, 54.0, 57.0, 58.0, 66.0], window_samples=5)
     cpu, gpu = P.CpuSpeed(pol, clock), P.GpuSpeed(pol, clock)
     for b in (64, 128, 64):
         gpu.observe(b, pol.estimate("gpu", b))  # the GPU as calibrated
-    assert pol.choose(128, True, slowdown=gpu.slowdown(), cpu_slowdown=cpu.slowdown()) == "cpu"  # 48.7 < 57
+    assert gpu.delay_us() == pytest.approx(0.0, abs=1e-9)
+    assert pol.choose(128, True, gpu_delay_us=gpu.delay_us(), cpu_slowdown=cpu.slowdown()) == "cpu"  # 48.7 < 57
     assert cpu.slowdown() == 1.0 and cpu.fresh() == [] and cpu.last_seen() is None
-    for b, us in [(32, 24.0), (64, 35.5), (128, 78.0), (16, 19.0), (64, 33.0)]:  # ~1.6x slower
+    seen = [(32, 24.0), (64, 35.5), (128, 78.0), (16, 19.0), (64, 33.0)]  # ~1.6x slower
+    for b, us in seen:
         cpu.observe(b, us)
-    assert cpu.slowdown() == pytest.approx(78.0 / 48.7)  # the median of the five ratios
+    # the ratio of the means: the batches' total time over what the curve says for them
+    assert cpu.slowdown() == pytest.approx(sum(us for _, us in seen) / sum(pol.estimate("cpu", b) for b, _ in seen))
     slow = cpu.slowdown()
-    assert [pol.choose(b, True, slowdown=gpu.slowdown(), cpu_slowdown=slow) for b in (8, 64, 128, 256)] == \
+    assert 1.5 < slow < 1.7
+    assert [pol.choose(b, True, gpu_delay_us=gpu.delay_us(), cpu_slowdown=slow) for b in (8, 64, 128, 256)] == \
         ["cpu", "cpu", "gpu", "gpu"]
-    table = pol.cpu_batches(300, True, False, gpu.slowdown(), slow)
-    assert [bool(v) for v in table[1:]] == [pol.choose(b, True, False, gpu.slowdown(), slow) == "cpu" for b in range(1, 301)]
-    assert table[:96].all() and not table[96:].any()  # the crossover moved from batch 157 to 96
-    assert pol.cpu_batches(300, True, False, gpu.slowdown())[:157].all()
-    # one outlier is ignored; only the last slowdown_samples count; old samples age out to the calibration
+    table = pol.cpu_batches(300, True, False, gpu.delay_us(), slow)
+    assert [bool(v) for v in table[1:]] == [pol.choose(b, True, False, gpu.delay_us(), slow) == "cpu" for b in range(1, 301)]
+    moved = int(np.argmin(table))
+    assert table[:moved].all() and not table[moved:].any() and 90 <= moved <= 105  # from batch 157
+    assert pol.cpu_batches(300, True, False, gpu.delay_us())[:157].all()
+    # an outlier counts (a producer waits for it too); only the last window_samples are kept, and
+    # the running sums are those of the samples kept; old samples age out to the calibration
     cpu.observe(8, pol.estimate("cpu", 8) * 50)
-    assert cpu.slowdown() == pytest.approx(slow, rel=0.01) and len(cpu.samples) == pol.slowdown_samples
+    kept = list(cpu.samples)
+    assert len(kept) == pol.window_samples and kept[0][1] == 35.5
+    assert cpu.slowdown() == pytest.approx(sum(s[1] for s in kept) / sum(s[2] for s in kept)) and cpu.slowdown() > slow
     assert cpu.last_seen() == clock.t
-    clock.t += pol.slowdown_max_age_ms / 1e3 + 0.001
-    assert cpu.slowdown() == 1.0 and cpu.fresh() == []
-    assert pol.choose(128, True, slowdown=gpu.slowdown(), cpu_slowdown=cpu.slowdown()) == "cpu"
+    clock.t += pol.window_ms / 1e3 + 0.001
+    assert cpu.slowdown() == 1.0 and cpu.fresh() == [] and cpu._sum_us == cpu._sum_cal == 0.0
+    assert pol.choose(128, True, gpu_delay_us=gpu.delay_us(), cpu_slowdown=cpu.slowdown()) == "cpu"
+    # a failed batch makes the side infinitely slow while it is in the window
+    gpu.observe(64, math.inf)
+    assert gpu.delay_us() == math.inf and gpu.slowdown() == math.inf
+    assert pol.choose(4096, True, gpu_delay_us=gpu.delay_us()) == "cpu"
+    gpu.reset()
+    assert gpu.delay_us() == 0.0 and len(gpu.samples) == 0
     # without a calibration there is nothing to compare with, and the measurements are not kept
     lake = P.CpuSpeed(P.Policy(), clock)
     lake.observe(8, 100.0)
-    assert lake.samples == [] and lake.slowdown() == 1.0
+    assert len(lake.samples) == 0 and lake.slowdown() == 1.0
     cpu.observe(0, 10.0)
     cpu.observe(8, 0.0)
-    assert cpu.samples[-1][1] == pytest.approx(50.0)  # empty or zero-time batches are not samples
+    cpu.observe(8, pol.estimate("cpu", 8) * 50)
+    assert cpu.fresh() == [pytest.approx(50.0)]  # empty or zero-time batches are not samples
     assert P.CpuSpeed(pol).side == "cpu" and P.GpuSpeed(pol).side == "gpu"
     with pytest.raises(ValueError):
         P.Speed(pol, "tpu")
@@ -687,23 +816,45 @@ def test_measured_cpu_slowdown_moves_the_crossover() -> None:
 
 def test_probe_schedule_and_probe() -> None:
     clock = Clock()
-    speed = P.GpuSpeed(H100, clock)
+    speed = P.GpuSpeed(H100, clock, random.Random(0))
     assert speed.probe_due(False)  # nothing measured yet
     calls = []
 
     def forward(x: np.ndarray) -> np.ndarray:
         calls.append(x.shape)
+        # the GPU's wake-up: the first run after 100 ms without one is slow (as an idle H100's is)
+        if clock.t - getattr(forward, "last", -math.inf) >= 0.1:
+            time.sleep(0.02)
+        forward.last = clock.t
         return np.zeros((len(x), 2), dtype=np.float32)
 
     us = speed.probe(forward)
-    assert calls == [(H100.probe_batch, 31)] * 2 and us > 0 and speed.probes == 1 and speed.last_seen() == clock.t
-    clock.t += H100.probe_busy_ms / 1e3 + 1e-6
+    # one run, timed, as a request's would be: the GPU not used yet, so the wake-up is in the figure
+    assert calls == [(H100.probe_batch, 31)] and us >= 20_000 and speed.probes == 1 and speed.last_seen() == clock.t
+    assert speed.delay_us() == pytest.approx(us - H100.estimate("gpu", H100.probe_batch))
+    clock.t += H100.probe_busy_ms / 1e3 * (1 - P.GpuSpeed.PROBE_JITTER) - 1e-6
+    assert not speed.probe_due(True)  # never before the shortest interval
+    clock.t += H100.probe_busy_ms / 1e3 * 2 * P.GpuSpeed.PROBE_JITTER + 2e-6
     assert speed.probe_due(True) and not speed.probe_due(False)  # another process on the GPU: probe sooner
-    clock.t += H100.probe_idle_ms / 1e3
+    assert speed.probe(forward) < 20_000  # the GPU used 20 ms ago: no wake-up to pay
+    assert len(calls) == 2 and speed.probes == 2
+    clock.t += H100.probe_idle_ms / 1e3 * (1 + P.GpuSpeed.PROBE_JITTER)
     assert speed.probe_due(False)
+    assert speed.probe(forward) >= 20_000  # idle since: still one run, and it pays the wake-up
+    assert len(calls) == 3 and speed.probes == 3 and speed.last_probe_us == speed.samples[-1][1]
     speed.observe(64, 40.0)  # a batch the daemon ran on the GPU counts as a measurement too
     assert not speed.probe_due(True)
     assert not P.GpuSpeed(P.Policy(), clock).probe_due(True)  # no calibration: nothing to compare with
+    # the intervals are drawn afresh after each measurement, within the jitter
+    waits = []
+    for _ in range(200):
+        start = clock.t
+        while not speed.probe_due(True):
+            clock.t += 1e-4
+        waits.append(clock.t - start)
+        speed.observe(64, 40.0)
+    lo, hi = (H100.probe_busy_ms / 1e3 * (1 + k * P.GpuSpeed.PROBE_JITTER) for k in (-1, 1))
+    assert lo - 1e-3 <= min(waits) < lo + 2e-3 and hi - 2e-3 < max(waits) <= hi + 1e-3 and len(set(waits)) > 50
 
 
 def test_gpu_load_sampling_with_stubbed_nvml() -> None:
@@ -757,9 +908,11 @@ def test_profile_round_trip_and_calibration(tmp_path: Path) -> None:
     path.write_text("[policy]\nbogus = 1\n")
     with pytest.raises(Exception, match="unknown keys"):
         P.load_profile(str(path))
-    path.write_text("[policy]\nbusy_factor = 4.0\ncpu_below = 9\n")  # a profile from before the measured slowdown
+    # profiles from before the measured slowdown, and from before the mean over a window
+    path.write_text("[policy]\nbusy_factor = 4.0\ncpu_below = 9\nslowdown_samples = 5\nslowdown_max_age_ms = 2000.0\n")
     old = P.load_profile(str(path))
-    assert old.policy().cpu_below == 9 and "busy_factor" not in old.section("policy")
+    assert old.policy().cpu_below == 9 and not {"busy_factor", "slowdown_samples"} & set(old.section("policy"))
+    assert old.policy().window_ms == P.DEFAULTS["policy"]["window_ms"]
     assert old.section("native") == P.DEFAULTS["native"]
 
 
@@ -958,9 +1111,9 @@ class _FakeGpu:
 
 
 @native_only
-def test_native_loop_leaves_gpu_batches_to_python_by_the_measured_slowdown(ring_name: str) -> None:
+def test_native_loop_leaves_gpu_batches_to_python_by_the_measured_delay(ring_name: str) -> None:
     model = M.Mlp.random(seed=4)
-    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[10, 10, 10], probe_idle_ms=1e9, slowdown_max_age_ms=1e9)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[10, 10, 10], probe_idle_ms=1e9, window_ms=1e9)
     srv = _native_server(ring_name, model, pol)
     fake = _FakeGpu(model)
     srv.models[0].gpu = fake
@@ -1007,9 +1160,9 @@ def test_without_a_compiler_the_daemon_says_so_and_serves_in_python(ring_name: s
 
 
 @pytest.mark.parametrize("path", ["small", "vector"])
-def test_python_loop_picks_by_the_measured_slowdown_and_feeds_it(ring_name: str, path: str) -> None:
+def test_python_loop_picks_by_the_measured_delay_and_feeds_it(ring_name: str, path: str) -> None:
     model = M.Mlp.random(seed=8)
-    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[10, 10, 10], slowdown_max_age_ms=1e9)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[10, 10, 10], window_ms=1e9)
     srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
                         log=lambda m: None)
     fake = _FakeGpu(model)
@@ -1024,7 +1177,7 @@ def test_python_loop_picks_by_the_measured_slowdown_and_feeds_it(ring_name: str,
         run(srv.ready_slots())  # no measurement yet: the calibration as it stands, GPU from batch 3
         assert (srv.ring.meta["where"][:8] == R.GPU).all() and fake.batches == [8]
         assert len(srv.speed.samples) == 1  # the daemon measured its own GPU batch
-        srv.speed.samples.clear()
+        srv.speed.reset()
         for _ in range(3):
             srv.speed.observe(8, 500.0)  # 50x slower than calibrated
         srv._refresh_policy()
@@ -1043,7 +1196,7 @@ def test_python_loop_picks_by_the_measured_slowdown_and_feeds_it(ring_name: str,
 def test_python_loop_times_its_cpu_batches_and_picks_by_the_cpu_slowdown(ring_name: str, path: str) -> None:
     model = M.Mlp.random(seed=9)
     # calibrated: a batch of 2 takes 10 µs on the CPU, 12 on the GPU
-    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], slowdown_max_age_ms=1e9)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], window_ms=1e9)
     srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
                         log=lambda m: None)
     x = np.random.default_rng(4).integers(0, 10, (2, 31)).astype(np.float32)
@@ -1057,15 +1210,15 @@ def test_python_loop_times_its_cpu_batches_and_picks_by_the_cpu_slowdown(ring_na
 
     try:
         serve_two()  # no GPU: nothing to choose between, so nothing is timed
-        assert (srv.ring.meta["where"][:2] == R.CPU).all() and srv.cpu_speed.samples == []
+        assert (srv.ring.meta["where"][:2] == R.CPU).all() and len(srv.cpu_speed.samples) == 0
         fake = _FakeGpu(model)
         srv.models[0].gpu = fake
         srv.gpu_ready = True
         serve_two()  # the calibration as it stands: CPU
         assert (srv.ring.meta["where"][:2] == R.CPU).all() and fake.batches == []
-        assert len(srv.cpu_speed.samples) == 1 and srv.speed.samples == []  # the daemon timed its own CPU batch
-        assert srv._cpu_slowdown == srv.cpu_speed.slowdown() == pytest.approx(srv.cpu_speed.samples[0][1])
-        srv.cpu_speed.samples.clear()
+        assert len(srv.cpu_speed.samples) == 1 and len(srv.speed.samples) == 0  # the daemon timed its own CPU batch
+        assert srv._cpu_slowdown == srv.cpu_speed.slowdown() == pytest.approx(srv.cpu_speed.fresh()[0])
+        srv.cpu_speed.reset()
         for _ in range(3):
             srv.cpu_speed.observe(2, 30.0)  # 3x slower than calibrated
         srv._refresh_policy()
@@ -1081,7 +1234,7 @@ def test_python_loop_times_its_cpu_batches_and_picks_by_the_cpu_slowdown(ring_na
 @native_only
 def test_native_loop_table_follows_the_cpu_slowdown(ring_name: str) -> None:
     model = M.Mlp.random(seed=10)
-    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], probe_idle_ms=1e9, slowdown_max_age_ms=1e9)
+    pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], probe_idle_ms=1e9, window_ms=1e9)
     srv = _native_server(ring_name, model, pol)
     fake = _FakeGpu(model)
     srv.models[0].gpu = fake
@@ -1096,7 +1249,7 @@ def test_native_loop_table_follows_the_cpu_slowdown(ring_name: str) -> None:
             _until(lambda: (srv.ring.state[:2] == R.DONE).all(), "batch of 2")
         assert (srv.ring.meta["where"][:2] == R.CPU).all() and fake.batches == []
         assert srv.native.stats()["native_served"] == 2
-        assert srv.cpu_speed.samples == []  # the C loop's own batches are not timed
+        assert len(srv.cpu_speed.samples) == 0  # the C loop's own batches are not timed
         for _ in range(3):
             srv.cpu_speed.observe(2, 30.0)  # the CPU measured 3x slower than calibrated
         srv._refresh_policy()

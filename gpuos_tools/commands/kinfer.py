@@ -57,23 +57,33 @@ MAN_SECTIONS = {
     "POLICY": (
         "Each batch runs on the CPU (the native loop's C code or numpy) or the GPU (CuPy, one fused "
         "kernel). With a calibration in the profile (`gpu-kinfer-bridge calibrate`), the side with "
-        "the lower predicted latency at that batch size wins. Each side's prediction is its "
-        "calibrated curve (log-log interpolation) times that side's measured slowdown: the median, "
-        "over the last `slowdown_samples` batches it ran younger than `slowdown_max_age_ms`, of "
-        "measured latency over calibrated latency (1 when there are none). The daemon measures "
-        "every batch it runs on the GPU, and probes (times a batch of `probe_batch` rows, twice, "
-        "the faster kept) when its last measurement is older than `probe_busy_ms` while NVML shows "
-        "at least `busy_procs` other processes on the GPU, or older than `probe_idle_ms` "
-        "otherwise. It times the model's forward pass of every CPU batch its Python loop runs "
+        "the lower expected latency at that batch size wins. Each side's expectation is its "
+        "calibrated curve (log-log interpolation) corrected by what the daemon measured on that side "
+        "over the last `window_ms` (at most `window_samples` batches): the GPU's curve plus its mean "
+        "delay (measured minus calibrated latency; a GPU time-sliced with another process makes "
+        "every batch wait about the same, whatever its size), the CPU's curve times its slowdown "
+        "(mean measured over mean calibrated latency). Means, not medians: a producer pays every "
+        "batch's latency, the ones that waited behind another process's burst included. With no "
+        "measurement in the window the calibration stands. The daemon measures every batch it runs "
+        "on the GPU, and probes (times one batch of `probe_batch` rows, with no warm-up run before "
+        "it: a probe pays what the next request would, an idle GPU's wake-up included) when its "
+        "last measurement is older than about `probe_busy_ms` while NVML shows at least "
+        "`busy_procs` other processes on the GPU, or about `probe_idle_ms` otherwise; each "
+        "interval is drawn anew within +-50% of that, so probes do not lock onto the phase of a "
+        "periodic load, and the period is capped so that even the longest interval leaves two "
+        "probes in `window_ms` (333 ms with a 1 s window): the mean is never one probe's. A probe "
+        "holds the Python loop for one GPU batch: 30 us to a few hundred on an idle H100 (more "
+        "the longer the GPU was left alone), up to a time slice (2.4 ms) behind another "
+        "process. It times the model's forward pass of every CPU batch its Python loop runs "
         "while there is a GPU to choose; the CPU is not probed, and the batches the native loop "
         "answers itself are not timed, so with the native path the CPU's slowdown comes from the "
         "CPU batches handed to the Python loop (above `[native] max_batch`, or with a bad entry) "
         "and is 1 (the calibration) while there are none. So another process on the GPU, or on "
-        "the CPU, moves batches to the other side only as far as it really slows that side down. "
-        "Without a calibration, LAKE's rule: CPU below "
+        "the CPU, moves batches to the other side only as far as it really slows that side down "
+        "on average. Without a calibration, LAKE's rule: CPU below "
         "`cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent with "
         "at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
-        "`kinfer_stats` record at exit gives `gpu_slowdown`, `gpu_probes` and `cpu_slowdown`.\n\n"
+        "`kinfer_stats` record at exit gives `gpu_delay_us`, `gpu_probes` and `cpu_slowdown`.\n\n"
         "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
         "batch above 1.5); a lone producer is answered at once."
     ),
@@ -118,11 +128,11 @@ MAN_SECTIONS = {
         "TOML, read with tomllib. Tables: `[model]` name, file (model .npz, relative to the "
         "profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
         "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
-        "probe_busy_ms, slowdown_samples, slowdown_max_age_ms (see POLICY); `[native]` mode "
+        "probe_busy_ms, window_ms, window_samples (see POLICY); `[native]` mode "
         "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
         "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
-        "atomically; comments added by hand are not kept. An old profile's `busy_factor` is "
-        "ignored, with a message."
+        "atomically; comments added by hand are not kept. An old profile's `busy_factor`, "
+        "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message."
     ),
     "FILES": (
         "- `/dev/shm/NAME`: the ring, and feature stores.\n"
@@ -253,7 +263,7 @@ def serve(
         stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
                  **server.ring.counter_values(), "native": server.native is not None,
                  **(server.native.stats() if server.native is not None else {}),
-                 "gpu_slowdown": round(server.speed.slowdown(), 4), "gpu_probes": server.speed.probes,
+                 "gpu_delay_us": round(server.speed.delay_us(), 3), "gpu_probes": server.speed.probes,
                  "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
     finally:
         server.close()

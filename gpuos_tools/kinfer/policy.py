@@ -4,19 +4,23 @@ The choice, per batch:
 
 - no usable GPU: CPU;
 - with a calibration (latency curves measured by ``gpu-kinfer-bridge calibrate``): the side
-  whose predicted latency at this batch size is lower. Each side's prediction is its calibrated
-  curve, interpolated in log-log space, times that side's *measured slowdown* (``Speed``): the
-  median ratio of the batch latencies the daemon saw lately on that side to what the curve
-  predicts for them. The GPU's (``GpuSpeed``) comes from the daemon's own GPU batches and from
-  probes; the CPU's (``CpuSpeed``) from the CPU batches the daemon's Python loop runs, and needs
-  no probes: with no recent CPU batch it is 1.0, the calibration. Another process on the GPU,
-  or on the CPU, changes the choice only as much as it actually slows that side down;
+  whose expected latency at this batch size is lower. Each side's expectation is its calibrated
+  curve, interpolated in log-log space, corrected by what the daemon measured on that side over
+  the last ``window_ms`` (``Speed``, means, not medians: a producer pays every batch's latency,
+  including those that waited behind another process's burst). The GPU's curve gets the mean
+  *delay* added (``GpuSpeed``: measured minus calibrated latency of the daemon's own GPU
+  batches and of probes; a time-sliced GPU makes every batch wait about the same whatever its
+  size); the CPU's curve is multiplied by the mean *slowdown* (``CpuSpeed``: measured over
+  calibrated, from the CPU batches the daemon's Python loop runs, no probes; 1.0 with none).
+  Another process on the GPU, or on the CPU, changes the choice only as much as it actually
+  slows that side down, on average;
 - without one, LAKE's rule: CPU below ``cpu_below`` or while the GPU is busy, else GPU.
 
 "Busy" is LAKE's test: NVML utilisation above ``busy_util`` percent while at least
 ``busy_procs`` other processes hold a context on the GPU. With a calibration NVML only decides
-how often the daemon probes the GPU's speed (every ``probe_busy_ms`` while another process is on
-the GPU, every ``probe_idle_ms`` otherwise, when none of its own GPU batches measured it lately).
+how often the daemon probes the GPU's speed (about every ``probe_busy_ms`` while another process
+is on the GPU, about every ``probe_idle_ms`` otherwise, jittered, when none of its own GPU batches
+measured it lately; never so rarely that the window holds fewer than two probes).
 
 Profiles are read with tomllib. They are written by ``dump_profile``, which knows only what a
 profile holds (tables of strings, numbers, booleans and lists of numbers) and writes them in a
@@ -27,10 +31,12 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import threading
 import time
 import tomllib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +54,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8},
     "batch": {"window_us": 20.0, "max": 4096},
     "policy": {
-        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 1000.0,
-        "probe_busy_ms": 50.0, "slowdown_samples": 5, "slowdown_max_age_ms": 2000.0,
+        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 250.0,
+        "probe_busy_ms": 20.0, "window_ms": 1000.0, "window_samples": 4096,
     },
     "native": {"mode": "auto", "max_batch": 64},
 }
 #: Keys that older profiles may still hold; read and ignored, with a message.
-OBSOLETE = {"policy": {"busy_factor": "replaced by the measured GPU slowdown"}}
+OBSOLETE = {"policy": {
+    "busy_factor": "replaced by the measured GPU delay",
+    "slowdown_samples": "replaced by window_samples: the estimate is now a mean over window_ms, not a median of a few",
+    "slowdown_max_age_ms": "replaced by window_ms",
+}}
 
 
 @dataclass
@@ -63,10 +73,10 @@ class Policy:
     busy_util: int = 70
     busy_procs: int = 1
     probe_batch: int = 64
-    probe_idle_ms: float = 1000.0
-    probe_busy_ms: float = 50.0
-    slowdown_samples: int = 5
-    slowdown_max_age_ms: float = 2000.0
+    probe_idle_ms: float = 250.0
+    probe_busy_ms: float = 20.0
+    window_ms: float = 1000.0
+    window_samples: int = 4096
     batches: list[int] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     gpu_us: list[float] = field(default_factory=list)
@@ -87,39 +97,54 @@ class Policy:
         # beyond the sweep: time grows at most linearly with the batch
         return np.where(b > self.batches[-1], ys[-1] * b / self.batches[-1], inside)
 
-    def choose(self, batch: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0,
+    def choose(self, batch: int, gpu_available: bool, busy: bool = False, gpu_delay_us: float = 0.0,
                cpu_slowdown: float = 1.0) -> str:
-        """CPU or GPU for one batch. ``slowdown`` and ``cpu_slowdown``: the GPU's and the CPU's
-        measured slowdowns (``GpuSpeed``, ``CpuSpeed``), used with a calibration; ``busy``:
-        NVML's verdict, used without one (LAKE's rule)."""
+        """CPU or GPU for one batch. ``gpu_delay_us``: the GPU's measured mean delay
+        (``GpuSpeed.delay_us``), added to its curve; ``cpu_slowdown``: the CPU's measured
+        slowdown (``CpuSpeed.slowdown``), multiplying its curve; both used with a calibration.
+        ``busy``: NVML's verdict, used without one (LAKE's rule)."""
         if not gpu_available:
             return "cpu"
         if self.calibrated:
-            gpu = self.estimate("gpu", batch) * slowdown
+            gpu = self.estimate("gpu", batch) + gpu_delay_us
             return "gpu" if gpu < self.estimate("cpu", batch) * cpu_slowdown else "cpu"
         return "cpu" if batch < self.cpu_below or busy else "gpu"
 
-    def cpu_batches(self, largest: int, gpu_available: bool, busy: bool = False, slowdown: float = 1.0,
+    def cpu_batches(self, largest: int, gpu_available: bool, busy: bool = False, gpu_delay_us: float = 0.0,
                     cpu_slowdown: float = 1.0) -> np.ndarray:
         """``choose`` for every batch size 0..largest at once: True where it says CPU."""
         b = np.arange(largest + 1)
         if not gpu_available:
             return np.ones(largest + 1, dtype=bool)
         if self.calibrated:
-            return ~(self.estimate_many("gpu", b) * slowdown < self.estimate_many("cpu", b) * cpu_slowdown)
+            return ~(self.estimate_many("gpu", b) + gpu_delay_us < self.estimate_many("cpu", b) * cpu_slowdown)
         return (b < self.cpu_below) | busy
 
 
 class Speed:
-    """How much slower one side (``"cpu"`` or ``"gpu"``) runs now than its calibrated curve says:
-    the median of the ratios measured / calibrated of the last ``slowdown_samples`` batches
-    measured on it, those younger than ``slowdown_max_age_ms``; 1.0 (the calibration) when there
-    are none. Without a calibration nothing is recorded.
+    """How one side (``"cpu"`` or ``"gpu"``) runs now against its calibrated curve, from the
+    batches measured on it in the last ``window_ms`` (at most ``window_samples`` of them): each
+    sample is a measured latency beside the calibrated latency of its batch size.
+
+    Two summaries, both of *means*, so that they follow the expected latency a producer sees:
+
+    - ``slowdown()``: sum of measured over sum of calibrated latencies (the ratio of the means),
+      for a side that runs everything proportionally slower (a CPU core shared with another
+      thread);
+    - ``delay_us()``: mean of measured minus calibrated, for a side that makes every batch wait
+      the same extra time whatever its size (a GPU time-sliced with another process: on an
+      H100 under a second process's matrix products every batch from 1 to 4096 rows took 2.41 ms,
+      BENCHMARKS.md, P9).
+
+    A median would not do: under a duty-cycled load most samples may see an idle GPU while the
+    mean, which is what the producer pays, is set by the ones that waited. With no fresh samples
+    the calibration stands (1.0, 0 µs); a sample that failed (``us`` infinite) makes both
+    infinite while it is in the window. Without a calibration nothing is recorded.
 
     ``clock`` (seconds, monotonic) is injectable so the logic is tested without a GPU or a timer.
-    The calibrated latency of each batch size is computed once (numpy costs microseconds; the
-    daemon observes every batch it runs), so a ``Speed`` is for the curves its policy had when
-    it first saw that size.
+    Sums are kept running (a sample in, old ones out) because the daemon observes every batch.
+    The calibrated latency of each batch size is computed once (numpy costs microseconds), so a
+    ``Speed`` is for the curves its policy had when it first saw that size.
     """
 
     #: sizes whose calibrated latency is kept; past that the cache starts again
@@ -131,7 +156,10 @@ class Speed:
         self.policy = policy
         self.side = side
         self.clock = clock
-        self.samples: list[tuple[float, float]] = []  # (when, ratio)
+        self.samples: deque[tuple[float, float, float]] = deque()  # (when, measured µs, calibrated µs)
+        self._sum_us = 0.0  # of the finite measured latencies in samples
+        self._sum_cal = 0.0  # of their calibrated latencies
+        self._failed = 0  # samples with an infinite latency
         self._calibrated_us: dict[int, float] = {}
 
     def observe(self, batch: int, us: float, now: float | None = None) -> None:
@@ -145,70 +173,148 @@ class Speed:
             if len(self._calibrated_us) >= self.CACHE_SIZES:
                 self._calibrated_us.clear()
             cal = self._calibrated_us[batch] = self.policy.estimate(self.side, batch)
-        samples = self.samples
-        samples.append((self.clock() if now is None else now, us / cal))
-        if len(samples) > self.policy.slowdown_samples:
-            del samples[: -max(1, self.policy.slowdown_samples)]
+        now = self.clock() if now is None else now
+        self.samples.append((now, us, cal))
+        if math.isfinite(us):
+            self._sum_us += us
+            self._sum_cal += cal
+        else:
+            self._failed += 1
+        while len(self.samples) > max(1, self.policy.window_samples):
+            self._drop()
+        self._observed(now)
+
+    def _observed(self, now: float) -> None:
+        """Called after each sample (the GPU draws its next probe interval here)."""
+
+    def _drop(self) -> None:
+        _, us, cal = self.samples.popleft()
+        if math.isfinite(us):
+            self._sum_us -= us
+            self._sum_cal -= cal
+        else:
+            self._failed -= 1
+        if not self.samples:  # start again from exact zeros: no rounding left over
+            self._sum_us = self._sum_cal = 0.0
+            self._failed = 0
+
+    def _expire(self, now: float | None) -> int:
+        """Drop the samples older than the window; the number left."""
+        now = self.clock() if now is None else now
+        oldest = now - self.policy.window_ms / 1e3
+        while self.samples and self.samples[0][0] < oldest:
+            self._drop()
+        return len(self.samples)
 
     def fresh(self, now: float | None = None) -> list[float]:
-        now = self.clock() if now is None else now
-        age = self.policy.slowdown_max_age_ms / 1e3
-        return [r for t, r in self.samples if now - t <= age]
+        """Measured over calibrated latency of each sample in the window, oldest first."""
+        self._expire(now)
+        return [us / cal for _, us, cal in self.samples]
 
     def slowdown(self, now: float | None = None) -> float:
-        if not self.samples:
+        """Mean measured latency over mean calibrated latency in the window; 1.0 without samples."""
+        if not self._expire(now):
             return 1.0
-        ratios = sorted(self.fresh(now))  # a handful: cheaper than numpy, once per batch
-        n = len(ratios)
-        if n == 0:
-            return 1.0
-        return ratios[n // 2] if n % 2 else 0.5 * (ratios[n // 2 - 1] + ratios[n // 2])
+        if self._failed:
+            return math.inf
+        return self._sum_us / self._sum_cal if self._sum_cal > 0 else 1.0
+
+    def delay_us(self, now: float | None = None) -> float:
+        """Mean of measured minus calibrated latency (µs) in the window; 0 without samples."""
+        n = self._expire(now)
+        if not n:
+            return 0.0
+        if self._failed:
+            return math.inf
+        return (self._sum_us - self._sum_cal) / n
 
     def last_seen(self) -> float | None:
         return self.samples[-1][0] if self.samples else None
 
+    def reset(self) -> None:
+        """Forget every sample: the calibration stands again."""
+        self.samples.clear()
+        self._sum_us = self._sum_cal = 0.0
+        self._failed = 0
+
 
 class CpuSpeed(Speed):
-    """The CPU's measured slowdown, from the CPU batches the daemon times (the model's forward
-    pass, as ``calibrate`` times it). No probes: the daemon runs CPU batches all the time, and
-    when none ran lately the calibration (1.0) stands."""
+    """The CPU's measured slowdown (``slowdown()``), from the CPU batches the daemon times (the
+    model's forward pass, as ``calibrate`` times it). No probes: the daemon runs CPU batches all
+    the time, and when none ran lately the calibration (1.0) stands."""
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
         super().__init__(policy, "cpu", clock)
 
 
 class GpuSpeed(Speed):
-    """The GPU's measured slowdown, from the daemon's own GPU batches (end to end: copies and
-    sync included) and from probes, timed when no batch measured it lately (``probe_due``)."""
+    """The GPU's measured delay (``delay_us()``), from the daemon's own GPU batches (end to end:
+    copies and sync included) and from probes, timed when no batch measured it lately
+    (``probe_due``).
 
-    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
+    A probe measures what the next request would pay: one run, timed, as a request's batch is
+    run. Dense traffic keeps the window full of real batches (a warm GPU); sparse traffic fills
+    it with probes and isolated batches, each paying whatever an idle GPU makes a lone batch pay
+    (on an H100 ~200 µs for batches 7 ms apart, against 30 µs back to back: BENCHMARKS.md, P9,
+    2026-11-24). Either way the window holds the kind of batch the traffic sends, as the CPU's
+    does.
+
+    Probe intervals are drawn uniformly from ``PROBE_JITTER`` either side of the nominal period,
+    afresh after every measurement, so that probes do not lock onto the phase of a periodic
+    load (a second process that computes for 40 ms of every 65 would otherwise be seen always
+    at the same point of its cycle). The nominal period is capped so that even the longest
+    interval leaves ``MIN_PROBES_IN_WINDOW`` probes in ``window_ms``: one probe is too few for
+    a mean (an idle H100 gave single probes of 41 to 248 µs for batch 64). ``rng`` is
+    injectable for tests.
+    """
+
+    #: probe interval: the nominal period times a factor uniform in [1 - PROBE_JITTER, 1 + PROBE_JITTER]
+    PROBE_JITTER = 0.5
+    #: probes the window holds at least, without other GPU batches (the nominal period's cap)
+    MIN_PROBES_IN_WINDOW = 2
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         super().__init__(policy, "gpu", clock)
+        self.rng = rng if rng is not None else random.Random()
         self.probes = 0
         self.last_probe_us: float | None = None
+        self._factor = 1.0  # this interval's jitter factor
+        self._last = None  # when the daemon last ran anything on the GPU (samples may have aged out)
+
+    def _observed(self, now: float) -> None:
+        self._last = now
+        self._factor = 1.0 + self.PROBE_JITTER * (2.0 * self.rng.random() - 1.0)
+
+    def period_s(self, others_on_gpu: bool) -> float:
+        """The nominal probe period: ``probe_busy_ms`` while another process is on the GPU,
+        ``probe_idle_ms`` otherwise, at most ``window_ms / (MIN_PROBES_IN_WINDOW * (1 +
+        PROBE_JITTER))`` (333 ms with a 1 s window)."""
+        nominal = self.policy.probe_busy_ms if others_on_gpu else self.policy.probe_idle_ms
+        cap = self.policy.window_ms / (self.MIN_PROBES_IN_WINDOW * (1.0 + self.PROBE_JITTER))
+        return min(nominal, cap) / 1e3
 
     def probe_due(self, others_on_gpu: bool, now: float | None = None) -> bool:
         """Should the daemon time a probe batch on the GPU now? When its last measurement is older
-        than ``probe_busy_ms`` while another process is on the GPU, ``probe_idle_ms`` otherwise."""
+        than ``period_s`` (jittered)."""
         if not self.policy.calibrated:
             return False
         now = self.clock() if now is None else now
-        last = self.last_seen()
-        period = (self.policy.probe_busy_ms if others_on_gpu else self.policy.probe_idle_ms) / 1e3
-        return last is None or now - last >= period
+        if self._last is None:
+            return True
+        return now - self._last >= self.period_s(others_on_gpu) * self._factor
 
     def probe(self, forward: Callable[[np.ndarray], Any], inputs: np.ndarray | None = None) -> float:
-        """Time a batch of ``probe_batch`` rows through ``forward`` (the GPU's) and record it.
+        """Time one batch of ``probe_batch`` rows through ``forward`` (the GPU's) and record it.
 
-        Run twice, the faster kept: the first run after an idle second also pays for the GPU
-        waking up (clocks, caches), which is not what the next real batch would see."""
+        One run, timed, with no untimed run before it, however long the GPU was left alone: a
+        request arriving then would pay the GPU's wake-up too, so the probe must. Not the best
+        of several either: the estimate is a mean, and a probe that waited behind another
+        process's work is exactly what a batch sent then would have paid."""
         n = max(1, self.policy.probe_batch)
         x = inputs if inputs is not None else probe_inputs(n, 31)
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter_ns()
-            forward(x)
-            times.append((time.perf_counter_ns() - t0) / 1e3)
-        us = min(times)
+        t0 = time.perf_counter_ns()
+        forward(x)
+        us = (time.perf_counter_ns() - t0) / 1e3
         self.observe(len(x), us)
         self.probes += 1
         self.last_probe_us = us
@@ -317,8 +423,8 @@ class Profile:
             probe_batch=int(p["probe_batch"]),
             probe_idle_ms=float(p["probe_idle_ms"]),
             probe_busy_ms=float(p["probe_busy_ms"]),
-            slowdown_samples=int(p["slowdown_samples"]),
-            slowdown_max_age_ms=float(p["slowdown_max_age_ms"]),
+            window_ms=float(p["window_ms"]),
+            window_samples=int(p["window_samples"]),
             batches=[int(b) for b in cal.get("batches", [])],
             cpu_us=[float(v) for v in cal.get("cpu_us", [])],
             gpu_us=[float(v) for v in cal.get("gpu_us", [])],

@@ -17,7 +17,8 @@ sampler):
 4. mark them TAKEN, refuse malformed entries (each refusal counted in the header), run the
    good ones per model on CPU or GPU, write outputs and metadata, store DONE, wake sleepers.
 
-The policy's measured slowdowns (``policy.GpuSpeed``, ``policy.CpuSpeed``) come from the batches
+The policy's measurements (the GPU's delay, ``policy.GpuSpeed``; the CPU's slowdown,
+``policy.CpuSpeed``) come from the batches
 this Python loop runs, timed around the model's forward pass, and from the GPU probes; the C
 loop's own CPU batches are not timed.
 """
@@ -59,7 +60,7 @@ class Backend:
     """One model on the CPU and, when there is a GPU, on the GPU too."""
 
     model: Mlp
-    gpu: Any = None  # gpu.GpuMlp (Server._run times it for the slowdown estimate)
+    gpu: Any = None  # gpu.GpuMlp (Server._run times it for the delay estimate)
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Server:
         self.native: Any = None  # native.NativeLoop while the C loop serves
         self.speed = GpuSpeed(self.policy)
         self.cpu_speed = CpuSpeed(self.policy)
-        self._slowdown = 1.0
+        self._gpu_delay = 0.0
         self._cpu_slowdown = 1.0
         self._table_key: tuple[Any, ...] | None = None
         self._add = self._add_py
@@ -211,29 +212,30 @@ class Server:
     # -- the policy's inputs --
 
     def _refresh_policy(self, force: bool = False) -> None:
-        """Recompute the GPU's and the CPU's measured slowdowns and, for the C loop, which batch
-        sizes it answers."""
-        self._slowdown = self.speed.slowdown()
+        """Recompute the GPU's measured delay and the CPU's measured slowdown and, for the C loop,
+        which batch sizes it answers."""
+        self._gpu_delay = self.speed.delay_us()
         self._cpu_slowdown = self.cpu_speed.slowdown()
         if self.native is not None:
             self._refresh_table(force)
 
     def _refresh_table(self, force: bool = False) -> None:
-        """The C loop's table of the batch sizes it answers, from the slowdowns as they stand."""
+        """The C loop's table of the batch sizes it answers, from the estimates as they stand."""
         busy = self.gpu_load is not None and self.gpu_load.busy
-        # the table is recomputed (tens of µs of numpy) only when a slowdown moved by 1% or more
-        key = (self.gpu_ready, busy, _bucket(self._slowdown), _bucket(self._cpu_slowdown))
+        # the table is recomputed (tens of µs of numpy) only when the GPU's delay moved by 1 µs or 1%,
+        # or the CPU's slowdown by 1%
+        key = (self.gpu_ready, busy, _bucket_us(self._gpu_delay), _bucket(self._cpu_slowdown))
         if force or key != self._table_key:
             self._table_key = key
             limit = max(0, min(self.options.native_max, self.options.max_batch))
-            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._slowdown, self._cpu_slowdown))
+            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._gpu_delay, self._cpu_slowdown))
 
     def _others_on_gpu(self) -> bool:
         load = self.gpu_load
         return load is not None and load.others >= max(1, self.policy.busy_procs)
 
     def maybe_probe(self) -> bool:
-        """Time a probe batch on the GPU when the slowdown estimate is stale (``GpuSpeed.probe_due``)."""
+        """Time a probe batch on the GPU when the delay estimate is stale (``GpuSpeed.probe_due``)."""
         backend = self.models.get(0)
         if not self.gpu_ready or backend is None or backend.gpu is None or not self.speed.probe_due(self._others_on_gpu()):
             return False
@@ -247,10 +249,10 @@ class Server:
 
     def _side(self, n: int, backend: Backend) -> str:
         busy = self.gpu_load is not None and self.gpu_load.busy
-        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._slowdown, self._cpu_slowdown)
+        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._gpu_delay, self._cpu_slowdown)
 
     def _run(self, backend: Backend, x: np.ndarray, side: str) -> np.ndarray:
-        """The batch on ``side``; its latency feeds that side's measured slowdown.
+        """The batch on ``side``; its latency feeds that side's estimate (``GpuSpeed``, ``CpuSpeed``).
 
         A CPU batch is timed only while there is a choice to make (a GPU for this model): without
         one the measurement could change nothing. The CPU batches the C loop answers itself are
@@ -262,7 +264,7 @@ class Server:
             t0 = time.perf_counter_ns()
             y = backend.gpu.forward(x)
             self.speed.observe(len(x), (time.perf_counter_ns() - t0) / 1e3)
-            self._slowdown = self.speed.slowdown()
+            self._gpu_delay = self.speed.delay_us()
         elif self.gpu_ready and backend.gpu is not None:
             t0 = time.perf_counter_ns()
             y = backend.model.forward(x)
@@ -561,7 +563,7 @@ class Server:
             state[strange] = R.FREE
             self._add("drop_bad_state", int(strange.size))
             self.log(f"{strange.size} slots had an unknown state word; reset to FREE")
-        self._refresh_policy()  # old slowdown samples age out; NVML's verdict may have changed
+        self._refresh_policy()  # old samples age out; NVML's verdict may have changed
         if self.native is not None:
             self.native.release()
         h = ring.header
@@ -631,6 +633,13 @@ class Server:
 def _bucket(slowdown: float) -> float:
     """A slowdown in steps of 1% (log scale), for telling when the C loop's table must change."""
     return round(math.log(slowdown) / math.log(1.01)) if 0 < slowdown < math.inf else slowdown
+
+
+def _bucket_us(delay: float) -> float:
+    """A delay in steps of 1 µs below 100 µs, of 1% (log scale) above, for the same purpose."""
+    if not math.isfinite(delay) or abs(delay) < 100:
+        return round(delay) if math.isfinite(delay) else delay
+    return math.copysign(100 + round(math.log(abs(delay) / 100) / math.log(1.01)), delay)
 
 
 def request_load(name: str, path: str | Path, model_id: int = 0, timeout: float = 30.0) -> int:

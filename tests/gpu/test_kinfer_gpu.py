@@ -136,8 +136,8 @@ def _serve_in_thread(srv: S.Server):  # noqa: ANN202
 
 
 @pytest.mark.parametrize("gpu_wins", [True, False])
-def test_measured_slowdown_and_native_loop_on_a_real_gpu(gpu_wins: bool) -> None:
-    """The daemon probes the real GPU (no measurement yet), feeds the slowdown estimate from its
+def test_measured_delay_and_native_loop_on_a_real_gpu(gpu_wins: bool) -> None:
+    """The daemon probes the real GPU (no measurement yet), feeds the delay estimate from its
     own GPU batches, and its native loop leaves to Python exactly the batches the policy gives the
     GPU. The calibration is made one-sided on purpose so the right side is known whatever the
     GPU's load: with the CPU calibrated at 1 s per batch the GPU always wins, at 1 ns never."""
@@ -180,7 +180,9 @@ def test_measured_slowdown_and_native_loop_on_a_real_gpu(gpu_wins: bool) -> None
 
 
 def test_probe_measures_the_gpu_against_its_calibration() -> None:
-    """GpuSpeed.probe on the real GpuMlp: a positive ratio to a curve calibrated here."""
+    """GpuSpeed.probe on the real GpuMlp: one run, timed (no warm-up run before it, even on a GPU
+    left alone), recorded against a curve calibrated here; a second probe right after is one
+    run too."""
     from gpuos_tools.kinfer import calibrate as C
     from gpuos_tools.kinfer.gpu import GpuMlp
 
@@ -188,5 +190,16 @@ def test_probe_measures_the_gpu_against_its_calibration() -> None:
     pol = P.Policy(batches=res["batches"], cpu_us=res["cpu_us"], gpu_us=res["gpu_us"], probe_batch=64)
     speed = P.GpuSpeed(pol)
     g = GpuMlp(M.Mlp.random(seed=0))
-    us = speed.probe(g.forward)
-    assert us > 0 and speed.slowdown() > 0 and speed.samples[-1][1] == pytest.approx(us / pol.estimate("gpu", 64))
+    calls = []
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        calls.append(len(x))
+        return g.forward(x)
+
+    time.sleep(0.2)  # the GPU left alone, as between idle probes
+    us = speed.probe(forward)
+    assert calls == [64] and us > 0 and speed.slowdown() > 0
+    assert speed.fresh()[-1] == pytest.approx(us / pol.estimate("gpu", 64))
+    assert speed.delay_us() == pytest.approx(us - pol.estimate("gpu", 64))
+    speed.probe(forward)
+    assert calls == [64, 64] and len(speed.samples) == 2 and speed.probes == 2
