@@ -117,6 +117,8 @@ class ResidencyEngine:
         self.first_touch: dict[int, None] = {}  #: allocation ids in the order first touched
         self._streams: dict[str, Any] = {}
         self._loader: threading.Thread | None = None
+        self._loading = False  #: the background loader runs (it may wait on any load event)
+        self._retired: list[Any] = []  #: events of dropped records, destroyed when it ends
         self._evictq: queue.Queue[int | None] = queue.Queue()
         self._evictor: threading.Thread | None = None
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
@@ -147,12 +149,18 @@ class ResidencyEngine:
             self._bases.insert(bisect_right(self._bases, e.base), e.base)
         self.pending[e.base] = e
 
-    def _drop(self, base: int) -> None:
+    def _drop(self, base: int, destroy: bool = True) -> None:
+        """Forget a pending record (lock held). Its event is destroyed, unless a thread of the
+        engine may still wait on it: the evictor's own (``destroy`` False), or any load event
+        while the background loader runs (it is destroyed when the loader ends)."""
         e = self.pending.pop(base, None)
         if e is not None:
             del self._bases[bisect_right(self._bases, base) - 1]
-            if e.event is not None:
-                self.ops.destroy(e.event)
+            if e.event is not None and destroy:
+                if self._loading:
+                    self._retired.append(e.event)
+                else:
+                    self.ops.destroy(e.event)
 
     def _stream(self, name: str) -> Any:
         s = self._streams.get(name)
@@ -264,8 +272,9 @@ class ResidencyEngine:
             if e.state == LOADING or (e.state == EVICTING and e.event is not None):
                 with self._own():
                     self.ops.synchronize(e.event)
+            evicting = e.state == EVICTING
             e.cancelled = True
-            self._drop(e.base)
+            self._drop(e.base, destroy=not evicting)
             self.counts["freed_while_pending"] += 1
         self.clean.discard(addr)
 
@@ -289,7 +298,7 @@ class ResidencyEngine:
             for e in targets:
                 if e.state == EVICTING:
                     e.cancelled = True  # it stays resident; the evictor sees it under the lock
-                    self._drop(e.base)
+                    self._drop(e.base, destroy=False)
                     self.counts["evictions_cancelled"] += 1
                     continue
                 if e.state == RELEASED:
@@ -312,12 +321,18 @@ class ResidencyEngine:
         """make_resident + copy_in on ``stream`` (engine's lock held); False when the record is
         gone (freed meanwhile: forgotten)."""
         r = self.ops.lookup(e.base)
-        if r is None or r.base != e.base:
+        if r is None or r.base != e.base or r.size != e.size or r.resident:
+            # freed meanwhile (the library frees a released record without a driver call the
+            # tracer sees), or its addresses already serve a new allocation: nothing to load
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
             return False
-        if not r.resident:
-            self.ops.make_resident(e.base)
+        self.ops.make_resident(e.base)
+        r = self.ops.lookup(e.base)
+        if r is None or r.base != e.base:  # a free came during make_resident and was carried out
+            self._drop(e.base)
+            self.counts["freed_while_pending"] += 1
+            return False
         self.ops.copy_in(e.base, e.pieces, stream)
         ev = self.ops.event()
         self.ops.record(ev, stream)
@@ -339,7 +354,7 @@ class ResidencyEngine:
                 return None
             if e.state == EVICTING:
                 e.cancelled = True
-                self._drop(base)
+                self._drop(base, destroy=False)
                 self.counts["evictions_cancelled"] += 1
                 return None
             if e.state == RELEASED:
@@ -379,6 +394,7 @@ class ResidencyEngine:
                      "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
         t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
         self._loader = t
+        self._loading = True
         t.start()
         return t
 
@@ -424,6 +440,12 @@ class ResidencyEngine:
                 lazy["done"] = True
             except Exception as exc:  # noqa: BLE001 (the program goes on; records left pending are loaded on demand)
                 lazy["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                with self.lock:
+                    self._loading = False
+                    for ev in self._retired:
+                        self.ops.destroy(ev)
+                    self._retired.clear()
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Wait for the background loader (True: nothing pending any more)."""
@@ -504,6 +526,7 @@ class ResidencyEngine:
         ops.synchronize(ev)
         with self.lock:
             if e.cancelled or self.pending.get(base) is not e:
+                ops.destroy(ev)
                 return
             ops.release(base)
             e.state, e.event = RELEASED, None
