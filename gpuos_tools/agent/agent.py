@@ -699,7 +699,7 @@ class Agent(ProcessView):
             if op == "ping":
                 return {"ok": True, "pid": os.getpid(), "ops": self.ops, **sus.status()}
             if op == "resume":
-                return sus.resume()
+                return sus.resume(lazy=bool(request.get("lazy")))
             if op in ("suspend", "snapshot", "rollback"):
                 raise GpuosError(f"the program is {sus.state}: {op} after `gpu-restore --agent PID --resume`",
                                  ExitCode.WRONG_STATE)
