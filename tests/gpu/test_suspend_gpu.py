@@ -147,3 +147,42 @@ def test_resume_without_suspend_is_refused(tmp_path):
     finally:
         job.finish()
     assert r.returncode == WRONG_STATE and "not suspended" in r.stderr and state == "running"
+
+
+def test_lazy_resume_goes_on_at_once_and_ends_bit_identical(tmp_path, plain):
+    """Suspend, then `--resume --lazy` and at once let the program run its remaining steps
+    (matmul, FFT, churn: launches the engine predicts and some it cannot) while the engine is
+    still loading: every operation waits on the GPU for what it touches, and the program ends
+    as the uninterrupted run."""
+    job = Job(tmp_path, own=True)
+    try:
+        s = job.cli("ckpt", "--agent", str(job.pid), "--suspend", "--partial")
+        assert s.returncode == 0, s.stderr
+        rec = records(s.stdout)[-1]
+        r = job.cli("restore", "--agent", str(job.pid), "--resume", "--lazy")
+        (job.dir / "go").write_text("")  # the program's next steps race the background loads
+        assert r.returncode == 0, r.stderr
+        back = records(r.stdout)[-1]
+    finally:
+        report = job.finish()
+    res = report.get("residency") or {}
+    print(json.dumps({"suspend": rec, "resume": back, "residency": res}))
+    assert back["type"] == "agent_resume" and back["lazy"] is True
+    assert back["buffers"] == rec["buffers"] and back["bytes"] == rec["released_bytes"]
+    assert report["residency_settled"] and res["pending"] == {}
+    lazy = res["lazy"]
+    assert lazy["done"] and "error" not in lazy and lazy["records"] == rec["buffers"]
+    # every record came back exactly once: on demand, in the background, or freed meanwhile
+    assert res["demand_loads"] + res["background_loads"] + res["freed_while_pending"] == rec["buffers"]
+    assert report["scratch_ok"] and report["digests"] == plain["digests"]
+
+
+def test_lazy_resume_of_a_program_not_suspended_is_refused(tmp_path):
+    job = Job(tmp_path, own=True)
+    try:
+        r = job.cli("restore", "--agent", str(job.pid), "--resume", "--lazy")
+        ping = job.ping()
+    finally:
+        job.finish()
+    assert r.returncode == WRONG_STATE and "not suspended" in r.stderr
+    assert ping["state"] == "running" and ping["residency"]["pending"] == {}

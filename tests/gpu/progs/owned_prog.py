@@ -10,7 +10,7 @@ writes its pid to D/pid and launches a small kernel on a scratch array every mil
 results untouched) until D/go exists, so that a test can suspend and resume it through the
 agent meanwhile (tests/gpu/test_suspend_gpu.py). Writes a JSON report to
 GPUOS_OWNED_OUT: digests of the results, whether CuPy's allocations were owned, the cycle's
-findings.
+findings, and under the agent its residency engine's stats.
 """
 
 from __future__ import annotations
@@ -155,6 +155,13 @@ def main() -> None:
         lib = owned.OwnedLibrary.load()
         arrays = [x for v in state.values() for x in (v if isinstance(v, list) else [v])]
         report["arrays_owned"] = all(lib.lookup(a.data.ptr) is not None for a in arrays)
+    import sys
+
+    tracer = sys.modules.get("gpuos_tools.agent.tracer")  # under gpu-trace run --agent
+    engine = getattr(getattr(getattr(tracer, "_tracer", None), "agent", None), "engine", None)
+    if engine is not None:  # what the residency engine did (a lazy resume's loads, among others)
+        report["residency_settled"] = engine.wait_settled(60)
+        report["residency"] = engine.stats()
     with open(os.environ["GPUOS_OWNED_OUT"], "w") as f:
         json.dump(report, f)
 
