@@ -37,6 +37,7 @@ class FakeOps:
         self.device: dict[int, bytes] = {r.base: b"dev%x" % r.base for r in records}
         self.hostmem: dict[int, bytes] = {}
         self.cv = threading.Condition()
+        self.gone_streams: set = set()
 
     def lookup(self, addr):
         for r in self.recs.values():
@@ -76,6 +77,8 @@ class FakeOps:
         return self._n
 
     def record(self, ev, stream):
+        if stream in self.gone_streams:
+            raise RuntimeError("cuEventRecord: CUDA_ERROR_INVALID_HANDLE")
         self.log.append(("record", ev, stream))
         if self.auto:
             self.done_events.add(ev)
@@ -99,6 +102,9 @@ class FakeOps:
 
     def destroy(self, ev):
         pass
+
+    def sync_all(self):
+        self.log.append(("sync_all",))
 
     def enter(self):
         pass
@@ -361,3 +367,19 @@ def test_the_agent_refuses_snapshot_suspend_rollback_while_records_are_pending()
             a.handle({"op": op, "image": "/nope"})
         assert e.value.code == ExitCode.WRONG_STATE and "1 released" in str(e.value)
     assert a.handle({"op": "ping"})["residency"]["pending"]["released"]["records"] == 1
+
+
+def test_evict_after_a_stream_vanished_waits_for_the_whole_context_instead():
+    recs = [Rec(BASES[0], 64 * MIB)]
+    ops = FakeOps(recs, auto=True)
+    ops.gone_streams.add(7)
+    agent = FakeAgent({1: BASES[0]})
+    eng = ResidencyEngine(agent, ops)
+    assert eng.evict(BASES[0])
+    for _ in range(200):
+        if eng.state(BASES[0]) == RELEASED:
+            break
+        threading.Event().wait(0.01)
+    assert eng.state(BASES[0]) == RELEASED
+    assert ops.log.index(("sync_all",)) < ops.log.index(next(c for c in ops.log if c[0] == "copy_out"))
+    eng.close()

@@ -84,6 +84,7 @@ class Ops(Protocol):
     def done(self, ev: Any) -> bool: ...
     def synchronize(self, ev: Any) -> None: ...
     def destroy(self, ev: Any) -> None: ...
+    def sync_all(self) -> None: ...  # the context's work has completed
     def enter(self) -> None: ...  # make the program's context current on this thread
 
 
@@ -498,7 +499,12 @@ class ResidencyEngine:
             streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(agent, "streams", {0})}
             for s in sorted(streams):
                 ev = ops.event()
-                ops.record(ev, s)
+                try:
+                    ops.record(ev, s)
+                except RuntimeError:  # a stream gone without our seeing it: wait for everything
+                    ops.destroy(ev)
+                    ops.sync_all()
+                    return
                 ops.wait(stream, ev)
                 ops.destroy(ev)  # released by the driver once recorded work completes
 
@@ -667,3 +673,8 @@ class DriverOps:
         from cuda.bindings import driver as drv
 
         drv.cuEventDestroy(ev)
+
+    def sync_all(self) -> None:
+        from cuda.bindings import driver as drv
+
+        _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")

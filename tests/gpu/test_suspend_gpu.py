@@ -186,3 +186,22 @@ def test_lazy_resume_of_a_program_not_suspended_is_refused(tmp_path):
         job.finish()
     assert r.returncode == WRONG_STATE and "not suspended" in r.stderr
     assert ping["state"] == "running" and ping["residency"]["pending"] == {}
+
+
+def test_engine_evict_then_demand_loads_keep_the_program_bit_identical(tmp_path, plain):
+    """Half way, the program (under the agent) evicts every owned record through the residency
+    engine -- saved after its last use on the evict stream, then released -- and goes on: each
+    operation loads back on the GPU what it touches before it runs (gpuos_tools/agent/engine.py)."""
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
+           str(tmp_path / "trace.ndjson.zst"), "--", sys.executable, str(PROGS / "owned_prog.py")]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(True, GPUOS_OWNED_OUT=str(out), GPUOS_ENGINE_EVICT="1"))
+    assert p.returncode == 0, p.stderr[-8000:]
+    report = json.loads(out.read_text())
+    ev = report["evict"]
+    print(json.dumps({"evict": ev, "residency": report.get("residency")}))
+    assert ev["records"] > 0 and ev["accepted"] == ev["records"] and ev["released"] == ev["records"]
+    assert ev["stats"]["evictions"] == ev["records"] and "evict_errors" not in ev["stats"]
+    assert report["residency"]["demand_loads"] > 0
+    assert report["digests"] == plain["digests"]
