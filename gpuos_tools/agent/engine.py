@@ -188,11 +188,12 @@ class ResidencyEngine:
     def bases_of_addrs(self, addrs: Iterable[int]) -> set[int]:
         """The pending records holding any of ``addrs`` (addresses elsewhere need nothing)."""
         out = set()
-        for a in addrs:
-            if a:
-                e = self._find(a)
-                if e is not None:
-                    out.add(e.base)
+        with self.lock:  # the loader drops entries as their loads complete
+            for a in addrs:
+                if a:
+                    e = self._find(a)
+                    if e is not None:
+                        out.add(e.base)
         return out
 
     def bases_of_launch(self, kernel: str, sizes: Any, args: Any) -> set[int] | None:
@@ -377,6 +378,10 @@ class ResidencyEngine:
         return self._order()[0]
 
     def _order(self) -> tuple[list[int], int]:
+        with self.lock:
+            return self._order_locked()
+
+    def _order_locked(self) -> tuple[list[int], int]:
         by_id = getattr(self.agent, "by_id", {})
         seen: dict[int, None] = {}
         for i in self.first_touch:
@@ -390,9 +395,10 @@ class ResidencyEngine:
 
     def load_rest(self) -> threading.Thread:
         """Load every released record in the background, in ``order()``; the thread."""
-        order, predicted = self._order()
-        self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
-                     "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
+        with self.lock:
+            order, predicted = self._order_locked()
+            self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
+                         "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
         t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
         self._loader = t
         self._loading = True
