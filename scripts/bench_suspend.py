@@ -159,6 +159,7 @@ def agent_path(nv: Any, gib: float, reps: int, hold: float, lazy: bool = True) -
                     t1 = time.perf_counter()
                     time.sleep(hold)
                     ping = control.request(sock, "ping", timeout=30)
+                    (d / "stamp.json").unlink(missing_ok=True)  # the last rep's
                     (d / "stamp").write_text("")
                     t2 = time.perf_counter()
                     m2 = time.monotonic()
@@ -181,8 +182,9 @@ def agent_path(nv: Any, gib: float, reps: int, hold: float, lazy: bool = True) -
                     lz = res.get("lazy") or {}
                     row["reload_s"], row["reload_gbps"] = lz.get("load_s"), lz.get("load_gbps")
                 rows.append(row)
-                more = (f", reload {row['reload_s']} s @ {row['reload_gbps']} GB/s (demand {res.get('demand_loads')}, "
-                        f"background {res.get('background_loads')})" if res is not None else
+                lz = (res or {}).get("lazy") or {}
+                more = (f", reload {row['reload_s']} s @ {row['reload_gbps']} GB/s (demand {lz.get('demand_loads')}, "
+                        f"background {lz.get('background_loads')})" if res is not None else
                         f" @ {r['load_gbps']} GB/s")
                 print(f"  agent {mode}: suspend {t1 - t0:.3f} s (staging {s['staging_s']:.3f}, lock+settle+sync "
                       f"{s['lock_s'] + s['settle_s'] + s['sync_s']:.4f}, save {s['save_s']:.3f} s @ {s['save_gbps']} GB/s), "
@@ -268,7 +270,8 @@ def side_by_side(agent: dict[str, Any], driver: dict[str, Any] | None, gib: floa
             "reload_s": med(lz, lambda r: r["reload_s"]),
             "reload_gbps": med(lz, lambda r: r["reload_gbps"]),
             "reload_gbps_each": [r["reload_gbps"] for r in lz],
-            "demand_loads": [r["residency"].get("demand_loads") for r in lz],
+            "demand_loads": [(r["residency"].get("lazy") or {}).get("demand_loads") for r in lz],
+            "stream_waits": [(r["residency"].get("lazy") or {}).get("stream_waits") for r in lz],
             "checksum_same": all(r["checksum_same"] for r in lz),
         }
     if driver is not None:

@@ -198,6 +198,7 @@ def test_background_load_follows_first_touch_order_then_addresses_and_completes(
     assert eng.settled
     st = eng.stats()
     assert st["lazy"]["done"] and st["lazy"]["bytes"] == 4 * 256 * MIB and st["lazy"]["order_predicted"] == 2
+    assert st["lazy"]["background_loads"] == 4 and st["lazy"]["demand_loads"] == 0
     assert st["background_loads"] == 4 and st["pending"] == {}
     # the device holds what was saved, at the same addresses
     assert all(ops.device[b] == b"saved%x" % b for b in BASES)

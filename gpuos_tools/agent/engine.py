@@ -126,6 +126,7 @@ class ResidencyEngine:
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "evictions_cancelled": 0,
                        "loaded_bytes": 0, "freed_while_pending": 0}
         self.lazy: dict[str, Any] | None = None  #: the last lazy resume's figures
+        self._counts_at_start: dict[str, Any] = {}
 
     # -- state --------------------------------------------------------------------------------
 
@@ -399,6 +400,7 @@ class ResidencyEngine:
             order, predicted = self._order_locked()
             self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
                          "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
+            self._counts_at_start = dict(self.counts)
         t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
         self._loader = t
         self._loading = True
@@ -444,6 +446,8 @@ class ResidencyEngine:
                 lazy["t_done"] = time.perf_counter()
                 lazy["load_s"] = round(lazy["t_done"] - lazy["t_start"], 6)
                 lazy["load_gbps"] = round(lazy["bytes"] / lazy["load_s"] / 1e9, 3) if lazy["load_s"] > 0 else None
+                for k in ("demand_loads", "background_loads", "stream_waits", "unknown_requires"):  # this resume's
+                    lazy[k] = self.counts[k] - self._counts_at_start[k]
                 lazy["done"] = True
             except Exception as exc:  # noqa: BLE001 (the program goes on; records left pending are loaded on demand)
                 lazy["error"] = f"{type(exc).__name__}: {exc}"
