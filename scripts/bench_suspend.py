@@ -13,8 +13,9 @@ every millisecond).
    (`staging_s`, reported apart); the later ones reuse it. Resume-to-first-kernel: while
    suspended the bench creates D/stamp; the job, after its next launch has run, writes
    time.monotonic() (one clock for both processes); minus the time of the resume request. It
-   includes a device synchronisation and the file's round trip (~0.1 ms), so it is an upper
-   bound. Lazy full reload: the engine's background loader from its start (in the resume
+   includes a synchronisation of the job's stream and the file's round trip (~0.1 ms), so it is
+   an upper bound. (Until 2026-11-24 the job synchronised the whole device, which also waits for
+   the lazy resume's background loads: those figures are the full reload, not the first kernel.) Lazy full reload: the engine's background loader from its start (in the resume
    request) until every buffer is back, bytes / that time (ping's `residency`).
 2. driver path: the same job run alone (no agent, no CUPTI, CuPy's own allocator);
    gpuos_tools.ckpt.driver's Checkpointer.suspend (lock + checkpoint), hold, resume (restore +

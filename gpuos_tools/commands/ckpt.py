@@ -207,7 +207,8 @@ graph launch wait for every buffer not yet back, i.e. for the rest of the reload
 in the background in the order the program first touched its buffers before the suspend. So a
 kernel may touch exactly what its arguments (and the pointer arrays the program copied to the
 GPU) say it touches; a kernel that reaches a buffer some other way, and is not marked unknown
-by the predictor, could run before that buffer is back. Until every buffer is back, snapshots,
+by the predictor, could run before that buffer is back. A device-wide synchronisation by the
+program waits for the whole reload. Until every buffer is back, snapshots,
 suspends and rollbacks are refused (79); ping's `residency` shows what is pending and, when
 done, the reload's time and GB/s. The same engine evicts (saves after the buffer's last use,
 then releases) and prefetches single buffers for gpu-prefetch-sched.

@@ -119,7 +119,10 @@ thread of the agent's loads the rest in the order the program first touched its 
 load on demand does not queue behind it. The guarantee: every operation of the program runs
 after the buffers it touches (as predicted, or all) hold their suspended contents at their
 addresses. Until every buffer is back, `gpu-ckpt --agent` snapshots and suspends and rollbacks
-are refused (79); `gpu-trace`'s ping answer (`residency`) shows what is pending and, once done,
+are refused (79). A device-wide synchronisation by the program (cudaDeviceSynchronize,
+cuCtxSynchronize) waits for the whole reload, the engine's streams being in its context; a
+stream's or an event's synchronisation waits only for what that stream's work touches. The
+agent's ping answer (`residency`) shows what is pending and, once done,
 the reload's time and GB/s. The `agent_resume` record has `lazy: true`; its resume_s is the time
 to let the program go. `--lazy` on a rollback (`--image`): not built.
 

@@ -5,7 +5,7 @@ about every millisecond, so that a suspend finds it between launches. The same f
 
 --dir D: D/ready holds {"pid", "checksum"} once the data is there; whenever D/check exists the
 job writes D/check.json with the checksum computed again and removes D/check; whenever D/stamp
-exists, after its next launch has completed on the GPU (a device synchronisation) the job writes
+exists, after its next launch has completed on the GPU (its stream synchronised) the job writes
 D/stamp.json with {"t": time.monotonic()} (CLOCK_MONOTONIC, comparable across processes) and
 removes D/stamp: the bench's resume-to-first-kernel; D/exit ends it.
 """
@@ -59,7 +59,9 @@ def main() -> None:
     while not os.path.exists(stop):
         small += 1.0
         if os.path.exists(stamp):
-            cp.cuda.Device().synchronize()  # the launch above has run
+            # the launch above has run: its stream only. A device-wide synchronize would also wait
+            # for the agent's background loads of a lazy resume (same context), i.e. the whole reload
+            cp.cuda.get_current_stream().synchronize()
             write(stamp + ".json", {"t": time.monotonic()})
             os.unlink(stamp)
         if os.path.exists(check):
