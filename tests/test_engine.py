@@ -384,3 +384,30 @@ def test_evict_after_a_stream_vanished_waits_for_the_whole_context_instead():
     assert eng.state(BASES[0]) == RELEASED
     assert ops.log.index(("sync_all",)) < ops.log.index(next(c for c in ops.log if c[0] == "copy_out"))
     eng.close()
+
+
+def test_evict_is_refused_while_a_snapshot_is_in_progress():
+    recs = [Rec(BASES[0], 64 * MIB)]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({1: BASES[0]})
+    agent.snap = object()
+    eng = ResidencyEngine(agent, ops)
+    assert not eng.evict(BASES[0]) and not ops.log
+    agent.snap = None
+    assert eng.evict(BASES[0])
+    eng.close()
+
+
+def test_a_failing_engine_does_not_skip_the_snapshot_side_of_the_launch_hook(monkeypatch):
+    a = Agent()
+    a.ctx = object()
+    a.on_alloc(BASES[0], MIB, "vmm")
+    ops = FakeOps([Rec(BASES[0], MIB, resident=False)])
+    a.engine = ResidencyEngine(a, ops)
+    a.engine.adopt(BASES[0], MIB, [(0x77, MIB)])
+    monkeypatch.setattr(ops, "make_resident", lambda base: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    seen = []
+    monkeypatch.setattr(a, "_before_launch_snap", lambda *x: seen.append(x))
+    with pytest.raises(RuntimeError):
+        a.before_launch("cuLaunchKernel", 0, KERNEL, (8, 4, 8), struct.pack("<Qfq", BASES[0], 2.0, 1))
+    assert len(seen) == 1

@@ -35,7 +35,8 @@ order -- the order in which the program's operations first touched the records, 
 the agent's start (``touch``), then by address -- on its own stream, a bounded amount ahead,
 so that a demand load never queues behind more than that.
 
-``evict(base)`` (for gpu-prefetch-sched): on a thread of the engine's, the agent's lock is
+``evict(base)`` (for gpu-prefetch-sched; refused while a snapshot is in progress, which copies
+every buffer): on a thread of the engine's, the agent's lock is
 taken briefly so that no operation of the program is between its callback and the driver, an
 event is recorded on every stream the program has used (the record's last use is before it),
 the record is saved on the evict stream after those events unless its host copy is current
@@ -470,8 +471,8 @@ class ResidencyEngine:
         """Save (if needed) and release the record at ``base`` after its last use, from the
         engine's evict thread; False when it is not a resident owned record."""
         r = self.ops.lookup(base)
-        if r is None or r.base != base or not r.resident:
-            return False
+        if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
+            return False  # a snapshot in progress copies every buffer: none may go meanwhile
         with self.lock:
             if base in self.pending:
                 return False
@@ -527,6 +528,9 @@ class ResidencyEngine:
         pieces = ops.host(base, r.size)  # pinning is slow: before the program is held
         lock = getattr(self.agent, "lock", None)
         with lock if lock is not None else _nothing():  # no operation starts until it is EVICTING
+            if getattr(self.agent, "snap", None) is not None:  # a snapshot began since evict() was asked
+                self.counts["evictions_refused"] = self.counts.get("evictions_refused", 0) + 1
+                return
             self._last_use(side)
             with self.lock:
                 if base in self.pending:

@@ -343,6 +343,10 @@ class Suspension:
         if unsettled:
             raise GpuosError(f"{unsettled} operations of the program were still being issued after the settle "
                              "timeout; nothing was suspended", ExitCode.WRONG_STATE)
+        engine = getattr(agent, "engine", None)
+        if engine is not None and not engine.settled:  # evicted since the request came
+            raise GpuosError("owned buffers are being evicted or loaded by the residency engine; nothing was "
+                             "suspended", ExitCode.WRONG_STATE)
         allocs = agent.buffers()
         records = [r for r in lib.table() if r.resident and not r.flags & 2]  # 2: F_BUSY
         owned_allocs, outside = split(allocs, records)
