@@ -411,3 +411,13 @@ def test_a_failing_engine_does_not_skip_the_snapshot_side_of_the_launch_hook(mon
     with pytest.raises(RuntimeError):
         a.before_launch("cuLaunchKernel", 0, KERNEL, (8, 4, 8), struct.pack("<Qfq", BASES[0], 2.0, 1))
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("api,opaque", [("cuMemcpy3D_v2", True), ("cuMemcpy3DAsync_v2", True), ("cuMemcpyDtoA_v2", True),
+                                        ("cuMemcpyAtoD_v2", True), ("cuMemcpyHtoAAsync_v2", True),
+                                        ("cuMemcpyHtoDAsync_v2", False), ("cuMemcpyDtoDAsync_v2", False),
+                                        ("cuMemcpyAsync", False), ("cuMemcpy2DAsync_v2", False), ("cuMemsetD8_v2", False)])
+def test_copies_whose_addresses_are_not_known_wait_for_every_record(api, opaque):
+    eng, ops, agent = setup()
+    eng.access(api, 2, 0x1234, 0x5678)  # addresses outside every record
+    assert len(ops.calls("copy_in")) == (4 if opaque else 0)

@@ -23,7 +23,8 @@ that is not yet back, i.e. for the whole of a lazy resume.
 What an operation touches (``bases_of_launch``, ``bases_of_addrs``): a launch's reads and
 writes as the agent's predictor gives them (gpu-predict-access at range granularity, memoised
 per arguments), None when the prediction says unknown or the launch's layout is not known; a
-copy's source and destination, a memset's destination. A kernel that reaches a released record
+copy's source and destination, a memset's destination (a 3D copy or one through a CUDA array:
+every record). A kernel that reaches a released record
 by a pointer the prediction does not see (a pointer stored in device memory the predictor did
 not see written, an address computed from another buffer's) would fault: such launches must
 come out unknown, which is what the predictor's rules are for (gpuos_tools/access).
@@ -253,6 +254,11 @@ class ResidencyEngine:
                 a = allocs.find(addr) if addr else None
                 if a is not None and a.id not in self.first_touch:
                     self.first_touch[a.id] = None
+        if _opaque_copy(api):  # 3D copies and copies through arrays: addresses not read here
+            self.clean.clear()
+            if self.pending:
+                self.require(None, stream)
+            return
         if self.clean and dst:
             self.clean.discard(self._record_base(dst))
         if self.pending:
@@ -576,6 +582,12 @@ class ResidencyEngine:
             self._evictor.join(30)
         if self._loader is not None:
             self._loader.join(60)
+
+
+def _opaque_copy(api: str) -> bool:
+    """A copy whose device addresses the tracer's hook does not give (cuMemcpy3D*, and copies to
+    or from CUDA arrays: cuMemcpyDtoA, AtoD, AtoH, HtoA, AtoA): it counts as touching every record."""
+    return api.startswith("cuMemcpy") and ("3D" in api or "toA" in api or "Ato" in api)
 
 
 @contextmanager

@@ -113,7 +113,8 @@ rules, from the kernel's arguments and the pointer arrays the program copied to 
 launch whose footprint is unknown (no parameter layout, a pointer the prediction cannot
 follow), and every graph launch, waits for every buffer not yet back, so "unknown" costs the
 whole reload at that point, no more than an eager resume. A copy waits for its source and
-destination, a memset for its destination, a free for a load into what it frees. Meanwhile a
+destination (a 3D copy or one through a CUDA array: for every buffer), a memset for its
+destination, a free for a load into what it frees. Meanwhile a
 thread of the agent's loads the rest in the order the program first touched its buffers
 (recorded from the agent's start), then by address, a bounded amount ahead of the GPU so that a
 load on demand does not queue behind it. The guarantee: every operation of the program runs
