@@ -17,10 +17,11 @@
   same batches is reported, and judged against, beside it). The pick is the daemon's: the
   profile calibrated from the idle sweep, the GPU's curve plus its measured mean delay
   (policy.GpuSpeed: probes on the jittered schedule NVML's view of other processes sets, and
-  the batches it picked the GPU for), the CPU's curve times its measured slowdown
-  (policy.CpuSpeed: the batches it picked the CPU for). Beside it, on the same rows: the same
-  GPU samples as a ratio of means scaling the GPU's curve, and the first session's fixed-factor
-  rule (x4 while NVML says busy, the CPU as calibrated).
+  the batches it picked the GPU for), the CPU's curve as a + b times it (policy.CpuSpeed.fit:
+  the batches it picked the CPU for). Beside it, on the same rows: the same GPU samples as a
+  ratio of means scaling the GPU's curve, the previous CPU form (its curve times the ratio of
+  the means, "cpu_ratio_pick"), and the first session's fixed-factor rule (x4 while NVML says
+  busy, the CPU as calibrated).
 
 GPU parts are skipped, with the reason in the JSON and on stderr, where CuPy or a GPU is
 missing. BLAS runs on one thread, as in the daemon.
@@ -301,11 +302,15 @@ def policy_accuracy(batches: list[int], gpu: object, idle: dict, duties: list[fl
                     tick()
                     busy = load.busy
                     delay, ratio, cpu_slowdown = speed.delay_us(), speed.slowdown(), cpu_speed.slowdown()
-                    n_est = len(speed.fresh())
-                    pick = pol.choose(b, True, busy, delay, cpu_slowdown)
+                    cpu_fit = cpu_speed.fit()
+                    n_est, n_cpu = len(speed.fresh()), len(cpu_speed.samples)
+                    pick = pol.choose(b, True, busy, delay, cpu_fit)
+                    cpu_pred = cpu_fit[0] + cpu_fit[1] * pol.estimate("cpu", b)
                     # the same samples summarised as a ratio of the means (the GPU curve scaled)
                     gpu_ratio = pol.estimate("gpu", b) * ratio
-                    ratio_pick = "gpu" if gpu_ratio < pol.estimate("cpu", b) * cpu_slowdown else "cpu"
+                    ratio_pick = "gpu" if gpu_ratio < cpu_pred else "cpu"
+                    # the previous CPU form: its curve times the ratio of the means (run 2)
+                    cpu_ratio_pick = pol.choose(b, True, busy, delay, (0.0, cpu_slowdown))
                     # the first session's rule: the GPU's curve x4 while NVML says busy, the CPU's as calibrated
                     old_pick = "gpu" if pol.estimate("gpu", b) * (4.0 if busy else 1.0) < pol.estimate("cpu", b) else "cpu"
                     g_us, c_us = [], []
@@ -342,14 +347,17 @@ def policy_accuracy(batches: list[int], gpu: object, idle: dict, duties: list[fl
                     rows.append({"duty": duty, "batch": b, "busy": busy, "util": load.util, "others": load.others,
                                  "gpu_delay_used_us": round(delay, 3), "gpu_ratio_used": round(ratio, 3),
                                  "cpu_slowdown_used": round(cpu_slowdown, 3), "gpu_samples_in_window": n_est,
+                                 "cpu_fit_used": [round(cpu_fit[0], 3), round(cpu_fit[1], 4)], "cpu_samples_in_window": n_cpu,
                                  "gpu_predicted_us": round(pol.estimate("gpu", b) + delay, 3),
-                                 "cpu_predicted_us": round(pol.estimate("cpu", b) * cpu_slowdown, 3),
-                                 "pick": pick, "ratio_of_means_pick": ratio_pick, "busy_factor_4_pick": old_pick,
+                                 "cpu_predicted_us": round(cpu_pred, 3),
+                                 "cpu_ratio_predicted_us": round(pol.estimate("cpu", b) * cpu_slowdown, 3),
+                                 "pick": pick, "ratio_of_means_pick": ratio_pick, "cpu_ratio_pick": cpu_ratio_pick,
+                                 "busy_factor_4_pick": old_pick,
                                  "gpu_us": g, "cpu_us": c, "faster": faster, "faster_by_median": faster_median,
                                  "margin_se": round(margin, 2), "truth_s": round(took, 3),
                                  "right": pick == faster, "right_by_median": pick == faster_median})
                     log(f"duty {duty} batch {b}: pick {pick} (GPU {pol.estimate('gpu', b) + delay:.0f} vs CPU "
-                        f"{pol.estimate('cpu', b) * cpu_slowdown:.0f} us predicted), mean GPU {g['mean']:.0f} CPU "
+                        f"{cpu_pred:.0f} us predicted), mean GPU {g['mean']:.0f} CPU "
                         f"{c['mean']:.0f} us (median {g['median']:.0f} / {c['median']:.0f}), {'right' if pick == faster else 'WRONG'}")
             finally:
                 span = time.perf_counter() - t_duty
@@ -373,6 +381,8 @@ def policy_accuracy(batches: list[int], gpu: object, idle: dict, duties: list[fl
             "accuracy": score("pick", "faster"), "accuracy_by_median": score("pick", "faster_by_median"),
             "ratio_of_means_accuracy": score("ratio_of_means_pick", "faster"),
             "ratio_of_means_accuracy_by_median": score("ratio_of_means_pick", "faster_by_median"),
+            "cpu_ratio_accuracy": score("cpu_ratio_pick", "faster"),
+            "cpu_ratio_accuracy_by_median": score("cpu_ratio_pick", "faster_by_median"),
             "busy_factor_4_accuracy": score("busy_factor_4_pick", "faster"),
             "busy_factor_4_accuracy_by_median": score("busy_factor_4_pick", "faster_by_median"),
             "cases": n, "right": sum(r["right"] for r in rows), "right_by_median": sum(r["right_by_median"] for r in rows),
@@ -451,15 +461,16 @@ def main() -> int:
                                                 [float(v) for v in args.duties.split(",")], args.settle_s, args.truth_n,
                                                 args.truth_span_s)
         log(f"policy accuracy against the mean: {pa.get('accuracy')} ({pa.get('right')}/{pa.get('cases')}); "
-            f"against the median: {pa.get('accuracy_by_median')}; ratio-of-means rule: {pa.get('ratio_of_means_accuracy')}; "
+            f"against the median: {pa.get('accuracy_by_median')}; CPU as a ratio (run 2's form): "
+            f"{pa.get('cpu_ratio_accuracy')}; ratio-of-means rule: {pa.get('ratio_of_means_accuracy')}; "
             f"the old x4-while-busy rule: {pa.get('busy_factor_4_accuracy')}")
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     rows = result.get("policy", {}).get("rows", [])
     if rows:  # the short table, last
-        print(f"{'duty':>5} {'batch':>6} {'pick':>4} {'ratio':>5} {'x4':>4} {'GPU mean':>9} {'CPU mean':>9} "
+        print(f"{'duty':>5} {'batch':>6} {'pick':>4} {'ratio':>5} {'cpuR':>4} {'x4':>4} {'GPU mean':>9} {'CPU mean':>9} "
               f"{'GPU med':>8} {'CPU med':>8} {'delay':>7} {'margin':>6} right", file=sys.stderr)
         for r in rows:
-            print(f"{r['duty']:>5} {r['batch']:>6} {r['pick']:>4} {r['ratio_of_means_pick']:>5} {r['busy_factor_4_pick']:>4} "
+            print(f"{r['duty']:>5} {r['batch']:>6} {r['pick']:>4} {r['ratio_of_means_pick']:>5} {r['cpu_ratio_pick']:>4} {r['busy_factor_4_pick']:>4} "
                   f"{r['gpu_us']['mean']:>9.1f} {r['cpu_us']['mean']:>9.1f} {r['gpu_us']['median']:>8.1f} "
                   f"{r['cpu_us']['median']:>8.1f} {r['gpu_delay_used_us']:>7.1f} {r['margin_se']:>6.1f} "
                   f"{'yes' if r['right'] else 'NO'}{'' if r['right_by_median'] else ' (median: no)'}", file=sys.stderr)

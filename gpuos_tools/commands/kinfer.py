@@ -61,14 +61,18 @@ MAN_SECTIONS = {
         "calibrated curve (log-log interpolation) corrected by what the daemon measured on that side "
         "over the last `window_ms` (at most `window_samples` batches): the GPU's curve plus its mean "
         "delay (measured minus calibrated latency; a GPU time-sliced with another process makes "
-        "every batch wait about the same, whatever its size), the CPU's curve times its slowdown "
-        "(mean measured over mean calibrated latency). Means, not medians: a producer pays every "
+        "every batch wait about the same, whatever its size), the CPU's curve as a + b times it: a "
+        "fixed extra (a batch run alone pays tens of us more than back to back, whatever its size) "
+        "plus a proportional one (another process on the cores), a least-squares line through "
+        "the window's batches when they span several sizes, its slope kept between 1 and the "
+        "ratio of the means, and the fixed extra alone (b = 1) when they do not. Means, not medians: a producer pays every "
         "batch's latency, the ones that waited behind another process's burst included. With no "
         "measurement in the window the calibration stands. The daemon measures every batch it runs "
         "on the GPU, and probes (times one batch of `probe_batch` rows, with no warm-up run before "
         "it: a probe pays what the next request would, an idle GPU's wake-up included) when its "
         "last measurement is older than about `probe_busy_ms` while NVML shows at least "
-        "`busy_procs` other processes on the GPU, or about `probe_idle_ms` otherwise; each "
+        "`busy_procs` other processes on the GPU, or about `probe_idle_ms` otherwise (60 ms by "
+        "default: a mean of a few idle probes was too noisy); each "
         "interval is drawn anew within +-50% of that, so probes do not lock onto the phase of a "
         "periodic load, and the period is capped so that even the longest interval leaves two "
         "probes in `window_ms` (333 ms with a 1 s window): the mean is never one probe's. A probe "
@@ -76,14 +80,15 @@ MAN_SECTIONS = {
         "the longer the GPU was left alone), up to a time slice (2.4 ms) behind another "
         "process. It times the model's forward pass of every CPU batch its Python loop runs "
         "while there is a GPU to choose; the CPU is not probed, and the batches the native loop "
-        "answers itself are not timed, so with the native path the CPU's slowdown comes from the "
+        "answers itself are not timed, so with the native path the CPU's estimate comes from the "
         "CPU batches handed to the Python loop (above `[native] max_batch`, or with a bad entry) "
-        "and is 1 (the calibration) while there are none. So another process on the GPU, or on "
+        "and is the calibration while there are none. So another process on the GPU, or on "
         "the CPU, moves batches to the other side only as far as it really slows that side down "
         "on average. Without a calibration, LAKE's rule: CPU below "
         "`cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent with "
         "at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
-        "`kinfer_stats` record at exit gives `gpu_delay_us`, `gpu_probes` and `cpu_slowdown`.\n\n"
+        "`kinfer_stats` record at exit gives `gpu_delay_us`, `gpu_probes`, `cpu_extra_us` and "
+        "`cpu_scale` (the CPU's a and b) and `cpu_slowdown` (its ratio of the means).\n\n"
         "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
         "batch above 1.5); a lone producer is answered at once."
     ),
@@ -264,6 +269,7 @@ def serve(
                  **server.ring.counter_values(), "native": server.native is not None,
                  **(server.native.stats() if server.native is not None else {}),
                  "gpu_delay_us": round(server.speed.delay_us(), 3), "gpu_probes": server.speed.probes,
+                 "cpu_extra_us": round(server.cpu_speed.fit()[0], 3), "cpu_scale": round(server.cpu_speed.fit()[1], 4),
                  "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
     finally:
         server.close()

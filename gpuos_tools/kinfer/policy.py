@@ -10,8 +10,10 @@ The choice, per batch:
   including those that waited behind another process's burst). The GPU's curve gets the mean
   *delay* added (``GpuSpeed``: measured minus calibrated latency of the daemon's own GPU
   batches and of probes; a time-sliced GPU makes every batch wait about the same whatever its
-  size); the CPU's curve is multiplied by the mean *slowdown* (``CpuSpeed``: measured over
-  calibrated, from the CPU batches the daemon's Python loop runs, no probes; 1.0 with none).
+  size); the CPU's curve becomes ``a + b * curve`` (``CpuSpeed.fit``, from the CPU batches the
+  daemon's Python loop runs, no probes; a = 0, b = 1 with none): a fixed extra (an isolated CPU
+  batch pays tens of µs whatever its size) plus a proportional one (another process on the
+  cores), fitted when the window holds several batch sizes, the fixed extra alone otherwise.
   Another process on the GPU, or on the CPU, changes the choice only as much as it actually
   slows that side down, on average;
 - without one, LAKE's rule: CPU below ``cpu_below`` or while the GPU is busy, else GPU.
@@ -54,7 +56,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8},
     "batch": {"window_us": 20.0, "max": 4096},
     "policy": {
-        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 250.0,
+        "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 60.0,
         "probe_busy_ms": 20.0, "window_ms": 1000.0, "window_samples": 4096,
     },
     "native": {"mode": "auto", "max_batch": 64},
@@ -73,7 +75,7 @@ class Policy:
     busy_util: int = 70
     busy_procs: int = 1
     probe_batch: int = 64
-    probe_idle_ms: float = 250.0
+    probe_idle_ms: float = 60.0
     probe_busy_ms: float = 20.0
     window_ms: float = 1000.0
     window_samples: int = 4096
@@ -98,26 +100,26 @@ class Policy:
         return np.where(b > self.batches[-1], ys[-1] * b / self.batches[-1], inside)
 
     def choose(self, batch: int, gpu_available: bool, busy: bool = False, gpu_delay_us: float = 0.0,
-               cpu_slowdown: float = 1.0) -> str:
+               cpu_fit: tuple[float, float] = (0.0, 1.0)) -> str:
         """CPU or GPU for one batch. ``gpu_delay_us``: the GPU's measured mean delay
-        (``GpuSpeed.delay_us``), added to its curve; ``cpu_slowdown``: the CPU's measured
-        slowdown (``CpuSpeed.slowdown``), multiplying its curve; both used with a calibration.
+        (``GpuSpeed.delay_us``), added to its curve; ``cpu_fit``: (a µs, b), the CPU's expected
+        latency being a + b times its curve (``CpuSpeed.fit``); both used with a calibration.
         ``busy``: NVML's verdict, used without one (LAKE's rule)."""
         if not gpu_available:
             return "cpu"
         if self.calibrated:
             gpu = self.estimate("gpu", batch) + gpu_delay_us
-            return "gpu" if gpu < self.estimate("cpu", batch) * cpu_slowdown else "cpu"
+            return "gpu" if gpu < cpu_fit[0] + cpu_fit[1] * self.estimate("cpu", batch) else "cpu"
         return "cpu" if batch < self.cpu_below or busy else "gpu"
 
     def cpu_batches(self, largest: int, gpu_available: bool, busy: bool = False, gpu_delay_us: float = 0.0,
-                    cpu_slowdown: float = 1.0) -> np.ndarray:
+                    cpu_fit: tuple[float, float] = (0.0, 1.0)) -> np.ndarray:
         """``choose`` for every batch size 0..largest at once: True where it says CPU."""
         b = np.arange(largest + 1)
         if not gpu_available:
             return np.ones(largest + 1, dtype=bool)
         if self.calibrated:
-            return ~(self.estimate_many("gpu", b) + gpu_delay_us < self.estimate_many("cpu", b) * cpu_slowdown)
+            return ~(self.estimate_many("gpu", b) + gpu_delay_us < cpu_fit[0] + cpu_fit[1] * self.estimate_many("cpu", b))
         return (b < self.cpu_below) | busy
 
 
@@ -159,6 +161,8 @@ class Speed:
         self.samples: deque[tuple[float, float, float]] = deque()  # (when, measured µs, calibrated µs)
         self._sum_us = 0.0  # of the finite measured latencies in samples
         self._sum_cal = 0.0  # of their calibrated latencies
+        self._sum_cal2 = 0.0  # of their squares
+        self._sum_cal_us = 0.0  # of calibrated times measured
         self._failed = 0  # samples with an infinite latency
         self._calibrated_us: dict[int, float] = {}
 
@@ -178,6 +182,8 @@ class Speed:
         if math.isfinite(us):
             self._sum_us += us
             self._sum_cal += cal
+            self._sum_cal2 += cal * cal
+            self._sum_cal_us += cal * us
         else:
             self._failed += 1
         while len(self.samples) > max(1, self.policy.window_samples):
@@ -192,10 +198,12 @@ class Speed:
         if math.isfinite(us):
             self._sum_us -= us
             self._sum_cal -= cal
+            self._sum_cal2 -= cal * cal
+            self._sum_cal_us -= cal * us
         else:
             self._failed -= 1
         if not self.samples:  # start again from exact zeros: no rounding left over
-            self._sum_us = self._sum_cal = 0.0
+            self._sum_us = self._sum_cal = self._sum_cal2 = self._sum_cal_us = 0.0
             self._failed = 0
 
     def _expire(self, now: float | None) -> int:
@@ -234,17 +242,57 @@ class Speed:
     def reset(self) -> None:
         """Forget every sample: the calibration stands again."""
         self.samples.clear()
-        self._sum_us = self._sum_cal = 0.0
+        self._sum_us = self._sum_cal = self._sum_cal2 = self._sum_cal_us = 0.0
         self._failed = 0
 
 
 class CpuSpeed(Speed):
-    """The CPU's measured slowdown (``slowdown()``), from the CPU batches the daemon times (the
-    model's forward pass, as ``calibrate`` times it). No probes: the daemon runs CPU batches all
-    the time, and when none ran lately the calibration (1.0) stands."""
+    """The CPU's expected latency as ``a + b * calibrated`` (``fit()``), from the CPU batches the
+    daemon times (the model's forward pass, as ``calibrate`` times it). No probes: the daemon
+    runs CPU batches all the time, and when none ran lately the calibration (0, 1) stands.
+
+    Two things slow the CPU against its curve, and they scale differently. A batch run alone,
+    not back to back as ``calibrate`` runs them, pays a roughly *fixed* extra (on the H100's
+    host: 47 µs at batch 1, 77 at 64, 87 at 128, 98 at 256; BENCHMARKS.md, P9, 2026-11-24 run
+    2), so a ratio learnt at batch 64 (4.4) overstated batch 128 (3.0) and the policy sent it
+    to the GPU. Another process on the cores slows every batch *in proportion*. So: when the
+    window's samples span several batch sizes (coefficient of variation of their calibrated
+    latencies at least ``FIT_MIN_SPREAD``, at least ``FIT_MIN_SAMPLES`` of them), a least-squares
+    line through them, its slope kept between 1 (all fixed) and the ratio of the means (all
+    proportional); a line between those two always passes through the means, so the fit can
+    only move the estimate between the two pure forms. With one size in the window (or too
+    few) the two cannot be told apart and the fixed extra is taken (b = 1): it is what an
+    isolated small batch pays, and it errs low, not high, for larger batches — by as much as
+    half at 4x the size (run 3: 190 µs extra at batch 256, 380 at 1024, and a batch of 1024 kept
+    on the CPU that the GPU ran faster)."""
+
+    #: coefficient of variation of the window's calibrated latencies from which a slope is fitted
+    FIT_MIN_SPREAD = 0.25
+    #: samples the window must hold for a slope
+    FIT_MIN_SAMPLES = 8
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
         super().__init__(policy, "cpu", clock)
+
+    def fit(self, now: float | None = None) -> tuple[float, float]:
+        """(a µs, b): the CPU's expected latency at a batch is a + b times its calibrated latency.
+        (0, 1) without samples, (inf, 1) while a failed one is in the window."""
+        total = self._expire(now)
+        if not total:
+            return 0.0, 1.0
+        if self._failed:
+            return math.inf, 1.0
+        n = total
+        mean_cal, mean_us = self._sum_cal / n, self._sum_us / n
+        if mean_cal <= 0:
+            return 0.0, 1.0
+        b = 1.0
+        var = max(0.0, self._sum_cal2 / n - mean_cal * mean_cal)
+        if n >= self.FIT_MIN_SAMPLES and var > (self.FIT_MIN_SPREAD * mean_cal) ** 2:
+            slope = (self._sum_cal_us / n - mean_cal * mean_us) / var
+            ratio = mean_us / mean_cal
+            b = min(max(slope, min(1.0, ratio)), max(1.0, ratio))
+        return mean_us - b * mean_cal, b
 
 
 class GpuSpeed(Speed):
@@ -264,8 +312,11 @@ class GpuSpeed(Speed):
     load (a second process that computes for 40 ms of every 65 would otherwise be seen always
     at the same point of its cycle). The nominal period is capped so that even the longest
     interval leaves ``MIN_PROBES_IN_WINDOW`` probes in ``window_ms``: one probe is too few for
-    a mean (an idle H100 gave single probes of 41 to 248 µs for batch 64). ``rng`` is
-    injectable for tests.
+    a mean (an idle H100 gave single probes of 41 to 248 µs for batch 64). At idle the default
+    period is 60 ms (~16 probes in a 1 s window): with 3 to 5 probes the idle delay came out at
+    125 to 344 µs where isolated batches paid 181 to 215 (BENCHMARKS.md, P9, 2026-11-24 run 2),
+    enough to flip picks near the crossover; an idle probe holds the Python loop ~200 µs, so
+    ~0.3 % of its time. ``rng`` is injectable for tests.
     """
 
     #: probe interval: the nominal period times a factor uniform in [1 - PROBE_JITTER, 1 + PROBE_JITTER]

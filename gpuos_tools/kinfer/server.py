@@ -17,8 +17,8 @@ sampler):
 4. mark them TAKEN, refuse malformed entries (each refusal counted in the header), run the
    good ones per model on CPU or GPU, write outputs and metadata, store DONE, wake sleepers.
 
-The policy's measurements (the GPU's delay, ``policy.GpuSpeed``; the CPU's slowdown,
-``policy.CpuSpeed``) come from the batches
+The policy's measurements (the GPU's delay, ``policy.GpuSpeed``; the CPU's fixed and
+proportional extra, ``policy.CpuSpeed``) come from the batches
 this Python loop runs, timed around the model's forward pass, and from the GPU probes; the C
 loop's own CPU batches are not timed.
 """
@@ -95,7 +95,7 @@ class Server:
         self.speed = GpuSpeed(self.policy)
         self.cpu_speed = CpuSpeed(self.policy)
         self._gpu_delay = 0.0
-        self._cpu_slowdown = 1.0
+        self._cpu_fit = (0.0, 1.0)
         self._table_key: tuple[Any, ...] | None = None
         self._add = self._add_py
         r = self.ring
@@ -212,10 +212,10 @@ class Server:
     # -- the policy's inputs --
 
     def _refresh_policy(self, force: bool = False) -> None:
-        """Recompute the GPU's measured delay and the CPU's measured slowdown and, for the C loop,
+        """Recompute the GPU's measured delay and the CPU's measured fit and, for the C loop,
         which batch sizes it answers."""
         self._gpu_delay = self.speed.delay_us()
-        self._cpu_slowdown = self.cpu_speed.slowdown()
+        self._cpu_fit = self.cpu_speed.fit()
         if self.native is not None:
             self._refresh_table(force)
 
@@ -223,12 +223,12 @@ class Server:
         """The C loop's table of the batch sizes it answers, from the estimates as they stand."""
         busy = self.gpu_load is not None and self.gpu_load.busy
         # the table is recomputed (tens of µs of numpy) only when the GPU's delay moved by 1 µs or 1%,
-        # or the CPU's slowdown by 1%
-        key = (self.gpu_ready, busy, _bucket_us(self._gpu_delay), _bucket(self._cpu_slowdown))
+        # or the CPU's fixed extra by as much, or its slope by 1%
+        key = (self.gpu_ready, busy, _bucket_us(self._gpu_delay), _bucket_us(self._cpu_fit[0]), _bucket(self._cpu_fit[1]))
         if force or key != self._table_key:
             self._table_key = key
             limit = max(0, min(self.options.native_max, self.options.max_batch))
-            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._gpu_delay, self._cpu_slowdown))
+            self.native.set_cpu_batches(self.policy.cpu_batches(limit, self.gpu_ready, busy, self._gpu_delay, self._cpu_fit))
 
     def _others_on_gpu(self) -> bool:
         load = self.gpu_load
@@ -249,7 +249,7 @@ class Server:
 
     def _side(self, n: int, backend: Backend) -> str:
         busy = self.gpu_load is not None and self.gpu_load.busy
-        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._gpu_delay, self._cpu_slowdown)
+        return self.policy.choose(n, self.gpu_ready and backend.gpu is not None, busy, self._gpu_delay, self._cpu_fit)
 
     def _run(self, backend: Backend, x: np.ndarray, side: str) -> np.ndarray:
         """The batch on ``side``; its latency feeds that side's estimate (``GpuSpeed``, ``CpuSpeed``).
@@ -269,7 +269,7 @@ class Server:
             t0 = time.perf_counter_ns()
             y = backend.model.forward(x)
             self.cpu_speed.observe(len(x), (time.perf_counter_ns() - t0) / 1e3)
-            self._cpu_slowdown = self.cpu_speed.slowdown()  # only the side that moved: a few µs per batch
+            self._cpu_fit = self.cpu_speed.fit()  # only the side that moved: a few µs per batch
         else:
             return backend.model.forward(x)
         if self.native is not None:
