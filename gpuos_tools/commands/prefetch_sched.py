@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
 from gpuos_tools.sched import __doc__ as _sched_doc
@@ -77,11 +79,25 @@ MAN_SECTIONS = {
     "SEE ALSO": "gpu-predict-access(1), gpu-trace(1)",
 }
 
+class _DefaultSimulate(TyperGroup):
+    """`simulate` is the command when none is named: `gpu-prefetch-sched --simulate --budget
+    8GiB A.acc` keeps working beside `gpu-prefetch-sched run ...`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["simulate", *args]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
     name="gpu-prefetch-sched",
+    cls=_DefaultSimulate,
     add_completion=False,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    help="Plan, simulate or run the movement of a GPU job's memory under a budget below its needs.\n\n"
+    "`simulate` (the default command) plans offline from predicted access streams, with no GPU; `run` "
+    "starts a program under the agent and keeps its owned memory within the budget while it runs.",
 )
 
 
@@ -92,14 +108,14 @@ def _opt(parse, text: str, name: str):  # type: ignore[no-untyped-def]
         raise typer.BadParameter(str(e), param_hint=name) from e
 
 
-@app.command()
+@app.command("simulate")
 def sched(
     streams: list[str] | None = typer.Argument(
         None, metavar="[ACCESS-STREAM]...",
         help="gpu-predict-access output, one per job ('-' = stdin, the default; *.zst ok).",
     ),
     simulate: bool = typer.Option(
-        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required: online execution is not built yet."
+        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required (online execution is `gpu-prefetch-sched run`)."
     ),
     budget: str = typer.Option(..., "--budget", metavar="SIZE", help="Device memory budget: bytes with a unit (8GiB, 500MB) or N% of the footprint."),
     bw: str = typer.Option(
@@ -156,7 +172,8 @@ def sched(
 
     if not simulate:
         raise typer.BadParameter(
-            "only --simulate is built: online execution through the agent is not there yet", param_hint="--simulate"
+            "this command plans offline and needs --simulate (online execution: gpu-prefetch-sched run -- PROGRAM)",
+            param_hint="--simulate"
         )
     sources = list(streams or ["-"])
     if sources.count("-") > 1:
@@ -247,6 +264,89 @@ def sched(
         render_summaries(summaries, Console())
     elif _isatty(sys.stderr):
         render_summaries(summaries, stderr_console())
+
+
+@app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    no_args_is_help=True,
+)
+def run(
+    program: list[str] = typer.Argument(..., metavar="-- PROGRAM [ARGS]...", help="The Python program (CuPy) and its arguments."),
+    budget: str = typer.Option(
+        ..., "--budget", metavar="SIZE|N%",
+        help="Most owned device memory mapped at once: bytes with a unit (8GiB, 500MB), or N% of the program's "
+        "owned memory at each decision (66% = 150% oversubscription).",
+    ),
+    policy: str = typer.Option("belady", "--policy", metavar="belady|lru", help="Victim choice: the record used furthest ahead in the learned period (LRU until one is learned), or always the least recently used."),
+    lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N", help="Launches ahead whose working sets are prefetched (0: load at the launch only)."),
+    output: str | None = typer.Option(
+        None, "--output", "-o", metavar="TRACE",
+        help="Also write the program's trace stream to TRACE (*.zst compressed); default: none.",
+    ),
+) -> None:
+    """Run PROGRAM with its device memory kept within a budget, moving memory ahead of its kernels.
+
+    PROGRAM runs under the agent (`gpu-trace run --agent`) with its CuPy allocations owned
+    (GPUOS_AGENT_OWN=1). Before each launch, copy and memset, the online policy makes the
+    operation's predicted working set resident (every owned record when the prediction is
+    unknown), evicts (saving to pinned host memory) what the learned launch sequence uses
+    furthest ahead, and prefetches the next launches' sets on a separate stream; see ONLINE
+    EXECUTION. At the end, one `sched_summary` record (after a header) on standard output; the
+    program's own output is its own. Exits with the program's status.
+    """
+    import json as _json
+    import os
+    import tempfile
+
+    from gpuos_tools.commands import trace
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.sched.executor import ENV
+    from gpuos_tools.sched.online import POLICIES
+    from gpuos_tools.stream import make_header, open_output
+    from gpuos_tools.units import parse_budget
+
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    cfg: dict = {"policy": policy, "lookahead": lookahead}
+    try:
+        if budget.strip().endswith("%"):
+            cfg["fraction"] = parse_budget(budget, 10**12) / 10**12
+            if not 0 < cfg["fraction"]:
+                raise ValueError("must be more than 0%")
+        else:
+            cfg["budget"] = parse_budget(budget, None)
+            if cfg["budget"] <= 0:
+                raise ValueError("must be more than 0 bytes")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+    with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
+        cfg["summary"] = os.path.join(tmp, "summary.json")
+        saved = {k: os.environ.get(k) for k in (ENV, "GPUOS_AGENT_OWN")}
+        os.environ[ENV] = _json.dumps(cfg)
+        os.environ["GPUOS_AGENT_OWN"] = "1"
+        try:
+            code = trace.run_program(program, output=output or os.devnull, no_images=True, agent=True,
+                                     prog="gpu-prefetch-sched")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            with open(cfg["summary"]) as f:
+                summary = _json.load(f)
+        except (OSError, ValueError):
+            summary = None
+    if summary is None:
+        raise GpuosError(
+            f"the program (exit {code}) ended without the policy's summary: it made no owned allocation "
+            "(CuPy not imported?), or it was killed", ExitCode.FAILURE)
+    with open_output("-") as writer:
+        writer.write(make_header("gpu-prefetch-sched", mode="run", argv=list(program), budget_spec=budget))
+        writer.write({"type": "sched_summary", "mode": "online", "exit": code, **summary})
+    raise typer.Exit(code)
 
 
 def _isatty(stream: object) -> bool:
