@@ -125,8 +125,8 @@ class Agent(ProcessView):
         self.ctx = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
         self._staging_made = threading.Lock()
-        self._memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}  #: see _writes
-        self._memo_words: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
+        self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see _predict
+        self._memo_words: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}
         self._memo_epoch = -1
         self.memo_misses = 0
         #: the agent's own time in the program's launch callbacks, and how many (ping says)
@@ -142,6 +142,14 @@ class Agent(ProcessView):
         self.issuing = 0
         self._issued = threading.Condition(threading.Lock())
         self.suspension = None  #: gpuos_tools/agent/suspend.py's Suspension, from the first suspend
+        #: gpuos_tools/agent/engine.py's ResidencyEngine, when the program's memory is owned
+        self.engine = None
+
+    def start_engine(self) -> None:
+        """Consult a residency engine on the launch path (the owned allocator is loaded)."""
+        from gpuos_tools.agent.engine import ResidencyEngine
+
+        self.engine = ResidencyEngine(self)
 
     # -- operations being issued (the tracer calls these) ---------------------------------------
 
@@ -200,10 +208,13 @@ class Agent(ProcessView):
 
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         self._operation(stream)
+        eng = self.engine
+        if eng is not None and eng.watching:  # owned records to load first, or first touches to learn
+            eng.launch(_stream_of(api, stream), kernel, sizes, args)
         snap = self.snap
         if snap is None and self.dirty is None:
             return
-        unknown, writes = self._writes(kernel, sizes, args)
+        unknown, writes, _ = self._predict(kernel, sizes, args)
         if self.dirty is not None:
             if unknown:
                 self.dirty = None
@@ -218,7 +229,16 @@ class Agent(ProcessView):
         self._protect(snap, targets, _stream_of(api, stream))
 
     def _writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
-        """(unknown, allocation ids written) of a launch, memoised until the predictor's epoch
+        """(unknown, allocation ids written) of a launch (``_predict``)."""
+        return self._predict(kernel, sizes, args)[:2]
+
+    def _touches(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+        """(unknown, allocation ids read or written, ids written) of a launch (``_predict``)."""
+        unknown, writes, touched = self._predict(kernel, sizes, args)
+        return unknown, touched, writes
+
+    def _predict(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+        """(unknown, allocation ids written, ids read or written) of a launch, memoised until the predictor's epoch
         moves (an allocation came or went, or known device memory changed): a training loop
         repeats its launches every step, and predicting one costs 30-300 us in Python, paid on
         the program's launch path.
@@ -239,7 +259,9 @@ class Agent(ProcessView):
             if hit is None:
                 self.memo_misses += 1
                 acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
-                hit = (bool(acc["unknown"]), tuple(e["alloc"] for e in acc["writes"]))
+                writes = tuple(dict.fromkeys(e["alloc"] for e in acc["writes"]))
+                hit = (bool(acc["unknown"]), writes,
+                       tuple(dict.fromkeys([e["alloc"] for e in acc["reads"]] + list(writes))))
                 if words is not None:
                     if len(self._memo_words) >= MEMO_MAX:
                         self._memo_words.clear()
@@ -249,9 +271,13 @@ class Agent(ProcessView):
             self._memo[key] = hit
         return hit
 
-    def before_write(self, api: str, addr: int, stream: int) -> None:
-        """A copy or memset into ``addr``, or a free of it, is about to be issued."""
+    def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:
+        """A copy or memset into ``addr`` (from ``src``, for a copy), or a free of it, is about
+        to be issued."""
         self._operation(stream)
+        eng = self.engine
+        if eng is not None and eng.watching:
+            eng.access(api, _stream_of(api, stream), addr, src)
         snap = self.snap
         a = self.pred.allocs.find(addr)
         if a is not None and self.dirty is not None:
@@ -260,6 +286,13 @@ class Agent(ProcessView):
             return
         if a is not None and a.id in snap.index:
             self._protect(snap, [snap.index[a.id]], _stream_of(api, stream))
+
+    def before_graph(self, stream: int) -> None:
+        """A graph is about to be launched on ``stream``: its kernels' footprint is not
+        predicted here, so every owned record must be back first."""
+        eng = self.engine
+        if eng is not None and (eng.pending or eng.clean):
+            eng.graph(stream)
 
     def _protect(self, snap: Snap, targets, stream: int) -> None:
         from cuda.bindings import driver as drv
@@ -484,6 +517,8 @@ class Agent(ProcessView):
         self._ahead_stop.set()
         if self.suspension is not None:
             self.suspension.shutdown()
+        if self.engine is not None:
+            self.engine.close()
 
     # -- rollback (on the control thread) ---------------------------------------------------------
 
@@ -668,6 +703,10 @@ class Agent(ProcessView):
             if op in ("suspend", "snapshot", "rollback"):
                 raise GpuosError(f"the program is {sus.state}: {op} after `gpu-restore --agent PID --resume`",
                                  ExitCode.WRONG_STATE)
+        eng = self.engine
+        if op in ("suspend", "snapshot", "rollback") and eng is not None and not eng.settled:
+            raise GpuosError(f"owned buffers are not all resident ({_pending(eng)}): {op} after they are "
+                             "(a lazy resume still loading, or buffers evicted)", ExitCode.WRONG_STATE)
         if op == "suspend":
             from gpuos_tools.agent.suspend import Suspension
 
@@ -682,10 +721,13 @@ class Agent(ProcessView):
         if op == "ping":
             with self.lock:
                 bufs = self.buffers()
-            return {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
-                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams), "state": "running",
-                    "launch_hooks": {"calls": self.hook_calls, "seconds": round(self.hook_ns / 1e9, 6),
-                                     "predicted": self.memo_misses, "epoch": self.pred.epoch}}
+            out = {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
+                   "bytes": sum(b.size for b in bufs), "streams": len(self.streams), "state": "running",
+                   "launch_hooks": {"calls": self.hook_calls, "seconds": round(self.hook_ns / 1e9, 6),
+                                    "predicted": self.memo_misses, "epoch": self.pred.epoch}}
+            if eng is not None:
+                out["residency"] = eng.stats()
+            return out
         if op == "snapshot":
             return self.snapshot(
                 digest=bool(request.get("digest", True)), cow_budget=request.get("cow_budget"),
@@ -708,6 +750,11 @@ class Agent(ProcessView):
         self.server = Server(handler)
         self.server.start()
         return str(self.server.path)
+
+
+def _pending(engine: Any) -> str:
+    st = engine.stats()["pending"]
+    return ", ".join(f"{v['records']} {k}" for k, v in sorted(st.items())) or "none"
 
 
 def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[str, Any]) -> list[str]:

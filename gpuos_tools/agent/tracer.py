@@ -540,7 +540,8 @@ def _validating_handlers(validator, table: dict) -> dict:
 # ---------------------------------------------------------------- --agent
 
 def _agent_enter(name: str, pp: int):
-    """(device address written, stream) of a copy, memset or free about to be issued."""
+    """(device address written, address read (0: none), stream) of a copy, memset or free
+    about to be issued."""
     if name.startswith(("cuMemcpy2D",)):
         if "Async" in name:
             pcopy, stream = _Q2(_MEM, pp)
@@ -548,23 +549,26 @@ def _agent_enter(name: str, pp: int):
             pcopy, stream = _U64(_MEM, pp)[0], 0
         m = _MEMCPY2D(_MEM, pcopy)
         dtype, dhost, ddev, dpitch, dx, dy = m[9], m[10], m[11], m[13], m[7], m[8]
-        return ((dhost if dtype == 1 else ddev) + dy * dpitch + dx), stream
+        sx, sy, stype, shost, sdev, spitch = m[0], m[1], m[2], m[3], m[4], m[6]
+        return ((dhost if dtype == 1 else ddev) + dy * dpitch + dx,
+                (shost if stype == 1 else sdev) + sy * spitch + sx, stream)
     if name.startswith("cuMemcpyPeer"):
         f = _Q6(_MEM, pp)
-        return f[0], (f[5] if "Async" in name else 0)
+        return f[0], f[2], (f[5] if "Async" in name else 0)
     if name.startswith("cuMemcpy"):
         f = _Q4(_MEM, pp)
-        return f[0], (f[3] if "Async" in name else 0)
+        return f[0], f[1], (f[3] if "Async" in name else 0)
     if name.startswith("cuMemsetD2D"):
         f = _Q6(_MEM, pp)
-        return f[0], (f[5] if "Async" in name else 0)
+        return f[0], 0, (f[5] if "Async" in name else 0)
     if name.startswith("cuMemset"):
         f = _Q4(_MEM, pp)
-        return f[0], (f[3] if "Async" in name else 0)
+        return f[0], 0, (f[3] if "Async" in name else 0)
     if name.startswith("cuMemFreeAsync"):
-        return _Q2(_MEM, pp)
+        ptr, stream = _Q2(_MEM, pp)
+        return ptr, 0, stream
     # cuMemFree, cuMemUnmap: the first parameter; cuMemFreeHost frees host memory
-    return (0 if name.startswith("cuMemFreeHost") else _U64(_MEM, pp)[0]), 0
+    return (0 if name.startswith("cuMemFreeHost") else _U64(_MEM, pp)[0]), 0, 0
 
 
 def _agent_handlers(agent, table: dict) -> dict:
@@ -603,11 +607,21 @@ def _agent_handlers(agent, table: dict) -> dict:
             if site != _ENTER:
                 base(cbid, cbdata)
                 return
-            dst, stream = _agent_enter(name, pp)
+            dst, src, stream = _agent_enter(name, pp)
             if agent.snap is not None and stream and _capturing(stream):
                 agent.ops += 1
                 return
-            agent.before_write(name, dst, stream)
+            agent.before_write(name, dst, stream, src)
+
+        return handler
+
+    def graph(name: str, base):
+        def handler(cbid: int, cbdata) -> None:
+            site, _, pp, _ = _CBDATA(_MEM, cbdata.ptr)
+            if site != _ENTER:
+                base(cbid, cbdata)
+                return
+            agent.before_graph(_Q2(_MEM, pp)[1])  # (hGraphExec, hStream)
 
         return handler
 
@@ -616,6 +630,8 @@ def _agent_handlers(agent, table: dict) -> dict:
             handlers[cbid] = launch(name, handler)
         elif name.startswith(("cuMemcpy", "cuMemset", "cuMemFree", "cuMemUnmap")):
             handlers[cbid] = write(name, handler)
+        elif name.startswith("cuGraphLaunch"):
+            handlers[cbid] = graph(name, handler)
     return handlers
 
 
@@ -873,5 +889,6 @@ def start(fd: int) -> Tracer:
     # (gpuos_tools/agent/owned.py), installed after the tracer so that its mappings are traced
     from gpuos_tools.agent import owned
 
-    owned.boot_from_environment()
+    if owned.boot_from_environment() and getattr(_tracer, "agent", None) is not None:
+        _tracer.agent.start_engine()  # lazy resume, and the residency API gpu-prefetch-sched drives
     return _tracer

@@ -1,0 +1,646 @@
+"""The residency engine: which owned records are on the GPU, and making the program's operations
+wait on the GPU -- never on the host -- for the records they touch (issue 7, items 3 and 4).
+
+The agent consults it before each launch, copy, memset, graph launch and free of the program
+(``Agent.before_launch`` / ``before_write`` / ``before_graph``, with the agent's lock held). A
+record of the owned allocator (gpuos_tools/agent/owned.py: a large buffer, or a segment of small
+ones) is, for the engine:
+
+- resident: mapped, its device copy the truth. Not in ``pending``; nothing to do.
+- loading: mapped, a copy from its host copy enqueued; ``event`` completes after it.
+- released: no physical memory, its contents in a host copy (the suspend's staging, or the
+  engine's own pinned memory after an ``evict``).
+- evicting: resident, its save to the host copy enqueued or done, its release to come. An
+  operation that touches it cancels the eviction (the record just stays resident).
+
+``require(bases, stream)`` before an operation on ``stream`` that touches ``bases`` (None:
+not known -- every record): each released one is made resident and its load enqueued on the
+engine's demand stream, and ``stream`` is made to wait (cuStreamWaitEvent) on the load event
+of each record still loading. The program's thread enqueues and returns; the GPU orders the
+operation after the load. The cost of "unknown" is that the operation waits for every record
+that is not yet back, i.e. for the whole of a lazy resume.
+
+What an operation touches (``bases_of_launch``, ``bases_of_addrs``): a launch's reads and
+writes as the agent's predictor gives them (gpu-predict-access at range granularity, memoised
+per arguments), None when the prediction says unknown or the launch's layout is not known; a
+copy's source and destination, a memset's destination. A kernel that reaches a released record
+by a pointer the prediction does not see (a pointer stored in device memory the predictor did
+not see written, an address computed from another buffer's) would fault: such launches must
+come out unknown, which is what the predictor's rules are for (gpuos_tools/access).
+
+Lazy resume (``adopt`` + ``load_rest``): the suspend hands over every released record with the
+pieces of staging holding its contents; the program goes on at once, each operation waiting
+only for what it touches, while a background thread loads the rest in predicted first-access
+order -- the order in which the program's operations first touched the records, recorded from
+the agent's start (``touch``), then by address -- on its own stream, a bounded amount ahead,
+so that a demand load never queues behind more than that.
+
+``evict(base)`` (for gpu-prefetch-sched): on a thread of the engine's, the agent's lock is
+taken briefly so that no operation of the program is between its callback and the driver, an
+event is recorded on every stream the program has used (the record's last use is before it),
+the record is saved on the evict stream after those events unless its host copy is current
+(``clean``: loaded from the engine's own host copy and not written since, as predicted), and
+released once the save has completed. It counts as resident until released.
+
+Locks: the program's callbacks hold the agent's lock and then take the engine's; the engine's
+threads take the engine's lock alone, or the agent's and then the engine's; never the other
+way round. The engine's driver calls are the agent's own (the tracer skips them).
+
+Not for: a snapshot or suspend while records are not resident (the agent refuses those until
+``settled``), rollback ``--lazy`` (not built).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+RESIDENT, LOADING, RELEASED, EVICTING = "resident", "loading", "released", "evicting"
+AHEAD = 512 << 20  #: bytes the background loader keeps enqueued ahead of completion
+PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD: from another thread, the legacy stream orders after it
+
+Pieces = list[tuple[int, int]]  #: (host address, bytes), contiguous over a record, in order
+
+
+class Ops(Protocol):
+    """What the engine asks of the owned library and the driver (DriverOps; a fake in tests)."""
+
+    def lookup(self, addr: int) -> Any: ...  # an owned.Record (base, size, resident) or None
+    def make_resident(self, base: int) -> None: ...
+    def release(self, base: int) -> None: ...
+    def copy_in(self, base: int, pieces: Pieces, stream: Any) -> None: ...
+    def copy_out(self, base: int, pieces: Pieces, stream: Any) -> None: ...
+    def host(self, base: int, size: int) -> Pieces: ...  # the engine's own pinned copy
+    def stream(self) -> Any: ...
+    def event(self) -> Any: ...
+    def record(self, ev: Any, stream: Any) -> None: ...
+    def wait(self, stream: Any, ev: Any) -> None: ...
+    def done(self, ev: Any) -> bool: ...
+    def synchronize(self, ev: Any) -> None: ...
+    def destroy(self, ev: Any) -> None: ...
+    def enter(self) -> None: ...  # make the program's context current on this thread
+
+
+@dataclass
+class Entry:
+    """A record that is not simply resident."""
+
+    base: int
+    size: int
+    state: str
+    pieces: Pieces  #: where its host copy is
+    event: Any = None  #: loading: after the load; evicting: after the save
+    ordered: set = field(default_factory=set)  #: streams already waiting on ``event`` (loading)
+    cancelled: bool = False  #: evicting: an operation touched it, it stays
+    on_demand: bool = False
+    own: bool = False  #: ``pieces`` are the engine's own pinned copy (kept after the load)
+
+
+class ResidencyEngine:
+    """Residency of the owned records (module docstring). ``agent``: the Agent (its lock,
+    streams, predictor, ``own`` thread set); ``ops``: the driver side."""
+
+    def __init__(self, agent: Any = None, ops: Ops | None = None, ahead: int = AHEAD) -> None:
+        self.agent = agent
+        self.ops = ops if ops is not None else DriverOps(agent)
+        self.ahead = ahead
+        self.lock = threading.RLock()
+        self.pending: dict[int, Entry] = {}  #: base -> entry, records not simply resident
+        self._bases: list[int] = []  #: sorted keys of pending
+        self.clean: set[int] = set()  #: resident records whose own host copy equals the device's
+        self.first_touch: dict[int, None] = {}  #: allocation ids in the order first touched
+        self._streams: dict[str, Any] = {}
+        self._loader: threading.Thread | None = None
+        self._evictq: queue.Queue[int | None] = queue.Queue()
+        self._evictor: threading.Thread | None = None
+        self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
+                       "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "evictions_cancelled": 0,
+                       "loaded_bytes": 0, "freed_while_pending": 0}
+        self.lazy: dict[str, Any] | None = None  #: the last lazy resume's figures
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state(self, base: int) -> str:
+        e = self.pending.get(base)
+        return RESIDENT if e is None else e.state
+
+    @property
+    def settled(self) -> bool:
+        """Every record resident, nothing loading or evicting."""
+        return not self.pending
+
+    def _find(self, addr: int) -> Entry | None:
+        i = bisect_right(self._bases, addr) - 1
+        if i < 0:
+            return None
+        e = self.pending[self._bases[i]]
+        return e if addr < e.base + e.size else None
+
+    def _put(self, e: Entry) -> None:
+        if e.base not in self.pending:
+            self._bases.insert(bisect_right(self._bases, e.base), e.base)
+        self.pending[e.base] = e
+
+    def _drop(self, base: int) -> None:
+        e = self.pending.pop(base, None)
+        if e is not None:
+            del self._bases[bisect_right(self._bases, base) - 1]
+            if e.event is not None:
+                self.ops.destroy(e.event)
+
+    def _stream(self, name: str) -> Any:
+        s = self._streams.get(name)
+        if s is None:
+            s = self._streams[name] = self.ops.stream()
+        return s
+
+    @contextmanager
+    def _own(self) -> Iterator[None]:
+        """This thread's driver calls are the agent's while inside."""
+        own = getattr(self.agent, "own", None)
+        me = threading.get_native_id()
+        mine = own is not None and me not in own
+        if mine:
+            own.add(me)
+        try:
+            yield
+        finally:
+            if mine:
+                own.discard(me)
+
+    # -- what an operation touches -----------------------------------------------------------
+
+    def bases_of_addrs(self, addrs: Iterable[int]) -> set[int]:
+        """The pending records holding any of ``addrs`` (addresses elsewhere need nothing)."""
+        out = set()
+        for a in addrs:
+            if a:
+                e = self._find(a)
+                if e is not None:
+                    out.add(e.base)
+        return out
+
+    def bases_of_launch(self, kernel: str, sizes: Any, args: Any) -> set[int] | None:
+        """The pending records a launch reads or writes, by the agent's predictor; None when
+        the prediction is unknown (then every record counts)."""
+        unknown, touched, _ = self.agent._touches(kernel, sizes, args)
+        if unknown:
+            return None
+        by_id = self.agent.by_id
+        return self.bases_of_addrs(by_id[i].addr for i in touched if i in by_id)
+
+    # -- the agent's hooks (program thread, agent's lock held) --------------------------------
+
+    @property
+    def watching(self) -> bool:
+        """Whether launches need a prediction: records pending or clean, or first touches still
+        to record."""
+        a = self.agent
+        return bool(self.pending or self.clean or len(self.first_touch) < len(a.by_id))
+
+    def launch(self, stream: int, kernel: str, sizes: Any, args: Any) -> None:
+        """Before a launch on ``stream``."""
+        unknown, touched, writes = self.agent._touches(kernel, sizes, args)
+        for i in touched:
+            if i not in self.first_touch:
+                self.first_touch[i] = None
+        if self.clean:
+            if unknown:
+                self.clean.clear()
+            else:
+                by_id = self.agent.by_id
+                for i in writes:
+                    a = by_id.get(i)
+                    if a is not None:
+                        self.clean.discard(self._record_base(a.addr))
+        if self.pending:
+            if unknown:
+                self.require(None, stream)
+            else:
+                by_id = self.agent.by_id
+                bases = self.bases_of_addrs(by_id[i].addr for i in touched if i in by_id)
+                if bases:
+                    self.require(bases, stream)
+
+    def access(self, api: str, stream: int, dst: int, src: int = 0) -> None:
+        """Before a copy or memset (``api``) on ``stream`` into ``dst`` (from ``src``, 0: none),
+        or a free or unmap of ``dst``."""
+        if api.startswith(("cuMemFree", "cuMemUnmap")):
+            if self.pending or self.clean:
+                self.freeing(dst)
+            return
+        allocs = getattr(getattr(self.agent, "pred", None), "allocs", None)
+        if allocs is not None and len(self.first_touch) < len(self.agent.by_id):
+            for addr in (dst, src):
+                a = allocs.find(addr) if addr else None
+                if a is not None and a.id not in self.first_touch:
+                    self.first_touch[a.id] = None
+        if self.clean and dst:
+            self.clean.discard(self._record_base(dst))
+        if self.pending:
+            bases = self.bases_of_addrs((dst, src))
+            if bases:
+                self.require(bases, stream)
+
+    def graph(self, stream: int) -> None:
+        """Before a graph launch: what its kernels touch is not predicted here."""
+        self.clean.clear()
+        if self.pending:
+            self.require(None, stream)
+
+    def freeing(self, addr: int) -> None:
+        """The program frees (or the library unmaps) the record holding ``addr``: a load into
+        it must complete first (an unmap is not ordered on any stream); then it is forgotten."""
+        with self.lock:
+            e = self._find(addr)
+            if e is None:
+                return
+            if e.state == LOADING or (e.state == EVICTING and e.event is not None):
+                with self._own():
+                    self.ops.synchronize(e.event)
+            e.cancelled = True
+            self._drop(e.base)
+            self.counts["freed_while_pending"] += 1
+        self.clean.discard(addr)
+
+    def _record_base(self, addr: int) -> int:
+        r = self.ops.lookup(addr)
+        return r.base if r is not None else addr
+
+    # -- require ------------------------------------------------------------------------------
+
+    def require(self, bases: Iterable[int] | None, stream: Any) -> int:
+        """Make ``stream``'s next operation come after every record in ``bases`` (None: all) is
+        resident and loaded; enqueues only, never waits on the host. Returns the stream waits
+        added."""
+        waits = 0
+        with self.lock, self._own():
+            if bases is None:
+                self.counts["unknown_requires"] += 1
+                targets = list(self.pending.values())
+            else:
+                targets = [self.pending[b] for b in bases if b in self.pending]
+            for e in targets:
+                if e.state == EVICTING:
+                    e.cancelled = True  # it stays resident; the evictor sees it under the lock
+                    self._drop(e.base)
+                    self.counts["evictions_cancelled"] += 1
+                    continue
+                if e.state == RELEASED:
+                    if not self._load(e, self._stream("demand")):
+                        continue
+                    e.on_demand = True
+                    self.counts["demand_loads"] += 1
+                if e.state == LOADING:
+                    if self.ops.done(e.event):
+                        self._drop(e.base)
+                        continue
+                    if stream not in e.ordered:
+                        self.ops.wait(stream, e.event)
+                        e.ordered.add(stream)
+                        waits += 1
+        self.counts["stream_waits"] += waits
+        return waits
+
+    def _load(self, e: Entry, stream: Any) -> bool:
+        """make_resident + copy_in on ``stream`` (engine's lock held); False when the record is
+        gone (freed meanwhile: forgotten)."""
+        r = self.ops.lookup(e.base)
+        if r is None or r.base != e.base:
+            self._drop(e.base)
+            self.counts["freed_while_pending"] += 1
+            return False
+        if not r.resident:
+            self.ops.make_resident(e.base)
+        self.ops.copy_in(e.base, e.pieces, stream)
+        ev = self.ops.event()
+        self.ops.record(ev, stream)
+        e.event, e.state, e.ordered = ev, LOADING, set()
+        self.counts["loaded_bytes"] += e.size
+        if e.own:  # later writes are ordered after the load and discard it from clean
+            self.clean.add(e.base)
+        return True
+
+    # -- prefetch -----------------------------------------------------------------------------
+
+    def prefetch(self, base: int) -> Any:
+        """Start loading the record at ``base`` if released (on the prefetch stream); the event
+        a caller may wait on, None when it is resident (an eviction in progress is cancelled)."""
+        with self.lock, self._own():
+            self.ops.enter()
+            e = self.pending.get(base)
+            if e is None:
+                return None
+            if e.state == EVICTING:
+                e.cancelled = True
+                self._drop(base)
+                self.counts["evictions_cancelled"] += 1
+                return None
+            if e.state == RELEASED:
+                if not self._load(e, self._stream("prefetch")):
+                    return None
+                self.counts["prefetches"] += 1
+            return e.event
+
+    # -- lazy resume --------------------------------------------------------------------------
+
+    def adopt(self, base: int, size: int, pieces: Pieces) -> None:
+        """A released record whose contents are in ``pieces`` (the suspend's staging)."""
+        with self.lock:
+            self.clean.discard(base)
+            self._put(Entry(base, size, RELEASED, list(pieces)))
+
+    def order(self) -> list[int]:
+        """Pending released records in predicted first-access order, then by address."""
+        return self._order()[0]
+
+    def _order(self) -> tuple[list[int], int]:
+        by_id = getattr(self.agent, "by_id", {})
+        seen: dict[int, None] = {}
+        for i in self.first_touch:
+            a = by_id.get(i)
+            if a is not None:
+                e = self._find(a.addr)
+                if e is not None:
+                    seen.setdefault(e.base, None)
+        rest = [b for b in self._bases if b not in seen]
+        return list(seen) + rest, len(seen)
+
+    def load_rest(self) -> threading.Thread:
+        """Load every released record in the background, in ``order()``; the thread."""
+        order, predicted = self._order()
+        self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
+                     "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
+        t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
+        self._loader = t
+        t.start()
+        return t
+
+    def _load_all(self, order: Sequence[int]) -> None:
+        lazy = self.lazy
+        in_flight: list[tuple[Any, int]] = []
+        with self._own():
+            self.ops.enter()
+            try:
+                for base in order:
+                    with self.lock:
+                        e = self.pending.get(base)
+                        if e is None or e.state != RELEASED:
+                            continue
+                        if not self._load(e, self._stream("background")):
+                            continue
+                        self.counts["background_loads"] += 1
+                        in_flight.append((e.event, e.size))
+                    while in_flight and sum(n for _, n in in_flight) > self.ahead:
+                        self.ops.synchronize(in_flight.pop(0)[0])
+                # what is left: loads (background or on demand) still in flight
+                while True:
+                    with self.lock:
+                        loading = [e for e in self.pending.values() if e.state == LOADING]
+                        released = [e for e in self.pending.values() if e.state == RELEASED and e.pieces]
+                    if released:  # adopted meanwhile (a second lazy resume cannot, but be safe)
+                        for e in released:
+                            with self.lock:
+                                if e.state == RELEASED and self._load(e, self._stream("background")):
+                                    self.counts["background_loads"] += 1
+                        continue
+                    if not loading:
+                        break
+                    for e in loading:
+                        self.ops.synchronize(e.event)
+                    with self.lock:
+                        for e in loading:
+                            if self.pending.get(e.base) is e and e.state == LOADING:
+                                self._drop(e.base)
+                lazy["t_done"] = time.perf_counter()
+                lazy["load_s"] = round(lazy["t_done"] - lazy["t_start"], 6)
+                lazy["load_gbps"] = round(lazy["bytes"] / lazy["load_s"] / 1e9, 3) if lazy["load_s"] > 0 else None
+                lazy["done"] = True
+            except Exception as exc:  # noqa: BLE001 (the program goes on; records left pending are loaded on demand)
+                lazy["error"] = f"{type(exc).__name__}: {exc}"
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Wait for the background loader (True: nothing pending any more)."""
+        if self._loader is not None:
+            self._loader.join(timeout)
+        return self.settled
+
+    # -- evict --------------------------------------------------------------------------------
+
+    def evict(self, base: int) -> bool:
+        """Save (if needed) and release the record at ``base`` after its last use, from the
+        engine's evict thread; False when it is not a resident owned record."""
+        r = self.ops.lookup(base)
+        if r is None or r.base != base or not r.resident:
+            return False
+        with self.lock:
+            if base in self.pending:
+                return False
+        if self._evictor is None or not self._evictor.is_alive():
+            self._evictor = threading.Thread(target=self._evict_loop, name="gpuos-engine-evict", daemon=True)
+            self._evictor.start()
+        self._evictq.put(base)
+        return True
+
+    def _evict_loop(self) -> None:
+        with self._own():
+            self.ops.enter()
+            while True:
+                base = self._evictq.get()
+                if base is None:
+                    return
+                try:
+                    self._evict_one(base)
+                except Exception as exc:  # noqa: BLE001 (it stays resident; say so in stats)
+                    with self.lock:
+                        e = self.pending.get(base)
+                        if e is not None and e.state == EVICTING:
+                            self._drop(base)
+                    self.counts["evict_errors"] = self.counts.get("evict_errors", 0) + 1
+                    self.counts["evict_error"] = f"{base:#x}: {type(exc).__name__}: {exc}"
+
+    def _last_use(self, stream: Any) -> None:
+        """``stream`` (the evict stream) waits for everything the program has enqueued."""
+        agent = self.agent
+        ops = self.ops
+        lock = getattr(agent, "lock", None)
+        with lock if lock is not None else _nothing():
+            if hasattr(agent, "settle"):
+                agent.settle()
+            streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(agent, "streams", {0})}
+            for s in sorted(streams):
+                ev = ops.event()
+                ops.record(ev, s)
+                ops.wait(stream, ev)
+                ops.destroy(ev)  # released by the driver once recorded work completes
+
+    def _evict_one(self, base: int) -> None:
+        ops = self.ops
+        r = ops.lookup(base)
+        if r is None or r.base != base or not r.resident:
+            return
+        side = self._stream("evict")
+        pieces = ops.host(base, r.size)  # pinning is slow: before the program is held
+        lock = getattr(self.agent, "lock", None)
+        with lock if lock is not None else _nothing():  # no operation starts until it is EVICTING
+            self._last_use(side)
+            with self.lock:
+                if base in self.pending:
+                    return
+                e = Entry(base, r.size, EVICTING, pieces, own=True)
+                self._put(e)
+                save = base not in self.clean
+                if save:
+                    ops.copy_out(base, pieces, side)
+                ev = ops.event()
+                ops.record(ev, side)
+                e.event = ev
+        ops.synchronize(ev)
+        with self.lock:
+            if e.cancelled or self.pending.get(base) is not e:
+                return
+            ops.release(base)
+            e.state, e.event = RELEASED, None
+            ops.destroy(ev)
+            self.clean.discard(base)
+            self.counts["evictions"] += 1
+            self.counts["evict_saves"] += int(save)
+
+    # -- report -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            by_state: dict[str, list[int]] = {}
+            for e in self.pending.values():
+                by_state.setdefault(e.state, []).append(e.size)
+            out: dict[str, Any] = {
+                "pending": {s: {"records": len(v), "bytes": sum(v)} for s, v in by_state.items()},
+                "clean": len(self.clean), "first_touched": len(self.first_touch), **self.counts,
+            }
+        if self.lazy is not None:
+            out["lazy"] = {k: v for k, v in self.lazy.items() if not k.startswith("t_")}
+        return out
+
+    def close(self) -> None:
+        if self._evictor is not None and self._evictor.is_alive():
+            self._evictq.put(None)
+            self._evictor.join(30)
+        if self._loader is not None:
+            self._loader.join(60)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# -- the driver side ----------------------------------------------------------------------------
+
+
+def _ok(result: tuple, what: str) -> Any:
+    from cuda.bindings import driver as drv
+
+    if result[0] != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {getattr(result[0], 'name', result[0])}")
+    return result[1] if len(result) == 2 else (result[1:] or None)
+
+
+class DriverOps:
+    """Ops on the owned library (gpuos_tools/agent/owned.py) and the CUDA driver, in the
+    agent's context."""
+
+    def __init__(self, agent: Any = None) -> None:
+        from gpuos_tools.agent import owned
+
+        self.agent = agent
+        self.lib = owned.OwnedLibrary.load()
+        self._hosts: dict[int, tuple[int, int]] = {}  #: base -> (pinned address, size), the engine's own
+
+    def enter(self) -> None:
+        from cuda.bindings import driver as drv
+
+        ctx = getattr(self.agent, "ctx", None)
+        if ctx is not None:
+            _ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def lookup(self, addr: int) -> Any:
+        return self.lib.lookup(addr)
+
+    def make_resident(self, base: int) -> None:
+        self.lib.make_resident(base)
+
+    def release(self, base: int) -> None:
+        self.lib.release(base)
+
+    def copy_in(self, base: int, pieces: Pieces, stream: Any) -> None:
+        from cuda.bindings import driver as drv
+
+        off = 0
+        for host, n in pieces:
+            _ok(drv.cuMemcpyHtoDAsync(base + off, host, n, stream), "cuMemcpyHtoDAsync(load)")
+            off += n
+
+    def copy_out(self, base: int, pieces: Pieces, stream: Any) -> None:
+        from cuda.bindings import driver as drv
+
+        off = 0
+        for host, n in pieces:
+            _ok(drv.cuMemcpyDtoHAsync(host, base + off, n, stream), "cuMemcpyDtoHAsync(save)")
+            off += n
+
+    def host(self, base: int, size: int) -> Pieces:
+        from cuda.bindings import driver as drv
+
+        h = self._hosts.get(base)
+        if h is None or h[1] != size:
+            if h is not None:
+                drv.cuMemFreeHost(h[0])
+            h = (int(_ok(drv.cuMemHostAlloc(size, 0), "cuMemHostAlloc")), size)
+            self._hosts[base] = h
+        return [h]
+
+    def stream(self) -> Any:
+        from cuda.bindings import driver as drv
+
+        return _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def event(self) -> Any:
+        from cuda.bindings import driver as drv
+
+        return _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record(self, ev: Any, stream: Any) -> None:
+        from cuda.bindings import driver as drv
+
+        _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
+
+    def wait(self, stream: Any, ev: Any) -> None:
+        from cuda.bindings import driver as drv
+
+        _ok(drv.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent")
+
+    def done(self, ev: Any) -> bool:
+        from cuda.bindings import driver as drv
+
+        err = drv.cuEventQuery(ev)[0]
+        if err == drv.CUresult.CUDA_SUCCESS:
+            return True
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise RuntimeError(f"cuEventQuery: {getattr(err, 'name', err)}")
+
+    def synchronize(self, ev: Any) -> None:
+        from cuda.bindings import driver as drv
+
+        _ok(drv.cuEventSynchronize(ev), "cuEventSynchronize")
+
+    def destroy(self, ev: Any) -> None:
+        from cuda.bindings import driver as drv
+
+        drv.cuEventDestroy(ev)

@@ -1,0 +1,363 @@
+"""The residency engine (gpuos_tools/agent/engine.py) on a fake driver: what each operation
+waits for, what loads when and in which order, eviction after the last use, and what an
+operation touching an evicting record does. No GPU: the owned library's records and the
+driver's streams and events are simulated, events completing when the test says so."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from gpuos_tools.agent.agent import Agent
+from gpuos_tools.agent.engine import EVICTING, LOADING, RELEASED, RESIDENT, ResidencyEngine
+
+MIB = 1 << 20
+
+
+@dataclass
+class Rec:
+    base: int
+    size: int
+    resident: bool = True
+
+
+class FakeOps:
+    """The owned library's table and the driver's streams/events, as a log of calls. Events
+    complete when ``finish`` says so (or at once with ``auto``)."""
+
+    def __init__(self, records: list[Rec], auto: bool = False) -> None:
+        self.recs = {r.base: r for r in records}
+        self.log: list[tuple] = []
+        self.done_events: set[int] = set()
+        self.auto = auto
+        self._n = 0
+        self.device: dict[int, bytes] = {r.base: b"dev%x" % r.base for r in records}
+        self.hostmem: dict[int, bytes] = {}
+        self.cv = threading.Condition()
+
+    def lookup(self, addr):
+        for r in self.recs.values():
+            if r.base <= addr < r.base + r.size:
+                return r
+        return None
+
+    def make_resident(self, base):
+        assert not self.recs[base].resident
+        self.recs[base].resident = True
+        self.log.append(("make_resident", base))
+
+    def release(self, base):
+        assert self.recs[base].resident
+        self.recs[base].resident = False
+        self.log.append(("release", base))
+
+    def copy_in(self, base, pieces, stream):
+        assert self.recs[base].resident, "a load into unmapped memory"
+        assert sum(n for _, n in pieces) == self.recs[base].size
+        self.device[base] = self.hostmem.get(pieces[0][0], b"")
+        self.log.append(("copy_in", base, stream))
+
+    def copy_out(self, base, pieces, stream):
+        self.hostmem[pieces[0][0]] = self.device[base]
+        self.log.append(("copy_out", base, stream))
+
+    def host(self, base, size):
+        return [(0x9000_0000 + base, size)]
+
+    def stream(self):
+        self._n += 1
+        return f"s{self._n}"
+
+    def event(self):
+        self._n += 1
+        return self._n
+
+    def record(self, ev, stream):
+        self.log.append(("record", ev, stream))
+        if self.auto:
+            self.done_events.add(ev)
+
+    def wait(self, stream, ev):
+        self.log.append(("wait", stream, ev))
+
+    def done(self, ev):
+        return ev in self.done_events
+
+    def synchronize(self, ev):
+        with self.cv:
+            self.cv.wait_for(lambda: ev in self.done_events or self.auto, timeout=10)
+        assert ev in self.done_events or self.auto, f"event {ev} never completed"
+        self.log.append(("synchronize", ev))
+
+    def finish(self, *events):
+        with self.cv:
+            self.done_events.update(events)
+            self.cv.notify_all()
+
+    def destroy(self, ev):
+        pass
+
+    def enter(self):
+        pass
+
+    def calls(self, name):
+        return [c for c in self.log if c[0] == name]
+
+
+class FakeAgent:
+    """What the engine reads of the agent: lock, own threads, streams, allocations by id,
+    and a launch's touched allocations."""
+
+    def __init__(self, allocs: dict[int, int]) -> None:
+        self.lock = threading.RLock()
+        self.own: set[int] = set()
+        self.streams = {0, 7}
+        self.by_id = {i: type("A", (), {"addr": a, "id": i})() for i, a in allocs.items()}
+        self.launches: dict[str, tuple] = {}
+        self.settled = 0
+
+    def _touches(self, kernel, sizes, args):
+        return self.launches[kernel]
+
+    def settle(self):
+        self.settled += 1
+        return 0
+
+
+BASES = [0x1000_0000, 0x2000_0000, 0x3000_0000, 0x4000_0000]
+
+
+def setup(auto=False, ahead=1 << 40):
+    recs = [Rec(b, 256 * MIB, resident=False) for b in BASES]
+    ops = FakeOps(recs, auto=auto)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(BASES)})
+    eng = ResidencyEngine(agent, ops, ahead=ahead)
+    for b in BASES:
+        ops.hostmem[0x5000_0000 + b] = b"saved%x" % b
+        eng.adopt(b, 256 * MIB, [(0x5000_0000 + b, 128 * MIB), (0x5000_0000 + b + 128 * MIB, 128 * MIB)])
+    return eng, ops, agent
+
+
+def test_a_launch_waits_on_the_gpu_for_exactly_the_records_it_touches():
+    eng, ops, agent = setup()
+    agent.launches["k"] = (False, (2,), ())  # reads allocation 2 only
+    eng.launch(5, "k", None, None)
+    assert ops.calls("make_resident") == [("make_resident", BASES[1])]
+    loads = ops.calls("copy_in")
+    assert len(loads) == 1 and loads[0][1] == BASES[1]
+    demand = loads[0][2]
+    ev = [c for c in ops.log if c[0] == "record" and c[2] == demand][0][1]
+    assert ops.calls("wait") == [("wait", 5, ev)]  # the launch's stream waits; the host never did
+    assert not ops.calls("synchronize")
+    assert eng.state(BASES[1]) == LOADING and eng.state(BASES[0]) == RELEASED
+    # the same stream again: no second wait; another stream: one wait
+    eng.launch(5, "k", None, None)
+    eng.launch(6, "k", None, None)
+    assert ops.calls("wait") == [("wait", 5, ev), ("wait", 6, ev)]
+    ops.finish(ev)
+    eng.launch(8, "k", None, None)  # completed: resident, nothing to wait for
+    assert eng.state(BASES[1]) == RESIDENT and len(ops.calls("wait")) == 2
+    assert eng.counts["demand_loads"] == 1 and eng.counts["stream_waits"] == 2
+
+
+def test_an_unknown_launch_waits_for_every_record():
+    eng, ops, agent = setup()
+    agent.launches["u"] = (True, (), ())
+    eng.launch(3, "u", None, None)
+    assert {c[1] for c in ops.calls("copy_in")} == set(BASES)
+    assert len([c for c in ops.calls("wait") if c[1] == 3]) == 4
+    assert eng.counts["unknown_requires"] == 1
+
+
+def test_copies_wait_for_source_and_destination_and_memsets_for_their_target():
+    eng, ops, agent = setup()
+    eng.access("cuMemcpyDtoHAsync_v2", 4, 0x7777, BASES[2] + 100)  # host destination, owned source
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[2]]
+    eng.access("cuMemsetD8Async", 4, BASES[3] + 8)
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[2], BASES[3]]
+    eng.access("cuMemcpyHtoD_v2", 0, 0x1234, 0x5678)  # neither owned: nothing
+    assert len(ops.calls("copy_in")) == 2
+
+
+def test_background_load_follows_first_touch_order_then_addresses_and_completes():
+    eng, ops, agent = setup(auto=True)
+    eng.first_touch.update({3: None, 1: None})  # allocation 3 first, then 1
+    assert eng.order() == [BASES[2], BASES[0], BASES[1], BASES[3]]
+    t = eng.load_rest()
+    t.join(10)
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[2], BASES[0], BASES[1], BASES[3]]
+    assert eng.settled
+    st = eng.stats()
+    assert st["lazy"]["done"] and st["lazy"]["bytes"] == 4 * 256 * MIB and st["lazy"]["order_predicted"] == 2
+    assert st["background_loads"] == 4 and st["pending"] == {}
+    # the device holds what was saved, at the same addresses
+    assert all(ops.device[b] == b"saved%x" % b for b in BASES)
+
+
+def test_background_loader_keeps_a_bounded_amount_ahead():
+    eng, ops, agent = setup(ahead=300 * MIB)  # one 256 MiB record in flight past the bound
+    t = eng.load_rest()
+    for _ in range(100):
+        if len(ops.calls("copy_in")) >= 2:
+            break
+        threading.Event().wait(0.01)
+    assert len(ops.calls("copy_in")) == 2  # the second pushed it past 300 MiB: it waits on the first
+    first = [c for c in ops.log if c[0] == "record"][0][1]
+    ops.finish(first)
+    for _ in range(100):
+        if len(ops.calls("copy_in")) >= 3:
+            break
+        threading.Event().wait(0.01)
+    assert len(ops.calls("copy_in")) == 3
+    ops.auto = True
+    ops.finish(*range(100))
+    t.join(10)
+    assert eng.settled
+
+
+def test_a_demand_load_meanwhile_is_not_loaded_twice():
+    eng, ops, agent = setup(auto=True)
+    agent.launches["k"] = (False, (4,), ())
+    eng.launch(1, "k", None, None)  # the last in address order, loaded on demand first
+    eng.load_rest().join(10)
+    assert sorted(c[1] for c in ops.calls("copy_in")) == sorted(BASES)
+    assert eng.counts["demand_loads"] == 1 and eng.counts["background_loads"] == 3
+
+
+def test_a_record_freed_while_pending_is_forgotten_and_a_load_in_flight_completes_first():
+    eng, ops, agent = setup()
+    eng.prefetch(BASES[0])
+    ev = [c for c in ops.log if c[0] == "record"][-1][1]
+    ops.finish(ev)
+    eng.access("cuMemUnmap", 0, BASES[0])
+    assert ("synchronize", ev) in ops.log and eng.state(BASES[0]) == RESIDENT
+    del ops.recs[BASES[1]]  # freed by the library without a driver call (it was released)
+    agent.launches["k"] = (False, (2,), ())
+    eng.launch(1, "k", None, None)
+    assert eng.state(BASES[1]) == RESIDENT and eng.counts["freed_while_pending"] == 2
+
+
+def test_evict_saves_after_the_last_use_then_releases_and_a_later_use_loads_it_back():
+    recs = [Rec(b, 64 * MIB) for b in BASES[:2]]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({1: BASES[0], 2: BASES[1]})
+    eng = ResidencyEngine(agent, ops)
+    assert eng.evict(BASES[0])
+    for _ in range(200):
+        if eng.state(BASES[0]) == RELEASED:
+            break
+        threading.Event().wait(0.01)
+    assert eng.state(BASES[0]) == RELEASED and not ops.recs[BASES[0]].resident
+    assert agent.settled == 1
+    # events recorded on every program stream, the evict stream waiting on them, before the save
+    i_save = ops.log.index(next(c for c in ops.log if c[0] == "copy_out"))
+    waits = [c for c in ops.log[:i_save] if c[0] == "wait"]
+    recorded = {c[2] for c in ops.log[:i_save] if c[0] == "record"}
+    assert recorded == {0, 7} and len(waits) == 2 and {w[1] for w in waits} == {ops.log[i_save][2]}
+    assert ops.log.index(("release", BASES[0])) > i_save
+    assert eng.counts["evictions"] == 1 and eng.counts["evict_saves"] == 1
+    # a launch touching it: made resident, loaded from the engine's own copy, now clean
+    agent.launches["k"] = (False, (1,), ())
+    eng.launch(3, "k", None, None)
+    assert ops.recs[BASES[0]].resident and ops.device[BASES[0]] == b"dev%x" % BASES[0]
+    assert BASES[0] in eng.clean
+    # evicting a clean record skips the save
+    eng.evict(BASES[0])
+    for _ in range(200):
+        if eng.state(BASES[0]) == RELEASED:
+            break
+        threading.Event().wait(0.01)
+    assert eng.counts["evictions"] == 2 and eng.counts["evict_saves"] == 1
+    eng.close()
+
+
+def test_a_write_makes_a_clean_record_dirty_again():
+    recs = [Rec(BASES[0], 64 * MIB)]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({1: BASES[0]})
+    eng = ResidencyEngine(agent, ops)
+    eng.clean.add(BASES[0])
+    agent.launches["w"] = (False, (1,), (1,))
+    eng.launch(0, "w", None, None)
+    assert not eng.clean
+    eng.clean.add(BASES[0])
+    eng.access("cuMemsetD32Async", 0, BASES[0] + 64)
+    assert not eng.clean
+
+
+def test_an_operation_on_an_evicting_record_cancels_the_eviction():
+    recs = [Rec(BASES[0], 64 * MIB)]
+    ops = FakeOps(recs)
+    agent = FakeAgent({1: BASES[0]})
+    eng = ResidencyEngine(agent, ops)
+    assert eng.evict(BASES[0])
+    for _ in range(200):
+        if eng.state(BASES[0]) == EVICTING and ops.calls("copy_out"):
+            break
+        threading.Event().wait(0.01)
+    assert eng.state(BASES[0]) == EVICTING
+    eng.access("cuMemcpyHtoDAsync_v2", 0, BASES[0], 0x42)  # the program writes it: it stays
+    assert eng.state(BASES[0]) == RESIDENT and eng.counts["evictions_cancelled"] == 1
+    ops.auto = True
+    ops.finish(*range(100))
+    eng.close()
+    assert ops.recs[BASES[0]].resident and not ops.calls("release")
+
+
+def test_evict_refuses_what_is_not_a_resident_record():
+    eng, ops, agent = setup()
+    assert not eng.evict(BASES[0])  # released
+    assert not eng.evict(0x1234)  # not owned
+
+
+def test_prefetch_loads_once_and_returns_the_event():
+    eng, ops, agent = setup()
+    ev = eng.prefetch(BASES[3])
+    assert ev is not None and eng.state(BASES[3]) == LOADING
+    assert eng.prefetch(BASES[3]) == ev and len(ops.calls("copy_in")) == 1
+    ops.finish(ev)
+    assert eng.require([BASES[3]], 0) == 0 and eng.state(BASES[3]) == RESIDENT
+    assert eng.prefetch(BASES[3]) is None
+
+
+# -- through the agent's hooks ---------------------------------------------------------------------
+
+KERNEL = "_Z5scalePffx"  # scale(float*, float, long long)
+
+
+def test_the_agents_launch_hook_learns_first_touches_and_requires_what_the_prediction_touches():
+    a = Agent()
+    a.ctx = object()
+    a.on_alloc(BASES[0], 256 * MIB, "vmm")
+    a.on_alloc(BASES[1], 256 * MIB, "vmm")
+    ops = FakeOps([Rec(BASES[0], 256 * MIB), Rec(BASES[1], 256 * MIB)])
+    a.engine = ResidencyEngine(a, ops)
+    args = struct.pack("<Qfq", BASES[1], 2.0, 1024)
+    a.before_launch("cuLaunchKernel", 0, KERNEL, (8, 4, 8), args)
+    assert list(a.engine.first_touch) == [2]
+    ops.recs[BASES[1]].resident = False
+    ops.hostmem[0x77] = b"x"
+    a.engine.adopt(BASES[1], 256 * MIB, [(0x77, 256 * MIB)])
+    a.before_launch("cuLaunchKernel", 9, KERNEL, (8, 4, 8), args)
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[1]] and ops.calls("wait")[0][1] == 9
+    a.before_write("cuMemcpyDtoH_v2", 0x1000, 0, BASES[0])  # not pending: nothing
+    assert len(ops.calls("copy_in")) == 1
+    a.before_graph(11)  # a graph launch: every pending record
+    assert ops.calls("wait")[-1][1] == 11
+
+
+def test_the_agent_refuses_snapshot_suspend_rollback_while_records_are_pending():
+    from gpuos_tools.errors import ExitCode, GpuosError
+
+    a = Agent()
+    ops = FakeOps([Rec(BASES[0], MIB, resident=False)])
+    a.engine = ResidencyEngine(a, ops)
+    a.engine.adopt(BASES[0], MIB, [(0x77, MIB)])
+    for op in ("snapshot", "suspend", "rollback"):
+        with pytest.raises(GpuosError) as e:
+            a.handle({"op": op, "image": "/nope"})
+        assert e.value.code == ExitCode.WRONG_STATE and "1 released" in str(e.value)
+    assert a.handle({"op": "ping"})["residency"]["pending"]["released"]["records"] == 1
