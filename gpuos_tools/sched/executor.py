@@ -73,7 +73,7 @@ class Executor:
         self._total = 0
         self._key: tuple | None = None
         self._budget = 0
-        self._moves: queue.Queue[int | None] = queue.Queue()
+        self._moves: queue.Queue[Any] = queue.Queue()
         self._mover: threading.Thread | None = None
         self._demand = threading.Event()  #: the program's thread waits for room: the mover holds off
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
@@ -89,7 +89,13 @@ class Executor:
         st = self.lib.stats()
         key = (st["mallocs"], st["frees"], st["reserved_bytes"])
         if key != self._key:
+            old = self._records
             self._records = {r.base: r.size for r in self.lib.table()}
+            new = [b for b in self._records if b not in old]
+            if new and self.cfg.get("prepin", True):
+                self._start_mover()
+                for b in new:  # pinning 64 MiB takes ~30 ms: not on the program's thread at an eviction
+                    self._moves.put(("pin", b, self._records[b]))
             self._bases = sorted(self._records)
             self._total = sum(self._records.values())
             self._key = key
@@ -174,6 +180,14 @@ class Executor:
             base = self._moves.get()
             if base is None:
                 return
+            if isinstance(base, tuple):  # ("pin", base, size): the engine's host copy, made ahead
+                try:
+                    with eng.lock, eng._own():
+                        eng.ops.enter()
+                        eng.ops.host(base[1], base[2])
+                except Exception as exc:  # noqa: BLE001 (the eviction pins it then)
+                    self.error = f"pin: {type(exc).__name__}: {exc}"
+                continue
             try:
                 if base not in self.policy.resident:  # evicted again before its turn
                     self.counts["prefetch_skipped"] += 1
@@ -185,8 +199,7 @@ class Executor:
                         self.counts["room_timeouts"] += 1
                         break
                     time.sleep(POLL_S)
-                if eng.prefetch(base) is not None:
-                    eng.loaded_clean(base)  # loaded from the engine's own host copy: clean until written
+                eng.prefetch(base)  # a load from the engine's own host copy leaves it clean until written
                 self.counts["peak_resident"] = max(self.counts["peak_resident"], self.physical())
             except Exception as exc:  # noqa: BLE001 (the launch that needs it loads it on demand)
                 self.counts["mover_errors"] += 1

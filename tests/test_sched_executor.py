@@ -1,0 +1,152 @@
+"""The online executor (gpuos_tools/sched/executor.py) driving the real residency engine
+(gpuos_tools/agent/engine.py) on the engine tests' fake driver: a stencil loop's launches, each
+checked to find its records mapped when it is issued, the mapped bytes within the budget, and
+every array's contents surviving the evictions and loads. No GPU."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+from test_engine import FakeAgent, FakeOps, Rec
+
+from gpuos_tools.agent.engine import ResidencyEngine
+from gpuos_tools.sched.executor import Executor
+
+MIB = 1 << 20
+
+
+@dataclass
+class TableRec:
+    base: int
+    size: int
+
+
+class FakeLib:
+    """The owned library's table and counts, as the executor reads them."""
+
+    def __init__(self, recs: list[Rec]) -> None:
+        self.recs = recs
+
+    def stats(self) -> dict[str, int]:
+        return {"mallocs": len(self.recs), "frees": 0, "reserved_bytes": sum(r.size for r in self.recs)}
+
+    def table(self) -> list[TableRec]:
+        return [TableRec(r.base, r.size) for r in self.recs]
+
+
+def setup(n: int, budget: int, policy: str = "belady", lookahead: int = 2):
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)  # every copy completes at once
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    ex = Executor(eng, {"budget": budget, "policy": policy, "lookahead": lookahead, "prepin": False},
+                  lib=FakeLib(recs))
+    return bases, ops, eng, ex
+
+
+def mapped(ops: FakeOps) -> int:
+    return sum(r.size for r in ops.recs.values() if r.resident)
+
+
+def settle(eng: ResidencyEngine, ex: Executor) -> None:
+    """Let the evict and mover threads catch up (the fake's copies complete at once)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = any(e.state == "evicting" for e in eng.pending.values()) or not ex._moves.empty()
+        if not busy:
+            time.sleep(0.01)
+            return
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+@pytest.mark.parametrize("frac", [2 / 3, 1 / 2])
+def test_stencil_under_budget_keeps_data_and_memory_in_bounds(policy, frac):
+    n = 9
+    budget = int(n * 64 * MIB * frac)
+    bases, ops, eng, ex = setup(n, budget, policy)
+    expect = {b: ops.device[b] for b in bases}
+    peak, under = 0, False
+    for s in range(8 * n):
+        ws = [bases[(s + k) % n] for k in range(4)]
+        out = ws[-1]
+        ex.before("stencil", ws, stream=0)
+        # then the agent's own hook, as OnlineAgent calls it: the engine learns the write
+        ids = tuple(bases.index(b) + 1 for b in ws)
+        eng.agent.launches["stencil"] = (False, ids, ids[-1:])
+        eng.launch(0, "stencil", None, None)
+        # the launch is issued now: each of its records mapped, its contents the latest
+        for b in ws:
+            assert ops.recs[b].resident, f"step {s}: {b:#x} not mapped at its launch"
+            assert ops.device[b] == expect[b], f"step {s}: {b:#x} lost its contents"
+        ops.device[out] = expect[out] = b"step%d" % s  # the kernel writes its output
+        settle(eng, ex)
+        # the program allocated everything before its first launch (over the budget); once
+        # the evictions brought the mapped memory under the budget, it stays there
+        if under or mapped(ops) <= budget:
+            under = True
+            peak = max(peak, mapped(ops))
+    ex.close()
+    eng.close()
+    assert under and peak <= budget, (peak, budget)
+    st = ex.summary()
+    assert st["over_budget"] == 0 and st["evictions"] > 0 and st["loads"] > 0
+    if policy == "belady":
+        assert st["periods"] and st["periods"][0] == n
+        # at 2/3 there is room for the next launch's array beside the current four; at 1/2 none
+        assert (st["prefetches"] > 0) == (frac > 0.6)
+    for b in bases:  # every array: on the device, or in the engine's host copy
+        held = ops.device[b] if ops.recs[b].resident else ops.hostmem[ops.host(b, 64 * MIB)[0][0]]
+        assert held == expect[b]
+
+
+def test_the_writes_are_saved_and_clean_records_are_dropped_without_a_copy():
+    n = 6
+    bases, ops, eng, ex = setup(n, 4 * 64 * MIB)
+    agent = eng.agent
+    # a read-only record (allocation 1) and written ones: the engine learns writes from launches
+    for s in range(6 * n):
+        ws = [bases[(s + k) % n] for k in range(2)]
+        ex.before("k", ws, stream=0)
+        ids = tuple(bases.index(b) + 1 for b in ws)
+        agent.launches["k"] = (False, ids, ids[-1:])
+        eng.launch(0, "k", None, None)
+        ops.device[ws[-1]] = b"s%d" % s
+        settle(eng, ex)
+    ex.close()
+    eng.close()
+    saves = len(ops.calls("copy_out"))
+    st = eng.stats()
+    assert st["evictions"] > 0 and st["evict_saves"] == saves
+    assert st["saved_bytes"] == saves * 64 * MIB
+
+
+def test_an_unknown_operation_requires_everything_and_is_over_budget():
+    bases, ops, eng, ex = setup(4, 2 * 64 * MIB)
+    ex.before("k", [bases[0]], stream=0)
+    settle(eng, ex)
+    ex.before("mystery", None, stream=0)
+    assert all(ops.recs[b].resident for b in bases)
+    assert ex.summary()["over_budget"] == 1 and ex.policy.stats.unknown == 1
+    ex.close()
+    eng.close()
+
+
+def test_evict_from_operation_orders_the_save_after_the_program_streams():
+    bases, ops, eng, ex = setup(2, 10 * 64 * MIB)
+    eng.agent.streams = {0, 7}
+    assert eng.evict_from_operation(bases[0])
+    settle(eng, ex)
+    log = ops.log
+    save = next(i for i, c in enumerate(log) if c[0] == "copy_out")
+    side = log[save][2]
+    recorded = {c[1]: c[2] for c in log[:save] if c[0] == "record"}
+    waited = {c[2] for c in log[:save] if c[0] == "wait" and c[1] == side}
+    assert {recorded[e] for e in waited} == {0, 7}  # the evict stream waited for both
+    assert not ops.recs[bases[0]].resident and eng.state(bases[0]) == "released"
+    assert not eng.evict_from_operation(bases[0])  # released already
+    eng.close()
