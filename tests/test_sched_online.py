@@ -291,3 +291,32 @@ def test_bad_arguments():
         OnlinePolicy(None)
     with pytest.raises(ValueError):
         OnlinePolicy(10, lookahead=-1)
+
+
+# -- the command's arguments (no program is started when they are wrong) -----------------------
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+
+    return subprocess.run([sys.executable, str(REPO / "cmd" / "gpu-prefetch-sched"), *args], capture_output=True,
+                          text=True, timeout=60, env=child_env(), check=False)
+
+
+@pytest.mark.parametrize("args", [["--budget", "lots"], ["--budget", "0"], ["--budget", "66%", "--policy", "fifo"],
+                                  ["--budget", "66%", "--lookahead", "-1"]])
+def test_run_refuses_bad_options_before_starting_anything(args, tmp_path):
+    marker = tmp_path / "started"
+    p = _cli("run", *args, "--", "python3", "-c", f"open({str(marker)!r}, 'w')")
+    assert p.returncode == 2, p.stderr
+    assert not marker.exists()
+
+
+def test_simulate_is_the_default_command_and_run_is_listed():
+    p = _cli("--help")
+    assert p.returncode == 0 and "simulate" in p.stdout and "run" in p.stdout
+    p = _cli("--budget", "1GiB", "/nonexistent.acc")  # no command named: simulate, which refuses without --simulate
+    assert p.returncode == 2 and "--simulate" in p.stderr

@@ -75,9 +75,13 @@ class Executor:
         self._budget = 0
         self._moves: queue.Queue[Any] = queue.Queue()
         self._mover: threading.Thread | None = None
+        self._load_lock = threading.Lock()  #: a room check and the load it allows, together
         self._demand = threading.Event()  #: the program's thread waits for room: the mover holds off
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
-                       "peak_resident": 0, "evict_refused": 0, "prefetch_skipped": 0, "mover_errors": 0}
+                       "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
+                       "prefetch_skipped": 0, "mover_errors": 0}
+        self._under = False
+        self._settled_key: tuple | None = None
         self.error: str | None = None
         self.t0 = time.perf_counter()
 
@@ -122,50 +126,75 @@ class Executor:
     def before(self, kernel: str, addrs, stream: Any) -> None:
         """Before an operation touching the allocations at ``addrs`` (None: unknown)."""
         recs = self.records()
+        over_before = self.policy.stats.over_budget
         bases = None if addrs is None else self.bases_of(addrs)
         actions = self.policy.before(kernel, bases, recs)
         self._budget = budget = self.policy.budget(recs)
         eng = self.engine
         for op, arg in actions:
             if op == "evict":
-                if not eng.evict_from_operation(arg):
+                try:
+                    ok = eng.evict_from_operation(arg)
+                except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
+                    ok = False
+                    self.error = f"evict {arg:#x}: {type(exc).__name__}: {exc}"
+                if not ok:
                     self.counts["evict_refused"] += 1
             elif op == "require":
-                ws = list(recs) if arg is None else arg
-                self._room(ws, recs, budget)
-                eng.require(None if arg is None else arg, stream)
+                self._require(arg, recs, budget, stream)
             elif op == "prefetch":
                 self._start_mover()
                 self._moves.put(arg)
+        self._measure(budget, self.policy.stats.over_budget != over_before)
+
+    def _measure(self, budget: int, over_budget: bool) -> None:
+        """Mapped bytes after a decision (or a prefetch): the peak; and, from the first time
+        they were within the budget since the last allocation, the peak and the decisions that
+        found them above it (an over-budget launch aside)."""
         now = self.physical()
-        self.counts["peak_resident"] = max(self.counts["peak_resident"], now)
-        over = self.policy.stats.over_budget
-        if now > budget and over == getattr(self, "_over_seen", 0):
-            self.counts["over_physical"] += 1
-        self._over_seen = over
+        c = self.counts
+        c["peak_resident"] = max(c["peak_resident"], now)
+        if self._key != self._settled_key:
+            self._under = False  # the program allocated: its new memory is mapped at once
+            self._settled_key = self._key
+        if not self._under and now <= budget:
+            self._under = True
+            c["settled"] += 1
+        if self._under:
+            c["peak_settled"] = max(c["peak_settled"], now)
+            if now > budget and not over_budget:
+                c["over_physical"] += 1
 
     def _released(self, bases) -> int:
         eng = self.engine
         with eng.lock:
             return sum(eng.pending[b].size for b in bases if b in eng.pending and eng.pending[b].state == "released")
 
-    def _room(self, ws, recs: dict[int, int], budget: int) -> None:
-        """Wait until the released records of ``ws`` fit under ``budget`` beside what is mapped."""
-        need = self._released(ws)
-        if not need or self.physical() + need <= budget or sum(recs[b] for b in ws if b in recs) > budget:
-            return
-        self._demand.set()
+    def _require(self, bases, recs: dict[int, int], budget: int, stream: Any) -> None:
+        """The engine's require of ``bases`` (None: all), once what it loads fits under the
+        budget beside what is mapped: evictions in flight free the room (a host wait, a stall)."""
+        ws = list(recs) if bases is None else bases
+        too_big = sum(recs[b] for b in ws if b in recs) > budget  # over budget anyway: no wait
         t = time.perf_counter()
+        waited = False
+        self._demand.set()  # the mover holds off: the launch at hand goes first
         try:
-            while self.physical() + need > budget:
-                if time.perf_counter() - t > ROOM_TIMEOUT_S:
-                    self.counts["room_timeouts"] += 1
-                    break
+            while True:
+                with self._load_lock:
+                    need = self._released(ws)
+                    late = time.perf_counter() - t > ROOM_TIMEOUT_S
+                    if not need or too_big or late or self.physical() + need <= budget:
+                        if late:
+                            self.counts["room_timeouts"] += 1
+                        self.engine.require(bases, stream)
+                        break
+                waited = True
                 time.sleep(POLL_S)
         finally:
             self._demand.clear()
-        self.counts["room_waits"] += 1
-        self.counts["room_wait_s"] += time.perf_counter() - t
+        if waited:
+            self.counts["room_waits"] += 1
+            self.counts["room_wait_s"] += time.perf_counter() - t
 
     # -- the mover ----------------------------------------------------------------------------
 
@@ -192,15 +221,20 @@ class Executor:
                 if base not in self.policy.resident:  # evicted again before its turn
                     self.counts["prefetch_skipped"] += 1
                     continue
-                need = self._released([base])
                 t = time.perf_counter()
-                while need and (self._demand.is_set() or self.physical() + need > self._budget):
-                    if time.perf_counter() - t > ROOM_TIMEOUT_S:
-                        self.counts["room_timeouts"] += 1
-                        break
+                while True:
+                    with self._load_lock:
+                        if not self._demand.is_set():
+                            need = self._released([base])
+                            late = time.perf_counter() - t > ROOM_TIMEOUT_S
+                            if not need or late or self.physical() + need <= self._budget:
+                                if late:
+                                    self.counts["room_timeouts"] += 1
+                                # a load from the engine's own host copy leaves it clean until written
+                                eng.prefetch(base)
+                                break
                     time.sleep(POLL_S)
-                eng.prefetch(base)  # a load from the engine's own host copy leaves it clean until written
-                self.counts["peak_resident"] = max(self.counts["peak_resident"], self.physical())
+                self._measure(self._budget, False)
             except Exception as exc:  # noqa: BLE001 (the launch that needs it loads it on demand)
                 self.counts["mover_errors"] += 1
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -224,7 +258,8 @@ class Executor:
             "demand_loads": eng.get("demand_loads", 0), "evictions": eng.get("evictions", 0),
             "evict_saves": eng.get("evict_saves", 0), "stream_waits": eng.get("stream_waits", 0),
             "stalls": pol["stalls"], "over_budget": pol["over_budget"], "over_budget_bytes": pol["over_budget_bytes"],
-            "peak_resident": self.counts["peak_resident"], "peak_planned": pol["peak_resident"],
+            "peak_resident": self.counts["peak_resident"], "peak_settled": self.counts["peak_settled"],
+            "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],
             "periods": pol["periods"], "predicted": pol["predicted"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
@@ -250,23 +285,31 @@ class OnlineAgent(Agent):
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         ex = self.executor
         if ex is not None:
-            unknown, touched, _ = self._touches(kernel, sizes, args)
-            by_id = self.by_id
-            addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
-            ex.before(kernel, addrs, _stream_of(api, stream))
-        super()._before_launch(api, stream, kernel, sizes, args)
+            try:
+                unknown, touched, _ = self._touches(kernel, sizes, args)
+                by_id = self.by_id
+                addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+                ex.before(kernel, addrs, _stream_of(api, stream))
+            finally:  # whatever happened, the engine's own hook still loads what the launch touches
+                super()._before_launch(api, stream, kernel, sizes, args)
+        else:
+            super()._before_launch(api, stream, kernel, sizes, args)
 
     def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:
         ex = self.executor
-        if ex is not None and api.startswith(("cuMemcpy", "cuMemset")):
-            ex.before(api, [a for a in (addr, src) if a], _stream_of(api, stream))
-        super().before_write(api, addr, stream, src)
+        try:
+            if ex is not None and api.startswith(("cuMemcpy", "cuMemset")):
+                ex.before(api, [a for a in (addr, src) if a], _stream_of(api, stream))
+        finally:
+            super().before_write(api, addr, stream, src)
 
     def before_graph(self, stream: int) -> None:
         ex = self.executor
-        if ex is not None:
-            ex.before("cuGraphLaunch", None, stream)
-        super().before_graph(stream)
+        try:
+            if ex is not None:
+                ex.before("cuGraphLaunch", None, stream)
+        finally:
+            super().before_graph(stream)
 
     def stop_background(self) -> None:
         ex = self.executor
