@@ -70,7 +70,9 @@ def main() -> int:
     ap.add_argument("--work", default="256,1024,4096")
     ap.add_argument("--budgets", default="66%,50%")
     ap.add_argument("--policies", default="belady")
-    ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--lookahead", type=int, default=1)
+    ap.add_argument("--extra-work", type=int, default=1024,
+                    help="at this --work also run 66%% with lru and with lookahead 2 (0: no extra runs)")
     ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -84,11 +86,15 @@ def main() -> int:
         if not hbm.get("ok"):
             print(f"hbm run failed (work {work}): {hbm.get('stderr', '')}", file=sys.stderr)
             continue
-        configs = [("run100", "100%", "belady")] + [
-            (f"{b}-{p}", b, p) for b in args.budgets.split(",") if b for p in args.policies.split(",") if p]
-        for name, budget, policy in configs:
-            r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(args.lookahead)], args.timeout)
-            row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy, **r}
+        look = args.lookahead
+        configs = [("run100", "100%", "belady", look)] + [
+            (f"{b}-{p}", b, p, look) for b in args.budgets.split(",") if b for p in args.policies.split(",") if p]
+        if work == args.extra_work:
+            configs += [("66%-lru", "66%", "lru", look), ("66%-look2", "66%", "belady", 2)]
+        for name, budget, policy, la in configs:
+            r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout)
+            row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy,
+                                   "lookahead": la, **r}
             if r.get("ok"):
                 row["identical"] = r["digests"] == hbm["digests"]
                 row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)

