@@ -265,6 +265,8 @@ class ResidencyEngine:
                 with self._own():
                     self.ops.synchronize(e.event)
             e.cancelled = True
+            if e.state == EVICTING:
+                e.event = None  # the evictor waits on it and destroys it
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
         self.clean.discard(addr)
@@ -289,6 +291,7 @@ class ResidencyEngine:
             for e in targets:
                 if e.state == EVICTING:
                     e.cancelled = True  # it stays resident; the evictor sees it under the lock
+                    e.event = None  # the evictor waits on it and destroys it
                     self._drop(e.base)
                     self.counts["evictions_cancelled"] += 1
                     continue
@@ -339,6 +342,7 @@ class ResidencyEngine:
                 return None
             if e.state == EVICTING:
                 e.cancelled = True
+                e.event = None  # the evictor waits on it and destroys it
                 self._drop(base)
                 self.counts["evictions_cancelled"] += 1
                 return None
@@ -557,6 +561,7 @@ class ResidencyEngine:
         ops.synchronize(ev)
         with self.lock:
             if e.cancelled or self.pending.get(base) is not e:
+                ops.destroy(ev)  # a cancel left the event to this thread
                 return
             ops.release(base)
             e.state, e.event = RELEASED, None
