@@ -16,7 +16,7 @@ Per run: the loop's wall time (the job synchronises before and after), speed rel
 transfer floor: bytes moved / --link-gbps (one direction's pinned bandwidth), against the
 loop's time. JSON to --json; a table on stderr.
 
-    python3 scripts/bench_online.py [--work 256,1024,4096] [--budgets 66%,50%] [--json FILE]
+    python3 scripts/bench_online.py [--work 1024,4096,16384] [--budgets 66%,50%] [--json FILE]
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arrays", type=int, default=12)
     ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--periods", type=int, default=30)
-    ap.add_argument("--work", default="256,1024,4096")
+    ap.add_argument("--periods", type=int, default=40)
+    ap.add_argument("--work", default="1024,4096,16384")
     ap.add_argument("--budgets", default="66%,50%")
     ap.add_argument("--policies", default="belady")
-    ap.add_argument("--lookahead", type=int, default=1)
+    ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--extra-work", type=int, default=1024,
-                    help="at this --work also run 66%% with lru and with lookahead 2 (0: no extra runs)")
+                    help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
     ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -90,7 +90,7 @@ def main() -> int:
         configs = [("run100", "100%", "belady", look)] + [
             (f"{b}-{p}", b, p, look) for b in args.budgets.split(",") if b for p in args.policies.split(",") if p]
         if work == args.extra_work:
-            configs += [("66%-lru", "66%", "lru", look), ("66%-look2", "66%", "belady", 2)]
+            configs += [("66%-lru", "66%", "lru", look), ("66%-look1", "66%", "belady", 1)]
         for name, budget, policy, la in configs:
             r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout)
             row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy,

@@ -324,9 +324,10 @@ def run(
     ),
     policy: str = typer.Option("belady", "--policy", metavar="belady|lru", help="Victim choice: the record used furthest ahead in the learned period (LRU until one is learned), or always the least recently used."),
     lookahead: int = typer.Option(
-        1, "--lookahead", min=0, metavar="N",
-        help="Launches ahead whose working sets are prefetched (0: load at the launch only). Each step further "
-        "hides more copy time behind compute and moves more bytes (prefetching evicts earlier than Belady would).",
+        2, "--lookahead", min=0, metavar="N",
+        help="Launches ahead whose working sets are prefetched (0: load at the launch only). With 1, a load "
+        "waits for its victim's save within one launch; from 2 on, saves and loads of different launches "
+        "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would).",
     ),
     output: str | None = typer.Option(
         None, "--output", "-o", metavar="TRACE",

@@ -66,7 +66,7 @@ class Executor:
         self.engine = engine
         self.lib = lib if lib is not None else engine.ops.lib
         self.cfg = cfg
-        self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 1)),
+        self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"))
         self._records: dict[int, int] = {}
         self._bases: list[int] = []
