@@ -185,3 +185,61 @@ def test_online_agent_acts_before_the_engine_hook_and_writes_its_summary(tmp_pat
     out = json.loads(summary.read_text())
     assert out["launches"] == 5 * n + 1 and out["evictions"] > 0 and out["periods"][0] == n
     assert out["policy"] == "belady" and out["budget"] == 3 * 64 * MIB
+
+
+class AsyncOps(FakeOps):
+    """Copies and events that complete on their own, 0.2-2 ms after they are recorded, as on
+    a GPU: the evict thread, the mover and the program's thread race for real."""
+
+    def __init__(self, records, seed: int) -> None:
+        super().__init__(records)
+        import random
+
+        self.rnd = random.Random(seed)
+
+    def record(self, ev, stream):
+        import threading
+
+        self.log.append(("record", ev, stream))
+        delay = self.rnd.uniform(0.0002, 0.002)
+
+        def finish() -> None:
+            time.sleep(delay)
+            self.finish(ev)
+
+        threading.Thread(target=finish, daemon=True).start()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("frac", "lookahead"), [(2 / 3, 2), (2 / 3, 1), (1 / 2, 2)])
+def test_with_copies_completing_on_their_own_nothing_stalls_for_good(monkeypatch, seed, frac, lookahead):
+    """The mover, the evict thread and the program's thread, with completions arriving late:
+    every launch finds its records mapped, the room always comes (no wait runs into the
+    timeout: memory the policy's books do not count but is still mapped would make one), and
+    the mapped bytes stay within the budget once under it."""
+    import gpuos_tools.sched.executor as executor_mod
+
+    monkeypatch.setattr(executor_mod, "ROOM_TIMEOUT_S", 2.0)
+    n = 12
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = AsyncOps(recs, seed)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    budget = int(n * 64 * MIB * frac)
+    ex = Executor(eng, {"budget": budget, "lookahead": lookahead, "prepin": False}, lib=FakeLib(recs))
+    for s in range(10 * n):
+        ws = [bases[(s + k) % n] for k in range(4)]
+        with agent.lock:
+            ex.before("k", ws, 0)
+            ids = tuple(bases.index(b) + 1 for b in ws)
+            agent.launches["k"] = (False, ids, ids[-1:])
+            eng.launch(0, "k", None, None)
+        assert all(ops.recs[b].resident for b in ws), s
+    ex.close()
+    eng.close()
+    st = ex.summary()
+    assert st["executor"]["room_timeouts"] == 0 and st["over_physical"] == 0, st["executor"]
+    assert st["executor"]["settled"] == 1 and st["peak_settled"] <= budget
+    assert st["evictions"] > 0 and st["engine"].get("evict_errors", 0) == 0

@@ -128,34 +128,40 @@ class Executor:
         recs = self.records()
         over_before = self.policy.stats.over_budget
         bases = None if addrs is None else self.bases_of(addrs)
-        actions = self.policy.before(kernel, bases, recs)
-        self._budget = budget = self.policy.budget(recs)
-        eng = self.engine
+        with self._load_lock:  # the mover checks the policy's books and loads under it too
+            actions = self.policy.before(kernel, bases, recs)
+            self._budget = budget = self.policy.budget(recs)
+            for op, arg in actions:
+                if op == "evict":
+                    self._evict(arg)
         for op, arg in actions:
-            if op == "evict":
-                try:
-                    ok = eng.evict_from_operation(arg)
-                except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
-                    ok = False
-                    self.error = f"evict {arg:#x}: {type(exc).__name__}: {exc}"
-                if not ok:
-                    self.counts["evict_refused"] += 1
-            elif op == "require":
+            if op == "require":
                 self._require(arg, recs, budget, stream)
             elif op == "prefetch":
                 self._start_mover()
                 self._moves.put(arg)
         self._measure(budget, self.policy.stats.over_budget != over_before)
 
+    def _evict(self, base: int) -> None:
+        try:
+            ok = self.engine.evict_from_operation(base)
+        except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
+            ok = False
+            self.error = f"evict {base:#x}: {type(exc).__name__}: {exc}"
+        if not ok:
+            self.counts["evict_refused"] += 1
+
     def _measure(self, budget: int, over_budget: bool) -> None:
         """Mapped bytes after a decision (or a prefetch): the peak; and, from the first time
-        they were within the budget since the last allocation, the peak and the decisions that
-        found them above it (an over-budget launch aside)."""
+        they were within the budget since the last allocation or over-budget launch, the peak
+        and the decisions that found them above it."""
         now = self.physical()
         c = self.counts
         c["peak_resident"] = max(c["peak_resident"], now)
-        if self._key != self._settled_key:
-            self._under = False  # the program allocated: its new memory is mapped at once
+        if self._key != self._settled_key or over_budget:
+            # the program allocated (its new memory is mapped at once), or a launch needed more
+            # than the budget: above it until the evictions that follow complete
+            self._under = False
             self._settled_key = self._key
         if not self._under and now <= budget:
             self._under = True
@@ -218,12 +224,12 @@ class Executor:
                     self.error = f"pin: {type(exc).__name__}: {exc}"
                 continue
             try:
-                if base not in self.policy.resident:  # evicted again before its turn
-                    self.counts["prefetch_skipped"] += 1
-                    continue
                 t = time.perf_counter()
                 while True:
                     with self._load_lock:
+                        if base not in self.policy.resident:  # evicted again before its turn
+                            self.counts["prefetch_skipped"] += 1
+                            break
                         if not self._demand.is_set():
                             need = self._released([base])
                             late = time.perf_counter() - t > ROOM_TIMEOUT_S
