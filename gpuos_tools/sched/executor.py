@@ -83,6 +83,8 @@ class Executor:
         self._under = False
         self._settled_key: tuple | None = None
         self.error: str | None = None
+        self._closing = False
+        self._over_pending = False
         self.t0 = time.perf_counter()
 
     # -- the owned records -------------------------------------------------------------------
@@ -131,6 +133,9 @@ class Executor:
         with self._load_lock:  # the mover checks the policy's books and loads under it too
             actions = self.policy.before(kernel, bases, recs)
             self._budget = budget = self.policy.budget(recs)
+            over = self.policy.stats.over_budget != over_before
+            if over:
+                self._over_pending = True  # the mover's measures meanwhile must not count it
             for op, arg in actions:
                 if op == "evict":
                     self._evict(arg)
@@ -140,7 +145,8 @@ class Executor:
             elif op == "prefetch":
                 self._start_mover()
                 self._moves.put(arg)
-        self._measure(budget, self.policy.stats.over_budget != over_before)
+        self._measure(budget, over)
+        self._over_pending = False
 
     def _evict(self, base: int) -> None:
         try:
@@ -158,7 +164,7 @@ class Executor:
         now = self.physical()
         c = self.counts
         c["peak_resident"] = max(c["peak_resident"], now)
-        if self._key != self._settled_key or over_budget:
+        if self._key != self._settled_key or over_budget or self._over_pending:
             # the program allocated (its new memory is mapped at once), or a launch needed more
             # than the budget: above it until the evictions that follow complete
             self._under = False
@@ -215,6 +221,8 @@ class Executor:
             base = self._moves.get()
             if base is None:
                 return
+            if self._closing:
+                continue
             if isinstance(base, tuple):  # ("pin", base, size): the engine's host copy, made ahead
                 try:
                     with eng.lock, eng._own():
@@ -225,7 +233,7 @@ class Executor:
                 continue
             try:
                 t = time.perf_counter()
-                while True:
+                while not self._closing:
                     with self._load_lock:
                         if base not in self.policy.resident:  # evicted again before its turn
                             self.counts["prefetch_skipped"] += 1
@@ -248,6 +256,9 @@ class Executor:
     # -- the end ------------------------------------------------------------------------------
 
     def close(self) -> None:
+        """At the program's exit: prefetches not issued yet are dropped (no launch will need
+        them), the mover ends."""
+        self._closing = True
         if self._mover is not None:
             self._moves.put(None)
             self._mover.join(30)
