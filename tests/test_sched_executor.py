@@ -243,3 +243,44 @@ def test_with_copies_completing_on_their_own_nothing_stalls_for_good(monkeypatch
     assert st["executor"]["room_timeouts"] == 0 and st["over_physical"] == 0, st["executor"]
     assert st["executor"]["settled"] == 1 and st["peak_settled"] <= budget
     assert st["evictions"] > 0 and st["engine"].get("evict_errors", 0) == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_jobs_with_unknown_launches_keep_every_rule(monkeypatch, seed):
+    """Random record sizes, budgets, policies, lookaheads and an occasional unknown launch, on
+    the asynchronous fake: every launch runs mapped, no room wait runs out, and the budget holds
+    whenever no over-budget launch is being served."""
+    import random
+
+    import gpuos_tools.sched.executor as executor_mod
+
+    monkeypatch.setattr(executor_mod, "ROOM_TIMEOUT_S", 2.0)
+    rnd = random.Random(seed)
+    n = rnd.choice([6, 9, 12])
+    sizes = [rnd.choice([32, 64, 96]) * MIB for _ in range(n)]
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, sz) for b, sz in zip(bases, sizes)]
+    ops = AsyncOps(recs, seed)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    budget = int(sum(sizes) * rnd.choice([0.5, 0.66, 0.8]))
+    ex = Executor(eng, {"budget": budget, "lookahead": rnd.choice([0, 1, 2, 3]),
+                        "policy": rnd.choice(["belady", "lru"]), "prepin": False}, lib=FakeLib(recs))
+    reads = rnd.choice([1, 2, 3])
+    for s in range(8 * n):
+        ws = None if rnd.random() < 0.02 else [bases[(s + k) % n] for k in range(reads + 1)]
+        with agent.lock:
+            ex.before("k", ws, 0)
+            if ws is None:
+                agent.launches["k"] = (True, (), ())
+            else:
+                ids = tuple(bases.index(b) + 1 for b in ws)
+                agent.launches["k"] = (False, ids, ids[-1:])
+            eng.launch(0, "k", None, None)
+        assert all(ops.recs[b].resident for b in (bases if ws is None else ws)), s
+    ex.close()
+    eng.close()
+    st = ex.summary()
+    assert st["executor"]["room_timeouts"] == 0 and st["over_physical"] == 0, st["executor"]
+    assert st["engine"].get("evict_errors", 0) == 0, st["engine"]
