@@ -16,7 +16,7 @@ Per run: the loop's wall time (the job synchronises before and after), speed rel
 transfer floor: bytes moved / --link-gbps (one direction's pinned bandwidth), against the
 loop's time. JSON to --json; a table on stderr.
 
-    python3 scripts/bench_online.py [--work 1024,4096,16384] [--budgets 66%,50%] [--json FILE]
+    python3 scripts/bench_online.py [--work 1024,2048,4096,16384] [--budgets 66%,50%] [--json FILE]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--arrays", type=int, default=12)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--periods", type=int, default=40)
-    ap.add_argument("--work", default="1024,4096,16384")
+    ap.add_argument("--work", default="1024,2048,4096,16384")
     ap.add_argument("--budgets", default="66%,50%")
     ap.add_argument("--policies", default="belady")
     ap.add_argument("--lookahead", type=int, default=2)

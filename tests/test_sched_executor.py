@@ -284,3 +284,20 @@ def test_random_jobs_with_unknown_launches_keep_every_rule(monkeypatch, seed):
     st = ex.summary()
     assert st["executor"]["room_timeouts"] == 0 and st["over_physical"] == 0, st["executor"]
     assert st["engine"].get("evict_errors", 0) == 0, st["engine"]
+
+
+def test_host_copies_are_pinned_ahead_once_the_programs_context_is_known():
+    bases = [0x1000_0000 * (i + 1) for i in range(4)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    eng = ResidencyEngine(agent, ops)
+    ex = Executor(eng, {"budget": 1 << 40}, lib=FakeLib(recs))
+    ex.before("k", [bases[0]], 0)  # no context yet (the program has not made one current)
+    assert ex.counts["pins"] == 0 and ex._unpinned
+    agent.ctx = object()
+    ex.before("k", [bases[0]], 0)
+    settle(eng, ex)
+    ex.close()
+    assert ex.counts["pins"] == 4 and ex.counts["pin_errors"] == 0 and not ex._unpinned
+    eng.close()

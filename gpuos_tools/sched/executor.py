@@ -69,6 +69,7 @@ class Executor:
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"))
         self._records: dict[int, int] = {}
+        self._unpinned: list[int] = []  #: records whose host copy the mover has not pinned yet
         self._bases: list[int] = []
         self._total = 0
         self._key: tuple | None = None
@@ -79,7 +80,7 @@ class Executor:
         self._demand = threading.Event()  #: the program's thread waits for room: the mover holds off
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
                        "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
-                       "prefetch_skipped": 0, "mover_errors": 0}
+                       "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0}
         self._under = False
         self._settled_key: tuple | None = None
         self.error: str | None = None
@@ -97,11 +98,9 @@ class Executor:
         if key != self._key:
             old = self._records
             self._records = {r.base: r.size for r in self.lib.table()}
-            new = [b for b in self._records if b not in old]
-            if new and self.cfg.get("prepin", True):
-                self._start_mover()
-                for b in new:  # pinning 64 MiB takes ~30 ms: not on the program's thread at an eviction
-                    self._moves.put(("pin", b, self._records[b]))
+            if self.cfg.get("prepin", True):
+                # pinning 64 MiB takes ~30 ms: on the mover, not on the program's thread at an eviction
+                self._unpinned.extend(b for b in self._records if b not in old)
             self._bases = sorted(self._records)
             self._total = sum(self._records.values())
             self._key = key
@@ -128,6 +127,13 @@ class Executor:
     def before(self, kernel: str, addrs, stream: Any) -> None:
         """Before an operation touching the allocations at ``addrs`` (None: unknown)."""
         recs = self.records()
+        if self._unpinned and getattr(self.engine.agent, "ctx", None) is not None:
+            # the mover pins in the program's context, known once the program has made it current
+            self._start_mover()
+            for b in self._unpinned:
+                if b in recs:
+                    self._moves.put(("pin", b, recs[b]))
+            self._unpinned.clear()
         over_before = self.policy.stats.over_budget
         bases = None if addrs is None else self.bases_of(addrs)
         with self._load_lock:  # the mover checks the policy's books and loads under it too
@@ -228,8 +234,10 @@ class Executor:
                     with eng.lock, eng._own():
                         eng.ops.enter()
                         eng.ops.host(base[1], base[2])
-                except Exception as exc:  # noqa: BLE001 (the eviction pins it then)
-                    self.error = f"pin: {type(exc).__name__}: {exc}"
+                    self.counts["pins"] += 1
+                except Exception as exc:  # noqa: BLE001 (the eviction pins it then, on the program's thread)
+                    self.counts["pin_errors"] += 1
+                    self.counts["pin_error"] = f"{type(exc).__name__}: {exc}"
                 continue
             try:
                 t = time.perf_counter()

@@ -59,6 +59,7 @@ def test_stencil_over_budget_is_bit_identical_and_stays_within_the_budget(tmp_pa
     assert s["executor"]["settled"] >= 1 and s["peak_settled"] <= s["budget"], s
     assert s["over_physical"] == 0 and s["executor"]["room_timeouts"] == 0, s
     assert "error" not in s and s["executor"]["mover_errors"] == 0, s
+    assert s["executor"]["pin_errors"] == 0 and s["executor"]["pins"] >= plain["arrays"], s["executor"]
     assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
     if policy == "belady":
         assert s["periods"] and s["periods"][0] == 8, s
