@@ -5,10 +5,18 @@ path on a CUPTI-free copy of the same job, side by side in one run (issue 7, ite
 The job is tests/gpu/progs/suspend_job.py (--gib GiB in 256 MiB arrays, then a launch about
 every millisecond).
 
-1. agent path: the job under `gpu-trace run --agent` with GPUOS_AGENT_OWN=1; --reps times:
-   suspend through the control socket (--partial: the job has no cuBLAS, but the context-side
-   remainder is reported either way), hold --hold s, resume. The first suspend pins the
-   agent's host staging (`staging_s`, reported apart); the later ones reuse it.
+1. agent path: the job under `gpu-trace run --agent` with GPUOS_AGENT_OWN=1; --reps times
+   each, in one job: suspend through the control socket (--partial: the job has no cuBLAS, but
+   the context-side remainder is reported either way), hold --hold s, resume -- eager (every
+   buffer back before the program goes on), then lazy (`--lazy`: the program goes on at once,
+   the residency engine loads behind it). The first suspend pins the agent's host staging
+   (`staging_s`, reported apart); the later ones reuse it. Resume-to-first-kernel: while
+   suspended the bench creates D/stamp; the job, after its next launch has run, writes
+   time.monotonic() (one clock for both processes); minus the time of the resume request. It
+   includes a synchronisation of the job's stream and the file's round trip (~0.1 ms), so it is
+   an upper bound. (Until 2026-11-24 the job synchronised the whole device, which also waits for
+   the lazy resume's background loads: those figures are the full reload, not the first kernel.) Lazy full reload: the engine's background loader from its start (in the resume
+   request) until every buffer is back, bytes / that time (ping's `residency`).
 2. driver path: the same job run alone (no agent, no CUPTI, CuPy's own allocator);
    gpuos_tools.ckpt.driver's Checkpointer.suspend (lock + checkpoint), hold, resume (restore +
    unlock), --reps times.
@@ -19,7 +27,7 @@ usage before minus 90% of --gib; the driver path's process disappears from NVML'
 counts as 0), the resume call's wall time, GB/s each way over the job's bytes, and whether the
 job's checksum is unchanged afterwards. JSON to --json; a table on stderr.
 
-    python3 scripts/bench_suspend.py [--gib 8] [--reps 2] [--hold 0.5] [--json FILE]
+    python3 scripts/bench_suspend.py [--gib 8] [--reps 2] [--hold 0.5] [--no-lazy] [--no-driver] [--json FILE]
 """
 
 from __future__ import annotations
@@ -114,7 +122,25 @@ def stop(d: Path, proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def agent_path(nv: Any, gib: float, reps: int, hold: float) -> dict[str, Any]:
+def first_kernel(d: Path, proc: subprocess.Popen, t_request: float) -> float:
+    """Seconds from ``t_request`` (time.monotonic) to the job's stamp after its next launch."""
+    return wait_file(d / "stamp.json", proc, timeout=120)["t"] - t_request
+
+
+def wait_lazy_done(sock: Any, timeout: float = 120.0) -> dict[str, Any]:
+    """The residency engine's stats once its lazy reload has finished."""
+    from gpuos_tools.agent import control
+
+    deadline = time.monotonic() + timeout
+    while True:
+        res = control.request(sock, "ping", timeout=30).get("residency") or {}
+        lazy = res.get("lazy") or {}
+        if lazy.get("done") or lazy.get("error") or time.monotonic() > deadline:
+            return res
+        time.sleep(0.01)
+
+
+def agent_path(nv: Any, gib: float, reps: int, hold: float, lazy: bool = True) -> dict[str, Any]:
     from gpuos_tools.agent import control
     from gpuos_tools.agent.suspend import request_resume, request_suspend
 
@@ -126,7 +152,7 @@ def agent_path(nv: Any, gib: float, reps: int, hold: float) -> dict[str, Any]:
             ready = wait_file(d / "ready", proc)
             pid = ready["pid"]
             sock = control.resolve(str(pid))
-            for _ in range(reps):
+            for mode in ["eager"] * reps + (["lazy"] * reps if lazy else []):
                 with Sampler(nv, pid) as smp:
                     base = smp.used()
                     t0 = time.perf_counter()
@@ -134,25 +160,41 @@ def agent_path(nv: Any, gib: float, reps: int, hold: float) -> dict[str, Any]:
                     t1 = time.perf_counter()
                     time.sleep(hold)
                     ping = control.request(sock, "ping", timeout=30)
+                    (d / "stamp.json").unlink(missing_ok=True)  # the last rep's
+                    (d / "stamp").write_text("")
                     t2 = time.perf_counter()
-                    r = request_resume(sock)
+                    m2 = time.monotonic()
+                    r = request_resume(sock, lazy=mode == "lazy")
                     t3 = time.perf_counter()
+                    to_kernel = first_kernel(d, proc, m2)
+                    res = wait_lazy_done(sock) if mode == "lazy" else None
                     time.sleep(0.05)
                 freed = smp.first_below(base - int(0.9 * gib * GIB), t0)
                 back = smp.first_below(10 ** 18, t3)  # a sample after resume exists
                 low = min((u for t, u in smp.samples if t1 <= t <= t2), default=None)
-                rows.append({
-                    "suspend_wall_s": t1 - t0, "resume_wall_s": t3 - t2, "gpu_freed_s": freed,
-                    "nvml_before": base, "nvml_suspended": low, "ping_state": ping.get("state"),
-                    "suspend": s, "resume": r, "sampled_after_resume": back is not None,
-                })
-                print(f"  agent: suspend {t1 - t0:.3f} s (staging {s['staging_s']:.3f}, lock+settle+sync "
+                same = check(d, proc) == ready["checksum"]
+                row = {
+                    "mode": mode, "suspend_wall_s": t1 - t0, "resume_wall_s": t3 - t2, "gpu_freed_s": freed,
+                    "resume_to_first_kernel_s": to_kernel, "nvml_before": base, "nvml_suspended": low,
+                    "ping_state": ping.get("state"), "suspend": s, "resume": r, "residency": res,
+                    "sampled_after_resume": back is not None, "checksum_same": same,
+                }
+                if res is not None:
+                    lz = res.get("lazy") or {}
+                    row["reload_s"], row["reload_gbps"] = lz.get("load_s"), lz.get("load_gbps")
+                rows.append(row)
+                lz = (res or {}).get("lazy") or {}
+                more = (f", reload {row['reload_s']} s @ {row['reload_gbps']} GB/s (demand {lz.get('demand_loads')}, "
+                        f"background {lz.get('background_loads')})" if res is not None else
+                        f" @ {r['load_gbps']} GB/s")
+                print(f"  agent {mode}: suspend {t1 - t0:.3f} s (staging {s['staging_s']:.3f}, lock+settle+sync "
                       f"{s['lock_s'] + s['settle_s'] + s['sync_s']:.4f}, save {s['save_s']:.3f} s @ {s['save_gbps']} GB/s), "
-                      f"freed after {freed}, resume {t3 - t2:.3f} s @ {r['load_gbps']} GB/s", file=sys.stderr, flush=True)
-            same = check(d, proc) == ready["checksum"]
+                      f"freed after {freed}, resume call {t3 - t2:.4f} s{more}, to first kernel "
+                      f"{to_kernel * 1000:.2f} ms, data same {same}", file=sys.stderr, flush=True)
         finally:
             stop(d, proc)
-    return {"rows": rows, "checksum_same": same, "bytes": rows[0]["suspend"]["released_bytes"] if rows else None}
+    return {"rows": rows, "checksum_same": all(r["checksum_same"] for r in rows),
+            "bytes": rows[0]["suspend"]["released_bytes"] if rows else None}
 
 
 def driver_path(nv: Any, gib: float, reps: int, hold: float) -> dict[str, Any]:
@@ -200,8 +242,10 @@ def med(rows: list[dict[str, Any]], get: Any) -> float | None:
 
 
 def side_by_side(agent: dict[str, Any], driver: dict[str, Any] | None, gib: float) -> dict[str, Any]:
-    a = agent["rows"]
-    steady = a[1:] or a  # the first suspend pins the staging
+    rows = agent["rows"]
+    a = [r for r in rows if r["mode"] == "eager"]
+    lz = [r for r in rows if r["mode"] == "lazy"]
+    steady = rows[1:] or rows  # the first suspend pins the staging
     nbytes = agent.get("bytes") or gib * GIB
     out: dict[str, Any] = {
         "agent": {
@@ -213,11 +257,24 @@ def side_by_side(agent: dict[str, Any], driver: dict[str, Any] | None, gib: floa
             "save_gbps": med(steady, lambda r: r["suspend"]["save_gbps"]),
             "resume_s": med(a, lambda r: r["resume_wall_s"]),
             "load_gbps": med(a, lambda r: r["resume"]["load_gbps"]),
+            "resume_to_first_kernel_s": med(a, lambda r: r["resume_to_first_kernel_s"]),
             "not_owned": a[0]["suspend"]["not_owned"] if a else None,
             "nvml_suspended": med(a, lambda r: r["nvml_suspended"]),
             "checksum_same": agent["checksum_same"],
         },
     }
+    if lz:
+        out["agent_lazy"] = {
+            "resume_s": med(lz, lambda r: r["resume_wall_s"]),
+            "resume_to_first_kernel_s": med(lz, lambda r: r["resume_to_first_kernel_s"]),
+            "resume_to_first_kernel_s_each": [round(r["resume_to_first_kernel_s"], 6) for r in lz],
+            "reload_s": med(lz, lambda r: r["reload_s"]),
+            "reload_gbps": med(lz, lambda r: r["reload_gbps"]),
+            "reload_gbps_each": [r["reload_gbps"] for r in lz],
+            "demand_loads": [(r["residency"].get("lazy") or {}).get("demand_loads") for r in lz],
+            "stream_waits": [(r["residency"].get("lazy") or {}).get("stream_waits") for r in lz],
+            "checksum_same": all(r["checksum_same"] for r in lz),
+        }
     if driver is not None:
         d = driver["rows"]
         out["driver"] = {
@@ -236,7 +293,8 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hold", type=float, default=0.5, help="seconds suspended")
-    ap.add_argument("--no-driver", action="store_true")
+    ap.add_argument("--no-driver", action="store_true", help="skip the driver path")
+    ap.add_argument("--no-lazy", action="store_true", help="skip the lazy resumes")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     from gpuos_tools.cuda.nvml import open_nvml
@@ -252,7 +310,7 @@ def main() -> int:
                            "reps": args.reps, "hold_s": args.hold}
     rc = 0
     print("bench_suspend: agent path", file=sys.stderr, flush=True)
-    out["agent_path"] = agent_path(nv, args.gib, args.reps, args.hold)
+    out["agent_path"] = agent_path(nv, args.gib, args.reps, args.hold, lazy=not args.no_lazy)
     out["driver_path"] = None
     if not args.no_driver:
         print("bench_suspend: driver path (the same job without the agent)", file=sys.stderr, flush=True)

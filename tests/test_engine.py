@@ -37,6 +37,7 @@ class FakeOps:
         self.device: dict[int, bytes] = {r.base: b"dev%x" % r.base for r in records}
         self.hostmem: dict[int, bytes] = {}
         self.cv = threading.Condition()
+        self.gone_streams: set = set()
 
     def lookup(self, addr):
         for r in self.recs.values():
@@ -76,6 +77,8 @@ class FakeOps:
         return self._n
 
     def record(self, ev, stream):
+        if stream in self.gone_streams:
+            raise RuntimeError("cuEventRecord: CUDA_ERROR_INVALID_HANDLE")
         self.log.append(("record", ev, stream))
         if self.auto:
             self.done_events.add(ev)
@@ -99,6 +102,9 @@ class FakeOps:
 
     def destroy(self, ev):
         pass
+
+    def sync_all(self):
+        self.log.append(("sync_all",))
 
     def enter(self):
         pass
@@ -192,6 +198,7 @@ def test_background_load_follows_first_touch_order_then_addresses_and_completes(
     assert eng.settled
     st = eng.stats()
     assert st["lazy"]["done"] and st["lazy"]["bytes"] == 4 * 256 * MIB and st["lazy"]["order_predicted"] == 2
+    assert st["lazy"]["background_loads"] == 4 and st["lazy"]["demand_loads"] == 0
     assert st["background_loads"] == 4 and st["pending"] == {}
     # the device holds what was saved, at the same addresses
     assert all(ops.device[b] == b"saved%x" % b for b in BASES)
@@ -361,3 +368,56 @@ def test_the_agent_refuses_snapshot_suspend_rollback_while_records_are_pending()
             a.handle({"op": op, "image": "/nope"})
         assert e.value.code == ExitCode.WRONG_STATE and "1 released" in str(e.value)
     assert a.handle({"op": "ping"})["residency"]["pending"]["released"]["records"] == 1
+
+
+def test_evict_after_a_stream_vanished_waits_for_the_whole_context_instead():
+    recs = [Rec(BASES[0], 64 * MIB)]
+    ops = FakeOps(recs, auto=True)
+    ops.gone_streams.add(7)
+    agent = FakeAgent({1: BASES[0]})
+    eng = ResidencyEngine(agent, ops)
+    assert eng.evict(BASES[0])
+    for _ in range(200):
+        if eng.state(BASES[0]) == RELEASED:
+            break
+        threading.Event().wait(0.01)
+    assert eng.state(BASES[0]) == RELEASED
+    assert ops.log.index(("sync_all",)) < ops.log.index(next(c for c in ops.log if c[0] == "copy_out"))
+    eng.close()
+
+
+def test_evict_is_refused_while_a_snapshot_is_in_progress():
+    recs = [Rec(BASES[0], 64 * MIB)]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({1: BASES[0]})
+    agent.snap = object()
+    eng = ResidencyEngine(agent, ops)
+    assert not eng.evict(BASES[0]) and not ops.log
+    agent.snap = None
+    assert eng.evict(BASES[0])
+    eng.close()
+
+
+def test_a_failing_engine_does_not_skip_the_snapshot_side_of_the_launch_hook(monkeypatch):
+    a = Agent()
+    a.ctx = object()
+    a.on_alloc(BASES[0], MIB, "vmm")
+    ops = FakeOps([Rec(BASES[0], MIB, resident=False)])
+    a.engine = ResidencyEngine(a, ops)
+    a.engine.adopt(BASES[0], MIB, [(0x77, MIB)])
+    monkeypatch.setattr(ops, "make_resident", lambda base: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    seen = []
+    monkeypatch.setattr(a, "_before_launch_snap", lambda *x: seen.append(x))
+    with pytest.raises(RuntimeError):
+        a.before_launch("cuLaunchKernel", 0, KERNEL, (8, 4, 8), struct.pack("<Qfq", BASES[0], 2.0, 1))
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("api,opaque", [("cuMemcpy3D_v2", True), ("cuMemcpy3DAsync_v2", True), ("cuMemcpyDtoA_v2", True),
+                                        ("cuMemcpyAtoD_v2", True), ("cuMemcpyHtoAAsync_v2", True),
+                                        ("cuMemcpyHtoDAsync_v2", False), ("cuMemcpyDtoDAsync_v2", False),
+                                        ("cuMemcpyAsync", False), ("cuMemcpy2DAsync_v2", False), ("cuMemsetD8_v2", False)])
+def test_copies_whose_addresses_are_not_known_wait_for_every_record(api, opaque):
+    eng, ops, agent = setup()
+    eng.access(api, 2, 0x1234, 0x5678)  # addresses outside every record
+    assert len(ops.calls("copy_in")) == (4 if opaque else 0)

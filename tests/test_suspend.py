@@ -199,6 +199,54 @@ def test_gpu_ckpt_agent_suspend_and_gpu_restore_agent_resume_write_records(agent
     rec_ = [json.loads(x) for x in r.stdout.splitlines()][-1]
     assert rec_["type"] == "agent_resume" and rec_["held_s"] == 2.5
     assert requests[-1] == {"op": "resume"}
+    r = cli("restore", "--agent", str(srv.path), "--resume", "--lazy")
+    assert r.returncode == 0, r.stderr
+    assert requests[-1] == {"op": "resume", "lazy": True}
+
+
+def test_lazy_resume_hands_every_released_record_to_the_engine_with_its_staging_pieces():
+    """Suspension._resume_lazy: the records still owned are adopted (their host copies are the
+    staging's pieces), one freed meanwhile is counted, the background loader is started."""
+
+    class Staging:
+        base = 0x10_0000
+
+        def spans(self, offset, n):  # pieces of 4 MiB, as the pinned staging cuts them
+            while n > 0:
+                k = min(n, 4 * MIB - offset % (4 * MIB))
+                yield self.base + offset, k
+                offset, n = offset + k, n - k
+
+    class Engine:
+        def __init__(self):
+            self.adopted, self.started = [], 0
+
+        def adopt(self, base, size, pieces):
+            self.adopted.append((base, size, pieces))
+
+        def load_rest(self):
+            self.started += 1
+
+    a = SimpleNamespace(engine=Engine(), staging=Staging())
+    sus = Suspension(a)
+    sus._lib = SimpleNamespace(lookup=lambda addr: None if addr == 0x3000 else rec(addr, 0))
+    sus._spans = [Span(0x1000, 6 * MIB, 0, True), Span(0x3000, MIB, 6 * MIB, True), Span(0x5000, 2 * MIB, 7 * MIB, True)]
+    sus._held_since = time.perf_counter()
+    out = sus._resume_locked(lazy=True)
+    assert out["lazy"] and out["buffers"] == 2 and out["bytes"] == 8 * MIB and out["freed_meanwhile"] == 1
+    assert a.engine.started == 1 and sus._spans == []
+    (b1, s1, p1), (b2, s2, p2) = a.engine.adopted
+    assert (b1, s1, p1) == (0x1000, 6 * MIB, [(0x10_0000, 4 * MIB), (0x10_0000 + 4 * MIB, 2 * MIB)])
+    assert (b2, s2, p2) == (0x5000, 2 * MIB, [(0x10_0000 + 7 * MIB, MIB), (0x10_0000 + 8 * MIB, MIB)])
+
+
+def test_lazy_resume_needs_the_engine():
+    sus = Suspension(SimpleNamespace(engine=None))
+    sus.state = SUSPENDED
+    with pytest.raises(GpuosError) as e:
+        sus.resume(timeout=1, lazy=True)
+    assert e.value.code == ExitCode.USAGE and "GPUOS_AGENT_OWN" in str(e.value)
+    assert sus.state == SUSPENDED and sus._wake.empty()
 
 
 def test_refusals_keep_their_exit_status(agent):
@@ -221,6 +269,7 @@ def test_refusals_keep_their_exit_status(agent):
     ("restore", ["--resume"], "goes with --agent"),
     ("restore", ["--agent", "5", "--resume", "--device", "1"], "not yet"),
     ("restore", ["--agent", "5", "--resume", "--image", "x"], "--agent --resume goes with"),
+    ("restore", ["--agent", "5", "--image", "x", "--lazy"], "lazy rollback is not built"),
 ])
 def test_usage_errors(tool, args, message):
     p = cli(tool, *args)

@@ -209,8 +209,13 @@ class Agent(ProcessView):
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         self._operation(stream)
         eng = self.engine
-        if eng is not None and eng.watching:  # owned records to load first, or first touches to learn
-            eng.launch(_stream_of(api, stream), kernel, sizes, args)
+        try:
+            if eng is not None and eng.watching:  # owned records to load first, or first touches to learn
+                eng.launch(_stream_of(api, stream), kernel, sizes, args)
+        finally:  # a failing engine must not skip a snapshot's protection (they never run together)
+            self._before_launch_snap(api, stream, kernel, sizes, args)
+
+    def _before_launch_snap(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         snap = self.snap
         if snap is None and self.dirty is None:
             return
@@ -276,8 +281,13 @@ class Agent(ProcessView):
         to be issued."""
         self._operation(stream)
         eng = self.engine
-        if eng is not None and eng.watching:
-            eng.access(api, _stream_of(api, stream), addr, src)
+        try:
+            if eng is not None and eng.watching:
+                eng.access(api, _stream_of(api, stream), addr, src)
+        finally:
+            self._before_write_snap(api, addr, stream)
+
+    def _before_write_snap(self, api: str, addr: int, stream: int) -> None:
         snap = self.snap
         a = self.pred.allocs.find(addr)
         if a is not None and self.dirty is not None:
@@ -409,6 +419,9 @@ class Agent(ProcessView):
         try:
             t_start = time.perf_counter()
             unsettled = self.settle()
+            if self.engine is not None and not self.engine.settled:  # evicted since the request came
+                raise GpuosError(f"owned buffers are not all resident ({_pending(self.engine)}): snapshot after "
+                                 "they are", ExitCode.WRONG_STATE)
             buffers = self.buffers()
             total = sum(b.size for b in buffers)
             if total > staging.capacity:
@@ -574,6 +587,9 @@ class Agent(ProcessView):
                 if unsettled:
                     raise GpuosError(f"{unsettled} operations of the program were still being issued after "
                                      f"{SETTLE_S} s; nothing was written", ExitCode.WRONG_STATE)
+                if self.engine is not None and not self.engine.settled:  # evicted since the request came
+                    raise GpuosError(f"owned buffers are not all resident ({_pending(self.engine)}); nothing was "
+                                     "written", ExitCode.WRONG_STATE)
                 _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
                 for b, o in zip(entries, offsets):
                     addr = int(b["addr"])
@@ -699,7 +715,7 @@ class Agent(ProcessView):
             if op == "ping":
                 return {"ok": True, "pid": os.getpid(), "ops": self.ops, **sus.status()}
             if op == "resume":
-                return sus.resume()
+                return sus.resume(lazy=bool(request.get("lazy")))
             if op in ("suspend", "snapshot", "rollback"):
                 raise GpuosError(f"the program is {sus.state}: {op} after `gpu-restore --agent PID --resume`",
                                  ExitCode.WRONG_STATE)

@@ -23,7 +23,8 @@ that is not yet back, i.e. for the whole of a lazy resume.
 What an operation touches (``bases_of_launch``, ``bases_of_addrs``): a launch's reads and
 writes as the agent's predictor gives them (gpu-predict-access at range granularity, memoised
 per arguments), None when the prediction says unknown or the launch's layout is not known; a
-copy's source and destination, a memset's destination. A kernel that reaches a released record
+copy's source and destination, a memset's destination (a 3D copy or one through a CUDA array:
+every record). A kernel that reaches a released record
 by a pointer the prediction does not see (a pointer stored in device memory the predictor did
 not see written, an address computed from another buffer's) would fault: such launches must
 come out unknown, which is what the predictor's rules are for (gpuos_tools/access).
@@ -35,7 +36,8 @@ order -- the order in which the program's operations first touched the records, 
 the agent's start (``touch``), then by address -- on its own stream, a bounded amount ahead,
 so that a demand load never queues behind more than that.
 
-``evict(base)`` (for gpu-prefetch-sched): on a thread of the engine's, the agent's lock is
+``evict(base)`` (for gpu-prefetch-sched; refused while a snapshot is in progress, which copies
+every buffer): on a thread of the engine's, the agent's lock is
 taken briefly so that no operation of the program is between its callback and the driver, an
 event is recorded on every stream the program has used (the record's last use is before it),
 the record is saved on the evict stream after those events unless its host copy is current
@@ -84,6 +86,7 @@ class Ops(Protocol):
     def done(self, ev: Any) -> bool: ...
     def synchronize(self, ev: Any) -> None: ...
     def destroy(self, ev: Any) -> None: ...
+    def sync_all(self) -> None: ...  # the context's work has completed
     def enter(self) -> None: ...  # make the program's context current on this thread
 
 
@@ -117,12 +120,15 @@ class ResidencyEngine:
         self.first_touch: dict[int, None] = {}  #: allocation ids in the order first touched
         self._streams: dict[str, Any] = {}
         self._loader: threading.Thread | None = None
+        self._loading = False  #: the background loader runs (it may wait on any load event)
+        self._retired: list[Any] = []  #: events of dropped records, destroyed when it ends
         self._evictq: queue.Queue[int | None] = queue.Queue()
         self._evictor: threading.Thread | None = None
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
                        "loaded_bytes": 0, "freed_while_pending": 0}
         self.lazy: dict[str, Any] | None = None  #: the last lazy resume's figures
+        self._counts_at_start: dict[str, Any] = {}
 
     # -- state --------------------------------------------------------------------------------
 
@@ -147,12 +153,18 @@ class ResidencyEngine:
             self._bases.insert(bisect_right(self._bases, e.base), e.base)
         self.pending[e.base] = e
 
-    def _drop(self, base: int) -> None:
+    def _drop(self, base: int, destroy: bool = True) -> None:
+        """Forget a pending record (lock held). Its event is destroyed, unless a thread of the
+        engine may still wait on it: the evictor's own (``destroy`` False), or any load event
+        while the background loader runs (it is destroyed when the loader ends)."""
         e = self.pending.pop(base, None)
         if e is not None:
             del self._bases[bisect_right(self._bases, base) - 1]
-            if e.event is not None:
-                self.ops.destroy(e.event)
+            if e.event is not None and destroy:
+                if self._loading:
+                    self._retired.append(e.event)
+                else:
+                    self.ops.destroy(e.event)
 
     def _stream(self, name: str) -> Any:
         s = self._streams.get(name)
@@ -179,11 +191,12 @@ class ResidencyEngine:
     def bases_of_addrs(self, addrs: Iterable[int]) -> set[int]:
         """The pending records holding any of ``addrs`` (addresses elsewhere need nothing)."""
         out = set()
-        for a in addrs:
-            if a:
-                e = self._find(a)
-                if e is not None:
-                    out.add(e.base)
+        with self.lock:  # the loader drops entries as their loads complete
+            for a in addrs:
+                if a:
+                    e = self._find(a)
+                    if e is not None:
+                        out.add(e.base)
         return out
 
     def bases_of_launch(self, kernel: str, sizes: Any, args: Any) -> set[int] | None:
@@ -241,6 +254,11 @@ class ResidencyEngine:
                 a = allocs.find(addr) if addr else None
                 if a is not None and a.id not in self.first_touch:
                     self.first_touch[a.id] = None
+        if _opaque_copy(api):  # 3D copies and copies through arrays: addresses not read here
+            self.clean.clear()
+            if self.pending:
+                self.require(None, stream)
+            return
         if self.clean and dst:
             self.clean.discard(self._record_base(dst))
         if self.pending:
@@ -264,10 +282,9 @@ class ResidencyEngine:
             if e.state == LOADING or (e.state == EVICTING and e.event is not None):
                 with self._own():
                     self.ops.synchronize(e.event)
+            evicting = e.state == EVICTING
             e.cancelled = True
-            if e.state == EVICTING:
-                e.event = None  # the evictor waits on it and destroys it
-            self._drop(e.base)
+            self._drop(e.base, destroy=not evicting)
             self.counts["freed_while_pending"] += 1
         self.clean.discard(addr)
 
@@ -291,8 +308,7 @@ class ResidencyEngine:
             for e in targets:
                 if e.state == EVICTING:
                     e.cancelled = True  # it stays resident; the evictor sees it under the lock
-                    e.event = None  # the evictor waits on it and destroys it
-                    self._drop(e.base)
+                    self._drop(e.base, destroy=False)
                     self.counts["evictions_cancelled"] += 1
                     continue
                 if e.state == RELEASED:
@@ -315,12 +331,18 @@ class ResidencyEngine:
         """make_resident + copy_in on ``stream`` (engine's lock held); False when the record is
         gone (freed meanwhile: forgotten)."""
         r = self.ops.lookup(e.base)
-        if r is None or r.base != e.base:
+        if r is None or r.base != e.base or r.size != e.size or r.resident:
+            # freed meanwhile (the library frees a released record without a driver call the
+            # tracer sees), or its addresses already serve a new allocation: nothing to load
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
             return False
-        if not r.resident:
-            self.ops.make_resident(e.base)
+        self.ops.make_resident(e.base)
+        r = self.ops.lookup(e.base)
+        if r is None or r.base != e.base:  # a free came during make_resident and was carried out
+            self._drop(e.base)
+            self.counts["freed_while_pending"] += 1
+            return False
         self.ops.copy_in(e.base, e.pieces, stream)
         ev = self.ops.event()
         self.ops.record(ev, stream)
@@ -342,8 +364,7 @@ class ResidencyEngine:
                 return None
             if e.state == EVICTING:
                 e.cancelled = True
-                e.event = None  # the evictor waits on it and destroys it
-                self._drop(base)
+                self._drop(base, destroy=False)
                 self.counts["evictions_cancelled"] += 1
                 return None
             if e.state == RELEASED:
@@ -365,6 +386,10 @@ class ResidencyEngine:
         return self._order()[0]
 
     def _order(self) -> tuple[list[int], int]:
+        with self.lock:
+            return self._order_locked()
+
+    def _order_locked(self) -> tuple[list[int], int]:
         by_id = getattr(self.agent, "by_id", {})
         seen: dict[int, None] = {}
         for i in self.first_touch:
@@ -378,11 +403,14 @@ class ResidencyEngine:
 
     def load_rest(self) -> threading.Thread:
         """Load every released record in the background, in ``order()``; the thread."""
-        order, predicted = self._order()
-        self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
-                     "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
+        with self.lock:
+            order, predicted = self._order_locked()
+            self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
+                         "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
+            self._counts_at_start = dict(self.counts)
         t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
         self._loader = t
+        self._loading = True
         t.start()
         return t
 
@@ -425,9 +453,17 @@ class ResidencyEngine:
                 lazy["t_done"] = time.perf_counter()
                 lazy["load_s"] = round(lazy["t_done"] - lazy["t_start"], 6)
                 lazy["load_gbps"] = round(lazy["bytes"] / lazy["load_s"] / 1e9, 3) if lazy["load_s"] > 0 else None
+                for k in ("demand_loads", "background_loads", "stream_waits", "unknown_requires"):  # this resume's
+                    lazy[k] = self.counts[k] - self._counts_at_start[k]
                 lazy["done"] = True
             except Exception as exc:  # noqa: BLE001 (the program goes on; records left pending are loaded on demand)
                 lazy["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                with self.lock:
+                    self._loading = False
+                    for ev in self._retired:
+                        self.ops.destroy(ev)
+                    self._retired.clear()
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Wait for the background loader (True: nothing pending any more)."""
@@ -441,8 +477,8 @@ class ResidencyEngine:
         """Save (if needed) and release the record at ``base`` after its last use, from the
         engine's evict thread; False when it is not a resident owned record."""
         r = self.ops.lookup(base)
-        if r is None or r.base != base or not r.resident:
-            return False
+        if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
+            return False  # a snapshot in progress copies every buffer: none may go meanwhile
         with self.lock:
             if base in self.pending:
                 return False
@@ -465,8 +501,8 @@ class ResidencyEngine:
         record, or it is released or being evicted already."""
         ops = self.ops
         r = ops.lookup(base)
-        if r is None or r.base != base or not r.resident:
-            return False
+        if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
+            return False  # a snapshot in progress copies every buffer: none may go meanwhile
         with self.lock, self._own():
             side = self._stream("evict")
             e = self.pending.get(base)
@@ -479,7 +515,12 @@ class ResidencyEngine:
             streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
             for s in sorted(streams):
                 ev = ops.event()
-                ops.record(ev, s)
+                try:
+                    ops.record(ev, s)
+                except RuntimeError:  # a stream gone without our seeing it: wait for everything
+                    ops.destroy(ev)
+                    ops.sync_all()
+                    break
                 ops.wait(side, ev)
                 ops.destroy(ev)
             e = Entry(base, r.size, EVICTING, pieces, own=True)
@@ -528,7 +569,12 @@ class ResidencyEngine:
             streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(agent, "streams", {0})}
             for s in sorted(streams):
                 ev = ops.event()
-                ops.record(ev, s)
+                try:
+                    ops.record(ev, s)
+                except RuntimeError:  # a stream gone without our seeing it: wait for everything
+                    ops.destroy(ev)
+                    ops.sync_all()
+                    return
                 ops.wait(stream, ev)
                 ops.destroy(ev)  # released by the driver once recorded work completes
 
@@ -541,6 +587,9 @@ class ResidencyEngine:
         pieces = ops.host(base, r.size)  # pinning is slow: before the program is held
         lock = getattr(self.agent, "lock", None)
         with lock if lock is not None else _nothing():  # no operation starts until it is EVICTING
+            if getattr(self.agent, "snap", None) is not None:  # a snapshot began since evict() was asked
+                self.counts["evictions_refused"] = self.counts.get("evictions_refused", 0) + 1
+                return
             self._last_use(side)
             with self.lock:
                 if base in self.pending:
@@ -561,7 +610,7 @@ class ResidencyEngine:
         ops.synchronize(ev)
         with self.lock:
             if e.cancelled or self.pending.get(base) is not e:
-                ops.destroy(ev)  # a cancel left the event to this thread
+                ops.destroy(ev)
                 return
             ops.release(base)
             e.state, e.event = RELEASED, None
@@ -592,6 +641,12 @@ class ResidencyEngine:
             self._evictor.join(30)
         if self._loader is not None:
             self._loader.join(60)
+
+
+def _opaque_copy(api: str) -> bool:
+    """A copy whose device addresses the tracer's hook does not give (cuMemcpy3D*, and copies to
+    or from CUDA arrays: cuMemcpyDtoA, AtoD, AtoH, HtoA, AtoA): it counts as touching every record."""
+    return api.startswith("cuMemcpy") and ("3D" in api or "toA" in api or "Ato" in api)
 
 
 @contextmanager
@@ -703,3 +758,8 @@ class DriverOps:
         from cuda.bindings import driver as drv
 
         drv.cuEventDestroy(ev)
+
+    def sync_all(self) -> None:
+        from cuda.bindings import driver as drv
+
+        _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")

@@ -192,6 +192,7 @@ class Suspension:
         self._lib: Any = None
         self._loaded: set[int] = set()
         self._held_since = 0.0
+        self._lazy = False  #: the pending resume request asked for --lazy
 
     @property
     def held(self) -> bool:
@@ -249,11 +250,18 @@ class Suspension:
         self.info = answer
         return answer
 
-    def resume(self, timeout: float | None = None) -> dict[str, Any]:
+    def resume(self, timeout: float | None = None, lazy: bool = False) -> dict[str, Any]:
+        """Let the program go on: every buffer loaded first, or (``lazy``) at once, each of its
+        operations waiting on the GPU for the buffers it touches while the rest load behind
+        (gpuos_tools/agent/engine.py)."""
         with self._turn:
             if self.state != SUSPENDED:
                 raise GpuosError(f"the program is {self.state}, not suspended: nothing to resume",
                                  ExitCode.WRONG_STATE)
+            if lazy and getattr(self.agent, "engine", None) is None:
+                raise GpuosError("--lazy needs the agent's residency engine (the program's memory owned: "
+                                 "GPUOS_AGENT_OWN=1)", ExitCode.USAGE)
+            self._lazy = lazy
             self._wake.put("resume")
         answer = self._answers.get(timeout=timeout)
         if isinstance(answer, BaseException):
@@ -306,7 +314,7 @@ class Suspension:
                             pass
                     self.state = RESUMING
                 try:
-                    out = self._resume_locked()
+                    out = self._resume_locked(lazy=why == "resume" and self._lazy)
                 except Exception as exc:  # noqa: BLE001 (the program stays suspended; the caller hears why)
                     self.state = SUSPENDED
                     if why == "resume":
@@ -335,6 +343,10 @@ class Suspension:
         if unsettled:
             raise GpuosError(f"{unsettled} operations of the program were still being issued after the settle "
                              "timeout; nothing was suspended", ExitCode.WRONG_STATE)
+        engine = getattr(agent, "engine", None)
+        if engine is not None and not engine.settled:  # evicted since the request came
+            raise GpuosError("owned buffers are being evicted or loaded by the residency engine; nothing was "
+                             "suspended", ExitCode.WRONG_STATE)
         allocs = agent.buffers()
         records = [r for r in lib.table() if r.resident and not r.flags & 2]  # 2: F_BUSY
         owned_allocs, outside = split(allocs, records)
@@ -432,13 +444,17 @@ class Suspension:
         out["incremental"] = False
         return out
 
-    def _resume_locked(self, keep_side: bool = False) -> dict[str, Any]:
-        """Make every released record resident at its address and reload it (lock held)."""
+    def _resume_locked(self, keep_side: bool = False, lazy: bool = False) -> dict[str, Any]:
+        """Make every released record resident at its address and reload it (lock held); with
+        ``lazy``, hand them to the residency engine instead, which loads them behind the
+        program's back and ahead of its operations."""
+        t0 = time.perf_counter()
+        if lazy:
+            return self._resume_lazy(t0)
         from cuda.bindings import driver as drv
 
         from gpuos_tools.agent.owned import OwnedError
 
-        t0 = time.perf_counter()
         lib, staging, side = self._lib, self.agent.staging, self._side
         gone = 0
         mapped_s = 0.0
@@ -484,6 +500,35 @@ class Suspension:
                 "held_s": round(held, 6)}
 
 
+    def _resume_lazy(self, t0: float) -> dict[str, Any]:
+        """Give every released record, with the staging pieces holding it, to the engine and
+        start its background loader; the program goes on when the lock is let go."""
+        engine, lib, staging = self.agent.engine, self._lib, self.agent.staging
+        gone = adopted = nbytes = 0
+        for s in self._spans:
+            if s.addr in self._loaded:
+                continue
+            r = lib.lookup(s.addr)
+            if r is None or r.base != s.addr:
+                gone += 1
+            else:
+                engine.adopt(s.addr, s.size, list(staging.spans(s.offset, s.size)))
+                adopted += 1
+                nbytes += s.size
+            self._loaded.add(s.addr)
+        engine.load_rest()
+        if self._side is not None:
+            from cuda.bindings import driver as drv
+
+            drv.cuStreamDestroy(self._side)
+            self._side = None
+        t1 = time.perf_counter()
+        self._spans = []
+        return {"ok": True, "state": RUNNING, "lazy": True, "buffers": adopted, "bytes": nbytes,
+                "freed_meanwhile": gone, "map_s": 0.0, "resume_s": round(t1 - t0, 6), "load_gbps": None,
+                "held_s": round(t1 - self._held_since, 6)}
+
+
 # -- the client side (what gpu-ckpt and gpu-restore call) -----------------------------------------
 
 
@@ -504,10 +549,11 @@ def request_suspend(target: Any, *, partial: bool = False, image: str | None = N
     return answer
 
 
-def request_resume(target: Any, timeout: float = 3600.0) -> dict[str, Any]:
-    """Ask the agent at ``target`` to resume its suspended program."""
+def request_resume(target: Any, timeout: float = 3600.0, lazy: bool = False) -> dict[str, Any]:
+    """Ask the agent at ``target`` to resume its suspended program (``lazy``: at once, the
+    buffers loaded behind it)."""
     from gpuos_tools.agent import control
 
-    answer = control.request(target, "resume", timeout=timeout)
+    answer = control.request(target, "resume", timeout=timeout, **({"lazy": True} if lazy else {}))
     answer.pop("ok", None)
     return answer

@@ -164,7 +164,7 @@ programs), at link speed, and keeps the program waiting until `gpu-restore --age
 
     GPUOS_AGENT_OWN=1 gpu-ckpt run -o run.ndjson.zst -- python3 job.py &
     gpu-ckpt --agent PID --suspend --partial -o suspend.ndjson
-    gpu-restore --agent PID --resume
+    gpu-restore --agent PID --resume          # or --resume --lazy
 
 The agent takes its lock (the program's next launch, copy, memset, free or other driver call
 waits in its callback), waits until the operations already issued are enqueued and the GPU has
@@ -196,6 +196,22 @@ largest), the bytes released, `staging_s`, `lock_s`, `settle_s`, `sync_s`, `save
 `save_gbps`, `suspend_s` (from the request to the last buffer released) and NVML's view of the
 process before and after (`process_gpu_memory_before`, `_after`); the `agent_resume` record
 `resume_s`, `load_gbps` and `held_s`.
+
+Lazy resume and the residency engine: `gpu-restore --agent PID --resume --lazy` lets the program
+go on at once. The agent's residency engine then stands before each of its launches, copies,
+memsets, graph launches and frees: every owned buffer the operation touches that is not back
+yet is mapped and its load enqueued on a stream of the agent's, and the operation's stream
+waits for the load on the GPU (the program's thread does not wait). What a launch touches is
+the agent's prediction of its reads and writes; a launch it cannot predict ("unknown") and a
+graph launch wait for every buffer not yet back, i.e. for the rest of the reload. The rest loads
+in the background in the order the program first touched its buffers before the suspend. So a
+kernel may touch exactly what its arguments (and the pointer arrays the program copied to the
+GPU) say it touches; a kernel that reaches a buffer some other way, and is not marked unknown
+by the predictor, could run before that buffer is back. A device-wide synchronisation by the
+program waits for the whole reload. Until every buffer is back, snapshots,
+suspends and rollbacks are refused (79); ping's `residency` shows what is pending and, when
+done, the reload's time and GB/s. The same engine evicts (saves after the buffer's last use,
+then releases) and prefetches single buffers for gpu-prefetch-sched.
 
 The remainder through the driver: the driver checkpoint API refuses to lock a process under
 the agent (CUDA_ERROR_NOT_SUPPORTED), measured on an H100 with driver 580.159 also after the

@@ -44,9 +44,11 @@ of it (say, the last one before its loss went NaN), then let it go on:
 
     gpu-restore --agent 4242 --image /var/lib/gpuos-tools/images/train/train-20261122T031500.000Z
 
-Let a program suspended by `gpu-ckpt --agent 4242 --suspend` go on:
+Let a program suspended by `gpu-ckpt --agent 4242 --suspend` go on, after all its memory is
+back, or at once, each launch waiting only for the buffers it touches:
 
     gpu-restore --agent 4242 --resume
+    gpu-restore --agent 4242 --resume --lazy
 
 Check an image of the agent path (and its parent chain), and compare two:
 
@@ -101,6 +103,30 @@ waited). Refused with 79 (WRONG_STATE) when the program is not suspended. When t
 enough free memory for it any more, the resume fails (71, CUDA_ERROR) and the program stays
 suspended, its memory in host RAM: free the GPU and resume again. Onto another GPU: not yet.
 
+`--resume --lazy` lets the program go on at once and brings its memory back behind it, through
+the agent's residency engine. The engine stands before each of the program's launches, copies,
+memsets, graph launches and frees: a buffer the operation touches that is not back yet gets its
+physical memory and its load (on a stream of the agent's) there and then, and the operation's
+stream is made to wait on the GPU for that load; the program's thread never waits for a load.
+What a launch touches is the agent's prediction of its reads and writes (gpu-predict-access's
+rules, from the kernel's arguments and the pointer arrays the program copied to the GPU); a
+launch whose footprint is unknown (no parameter layout, a pointer the prediction cannot
+follow), and every graph launch, waits for every buffer not yet back, so "unknown" costs the
+whole reload at that point, no more than an eager resume. A copy waits for its source and
+destination (a 3D copy or one through a CUDA array: for every buffer), a memset for its
+destination, a free for a load into what it frees. Meanwhile a
+thread of the agent's loads the rest in the order the program first touched its buffers
+(recorded from the agent's start), then by address, a bounded amount ahead of the GPU so that a
+load on demand does not queue behind it. The guarantee: every operation of the program runs
+after the buffers it touches (as predicted, or all) hold their suspended contents at their
+addresses. Until every buffer is back, `gpu-ckpt --agent` snapshots and suspends and rollbacks
+are refused (79). A device-wide synchronisation by the program (cudaDeviceSynchronize,
+cuCtxSynchronize) waits for the whole reload, the engine's streams being in its context; a
+stream's or an event's synchronisation waits only for what that stream's work touches. The
+agent's ping answer (`residency`) shows what is pending and, once done,
+the reload's time and GB/s. The `agent_resume` record has `lazy: true`; its resume_s is the time
+to let the program go. `--lazy` on a rollback (`--image`): not built.
+
 `gpu-restore verify IMAGE` checks an image of the agent path and its parent chain: the manifest
 parses and is complete, every chunk file the manifest lists is there with its size, its bytes
 (decompressed) match its checksum, no chunk file is extra, and every parent is there with the
@@ -152,6 +178,11 @@ def restore(
         help="With --agent: let a program suspended by `gpu-ckpt --agent PID --suspend` go on (its memory is "
         "mapped again at the same addresses and reloaded).",
     ),
+    lazy: bool = typer.Option(
+        False, "--lazy",
+        help="With --agent --resume: let the program go on at once; each launch, copy or memset waits on the GPU "
+        "for the buffers it touches (unknown: all), the rest load behind it in first-touch order.",
+    ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu restore` (repeatable).",
     ),
@@ -178,11 +209,13 @@ def restore(
         return
     if resume and agent is None:
         raise GpuosError("--resume goes with --agent PID (the driver path: --pid PID)", ExitCode.USAGE)
+    if lazy and not resume:
+        raise GpuosError("--lazy goes with --agent PID --resume (a lazy rollback is not built)", ExitCode.USAGE)
     if agent is not None and resume:
         if any(x is not None for x in (pid, device, device_map, profile, image)) or criu_arg:
             raise GpuosError("--agent --resume goes with --timeout and -o only (onto another GPU: not yet)",
                              ExitCode.USAGE)
-        _resume(agent, output, timeout)
+        _resume(agent, output, timeout, lazy)
         return
     if agent is not None:
         if any(x is not None for x in (pid, device, device_map, profile)) or criu_arg:
@@ -233,14 +266,18 @@ def restore(
         stderr_console().print(f"{PROG}: {text}", highlight=False)
 
 
-def _resume(agent: str, output: Optional[str], timeout: float) -> None:
-    """`gpu-restore --agent PID --resume`: one agent_resume record (gpuos_tools/agent/suspend.py)."""
+def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = False) -> None:
+    """`gpu-restore --agent PID --resume [--lazy]`: one agent_resume record (gpuos_tools/agent/suspend.py)."""
     from gpuos_tools.agent import control
     from gpuos_tools.agent.suspend import request_resume
 
-    answer = request_resume(control.resolve(agent), timeout=timeout)
+    answer = request_resume(control.resolve(agent), timeout=timeout, lazy=lazy)
     _records("-" if output is None else output, PROG, [{"type": "agent_resume", "agent": agent, **answer}])
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and answer.get("lazy"):
+        stderr_console().print(
+            f"{PROG}: going on after {answer['resume_s'] * 1000:.1f} ms; {answer['bytes'] / 2**30:.2f} GiB in "
+            f"{answer['buffers']} buffers load behind it (ping shows when they are back)", highlight=False)
+    elif sys.stderr.isatty():
         stderr_console().print(
             f"{PROG}: resumed: {answer['bytes'] / 2**30:.2f} GiB in {answer['buffers']} buffers back in "
             f"{answer['resume_s']:.3f} s ({answer['load_gbps']} GB/s); the program waited {answer['held_s']:.2f} s",

@@ -45,6 +45,7 @@ from bisect import bisect_right
 from typing import Any
 
 from gpuos_tools.agent.agent import Agent, _stream_of
+from gpuos_tools.agent.engine import _opaque_copy
 from gpuos_tools.sched.online import OnlinePolicy
 
 ENV = "GPUOS_SCHED_ONLINE"
@@ -324,7 +325,10 @@ class OnlineAgent(Agent):
         ex = self.executor
         try:
             if ex is not None and api.startswith(("cuMemcpy", "cuMemset")):
-                ex.before(api, [a for a in (addr, src) if a], _stream_of(api, stream))
+                # 3D copies and copies through CUDA arrays: the engine does not read their
+                # addresses and loads everything; the policy counts them unknown the same way
+                addrs = None if _opaque_copy(api) else [a for a in (addr, src) if a]
+                ex.before(api, addrs, _stream_of(api, stream))
         finally:
             super().before_write(api, addr, stream, src)
 

@@ -147,3 +147,64 @@ def test_resume_without_suspend_is_refused(tmp_path):
     finally:
         job.finish()
     assert r.returncode == WRONG_STATE and "not suspended" in r.stderr and state == "running"
+
+
+def test_lazy_resume_goes_on_at_once_and_ends_bit_identical(tmp_path, plain):
+    """Suspend, then `--resume --lazy` and at once let the program run its remaining steps
+    (matmul, FFT, churn: launches the engine predicts and some it cannot) while the engine is
+    still loading: every operation waits on the GPU for what it touches, and the program ends
+    as the uninterrupted run."""
+    job = Job(tmp_path, own=True)
+    try:
+        s = job.cli("ckpt", "--agent", str(job.pid), "--suspend", "--partial")
+        assert s.returncode == 0, s.stderr
+        rec = records(s.stdout)[-1]
+        # go before the resume: the program's first operations after it are its remaining steps,
+        # which race the background loads
+        (job.dir / "go").write_text("")
+        r = job.cli("restore", "--agent", str(job.pid), "--resume", "--lazy")
+        assert r.returncode == 0, r.stderr
+        back = records(r.stdout)[-1]
+    finally:
+        report = job.finish()
+    res = report.get("residency") or {}
+    print(json.dumps({"suspend": rec, "resume": back, "residency": res}))
+    assert back["type"] == "agent_resume" and back["lazy"] is True
+    assert back["buffers"] == rec["buffers"] and back["bytes"] == rec["released_bytes"]
+    assert report["residency_settled"] and res["pending"] == {}
+    lazy = res["lazy"]
+    assert lazy["done"] and "error" not in lazy and lazy["records"] == rec["buffers"]
+    assert lazy["demand_loads"] + lazy["background_loads"] <= rec["buffers"]
+    # every record came back exactly once: on demand, in the background, or freed meanwhile
+    assert res["demand_loads"] + res["background_loads"] + res["freed_while_pending"] == rec["buffers"]
+    assert report["scratch_ok"] and report["digests"] == plain["digests"]
+
+
+def test_lazy_resume_of_a_program_not_suspended_is_refused(tmp_path):
+    job = Job(tmp_path, own=True)
+    try:
+        r = job.cli("restore", "--agent", str(job.pid), "--resume", "--lazy")
+        ping = job.ping()
+    finally:
+        job.finish()
+    assert r.returncode == WRONG_STATE and "not suspended" in r.stderr
+    assert ping["state"] == "running" and ping["residency"]["pending"] == {}
+
+
+def test_engine_evict_then_demand_loads_keep_the_program_bit_identical(tmp_path, plain):
+    """Half way, the program (under the agent) evicts every owned record through the residency
+    engine -- saved after its last use on the evict stream, then released -- and goes on: each
+    operation loads back on the GPU what it touches before it runs (gpuos_tools/agent/engine.py)."""
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
+           str(tmp_path / "trace.ndjson.zst"), "--", sys.executable, str(PROGS / "owned_prog.py")]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(True, GPUOS_OWNED_OUT=str(out), GPUOS_ENGINE_EVICT="1"))
+    assert p.returncode == 0, p.stderr[-8000:]
+    report = json.loads(out.read_text())
+    ev = report["evict"]
+    print(json.dumps({"evict": ev, "residency": report.get("residency")}))
+    assert ev["records"] > 0 and ev["accepted"] == ev["records"] and ev["released"] == ev["records"]
+    assert ev["stats"]["evictions"] == ev["records"] and "evict_errors" not in ev["stats"]
+    assert report["residency"]["demand_loads"] > 0
+    assert report["digests"] == plain["digests"]

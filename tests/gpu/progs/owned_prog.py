@@ -5,12 +5,14 @@ own), elementwise work with temporaries, matmul (cuBLAS), FFT (cuFFT work areas)
 frees. GPUOS_OWNED_CYCLE=1: half way, from a thread of its own, every record of the owned
 allocator is saved to pinned memory, released, made resident again (overwritten with garbage
 first), reloaded (half by load, half by prefetch_async on another stream) and compared byte for
-byte; device free memory is measured around the release. GPUOS_SUSPEND_DIR=D: half way, it
+byte; device free memory is measured around the release. GPUOS_ENGINE_EVICT=1 (under the
+agent): half way, every owned record is evicted through the residency engine and the program
+goes on, loading back on demand what it touches. GPUOS_SUSPEND_DIR=D: half way, it
 writes its pid to D/pid and launches a small kernel on a scratch array every millisecond (its
 results untouched) until D/go exists, so that a test can suspend and resume it through the
 agent meanwhile (tests/gpu/test_suspend_gpu.py). Writes a JSON report to
 GPUOS_OWNED_OUT: digests of the results, whether CuPy's allocations were owned, the cycle's
-findings.
+findings, and under the agent its residency engine's stats.
 """
 
 from __future__ import annotations
@@ -94,6 +96,28 @@ def cycle(report: dict) -> None:
     }
 
 
+def evict_all(report: dict) -> None:
+    """Evict every resident owned record through the agent's residency engine (saved after its
+    last use, then released) and wait until all are released; the program's next operations
+    load back what they touch (GPUOS_ENGINE_EVICT=1, under gpu-trace run --agent)."""
+    import sys
+    import time
+
+    from gpuos_tools.agent import owned
+
+    engine = sys.modules["gpuos_tools.agent.tracer"]._tracer.agent.engine
+    lib = owned.OwnedLibrary.load()
+    bases = [r.base for r in lib.table() if r.resident]
+    accepted = [b for b in bases if engine.evict(b)]
+    deadline = time.monotonic() + 60
+    while any(engine.state(b) != "released" for b in accepted) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    table = {r.base: r for r in lib.table()}
+    report["evict"] = {"records": len(bases), "accepted": len(accepted),
+                       "released": sum(1 for b in accepted if b in table and not table[b].resident),
+                       "stats": engine.stats()}
+
+
 def wait_for_go(d: str, report: dict) -> None:
     """Launch on a scratch array until d/go appears (a suspend and resume happen meanwhile)."""
     import time
@@ -128,6 +152,8 @@ def main() -> None:
             t = threading.Thread(target=cycle, args=(report,))
             t.start()
             t.join()
+        if step == STEPS // 2 and os.environ.get("GPUOS_ENGINE_EVICT") == "1":
+            evict_all(report)
         if step == STEPS // 2 and os.environ.get("GPUOS_SUSPEND_DIR"):
             wait_for_go(os.environ["GPUOS_SUSPEND_DIR"], report)
         big = state["big"]
@@ -155,6 +181,13 @@ def main() -> None:
         lib = owned.OwnedLibrary.load()
         arrays = [x for v in state.values() for x in (v if isinstance(v, list) else [v])]
         report["arrays_owned"] = all(lib.lookup(a.data.ptr) is not None for a in arrays)
+    import sys
+
+    tracer = sys.modules.get("gpuos_tools.agent.tracer")  # under gpu-trace run --agent
+    engine = getattr(getattr(getattr(tracer, "_tracer", None), "agent", None), "engine", None)
+    if engine is not None:  # what the residency engine did (a lazy resume's loads, among others)
+        report["residency_settled"] = engine.wait_settled(60)
+        report["residency"] = engine.stats()
     with open(os.environ["GPUOS_OWNED_OUT"], "w") as f:
         json.dump(report, f)
 

@@ -4,7 +4,10 @@ about every millisecond, so that a suspend finds it between launches. The same f
 `gpu-trace run --agent` with GPUOS_AGENT_OWN=1 (the agent path) and alone (the driver path).
 
 --dir D: D/ready holds {"pid", "checksum"} once the data is there; whenever D/check exists the
-job writes D/check.json with the checksum computed again and removes D/check; D/exit ends it.
+job writes D/check.json with the checksum computed again and removes D/check; whenever D/stamp
+exists, after its next launch has completed on the GPU (its stream synchronised) the job writes
+D/stamp.json with {"t": time.monotonic()} (CLOCK_MONOTONIC, comparable across processes) and
+removes D/stamp: the bench's resume-to-first-kernel; D/exit ends it.
 """
 
 import argparse
@@ -52,8 +55,15 @@ def main() -> None:
     cp.cuda.Device().synchronize()
     write(os.path.join(args.dir, "ready"), {"pid": os.getpid(), "checksum": checksum(chunks), "chunks": n})
     check, stop = os.path.join(args.dir, "check"), os.path.join(args.dir, "exit")
+    stamp = os.path.join(args.dir, "stamp")
     while not os.path.exists(stop):
         small += 1.0
+        if os.path.exists(stamp):
+            # the launch above has run: its stream only. A device-wide synchronize would also wait
+            # for the agent's background loads of a lazy resume (same context), i.e. the whole reload
+            cp.cuda.get_current_stream().synchronize()
+            write(stamp + ".json", {"t": time.monotonic()})
+            os.unlink(stamp)
         if os.path.exists(check):
             write(check + ".json", {"checksum": checksum(chunks)})
             os.unlink(check)
