@@ -125,7 +125,7 @@ class ResidencyEngine:
         self._evictq: queue.Queue[int | None] = queue.Queue()
         self._evictor: threading.Thread | None = None
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
-                       "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "evictions_cancelled": 0,
+                       "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
                        "loaded_bytes": 0, "freed_while_pending": 0}
         self.lazy: dict[str, Any] | None = None  #: the last lazy resume's figures
         self._counts_at_start: dict[str, Any] = {}
@@ -488,15 +488,68 @@ class ResidencyEngine:
         self._evictq.put(base)
         return True
 
+    def evict_from_operation(self, base: int) -> bool:
+        """``evict`` for a caller inside one of the program's operation callbacks (the agent's
+        lock held, that operation not issued yet: gpu-prefetch-sched's executor). The record's
+        last use is what the program has enqueued so far, so the save is ordered here, on the
+        caller's thread, after an event on each stream the program has used -- without
+        ``settle``, since the caller's own operation is the one being issued (an operation
+        another thread of the program is issuing at this instant is not ordered) -- and only
+        the wait for the save and the release go to the evict thread, which then needs the
+        engine's lock alone: the caller may wait for the release without holding it up. A
+        record still loading is saved after its load. False when it is not a resident owned
+        record, or it is released or being evicted already."""
+        ops = self.ops
+        r = ops.lookup(base)
+        if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
+            return False  # a snapshot in progress copies every buffer: none may go meanwhile
+        with self.lock, self._own():
+            side = self._stream("evict")
+            e = self.pending.get(base)
+            if e is not None:
+                if e.state != LOADING:
+                    return False
+                ops.wait(side, e.event)  # the save comes after the load
+                self._drop(base)
+            pieces = ops.host(base, r.size)
+            streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
+            for s in sorted(streams):
+                ev = ops.event()
+                try:
+                    ops.record(ev, s)
+                except RuntimeError:  # a stream gone without our seeing it: wait for everything
+                    ops.destroy(ev)
+                    ops.sync_all()
+                    break
+                ops.wait(side, ev)
+                ops.destroy(ev)
+            e = Entry(base, r.size, EVICTING, pieces, own=True)
+            self._put(e)
+            save = base not in self.clean
+            if save:
+                ops.copy_out(base, pieces, side)
+            ev = ops.event()
+            ops.record(ev, side)
+            e.event = ev
+        if self._evictor is None or not self._evictor.is_alive():
+            self._evictor = threading.Thread(target=self._evict_loop, name="gpuos-engine-evict", daemon=True)
+            self._evictor.start()
+        self._evictq.put((base, e, ev, save))
+        return True
+
     def _evict_loop(self) -> None:
         with self._own():
             self.ops.enter()
             while True:
-                base = self._evictq.get()
-                if base is None:
+                item = self._evictq.get()
+                if item is None:
                     return
+                base = item if isinstance(item, int) else item[0]
                 try:
-                    self._evict_one(base)
+                    if isinstance(item, int):
+                        self._evict_one(base)
+                    else:
+                        self._evict_finish(*item)
                 except Exception as exc:  # noqa: BLE001 (it stays resident; say so in stats)
                     with self.lock:
                         e = self.pending.get(base)
@@ -549,6 +602,11 @@ class ResidencyEngine:
                 ev = ops.event()
                 ops.record(ev, side)
                 e.event = ev
+        self._evict_finish(base, e, ev, save)
+
+    def _evict_finish(self, base: int, e: Entry, ev: Any, save: bool) -> None:
+        """Once the save has completed: release, unless an operation touched it meanwhile."""
+        ops = self.ops
         ops.synchronize(ev)
         with self.lock:
             if e.cancelled or self.pending.get(base) is not e:
@@ -560,6 +618,7 @@ class ResidencyEngine:
             self.clean.discard(base)
             self.counts["evictions"] += 1
             self.counts["evict_saves"] += int(save)
+            self.counts["saved_bytes"] += e.size if save else 0
 
     # -- report -------------------------------------------------------------------------------
 

@@ -862,7 +862,14 @@ def start(fd: int) -> Tracer:
         budget = os.environ.pop("GPUOS_AGENT_COW_BUDGET", "")
         if check:
             _emit_launch = _emit_launch_checked
-        _tracer = Tracer(fd, flush_ms / 1000.0, agent=Agent(int(budget) if budget else None))
+        cow = int(budget) if budget else None
+        if os.environ.get("GPUOS_SCHED_ONLINE"):  # gpu-prefetch-sched run: the online scheduler in front
+            from gpuos_tools.sched import executor as online
+
+            agent = online.OnlineAgent(online.config_from_environment() or {}, cow)
+        else:
+            agent = Agent(cow)
+        _tracer = Tracer(fd, flush_ms / 1000.0, agent=agent)
     elif validate:
         from gpuos_tools.agent.validate import Validator
 

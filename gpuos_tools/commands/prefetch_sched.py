@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
 from gpuos_tools.sched import __doc__ as _sched_doc
+from gpuos_tools.sched.online import __doc__ as _online_doc
 from gpuos_tools.sched.planner import __doc__ as _planner_doc
 from gpuos_tools.sched.simulate import __doc__ as _simulate_doc
 from gpuos_tools.sched.workload import __doc__ as _workload_doc
@@ -41,15 +44,57 @@ MAN_SECTIONS = {
         "- Dirty chunks are written back before eviction; only chunks whose host copy is current "
         "(or whose allocation was freed) are dropped. Dirtiness comes from the predicted writes, "
         "which count every non-const pointer as written.\n"
-        "- Nothing here runs on a GPU, and nothing is validated: the schedule is as good as the "
-        "predictions and the time model."
+        "- `simulate` runs nothing on a GPU, and validates nothing: the schedule is as good as "
+        "the predictions and the time model.\n"
+        "- `run`: a launch runs only once every record it is predicted to touch is mapped and "
+        "loaded (its stream waits on the GPU); an unknown launch or a graph launch gets every "
+        "owned record, over the budget if need be. A kernel that reaches memory by a pointer the "
+        "prediction does not see (a pointer stored in device memory, an address computed from "
+        "another buffer's) would fault on a released record: such launches must come out "
+        "unknown, which is the predictor's rule. Memory the program did not allocate through CuPy "
+        "(cuBLAS or cuFFT workspaces) is not owned and never moved. The budget is our own, below "
+        "the GPU's memory: no managed memory is used."
+    ),
+    "ONLINE EXECUTION": (
+        "`gpu-prefetch-sched run --budget SIZE|N% -- PROGRAM` starts PROGRAM under the agent "
+        "(`gpu-trace run --agent`, python callback path) with its CuPy allocations owned "
+        "(`GPUOS_AGENT_OWN=1`: every buffer, or segment of small ones, is a record at a fixed "
+        "address whose physical memory can be saved, released and mapped again). The unit of "
+        "residency is the record. A percentage budget is that share of the program's owned memory "
+        "at each decision.\n\n"
+        + _online_doc.split("\n\n", 1)[1].split("\n\nWhy not", 1)[0].strip("\n")
+        + "\n\nThe moves go through the agent's residency engine: an eviction's save is ordered "
+        "on the GPU after everything the program has enqueued and runs on the engine's evict "
+        "stream, its release follows once the save is done (a record that was loaded from the "
+        "engine's host copy and not written since is released without a copy); prefetches run on "
+        "another stream from a mover thread, each once there is room for it; an operation's stream "
+        "waits on the GPU for the loads of its records. The budget holds mapped memory: a record "
+        "counts until its release, so a load that needs room waits on the host for evictions in "
+        "flight (a stall, counted). The program's own allocations are mapped at once and can take "
+        "the memory above the budget until its next launch evicts.\n\n"
+        "The record on standard output at the end, `sched_summary` with `mode` online: policy, "
+        "lookahead, budget (the largest a decision used), fraction, footprint (owned bytes at the "
+        "end), launches (operations decided: launches, copies, memsets), unknown, bytes_in, "
+        "bytes_out (copied host to device and device to host), loads, prefetches, demand_loads, "
+        "evictions, evict_saves, stream_waits (operations made to wait on the GPU for a load), "
+        "stalls (operations that found a record of theirs not resident), over_budget, "
+        "over_budget_bytes, peak_resident (most mapped bytes after a decision), peak_settled (the "
+        "same, counted from the first decision within the budget after the last allocation or "
+        "over-budget launch), "
+        "over_physical (decisions after that found the mapped bytes above the budget), "
+        "peak_planned (the policy's own books), periods (the launch periods learned), predicted "
+        "(operations decided with a period known), wall_s, exit (the program's status), and "
+        "`executor`, `policy_stats`, `engine` with the parts' own counters.\n\n"
+        "Not built yet: several programs at once (`serve`), PyTorch programs (their allocator is "
+        "not owned yet), a managed-memory baseline, and the native callback path (each operation "
+        "pays the python agent's callback, ~0.1-0.3 ms)."
     ),
     "NOTES": (
-        "Every input is read to its end before anything is written: Belady needs the whole "
-        "future of the sequence, and the round-robin order needs every job. Memory use grows "
-        "with the number of steps and of chunks they use.\n\n"
-        "`--simulate` is the only mode so far; running a schedule online (through the agent's "
-        "residency API) and serving several live processes are not built."
+        "Every input of `simulate` is read to its end before anything is written: Belady needs "
+        "the whole future of the sequence, and the round-robin order needs every job. Memory use "
+        "grows with the number of steps and of chunks they use.\n\n"
+        "`simulate` is the command when none is named, so `gpu-prefetch-sched --simulate ...` "
+        "and `gpu-prefetch-sched simulate --simulate ...` are the same."
     ),
     "RECORDS": (
         "The output is a new stream (the input records are not repeated): a header, then the "
@@ -71,17 +116,33 @@ MAN_SECTIONS = {
         "      gpu-prefetch-sched --simulate --budget 66% --chunk 64KiB --schedule none\n\n"
         "Two jobs time-sliced on one GPU, 5 ms slices, H100 link figures:\n\n"
         "    gpu-prefetch-sched --simulate --budget 4GiB --slice 5ms --bw 40GB/s a.acc b.acc\n\n"
+        "A CuPy job at 150% oversubscription, online, its trace kept:\n\n"
+        "    gpu-prefetch-sched run --budget 66% -o job.ndjson.zst -- python3 solver.py | jq .\n\n"
         "The evictions that are not write-backs:\n\n"
         "    gpu-prefetch-sched --simulate --budget 50% a.acc | jq -c 'select(.type==\"evict\" and (.writeback|not))'"
     ),
     "SEE ALSO": "gpu-predict-access(1), gpu-trace(1)",
 }
 
+class _DefaultSimulate(TyperGroup):
+    """`simulate` is the command when none is named: `gpu-prefetch-sched --simulate --budget
+    8GiB A.acc` keeps working beside `gpu-prefetch-sched run ...`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["simulate", *args]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
     name="gpu-prefetch-sched",
+    cls=_DefaultSimulate,
     add_completion=False,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    help="Plan, simulate or run the movement of a GPU job's memory under a budget below its needs.\n\n"
+    "`simulate` (the default command) plans offline from predicted access streams, with no GPU; `run` "
+    "starts a program under the agent and keeps its owned memory within the budget while it runs.",
 )
 
 
@@ -92,14 +153,14 @@ def _opt(parse, text: str, name: str):  # type: ignore[no-untyped-def]
         raise typer.BadParameter(str(e), param_hint=name) from e
 
 
-@app.command()
+@app.command("simulate")
 def sched(
     streams: list[str] | None = typer.Argument(
         None, metavar="[ACCESS-STREAM]...",
         help="gpu-predict-access output, one per job ('-' = stdin, the default; *.zst ok).",
     ),
     simulate: bool = typer.Option(
-        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required: online execution is not built yet."
+        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required (online execution is `gpu-prefetch-sched run`)."
     ),
     budget: str = typer.Option(..., "--budget", metavar="SIZE", help="Device memory budget: bytes with a unit (8GiB, 500MB) or N% of the footprint."),
     bw: str = typer.Option(
@@ -156,7 +217,8 @@ def sched(
 
     if not simulate:
         raise typer.BadParameter(
-            "only --simulate is built: online execution through the agent is not there yet", param_hint="--simulate"
+            "this command plans offline and needs --simulate (online execution: gpu-prefetch-sched run -- PROGRAM)",
+            param_hint="--simulate"
         )
     sources = list(streams or ["-"])
     if sources.count("-") > 1:
@@ -247,6 +309,94 @@ def sched(
         render_summaries(summaries, Console())
     elif _isatty(sys.stderr):
         render_summaries(summaries, stderr_console())
+
+
+@app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    no_args_is_help=True,
+)
+def run(
+    program: list[str] = typer.Argument(..., metavar="-- PROGRAM [ARGS]...", help="The Python program (CuPy) and its arguments."),
+    budget: str = typer.Option(
+        ..., "--budget", metavar="SIZE|N%",
+        help="Most owned device memory mapped at once: bytes with a unit (8GiB, 500MB), or N% of the program's "
+        "owned memory at each decision (66% = 150% oversubscription).",
+    ),
+    policy: str = typer.Option("belady", "--policy", metavar="belady|lru", help="Victim choice: the record used furthest ahead in the learned period (LRU until one is learned), or always the least recently used."),
+    lookahead: int = typer.Option(
+        2, "--lookahead", min=0, metavar="N",
+        help="Launches ahead whose working sets are prefetched (0: load at the launch only). With 1, a load "
+        "waits for its victim's save within one launch; from 2 on, saves and loads of different launches "
+        "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would).",
+    ),
+    output: str | None = typer.Option(
+        None, "--output", "-o", metavar="TRACE",
+        help="Also write the program's trace stream to TRACE (*.zst compressed); default: none.",
+    ),
+) -> None:
+    """Run PROGRAM with its device memory kept within a budget, moving memory ahead of its kernels.
+
+    PROGRAM runs under the agent (`gpu-trace run --agent`) with its CuPy allocations owned
+    (GPUOS_AGENT_OWN=1). Before each launch, copy and memset, the online policy makes the
+    operation's predicted working set resident (every owned record when the prediction is
+    unknown), evicts (saving to pinned host memory) what the learned launch sequence uses
+    furthest ahead, and prefetches the next launches' sets on a separate stream; see ONLINE
+    EXECUTION. At the end, one `sched_summary` record (after a header) on standard output; the
+    program's own output is its own. Exits with the program's status.
+    """
+    import json as _json
+    import os
+    import tempfile
+
+    from gpuos_tools.commands import trace
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.sched.executor import ENV
+    from gpuos_tools.sched.online import POLICIES
+    from gpuos_tools.stream import make_header, open_output
+    from gpuos_tools.units import parse_budget
+
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    cfg: dict = {"policy": policy, "lookahead": lookahead}
+    try:
+        if budget.strip().endswith("%"):
+            cfg["fraction"] = parse_budget(budget, 10**12) / 10**12
+            if not 0 < cfg["fraction"]:
+                raise ValueError("must be more than 0%")
+        else:
+            cfg["budget"] = parse_budget(budget, None)
+            if cfg["budget"] <= 0:
+                raise ValueError("must be more than 0 bytes")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+    with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
+        cfg["summary"] = os.path.join(tmp, "summary.json")
+        saved = {k: os.environ.get(k) for k in (ENV, "GPUOS_AGENT_OWN")}
+        os.environ[ENV] = _json.dumps(cfg)
+        os.environ["GPUOS_AGENT_OWN"] = "1"
+        try:
+            code = trace.run_program(program, output=output or os.devnull, no_images=True, agent=True,
+                                     prog="gpu-prefetch-sched")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            with open(cfg["summary"]) as f:
+                summary = _json.load(f)
+        except (OSError, ValueError):
+            summary = None
+    if summary is None:
+        raise GpuosError(
+            f"the program (exit {code}) ended without the policy's summary: it made no owned allocation "
+            "(CuPy not imported?), or it was killed", ExitCode.FAILURE)
+    with open_output("-") as writer:
+        writer.write(make_header("gpu-prefetch-sched", mode="run", argv=list(program), budget_spec=budget))
+        writer.write({"type": "sched_summary", "mode": "online", "exit": code, **summary})
+    raise typer.Exit(code)
 
 
 def _isatty(stream: object) -> bool:

@@ -3,10 +3,11 @@
 A planner walks the known sequence of steps in order, under the byte budget, and decides per
 step: the chunks to copy in, the chunks to make resident with nothing to copy (memory never
 written), the chunks to evict (each written back or dropped) and the chunks that did not fit.
-It decides what moves; when the copies run is the time model's business (or, online, the
-engine's), so the same planner serves both, and an online engine can append predicted steps
-as it learns them (a chunk with no known next use then counts as never used again). The
-policies differ only in the victim:
+It decides what moves; when the copies run is the time model's business. Steps can be
+appended as they become known (a chunk with no known next use then counts as never used
+again), but a step once appended cannot be taken back, so `gpu-prefetch-sched run`, whose
+future is a learned period that any launch may contradict, decides with its own per-record
+policy (see ONLINE EXECUTION). The policies differ only in the victim:
 
 - `belady`: the resident chunk whose next use is furthest in the future (never used again
   first). Next uses come from an index built once over the sequence (per chunk, its step

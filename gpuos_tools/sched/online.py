@@ -1,0 +1,361 @@
+"""The online policy of `gpu-prefetch-sched run`: which owned records to evict, require and
+prefetch before each launch of a running program, under a byte budget (issue 8, online slice).
+
+Pure decision logic: no CUDA here. The caller (gpuos_tools/sched/executor.py, inside the
+program under the agent) tells it, per launch, the kernel, the record bases the launch touches
+(from the residency engine's mapping; None when not trustworthy) and the live owned records with
+their sizes; it answers a list of actions in the order they must be applied to the engine
+(gpuos_tools/agent/engine.py): ``("evict", base)``, ``("require", bases)``,
+``("prefetch", base)``.
+
+- Working set: the launch's bases; None (unknown) means every live record (conservative: a
+  kernel must never touch released memory).
+- The known future: iterative programs repeat their launch sequence. Each launch becomes a key
+  (kernel, working set); `Period` learns the period of the key sequence as the program runs
+  and predicts the next launches by repeating it. Until a period is known (and again after a
+  launch contradicts it) there is no future: eviction is LRU and nothing is prefetched.
+- Before a launch its whole working set is required (made resident; the launch's stream waits
+  for the loads). Room is made first by evicting, never a record of the launch itself, the
+  resident record whose next use is furthest in the predicted future (Belady; never used again
+  first); `lru` always takes the least recently used.
+- After the require, the working sets of the next ``lookahead`` predicted launches are
+  prefetched in order while room allows: into free room, or (Belady) by evicting a record used
+  later than the one being prefetched; prefetching stops at the first record that cannot be
+  placed. Loads and evictions run on the engine's separate streams, so they overlap the
+  program's compute and each other.
+- A working set larger than the budget cannot fit: everything else is evicted, the launch is
+  counted in ``over_budget`` and runs anyway, above the budget.
+- A record that appears (an allocation) is resident: the allocator maps it. A percentage
+  budget is a share of the live owned bytes at the time of each decision.
+
+Why not gpuos_tools/sched/planner.py's BeladyPlanner: it plans a committed sequence in order
+and cannot take back a step once appended, while the online future is a guess (a period) that
+a launch may contradict at any time; here the next use of a record is read off the current
+period (per record, its phases in the period, and a bisect), which costs O(log p) per record.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuos_tools.sched.planner import NEVER
+
+POLICIES = ("belady", "lru")
+MATCH_CHECK = 64  #: launches compared when a repeated key suggests a period
+OCCURRENCES = 8  #: earlier positions of a key kept to try as period candidates
+HISTORY = 1 << 16  #: keys kept (a period longer than half of this is never learned)
+
+Action = tuple[str, Any]
+
+
+class Period:
+    """Learns the period of a sequence of keys (small ints) as they come, and predicts ahead.
+
+    A key seen before suggests candidate periods (the distances to its last few positions);
+    the smallest candidate whose last min(p, MATCH_CHECK) keys match the keys p before them is
+    taken. It counts as known once a whole period has repeated (or MATCH_CHECK keys matched);
+    from then on each key must equal the one a period before it, else the period is dropped
+    (``broken`` counts it) and a new one is looked for.
+    """
+
+    def __init__(self, history: int = HISTORY) -> None:
+        self.keys: deque[int] = deque(maxlen=history)
+        self.start = 0  #: absolute index of keys[0]
+        self.seen: dict[int, deque[int]] = {}  #: key -> its last absolute positions
+        self.p: int | None = None  #: candidate period
+        self.matched = 0  #: consecutive keys equal to the key p before them
+        self.broken = 0  #: known periods a key contradicted
+        self.learned = 0  #: periods that became known (a new one after each break too)
+
+    @property
+    def n(self) -> int:
+        return self.start + len(self.keys)
+
+    def _at(self, i: int) -> int:
+        return self.keys[i - self.start]
+
+    @property
+    def known(self) -> int | None:
+        """The period, once confirmed; None before."""
+        p = self.p
+        return p if p is not None and self.matched >= min(p, MATCH_CHECK) else None
+
+    def push(self, key: int) -> None:
+        i = self.n
+        was = self.known
+        broke = False
+        if self.p is not None:
+            j = i - self.p
+            if j >= self.start and self._at(j) == key:
+                self.matched += 1
+            else:
+                if was is not None:
+                    self.broken += 1
+                    broke = True
+                self.p = None
+        if self.p is None:
+            self._candidate(i, key)
+        if self.keys.maxlen is not None and len(self.keys) == self.keys.maxlen:
+            self.start += 1
+        self.keys.append(key)
+        if self.known is not None and (was is None or broke):
+            self.learned += 1
+
+    def _candidate(self, i: int, key: int) -> None:
+        for j in reversed(self.seen.get(key, ())):
+            p = i - j
+            if j < self.start:
+                break
+            m = 0
+            limit = min(p - 1, MATCH_CHECK)
+            while m < limit and i - 1 - m - p >= self.start and self._at(i - 1 - m) == self._at(i - 1 - m - p):
+                m += 1
+            if m == limit:
+                self.p, self.matched = p, m + 1  # the key itself matches too
+                break
+        occ = self.seen.get(key)
+        if occ is None:
+            occ = self.seen[key] = deque(maxlen=OCCURRENCES)
+        occ.append(i)
+
+    def predict(self, k: int) -> list[int]:
+        """The next ``k`` keys if the period holds (empty while none is known)."""
+        p = self.known
+        if p is None or k <= 0:
+            return []
+        i = self.n
+        return [self._at(i - p + (t % p)) for t in range(k)]
+
+    def phase_uses(self) -> tuple[int, list[int]]:
+        """(period, the keys of one period starting at the next launch)."""
+        p = self.known
+        assert p is not None
+        return p, self.predict(p)
+
+
+@dataclass
+class Stats:
+    launches: int = 0
+    unknown: int = 0  #: launches whose working set was not known (every record required)
+    over_budget: int = 0  #: launches whose working set alone exceeded the budget
+    over_budget_bytes: int = 0  #: sum over them of working set - budget
+    evictions: int = 0
+    evicted_bytes: int = 0
+    prefetches: int = 0  #: records loaded ahead of the launch that needs them
+    prefetched_bytes: int = 0
+    demand_loads: int = 0  #: records not resident when their launch came (loaded at require)
+    demand_bytes: int = 0
+    stalls: int = 0  #: launches that had to load at least one record at require
+    predicted: int = 0  #: launches with a period known before them
+    peak_resident: int = 0  #: the most bytes resident by the policy's books, after a decision
+    budget_max: int = 0  #: the largest budget a decision used (percentage budgets grow)
+    periods: list[int] = field(default_factory=list)  #: each period learned, in order
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["periods"] = list(self.periods[-8:])
+        return d
+
+
+class OnlinePolicy:
+    """Decisions per launch (module docstring). ``budget`` is bytes, or with ``fraction`` set, a
+    share of the live owned bytes at each decision (``budget`` is then ignored)."""
+
+    def __init__(self, budget: int | None, policy: str = "belady", lookahead: int = 2,
+                 fraction: float | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        if budget is None and fraction is None:
+            raise ValueError("a budget in bytes or a fraction")
+        if lookahead < 0:
+            raise ValueError("lookahead must be 0 or more")
+        self.fixed = budget
+        self.fraction = fraction
+        self.policy = policy
+        self.lookahead = lookahead
+        self.resident: OrderedDict[int, int] = OrderedDict()  #: base -> size, least recent first
+        self.used = 0
+        self.period = Period()
+        self._ids: dict[tuple, int] = {}
+        self._sets: list[tuple[int, ...] | None] = []  #: key id -> its working set (None: all)
+        self._known: set[int] = set()  #: records seen by a decision (and not freed since)
+        self._uses: dict[int, list[int]] = {}  #: base -> its phases in the period
+        self._all: list[int] = []  #: phases of unknown launches (they use every record)
+        self._uses_for: tuple[int, int] | None = None  #: (periods learned, p) of _uses
+        self.stats = Stats()
+
+    # -- the budget ---------------------------------------------------------------------------
+
+    def budget(self, records: Mapping[int, int]) -> int:
+        if self.fraction is not None:
+            return int(sum(records.values()) * self.fraction)
+        assert self.fixed is not None
+        return self.fixed
+
+    # -- per launch ---------------------------------------------------------------------------
+
+    def before(self, kernel: str, bases: Sequence[int] | None, records: Mapping[int, int]) -> list[Action]:
+        """The actions before a launch of ``kernel`` touching ``bases`` (None: unknown), with
+        ``records`` the live owned records (base -> bytes)."""
+        st = self.stats
+        st.launches += 1
+        self._sync(records)
+        budget = self.budget(records)
+        st.budget_max = max(st.budget_max, budget)
+        if bases is None:
+            st.unknown += 1
+            ws = tuple(sorted(records))
+            key_ws: tuple[int, ...] | None = None
+        else:
+            ws = tuple(sorted({b for b in bases if b in records}))
+            key_ws = ws
+        future = self._advance(kernel, key_ws)
+        actions: list[Action] = []
+        protected = set(ws)
+        size = sum(records[b] for b in ws)
+        missing = [b for b in ws if b not in self.resident]
+        need = sum(records[b] for b in missing)
+        if size > budget:
+            st.over_budget += 1
+            st.over_budget_bytes += size - budget
+            for b in [b for b in self.resident if b not in protected]:
+                self._evict(b, actions)
+        else:
+            while self.used + need > budget:
+                v = self._victim(protected, 0)
+                if v is None:  # cannot happen: what is not ws fits with ws under the budget
+                    break
+                self._evict(v, actions)
+        if missing:
+            st.stalls += 1
+            st.demand_loads += len(missing)
+            st.demand_bytes += need
+        for b in ws:
+            if b in self.resident:
+                self.resident.move_to_end(b)
+            else:
+                self.resident[b] = records[b]
+                self.used += records[b]
+        actions.append(("require", None if bases is None else list(ws)))
+        if size <= budget:
+            self._prefetch(future, records, budget, protected, actions)
+        st.peak_resident = max(st.peak_resident, self.used)
+        return actions
+
+    def _sync(self, records: Mapping[int, int]) -> None:
+        """Records freed leave residency; records allocated since the last decision are
+        resident (the allocator maps them), records the policy evicted are not."""
+        for b in [b for b in self.resident if b not in records]:
+            self.used -= self.resident.pop(b)
+        known = self._known
+        for b in [b for b in known if b not in records]:
+            known.discard(b)
+        for b, size in records.items():
+            if b not in known:
+                known.add(b)
+                self.resident[b] = size
+                self.used += size
+
+    def _advance(self, kernel: str, ws: tuple[int, ...] | None) -> list[tuple[int, ...] | None]:
+        """Push this launch's key; the predicted working sets of the next launches."""
+        key = (kernel, ws)
+        kid = self._ids.get(key)
+        if kid is None:
+            kid = self._ids[key] = len(self._sets)
+            self._sets.append(ws)
+        before = self.period.known
+        if before is not None:
+            self.stats.predicted += 1
+        self.period.push(kid)
+        p = self.period.known
+        if p is not None and p != before:
+            self.stats.periods.append(p)
+        if p is None:
+            return []
+        return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
+
+    def _next_use(self, base: int) -> int:
+        """Launches from the next one to the next use of ``base`` (1 = the next launch), NEVER
+        if it is not in the period, or if no period is known."""
+        per = self.period
+        p = per.known
+        if p is None:
+            return NEVER
+        n = per.n  # the index of the next launch
+        if self._uses_for != (per.learned, p):
+            # While the period holds, the key at phase i % p is the same for every i: one
+            # table per period learned.
+            uses: dict[int, list[int]] = {}
+            every: list[int] = []
+            for i in range(n - p, n):
+                ws = self._sets[per._at(i)]
+                if ws is None:
+                    every.append(i % p)
+                else:
+                    for b in ws:
+                        uses.setdefault(b, []).append(i % p)
+            for phases in uses.values():
+                phases.sort()
+            every.sort()
+            self._uses, self._all, self._uses_for = uses, every, (per.learned, p)
+        now = n % p
+        best = NEVER
+        for phases in (self._uses.get(base), self._all):
+            if phases:
+                k = bisect_left(phases, now)
+                nxt = phases[k] if k < len(phases) else phases[0] + p
+                best = min(best, nxt - now + 1)
+        return best
+
+    def _victim(self, protected: set[int], later_than: int) -> int | None:
+        """A resident record outside ``protected`` to evict: LRU without a future (or with the
+        lru policy); else the one used furthest ahead, if that is beyond ``later_than``."""
+        if self.policy == "lru" or self.period.known is None:
+            for b in self.resident:
+                if b not in protected:
+                    return b
+            return None
+        best, best_use = None, -1
+        for b in self.resident:  # least recent first: among equals, the LRU one wins
+            if b in protected:
+                continue
+            u = self._next_use(b)
+            if u > best_use:
+                best, best_use = b, u
+        return best if best is not None and best_use > later_than else None
+
+    def _evict(self, b: int, actions: list[Action]) -> None:
+        size = self.resident.pop(b)
+        self.used -= size
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += size
+        actions.append(("evict", b))
+
+    def _prefetch(self, future: list[tuple[int, ...] | None], records: Mapping[int, int], budget: int,
+                  protected: set[int], actions: list[Action]) -> None:
+        can_evict = self.policy == "belady"
+        for t, ws in enumerate(future[: self.lookahead], 1):
+            if ws is None:  # an unknown launch ahead: it will need everything; no guess
+                return
+            live = [b for b in ws if b in records]
+            protected = protected | set(live)
+            for b in live:
+                if b in self.resident:
+                    continue
+                size = records[b]
+                if size > budget:
+                    return
+                while self.used + size > budget:
+                    v = self._victim(protected, t) if can_evict else None
+                    if v is None:
+                        return
+                    self._evict(v, actions)
+                self.resident[b] = size
+                self.used += size
+                self.stats.prefetches += 1
+                self.stats.prefetched_bytes += size
+                actions.append(("prefetch", b))

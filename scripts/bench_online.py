@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""`gpu-prefetch-sched run` against all-in-HBM on a CuPy stencil loop (issue 8, P6).
+
+The job is tests/gpu/progs/stencil_job.py: --arrays float32 arrays of --mib MiB; step s reads
+arrays s..s+2 and writes s+3 (mod n), --work fused multiply-adds per element (the arithmetic
+intensity); --periods repetitions of the n steps. For each --work value, side by side:
+
+- hbm:    the job alone, untraced, CuPy's own allocator, everything in device memory (ceiling);
+- run100: under `gpu-prefetch-sched run --budget 100%` (agent, owned memory, policy on, nothing
+          to move: the cost of the python-callback agent and the policy on the launch path);
+- each --budgets value (default 66% = 150% oversubscription, 50% = 200%) with each --policies.
+
+Per run: the loop's wall time (the job synchronises before and after), speed relative to hbm
+(hbm_s / run_s), whether the final arrays are bit-identical to hbm's, and the summary record
+(bytes in/out, loads, prefetches, demand loads, evictions, stalls, peak mapped bytes). Also the
+transfer floor: bytes moved / --link-gbps (one direction's pinned bandwidth), against the
+loop's time. JSON to --json; a table on stderr.
+
+    python3 scripts/bench_online.py [--work 1024,2048,4096,16384] [--budgets 66%,50%] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "gpu" / "progs" / "stencil_job.py"
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    e.pop("GPUOS_AGENT_OWN", None)
+    return e
+
+
+def run_job(job_args: list[str], sched: list[str] | None, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "job.json"
+        cmd = [sys.executable, str(JOB), *job_args, "--out", str(out)]
+        if sched is not None:
+            cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *sched, "--", *cmd]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - t
+        if p.returncode != 0 or not out.exists():
+            return {"ok": False, "rc": p.returncode, "stderr": p.stderr[-3000:], "process_s": wall}
+        res = json.loads(out.read_text())
+        res["ok"] = True
+        res["process_s"] = round(wall, 3)
+        if sched is not None:
+            recs = [json.loads(x) for x in p.stdout.splitlines() if x.strip()]
+            res["summary"] = recs[-1] if recs and recs[-1].get("type") == "sched_summary" else None
+        return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arrays", type=int, default=12)
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--periods", type=int, default=40)
+    ap.add_argument("--work", default="1024,2048,4096,16384")
+    ap.add_argument("--budgets", default="66%,50%")
+    ap.add_argument("--policies", default="belady")
+    ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--extra-work", type=int, default=1024,
+                    help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
+    ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    rows: list[dict[str, Any]] = []
+    for work in [int(w) for w in args.work.split(",") if w]:
+        job = ["--arrays", str(args.arrays), "--mib", str(args.mib), "--periods", str(args.periods), "--work", str(work)]
+        hbm = run_job(job, None, args.timeout)
+        rows.append({"work": work, "config": "hbm", **hbm})
+        if not hbm.get("ok"):
+            print(f"hbm run failed (work {work}): {hbm.get('stderr', '')}", file=sys.stderr)
+            continue
+        look = args.lookahead
+        configs = [("run100", "100%", "belady", look)] + [
+            (f"{b}-{p}", b, p, look) for b in args.budgets.split(",") if b for p in args.policies.split(",") if p]
+        if work == args.extra_work:
+            configs += [("66%-lru", "66%", "lru", look), ("66%-look1", "66%", "belady", 1)]
+        for name, budget, policy, la in configs:
+            r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout)
+            row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy,
+                                   "lookahead": la, **r}
+            if r.get("ok"):
+                row["identical"] = r["digests"] == hbm["digests"]
+                row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)
+                s = r.get("summary") or {}
+                moved = max(s.get("bytes_in", 0), s.get("bytes_out", 0))
+                row["floor_s"] = round(moved / (args.link_gbps * 1e9), 6)
+                row["within_budget"] = (s.get("over_physical") == 0 and s.get("peak_settled", 0) <= s.get("budget", 0))
+            else:
+                print(f"{name} failed (work {work}): {r.get('stderr', '')}", file=sys.stderr)
+            rows.append(row)
+
+    out = {"bench": "online", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
+           "gpu": _gpu_name(), "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{'work':>5} {'config':<12} {'loop_s':>8} {'speed':>6} {'same':>5} {'in MB':>7} {'out MB':>7} "
+          f"{'pref':>5} {'dem':>4} {'evict':>5} {'stall':>5} {'peak MB':>8} {'budget MB':>9} {'floor_s':>7}",
+          file=sys.stderr)
+    for r in rows:
+        s = r.get("summary") or {}
+        print(f"{r['work']:>5} {r['config']:<12} {r.get('loop_s', float('nan')):>8.4f} {r.get('speed_vs_hbm', 1.0):>6.3f} "
+              f"{str(r.get('identical', '-')):>5} {s.get('bytes_in', 0) / 1e6:>7.0f} {s.get('bytes_out', 0) / 1e6:>7.0f} "
+              f"{s.get('prefetches', 0):>5} {s.get('demand_loads', 0):>4} {s.get('evictions', 0):>5} "
+              f"{s.get('stalls', 0):>5} {s.get('peak_settled', 0) / 1e6:>8.0f} {s.get('budget', 0) / 1e6:>9.0f} "
+              f"{r.get('floor_s', 0):>7.4f}", file=sys.stderr)
+    return 0 if all(r.get("ok") and r.get("identical", True) for r in rows) else 1
+
+
+def _gpu_name() -> str | None:
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The online executor (gpuos_tools/sched/executor.py) driving the real residency engine
+(gpuos_tools/agent/engine.py) on the engine tests' fake driver: a stencil loop's launches, each
+checked to find its records mapped when it is issued, the mapped bytes within the budget, and
+every array's contents surviving the evictions and loads. No GPU."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+from test_engine import FakeAgent, FakeOps, Rec
+
+from gpuos_tools.agent.engine import ResidencyEngine
+from gpuos_tools.sched.executor import Executor
+
+MIB = 1 << 20
+
+
+@dataclass
+class TableRec:
+    base: int
+    size: int
+
+
+class FakeLib:
+    """The owned library's table and counts, as the executor reads them."""
+
+    def __init__(self, recs: list[Rec]) -> None:
+        self.recs = recs
+
+    def stats(self) -> dict[str, int]:
+        return {"mallocs": len(self.recs), "frees": 0, "reserved_bytes": sum(r.size for r in self.recs)}
+
+    def table(self) -> list[TableRec]:
+        return [TableRec(r.base, r.size) for r in self.recs]
+
+
+def setup(n: int, budget: int, policy: str = "belady", lookahead: int = 2):
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)  # every copy completes at once
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    ex = Executor(eng, {"budget": budget, "policy": policy, "lookahead": lookahead, "prepin": False},
+                  lib=FakeLib(recs))
+    return bases, ops, eng, ex
+
+
+def mapped(ops: FakeOps) -> int:
+    return sum(r.size for r in ops.recs.values() if r.resident)
+
+
+def settle(eng: ResidencyEngine, ex: Executor) -> None:
+    """Let the evict and mover threads catch up (the fake's copies complete at once)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = any(e.state == "evicting" for e in eng.pending.values()) or not ex._moves.empty()
+        if not busy:
+            time.sleep(0.01)
+            return
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+@pytest.mark.parametrize("frac", [2 / 3, 1 / 2])
+def test_stencil_under_budget_keeps_data_and_memory_in_bounds(policy, frac):
+    n = 9
+    budget = int(n * 64 * MIB * frac)
+    bases, ops, eng, ex = setup(n, budget, policy)
+    expect = {b: ops.device[b] for b in bases}
+    peak, under = 0, False
+    for s in range(8 * n):
+        ws = [bases[(s + k) % n] for k in range(4)]
+        out = ws[-1]
+        ex.before("stencil", ws, stream=0)
+        # then the agent's own hook, as OnlineAgent calls it: the engine learns the write
+        ids = tuple(bases.index(b) + 1 for b in ws)
+        eng.agent.launches["stencil"] = (False, ids, ids[-1:])
+        eng.launch(0, "stencil", None, None)
+        # the launch is issued now: each of its records mapped, its contents the latest
+        for b in ws:
+            assert ops.recs[b].resident, f"step {s}: {b:#x} not mapped at its launch"
+            assert ops.device[b] == expect[b], f"step {s}: {b:#x} lost its contents"
+        ops.device[out] = expect[out] = b"step%d" % s  # the kernel writes its output
+        settle(eng, ex)
+        # the program allocated everything before its first launch (over the budget); once
+        # the evictions brought the mapped memory under the budget, it stays there
+        if under or mapped(ops) <= budget:
+            under = True
+            peak = max(peak, mapped(ops))
+    ex.close()
+    eng.close()
+    assert under and peak <= budget, (peak, budget)
+    st = ex.summary()
+    assert st["over_budget"] == 0 and st["evictions"] > 0 and st["loads"] > 0
+    if policy == "belady":
+        assert st["periods"] and st["periods"][0] == n
+        # at 2/3 there is room for the next launch's array beside the current four; at 1/2 none
+        assert (st["prefetches"] > 0) == (frac > 0.6)
+    for b in bases:  # every array: on the device, or in the engine's host copy
+        held = ops.device[b] if ops.recs[b].resident else ops.hostmem[ops.host(b, 64 * MIB)[0][0]]
+        assert held == expect[b]
+
+
+def test_the_writes_are_saved_and_clean_records_are_dropped_without_a_copy():
+    n = 6
+    bases, ops, eng, ex = setup(n, 4 * 64 * MIB)
+    agent = eng.agent
+    # a read-only record (allocation 1) and written ones: the engine learns writes from launches
+    for s in range(6 * n):
+        ws = [bases[(s + k) % n] for k in range(2)]
+        ex.before("k", ws, stream=0)
+        ids = tuple(bases.index(b) + 1 for b in ws)
+        agent.launches["k"] = (False, ids, ids[-1:])
+        eng.launch(0, "k", None, None)
+        ops.device[ws[-1]] = b"s%d" % s
+        settle(eng, ex)
+    ex.close()
+    eng.close()
+    saves = len(ops.calls("copy_out"))
+    st = eng.stats()
+    assert st["evictions"] > 0 and st["evict_saves"] == saves
+    assert st["saved_bytes"] == saves * 64 * MIB
+
+
+def test_an_unknown_operation_requires_everything_and_is_over_budget():
+    bases, ops, eng, ex = setup(4, 2 * 64 * MIB)
+    ex.before("k", [bases[0]], stream=0)
+    settle(eng, ex)
+    ex.before("mystery", None, stream=0)
+    assert all(ops.recs[b].resident for b in bases)
+    assert ex.summary()["over_budget"] == 1 and ex.policy.stats.unknown == 1
+    ex.close()
+    eng.close()
+
+
+def test_evict_from_operation_orders_the_save_after_the_program_streams():
+    bases, ops, eng, ex = setup(2, 10 * 64 * MIB)
+    eng.agent.streams = {0, 7}
+    assert eng.evict_from_operation(bases[0])
+    settle(eng, ex)
+    log = ops.log
+    save = next(i for i, c in enumerate(log) if c[0] == "copy_out")
+    side = log[save][2]
+    recorded = {c[1]: c[2] for c in log[:save] if c[0] == "record"}
+    waited = {c[2] for c in log[:save] if c[0] == "wait" and c[1] == side}
+    assert {recorded[e] for e in waited} == {0, 7}  # the evict stream waited for both
+    assert not ops.recs[bases[0]].resident and eng.state(bases[0]) == "released"
+    assert not eng.evict_from_operation(bases[0])  # released already
+    eng.close()
+
+
+def test_online_agent_acts_before_the_engine_hook_and_writes_its_summary(tmp_path):
+    """OnlineAgent's glue: allocation ids from the predictor -> records -> the executor, then the
+    agent's own hook; copies count as operations; the summary file at the end."""
+    import json
+
+    from gpuos_tools.sched.executor import OnlineAgent
+
+    n = 6
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)
+    summary = tmp_path / "summary.json"
+    agent = OnlineAgent({"budget": 3 * 64 * MIB, "policy": "belady", "lookahead": 1, "summary": str(summary)})
+    agent.ctx = object()  # as if the program's context were known (no driver here)
+    for b in bases:
+        agent.on_alloc(b, 64 * MIB, "vmm")
+    ids = {b: i for i, b in ((a.id, a.addr) for a in agent.by_id.values())}
+    agent.engine = ResidencyEngine(agent, ops)
+    agent.executor = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
+    agent._touches = lambda kernel, sizes, args: agent._launches[kernel]
+    for s in range(5 * n):
+        ws = [bases[(s + k) % n] for k in range(2)]
+        agent._launches = {"k": (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))}
+        agent.before_launch("cuLaunchKernel", 0, "k", None, None)
+        assert all(ops.recs[b].resident for b in ws), s
+        ops.device[ws[-1]] = b"s%d" % s
+        settle(agent.engine, agent.executor)
+    agent.before_write("cuMemcpyDtoH_v2", 0x7000, 0, bases[0] + 64)  # a copy out of an owned record
+    assert ops.recs[bases[0]].resident
+    agent.stop_background()
+    out = json.loads(summary.read_text())
+    assert out["launches"] == 5 * n + 1 and out["evictions"] > 0 and out["periods"][0] == n
+    assert out["policy"] == "belady" and out["budget"] == 3 * 64 * MIB
+
+
+class AsyncOps(FakeOps):
+    """Copies and events that complete on their own, 0.2-2 ms after they are recorded, as on
+    a GPU: the evict thread, the mover and the program's thread race for real."""
+
+    def __init__(self, records, seed: int) -> None:
+        super().__init__(records)
+        import random
+
+        self.rnd = random.Random(seed)
+
+    def record(self, ev, stream):
+        import threading
+
+        self.log.append(("record", ev, stream))
+        delay = self.rnd.uniform(0.0002, 0.002)
+
+        def finish() -> None:
+            time.sleep(delay)
+            self.finish(ev)
+
+        threading.Thread(target=finish, daemon=True).start()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("frac", "lookahead"), [(2 / 3, 2), (2 / 3, 1), (1 / 2, 2)])
+def test_with_copies_completing_on_their_own_nothing_stalls_for_good(monkeypatch, seed, frac, lookahead):
+    """The mover, the evict thread and the program's thread, with completions arriving late:
+    every launch finds its records mapped, the room always comes (no wait runs into the
+    timeout: memory the policy's books do not count but is still mapped would make one), and
+    the mapped bytes stay within the budget once under it."""
+    import gpuos_tools.sched.executor as executor_mod
+
+    monkeypatch.setattr(executor_mod, "ROOM_TIMEOUT_S", 2.0)
+    n = 12
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = AsyncOps(recs, seed)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    budget = int(n * 64 * MIB * frac)
+    ex = Executor(eng, {"budget": budget, "lookahead": lookahead, "prepin": False}, lib=FakeLib(recs))
+    for s in range(10 * n):
+        ws = [bases[(s + k) % n] for k in range(4)]
+        with agent.lock:
+            ex.before("k", ws, 0)
+            ids = tuple(bases.index(b) + 1 for b in ws)
+            agent.launches["k"] = (False, ids, ids[-1:])
+            eng.launch(0, "k", None, None)
+        assert all(ops.recs[b].resident for b in ws), s
+    ex.close()
+    eng.close()
+    st = ex.summary()
+    assert st["executor"]["room_timeouts"] == 0 and st["over_physical"] == 0, st["executor"]
+    assert st["executor"]["settled"] == 1 and st["peak_settled"] <= budget
+    assert st["evictions"] > 0 and st["engine"].get("evict_errors", 0) == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_jobs_with_unknown_launches_keep_every_rule(monkeypatch, seed):
+    """Random record sizes, budgets, policies, lookaheads and an occasional unknown launch, on
+    the asynchronous fake: every launch runs mapped, no room wait runs out, and the budget holds
+    whenever no over-budget launch is being served."""
+    import random
+
+    import gpuos_tools.sched.executor as executor_mod
+
+    monkeypatch.setattr(executor_mod, "ROOM_TIMEOUT_S", 2.0)
+    rnd = random.Random(seed)
+    n = rnd.choice([6, 9, 12])
+    sizes = [rnd.choice([32, 64, 96]) * MIB for _ in range(n)]
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, sz) for b, sz in zip(bases, sizes)]
+    ops = AsyncOps(recs, seed)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    budget = int(sum(sizes) * rnd.choice([0.5, 0.66, 0.8]))
+    ex = Executor(eng, {"budget": budget, "lookahead": rnd.choice([0, 1, 2, 3]),
+                        "policy": rnd.choice(["belady", "lru"]), "prepin": False}, lib=FakeLib(recs))
+    reads = rnd.choice([1, 2, 3])
+    for s in range(8 * n):
+        ws = None if rnd.random() < 0.02 else [bases[(s + k) % n] for k in range(reads + 1)]
+        with agent.lock:
+            ex.before("k", ws, 0)
+            if ws is None:
+                agent.launches["k"] = (True, (), ())
+            else:
+                ids = tuple(bases.index(b) + 1 for b in ws)
+                agent.launches["k"] = (False, ids, ids[-1:])
+            eng.launch(0, "k", None, None)
+        assert all(ops.recs[b].resident for b in (bases if ws is None else ws)), s
+    ex.close()
+    eng.close()
+    st = ex.summary()
+    assert st["executor"]["room_timeouts"] == 0 and st["over_physical"] == 0, st["executor"]
+    assert st["engine"].get("evict_errors", 0) == 0, st["engine"]
+
+
+def test_host_copies_are_pinned_ahead_once_the_programs_context_is_known():
+    bases = [0x1000_0000 * (i + 1) for i in range(4)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    eng = ResidencyEngine(agent, ops)
+    ex = Executor(eng, {"budget": 1 << 40}, lib=FakeLib(recs))
+    ex.before("k", [bases[0]], 0)  # no context yet (the program has not made one current)
+    assert ex.counts["pins"] == 0 and ex._unpinned
+    agent.ctx = object()
+    ex.before("k", [bases[0]], 0)
+    settle(eng, ex)
+    ex.close()
+    assert ex.counts["pins"] == 4 and ex.counts["pin_errors"] == 0 and not ex._unpinned
+    eng.close()

@@ -1,0 +1,336 @@
+"""The online policy (gpuos_tools/sched/online.py) against a fake residency engine: hand-made
+launch sequences of record bases, checked for the rules that keep a program correct (a launch
+only runs with its whole working set resident) and within its budget, and against Belady's
+optimum on cyclic sequences. No CUDA."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from gpuos_tools.sched.online import NEVER, OnlinePolicy, Period
+
+MiB = 1 << 20
+
+
+class FakeEngine:
+    """Residency as an engine keeps it: what is mapped, what was loaded, moved and when."""
+
+    def __init__(self, records: dict[int, int]) -> None:
+        self.records = records
+        self.resident = set(records)  # allocations are mapped when made
+        self.loads = 0
+        self.prefetched: set[int] = set()
+        self.evicted: list[int] = []
+        self.log: list[tuple[str, object]] = []
+
+    def apply(self, actions, ws) -> None:
+        for op, arg in actions:
+            self.log.append((op, arg))
+            if op == "evict":
+                assert arg in self.resident, f"evicted {arg:#x}, not resident"
+                assert arg not in ws, "evicted a record of the launch itself"
+                self.resident.discard(arg)
+                self.evicted.append(arg)
+            elif op == "prefetch":
+                assert arg not in self.resident
+                self.resident.add(arg)
+                self.loads += 1
+            elif op == "require":
+                need = self.records if arg is None else arg
+                for b in need:
+                    if b not in self.resident:
+                        self.resident.add(b)
+                        self.loads += 1
+            else:
+                raise AssertionError(op)
+
+    @property
+    def used(self) -> int:
+        return sum(self.records[b] for b in self.resident)
+
+
+def drive(policy: OnlinePolicy, records: dict[int, int], launches, budget: int | None = None):
+    """Run ``launches`` ((kernel, bases|None), ...) through the policy and the fake engine,
+    checking per launch: its working set resident; resident bytes within the budget."""
+    eng = FakeEngine(records)
+    for kernel, bases in launches:
+        actions = policy.before(kernel, bases, records)
+        ws = set(records) if bases is None else set(bases)
+        eng.apply(actions, ws)
+        assert ws <= eng.resident, "a launch ran with memory not resident"
+        assert sorted(eng.resident) == sorted(policy.resident), "the policy's books differ from the engine"
+        b = policy.budget(records) if budget is None else budget
+        if sum(records[x] for x in ws) <= b:
+            assert eng.used <= b, (eng.used, b)
+    return eng
+
+
+def stencil(n_arrays: int, reads: int, steps: int):
+    """Step s reads arrays s..s+reads-1 (mod n) and writes s+reads: a cyclic scientific loop."""
+    out = []
+    for s in range(steps):
+        ws = [(s + k) % n_arrays for k in range(reads + 1)]
+        out.append(("stencil", [0x1000 * (w + 1) for w in ws]))
+    return out
+
+
+# -- the period ------------------------------------------------------------------------------
+
+
+def test_period_is_learned_after_one_repeat_and_predicts_ahead():
+    per = Period()
+    seq = [7, 8, 9, 10, 1, 2, 3]  # a prologue, then 1 2 3 repeating
+    for k in seq:
+        per.push(k)
+    assert per.known is None
+    for k in [1, 2, 3]:
+        per.push(k)
+    assert per.known == 3
+    assert per.predict(5) == [1, 2, 3, 1, 2]
+    assert per.learned == 1
+
+
+def test_period_with_repeated_keys_inside_finds_the_true_period():
+    per = Period()
+    for k in [1, 2, 1, 3] * 4:
+        per.push(k)
+    assert per.known == 4
+    assert per.predict(4) == [1, 2, 1, 3]
+
+
+def test_period_broken_by_a_different_launch_is_dropped_and_relearned():
+    per = Period()
+    for k in [1, 2, 3] * 3:
+        per.push(k)
+    assert per.known == 3
+    per.push(9)
+    assert per.known is None and per.broken == 1
+    assert per.predict(3) == []
+    for k in [4, 5] * 3:
+        per.push(k)
+    assert per.known == 2 and per.learned == 2
+
+
+def test_period_of_one_and_no_period_in_random_keys():
+    per = Period()
+    for _ in range(5):
+        per.push(4)
+    assert per.known == 1 and per.predict(2) == [4, 4]
+    rnd = random.Random(1)
+    per = Period()
+    for _ in range(300):
+        per.push(rnd.randrange(10**6))
+    assert per.known is None
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+
+def test_everything_fits_moves_nothing():
+    records = {0x1000 * (i + 1): 64 * MiB for i in range(4)}
+    pol = OnlinePolicy(1 << 40)
+    eng = drive(pol, records, stencil(4, 2, 40))
+    assert eng.loads == 0 and not eng.evicted and pol.stats.evictions == 0
+
+
+def test_stencil_at_150_percent_stays_in_budget_and_prefetches_once_the_period_is_known():
+    n = 12
+    records = {0x1000 * (i + 1): 64 * MiB for i in range(n)}
+    budget = n * 64 * MiB * 2 // 3
+    pol = OnlinePolicy(budget, "belady", lookahead=2)
+    launches = stencil(n, 3, 20 * n)
+    eng = drive(pol, records, launches, budget)
+    st = pol.stats
+    assert st.periods and st.periods[0] == n
+    assert st.over_budget == 0 and st.unknown == 0
+    assert st.peak_resident <= budget
+    # once the period is known, the launches find their working sets prefetched: no demand
+    # loads after the first periods
+    late = OnlinePolicy(budget, "belady", lookahead=2)
+    eng2 = FakeEngine(records)
+    demand = []
+    for k, b in launches:
+        acts = late.before(k, b, records)
+        eng2.apply(acts, set(b))
+        demand.append(late.stats.demand_loads)
+    assert demand[-1] == demand[3 * n] and demand[3 * n] > 0
+    assert eng.loads > 0 and st.prefetches > 0
+
+
+def test_belady_loads_no_more_than_lru_and_matches_the_optimum_on_small_cycles():
+    for n, reads, frac in [(6, 1, 0.5), (8, 2, 0.66), (10, 3, 0.75)]:
+        records = {0x1000 * (i + 1): MiB for i in range(n)}
+        budget = int(n * MiB * frac)
+        launches = stencil(n, reads, 30 * n)
+        loads = {}
+        for policy in ("belady", "lru"):
+            pol = OnlinePolicy(budget, policy, lookahead=0)
+            loads[policy] = drive(pol, records, launches, budget).loads
+        assert loads["belady"] <= loads["lru"]
+        # the optimum (offline Belady over the whole sequence, equal sizes) after warm-up:
+        # per period, the online policy loads at most what MIN loads plus the learning period
+        assert loads["belady"] <= _min_loads(launches, budget // MiB) + 3 * n * (reads + 1)
+
+
+def test_without_prefetch_the_learned_period_gives_belady_min_loads():
+    """lookahead 0: after the period is learned, the victims are MIN's, so the loads of the
+    whole run exceed the offline optimum only by what the first two periods cost (LRU)."""
+    n = 12
+    launches = stencil(n, 3, 100 * n)
+    records = {0x1000 * (i + 1): MiB for i in range(n)}
+    for slots in (7, 6):
+        best = _min_loads(launches, slots)
+        got = drive(OnlinePolicy(slots * MiB, lookahead=0), records, launches, slots * MiB).loads
+        assert best <= got <= best + 2 * n, (slots, got, best)
+        lru = drive(OnlinePolicy(slots * MiB, "lru", lookahead=0), records, launches, slots * MiB).loads
+        assert lru > got + 10 * n
+
+
+def _min_loads(launches, slots: int) -> int:
+    """Belady's MIN loads for equal-size records (demand, no prefetch), by brute force on the
+    known sequence: evict the resident one used furthest ahead."""
+    seq = [tuple(b) for _, b in launches]
+    resident: set[int] = set()
+    loads = 0
+    for i, ws in enumerate(seq):
+        for b in ws:
+            if b in resident:
+                continue
+            if len(resident) >= slots:
+                def nxt(x):
+                    for j in range(i, len(seq)):
+                        if x in seq[j]:
+                            return j
+                    return NEVER
+                victim = max((x for x in resident if x not in ws), key=nxt)
+                resident.discard(victim)
+            resident.add(b)
+            loads += 1
+    return loads
+
+
+def test_unknown_launch_requires_everything_and_counts_over_budget():
+    records = {0x1000 * (i + 1): 64 * MiB for i in range(6)}
+    budget = 4 * 64 * MiB
+    pol = OnlinePolicy(budget)
+    launches = stencil(6, 1, 12) + [("mystery", None)] + stencil(6, 1, 6)
+    eng = drive(pol, records, launches, budget)
+    assert pol.stats.unknown == 1 and pol.stats.over_budget == 1
+    assert pol.stats.over_budget_bytes == 2 * 64 * MiB
+    assert ("require", None) in eng.log
+    # after it, the budget holds again
+    assert eng.used <= budget
+
+
+def test_working_set_larger_than_budget_runs_over_budget_after_evicting_the_rest():
+    records = {0x10: 100, 0x20: 100, 0x30: 100}
+    pol = OnlinePolicy(150)
+    acts = pol.before("k", [0x10, 0x20], records)
+    assert pol.stats.over_budget == 1
+    assert ("evict", 0x30) in acts and acts[-1] == ("require", [0x10, 0x20])
+
+
+def test_new_records_are_resident_and_freed_ones_leave():
+    pol = OnlinePolicy(300)
+    records = {0x10: 100}
+    pol.before("k", [0x10], records)
+    records = {0x10: 100, 0x20: 100, 0x30: 100, 0x40: 100}  # three allocations: 400 > 300
+    acts = pol.before("k", [0x40], records)
+    assert [a for a in acts if a[0] == "evict"] and pol.used <= 300
+    records = {0x40: 100}
+    pol.before("k", [0x40], records)
+    assert dict(pol.resident) == {0x40: 100} and pol.used == 100
+
+
+def test_percentage_budget_follows_the_live_owned_bytes():
+    pol = OnlinePolicy(None, fraction=0.5)
+    records = {0x10: 100, 0x20: 100}
+    assert pol.budget(records) == 100
+    records[0x30] = 200
+    assert pol.budget(records) == 200
+
+
+def test_prefetch_never_evicts_what_the_next_launches_need():
+    n = 5
+    records = {0x1000 * (i + 1): MiB for i in range(n)}
+    budget = 3 * MiB
+    pol = OnlinePolicy(budget, "belady", lookahead=2)
+    launches = stencil(n, 1, 10 * n)
+    for i, (k, b) in enumerate(launches):
+        acts = pol.before(k, b, records)
+        nxt = set(launches[i + 1][1]) if i + 1 < len(launches) else set()
+        for op, arg in acts:
+            if op == "evict":
+                assert arg not in b
+                if pol.period.known:
+                    assert arg not in nxt, (i, acts)
+
+
+def test_lru_prefetches_only_into_free_room():
+    n = 6
+    records = {0x1000 * (i + 1): MiB for i in range(n)}
+    pol = OnlinePolicy(4 * MiB, "lru", lookahead=3)
+    drive(pol, records, stencil(n, 1, 10 * n), 4 * MiB)
+    # every eviction under lru is made for the launch itself, never for a prefetch
+    pol2 = OnlinePolicy(4 * MiB, "lru", lookahead=3)
+    eng = FakeEngine(records)
+    for k, b in stencil(n, 1, 10 * n):
+        acts = pol2.before(k, b, records)
+        req = acts.index(next(a for a in acts if a[0] == "require"))
+        assert all(op != "evict" for op, _ in acts[req:])
+        eng.apply(acts, set(b))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_programs_never_run_a_launch_without_its_memory(seed):
+    rnd = random.Random(seed)
+    records = {0x100 * (i + 1): rnd.choice([1, 2, 4]) * MiB for i in range(10)}
+    bases = list(records)
+    body = [("k%d" % rnd.randrange(3), rnd.sample(bases, rnd.randint(1, 3))) for _ in range(rnd.randint(3, 9))]
+    launches = list(itertools.chain.from_iterable([body] * 8))
+    launches.insert(rnd.randrange(len(launches)), ("odd", None))
+    for policy in ("belady", "lru"):
+        for look in (0, 1, 4):
+            pol = OnlinePolicy(12 * MiB, policy, lookahead=look)
+            drive(pol, records, launches, 12 * MiB)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        OnlinePolicy(10, "fifo")
+    with pytest.raises(ValueError):
+        OnlinePolicy(None)
+    with pytest.raises(ValueError):
+        OnlinePolicy(10, lookahead=-1)
+
+
+# -- the command's arguments (no program is started when they are wrong) -----------------------
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+
+    return subprocess.run([sys.executable, str(REPO / "cmd" / "gpu-prefetch-sched"), *args], capture_output=True,
+                          text=True, timeout=60, env=child_env(), check=False)
+
+
+@pytest.mark.parametrize("args", [["--budget", "lots"], ["--budget", "0"], ["--budget", "66%", "--policy", "fifo"],
+                                  ["--budget", "66%", "--lookahead", "-1"]])
+def test_run_refuses_bad_options_before_starting_anything(args, tmp_path):
+    marker = tmp_path / "started"
+    p = _cli("run", *args, "--", "python3", "-c", f"open({str(marker)!r}, 'w')")
+    assert p.returncode == 2, p.stderr
+    assert not marker.exists()
+
+
+def test_simulate_is_the_default_command_and_run_is_listed():
+    p = _cli("--help")
+    assert p.returncode == 0 and "simulate" in p.stdout and "run" in p.stdout
+    p = _cli("--budget", "1GiB", "/nonexistent.acc")  # no command named: simulate, which refuses without --simulate
+    assert p.returncode == 2 and "--simulate" in p.stderr
