@@ -118,3 +118,12 @@ def test_gpu_restore_agent_refusals(agent, tmp_path):
     assert "--agent goes with" in restore("--agent", "123", "--pid", "5", "--image", str(img)).stderr
     gone = restore("--agent", "999999", "--image", str(img))
     assert gone.returncode == ExitCode.NO_SUCH_PROCESS and "gpu-trace run --agent" in gone.stderr
+
+
+def test_gpu_restore_agent_image_lazy_asks_for_a_lazy_rollback(agent, tmp_path):
+    srv, requests, _ = agent
+    img = write_image(tmp_path / "img")
+    r = restore("--agent", str(srv.path), "--image", str(img), "--lazy")
+    assert r.returncode == 0, r.stderr
+    assert requests[-1] == {"op": "rollback", "image": str(img), "lazy": True}
+    assert [json.loads(x) for x in r.stdout.splitlines()][1]["type"] == "agent_rollback"

@@ -421,3 +421,109 @@ def test_copies_whose_addresses_are_not_known_wait_for_every_record(api, opaque)
     eng, ops, agent = setup()
     eng.access(api, 2, 0x1234, 0x5678)  # addresses outside every record
     assert len(ops.calls("copy_in")) == (4 if opaque else 0)
+
+
+# -- lazy rollback: records that stay mapped and only need their write-back ---------------------
+
+
+class PlainOps(FakeOps):
+    """Plain allocations (memory not owned): the library knows none of them; a load may go
+    into any mapped address."""
+
+    def __init__(self, bases, auto=False):
+        super().__init__([], auto=auto)
+        self.device = {b: b"new%x" % b for b in bases}
+
+    def lookup(self, addr):
+        return None
+
+    def make_resident(self, base):
+        raise AssertionError("a lazy rollback never maps")
+
+    def copy_in(self, base, pieces, stream):
+        assert base in self.device, "a load into memory the program freed"
+        self.device[base] = self.hostmem.get(pieces[0][0], b"")
+        self.log.append(("copy_in", base, stream))
+
+
+def rollback_setup(owned=True, auto=False):
+    if owned:
+        ops = FakeOps([Rec(b, 256 * MIB, resident=True) for b in BASES], auto=auto)
+    else:
+        ops = PlainOps(BASES, auto=auto)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(BASES)})
+    eng = ResidencyEngine(agent, ops, owned=owned)
+    for b in BASES:
+        ops.hostmem[0x5000_0000 + b] = b"image%x" % b
+        eng.adopt(b, 256 * MIB, [(0x5000_0000 + b, 256 * MIB)], mapped=True)
+    return eng, ops, agent
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_lazy_rollback_writes_back_what_a_launch_touches_first_without_mapping(owned):
+    eng, ops, agent = rollback_setup(owned)
+    agent.launches["k"] = (False, (3,), (3,))
+    eng.launch(5, "k", None, None)
+    assert not ops.calls("make_resident") and [c[1] for c in ops.calls("copy_in")] == [BASES[2]]
+    ev = [c for c in ops.log if c[0] == "record"][0][1]
+    assert ops.calls("wait") == [("wait", 5, ev)] and not ops.calls("synchronize")
+    assert ops.device[BASES[2]] == b"image%x" % BASES[2] and eng.state(BASES[0]) == RELEASED
+    # a synchronous copy out of a pending buffer: the legacy stream waits for its write-back
+    eng.access("cuMemcpyDtoH_v2", 0, 0x7777, BASES[0] + 64)
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[2], BASES[0]] and ops.calls("wait")[-1][1] == 0
+    # an unknown launch and a graph launch: every buffer not yet back
+    agent.launches["u"] = (True, (), ())
+    eng.launch(6, "u", None, None)
+    assert sorted(c[1] for c in ops.calls("copy_in")) == sorted(BASES)
+    assert len([c for c in ops.calls("wait") if c[1] == 6]) == 4
+    eng.graph(7)
+    assert len([c for c in ops.calls("wait") if c[1] == 7]) == 4
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_lazy_rollback_background_write_back_in_first_touch_order_gives_the_image(owned):
+    eng, ops, agent = rollback_setup(owned, auto=True)
+    eng.first_touch.update({4: None, 2: None})
+    eng.load_rest(kind="rollback").join(10)
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[3], BASES[1], BASES[0], BASES[2]]
+    assert not ops.calls("make_resident") and eng.settled
+    assert all(ops.device[b] == b"image%x" % b for b in BASES)
+    lazy = eng.stats()["lazy"]
+    assert lazy["kind"] == "rollback" and lazy["done"] and lazy["order_predicted"] == 2
+
+
+def test_lazy_rollback_a_freed_buffer_is_forgotten_and_a_write_back_in_flight_completes_first():
+    eng, ops, agent = rollback_setup(owned=False)
+    eng.access("cuMemFree_v2", 0, BASES[1])  # not started: never written back
+    del ops.device[BASES[1]]
+    agent.launches["k"] = (False, (1,), ())
+    eng.launch(3, "k", None, None)  # BASES[0] loading
+    ev = [c for c in ops.log if c[0] == "record"][0][1]
+    ops.finish(ev)
+    eng.access("cuMemFreeAsync", 3, BASES[0])
+    assert ("synchronize", ev) in ops.log and eng.state(BASES[0]) == RESIDENT
+    del ops.device[BASES[0]]
+    assert eng.counts["freed_while_pending"] == 2
+    ops.auto = True
+    eng.load_rest(kind="rollback").join(10)  # the rest; the freed ones are not touched (PlainOps asserts)
+    assert sorted(c[1] for c in ops.calls("copy_in")) == [BASES[0], BASES[2], BASES[3]] and eng.settled
+
+
+def test_an_engine_for_plain_allocations_neither_evicts_nor_maps():
+    eng, ops, agent = rollback_setup(owned=False, auto=True)
+    eng.load_rest(kind="rollback").join(10)
+    assert not eng.evict(BASES[0]) and eng.prefetch(BASES[0]) is None
+    eng.close()
+
+
+def test_the_agent_refuses_snapshot_suspend_rollback_during_a_lazy_rollback():
+    from gpuos_tools.errors import ExitCode, GpuosError
+
+    a = Agent()
+    eng = ResidencyEngine(a, PlainOps([BASES[0]]), owned=False)
+    a.engine = eng
+    eng.adopt(BASES[0], MIB, [(0x77, MIB)], mapped=True)
+    for op in ("snapshot", "suspend", "rollback"):
+        with pytest.raises(GpuosError) as e:
+            a.handle({"op": op, "image": "/nope", "lazy": True})
+        assert e.value.code == ExitCode.WRONG_STATE and "lazy resume or rollback" in str(e.value)

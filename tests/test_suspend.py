@@ -249,6 +249,15 @@ def test_lazy_resume_needs_the_engine():
     assert sus.state == SUSPENDED and sus._wake.empty()
 
 
+def test_lazy_resume_needs_an_owning_engine():
+    """An engine made for a lazy rollback of plain allocations cannot bring released memory back."""
+    sus = Suspension(SimpleNamespace(engine=SimpleNamespace(owned=False)))
+    sus.state = SUSPENDED
+    with pytest.raises(GpuosError) as e:
+        sus.resume(timeout=1, lazy=True)
+    assert e.value.code == ExitCode.USAGE and sus._wake.empty()
+
+
 def test_refusals_keep_their_exit_status(agent):
     srv, _, refuse = agent
     refuse.append(GpuosError("device memory outside the owned allocator would stay on the GPU: 1 allocation",
@@ -269,7 +278,7 @@ def test_refusals_keep_their_exit_status(agent):
     ("restore", ["--resume"], "goes with --agent"),
     ("restore", ["--agent", "5", "--resume", "--device", "1"], "not yet"),
     ("restore", ["--agent", "5", "--resume", "--image", "x"], "--agent --resume goes with"),
-    ("restore", ["--agent", "5", "--image", "x", "--lazy"], "lazy rollback is not built"),
+    ("restore", ["--pid", "5", "--lazy"], "--lazy goes with --agent"),
 ])
 def test_usage_errors(tool, args, message):
     p = cli(tool, *args)

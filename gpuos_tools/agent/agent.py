@@ -420,7 +420,7 @@ class Agent(ProcessView):
             t_start = time.perf_counter()
             unsettled = self.settle()
             if self.engine is not None and not self.engine.settled:  # evicted since the request came
-                raise GpuosError(f"owned buffers are not all resident ({_pending(self.engine)}): snapshot after "
+                raise GpuosError(f"buffers are not all back ({_pending(self.engine)}): snapshot after "
                                  "they are", ExitCode.WRONG_STATE)
             buffers = self.buffers()
             total = sum(b.size for b in buffers)
@@ -535,7 +535,7 @@ class Agent(ProcessView):
 
     # -- rollback (on the control thread) ---------------------------------------------------------
 
-    def rollback(self, image: str) -> dict[str, Any]:
+    def rollback(self, image: str, lazy: bool = False) -> dict[str, Any]:
         """Write ``image`` (and its parent chain) back into the program's allocations, at the
         same addresses, stop-the-world.
 
@@ -545,6 +545,14 @@ class Agent(ProcessView):
         memset or free waits in its callback, and none is between its callback and the driver),
         the context is synchronised, every buffer is copied back and the copies complete before
         the lock is let go. Only device memory goes back: the program's host state is its own.
+
+        ``lazy``: the same checks and staging, and the same synchronisation under the lock; then
+        every buffer is handed to the residency engine as pending (``adopt(..., mapped=True)``,
+        its contents in the staging) and the lock is let go at once: each operation of the
+        program waits on the GPU for the write-back of the buffers it touches (unknown: all),
+        while the engine's thread writes the rest back in first-touch order. A program whose
+        memory is not owned gets an engine here (``owned=False``: loads only), which learns
+        first touches from then on; its first lazy rollback writes back in address order.
         """
         from cuda.bindings import driver as drv
 
@@ -573,6 +581,14 @@ class Agent(ProcessView):
             img.read(int(b["id"]), view[off : off + int(b["size"])])  # checksums checked, through the chain
             off += int(b["size"])
         read_s = time.perf_counter() - t_read
+        eng = self.engine
+        if lazy:
+            if eng is None:  # plain allocations: an engine that only loads (made now, used once settled under the lock)
+                from gpuos_tools.agent.engine import ResidencyEngine
+
+                eng = ResidencyEngine(self, owned=False)
+            for name in ("demand", "background"):  # made here, not in the program's first callback after
+                eng._stream(name)
         side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         try:
             with self.lock:
@@ -583,30 +599,45 @@ class Agent(ProcessView):
                     raise GpuosError(f"the program's allocations changed while {img.path} was read: "
                                      + "; ".join(problems), ExitCode.IMAGE_MISMATCH)
                 t0 = time.perf_counter()
+                hold_at = time.monotonic()
                 unsettled = self.settle()
                 if unsettled:
                     raise GpuosError(f"{unsettled} operations of the program were still being issued after "
                                      f"{SETTLE_S} s; nothing was written", ExitCode.WRONG_STATE)
                 if self.engine is not None and not self.engine.settled:  # evicted since the request came
-                    raise GpuosError(f"owned buffers are not all resident ({_pending(self.engine)}); nothing was "
+                    raise GpuosError(f"buffers are not all back ({_pending(self.engine)}); nothing was "
                                      "written", ExitCode.WRONG_STATE)
                 _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-                for b, o in zip(entries, offsets):
-                    addr = int(b["addr"])
-                    for host, n in staging.spans(o, int(b["size"])):
-                        _ok(drv.cuMemcpyHtoDAsync(addr + (host - staging.base - o), host, n, side),
-                            "cuMemcpyHtoDAsync(rollback)")
-                _ok(drv.cuStreamSynchronize(side), "cuStreamSynchronize(rollback)")
+                if self.engine is not None:  # the device copies change: no host copy of the engine's is current
+                    with self.engine.lock:
+                        self.engine.clean.clear()
+                if lazy:  # every check passed: from here on the engine writes each buffer back
+                    for b, o in zip(entries, offsets):
+                        eng.adopt(int(b["addr"]), int(b["size"]), list(staging.spans(o, int(b["size"]))), mapped=True)
+                    self.engine = eng
+                    eng.load_rest(kind="rollback")
+                else:
+                    for b, o in zip(entries, offsets):
+                        addr = int(b["addr"])
+                        for host, n in staging.spans(o, int(b["size"])):
+                            _ok(drv.cuMemcpyHtoDAsync(addr + (host - staging.base - o), host, n, side),
+                                "cuMemcpyHtoDAsync(rollback)")
+                    _ok(drv.cuStreamSynchronize(side), "cuStreamSynchronize(rollback)")
                 stall = time.perf_counter() - t0
+                go_at = time.monotonic()
                 # what was written since the last image is no longer known: the next one is full
                 self.dirty = None
                 ops = self.ops
         finally:
             drv.cuStreamDestroy(side)
-        return {"ok": True, "image": img.path, "image_id": img.image_id, "chain": len(img.chain()),
-                "buffers": len(entries), "bytes": total, "read_s": round(read_s, 6),
-                "stall_s": round(stall, 6), "gbps": round(total / stall / 1e9, 3) if stall > 0 else None,
-                "ops_before": ops, "t0_image_ns": img.manifest.get("t0_ns")}
+        out = {"ok": True, "image": img.path, "image_id": img.image_id, "chain": len(img.chain()),
+               "buffers": len(entries), "bytes": total, "read_s": round(read_s, 6),
+               "stall_s": round(stall, 6), "gbps": round(total / stall / 1e9, 3) if stall > 0 and not lazy else None,
+               "ops_before": ops, "t0_image_ns": img.manifest.get("t0_ns"),
+               "hold_at": round(hold_at, 6), "go_at": round(go_at, 6)}
+        if lazy:  # the write-back's own figures: the agent's ping, residency.lazy, once done
+            out.update(lazy=True, owned=eng.owned, order_predicted=(eng.lazy or {}).get("order_predicted"))
+        return out
 
     def _write_image(self, snap: Snap, path: str, parent: str | None, written: set[int] | None,
                      compress: bool, chunk_size: int | None, checksum: str) -> dict[str, Any]:
@@ -721,8 +752,8 @@ class Agent(ProcessView):
                                  ExitCode.WRONG_STATE)
         eng = self.engine
         if op in ("suspend", "snapshot", "rollback") and eng is not None and not eng.settled:
-            raise GpuosError(f"owned buffers are not all resident ({_pending(eng)}): {op} after they are "
-                             "(a lazy resume still loading, or buffers evicted)", ExitCode.WRONG_STATE)
+            raise GpuosError(f"buffers are not all back ({_pending(eng)}): {op} after they are "
+                             "(a lazy resume or rollback still loading, or buffers evicted)", ExitCode.WRONG_STATE)
         if op == "suspend":
             from gpuos_tools.agent.suspend import Suspension
 
@@ -753,7 +784,7 @@ class Agent(ProcessView):
         if op == "rollback":
             if not isinstance(request.get("image"), str):
                 return {"ok": False, "error": "rollback needs 'image': the image's path"}
-            return self.rollback(request["image"])
+            return self.rollback(request["image"], lazy=bool(request.get("lazy")))
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def start_server(self) -> str:

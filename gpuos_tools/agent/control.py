@@ -9,7 +9,8 @@ and, when false, `error`. `ping` answers the pid, the operations seen, the live 
 and bytes, and the streams; `snapshot` (with `digest`: a sha256 per allocation; `cow_budget`:
 bytes of copy-on-write slots) answers T0, `ops_before`, bytes, seconds, GB/s, `cow`,
 `cow_bytes`, `host_saves`, `stream_waits`, `stall_s` and the allocations snapshotted;
-`rollback` (with `image`) writes an image back into the program's memory, stop-the-world;
+`rollback` (with `image`; `lazy`: written back behind the program) writes an image back into
+the program's memory, stop-the-world;
 `suspend` (with `partial`, `image`, `max_hold_s`) releases the program's owned device memory and
 keeps it waiting, `resume` lets it go (gpuos_tools/agent/suspend.py; while suspended `ping`
 answers `state` without the agent's lock). A refusal the user should see (a GpuosError in the

@@ -48,8 +48,17 @@ Locks: the program's callbacks hold the agent's lock and then take the engine's;
 threads take the engine's lock alone, or the agent's and then the engine's; never the other
 way round. The engine's driver calls are the agent's own (the tracer skips them).
 
-Not for: a snapshot or suspend while records are not resident (the agent refuses those until
-``settled``), rollback ``--lazy`` (not built).
+Lazy rollback (``adopt(..., mapped=True)`` + ``load_rest``): the same, for buffers that stay
+mapped and whose device copy is stale -- the image's contents are in the agent's staging, each
+buffer only needs its write-back (``Entry.mapped``: no make_resident, no check against the owned
+library's table). It covers plain allocations too (a program whose memory is not owned): the
+engine needs no mapping there, and a free of a pending buffer reaches ``freeing`` through the
+tracer's cuMemFree/cuMemUnmap hooks, like an owned record's unmap. What differs from a lazy
+resume: a kernel that reaches a pending buffer by a pointer the prediction does not see reads
+the buffer's old contents instead of faulting.
+
+Not for: a snapshot, suspend or rollback while records are pending (the agent refuses those
+until ``settled``).
 """
 
 from __future__ import annotations
@@ -103,15 +112,19 @@ class Entry:
     cancelled: bool = False  #: evicting: an operation touched it, it stays
     on_demand: bool = False
     own: bool = False  #: ``pieces`` are the engine's own pinned copy (kept after the load)
+    mapped: bool = False  #: a lazy rollback's: mapped all along, only the load is missing
 
 
 class ResidencyEngine:
     """Residency of the owned records (module docstring). ``agent``: the Agent (its lock,
     streams, predictor, ``own`` thread set); ``ops``: the driver side."""
 
-    def __init__(self, agent: Any = None, ops: Ops | None = None, ahead: int = AHEAD) -> None:
+    def __init__(self, agent: Any = None, ops: Ops | None = None, ahead: int = AHEAD, owned: bool = True) -> None:
         self.agent = agent
-        self.ops = ops if ops is not None else DriverOps(agent)
+        #: whether the program's memory is owned (records can be released); False: an engine made
+        #: for a lazy rollback of plain allocations, which only loads into mapped memory
+        self.owned = owned
+        self.ops = ops if ops is not None else DriverOps(agent, owned=owned)
         self.ahead = ahead
         self.lock = threading.RLock()
         self.pending: dict[int, Entry] = {}  #: base -> entry, records not simply resident
@@ -329,7 +342,10 @@ class ResidencyEngine:
 
     def _load(self, e: Entry, stream: Any) -> bool:
         """make_resident + copy_in on ``stream`` (engine's lock held); False when the record is
-        gone (freed meanwhile: forgotten)."""
+        gone (freed meanwhile: forgotten). A ``mapped`` entry (a lazy rollback's) only loads:
+        its memory stayed mapped, and a free of it comes through ``freeing``."""
+        if e.mapped:
+            return self._copy(e, stream)
         r = self.ops.lookup(e.base)
         if r is None or r.base != e.base or r.size != e.size or r.resident:
             # freed meanwhile (the library frees a released record without a driver call the
@@ -343,6 +359,9 @@ class ResidencyEngine:
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
             return False
+        return self._copy(e, stream)
+
+    def _copy(self, e: Entry, stream: Any) -> bool:
         self.ops.copy_in(e.base, e.pieces, stream)
         ev = self.ops.event()
         self.ops.record(ev, stream)
@@ -375,11 +394,13 @@ class ResidencyEngine:
 
     # -- lazy resume --------------------------------------------------------------------------
 
-    def adopt(self, base: int, size: int, pieces: Pieces) -> None:
-        """A released record whose contents are in ``pieces`` (the suspend's staging)."""
+    def adopt(self, base: int, size: int, pieces: Pieces, mapped: bool = False) -> None:
+        """A released record whose contents are in ``pieces`` (the suspend's staging); with
+        ``mapped``, a buffer still mapped whose contents are to be written back from ``pieces``
+        (a lazy rollback's staging)."""
         with self.lock:
             self.clean.discard(base)
-            self._put(Entry(base, size, RELEASED, list(pieces)))
+            self._put(Entry(base, size, RELEASED, list(pieces), mapped=mapped))
 
     def order(self) -> list[int]:
         """Pending released records in predicted first-access order, then by address."""
@@ -401,11 +422,12 @@ class ResidencyEngine:
         rest = [b for b in self._bases if b not in seen]
         return list(seen) + rest, len(seen)
 
-    def load_rest(self) -> threading.Thread:
-        """Load every released record in the background, in ``order()``; the thread."""
+    def load_rest(self, kind: str = "resume") -> threading.Thread:
+        """Load every released record in the background, in ``order()``; the thread. ``kind``
+        (resume, rollback) goes into the figures ``stats`` shows."""
         with self.lock:
             order, predicted = self._order_locked()
-            self.lazy = {"records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
+            self.lazy = {"kind": kind, "records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
                          "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
             self._counts_at_start = dict(self.counts)
         t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
@@ -669,11 +691,13 @@ class DriverOps:
     """Ops on the owned library (gpuos_tools/agent/owned.py) and the CUDA driver, in the
     agent's context."""
 
-    def __init__(self, agent: Any = None) -> None:
-        from gpuos_tools.agent import owned
-
+    def __init__(self, agent: Any = None, owned: bool = True) -> None:
         self.agent = agent
-        self.lib = owned.OwnedLibrary.load()
+        self.lib = None  #: None: the program's memory is not owned (only loads into mapped memory)
+        if owned:
+            from gpuos_tools.agent import owned as owned_lib
+
+            self.lib = owned_lib.OwnedLibrary.load()
         self._hosts: dict[int, tuple[int, int]] = {}  #: base -> (pinned address, size), the engine's own
 
     def enter(self) -> None:
@@ -684,12 +708,16 @@ class DriverOps:
             _ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     def lookup(self, addr: int) -> Any:
-        return self.lib.lookup(addr)
+        return self.lib.lookup(addr) if self.lib is not None else None
 
     def make_resident(self, base: int) -> None:
+        if self.lib is None:
+            raise RuntimeError("not owned: nothing can be mapped")
         self.lib.make_resident(base)
 
     def release(self, base: int) -> None:
+        if self.lib is None:
+            raise RuntimeError("not owned: nothing can be released")
         self.lib.release(base)
 
     def copy_in(self, base: int, pieces: Pieces, stream: Any) -> None:

@@ -259,7 +259,7 @@ class Suspension:
             if self.state != SUSPENDED:
                 raise GpuosError(f"the program is {self.state}, not suspended: nothing to resume",
                                  ExitCode.WRONG_STATE)
-            if lazy and getattr(self.agent, "engine", None) is None:
+            if lazy and not getattr(getattr(self.agent, "engine", None), "owned", False):
                 raise GpuosError("--lazy needs the agent's residency engine (the program's memory owned: "
                                  "GPUOS_AGENT_OWN=1)", ExitCode.USAGE)
             self._lazy = lazy

@@ -8,6 +8,11 @@ job writes D/check.json with the checksum computed again and removes D/check; wh
 exists, after its next launch has completed on the GPU (its stream synchronised) the job writes
 D/stamp.json with {"t": time.monotonic()} (CLOCK_MONOTONIC, comparable across processes) and
 removes D/stamp: the bench's resume-to-first-kernel; D/exit ends it.
+
+For scripts/bench_rollback.py: whenever D/damage exists the job overwrites every chunk with other
+data (another seed), writes D/damage.json with the new checksum and removes D/damage; while
+D/stamps exists, after each launch it synchronises its stream and notes time.monotonic(), and
+once D/stamps is gone it writes the times noted to D/stamps.json.
 """
 
 import argparse
@@ -56,8 +61,23 @@ def main() -> None:
     write(os.path.join(args.dir, "ready"), {"pid": os.getpid(), "checksum": checksum(chunks), "chunks": n})
     check, stop = os.path.join(args.dir, "check"), os.path.join(args.dir, "exit")
     stamp = os.path.join(args.dir, "stamp")
+    damage, stamps = os.path.join(args.dir, "damage"), os.path.join(args.dir, "stamps")
+    times: list[float] | None = None
     while not os.path.exists(stop):
         small += 1.0
+        if os.path.exists(stamps):
+            cp.cuda.get_current_stream().synchronize()
+            if times is None:
+                times = []
+            times.append(time.monotonic())
+        elif times is not None:
+            write(stamps + ".json", {"t": times})
+            times = None
+        if os.path.exists(damage):
+            for k, c in enumerate(chunks):
+                FILL(cp.uint64(k * (CHUNK // 4) + 12345), c)
+            write(damage + ".json", {"checksum": checksum(chunks)})
+            os.unlink(damage)
         if os.path.exists(stamp):
             # the launch above has run: its stream only. A device-wide synchronize would also wait
             # for the agent's background loads of a lazy resume (same context), i.e. the whole reload
