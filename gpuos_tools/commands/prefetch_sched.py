@@ -102,10 +102,13 @@ MAN_SECTIONS = {
         "200000 events are kept; the rest are counted in `dropped`. Times are when moves were "
         "issued on the host, not when the copies ran on the GPU.\n\n"
         "`run --plot FILE.png` draws it at the end; `gpu-prefetch-sched plot FILE.json --plot "
-        "FILE.png` draws a recorded one (on a machine without a GPU, too). Three panels on one "
+        "FILE.png` draws a recorded one (on a machine without a GPU, too); `simulate --plot "
+        "FILE.png` draws the `--schedule` policy's simulation the same way (simulated seconds, "
+        "the moves of each step at their simulated start, its stall as a wait, the bytes "
+        "resident in the planner's books after each step). Three panels on one "
         "time axis: mapped bytes against the budget and the footprint; bytes issued per time "
         "bin as bandwidth, host to device above zero (prefetches, loads at a launch) and device "
-        "to host below (evictions); the host waits for room. Both need matplotlib "
+        "to host below (evictions); the host waits for room (the stalls, simulated). All three need matplotlib "
         "(`pip install 'gpuos-tools[plot]'`)."
     ),
     "NOTES": (
@@ -207,6 +210,10 @@ def sched(
     fault_cost: str = typer.Option("30us", "--fault-cost", metavar="DURATION", help="Cost of one page fault (demand paging, over-budget steps)."),
     fault_size: str = typer.Option("256KiB", "--fault-size", metavar="SIZE", help="Bytes brought in per fault."),
     um_evict_bw: str = typer.Option("12GB/s", "--um-evict-bw", metavar="BW", help="Managed-memory eviction bandwidth, device to host."),
+    plot_file: str | None = typer.Option(
+        None, "--plot", metavar="FILE.png",
+        help="Also draw the --schedule policy's simulated timeline (resident bytes against the budget, moves, stalls) into FILE.png (needs matplotlib).",
+    ),
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
 ) -> None:
@@ -253,6 +260,13 @@ def sched(
         raise typer.BadParameter("must be positive, or alloc", param_hint="--chunk")
     if schedule != "none" and schedule not in PLANNERS:
         raise typer.BadParameter("must be belady, lru or none", param_hint="--schedule")
+    if plot_file is not None:
+        if schedule not in PLANNERS:
+            raise typer.BadParameter("--plot draws the --schedule policy's timeline: belady or lru", param_hint="--plot")
+        try:  # before the inputs are read, not after
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
     policies = [p.strip() for p in compare.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -331,6 +345,12 @@ def sched(
         render_summaries(summaries, Console())
     elif _isatty(sys.stderr):
         render_summaries(summaries, stderr_console())
+    if plot_file is not None:
+        from gpuos_tools.sched.plot import plot_timeline, simulated_timeline
+
+        drawn = plot_timeline(simulated_timeline(work, schedule, cfg), plot_file)
+        print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.6g} simulated s",
+              file=sys.stderr)
 
 
 @app.command(

@@ -1,8 +1,11 @@
-"""The online run's timeline as a picture (`gpu-prefetch-sched run --plot`, `gpu-prefetch-sched plot`).
+"""A run's timeline as a picture (`gpu-prefetch-sched run --plot`, `gpu-prefetch-sched plot`,
+`gpu-prefetch-sched simulate --plot`).
 
 Input: the `sched_timeline` JSON the executor writes (gpuos_tools/sched/executor.py, Timeline),
-so a picture can be drawn on any machine from what a GPU run recorded. Three panels on one time
-axis (seconds from the executor's start):
+so a picture can be drawn on any machine from what a GPU run recorded; or the same form built
+from a simulation (`simulated_timeline`: simulated seconds, moves at their simulated start,
+the resident bytes of the planner's books after each step, stalls as waits). Three panels on
+one time axis:
 
 1. owned bytes mapped, as measured after each decision and each prefetch, against the budget
    (and the footprint, every owned byte);
@@ -23,6 +26,45 @@ from typing import Any
 from gpuos_tools.errors import ExitCode, GpuosError
 
 BINS = 200  #: time bins of the bandwidth panel
+
+
+def simulated_timeline(work: Any, policy: str, cfg: Any, max_events: int = 200_000) -> dict[str, Any]:
+    """A planned policy's simulation (gpuos_tools/sched/simulate.py) as a sched_timeline: per step,
+    its evictions and its loads as one event each at their simulated start, its stall as a wait,
+    and the bytes resident once its decision is carried out (loads and first touches in,
+    evictions and frees out)."""
+    from gpuos_tools.sched.simulate import simulate
+
+    sizes = work.chunks.sizes
+    events: list[list] = [[0.0, "budget", cfg.budget]]
+    dropped = 0
+    resident = 0
+
+    def add(t: float, kind: str, value: float) -> None:
+        nonlocal dropped
+        if len(events) >= max_events:
+            dropped += 1
+        else:
+            events.append([round(t, 9), kind, value])
+
+    def observe(i: int, d: Any, t: Any) -> None:
+        nonlocal resident
+        out = sum(sizes[c] for c in d.evicts)
+        if out:
+            add(min(x[0] for x in t.evict_times), "evict", out)
+        into = sum(sizes[c] for c in d.loads)
+        if into:
+            add(t.load_start, "prefetch", into)
+        resident += into + sum(sizes[c] for c in d.first) - out - sum(sizes[c] for c in d.freed)
+        if t.stall > 0:
+            add(t.start - t.stall, "wait", t.stall)
+        add(t.start, "mapped", resident)
+
+    summary = simulate(work, policy, cfg, observe)
+    return {"type": "sched_timeline", "version": 1, "mode": "simulate", "policy": policy,
+            "lookahead": summary.get("lookahead"), "footprint": work.footprint, "events": events,
+            "dropped": dropped, "max_events": max_events, "time": "simulated seconds from the start",
+            "summary": {k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
 
 
 def load_timeline(path: str | Path) -> dict[str, Any]:
@@ -80,7 +122,7 @@ def plot_timeline(data: dict[str, Any], path: str | Path, title: str = "") -> di
     fig, (ax0, ax1, ax2) = plt.subplots(3, 1, sharex=True, figsize=(11, 6.5),
                                         gridspec_kw={"height_ratios": [3, 2, 0.7]})
     t, v = zip(*s["mapped"])
-    ax0.step(t, [x / gib for x in v], where="post", color="#3b75c4", lw=1, label="mapped (owned)")
+    ax0.step(t, [x / gib for x in v], where="post", color="#3b75c4", lw=1, label="resident (planned)" if data.get("mode") == "simulate" else "mapped (owned)")
     if s["budget"]:
         bt, bv = zip(*s["budget"])
         ax0.step([*bt, end], [x / gib for x in (*bv, bv[-1])], where="post", color="#d1352b", ls="--", lw=1.2,
@@ -98,7 +140,8 @@ def plot_timeline(data: dict[str, Any], path: str | Path, title: str = "") -> di
     dem = _bandwidth(s["load"], edges)
     ev = _bandwidth(s["evict"], edges)
     ax1.bar(mids, pre, width=width, color="#3b75c4", label="prefetch (H2D)")
-    ax1.bar(mids, dem, width=width, bottom=pre, color="#e69f00", label="load at launch (H2D)")
+    if any(dem):
+        ax1.bar(mids, dem, width=width, bottom=pre, color="#e69f00", label="load at launch (H2D)")
     ax1.bar(mids, [-x for x in ev], width=width, color="#d1352b", label="evict (D2H)")
     ax1.axhline(0, color="black", lw=0.5)
     ax1.set_ylabel("GB/s issued")
@@ -107,8 +150,8 @@ def plot_timeline(data: dict[str, Any], path: str | Path, title: str = "") -> di
     if s["wait"]:
         ax2.broken_barh(s["wait"], (0, 1), color="#7f7f7f")
     ax2.set_yticks([])
-    ax2.set_ylabel("waits", rotation=0, ha="right", va="center")
-    ax2.set_xlabel("seconds since the executor started")
+    ax2.set_ylabel("stalls" if data.get("mode") == "simulate" else "waits", rotation=0, ha="right", va="center")
+    ax2.set_xlabel(data.get("time", "seconds since the executor started"))
     ax2.set_xlim(0, end)
 
     summ = data.get("summary") or {}
@@ -116,7 +159,8 @@ def plot_timeline(data: dict[str, Any], path: str | Path, title: str = "") -> di
         title = f"{data.get('policy', '?')}, lookahead {data.get('lookahead', '?')}"
         if summ:
             title += (f" · budget {summ.get('budget', 0) / gib:.2f} GiB of {data.get('footprint', 0) / gib:.2f}"
-                      f" · {summ.get('launches', 0)} ops · in {summ.get('bytes_in', 0) / 1e9:.1f} GB,"
+                      f" · {summ.get('launches', 0)} {'launches' if data.get('mode') == 'simulate' else 'ops'}"
+                      f" · in {summ.get('bytes_in', 0) / 1e9:.1f} GB,"
                       f" out {summ.get('bytes_out', 0) / 1e9:.1f} GB · {summ.get('stalls', 0)} stalls")
     if data.get("dropped"):
         title += f" · {data['dropped']} events not kept"
