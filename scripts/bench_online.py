@@ -10,13 +10,24 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
           to move: the cost of the python-callback agent and the policy on the launch path);
 - each --budgets value (default 66% = 150% oversubscription, 50% = 200%) with each --policies.
 
+- um<B>:  the fault-driven managed-memory baseline at each --um budget, at each --um-work
+          intensity: the same job with its arrays in CUDA managed memory under the same software
+          budget (B of the arrays' bytes); before each kernel the least recently used whole
+          arrays are pushed to the host (cuMemPrefetchAsync to the host, stream-ordered) until
+          the kernel's arrays fit, and nothing is prefetched back: the kernel faults them in.
+          An emulation of the driver's eviction under pressure, done explicitly (the job never
+          allocates more managed memory than the GPU has free; stencil_job.py --managed).
+          um100 evicts nothing (managed memory resident on the GPU). Per row: speed vs hbm, and
+          ours_vs_um = this UM row's loop time / the Belady run's at the same budget.
+
 Per run: the loop's wall time (the job synchronises before and after), speed relative to hbm
 (hbm_s / run_s), whether the final arrays are bit-identical to hbm's, and the summary record
 (bytes in/out, loads, prefetches, demand loads, evictions, stalls, peak mapped bytes). Also the
 transfer floor: bytes moved / --link-gbps (one direction's pinned bandwidth), against the
 loop's time. JSON to --json; a table on stderr.
 
-    python3 scripts/bench_online.py [--work 1024,2048,4096,16384] [--budgets 66%,50%] [--json FILE]
+    python3 scripts/bench_online.py [--work 1024,2048,4096,16384] [--budgets 66%,50%]
+                                    [--um 100%,66%,50%] [--um-work 1024,4096] [--json FILE]
 """
 
 from __future__ import annotations
@@ -73,6 +84,9 @@ def main() -> int:
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--extra-work", type=int, default=1024,
                     help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
+    ap.add_argument("--um", default="100%,66%,50%",
+                    help="budgets of the fault-driven managed-memory baseline (empty: none)")
+    ap.add_argument("--um-work", default="1024,4096", help="the --work values that get the managed-memory runs")
     ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -105,22 +119,60 @@ def main() -> int:
             else:
                 print(f"{name} failed (work {work}): {r.get('stderr', '')}", file=sys.stderr)
             rows.append(row)
+            save(args, rows)
+        if str(work) in args.um_work.split(","):
+            for budget in [b for b in args.um.split(",") if b]:
+                frac = float(budget.rstrip("%")) / 100
+                r = run_job([*job, "--managed", str(frac)], None, args.timeout)
+                row = {"work": work, "config": f"um{budget.rstrip('%')}", "budget_spec": budget, **r}
+                if r.get("ok"):
+                    row["identical"] = r["digests"] == hbm["digests"]
+                    row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)
+                    row["step_ms"] = round(1e3 * r["loop_s"] / r["steps"], 4)
+                    ours = next((x for x in rows if x["work"] == work and x.get("budget_spec") == budget
+                                 and x.get("policy") == "belady" and x.get("ok")), None)
+                    if ours is not None and budget != "100%":
+                        row["ours_config"] = ours["config"]
+                        row["ours_vs_um"] = round(r["loop_s"] / ours["loop_s"], 3)
+                else:
+                    print(f"um {budget} failed (work {work}): {r.get('stderr', '')}", file=sys.stderr)
+                rows.append(row)
+                save(args, rows)
 
-    out = {"bench": "online", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
-           "gpu": _gpu_name(), "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    save(args, rows)
     print(f"{'work':>5} {'config':<12} {'loop_s':>8} {'speed':>6} {'same':>5} {'in MB':>7} {'out MB':>7} "
           f"{'pref':>5} {'dem':>4} {'evict':>5} {'stall':>5} {'peak MB':>8} {'budget MB':>9} {'floor_s':>7}",
           file=sys.stderr)
     for r in rows:
+        if r["config"].startswith("um"):
+            continue
         s = r.get("summary") or {}
         print(f"{r['work']:>5} {r['config']:<12} {r.get('loop_s', float('nan')):>8.4f} {r.get('speed_vs_hbm', 1.0):>6.3f} "
               f"{str(r.get('identical', '-')):>5} {s.get('bytes_in', 0) / 1e6:>7.0f} {s.get('bytes_out', 0) / 1e6:>7.0f} "
               f"{s.get('prefetches', 0):>5} {s.get('demand_loads', 0):>4} {s.get('evictions', 0):>5} "
               f"{s.get('stalls', 0):>5} {s.get('peak_settled', 0) / 1e6:>8.0f} {s.get('budget', 0) / 1e6:>9.0f} "
               f"{r.get('floor_s', 0):>7.4f}", file=sys.stderr)
+    um = [r for r in rows if r["config"].startswith("um")]
+    if um:
+        print(f"{'work':>5} {'config':<6} {'loop_s':>8} {'step ms':>8} {'vs hbm':>7} {'same':>5} {'out GB':>7} "
+              f"{'fault GB':>8} {'ours':>6} {'ours/um':>8}", file=sys.stderr)
+        for r in um:
+            ours = next((x for x in rows if x["config"] == r.get("ours_config") and x["work"] == r["work"]), {})
+            print(f"{r['work']:>5} {r['config']:<6} {r.get('loop_s', float('nan')):>8.3f} {r.get('step_ms', 0):>8.3f} "
+                  f"{r.get('speed_vs_hbm', 0):>7.4f} {str(r.get('identical', '-')):>5} "
+                  f"{r.get('um_evicted_bytes', 0) / 1e9:>7.2f} {r.get('um_faulted_bytes', 0) / 1e9:>8.2f} "
+                  f"{ours.get('speed_vs_hbm', float('nan')):>6.3f} {r.get('ours_vs_um', float('nan')):>8.2f}",
+                  file=sys.stderr)
     return 0 if all(r.get("ok") and r.get("identical", True) for r in rows) else 1
+
+
+def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The JSON so far (after every run: a call cut short keeps what it measured)."""
+    if not args.json:
+        return
+    out = {"bench": "online", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
+           "gpu": _GPU, "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 def _gpu_name() -> str | None:
@@ -131,6 +183,8 @@ def _gpu_name() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
 
+
+_GPU = _gpu_name()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -301,3 +301,83 @@ def test_host_copies_are_pinned_ahead_once_the_programs_context_is_known():
     ex.close()
     assert ex.counts["pins"] == 4 and ex.counts["pin_errors"] == 0 and not ex._unpinned
     eng.close()
+
+
+def test_the_timeline_logs_every_move_and_the_plot_draws_it(tmp_path):
+    """The bounded event log (executor's Timeline): as many evictions as the engine made, the
+    bytes of loads and prefetches adding up to the engine's loaded bytes, mapped bytes
+    measured at each decision; written through OnlineAgent's end and drawn by
+    `gpu-prefetch-sched plot` when matplotlib is there."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+
+    from gpuos_tools.sched.executor import OnlineAgent
+    from gpuos_tools.sched.plot import load_timeline, series
+
+    n = 9
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = FakeOps(recs, auto=True)
+    path = tmp_path / "timeline.json"
+    budget = 6 * 64 * MIB
+    agent = OnlineAgent({"budget": budget, "policy": "belady", "lookahead": 2, "timeline": str(path),
+                         "prepin": False})
+    agent.ctx = object()
+    for b in bases:
+        agent.on_alloc(b, 64 * MIB, "vmm")
+    ids = {b: i for i, b in ((a.id, a.addr) for a in agent.by_id.values())}
+    agent.engine = ResidencyEngine(agent, ops)
+    agent.executor = ex = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
+    agent._touches = lambda kernel, sizes, args: agent._launches[kernel]
+    for s in range(6 * n):
+        ws = [bases[(s + k) % n] for k in range(4)]
+        agent._launches = {"k": (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))}
+        agent.before_launch("cuLaunchKernel", 0, "k", None, None)
+        ops.device[ws[-1]] = b"s%d" % s
+        settle(agent.engine, ex)
+    agent.stop_background()
+    data = load_timeline(path)
+    st = agent.engine.stats()
+    s = series(data)
+    assert data["dropped"] == 0 and data["footprint"] == n * 64 * MIB
+    assert len(s["evict"]) == st["evictions"] > 0
+    assert all(b == 64 * MIB for _, b in s["evict"])
+    moved_in = sum(b for _, b in s["load"]) + sum(b for _, b in s["prefetch"])
+    assert moved_in == st["loaded_bytes"] > 0
+    assert len(s["mapped"]) >= 6 * n and s["budget"] and s["budget"][0][1] == budget
+    times = [e[0] for e in data["events"]]
+    assert all(t >= 0 for t in times) and s["end"] >= max(times)
+    assert data["summary"]["evictions"] == st["evictions"]
+
+    # bounded: past timeline_max events, counted, not kept
+    small = Executor(ResidencyEngine(agent, FakeOps(recs, auto=True)), {"budget": budget, "timeline": "x",
+                                                                       "timeline_max": 3, "prepin": False},
+                     lib=FakeLib(recs))
+    for _ in range(5):
+        small._event("mapped", 1)
+    assert len(small.timeline()["events"]) == 3 and small.timeline()["dropped"] == 2
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    p = subprocess.run([sys.executable, str(REPO / "cmd" / "gpu-prefetch-sched"), "plot", str(path), "--plot", str(png)],
+                       env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"{len(data['events'])} events" in p.stderr
+
+
+def test_plot_refuses_what_is_not_a_timeline(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+
+    from gpuos_tools.errors import ExitCode
+
+    bad = tmp_path / "x.json"
+    bad.write_text('{"type": "sched_summary"}')
+    p = subprocess.run([sys.executable, str(REPO / "cmd" / "gpu-prefetch-sched"), "plot", str(bad), "--plot",
+                        str(tmp_path / "x.png")], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == ExitCode.BAD_INPUT and "not a sched_timeline" in p.stderr

@@ -304,3 +304,40 @@ def test_command_warns_when_the_stream_has_no_times() -> None:
     assert b"warning: no time between steps" in done.stderr
     fixed = run("--simulate", "--budget", "50%", "--schedule", "none", "--kernel-time", "10us", stdin=only_access)
     assert fixed.returncode == 0 and fixed.stderr == b""
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_the_simulated_timeline_adds_up_to_the_summary(policy) -> None:
+    """simulate --plot's input: the resident bytes of the timeline reach the summary's peak and
+    never pass the budget; the stalls add up to the summary's, and the planned moves to its
+    bytes but for over-budget steps' fault traffic (counted in bytes_in/out, not planned)."""
+    from gpuos_tools.sched.plot import series, simulated_timeline
+
+    w = workload(["torch"], "range", 64 << 10)
+    cfg = Config(int(w.footprint * 0.5))
+    data = simulated_timeline(w, policy, cfg)
+    s = series(data)
+    summ = data["summary"]
+    assert data["dropped"] == 0 and summ["over_budget"] > 0  # this trace has unknown launches
+    assert max(b for _, b in s["mapped"]) == summ["peak_resident"] <= cfg.budget
+    assert len(s["mapped"]) == summ["steps"]
+    over = summ["over_budget_bytes"]
+    planned_in = sum(b for _, b in s["prefetch"])
+    assert 0 < planned_in <= summ["bytes_in"] <= planned_in + over
+    out = sum(b for _, b in s["evict"])
+    assert 0 < out <= summ["bytes_out"] + summ["bytes_dropped"] <= out + over
+    assert sum(v for _, v in s["wait"]) == pytest.approx(summ["stall_s"])
+    assert len(s["wait"]) == summ["stalls"]
+
+
+def test_command_simulate_plot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    predicted = subprocess.run(
+        [*PREDICT, str(RECORDED / "torch.ndjson.zst")], capture_output=True, env=child_env(), timeout=120, check=True
+    ).stdout
+    bad = run("--simulate", "--budget", "50%", "--schedule", "none", "--plot", str(tmp_path / "x.png"), stdin=predicted)
+    assert bad.returncode == ExitCode.USAGE and b"--plot" in bad.stderr
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sim.png"
+    done = run("--simulate", "--budget", "50%", "--plot", str(png), "-o", str(tmp_path / "s.ndjson"), stdin=predicted)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and b"simulated s" in done.stderr

@@ -86,8 +86,30 @@ MAN_SECTIONS = {
         "(operations decided with a period known), wall_s, exit (the program's status), and "
         "`executor`, `policy_stats`, `engine` with the parts' own counters.\n\n"
         "Not built yet: several programs at once (`serve`), PyTorch programs (their allocator is "
-        "not owned yet), a managed-memory baseline, and the native callback path (each operation "
-        "pays the python agent's callback, ~0.1-0.3 ms)."
+        "not owned yet), and the native callback path (each operation pays the python agent's "
+        "callback, ~0.1-0.3 ms). The fault-driven managed-memory baseline is in "
+        "scripts/bench_online.py, not in this command."
+    ),
+    "TIMELINE": (
+        "`run --timeline FILE.json` writes the executor's event log at the end: a JSON object, "
+        "`type` sched_timeline, with policy, lookahead, fraction, footprint, `summary` (the "
+        "summary's scalar fields), `events` and `dropped`. Each event is `[t_s, kind, value]`, "
+        "t_s in seconds from the executor's start: `mapped` (owned bytes mapped, measured after "
+        "each decision and each prefetch), `budget` (the budget a decision used, when it "
+        "changes), `evict` (a record's bytes, when its eviction was issued), `load` (bytes a "
+        "launch's require loaded, at its issue), `prefetch` (a record's bytes, at the mover's "
+        "issue), `wait` (a host wait for room: value in seconds, t_s its start). At most "
+        "200000 events are kept; the rest are counted in `dropped`. Times are when moves were "
+        "issued on the host, not when the copies ran on the GPU.\n\n"
+        "`run --plot FILE.png` draws it at the end; `gpu-prefetch-sched plot FILE.json --plot "
+        "FILE.png` draws a recorded one (on a machine without a GPU, too); `simulate --plot "
+        "FILE.png` draws the `--schedule` policy's simulation the same way (simulated seconds, "
+        "the moves of each step at their simulated start, its stall as a wait, the bytes "
+        "resident in the planner's books after each step). Three panels on one "
+        "time axis: mapped bytes against the budget and the footprint; bytes issued per time "
+        "bin as bandwidth, host to device above zero (prefetches, loads at a launch) and device "
+        "to host below (evictions); the host waits for room (the stalls, simulated). All three need matplotlib "
+        "(`pip install 'gpuos-tools[plot]'`)."
     ),
     "NOTES": (
         "Every input of `simulate` is read to its end before anything is written: Belady needs "
@@ -118,6 +140,9 @@ MAN_SECTIONS = {
         "    gpu-prefetch-sched --simulate --budget 4GiB --slice 5ms --bw 40GB/s a.acc b.acc\n\n"
         "A CuPy job at 150% oversubscription, online, its trace kept:\n\n"
         "    gpu-prefetch-sched run --budget 66% -o job.ndjson.zst -- python3 solver.py | jq .\n\n"
+        "The same, its timeline recorded on the GPU's machine and drawn elsewhere:\n\n"
+        "    gpu-prefetch-sched run --budget 66% --timeline run.json -- python3 solver.py\n"
+        "    gpu-prefetch-sched plot run.json --plot run.png\n\n"
         "The evictions that are not write-backs:\n\n"
         "    gpu-prefetch-sched --simulate --budget 50% a.acc | jq -c 'select(.type==\"evict\" and (.writeback|not))'"
     ),
@@ -185,6 +210,10 @@ def sched(
     fault_cost: str = typer.Option("30us", "--fault-cost", metavar="DURATION", help="Cost of one page fault (demand paging, over-budget steps)."),
     fault_size: str = typer.Option("256KiB", "--fault-size", metavar="SIZE", help="Bytes brought in per fault."),
     um_evict_bw: str = typer.Option("12GB/s", "--um-evict-bw", metavar="BW", help="Managed-memory eviction bandwidth, device to host."),
+    plot_file: str | None = typer.Option(
+        None, "--plot", metavar="FILE.png",
+        help="Also draw the --schedule policy's simulated timeline (resident bytes against the budget, moves, stalls) into FILE.png (needs matplotlib).",
+    ),
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
 ) -> None:
@@ -231,6 +260,13 @@ def sched(
         raise typer.BadParameter("must be positive, or alloc", param_hint="--chunk")
     if schedule != "none" and schedule not in PLANNERS:
         raise typer.BadParameter("must be belady, lru or none", param_hint="--schedule")
+    if plot_file is not None:
+        if schedule not in PLANNERS:
+            raise typer.BadParameter("--plot draws the --schedule policy's timeline: belady or lru", param_hint="--plot")
+        try:  # before the inputs are read, not after
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
     policies = [p.strip() for p in compare.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -309,6 +345,12 @@ def sched(
         render_summaries(summaries, Console())
     elif _isatty(sys.stderr):
         render_summaries(summaries, stderr_console())
+    if plot_file is not None:
+        from gpuos_tools.sched.plot import plot_timeline, simulated_timeline
+
+        drawn = plot_timeline(simulated_timeline(work, schedule, cfg), plot_file)
+        print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.6g} simulated s",
+              file=sys.stderr)
 
 
 @app.command(
@@ -334,6 +376,15 @@ def run(
         None, "--output", "-o", metavar="TRACE",
         help="Also write the program's trace stream to TRACE (*.zst compressed); default: none.",
     ),
+    timeline: str | None = typer.Option(
+        None, "--timeline", metavar="FILE.json",
+        help="Write the executor's event log (mapped bytes, budget, evictions, loads, prefetches, waits) "
+        "to FILE.json, for `gpu-prefetch-sched plot`; see TIMELINE.",
+    ),
+    plot_file: str | None = typer.Option(
+        None, "--plot", metavar="FILE.png",
+        help="Draw the timeline (residency against the budget, moves, waits) into FILE.png at the end (needs matplotlib).",
+    ),
 ) -> None:
     """Run PROGRAM with its device memory kept within a budget, moving memory ahead of its kernels.
 
@@ -358,6 +409,11 @@ def run(
 
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    if plot_file is not None:
+        try:  # before the program runs, not after
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
     cfg: dict = {"policy": policy, "lookahead": lookahead}
     try:
         if budget.strip().endswith("%"):
@@ -372,6 +428,8 @@ def run(
         raise typer.BadParameter(str(e), param_hint="--budget") from e
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
         cfg["summary"] = os.path.join(tmp, "summary.json")
+        if timeline or plot_file:
+            cfg["timeline"] = os.path.abspath(timeline) if timeline else os.path.join(tmp, "timeline.json")
         saved = {k: os.environ.get(k) for k in (ENV, "GPUOS_AGENT_OWN")}
         os.environ[ENV] = _json.dumps(cfg)
         os.environ["GPUOS_AGENT_OWN"] = "1"
@@ -389,6 +447,11 @@ def run(
                 summary = _json.load(f)
         except (OSError, ValueError):
             summary = None
+        events = None
+        if plot_file is not None and summary is not None:
+            from gpuos_tools.sched.plot import load_timeline, plot_timeline
+
+            events = load_timeline(cfg["timeline"])
     if summary is None:
         raise GpuosError(
             f"the program (exit {code}) ended without the policy's summary: it made no owned allocation "
@@ -396,7 +459,30 @@ def run(
     with open_output("-") as writer:
         writer.write(make_header("gpu-prefetch-sched", mode="run", argv=list(program), budget_spec=budget))
         writer.write({"type": "sched_summary", "mode": "online", "exit": code, **summary})
+    if events is not None:  # after the summary: a picture that fails loses no figures
+        drawn = plot_timeline(events, plot_file)
+        print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
+              file=sys.stderr)
     raise typer.Exit(code)
+
+
+@app.command("plot")
+def plot_cmd(
+    timeline: str = typer.Argument(..., metavar="TIMELINE.json", help="A timeline from `gpu-prefetch-sched run --timeline`."),
+    plot_file: str = typer.Option(..., "--plot", metavar="FILE.png", help="The picture to write (format from the suffix)."),
+    title: str = typer.Option("", "--title", help="Title instead of the run's policy, budget and moves."),
+) -> None:
+    """Draw a recorded online run's timeline: mapped memory against the budget, moves, waits.
+
+    Reads the JSON that `gpu-prefetch-sched run --timeline FILE.json` wrote (on the GPU's
+    machine or anywhere) and draws it into FILE.png, as `run --plot` does at the end of a run;
+    see TIMELINE. Needs matplotlib, no GPU.
+    """
+    from gpuos_tools.sched.plot import load_timeline, plot_timeline
+
+    drawn = plot_timeline(load_timeline(timeline), plot_file, title)
+    print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
+          file=sys.stderr)
 
 
 def _isatty(stream: object) -> bool:

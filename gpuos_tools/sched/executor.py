@@ -31,6 +31,15 @@ prediction failed) waits on the host until evictions in flight free the room; th
 stall, counted (`room_waits`, `room_wait_s`). Allocations are the program's: a new record is
 mapped at once, so the memory can rise above the budget between an allocation and the next
 launch, which then evicts (`over_physical` counts decisions that found it so afterwards).
+
+Timeline. With the config's ``timeline`` (a path), the executor also keeps a bounded log of
+events ``[t_s, kind, value]`` (seconds from its start) and writes it there at the end (JSON:
+`sched_timeline`, read by gpuos_tools/sched/plot.py): ``mapped`` (owned bytes mapped, measured
+after each decision and each prefetch), ``budget`` (when the budget a decision uses changes),
+``evict`` (a record's bytes, at the eviction's issue), ``load`` (bytes a launch's require
+loads, at its issue), ``prefetch`` (a record's bytes, at the mover's issue), ``wait`` (a host
+wait for room: value = seconds, t = its start). Past ``timeline_max`` events (default 200000)
+the rest are counted in ``dropped``, not kept.
 """
 
 from __future__ import annotations
@@ -88,6 +97,19 @@ class Executor:
         self._closing = False
         self._over_pending = False
         self.t0 = time.perf_counter()
+        self._log: list[list] | None = [] if cfg.get("timeline") else None
+        self._log_max = int(cfg.get("timeline_max", 200_000))
+        self._log_dropped = 0
+        self._log_budget = -1
+
+    def _event(self, kind: str, value: float, t: float | None = None) -> None:
+        log = self._log
+        if log is None:
+            return
+        if len(log) >= self._log_max:
+            self._log_dropped += 1
+            return
+        log.append([round((time.perf_counter() if t is None else t) - self.t0, 6), kind, value])
 
     # -- the owned records -------------------------------------------------------------------
 
@@ -143,6 +165,9 @@ class Executor:
             over = self.policy.stats.over_budget != over_before
             if over:
                 self._over_pending = True  # the mover's measures meanwhile must not count it
+            if self._log is not None and budget != self._log_budget:
+                self._log_budget = budget
+                self._event("budget", budget)
             for op, arg in actions:
                 if op == "evict":
                     self._evict(arg)
@@ -163,12 +188,15 @@ class Executor:
             self.error = f"evict {base:#x}: {type(exc).__name__}: {exc}"
         if not ok:
             self.counts["evict_refused"] += 1
+        else:
+            self._event("evict", self._records.get(base, 0))
 
     def _measure(self, budget: int, over_budget: bool) -> None:
         """Mapped bytes after a decision (or a prefetch): the peak; and, from the first time
         they were within the budget since the last allocation or over-budget launch, the peak
         and the decisions that found them above it."""
         now = self.physical()
+        self._event("mapped", now)
         c = self.counts
         c["peak_resident"] = max(c["peak_resident"], now)
         if self._key != self._settled_key or over_budget or self._over_pending:
@@ -205,6 +233,8 @@ class Executor:
                     if not need or too_big or late or self.physical() + need <= budget:
                         if late:
                             self.counts["room_timeouts"] += 1
+                        if need:
+                            self._event("load", need)
                         self.engine.require(bases, stream)
                         break
                 waited = True
@@ -214,6 +244,7 @@ class Executor:
         if waited:
             self.counts["room_waits"] += 1
             self.counts["room_wait_s"] += time.perf_counter() - t
+            self._event("wait", round(time.perf_counter() - t, 6), t)
 
     # -- the mover ----------------------------------------------------------------------------
 
@@ -254,6 +285,8 @@ class Executor:
                                 if late:
                                     self.counts["room_timeouts"] += 1
                                 # a load from the engine's own host copy leaves it clean until written
+                                if need:
+                                    self._event("prefetch", need)
                                 eng.prefetch(base)
                                 break
                     time.sleep(POLL_S)
@@ -271,6 +304,13 @@ class Executor:
         if self._mover is not None:
             self._moves.put(None)
             self._mover.join(30)
+
+    def timeline(self) -> dict[str, Any]:
+        """The event log (module docstring) with what a picture's title needs."""
+        return {"type": "sched_timeline", "version": 1, "policy": self.policy.policy,
+                "lookahead": self.policy.lookahead, "fraction": self.cfg.get("fraction"),
+                "footprint": self._total, "events": list(self._log or []), "dropped": self._log_dropped,
+                "max_events": self._log_max}
 
     def summary(self) -> dict[str, Any]:
         eng = self.engine.stats()
@@ -344,6 +384,17 @@ class OnlineAgent(Agent):
         ex = self.executor
         if ex is not None:
             ex.close()
+            tl = self.sched_cfg.get("timeline")
+            if tl:
+                try:
+                    data = ex.timeline()
+                    data["summary"] = {k: v for k, v in ex.summary().items()
+                                       if not isinstance(v, (dict, list))}
+                    with open(tl + ".tmp", "w") as f:
+                        json.dump(data, f, separators=(",", ":"))
+                    os.rename(tl + ".tmp", tl)
+                except OSError as exc:
+                    print(f"gpu-prefetch-sched: cannot write the timeline: {exc}", file=sys.stderr, flush=True)
             path = self.sched_cfg.get("summary")
             if path:
                 try:

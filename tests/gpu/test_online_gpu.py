@@ -71,3 +71,32 @@ def test_a_budget_above_the_footprint_moves_nothing(tmp_path, plain):
     job, s = sched_run(tmp_path, "--budget", "8GiB")
     assert job["digests"] == plain["digests"]
     assert s["evictions"] == 0 and s["bytes_in"] == 0 and s["over_budget"] == 0, s
+
+
+def test_the_timeline_is_recorded_and_matches_the_summary(tmp_path, plain):
+    tl = tmp_path / "timeline.json"
+    job, s = sched_run(tmp_path, "--budget", "66%", "--timeline", str(tl))
+    assert job["digests"] == plain["digests"]
+    data = json.loads(tl.read_text())
+    assert data["type"] == "sched_timeline" and data["dropped"] == 0
+    kinds = [e[1] for e in data["events"]]
+    assert kinds.count("evict") == s["evictions"] > 0, (kinds.count("evict"), s["evictions"])
+    moved = sum(e[2] for e in data["events"] if e[1] in ("load", "prefetch"))
+    assert moved == s["bytes_in"], (moved, s["bytes_in"])
+    assert kinds.count("mapped") >= s["launches"]
+
+
+def test_the_managed_memory_baseline_faults_back_what_it_pushed_out(tmp_path, plain):
+    """stencil_job.py --managed: the same arrays in managed memory under a software budget,
+    evicted to the host before each kernel, faulted back by the kernels: bit-identical."""
+    out = tmp_path / "um.json"
+    p = subprocess.run([sys.executable, str(JOB), *ARGS, "--managed", "0.5", "--out", str(out)], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    um = json.loads(out.read_text())
+    assert um["digests"] == plain["digests"]
+    assert um["um_budget"] == plain["total_bytes"] // 2 and um["um_peak_resident"] <= um["um_budget"]
+    # the cyclic loop under LRU: one array out and one faulted back per step (the first step:
+    # its four arrays, the fill having left the last four resident)
+    assert um["um_evictions"] == um["um_faulted_in"] == um["steps"] + 3, um
+    assert um["gpu_free_before"] >= plain["total_bytes"] and um["um_evict_path"], um
