@@ -925,7 +925,8 @@ class DriverOps:
     def elapsed_ms(self, start: Any, end: Any) -> float:
         from cuda.bindings import driver as drv
 
-        return float(_ok(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+        f = getattr(drv, "cuEventElapsedTime", None) or drv.cuEventElapsedTime_v2
+        return float(_ok(f(start, end), "cuEventElapsedTime"))
 
     def sync_all(self) -> None:
         from cuda.bindings import driver as drv
