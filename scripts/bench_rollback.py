@@ -19,7 +19,11 @@ submitted; the first kernel then waits on the GPU for the write-back of what it 
 the 1 MiB array it adds to). Lazy full write-back: the engine's background thread from its
 start to every buffer back (ping's residency.lazy).
 
-    python3 scripts/bench_rollback.py [--gib 8] [--reps 2] [--modes plain,owned] [--dir DIR] [--json FILE]
+Each lazy rep also gives the engine's GPU timing of its demand loads (ms from the background
+loader's start: issued on the host, copy start and end on the GPU) and when the background
+copies ended on the GPU; a `-noyield` mode runs the job with the loader not pausing for them.
+
+    python3 scripts/bench_rollback.py [--gib 8] [--reps 2] [--modes plain,owned,plain-noyield] [--dir DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,26 +44,29 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_suspend import JOB, check, stop, wait_file, wait_lazy_done  # noqa: E402
+from bench_suspend import JOB, check, demand_text, stop, wait_file, wait_lazy_done  # noqa: E402
 
 GIB = 1 << 30
 
 
-def start(d: Path, gib: float, owned: bool) -> subprocess.Popen:
+def start(d: Path, gib: float, owned: bool, no_yield: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("GPUOS_AGENT_OWN", None)
+    env.pop("GPUOS_ENGINE_NO_YIELD", None)
     if owned:
         env["GPUOS_AGENT_OWN"] = "1"
+    if no_yield:  # the engine's loader keeps feeding while a demand load is in flight (as before 2026-11-24)
+        env["GPUOS_ENGINE_NO_YIELD"] = "1"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
            str(d / "trace.ndjson.zst"), "--", sys.executable, str(JOB), "--gib", str(gib), "--dir", str(d)]
     return subprocess.Popen(cmd, env=env, cwd=ROOT)
 
 
-def one_job(gib: float, reps: int, owned: bool, where: Path) -> dict[str, Any]:
+def one_job(gib: float, reps: int, owned: bool, where: Path, no_yield: bool = False) -> dict[str, Any]:
     from gpuos_tools.agent import control
 
     d = Path(tempfile.mkdtemp(prefix="bench-rollback-", dir=where))
-    proc = start(d, gib, owned)
+    proc = start(d, gib, owned, no_yield)
     rows: list[dict[str, Any]] = []
     try:
         ready = wait_file(d / "ready", proc)
@@ -93,16 +100,17 @@ def one_job(gib: float, reps: int, owned: bool, where: Path) -> dict[str, Any]:
                 row["writeback_s"], row["writeback_gbps"] = lz.get("load_s"), lz.get("load_gbps")
             rows.append(row)
             more = (f", write-back {lz.get('load_s')} s @ {lz.get('load_gbps')} GB/s (demand {lz.get('demand_loads')}, "
-                    f"background {lz.get('background_loads')}, unknown {lz.get('unknown_requires')})"
+                    f"background {lz.get('background_loads')}, unknown {lz.get('unknown_requires')}, "
+                    f"in order {ans.get('order_predicted')}){demand_text(lz)}"
                     if res is not None else f" ({ans['gbps']} GB/s)")
-            print(f"  {'owned' if owned else 'plain'} {mode}: read+check {ans['read_s']:.2f} s, held "
+            print(f"  {'owned' if owned else 'plain'}{'-noyield' if no_yield else ''} {mode}: read+check {ans['read_s']:.2f} s, held "
                   f"{ans['stall_s'] * 1000:.2f} ms{more}, to first kernel "
                   f"{to_kernel * 1000 if to_kernel is not None else float('nan'):.2f} ms, data same {same}",
                   file=sys.stderr, flush=True)
     finally:
         stop(d, proc)
         shutil.rmtree(d, ignore_errors=True)
-    return {"owned": owned, "bytes": snap["bytes"], "image_s": round(image_s, 3), "rows": rows}
+    return {"owned": owned, "no_yield": no_yield, "bytes": snap["bytes"], "image_s": round(image_s, 3), "rows": rows}
 
 
 def med(rows: list[dict[str, Any]], get: Any) -> float | None:
@@ -128,6 +136,9 @@ def summary(job: dict[str, Any]) -> dict[str, Any]:
             out[mode]["writeback_gbps"] = med(rs, lambda r: r.get("writeback_gbps"))
             out[mode]["demand_loads"] = [((r["residency"] or {}).get("lazy") or {}).get("demand_loads") for r in rs]
             out[mode]["unknown_requires"] = [((r["residency"] or {}).get("lazy") or {}).get("unknown_requires") for r in rs]
+            out[mode]["order_predicted"] = [r["rollback"].get("order_predicted") for r in rs]
+            out[mode]["demand_gpu"] = [((r["residency"] or {}).get("lazy") or {}).get("demand") for r in rs]
+            out[mode]["background_gpu_ms"] = [((r["residency"] or {}).get("lazy") or {}).get("background_gpu_ms") for r in rs]
     return out
 
 
@@ -135,7 +146,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--modes", default="plain,owned", help="plain, owned or both (comma-separated)")
+    ap.add_argument("--modes", default="plain,owned",
+                    help="plain, owned or both (comma-separated); a mode with -noyield (plain-noyield, owned-noyield): "
+                         "the same job with GPUOS_ENGINE_NO_YIELD=1, the loader not pausing for demand loads")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the image goes (--gib GiB)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
@@ -153,11 +166,12 @@ def main() -> int:
     nv.close()
     rc = 0
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        if mode not in ("plain", "owned"):
-            raise SystemExit(f"--modes: {mode!r} is not plain or owned")
+        kind, _, variant = mode.partition("-")
+        if kind not in ("plain", "owned") or variant not in ("", "noyield"):
+            raise SystemExit(f"--modes: {mode!r} is not plain, owned, plain-noyield or owned-noyield")
         print(f"bench_rollback: {mode}", file=sys.stderr, flush=True)
         try:
-            job = one_job(args.gib, args.reps, mode == "owned", Path(args.dir))
+            job = one_job(args.gib, args.reps, kind == "owned", Path(args.dir), no_yield=variant == "noyield")
         except Exception as e:  # noqa: BLE001 (the other mode's figures still stand)
             out["jobs"][mode] = {"error": f"{type(e).__name__}: {e}"}
             print(f"bench_rollback: {mode}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

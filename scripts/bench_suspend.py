@@ -127,6 +127,17 @@ def first_kernel(d: Path, proc: subprocess.Popen, t_request: float) -> float:
     return wait_file(d / "stamp.json", proc, timeout=120)["t"] - t_request
 
 
+def demand_text(lz: dict[str, Any]) -> str:
+    """The engine's GPU timing of its demand loads (ms from the background loader's start)."""
+    out = "".join(f"; demand copy of {x['bytes'] >> 20} MiB issued at {x['issued_ms']:.2f} ms, on the GPU "
+                  f"{x['gpu_start_ms']:.2f}-{x['gpu_end_ms']:.2f} ms" for x in lz.get("demand") or [])
+    if lz.get("background_gpu_ms") is not None:
+        out += f"; background copies ended on the GPU at {lz['background_gpu_ms']:.1f} ms"
+    if lz.get("yields"):
+        out += f"; loader paused {lz['yields']}x ({lz.get('yield_s', 0) * 1000:.2f} ms)"
+    return out
+
+
 def wait_lazy_done(sock: Any, timeout: float = 120.0) -> dict[str, Any]:
     """The residency engine's stats once its lazy reload has finished."""
     from gpuos_tools.agent import control
@@ -185,7 +196,8 @@ def agent_path(nv: Any, gib: float, reps: int, hold: float, lazy: bool = True) -
                 rows.append(row)
                 lz = (res or {}).get("lazy") or {}
                 more = (f", reload {row['reload_s']} s @ {row['reload_gbps']} GB/s (demand {lz.get('demand_loads')}, "
-                        f"background {lz.get('background_loads')})" if res is not None else
+                        f"background {lz.get('background_loads')}, in order {lz.get('order_predicted')})"
+                        f"{demand_text(lz)}" if res is not None else
                         f" @ {r['load_gbps']} GB/s")
                 print(f"  agent {mode}: suspend {t1 - t0:.3f} s (staging {s['staging_s']:.3f}, lock+settle+sync "
                       f"{s['lock_s'] + s['settle_s'] + s['sync_s']:.4f}, save {s['save_s']:.3f} s @ {s['save_gbps']} GB/s), "
@@ -273,6 +285,9 @@ def side_by_side(agent: dict[str, Any], driver: dict[str, Any] | None, gib: floa
             "reload_gbps_each": [r["reload_gbps"] for r in lz],
             "demand_loads": [(r["residency"].get("lazy") or {}).get("demand_loads") for r in lz],
             "stream_waits": [(r["residency"].get("lazy") or {}).get("stream_waits") for r in lz],
+            "order_predicted": [(r["residency"].get("lazy") or {}).get("order_predicted") for r in lz],
+            "demand_gpu": [(r["residency"].get("lazy") or {}).get("demand") for r in lz],
+            "background_gpu_ms": [(r["residency"].get("lazy") or {}).get("background_gpu_ms") for r in lz],
             "checksum_same": all(r["checksum_same"] for r in lz),
         }
     if driver is not None:

@@ -103,6 +103,13 @@ class FakeOps:
     def destroy(self, ev):
         pass
 
+    def timer(self):
+        self._n += 1
+        return self._n
+
+    def elapsed_ms(self, start, end):
+        return float(end - start)  # the fake's clock: creation order
+
     def sync_all(self):
         self.log.append(("sync_all",))
 
@@ -205,24 +212,109 @@ def test_background_load_follows_first_touch_order_then_addresses_and_completes(
 
 
 def test_background_loader_keeps_a_bounded_amount_ahead():
-    eng, ops, agent = setup(ahead=300 * MIB)  # one 256 MiB record in flight past the bound
+    eng, ops, agent = setup(ahead=600 * MIB)  # two 256 MiB records fit, a third would not
     t = eng.load_rest()
-    for _ in range(100):
-        if len(ops.calls("copy_in")) >= 2:
-            break
-        threading.Event().wait(0.01)
-    assert len(ops.calls("copy_in")) == 2  # the second pushed it past 300 MiB: it waits on the first
-    first = [c for c in ops.log if c[0] == "record"][0][1]
+    assert _until(lambda: len(ops.calls("copy_in")) >= 2)
+    threading.Event().wait(0.1)
+    assert len(ops.calls("copy_in")) == 2  # a third would pass 600 MiB: it waits on the first
+    first = _load_events(ops)[0]
     ops.finish(first)
-    for _ in range(100):
-        if len(ops.calls("copy_in")) >= 3:
-            break
-        threading.Event().wait(0.01)
+    assert _until(lambda: len(ops.calls("copy_in")) >= 3)
+    threading.Event().wait(0.1)
     assert len(ops.calls("copy_in")) == 3
     ops.auto = True
     ops.finish(*range(100))
     t.join(10)
     assert eng.settled
+
+
+def test_the_most_recently_touched_come_first_and_recency_is_sampled_once_all_is_learnt():
+    from gpuos_tools.agent.engine import SAMPLE
+
+    recs = [Rec(b, 256 * MIB) for b in BASES]
+    ops = FakeOps(recs, auto=True)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(BASES)})
+    eng = ResidencyEngine(agent, ops)
+    for k, touched in (("a", (1,)), ("b", (2,)), ("c", (3,)), ("d", (4,))):
+        agent.launches[k] = (False, touched, ())
+    for k in "abcd":  # first touches: 1, 2, 3, 4
+        assert eng.watching
+        eng.launch(0, k, None, None)
+    assert list(eng.first_touch) == [1, 2, 3, 4]
+    # all learnt: one operation in SAMPLE is looked at; a loop on allocation 3 shows up there
+    looked = 0
+    for _ in range(3 * SAMPLE):
+        if eng.watching:
+            looked += 1
+            eng.launch(0, "c", None, None)
+    assert looked == 3
+    assert list(eng.recent)[-1] == 3
+    for r in recs:
+        r.resident = False
+    for b in BASES:
+        eng.adopt(b, 256 * MIB, [(0x5000_0000 + b, 256 * MIB)])
+    # newest first: 3 (the loop), then 4, 2, 1 by their last touches
+    assert eng.order() == [BASES[2], BASES[3], BASES[1], BASES[0]]
+    eng.load_rest().join(10)
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[2], BASES[3], BASES[1], BASES[0]]
+    assert eng.stats()["lazy"]["order_predicted"] == 4
+
+
+def _load_events(ops):
+    """The events recorded right after each copy_in, in order (the loads' own, not timers)."""
+    return [b[1] for a, b in zip(ops.log, ops.log[1:]) if a[0] == "copy_in" and b[0] == "record"]
+
+
+def _until(cond):
+    for _ in range(200):
+        if cond():
+            return True
+        threading.Event().wait(0.01)
+    return cond()
+
+
+def test_the_loader_issues_nothing_more_while_a_demand_load_is_in_flight_and_times_it():
+    eng, ops, agent = setup(ahead=600 * MIB)
+    t = eng.load_rest()
+    assert _until(lambda: len(ops.calls("copy_in")) == 2)  # BASES[0], [1]; it waits on the first
+    agent.launches["k"] = (False, (4,), ())
+    eng.launch(9, "k", None, None)  # the program touches the last: loaded on demand
+    loads = ops.calls("copy_in")
+    assert len(loads) == 3 and loads[2][1] == BASES[3] and loads[2][2] != loads[0][2]
+    ev0, ev1, demand = _load_events(ops)
+    ops.finish(ev0)  # room ahead again: without the demand load it would issue BASES[2] now
+    assert _until(lambda: ("synchronize", ev0) in ops.log)
+    threading.Event().wait(0.1)
+    assert len(ops.calls("copy_in")) == 3, "a background copy was queued while the demand load was in flight"
+    ops.finish(demand)
+    assert _until(lambda: len(ops.calls("copy_in")) == 4)
+    assert ops.calls("copy_in")[3][1] == BASES[2]
+    ops.auto = True
+    ops.finish(*range(100))
+    t.join(10)
+    lazy = eng.stats()["lazy"]
+    assert lazy["done"] and lazy["yields"] == 1 and lazy["demand_loads"] == 1
+    # the demand load's copy between two timers on its stream, against the background's start
+    (d,) = lazy["demand"]
+    assert d["bytes"] == 256 * MIB and 0 < d["gpu_start_ms"] < d["gpu_end_ms"] and d["issued_ms"] >= 0
+    assert lazy["background_gpu_ms"] > 0 and "timing_error" not in lazy
+
+
+def test_without_yield_the_loader_feeds_on_past_a_demand_load(monkeypatch):
+    monkeypatch.setenv("GPUOS_ENGINE_NO_YIELD", "1")  # the measurement switch of bench_rollback's -noyield modes
+    eng, ops, agent = setup(ahead=600 * MIB)
+    t = eng.load_rest()
+    assert _until(lambda: len(ops.calls("copy_in")) == 2)
+    agent.launches["k"] = (False, (4,), ())
+    eng.launch(9, "k", None, None)
+    ev0 = _load_events(ops)[0]
+    ops.finish(ev0)
+    assert _until(lambda: len(ops.calls("copy_in")) == 4)  # BASES[2] queued behind nothing but room
+    ops.auto = True
+    ops.finish(*range(100))
+    t.join(10)
+    lazy = eng.stats()["lazy"]
+    assert lazy["yield_to_demand"] is False and "yields" not in lazy and len(lazy["demand"]) == 1
 
 
 def test_a_demand_load_meanwhile_is_not_loaded_twice():

@@ -210,7 +210,7 @@ class Agent(ProcessView):
         self._operation(stream)
         eng = self.engine
         try:
-            if eng is not None and eng.watching:  # owned records to load first, or first touches to learn
+            if eng is not None and eng.watching:  # records to load first, touches to learn or sample
                 eng.launch(_stream_of(api, stream), kernel, sizes, args)
         finally:  # a failing engine must not skip a snapshot's protection (they never run together)
             self._before_launch_snap(api, stream, kernel, sizes, args)
@@ -550,9 +550,10 @@ class Agent(ProcessView):
         every buffer is handed to the residency engine as pending (``adopt(..., mapped=True)``,
         its contents in the staging) and the lock is let go at once: each operation of the
         program waits on the GPU for the write-back of the buffers it touches (unknown: all),
-        while the engine's thread writes the rest back in first-touch order. A program whose
-        memory is not owned gets an engine here (``owned=False``: loads only), which learns
-        first touches from then on; its first lazy rollback writes back in address order.
+        while the engine's thread writes the rest back, the most recently touched first, then in
+        first-touch order. A program whose memory is not owned gets an engine here
+        (``owned=False``: loads only), which learns touches from then on; its first lazy
+        rollback writes back in address order.
         """
         from cuda.bindings import driver as drv
 

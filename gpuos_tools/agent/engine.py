@@ -31,10 +31,15 @@ come out unknown, which is what the predictor's rules are for (gpuos_tools/acces
 
 Lazy resume (``adopt`` + ``load_rest``): the suspend hands over every released record with the
 pieces of staging holding its contents; the program goes on at once, each operation waiting
-only for what it touches, while a background thread loads the rest in predicted first-access
-order -- the order in which the program's operations first touched the records, recorded from
-the agent's start (``touch``), then by address -- on its own stream, a bounded amount ahead,
-so that a demand load never queues behind more than that.
+only for what it touches, while a background thread loads the rest in predicted access order --
+the records the program touched most recently first (``recent``: every operation while the
+engine is consulted anyway, else one in ``SAMPLE``; newest first, so that a loop's working set
+comes before what was touched once long ago), then in the order first touched since the agent's
+start (``first_touch``), then by address -- on its own stream, a bounded amount ahead. While a
+demand load is in flight the loader issues nothing more (``_yield_to_demand``), so that the
+demand copy waits at most for what was enqueued when it came (measured on an H100: with the
+loader feeding on, a demand copy on another stream ran only after the whole reload). The first
+demand loads of a lazy load are timed on the GPU (``stats()['lazy']['demand']``).
 
 ``evict(base)`` (for gpu-prefetch-sched; refused while a snapshot is in progress, which copies
 every buffer): on a thread of the engine's, the agent's lock is
@@ -63,6 +68,7 @@ until ``settled``).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -73,7 +79,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
 RESIDENT, LOADING, RELEASED, EVICTING = "resident", "loading", "released", "evicting"
-AHEAD = 512 << 20  #: bytes the background loader keeps enqueued ahead of completion
+AHEAD = 512 << 20  #: bytes the background loader keeps enqueued ahead of completion (at most; or one record)
+SAMPLE = 16  #: once everything is learnt, one operation of the program in SAMPLE is looked at for recency
+RECENT_MAX = 4096  #: allocation ids kept in ``recent`` (the least recent dropped beyond it)
+PROBES = 8  #: demand loads of a lazy load timed on the GPU (its figures: ``stats()['lazy']['demand']``)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD: from another thread, the legacy stream orders after it
 
 Pieces = list[tuple[int, int]]  #: (host address, bytes), contiguous over a record, in order
@@ -95,6 +104,8 @@ class Ops(Protocol):
     def done(self, ev: Any) -> bool: ...
     def synchronize(self, ev: Any) -> None: ...
     def destroy(self, ev: Any) -> None: ...
+    def timer(self) -> Any: ...  # an event that keeps its time (for the lazy load's figures)
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...  # between two completed timers
     def sync_all(self) -> None: ...  # the context's work has completed
     def enter(self) -> None: ...  # make the program's context current on this thread
 
@@ -126,15 +137,29 @@ class ResidencyEngine:
         self.owned = owned
         self.ops = ops if ops is not None else DriverOps(agent, owned=owned)
         self.ahead = ahead
+        #: the loader pauses while a demand load is in flight (``_yield_to_demand``); off only
+        #: with GPUOS_ENGINE_NO_YIELD=1, to measure what it buys (scripts/bench_rollback.py)
+        self.yield_to_demand = os.environ.get("GPUOS_ENGINE_NO_YIELD") != "1"
         self.lock = threading.RLock()
         self.pending: dict[int, Entry] = {}  #: base -> entry, records not simply resident
         self._bases: list[int] = []  #: sorted keys of pending
         self.clean: set[int] = set()  #: resident records whose own host copy equals the device's
         self.first_touch: dict[int, None] = {}  #: allocation ids in the order first touched
+        #: allocation ids, least recently touched first (every operation while the engine is
+        #: consulted anyway, else one in SAMPLE): a loop's working set is at the end
+        self.recent: dict[int, None] = {}
+        self._unwatched = 0  #: operations not looked at since the last sample
         self._streams: dict[str, Any] = {}
         self._loader: threading.Thread | None = None
         self._loading = False  #: the background loader runs (it may wait on any load event)
         self._retired: list[Any] = []  #: events of dropped records, destroyed when it ends
+        #: load events of demand loads issued while the loader runs: it issues nothing more until
+        #: they have completed (``_yield_to_demand``)
+        self._demands: list[Any] = []
+        #: while the loader runs, (timer before, timer after, host time, bytes) of the first
+        #: demand loads, and the timer recorded on the background stream at its start
+        self._probes: list[tuple[Any, Any, float, int]] = []
+        self._t0: Any = None
         self._evictq: queue.Queue[int | None] = queue.Queue()
         self._evictor: threading.Thread | None = None
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
@@ -225,17 +250,34 @@ class ResidencyEngine:
 
     @property
     def watching(self) -> bool:
-        """Whether launches need a prediction: records pending or clean, or first touches still
-        to record."""
+        """Whether this operation needs a prediction: records pending or clean, first touches
+        still to record, or (one operation in SAMPLE) recency to sample. Asked once per
+        operation of the program."""
         a = self.agent
-        return bool(self.pending or self.clean or len(self.first_touch) < len(a.by_id))
+        if self.pending or self.clean or len(self.first_touch) < len(a.by_id):
+            return True
+        self._unwatched += 1
+        if self._unwatched < SAMPLE:
+            return False
+        self._unwatched = 0
+        return True
+
+    def _touched(self, i: int) -> None:
+        """Allocation ``i`` is touched now (program thread, agent's lock held)."""
+        if i not in self.first_touch:
+            self.first_touch[i] = None
+        recent = self.recent
+        recent.pop(i, None)
+        recent[i] = None
+        if len(recent) > RECENT_MAX:
+            for j in list(recent)[: RECENT_MAX // 2]:
+                del recent[j]
 
     def launch(self, stream: int, kernel: str, sizes: Any, args: Any) -> None:
         """Before a launch on ``stream``."""
         unknown, touched, writes = self.agent._touches(kernel, sizes, args)
         for i in touched:
-            if i not in self.first_touch:
-                self.first_touch[i] = None
+            self._touched(i)
         if self.clean:
             if unknown:
                 self.clean.clear()
@@ -262,11 +304,11 @@ class ResidencyEngine:
                 self.freeing(dst)
             return
         allocs = getattr(getattr(self.agent, "pred", None), "allocs", None)
-        if allocs is not None and len(self.first_touch) < len(self.agent.by_id):
+        if allocs is not None:
             for addr in (dst, src):
                 a = allocs.find(addr) if addr else None
-                if a is not None and a.id not in self.first_touch:
-                    self.first_touch[a.id] = None
+                if a is not None:
+                    self._touched(a.id)
         if _opaque_copy(api):  # 3D copies and copies through arrays: addresses not read here
             self.clean.clear()
             if self.pending:
@@ -325,8 +367,21 @@ class ResidencyEngine:
                     self.counts["evictions_cancelled"] += 1
                     continue
                 if e.state == RELEASED:
-                    if not self._load(e, self._stream("demand")):
+                    demand = self._stream("demand")
+                    probe = self._loading and self._t0 is not None and len(self._probes) < PROBES
+                    if probe:
+                        before = self.ops.timer()
+                        self.ops.record(before, demand)
+                    if not self._load(e, demand):
+                        if probe:
+                            self.ops.destroy(before)
                         continue
+                    if probe:
+                        after = self.ops.timer()
+                        self.ops.record(after, demand)
+                        self._probes.append((before, after, time.perf_counter(), e.size))
+                    if self._loading and self.yield_to_demand:
+                        self._demands.append(e.event)
                     e.on_demand = True
                     self.counts["demand_loads"] += 1
                 if e.state == LOADING:
@@ -403,7 +458,9 @@ class ResidencyEngine:
             self._put(Entry(base, size, RELEASED, list(pieces), mapped=mapped))
 
     def order(self) -> list[int]:
-        """Pending released records in predicted first-access order, then by address."""
+        """Pending released records in predicted access order: the most recently touched
+        first (``recent``, newest first: what a loop touches every step, before what was last
+        touched long ago), then in first-touch order, then by address."""
         return self._order()[0]
 
     def _order(self) -> tuple[list[int], int]:
@@ -413,7 +470,7 @@ class ResidencyEngine:
     def _order_locked(self) -> tuple[list[int], int]:
         by_id = getattr(self.agent, "by_id", {})
         seen: dict[int, None] = {}
-        for i in self.first_touch:
+        for i in [*reversed(list(self.recent)), *list(self.first_touch)]:
             a = by_id.get(i)
             if a is not None:
                 e = self._find(a.addr)
@@ -428,17 +485,46 @@ class ResidencyEngine:
         with self.lock:
             order, predicted = self._order_locked()
             self.lazy = {"kind": kind, "records": len(self.pending), "bytes": sum(e.size for e in self.pending.values()),
-                         "order_predicted": predicted, "t_start": time.perf_counter(), "done": False}
+                         "order_predicted": predicted, "yield_to_demand": self.yield_to_demand,
+                         "t_start": time.perf_counter(), "done": False}
             self._counts_at_start = dict(self.counts)
+            self._demands, self._probes, self._t0 = [], [], None
+            try:  # the GPU's clock for the demand loads' figures, from before the first background copy
+                with self._own():
+                    self.ops.enter()
+                    t0 = self.ops.timer()
+                    self.ops.record(t0, self._stream("background"))
+                self._t0 = t0
+            except Exception as exc:  # noqa: BLE001 (figures only)
+                self.lazy["timing_error"] = f"{type(exc).__name__}: {exc}"
         t = threading.Thread(target=self._load_all, args=(order,), name="gpuos-engine-loader", daemon=True)
         self._loader = t
         self._loading = True
         t.start()
         return t
 
+    def _yield_to_demand(self) -> None:
+        """Wait (on the host, this thread only) for the demand loads issued since the last call.
+        The background loader issues nothing more meanwhile: a copy engine does not interleave
+        one stream's queued copies with another's at a fine grain, so a demand copy otherwise
+        waits behind as much as the loader keeps feeding, not only behind what was queued
+        when it came (BENCHMARKS.md, issue 7: the whole reload)."""
+        with self.lock:
+            evs, self._demands = self._demands, []
+        if not evs:
+            return
+        t = time.perf_counter()
+        for ev in evs:  # retired, not destroyed, while the loader runs (``_drop``)
+            self.ops.synchronize(ev)
+        lazy = self.lazy
+        if lazy is not None:
+            lazy["yields"] = lazy.get("yields", 0) + 1
+            lazy["yield_s"] = round(lazy.get("yield_s", 0.0) + time.perf_counter() - t, 6)
+
     def _load_all(self, order: Sequence[int]) -> None:
         lazy = self.lazy
         in_flight: list[tuple[Any, int]] = []
+        t_end = None
         with self._own():
             self.ops.enter()
             try:
@@ -447,12 +533,26 @@ class ResidencyEngine:
                         e = self.pending.get(base)
                         if e is None or e.state != RELEASED:
                             continue
+                        size = e.size
+                    # at most ``ahead`` bytes enqueued (or one record): what a demand copy may
+                    # find ahead of it
+                    while in_flight and sum(n for _, n in in_flight) + size > self.ahead:
+                        self.ops.synchronize(in_flight.pop(0)[0])
+                    self._yield_to_demand()
+                    with self.lock:
+                        e = self.pending.get(base)
+                        if e is None or e.state != RELEASED:  # loaded on demand meanwhile, or freed
+                            continue
                         if not self._load(e, self._stream("background")):
                             continue
                         self.counts["background_loads"] += 1
                         in_flight.append((e.event, e.size))
-                    while in_flight and sum(n for _, n in in_flight) > self.ahead:
-                        self.ops.synchronize(in_flight.pop(0)[0])
+                if self._t0 is not None:  # after the last background copy
+                    try:
+                        t_end = self.ops.timer()
+                        self.ops.record(t_end, self._stream("background"))
+                    except Exception:  # noqa: BLE001 (figures only)
+                        t_end = None
                 # what is left: loads (background or on demand) still in flight
                 while True:
                     with self.lock:
@@ -486,6 +586,36 @@ class ResidencyEngine:
                     for ev in self._retired:
                         self.ops.destroy(ev)
                     self._retired.clear()
+                    self._demands = []
+                    probes, self._probes = self._probes, []
+                    t0, self._t0 = self._t0, None
+                self._timings(lazy, t0, t_end, probes)
+
+    def _timings(self, lazy: dict[str, Any], t0: Any, t_end: Any, probes: list[tuple[Any, Any, float, int]]) -> None:
+        """The lazy load's GPU figures (ms from the timer recorded on the background stream at
+        its start): ``background_gpu_ms``, when its last copy ended; ``demand``, per timed demand
+        load, when it was issued (host, from ``load_rest``) and when its copy started and ended
+        on the GPU. Destroys the timers."""
+        ops = self.ops
+        try:
+            if t0 is None:
+                return
+            if t_end is not None:
+                ops.synchronize(t_end)
+                lazy["background_gpu_ms"] = round(ops.elapsed_ms(t0, t_end), 3)
+            out = []
+            for before, after, t_host, n in probes:
+                ops.synchronize(after)
+                out.append({"bytes": n, "issued_ms": round((t_host - lazy["t_start"]) * 1000, 3),
+                            "gpu_start_ms": round(ops.elapsed_ms(t0, before), 3),
+                            "gpu_end_ms": round(ops.elapsed_ms(t0, after), 3)})
+            lazy["demand"] = out
+        except Exception as exc:  # noqa: BLE001 (figures only)
+            lazy["timing_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for ev in [t0, t_end] + [x for p in probes for x in p[:2]]:
+                if ev is not None:
+                    ops.destroy(ev)
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Wait for the background loader (True: nothing pending any more)."""
@@ -786,6 +916,17 @@ class DriverOps:
         from cuda.bindings import driver as drv
 
         drv.cuEventDestroy(ev)
+
+    def timer(self) -> Any:
+        from cuda.bindings import driver as drv
+
+        return _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate(timer)")
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        from cuda.bindings import driver as drv
+
+        f = getattr(drv, "cuEventElapsedTime", None) or drv.cuEventElapsedTime_v2
+        return float(_ok(f(start, end), "cuEventElapsedTime"))
 
     def sync_all(self) -> None:
         from cuda.bindings import driver as drv

@@ -206,7 +206,7 @@ yet is mapped and its load enqueued on a stream of the agent's, and the operatio
 waits for the load on the GPU (the program's thread does not wait). What a launch touches is
 the agent's prediction of its reads and writes; a launch it cannot predict ("unknown") and a
 graph launch wait for every buffer not yet back, i.e. for the rest of the reload. The rest loads
-in the background in the order the program first touched its buffers before the suspend. So a
+in the background, the buffers the program touched most recently before the suspend first. So a
 kernel may touch exactly what its arguments (and the pointer arrays the program copied to the
 GPU) say it touches; a kernel that reaches a buffer some other way, and is not marked unknown
 by the predictor, could run before that buffer is back. A device-wide synchronisation by the

@@ -120,9 +120,10 @@ follow), and every graph launch, waits for every buffer not yet back, so "unknow
 whole reload at that point, no more than an eager resume. A copy waits for its source and
 destination (a 3D copy or one through a CUDA array: for every buffer), a memset for its
 destination, a free for a load into what it frees. Meanwhile a
-thread of the agent's loads the rest in the order the program first touched its buffers
-(recorded from the agent's start), then by address, a bounded amount ahead of the GPU so that a
-load on demand does not queue behind it. The guarantee: every operation of the program runs
+thread of the agent's loads the rest, the buffers the program touched most recently first (a
+loop's working set), then in the order it first touched them, then by address, at most 512 MiB
+ahead of the GPU; while a load on demand is in flight it queues nothing more, so that load waits
+at most for those 512 MiB (~10 ms at link speed). The guarantee: every operation of the program runs
 after the buffers it touches (as predicted, or all) hold their suspended contents at their
 addresses. Until every buffer is back, `gpu-ckpt --agent` snapshots and suspends and rollbacks
 are refused (79). A device-wide synchronisation by the program (cudaDeviceSynchronize,
@@ -141,18 +142,19 @@ operation that touches a buffer not yet written back makes its stream wait on th
 buffer's write-back (issued there on demand if it has not started); an unknown launch and every
 graph launch wait for all of them; a copy (synchronous or not) waits for its source and
 destination; a free waits for a write-back in flight into what it frees and the buffer is then
-forgotten. A thread of the agent's writes the rest back in first-touch order, then by address,
-at link speed. It works whether or not the program's memory is owned: for plain allocations the
+forgotten. A thread of the agent's writes the rest back, the most recently touched buffers
+first, then in first-touch order, then by address, at link speed, pausing while a write-back on
+demand is in flight. It works whether or not the program's memory is owned: for plain allocations the
 agent starts its engine at the first lazy rollback, so that one writes back in address order
-(demand first) and later ones in first-touch order. The costs: the guarantee rests on the
+(demand first) and later ones in the order learned since. The costs: the guarantee rests on the
 prediction, and a kernel that reaches a buffer by a pointer the prediction does not see reads
 its old contents (an owned buffer of a lazy resume would fault instead); once the engine runs,
 launches are predicted until every allocation has been touched; until every buffer is back,
 snapshots, suspends and rollbacks are refused (79) and the image's pinned staging stays in use.
-Measured on an H100 (8 GiB): the program is held under 1 ms instead of ~160 ms, but an operation
-whose buffer must be written back on demand while the background write-back streams waited, in
-that run, about as long as the whole write-back (the demand copy did not overtake the
-background's); a buffer written back first in first-touch order costs nothing.
+Measured on an H100 (8 GiB): the program is held under 1 ms instead of ~160 ms; its first kernel
+ran 2.4-2.8 ms after the hold when its buffer was written back first (recency order), 11.1 ms
+when that buffer needed a write-back on demand (159.8 ms, the whole write-back, with the
+background not pausing: the copy engine served the background stream's queue first).
 The `agent_rollback` record has `lazy: true`; its stall_s is the time the program was held (the
 synchronisation included), gbps is null; the write-back's time and GB/s are in the agent's
 ping answer (`residency.lazy`, kind rollback) once done.
@@ -211,7 +213,7 @@ def restore(
     lazy: bool = typer.Option(
         False, "--lazy",
         help="With --agent --resume or --agent --image: let the program go on at once; each launch, copy or memset "
-        "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it in first-touch order.",
+        "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it, the most recently touched first.",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu restore` (repeatable).",
