@@ -62,10 +62,13 @@ _append = _Q.append
 _now = time.monotonic_ns
 _tid = threading.get_native_id
 
-# func handle -> (n params, struct for the kernelParams array, sizes, offsets) or None
+# func handle -> (n params, struct for the kernelParams array, sizes, offsets) or None. Emptied
+# when a module is unloaded: the driver hands a later module's functions the same handles, and a
+# stale layout read through a new kernel's parameter array dereferences garbage (seen: SIGSEGV in
+# a CuPy FFT program whose cuFFT plans came and went).
 _layouts: dict[int, tuple | None] = {}
 _cubins: list[bytes] = []  # loaded module images, for the .nv.info fallback
-_counters = {"callbacks": 0, "errors": 0}
+_counters = {"callbacks": 0, "errors": 0, "module_unloads": 0}
 _errors_seen: set[str] = set()
 
 
@@ -387,6 +390,9 @@ def _resource(cbid: int, cbdata) -> None:
         if data[:4] == b"\x7fELF":
             _cubins.append(data)
         _append((wire.MODULE, _now(), _tid(), module_id, data))
+    elif cbid == 7:  # MODULE_UNLOAD_STARTING: its functions' handles may come back for others
+        _layouts.clear()
+        _counters["module_unloads"] += 1
     elif cbid in (3, 4):  # STREAM_CREATED / STREAM_DESTROY_STARTING
         stream = _U64(_MEM, ptr + 8)[0]
         _append((wire.STREAM, _now(), _tid(), stream, "create" if cbid == 3 else "destroy"))
@@ -671,7 +677,7 @@ class Tracer:
         return (
             wire.HELLO, os.getpid(), sys.version.split()[0], _cupti_version(),
             {cbid: name for cbid, (name, _, _) in self.table.items()},
-            {3: "stream_created", 4: "stream_destroy", 6: "module_loaded"},
+            {3: "stream_created", 4: "stream_destroy", 6: "module_loaded", 7: "module_unload"},
             self.backend,
         )
 
@@ -738,7 +744,7 @@ class Tracer:
         self.subscriber = cupti.subscribe(callback, None)
         for cbid in driver:
             cupti.enable_callback(1, self.subscriber, cupti.CallbackDomain.DRIVER_API, cbid)
-        for cbid in (3, 4, 6):
+        for cbid in (3, 4, 6, 7):
             cupti.enable_callback(1, self.subscriber, cupti.CallbackDomain.RESOURCE, cbid)
         self.thread = threading.Thread(target=self._drain_loop, name="gpuos-trace-drain", daemon=True)
         self.thread.start()

@@ -186,6 +186,20 @@ static layout_t *learn(void *func, const char *name) {
     return l;
 }
 
+/* A module is being unloaded: the driver may hand its functions' handles to a later module's
+   functions, whose parameters a stale layout would misread (lock held, as for every lookup). */
+static void forget_layouts(void) {
+    for (size_t b = 0; b < NBUCKETS; b++) {
+        for (layout_t *l = buckets[b], *next; l; l = next) {
+            next = l->next;
+            free(l->offsets);
+            free(l->sizes);
+            free(l);
+        }
+        buckets[b] = NULL;
+    }
+}
+
 static inline layout_t *layout_of(void *func, const char *name) {
     for (layout_t *l = buckets[((uintptr_t)func >> 4) % NBUCKETS]; l; l = l->next)
         if (l->func == func) return l;
@@ -418,6 +432,8 @@ static void on_resource(uint32_t cbid, const res_data_t *r) {
         memcpy(p, &id, 8);
         memcpy(p + 8, &size, 8);
         if (size) memcpy(p + 16, m->image, size);
+    } else if (cbid == 7) { /* MODULE_UNLOAD_STARTING */
+        forget_layouts();
     } else if (cbid == 3 || cbid == 4) { /* STREAM: u64 stream, event (0 create 1 destroy) */
         uint64_t v[2] = {(uint64_t)(uintptr_t)r->stream, cbid == 4};
         put_u64s(R_STREAM, cbid, v, 2);
@@ -515,8 +531,8 @@ int gpuos_trace_start(int fd, const char *cupti_path, const uint32_t *kinds, int
         kind_of[cbid] = (uint8_t)kind;
         if (p_enable(1, subscriber, DOMAIN_DRIVER, cbid)) return -5;
     }
-    const uint32_t res[3] = {3, 4, 6};
-    for (int i = 0; i < 3; i++)
+    const uint32_t res[4] = {3, 4, 6, 7};
+    for (int i = 0; i < 4; i++)
         if (p_enable(1, subscriber, DOMAIN_RESOURCE, res[i])) return -6;
     running = 1;
     pthread_atfork(NULL, NULL, forked_child);
