@@ -106,7 +106,9 @@ back from the agent's pinned host memory, and the program's waiting call proceed
 `agent_resume` record: buffers, bytes, resume_s, load_gbps and held_s (how long the program
 waited). Refused with 79 (WRONG_STATE) when the program is not suspended. When the GPU has not
 enough free memory for it any more, the resume fails (71, CUDA_ERROR) and the program stays
-suspended, its memory in host RAM: free the GPU and resume again. Onto another GPU: not yet.
+suspended, its memory in host RAM: free the GPU and resume again. Onto another GPU: not
+through the agent (the program's context stays on its GPU, and the driver's checkpoint, which
+could move it, refuses a process with CUPTI loaded); `--device` is refused with `--resume`.
 
 `--resume --lazy` lets the program go on at once and brings its memory back behind it, through
 the agent's residency engine. The engine stands before each of the program's launches, copies,
@@ -245,9 +247,12 @@ def restore(
     if lazy and agent is None:
         raise GpuosError("--lazy goes with --agent PID --resume or --agent PID --image DIR", ExitCode.USAGE)
     if agent is not None and resume:
-        if any(x is not None for x in (pid, device, device_map, profile, image)) or criu_arg:
-            raise GpuosError("--agent --resume goes with --timeout and -o only (onto another GPU: not yet)",
+        if device is not None or device_map is not None:
+            raise GpuosError("--agent --resume cannot move a program to another GPU: its CUDA context stays on its own, "
+                             "and the driver's checkpoint, which could move it, refuses a process with CUPTI loaded",
                              ExitCode.USAGE)
+        if any(x is not None for x in (pid, profile, image)) or criu_arg:
+            raise GpuosError("--agent --resume goes with --lazy, --timeout and -o only", ExitCode.USAGE)
         _resume(agent, output, timeout, lazy)
         return
     if agent is not None:
