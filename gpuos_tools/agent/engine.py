@@ -664,25 +664,8 @@ class ResidencyEngine:
                 ops.wait(side, e.event)  # the save comes after the load
                 self._drop(base)
             pieces = ops.host(base, r.size)
-            streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
-            for s in sorted(streams):
-                ev = ops.event()
-                try:
-                    ops.record(ev, s)
-                except RuntimeError:  # a stream gone without our seeing it: wait for everything
-                    ops.destroy(ev)
-                    ops.sync_all()
-                    break
-                ops.wait(side, ev)
-                ops.destroy(ev)
-            e = Entry(base, r.size, EVICTING, pieces, own=True)
-            self._put(e)
-            save = base not in self.clean
-            if save:
-                ops.copy_out(base, pieces, side)
-            ev = ops.event()
-            ops.record(ev, side)
-            e.event = ev
+            self._after_program(side)
+            e, ev, save = self._start_save(base, r.size, pieces, side)
         if self._evictor is None or not self._evictor.is_alive():
             self._evictor = threading.Thread(target=self._evict_loop, name="gpuos-engine-evict", daemon=True)
             self._evictor.start()
@@ -713,22 +696,27 @@ class ResidencyEngine:
     def _last_use(self, stream: Any) -> None:
         """``stream`` (the evict stream) waits for everything the program has enqueued."""
         agent = self.agent
-        ops = self.ops
         lock = getattr(agent, "lock", None)
         with lock if lock is not None else _nothing():
             if hasattr(agent, "settle"):
                 agent.settle()
-            streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(agent, "streams", {0})}
-            for s in sorted(streams):
-                ev = ops.event()
-                try:
-                    ops.record(ev, s)
-                except RuntimeError:  # a stream gone without our seeing it: wait for everything
-                    ops.destroy(ev)
-                    ops.sync_all()
-                    return
-                ops.wait(stream, ev)
-                ops.destroy(ev)  # released by the driver once recorded work completes
+            self._after_program(stream)
+
+    def _after_program(self, stream: Any) -> None:
+        """``stream`` waits on the GPU for what the program has enqueued so far, on every stream
+        it has used (the device, when one of them is gone without our seeing it)."""
+        ops = self.ops
+        streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
+        for s in sorted(streams):
+            ev = ops.event()
+            try:
+                ops.record(ev, s)
+            except RuntimeError:  # a stream gone without our seeing it: wait for everything
+                ops.destroy(ev)
+                ops.sync_all()
+                return
+            ops.wait(stream, ev)
+            ops.destroy(ev)  # released by the driver once recorded work completes
 
     def _evict_one(self, base: int) -> None:
         ops = self.ops
@@ -746,15 +734,22 @@ class ResidencyEngine:
             with self.lock:
                 if base in self.pending:
                     return
-                e = Entry(base, r.size, EVICTING, pieces, own=True)
-                self._put(e)
-                save = base not in self.clean
-                if save:
-                    ops.copy_out(base, pieces, side)
-                ev = ops.event()
-                ops.record(ev, side)
-                e.event = ev
+                e, ev, save = self._start_save(base, r.size, pieces, side)
         self._evict_finish(base, e, ev, save)
+
+    def _start_save(self, base: int, size: int, pieces: Any, side: Any) -> tuple[Entry, Any, bool]:
+        """Mark the record EVICTING and enqueue its save on ``side`` unless the host copy is
+        current (engine lock held); returns the entry, the event after the save, and whether
+        there was one to make."""
+        e = Entry(base, size, EVICTING, pieces, own=True)
+        self._put(e)
+        save = base not in self.clean
+        if save:
+            self.ops.copy_out(base, pieces, side)
+        ev = self.ops.event()
+        self.ops.record(ev, side)
+        e.event = ev
+        return e, ev, save
 
     def _evict_finish(self, base: int, e: Entry, ev: Any, save: bool) -> None:
         """Once the save has completed: release, unless an operation touched it meanwhile."""
