@@ -47,6 +47,7 @@ from typing import Any
 
 from gpuos_tools.agent.staging import Staging
 from gpuos_tools.agent.view import ProcessView, launch_record
+from gpuos_tools.cuda.driver import ok as _ok
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.trace.allocs import Allocation
 
@@ -61,15 +62,6 @@ def STAGING_PAUSE(took: float) -> float:
     """Rest after pinning a piece of staging for a snapshot request: half the piece's time,
     so the program keeps two thirds of its driver time while the first snapshot pins."""
     return took / 2
-
-
-def _ok(result: tuple, what: str) -> Any:
-    from cuda.bindings import driver as drv
-
-    err = result[0]
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what}: {getattr(err, 'name', err)}")
-    return result[1] if len(result) == 2 else (result[1:] or None)
 
 
 @dataclass

@@ -78,6 +78,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
+from gpuos_tools.cuda.driver import ok as _ok
+
 RESIDENT, LOADING, RELEASED, EVICTING = "resident", "loading", "released", "evicting"
 AHEAD = 512 << 20  #: bytes the background loader keeps enqueued ahead of completion (at most; or one record)
 SAMPLE = 16  #: once everything is learnt, one operation of the program in SAMPLE is looked at for recency
@@ -802,14 +804,6 @@ def _nothing() -> Iterator[None]:
 
 
 # -- the driver side ----------------------------------------------------------------------------
-
-
-def _ok(result: tuple, what: str) -> Any:
-    from cuda.bindings import driver as drv
-
-    if result[0] != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what}: {getattr(result[0], 'name', result[0])}")
-    return result[1] if len(result) == 2 else (result[1:] or None)
 
 
 class DriverOps:

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuos_tools.errors import ExitCode, GpuosError
+
+
+def ok(result: tuple, what: str) -> Any:
+    """The value of a cuda.bindings driver call's (CUresult, value...) tuple; RuntimeError
+    naming ``what`` and the error when it failed."""
+    from cuda.bindings import driver as drv
+
+    if result[0] != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {getattr(result[0], 'name', result[0])}")
+    return result[1] if len(result) == 2 else (result[1:] or None)
 
 
 @dataclass
