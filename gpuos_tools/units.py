@@ -50,17 +50,25 @@ def parse_size(text: str) -> int:
     return round(value * _SIZE_UNITS[unit.lower()])
 
 
-def parse_budget(text: str, footprint: int | None) -> int:
-    """Bytes of a budget: a size, or ``N%`` of ``footprint`` (bytes)."""
+def parse_budget_spec(text: str) -> tuple[int | None, float | None]:
+    """A budget as written: (bytes, None) for a size, (None, N) for ``N%``."""
     stripped = text.strip()
     if stripped.endswith("%"):
         parts = _split(stripped[:-1])
         if parts is None or parts[1]:
             raise ValueError(f"not a percentage: {text!r}")
-        if footprint is None:
-            raise ValueError("a percentage budget needs a footprint to be a percentage of")
-        return int(footprint * parts[0] / 100)
-    return parse_size(stripped)
+        return None, parts[0]
+    return parse_size(stripped), None
+
+
+def parse_budget(text: str, footprint: int | None) -> int:
+    """Bytes of a budget: a size, or ``N%`` of ``footprint`` (bytes)."""
+    size, percent = parse_budget_spec(text)
+    if percent is None:
+        return size
+    if footprint is None:
+        raise ValueError("a percentage budget needs a footprint to be a percentage of")
+    return int(footprint * percent / 100)
 
 
 def parse_bandwidth(text: str) -> float:

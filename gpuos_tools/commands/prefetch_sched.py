@@ -263,10 +263,7 @@ def sched(
     if plot_file is not None:
         if schedule not in PLANNERS:
             raise typer.BadParameter("--plot draws the --schedule policy's timeline: belady or lru", param_hint="--plot")
-        try:  # before the inputs are read, not after
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
+        _need_matplotlib()  # before the inputs are read, not after
     policies = [p.strip() for p in compare.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -405,25 +402,23 @@ def run(
     from gpuos_tools.sched.executor import ENV
     from gpuos_tools.sched.online import POLICIES
     from gpuos_tools.stream import make_header, open_output
-    from gpuos_tools.units import parse_budget
+    from gpuos_tools.units import parse_budget_spec
 
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
     if plot_file is not None:
-        try:  # before the program runs, not after
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
+        _need_matplotlib()  # before the program runs, not after
     cfg: dict = {"policy": policy, "lookahead": lookahead}
     try:
-        if budget.strip().endswith("%"):
-            cfg["fraction"] = parse_budget(budget, 10**12) / 10**12
-            if not 0 < cfg["fraction"]:
+        size, percent = parse_budget_spec(budget)
+        if percent is not None:
+            if not 0 < percent:
                 raise ValueError("must be more than 0%")
+            cfg["fraction"] = percent / 100
         else:
-            cfg["budget"] = parse_budget(budget, None)
-            if cfg["budget"] <= 0:
+            if size <= 0:
                 raise ValueError("must be more than 0 bytes")
+            cfg["budget"] = size
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--budget") from e
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
@@ -483,6 +478,15 @@ def plot_cmd(
     drawn = plot_timeline(load_timeline(timeline), plot_file, title)
     print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
           file=sys.stderr)
+
+
+def _need_matplotlib() -> None:
+    from gpuos_tools.errors import ExitCode, GpuosError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
 
 
 def _isatty(stream: object) -> bool:
