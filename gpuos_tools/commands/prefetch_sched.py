@@ -85,8 +85,8 @@ MAN_SECTIONS = {
         "peak_planned (the policy's own books), periods (the launch periods learned), predicted "
         "(operations decided with a period known), wall_s, exit (the program's status), and "
         "`executor`, `policy_stats`, `engine` with the parts' own counters.\n\n"
-        "Not built yet: several programs at once (`serve`), PyTorch programs (their allocator is "
-        "not owned yet), and the native callback path (each operation pays the python agent's "
+        "Not built yet: several programs at once (`serve`), PyTorch programs (their allocations "
+        "are owned under GPUOS_AGENT_OWN now, but `run` has not been tried on one), and the native callback path (each operation pays the python agent's "
         "callback, ~0.1-0.3 ms). The fault-driven managed-memory baseline is in "
         "scripts/bench_online.py, not in this command."
     ),
