@@ -386,21 +386,21 @@ class OnlineAgent(Agent):
             ex.close()
             tl = self.sched_cfg.get("timeline")
             if tl:
-                try:
-                    data = ex.timeline()
-                    data["summary"] = {k: v for k, v in ex.summary().items()
-                                       if not isinstance(v, (dict, list))}
-                    with open(tl + ".tmp", "w") as f:
-                        json.dump(data, f, separators=(",", ":"))
-                    os.rename(tl + ".tmp", tl)
-                except OSError as exc:
-                    print(f"gpu-prefetch-sched: cannot write the timeline: {exc}", file=sys.stderr, flush=True)
+                data = ex.timeline()
+                data["summary"] = {k: v for k, v in ex.summary().items() if not isinstance(v, (dict, list))}
+                _write_json(tl, data, "timeline", separators=(",", ":"))
             path = self.sched_cfg.get("summary")
             if path:
-                try:
-                    with open(path + ".tmp", "w") as f:
-                        json.dump(ex.summary(), f)
-                    os.rename(path + ".tmp", path)
-                except OSError as exc:
-                    print(f"gpu-prefetch-sched: cannot write the summary: {exc}", file=sys.stderr, flush=True)
+                _write_json(path, ex.summary(), "summary")
         super().stop_background()
+
+
+def _write_json(path: str, data: Any, what: str, **dump: Any) -> None:
+    """JSON to ``path`` through a temp file and a rename; a failure is said, not raised (the
+    program is ending)."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f, **dump)
+        os.rename(path + ".tmp", path)
+    except OSError as exc:
+        print(f"gpu-prefetch-sched: cannot write the {what}: {exc}", file=sys.stderr, flush=True)
