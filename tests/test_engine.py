@@ -131,13 +131,18 @@ class FakeAgent:
         self.by_id = {i: type("A", (), {"addr": a, "id": i})() for i, a in allocs.items()}
         self.launches: dict[str, tuple] = {}
         self.settled = 0
+        self.issuing = 0  # the real Agent's count of operations being issued, and its waits on it
+        self._issued = threading.Condition(threading.Lock())
 
     def _touches(self, kernel, sizes, args):
         return self.launches[kernel]
 
-    def settle(self):
+    issue_begin = Agent.issue_begin
+    issue_end = Agent.issue_end
+
+    def settle(self, timeout=2.0, own=0):
         self.settled += 1
-        return 0
+        return Agent.settle(self, timeout, own)
 
 
 BASES = [0x1000_0000, 0x2000_0000, 0x3000_0000, 0x4000_0000]

@@ -152,6 +152,27 @@ def test_evict_from_operation_orders_the_save_after_the_program_streams():
     eng.close()
 
 
+def test_evict_from_operation_waits_for_another_threads_operation_to_reach_the_driver():
+    """Another thread of the program past its enter callback may launch on the record: the
+    eviction waits until that operation is enqueued (its exit), and is refused (the record stays
+    resident) if it does not get there in time; the caller's own operation is not waited for."""
+    import threading
+
+    bases, ops, eng, ex = setup(2, 10 * 64 * MIB)
+    agent = eng.agent
+    agent.issue_begin()  # the caller's own operation, at its enter callback
+    agent.issue_begin()  # another thread's, not yet enqueued
+    assert not eng.evict_from_operation(bases[0])  # it never reaches the driver: refused
+    assert ops.recs[bases[0]].resident and eng.state(bases[0]) == "resident"
+    assert eng.counts["evict_unsettled"] == 1 and not any(c[0] == "copy_out" for c in ops.log)
+    threading.Timer(0.01, agent.issue_end).start()  # now it reaches the driver shortly
+    assert eng.evict_from_operation(bases[0])
+    settle(eng, ex)
+    assert not ops.recs[bases[0]].resident and eng.counts["evict_unsettled"] == 1
+    agent.issue_end()
+    eng.close()
+
+
 def test_online_agent_acts_before_the_engine_hook_and_writes_its_summary(tmp_path):
     """OnlineAgent's glue: allocation ids from the predictor -> records -> the executor, then the
     agent's own hook; copies count as operations; the summary file at the end."""

@@ -157,13 +157,14 @@ class Agent(ProcessView):
             if self.issuing == 0:
                 self._issued.notify_all()
 
-    def settle(self, timeout: float = SETTLE_S) -> int:
+    def settle(self, timeout: float = SETTLE_S, own: int = 0) -> int:
         """With the lock held (no operation can start), wait until every operation that started
         has been enqueued by the driver; return how many had not after ``timeout`` seconds (0:
-        all), which would mean an exit callback never came."""
+        all), which would mean an exit callback never came. ``own``: operations of the caller's
+        that count as issuing and are not waited for (1 from inside an operation's enter callback)."""
         with self._issued:
-            self._issued.wait_for(lambda: self.issuing == 0, timeout)
-            return self.issuing
+            self._issued.wait_for(lambda: self.issuing <= own, timeout)
+            return max(0, self.issuing - own)
 
     # -- bookkeeping from the tracer's records ------------------------------------------------
 

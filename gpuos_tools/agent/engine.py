@@ -85,6 +85,8 @@ AHEAD = 512 << 20  #: bytes the background loader keeps enqueued ahead of comple
 SAMPLE = 16  #: once everything is learnt, one operation of the program in SAMPLE is looked at for recency
 RECENT_MAX = 4096  #: allocation ids kept in ``recent`` (the least recent dropped beyond it)
 PROBES = 8  #: demand loads of a lazy load timed on the GPU (its figures: ``stats()['lazy']['demand']``)
+#: how long an eviction from inside an operation waits for other threads' operations to reach the driver
+OTHERS_SETTLE_S = 0.05
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD: from another thread, the legacy stream orders after it
 
 Pieces = list[tuple[int, int]]  #: (host address, bytes), contiguous over a record, in order
@@ -166,7 +168,7 @@ class ResidencyEngine:
         self._evictor: threading.Thread | None = None
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
-                       "loaded_bytes": 0, "freed_while_pending": 0}
+                       "loaded_bytes": 0, "freed_while_pending": 0, "evict_unsettled": 0}
         self.lazy: dict[str, Any] | None = None  #: the last lazy resume's figures
         self._counts_at_start: dict[str, Any] = {}
 
@@ -646,17 +648,23 @@ class ResidencyEngine:
         """``evict`` for a caller inside one of the program's operation callbacks (the agent's
         lock held, that operation not issued yet: gpu-prefetch-sched's executor). The record's
         last use is what the program has enqueued so far, so the save is ordered here, on the
-        caller's thread, after an event on each stream the program has used -- without
-        ``settle``, since the caller's own operation is the one being issued (an operation
-        another thread of the program is issuing at this instant is not ordered) -- and only
-        the wait for the save and the release go to the evict thread, which then needs the
-        engine's lock alone: the caller may wait for the release without holding it up. A
-        record still loading is saved after its load. False when it is not a resident owned
-        record, or it is released or being evicted already."""
+        caller's thread, after an event on each stream the program has used, once the
+        operations other threads of the program are issuing have reached the driver (``settle``
+        less the caller's own operation; they may touch the record, and a launch enqueued after
+        the events would find it released) -- and only the wait for the save and the release
+        go to the evict thread, which then needs the engine's lock alone: the caller may wait
+        for the release without holding it up. A record still loading is saved after its load.
+        False when it is not a resident owned record, it is released or being evicted already,
+        or another thread's operation did not reach the driver within ``OTHERS_SETTLE_S`` (a
+        synchronous copy, say): the record then stays resident."""
         ops = self.ops
         r = ops.lookup(base)
         if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
             return False  # a snapshot in progress copies every buffer: none may go meanwhile
+        settle = getattr(self.agent, "settle", None)
+        if settle is not None and settle(OTHERS_SETTLE_S, own=1):
+            self.counts["evict_unsettled"] += 1
+            return False
         with self.lock, self._own():
             side = self._stream("evict")
             e = self.pending.get(base)
