@@ -329,7 +329,6 @@ def test_the_timeline_logs_every_move_and_the_plot_draws_it(tmp_path):
     bytes of loads and prefetches adding up to the engine's loaded bytes, mapped bytes
     measured at each decision; written through OnlineAgent's end and drawn by
     `gpu-prefetch-sched plot` when matplotlib is there."""
-    import json
     import subprocess
     import sys
 
