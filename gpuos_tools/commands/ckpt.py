@@ -215,6 +215,20 @@ suspends and rollbacks are refused (79); ping's `residency` shows what is pendin
 done, the reload's time and GB/s. The same engine evicts (saves after the buffer's last use,
 then releases) and prefetches single buffers for gpu-prefetch-sched.
 
+The residency API (gpuos_tools/agent/engine.py's ResidencyEngine, inside the program under the
+agent; what gpu-prefetch-sched run and lazy resume use) guarantees, per owned buffer (a large
+buffer, or a segment of small ones): `require` before an operation maps every buffer the
+operation touches and makes the operation's stream wait on the GPU for each load in flight, so an
+operation never runs on a buffer that is released or half loaded (unknown: every buffer);
+`evict` saves the buffer on the engine's evict stream after an event on every stream the program
+has used, once operations other threads are issuing have reached the driver (else the eviction
+is refused and the buffer stays), and releases its physical memory only after the save has
+completed; an operation that touches a buffer being evicted cancels the eviction; a buffer loaded
+from the engine's host copy and not written since (as predicted) is released without a save;
+`prefetch` maps and loads on a stream of its own, never making the program's thread wait; no
+eviction runs while a snapshot copies the buffers. What it does not guarantee: a kernel reaching
+a buffer by a pointer its launch's prediction does not show (see above).
+
 The remainder through the driver: the driver checkpoint API refuses to lock a process under
 the agent (CUDA_ERROR_NOT_SUPPORTED), measured on an H100 with driver 580.159 also after the
 agent unsubscribed its CUPTI callbacks and called cuptiFinalize, idle or parked; the same program
