@@ -382,6 +382,10 @@ def run(
         None, "--plot", metavar="FILE.png",
         help="Draw the timeline (residency against the budget, moves, waits) into FILE.png at the end (needs matplotlib).",
     ),
+    serve_spec: str | None = typer.Option(
+        None, "--serve", hidden=True,
+        help="Internal, for `gpu-prefetch-sched serve`: the coordinator's socket and the job's number (JSON).",
+    ),
 ) -> None:
     """Run PROGRAM with its device memory kept within a budget, moving memory ahead of its kernels.
 
@@ -421,6 +425,14 @@ def run(
             cfg["budget"] = size
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--budget") from e
+    if serve_spec is not None:  # a job of `gpu-prefetch-sched serve`: its budget comes with each grant
+        try:
+            spec = _json.loads(serve_spec)
+            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"])}
+        except (ValueError, KeyError, TypeError) as e:
+            raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
+        if "fraction" in cfg:
+            raise typer.BadParameter("a job served takes a budget in bytes", param_hint="--budget")
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
         cfg["summary"] = os.path.join(tmp, "summary.json")
         if timeline or plot_file:
@@ -459,6 +471,129 @@ def run(
         print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
               file=sys.stderr)
     raise typer.Exit(code)
+
+
+@app.command("serve")
+def serve_cmd(
+    jobs: list[str] | None = typer.Option(
+        None, "--job", metavar="'PROGRAM ARGS'",
+        help="A job: a Python program (CuPy) and its arguments, one shell-quoted string (split as a shell "
+        "would, nothing expanded). Repeat for each job.",
+    ),
+    budget: str = typer.Option(
+        ..., "--budget", metavar="SIZE",
+        help="Most owned device memory ALL the jobs may hold mapped together: bytes with a unit (8GiB, 500MB). "
+        "A percentage is refused: the jobs' footprint is not known before they run.",
+    ),
+    time_slice: str = typer.Option("50ms", "--slice", metavar="DURATION",
+                                   help="How long a job holds the GPU turn while another waits (ns, us, ms, s)."),
+    policy: str = typer.Option("belady", "--policy", metavar="belady|lru",
+                               help="Each job's victim choice, in its own launches and at its switches."),
+    lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N",
+                                  help="Launches ahead whose working sets each job prefetches while it runs."),
+    json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
+) -> None:
+    """Run several jobs on one GPU, time-sliced, their memory together within one budget.
+
+    Each job runs as under `gpu-prefetch-sched run` (the agent, owned memory, the online
+    policy). One job holds the GPU turn at a time: the others' program threads wait on the host
+    at their next launch, copy or memset until granted. When the holder's slice is over and
+    another job waits, the holder, at its next operation, evicts what its own predicted future
+    needs last (Belady) down to what the incoming job leaves room for, waits until the releases
+    have completed, and reports what it still holds; the incoming job is granted a budget of
+    the total minus what the others hold and prefetches its predicted next working sets
+    before it goes on (MSched's context switch with working-set preparation). A job that ends
+    leaves the rotation; a job alone never waits. See SERVING.
+
+    Standard output: a header, one `serve_job` record per job, then `serve_summary`; a table on
+    standard error. Exits 1 when a job failed (its own status is in its record).
+    """
+    import json as _json
+    import os
+    import shlex
+    import shutil
+    import tempfile
+
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.sched.online import POLICIES
+    from gpuos_tools.sched.serve import serve_jobs
+    from gpuos_tools.stream import make_header, open_output
+    from gpuos_tools.units import parse_budget_spec, parse_duration
+
+    if not jobs:
+        raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    try:
+        size, percent = parse_budget_spec(budget)
+        if percent is not None:
+            raise ValueError("a size in bytes (the jobs' footprint is not known before they run)")
+        if size is None or size <= 0:
+            raise ValueError("must be more than 0 bytes")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+    slice_s = _opt(parse_duration, time_slice, "--slice")
+    if slice_s <= 0:
+        raise typer.BadParameter("must be more than 0", param_hint="--slice")
+    argvs = []
+    for text in jobs:
+        try:
+            argv = shlex.split(text)
+        except ValueError as e:
+            raise typer.BadParameter(f"{text!r}: {e}", param_hint="--job") from e
+        if not argv:
+            raise typer.BadParameter("an empty job", param_hint="--job")
+        if shutil.which(argv[0]) is None:
+            raise GpuosError(f"job {text!r}: {argv[0]}: not found or not executable", ExitCode.PROGRAM_NOT_FOUND)
+        argvs.append(argv)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
+        env.pop(k, None)
+    with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env)
+    if json_file:
+        try:
+            with open(json_file, "w") as f:
+                _json.dump(result, f, indent=1)
+                f.write("\n")
+        except OSError as e:
+            raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
+    with open_output("-") as writer:
+        writer.write(make_header("gpu-prefetch-sched", mode="serve", jobs=[r["argv"] for r in result["jobs"]],
+                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead))
+        for r in result["jobs"]:
+            writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
+                          "summary": r["summary"]})
+        writer.write({k: v for k, v in result.items() if k != "jobs"})
+    _serve_table(result)
+    failed = [r for r in result["jobs"] if not r["ok"]]
+    for r in failed:
+        tail = r["stderr_tail"].strip().splitlines()[-8:]
+        print(f"gpu-prefetch-sched: job {r['job']} ({' '.join(r['argv'])}) failed, exit {r['exit']}"
+              + ("" if r["summary"] else ", no summary") + (":\n  " + "\n  ".join(tail) if tail else ""),
+              file=sys.stderr)
+    if failed:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _serve_table(result: dict) -> None:
+    """Per job, on standard error."""
+    from rich.table import Table
+
+    from gpuos_tools.cli import stderr_console
+
+    t = Table(title=f"gpu-prefetch-sched serve: budget {result['budget'] / 2**20:.0f} MiB, slice "
+              f"{result['slice_s'] * 1e3:g} ms, {result['switches']} switches, {result['wall_s']:.2f} s")
+    for col in ("job", "exit", "wall s", "turn s", "waits", "wait s", "switches", "in MiB", "out MiB", "throughput"):
+        t.add_column(col, justify="right")
+    for r in result["jobs"]:
+        tp = "-" if r["throughput"] is None else f"{r['throughput']:.4g} {r['throughput_unit']}"
+        t.add_row(str(r["job"]), str(r["exit"]), f"{r['wall_s']:.2f}", f"{r['turn_s']:.2f}", str(r["turn_waits"]),
+                  f"{r['turn_wait_s']:.2f}", str(r["switches"]), f"{(r['bytes_in'] or 0) / 2**20:.0f}",
+                  f"{(r['bytes_out'] or 0) / 2**20:.0f}", tp)
+    stderr_console().print(t)
 
 
 @app.command("plot")
