@@ -6,8 +6,9 @@ The jobs are tests/gpu/progs/stencil_job.py loops of different sizes (--jobs: AR
 
 - alone: each job by itself, untraced, CuPy's own allocator, everything in device memory, one
   after another (the ceiling: no sharing, no movement, no agent);
-- serve<B>: the jobs started together under `gpu-prefetch-sched serve --budget B` for each
-  --budgets share B of their combined footprint (66% = 150% oversubscription, 50% = 200%).
+- served: the jobs started together under `gpu-prefetch-sched serve --budget B --slice S` for
+  each --budgets share B of their combined footprint (66% = 150% oversubscription, 50% = 200%)
+  and each --slices S.
 
 Per job: its loop's time and throughput (steps/s) against alone, its latency (process start to
 exit, and from the first job's start to its loop's end), its turn waits and switches, bytes in
@@ -16,7 +17,7 @@ makespan of their loops (the first loop's start to the last one's end, wall cloc
 sum of their loop times alone, and the serve's wall time against the alone processes' sum.
 JSON to --json; a table on stderr.
 
-    python3 scripts/bench_serve.py [--jobs 12x64,8x96,16x32] [--budgets 66%,50%] [--slice 50ms] [--json FILE]
+    python3 scripts/bench_serve.py [--jobs 12x64,8x96,16x32] [--budgets 66%,50%] [--slices 50ms,200ms] [--json FILE]
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> int:
     ap.add_argument("--work", type=int, default=4096)
     ap.add_argument("--periods", type=int, default=20)
     ap.add_argument("--budgets", default="66%,50%")
-    ap.add_argument("--slice", default="50ms")
+    ap.add_argument("--slices", default="50ms,200ms", help="time slices to serve with (each budget with each)")
     ap.add_argument("--policy", default="belady")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -110,10 +111,10 @@ def main() -> int:
     out["alone_agg"] = {"loop_s": round(alone_loop, 4), "steps_per_s": round(steps / alone_loop, 2),
                         "process_s": round(sum(r["process_s"] for r in base), 3)}
     save(args, out)
-    for spec in [b for b in args.budgets.split(",") if b]:
+    for spec, slice_ in [(b, s) for b in args.budgets.split(",") if b for s in args.slices.split(",") if s]:
         budget = int(footprint * float(spec.rstrip("%")) / 100)
-        r = served(jobs, budget, args.slice, args.policy, args.timeout)
-        row: dict[str, Any] = {"budget_spec": spec, "budget": budget, "ok": r.get("ok", False),
+        r = served(jobs, budget, slice_, args.policy, args.timeout)
+        row: dict[str, Any] = {"budget_spec": spec, "slice": slice_, "budget": budget, "ok": r.get("ok", False),
                                "rc": r.get("rc"), "switches": r.get("switches"), "wall_s": r.get("wall_s"),
                                "combined_peak": r.get("combined_peak"), "jobs": []}
         if "stderr" in r:
@@ -140,18 +141,18 @@ def main() -> int:
         save(args, out)
     print(f"alone: {len(base)} jobs, footprint {footprint / 2**20:.0f} MiB, loops {alone_loop:.3f} s "
           f"({steps / alone_loop:.1f} steps/s), processes {out['alone_agg']['process_s']:.1f} s", file=sys.stderr)
-    print(f"{'budget':>7} {'job':>3} {'loop_s':>7} {'alone_s':>7} {'speed':>6} {'same':>5} {'turn_s':>6} {'waits':>5} "
+    print(f"{'budget':>7} {'slice':>6} {'job':>3} {'loop_s':>7} {'alone_s':>7} {'speed':>6} {'same':>5} {'turn_s':>6} {'waits':>5} "
           f"{'wait_s':>6} {'sw':>3} {'in MiB':>7} {'out MiB':>7} {'lat_s':>6}", file=sys.stderr)
     for row in out["served"]:
         for j, ref in zip(row["jobs"], base):
-            print(f"{row['budget_spec']:>7} {j['job']:>3} {j.get('loop_s') or float('nan'):>7.3f} {ref['loop_s']:>7.3f} "
+            print(f"{row['budget_spec']:>7} {row['slice']:>6} {j['job']:>3} {j.get('loop_s') or float('nan'):>7.3f} {ref['loop_s']:>7.3f} "
                   f"{j.get('speed_vs_alone') or float('nan'):>6.3f} {str(j.get('identical', '-')):>5} "
                   f"{j.get('turn_s') or 0:>6.2f} {j.get('turn_waits') or 0:>5} {j.get('turn_wait_s') or 0:>6.2f} "
                   f"{j.get('switches') or 0:>3} {(j.get('bytes_in') or 0) / 2**20:>7.0f} "
                   f"{(j.get('bytes_out') or 0) / 2**20:>7.0f} {j.get('latency_from_first_s') or float('nan'):>6.2f}",
                   file=sys.stderr)
         agg = row.get("agg") or {}
-        print(f"{row['budget_spec']:>7} all makespan {agg.get('makespan_s', float('nan')):.3f} s, "
+        print(f"{row['budget_spec']:>7} {row['slice']:>6} all makespan {agg.get('makespan_s', float('nan')):.3f} s, "
               f"{agg.get('steps_per_s', float('nan'))} steps/s, {agg.get('vs_alone', float('nan'))} of alone; "
               f"{row['switches']} switches, combined peak {(row['combined_peak'] or 0) / 2**20:.0f} MiB "
               f"of {row['budget'] / 2**20:.0f}", file=sys.stderr)

@@ -279,6 +279,7 @@ def test_two_executors_take_turns_keep_their_data_and_their_memory_within_the_to
             st = ex.summary()
             sv = st["serve"]
             assert sv["yields"] >= 1 and sv["turn_waits"] >= 2 and sv["prepares"] >= 2, sv
+            assert sv["prepared_now"] <= sv["prepared"], sv
             assert sv["gate_errors"] == 0 and sv["release_timeouts"] == 0 and "error" not in st, st
             assert sv["combined_peak"] <= total, (sv["combined_peak"], total)
             assert st["evictions"] > 0 and st["over_physical"] == 0, st["executor"]

@@ -85,10 +85,55 @@ MAN_SECTIONS = {
         "peak_planned (the policy's own books), periods (the launch periods learned), predicted "
         "(operations decided with a period known), wall_s, exit (the program's status), and "
         "`executor`, `policy_stats`, `engine` with the parts' own counters.\n\n"
-        "Not built yet: several programs at once (`serve`), PyTorch programs (their allocations "
+        "Several programs at once: `serve` (SERVING). Not built yet: PyTorch programs (their allocations "
         "are owned under GPUOS_AGENT_OWN now, but `run` has not been tried on one), and the native callback path (each operation pays the python agent's "
         "callback, ~0.1-0.3 ms). The fault-driven managed-memory baseline is in "
         "scripts/bench_online.py, not in this command."
+    ),
+    "SERVING": (
+        "`gpu-prefetch-sched serve --budget SIZE [--slice 50ms] [--policy belady|lru] [--lookahead N] "
+        "[--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as `run` would (the agent, its "
+        "CuPy memory owned, the online policy) and time-slices them on the GPU. `--budget` is bytes "
+        "with a unit (see BUDGET; a percentage is refused, the jobs' footprint is not known before "
+        "they run): the most owned memory ALL the jobs may hold mapped together. `--slice` is a "
+        "duration (`ns`, `us`, `ms`, `s`). Each `--job` is one string split as a shell would "
+        "(quotes, no expansion); its program must exist.\n\n"
+        "The turn. One job holds it at a time; the others' program threads wait on the host at "
+        "their next launch, copy or memset (not at frees) until granted, in the order they asked. "
+        "Once the holder has held it for a slice and another job waits, it is asked to yield; at "
+        "its next operation it evicts its records down to what the incoming job leaves room for "
+        "(the incoming job's want: what it had mapped when it last ran), in its own Belady order "
+        "(the record its learned period uses furthest ahead first, so what its next launches "
+        "need goes last; LRU with `--policy lru`), waits until the releases have completed, and "
+        "reports the bytes it still holds. If the jobs that wait hold too much for the incoming "
+        "one, they are trimmed the same way, the one whose turn is furthest first. The incoming "
+        "job is granted a budget of the total minus what the others hold, and before its "
+        "operation goes on it prefetches its predicted next working sets (one period ahead, at "
+        "least `--lookahead` launches) as far as that budget allows: the loads that fit are "
+        "enqueued at once on the engine's prefetch stream, the rest follow as room comes. While "
+        "it runs, its budget follows what the others hold (a job that starts, is trimmed or "
+        "ends). A job that ends, crashes or is killed leaves the rotation at once (its "
+        "connection closes); a job alone never waits and is never asked to yield.\n\n"
+        "Safety. Everything of SAFETY for `run` holds for each job. A job never waits for the "
+        "turn holding the agent's lock (it waits before taking it), so the engine's threads and "
+        "its own evictions go on. The preemption is cooperative: a job yields at its next "
+        "operation after the request, so one that computes on the host for long keeps the turn "
+        "meanwhile. Memory a job allocates is mapped at once: a job that allocates while "
+        "another holds the turn takes the total above the budget until it reports it (at its "
+        "next wait) and the holder evicts to its new budget. The budget is our own, below the "
+        "GPU's memory; nothing is oversubscribed in the driver.\n\n"
+        "Output: a header, one `serve_job` record per job (job, argv, exit, ok, wall_s, turn_s "
+        "(time holding the turn), grants, turn_waits and turn_wait_s (waits for the turn, "
+        "seconds), switches (yields), trims, budget_min and budget_max (budgets granted), "
+        "bytes_in, bytes_out, evictions, prefetches, demand_loads, footprint, peak_settled, "
+        "over_physical, combined_peak (the job's settled peak plus what the others held, as the "
+        "coordinator said: within the budget when the total held), throughput and "
+        "throughput_unit (the job's own: a `throughput` field of the last JSON object line it "
+        "printed, or its `steps` / `loop_s`), output (that line), summary (the job's "
+        "`sched_summary` as `run` gives it, with `serve`: the job's turn counters)), then "
+        "`serve_summary` (budget, slice_s, policy, lookahead, switches, wall_s, combined_peak, "
+        "errors). `--json FILE` writes the same as one object. A table goes to standard error. "
+        "The exit status is 1 when any job failed (non-zero exit, or no summary)."
     ),
     "TIMELINE": (
         "`run --timeline FILE.json` writes the executor's event log at the end: a JSON object, "
@@ -143,6 +188,9 @@ MAN_SECTIONS = {
         "The same, its timeline recorded on the GPU's machine and drawn elsewhere:\n\n"
         "    gpu-prefetch-sched run --budget 66% --timeline run.json -- python3 solver.py\n"
         "    gpu-prefetch-sched plot run.json --plot run.png\n\n"
+        "Three CuPy jobs served together on one GPU under 4 GiB, 100 ms slices:\n\n"
+        "    gpu-prefetch-sched serve --budget 4GiB --slice 100ms --json serve.json \\\n"
+        "      --job 'python3 solver.py --n 1' --job 'python3 solver.py --n 2' --job 'python3 train.py'\n\n"
         "The evictions that are not write-backs:\n\n"
         "    gpu-prefetch-sched --simulate --budget 50% a.acc | jq -c 'select(.type==\"evict\" and (.writeback|not))'"
     ),
@@ -167,7 +215,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Plan, simulate or run the movement of a GPU job's memory under a budget below its needs.\n\n"
     "`simulate` (the default command) plans offline from predicted access streams, with no GPU; `run` "
-    "starts a program under the agent and keeps its owned memory within the budget while it runs.",
+    "starts a program under the agent and keeps its owned memory within the budget while it runs; `serve` "
+    "runs several such programs time-sliced on one GPU within one budget.",
 )
 
 
@@ -579,21 +628,17 @@ def serve_cmd(
 
 
 def _serve_table(result: dict) -> None:
-    """Per job, on standard error."""
-    from rich.table import Table
-
-    from gpuos_tools.cli import stderr_console
-
-    t = Table(title=f"gpu-prefetch-sched serve: budget {result['budget'] / 2**20:.0f} MiB, slice "
-              f"{result['slice_s'] * 1e3:g} ms, {result['switches']} switches, {result['wall_s']:.2f} s")
-    for col in ("job", "exit", "wall s", "turn s", "waits", "wait s", "switches", "in MiB", "out MiB", "throughput"):
-        t.add_column(col, justify="right")
+    """Per job, on standard error (plain columns: it is read in logs as often as on a terminal)."""
+    print(f"gpu-prefetch-sched serve: budget {result['budget'] / 2**20:.0f} MiB, slice {result['slice_s'] * 1e3:g} ms, "
+          f"{result['switches']} switches, {result['wall_s']:.2f} s, combined peak "
+          f"{(result['combined_peak'] or 0) / 2**20:.0f} MiB", file=sys.stderr)
+    print(f"{'job':>3} {'exit':>4} {'wall_s':>7} {'turn_s':>7} {'waits':>5} {'wait_s':>7} {'switches':>8} "
+          f"{'in_MiB':>7} {'out_MiB':>7}  throughput", file=sys.stderr)
     for r in result["jobs"]:
         tp = "-" if r["throughput"] is None else f"{r['throughput']:.4g} {r['throughput_unit']}"
-        t.add_row(str(r["job"]), str(r["exit"]), f"{r['wall_s']:.2f}", f"{r['turn_s']:.2f}", str(r["turn_waits"]),
-                  f"{r['turn_wait_s']:.2f}", str(r["switches"]), f"{(r['bytes_in'] or 0) / 2**20:.0f}",
-                  f"{(r['bytes_out'] or 0) / 2**20:.0f}", tp)
-    stderr_console().print(t)
+        print(f"{r['job']:>3} {str(r['exit']):>4} {r['wall_s']:>7.2f} {r['turn_s']:>7.2f} {r['turn_waits']:>5} "
+              f"{r['turn_wait_s']:>7.2f} {r['switches']:>8} {(r['bytes_in'] or 0) / 2**20:>7.0f} "
+              f"{(r['bytes_out'] or 0) / 2**20:>7.0f}  {tp}", file=sys.stderr)
 
 
 @app.command("plot")

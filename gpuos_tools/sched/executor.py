@@ -110,7 +110,7 @@ class Executor:
         self._want = 0
         self._turn_peak = 0
         self.turns = {"turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "yield_s": 0.0, "trims": 0,
-                      "prepares": 0, "prepared": 0, "budget_updates": 0, "release_timeouts": 0,
+                      "prepares": 0, "prepared": 0, "prepared_now": 0, "budget_updates": 0, "release_timeouts": 0,
                       "combined_peak": 0, "gate_errors": 0}
         if cfg.get("serve"):
             from gpuos_tools.sched.serve import Client
@@ -450,12 +450,26 @@ class Executor:
                 if op == "evict":
                     self._evict(b)
         pre = [b for op, b in actions if op == "prefetch"]
-        if pre:
-            self._start_mover()
+        # the loads that fit now are enqueued here, before the program's operation goes on (on
+        # the engine's prefetch stream: the host only enqueues); the mover takes the rest as
+        # room comes. Else the program's next launch would overtake the mover and load on demand.
+        issued = 0
+        with self._load_lock:
             for b in pre:
+                need = self._released([b])
+                if need and self.physical() + need > self._budget:
+                    break
+                if need:
+                    self._event("prefetch", need)
+                self.engine.prefetch(b)
+                issued += 1
+        if pre[issued:]:
+            self._start_mover()
+            for b in pre[issued:]:
                 self._moves.put(b)
         self.turns["prepares"] += 1
         self.turns["prepared"] += len(pre)
+        self.turns["prepared_now"] += issued
         self._held = True
 
     # -- the end ------------------------------------------------------------------------------

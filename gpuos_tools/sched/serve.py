@@ -527,7 +527,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             "footprint": s.get("footprint"), "peak_settled": s.get("peak_settled"),
             "over_physical": s.get("over_physical"), "combined_peak": turns.get("combined_peak"),
             "throughput": tput, "throughput_unit": unit, "left_holding": c["left_holding"],
-            "output": {k: v for k, v in (own or {}).items() if not isinstance(v, (list, dict))} or None,
+            "output": own,
             "summary": summary, "stderr_tail": err_text[-3000:] if codes[i] != 0 or summary is None else "",
         })
     combined = [r["combined_peak"] for r in rows if r["combined_peak"] is not None]
