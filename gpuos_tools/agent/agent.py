@@ -103,6 +103,10 @@ class Snap:
 class Agent(ProcessView):
     """State and operations of the agent; the tracer calls its hooks from callbacks."""
 
+    #: gpu-prefetch-sched serve: called by the tracer before a launch, copy or memset, BEFORE the
+    #: agent's lock (it may block for the GPU turn; gpuos_tools/sched/executor.py Executor.gate)
+    gate = None
+
     def __init__(self, cow_budget: int | None = None) -> None:
         super().__init__()
         self.lock = threading.RLock()

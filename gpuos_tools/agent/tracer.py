@@ -577,6 +577,10 @@ def _agent_enter(name: str, pp: int):
     return (0 if name.startswith("cuMemFreeHost") else _U64(_MEM, pp)[0]), 0, 0
 
 
+#: the operations that wait for the GPU turn under gpu-prefetch-sched serve (Agent.gate)
+_GATED = ("cuLaunchKernel", "cuLaunchCooperativeKernel", "cuMemcpy", "cuMemset", "cuGraphLaunch")
+
+
 def _agent_handlers(agent, table: dict) -> dict:
     """Handlers that let the agent act before launches, copies, memsets and frees are issued."""
     handlers = {}
@@ -691,6 +695,7 @@ class Tracer:
         agent = self.agent
         global _append
         acting_ids: frozenset[int] = frozenset()  # the agent's acting callbacks (launches, writes)
+        gated_ids: frozenset[int] = frozenset()  # those that wait for the GPU turn when serving
         if validator is not None:
             _append = _observing_append(validator)
             driver.update(_validating_handlers(validator, self.table))
@@ -699,6 +704,7 @@ class Tracer:
             acting = _agent_handlers(agent, self.table)
             driver.update(acting)
             acting_ids = frozenset(acting)
+            gated_ids = frozenset(c for c in acting if self.table[c][0].startswith(_GATED))
 
         def callback(userdata, domain, cbid, cbdata):
             if agent is not None:
@@ -714,6 +720,11 @@ class Tracer:
                     # agent acts on it) to its exit (the driver has enqueued it): a snapshot's T0
                     # or a rollback waits, under the lock, until none is between the two.
                     if _CBDATA(_MEM, cbdata.ptr)[0] == _ENTER:
+                        gate = agent.gate
+                        if gate is not None and cbid in gated_ids:
+                            # gpu-prefetch-sched serve: wait for the GPU turn before the lock
+                            # (never frees or unmaps: the owned library may hold its own lock there)
+                            gate()
                         with agent.lock:
                             agent.issue_begin()
                             return checked(domain, cbid, cbdata)

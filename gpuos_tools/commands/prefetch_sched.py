@@ -85,10 +85,55 @@ MAN_SECTIONS = {
         "peak_planned (the policy's own books), periods (the launch periods learned), predicted "
         "(operations decided with a period known), wall_s, exit (the program's status), and "
         "`executor`, `policy_stats`, `engine` with the parts' own counters.\n\n"
-        "Not built yet: several programs at once (`serve`), PyTorch programs (their allocations "
+        "Several programs at once: `serve` (SERVING). Not built yet: PyTorch programs (their allocations "
         "are owned under GPUOS_AGENT_OWN now, but `run` has not been tried on one), and the native callback path (each operation pays the python agent's "
         "callback, ~0.1-0.3 ms). The fault-driven managed-memory baseline is in "
         "scripts/bench_online.py, not in this command."
+    ),
+    "SERVING": (
+        "`gpu-prefetch-sched serve --budget SIZE [--slice 50ms] [--policy belady|lru] [--lookahead N] "
+        "[--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as `run` would (the agent, its "
+        "CuPy memory owned, the online policy) and time-slices them on the GPU. `--budget` is bytes "
+        "with a unit (see BUDGET; a percentage is refused, the jobs' footprint is not known before "
+        "they run): the most owned memory ALL the jobs may hold mapped together. `--slice` is a "
+        "duration (`ns`, `us`, `ms`, `s`). Each `--job` is one string split as a shell would "
+        "(quotes, no expansion); its program must exist.\n\n"
+        "The turn. One job holds it at a time; the others' program threads wait on the host at "
+        "their next launch, copy or memset (not at frees) until granted, in the order they asked. "
+        "Once the holder has held it for a slice and another job waits, it is asked to yield; at "
+        "its next operation it evicts its records down to what the incoming job leaves room for "
+        "(the incoming job's want: what it had mapped when it last ran), in its own Belady order "
+        "(the record its learned period uses furthest ahead first, so what its next launches "
+        "need goes last; LRU with `--policy lru`), waits until the releases have completed, and "
+        "reports the bytes it still holds. If the jobs that wait hold too much for the incoming "
+        "one, they are trimmed the same way, the one whose turn is furthest first. The incoming "
+        "job is granted a budget of the total minus what the others hold, and before its "
+        "operation goes on it prefetches its predicted next working sets (one period ahead, at "
+        "least `--lookahead` launches) as far as that budget allows: the loads that fit are "
+        "enqueued at once on the engine's prefetch stream, the rest follow as room comes. While "
+        "it runs, its budget follows what the others hold (a job that starts, is trimmed or "
+        "ends). A job that ends, crashes or is killed leaves the rotation at once (its "
+        "connection closes); a job alone never waits and is never asked to yield.\n\n"
+        "Safety. Everything of SAFETY for `run` holds for each job. A job never waits for the "
+        "turn holding the agent's lock (it waits before taking it), so the engine's threads and "
+        "its own evictions go on. The preemption is cooperative: a job yields at its next "
+        "operation after the request, so one that computes on the host for long keeps the turn "
+        "meanwhile. Memory a job allocates is mapped at once: a job that allocates while "
+        "another holds the turn takes the total above the budget until it reports it (at its "
+        "next wait) and the holder evicts to its new budget. The budget is our own, below the "
+        "GPU's memory; nothing is oversubscribed in the driver.\n\n"
+        "Output: a header, one `serve_job` record per job (job, argv, exit, ok, wall_s, turn_s "
+        "(time holding the turn), grants, turn_waits and turn_wait_s (waits for the turn, "
+        "seconds), switches (yields), trims, budget_min and budget_max (budgets granted), "
+        "bytes_in, bytes_out, evictions, prefetches, demand_loads, footprint, peak_settled, "
+        "over_physical, combined_peak (the job's settled peak plus what the others held, as the "
+        "coordinator said: within the budget when the total held), throughput and "
+        "throughput_unit (the job's own: a `throughput` field of the last JSON object line it "
+        "printed, or its `steps` / `loop_s`), output (that line), summary (the job's "
+        "`sched_summary` as `run` gives it, with `serve`: the job's turn counters)), then "
+        "`serve_summary` (budget, slice_s, policy, lookahead, switches, wall_s, combined_peak, "
+        "errors). `--json FILE` writes the same as one object. A table goes to standard error. "
+        "The exit status is 1 when any job failed (non-zero exit, or no summary)."
     ),
     "TIMELINE": (
         "`run --timeline FILE.json` writes the executor's event log at the end: a JSON object, "
@@ -143,6 +188,9 @@ MAN_SECTIONS = {
         "The same, its timeline recorded on the GPU's machine and drawn elsewhere:\n\n"
         "    gpu-prefetch-sched run --budget 66% --timeline run.json -- python3 solver.py\n"
         "    gpu-prefetch-sched plot run.json --plot run.png\n\n"
+        "Three CuPy jobs served together on one GPU under 4 GiB, 100 ms slices:\n\n"
+        "    gpu-prefetch-sched serve --budget 4GiB --slice 100ms --json serve.json \\\n"
+        "      --job 'python3 solver.py --n 1' --job 'python3 solver.py --n 2' --job 'python3 train.py'\n\n"
         "The evictions that are not write-backs:\n\n"
         "    gpu-prefetch-sched --simulate --budget 50% a.acc | jq -c 'select(.type==\"evict\" and (.writeback|not))'"
     ),
@@ -167,7 +215,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Plan, simulate or run the movement of a GPU job's memory under a budget below its needs.\n\n"
     "`simulate` (the default command) plans offline from predicted access streams, with no GPU; `run` "
-    "starts a program under the agent and keeps its owned memory within the budget while it runs.",
+    "starts a program under the agent and keeps its owned memory within the budget while it runs; `serve` "
+    "runs several such programs time-sliced on one GPU within one budget.",
 )
 
 
@@ -382,6 +431,10 @@ def run(
         None, "--plot", metavar="FILE.png",
         help="Draw the timeline (residency against the budget, moves, waits) into FILE.png at the end (needs matplotlib).",
     ),
+    serve_spec: str | None = typer.Option(
+        None, "--serve", hidden=True,
+        help="Internal, for `gpu-prefetch-sched serve`: the coordinator's socket and the job's number (JSON).",
+    ),
 ) -> None:
     """Run PROGRAM with its device memory kept within a budget, moving memory ahead of its kernels.
 
@@ -421,6 +474,14 @@ def run(
             cfg["budget"] = size
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--budget") from e
+    if serve_spec is not None:  # a job of `gpu-prefetch-sched serve`: its budget comes with each grant
+        try:
+            spec = _json.loads(serve_spec)
+            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"])}
+        except (ValueError, KeyError, TypeError) as e:
+            raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
+        if "fraction" in cfg:
+            raise typer.BadParameter("a job served takes a budget in bytes", param_hint="--budget")
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
         cfg["summary"] = os.path.join(tmp, "summary.json")
         if timeline or plot_file:
@@ -459,6 +520,125 @@ def run(
         print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
               file=sys.stderr)
     raise typer.Exit(code)
+
+
+@app.command("serve")
+def serve_cmd(
+    jobs: list[str] | None = typer.Option(
+        None, "--job", metavar="'PROGRAM ARGS'",
+        help="A job: a Python program (CuPy) and its arguments, one shell-quoted string (split as a shell "
+        "would, nothing expanded). Repeat for each job.",
+    ),
+    budget: str = typer.Option(
+        ..., "--budget", metavar="SIZE",
+        help="Most owned device memory ALL the jobs may hold mapped together: bytes with a unit (8GiB, 500MB). "
+        "A percentage is refused: the jobs' footprint is not known before they run.",
+    ),
+    time_slice: str = typer.Option("50ms", "--slice", metavar="DURATION",
+                                   help="How long a job holds the GPU turn while another waits (ns, us, ms, s)."),
+    policy: str = typer.Option("belady", "--policy", metavar="belady|lru",
+                               help="Each job's victim choice, in its own launches and at its switches."),
+    lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N",
+                                  help="Launches ahead whose working sets each job prefetches while it runs."),
+    json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
+) -> None:
+    """Run several jobs on one GPU, time-sliced, their memory together within one budget.
+
+    Each job runs as under `gpu-prefetch-sched run` (the agent, owned memory, the online
+    policy). One job holds the GPU turn at a time: the others' program threads wait on the host
+    at their next launch, copy or memset until granted. When the holder's slice is over and
+    another job waits, the holder, at its next operation, evicts what its own predicted future
+    needs last (Belady) down to what the incoming job leaves room for, waits until the releases
+    have completed, and reports what it still holds; the incoming job is granted a budget of
+    the total minus what the others hold and prefetches its predicted next working sets
+    before it goes on (MSched's context switch with working-set preparation). A job that ends
+    leaves the rotation; a job alone never waits. See SERVING.
+
+    Standard output: a header, one `serve_job` record per job, then `serve_summary`; a table on
+    standard error. Exits 1 when a job failed (its own status is in its record).
+    """
+    import json as _json
+    import os
+    import shlex
+    import shutil
+    import tempfile
+
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.sched.online import POLICIES
+    from gpuos_tools.sched.serve import serve_jobs
+    from gpuos_tools.stream import make_header, open_output
+    from gpuos_tools.units import parse_budget_spec, parse_duration
+
+    if not jobs:
+        raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    try:
+        size, percent = parse_budget_spec(budget)
+        if percent is not None:
+            raise ValueError("a size in bytes (the jobs' footprint is not known before they run)")
+        if size is None or size <= 0:
+            raise ValueError("must be more than 0 bytes")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--budget") from e
+    slice_s = _opt(parse_duration, time_slice, "--slice")
+    if slice_s <= 0:
+        raise typer.BadParameter("must be more than 0", param_hint="--slice")
+    argvs = []
+    for text in jobs:
+        try:
+            argv = shlex.split(text)
+        except ValueError as e:
+            raise typer.BadParameter(f"{text!r}: {e}", param_hint="--job") from e
+        if not argv:
+            raise typer.BadParameter("an empty job", param_hint="--job")
+        if shutil.which(argv[0]) is None:
+            raise GpuosError(f"job {text!r}: {argv[0]}: not found or not executable", ExitCode.PROGRAM_NOT_FOUND)
+        argvs.append(argv)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
+        env.pop(k, None)
+    with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env)
+    if json_file:
+        try:
+            with open(json_file, "w") as f:
+                _json.dump(result, f, indent=1)
+                f.write("\n")
+        except OSError as e:
+            raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
+    with open_output("-") as writer:
+        writer.write(make_header("gpu-prefetch-sched", mode="serve", jobs=[r["argv"] for r in result["jobs"]],
+                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead))
+        for r in result["jobs"]:
+            writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
+                          "summary": r["summary"]})
+        writer.write({k: v for k, v in result.items() if k != "jobs"})
+    _serve_table(result)
+    failed = [r for r in result["jobs"] if not r["ok"]]
+    for r in failed:
+        tail = r["stderr_tail"].strip().splitlines()[-8:]
+        print(f"gpu-prefetch-sched: job {r['job']} ({' '.join(r['argv'])}) failed, exit {r['exit']}"
+              + ("" if r["summary"] else ", no summary") + (":\n  " + "\n  ".join(tail) if tail else ""),
+              file=sys.stderr)
+    if failed:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _serve_table(result: dict) -> None:
+    """Per job, on standard error (plain columns: it is read in logs as often as on a terminal)."""
+    print(f"gpu-prefetch-sched serve: budget {result['budget'] / 2**20:.0f} MiB, slice {result['slice_s'] * 1e3:g} ms, "
+          f"{result['switches']} switches, {result['wall_s']:.2f} s, combined peak "
+          f"{(result['combined_peak'] or 0) / 2**20:.0f} MiB", file=sys.stderr)
+    print(f"{'job':>3} {'exit':>4} {'wall_s':>7} {'turn_s':>7} {'waits':>5} {'wait_s':>7} {'switches':>8} "
+          f"{'in_MiB':>7} {'out_MiB':>7}  throughput", file=sys.stderr)
+    for r in result["jobs"]:
+        tp = "-" if r["throughput"] is None else f"{r['throughput']:.4g} {r['throughput_unit']}"
+        print(f"{r['job']:>3} {str(r['exit']):>4} {r['wall_s']:>7.2f} {r['turn_s']:>7.2f} {r['turn_waits']:>5} "
+              f"{r['turn_wait_s']:>7.2f} {r['switches']:>8} {(r['bytes_in'] or 0) / 2**20:>7.0f} "
+              f"{(r['bytes_out'] or 0) / 2**20:>7.0f}  {tp}", file=sys.stderr)
 
 
 @app.command("plot")

@@ -101,6 +101,25 @@ class Executor:
         self._log_max = int(cfg.get("timeline_max", 200_000))
         self._log_dropped = 0
         self._log_budget = -1
+        # gpu-prefetch-sched serve (cfg["serve"]: {"socket", "job"}): the GPU turn; None: `run`
+        self.serve: Any = None
+        self._held = False  #: this job holds the turn
+        self._hold = False  #: the mover issues nothing (from a yield or trim to the next grant)
+        self._gate_lock = threading.Lock()  #: one program thread at a time talks to the coordinator
+        self._others = 0  #: what the other jobs hold mapped, as the last grant or budget said
+        self._want = 0
+        self._turn_peak = 0
+        self.turns = {"turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "yield_s": 0.0, "trims": 0,
+                      "prepares": 0, "prepared": 0, "prepared_now": 0, "budget_updates": 0, "release_timeouts": 0,
+                      "combined_peak": 0, "gate_errors": 0}
+        if cfg.get("serve"):
+            from gpuos_tools.sched.serve import Client
+
+            srv = cfg["serve"]
+            try:
+                self.serve = Client(srv["socket"], int(srv["job"]))
+            except OSError as exc:  # not served, it would run over everyone's budget: it must not start
+                raise RuntimeError(f"gpu-prefetch-sched serve: cannot reach the coordinator at {srv['socket']}: {exc}") from exc
 
     def _event(self, kind: str, value: float, t: float | None = None) -> None:
         log = self._log
@@ -211,6 +230,9 @@ class Executor:
             c["peak_settled"] = max(c["peak_settled"], now)
             if now > budget and not over_budget:
                 c["over_physical"] += 1
+            if self.serve is not None:  # with the other jobs' memory, as the coordinator said
+                self._turn_peak = max(self._turn_peak, now)
+                self.turns["combined_peak"] = max(self.turns["combined_peak"], now + self._others)
 
     def _released(self, bases) -> int:
         eng = self.engine
@@ -275,7 +297,7 @@ class Executor:
                 t = time.perf_counter()
                 while not self._closing:
                     with self._load_lock:
-                        if base not in self.policy.resident:  # evicted again before its turn
+                        if self._hold or base not in self.policy.resident:  # evicted again, or a switch came
                             self.counts["prefetch_skipped"] += 1
                             break
                         if not self._demand.is_set():
@@ -295,6 +317,161 @@ class Executor:
                 self.counts["mover_errors"] += 1
                 self.error = f"{type(exc).__name__}: {exc}"
 
+    # -- serving: the GPU turn (gpu-prefetch-sched serve, gpuos_tools/sched/serve.py) ---------
+
+    def gate(self) -> None:
+        """Before a launch, copy or memset of the program, on its thread, BEFORE the agent's lock
+        is taken: the tracer's callback calls this first (Agent.gate), and only when serving.
+
+        Why here and not in ``before`` (which runs with the agent's lock held): waiting for the
+        turn can take whole slices of the other jobs, and the engine's threads take the agent's
+        lock (its evict thread on its ``evict`` path, snapshots, the agent's server); holding it
+        while blocked would stall them, or deadlock with a job that waits for one of them. Here
+        the thread holds no lock of ours. The yield and the trims take the agent's lock only to
+        issue their evictions (``evict_from_operation``: the program's thread, no operation of
+        it between its callback and the driver -- this one has not reached its callback), and
+        let it go before waiting for the releases, which the engine's evict thread completes
+        under the engine's lock alone. ``_gate_lock`` is held while blocked: the program's other
+        threads wait on it, holding nothing either."""
+        c = self.serve
+        if c is None or (self._held and c.ask is None and c.update is None):
+            return  # the turn is ours, nothing asked: the cost of serving per operation
+        try:
+            with self._gate_lock:
+                if self.serve is None:
+                    return
+                if self._held and c.update is not None:
+                    msg, c.update = c.update, None
+                    self._set_budget(int(msg["budget"]), int(msg["others"]))
+                    self.turns["budget_updates"] += 1
+                if self._held and c.ask is not None:
+                    msg, c.ask = c.ask, None
+                    t = time.perf_counter()
+                    self._want = self._mapped_now()
+                    self._shed(int(msg["keep"]))
+                    self._held = False
+                    self.turns["yields"] += 1
+                    self.turns["yield_s"] += time.perf_counter() - t
+                if not self._held:
+                    self._wait_turn()
+        except Exception as exc:  # noqa: BLE001 (serving off: the job runs on alone, within its last budget)
+            self.turns["gate_errors"] += 1
+            self.error = f"serve: {type(exc).__name__}: {exc}"
+            self._leave_serving()
+
+    def _leave_serving(self) -> None:
+        c, self.serve = self.serve, None
+        self._held, self._hold = True, False
+        if c is not None:
+            c.close()
+
+    def _wait_turn(self) -> None:
+        """Say what this job holds, then wait for the grant (trimming when asked meanwhile)."""
+        c = self.serve
+        t = time.perf_counter()
+        mapped = self._mapped_now()
+        self._want = max(self._want, mapped)
+        c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": self._turn_peak})
+        self._turn_peak = 0
+        while True:
+            msg = c.inbox.get()
+            op = msg.get("op")
+            if op == "trim":
+                self._shed(int(msg["keep"]))
+                self.turns["trims"] += 1
+                c.send({"op": "wait", "mapped": self._mapped_now(), "want": self._want, "peak": 0})
+            elif op == "grant":
+                c.update = None  # sent before the grant (while this job held the turn): stale
+                self._grant(int(msg["budget"]), int(msg["others"]))
+                break
+            else:  # the coordinator is gone: on alone, within the last budget
+                self._leave_serving()
+                break
+        self.turns["turn_waits"] += 1
+        self.turns["turn_wait_s"] += time.perf_counter() - t
+
+    def _mapped_now(self) -> int:
+        with self.engine.agent.lock:  # the records re-read as a decision would
+            self.records()
+            return self.physical()
+
+    def _set_budget(self, budget: int, others: int) -> None:
+        """The budget of the next decisions (agent's lock not needed: the program's thread, at
+        its gate, is the only one deciding)."""
+        with self._load_lock:
+            old = self.policy.fixed
+            self.policy.fixed = self._budget = budget
+            self._others = others
+            if old is None or budget < old:
+                self._under = False  # above it until this job's evictions complete: settle anew
+
+    def _reconcile(self) -> None:
+        """The policy's books after the mover was held (``_load_lock`` held): what it counted as
+        prefetched but was never loaded is not resident."""
+        for b in list(self.policy.resident):
+            if self.engine.state(b) == "released":
+                self.policy.forget(b)
+
+    def _shed(self, keep: int) -> None:
+        """At a yield or a trim: evict down to ``keep`` bytes mapped (the policy's order), then
+        wait until the releases have completed (no lock of ours held: see ``gate``)."""
+        agent = self.engine.agent
+        with agent.lock, self._load_lock:
+            self._hold = True  # the mover issues nothing until the next grant
+            self._reconcile()
+            recs = self.records()
+            victims = [b for op, b in self.policy.shed(keep, recs) if op == "evict"]
+            for b in victims:
+                self._evict(b)
+        eng = self.engine
+        deadline = time.perf_counter() + ROOM_TIMEOUT_S
+        while True:
+            with eng.lock:
+                busy = any(b in eng.pending and eng.pending[b].state == "evicting" for b in victims)
+            if not busy:
+                break
+            if time.perf_counter() > deadline:
+                self.turns["release_timeouts"] += 1
+                break
+            time.sleep(POLL_S * 4)
+        self._measure(self._budget, False)
+
+    def _grant(self, budget: int, others: int) -> None:
+        """The turn: the new budget, then the job's predicted next working sets prefetched
+        (``OnlinePolicy.prepare``) before its operation goes on."""
+        self._set_budget(budget, others)
+        agent = self.engine.agent
+        with agent.lock, self._load_lock:
+            self._hold = False
+            self._reconcile()
+            recs = self.records()
+            actions = self.policy.prepare(recs)
+            for op, b in actions:
+                if op == "evict":
+                    self._evict(b)
+        pre = [b for op, b in actions if op == "prefetch"]
+        # the loads that fit now are enqueued here, before the program's operation goes on (on
+        # the engine's prefetch stream: the host only enqueues); the mover takes the rest as
+        # room comes. Else the program's next launch would overtake the mover and load on demand.
+        issued = 0
+        with self._load_lock:
+            for b in pre:
+                need = self._released([b])
+                if need and self.physical() + need > self._budget:
+                    break
+                if need:
+                    self._event("prefetch", need)
+                self.engine.prefetch(b)
+                issued += 1
+        if pre[issued:]:
+            self._start_mover()
+            for b in pre[issued:]:
+                self._moves.put(b)
+        self.turns["prepares"] += 1
+        self.turns["prepared"] += len(pre)
+        self.turns["prepared_now"] += issued
+        self._held = True
+
     # -- the end ------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -304,6 +481,8 @@ class Executor:
         if self._mover is not None:
             self._moves.put(None)
             self._mover.join(30)
+        if self.serve is not None:  # the coordinator sees the connection close: out of the rotation
+            self.serve.close()
 
     def timeline(self) -> dict[str, Any]:
         """The event log (module docstring) with what a picture's title needs."""
@@ -331,6 +510,8 @@ class Executor:
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
             "policy_stats": pol, "engine": eng,
         }
+        if self.serve is not None:
+            out["serve"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.turns.items()}
         if self.error:
             out["error"] = self.error
         return out
@@ -347,6 +528,8 @@ class OnlineAgent(Agent):
     def start_engine(self) -> None:
         super().start_engine()
         self.executor = Executor(self.engine, self.sched_cfg)
+        if self.executor.serve is not None:  # gpu-prefetch-sched serve: the tracer calls it before the lock
+            self.gate = self.executor.gate
 
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         ex = self.executor

@@ -335,10 +335,44 @@ class OnlinePolicy:
         self.stats.evicted_bytes += size
         actions.append(("evict", b))
 
+    # -- a switch between jobs (gpu-prefetch-sched serve) ------------------------------------
+
+    def shed(self, keep: int, records: Mapping[int, int]) -> list[Action]:
+        """Evictions down to ``keep`` bytes resident, at a switch: the records used furthest
+        ahead in the learned period first (Belady; LRU without a period, or with lru), so what
+        the next launches need goes last."""
+        self._sync(records)
+        actions: list[Action] = []
+        while self.used > keep:
+            v = self._victim(set(), -1)
+            if v is None:
+                break
+            self._evict(v, actions)
+        return actions
+
+    def forget(self, base: int) -> None:
+        """``base`` is not resident after all (a prefetch dropped at a switch before its issue)."""
+        size = self.resident.pop(base, None)
+        if size is not None:
+            self.used -= size
+
+    def prepare(self, records: Mapping[int, int]) -> list[Action]:
+        """At the grant of the turn: evictions down to the (new) budget, then the working sets
+        of the next launches prefetched in order, along one period (at least ``lookahead``
+        launches) while room allows, as ``before`` prefetches."""
+        self._sync(records)
+        budget = self.budget(records)
+        actions = self.shed(budget, records)
+        k = max(self.lookahead, self.period.known or 0)
+        future = [self._sets[x] for x in self.period.predict(k)]
+        if future:
+            self._prefetch(future, records, budget, set(), actions, k)
+        return actions
+
     def _prefetch(self, future: list[tuple[int, ...] | None], records: Mapping[int, int], budget: int,
-                  protected: set[int], actions: list[Action]) -> None:
+                  protected: set[int], actions: list[Action], ahead: int | None = None) -> None:
         can_evict = self.policy == "belady"
-        for t, ws in enumerate(future[: self.lookahead], 1):
+        for t, ws in enumerate(future[: self.lookahead if ahead is None else ahead], 1):
             if ws is None:  # an unknown launch ahead: it will need everything; no guess
                 return
             live = [b for b in ws if b in records]

@@ -7,8 +7,8 @@ Each array is allocated and filled by a kernel before the next one is allocated,
 manager acting at launches sees the memory grow one array at a time. No temporaries inside
 the loop (every kernel writes a preallocated array), so the arrays are the job's memory.
 
-Writes one JSON line to --out (stdout without it): the loop's wall time (synchronised before and after),
-steps, bytes, and per array the sha256 of its final contents, which a run under any memory
+Writes one JSON line to --out (stdout without it): the loop's wall time (synchronised before and after)
+and its start and end on the wall clock (t0_unix, t1_unix: jobs served together), steps, bytes, and per array the sha256 of its final contents, which a run under any memory
 manager must reproduce bit for bit.
 
 --managed FRACTION: the fault-driven managed-memory baseline (scripts/bench_online.py). The
@@ -169,19 +169,21 @@ def main() -> None:
         lru.faulted_in = 0
         ev0 = lru.evictions
     t0 = time.perf_counter()
+    t0_unix = time.time()
     for s in range(steps):
         if lru is not None:
             lru.before([s % m, (s + 1) % m, (s + 2) % m, (s + 3) % m], arrays, stream)
         STEP(arrays[s % m], arrays[(s + 1) % m], arrays[(s + 2) % m], n, args.work, arrays[(s + 3) % m])
     dev.synchronize()
     loop_s = time.perf_counter() - t0
+    t1_unix = time.time()
     if lru is not None:
         extra.update(um_evictions=lru.evictions - ev0, um_evicted_bytes=(lru.evictions - ev0) * n * 4,
                      um_faulted_in=lru.faulted_in, um_faulted_bytes=lru.faulted_in * n * 4,
                      um_peak_resident=lru.peak, um_evict_path=lru.evict.path)
     digests = [hashlib.sha256(cp.asnumpy(a).tobytes()).hexdigest() for a in arrays]
     out = {"loop_s": loop_s, "steps": steps, "arrays": m, "array_bytes": n * 4, "total_bytes": m * n * 4,
-           "work": args.work, "digests": digests, **extra}
+           "work": args.work, "t0_unix": t0_unix, "t1_unix": t1_unix, "digests": digests, **extra}
     line = json.dumps(out)
     if args.out:  # not stdout: under gpu-prefetch-sched run, stdout carries its summary
         with open(args.out, "w") as f:

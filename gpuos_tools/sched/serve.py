@@ -1,0 +1,536 @@
+"""`gpu-prefetch-sched serve`: several jobs on one GPU, time-sliced, their owned memory together
+within one budget (issue 8, item 3; MSched's context switch with working-set preparation).
+
+Each job runs as `gpu-prefetch-sched run` (the agent, owned memory, the online executor of
+gpuos_tools/sched/executor.py) with ``serve`` in its config: the executor connects to the
+coordinator here over a Unix socket and its program's threads take the GPU turn at their
+launches, copies and memsets (``Executor.gate``, called by the tracer before the agent's lock).
+
+The protocol: one JSON object a line, each way.
+
+job -> coordinator
+  ``hello {job, pid}``                 at the executor's start.
+  ``wait {mapped, want, peak}``         the job needs the turn (its program is at an operation)
+                                        and blocks until ``grant``; ``mapped``: its owned bytes
+                                        mapped now (its evictions completed), ``want``: what it
+                                        had mapped while it last ran (at its first wait: what it
+                                        has), ``peak``: its turn's settled peak (figures only).
+coordinator -> job
+  ``grant {budget, others}``            the turn: ``budget`` = total - ``others``, the bytes
+                                        the other jobs hold mapped (as they last said).
+  ``yield {keep}``                      (to the holder) its slice is over and a job waits: at its
+                                        next operation it evicts down to ``keep`` bytes (Belady
+                                        by its own predicted future), waits for the releases,
+                                        and sends ``wait``.
+  ``trim {keep}``                       (to a waiting job) evict down to ``keep`` the same way,
+                                        then ``wait`` again: room for the job about to run.
+  ``budget {budget, others}``           (to the holder) the others' memory changed (a job came,
+                                        trimmed or ended): the budget of its next decisions.
+
+The coordinator's rules (``Coordinator``): the turn goes round in the order jobs asked for it;
+the holder is asked to yield once it has held the turn for ``slice_s`` and another job waits
+(never when alone). Before a job N is granted, the jobs that do not run hold at most
+total - min(want(N), total): the outgoing job keeps at most what is left after N's want and the
+other waiting jobs, and if that is not enough, waiting jobs are trimmed, the last in the queue
+first (whose turn is furthest). N is granted once no trim is outstanding, with budget = total -
+what the others hold. A job that ends (its connection closes: exit, crash or kill) leaves the
+rotation at once, its memory counted as 0; if it held the turn, the next job is granted.
+
+The preemption is cooperative: a job yields at its next launch, copy or memset after the
+request; one that computes on the host for a long time keeps the turn meanwhile. Memory a job
+allocates is mapped at once (as in `run`): a job allocating while another holds the turn takes
+the total above the budget until its next wait reports it and the holder's next decision
+evicts to its new budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LINE = 1 << 20
+
+
+def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+
+
+class Lines:
+    """Messages out of a byte stream of JSON lines."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self.buf += data
+        out = []
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            if line.strip():
+                msg = json.loads(line)
+                if isinstance(msg, dict):
+                    out.append(msg)
+        if len(self.buf) > MAX_LINE:
+            raise ValueError("a line longer than 1 MiB")
+        return out
+
+
+# -- the coordinator (the serve command's process) ----------------------------------------------
+
+
+@dataclass
+class Job:
+    index: int
+    name: str
+    conn: socket.socket | None = None
+    lines: Lines = field(default_factory=Lines)
+    pid: int | None = None
+    state: str = "starting"  #: starting, running (on its own, before its first wait), waiting, holding, gone
+    mapped: int = 0
+    want: int = 0
+    trimming: bool = False
+    trim_keep: int = 0  #: what it was asked to keep, while trimming
+    stuck_at: int = -1  #: mapped bytes it could not go below when asked (evictions refused)
+    yield_sent: bool = False
+    budget: int = 0  #: the last budget it was given
+    granted_at: float = 0.0
+    wait_since: float | None = None
+    counts: dict[str, Any] = field(default_factory=lambda: {
+        "grants": 0, "turn_s": 0.0, "turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "trims": 0,
+        "budget_updates": 0, "budget_min": None, "budget_max": None, "left_holding": False, "peak": 0})
+
+
+class Coordinator:
+    """The turn and the budget among the jobs (module docstring). ``step`` serves the socket
+    for a while; the caller says when a job's process has exited (``leave``)."""
+
+    def __init__(self, path: str, total: int, slice_s: float, names: list[str]) -> None:
+        if total <= 0:
+            raise ValueError("the budget must be more than 0 bytes")
+        self.path = path
+        self.total = total
+        self.slice_s = slice_s
+        self.jobs = [Job(i, n) for i, n in enumerate(names)]
+        self.queue: deque[int] = deque()  #: waiting jobs, in the order they asked
+        self.holder: int | None = None
+        self.switches = 0  #: grants to a job other than the last holder
+        self._last: int | None = None
+        self.errors: list[str] = []
+        self.log: list[tuple[float, int, str, int]] = []  #: (t, job, what, bytes), bounded
+        self.t0 = time.perf_counter()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(len(names) + 8)
+        self._pending: list[socket.socket] = []  #: connected, no hello yet
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _note(self, job: int, what: str, value: int = 0) -> None:
+        if len(self.log) < 100_000:
+            self.log.append((round(time.perf_counter() - self.t0, 6), job, what, value))
+
+    def _live(self) -> list[Job]:
+        return [j for j in self.jobs if j.state != "gone"]
+
+    def others(self, i: int) -> int:
+        """What the jobs other than ``i`` hold mapped, as they last said."""
+        return sum(j.mapped for j in self._live() if j.index != i)
+
+    @property
+    def done(self) -> bool:
+        return all(j.state == "gone" for j in self.jobs)
+
+    def _send(self, j: Job, msg: dict[str, Any]) -> None:
+        if j.conn is None:
+            return
+        try:
+            send(j.conn, msg)
+        except OSError as exc:
+            self.leave(j.index, f"send: {exc}")
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self, timeout: float = 0.05) -> None:
+        """Serve messages for up to ``timeout`` seconds (less when a slice ends sooner)."""
+        conns = {j.conn: j for j in self.jobs if j.conn is not None}
+        rlist: list[Any] = [self.listener, *self._pending, *conns]
+        h = self.jobs[self.holder] if self.holder is not None else None
+        if h is not None and self.queue and not h.yield_sent:
+            timeout = min(timeout, max(0.0, h.granted_at + self.slice_s - time.perf_counter()))
+        try:
+            ready, _, _ = select.select(rlist, [], [], timeout)
+        except (OSError, ValueError):  # a socket closed under us: the next step sees it gone
+            ready = []
+        for s in ready:
+            if s is self.listener:
+                try:
+                    conn, _ = self.listener.accept()
+                except OSError:
+                    continue
+                self._pending.append(conn)
+            elif s in conns:
+                self._read(conns[s])
+            else:
+                self._hello(s)
+        self._schedule()
+
+    def _recv(self, s: socket.socket) -> bytes:
+        try:
+            return s.recv(65536)
+        except OSError:
+            return b""
+
+    def _hello(self, s: socket.socket) -> None:
+        data = self._recv(s)
+        self._pending.remove(s)
+        try:
+            lines = Lines()
+            msgs = lines.feed(data)
+            first = msgs[0]
+            j = self.jobs[int(first["job"])]
+            if first.get("op") != "hello" or j.conn is not None or j.state == "gone":
+                raise ValueError(f"unexpected {first}")
+        except (ValueError, IndexError, KeyError, TypeError) as exc:
+            self.errors.append(f"a connection without a valid hello: {exc}")
+            s.close()
+            return
+        j.conn, j.lines, j.pid, j.state = s, lines, first.get("pid"), "running"
+        self._note(j.index, "hello")
+        for msg in msgs[1:]:
+            self._message(j, msg)
+
+    def _read(self, j: Job) -> None:
+        data = self._recv(j.conn) if j.conn is not None else b""
+        if not data:
+            self.leave(j.index, "connection closed")
+            return
+        try:
+            msgs = j.lines.feed(data)
+        except ValueError as exc:
+            self.leave(j.index, f"bad message: {exc}")
+            return
+        for msg in msgs:
+            self._message(j, msg)
+
+    def _message(self, j: Job, msg: dict[str, Any]) -> None:
+        if j.state == "gone":
+            return
+        op = msg.get("op")
+        if op != "wait":
+            self.errors.append(f"job {j.index}: unknown message {msg}")
+            return
+        now = time.perf_counter()
+        j.mapped = int(msg.get("mapped", 0))
+        j.want = max(int(msg.get("want", 0)), j.mapped)
+        j.counts["peak"] = max(j.counts["peak"], int(msg.get("peak", 0)))
+        self._note(j.index, "wait", j.mapped)
+        if j.trimming:
+            j.trimming = False
+            if j.mapped > j.trim_keep:
+                j.stuck_at = j.mapped  # not trimmed again below this until it runs
+            return  # a trimmed job waits on, in its place
+        if j.state == "holding":
+            if j.yield_sent and j.mapped > j.trim_keep:
+                j.stuck_at = j.mapped
+            j.counts["turn_s"] += now - j.granted_at
+            if j.yield_sent:
+                j.counts["yields"] += 1
+            self.holder = None
+        j.state, j.yield_sent, j.wait_since = "waiting", False, now
+        if j.index not in self.queue:
+            self.queue.append(j.index)
+
+    def leave(self, i: int, why: str = "") -> None:
+        """Job ``i`` is gone (its connection closed, or its process exited)."""
+        j = self.jobs[i]
+        if j.state == "gone":
+            return
+        if j.state == "holding":
+            j.counts["turn_s"] += time.perf_counter() - j.granted_at
+            j.counts["left_holding"] = True
+            self.holder = None
+        j.state, j.mapped, j.trimming = "gone", 0, False
+        if i in self.queue:
+            self.queue.remove(i)
+        if j.conn is not None:
+            try:
+                j.conn.close()
+            except OSError:
+                pass
+            j.conn = None
+        self._note(i, "leave")
+
+    # -- the rules -----------------------------------------------------------------------------
+
+    def _need(self, j: Job) -> int:
+        return min(max(j.want, 1), self.total)
+
+    def _schedule(self) -> None:
+        now = time.perf_counter()
+        if self.holder is None:
+            if not self.queue:
+                return
+            nxt = self.jobs[self.queue[0]]
+            self._rebalance(nxt)
+            if any(self.jobs[w].trimming for w in self.queue):
+                return  # granted once the room is made
+            self.queue.popleft()
+            self._grant(nxt, now)
+            return
+        h = self.jobs[self.holder]
+        if self.queue and not h.yield_sent and now - h.granted_at >= self.slice_s:
+            nxt = self.jobs[self.queue[0]]
+            rest = sum(self.jobs[w].mapped for w in self.queue if w != nxt.index)
+            idle = sum(j.mapped for j in self._live() if j.state == "running")
+            keep = max(0, self.total - self._need(nxt) - rest - idle)
+            h.yield_sent, h.trim_keep = True, keep
+            self._note(h.index, "yield", keep)
+            self._send(h, {"op": "yield", "keep": keep})
+            return
+        if not h.yield_sent:
+            self._rebalance(h)
+            b = self.total - self.others(h.index)
+            if b != h.budget:
+                h.budget = b
+                h.counts["budget_updates"] += 1
+                self._span(h, b)
+                self._send(h, {"op": "budget", "budget": b, "others": self.total - b})
+
+    def _rebalance(self, target: Job) -> None:
+        """Trim waiting jobs (the last in the queue first) until those that do not run hold at
+        most total - need(target)."""
+        waiting = [self.jobs[w] for w in self.queue if w != target.index]
+        held = [j.trim_keep if j.trimming else j.mapped for j in self._live() if j.index != target.index]
+        excess = sum(held) + self._need(target) - self.total
+        for j in reversed(waiting):
+            if excess <= 0:
+                break
+            if j.trimming or j.mapped <= 0 or j.mapped <= j.stuck_at:
+                continue
+            keep = max(0, j.mapped - excess)
+            excess -= j.mapped - keep
+            j.trimming, j.trim_keep = True, keep
+            j.counts["trims"] += 1
+            self._note(j.index, "trim", keep)
+            self._send(j, {"op": "trim", "keep": keep})
+
+    def _span(self, j: Job, b: int) -> None:
+        c = j.counts
+        c["budget_min"] = b if c["budget_min"] is None else min(c["budget_min"], b)
+        c["budget_max"] = b if c["budget_max"] is None else max(c["budget_max"], b)
+
+    def _grant(self, j: Job, now: float) -> None:
+        b = self.total - self.others(j.index)
+        j.state, j.budget, j.granted_at, j.yield_sent, j.stuck_at = "holding", b, now, False, -1
+        if j.wait_since is not None:
+            j.counts["turn_waits"] += 1
+            j.counts["turn_wait_s"] += now - j.wait_since
+            j.wait_since = None
+        j.counts["grants"] += 1
+        self._span(j, b)
+        if self._last is not None and self._last != j.index:
+            self.switches += 1
+        self._last = self.holder = j.index
+        self._note(j.index, "grant", b)
+        self._send(j, {"op": "grant", "budget": b, "others": self.total - b})
+
+    def close(self) -> None:
+        for j in self.jobs:
+            if j.conn is not None:
+                j.conn.close()
+                j.conn = None
+        for s in self._pending:
+            s.close()
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def job_stats(self, i: int) -> dict[str, Any]:
+        c = dict(self.jobs[i].counts)
+        c["turn_s"] = round(c["turn_s"], 6)
+        c["turn_wait_s"] = round(c["turn_wait_s"], 6)
+        return c
+
+
+# -- the job side (inside the program, for the executor) ------------------------------------------
+
+
+class Client:
+    """The job's end of the protocol. A reader thread takes the coordinator's messages: a yield
+    request and budget updates are left in ``ask`` and ``update`` for the program's next
+    operation to find (a look at two attributes, the only cost per operation); grants and trims
+    go to ``inbox``, where the program's thread waits for them. ``inbox`` gets ``{"op": "gone"}``
+    when the coordinator is gone."""
+
+    def __init__(self, path: str, job: int, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.sock.settimeout(None)
+        self.job = job
+        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.ask: dict[str, Any] | None = None
+        self.update: dict[str, Any] | None = None
+        self.gone = False
+        self._send_lock = threading.Lock()
+        self.send({"op": "hello", "job": job, "pid": os.getpid()})
+        self._reader = threading.Thread(target=self._read, name="gpuos-serve-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            send(self.sock, msg)
+
+    def _read(self) -> None:
+        lines = Lines()
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    break
+                for msg in lines.feed(data):
+                    op = msg.get("op")
+                    if op == "yield":
+                        self.ask = msg
+                    elif op == "budget":
+                        self.update = msg
+                    else:
+                        self.inbox.put(msg)
+        except (OSError, ValueError):
+            pass
+        self.gone = True
+        self.inbox.put({"op": "gone"})
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+# -- the serve command's driver ---------------------------------------------------------------
+
+
+def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int) -> list[str]:
+    """The job as `gpu-prefetch-sched run` with the coordinator's address in its config."""
+    import sys
+
+    spec = json.dumps({"socket": socket_path, "job": job})
+    return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(total),
+            "--policy", policy, "--lookahead", str(lookahead), "--serve", spec, "--", *argv]
+
+
+def job_output(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the run's sched_summary, the job's own last JSON object line) in a job's stdout."""
+    summary = own = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if rec.get("type") == "sched_summary":
+            summary = rec
+        elif rec.get("type") != "header":
+            own = rec
+    return summary, own
+
+
+def throughput(own: dict[str, Any] | None) -> tuple[float | None, str | None]:
+    """The job's own throughput where it prints one: a ``throughput`` field (its ``unit`` if
+    given), else ``steps`` / ``loop_s`` (steps per second)."""
+    if not own:
+        return None, None
+    v = own.get("throughput")
+    if isinstance(v, (int, float)):
+        return float(v), str(own.get("unit", ""))
+    steps, secs = own.get("steps"), own.get("loop_s")
+    if isinstance(steps, (int, float)) and isinstance(secs, (int, float)) and secs > 0:
+        return steps / secs, "steps/s"
+    return None, None
+
+
+def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, lookahead: int,
+               workdir: str, env: dict[str, str] | None = None, on_start: Any = None) -> dict[str, Any]:
+    """Start every job under the coordinator, serve them until all have ended, and return the
+    result (per job: exit status, times, turns, bytes moved, throughput). ``workdir`` holds
+    the socket and each job's stdout and stderr."""
+    import subprocess
+
+    path = os.path.join(workdir, "serve.sock")
+    names = [" ".join(argv) for argv in jobs]
+    coord = Coordinator(path, total, slice_s, names)
+    procs: list[subprocess.Popen[bytes]] = []
+    outs, t_start, t_end = [], [], [0.0] * len(jobs)
+    t0 = time.perf_counter()
+    try:
+        for i, argv in enumerate(jobs):
+            out = open(os.path.join(workdir, f"job{i}.out"), "wb")
+            err = open(os.path.join(workdir, f"job{i}.err"), "wb")
+            outs.append((out, err))
+            t_start.append(time.perf_counter())
+            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead),
+                                          stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env))
+            if on_start is not None:
+                on_start(i, procs[-1])
+        codes: list[int | None] = [None] * len(jobs)
+        while not coord.done or any(c is None for c in codes):
+            coord.step(0.02)
+            for i, p in enumerate(procs):
+                if codes[i] is None and p.poll() is not None:
+                    codes[i] = p.returncode
+                    t_end[i] = time.perf_counter()
+                    coord.leave(i, f"exited {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for out, err in outs:
+            out.close()
+            err.close()
+        coord.close()
+    wall = time.perf_counter() - t0
+    rows = []
+    for i, argv in enumerate(jobs):
+        with open(os.path.join(workdir, f"job{i}.out"), errors="replace") as f:
+            text = f.read()
+        with open(os.path.join(workdir, f"job{i}.err"), errors="replace") as f:
+            err_text = f.read()
+        summary, own = job_output(text)
+        tput, unit = throughput(own)
+        s = summary or {}
+        turns = s.get("serve") or {}
+        c = coord.job_stats(i)
+        rows.append({
+            "job": i, "argv": argv, "exit": codes[i], "ok": codes[i] == 0 and summary is not None,
+            "wall_s": round(t_end[i] - t_start[i], 6), "turn_s": c["turn_s"], "grants": c["grants"],
+            "turn_waits": c["turn_waits"], "turn_wait_s": c["turn_wait_s"], "switches": c["yields"],
+            "trims": c["trims"], "budget_min": c["budget_min"], "budget_max": c["budget_max"],
+            "bytes_in": s.get("bytes_in"), "bytes_out": s.get("bytes_out"), "evictions": s.get("evictions"),
+            "prefetches": s.get("prefetches"), "demand_loads": s.get("demand_loads"),
+            "footprint": s.get("footprint"), "peak_settled": s.get("peak_settled"),
+            "over_physical": s.get("over_physical"), "combined_peak": turns.get("combined_peak"),
+            "throughput": tput, "throughput_unit": unit, "left_holding": c["left_holding"],
+            "output": own,
+            "summary": summary, "stderr_tail": err_text[-3000:] if codes[i] != 0 or summary is None else "",
+        })
+    combined = [r["combined_peak"] for r in rows if r["combined_peak"] is not None]
+    return {"type": "serve_summary", "budget": total, "slice_s": slice_s, "policy": policy, "lookahead": lookahead,
+            "jobs": rows, "switches": coord.switches, "wall_s": round(wall, 6),
+            "combined_peak": max(combined) if combined else None, "errors": coord.errors[:20]}
