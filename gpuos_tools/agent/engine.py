@@ -644,7 +644,7 @@ class ResidencyEngine:
         self._evictq.put(base)
         return True
 
-    def evict_from_operation(self, base: int) -> bool:
+    def evict_from_operation(self, base: int, own: int = 1) -> bool:
         """``evict`` for a caller inside one of the program's operation callbacks (the agent's
         lock held, that operation not issued yet: gpu-prefetch-sched's executor). The record's
         last use is what the program has enqueued so far, so the save is ordered here, on the
@@ -656,13 +656,14 @@ class ResidencyEngine:
         for the release without holding it up. A record still loading is saved after its load.
         False when it is not a resident owned record, it is released or being evicted already,
         or another thread's operation did not reach the driver within ``OTHERS_SETTLE_S`` (a
-        synchronous copy, say): the record then stays resident."""
+        synchronous copy, say): the record then stays resident. ``own``: the caller's operations
+        counted as being issued (1 from its enter callback; 0 from before it, e.g. serve's gate)."""
         ops = self.ops
         r = ops.lookup(base)
         if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
             return False  # a snapshot in progress copies every buffer: none may go meanwhile
         settle = getattr(self.agent, "settle", None)
-        if settle is not None and settle(OTHERS_SETTLE_S, own=1):
+        if settle is not None and settle(OTHERS_SETTLE_S, own=own):
             self.counts["evict_unsettled"] += 1
             return False
         with self.lock, self._own():

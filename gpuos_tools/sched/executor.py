@@ -199,9 +199,11 @@ class Executor:
         self._measure(budget, over)
         self._over_pending = False
 
-    def _evict(self, base: int) -> None:
+    def _evict(self, base: int, own: int = 1) -> None:
+        """``own``: operations of this thread being issued (1 inside an operation's callback; 0
+        at serve's gate, before the operation's callback)."""
         try:
-            ok = self.engine.evict_from_operation(base)
+            ok = self.engine.evict_from_operation(base, own)
         except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
             ok = False
             self.error = f"evict {base:#x}: {type(exc).__name__}: {exc}"
@@ -422,7 +424,7 @@ class Executor:
             recs = self.records()
             victims = [b for op, b in self.policy.shed(keep, recs) if op == "evict"]
             for b in victims:
-                self._evict(b)
+                self._evict(b, own=0)
         eng = self.engine
         deadline = time.perf_counter() + ROOM_TIMEOUT_S
         while True:
@@ -448,7 +450,7 @@ class Executor:
             actions = self.policy.prepare(recs)
             for op, b in actions:
                 if op == "evict":
-                    self._evict(b)
+                    self._evict(b, own=0)
         pre = [b for op, b in actions if op == "prefetch"]
         # the loads that fit now are enqueued here, before the program's operation goes on (on
         # the engine's prefetch stream: the host only enqueues); the mover takes the rest as
