@@ -60,6 +60,7 @@ from gpuos_tools.sched.online import OnlinePolicy
 ENV = "GPUOS_SCHED_ONLINE"
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
 POLL_S = 50e-6
+KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 
 
 def config_from_environment(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
@@ -101,6 +102,10 @@ class Executor:
         self._log_max = int(cfg.get("timeline_max", 200_000))
         self._log_dropped = 0
         self._log_budget = -1
+        #: per kernel (or copy/memset API) name: [operations, unknown ones, bytes of the records
+        #: predicted, launches with no owned record predicted]; names past KERNELS_MAX are pooled
+        self.kernels: dict[str, list[int]] = {}
+        self.why: dict[str, str] = {}  #: kernel -> why the predictor said unknown (the agent fills it)
 
     def _event(self, kind: str, value: float, t: float | None = None) -> None:
         log = self._log
@@ -159,6 +164,7 @@ class Executor:
             self._unpinned.clear()
         over_before = self.policy.stats.over_budget
         bases = None if addrs is None else self.bases_of(addrs)
+        self._profile(kernel, bases, recs)
         with self._load_lock:  # the mover checks the policy's books and loads under it too
             actions = self.policy.before(kernel, bases, recs)
             self._budget = budget = self.policy.budget(recs)
@@ -179,6 +185,38 @@ class Executor:
                 self._moves.put(arg)
         self._measure(budget, over)
         self._over_pending = False
+
+    def _profile(self, kernel: str, bases: list[int] | None, recs: dict[int, int]) -> None:
+        k = self.kernels.get(kernel)
+        if k is None:
+            if len(self.kernels) >= KERNELS_MAX:
+                kernel = "(other kernels)"
+                k = self.kernels.get(kernel)
+            if k is None:
+                k = self.kernels[kernel] = [0, 0, 0, 0]
+        k[0] += 1
+        if bases is None:
+            k[1] += 1
+        else:
+            k[2] += sum(recs.get(b, 0) for b in set(bases))
+            k[3] += not bases
+
+    def kernel_profile(self, top: int = 40) -> dict[str, Any]:
+        """What the predictions looked like per kernel: the most launched ``top`` names and every
+        unknown one, each with its operations, unknown ones, mean predicted owned bytes, and (for
+        unknown ones) the predictor's reason."""
+        rows = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])
+        keep = [kv for i, kv in enumerate(rows) if i < top or kv[1][1]]
+        ops = sum(v[0] for v in self.kernels.values())
+        unknown = sum(v[1] for v in self.kernels.values())
+        return {
+            "names": len(self.kernels), "operations": ops, "unknown": unknown,
+            "unknown_share": round(unknown / ops, 6) if ops else 0.0,
+            "no_owned": sum(v[3] for v in self.kernels.values()),
+            "top": [{"kernel": name[:160], "ops": v[0], "unknown": v[1],
+                     "mean_bytes": (v[2] // (v[0] - v[1])) if v[0] > v[1] else None,
+                     **({"why": self.why.get(name, "")[:240]} if v[1] else {})} for name, v in keep],
+        }
 
     def _evict(self, base: int) -> None:
         try:
@@ -329,15 +367,37 @@ class Executor:
             "periods": pol["periods"], "predicted": pol["predicted"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
-            "policy_stats": pol, "engine": eng,
+            "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),
         }
         if self.error:
             out["error"] = self.error
         return out
 
 
+_current: Executor | None = None  #: this process's executor (OnlineAgent.start_engine)
+
+
+def current_counts() -> dict[str, Any] | None:
+    """The running executor's counts so far, or None when this process is not under
+    `gpu-prefetch-sched run`: a program (a benchmark's job) reads them at the start and end of
+    its timed region to know the bytes moved inside it. A program looks for this module in
+    sys.modules rather than importing it (it is loaded only under the agent)."""
+    ex = _current
+    if ex is None:
+        return None
+    e, p = ex.engine.counts, ex.policy.stats
+    return {"bytes_in": e["loaded_bytes"], "bytes_out": e["saved_bytes"], "evictions": e["evictions"],
+            "loads": e["prefetches"] + e["demand_loads"], "demand_loads": e["demand_loads"],
+            "stream_waits": e["stream_waits"], "stalls": p.stalls, "launches": p.launches, "unknown": p.unknown,
+            "over_budget": p.over_budget, "room_wait_s": round(ex.counts["room_wait_s"], 6), "t": time.perf_counter()}
+
+
 class OnlineAgent(Agent):
     """The agent with the online executor in front of its launch, copy and memset hooks."""
+
+    #: a launch captured into a CUDA graph does not run: no decision for it (the graph's launch
+    #: is one, unknown); without this its stream waits would be captured into the graph
+    skip_captured = True
 
     def __init__(self, cfg: dict[str, Any], cow_budget: int | None = None) -> None:
         super().__init__(cow_budget)
@@ -347,6 +407,9 @@ class OnlineAgent(Agent):
     def start_engine(self) -> None:
         super().start_engine()
         self.executor = Executor(self.engine, self.sched_cfg)
+        self.executor.why = self.unknown_why
+        global _current
+        _current = self.executor
 
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         ex = self.executor
