@@ -3,8 +3,8 @@
 CNN workloads).
 
 Workloads (tests/gpu/progs/):
-- llm: torch_decode_job.py, a transformers Llama with random bf16 weights (default 24 layers of
-  hidden 2048, MLP 5632: 2.7 GB of weights), greedy decode with a static KV cache; timed: the
+- llm: torch_decode_job.py, a transformers Llama with random bf16 weights (default 16 layers of
+  hidden 2048, MLP 5632: 1.9 GB of weights; 8 timed tokens), greedy decode with a static KV cache; timed: the
   decode loop (--llm-args);
 - cnn: torch_cnn_job.py, a ResNet-like network's SGD training steps on synthetic data on the
   GPU; timed: the training loop (--cnn-args).
@@ -48,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PROGS = ROOT / "tests" / "gpu" / "progs"
 JOBS = {"llm": PROGS / "torch_decode_job.py", "cnn": PROGS / "torch_cnn_job.py"}
-LLM_ARGS = "--hidden 2048 --layers 24 --mlp 5632 --heads 16 --vocab 32000 --prompt 32 --tokens 17"
+LLM_ARGS = "--hidden 2048 --layers 16 --mlp 5632 --heads 16 --vocab 32000 --prompt 32 --tokens 9"
 CNN_ARGS = "--width 64 --blocks 2 --batch 64 --image 64 --batches 4 --steps 12"
 SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "bytes_in", "bytes_out", "loads", "prefetches",
                 "demand_loads", "evictions", "evict_saves", "stalls", "over_budget", "peak_settled",
@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--cnn-args", default=CNN_ARGS)
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
-    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--timeout", type=float, default=90)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
@@ -139,6 +139,8 @@ def main() -> int:
                 if s is not None:
                     row["summary"] = {k: s.get(k) for k in SUMMARY_KEYS if k in s}
                     row["executor"] = s.get("executor")
+                    row["agent"] = s.get("agent")
+                    row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
                 loop = r.get("sched_loop")

@@ -80,6 +80,7 @@ class Executor:
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"))
         self._records: dict[int, int] = {}
+        self._small: set[int] = set()
         self._unpinned: list[int] = []  #: records whose host copy the mover has not pinned yet
         self._bases: list[int] = []
         self._total = 0
@@ -91,7 +92,8 @@ class Executor:
         self._demand = threading.Event()  #: the program's thread waits for room: the mover holds off
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
                        "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
-                       "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0}
+                       "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0,
+                       "before_s": 0.0}
         self._under = False
         self._settled_key: tuple | None = None
         self.error: str | None = None
@@ -125,7 +127,10 @@ class Executor:
         key = (st["mallocs"], st["frees"], st["reserved_bytes"])
         if key != self._key:
             old = self._records
-            self._records = {r.base: r.size for r in self.lib.table()}
+            table = self.lib.table()
+            self._records = {r.base: r.size for r in table}
+            # segments of small blocks: left out of the launches' keys (OnlinePolicy.before)
+            self._small = {r.base for r in table if getattr(r, "block", 0)}
             if self.cfg.get("prepin", True):
                 # pinning 64 MiB takes ~30 ms: on the mover, not on the program's thread at an eviction
                 self._unpinned.extend(b for b in self._records if b not in old)
@@ -154,6 +159,13 @@ class Executor:
 
     def before(self, kernel: str, addrs, stream: Any) -> None:
         """Before an operation touching the allocations at ``addrs`` (None: unknown)."""
+        t = time.perf_counter()
+        try:
+            self._before(kernel, addrs, stream)
+        finally:
+            self.counts["before_s"] += time.perf_counter() - t
+
+    def _before(self, kernel: str, addrs, stream: Any) -> None:
         recs = self.records()
         if self._unpinned and getattr(self.engine.agent, "ctx", None) is not None:
             # the mover pins in the program's context, known once the program has made it current
@@ -166,8 +178,9 @@ class Executor:
         bases = None if addrs is None else self.bases_of(addrs)
         self._profile(kernel, bases, recs)
         with self._load_lock:  # the mover checks the policy's books and loads under it too
-            actions = self.policy.before(kernel, bases, recs)
-            self._budget = budget = self.policy.budget(recs)
+            key = None if bases is None or not self._small else [b for b in bases if b not in self._small]
+            actions = self.policy.before(kernel, bases, recs, key, self._key)
+            self._budget = budget = self.policy.last_budget
             over = self.policy.stats.over_budget != over_before
             if over:
                 self._over_pending = True  # the mover's measures meanwhile must not count it
@@ -369,6 +382,12 @@ class Executor:
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
             "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),
         }
+        agent = getattr(self.engine, "agent", None)
+        calls = getattr(agent, "hook_calls", None)
+        if isinstance(calls, int):  # where the program's time on the launch path went
+            out["agent"] = {"launch_hooks": calls, "launch_hook_s": round(agent.hook_ns / 1e9, 6),
+                            "memo_misses": getattr(agent, "memo_misses", None),
+                            "executor_s": round(self.counts["before_s"], 6)}
         if self.error:
             out["error"] = self.error
         return out

@@ -128,7 +128,7 @@ def main() -> None:
     h = hashlib.sha256()
     for name, t in list(model.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     data_bytes = sum(x.numel() * x.element_size() + y.numel() * y.element_size() for x, y in data)
     res = {"workload": "cnn_train", "digest": h.hexdigest(), "loop_s": round(loop_s, 6), "sched_loop": region, "steps": args.steps,
