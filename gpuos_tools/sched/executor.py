@@ -40,6 +40,11 @@ after each decision and each prefetch), ``budget`` (when the budget a decision u
 loads, at its issue), ``prefetch`` (a record's bytes, at the mover's issue), ``wait`` (a host
 wait for room: value = seconds, t = its start). Past ``timeline_max`` events (default 200000)
 the rest are counted in ``dropped``, not kept.
+
+Diagnostics in the summary: ``kernels`` (per kernel or API name: operations, unknown ones with
+the predictor's reason, mean bytes of the records predicted; `kernel_profile`) and ``agent``
+(the time the launch path spent in the agent's hooks and in the executor). `current_counts`
+gives a program under `run` the counts so far, for its own timed regions.
 """
 
 from __future__ import annotations
