@@ -401,3 +401,30 @@ def test_plot_refuses_what_is_not_a_timeline(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "cmd" / "gpu-prefetch-sched"), "plot", str(bad), "--plot",
                         str(tmp_path / "x.png")], env=child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == ExitCode.BAD_INPUT and "not a sched_timeline" in p.stderr
+
+
+def test_the_kernel_profile_counts_unknown_launches_and_predicted_bytes():
+    """What `run` says about the predictions per kernel (the summary's `kernels`), and the
+    counts a program reads around its timed loop (current_counts)."""
+    from gpuos_tools.sched import executor as mod
+
+    bases, ops, eng, ex = setup(4, 4 * 64 * MIB)
+    ex.why = {"mystery": "a pointer in no traced allocation"}
+    for _ in range(3):
+        ex.before("k", [bases[0], bases[0] + 8, bases[1]], stream=0)
+    ex.before("mystery", None, stream=0)
+    ex.before("scalar", [0x42], stream=0)  # no owned record touched
+    prof = ex.summary()["kernels"]
+    assert prof["operations"] == 5 and prof["unknown"] == 1 and prof["names"] == 3 and prof["no_owned"] == 1
+    rows = {r["kernel"]: r for r in prof["top"]}
+    assert rows["k"]["ops"] == 3 and rows["k"]["mean_bytes"] == 2 * 64 * MIB and "why" not in rows["k"]
+    assert rows["mystery"]["why"] == "a pointer in no traced allocation" and rows["mystery"]["mean_bytes"] is None
+    assert mod.current_counts() is None or mod._current is not ex  # only an OnlineAgent's executor is current
+    mod._current = ex
+    try:
+        c = mod.current_counts()
+        assert c["launches"] == 5 and c["unknown"] == 1 and c["bytes_in"] == eng.counts["loaded_bytes"]
+    finally:
+        mod._current = None
+    ex.close()
+    eng.close()

@@ -334,3 +334,36 @@ def test_simulate_is_the_default_command_and_run_is_listed():
     assert p.returncode == 0 and "simulate" in p.stdout and "run" in p.stdout
     p = _cli("--budget", "1GiB", "/nonexistent.acc")  # no command named: simulate, which refuses without --simulate
     assert p.returncode == 2 and "--simulate" in p.stderr
+
+
+def test_small_segments_left_out_of_the_key_keep_a_decode_loops_period():
+    """A decode loop's layers read their own weights (large records) and temporaries in small
+    segments, of which the last layer's alternate between two sets every other token (the
+    framework's cache). Keyed on every record, the one-token period is taken on a 64-launch
+    match and breaks; keyed on the large records only
+    (``key_bases``, what the executor passes), it is learned once and holds, and the segments
+    a launch touches are still required whatever the key predicted."""
+    layers, per_layer = 6, 20  # a period (120 launches) longer than Period's match check (64)
+    weights = [0x1000_0000 * (i + 1) for i in range(layers)]
+    segs = [0x9000_0000 + 0x20_0000 * i for i in range(4)]
+    records = {**{w: 64 * MiB for w in weights}, **{s: 2 * MiB for s in segs}}
+    small = set(segs)
+    out = {}
+    for keyed in ("all", "large"):
+        pol = OnlinePolicy(None, "belady", 2, fraction=0.66)
+        eng = FakeEngine(records)
+        for token in range(12):
+            for layer, w in enumerate(weights):
+                # the last layer's temporaries (say the logits) alternate every other token
+                tmp = segs[2:] if layer == layers - 1 and token % 2 else segs[:2]
+                for k in range(per_layer):
+                    ws = [w, tmp[k % 2]] if k == 2 else [tmp[0], tmp[1]]
+                    key = None if keyed == "all" else [b for b in ws if b not in small]
+                    actions = pol.before(f"k{k}", ws, records, key, 1)
+                    eng.apply(actions, ws)
+                    assert set(ws) <= eng.resident
+        out[keyed] = pol.stats
+    p = layers * per_layer
+    assert out["large"].periods == [p] and out["large"].period_breaks == 0, out["large"]
+    assert out["all"].period_breaks > 0, out["all"]
+    assert out["large"].predicted > out["all"].predicted

@@ -56,6 +56,7 @@ PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
 MEMO_MAX = 65536  # launch predictions kept (see Agent._writes)
+WHY_MAX = 256  # kernels whose last unknown prediction keeps its reason (Agent.unknown_why)
 
 
 def STAGING_PAUSE(took: float) -> float:
@@ -107,6 +108,10 @@ class Agent(ProcessView):
     #: agent's lock (it may block for the GPU turn; gpuos_tools/sched/executor.py Executor.gate)
     gate = None
 
+    #: launches, copies and memsets into a stream being captured are skipped (they only add a
+    #: node to a graph) also when no snapshot is in progress (gpu-prefetch-sched's agent)
+    skip_captured = False
+
     def __init__(self, cow_budget: int | None = None) -> None:
         super().__init__()
         self.lock = threading.RLock()
@@ -125,6 +130,8 @@ class Agent(ProcessView):
         self._memo_words: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}
         self._memo_epoch = -1
         self.memo_misses = 0
+        #: kernel -> the predictor's reason for its last unknown prediction (at most WHY_MAX kernels)
+        self.unknown_why: dict[str, str] = {}
         #: the agent's own time in the program's launch callbacks, and how many (ping says)
         self.hook_ns = 0
         self.hook_calls = 0
@@ -262,6 +269,8 @@ class Agent(ProcessView):
                 self.memo_misses += 1
                 acc = self.pred.launch(launch_record(kernel, sizes, args))[0]
                 writes = tuple(dict.fromkeys(e["alloc"] for e in acc["writes"]))
+                if acc["unknown"] and (kernel in self.unknown_why or len(self.unknown_why) < WHY_MAX):
+                    self.unknown_why[kernel] = str(acc.get("why", ""))
                 hit = (bool(acc["unknown"]), writes,
                        tuple(dict.fromkeys([e["alloc"] for e in acc["reads"]] + list(writes))))
                 if words is not None:

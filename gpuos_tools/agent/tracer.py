@@ -600,7 +600,7 @@ def _agent_handlers(agent, table: dict) -> dict:
             else:
                 raw = _LAUNCH(_MEM, pp)
                 f, stream, kp, extra = raw[0], raw[8], raw[9], raw[10]
-            if agent.snap is not None and _capturing(stream):
+            if (agent.snap is not None or agent.skip_captured) and _capturing(stream):
                 agent.ops += 1  # only recorded into a graph: it writes nothing now
                 return
             entry = _layouts.get(f, False)
@@ -618,7 +618,7 @@ def _agent_handlers(agent, table: dict) -> dict:
                 base(cbid, cbdata)
                 return
             dst, src, stream = _agent_enter(name, pp)
-            if agent.snap is not None and stream and _capturing(stream):
+            if (agent.snap is not None or agent.skip_captured) and stream and _capturing(stream):
                 agent.ops += 1
                 return
             agent.before_write(name, dst, stream, src)

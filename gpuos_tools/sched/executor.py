@@ -40,6 +40,11 @@ after each decision and each prefetch), ``budget`` (when the budget a decision u
 loads, at its issue), ``prefetch`` (a record's bytes, at the mover's issue), ``wait`` (a host
 wait for room: value = seconds, t = its start). Past ``timeline_max`` events (default 200000)
 the rest are counted in ``dropped``, not kept.
+
+Diagnostics in the summary: ``kernels`` (per kernel or API name: operations, unknown ones with
+the predictor's reason, mean bytes of the records predicted; `kernel_profile`) and ``agent``
+(the time the launch path spent in the agent's hooks and in the executor). `current_counts`
+gives a program under `run` the counts so far, for its own timed regions.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from gpuos_tools.sched.online import OnlinePolicy
 ENV = "GPUOS_SCHED_ONLINE"
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
 POLL_S = 50e-6
+KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 
 
 def config_from_environment(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
@@ -79,6 +85,7 @@ class Executor:
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"))
         self._records: dict[int, int] = {}
+        self._small: set[int] = set()
         self._unpinned: list[int] = []  #: records whose host copy the mover has not pinned yet
         self._bases: list[int] = []
         self._total = 0
@@ -90,7 +97,8 @@ class Executor:
         self._demand = threading.Event()  #: the program's thread waits for room: the mover holds off
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
                        "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
-                       "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0}
+                       "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0,
+                       "before_s": 0.0}
         self._under = False
         self._settled_key: tuple | None = None
         self.error: str | None = None
@@ -120,6 +128,10 @@ class Executor:
                 self.serve = Client(srv["socket"], int(srv["job"]))
             except OSError as exc:  # not served, it would run over everyone's budget: it must not start
                 raise RuntimeError(f"gpu-prefetch-sched serve: cannot reach the coordinator at {srv['socket']}: {exc}") from exc
+        #: per kernel (or copy/memset API) name: [operations, unknown ones, bytes of the records
+        #: predicted, launches with no owned record predicted]; names past KERNELS_MAX are pooled
+        self.kernels: dict[str, list[int]] = {}
+        self.why: dict[str, str] = {}  #: kernel -> why the predictor said unknown (the agent fills it)
 
     def _event(self, kind: str, value: float, t: float | None = None) -> None:
         log = self._log
@@ -139,7 +151,10 @@ class Executor:
         key = (st["mallocs"], st["frees"], st["reserved_bytes"])
         if key != self._key:
             old = self._records
-            self._records = {r.base: r.size for r in self.lib.table()}
+            table = self.lib.table()
+            self._records = {r.base: r.size for r in table}
+            # segments of small blocks: left out of the launches' keys (OnlinePolicy.before)
+            self._small = {r.base for r in table if getattr(r, "block", 0)}
             if self.cfg.get("prepin", True):
                 # pinning 64 MiB takes ~30 ms: on the mover, not on the program's thread at an eviction
                 self._unpinned.extend(b for b in self._records if b not in old)
@@ -168,6 +183,13 @@ class Executor:
 
     def before(self, kernel: str, addrs, stream: Any) -> None:
         """Before an operation touching the allocations at ``addrs`` (None: unknown)."""
+        t = time.perf_counter()
+        try:
+            self._before(kernel, addrs, stream)
+        finally:
+            self.counts["before_s"] += time.perf_counter() - t
+
+    def _before(self, kernel: str, addrs, stream: Any) -> None:
         recs = self.records()
         if self._unpinned and getattr(self.engine.agent, "ctx", None) is not None:
             # the mover pins in the program's context, known once the program has made it current
@@ -178,9 +200,11 @@ class Executor:
             self._unpinned.clear()
         over_before = self.policy.stats.over_budget
         bases = None if addrs is None else self.bases_of(addrs)
+        self._profile(kernel, bases, recs)
         with self._load_lock:  # the mover checks the policy's books and loads under it too
-            actions = self.policy.before(kernel, bases, recs)
-            self._budget = budget = self.policy.budget(recs)
+            key = None if bases is None or not self._small else [b for b in bases if b not in self._small]
+            actions = self.policy.before(kernel, bases, recs, key, self._key)
+            self._budget = budget = self.policy.last_budget
             over = self.policy.stats.over_budget != over_before
             if over:
                 self._over_pending = True  # the mover's measures meanwhile must not count it
@@ -198,6 +222,38 @@ class Executor:
                 self._moves.put(arg)
         self._measure(budget, over)
         self._over_pending = False
+
+    def _profile(self, kernel: str, bases: list[int] | None, recs: dict[int, int]) -> None:
+        k = self.kernels.get(kernel)
+        if k is None:
+            if len(self.kernels) >= KERNELS_MAX:
+                kernel = "(other kernels)"
+                k = self.kernels.get(kernel)
+            if k is None:
+                k = self.kernels[kernel] = [0, 0, 0, 0]
+        k[0] += 1
+        if bases is None:
+            k[1] += 1
+        else:
+            k[2] += sum(recs.get(b, 0) for b in set(bases))
+            k[3] += not bases
+
+    def kernel_profile(self, top: int = 40) -> dict[str, Any]:
+        """What the predictions looked like per kernel: the most launched ``top`` names and every
+        unknown one, each with its operations, unknown ones, mean predicted owned bytes, and (for
+        unknown ones) the predictor's reason."""
+        rows = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])
+        keep = [kv for i, kv in enumerate(rows) if i < top or kv[1][1]]
+        ops = sum(v[0] for v in self.kernels.values())
+        unknown = sum(v[1] for v in self.kernels.values())
+        return {
+            "names": len(self.kernels), "operations": ops, "unknown": unknown,
+            "unknown_share": round(unknown / ops, 6) if ops else 0.0,
+            "no_owned": sum(v[3] for v in self.kernels.values()),
+            "top": [{"kernel": name[:160], "ops": v[0], "unknown": v[1],
+                     "mean_bytes": (v[2] // (v[0] - v[1])) if v[0] > v[1] else None,
+                     **({"why": self.why.get(name, "")[:240]} if v[1] else {})} for name, v in keep],
+        }
 
     def _evict(self, base: int, own: int = 1) -> None:
         """``own``: operations of this thread being issued (1 inside an operation's callback; 0
@@ -510,17 +566,45 @@ class Executor:
             "periods": pol["periods"], "predicted": pol["predicted"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
-            "policy_stats": pol, "engine": eng,
+            "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),
         }
         if self.serve is not None:
             out["serve"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.turns.items()}
+        agent = getattr(self.engine, "agent", None)
+        calls = getattr(agent, "hook_calls", None)
+        if isinstance(calls, int):  # where the program's time on the launch path went
+            out["agent"] = {"launch_hooks": calls, "launch_hook_s": round(agent.hook_ns / 1e9, 6),
+                            "memo_misses": getattr(agent, "memo_misses", None),
+                            "executor_s": round(self.counts["before_s"], 6)}
         if self.error:
             out["error"] = self.error
         return out
 
 
+_current: Executor | None = None  #: this process's executor (OnlineAgent.start_engine)
+
+
+def current_counts() -> dict[str, Any] | None:
+    """The running executor's counts so far, or None when this process is not under
+    `gpu-prefetch-sched run`: a program (a benchmark's job) reads them at the start and end of
+    its timed region to know the bytes moved inside it. A program looks for this module in
+    sys.modules rather than importing it (it is loaded only under the agent)."""
+    ex = _current
+    if ex is None:
+        return None
+    e, p = ex.engine.counts, ex.policy.stats
+    return {"bytes_in": e["loaded_bytes"], "bytes_out": e["saved_bytes"], "evictions": e["evictions"],
+            "loads": e["prefetches"] + e["demand_loads"], "demand_loads": e["demand_loads"],
+            "stream_waits": e["stream_waits"], "stalls": p.stalls, "launches": p.launches, "unknown": p.unknown,
+            "over_budget": p.over_budget, "room_wait_s": round(ex.counts["room_wait_s"], 6), "t": time.perf_counter()}
+
+
 class OnlineAgent(Agent):
     """The agent with the online executor in front of its launch, copy and memset hooks."""
+
+    #: a launch captured into a CUDA graph does not run: no decision for it (the graph's launch
+    #: is one, unknown); without this its stream waits would be captured into the graph
+    skip_captured = True
 
     def __init__(self, cfg: dict[str, Any], cow_budget: int | None = None) -> None:
         super().__init__(cow_budget)
@@ -532,6 +616,9 @@ class OnlineAgent(Agent):
         self.executor = Executor(self.engine, self.sched_cfg)
         if self.executor.serve is not None:  # gpu-prefetch-sched serve: the tracer calls it before the lock
             self.gate = self.executor.gate
+        self.executor.why = self.unknown_why
+        global _current
+        _current = self.executor
 
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         ex = self.executor

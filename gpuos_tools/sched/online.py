@@ -13,7 +13,13 @@ their sizes; it answers a list of actions in the order they must be applied to t
 - The known future: iterative programs repeat their launch sequence. Each launch becomes a key
   (kernel, working set); `Period` learns the period of the key sequence as the program runs
   and predicts the next launches by repeating it. Until a period is known (and again after a
-  launch contradicts it) there is no future: eviction is LRU and nothing is prefetched.
+  launch contradicts it) there is no future: eviction is LRU and nothing is prefetched. The
+  caller may name the records that identify a launch in its key (``key_bases``: the executor
+  leaves out segments of small blocks, which a framework's cache hands out in an order that
+  need not repeat from one iteration to the next: on an H100, keyed on every record, a PyTorch
+  decode loop's one-token period broke and a two-token one was learned, presumably from its
+  temporaries, since its weights and static KV cache keep their large records); a key's
+  predicted working set is then the one its last launch had.
 - Before a launch its whole working set is required (made resident; the launch's stream waits
   for the loads). Room is made first by evicting, never a record of the launch itself, the
   resident record whose next use is furthest in the predicted future (Belady; never used again
@@ -154,6 +160,7 @@ class Stats:
     peak_resident: int = 0  #: the most bytes resident by the policy's books, after a decision
     budget_max: int = 0  #: the largest budget a decision used (percentage budgets grow)
     periods: list[int] = field(default_factory=list)  #: each period learned, in order
+    period_breaks: int = 0  #: known periods a launch contradicted
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -186,6 +193,9 @@ class OnlinePolicy:
         self._uses: dict[int, list[int]] = {}  #: base -> its phases in the period
         self._all: list[int] = []  #: phases of unknown launches (they use every record)
         self._uses_for: tuple[int, int] | None = None  #: (periods learned, p) of _uses
+        self._version: Any = object()  #: the caller's version of the records last synced
+        self._total = 0  #: their bytes
+        self.last_budget = 0  #: the budget of the last decision
         self.stats = Stats()
 
     # -- the budget ---------------------------------------------------------------------------
@@ -198,13 +208,21 @@ class OnlinePolicy:
 
     # -- per launch ---------------------------------------------------------------------------
 
-    def before(self, kernel: str, bases: Sequence[int] | None, records: Mapping[int, int]) -> list[Action]:
+    def before(self, kernel: str, bases: Sequence[int] | None, records: Mapping[int, int],
+               key_bases: Sequence[int] | None = None, version: Any = None) -> list[Action]:
         """The actions before a launch of ``kernel`` touching ``bases`` (None: unknown), with
-        ``records`` the live owned records (base -> bytes)."""
+        ``records`` the live owned records (base -> bytes). ``key_bases``: the records that
+        identify the launch for learning the period (default: ``bases``). ``version``: a value
+        that changes whenever ``records`` does (the executor's allocator counts); with it, the
+        records are re-read only when it moved."""
         st = self.stats
         st.launches += 1
-        self._sync(records)
-        budget = self.budget(records)
+        if version is None or version != self._version:
+            self._sync(records)
+            self._total = sum(records.values())
+            self._version = version
+        budget = int(self._total * self.fraction) if self.fraction is not None else self.budget(records)
+        self.last_budget = budget
         st.budget_max = max(st.budget_max, budget)
         if bases is None:
             st.unknown += 1
@@ -212,8 +230,8 @@ class OnlinePolicy:
             key_ws: tuple[int, ...] | None = None
         else:
             ws = tuple(sorted({b for b in bases if b in records}))
-            key_ws = ws
-        future = self._advance(kernel, key_ws)
+            key_ws = ws if key_bases is None else tuple(sorted({b for b in key_bases if b in records}))
+        future = self._advance(kernel, key_ws, None if bases is None else ws)
         actions: list[Action] = []
         protected = set(ws)
         size = sum(records[b] for b in ws)
@@ -260,13 +278,17 @@ class OnlinePolicy:
                 self.resident[b] = size
                 self.used += size
 
-    def _advance(self, kernel: str, ws: tuple[int, ...] | None) -> list[tuple[int, ...] | None]:
-        """Push this launch's key; the predicted working sets of the next launches."""
-        key = (kernel, ws)
+    def _advance(self, kernel: str, key_ws: tuple[int, ...] | None,
+                 ws: tuple[int, ...] | None) -> list[tuple[int, ...] | None]:
+        """Push this launch's key (kernel, ``key_ws``); the predicted working sets of the next
+        launches (each key's: the last ``ws`` it had)."""
+        key = (kernel, key_ws)
         kid = self._ids.get(key)
         if kid is None:
             kid = self._ids[key] = len(self._sets)
             self._sets.append(ws)
+        else:
+            self._sets[kid] = ws
         before = self.period.known
         if before is not None:
             self.stats.predicted += 1
@@ -274,6 +296,7 @@ class OnlinePolicy:
         p = self.period.known
         if p is not None and p != before:
             self.stats.periods.append(p)
+        self.stats.period_breaks = self.period.broken
         if p is None:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]

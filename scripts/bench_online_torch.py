@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""`gpu-prefetch-sched run` on PyTorch programs against all-in-HBM (issue 8: the LLM-decode and
+CNN workloads).
+
+Workloads (tests/gpu/progs/):
+- llm: torch_decode_job.py, a transformers Llama with random bf16 weights (default 16 layers of
+  hidden 2048, MLP 5632: 1.9 GB of weights; 8 timed tokens), greedy decode with a static KV cache; timed: the
+  decode loop (--llm-args);
+- cnn: torch_cnn_job.py, a ResNet-like network's SGD training steps on synthetic data on the
+  GPU; timed: the training loop (--cnn-args).
+
+Per workload, side by side (--configs):
+- hbm:    the job alone, untraced, torch's own caching allocator (the ceiling);
+- run100: under `gpu-prefetch-sched run --budget 100%` (agent, owned memory, policy on, nothing
+          to move: the cost of the python-callback agent and the policy on the launch path);
+- 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru;
+- with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
+  DynamicCache (new memory per token and layer).
+
+Per run: the timed loop's wall time, speed = hbm loop time / run loop time, whether the output
+(token ids; final parameters' sha256) is bit-identical to hbm's, the whole run's summary (bytes
+in/out, evictions, loads, stalls, unknown launches, peak mapped bytes, period learned), and what
+the executor did inside the timed loop (the job reads gpuos_tools.sched.executor.current_counts
+at its start and end): bytes in and out, and the transfer floor = max(bytes in, bytes out) /
+--link-gbps (one direction's pinned copy bandwidth; the two directions overlap), against the
+loop's time: floor_share near 1 means the loop is transfer-bound. JSON to --json (after every
+run); a table on stderr. The kernels' prediction profile (share of unknown launches, the most
+launched kernels and their mean predicted bytes) of each workload's 66% run is kept in the JSON.
+
+    python3 scripts/bench_online_torch.py [--workloads llm,cnn] [--configs hbm,run100,66%,50%,33%,66%-lru]
+                                          [--dynamic] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGS = ROOT / "tests" / "gpu" / "progs"
+JOBS = {"llm": PROGS / "torch_decode_job.py", "cnn": PROGS / "torch_cnn_job.py"}
+LLM_ARGS = "--hidden 2048 --layers 16 --mlp 5632 --heads 16 --vocab 32000 --prompt 32 --tokens 9"
+CNN_ARGS = "--width 64 --blocks 2 --batch 64 --image 64 --batches 4 --steps 12"
+SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "bytes_in", "bytes_out", "loads", "prefetches",
+                "demand_loads", "evictions", "evict_saves", "stalls", "over_budget", "peak_settled",
+                "peak_resident", "over_physical", "periods", "predicted", "error")
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    e.pop("GPUOS_AGENT_OWN", None)
+    return e
+
+
+def run_job(job: Path, job_args: list[str], sched: list[str] | None, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "job.json"
+        cmd = [sys.executable, str(job), *job_args, "--out", str(out)]
+        if sched is not None:
+            cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *sched, "--", *cmd]
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            return {"ok": False, "rc": "timeout", "stderr": err[-3000:], "process_s": round(time.perf_counter() - t, 3)}
+        wall = time.perf_counter() - t
+        if p.returncode != 0 or not out.exists():
+            return {"ok": False, "rc": p.returncode, "stderr": p.stderr[-3000:], "process_s": round(wall, 3)}
+        res = json.loads(out.read_text())
+        res["ok"] = True
+        res["process_s"] = round(wall, 3)
+        if sched is not None:
+            recs = [json.loads(x) for x in p.stdout.splitlines() if x.strip()]
+            res["summary"] = recs[-1] if recs and recs[-1].get("type") == "sched_summary" else None
+        return res
+
+
+def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | None, str, list[str]]]:
+    """(name, budget or None for untraced, policy, extra job args)."""
+    out = []
+    for c in [c for c in args.configs.split(",") if c]:
+        if c == "hbm":
+            out.append(("hbm", None, "", []))
+        elif c == "run100":
+            out.append(("run100", "100%", "belady", []))
+        else:
+            budget, _, policy = c.partition("-")
+            out.append((c, budget, policy or "belady", []))
+    if args.dynamic and workload == "llm":
+        out += [("hbm-dyn", None, "", ["--cache", "dynamic"]), ("66%-dyn", "66%", "belady", ["--cache", "dynamic"])]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="llm,cnn")
+    ap.add_argument("--configs", default="hbm,run100,66%,50%,33%,66%-lru")
+    ap.add_argument("--dynamic", action="store_true", help="llm: also the DynamicCache decode, alone and at 66%%")
+    ap.add_argument("--llm-args", default=LLM_ARGS)
+    ap.add_argument("--cnn-args", default=CNN_ARGS)
+    ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
+    ap.add_argument("--timeout", type=float, default=90)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    rows: list[dict[str, Any]] = []
+    for wl in [w for w in args.workloads.split(",") if w]:
+        base_args = shlex.split(args.llm_args if wl == "llm" else args.cnn_args)
+        refs: dict[str, dict[str, Any]] = {}
+        for name, budget, policy, extra in configs(args, wl):
+            sched = None if budget is None else ["--budget", budget, "--policy", policy, "--lookahead", str(args.lookahead)]
+            r = run_job(JOBS[wl], [*base_args, *extra], sched, args.timeout)
+            row: dict[str, Any] = {"workload": wl, "config": name, "budget_spec": budget, "policy": policy or None,
+                                   "job_args": [*base_args, *extra]}
+            ref_name = "hbm-dyn" if "--cache" in extra else "hbm"
+            if r.get("ok"):
+                row.update({k: r.get(k) for k in ("loop_s", "tokens_per_s", "its_per_s", "cache", "weights_bytes",
+                                                   "param_bytes", "data_bytes", "process_s", "nondeterministic")
+                            if k in r})
+                row["digest"] = r["digest"]
+                if budget is None:
+                    refs[name] = r
+                ref = refs.get(ref_name)
+                if ref is not None:
+                    row["identical"] = r["digest"] == ref["digest"]
+                    row["speed_vs_hbm"] = round(ref["loop_s"] / r["loop_s"], 4)
+                s = r.get("summary")
+                if s is not None:
+                    row["summary"] = {k: s.get(k) for k in SUMMARY_KEYS if k in s}
+                    row["executor"] = s.get("executor")
+                    row["agent"] = s.get("agent")
+                    row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
+                    if name.startswith("66%") and "kernels" in s:
+                        row["kernels"] = s["kernels"]
+                loop = r.get("sched_loop")
+                if loop is not None:
+                    row["loop"] = loop
+                    floor = max(loop["bytes_in"], loop["bytes_out"]) / (args.link_gbps * 1e9)
+                    row["floor_s"] = round(floor, 6)
+                    row["floor_share"] = round(floor / r["loop_s"], 4) if r["loop_s"] else None
+            else:
+                row.update(ok=False, rc=r.get("rc"), stderr=r.get("stderr"))
+                print(f"{wl} {name} failed: {r.get('stderr', '')[-2000:]}", file=sys.stderr)
+            rows.append(row)
+            save(args, rows)
+            print(f"{wl} {name}: {_line(row)}", file=sys.stderr, flush=True)
+
+    save(args, rows)
+    print(f"{'wl':<4} {'config':<8} {'loop_s':>8} {'rate':>8} {'speed':>6} {'same':>5} {'loop in GB':>10} "
+          f"{'out GB':>7} {'evict':>6} {'stall':>6} {'unk':>5} {'floor_s':>8} {'floor%':>6}", file=sys.stderr)
+    for r in rows:
+        lp = r.get("loop") or {}
+        rate = r.get("tokens_per_s") or r.get("its_per_s") or float("nan")
+        print(f"{r['workload']:<4} {r['config']:<8} {r.get('loop_s', float('nan')):>8.3f} {rate:>8.2f} "
+              f"{r.get('speed_vs_hbm', float('nan')):>6.3f} {str(r.get('identical', '-')):>5} "
+              f"{lp.get('bytes_in', 0) / 1e9:>10.2f} {lp.get('bytes_out', 0) / 1e9:>7.2f} {lp.get('evictions', 0):>6} "
+              f"{lp.get('stalls', 0):>6} {lp.get('unknown', 0):>5} {r.get('floor_s', 0):>8.3f} "
+              f"{100 * (r.get('floor_share') or 0):>6.1f}", file=sys.stderr)
+    return 0 if all(r.get("ok", True) and r.get("identical", True) for r in rows) else 1
+
+
+def _line(row: dict[str, Any]) -> str:
+    if row.get("ok") is False:
+        return f"FAILED rc={row.get('rc')}"
+    lp = row.get("loop") or {}
+    return (f"loop {row.get('loop_s')} s, speed {row.get('speed_vs_hbm')}, identical {row.get('identical')}, "
+            f"loop in {lp.get('bytes_in', 0) / 1e9:.2f} GB out {lp.get('bytes_out', 0) / 1e9:.2f} GB, "
+            f"floor share {row.get('floor_share')}")
+
+
+def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The JSON so far (after every run: a call cut short keeps what it measured)."""
+    if not args.json:
+        return
+    out = {"bench": "online_torch", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
+           "gpu": _GPU, "args": vars(args), "rows": rows}
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _gpu_name() -> str | None:
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+_GPU = _gpu_name()
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""LLM decode for `gpu-prefetch-sched run` (issue 8): a transformers Llama built from a
+LlamaConfig with random weights (nothing downloaded), bf16 on the GPU, greedy decoding with a
+KV cache for a fixed number of tokens.
+
+The model: --hidden, --layers, --mlp (intermediate size), --heads, --vocab; weights are
+2 * (layers * (4 * hidden^2 + 3 * hidden * mlp) + 2 * vocab * hidden) bytes (untied
+embeddings). A prompt of --prompt random token ids (seeded) is prefilled, then --tokens tokens
+are generated one at a time, each the argmax of the last logits fed back with the cache
+(own loop, no `generate`: no sampling, no compilation, the same Python on every run).
+
+--cache static (default): transformers' StaticCache, preallocated for prompt + tokens, so
+every decode step issues the same launches on the same memory (as a serving engine's
+preallocated KV cache); --cache dynamic: DynamicCache, which concatenates (new memory) per
+token and layer. Falls back to dynamic when this transformers cannot build a StaticCache
+(the output says which).
+
+Deterministic: torch.manual_seed(0), CUBLAS_WORKSPACE_CONFIG=:4096:8 (set before torch is
+imported, unless already set), cuDNN deterministic, torch.use_deterministic_algorithms(True,
+warn_only=True). The output (one JSON line to --out, stdout without it): the generated token
+ids and their sha256 (what a run under any memory manager must reproduce), the decode loop's
+wall time (synchronised before and after; the first generated token, from the prefill, is not
+in it) and tokens/s, the weights' bytes, the cache kind; under `gpu-prefetch-sched run`, what its executor
+did inside the decode loop (`sched_loop`: bytes in and out, evictions, stalls, ...).
+"""
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def sched_counts():
+    """The counts of `gpu-prefetch-sched run`'s executor when this runs under it, else None
+    (gpuos_tools.sched.executor.current_counts; the module is loaded only under the agent)."""
+    mod = sys.modules.get("gpuos_tools.sched.executor")
+    return mod.current_counts() if mod is not None else None
+
+
+def delta(before, after):
+    """What the executor did between two sched_counts() (None when not under it)."""
+    if before is None or after is None:
+        return None
+    return {k: round(after[k] - before[k], 6) for k in before if k != "t"}
+
+
+def make_cache(kind: str, config, length: int, dev, dtype):
+    """(cache, kind used)."""
+    from transformers import DynamicCache
+
+    if kind == "static":
+        try:
+            from transformers import StaticCache
+
+            params = inspect.signature(StaticCache.__init__).parameters
+            kw = {"config": config, "max_cache_len": length}
+            for name, value in (("max_batch_size", 1), ("batch_size", 1), ("device", dev), ("dtype", dtype)):
+                if name in params:
+                    kw[name] = value
+            return StaticCache(**kw), "static"
+        except Exception as exc:  # noqa: BLE001 (an older or newer transformers: say so, go on)
+            print(f"torch_decode_job: no StaticCache ({type(exc).__name__}: {exc}); DynamicCache instead",
+                  file=sys.stderr)
+    return DynamicCache(), "dynamic"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--mlp", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--cache", choices=("static", "dynamic"), default="static")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=max(4096, args.prompt + args.tokens),
+                         tie_word_embeddings=False, use_cache=True)
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters created (and initialised) in bf16 on the GPU
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to(device=dev, dtype=dtype).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    build_s = time.perf_counter() - t
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=gen).to(dev)
+    cache, kind = make_cache(args.cache, config, args.prompt + args.tokens, dev, dtype)
+    with torch.no_grad():
+        pos = torch.arange(args.prompt, device=dev)
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=pos)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        toks = [nxt]
+        pos = pos[-1:] + 1
+        torch.cuda.synchronize()
+        c0 = sched_counts()
+        t0 = time.perf_counter()
+        for _ in range(args.tokens - 1):
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=pos)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            toks.append(nxt)
+            pos = pos + 1
+        torch.cuda.synchronize()
+        loop_s = time.perf_counter() - t0
+        region = delta(c0, sched_counts())
+    ids = torch.cat(toks, dim=1)[0].tolist()
+    res = {"workload": "llm_decode", "tokens": ids, "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+           "loop_s": round(loop_s, 6), "sched_loop": region, "decode_tokens": args.tokens - 1,
+           "tokens_per_s": round((args.tokens - 1) / loop_s, 3) if loop_s > 0 else None,
+           "weights_bytes": weights, "cache": kind, "build_s": round(build_s, 3),
+           "layers": args.layers, "hidden": args.hidden, "mlp": args.mlp, "prompt": args.prompt,
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    print(f"torch_decode_job: {weights / 2**30:.2f} GiB of weights, {kind} cache, {args.tokens - 1} tokens in "
+          f"{loop_s:.3f} s", file=sys.stderr)
+    text = json.dumps(res)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`gpu-prefetch-sched run` on PyTorch programs on a real GPU (pytest -m gpu): a transformers
+Llama's greedy decode with a KV cache (random weights) and a CNN's training steps, each at a
+budget of 66% of its owned memory (150% oversubscription), produce the same output as the same
+program run alone with torch's own allocator -- the same token ids, the same final parameters
+bit for bit -- while records are evicted and loaded again (tests/gpu/progs/torch_decode_job.py,
+torch_cnn_job.py; gpuos_tools/sched/executor.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGS = Path(__file__).resolve().parent / "progs"
+JOBS = {
+    "llm": (PROGS / "torch_decode_job.py",
+            ["--hidden", "1024", "--layers", "6", "--mlp", "2816", "--heads", "8", "--vocab", "8000",
+             "--prompt", "16", "--tokens", "8"]),
+    "cnn": (PROGS / "torch_cnn_job.py",
+            ["--width", "16", "--blocks", "1", "--batch", "16", "--image", "32", "--batches", "2", "--steps", "4"]),
+}
+
+
+def env() -> dict:
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    e.pop("GPUOS_AGENT_OWN", None)
+    return e
+
+
+def plain_run(name: str, tmp: Path) -> dict:
+    job, args = JOBS[name]
+    out = tmp / "plain.json"
+    p = subprocess.run([sys.executable, str(job), *args, "--out", str(out)], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def sched_run(name: str, tmp: Path, *opts: str) -> tuple[dict, dict]:
+    job, args = JOBS[name]
+    out = tmp / "job.json"
+    cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *opts, "--",
+           sys.executable, str(job), *args, "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-6000:]
+    recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert recs[0]["type"] == "header" and recs[-1]["type"] == "sched_summary", recs
+    s = recs[-1]
+    k = s["kernels"]
+    print(f"{name}: {s['launches']} operations, {k['names']} kernels, unknown {k['unknown']} "
+          f"({k['unknown_share']:.2%}), {s['evictions']} evictions, {s['bytes_in']} B in, "
+          f"{s['bytes_out']} B out, over budget {s['over_budget']}", file=sys.stderr)
+    return json.loads(out.read_text()), s
+
+
+@pytest.mark.parametrize("name", ["llm", "cnn"])
+def test_torch_job_over_budget_is_bit_identical_to_the_job_alone(tmp_path, name):
+    plain = plain_run(name, tmp_path)
+    job, s = sched_run(name, tmp_path, "--budget", "66%")
+    assert job["digest"] == plain["digest"], (job, plain)
+    if name == "llm":
+        assert job["tokens"] == plain["tokens"]
+    assert s["footprint"] > 0 and s["budget"] < s["footprint"], s
+    assert s["evictions"] > 0 and s["bytes_in"] > 0 and s["bytes_out"] > 0, s
+    assert "error" not in s and s["executor"]["mover_errors"] == 0, s
+    assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
+    assert s["kernels"]["operations"] == s["launches"], s["kernels"]
+    loop = job["sched_loop"]  # the executor's counts inside the job's timed loop
+    assert loop is not None and loop["launches"] > 0, job
+    assert plain["sched_loop"] is None
