@@ -198,3 +198,23 @@ def test_executor_summary_reports_the_digests():
     assert s["digest"] == "on" and s["digest_skips"] == 1 and s["digests"] == 2
     assert s["bytes_not_written_back"] == 64 * MIB
     eng.close()
+
+
+def test_the_digests_definition_sees_order_shifts_tails_and_lengths():
+    import numpy as np
+
+    from gpuos_tools.agent.engine import digest_reference
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 4099, dtype=np.uint8).tobytes()
+    d = digest_reference(data)
+    assert len(d) == 16 and d == digest_reference(bytes(data))
+    swapped = data[8:16] + data[:8] + data[16:]
+    shifted = data[-8:] + data[:-8]
+    tail = data[:-1] + bytes([data[-1] ^ 0x80])
+    variants = [swapped, shifted, tail, data + b"\0", data[:-1], data[:4096]]
+    digests = {digest_reference(v) for v in variants} | {d}
+    assert len(digests) == len(variants) + 1
+    # zeros of different lengths differ (the length is mixed in), a word's lanes independent
+    assert digest_reference(b"\0" * 8) != digest_reference(b"\0" * 16)
+    assert digest_reference(b"") != digest_reference(b"\0")
