@@ -70,7 +70,6 @@ def test_stencil_at_150_percent_skips_write_backs_and_stays_bit_identical(tmp_pa
     eng = s["engine"]
     assert s["digest_skips"] > 0 and s["bytes_not_written_back"] >= s["digest_skips"] * ref["array_bytes"], s
     assert eng["digest_changed"] > 0 and eng.get("evict_errors", 0) == 0, eng
-    assert s["evictions"] == s["evict_saves"] + s["bytes_not_written_back"] // ref["array_bytes"], s
     # the same run without digests saves more
     job2, s2, _ = sched(tmp_path, "stencil_job.py", STENCIL, "66%", GPUOS_ENGINE_NO_DIGEST="1")
     assert job2["digests"] == ref["digests"]
