@@ -55,8 +55,8 @@ array argument counts as written, and a kernel that writes through a ``const`` p
 seen writing at all).
 
 Digests (``GPUOS_ENGINE_NO_DIGEST=1`` turns them off). When a record is loaded from the
-engine's own host copy, a small kernel (NVRTC, compiled once per process in the background,
-loaded with cuModuleLoadData at the first eviction) computes a 128-bit digest of its device
+engine's own host copy, a small kernel (NVRTC, compiled once per process in the background
+to a CUBIN for the GPU, loaded with cuModuleLoadData at the first eviction) computes a 128-bit digest of its device
 bytes on the load's stream, after the copy and before the load's event, so that no operation
 of the program can write the record before it is taken: it is the digest of the host copy.
 At the record's next eviction the digest is taken again on the evict stream, ordered after
@@ -1062,9 +1062,30 @@ def digest_reference(data: bytes) -> bytes:
 DIGEST_BLOCKS = 2048  #: at most (a grid-stride loop beyond): enough to keep HBM busy on an H100/H200
 
 
-def compile_digest_ptx() -> bytes:
-    """The digest kernel as PTX for the lowest architecture NVRTC supports (the driver JITs it
-    for the GPU at cuModuleLoadData; no context is needed here). RuntimeError saying why not."""
+def device_arch(device: Any = None) -> int | None:
+    """Compute capability as 90 for 9.0: of ``device`` (a CUdevice), else of the current
+    context's device, else of device 0 (None when the driver cannot say)."""
+    from cuda.bindings import driver as drv
+
+    try:
+        if device is None:
+            err, device = drv.cuCtxGetDevice()
+            if err != drv.CUresult.CUDA_SUCCESS:
+                drv.cuInit(0)
+                device = _ok(drv.cuDeviceGet(0), "cuDeviceGet")
+        a = drv.CUdevice_attribute
+        major = _ok(drv.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "major")
+        minor = _ok(drv.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "minor")
+        return int(major) * 10 + int(minor)
+    except Exception:  # noqa: BLE001 (then PTX for the lowest architecture)
+        return None
+
+
+def compile_digest(arch: int | None) -> tuple[bytes, int | None]:
+    """The digest kernel built by NVRTC (no context needed): a CUBIN for ``arch`` when NVRTC
+    supports it (no JIT: PTX from an NVRTC newer than the driver would not load), else PTX for
+    the lowest architecture NVRTC supports (the driver JITs it); the image and the arch of a
+    CUBIN (None: PTX). RuntimeError saying why not."""
     from cuda.bindings import nvrtc
 
     def check(result: tuple, what: str) -> Any:
@@ -1072,25 +1093,32 @@ def compile_digest_ptx() -> bytes:
             raise RuntimeError(f"{what}: {getattr(result[0], 'name', result[0])}")
         return result[1] if len(result) == 2 else None
 
+    try:
+        archs = [int(a) for a in nvrtc.nvrtcGetSupportedArchs()[-1]]
+    except Exception:  # noqa: BLE001 (an older binding: Turing's, the oldest CUDA 13 supports)
+        archs = []
+    cubin = arch is not None and arch in archs
+    target = f"sm_{arch}" if cubin else f"compute_{min(archs) if archs else 75}"
     prog = check(nvrtc.nvrtcCreateProgram(DIGEST_SOURCE.encode(), b"gpuos_engine_digest.cu", 0, [], []),
                  "nvrtcCreateProgram")
     try:
-        try:
-            archs = [int(a) for a in nvrtc.nvrtcGetSupportedArchs()[-1]]
-        except Exception:  # noqa: BLE001 (an older binding: Turing's, the oldest CUDA 13 supports)
-            archs = []
-        opts = [f"--gpu-arch=compute_{min(archs) if archs else 75}".encode(), b"-default-device"]
+        opts = [f"--gpu-architecture={target}".encode(), b"-default-device"]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             n = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
             log = b" " * n
             nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"nvrtcCompileProgram: {getattr(res[0], 'name', res[0])}: "
+            raise RuntimeError(f"nvrtcCompileProgram({target}): {getattr(res[0], 'name', res[0])}: "
                                f"{log.decode(errors='replace').strip()[:500]}")
+        if cubin:
+            n = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            image = b" " * n
+            check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+            return image, arch
         n = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
         ptx = b" " * n
         check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-        return ptx
+        return ptx.rstrip(b"\0 ") + b"\0", None
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -1107,8 +1135,8 @@ class DriverOps:
 
             self.lib = owned_lib.OwnedLibrary.load()
         self._hosts: dict[int, tuple[int, int]] = {}  #: base -> (pinned address, size), the engine's own
-        self._ptx: bytes | None = None
-        self._ptx_error: str | None = None
+        self._image: tuple[bytes, int | None] | None = None  #: compile_digest's
+        self._image_error: str | None = None
         self._builder: threading.Thread | None = None
         self._digest_fn: Any = None
         self._slots_dev = 0  #: DIGEST_SLOTS x 16 bytes on the GPU (the kernel's sums)
@@ -1119,10 +1147,19 @@ class DriverOps:
     def digest_prepare(self) -> None:
         """Start compiling the digest kernel on a thread (NVRTC takes ~0.1-0.5 s)."""
         def build() -> None:
+            # its driver calls (the device's architecture) are the agent's own: the tracer must
+            # not take the agent's lock for them, which the first eviction holds while it joins
+            own = getattr(self.agent, "own", None)
+            me = threading.get_native_id()
+            if own is not None:
+                own.add(me)
             try:
-                self._ptx = compile_digest_ptx()
+                self._image = compile_digest(device_arch())
             except Exception as exc:  # noqa: BLE001 (digest_init says why)
-                self._ptx_error = f"{type(exc).__name__}: {exc}"
+                self._image_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if own is not None:
+                    own.discard(me)
 
         self._builder = threading.Thread(target=build, name="gpuos-engine-nvrtc", daemon=True)
         self._builder.start()
@@ -1137,9 +1174,12 @@ class DriverOps:
         if self._builder is None:
             self.digest_prepare()
         self._builder.join()
-        if self._ptx is None:
-            return self._ptx_error or "the digest kernel was not built"
-        image = ctypes.create_string_buffer(self._ptx.rstrip(b"\0 ") + b"\0")
+        if self._image is None:
+            return self._image_error or "the digest kernel was not built"
+        arch = device_arch()
+        if self._image[1] is not None and arch is not None and arch != self._image[1]:
+            self._image = compile_digest(arch)  # built for device 0, the program runs on another kind
+        image = ctypes.create_string_buffer(self._image[0], len(self._image[0]))
         module = _ok(drv.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData(digest)")
         self._digest_fn = _ok(drv.cuModuleGetFunction(module, b"gpuos_engine_digest"), "cuModuleGetFunction(digest)")
         n = DIGEST_SLOTS * 16

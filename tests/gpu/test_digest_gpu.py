@@ -85,7 +85,7 @@ def test_a_read_mostly_job_skips_most_write_backs(tmp_path):
     assert job["digests"] == ref["digests"]
     assert s["unknown"] == 0 and s["evictions"] > 0, s
     # the coefficients are only read: most evictions are theirs, and need no save
-    assert s["digest_skips"] * 2 > s["evictions"], s
+    assert s["digest_skips"] >= 8 and s["digest_skips"] * 3 > s["evictions"], s
     print("read-mostly 66%: evictions", s["evictions"], "saves", s["evict_saves"], "digest skips", s["digest_skips"])
 
 
