@@ -8,7 +8,8 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
 - hbm:    the job alone, untraced, CuPy's own allocator, everything in device memory (ceiling);
 - run100: under `gpu-prefetch-sched run --budget 100%` (agent, owned memory, policy on, nothing
           to move: the cost of the python-callback agent and the policy on the launch path);
-- each --budgets value (default 66% = 150% oversubscription, 50% = 200%, 33% = 300%) with each
+- each --budgets value (default 66% = 150% oversubscription, 50% = 200%, 33.34% = 300%: the
+          default job's 12 arrays make 33% hold 3.96 arrays, less than a step's 4) with each
           --policies;
 - <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
           check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
@@ -33,8 +34,8 @@ Per run: the loop's wall time (the job synchronises before and after), speed rel
 transfer floor: bytes moved / --link-gbps (one direction's pinned bandwidth), against the
 loop's time. JSON to --json; a table on stderr.
 
-    python3 scripts/bench_online.py [--work 1024,4096] [--budgets 66%,50%,33%]
-                                    [--um 100%,66%,50%,33%] [--um-work 1024,4096]
+    python3 scripts/bench_online.py [--work 1024,4096] [--budgets 66%,50%,33.34%]
+                                    [--um 100%,66%,50%,33.34%] [--um-work 1024,4096]
                                     [--nodigest-work 1024] [--coeffs 12] [--json FILE]
 
 The defaults take ~200 s on an H100 (2026-11-24: --work was 1024,2048,4096,16384 before 300%
@@ -97,12 +98,12 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--periods", type=int, default=40)
     ap.add_argument("--work", default="1024,4096")
-    ap.add_argument("--budgets", default="66%,50%,33%")
+    ap.add_argument("--budgets", default="66%,50%,33.34%")
     ap.add_argument("--policies", default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--extra-work", type=int, default=1024,
                     help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
-    ap.add_argument("--um", default="100%,66%,50%,33%",
+    ap.add_argument("--um", default="100%,66%,50%,33.34%",
                     help="budgets of the fault-driven managed-memory baseline (empty: none)")
     ap.add_argument("--um-work", default="1024,4096", help="the --work values that get the managed-memory runs")
     ap.add_argument("--nodigest-work", default="1024",
