@@ -44,7 +44,8 @@ def main() -> None:
     values = []
     wrong = []
     for k, a in enumerate(arrays):
-        lo, hi = float(a.min()), float(a.max())
+        h = cp.asnumpy(a)  # checked on the host: no more kernels for the engine to predict
+        lo, hi = float(h.min()), float(h.max())
         values.append([lo, hi])
         if lo != hi or lo != k + args.periods:
             wrong.append(k)
