@@ -14,9 +14,11 @@ any timing (as the executor's mover pins ahead). Each trial, from A resident and
 - both:   A evicted while B is loaded, the calls interleaved      both directions at once
           (then A and B swap roles for the next trial)
 
-Per phase the wall time from the first call to the last record's completion (host clock; the
-engine waits on events), and GB/s = bytes / time; for "both", each direction's GB/s (bytes /
-its own last completion) and the combined (2 x bytes / the later). Also the raw ceiling on the
+Before each eviction phase every record of A is written (a memset, and the engine told as the
+tracer would tell it), so that each eviction is a save. Per phase the wall time from the first
+call to the last record's completion (host clock, loads and releases polled together), and
+GB/s = bytes / time; for "both", each direction's GB/s (bytes / its own last completion) and the
+combined (2 x bytes / the later). Also the raw ceiling on the
 same pinned memory: cuMemcpyDtoHAsync / HtoDAsync of the same records on two streams of our own,
 each direction alone and both at once. Medians of --trials. The digest check is off
 (GPUOS_ENGINE_NO_DIGEST=1): unchanged records would otherwise skip their saves.
@@ -74,13 +76,45 @@ def wait_all(eng: ResidencyEngine, bases: list[int], state: str, t0: float, time
     return time.perf_counter() - t0
 
 
-def loads_done(eng: ResidencyEngine, events: list[Any], bases: list[int], t0: float) -> float:
-    for ev in events:
-        if ev is not None:
-            eng.ops.synchronize(ev)
-    t = time.perf_counter() - t0
-    eng.require(bases, 0)  # drops the completed loads from pending: resident
-    return t
+def completion(eng: ResidencyEngine, events: list[Any], loaded: list[int], evicted: list[int], t0: float,
+               timeout: float = 120) -> tuple[float | None, float | None]:
+    """Seconds from t0 until the loads (their ``events``) and the evictions of ``evicted``
+    (released) have each completed, polled together so that each direction gets its own time;
+    None for a direction with nothing in it."""
+    evs = [ev for ev in events if ev is not None]
+    left = set(evicted)
+    t_in = None if evs else 0.0
+    t_out = None if left else 0.0
+    while t_in is None or t_out is None:
+        now = time.perf_counter() - t0
+        if t_in is None:
+            evs = [ev for ev in evs if not eng.ops.done(ev)]
+            if not evs:
+                t_in = now
+        if t_out is None:
+            left = {b for b in left if eng.state(b) != RELEASED}
+            if not left:
+                t_out = now
+        if now > timeout:
+            raise RuntimeError(f"not done after {timeout} s: {len(evs)} loads, {len(left)} evictions: {eng.stats()}")
+        time.sleep(POLL_S)
+    eng.require(loaded, 0)  # drops the completed loads from pending: resident
+    return (t_in if events else None), (t_out if evicted else None)
+
+
+def dirty(eng: ResidencyEngine, bases: list[int], pattern: int) -> None:
+    """Write every record (a memset on the legacy stream, as a program would) and tell the
+    engine, as the tracer does for a program's memset: the host copies are stale, every
+    eviction must save (a record loaded back and not written since would be released without
+    a copy, and the digest check is off). Untimed: synchronised before the phase starts."""
+    from cuda.bindings import driver as drv
+
+    for i, x in enumerate(bases):
+        ok(drv.cuMemsetD32Async(x, (pattern * 0x9E3779B1 + i) & 0xFFFFFFFF, eng.ops.lookup(x).size // 4, 0),
+           "cuMemsetD32Async")
+        eng.access("cuMemsetD32Async", 0, x)
+    ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+    assert not eng.clean.intersection(bases)
 
 
 def gbps(n: int, s: float) -> float:
@@ -130,23 +164,26 @@ def main() -> int:
     wait_all(eng, b, RELEASED, t)
 
     trials: list[dict[str, Any]] = []
+    saves0 = eng.counts["evict_saves"]
     for k in range(args.trials):
         row: dict[str, Any] = {}
+        dirty(eng, a, 2 * k)
         t = time.perf_counter()
         for x in a:
             assert eng.evict_from_operation(x)
         row["evict_gbps"] = gbps(total, wait_all(eng, a, RELEASED, t))
         t = time.perf_counter()
         evs = [eng.prefetch(x) for x in a]
-        row["load_gbps"] = gbps(total, loads_done(eng, evs, a, t))
+        t_in, _ = completion(eng, evs, a, [], t)
+        row["load_gbps"] = gbps(total, t_in)
         assert all(eng.state(x) == RESIDENT for x in a)
+        dirty(eng, a, 2 * k + 1)
         t = time.perf_counter()
         evs = []
         for x, y in zip(a, b):
             assert eng.evict_from_operation(x)
             evs.append(eng.prefetch(y))
-        t_in = loads_done(eng, evs, b, t)
-        t_out = wait_all(eng, a, RELEASED, t)
+        t_in, t_out = completion(eng, evs, b, a, t)
         row.update(both_out_gbps=gbps(total, t_out), both_in_gbps=gbps(total, t_in),
                    both_combined_gbps=gbps(2 * total, max(t_in, t_out)))
         trials.append(row)
@@ -154,6 +191,8 @@ def main() -> int:
         a, b = b, a
     st = eng.stats()
     assert st.get("evict_errors", 0) == 0, st
+    # every eviction timed was a save (none released as clean)
+    assert eng.counts["evict_saves"] - saves0 == 2 * n * args.trials, st
 
     # the raw ceiling: the same pinned host copies and records, bare async copies on two streams
     ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
