@@ -113,8 +113,8 @@ def test_a_changed_record_is_saved_and_its_old_digest_dropped():
     c = eng.counts
     assert c["evict_saves"] == 2 and c["digest_changed"] == 1 and c["digest_skips"] == 0
     assert BASE not in eng.digests
-    eng.launch(0, "r", None, None)  # back, with the new bytes and a new digest
-    assert ops.device[BASE] == b"written on the GPU" and eng.digests == {BASE: 64 * MIB}
+    eng.launch(0, "r", None, None)  # back, with the new bytes; no digest: its back-off (below) began
+    assert ops.device[BASE] == b"written on the GPU" and not eng.digests and eng._backoff[BASE][0] > 0
     eng.close()
 
 
@@ -218,3 +218,68 @@ def test_the_digests_definition_sees_order_shifts_tails_and_lengths():
     # zeros of different lengths differ (the length is mixed in), a word's lanes independent
     assert digest_reference(b"\0" * 8) != digest_reference(b"\0" * 16)
     assert digest_reference(b"") != digest_reference(b"\0")
+
+
+def test_after_a_change_the_next_evictions_save_without_digests_then_it_is_checked_again():
+    """Back-off: a record found changed saves its next BACKOFF[0] evictions at once (no digest
+    at their loads or evictions), then is checked again; each further change doubles the run;
+    an unchanged check ends it."""
+    from gpuos_tools.agent.engine import BACKOFF
+
+    eng, ops, _ = cycle()
+
+    def evict_and_load(change: bytes | None):
+        if change is not None:
+            ops.device[BASE] = change
+        assert eng.evict_from_operation(BASE)
+        assert wait_state(eng, BASE, RELEASED)
+        eng.launch(0, "r", None, None)
+
+    evict_and_load(b"v1")  # checked: changed -> a run of BACKOFF[0] direct saves
+    assert eng.counts["digest_changed"] == 1 and eng._backoff[BASE] == [BACKOFF[0], BACKOFF[0]]
+    n_dig = len(ops.calls("digest"))
+    for i in range(BACKOFF[0]):
+        evict_and_load(b"v%d" % (i + 2))
+        # none at the evictions, nor at the loads but the last (the next eviction is checked)
+        assert len(ops.calls("digest")) == n_dig + (i == BACKOFF[0] - 1)
+    assert eng.counts["digest_backoff_saves"] == BACKOFF[0]
+    # the last load of the run took the host copy's digest again: this eviction is checked
+    assert BASE in eng.digests and eng._backoff[BASE][0] == 0
+    evict_and_load(b"changed again")
+    assert eng.counts["digest_changed"] == 2 and eng._backoff[BASE] == [2 * BACKOFF[0]] * 2
+    for _ in range(2 * BACKOFF[0]):
+        evict_and_load(None)  # unchanged, but saved without a check during the run
+    assert eng.counts["digest_skips"] == 0
+    evict_and_load(None)  # checked: unchanged -> skipped, the back-off ends
+    assert eng.counts["digest_skips"] == 1 and BASE not in eng._backoff
+    saves = eng.counts["evict_saves"]
+    evict_and_load(None)
+    assert eng.counts["digest_skips"] == 2 and eng.counts["evict_saves"] == saves
+    # every save kept the device's bytes: the host copy is what was last written
+    assert ops.device[BASE] == b"changed again"
+    eng.close()
+
+
+def test_the_back_off_run_is_capped():
+    from gpuos_tools.agent.engine import BACKOFF
+
+    eng, ops, _ = cycle()
+    k = 0
+    while True:
+        k += 1
+        ops.device[BASE] = b"w%d" % k
+        assert eng.evict_from_operation(BASE)
+        assert wait_state(eng, BASE, RELEASED)
+        eng.launch(0, "r", None, None)
+        if eng._backoff.get(BASE, [0, 0])[1] == BACKOFF[1] or k > 500:
+            break
+    assert eng._backoff[BASE][1] == BACKOFF[1] and eng.counts["digest_skips"] == 0
+    changed = eng.counts["digest_changed"]
+    for _ in range(BACKOFF[1] + 1):
+        k += 1
+        ops.device[BASE] = b"w%d" % k
+        assert eng.evict_from_operation(BASE)
+        assert wait_state(eng, BASE, RELEASED)
+        eng.launch(0, "r", None, None)
+    assert eng.counts["digest_changed"] == changed + 1 and eng._backoff[BASE][1] == BACKOFF[1]
+    eng.close()

@@ -69,7 +69,17 @@ finaliser (splitmix64's; murmur3's fmix64) of the word mixed with its index (a r
 shifted record changes it), the last partial word zero-padded and the length mixed in. Not
 cryptographic: a change that leaves both lanes equal would be missed and the stale host copy
 kept -- for changes that are not constructed to collide, about 2^-64 per lane and eviction.
-Records below ``DIGEST_MIN`` bytes are saved as before (a save costs little there). The
+Records below ``DIGEST_MIN`` bytes are saved as before (a save costs little there).
+
+Back-off: a changed record's save can only be enqueued once the evict thread has compared the
+digests -- a host round trip after the program's last use, during which the save's link time
+is lost and the release (the room a load waits for) comes later: on a transfer-bound loop
+whose every eviction follows a write (BENCHMARKS.md, the stencil at 150%) checking every
+eviction cost a quarter of the speed. So after a check finds a record changed, its next
+BACKOFF[0] evictions save at once, without digests (none is taken at its loads either), then
+it is checked again; each further change doubles the run, up to BACKOFF[1]; a check that
+finds it unchanged ends the back-off. Saving is always safe; only a skipped save needs the
+check. The
 engine's digest launches, memsets and copies run on its own threads (``agent.own``): the
 tracer does not see them as the program's. Without NVRTC (or if the kernel cannot be built)
 the engine goes on without digests and says so once on stderr.
@@ -114,6 +124,7 @@ PROBES = 8  #: demand loads of a lazy load timed on the GPU (its figures: ``stat
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD: from another thread, the legacy stream orders after it
 DIGEST_MIN = 256 << 10  #: smaller records get no digest (their save is cheap)
 DIGEST_SLOTS = 8192  #: 16-byte result slots, two per record base (bases beyond: no digest)
+BACKOFF = (4, 32)  #: evictions saved without a check after a check found the record changed: first, most
 
 Pieces = list[tuple[int, int]]  #: (host address, bytes), contiguous over a record, in order
 
@@ -200,11 +211,13 @@ class ResidencyEngine:
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
                        "loaded_bytes": 0, "freed_while_pending": 0, "unsaved_bytes": 0, "digests": 0,
-                       "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0}
+                       "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0, "digest_backoff_saves": 0}
         #: digests of host copies (module docstring): base -> the size of the host copy whose
         #: digest is in the base's first slot
         self.digests: dict[int, int] = {}
         self._slot_of: dict[int, int] = {}  #: base -> k: its slots are 2k (host copy), 2k+1 (at eviction)
+        #: base -> [evictions left to save without a check, the last run's length] (back-off)
+        self._backoff: dict[int, list[int]] = {}
         #: "on", "off (...)", "unavailable: ..."; None: not decided until the first eviction
         self.digest_mode: str | None = None
         if os.environ.get("GPUOS_ENGINE_NO_DIGEST") == "1":
@@ -520,6 +533,9 @@ class ResidencyEngine:
         enqueue the digest of what was loaded, i.e. of the host copy."""
         self.digests.pop(base, None)
         if self.digest_mode != "on":
+            return
+        b = self._backoff.get(base)
+        if b is not None and b[0] > 0:  # its next eviction saves without a check
             return
         k = self._slots(base, size)
         if k is None:
@@ -875,7 +891,14 @@ class ResidencyEngine:
         entry, the event after it, and ``how``."""
         e = Entry(base, size, EVICTING, pieces, own=True)
         self._put(e)
-        if self._digest_at_eviction(base, size, side):
+        back = self._backoff.get(base)
+        if back is not None and back[0] > 0:  # changed at its last check: save, count down
+            back[0] -= 1
+            self.counts["digest_backoff_saves"] += 1
+            how = "save"
+            self.digests.pop(base, None)
+            self.ops.copy_out(base, pieces, side)
+        elif self._digest_at_eviction(base, size, side):
             how = "digest"
         elif base in self.clean:
             how = "clean"
@@ -904,6 +927,9 @@ class ResidencyEngine:
                     # an operation that touches it from here on cancels the eviction, as during a save
                     self.digests.pop(base, None)
                     self.counts["digest_changed"] += 1
+                    last = self._backoff.get(base, [0, 0])[1]
+                    n = min(BACKOFF[1], max(BACKOFF[0], 2 * last))
+                    self._backoff[base] = [n, n]
                     side = self._stream("evict")
                     ops.copy_out(base, e.pieces, side)
                     saved = ops.event()
@@ -929,6 +955,7 @@ class ResidencyEngine:
             if how == "digest" and not save:
                 c["digest_skips"] += 1
                 c["digest_skipped_bytes"] += e.size
+                self._backoff.pop(base, None)
 
     # -- report -------------------------------------------------------------------------------
 
