@@ -38,7 +38,7 @@ loop's time. JSON to --json; a table on stderr.
                                     [--um 100%,66%,50%,33.34%] [--um-work 1024,4096]
                                     [--nodigest-work 1024] [--coeffs 12] [--json FILE]
 
-The defaults take ~200 s on an H100 (2026-11-24: --work was 1024,2048,4096,16384 before 300%
+The defaults take ~170 s on an H100 (26 runs; 2026-11-24: --work was 1024,2048,4096,16384 before 300%
 and the digest rows were added; 2048 and 16384 are in BENCHMARKS.md from then).
 """
 
