@@ -8,7 +8,15 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
 - hbm:    the job alone, untraced, CuPy's own allocator, everything in device memory (ceiling);
 - run100: under `gpu-prefetch-sched run --budget 100%` (agent, owned memory, policy on, nothing
           to move: the cost of the python-callback agent and the policy on the launch path);
-- each --budgets value (default 66% = 150% oversubscription, 50% = 200%) with each --policies.
+- each --budgets value (default 66% = 150% oversubscription, 50% = 200%, 33.34% = 300%: the
+          default job's 12 arrays make 33% hold 3.96 arrays, less than a step's 4) with each
+          --policies;
+- <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
+          check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
+          as written is saved), side by side with the same budget's run with it on;
+- c-*:    the read-mostly variant (stencil_job.py --coeffs N: N more arrays that every period
+          reads once and never writes, as an LLM's weights) at --coeffs-work, at each
+          --coeffs-budgets budget with the digest check on and off, against its own hbm run.
 
 - um<B>:  the fault-driven managed-memory baseline at each --um budget, at each --um-work
           intensity: the same job with its arrays in CUDA managed memory under the same software
@@ -26,8 +34,12 @@ Per run: the loop's wall time (the job synchronises before and after), speed rel
 transfer floor: bytes moved / --link-gbps (one direction's pinned bandwidth), against the
 loop's time. JSON to --json; a table on stderr.
 
-    python3 scripts/bench_online.py [--work 1024,2048,4096,16384] [--budgets 66%,50%]
-                                    [--um 100%,66%,50%] [--um-work 1024,4096] [--json FILE]
+    python3 scripts/bench_online.py [--work 1024,4096] [--budgets 66%,50%,33.34%]
+                                    [--um 100%,66%,50%,33.34%] [--um-work 1024,4096]
+                                    [--nodigest-work 1024] [--coeffs 12] [--json FILE]
+
+The defaults take ~170 s on an H100 (26 runs; 2026-11-24: --work was 1024,2048,4096,16384 before 300%
+and the digest rows were added; 2048 and 16384 are in BENCHMARKS.md from then).
 """
 
 from __future__ import annotations
@@ -53,14 +65,21 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_job(job_args: list[str], sched: list[str] | None, timeout: float) -> dict[str, Any]:
+def run_job(job_args: list[str], sched: list[str] | None, timeout: float,
+            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "job.json"
         cmd = [sys.executable, str(JOB), *job_args, "--out", str(out)]
         if sched is not None:
             cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *sched, "--", *cmd]
         t = time.perf_counter()
-        p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+        e = env()
+        e.pop("GPUOS_ENGINE_NO_DIGEST", None)
+        e.update(extra_env or {})
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "rc": "timeout", "stderr": "", "process_s": round(time.perf_counter() - t, 3)}
         wall = time.perf_counter() - t
         if p.returncode != 0 or not out.exists():
             return {"ok": False, "rc": p.returncode, "stderr": p.stderr[-3000:], "process_s": wall}
@@ -78,15 +97,20 @@ def main() -> int:
     ap.add_argument("--arrays", type=int, default=12)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--periods", type=int, default=40)
-    ap.add_argument("--work", default="1024,2048,4096,16384")
-    ap.add_argument("--budgets", default="66%,50%")
+    ap.add_argument("--work", default="1024,4096")
+    ap.add_argument("--budgets", default="66%,50%,33.34%")
     ap.add_argument("--policies", default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--extra-work", type=int, default=1024,
                     help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
-    ap.add_argument("--um", default="100%,66%,50%",
+    ap.add_argument("--um", default="100%,66%,50%,33.34%",
                     help="budgets of the fault-driven managed-memory baseline (empty: none)")
     ap.add_argument("--um-work", default="1024,4096", help="the --work values that get the managed-memory runs")
+    ap.add_argument("--nodigest-work", default="1024",
+                    help="the --work values whose budgets also run with the digest check off (empty: none)")
+    ap.add_argument("--coeffs", type=int, default=12, help="read-only arrays of the read-mostly variant (0: none)")
+    ap.add_argument("--coeffs-work", type=int, default=1024)
+    ap.add_argument("--coeffs-budgets", default="66%")
     ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -105,21 +129,20 @@ def main() -> int:
             (f"{b}-{p}", b, p, look) for b in args.budgets.split(",") if b for p in args.policies.split(",") if p]
         if work == args.extra_work:
             configs += [("66%-lru", "66%", "lru", look), ("66%-look1", "66%", "belady", 1)]
+        if str(work) in args.nodigest_work.split(","):
+            configs += [(f"{b}-nodigest", b, "belady", look) for b in args.budgets.split(",") if b]
         for name, budget, policy, la in configs:
-            r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout)
-            row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy,
-                                   "lookahead": la, **r}
-            if r.get("ok"):
-                row["identical"] = r["digests"] == hbm["digests"]
-                row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)
-                s = r.get("summary") or {}
-                moved = max(s.get("bytes_in", 0), s.get("bytes_out", 0))
-                row["floor_s"] = round(moved / (args.link_gbps * 1e9), 6)
-                row["within_budget"] = (s.get("over_physical") == 0 and s.get("peak_settled", 0) <= s.get("budget", 0))
-            else:
-                print(f"{name} failed (work {work}): {r.get('stderr', '')}", file=sys.stderr)
-            rows.append(row)
+            rows.append(run_ours(args, job, hbm, work, name, budget, policy, la))
             save(args, rows)
+        if args.coeffs and work == args.coeffs_work:
+            cjob = [*job, "--coeffs", str(args.coeffs)]
+            chbm = run_job(cjob, None, args.timeout)
+            rows.append({"work": work, "config": "c-hbm", **chbm})
+            if chbm.get("ok"):
+                for b in [b for b in args.coeffs_budgets.split(",") if b]:
+                    for suffix in ("", "-nodigest"):
+                        rows.append(run_ours(args, cjob, chbm, work, f"c-{b}{suffix}", b, "belady", look))
+                        save(args, rows)
         if str(work) in args.um_work.split(","):
             for budget in [b for b in args.um.split(",") if b]:
                 frac = float(budget.rstrip("%")) / 100
@@ -129,41 +152,62 @@ def main() -> int:
                     row["identical"] = r["digests"] == hbm["digests"]
                     row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)
                     row["step_ms"] = round(1e3 * r["loop_s"] / r["steps"], 4)
-                    ours = next((x for x in rows if x["work"] == work and x.get("budget_spec") == budget
-                                 and x.get("policy") == "belady" and x.get("ok")), None)
-                    if ours is not None and budget != "100%":
-                        row["ours_config"] = ours["config"]
-                        row["ours_vs_um"] = round(r["loop_s"] / ours["loop_s"], 3)
+                    for key, name in (("ours", f"{budget}-belady"), ("ours_nodigest", f"{budget}-nodigest")):
+                        mine = next((x for x in rows if x["work"] == work and x["config"] == name and x.get("ok")), None)
+                        if mine is not None and budget != "100%":
+                            row[f"{key}_config"] = mine["config"]
+                            row[f"{key}_vs_um"] = round(r["loop_s"] / mine["loop_s"], 3)
                 else:
                     print(f"um {budget} failed (work {work}): {r.get('stderr', '')}", file=sys.stderr)
                 rows.append(row)
                 save(args, rows)
 
     save(args, rows)
-    print(f"{'work':>5} {'config':<12} {'loop_s':>8} {'speed':>6} {'same':>5} {'in MB':>7} {'out MB':>7} "
-          f"{'pref':>5} {'dem':>4} {'evict':>5} {'stall':>5} {'peak MB':>8} {'budget MB':>9} {'floor_s':>7}",
+    print(f"{'work':>5} {'config':<15} {'loop_s':>8} {'speed':>6} {'same':>5} {'in MB':>7} {'out MB':>7} "
+          f"{'pref':>5} {'dem':>4} {'evict':>5} {'skip':>5} {'stall':>5} {'peak MB':>8} {'budget MB':>9} {'floor_s':>7}",
           file=sys.stderr)
     for r in rows:
         if r["config"].startswith("um"):
             continue
         s = r.get("summary") or {}
-        print(f"{r['work']:>5} {r['config']:<12} {r.get('loop_s', float('nan')):>8.4f} {r.get('speed_vs_hbm', 1.0):>6.3f} "
+        print(f"{r['work']:>5} {r['config']:<15} {r.get('loop_s', float('nan')):>8.4f} {r.get('speed_vs_hbm', 1.0):>6.3f} "
               f"{str(r.get('identical', '-')):>5} {s.get('bytes_in', 0) / 1e6:>7.0f} {s.get('bytes_out', 0) / 1e6:>7.0f} "
               f"{s.get('prefetches', 0):>5} {s.get('demand_loads', 0):>4} {s.get('evictions', 0):>5} "
+              f"{s.get('digest_skips', 0):>5} "
               f"{s.get('stalls', 0):>5} {s.get('peak_settled', 0) / 1e6:>8.0f} {s.get('budget', 0) / 1e6:>9.0f} "
               f"{r.get('floor_s', 0):>7.4f}", file=sys.stderr)
     um = [r for r in rows if r["config"].startswith("um")]
     if um:
         print(f"{'work':>5} {'config':<6} {'loop_s':>8} {'step ms':>8} {'vs hbm':>7} {'same':>5} {'out GB':>7} "
-              f"{'fault GB':>8} {'ours':>6} {'ours/um':>8}", file=sys.stderr)
+              f"{'fault GB':>8} {'ours':>6} {'ours/um':>8} {'nodig/um':>8}", file=sys.stderr)
         for r in um:
             ours = next((x for x in rows if x["config"] == r.get("ours_config") and x["work"] == r["work"]), {})
             print(f"{r['work']:>5} {r['config']:<6} {r.get('loop_s', float('nan')):>8.3f} {r.get('step_ms', 0):>8.3f} "
                   f"{r.get('speed_vs_hbm', 0):>7.4f} {str(r.get('identical', '-')):>5} "
                   f"{r.get('um_evicted_bytes', 0) / 1e9:>7.2f} {r.get('um_faulted_bytes', 0) / 1e9:>8.2f} "
-                  f"{ours.get('speed_vs_hbm', float('nan')):>6.3f} {r.get('ours_vs_um', float('nan')):>8.2f}",
-                  file=sys.stderr)
+                  f"{ours.get('speed_vs_hbm', float('nan')):>6.3f} {r.get('ours_vs_um', float('nan')):>8.2f} "
+                  f"{r.get('ours_nodigest_vs_um', float('nan')):>8.2f}", file=sys.stderr)
     return 0 if all(r.get("ok") and r.get("identical", True) for r in rows) else 1
+
+
+def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work: int, name: str, budget: str,
+         policy: str, la: int) -> dict[str, Any]:
+    """One run under `gpu-prefetch-sched run` (a name ending in -nodigest: with the digest
+    check off), compared with ``hbm``."""
+    extra = {"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest") else None
+    r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout, extra)
+    row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy, "lookahead": la,
+                           "digest_check": extra is None, **r}
+    if r.get("ok"):
+        row["identical"] = r["digests"] == hbm["digests"]
+        row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)
+        s = r.get("summary") or {}
+        moved = max(s.get("bytes_in", 0), s.get("bytes_out", 0))
+        row["floor_s"] = round(moved / (args.link_gbps * 1e9), 6)
+        row["within_budget"] = (s.get("over_physical") == 0 and s.get("peak_settled", 0) <= s.get("budget", 0))
+    else:
+        print(f"{name} failed (work {work}): {r.get('stderr', '')}", file=sys.stderr)
+    return row
 
 
 def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

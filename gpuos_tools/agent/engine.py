@@ -45,9 +45,44 @@ demand loads of a lazy load are timed on the GPU (``stats()['lazy']['demand']``)
 every buffer): on a thread of the engine's, the agent's lock is
 taken briefly so that no operation of the program is between its callback and the driver, an
 event is recorded on every stream the program has used (the record's last use is before it),
-the record is saved on the evict stream after those events unless its host copy is current
-(``clean``: loaded from the engine's own host copy and not written since, as predicted), and
-released once the save has completed. It counts as resident until released.
+the record is saved on the evict stream after those events unless its host copy is current,
+and released once the save has completed. It counts as resident until released.
+
+Is the host copy current? With a GPU digest (below), the digest decides; without one, ``clean``
+does (loaded from the engine's own host copy and not written since, as predicted -- which the
+predictor cannot always know: CuPy's kernels are extern "C" without parameter types, so every
+array argument counts as written, and a kernel that writes through a ``const`` pointer is not
+seen writing at all).
+
+Digests (``GPUOS_ENGINE_NO_DIGEST=1`` turns them off). When a record is loaded from the
+engine's own host copy, a small kernel (NVRTC, compiled once per process in the background
+to a CUBIN for the GPU, loaded with cuModuleLoadData at the first eviction) computes a 128-bit digest of its device
+bytes on the load's stream, after the copy and before the load's event, so that no operation
+of the program can write the record before it is taken: it is the digest of the host copy.
+At the record's next eviction the digest is taken again on the evict stream, ordered after
+the program's last use exactly as the save would be, and compared on the host by the evict
+thread: equal -> the host copy is current, the record is released without a save; different
+-> it is saved (and its digest dropped: the host copy changes) and released. A save or a new
+host copy (another size) makes the old digest invalid; ``digests`` holds the valid ones. The
+digest: two 64-bit lanes, each the sum mod 2^64 over the record's 8-byte words of a 64-bit
+finaliser (splitmix64's; murmur3's fmix64) of the word mixed with its index (a reordered or
+shifted record changes it), the last partial word zero-padded and the length mixed in. Not
+cryptographic: a change that leaves both lanes equal would be missed and the stale host copy
+kept -- for changes that are not constructed to collide, about 2^-64 per lane and eviction.
+Records below ``DIGEST_MIN`` bytes are saved as before (a save costs little there).
+
+Back-off: a changed record's save can only be enqueued once the evict thread has compared the
+digests -- a host round trip after the program's last use, during which the save's link time
+is lost and the release (the room a load waits for) comes later: on a transfer-bound loop
+whose every eviction follows a write (BENCHMARKS.md, the stencil at 150%) checking every
+eviction cost a quarter of the speed. So after a check finds a record changed, its next
+BACKOFF[0] evictions save at once, without digests (none is taken at its loads either), then
+it is checked again; each further change doubles the run, up to BACKOFF[1]; a check that
+finds it unchanged ends the back-off. Saving is always safe; only a skipped save needs the
+check. The
+engine's digest launches, memsets and copies run on its own threads (``agent.own``): the
+tracer does not see them as the program's. Without NVRTC (or if the kernel cannot be built)
+the engine goes on without digests and says so once on stderr.
 
 Locks: the program's callbacks hold the agent's lock and then take the engine's; the engine's
 threads take the engine's lock alone, or the agent's and then the engine's; never the other
@@ -70,6 +105,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from bisect import bisect_right
@@ -88,6 +124,9 @@ PROBES = 8  #: demand loads of a lazy load timed on the GPU (its figures: ``stat
 #: how long an eviction from inside an operation waits for other threads' operations to reach the driver
 OTHERS_SETTLE_S = 0.05
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD: from another thread, the legacy stream orders after it
+DIGEST_MIN = 256 << 10  #: smaller records get no digest (their save is cheap)
+DIGEST_SLOTS = 8192  #: 16-byte result slots, two per record base (bases beyond: no digest)
+BACKOFF = (4, 32)  #: evictions saved without a check after a check found the record changed: first, most
 
 Pieces = list[tuple[int, int]]  #: (host address, bytes), contiguous over a record, in order
 
@@ -112,6 +151,11 @@ class Ops(Protocol):
     def elapsed_ms(self, start: Any, end: Any) -> float: ...  # between two completed timers
     def sync_all(self) -> None: ...  # the context's work has completed
     def enter(self) -> None: ...  # make the program's context current on this thread
+    # optional (DriverOps has them; without them the engine takes no digests):
+    # digest_prepare() -> None: start building the digest kernel (no context needed)
+    # digest_init() -> str | None: load it (the program's context current); None, or why not
+    # digest(base, size, slot, stream) -> None: enqueue the digest of the device bytes into slot
+    # digest_value(slot) -> bytes: a slot's 16 bytes, once an event after its digest completed
 
 
 @dataclass
@@ -168,7 +212,24 @@ class ResidencyEngine:
         self._evictor: threading.Thread | None = None
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
-                       "loaded_bytes": 0, "freed_while_pending": 0, "evict_unsettled": 0}
+                       "loaded_bytes": 0, "freed_while_pending": 0, "evict_unsettled": 0, "unsaved_bytes": 0, "digests": 0,
+                       "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0, "digest_backoff_saves": 0}
+        #: digests of host copies (module docstring): base -> the size of the host copy whose
+        #: digest is in the base's first slot
+        self.digests: dict[int, int] = {}
+        self._slot_of: dict[int, int] = {}  #: base -> k: its slots are 2k (host copy), 2k+1 (at eviction)
+        #: base -> [evictions left to save without a check, the last run's length] (back-off)
+        self._backoff: dict[int, list[int]] = {}
+        #: "on", "off (...)", "unavailable: ..."; None: not decided until the first eviction
+        self.digest_mode: str | None = None
+        if os.environ.get("GPUOS_ENGINE_NO_DIGEST") == "1":
+            self.digest_mode = "off (GPUOS_ENGINE_NO_DIGEST=1)"
+        elif not hasattr(self.ops, "digest"):
+            self.digest_mode = "unavailable: the driver side has no digest"
+        elif owned:
+            prepare = getattr(self.ops, "digest_prepare", None)
+            if prepare is not None:
+                prepare()
         self.lazy: dict[str, Any] | None = None  #: the last lazy resume's figures
         self._counts_at_start: dict[str, Any] = {}
 
@@ -282,15 +343,6 @@ class ResidencyEngine:
         unknown, touched, writes = self.agent._touches(kernel, sizes, args)
         for i in touched:
             self._touched(i)
-        if self.clean:
-            if unknown:
-                self.clean.clear()
-            else:
-                by_id = self.agent.by_id
-                for i in writes:
-                    a = by_id.get(i)
-                    if a is not None:
-                        self.clean.discard(self._record_base(a.addr))
         if self.pending:
             if unknown:
                 self.require(None, stream)
@@ -299,6 +351,15 @@ class ResidencyEngine:
                 bases = self.bases_of_addrs(by_id[i].addr for i in touched if i in by_id)
                 if bases:
                     self.require(bases, stream)
+        if self.clean:  # after the require: a record it loads from the engine's copy is clean until this write
+            if unknown:
+                self.clean.clear()
+            else:
+                by_id = self.agent.by_id
+                for i in writes:
+                    a = by_id.get(i)
+                    if a is not None:
+                        self.clean.discard(self._record_base(a.addr))
 
     def access(self, api: str, stream: int, dst: int, src: int = 0) -> None:
         """Before a copy or memset (``api``) on ``stream`` into ``dst`` (from ``src``, 0: none),
@@ -314,16 +375,16 @@ class ResidencyEngine:
                 if a is not None:
                     self._touched(a.id)
         if _opaque_copy(api):  # 3D copies and copies through arrays: addresses not read here
-            self.clean.clear()
             if self.pending:
                 self.require(None, stream)
+            self.clean.clear()
             return
-        if self.clean and dst:
-            self.clean.discard(self._record_base(dst))
         if self.pending:
             bases = self.bases_of_addrs((dst, src))
             if bases:
                 self.require(bases, stream)
+        if self.clean and dst:  # after the require, as in ``launch``
+            self.clean.discard(self._record_base(dst))
 
     def graph(self, stream: int) -> None:
         """Before a graph launch: what its kernels touch is not predicted here."""
@@ -422,6 +483,8 @@ class ResidencyEngine:
 
     def _copy(self, e: Entry, stream: Any) -> bool:
         self.ops.copy_in(e.base, e.pieces, stream)
+        if e.own:  # before the load's event: no operation of the program runs before the digest
+            self._digest_host_copy(e.base, e.size, stream)
         ev = self.ops.event()
         self.ops.record(ev, stream)
         e.event, e.state, e.ordered = ev, LOADING, set()
@@ -429,6 +492,84 @@ class ResidencyEngine:
         if e.own:  # later writes are ordered after the load and discard it from clean
             self.clean.add(e.base)
         return True
+
+    # -- digests ------------------------------------------------------------------------------
+
+    def _digest_ready(self) -> bool:
+        """Whether digests are taken. The first call (at the first eviction, on a thread of the
+        engine's with the program's context current) loads the kernel, or says once on stderr
+        why there are none."""
+        if self.digest_mode is None:
+            init = getattr(self.ops, "digest_init", None)
+            try:
+                why = init() if init is not None else None
+            except Exception as exc:  # noqa: BLE001 (no digests: saves as before)
+                why = f"{type(exc).__name__}: {exc}"
+            if why is None:
+                self.digest_mode = "on"
+            else:
+                self._no_digests(why)
+        return self.digest_mode == "on"
+
+    def _no_digests(self, why: str) -> None:
+        self.digest_mode = f"unavailable: {why}"
+        self.digests.clear()
+        print(f"gpuos engine: no GPU digests ({why}); evicted records not known clean are saved",
+              file=sys.stderr, flush=True)
+
+    def _slots(self, base: int, size: int) -> int | None:
+        """The base's slot pair, None when its record gets no digest (small, unaligned, or no
+        slot left). A base keeps its slots: a result can only be overwritten by a digest of
+        the same base, and those are ordered (a load of it after the eviction that read them)."""
+        if size < DIGEST_MIN or base % 8:
+            return None
+        k = self._slot_of.get(base)
+        if k is None:
+            if len(self._slot_of) >= DIGEST_SLOTS // 2:
+                return None
+            k = self._slot_of[base] = len(self._slot_of)
+        return k
+
+    def _digest_host_copy(self, base: int, size: int, stream: Any) -> None:
+        """After a load from the engine's own host copy (engine's lock held, own thread):
+        enqueue the digest of what was loaded, i.e. of the host copy."""
+        self.digests.pop(base, None)
+        if self.digest_mode != "on":
+            return
+        b = self._backoff.get(base)
+        if b is not None and b[0] > 0:  # its next eviction saves without a check
+            return
+        k = self._slots(base, size)
+        if k is None:
+            return
+        try:
+            self.ops.digest(base, size, 2 * k, stream)
+        except Exception as exc:  # noqa: BLE001 (the load stands; no digests from now on)
+            self._no_digests(f"{type(exc).__name__}: {exc}")
+            return
+        self.digests[base] = size
+        self.counts["digests"] += 1
+
+    def _digest_at_eviction(self, base: int, size: int, side: Any) -> bool:
+        """Enqueue on ``side`` (after the program's last use) the digest to compare with the
+        host copy's; False when there is nothing to compare with (then the usual rules)."""
+        if self.digest_mode != "on" or self.digests.get(base) != size:
+            return False
+        k = self._slot_of.get(base)
+        if k is None:
+            return False
+        try:
+            self.ops.digest(base, size, 2 * k + 1, side)
+        except Exception as exc:  # noqa: BLE001 (saved as before)
+            self._no_digests(f"{type(exc).__name__}: {exc}")
+            return False
+        self.counts["digests"] += 1
+        return True
+
+    def _digests_equal(self, base: int) -> bool:
+        """The host copy's digest against the one taken at eviction (both complete)."""
+        k = self._slot_of[base]
+        return self.ops.digest_value(2 * k) == self.ops.digest_value(2 * k + 1)
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -667,6 +808,8 @@ class ResidencyEngine:
             self.counts["evict_unsettled"] += 1
             return False
         with self.lock, self._own():
+            if self.digest_mode is None:
+                self._digest_ready()
             side = self._stream("evict")
             e = self.pending.get(base)
             if e is not None:
@@ -676,11 +819,11 @@ class ResidencyEngine:
                 self._drop(base)
             pieces = ops.host(base, r.size)
             self._after_program(side)
-            e, ev, save = self._start_save(base, r.size, pieces, side)
+            e, ev, how = self._start_save(base, r.size, pieces, side)
         if self._evictor is None or not self._evictor.is_alive():
             self._evictor = threading.Thread(target=self._evict_loop, name="gpuos-engine-evict", daemon=True)
             self._evictor.start()
-        self._evictq.put((base, e, ev, save))
+        self._evictq.put((base, e, ev, how))
         return True
 
     def _evict_loop(self) -> None:
@@ -734,6 +877,8 @@ class ResidencyEngine:
         r = ops.lookup(base)
         if r is None or r.base != base or not r.resident:
             return
+        if self.digest_mode is None:
+            self._digest_ready()
         side = self._stream("evict")
         pieces = ops.host(base, r.size)  # pinning is slow: before the program is held
         lock = getattr(self.agent, "lock", None)
@@ -745,27 +890,64 @@ class ResidencyEngine:
             with self.lock:
                 if base in self.pending:
                     return
-                e, ev, save = self._start_save(base, r.size, pieces, side)
-        self._evict_finish(base, e, ev, save)
+                e, ev, how = self._start_save(base, r.size, pieces, side)
+        self._evict_finish(base, e, ev, how)
 
-    def _start_save(self, base: int, size: int, pieces: Any, side: Any) -> tuple[Entry, Any, bool]:
-        """Mark the record EVICTING and enqueue its save on ``side`` unless the host copy is
-        current (engine lock held); returns the entry, the event after the save, and whether
-        there was one to make."""
+    def _start_save(self, base: int, size: int, pieces: Any, side: Any) -> tuple[Entry, Any, str]:
+        """Mark the record EVICTING and enqueue on ``side`` what the eviction needs (engine lock
+        held): the digest to compare with the host copy's (``how`` "digest"), nothing when the
+        host copy is known current without one ("clean"), else the save ("save"). Returns the
+        entry, the event after it, and ``how``."""
         e = Entry(base, size, EVICTING, pieces, own=True)
         self._put(e)
-        save = base not in self.clean
-        if save:
+        back = self._backoff.get(base)
+        if back is not None and back[0] > 0:  # changed at its last check: save, count down
+            back[0] -= 1
+            self.counts["digest_backoff_saves"] += 1
+            how = "save"
+            self.digests.pop(base, None)
+            self.ops.copy_out(base, pieces, side)
+        elif self._digest_at_eviction(base, size, side):
+            how = "digest"
+        elif base in self.clean:
+            how = "clean"
+        else:
+            how = "save"
+            self.digests.pop(base, None)  # the host copy changes
             self.ops.copy_out(base, pieces, side)
         ev = self.ops.event()
         self.ops.record(ev, side)
         e.event = ev
-        return e, ev, save
+        return e, ev, how
 
-    def _evict_finish(self, base: int, e: Entry, ev: Any, save: bool) -> None:
-        """Once the save has completed: release, unless an operation touched it meanwhile."""
+    def _evict_finish(self, base: int, e: Entry, ev: Any, how: str) -> None:
+        """Once what ``_start_save`` enqueued has completed: with a digest, equal -> release,
+        different -> save first; then release, unless an operation touched it meanwhile."""
         ops = self.ops
         ops.synchronize(ev)
+        save = how == "save"
+        if how == "digest":
+            same = self._digests_equal(base)
+            if not same:
+                with self.lock:
+                    if e.cancelled or self.pending.get(base) is not e:
+                        ops.destroy(ev)
+                        return
+                    # an operation that touches it from here on cancels the eviction, as during a save
+                    self.digests.pop(base, None)
+                    self.counts["digest_changed"] += 1
+                    last = self._backoff.get(base, [0, 0])[1]
+                    n = min(BACKOFF[1], max(BACKOFF[0], 2 * last))
+                    self._backoff[base] = [n, n]
+                    side = self._stream("evict")
+                    ops.copy_out(base, e.pieces, side)
+                    saved = ops.event()
+                    ops.record(saved, side)
+                    e.event = saved
+                ops.destroy(ev)
+                ev = saved
+                ops.synchronize(ev)
+                save = True
         with self.lock:
             if e.cancelled or self.pending.get(base) is not e:
                 ops.destroy(ev)
@@ -774,9 +956,15 @@ class ResidencyEngine:
             e.state, e.event = RELEASED, None
             ops.destroy(ev)
             self.clean.discard(base)
-            self.counts["evictions"] += 1
-            self.counts["evict_saves"] += int(save)
-            self.counts["saved_bytes"] += e.size if save else 0
+            c = self.counts
+            c["evictions"] += 1
+            c["evict_saves"] += int(save)
+            c["saved_bytes"] += e.size if save else 0
+            c["unsaved_bytes"] += 0 if save else e.size
+            if how == "digest" and not save:
+                c["digest_skips"] += 1
+                c["digest_skipped_bytes"] += e.size
+                self._backoff.pop(base, None)
 
     # -- report -------------------------------------------------------------------------------
 
@@ -788,6 +976,7 @@ class ResidencyEngine:
             out: dict[str, Any] = {
                 "pending": {s: {"records": len(v), "bytes": sum(v)} for s, v in by_state.items()},
                 "clean": len(self.clean), "first_touched": len(self.first_touch), **self.counts,
+                "digest": self.digest_mode, "digested": len(self.digests),
             }
         if self.lazy is not None:
             out["lazy"] = {k: v for k, v in self.lazy.items() if not k.startswith("t_")}
@@ -815,6 +1004,161 @@ def _nothing() -> Iterator[None]:
 # -- the driver side ----------------------------------------------------------------------------
 
 
+#: The digest kernel (module docstring, "Digests"): grid-stride over the 8-byte words, each word
+#: mixed with its index by two different 64-bit finalisers, summed per lane (mod 2^64) per thread,
+#: per warp (shuffles), per block (shared memory), then one atomicAdd per lane and block into
+#: ``out`` (zeroed before). Block 0's thread 0 adds the zero-padded last partial word and the length.
+DIGEST_SOURCE = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 mix_a(u64 z) {  /* splitmix64's finaliser */
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ u64 mix_b(u64 z) {  /* murmur3's fmix64 */
+    z = (z ^ (z >> 33)) * 0xff51afd7ed558ccdULL;
+    z = (z ^ (z >> 33)) * 0xc4ceb9fe1a85ec53ULL;
+    return z ^ (z >> 33);
+}
+__device__ __forceinline__ u64 lane_a(u64 w, u64 i) { return mix_a(w ^ mix_a(i + 0x9e3779b97f4a7c15ULL)); }
+__device__ __forceinline__ u64 lane_b(u64 w, u64 i) { return mix_b(w + mix_b(i * 0xc2b2ae3d27d4eb4fULL + 0x165667b19e3779f9ULL)); }
+extern "C" __global__ void gpuos_engine_digest(const u64* __restrict__ p, u64 nbytes, u64* out) {
+    const u64 words = nbytes >> 3;
+    u64 a = 0, b = 0;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) {
+        const u64 w = __ldg(p + i);
+        a += lane_a(w, i);
+        b += lane_b(w, i);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const u64 rest = nbytes & 7;
+        if (rest) {
+            const unsigned char* t = (const unsigned char*)(p + words);
+            u64 w = 0;
+            for (u64 k = 0; k < rest; ++k) w |= (u64)t[k] << (8 * k);
+            a += lane_a(w, words);
+            b += lane_b(w, words);
+        }
+        a += mix_a(nbytes ^ 0x6a09e667f3bcc909ULL);
+        b += mix_b(nbytes ^ 0xbb67ae8584caa73bULL);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
+    }
+    __shared__ u64 sa[32], sb[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) { sa[warp] = a; sb[warp] = b; }
+    __syncthreads();
+    if (warp == 0) {
+        a = lane < warps ? sa[lane] : 0;
+        b = lane < warps ? sb[lane] : 0;
+        for (int o = 16; o > 0; o >>= 1) {
+            a += __shfl_down_sync(0xffffffffu, a, o);
+            b += __shfl_down_sync(0xffffffffu, b, o);
+        }
+        if (lane == 0) { atomicAdd(out, a); atomicAdd(out + 1, b); }
+    }
+}
+"""
+DIGEST_THREADS = 256
+
+
+def digest_reference(data: bytes) -> bytes:
+    """What the digest kernel computes, on the CPU (numpy): 16 bytes, lanes a then b, each
+    little-endian. The definition the GPU tests compare the kernel with."""
+    import numpy as np
+
+    def mix_a(z: Any) -> Any:
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    def mix_b(z: Any) -> Any:
+        z = (z ^ (z >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
+        z = (z ^ (z >> np.uint64(33))) * np.uint64(0xC4CEB9FE1A85EC53)
+        return z ^ (z >> np.uint64(33))
+
+    n = len(data)
+    nw = n // 8
+    rest = data[nw * 8:]
+    w = np.frombuffer(data, dtype="<u8", count=nw).astype(np.uint64)
+    if rest:
+        w = np.append(w, np.uint64(int.from_bytes(rest, "little")))
+    i = np.arange(len(w), dtype=np.uint64)
+    ln = np.array([n], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        a = np.sum(mix_a(w ^ mix_a(i + np.uint64(0x9E3779B97F4A7C15))), dtype=np.uint64)
+        b = np.sum(mix_b(w + mix_b(i * np.uint64(0xC2B2AE3D27D4EB4F) + np.uint64(0x165667B19E3779F9))),
+                   dtype=np.uint64)
+        a = a + mix_a(ln ^ np.uint64(0x6A09E667F3BCC909))[0]
+        b = b + mix_b(ln ^ np.uint64(0xBB67AE8584CAA73B))[0]
+    return int(a).to_bytes(8, "little") + int(b).to_bytes(8, "little")
+DIGEST_BLOCKS = 2048  #: at most (a grid-stride loop beyond): enough to keep HBM busy on an H100/H200
+
+
+def device_arch(device: Any = None) -> int | None:
+    """Compute capability as 90 for 9.0: of ``device`` (a CUdevice), else of the current
+    context's device, else of device 0 (None when the driver cannot say)."""
+    from cuda.bindings import driver as drv
+
+    try:
+        if device is None:
+            err, device = drv.cuCtxGetDevice()
+            if err != drv.CUresult.CUDA_SUCCESS:
+                drv.cuInit(0)
+                device = _ok(drv.cuDeviceGet(0), "cuDeviceGet")
+        a = drv.CUdevice_attribute
+        major = _ok(drv.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "major")
+        minor = _ok(drv.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "minor")
+        return int(major) * 10 + int(minor)
+    except Exception:  # noqa: BLE001 (then PTX for the lowest architecture)
+        return None
+
+
+def compile_digest(arch: int | None) -> tuple[bytes, int | None]:
+    """The digest kernel built by NVRTC (no context needed): a CUBIN for ``arch`` when NVRTC
+    supports it (no JIT: PTX from an NVRTC newer than the driver would not load), else PTX for
+    the lowest architecture NVRTC supports (the driver JITs it); the image and the arch of a
+    CUBIN (None: PTX). RuntimeError saying why not."""
+    from cuda.bindings import nvrtc
+
+    def check(result: tuple, what: str) -> Any:
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{what}: {getattr(result[0], 'name', result[0])}")
+        return result[1] if len(result) == 2 else None
+
+    try:
+        archs = [int(a) for a in nvrtc.nvrtcGetSupportedArchs()[-1]]
+    except Exception:  # noqa: BLE001 (an older binding: Turing's, the oldest CUDA 13 supports)
+        archs = []
+    cubin = arch is not None and arch in archs
+    target = f"sm_{arch}" if cubin else f"compute_{min(archs) if archs else 75}"
+    prog = check(nvrtc.nvrtcCreateProgram(DIGEST_SOURCE.encode(), b"gpuos_engine_digest.cu", 0, [], []),
+                 "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={target}".encode(), b"-default-device"]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            n = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * n
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"nvrtcCompileProgram({target}): {getattr(res[0], 'name', res[0])}: "
+                               f"{log.decode(errors='replace').strip()[:500]}")
+        if cubin:
+            n = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            image = b" " * n
+            check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+            return image, arch
+        n = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        ptx = b" " * n
+        check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        return ptx.rstrip(b"\0 ") + b"\0", None
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 class DriverOps:
     """Ops on the owned library (gpuos_tools/agent/owned.py) and the CUDA driver, in the
     agent's context."""
@@ -827,6 +1171,80 @@ class DriverOps:
 
             self.lib = owned_lib.OwnedLibrary.load()
         self._hosts: dict[int, tuple[int, int]] = {}  #: base -> (pinned address, size), the engine's own
+        self._image: tuple[bytes, int | None] | None = None  #: compile_digest's
+        self._image_error: str | None = None
+        self._builder: threading.Thread | None = None
+        self._digest_fn: Any = None
+        self._slots_dev = 0  #: DIGEST_SLOTS x 16 bytes on the GPU (the kernel's sums)
+        self._slots_host = 0  #: the same in pinned host memory (copied after each digest)
+
+    # -- digests (engine module docstring) --
+
+    def digest_prepare(self) -> None:
+        """Start compiling the digest kernel on a thread (NVRTC takes ~0.1-0.5 s)."""
+        def build() -> None:
+            # its driver calls (the device's architecture) are the agent's own: the tracer must
+            # not take the agent's lock for them, which the first eviction holds while it joins
+            own = getattr(self.agent, "own", None)
+            me = threading.get_native_id()
+            if own is not None:
+                own.add(me)
+            try:
+                self._image = compile_digest(device_arch())
+            except Exception as exc:  # noqa: BLE001 (digest_init says why)
+                self._image_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if own is not None:
+                    own.discard(me)
+
+        self._builder = threading.Thread(target=build, name="gpuos-engine-nvrtc", daemon=True)
+        self._builder.start()
+
+    def digest_init(self) -> str | None:
+        """Load the kernel into the current context and allocate the result slots; None when
+        ready, else why not."""
+        import ctypes
+
+        from cuda.bindings import driver as drv
+
+        if self._builder is None:
+            self.digest_prepare()
+        self._builder.join()
+        if self._image is None:
+            return self._image_error or "the digest kernel was not built"
+        arch = device_arch()
+        if self._image[1] is not None and arch is not None and arch != self._image[1]:
+            self._image = compile_digest(arch)  # built for device 0, the program runs on another kind
+        image = ctypes.create_string_buffer(self._image[0], len(self._image[0]))
+        module = _ok(drv.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData(digest)")
+        self._digest_fn = _ok(drv.cuModuleGetFunction(module, b"gpuos_engine_digest"), "cuModuleGetFunction(digest)")
+        n = DIGEST_SLOTS * 16
+        self._slots_dev = int(_ok(drv.cuMemAlloc(n), "cuMemAlloc(digest slots)"))
+        self._slots_host = int(_ok(drv.cuMemHostAlloc(n, 0), "cuMemHostAlloc(digest slots)"))
+        ctypes.memset(self._slots_host, 0, n)
+        return None
+
+    def digest(self, base: int, size: int, slot: int, stream: Any) -> None:
+        """Enqueue on ``stream``: zero the slot, the kernel over ``size`` bytes at ``base``, the
+        slot's 16 bytes to pinned host memory."""
+        import ctypes
+
+        from cuda.bindings import driver as drv
+
+        dev = self._slots_dev + 16 * slot
+        _ok(drv.cuMemsetD8Async(dev, 0, 16, stream), "cuMemsetD8Async(digest)")
+        words = size // 8
+        blocks = max(1, min(DIGEST_BLOCKS, (words + DIGEST_THREADS - 1) // DIGEST_THREADS))
+        args = (ctypes.c_uint64(base), ctypes.c_uint64(size), ctypes.c_uint64(dev))
+        params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in args))
+        _ok(drv.cuLaunchKernel(self._digest_fn, blocks, 1, 1, DIGEST_THREADS, 1, 1, 0, stream,
+                               ctypes.addressof(params), 0), "cuLaunchKernel(digest)")
+        _ok(drv.cuMemcpyDtoHAsync(self._slots_host + 16 * slot, dev, 16, stream), "cuMemcpyDtoHAsync(digest)")
+
+    def digest_value(self, slot: int) -> bytes:
+        import ctypes
+
+        return ctypes.string_at(self._slots_host + 16 * slot, 16)
 
     def enter(self) -> None:
         from cuda.bindings import driver as drv

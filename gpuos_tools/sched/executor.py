@@ -560,6 +560,9 @@ class Executor:
             "loads": eng.get("prefetches", 0) + eng.get("demand_loads", 0), "prefetches": eng.get("prefetches", 0),
             "demand_loads": eng.get("demand_loads", 0), "evictions": eng.get("evictions", 0),
             "evict_saves": eng.get("evict_saves", 0), "stream_waits": eng.get("stream_waits", 0),
+            # evictions whose host copy was current (engine.py, "Digests"): by digest, or clean
+            "digest": eng.get("digest"), "digests": eng.get("digests", 0), "digest_skips": eng.get("digest_skips", 0),
+            "bytes_not_written_back": eng.get("unsaved_bytes", 0),
             "stalls": pol["stalls"], "over_budget": pol["over_budget"], "over_budget_bytes": pol["over_budget_bytes"],
             "peak_resident": self.counts["peak_resident"], "peak_settled": self.counts["peak_settled"],
             "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],

@@ -22,6 +22,10 @@ host on the kernel's stream. Nothing is ever prefetched to the GPU: the kernel t
 an evicted array faults its pages back on demand. An emulation of managed memory under
 pressure, not the driver's own eviction (which would need the GPU's memory really full).
 --managed 1 (nothing evicted) is the same job in managed memory resident on the GPU.
+
+--coeffs K: K more arrays of the same size, coefficients that the loop only reads: step s
+also reads coefficient s mod K (a read-mostly job, as an LLM's weights are: each is read once
+a period and never written). They are allocated and filled after the state arrays.
 """
 
 import argparse
@@ -53,6 +57,18 @@ STEP = cp.ElementwiseKernel(
     out = y;
     """,
     "gpuos_stencil_step",
+)
+
+STEPC = cp.ElementwiseKernel(
+    "raw float32 a, raw float32 b, raw float32 c, raw float32 w, int64 n, int32 work", "float32 out",
+    """
+    long long l = i > 0 ? i - 1 : n - 1, r = i + 1 < n ? i + 1 : 0;
+    float x = 0.25f * a[l] + 0.5f * b[i] * (0.5f + 0.5f * w[i]) + 0.25f * c[r];
+    float y = x;
+    for (int k = 0; k < work; ++k) y = fmaf(y, 0.999f, 0.001f * x);
+    out = y;
+    """,
+    "gpuos_stencil_step_coeff",
 )
 
 
@@ -139,22 +155,24 @@ def main() -> None:
     ap.add_argument("--work", type=int, default=64)
     ap.add_argument("--managed", type=float, default=0.0, metavar="FRACTION",
                     help="managed arrays under a software budget of FRACTION of their bytes (docstring)")
+    ap.add_argument("--coeffs", type=int, default=0, help="read-only coefficient arrays (docstring)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     n = args.mib * (1 << 20) // 4
     m = args.arrays
+    kc = args.coeffs
     lru = None
     extra: dict = {}
     if args.managed:
         free, total = cp.cuda.runtime.memGetInfo()  # cuMemGetInfo of the current context
-        need = m * n * 4
+        need = (m + kc) * n * 4
         if need > free:
             raise SystemExit(f"stencil_job: refusing {need} bytes of managed memory: only {free} free on the GPU")
         lru = ManagedLRU(int(args.managed * need), n * 4)
         extra = {"managed": args.managed, "um_budget": lru.budget, "gpu_free_before": free}
     stream = cp.cuda.get_current_stream().ptr
     arrays = []
-    for k in range(m):
+    for k in range(m + kc):
         if lru is not None:
             a = cp.ndarray(n, dtype=cp.float32, memptr=cp.cuda.malloc_managed(n * 4))
             lru.before([k], arrays + [a], stream)
@@ -171,6 +189,12 @@ def main() -> None:
     t0 = time.perf_counter()
     t0_unix = time.time()
     for s in range(steps):
+        if kc:
+            if lru is not None:
+                lru.before([s % m, (s + 1) % m, (s + 2) % m, m + s % kc, (s + 3) % m], arrays, stream)
+            STEPC(arrays[s % m], arrays[(s + 1) % m], arrays[(s + 2) % m], arrays[m + s % kc], n, args.work,
+                  arrays[(s + 3) % m])
+            continue
         if lru is not None:
             lru.before([s % m, (s + 1) % m, (s + 2) % m, (s + 3) % m], arrays, stream)
         STEP(arrays[s % m], arrays[(s + 1) % m], arrays[(s + 2) % m], n, args.work, arrays[(s + 3) % m])
@@ -182,8 +206,9 @@ def main() -> None:
                      um_faulted_in=lru.faulted_in, um_faulted_bytes=lru.faulted_in * n * 4,
                      um_peak_resident=lru.peak, um_evict_path=lru.evict.path)
     digests = [hashlib.sha256(cp.asnumpy(a).tobytes()).hexdigest() for a in arrays]
-    out = {"loop_s": loop_s, "steps": steps, "arrays": m, "array_bytes": n * 4, "total_bytes": m * n * 4,
-           "work": args.work, "t0_unix": t0_unix, "t1_unix": t1_unix, "digests": digests, **extra}
+    out = {"loop_s": loop_s, "steps": steps, "arrays": m, "coeffs": kc, "array_bytes": n * 4,
+           "total_bytes": (m + kc) * n * 4, "work": args.work, "t0_unix": t0_unix, "t1_unix": t1_unix,
+           "digests": digests, **extra}
     line = json.dumps(out)
     if args.out:  # not stdout: under gpu-prefetch-sched run, stdout carries its summary
         with open(args.out, "w") as f:

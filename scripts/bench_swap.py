@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""The swap pipeline of the residency engine (issue 8, P7: ">= 90 GB/s both directions on an
+H200"): owned records evicted to the engine's pinned host copies while others are loaded back,
+at the same time, through the engine itself (gpuos_tools/agent/engine.py: evict_from_operation
+-> save on its evict stream, release on its evict thread; prefetch -> make resident + load on
+its prefetch stream), not through bare cudaMemcpy.
+
+Two sets of owned records (gpuos_tools/agent/owned.py), A and B, --gib GiB each in records of
+--record-mib MiB, filled with a non-zero pattern; the engine's pinned host copies made before
+any timing (as the executor's mover pins ahead). Each trial, from A resident and B released:
+
+- evict:  every record of A evicted (saved, released)            device -> host alone
+- load:   every record of A loaded back (made resident, copied)   host -> device alone
+- both:   A evicted while B is loaded, the calls interleaved      both directions at once
+          (then A and B swap roles for the next trial)
+
+Before each eviction phase every record of A is written (a memset, and the engine told as the
+tracer would tell it), so that each eviction is a save. Per phase the wall time from the first
+call to the last record's completion (host clock, loads and releases polled together), and
+GB/s = bytes / time; for "both", each direction's GB/s (bytes / its own last completion) and the
+combined (2 x bytes / the later). Also the raw ceiling on the
+same pinned memory: cuMemcpyDtoHAsync / HtoDAsync of the same records on two streams of our own,
+each direction alone and both at once. Medians of --trials. The digest check is off
+(GPUOS_ENGINE_NO_DIGEST=1): unchanged records would otherwise skip their saves.
+
+    python3 scripts/bench_swap.py [--gib 4] [--record-mib 256] [--trials 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ["GPUOS_ENGINE_NO_DIGEST"] = "1"
+
+from gpuos_tools.agent.engine import RELEASED, RESIDENT, DriverOps, ResidencyEngine  # noqa: E402
+from gpuos_tools.agent.owned import OwnedLibrary  # noqa: E402
+from gpuos_tools.cuda.driver import ok  # noqa: E402
+
+POLL_S = 20e-6
+
+
+class BenchAgent:
+    """What the engine reads of an agent: its lock, own threads, the program's streams (the
+    legacy stream: nothing of a program runs here), the context."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.lock = threading.RLock()
+        self.own: set[int] = set()
+        self.streams = {0}
+        self.ctx = ctx
+        self.by_id: dict = {}
+        self.snap = None
+
+
+def wait_all(eng: ResidencyEngine, bases: list[int], state: str, t0: float, timeout: float = 120) -> float:
+    """Seconds from t0 until every record in ``bases`` is in ``state``."""
+    left = set(bases)
+    while left:
+        left = {b for b in left if eng.state(b) != state}
+        if not left:
+            break
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"{len(left)} records not {state} after {timeout} s: {eng.stats()}")
+        time.sleep(POLL_S)
+    return time.perf_counter() - t0
+
+
+def completion(eng: ResidencyEngine, events: list[Any], loaded: list[int], evicted: list[int], t0: float,
+               timeout: float = 120) -> tuple[float | None, float | None]:
+    """Seconds from t0 until the loads (their ``events``) and the evictions of ``evicted``
+    (released) have each completed, polled together so that each direction gets its own time;
+    None for a direction with nothing in it."""
+    evs = [ev for ev in events if ev is not None]
+    left = set(evicted)
+    t_in = None if evs else 0.0
+    t_out = None if left else 0.0
+    while t_in is None or t_out is None:
+        now = time.perf_counter() - t0
+        if t_in is None:
+            evs = [ev for ev in evs if not eng.ops.done(ev)]
+            if not evs:
+                t_in = now
+        if t_out is None:
+            left = {b for b in left if eng.state(b) != RELEASED}
+            if not left:
+                t_out = now
+        if now > timeout:
+            raise RuntimeError(f"not done after {timeout} s: {len(evs)} loads, {len(left)} evictions: {eng.stats()}")
+        time.sleep(POLL_S)
+    eng.require(loaded, 0)  # drops the completed loads from pending: resident
+    return (t_in if events else None), (t_out if evicted else None)
+
+
+def dirty(eng: ResidencyEngine, bases: list[int], pattern: int) -> None:
+    """Write every record (a memset on the legacy stream, as a program would) and tell the
+    engine, as the tracer does for a program's memset: the host copies are stale, every
+    eviction must save (a record loaded back and not written since would be released without
+    a copy, and the digest check is off). Untimed: synchronised before the phase starts."""
+    from cuda.bindings import driver as drv
+
+    for i, x in enumerate(bases):
+        ok(drv.cuMemsetD32Async(x, (pattern * 0x9E3779B1 + i) & 0xFFFFFFFF, eng.ops.lookup(x).size // 4, 0),
+           "cuMemsetD32Async")
+        eng.access("cuMemsetD32Async", 0, x)
+    ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+    assert not eng.clean.intersection(bases)
+
+
+def gbps(n: int, s: float) -> float:
+    return round(n / s / 1e9, 2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=4.0, help="GiB per set (A and B)")
+    ap.add_argument("--record-mib", type=int, default=256)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    from cuda.bindings import driver as drv
+
+    ok(drv.cuInit(0), "cuInit")
+    dev = ok(drv.cuDeviceGet(0), "cuDeviceGet")
+    ctx = ok(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    name = ok(drv.cuDeviceGetName(256, dev), "cuDeviceGetName").split(b"\0", 1)[0].decode()
+    lib = OwnedLibrary.load()
+    agent = BenchAgent(ctx)
+    ops = DriverOps(agent)
+    eng = ResidencyEngine(agent, ops)
+
+    rec = args.record_mib << 20
+    n = max(1, int(args.gib * (1 << 30)) // rec)
+    sets = []
+    for s in range(2):
+        bases = []
+        for i in range(n):
+            p = lib.malloc(rec)
+            if not p:
+                raise SystemExit(f"bench_swap: owned malloc of {rec} bytes refused")
+            ok(drv.cuMemsetD32(p, 0x9E3779B9 ^ (s << 16 | i), rec // 4), "cuMemsetD32")
+            ops.host(p, rec)  # pinned ahead, out of the timing
+            bases.append(p)
+        sets.append(bases)
+    ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+    total = n * rec
+    a, b = sets
+    # B released to start with (untimed)
+    t = time.perf_counter()
+    for x in b:
+        assert eng.evict_from_operation(x)
+    wait_all(eng, b, RELEASED, t)
+
+    trials: list[dict[str, Any]] = []
+    saves0 = eng.counts["evict_saves"]
+    for k in range(args.trials):
+        row: dict[str, Any] = {}
+        dirty(eng, a, 2 * k)
+        t = time.perf_counter()
+        for x in a:
+            assert eng.evict_from_operation(x)
+        row["evict_gbps"] = gbps(total, wait_all(eng, a, RELEASED, t))
+        t = time.perf_counter()
+        evs = [eng.prefetch(x) for x in a]
+        t_in, _ = completion(eng, evs, a, [], t)
+        row["load_gbps"] = gbps(total, t_in)
+        assert all(eng.state(x) == RESIDENT for x in a)
+        dirty(eng, a, 2 * k + 1)
+        t = time.perf_counter()
+        evs = []
+        for x, y in zip(a, b):
+            assert eng.evict_from_operation(x)
+            evs.append(eng.prefetch(y))
+        t_in, t_out = completion(eng, evs, b, a, t)
+        row.update(both_out_gbps=gbps(total, t_out), both_in_gbps=gbps(total, t_in),
+                   both_combined_gbps=gbps(2 * total, max(t_in, t_out)))
+        trials.append(row)
+        print(f"trial {k}: {row}", file=sys.stderr)
+        a, b = b, a
+    st = eng.stats()
+    assert st.get("evict_errors", 0) == 0, st
+    # every eviction timed was a save (none released as clean)
+    assert eng.counts["evict_saves"] - saves0 == 2 * n * args.trials, st
+
+    # the raw ceiling: the same pinned host copies and records, bare async copies on two streams
+    ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+    for x in b:  # everything resident for the raw copies
+        if eng.state(x) == RELEASED:
+            eng.prefetch(x)
+    ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+    eng.require(None, 0)
+    s_out = ops.stream()
+    s_in = ops.stream()
+
+    def raw(direction: str) -> dict[str, float]:
+        t = time.perf_counter()
+        ev_out = ev_in = None
+        if direction in ("out", "both"):
+            for x in a:
+                h = ops.host(x, rec)[0][0]
+                ok(drv.cuMemcpyDtoHAsync(h, x, rec, s_out), "cuMemcpyDtoHAsync")
+            ev_out = ops.event()
+            ops.record(ev_out, s_out)
+        if direction in ("in", "both"):
+            for y in b:
+                h = ops.host(y, rec)[0][0]
+                ok(drv.cuMemcpyHtoDAsync(y, h, rec, s_in), "cuMemcpyHtoDAsync")
+            ev_in = ops.event()
+            ops.record(ev_in, s_in)
+        res = {}
+        for key, ev in (("out", ev_out), ("in", ev_in)):
+            if ev is not None:
+                ops.synchronize(ev)
+                res[key] = time.perf_counter() - t
+        return res
+
+    raws: list[dict[str, Any]] = []
+    for _ in range(args.trials):
+        r1 = raw("out")
+        r2 = raw("in")
+        r3 = raw("both")
+        raws.append({"out_gbps": gbps(total, r1["out"]), "in_gbps": gbps(total, r2["in"]),
+                     "both_out_gbps": gbps(total, r3["out"]), "both_in_gbps": gbps(total, r3["in"]),
+                     "both_combined_gbps": gbps(2 * total, max(r3["out"], r3["in"]))})
+
+    def med(rows: list[dict[str, Any]]) -> dict[str, float]:
+        return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+    out = {"bench": "swap", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
+           "gpu": name, "driver": _driver(), "gib_per_set": round(total / (1 << 30), 3), "records_per_set": n,
+           "record_bytes": rec, "trials": trials, "median": med(trials), "raw_trials": raws, "raw_median": med(raws),
+           "engine": {k: v for k, v in st.items() if not isinstance(v, dict)}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    m, r = out["median"], out["raw_median"]
+    print(f"{'path':<8} {'evict/out':>10} {'load/in':>8} {'both: out':>10} {'in':>7} {'combined':>9}  (GB/s, median of "
+          f"{args.trials}, {total / (1 << 30):.1f} GiB each way)", file=sys.stderr)
+    print(f"{'engine':<8} {m['evict_gbps']:>10} {m['load_gbps']:>8} {m['both_out_gbps']:>10} {m['both_in_gbps']:>7} "
+          f"{m['both_combined_gbps']:>9}", file=sys.stderr)
+    print(f"{'raw':<8} {r['out_gbps']:>10} {r['in_gbps']:>8} {r['both_out_gbps']:>10} {r['both_in_gbps']:>7} "
+          f"{r['both_combined_gbps']:>9}", file=sys.stderr)
+    eng.close()
+    return 0
+
+
+def _driver() -> str | None:
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

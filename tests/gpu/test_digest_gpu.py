@@ -1,0 +1,102 @@
+"""The residency engine's digest check on a real GPU (pytest -m gpu; gpuos_tools/agent/engine.py,
+"Digests"): the kernel computes digest_reference's value at any address and size; under
+`gpu-prefetch-sched run` at 150% the stencil ends bit-identical with write-backs skipped; a
+read-mostly job skips most of them; a write the predictor cannot see is still saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGS = Path(__file__).resolve().parent / "progs"
+STENCIL = ["--arrays", "8", "--mib", "32", "--periods", "8", "--work", "32"]
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for k in ("GPUOS_AGENT_OWN", "GPUOS_ENGINE_NO_DIGEST"):
+        e.pop(k, None)
+    e.update(extra)
+    return e
+
+
+def plain(tmp: Path, prog: str, args: list[str]) -> dict:
+    out = tmp / "plain.json"
+    p = subprocess.run([sys.executable, str(PROGS / prog), *args, "--out", str(out)], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def sched(tmp: Path, prog: str, args: list[str], budget: str, **extra: str) -> tuple[dict, dict, str]:
+    out = tmp / "job.json"
+    cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", budget, "--",
+           sys.executable, str(PROGS / prog), *args, "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-6000:]
+    recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert recs[-1]["type"] == "sched_summary", recs
+    return json.loads(out.read_text()), recs[-1], p.stderr
+
+
+def test_the_kernel_computes_the_reference_digest_at_any_address_and_size():
+    p = subprocess.run([sys.executable, str(PROGS / "digest_prog.py")], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    cases = res["cases"]
+    for name, c in cases.items():
+        assert c["digest"] == c["again"] == c["reference"], (name, c)
+    big = cases[f"rand{64 << 20}"]["digest"]
+    assert len({big, cases["swapped"]["digest"], cases["shifted"]["digest"], cases["flipped"]["digest"]}) == 4
+    assert cases["zeros1M"]["digest"] != cases["zeros1M+1"]["digest"]
+    print("digest kernel GB/s:", res["gbps"])
+    assert res["gbps"][str(1 << 30)] > 200, res["gbps"]  # far above a PCIe copy: it costs little
+
+
+def test_stencil_at_150_percent_skips_write_backs_and_stays_bit_identical(tmp_path):
+    ref = plain(tmp_path, "stencil_job.py", STENCIL)
+    job, s, err = sched(tmp_path, "stencil_job.py", STENCIL, "66%")
+    assert job["digests"] == ref["digests"]
+    assert s["digest"] == "on" and "no GPU digests" not in err, (s["digest"], err[-2000:])
+    eng = s["engine"]
+    assert s["digest_skips"] > 0 and s["bytes_not_written_back"] >= s["digest_skips"] * ref["array_bytes"], s
+    assert eng["digest_changed"] > 0 and eng.get("evict_errors", 0) == 0, eng
+    # the same run without digests saves more
+    job2, s2, _ = sched(tmp_path, "stencil_job.py", STENCIL, "66%", GPUOS_ENGINE_NO_DIGEST="1")
+    assert job2["digests"] == ref["digests"]
+    assert s2["digest"].startswith("off") and s2["digests"] == 0 and s2["digest_skips"] == 0, s2
+    print("stencil 66%: evictions", s["evictions"], "saves", s["evict_saves"], "digest skips", s["digest_skips"],
+          "| without digests: evictions", s2["evictions"], "saves", s2["evict_saves"])
+
+
+def test_a_read_mostly_job_skips_most_write_backs(tmp_path):
+    args = [*STENCIL, "--coeffs", "8"]
+    ref = plain(tmp_path, "stencil_job.py", args)
+    job, s, _ = sched(tmp_path, "stencil_job.py", args, "66%")
+    assert job["digests"] == ref["digests"]
+    assert s["unknown"] == 0 and s["evictions"] > 0, s
+    # the coefficients are only read: most evictions are theirs, and need no save
+    assert s["digest_skips"] >= 8 and s["digest_skips"] * 3 > s["evictions"], s
+    print("read-mostly 66%: evictions", s["evictions"], "saves", s["evict_saves"], "digest skips", s["digest_skips"])
+
+
+def test_a_write_the_predictor_cannot_see_is_still_saved(tmp_path):
+    args = ["--arrays", "8", "--mib", "32", "--periods", "4"]
+    job, s, _ = sched(tmp_path, "hidden_write_job.py", args, "50%")
+    assert job["ok"], job
+    assert s["unknown"] == 0 and s["evictions"] >= 8, s  # predicted (as read only), and evicted
+    eng = s["engine"]
+    assert eng["digest_changed"] > 0 and eng.get("evict_errors", 0) == 0, eng
+    # without the digest the engine trusts the prediction: the writes are lost (which is why
+    # the check matters; if this ends right, the job no longer hides its writes)
+    job2, s2, _ = sched(tmp_path, "hidden_write_job.py", args, "50%", GPUOS_ENGINE_NO_DIGEST="1")
+    assert not job2["ok"] and s2["unknown"] == 0, (job2, s2)
