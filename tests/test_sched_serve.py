@@ -111,6 +111,7 @@ def test_the_outgoing_job_keeps_only_what_the_incoming_ones_want_leaves_and_wait
         b.send({"op": "wait", "mapped": 500, "want": 800})
         assert a.recv() == {"op": "yield", "keep": 1000 - 800}  # room for b's want
         c.send({"op": "wait", "mapped": 400, "want": 400})
+        time.sleep(0.05)  # c queued before a (two sockets: else the order is the coordinator's)
         a.send({"op": "wait", "mapped": 200, "want": 500})
         # b next wants 800: c (last in the queue before a) and a hold 600: trimmed, the last first
         got = {}
@@ -213,10 +214,25 @@ def test_the_jobs_own_output_and_throughput_are_read_off_its_stdout():
 # -- two executors taking turns through the coordinator -----------------------------------------
 
 
-def _job(path: str, index: int, n: int, base0: int, budget: int, policy: str):
+class SlowOps(FakeOps):
+    """Events complete ``delay`` seconds after they are recorded: saves and loads take time, so a
+    switch's releases are still in flight when the next job is granted."""
+
+    def __init__(self, records: list[Rec], delay: float) -> None:
+        super().__init__(records)
+        self.delay = delay
+
+    def record(self, ev, stream):
+        super().record(ev, stream)
+        timer = threading.Timer(self.delay, self.finish, [ev])
+        timer.daemon = True
+        timer.start()
+
+
+def _job(path: str, index: int, n: int, base0: int, budget: int, policy: str, delay: float = 0.0):
     bases = [base0 + 0x1000_0000 * i for i in range(n)]
     recs = [Rec(b, 64 * MIB) for b in bases]  # all mapped from the start (allocated before the loop)
-    ops = FakeOps(recs, auto=True)
+    ops = SlowOps(recs, delay) if delay else FakeOps(recs, auto=True)
     agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
     agent.streams = {0}
     eng = ResidencyEngine(agent, ops)
@@ -229,11 +245,17 @@ def mapped(ops: FakeOps) -> int:
     return sum(r.size for r in ops.recs.values() if r.resident)
 
 
-@pytest.mark.parametrize("policy", ["belady", "lru"])
-def test_two_executors_take_turns_keep_their_data_and_their_memory_within_the_total(tmp_path, policy):
+@pytest.mark.parametrize("policy,delay,overlap", [("belady", 0.0, True), ("lru", 0.0, True),
+                                                  ("belady", 0.004, True), ("lru", 0.004, True),
+                                                  ("belady", 0.004, False)])
+def test_two_executors_take_turns_keep_their_data_and_their_memory_within_the_total(tmp_path, policy, delay, overlap):
+    """With ``delay``, every save and load takes 4 ms: the overlapped switch grants the next job
+    while the saves are in flight, and the mapped memory of both must still stay within the total."""
     total = 10 * 64 * MIB  # two jobs of 8 records: 160% of the budget
     s = Served(tmp_path, total, 0.02, 2)
-    jobs = [_job(s.path, i, 8, 0x1_0000_0000 * (i + 1), total, policy) for i in range(2)]
+    jobs = [_job(s.path, i, 8, 0x1_0000_0000 * (i + 1), total, policy, delay) for i in range(2)]
+    for job in jobs:
+        job[4]._overlap = overlap
     errors: list[str] = []
     holding_sums: list[int] = []
     ended = [False, False]
@@ -275,6 +297,9 @@ def test_two_executors_take_turns_keep_their_data_and_their_memory_within_the_to
         assert not errors, errors[:5]
         with s.lock:
             assert s.coord.switches >= 2 and s.coord.done
+            early = sum(s.coord.job_stats(i)["early_grants"] for i in range(2))
+        if delay:  # saves in flight at the grants: the overlapped switch granted early, the serial never
+            assert (early > 0) if overlap else (early == 0), early
         for bases, ops, agent, eng, ex in jobs:
             st = ex.summary()
             sv = st["serve"]

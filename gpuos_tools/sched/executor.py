@@ -228,7 +228,7 @@ class Executor:
             # than the budget: above it until the evictions that follow complete
             self._under = False
             self._settled_key = self._key
-        if not self._under and now <= budget:
+        if not self._under and now <= self._room(budget):  # serving: the others' releases done too
             self._under = True
             c["settled"] += 1
         if self._under:
