@@ -298,9 +298,8 @@ class Executor:
                 self._turn_peak = max(self._turn_peak, now)
                 # the others' kept bytes: as of the budget applied (a job that allocated is over
                 # until then: unsettled, as in `run`), or of the room (a trim's bytes counted once)
-                releasing, srv_others = srv.view  # one consistent pair (Client.view)
-                others = min(self._others, srv_others)
-                self.turns["combined_peak"] = max(self.turns["combined_peak"], now + others + releasing)
+                others = min(self._others, srv.others)
+                self.turns["combined_peak"] = max(self.turns["combined_peak"], now + others + srv.releasing)
 
     def _room(self, budget: int) -> int:
         """What this job may hold mapped now: ``budget``, less the other jobs' bytes whose release

@@ -406,14 +406,6 @@ class Client:
     go to ``inbox``, where the program's thread waits for them. ``inbox`` gets ``{"op": "gone"}``
     when the coordinator is gone."""
 
-    @property
-    def releasing(self) -> int:
-        return self.view[0]
-
-    @property
-    def others(self) -> int:
-        return self.view[1]
-
     def __init__(self, path: str, job: int, timeout: float = 10.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -423,11 +415,8 @@ class Client:
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.ask: dict[str, Any] | None = None
         self.update: dict[str, Any] | None = None
-        #: (the other jobs' bytes still being released: not room yet; what they keep mapped), as
-        #: the last ``room`` or ``grant`` said; one tuple, replaced whole, so that a reader on
-        #: another thread never pairs a new figure with an old one (a trim moves bytes from the
-        #: second to the first: mixed, they would count twice)
-        self.view: tuple[int, int] = (0, 0)
+        self.releasing = 0  #: the other jobs' bytes still being released: not room yet (``room``, ``grant``)
+        self.others = 0  #: what the other jobs keep mapped, as the last room or grant said (``combined_peak``)
         self.gone = False
         self._send_lock = threading.Lock()
         self.send({"op": "hello", "job": job, "pid": os.getpid()})
@@ -452,10 +441,10 @@ class Client:
                     elif op == "budget":
                         self.update = msg
                     elif op == "room":  # read by the job's room checks at once (mover included)
-                        self.view = (int(msg.get("releasing", 0)), int(msg.get("others", 0)))
+                        self.releasing, self.others = int(msg.get("releasing", 0)), int(msg.get("others", 0))
                     else:
                         if op == "grant":  # before the grant is seen: its loads check room with it
-                            self.view = (int(msg.get("releasing", 0)), int(msg.get("others", 0)))
+                            self.releasing, self.others = int(msg.get("releasing", 0)), int(msg.get("others", 0))
                         self.inbox.put(msg)
         except (OSError, ValueError):
             pass
