@@ -8,10 +8,7 @@ The jobs are tests/gpu/progs/stencil_job.py loops of different sizes (--jobs: AR
   after another (the ceiling: no sharing, no movement, no agent);
 - served: the jobs started together under `gpu-prefetch-sched serve --budget B --slice S` for
   each --budgets share B of their combined footprint (66% = 150% oversubscription, 50% = 200%)
-  and each --slices S, with each --switches mode: overlap (the default: the incoming job is
-  granted once the outgoing job's evictions are issued, its loads wait for room) and serial
-  (the first build's switch: granted once they have completed; the incoming job's want as
-  what it last held), side by side in the same run.
+  and each --slices S.
 
 Per job: its loop's time and throughput (steps/s) against alone, its latency (process start to
 exit, and from the first job's start to its loop's end), its turn waits and switches, bytes in
@@ -20,8 +17,7 @@ makespan of their loops (the first loop's start to the last one's end, wall cloc
 sum of their loop times alone, and the serve's wall time against the alone processes' sum.
 JSON to --json; a table on stderr.
 
-    python3 scripts/bench_serve.py [--jobs 12x64,8x96,16x32] [--budgets 66%,50%] [--slices 50ms,200ms]
-        [--switches overlap,serial] [--json FILE]
+    python3 scripts/bench_serve.py [--jobs 12x64,8x96,16x32] [--budgets 66%,50%] [--slices 50ms,200ms] [--json FILE]
 """
 
 from __future__ import annotations
@@ -65,12 +61,11 @@ def alone(args: list[str], timeout: float) -> dict[str, Any]:
         return {"ok": True, "process_s": round(wall, 3), **res}
 
 
-def served(jobs: list[list[str]], budget: int, slice_: str, policy: str, timeout: float,
-           switch: str = "overlap") -> dict[str, Any]:
+def served(jobs: list[list[str]], budget: int, slice_: str, policy: str, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "serve.json"
         cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "serve", "--budget", f"{budget}B",
-               "--slice", slice_, "--policy", policy, "--switch", switch, "--json", str(report)]
+               "--slice", slice_, "--policy", policy, "--json", str(report)]
         for a in jobs:
             cmd += ["--job", " ".join([sys.executable, str(JOB), *a])]
         t = time.perf_counter()
@@ -94,7 +89,6 @@ def main() -> int:
     ap.add_argument("--periods", type=int, default=20)
     ap.add_argument("--budgets", default="66%,50%")
     ap.add_argument("--slices", default="50ms,200ms", help="time slices to serve with (each budget with each)")
-    ap.add_argument("--switches", default="overlap,serial", help="switch modes to serve with (each row with each)")
     ap.add_argument("--policy", default="belady")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -117,12 +111,10 @@ def main() -> int:
     out["alone_agg"] = {"loop_s": round(alone_loop, 4), "steps_per_s": round(steps / alone_loop, 2),
                         "process_s": round(sum(r["process_s"] for r in base), 3)}
     save(args, out)
-    rows = [(b, s, w) for b in args.budgets.split(",") if b for s in args.slices.split(",") if s
-            for w in args.switches.split(",") if w]
-    for spec, slice_, switch in rows:
+    for spec, slice_ in [(b, s) for b in args.budgets.split(",") if b for s in args.slices.split(",") if s]:
         budget = int(footprint * float(spec.rstrip("%")) / 100)
-        r = served(jobs, budget, slice_, args.policy, args.timeout, switch)
-        row: dict[str, Any] = {"budget_spec": spec, "slice": slice_, "switch": switch, "budget": budget, "ok": r.get("ok", False),
+        r = served(jobs, budget, slice_, args.policy, args.timeout)
+        row: dict[str, Any] = {"budget_spec": spec, "slice": slice_, "budget": budget, "ok": r.get("ok", False),
                                "rc": r.get("rc"), "switches": r.get("switches"), "wall_s": r.get("wall_s"),
                                "combined_peak": r.get("combined_peak"), "jobs": []}
         if "stderr" in r:
@@ -132,7 +124,7 @@ def main() -> int:
         for j, ref in zip(r.get("jobs", []), base):
             o = j.get("output") or {}
             jr = {k: j.get(k) for k in ("job", "exit", "ok", "wall_s", "turn_s", "turn_waits", "turn_wait_s",
-                                         "switches", "trims", "early_grants", "bytes_in", "bytes_out", "throughput",
+                                         "switches", "trims", "bytes_in", "bytes_out", "throughput",
                                          "evictions", "prefetches", "demand_loads", "combined_peak")}
             if o:
                 jr["loop_s"] = o.get("loop_s")
@@ -140,10 +132,6 @@ def main() -> int:
                 jr["speed_vs_alone"] = round(ref["loop_s"] / o["loop_s"], 4)
                 jr["latency_from_first_s"] = round(o["t1_unix"] - t_first, 4)
                 ends.append((o["t0_unix"], o["t1_unix"], o["steps"]))
-            sv = ((j.get("summary") or {}).get("serve") or {})
-            ex = ((j.get("summary") or {}).get("executor") or {})
-            jr["room_waits"], jr["room_wait_s"] = ex.get("room_waits"), ex.get("room_wait_s")
-            jr["yield_s"], jr["release_s"] = sv.get("yield_s"), sv.get("release_s")
             row["jobs"].append(jr)
         if len(ends) == len(base):
             span = max(e[1] for e in ends) - min(e[0] for e in ends)
@@ -153,18 +141,18 @@ def main() -> int:
         save(args, out)
     print(f"alone: {len(base)} jobs, footprint {footprint / 2**20:.0f} MiB, loops {alone_loop:.3f} s "
           f"({steps / alone_loop:.1f} steps/s), processes {out['alone_agg']['process_s']:.1f} s", file=sys.stderr)
-    print(f"{'budget':>7} {'slice':>6} {'switch':>7} {'job':>3} {'loop_s':>7} {'alone_s':>7} {'speed':>6} {'same':>5} {'turn_s':>6} {'waits':>5} "
+    print(f"{'budget':>7} {'slice':>6} {'job':>3} {'loop_s':>7} {'alone_s':>7} {'speed':>6} {'same':>5} {'turn_s':>6} {'waits':>5} "
           f"{'wait_s':>6} {'sw':>3} {'in MiB':>7} {'out MiB':>7} {'lat_s':>6}", file=sys.stderr)
     for row in out["served"]:
         for j, ref in zip(row["jobs"], base):
-            print(f"{row['budget_spec']:>7} {row['slice']:>6} {row['switch']:>7} {j['job']:>3} {j.get('loop_s') or float('nan'):>7.3f} {ref['loop_s']:>7.3f} "
+            print(f"{row['budget_spec']:>7} {row['slice']:>6} {j['job']:>3} {j.get('loop_s') or float('nan'):>7.3f} {ref['loop_s']:>7.3f} "
                   f"{j.get('speed_vs_alone') or float('nan'):>6.3f} {str(j.get('identical', '-')):>5} "
                   f"{j.get('turn_s') or 0:>6.2f} {j.get('turn_waits') or 0:>5} {j.get('turn_wait_s') or 0:>6.2f} "
                   f"{j.get('switches') or 0:>3} {(j.get('bytes_in') or 0) / 2**20:>7.0f} "
                   f"{(j.get('bytes_out') or 0) / 2**20:>7.0f} {j.get('latency_from_first_s') or float('nan'):>6.2f}",
                   file=sys.stderr)
         agg = row.get("agg") or {}
-        print(f"{row['budget_spec']:>7} {row['slice']:>6} {row['switch']:>7} all makespan {agg.get('makespan_s', float('nan')):.3f} s, "
+        print(f"{row['budget_spec']:>7} {row['slice']:>6} all makespan {agg.get('makespan_s', float('nan')):.3f} s, "
               f"{agg.get('steps_per_s', float('nan'))} steps/s, {agg.get('vs_alone', float('nan'))} of alone; "
               f"{row['switches']} switches, combined peak {(row['combined_peak'] or 0) / 2**20:.0f} MiB "
               f"of {row['budget'] / 2**20:.0f}", file=sys.stderr)

@@ -129,7 +129,7 @@ MAN_SECTIONS = {
     ),
     "SERVING": (
         "`gpu-prefetch-sched serve --budget SIZE [--slice 50ms] [--policy belady|lru] [--lookahead N] "
-        "[--switch overlap|serial] [--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as `run` would (the agent, its "
+        "[--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as `run` would (the agent, its "
         "CuPy memory owned, the online policy) and time-slices them on the GPU. `--budget` is bytes "
         "with a unit (see BUDGET; a percentage is refused, the jobs' footprint is not known before "
         "they run): the most owned memory ALL the jobs may hold mapped together. `--slice` is a "
@@ -139,28 +139,19 @@ MAN_SECTIONS = {
         "their next launch, copy or memset (not at frees) until granted, in the order they asked. "
         "Once the holder has held it for a slice and another job waits, it is asked to yield; at "
         "its next operation it evicts its records down to what the incoming job leaves room for "
-        "(the incoming job's want: its whole footprint, at most the budget), in its own Belady order "
+        "(the incoming job's want: what it had mapped when it last ran), in its own Belady order "
         "(the record its learned period uses furthest ahead first, so what its next launches "
-        "need goes last; LRU with `--policy lru`), and, as soon as the evictions are issued, "
-        "reports what it keeps and what it is still releasing. If the jobs that wait hold too "
-        "much for the incoming one, they are trimmed the same way, the one whose turn is furthest "
-        "first. The incoming job is granted at once, a budget of the total minus what the others "
-        "keep, and before its operation goes on it prefetches its predicted next working sets "
-        "(one period ahead, at least `--lookahead` launches) as far as that budget allows. Its "
-        "loads (those prefetches, and any load on demand) wait for room: the others' bytes still "
-        "being released count against it until their saves complete, which each waiting job "
-        "reports as they do (the coordinator passes it on to the holder at once). So the outgoing "
-        "job's saves and the incoming job's loads overlap, one on each direction of the link "
-        "(MSched's switch); the loads that fit are enqueued at once on the engine's prefetch "
-        "stream, the rest follow as room comes. `--switch serial` is the first build's switch, "
-        "kept for comparison: the outgoing job waits until its releases have completed before it "
-        "reports, so the incoming job is granted only then, and a job's want is what it had "
-        "mapped when it last ran. While a job runs, its budget follows what the others hold (a "
-        "job that starts, is trimmed or ends). A job that ends, crashes or is killed leaves the rotation at once (its "
+        "need goes last; LRU with `--policy lru`), waits until the releases have completed, and "
+        "reports the bytes it still holds. If the jobs that wait hold too much for the incoming "
+        "one, they are trimmed the same way, the one whose turn is furthest first. The incoming "
+        "job is granted a budget of the total minus what the others hold, and before its "
+        "operation goes on it prefetches its predicted next working sets (one period ahead, at "
+        "least `--lookahead` launches) as far as that budget allows: the loads that fit are "
+        "enqueued at once on the engine's prefetch stream, the rest follow as room comes. While "
+        "it runs, its budget follows what the others hold (a job that starts, is trimmed or "
+        "ends). A job that ends, crashes or is killed leaves the rotation at once (its "
         "connection closes); a job alone never waits and is never asked to yield.\n\n"
-        "Safety. Everything of SAFETY for `run` holds for each job. The holder loads a record only "
-        "while its mapped bytes, what the others keep and what they are still releasing fit in "
-        "the budget together (a release not complete within 10 s is reported as kept). A job never waits for the "
+        "Safety. Everything of SAFETY for `run` holds for each job. A job never waits for the "
         "turn holding the agent's lock (it waits before taking it), so the engine's threads and "
         "its own evictions go on. The preemption is cooperative: a job yields at its next "
         "operation after the request, so one that computes on the host for long keeps the turn "
@@ -170,16 +161,14 @@ MAN_SECTIONS = {
         "GPU's memory; nothing is oversubscribed in the driver.\n\n"
         "Output: a header, one `serve_job` record per job (job, argv, exit, ok, wall_s, turn_s "
         "(time holding the turn), grants, turn_waits and turn_wait_s (waits for the turn, "
-        "seconds), switches (yields), trims, early_grants (grants while other jobs' saves were "
-        "still in flight), room_updates, budget_min and budget_max (budgets granted), "
+        "seconds), switches (yields), trims, budget_min and budget_max (budgets granted), "
         "bytes_in, bytes_out, evictions, prefetches, demand_loads, footprint, peak_settled, "
-        "over_physical, combined_peak (the job's settled peak while holding the turn plus what the "
-        "others held and were still releasing, as the coordinator said: within the budget when "
-        "the total held), throughput and "
+        "over_physical, combined_peak (the job's settled peak plus what the others held, as the "
+        "coordinator said: within the budget when the total held), throughput and "
         "throughput_unit (the job's own: a `throughput` field of the last JSON object line it "
         "printed, or its `steps` / `loop_s`), output (that line), summary (the job's "
         "`sched_summary` as `run` gives it, with `serve`: the job's turn counters)), then "
-        "`serve_summary` (budget, slice_s, policy, lookahead, switch, switches, wall_s, combined_peak, "
+        "`serve_summary` (budget, slice_s, policy, lookahead, switches, wall_s, combined_peak, "
         "errors). `--json FILE` writes the same as one object. A table goes to standard error. "
         "The exit status is 1 when any job failed (non-zero exit, or no summary)."
     ),
@@ -525,7 +514,7 @@ def run(
     if serve_spec is not None:  # a job of `gpu-prefetch-sched serve`: its budget comes with each grant
         try:
             spec = _json.loads(serve_spec)
-            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"]), "overlap": bool(spec.get("overlap", True))}
+            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"])}
         except (ValueError, KeyError, TypeError) as e:
             raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
         if "fraction" in cfg:
@@ -588,10 +577,6 @@ def serve_cmd(
                                help="Each job's victim choice, in its own launches and at its switches."),
     lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N",
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
-    switch: str = typer.Option("overlap", "--switch", metavar="overlap|serial",
-                               help="overlap: the incoming job is granted once the outgoing job's evictions are issued, "
-                               "its loads wait for room (the default); serial: once they have completed (the first build, "
-                               "for comparison). See SERVING."),
     json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
 ) -> None:
     """Run several jobs on one GPU, time-sliced, their memory together within one budget.
@@ -600,11 +585,10 @@ def serve_cmd(
     policy). One job holds the GPU turn at a time: the others' program threads wait on the host
     at their next launch, copy or memset until granted. When the holder's slice is over and
     another job waits, the holder, at its next operation, evicts what its own predicted future
-    needs last (Belady) down to what the incoming job leaves room for (its footprint), and
-    reports what it keeps and what it is still releasing; the incoming job is granted at once,
-    a budget of the total minus what the others keep, and prefetches its predicted next working
-    sets before it goes on, each load once the releases in flight leave room for it: saves and
-    loads overlap (MSched's context switch with working-set preparation). A job that ends
+    needs last (Belady) down to what the incoming job leaves room for, waits until the releases
+    have completed, and reports what it still holds; the incoming job is granted a budget of
+    the total minus what the others hold and prefetches its predicted next working sets
+    before it goes on (MSched's context switch with working-set preparation). A job that ends
     leaves the rotation; a job alone never waits. See SERVING.
 
     Standard output: a header, one `serve_job` record per job, then `serve_summary`; a table on
@@ -626,8 +610,6 @@ def serve_cmd(
         raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
-    if switch not in ("overlap", "serial"):
-        raise typer.BadParameter("must be overlap or serial", param_hint="--switch")
     try:
         size, percent = parse_budget_spec(budget)
         if percent is not None:
@@ -656,7 +638,7 @@ def serve_cmd(
     for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
         env.pop(k, None)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
-        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env, overlap=switch == "overlap")
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env)
     if json_file:
         try:
             with open(json_file, "w") as f:
@@ -666,7 +648,7 @@ def serve_cmd(
             raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
     with open_output("-") as writer:
         writer.write(make_header("gpu-prefetch-sched", mode="serve", jobs=[r["argv"] for r in result["jobs"]],
-                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead, switch=switch))
+                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead))
         for r in result["jobs"]:
             writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
                           "summary": r["summary"]})

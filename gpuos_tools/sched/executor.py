@@ -117,16 +117,13 @@ class Executor:
         self._others = 0  #: what the other jobs hold mapped, as the last grant or budget said
         self._want = 0
         self._turn_peak = 0
-        self._overlap = True  #: a switch's saves and the next job's loads overlap (else: in series)
         self.turns = {"turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "yield_s": 0.0, "trims": 0,
-                      "released_msgs": 0, "release_s": 0.0,
                       "prepares": 0, "prepared": 0, "prepared_now": 0, "budget_updates": 0, "release_timeouts": 0,
                       "combined_peak": 0, "gate_errors": 0}
         if cfg.get("serve"):
             from gpuos_tools.sched.serve import Client
 
             srv = cfg["serve"]
-            self._overlap = bool(srv.get("overlap", True))
             try:
                 self.serve = Client(srv["socket"], int(srv["job"]))
             except OSError as exc:  # not served, it would run over everyone's budget: it must not start
@@ -284,35 +281,16 @@ class Executor:
             # than the budget: above it until the evictions that follow complete
             self._under = False
             self._settled_key = self._key
-        if not self._under and now <= self._room(budget):  # serving: the others' releases done too
+        if not self._under and now <= budget:
             self._under = True
             c["settled"] += 1
         if self._under:
             c["peak_settled"] = max(c["peak_settled"], now)
             if now > budget and not over_budget:
                 c["over_physical"] += 1
-            srv = self.serve
-            if srv is not None and self._held and not self._hold:
-                # holding the turn: with the other jobs' memory (releases in flight too), as the
-                # coordinator said (while waiting, its figures of the others are stale)
+            if self.serve is not None:  # with the other jobs' memory, as the coordinator said
                 self._turn_peak = max(self._turn_peak, now)
-                # the others' kept bytes: as of the budget applied (a job that allocated is over
-                # until then: unsettled, as in `run`), or of the room (a trim's bytes counted once)
-                others = min(self._others, srv.others)
-                self.turns["combined_peak"] = max(self.turns["combined_peak"], now + others + srv.releasing)
-
-    def _room(self, budget: int) -> int:
-        """What this job may hold mapped now: ``budget``, less the other jobs' bytes whose release
-        is still in flight when serving (they were counted out of its budget already, but are
-        mapped until their saves complete: the switch's loads wait for them, not its grant)."""
-        c = self.serve
-        return budget - c.releasing if c is not None else budget
-
-    def _evicting(self) -> int:
-        """Bytes of this job's evictions issued and not released yet (mapped meanwhile)."""
-        eng = self.engine
-        with eng.lock:
-            return sum(e.size for e in eng.pending.values() if e.state == "evicting")
+                self.turns["combined_peak"] = max(self.turns["combined_peak"], now + self._others)
 
     def _released(self, bases) -> int:
         eng = self.engine
@@ -332,7 +310,7 @@ class Executor:
                 with self._load_lock:
                     need = self._released(ws)
                     late = time.perf_counter() - t > ROOM_TIMEOUT_S
-                    if not need or too_big or late or self.physical() + need <= self._room(budget):
+                    if not need or too_big or late or self.physical() + need <= budget:
                         if late:
                             self.counts["room_timeouts"] += 1
                         if need:
@@ -383,7 +361,7 @@ class Executor:
                         if not self._demand.is_set():
                             need = self._released([base])
                             late = time.perf_counter() - t > ROOM_TIMEOUT_S
-                            if not need or late or self.physical() + need <= self._room(self._budget):
+                            if not need or late or self.physical() + need <= self._budget:
                                 if late:
                                     self.counts["room_timeouts"] += 1
                                 # a load from the engine's own host copy leaves it clean until written
@@ -411,11 +389,7 @@ class Executor:
         issue their evictions (``evict_from_operation``: the program's thread, no operation of
         it between its callback and the driver -- this one has not reached its callback), and
         let it go before waiting for the releases, which the engine's evict thread completes
-        under the engine's lock alone (overlapped switch: that wait is the watch of
-        ``_wait_turn`` while it waits for the grant, with the engine's lock taken only to read
-        the states). The holder's loads wait for room the other jobs' releases make; those
-        complete on their evict threads without any turn, so that wait cannot close a cycle (and
-        gives up after ROOM_TIMEOUT_S). ``_gate_lock`` is held while blocked: the program's other
+        under the engine's lock alone. ``_gate_lock`` is held while blocked: the program's other
         threads wait on it, holding nothing either."""
         c = self.serve
         if c is None or (self._held and c.ask is None and c.update is None):
@@ -431,9 +405,8 @@ class Executor:
                 if self._held and c.ask is not None:
                     msg, c.ask = c.ask, None
                     t = time.perf_counter()
-                    if not self._overlap:
-                        self._want = self._mapped_now()
-                    self._shed(int(msg["keep"]), wait=not self._overlap)
+                    self._want = self._mapped_now()
+                    self._shed(int(msg["keep"]))
                     self._held = False
                     self.turns["yields"] += 1
                     self.turns["yield_s"] += time.perf_counter() - t
@@ -451,46 +424,20 @@ class Executor:
             c.close()
 
     def _wait_turn(self) -> None:
-        """Say what this job holds, then wait for the grant (trimming when asked meanwhile).
-
-        With overlap (the default), the evictions of the yield or a trim are only issued when
-        ``wait`` goes: ``mapped`` is what stays once they complete, ``releasing`` what they are
-        still saving (mapped until then). The coordinator may grant the next job at once; its
-        loads wait for room (``Client.releasing`` in ``_room``). Meanwhile this thread, which
-        holds no lock of ours, watches its releases and sends ``released`` when they are done,
-        so the room reaches the holder as the saves complete: saves and loads share the link."""
+        """Say what this job holds, then wait for the grant (trimming when asked meanwhile)."""
         c = self.serve
         t = time.perf_counter()
-        mapped, releasing = self._holding()
-        if self._overlap:
-            self._want = max(self._total, 1)  # room for its whole footprint (the coordinator caps it)
-        else:
-            self._want = max(self._want, mapped)
-        c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": self._turn_peak, "releasing": releasing})
+        mapped = self._mapped_now()
+        self._want = max(self._want, mapped)
+        c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": self._turn_peak})
         self._turn_peak = 0
-        watch = t if releasing else None  # since when this job's releases in flight are watched
         while True:
-            try:
-                msg = c.inbox.get(timeout=POLL_S * 4 if watch is not None else None)
-            except queue.Empty:
-                late = time.perf_counter() - watch > ROOM_TIMEOUT_S
-                if late or not self._evicting():
-                    if late:  # still mapped: counted as held, not as releasing
-                        self.turns["release_timeouts"] += 1
-                    mapped, _ = self._holding()
-                    c.send({"op": "released", "mapped": mapped + (self._evicting() if late else 0)})
-                    self.turns["released_msgs"] += 1
-                    self.turns["release_s"] += time.perf_counter() - watch
-                    watch = None
-                continue
+            msg = c.inbox.get()
             op = msg.get("op")
             if op == "trim":
-                self._shed(int(msg["keep"]), wait=not self._overlap)
+                self._shed(int(msg["keep"]))
                 self.turns["trims"] += 1
-                mapped, releasing = self._holding()
-                c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": 0, "releasing": releasing})
-                if releasing and watch is None:
-                    watch = time.perf_counter()
+                c.send({"op": "wait", "mapped": self._mapped_now(), "want": self._want, "peak": 0})
             elif op == "grant":
                 c.update = None  # sent before the grant (while this job held the turn): stale
                 self._grant(int(msg["budget"]), int(msg["others"]))
@@ -500,12 +447,6 @@ class Executor:
                 break
         self.turns["turn_waits"] += 1
         self.turns["turn_wait_s"] += time.perf_counter() - t
-
-    def _holding(self) -> tuple[int, int]:
-        """(owned bytes mapped once the evictions in flight complete, bytes they release)."""
-        now = self._mapped_now()
-        releasing = self._evicting()
-        return max(0, now - releasing), releasing
 
     def _mapped_now(self) -> int:
         with self.engine.agent.lock:  # the records re-read as a decision would
@@ -529,10 +470,9 @@ class Executor:
             if self.engine.state(b) == "released":
                 self.policy.forget(b)
 
-    def _shed(self, keep: int, wait: bool = False) -> None:
-        """At a yield or a trim: evict down to ``keep`` bytes mapped (the policy's order); with
-        ``wait`` (no overlap), then wait until the releases have completed (no lock of ours
-        held: see ``gate``); without, ``_wait_turn`` reports them as releasing."""
+    def _shed(self, keep: int) -> None:
+        """At a yield or a trim: evict down to ``keep`` bytes mapped (the policy's order), then
+        wait until the releases have completed (no lock of ours held: see ``gate``)."""
         agent = self.engine.agent
         with agent.lock, self._load_lock:
             self._hold = True  # the mover issues nothing until the next grant
@@ -543,7 +483,7 @@ class Executor:
                 self._evict(b, own=0)
         eng = self.engine
         deadline = time.perf_counter() + ROOM_TIMEOUT_S
-        while wait:
+        while True:
             with eng.lock:
                 busy = any(b in eng.pending and eng.pending[b].state == "evicting" for b in victims)
             if not busy:
@@ -575,7 +515,7 @@ class Executor:
         with self._load_lock:
             for b in pre:
                 need = self._released([b])
-                if need and self.physical() + need > self._room(self._budget):
+                if need and self.physical() + need > self._budget:
                     break
                 if need:
                     self._event("prefetch", need)

@@ -10,26 +10,18 @@ The protocol: one JSON object a line, each way.
 
 job -> coordinator
   ``hello {job, pid}``                 at the executor's start.
-  ``wait {mapped, want, peak, releasing}``
-                                        the job needs the turn (its program is at an operation)
+  ``wait {mapped, want, peak}``         the job needs the turn (its program is at an operation)
                                         and blocks until ``grant``; ``mapped``: its owned bytes
-                                        mapped once its evictions in flight complete,
-                                        ``releasing``: the bytes those evictions still hold
-                                        mapped, ``want``: its footprint (with the serial switch:
-                                        what it had mapped while it last ran), ``peak``: its
-                                        turn's settled peak (figures only).
-  ``released {mapped}``                 (a waiting job) its evictions in flight have completed
-                                        (or it gave up waiting: then counted in ``mapped``).
+                                        mapped now (its evictions completed), ``want``: what it
+                                        had mapped while it last ran (at its first wait: what it
+                                        has), ``peak``: its turn's settled peak (figures only).
 coordinator -> job
-  ``grant {budget, others, releasing}`` the turn: ``budget`` = total - ``others``, the bytes
-                                        the other jobs keep (as they last said); ``releasing``:
-                                        theirs still being released, not room yet.
-  ``room {releasing, others}``          (to the holder, even once asked to yield) the others'
-                                        releasing bytes changed: its loads' room, at once.
+  ``grant {budget, others}``            the turn: ``budget`` = total - ``others``, the bytes
+                                        the other jobs hold mapped (as they last said).
   ``yield {keep}``                      (to the holder) its slice is over and a job waits: at its
                                         next operation it evicts down to ``keep`` bytes (Belady
-                                        by its own predicted future) and sends ``wait`` as soon
-                                        as the evictions are issued (serial: once released).
+                                        by its own predicted future), waits for the releases,
+                                        and sends ``wait``.
   ``trim {keep}``                       (to a waiting job) evict down to ``keep`` the same way,
                                         then ``wait`` again: room for the job about to run.
   ``budget {budget, others}``           (to the holder) the others' memory changed (a job came,
@@ -40,10 +32,8 @@ the holder is asked to yield once it has held the turn for ``slice_s`` and anoth
 (never when alone). Before a job N is granted, the jobs that do not run hold at most
 total - min(want(N), total): the outgoing job keeps at most what is left after N's want and the
 other waiting jobs, and if that is not enough, waiting jobs are trimmed, the last in the queue
-first (whose turn is furthest). N is granted once no trim is outstanding (its evictions issued,
-not necessarily complete), with budget = total - what the others keep; what they are still
-releasing counts against N's room (not its budget) until their ``released`` comes, so the
-outgoing saves and N's loads overlap and the mapped total stays within the budget. A job that ends (its connection closes: exit, crash or kill) leaves the
+first (whose turn is furthest). N is granted once no trim is outstanding, with budget = total -
+what the others hold. A job that ends (its connection closes: exit, crash or kill) leaves the
 rotation at once, its memory counted as 0; if it held the turn, the next job is granted.
 
 The preemption is cooperative: a job yields at its next launch, copy or memset after the
@@ -104,20 +94,18 @@ class Job:
     lines: Lines = field(default_factory=Lines)
     pid: int | None = None
     state: str = "starting"  #: starting, running (on its own, before its first wait), waiting, holding, gone
-    mapped: int = 0  #: what it holds mapped once its evictions in flight complete, as it last said
-    releasing: int = 0  #: its evictions issued and not complete yet: mapped meanwhile, counted too
+    mapped: int = 0
     want: int = 0
     trimming: bool = False
     trim_keep: int = 0  #: what it was asked to keep, while trimming
     stuck_at: int = -1  #: mapped bytes it could not go below when asked (evictions refused)
     yield_sent: bool = False
     budget: int = 0  #: the last budget it was given
-    room_sent: int = 0  #: the others' releasing bytes it was last told, while it holds the turn
     granted_at: float = 0.0
     wait_since: float | None = None
     counts: dict[str, Any] = field(default_factory=lambda: {
         "grants": 0, "turn_s": 0.0, "turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "trims": 0,
-        "budget_updates": 0, "room_updates": 0, "early_grants": 0, "budget_min": None, "budget_max": None, "left_holding": False, "peak": 0})
+        "budget_updates": 0, "budget_min": None, "budget_max": None, "left_holding": False, "peak": 0})
 
 
 class Coordinator:
@@ -153,12 +141,8 @@ class Coordinator:
         return [j for j in self.jobs if j.state != "gone"]
 
     def others(self, i: int) -> int:
-        """What the jobs other than ``i`` hold mapped once their releases in flight complete."""
+        """What the jobs other than ``i`` hold mapped, as they last said."""
         return sum(j.mapped for j in self._live() if j.index != i)
-
-    def releasing(self, i: int) -> int:
-        """What the jobs other than ``i`` are still releasing (mapped until then)."""
-        return sum(j.releasing for j in self._live() if j.index != i)
 
     @property
     def done(self) -> bool:
@@ -240,16 +224,11 @@ class Coordinator:
         if j.state == "gone":
             return
         op = msg.get("op")
-        if op == "released":  # its evictions in flight have completed (or it stopped waiting for them)
-            j.mapped, j.releasing = int(msg.get("mapped", 0)), 0
-            self._note(j.index, "released", j.mapped)
-            return
         if op != "wait":
             self.errors.append(f"job {j.index}: unknown message {msg}")
             return
         now = time.perf_counter()
         j.mapped = int(msg.get("mapped", 0))
-        j.releasing = max(0, int(msg.get("releasing", 0)))
         j.want = max(int(msg.get("want", 0)), j.mapped)
         j.counts["peak"] = max(j.counts["peak"], int(msg.get("peak", 0)))
         self._note(j.index, "wait", j.mapped)
@@ -278,7 +257,7 @@ class Coordinator:
             j.counts["turn_s"] += time.perf_counter() - j.granted_at
             j.counts["left_holding"] = True
             self.holder = None
-        j.state, j.mapped, j.releasing, j.trimming = "gone", 0, 0, False
+        j.state, j.mapped, j.trimming = "gone", 0, False
         if i in self.queue:
             self.queue.remove(i)
         if j.conn is not None:
@@ -307,14 +286,6 @@ class Coordinator:
             self._grant(nxt, now)
             return
         h = self.jobs[self.holder]
-        # the room first, and even once asked to yield (a load of the holder may wait for it): the
-        # budget waits for the holder's next operation, the room does not (a budget raised by a
-        # trim whose releases are in flight is matched by more releasing)
-        r = self.releasing(h.index)
-        if r != h.room_sent:
-            h.room_sent = r
-            h.counts["room_updates"] += 1
-            self._send(h, {"op": "room", "releasing": r, "others": self.others(h.index)})
         if self.queue and not h.yield_sent and now - h.granted_at >= self.slice_s:
             nxt = self.jobs[self.queue[0]]
             rest = sum(self.jobs[w].mapped for w in self.queue if w != nxt.index)
@@ -358,12 +329,7 @@ class Coordinator:
 
     def _grant(self, j: Job, now: float) -> None:
         b = self.total - self.others(j.index)
-        r = self.releasing(j.index)
         j.state, j.budget, j.granted_at, j.yield_sent, j.stuck_at = "holding", b, now, False, -1
-        j.releasing = 0  # its own evictions in flight count in its own mapped bytes now
-        j.room_sent = r
-        if r:
-            j.counts["early_grants"] += 1
         if j.wait_since is not None:
             j.counts["turn_waits"] += 1
             j.counts["turn_wait_s"] += now - j.wait_since
@@ -374,7 +340,7 @@ class Coordinator:
             self.switches += 1
         self._last = self.holder = j.index
         self._note(j.index, "grant", b)
-        self._send(j, {"op": "grant", "budget": b, "others": self.total - b, "releasing": r})
+        self._send(j, {"op": "grant", "budget": b, "others": self.total - b})
 
     def close(self) -> None:
         for j in self.jobs:
@@ -415,8 +381,6 @@ class Client:
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.ask: dict[str, Any] | None = None
         self.update: dict[str, Any] | None = None
-        self.releasing = 0  #: the other jobs' bytes still being released: not room yet (``room``, ``grant``)
-        self.others = 0  #: what the other jobs keep mapped, as the last room or grant said (``combined_peak``)
         self.gone = False
         self._send_lock = threading.Lock()
         self.send({"op": "hello", "job": job, "pid": os.getpid()})
@@ -440,11 +404,7 @@ class Client:
                         self.ask = msg
                     elif op == "budget":
                         self.update = msg
-                    elif op == "room":  # read by the job's room checks at once (mover included)
-                        self.releasing, self.others = int(msg.get("releasing", 0)), int(msg.get("others", 0))
                     else:
-                        if op == "grant":  # before the grant is seen: its loads check room with it
-                            self.releasing, self.others = int(msg.get("releasing", 0)), int(msg.get("others", 0))
                         self.inbox.put(msg)
         except (OSError, ValueError):
             pass
@@ -462,12 +422,11 @@ class Client:
 # -- the serve command's driver ---------------------------------------------------------------
 
 
-def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int,
-                overlap: bool = True) -> list[str]:
+def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int) -> list[str]:
     """The job as `gpu-prefetch-sched run` with the coordinator's address in its config."""
     import sys
 
-    spec = json.dumps({"socket": socket_path, "job": job, "overlap": overlap})
+    spec = json.dumps({"socket": socket_path, "job": job})
     return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(total),
             "--policy", policy, "--lookahead", str(lookahead), "--serve", spec, "--", *argv]
 
@@ -507,12 +466,10 @@ def throughput(own: dict[str, Any] | None) -> tuple[float | None, str | None]:
 
 
 def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, lookahead: int,
-               workdir: str, env: dict[str, str] | None = None, on_start: Any = None,
-               overlap: bool = True) -> dict[str, Any]:
+               workdir: str, env: dict[str, str] | None = None, on_start: Any = None) -> dict[str, Any]:
     """Start every job under the coordinator, serve them until all have ended, and return the
     result (per job: exit status, times, turns, bytes moved, throughput). ``workdir`` holds
-    the socket and each job's stdout and stderr. ``overlap`` False: the switch of the first
-    build (saves, then loads; the incoming job's want as what it last held), for comparison."""
+    the socket and each job's stdout and stderr."""
     import subprocess
 
     path = os.path.join(workdir, "serve.sock")
@@ -527,7 +484,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             err = open(os.path.join(workdir, f"job{i}.err"), "wb")
             outs.append((out, err))
             t_start.append(time.perf_counter())
-            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead, overlap),
+            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead),
                                           stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env))
             if on_start is not None:
                 on_start(i, procs[-1])
@@ -564,8 +521,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             "job": i, "argv": argv, "exit": codes[i], "ok": codes[i] == 0 and summary is not None,
             "wall_s": round(t_end[i] - t_start[i], 6), "turn_s": c["turn_s"], "grants": c["grants"],
             "turn_waits": c["turn_waits"], "turn_wait_s": c["turn_wait_s"], "switches": c["yields"],
-            "trims": c["trims"], "early_grants": c["early_grants"], "room_updates": c["room_updates"],
-            "budget_min": c["budget_min"], "budget_max": c["budget_max"],
+            "trims": c["trims"], "budget_min": c["budget_min"], "budget_max": c["budget_max"],
             "bytes_in": s.get("bytes_in"), "bytes_out": s.get("bytes_out"), "evictions": s.get("evictions"),
             "prefetches": s.get("prefetches"), "demand_loads": s.get("demand_loads"),
             "footprint": s.get("footprint"), "peak_settled": s.get("peak_settled"),
@@ -576,6 +532,5 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
         })
     combined = [r["combined_peak"] for r in rows if r["combined_peak"] is not None]
     return {"type": "serve_summary", "budget": total, "slice_s": slice_s, "policy": policy, "lookahead": lookahead,
-            "switch": "overlap" if overlap else "serial",
             "jobs": rows, "switches": coord.switches, "wall_s": round(wall, 6),
             "combined_peak": max(combined) if combined else None, "errors": coord.errors[:20]}

@@ -85,8 +85,6 @@ def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within
         assert r["bytes_in"] > 0 and r["bytes_out"] > 0, r
     assert result["switches"] > 0 and sum(r["switches"] for r in jobs) > 0, result
     assert result["combined_peak"] <= BUDGET
-    # the switch overlapped: some job was granted while another's saves were still in flight
-    assert sum(r["early_grants"] for r in jobs) > 0, [r["early_grants"] for r in jobs]
     # every job waited for the turn at least once (its first operation, or after a switch)
     assert all(r["turn_waits"] >= 1 for r in jobs), [r["turn_waits"] for r in jobs]
 
