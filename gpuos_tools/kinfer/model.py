@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuos_tools.stream.atomic import create_temp, discard
+from gpuos_tools.stream import atomic
 
 N_INPUTS = 31
 HIDDEN = 256
@@ -84,17 +84,7 @@ class Mlp:
     def save(self, path: str | os.PathLike[str]) -> None:
         buf = io.BytesIO()
         np.savez(buf, w1=self.w1, b1=self.b1, w2=self.w2, b2=self.b2, meta=np.array(json.dumps(self.meta)))
-        target = os.fspath(path)
-        temp, fd = create_temp(target)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, target)
-        except BaseException:
-            discard(temp)
-            raise
+        atomic.replace(os.fspath(path), buf.getvalue(), fsync=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Mlp:

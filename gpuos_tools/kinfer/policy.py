@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.stream.atomic import create_temp, discard
+from gpuos_tools.stream import atomic
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent.parent / "profiles"
 
@@ -547,14 +547,7 @@ def write_profile(path: Path, data: dict[str, dict[str, Any]], comment: str = ""
     """Write atomically (temp file + rename), as sponge does."""
     text = dump_profile(data, comment)
     tomllib.loads(text)  # never write what cannot be read back
-    temp, fd = create_temp(str(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        discard(temp)
-        raise
+    atomic.replace(str(path), text.encode("utf-8"))
 
 
 def steady_curve(run: Callable[[int], Callable[[], Any]], batches: list[int], reps: int, passes: int = 3,

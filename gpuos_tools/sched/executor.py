@@ -60,7 +60,9 @@ from typing import Any
 
 from gpuos_tools.agent.agent import Agent, _stream_of
 from gpuos_tools.agent.engine import _opaque_copy
+from gpuos_tools.errors import GpuosError
 from gpuos_tools.sched.online import OnlinePolicy
+from gpuos_tools.stream import atomic
 
 ENV = "GPUOS_SCHED_ONLINE"
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
@@ -674,8 +676,6 @@ def _write_json(path: str, data: Any, what: str, **dump: Any) -> None:
     """JSON to ``path`` through a temp file and a rename; a failure is said, not raised (the
     program is ending)."""
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f, **dump)
-        os.rename(path + ".tmp", path)
-    except OSError as exc:
+        atomic.replace(path, json.dumps(data, **dump).encode())
+    except (OSError, GpuosError) as exc:  # create_temp says why as a GpuosError
         print(f"gpu-prefetch-sched: cannot write the {what}: {exc}", file=sys.stderr, flush=True)

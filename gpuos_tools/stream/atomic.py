@@ -42,3 +42,19 @@ def discard(temp: str) -> None:
         os.unlink(temp)
     except FileNotFoundError:
         pass
+
+
+def replace(target: str, data: bytes, fsync: bool = False) -> None:
+    """Write ``data`` to ``target`` atomically: a temp file beside it, then a rename (the temp
+    is removed when anything fails). ``fsync``: flushed to the disk before the rename."""
+    temp, fd = create_temp(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        discard(temp)
+        raise
