@@ -56,6 +56,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
+
 JOB = ROOT / "tests" / "gpu" / "progs" / "stencil_job.py"
 
 
@@ -215,20 +219,11 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     if not args.json:
         return
     out = {"bench": "online", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
-           "gpu": _GPU, "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
+           "gpu": gpu_summary(), "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
-def _gpu_name() -> str | None:
-    try:
-        p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
-
-_GPU = _gpu_name()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -46,6 +46,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
+
 PROGS = ROOT / "tests" / "gpu" / "progs"
 JOBS = {"llm": PROGS / "torch_decode_job.py", "cnn": PROGS / "torch_cnn_job.py"}
 LLM_ARGS = "--hidden 2048 --layers 16 --mlp 5632 --heads 16 --vocab 32000 --prompt 32 --tokens 9"
@@ -184,20 +188,11 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     if not args.json:
         return
     out = {"bench": "online_torch", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
-           "gpu": _GPU, "args": vars(args), "rows": rows}
+           "gpu": gpu_summary(), "args": vars(args), "rows": rows}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
-def _gpu_name() -> str | None:
-    try:
-        p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
-
-_GPU = _gpu_name()
 
 if __name__ == "__main__":
     sys.exit(main())

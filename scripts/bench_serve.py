@@ -34,6 +34,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
+
 JOB = ROOT / "tests" / "gpu" / "progs" / "stencil_job.py"
 
 
@@ -95,7 +99,7 @@ def main() -> int:
     args = ap.parse_args()
     jobs = [job_args(s, args.periods, args.work) for s in args.jobs.split(",") if s]
     out: dict[str, Any] = {"bench": "serve", "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                           "host": platform.node(), "gpu": _gpu_name(), "args": vars(args), "alone": [], "served": []}
+                           "host": platform.node(), "gpu": gpu_summary(), "args": vars(args), "alone": [], "served": []}
     for a in jobs:
         r = alone(a, args.timeout)
         out["alone"].append(r)
@@ -168,14 +172,6 @@ def save(args: argparse.Namespace, out: dict[str, Any]) -> None:
         r.pop("digests", None)
     Path(args.json).write_text(json.dumps(slim, indent=1) + "\n")
 
-
-def _gpu_name() -> str | None:
-    try:
-        p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":

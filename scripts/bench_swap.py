@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ os.environ["GPUOS_ENGINE_NO_DIGEST"] = "1"
 from gpuos_tools.agent.engine import RELEASED, RESIDENT, DriverOps, ResidencyEngine  # noqa: E402
 from gpuos_tools.agent.owned import OwnedLibrary  # noqa: E402
 from gpuos_tools.cuda.driver import ok  # noqa: E402
+from gpuos_tools.cuda.nvml import nvml_session  # noqa: E402
 
 POLL_S = 20e-6
 
@@ -255,13 +255,10 @@ def main() -> int:
     return 0
 
 
+
 def _driver() -> str | None:
-    try:
-        p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    with nvml_session() as nv:
+        return nv.driver_release() if nv is not None else None
 
 
 if __name__ == "__main__":

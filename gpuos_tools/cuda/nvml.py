@@ -108,3 +108,17 @@ def nvml_session() -> Iterator[Nvml | None]:
     finally:
         if nv is not None:
             nv.close()
+
+
+def gpu_summary() -> str | None:
+    """Each GPU as "name, driver release", one line per GPU (what `nvidia-smi
+    --query-gpu=name,driver_version --format=csv,noheader` prints), for benchmark records; None
+    without NVML."""
+    with nvml_session() as nv:
+        return describe(nv) if nv is not None else None
+
+
+def describe(nv: Nvml) -> str | None:
+    """``gpu_summary`` of an open session."""
+    release = nv.driver_release() or "unknown driver"
+    return "\n".join(f"{g['name']}, {release}" for g in nv.gpus()) or None
