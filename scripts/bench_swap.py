@@ -14,6 +14,13 @@ any timing (as the executor's mover pins ahead). Each trial, from A resident and
 - both:   A evicted while B is loaded, the calls interleaved      both directions at once
           (then A and B swap roles for the next trial)
 
+The engine's trials run once per --park mode, in order: "off", released records' physical memory
+goes back to the driver (cuMemRelease) and loads create new memory (cuMemCreate), as before the
+park existed; "on", the owned library parks it (up to one set's bytes) and a load maps parked
+memory of the record's size again. Creating and releasing physical memory makes the driver clear
+it on a copy engine in the background, which halves host-to-device copies meanwhile
+(scripts/probe_swap.py); parking avoids it. --settle seconds pass after each mode.
+
 Before each eviction phase every record of A is written (a memset, and the engine told as the
 tracer would tell it), so that each eviction is a save. Per phase the wall time from the first
 call to the last record's completion (host clock, loads and releases polled together), and
@@ -23,7 +30,7 @@ same pinned memory: cuMemcpyDtoHAsync / HtoDAsync of the same records on two str
 each direction alone and both at once. Medians of --trials. The digest check is off
 (GPUOS_ENGINE_NO_DIGEST=1): unchanged records would otherwise skip their saves.
 
-    python3 scripts/bench_swap.py [--gib 4] [--record-mib 256] [--trials 3] [--json FILE]
+    python3 scripts/bench_swap.py [--gib 4] [--record-mib 256] [--trials 3] [--park off,on] [--json FILE]
 """
 
 from __future__ import annotations
@@ -126,8 +133,14 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=4.0, help="GiB per set (A and B)")
     ap.add_argument("--record-mib", type=int, default=256)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--park", default="off,on",
+                    help="engine runs, in order: off (released memory goes back to the driver), on (parked: "
+                         "a released record's physical memory mapped again for the next load; one set's bytes)")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds between engine runs (the driver's clearing)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if not set(args.park.split(",")) <= {"off", "on"}:
+        ap.error(f"--park {args.park!r}: a list of off and on")
 
     from cuda.bindings import driver as drv
 
@@ -163,36 +176,46 @@ def main() -> int:
         assert eng.evict_from_operation(x)
     wait_all(eng, b, RELEASED, t)
 
-    trials: list[dict[str, Any]] = []
-    saves0 = eng.counts["evict_saves"]
-    for k in range(args.trials):
-        row: dict[str, Any] = {}
-        dirty(eng, a, 2 * k)
-        t = time.perf_counter()
-        for x in a:
-            assert eng.evict_from_operation(x)
-        row["evict_gbps"] = gbps(total, wait_all(eng, a, RELEASED, t))
-        t = time.perf_counter()
-        evs = [eng.prefetch(x) for x in a]
-        t_in, _ = completion(eng, evs, a, [], t)
-        row["load_gbps"] = gbps(total, t_in)
-        assert all(eng.state(x) == RESIDENT for x in a)
-        dirty(eng, a, 2 * k + 1)
-        t = time.perf_counter()
-        evs = []
-        for x, y in zip(a, b):
-            assert eng.evict_from_operation(x)
-            evs.append(eng.prefetch(y))
-        t_in, t_out = completion(eng, evs, b, a, t)
-        row.update(both_out_gbps=gbps(total, t_out), both_in_gbps=gbps(total, t_in),
-                   both_combined_gbps=gbps(2 * total, max(t_in, t_out)))
-        trials.append(row)
-        print(f"trial {k}: {row}", file=sys.stderr)
-        a, b = b, a
+    def engine_trials(park: int) -> list[dict[str, Any]]:
+        nonlocal a, b
+        lib.set_park_limit(park)
+        trials: list[dict[str, Any]] = []
+        saves0 = eng.counts["evict_saves"]
+        for k in range(args.trials):
+            row: dict[str, Any] = {}
+            dirty(eng, a, 2 * k)
+            t = time.perf_counter()
+            for x in a:
+                assert eng.evict_from_operation(x)
+            row["evict_gbps"] = gbps(total, wait_all(eng, a, RELEASED, t))
+            t = time.perf_counter()
+            evs = [eng.prefetch(x) for x in a]
+            t_in, _ = completion(eng, evs, a, [], t)
+            row["load_gbps"] = gbps(total, t_in)
+            assert all(eng.state(x) == RESIDENT for x in a)
+            dirty(eng, a, 2 * k + 1)
+            t = time.perf_counter()
+            evs = []
+            for x, y in zip(a, b):
+                assert eng.evict_from_operation(x)
+                evs.append(eng.prefetch(y))
+            t_in, t_out = completion(eng, evs, b, a, t)
+            row.update(both_out_gbps=gbps(total, t_out), both_in_gbps=gbps(total, t_in),
+                       both_combined_gbps=gbps(2 * total, max(t_in, t_out)))
+            trials.append(row)
+            print(f"park {park >> 20} MiB, trial {k}: {row}", file=sys.stderr)
+            a, b = b, a
+        # every eviction timed was a save (none released as clean)
+        assert eng.counts["evict_saves"] - saves0 == 2 * n * args.trials, eng.stats()
+        lib.set_park_limit(0)
+        time.sleep(args.settle)  # the driver's clearing of released memory runs on after the release
+        return trials
+
+    runs = {}
+    for mode in args.park.split(","):
+        runs[mode] = engine_trials(total if mode == "on" else 0)
     st = eng.stats()
     assert st.get("evict_errors", 0) == 0, st
-    # every eviction timed was a save (none released as clean)
-    assert eng.counts["evict_saves"] - saves0 == 2 * n * args.trials, st
 
     # the raw ceiling: the same pinned host copies and records, bare async copies on two streams
     ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
@@ -240,16 +263,19 @@ def main() -> int:
 
     out = {"bench": "swap", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
            "gpu": name, "driver": _driver(), "gib_per_set": round(total / (1 << 30), 3), "records_per_set": n,
-           "record_bytes": rec, "trials": trials, "median": med(trials), "raw_trials": raws, "raw_median": med(raws),
+           "record_bytes": rec, "runs": {m: {"trials": t, "median": med(t)} for m, t in runs.items()},
+           "raw_trials": raws, "raw_median": med(raws),
            "engine": {k: v for k, v in st.items() if not isinstance(v, dict)}}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    m, r = out["median"], out["raw_median"]
-    print(f"{'path':<8} {'evict/out':>10} {'load/in':>8} {'both: out':>10} {'in':>7} {'combined':>9}  (GB/s, median of "
+    r = out["raw_median"]
+    print(f"{'path':<11} {'evict/out':>10} {'load/in':>8} {'both: out':>10} {'in':>7} {'combined':>9}  (GB/s, median of "
           f"{args.trials}, {total / (1 << 30):.1f} GiB each way)", file=sys.stderr)
-    print(f"{'engine':<8} {m['evict_gbps']:>10} {m['load_gbps']:>8} {m['both_out_gbps']:>10} {m['both_in_gbps']:>7} "
-          f"{m['both_combined_gbps']:>9}", file=sys.stderr)
-    print(f"{'raw':<8} {r['out_gbps']:>10} {r['in_gbps']:>8} {r['both_out_gbps']:>10} {r['both_in_gbps']:>7} "
+    for mode, run in out["runs"].items():
+        m = run["median"]
+        print(f"{'engine/' + mode:<11} {m['evict_gbps']:>10} {m['load_gbps']:>8} {m['both_out_gbps']:>10} "
+              f"{m['both_in_gbps']:>7} {m['both_combined_gbps']:>9}", file=sys.stderr)
+    print(f"{'raw':<11} {r['out_gbps']:>10} {r['in_gbps']:>8} {r['both_out_gbps']:>10} {r['both_in_gbps']:>7} "
           f"{r['both_combined_gbps']:>9}", file=sys.stderr)
     eng.close()
     return 0

@@ -408,3 +408,90 @@ def test_torch_is_owned_when_imported_after_boot(env, tmp_path, monkeypatch):
         assert owned.torch_allocator() is not None and owned.watch_torch() == "now"
     finally:
         sys.modules.pop("torch", None)
+
+
+def test_parking_is_off_by_default_release_gives_physical_memory_back(env):
+    lib, counters = env
+    a = lib.malloc(4 * G)
+    lib.release(a)
+    assert counters()["handles"] == 0
+    assert lib.park_stats()["parks"] == 0 and lib.park_stats()["park_limit"] == 0
+
+
+def test_parked_memory_is_mapped_again_for_a_record_of_the_same_size(env):
+    lib, counters = env
+    a, b, c = lib.malloc(4 * G), lib.malloc(4 * G), lib.malloc(2 * G)
+    assert lib.set_park_limit(6 * G) == 0
+    lib.release(a)
+    # unmapped, still held: the fake driver counts the handle live and the bytes unmapped
+    assert counters()["handles"] == 3 and counters()["mapped"] == 6 * G
+    assert lib.parked(4 * G) == 4 * G and lib.parked(2 * G) == 0
+    assert lib.stats()["mapped_bytes"] == 6 * G
+    lib.release(b)  # 8 GiB would pass the limit: released
+    assert counters()["handles"] == 2 and lib.park_stats()["parked_bytes"] == 4 * G
+    creates = lib.park_stats()["physical_creates"]
+    lib.make_resident(b)  # same size: a's old memory, no new physical allocation
+    st = lib.park_stats()
+    assert st["park_reuses"] == 1 and st["physical_creates"] == creates and st["parked_bytes"] == 0
+    assert counters()["handles"] == 2 and lib.lookup(b).resident  # b on a's old memory, and c
+    lib.release(c)
+    lib.make_resident(a)  # no parked 4 GiB allocation (c's is 2 GiB): a new one
+    assert lib.park_stats()["physical_creates"] == creates + 1 and lib.parked(2 * G) == 2 * G
+    assert counters()["handles"] == 3  # a, b, and c's parked one
+    assert lib.trim_parked(0) == 0 and counters()["handles"] == 2
+    assert lib.park_stats()["parked_released"] == 1 and lib.stats()["driver_errors"] == 0
+
+
+def test_lowering_the_park_limit_releases_the_oldest_parked_memory(env):
+    lib, counters = env
+    bufs = [lib.malloc(2 * G) for _ in range(3)]
+    lib.set_park_limit(6 * G)
+    for p in bufs:
+        lib.release(p)
+    assert counters()["handles"] == 3 and lib.park_stats()["parked_bytes"] == 6 * G
+    assert lib.set_park_limit(2 * G) == 2 * G and counters()["handles"] == 1
+    assert lib.set_park_limit(0) == 0 and counters()["handles"] == 0
+    lib.release(lib.malloc(2 * G))  # off again: released at once
+    assert counters()["handles"] == 0
+
+
+def test_out_of_physical_memory_releases_parked_memory_and_retries(env):
+    lib, counters = env
+    a, b = lib.malloc(2 * G), lib.malloc(2 * G)
+    lib.set_park_limit(8 * G)
+    lib.release(a)
+    lib.release(b)
+    counters.limit(4 * G)  # all of it parked: only releasing parked memory makes room
+    c = lib.malloc(4 * G)  # no parked 4 GiB allocation to map: a new one, after the parked go
+    assert c and lib.park_stats()["parked_bytes"] == 0 and counters()["handles"] == 1
+    with pytest.raises(owned.OwnedError, match="CUDA error 2"):
+        lib.make_resident(a)  # nothing parked is left, and the limit is full
+    counters.limit(-1)
+
+
+def test_concurrent_residency_with_parking_keeps_handles_and_mappings_sound(env):
+    lib, counters = env
+    lib.set_park_limit(6 * G)
+    keep = [lib.malloc(G * (1 + i % 3)) for i in range(9)]
+    errors: list[str] = []
+
+    def flipper(mine: list[int]) -> None:
+        for _ in range(150):
+            for p in mine:
+                try:
+                    lib.release(p)
+                    lib.make_resident(p)
+                except owned.OwnedError as e:
+                    errors.append(str(e))
+
+    threads = [threading.Thread(target=flipper, args=(keep[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert all(r.resident for r in lib.table()) and lib.stats()["driver_errors"] == 0
+    st = lib.park_stats()
+    assert st["park_reuses"] > 0 and st["parked_bytes"] <= 6 * G
+    lib.trim_parked(0)
+    assert counters()["handles"] == 9 and counters()["mapped"] == sum(lib.lookup(p).size for p in keep)

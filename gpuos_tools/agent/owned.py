@@ -163,6 +163,12 @@ class OwnedLibrary:
         lib.gpuos_alloc_record_size.restype = ctypes.c_size_t
         lib.gpuos_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.gpuos_torch_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        for name in ("gpuos_alloc_set_park_limit", "gpuos_alloc_trim_parked"):
+            getattr(lib, name).argtypes = [ctypes.c_uint64]
+            getattr(lib, name).restype = ctypes.c_uint64
+        lib.gpuos_alloc_parked.argtypes = [ctypes.c_uint64, ctypes.c_int]
+        lib.gpuos_alloc_parked.restype = ctypes.c_uint64
+        lib.gpuos_alloc_park_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.gpuos_torch_round.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
         lib.gpuos_torch_round.restype = ctypes.c_size_t
         lib.gpuos_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -232,6 +238,30 @@ class OwnedLibrary:
     def make_resident(self, addr: int) -> None:
         """Physical memory for the record holding ``addr`` again, mapped at the same address."""
         self._check(self.lib.gpuos_alloc_make_resident(addr), "make_resident", addr)
+
+    # -- parked physical memory (the C file's "parked physical memory": a released record's
+    # physical allocation kept for the next make-resident of the same size, because creating and
+    # releasing physical memory halves host-to-device copies for a while) ---------------------
+
+    def set_park_limit(self, limit: int) -> int:
+        """Park up to ``limit`` bytes of released records' physical memory (0: off, the default).
+        Whoever turns it on counts parked bytes as used memory. Returns the bytes parked now."""
+        return self.lib.gpuos_alloc_set_park_limit(max(0, int(limit)))
+
+    def trim_parked(self, keep: int = 0) -> int:
+        """Release parked memory down to ``keep`` bytes; the bytes still parked."""
+        return self.lib.gpuos_alloc_trim_parked(max(0, int(keep)))
+
+    def parked(self, size: int, device: int = 0) -> int:
+        """Bytes parked in allocations of exactly ``size`` on ``device`` (what a make-resident of
+        a record of that size would reuse instead of creating memory)."""
+        return self.lib.gpuos_alloc_parked(size, device)
+
+    def park_stats(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * 6)()
+        self.lib.gpuos_alloc_park_stats(out)
+        keys = ("parked_bytes", "park_limit", "parks", "park_reuses", "parked_released", "physical_creates")
+        return dict(zip(keys, (int(x) for x in out)))
 
     def _check(self, rc: int, what: str, addr: int) -> None:
         if rc:

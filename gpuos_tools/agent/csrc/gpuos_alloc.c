@@ -180,30 +180,101 @@ static size_t granularity(int device) {
     return g;
 }
 
-/* Physical memory for [base, base+size) on device: create, map, allow access. 0 or a CUresult. */
-static int back(uint64_t base, size_t size, int device, CUhandle *handle) {
-    alloc_prop_t prop;
-    fill_prop(&prop, device);
+/* ---- parked physical memory
+ *
+ * cuMemCreate and cuMemRelease make the driver clear physical memory in the background, on a copy
+ * engine: for a while afterwards, a host-to-device copy runs at half speed (H200: 26 instead of
+ * 52 GB/s while copies run both ways; scripts/probe_swap.py). Unmapping a handle and mapping it
+ * again costs nothing of the kind. So a released record's physical allocation may be parked
+ * (unmapped, kept) up to park_limit bytes, and make-resident of a record of the same size and
+ * device maps a parked one instead of creating memory. Off (limit 0) unless a caller sets it:
+ * parked memory is still the process's, so whoever sets a limit counts parked bytes as used
+ * (gpu-prefetch-sched's budget does) and trims them when it needs the room or gives memory back.
+ * A parked allocation holds whatever its last record held; it never leaves the process. */
+typedef struct { CUhandle h; size_t size; int device; } parked_t;
+static pthread_mutex_t plock = PTHREAD_MUTEX_INITIALIZER; /* guards the parked list; no driver call under it */
+static parked_t *parked;
+static size_t n_parked, cap_parked;
+static uint64_t park_limit, parked_bytes;
+static uint64_t pstats[4];
+enum { P_PARKS, P_REUSES, P_DROPPED, P_CREATES };
+uint64_t gpuos_alloc_trim_parked(uint64_t keep);
+
+/* A parked handle of exactly size on device (taken out of the list), or 0. */
+static CUhandle unpark(size_t size, int device) {
     CUhandle h = 0;
-    int err = p_create(&h, size, &prop, 0);
-    if (err) return note_error(err);
-    err = p_map(base, size, 0, h, 0);
+    pthread_mutex_lock(&plock);
+    for (size_t i = n_parked; i-- > 0;) { /* the most recently parked first */
+        if (parked[i].size == size && parked[i].device == device) {
+            h = parked[i].h;
+            parked[i] = parked[--n_parked];
+            parked_bytes -= size;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&plock);
+    return h;
+}
+
+/* Keep h parked when the limit allows: 1; else 0 (the caller releases it). */
+static int park(CUhandle h, size_t size, int device) {
+    int kept = 0;
+    pthread_mutex_lock(&plock);
+    if (parked_bytes + size <= park_limit) {
+        if (n_parked == cap_parked) {
+            size_t cap = cap_parked ? 2 * cap_parked : 64;
+            parked_t *p = realloc(parked, cap * sizeof *p);
+            if (p) { parked = p; cap_parked = cap; }
+        }
+        if (n_parked < cap_parked) {
+            parked[n_parked++] = (parked_t){h, size, device};
+            parked_bytes += size;
+            kept = 1;
+        }
+    }
+    pthread_mutex_unlock(&plock);
+    return kept;
+}
+
+/* Physical memory for [base, base+size) on device: a parked allocation of that size, else a
+   new one; map, allow access. 0 or a CUresult. */
+static int back(uint64_t base, size_t size, int device, CUhandle *handle) {
+    CUhandle h = unpark(size, device);
+    int reused = h != 0;
+    if (!reused) {
+        alloc_prop_t prop;
+        fill_prop(&prop, device);
+        int err = p_create(&h, size, &prop, 0);
+        if (err == 2 /* CUDA_ERROR_OUT_OF_MEMORY */ && __atomic_load_n(&parked_bytes, __ATOMIC_RELAXED)) {
+            gpuos_alloc_trim_parked(0); /* parked memory of other sizes makes room */
+            err = p_create(&h, size, &prop, 0);
+        }
+        if (err) return note_error(err);
+    }
+    int err = p_map(base, size, 0, h, 0);
     if (err) { p_release(h); return note_error(err); }
     access_desc_t desc = {{1, device}, 3};
     err = p_set_access(base, size, &desc, 1);
     if (err) { p_unmap(base, size); p_release(h); return note_error(err); }
     __atomic_add_fetch(&stats[S_MAPPED], size, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&pstats[reused ? P_REUSES : P_CREATES], 1, __ATOMIC_RELAXED);
     *handle = h;
     return 0;
 }
 
-static int unback(uint64_t base, size_t size, CUhandle handle) {
+/* Unmap [base, base+size) and release its physical memory, or park it (may_park, within the limit). */
+static int unback_park(uint64_t base, size_t size, CUhandle handle, int device, int may_park) {
     int err = p_unmap(base, size);
     if (err) return note_error(err);
-    err = p_release(handle);
     __atomic_sub_fetch(&stats[S_MAPPED], size, __ATOMIC_RELAXED);
-    return note_error(err);
+    if (may_park && park(handle, size, device)) {
+        __atomic_add_fetch(&pstats[P_PARKS], 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    return note_error(p_release(handle));
 }
+
+static int unback(uint64_t base, size_t size, CUhandle handle) { return unback_park(base, size, handle, 0, 0); }
 
 /* A new range of size bytes (a multiple of the granule), reserved and backed. 0 or a CUresult. */
 static int new_range(size_t size, size_t align, int device, uint64_t *base, CUhandle *handle) {
@@ -444,7 +515,7 @@ int gpuos_alloc_release(uint64_t addr) {
     entry_t e;
     int rc = claim(addr, 0, &e);
     if (rc) return rc;
-    rc = unback(e.r.base, e.r.size, e.r.handle);
+    rc = unback_park(e.r.base, e.r.size, e.r.handle, e.r.device, 1);
     settle(e.r.base, rc != 0, rc ? e.r.handle : 0);
     if (!rc) __atomic_add_fetch(&stats[S_RELEASES], 1, __ATOMIC_RELAXED);
     return rc;
@@ -461,6 +532,55 @@ int gpuos_alloc_make_resident(uint64_t addr) {
     settle(e.r.base, rc == 0, h);
     if (!rc) __atomic_add_fetch(&stats[S_RESIDENTS], 1, __ATOMIC_RELAXED);
     return rc;
+}
+
+/* Park released records' physical memory up to bytes (0: off, the default); parked memory
+   beyond a lowered limit is released. Returns the bytes parked afterwards. */
+uint64_t gpuos_alloc_set_park_limit(uint64_t bytes) {
+    pthread_mutex_lock(&plock);
+    park_limit = bytes;
+    pthread_mutex_unlock(&plock);
+    return gpuos_alloc_trim_parked(bytes);
+}
+
+/* Release parked memory until at most keep bytes stay parked (the most recently parked kept).
+   Returns the bytes parked afterwards. */
+uint64_t gpuos_alloc_trim_parked(uint64_t keep) {
+    for (;;) {
+        parked_t gone;
+        pthread_mutex_lock(&plock);
+        if (parked_bytes <= keep || n_parked == 0) {
+            uint64_t left = parked_bytes;
+            pthread_mutex_unlock(&plock);
+            return left;
+        }
+        gone = parked[0]; /* the oldest */
+        memmove(&parked[0], &parked[1], (n_parked - 1) * sizeof *parked);
+        n_parked--;
+        parked_bytes -= gone.size;
+        pthread_mutex_unlock(&plock);
+        note_error(p_release(gone.h));
+        __atomic_add_fetch(&pstats[P_DROPPED], 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* Bytes parked of exactly size on device (0 with none). */
+uint64_t gpuos_alloc_parked(uint64_t size, int device) {
+    uint64_t n = 0;
+    pthread_mutex_lock(&plock);
+    for (size_t i = 0; i < n_parked; i++)
+        if (parked[i].size == size && parked[i].device == device) n += size;
+    pthread_mutex_unlock(&plock);
+    return n;
+}
+
+/* parked bytes, the limit, parks, reuses, parked allocations released, new physical allocations made */
+void gpuos_alloc_park_stats(uint64_t out[6]) {
+    pthread_mutex_lock(&plock);
+    out[0] = parked_bytes;
+    out[1] = park_limit;
+    pthread_mutex_unlock(&plock);
+    for (int i = 0; i < 4; i++) out[2 + i] = __atomic_load_n(&pstats[i], __ATOMIC_RELAXED);
 }
 
 /* ---- public: reading the table */
