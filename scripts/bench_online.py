@@ -14,6 +14,10 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
 - <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
           check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
           as written is saved), side by side with the same budget's run with it on;
+- <B>-nopark: at each --nopark-work intensity, each budget again with parking off
+          (GPUOS_ENGINE_NO_PARK=1: released physical memory goes back to the driver, and each
+          load creates new memory, whose clearing by the driver halves host-to-device copies;
+          gpuos_tools/sched/executor.py, "Parking"), side by side with the run with it on;
 - c-*:    the read-mostly variant (stencil_job.py --coeffs N: N more arrays that every period
           reads once and never writes, as an LLM's weights) at --coeffs-work, at each
           --coeffs-budgets budget with the digest check on and off, against its own hbm run.
@@ -79,6 +83,7 @@ def run_job(job_args: list[str], sched: list[str] | None, timeout: float,
         t = time.perf_counter()
         e = env()
         e.pop("GPUOS_ENGINE_NO_DIGEST", None)
+        e.pop("GPUOS_ENGINE_NO_PARK", None)
         e.update(extra_env or {})
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
@@ -110,6 +115,8 @@ def main() -> int:
     ap.add_argument("--um", default="100%,66%,50%,33.34%",
                     help="budgets of the fault-driven managed-memory baseline (empty: none)")
     ap.add_argument("--um-work", default="1024,4096", help="the --work values that get the managed-memory runs")
+    ap.add_argument("--nopark-work", default="1024",
+                    help="intensities whose budgets also run with parking off (empty: none)")
     ap.add_argument("--nodigest-work", default="1024",
                     help="the --work values whose budgets also run with the digest check off (empty: none)")
     ap.add_argument("--coeffs", type=int, default=12, help="read-only arrays of the read-mostly variant (0: none)")
@@ -135,6 +142,8 @@ def main() -> int:
             configs += [("66%-lru", "66%", "lru", look), ("66%-look1", "66%", "belady", 1)]
         if str(work) in args.nodigest_work.split(","):
             configs += [(f"{b}-nodigest", b, "belady", look) for b in args.budgets.split(",") if b]
+        if str(work) in args.nopark_work.split(","):
+            configs += [(f"{b}-nopark", b, "belady", look) for b in args.budgets.split(",") if b]
         for name, budget, policy, la in configs:
             rows.append(run_ours(args, job, hbm, work, name, budget, policy, la))
             save(args, rows)
@@ -197,11 +206,12 @@ def main() -> int:
 def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work: int, name: str, budget: str,
          policy: str, la: int) -> dict[str, Any]:
     """One run under `gpu-prefetch-sched run` (a name ending in -nodigest: with the digest
-    check off), compared with ``hbm``."""
-    extra = {"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest") else None
+    check off; in -nopark: with parking off), compared with ``hbm``."""
+    extra = ({"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest")
+             else {"GPUOS_ENGINE_NO_PARK": "1"} if name.endswith("-nopark") else None)
     r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout, extra)
     row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy, "lookahead": la,
-                           "digest_check": extra is None, **r}
+                           "digest_check": not name.endswith("-nodigest"), "park": not name.endswith("-nopark"), **r}
     if r.get("ok"):
         row["identical"] = r["digests"] == hbm["digests"]
         row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)

@@ -428,3 +428,105 @@ def test_the_kernel_profile_counts_unknown_launches_and_predicted_bytes():
         mod._current = None
     ex.close()
     eng.close()
+
+
+class ParkingLib(FakeLib):
+    """FakeLib with the owned library's parked physical memory: a release parks the record's
+    memory up to the limit, a make-resident maps parked memory of its size again, else creates."""
+
+    def __init__(self, recs: list[Rec]) -> None:
+        super().__init__(recs)
+        self.limit, self.pool, self.reuses, self.creates, self.trims = 0, [], 0, 0, 0
+
+    def set_park_limit(self, n: int) -> int:
+        self.limit = n
+        return self.trim_parked(n)
+
+    def trim_parked(self, keep: int = 0) -> int:
+        while self.pool and sum(self.pool) > keep:
+            self.pool.pop(0)
+            self.trims += 1
+        return sum(self.pool)
+
+    def parked(self, size: int, device: int = 0) -> int:
+        return size * self.pool.count(size)
+
+    def park_stats(self) -> dict[str, int]:
+        return {"parked_bytes": sum(self.pool), "park_limit": self.limit, "park_reuses": self.reuses}
+
+
+class ParkingOps(FakeOps):
+    def __init__(self, recs: list[Rec], lib: ParkingLib) -> None:
+        super().__init__(recs, auto=True)
+        self.lib = lib
+        self.peak = 0  #: mapped + parked, the physical memory held, once under the budget
+
+    def release(self, base):
+        super().release(base)
+        size = self.recs[base].size
+        if sum(self.lib.pool) + size <= self.lib.limit:
+            self.lib.pool.append(size)
+
+    def make_resident(self, base):
+        super().make_resident(base)
+        size = self.recs[base].size
+        if size in self.lib.pool:
+            self.lib.pool.remove(size)
+            self.lib.reuses += 1
+        else:
+            self.lib.creates += 1
+
+    def held(self) -> int:
+        return mapped(self) + sum(self.lib.pool)
+
+
+@pytest.mark.parametrize("sizes", [[64], [64, 32, 96]], ids=["one-size", "mixed"])
+def test_parked_memory_counts_against_the_budget_and_is_mapped_again(sizes, monkeypatch):
+    monkeypatch.delenv("GPUOS_ENGINE_NO_PARK", raising=False)
+    n = 9
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, sizes[i % len(sizes)] * MIB) for i, b in enumerate(bases)]
+    lib = ParkingLib(recs)
+    ops = ParkingOps(recs, lib)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    budget = sum(r.size for r in recs) * 2 // 3
+    ex = Executor(eng, {"budget": budget, "policy": "belady", "lookahead": 2, "prepin": False}, lib=lib)
+    assert lib.limit > 0  # `run` parks
+    expect = {b: ops.device[b] for b in bases}
+    peak, under = 0, False
+    for s in range(8 * n):
+        ws = [bases[(s + k) % n] for k in range(4)]
+        ex.before("stencil", ws, stream=0)
+        ids = tuple(bases.index(b) + 1 for b in ws)
+        eng.agent.launches["stencil"] = (False, ids, ids[-1:])
+        eng.launch(0, "stencil", None, None)
+        for b in ws:
+            assert ops.recs[b].resident and ops.device[b] == expect[b], (s, hex(b))
+        ops.device[ws[-1]] = expect[ws[-1]] = b"step%d" % s
+        settle(eng, ex)
+        if under or ops.held() <= budget:  # mapped + parked: the physical memory held
+            under = True
+            peak = max(peak, ops.held())
+    st = ex.summary()
+    ex.close()
+    eng.close()
+    assert under and peak <= budget, (peak / MIB, budget / MIB)
+    assert st["over_budget"] == 0 and st["evictions"] > 0 and st["park"]["park_reuses"] == lib.reuses
+    assert lib.reuses > 0  # loads mapped parked memory instead of creating it
+    if len(sizes) > 1:  # a load whose size is not parked: the parked memory went back first
+        assert st["executor"]["park_trims"] > 0 and lib.trims > 0
+    else:  # every load mapped parked memory; at most the program's first over-budget memory went back
+        assert lib.creates == 0 and st["executor"]["park_trims"] <= 1
+
+
+def test_parking_is_off_under_the_environment_switch(monkeypatch):
+    monkeypatch.setenv("GPUOS_ENGINE_NO_PARK", "1")
+    recs = [Rec(0x1000_0000, 64 * MIB)]
+    lib = ParkingLib(recs)
+    eng = ResidencyEngine(FakeAgent({1: recs[0].base}), ParkingOps(recs, lib))
+    ex = Executor(eng, {"budget": 64 * MIB, "prepin": False}, lib=lib)
+    assert lib.limit == 0 and "park" not in ex.summary()
+    ex.close()
+    eng.close()

@@ -32,6 +32,15 @@ stall, counted (`room_waits`, `room_wait_s`). Allocations are the program's: a n
 mapped at once, so the memory can rise above the budget between an allocation and the next
 launch, which then evicts (`over_physical` counts decisions that found it so afterwards).
 
+Parking. Under `run` the owned library parks a released record's physical memory (unmapped,
+kept: gpuos_alloc.c, "parked physical memory") and the next load of a record of the same size
+maps it again, because creating and releasing physical memory makes the driver clear it on a
+copy engine, which halves host-to-device copies meanwhile (scripts/probe_swap.py). Parked memory
+is held, so it counts against the budget (`physical`); a load that maps parked memory again adds
+nothing, and when the room is short by parked memory no load here reuses, all of it goes back to
+the driver first (`_fits`; `park_trims` counts it). serve's jobs do not park (a yield must leave
+the memory to the next job). GPUOS_ENGINE_NO_PARK=1 turns it off.
+
 Timeline. With the config's ``timeline`` (a path), the executor also keeps a bounded log of
 events ``[t_s, kind, value]`` (seconds from its start) and writes it there at the end (JSON:
 `sched_timeline`, read by gpuos_tools/sched/plot.py): ``mapped`` (owned bytes mapped, measured
@@ -65,6 +74,8 @@ from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.stream import atomic
 
 ENV = "GPUOS_SCHED_ONLINE"
+NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
+PARK_LIMIT = 1 << 62  #: parked bytes count against the budget and are trimmed when it is short
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
 POLL_S = 50e-6
 KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
@@ -134,6 +145,13 @@ class Executor:
         #: predicted, launches with no owned record predicted]; names past KERNELS_MAX are pooled
         self.kernels: dict[str, list[int]] = {}
         self.why: dict[str, str] = {}  #: kernel -> why the predictor said unknown (the agent fills it)
+        # parked physical memory (module docstring, "Parking"): under `run` only; serve's jobs
+        # give their memory to each other, so a yield must leave none parked
+        self._park = (self.serve is None and os.environ.get(NO_PARK_ENV, "") in ("", "0")
+                      and hasattr(self.lib, "set_park_limit"))
+        if self._park:
+            self.lib.set_park_limit(PARK_LIMIT)
+        self.counts["park_trims"] = 0
 
     def _event(self, kind: str, value: float, t: float | None = None) -> None:
         log = self._log
@@ -175,11 +193,42 @@ class Executor:
         return out
 
     def physical(self) -> int:
-        """Bytes of owned records mapped now: all but the released ones."""
+        """Bytes of physical memory the owned records hold now: all but the released ones are
+        mapped, and released ones' parked memory is still held."""
         eng = self.engine
         with eng.lock:
             released = sum(e.size for e in eng.pending.values() if e.state == "released")
-        return self._total - released
+        return self._total - released + self._parked()
+
+    def _parked(self) -> int:
+        return self.lib.park_stats()["parked_bytes"] if self._park else 0
+
+    def _fits(self, bases, need: int, budget: int) -> bool:
+        """Whether loading the released records among ``bases`` (``need`` bytes) fits under
+        ``budget`` (``_load_lock`` held: the load it allows comes before the next check). Parked
+        memory of a record's size is mapped again by its load, so it is not counted twice; when
+        the room is short by parked memory that no load here maps again, all of it goes back to
+        the driver first."""
+        phys = self.physical()
+        if phys + need <= budget:
+            return True
+        if not self._park:
+            return False
+        sizes: dict[int, int] = {}
+        eng = self.engine
+        with eng.lock:
+            for b in bases:
+                e = eng.pending.get(b)
+                if e is not None and e.state == "released":
+                    sizes[e.size] = sizes.get(e.size, 0) + e.size
+        reuse = sum(min(n, self.lib.parked(size)) for size, n in sizes.items())
+        if phys + need - reuse <= budget:
+            return True
+        if self.lib.park_stats()["parked_bytes"]:
+            self.lib.trim_parked(0)
+            self.counts["park_trims"] += 1
+            return self.physical() + need <= budget
+        return False
 
     # -- per operation (program thread, agent's lock held) ----------------------------------
 
@@ -312,7 +361,7 @@ class Executor:
                 with self._load_lock:
                     need = self._released(ws)
                     late = time.perf_counter() - t > ROOM_TIMEOUT_S
-                    if not need or too_big or late or self.physical() + need <= budget:
+                    if not need or too_big or late or self._fits(ws, need, budget):
                         if late:
                             self.counts["room_timeouts"] += 1
                         if need:
@@ -363,7 +412,7 @@ class Executor:
                         if not self._demand.is_set():
                             need = self._released([base])
                             late = time.perf_counter() - t > ROOM_TIMEOUT_S
-                            if not need or late or self.physical() + need <= self._budget:
+                            if not need or late or self._fits([base], need, self._budget):
                                 if late:
                                     self.counts["room_timeouts"] += 1
                                 # a load from the engine's own host copy leaves it clean until written
@@ -517,7 +566,7 @@ class Executor:
         with self._load_lock:
             for b in pre:
                 need = self._released([b])
-                if need and self.physical() + need > self._budget:
+                if need and not self._fits([b], need, self._budget):
                     break
                 if need:
                     self._event("prefetch", need)
@@ -573,6 +622,8 @@ class Executor:
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
             "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),
         }
+        if self._park:
+            out["park"] = self.lib.park_stats()
         if self.serve is not None:
             out["serve"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.turns.items()}
         agent = getattr(self.engine, "agent", None)

@@ -63,6 +63,8 @@ def test_stencil_over_budget_is_bit_identical_and_stays_within_the_budget(tmp_pa
     assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
     if policy == "belady":
         assert s["periods"] and s["periods"][0] == 8, s
+    # every array has one size: loads map parked memory again (executor.py, "Parking")
+    assert s["park"]["park_reuses"] > 0 and s["park"]["parked_bytes"] <= s["budget"], s["park"]
     if budget == "66%" and policy == "belady":
         assert s["prefetches"] > 0, s
 
