@@ -227,6 +227,9 @@ class Session:
                 "budget": self.lru.budget(), "resident": self.lru.resident_bytes}
 
     def summary(self) -> dict[str, Any]:
+        """The whole run's counts (blocks handed out since the last operation are added first)."""
+        for base, size in self.lib.drain():
+            self.lru.add(base, size)
         return {**self.counts(), "fraction": self.lru.fraction, "fixed_budget": self.lru.fixed,
                 "reserve": self.lib.reserve, "allocator": self.lib.stats(), "evict_path": self.evict_path}
 
