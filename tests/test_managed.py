@@ -219,3 +219,18 @@ def test_evict_prefetches_the_range_to_the_host_on_the_stream(um):
     lib.evict(a, 6 * MIB, 0x1234)
     c = counters()
     assert c["prefetches"] == 1 and (c["ptr"], c["size"], c["loc"], c["stream"]) == (a, 6 * MIB, 2, 0x1234)
+
+
+def test_session_counts_are_counters_and_the_summary_adds_the_blocks_handed_out_last(um):
+    lib, _, _ = um
+    session = managed.Session(lib, ManagedLRU(0.5))
+    a = lib.malloc(3 * MIB)
+    for base, size in lib.drain():
+        session.lru.add(base, size)
+    session.lru.touch([a])
+    c0 = session.counts()
+    assert set(c0) == {*managed.COUNTERS, "hook_s"}  # differences of two make sense for all of them
+    lib.malloc(1000)  # after the last operation: the summary still counts it
+    s = session.summary()
+    assert s["total"] == 4 * MIB + 1024 == s["allocator"]["managed_bytes"]
+    assert s["budget"] == s["total"] // 2 and s["peak_resident"] == 4 * MIB and s["fraction"] == 0.5

@@ -61,6 +61,7 @@ from gpuos_tools.errors import ExitCode
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_um.c"
 LOGN = 65536  #: the C library's ring of blocks handed out (LOGN there)
 RESERVE = 1 << 30  #: bytes of the GPU's free memory left to what is not managed
+COUNTERS = ("ops", "evictions", "evicted_bytes", "faulted_in", "faulted_bytes", "over_budget")
 STATS = ("blocks", "managed_bytes", "cache_hits", "cache_misses", "cached_bytes", "refused", "refused_bytes",
          "limit", "driver_errors", "last_error")
 
@@ -222,16 +223,20 @@ class Session:
         self.evict_path = "libcuda cuMemPrefetchAsync_v2(location=HOST) via gpuos_um.c"
 
     def counts(self) -> dict[str, Any]:
-        """The counts so far (for a timed region: the difference of two)."""
-        return {**self.lru.counts, "hook_s": round(self.hook_s, 6), "total": self.lru.total,
-                "budget": self.lru.budget(), "resident": self.lru.resident_bytes}
+        """The counters so far, the hook's time included (for a timed region: the difference of two)."""
+        c = self.lru.counts
+        return {**{k: c[k] for k in COUNTERS}, "hook_s": round(self.hook_s, 6)}
 
     def summary(self) -> dict[str, Any]:
-        """The whole run's counts (blocks handed out since the last operation are added first)."""
+        """The whole run: the counters, the peak resident bytes, the managed bytes, the budget at
+        the end (blocks handed out since the last operation are added first)."""
         for base, size in self.lib.drain():
             self.lru.add(base, size)
-        return {**self.counts(), "fraction": self.lru.fraction, "fixed_budget": self.lru.fixed,
-                "reserve": self.lib.reserve, "allocator": self.lib.stats(), "evict_path": self.evict_path}
+        lru = self.lru
+        return {**self.counts(), "peak_resident": lru.counts["peak_resident"], "total": lru.total,
+                "budget": lru.budget(), "resident": lru.resident_bytes, "fraction": lru.fraction,
+                "fixed_budget": lru.fixed, "reserve": self.lib.reserve, "allocator": self.lib.stats(),
+                "evict_path": self.evict_path}
 
     def _apply(self, victims: list[tuple[int, int]]) -> None:
         import torch
