@@ -15,7 +15,18 @@ Per workload, side by side (--configs):
           to move: the cost of the python-callback agent and the policy on the launch path);
 - 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru;
 - with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
-  DynamicCache (new memory per token and layer).
+  DynamicCache (new memory per token and layer);
+- um<B>, one per --um budget (e.g. --um 100%,66%,50%,33%; none by default): the fault-driven
+  managed-memory baseline, the job's --managed B/100 (gpuos_tools/agent/managed.py): torch
+  allocates CUDA managed memory, and before each aten operation the least recently used whole
+  blocks are pushed to the host (cuMemPrefetchAsync, stream-ordered) until the operation's
+  blocks fit a software budget of B of the managed bytes; nothing is prefetched back, kernels
+  fault blocks in. An EMULATION of the driver's eviction under that much pressure (the job
+  never holds more managed memory than the GPU has free). um100 evicts nothing: managed memory
+  with the hook's own cost. Per row also: ours_vs_um = this row's loop time / the Belady run's
+  at the same budget (the config named B, run100 for 100%, when it ran), vs_um100 = this row's loop time /
+  um100's, and what the emulation did inside the loop (um_loop: evictions, evicted bytes,
+  blocks faulted back and their bytes, the hook's time).
 
 Per run: the timed loop's wall time, speed = hbm loop time / run loop time, whether the output
 (token ids; final parameters' sha256) is bit-identical to hbm's, the whole run's summary (bytes
@@ -28,7 +39,7 @@ run); a table on stderr. The kernels' prediction profile (share of unknown launc
 launched kernels and their mean predicted bytes) of each workload's 66% run is kept in the JSON.
 
     python3 scripts/bench_online_torch.py [--workloads llm,cnn] [--configs hbm,run100,66%,50%,33%,66%-lru]
-                                          [--dynamic] [--json FILE]
+                                          [--um 100%,66%,50%,33%] [--dynamic] [--json FILE]
 """
 
 from __future__ import annotations
@@ -102,6 +113,8 @@ def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | No
             out.append((c, budget, policy or "belady", []))
     if args.dynamic and workload == "llm":
         out += [("hbm-dyn", None, "", ["--cache", "dynamic"]), ("66%-dyn", "66%", "belady", ["--cache", "dynamic"])]
+    for b in [b for b in args.um.split(",") if b]:
+        out.append((f"um{b.rstrip('%')}", b, "managed", ["--managed", str(float(b.rstrip("%")) / 100)]))
     return out
 
 
@@ -110,6 +123,7 @@ def main() -> int:
     ap.add_argument("--workloads", default="llm,cnn")
     ap.add_argument("--configs", default="hbm,run100,66%,50%,33%,66%-lru")
     ap.add_argument("--dynamic", action="store_true", help="llm: also the DynamicCache decode, alone and at 66%%")
+    ap.add_argument("--um", default="", help="budgets of the fault-driven managed-memory baseline, e.g. 100%%,66%%,50%%,33%%")
     ap.add_argument("--llm-args", default=LLM_ARGS)
     ap.add_argument("--cnn-args", default=CNN_ARGS)
     ap.add_argument("--lookahead", type=int, default=2)
@@ -123,7 +137,9 @@ def main() -> int:
         base_args = shlex.split(args.llm_args if wl == "llm" else args.cnn_args)
         refs: dict[str, dict[str, Any]] = {}
         for name, budget, policy, extra in configs(args, wl):
-            sched = None if budget is None else ["--budget", budget, "--policy", policy, "--lookahead", str(args.lookahead)]
+            managed = policy == "managed"  # the UM baseline: untraced, the job's own --managed
+            sched = None if budget is None or managed else ["--budget", budget, "--policy", policy,
+                                                            "--lookahead", str(args.lookahead)]
             r = run_job(JOBS[wl], [*base_args, *extra], sched, args.timeout)
             row: dict[str, Any] = {"workload": wl, "config": name, "budget_spec": budget, "policy": policy or None,
                                    "job_args": [*base_args, *extra]}
@@ -133,7 +149,7 @@ def main() -> int:
                                                    "param_bytes", "data_bytes", "process_s", "nondeterministic")
                             if k in r})
                 row["digest"] = r["digest"]
-                if budget is None:
+                if budget is None or managed:
                     refs[name] = r
                 ref = refs.get(ref_name)
                 if ref is not None:
@@ -147,6 +163,17 @@ def main() -> int:
                     row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
+                if managed:
+                    row["um"] = r.get("um")
+                    row["um_loop"] = r.get("um_loop")
+                    ours = "run100" if budget == "100%" else budget
+                    mine = next((x for x in rows if x["workload"] == wl and x["config"] == ours and x.get("loop_s")),
+                                None)
+                    if mine is not None:
+                        row["ours_config"] = ours
+                        row["ours_vs_um"] = round(r["loop_s"] / mine["loop_s"], 3)
+                    if "um100" in refs and name != "um100":
+                        row["vs_um100"] = round(r["loop_s"] / refs["um100"]["loop_s"], 3)
                 loop = r.get("sched_loop")
                 if loop is not None:
                     row["loop"] = loop
@@ -171,6 +198,19 @@ def main() -> int:
               f"{lp.get('bytes_in', 0) / 1e9:>10.2f} {lp.get('bytes_out', 0) / 1e9:>7.2f} {lp.get('evictions', 0):>6} "
               f"{lp.get('stalls', 0):>6} {lp.get('unknown', 0):>5} {r.get('floor_s', 0):>8.3f} "
               f"{100 * (r.get('floor_share') or 0):>6.1f}", file=sys.stderr)
+    um = [r for r in rows if r.get("policy") == "managed"]
+    if um:
+        print(f"{'wl':<4} {'config':<6} {'loop_s':>8} {'speed':>6} {'same':>5} {'evict':>6} {'out GB':>7} "
+              f"{'fault GB':>8} {'hook_s':>7} {'/um100':>7} {'ours':>6} {'ours/um':>8}", file=sys.stderr)
+        for r in um:
+            lp = r.get("um_loop") or {}
+            ours = next((x for x in rows if x["workload"] == r["workload"] and x["config"] == r.get("ours_config")), {})
+            print(f"{r['workload']:<4} {r['config']:<6} {r.get('loop_s', float('nan')):>8.3f} "
+                  f"{r.get('speed_vs_hbm', float('nan')):>6.3f} {str(r.get('identical', '-')):>5} "
+                  f"{lp.get('evictions', 0):>6} {lp.get('evicted_bytes', 0) / 1e9:>7.2f} "
+                  f"{lp.get('faulted_bytes', 0) / 1e9:>8.2f} {lp.get('hook_s', 0):>7.3f} "
+                  f"{r.get('vs_um100', float('nan')):>7.2f} {ours.get('speed_vs_hbm', float('nan')):>6.3f} "
+                  f"{r.get('ours_vs_um', float('nan')):>8.2f}", file=sys.stderr)
     return 0 if all(r.get("ok", True) and r.get("identical", True) for r in rows) else 1
 
 

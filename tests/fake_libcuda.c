@@ -249,3 +249,59 @@ static void all_streams_done(void) {
     for (int i = 0; i < 64; i++) stream_done[i] = stream_recorded[i];
     pthread_mutex_unlock(&m);
 }
+
+/* Managed memory, for the CPU tests of gpuos_um.c: cuMemAllocManaged hands out ranges from the
+   same counter (global attach only), cuMemGetInfo_v2 says what fake_set_free set, and
+   cuMemPrefetchAsync_v2 is recorded (the last call, and a count). */
+static uint64_t fake_free_bytes = 1ull << 40;
+static int64_t managed_allocs, managed_bytes, managed_prefetches;
+static uint64_t last_prefetch[4]; /* ptr, size, location type, stream */
+
+int cuMemAllocManaged(uint64_t *ptr, size_t size, unsigned flags) {
+    if (flags != 1 || !size) return INVALID_VALUE;
+    pthread_mutex_lock(&m);
+    *ptr = next_va;
+    next_va += (size + GRANULE - 1) / GRANULE * GRANULE + GRANULE;
+    managed_allocs++;
+    managed_bytes += (int64_t)size;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+int cuMemGetInfo_v2(size_t *free_b, size_t *total_b) {
+    pthread_mutex_lock(&m);
+    *free_b = fake_free_bytes;
+    *total_b = 2 * fake_free_bytes;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+typedef struct { int type; int id; } fake_location_t;
+
+int cuMemPrefetchAsync_v2(uint64_t ptr, size_t size, fake_location_t loc, unsigned flags, void *stream) {
+    if (flags) return INVALID_VALUE;
+    pthread_mutex_lock(&m);
+    managed_prefetches++;
+    last_prefetch[0] = ptr;
+    last_prefetch[1] = size;
+    last_prefetch[2] = (uint64_t)loc.type;
+    last_prefetch[3] = (uint64_t)(uintptr_t)stream;
+    pthread_mutex_unlock(&m);
+    return OK;
+}
+
+void fake_set_free(uint64_t bytes) {
+    pthread_mutex_lock(&m);
+    fake_free_bytes = bytes;
+    pthread_mutex_unlock(&m);
+}
+
+/* managed allocations, their bytes, prefetches, then the last prefetch's ptr, size, location type, stream */
+void fake_managed_counters(int64_t out[7]) {
+    pthread_mutex_lock(&m);
+    out[0] = managed_allocs;
+    out[1] = managed_bytes;
+    out[2] = managed_prefetches;
+    for (int i = 0; i < 4; i++) out[3 + i] = (int64_t)last_prefetch[i];
+    pthread_mutex_unlock(&m);
+}

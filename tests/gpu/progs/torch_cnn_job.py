@@ -15,9 +15,17 @@ ops torch warned about, ``nondeterministic``). One JSON line to --out (stdout
 without it): the sha256 of the final parameters and buffers (the batch-norm statistics) in
 order, the training loop's wall time (synchronised before and after; 2 warm-up steps before
 it, in the digest too) and its/s, the bytes of parameters, data and optimizer state.
+
+--managed FRACTION: the fault-driven managed-memory baseline, an EMULATION of the driver's
+eviction under pressure (gpuos_tools/agent/managed.py; torch_decode_job.py's docstring says
+the same): managed memory, a software budget of FRACTION of it kept before each aten
+operation (the backward's and the optimizer's too) from the model's creation to the end of
+the training loop by pushing least recently used blocks to the host, nothing prefetched back.
+The output adds `um` and `um_loop`.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -88,9 +96,20 @@ def main() -> None:
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--managed", type=float, default=0.0, metavar="FRACTION",
+                    help="managed memory under a software budget of FRACTION of it (docstring)")
+    ap.add_argument("--managed-reserve", type=int, default=1 << 30, metavar="BYTES",
+                    help="--managed: GPU memory left free of managed memory (for what is not managed)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
+    um = None
+    hooked = contextlib.ExitStack()
+    if args.managed:  # before torch's first CUDA allocation
+        from gpuos_tools.agent import managed
+
+        um = managed.install_torch(args.managed, reserve=args.managed_reserve)
+        hooked.enter_context(um.mode())
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -117,12 +136,15 @@ def main() -> None:
         step(i)
     torch.cuda.synchronize()
     c0 = sched_counts()
+    u0 = um.counts() if um else None
     t0 = time.perf_counter()
     for i in range(2, 2 + args.steps):
         step(i)
     torch.cuda.synchronize()
     loop_s = time.perf_counter() - t0
     region = delta(c0, sched_counts())
+    um_loop = delta(u0, um.counts() if um else None)
+    hooked.close()
     caught.__exit__(None, None, None)
     nondet = sorted({str(w.message)[:200] for w in seen if "deterministic" in str(w.message)})
     h = hashlib.sha256()
@@ -135,6 +157,8 @@ def main() -> None:
            "its_per_s": round(args.steps / loop_s, 3) if loop_s > 0 else None, "param_bytes": params,
            "data_bytes": data_bytes, "momentum_bytes": params, "width": args.width, "blocks": args.blocks,
            "batch": args.batch, "image": args.image, "torch": torch.__version__, "nondeterministic": nondet}
+    if um is not None:
+        res.update(um=um.summary(), um_loop=um_loop)
     print(f"torch_cnn_job: {params / 2**20:.1f} MiB of parameters, {data_bytes / 2**20:.1f} MiB of data, "
           f"{args.steps} steps in {loop_s:.3f} s", file=sys.stderr)
     text = json.dumps(res)

@@ -21,9 +21,21 @@ ids and their sha256 (what a run under any memory manager must reproduce), the d
 wall time (synchronised before and after; the first generated token, from the prefill, is not
 in it) and tokens/s, the weights' bytes, the cache kind; under `gpu-prefetch-sched run`, what its executor
 did inside the decode loop (`sched_loop`: bytes in and out, evictions, stalls, ...).
+
+--managed FRACTION: the fault-driven managed-memory baseline (scripts/bench_online_torch.py
+--um), an EMULATION of the driver's eviction under pressure (gpuos_tools/agent/managed.py):
+torch allocates CUDA managed memory (a CUDAPluggableAllocator over csrc/gpuos_um.c; the job
+exits with status 81 rather than hold more managed memory than the GPU had free less
+--managed-reserve), and a software budget of FRACTION of the managed bytes is kept by a
+TorchDispatchMode from the model's construction to the end of the decode loop: before each
+aten operation the blocks of its tensors are marked used and the least recently used whole
+blocks are pushed to the host (cuMemPrefetchAsync, stream-ordered) until they fit; nothing is
+prefetched back, so kernels fault evicted blocks in. --managed 1 evicts nothing (the hook's
+own cost). The output adds `um` (the whole run's counts) and `um_loop` (inside the loop).
 """
 
 import argparse
+import contextlib
 import hashlib
 import inspect
 import json
@@ -78,11 +90,25 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--cache", choices=("static", "dynamic"), default="static")
+    ap.add_argument("--managed", type=float, default=0.0, metavar="FRACTION",
+                    help="managed memory under a software budget of FRACTION of it (docstring)")
+    ap.add_argument("--managed-reserve", type=int, default=1 << 30, metavar="BYTES",
+                    help="--managed: GPU memory left free of managed memory (for what is not managed)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
     import torch
+
+    um = None
+    hooked = contextlib.ExitStack()
+    if args.managed:  # before torch's first CUDA allocation (and before transformers touches torch)
+        from gpuos_tools.agent import managed
+
+        um = managed.install_torch(args.managed, reserve=args.managed_reserve)
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if um is not None:
+        hooked.enter_context(um.mode())
 
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -116,6 +142,7 @@ def main() -> None:
         pos = pos[-1:] + 1
         torch.cuda.synchronize()
         c0 = sched_counts()
+        u0 = um.counts() if um else None
         t0 = time.perf_counter()
         for _ in range(args.tokens - 1):
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=pos)
@@ -125,6 +152,8 @@ def main() -> None:
         torch.cuda.synchronize()
         loop_s = time.perf_counter() - t0
         region = delta(c0, sched_counts())
+        um_loop = delta(u0, um.counts() if um else None)
+    hooked.close()
     ids = torch.cat(toks, dim=1)[0].tolist()
     res = {"workload": "llm_decode", "tokens": ids, "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
            "loop_s": round(loop_s, 6), "sched_loop": region, "decode_tokens": args.tokens - 1,
@@ -132,6 +161,8 @@ def main() -> None:
            "weights_bytes": weights, "cache": kind, "build_s": round(build_s, 3),
            "layers": args.layers, "hidden": args.hidden, "mlp": args.mlp, "prompt": args.prompt,
            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    if um is not None:
+        res.update(um=um.summary(), um_loop=um_loop)
     print(f"torch_decode_job: {weights / 2**30:.2f} GiB of weights, {kind} cache, {args.tokens - 1} tokens in "
           f"{loop_s:.3f} s", file=sys.stderr)
     text = json.dumps(res)
