@@ -426,6 +426,12 @@ class ResidencyEngine:
                         if r is not None:
                             r.add(kernel)
                             self._readers[b] = r if len(r) <= READERS_MAX else None
+        if not suspect and self.conservative and kernel in self.conservative:
+            # a mismatch named it while this launch was being decided: what its require loaded
+            # came after the detection's own pass over the clean records
+            with self.lock:
+                self.digests.clear()
+            self.clean.clear()
 
     def _id_base(self, i: int) -> int | None:
         """The record base of allocation ``i`` (its address when not owned; None: not known)."""
