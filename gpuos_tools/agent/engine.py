@@ -92,7 +92,8 @@ released record they fault), writes can. Attribution: while a record is clean (f
 on), the names of the launches predicted to read it are kept (``_readers``, at most
 READERS_MAX), and every launch's name with the sequence number of its last launch
 (``_last_launch``, at most LAUNCH_NAMES_MAX names); the suspects are the readers, or when none
-read it (or too many did), every kernel launched since its load. Each mismatch is counted
+read it (or too many did), every kernel launched since its load (the launch last before it
+included: one being issued as a prefetch loads it may run after). Each mismatch is counted
 (``mismatches``) and logged (``mismatch``: record, bytes, suspects, how found), and each suspect
 becomes ``conservative``: from then on its launches are unknown -- to the agent's predictor
 (``Agent._predict``: the executor's policy, snapshots) and here (every record required) -- and
