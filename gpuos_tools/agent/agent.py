@@ -280,6 +280,10 @@ class Agent(ProcessView):
             if len(self._memo) >= MEMO_MAX:
                 self._memo.clear()
             self._memo[key] = hit
+        eng = getattr(self, "engine", None)
+        if eng is not None and getattr(eng, "conservative", None) and kernel in eng.conservative:
+            # a write its prediction did not show was detected (engine.py, "Mismatches"): unknown from now on
+            return (True, *hit[1:])
         return hit
 
     def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:

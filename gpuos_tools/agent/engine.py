@@ -84,6 +84,35 @@ engine's digest launches, memsets and copies run on its own threads (``agent.own
 tracer does not see them as the program's. Without NVRTC (or if the kernel cannot be built)
 the engine goes on without digests and says so once on stderr.
 
+Mismatches (issue 8, item 2: a mismatch detected at run time makes the engine conservative for
+that kernel). A record that is ``clean`` when its eviction's digest finds it changed was written
+by a launch whose prediction did not show the write (a write through a ``const`` pointer, or by a
+pointer the predictor did not see). Reads outside a prediction cannot be caught that way (on a
+released record they fault), writes can. Attribution: while a record is clean (from its load
+on), the names of the launches predicted to read it are kept (``_readers``, at most
+READERS_MAX), and every launch's name with the sequence number of its last launch
+(``_last_launch``, at most LAUNCH_NAMES_MAX names); the suspects are the readers, or when none
+read it (or too many did), every kernel launched since its load (the launch last before it
+included: one being issued as a prefetch loads it may run after). Each mismatch is counted
+(``mismatches``) and logged (``mismatch``: record, bytes, suspects, how found), and each suspect
+becomes ``conservative``: from then on its launches are unknown -- to the agent's predictor
+(``Agent._predict``: the executor's policy, snapshots) and here (every record required) -- and
+count as writing everything resident: ``clean`` is cleared and every digest dropped, so the
+evictions after them save without relying on a digest (a graph launch drops the digests too
+once a kernel is conservative: it may run one). At the detection, the clean records that a new
+suspect may already have written (launched since their load) lose their clean mark and digest
+as well. ``GPUOS_ENGINE_NO_CONSERVE=1`` reports mismatches without acting on them (to measure
+what the rule keeps).
+
+Detection needs a digest: with ``GPUOS_ENGINE_NO_DIGEST=1`` (or no NVRTC) nothing is detected
+and the engine trusts the predictions (a hidden write to a clean record is lost, as before);
+records under DIGEST_MIN are never checked (saved unless clean); during a record's back-off its
+evictions save without a check, so a hidden write to it is kept but found only at its next
+check (the suspects: the launches since the load before that check). Kernels made conservative
+stay so when the check is backed off or turned off later: their writes are saved whatever the
+digests say. ``GPUOS_ENGINE_DIGEST_OFF_AFTER=N`` (tests) turns the check off after the Nth
+mismatch, leaving the rule alone to keep the writes.
+
 Locks: the program's callbacks hold the agent's lock and then take the engine's; the engine's
 threads take the engine's lock alone, or the agent's and then the engine's; never the other
 way round. The engine's driver calls are the agent's own (the tracer skips them).
@@ -127,6 +156,9 @@ PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD: from another thread, the legacy s
 DIGEST_MIN = 256 << 10  #: smaller records get no digest (their save is cheap)
 DIGEST_SLOTS = 8192  #: 16-byte result slots, two per record base (bases beyond: no digest)
 BACKOFF = (4, 32)  #: evictions saved without a check after a check found the record changed: first, most
+READERS_MAX = 16  #: kernel names kept per clean record as predicted readers (more: every launch suspected)
+LAUNCH_NAMES_MAX = 4096  #: kernel names whose last launch is kept (the least recently launched dropped beyond)
+MISMATCH_LOG = 64  #: mismatches logged in ``stats()['mismatch']`` (all counted)
 
 Pieces = list[tuple[int, int]]  #: (host address, bytes), contiguous over a record, in order
 
@@ -172,6 +204,8 @@ class Entry:
     on_demand: bool = False
     own: bool = False  #: ``pieces`` are the engine's own pinned copy (kept after the load)
     mapped: bool = False  #: a lazy rollback's: mapped all along, only the load is missing
+    #: evicting with a digest check while clean: the kernels that may have written it (a mismatch)
+    suspects: tuple[list[str], str, bool] | None = None
 
 
 class ResidencyEngine:
@@ -213,7 +247,20 @@ class ResidencyEngine:
         self.counts = {"demand_loads": 0, "background_loads": 0, "prefetches": 0, "stream_waits": 0,
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
                        "loaded_bytes": 0, "freed_while_pending": 0, "evict_unsettled": 0, "unsaved_bytes": 0, "digests": 0,
-                       "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0, "digest_backoff_saves": 0}
+                       "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0, "digest_backoff_saves": 0,
+                       "mismatches": 0, "conservative_launches": 0}
+        #: kernel names whose launches are unknown since a mismatch named them (module docstring)
+        self.conservative: set[str] = set()
+        self.conserve = os.environ.get("GPUOS_ENGINE_NO_CONSERVE") != "1"
+        self.mismatch_log: list[dict[str, Any]] = []
+        self._digest_off_after = int(os.environ.get("GPUOS_ENGINE_DIGEST_OFF_AFTER") or 0)
+        self._seq = 0  #: launches seen (``launch``)
+        #: kernel -> the sequence number of its last launch, least recently launched first
+        self._last_launch: dict[str, int] = {}
+        self._names_dropped = 0  #: the highest sequence number of a name dropped from _last_launch
+        self._since: dict[int, int] = {}  #: base -> the sequence number at its load (clean records)
+        self._readers: dict[int, set[str] | None] = {}  #: base -> predicted readers since its load (None: too many)
+        self._base_of_id: dict[int, int] = {}  #: allocation id -> its record's base (cache)
         #: digests of host copies (module docstring): base -> the size of the host copy whose
         #: digest is in the base's first slot
         self.digests: dict[int, int] = {}
@@ -319,7 +366,7 @@ class ResidencyEngine:
         still to record, or (one operation in SAMPLE) recency to sample. Asked once per
         operation of the program."""
         a = self.agent
-        if self.pending or self.clean or len(self.first_touch) < len(a.by_id):
+        if self.pending or self.clean or len(self.first_touch) < len(a.by_id) or (self.conservative and self.digests):
             return True
         self._unwatched += 1
         if self._unwatched < SAMPLE:
@@ -341,6 +388,17 @@ class ResidencyEngine:
     def launch(self, stream: int, kernel: str, sizes: Any, args: Any) -> None:
         """Before a launch on ``stream``."""
         unknown, touched, writes = self.agent._touches(kernel, sizes, args)
+        suspect = bool(self.conservative) and kernel in self.conservative
+        if suspect:  # a mismatch named it: unknown, and it writes everything resident
+            unknown = True
+            self.counts["conservative_launches"] += 1
+        self._seq += 1  # before the require: a record it loads counts this launch as after its load
+        last = self._last_launch
+        last.pop(kernel, None)
+        last[kernel] = self._seq
+        if len(last) > LAUNCH_NAMES_MAX:
+            for k in list(last)[: LAUNCH_NAMES_MAX // 2]:
+                self._names_dropped = max(self._names_dropped, last.pop(k))
         for i in touched:
             self._touched(i)
         if self.pending:
@@ -351,15 +409,46 @@ class ResidencyEngine:
                 bases = self.bases_of_addrs(by_id[i].addr for i in touched if i in by_id)
                 if bases:
                     self.require(bases, stream)
+        if suspect:
+            with self.lock:  # the evict thread reads them under it
+                self.digests.clear()
         if self.clean:  # after the require: a record it loads from the engine's copy is clean until this write
             if unknown:
                 self.clean.clear()
             else:
-                by_id = self.agent.by_id
                 for i in writes:
-                    a = by_id.get(i)
-                    if a is not None:
-                        self.clean.discard(self._record_base(a.addr))
+                    self.clean.discard(self._id_base(i))
+                for i in touched:  # the predicted readers of clean records (a mismatch's suspects)
+                    if i in writes:
+                        continue
+                    b = self._id_base(i)
+                    if b in self.clean:
+                        r = self._readers.get(b, set())
+                        if r is not None:
+                            r.add(kernel)
+                            self._readers[b] = r if len(r) <= READERS_MAX else None
+        if not suspect and self.conservative and kernel in self.conservative:
+            # a mismatch named it while this launch was being decided: what its require loaded
+            # came after the detection's own pass over the clean records
+            with self.lock:
+                self.digests.clear()
+            self.clean.clear()
+
+    def _id_base(self, i: int) -> int | None:
+        """The record base of allocation ``i`` (its address when not owned; None: not known)."""
+        b = self._base_of_id.get(i)
+        if b is None:
+            a = self.agent.by_id.get(i)
+            if a is None:
+                return None
+            r = self.ops.lookup(a.addr)
+            if r is None:  # not owned (or not yet in the table): not cached
+                return a.addr
+            b = r.base
+            if len(self._base_of_id) >= 65536:
+                self._base_of_id.clear()
+            self._base_of_id[i] = b
+        return b
 
     def access(self, api: str, stream: int, dst: int, src: int = 0) -> None:
         """Before a copy or memset (``api``) on ``stream`` into ``dst`` (from ``src``, 0: none),
@@ -387,8 +476,12 @@ class ResidencyEngine:
             self.clean.discard(self._record_base(dst))
 
     def graph(self, stream: int) -> None:
-        """Before a graph launch: what its kernels touch is not predicted here."""
+        """Before a graph launch: what its kernels touch is not predicted here (and one of
+        them may be conservative: then it writes everything resident)."""
         self.clean.clear()
+        if self.conservative and self.digests:
+            with self.lock:
+                self.digests.clear()
         if self.pending:
             self.require(None, stream)
 
@@ -491,6 +584,8 @@ class ResidencyEngine:
         self.counts["loaded_bytes"] += e.size
         if e.own:  # later writes are ordered after the load and discard it from clean
             self.clean.add(e.base)
+            self._since[e.base] = self._seq
+            self._readers.pop(e.base, None)
         return True
 
     # -- digests ------------------------------------------------------------------------------
@@ -900,6 +995,7 @@ class ResidencyEngine:
         entry, the event after it, and ``how``."""
         e = Entry(base, size, EVICTING, pieces, own=True)
         self._put(e)
+        clean = base in self.clean
         back = self._backoff.get(base)
         if back is not None and back[0] > 0:  # changed at its last check: save, count down
             back[0] -= 1
@@ -909,7 +1005,9 @@ class ResidencyEngine:
             self.ops.copy_out(base, pieces, side)
         elif self._digest_at_eviction(base, size, side):
             how = "digest"
-        elif base in self.clean:
+            if clean:  # a change now is a write no prediction showed: who may have done it
+                e.suspects = self._suspects(base)
+        elif clean:
             how = "clean"
         else:
             how = "save"
@@ -930,6 +1028,8 @@ class ResidencyEngine:
             same = self._digests_equal(base)
             if not same:
                 with self.lock:
+                    if e.suspects is not None:  # evidence even if an operation cancels the eviction
+                        self._mismatch(e)
                     if e.cancelled or self.pending.get(base) is not e:
                         ops.destroy(ev)
                         return
@@ -966,6 +1066,60 @@ class ResidencyEngine:
                 c["digest_skipped_bytes"] += e.size
                 self._backoff.pop(base, None)
 
+    # -- mismatches (module docstring) ---------------------------------------------------------
+
+    def _suspects(self, base: int) -> tuple[list[str], str, bool]:
+        """The kernels that may have written the clean record at ``base`` since its load (engine
+        lock held): its predicted readers, else every kernel launched since; how they were found,
+        and whether the list may be incomplete (names dropped past LAUNCH_NAMES_MAX)."""
+        readers = self._readers.get(base, set())
+        if readers:
+            return sorted(readers), "predicted to read it", False
+        since = self._since.get(base, 0)
+        names = []
+        for k in reversed(self._last_launch):  # most recently launched first
+            if self._last_launch[k] < since:
+                break
+            names.append(k)
+        return sorted(names), "launched since its load", since <= self._names_dropped
+
+    def _mismatch(self, e: Entry) -> None:
+        """A clean record's digest changed (engine lock held, evict thread): count and log it,
+        make its suspects conservative, and take the clean mark and digest of every record one
+        of them may have written already."""
+        names, how, incomplete = e.suspects
+        c = self.counts
+        c["mismatches"] += 1
+        self.clean.discard(e.base)
+        self.digests.pop(e.base, None)
+        new = [k for k in names if k not in self.conservative] if self.conserve else []
+        if len(self.mismatch_log) < MISMATCH_LOG:
+            self.mismatch_log.append({"base": hex(e.base), "bytes": e.size, "kernels": [k[:160] for k in names],
+                                      "found": how, "incomplete": incomplete, "new": len(new),
+                                      "evictions": c["evictions"], "launches": self._seq})
+        if new:
+            self.conservative.update(new)
+            why = getattr(self.agent, "unknown_why", None)
+            for k in new:
+                if isinstance(why, dict):
+                    why[k] = "conservative: it may have written a record its prediction did not show (a mismatch)"
+            lasts = [self._last_launch.get(k, -1) for k in new]
+            for b in list(self.clean):  # one launched since that record's load: maybe written already
+                since = self._since.get(b, 0)
+                if any(t >= since for t in lasts):
+                    self.clean.discard(b)
+                    self.digests.pop(b, None)
+            print(f"gpuos engine: record {e.base:#x} ({e.size} bytes) changed without a predicted write; "
+                  f"conservative from now on ({how}): {', '.join(k[:120] for k in new)}", file=sys.stderr, flush=True)
+        elif c["mismatches"] == 1:
+            print(f"gpuos engine: record {e.base:#x} ({e.size} bytes) changed without a predicted write "
+                  f"({how}: {', '.join(k[:120] for k in names) or 'none'}); "
+                  f"{'nothing made conservative (GPUOS_ENGINE_NO_CONSERVE=1)' if not self.conserve else 'all conservative already'}",
+                  file=sys.stderr, flush=True)
+        if self._digest_off_after and c["mismatches"] >= self._digest_off_after and self.digest_mode == "on":
+            self.digest_mode = f"off (GPUOS_ENGINE_DIGEST_OFF_AFTER={self._digest_off_after}: after that many mismatches)"
+            self.digests.clear()
+
     # -- report -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -977,6 +1131,7 @@ class ResidencyEngine:
                 "pending": {s: {"records": len(v), "bytes": sum(v)} for s, v in by_state.items()},
                 "clean": len(self.clean), "first_touched": len(self.first_touch), **self.counts,
                 "digest": self.digest_mode, "digested": len(self.digests),
+                "conservative": sorted(k[:160] for k in self.conservative), "mismatch": list(self.mismatch_log),
             }
         if self.lazy is not None:
             out["lazy"] = {k: v for k, v in self.lazy.items() if not k.startswith("t_")}

@@ -224,7 +224,9 @@ operation never runs on a buffer that is released or half loaded (unknown: every
 has used, once operations other threads are issuing have reached the driver (else the eviction
 is refused and the buffer stays), and releases its physical memory only after the save has
 completed; an operation that touches a buffer being evicted cancels the eviction; a buffer loaded
-from the engine's host copy and not written since (as predicted) is released without a save;
+from the engine's host copy and not written since (as predicted) is released without a save
+(with the GPU digest on, only once its digest says it is unchanged; changed, it is saved and the
+kernels that may have written it are unknown from then on: gpu-prefetch-sched(1), SAFETY);
 `prefetch` maps and loads on a stream of its own, never making the program's thread wait; no
 eviction runs while a snapshot copies the buffers. What it does not guarantee: a kernel reaching
 a buffer by a pointer its launch's prediction does not show (see above).

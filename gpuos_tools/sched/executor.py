@@ -614,6 +614,8 @@ class Executor:
             # evictions whose host copy was current (engine.py, "Digests"): by digest, or clean
             "digest": eng.get("digest"), "digests": eng.get("digests", 0), "digest_skips": eng.get("digest_skips", 0),
             "bytes_not_written_back": eng.get("unsaved_bytes", 0),
+            # writes no prediction showed, and the kernels treated as unknown since (engine.py, "Mismatches")
+            "mismatches": eng.get("mismatches", 0), "conservative": eng.get("conservative", []),
             "stalls": pol["stalls"], "over_budget": pol["over_budget"], "over_budget_bytes": pol["over_budget_bytes"],
             "peak_resident": self.counts["peak_resident"], "peak_settled": self.counts["peak_settled"],
             "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],
