@@ -514,7 +514,8 @@ def run(
     if serve_spec is not None:  # a job of `gpu-prefetch-sched serve`: its budget comes with each grant
         try:
             spec = _json.loads(serve_spec)
-            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"])}
+            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"]),
+                            "overlap": bool(spec.get("overlap", True)), "ledger": spec.get("ledger")}
         except (ValueError, KeyError, TypeError) as e:
             raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
         if "fraction" in cfg:
@@ -577,6 +578,10 @@ def serve_cmd(
                                help="Each job's victim choice, in its own launches and at its switches."),
     lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N",
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
+    switch: str = typer.Option("overlap", "--switch", metavar="overlap|serial",
+                               help="overlap (the default): the incoming job is granted once the outgoing job's evictions "
+                               "are issued, its loads wait in the ledger for their releases; serial: granted once they "
+                               "have completed (for comparison). See SERVING."),
     json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
 ) -> None:
     """Run several jobs on one GPU, time-sliced, their memory together within one budget.
@@ -585,10 +590,13 @@ def serve_cmd(
     policy). One job holds the GPU turn at a time: the others' program threads wait on the host
     at their next launch, copy or memset until granted. When the holder's slice is over and
     another job waits, the holder, at its next operation, evicts what its own predicted future
-    needs last (Belady) down to what the incoming job leaves room for, waits until the releases
-    have completed, and reports what it still holds; the incoming job is granted a budget of
-    the total minus what the others hold and prefetches its predicted next working sets
-    before it goes on (MSched's context switch with working-set preparation). A job that ends
+    needs last (Belady) down to what the incoming job leaves room for and reports what it keeps;
+    the incoming job is granted at once (--switch serial: once the releases have completed), a
+    budget of the total minus what the others keep, and prefetches its predicted next working
+    sets before it goes on (MSched's context switch with working-set preparation). Every load
+    of every job is booked first in one shared ledger and waits there until all the jobs'
+    mapped bytes and it fit in the budget, so the outgoing saves and the incoming loads overlap
+    without the total passing the budget. A job that ends
     leaves the rotation; a job alone never waits. See SERVING.
 
     Standard output: a header, one `serve_job` record per job, then `serve_summary`; a table on
@@ -610,6 +618,8 @@ def serve_cmd(
         raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    if switch not in ("overlap", "serial"):
+        raise typer.BadParameter("must be overlap or serial", param_hint="--switch")
     try:
         size, percent = parse_budget_spec(budget)
         if percent is not None:
@@ -638,7 +648,7 @@ def serve_cmd(
     for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
         env.pop(k, None)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
-        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env)
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env, overlap=switch == "overlap")
     if json_file:
         try:
             with open(json_file, "w") as f:
@@ -648,7 +658,7 @@ def serve_cmd(
             raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
     with open_output("-") as writer:
         writer.write(make_header("gpu-prefetch-sched", mode="serve", jobs=[r["argv"] for r in result["jobs"]],
-                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead))
+                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead, switch=switch))
         for r in result["jobs"]:
             writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
                           "summary": r["summary"]})
@@ -667,8 +677,10 @@ def serve_cmd(
 def _serve_table(result: dict) -> None:
     """Per job, on standard error (plain columns: it is read in logs as often as on a terminal)."""
     print(f"gpu-prefetch-sched serve: budget {result['budget'] / 2**20:.0f} MiB, slice {result['slice_s'] * 1e3:g} ms, "
-          f"{result['switches']} switches, {result['wall_s']:.2f} s, combined peak "
-          f"{(result['combined_peak'] or 0) / 2**20:.0f} MiB", file=sys.stderr)
+          f"switch {result['switch']}, {result['switches']} switches ({result['early_grants']} early), "
+          f"{result['wall_s']:.2f} s, combined peak {(result['combined_peak'] or 0) / 2**20:.0f} MiB "
+          f"(at loads {(result['combined_peak_loads'] or 0) / 2**20:.0f}, {result['forced_loads']} loads forced over)",
+          file=sys.stderr)
     print(f"{'job':>3} {'exit':>4} {'wall_s':>7} {'turn_s':>7} {'waits':>5} {'wait_s':>7} {'switches':>8} "
           f"{'in_MiB':>7} {'out_MiB':>7}  throughput", file=sys.stderr)
     for r in result["jobs"]:

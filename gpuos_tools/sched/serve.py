@@ -105,17 +105,20 @@ class Job:
     wait_since: float | None = None
     counts: dict[str, Any] = field(default_factory=lambda: {
         "grants": 0, "turn_s": 0.0, "turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "trims": 0,
-        "budget_updates": 0, "budget_min": None, "budget_max": None, "left_holding": False, "peak": 0})
+        "budget_updates": 0, "early_grants": 0, "needs": 0, "budget_min": None, "budget_max": None, "left_holding": False,
+        "peak": 0})
+    releasing: int = 0  #: its evictions issued, not released yet, as it last said (figures only)
 
 
 class Coordinator:
     """The turn and the budget among the jobs (module docstring). ``step`` serves the socket
     for a while; the caller says when a job's process has exited (``leave``)."""
 
-    def __init__(self, path: str, total: int, slice_s: float, names: list[str]) -> None:
+    def __init__(self, path: str, total: int, slice_s: float, names: list[str], ledger: Any = None) -> None:
         if total <= 0:
             raise ValueError("the budget must be more than 0 bytes")
         self.path = path
+        self.ledger = ledger  #: the jobs' byte ledger (gpuos_tools/sched/ledger.py), or None
         self.total = total
         self.slice_s = slice_s
         self.jobs = [Job(i, n) for i, n in enumerate(names)]
@@ -224,11 +227,19 @@ class Coordinator:
         if j.state == "gone":
             return
         op = msg.get("op")
+        if op == "need":  # the holder's load does not fit: trim the waiting jobs for its want
+            j.want = max(j.want, int(msg.get("want", 0)))
+            j.counts["needs"] += 1
+            self._note(j.index, "need", j.want)
+            if j.state == "holding":
+                self._rebalance(j)
+            return
         if op != "wait":
             self.errors.append(f"job {j.index}: unknown message {msg}")
             return
         now = time.perf_counter()
         j.mapped = int(msg.get("mapped", 0))
+        j.releasing = max(0, int(msg.get("releasing", 0)))
         j.want = max(int(msg.get("want", 0)), j.mapped)
         j.counts["peak"] = max(j.counts["peak"], int(msg.get("peak", 0)))
         self._note(j.index, "wait", j.mapped)
@@ -258,6 +269,8 @@ class Coordinator:
             j.counts["left_holding"] = True
             self.holder = None
         j.state, j.mapped, j.trimming = "gone", 0, False
+        if self.ledger is not None:  # its bytes stay booked (and awaited) until its process is reaped
+            self.ledger.set_exiting(i)
         if i in self.queue:
             self.queue.remove(i)
         if j.conn is not None:
@@ -335,6 +348,8 @@ class Coordinator:
             j.counts["turn_wait_s"] += now - j.wait_since
             j.wait_since = None
         j.counts["grants"] += 1
+        if self.ledger is not None and self.ledger.inflight_of_others(j.index) > 0:
+            j.counts["early_grants"] += 1  # other jobs' releases still in flight (overlapped switch)
         self._span(j, b)
         if self._last is not None and self._last != j.index:
             self.switches += 1
@@ -422,11 +437,12 @@ class Client:
 # -- the serve command's driver ---------------------------------------------------------------
 
 
-def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int) -> list[str]:
+def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int,
+                overlap: bool = True, ledger: str | None = None) -> list[str]:
     """The job as `gpu-prefetch-sched run` with the coordinator's address in its config."""
     import sys
 
-    spec = json.dumps({"socket": socket_path, "job": job})
+    spec = json.dumps({"socket": socket_path, "job": job, "overlap": overlap, "ledger": ledger})
     return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(total),
             "--policy", policy, "--lookahead", str(lookahead), "--serve", spec, "--", *argv]
 
@@ -466,15 +482,21 @@ def throughput(own: dict[str, Any] | None) -> tuple[float | None, str | None]:
 
 
 def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, lookahead: int,
-               workdir: str, env: dict[str, str] | None = None, on_start: Any = None) -> dict[str, Any]:
+               workdir: str, env: dict[str, str] | None = None, on_start: Any = None,
+               overlap: bool = True) -> dict[str, Any]:
     """Start every job under the coordinator, serve them until all have ended, and return the
-    result (per job: exit status, times, turns, bytes moved, throughput). ``workdir`` holds
-    the socket and each job's stdout and stderr."""
+    result (per job: exit status, times, turns, bytes moved, throughput; the ledger's combined
+    peaks). ``workdir`` holds the socket, the ledger and each job's stdout and stderr.
+    ``overlap`` False: the serial switch (saves complete, then the grant), for comparison."""
     import subprocess
+
+    from gpuos_tools.sched.ledger import Ledger
 
     path = os.path.join(workdir, "serve.sock")
     names = [" ".join(argv) for argv in jobs]
-    coord = Coordinator(path, total, slice_s, names)
+    ledger_path = os.path.join(workdir, "serve.ledger")
+    ledger = Ledger(ledger_path, None, total=total, jobs=len(jobs))
+    coord = Coordinator(path, total, slice_s, names, ledger)
     procs: list[subprocess.Popen[bytes]] = []
     outs, t_start, t_end = [], [], [0.0] * len(jobs)
     t0 = time.perf_counter()
@@ -484,7 +506,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             err = open(os.path.join(workdir, f"job{i}.err"), "wb")
             outs.append((out, err))
             t_start.append(time.perf_counter())
-            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead),
+            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead, overlap, ledger_path),
                                           stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env))
             if on_start is not None:
                 on_start(i, procs[-1])
@@ -496,6 +518,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
                     codes[i] = p.returncode
                     t_end[i] = time.perf_counter()
                     coord.leave(i, f"exited {p.returncode}")
+                    ledger.zero(i)  # reaped: its memory is gone
     finally:
         for p in procs:
             if p.poll() is None:
@@ -506,6 +529,8 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             err.close()
         coord.close()
     wall = time.perf_counter() - t0
+    led = ledger.snapshot()
+    ledger.close()
     rows = []
     for i, argv in enumerate(jobs):
         with open(os.path.join(workdir, f"job{i}.out"), errors="replace") as f:
@@ -521,16 +546,21 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             "job": i, "argv": argv, "exit": codes[i], "ok": codes[i] == 0 and summary is not None,
             "wall_s": round(t_end[i] - t_start[i], 6), "turn_s": c["turn_s"], "grants": c["grants"],
             "turn_waits": c["turn_waits"], "turn_wait_s": c["turn_wait_s"], "switches": c["yields"],
-            "trims": c["trims"], "budget_min": c["budget_min"], "budget_max": c["budget_max"],
+            "trims": c["trims"], "early_grants": c["early_grants"],
+            "budget_min": c["budget_min"], "budget_max": c["budget_max"],
             "bytes_in": s.get("bytes_in"), "bytes_out": s.get("bytes_out"), "evictions": s.get("evictions"),
             "prefetches": s.get("prefetches"), "demand_loads": s.get("demand_loads"),
             "footprint": s.get("footprint"), "peak_settled": s.get("peak_settled"),
-            "over_physical": s.get("over_physical"), "combined_peak": turns.get("combined_peak"),
+            "over_physical": s.get("over_physical"), "turn_peak": turns.get("turn_peak_max"),
+            "ledger_waits": turns.get("ledger_waits"), "forced_loads": turns.get("forced_loads"),
             "throughput": tput, "throughput_unit": unit, "left_holding": c["left_holding"],
             "output": own,
             "summary": summary, "stderr_tail": err_text[-3000:] if codes[i] != 0 or summary is None else "",
         })
-    combined = [r["combined_peak"] for r in rows if r["combined_peak"] is not None]
     return {"type": "serve_summary", "budget": total, "slice_s": slice_s, "policy": policy, "lookahead": lookahead,
-            "jobs": rows, "switches": coord.switches, "wall_s": round(wall, 6),
-            "combined_peak": max(combined) if combined else None, "errors": coord.errors[:20]}
+            "switch": "overlap" if overlap else "serial", "jobs": rows, "switches": coord.switches,
+            "early_grants": sum(j.counts["early_grants"] for j in coord.jobs), "wall_s": round(wall, 6),
+            "combined_peak": led["peak"], "combined_peak_loads": led["peak_loads"],
+            "forced_loads": led["forced_loads"], "forced_over_max": led["forced_over_max"],
+            "unreserved_maps": led["unreserved_maps"], "alloc_charges": led["alloc_charges"],
+            "errors": coord.errors[:20]}
