@@ -490,13 +490,16 @@ class Executor:
                             stuck = squeezed and not self.ledger.anything_in_flight()
                         elif self.ledger is None:
                             stuck = too_big
-                        if self._book_load(ws, force=late or stuck):
-                            if late:
-                                self.counts["room_timeouts"] += 1
-                            if need:
-                                self._event("load", need)
-                            self.engine.require(bases, stream)
-                            self._unbook_unloaded(ws)
+                        with self.engine.lock:  # no release between the booking and the loads it books
+                            booked = self._book_load(ws, force=late or stuck)
+                            if booked:
+                                if late:
+                                    self.counts["room_timeouts"] += 1
+                                if need:
+                                    self._event("load", need)
+                                self.engine.require(bases, stream)
+                                self._unbook_unloaded(ws)
+                        if booked:
                             break
                         now = time.perf_counter()
                         if led_t is None:
@@ -563,14 +566,18 @@ class Executor:
                         if not self._demand.is_set():
                             need = self._released([base])
                             late = time.perf_counter() - t > ROOM_TIMEOUT_S
-                            if self.ledger is not None and need and (late or self.physical() + need <= self._budget):
+                            if self.ledger is not None and (not need or late or self.physical() + need <= self._budget):
                                 # serving: a prefetch never goes past the ledger; when waiting
                                 # cannot help (nothing in flight) or took too long, it is dropped
                                 # (the launch that needs the record loads it on demand)
-                                if self._book_load([base]):
-                                    self._event("prefetch", need)
-                                    eng.prefetch(base)
-                                    self._unbook_unloaded([base])
+                                with eng.lock:  # no release between the booking and the load
+                                    booked = self._book_load([base])
+                                    if booked:
+                                        if need:
+                                            self._event("prefetch", need)
+                                        eng.prefetch(base)
+                                        self._unbook_unloaded([base])
+                                if booked:
                                     break
                                 if late or not self.ledger.anything_in_flight():
                                     self.turns["prefetch_no_room"] += 1
@@ -747,13 +754,14 @@ class Executor:
         issued = 0
         with self._load_lock:
             for b in pre:
-                need = self._released([b])
-                if need and (self.physical() + need > self._budget or not self._book_load([b])):
-                    break  # the mover waits for the room (the others' releases in flight)
-                if need:
-                    self._event("prefetch", need)
-                self.engine.prefetch(b)
-                self._unbook_unloaded([b])
+                with self.engine.lock:  # no release between the booking and the load
+                    need = self._released([b])
+                    if need and (self.physical() + need > self._budget or not self._book_load([b])):
+                        break  # the mover waits for the room (the others' releases in flight)
+                    if need:
+                        self._event("prefetch", need)
+                    self.engine.prefetch(b)
+                    self._unbook_unloaded([b])
                 issued += 1
         if pre[issued:]:
             self._start_mover()
