@@ -66,7 +66,7 @@ def alone(args: list[str], timeout: float) -> dict[str, Any]:
 
 
 def served(jobs: list[list[str]], budget: int, slice_: str, policy: str, timeout: float,
-           switch: str = "overlap") -> dict[str, Any]:
+           switch: str = "serial") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "serve.json"
         cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "serve", "--budget", f"{budget}B",
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--periods", type=int, default=20)
     ap.add_argument("--budgets", default="66%,50%")
     ap.add_argument("--slices", default="50ms,200ms", help="time slices to serve with (each budget with each)")
-    ap.add_argument("--switches", default="overlap,serial", help="switch modes (each budget and slice with each)")
+    ap.add_argument("--switches", default="serial,overlap", help="switch modes (each budget and slice with each)")
     ap.add_argument("--policy", default="belady")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")

@@ -67,6 +67,7 @@ from gpuos_tools.stream import atomic
 ENV = "GPUOS_SCHED_ONLINE"
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
 NEED_WAIT_S = 0.2  #: serving: how long the coordinator's trims may take to show in the ledger
+INFLIGHT_REFRESH_S = 0.01  #: serving: a waiting job says its bytes in flight again this often
 POLL_S = 50e-6
 KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 
@@ -120,7 +121,7 @@ class Executor:
         self._others = 0  #: what the other jobs hold mapped, as the last grant or budget said
         self._want = 0
         self._turn_peak = 0
-        self._overlap = True  #: a switch's saves and the next job's loads overlap (else: in series)
+        self._overlap = False  #: a switch's saves and the next job's loads overlap (experimental; else: in series)
         self.ledger: Any = None  #: serve's byte ledger (gpuos_tools/sched/ledger.py), shared by the jobs
         self._charged: dict[int, int] = {}  #: records booked in the ledger (mapped, or reserved to be)
         self._book = threading.Lock()  #: ``_charged`` (taken after the engine's lock, before the ledger's)
@@ -133,7 +134,7 @@ class Executor:
             from gpuos_tools.sched.serve import Client
 
             srv = cfg["serve"]
-            self._overlap = bool(srv.get("overlap", True))
+            self._overlap = bool(srv.get("overlap", False))
             if srv.get("ledger"):
                 from gpuos_tools.sched.ledger import Ledger
 
@@ -659,7 +660,13 @@ class Executor:
         c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": self._turn_peak, "releasing": releasing})
         self._turn_peak = 0
         while True:
-            msg = c.inbox.get()
+            try:  # this job's bytes in flight said again meanwhile: a cancelled eviction, or one that
+                # failed on the engine's evict thread, leaves no release to say it (else the
+                # holder's loads would wait for them up to ROOM_TIMEOUT_S)
+                msg = c.inbox.get(timeout=INFLIGHT_REFRESH_S if self.ledger is not None else None)
+            except queue.Empty:
+                self._say_inflight()
+                continue
             op = msg.get("op")
             if op == "trim":
                 self._shed(int(msg["keep"]))
