@@ -520,6 +520,8 @@ class Executor:
                         need_now = 0
                 if need_now:
                     self._squeeze(ws, need_now)
+                elif led_t is not None:
+                    self._say_inflight()  # an eviction of this job's that failed is in flight no more
                 waited = True
                 time.sleep(POLL_S)
         finally:
