@@ -194,6 +194,24 @@ def test_a_process_that_exits_without_connecting_and_garbage_on_the_socket(tmp_p
         s.stop()
 
 
+def test_a_holder_that_needs_more_room_gets_the_waiting_jobs_trimmed(tmp_path):
+    s = Served(tmp_path, 1000, 10.0, 2)
+    try:
+        a, b = Raw(s.path, 0), Raw(s.path, 1)
+        a.send({"op": "wait", "mapped": 0, "want": 0})
+        assert a.recv()["op"] == "grant"
+        b.send({"op": "wait", "mapped": 700, "want": 700})
+        assert a.recv() == {"op": "budget", "budget": 300, "others": 700}
+        a.send({"op": "need", "want": 500})  # a launch of its needs 500: b is trimmed for it
+        assert b.recv() == {"op": "trim", "keep": 500}
+        b.send({"op": "wait", "mapped": 500, "want": 700, "releasing": 200})
+        assert a.recv() == {"op": "budget", "budget": 500, "others": 500}
+        with s.lock:
+            assert s.coord.jobs[0].counts["needs"] == 1 and s.coord.jobs[1].releasing == 200
+    finally:
+        s.stop()
+
+
 def test_bad_budget_is_refused(tmp_path):
     with pytest.raises(ValueError):
         Coordinator(str(tmp_path / "x.sock"), 0, 0.05, ["a"])

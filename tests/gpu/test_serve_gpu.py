@@ -1,8 +1,10 @@
 """`gpu-prefetch-sched serve` on a real GPU (pytest -m gpu): three CuPy stencil jobs of different
 sizes, seeds of work and lengths, whose memory together is ~175% of the budget, served
-time-sliced on one GPU (gpuos_tools/sched/serve.py, the executor's gate): each job's final
-arrays bit-identical to the same job run alone untraced, switches between them, and each job's
-mapped memory, beside what the others held, settled within the one budget."""
+time-sliced on one GPU (gpuos_tools/sched/serve.py, the executor's gate), with the serial and
+the (experimental) overlapped switch: each job's final arrays bit-identical to the same job run
+alone untraced, switches between them, and the ledger's sum of every job's booked bytes (a
+bound of their true combined owned memory at every instant) never taken past the budget by a
+load (allocations may: reported); no early grant with the serial switch."""
 
 from __future__ import annotations
 
