@@ -65,11 +65,12 @@ def alone(args: list[str], timeout: float) -> dict[str, Any]:
         return {"ok": True, "process_s": round(wall, 3), **res}
 
 
-def served(jobs: list[list[str]], budget: int, slice_: str, policy: str, timeout: float) -> dict[str, Any]:
+def served(jobs: list[list[str]], budget: int, slice_: str, policy: str, timeout: float,
+           switch: str = "serial") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "serve.json"
         cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "serve", "--budget", f"{budget}B",
-               "--slice", slice_, "--policy", policy, "--json", str(report)]
+               "--slice", slice_, "--policy", policy, "--switch", switch, "--json", str(report)]
         for a in jobs:
             cmd += ["--job", " ".join([sys.executable, str(JOB), *a])]
         t = time.perf_counter()
@@ -93,6 +94,7 @@ def main() -> int:
     ap.add_argument("--periods", type=int, default=20)
     ap.add_argument("--budgets", default="66%,50%")
     ap.add_argument("--slices", default="50ms,200ms", help="time slices to serve with (each budget with each)")
+    ap.add_argument("--switches", default="serial,overlap", help="switch modes (each budget and slice with each)")
     ap.add_argument("--policy", default="belady")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default="")
@@ -115,12 +117,16 @@ def main() -> int:
     out["alone_agg"] = {"loop_s": round(alone_loop, 4), "steps_per_s": round(steps / alone_loop, 2),
                         "process_s": round(sum(r["process_s"] for r in base), 3)}
     save(args, out)
-    for spec, slice_ in [(b, s) for b in args.budgets.split(",") if b for s in args.slices.split(",") if s]:
+    rows = [(b, s, w) for b in args.budgets.split(",") if b for s in args.slices.split(",") if s
+            for w in args.switches.split(",") if w]
+    for spec, slice_, switch in rows:
         budget = int(footprint * float(spec.rstrip("%")) / 100)
-        r = served(jobs, budget, slice_, args.policy, args.timeout)
-        row: dict[str, Any] = {"budget_spec": spec, "slice": slice_, "budget": budget, "ok": r.get("ok", False),
-                               "rc": r.get("rc"), "switches": r.get("switches"), "wall_s": r.get("wall_s"),
-                               "combined_peak": r.get("combined_peak"), "jobs": []}
+        r = served(jobs, budget, slice_, args.policy, args.timeout, switch)
+        row: dict[str, Any] = {"budget_spec": spec, "slice": slice_, "switch": switch, "budget": budget,
+                               "ok": r.get("ok", False), "rc": r.get("rc"), "switches": r.get("switches"),
+                               "early_grants": r.get("early_grants"), "wall_s": r.get("wall_s"),
+                               "combined_peak": r.get("combined_peak"), "combined_peak_loads": r.get("combined_peak_loads"),
+                               "forced_loads": r.get("forced_loads"), "jobs": []}
         if "stderr" in r:
             row["stderr"] = r["stderr"]
         t_first = min((j["output"] or {}).get("t0_unix", float("inf")) for j in r.get("jobs", [{"output": None}]))
@@ -129,7 +135,8 @@ def main() -> int:
             o = j.get("output") or {}
             jr = {k: j.get(k) for k in ("job", "exit", "ok", "wall_s", "turn_s", "turn_waits", "turn_wait_s",
                                          "switches", "trims", "bytes_in", "bytes_out", "throughput",
-                                         "evictions", "prefetches", "demand_loads", "combined_peak")}
+                                         "evictions", "prefetches", "demand_loads", "early_grants",
+                                         "ledger_waits", "forced_loads")}
             if o:
                 jr["loop_s"] = o.get("loop_s")
                 jr["identical"] = o.get("digests") == ref["digests"]
@@ -145,21 +152,22 @@ def main() -> int:
         save(args, out)
     print(f"alone: {len(base)} jobs, footprint {footprint / 2**20:.0f} MiB, loops {alone_loop:.3f} s "
           f"({steps / alone_loop:.1f} steps/s), processes {out['alone_agg']['process_s']:.1f} s", file=sys.stderr)
-    print(f"{'budget':>7} {'slice':>6} {'job':>3} {'loop_s':>7} {'alone_s':>7} {'speed':>6} {'same':>5} {'turn_s':>6} {'waits':>5} "
+    print(f"{'budget':>7} {'slice':>6} {'switch':>7} {'job':>3} {'loop_s':>7} {'alone_s':>7} {'speed':>6} {'same':>5} {'turn_s':>6} {'waits':>5} "
           f"{'wait_s':>6} {'sw':>3} {'in MiB':>7} {'out MiB':>7} {'lat_s':>6}", file=sys.stderr)
     for row in out["served"]:
         for j, ref in zip(row["jobs"], base):
-            print(f"{row['budget_spec']:>7} {row['slice']:>6} {j['job']:>3} {j.get('loop_s') or float('nan'):>7.3f} {ref['loop_s']:>7.3f} "
+            print(f"{row['budget_spec']:>7} {row['slice']:>6} {row['switch']:>7} {j['job']:>3} {j.get('loop_s') or float('nan'):>7.3f} {ref['loop_s']:>7.3f} "
                   f"{j.get('speed_vs_alone') or float('nan'):>6.3f} {str(j.get('identical', '-')):>5} "
                   f"{j.get('turn_s') or 0:>6.2f} {j.get('turn_waits') or 0:>5} {j.get('turn_wait_s') or 0:>6.2f} "
                   f"{j.get('switches') or 0:>3} {(j.get('bytes_in') or 0) / 2**20:>7.0f} "
                   f"{(j.get('bytes_out') or 0) / 2**20:>7.0f} {j.get('latency_from_first_s') or float('nan'):>6.2f}",
                   file=sys.stderr)
         agg = row.get("agg") or {}
-        print(f"{row['budget_spec']:>7} {row['slice']:>6} all makespan {agg.get('makespan_s', float('nan')):.3f} s, "
+        print(f"{row['budget_spec']:>7} {row['slice']:>6} {row['switch']:>7} all makespan {agg.get('makespan_s', float('nan')):.3f} s, "
               f"{agg.get('steps_per_s', float('nan'))} steps/s, {agg.get('vs_alone', float('nan'))} of alone; "
-              f"{row['switches']} switches, combined peak {(row['combined_peak'] or 0) / 2**20:.0f} MiB "
-              f"of {row['budget'] / 2**20:.0f}", file=sys.stderr)
+              f"{row['switches']} switches ({row['early_grants']} early), combined peak "
+              f"{(row['combined_peak'] or 0) / 2**20:.0f} MiB (at loads {(row['combined_peak_loads'] or 0) / 2**20:.0f}, "
+              f"{row['forced_loads']} forced) of {row['budget'] / 2**20:.0f}", file=sys.stderr)
     ok = all(r["ok"] and all(j.get("identical") for j in r["jobs"]) for r in out["served"])
     return 0 if ok else 1
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -624,3 +625,27 @@ def test_the_agent_refuses_snapshot_suspend_rollback_during_a_lazy_rollback():
         with pytest.raises(GpuosError) as e:
             a.handle({"op": op, "image": "/nope", "lazy": True})
         assert e.value.code == ExitCode.WRONG_STATE and "lazy resume or rollback" in str(e.value)
+
+
+def test_the_evict_thread_makes_the_context_current_once_the_agent_knows_it():
+    """An evict thread started before the program's context was known (serve's gate can evict
+    before any operation's callback) enters it at its next eviction, not never."""
+    eng, ops, agent = setup(auto=True)
+    entered = []
+    ops.enter = lambda: entered.append(getattr(agent, "ctx", None))
+    agent.ctx = None
+    for b in BASES[:2]:
+        ops.recs[b].resident = True
+        eng.pending.pop(b, None)
+    def released(b: int) -> bool:
+        deadline = time.time() + 5
+        while eng.state(b) != "released" and time.time() < deadline:
+            time.sleep(0.005)
+        return eng.state(b) == "released"
+
+    assert eng.evict_from_operation(BASES[0], own=0) and released(BASES[0])
+    assert entered == [None]
+    agent.ctx = "ctx"
+    assert eng.evict_from_operation(BASES[1], own=0) and released(BASES[1])
+    assert entered == [None, "ctx"], entered
+    eng.close()

@@ -924,10 +924,17 @@ class ResidencyEngine:
     def _evict_loop(self) -> None:
         with self._own():
             self.ops.enter()
+            entered = getattr(self.agent, "ctx", None) is not None
             while True:
                 item = self._evictq.get()
                 if item is None:
                     return
+                if not entered and getattr(self.agent, "ctx", None) is not None:
+                    # started before the program's context was known (an eviction at serve's
+                    # gate, before any operation's callback): current from now on, else every
+                    # driver call of this thread fails (a suspect for evict errors seen on an H200)
+                    self.ops.enter()
+                    entered = True
                 base = item if isinstance(item, int) else item[0]
                 try:
                     if isinstance(item, int):

@@ -156,7 +156,8 @@ MAN_SECTIONS = {
     ),
     "SERVING": (
         "`gpu-prefetch-sched serve --budget SIZE [--slice 50ms] [--policy belady|lru] [--lookahead N] "
-        "[--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as `run` would (the agent, its "
+        "[--switch serial|overlap] [--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as "
+        "`run` would (the agent, its "
         "CuPy memory owned, the online policy) and time-slices them on the GPU. `--budget` is bytes "
         "with a unit (see BUDGET; a percentage is refused, the jobs' footprint is not known before "
         "they run): the most owned memory ALL the jobs may hold mapped together. `--slice` is a "
@@ -169,34 +170,56 @@ MAN_SECTIONS = {
         "(the incoming job's want: what it had mapped when it last ran), in its own Belady order "
         "(the record its learned period uses furthest ahead first, so what its next launches "
         "need goes last; LRU with `--policy lru`), waits until the releases have completed, and "
-        "reports the bytes it still holds. If the jobs that wait hold too much for the incoming "
+        "reports the bytes it keeps. If the jobs that wait hold too much for the incoming "
         "one, they are trimmed the same way, the one whose turn is furthest first. The incoming "
-        "job is granted a budget of the total minus what the others hold, and before its "
+        "job is granted a budget of the total minus what the others keep, and before its "
         "operation goes on it prefetches its predicted next working sets (one period ahead, at "
         "least `--lookahead` launches) as far as that budget allows: the loads that fit are "
         "enqueued at once on the engine's prefetch stream, the rest follow as room comes. While "
-        "it runs, its budget follows what the others hold (a job that starts, is trimmed or "
-        "ends). A job that ends, crashes or is killed leaves the rotation at once (its "
-        "connection closes); a job alone never waits and is never asked to yield.\n\n"
-        "Safety. Everything of SAFETY for `run` holds for each job. A job never waits for the "
-        "turn holding the agent's lock (it waits before taking it), so the engine's threads and "
-        "its own evictions go on. The preemption is cooperative: a job yields at its next "
-        "operation after the request, so one that computes on the host for long keeps the turn "
-        "meanwhile. Memory a job allocates is mapped at once: a job that allocates while "
-        "another holds the turn takes the total above the budget until it reports it (at its "
-        "next wait) and the holder evicts to its new budget. The budget is our own, below the "
+        "it runs, its budget follows what the others keep (a job that starts, is trimmed or "
+        "ends). A launch whose working set is larger than the holder's budget asks the "
+        "coordinator to trim the waiting jobs for it. A job that ends, crashes or is killed "
+        "leaves the rotation at once (its connection closes); a job alone never waits and is "
+        "never asked to yield.\n\n"
+        "`--switch overlap` (EXPERIMENTAL, MSched's switch): the outgoing job reports as soon as "
+        "its evictions are issued and the incoming job is granted at once; its loads wait in the "
+        "ledger (below) until the outgoing releases have completed, so saves and loads use both "
+        "directions of the link at once. On an H200 (2026-11-24) it failed its GPU test once in "
+        "three runs (a load waited 10 s and went over the budget), as the serial switch did once "
+        "(with evictions that failed on a job's evict thread, cause not found), and it was not "
+        "faster overall: it is not the default.\n\n"
+        "Safety. Everything of SAFETY for `run` holds for each job. The jobs share one byte ledger "
+        "(a small file, locked for every change): each job's owned bytes mapped, or about to be, "
+        "are booked in it; a load is booked BEFORE its memory is mapped and only if all the jobs' "
+        "bytes and it fit in the budget (else it waits while some job has evictions in flight or "
+        "is exiting; when nothing is, the holder asks the coordinator for room, then evicts its "
+        "own records outside the launch's working set, and only then, or after 10 s, loads over "
+        "the budget, counted as forced); a release is taken off AFTER the unmap; a job that ended "
+        "keeps its bytes booked until its process has been reaped. Memory a job allocates is "
+        "mapped at once: it is booked when the job next looks at its records, and may take the "
+        "sum above the budget (allocations are the program's) until the job's evictions bring "
+        "it back. A job never waits for the turn holding the agent's lock (it waits before "
+        "taking it), so the engine's threads and its own evictions go on. The preemption is "
+        "cooperative: a job yields at its next operation after the request, so one that computes "
+        "on the host for long keeps the turn meanwhile. The budget is our own, below the "
         "GPU's memory; nothing is oversubscribed in the driver.\n\n"
         "Output: a header, one `serve_job` record per job (job, argv, exit, ok, wall_s, turn_s "
         "(time holding the turn), grants, turn_waits and turn_wait_s (waits for the turn, "
-        "seconds), switches (yields), trims, budget_min and budget_max (budgets granted), "
-        "bytes_in, bytes_out, evictions, prefetches, demand_loads, footprint, peak_settled, "
-        "over_physical, combined_peak (the job's settled peak plus what the others held, as the "
-        "coordinator said: within the budget when the total held), throughput and "
-        "throughput_unit (the job's own: a `throughput` field of the last JSON object line it "
-        "printed, or its `steps` / `loop_s`), output (that line), summary (the job's "
-        "`sched_summary` as `run` gives it, with `serve`: the job's turn counters)), then "
-        "`serve_summary` (budget, slice_s, policy, lookahead, switches, wall_s, combined_peak, "
-        "errors). `--json FILE` writes the same as one object. A table goes to standard error. "
+        "seconds), switches (yields), trims, early_grants (grants made while another job's "
+        "evictions were still in flight: 0 with the serial switch), budget_min and budget_max "
+        "(budgets granted), bytes_in, bytes_out, evictions, prefetches, demand_loads, footprint, "
+        "peak_settled, over_physical, turn_peak (the job's own largest mapped bytes while it held "
+        "the turn), ledger_waits, forced_loads, evict_errors and evict_error (the engine's), "
+        "throughput and throughput_unit (the job's own: a `throughput` field of the last JSON "
+        "object line it printed, or its `steps` / `loop_s`), output (that line), summary (the "
+        "job's `sched_summary` as `run` gives it, with `serve`: the job's turn counters)), then "
+        "`serve_summary` (budget, slice_s, policy, lookahead, switch, switches, early_grants, "
+        "wall_s, combined_peak (the ledger's largest sum of every job's booked bytes, taken under "
+        "its lock at every increase: a bound of the jobs' true combined owned memory at any "
+        "instant, allocations included), combined_peak_loads (the same over the increases made "
+        "by loads: within the budget unless a load was forced), forced_loads, forced_over_max, "
+        "unreserved_maps (maps the executor had not booked first), alloc_charges, errors). "
+        "`--json FILE` writes the same as one object. A table goes to standard error. "
         "The exit status is 1 when any job failed (non-zero exit, or no summary)."
     ),
     "TIMELINE": (
@@ -541,7 +564,8 @@ def run(
     if serve_spec is not None:  # a job of `gpu-prefetch-sched serve`: its budget comes with each grant
         try:
             spec = _json.loads(serve_spec)
-            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"])}
+            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"]),
+                            "overlap": bool(spec.get("overlap", False)), "ledger": spec.get("ledger")}
         except (ValueError, KeyError, TypeError) as e:
             raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
         if "fraction" in cfg:
@@ -604,6 +628,10 @@ def serve_cmd(
                                help="Each job's victim choice, in its own launches and at its switches."),
     lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N",
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
+    switch: str = typer.Option("serial", "--switch", metavar="serial|overlap",
+                               help="serial (the default): the incoming job is granted once the outgoing job's evictions "
+                               "have completed; overlap (EXPERIMENTAL: failed its GPU test once in three runs): granted "
+                               "once they are issued, its loads wait in the ledger for their releases. See SERVING."),
     json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
 ) -> None:
     """Run several jobs on one GPU, time-sliced, their memory together within one budget.
@@ -613,9 +641,13 @@ def serve_cmd(
     at their next launch, copy or memset until granted. When the holder's slice is over and
     another job waits, the holder, at its next operation, evicts what its own predicted future
     needs last (Belady) down to what the incoming job leaves room for, waits until the releases
-    have completed, and reports what it still holds; the incoming job is granted a budget of
-    the total minus what the others hold and prefetches its predicted next working sets
-    before it goes on (MSched's context switch with working-set preparation). A job that ends
+    have completed and reports what it keeps; the incoming job is granted a budget of the total
+    minus what the others keep, and prefetches its predicted next working sets before it goes
+    on (MSched's context switch with working-set preparation). Every load of every job is
+    booked first in one shared ledger and waits there until all the jobs' mapped bytes and it
+    fit in the budget. --switch overlap (experimental) grants the incoming job once the
+    evictions are issued: its loads wait in the ledger for the releases, so saves and loads
+    overlap. A job that ends
     leaves the rotation; a job alone never waits. See SERVING.
 
     Standard output: a header, one `serve_job` record per job, then `serve_summary`; a table on
@@ -637,6 +669,8 @@ def serve_cmd(
         raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    if switch not in ("overlap", "serial"):
+        raise typer.BadParameter("must be overlap or serial", param_hint="--switch")
     try:
         size, percent = parse_budget_spec(budget)
         if percent is not None:
@@ -665,7 +699,7 @@ def serve_cmd(
     for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
         env.pop(k, None)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
-        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env)
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env, overlap=switch == "overlap")
     if json_file:
         try:
             with open(json_file, "w") as f:
@@ -675,7 +709,7 @@ def serve_cmd(
             raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
     with open_output("-") as writer:
         writer.write(make_header("gpu-prefetch-sched", mode="serve", jobs=[r["argv"] for r in result["jobs"]],
-                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead))
+                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead, switch=switch))
         for r in result["jobs"]:
             writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
                           "summary": r["summary"]})
@@ -694,8 +728,10 @@ def serve_cmd(
 def _serve_table(result: dict) -> None:
     """Per job, on standard error (plain columns: it is read in logs as often as on a terminal)."""
     print(f"gpu-prefetch-sched serve: budget {result['budget'] / 2**20:.0f} MiB, slice {result['slice_s'] * 1e3:g} ms, "
-          f"{result['switches']} switches, {result['wall_s']:.2f} s, combined peak "
-          f"{(result['combined_peak'] or 0) / 2**20:.0f} MiB", file=sys.stderr)
+          f"switch {result['switch']}, {result['switches']} switches ({result['early_grants']} early), "
+          f"{result['wall_s']:.2f} s, combined peak {(result['combined_peak'] or 0) / 2**20:.0f} MiB "
+          f"(at loads {(result['combined_peak_loads'] or 0) / 2**20:.0f}, {result['forced_loads']} loads forced over)",
+          file=sys.stderr)
     print(f"{'job':>3} {'exit':>4} {'wall_s':>7} {'turn_s':>7} {'waits':>5} {'wait_s':>7} {'switches':>8} "
           f"{'in_MiB':>7} {'out_MiB':>7}  throughput", file=sys.stderr)
     for r in result["jobs"]:

@@ -77,6 +77,8 @@ ENV = "GPUOS_SCHED_ONLINE"
 NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
 PARK_LIMIT = 1 << 62  #: parked bytes count against the budget and are trimmed when it is short
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
+NEED_WAIT_S = 0.2  #: serving: how long the coordinator's trims may take to show in the ledger
+INFLIGHT_REFRESH_S = 0.01  #: serving: a waiting job says its bytes in flight again this often
 POLL_S = 50e-6
 KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 
@@ -130,13 +132,27 @@ class Executor:
         self._others = 0  #: what the other jobs hold mapped, as the last grant or budget said
         self._want = 0
         self._turn_peak = 0
+        self._overlap = False  #: a switch's saves and the next job's loads overlap (experimental; else: in series)
+        self.ledger: Any = None  #: serve's byte ledger (gpuos_tools/sched/ledger.py), shared by the jobs
+        self._charged: dict[int, int] = {}  #: records booked in the ledger (mapped, or reserved to be)
+        self._book = threading.Lock()  #: ``_charged`` (taken after the engine's lock, before the ledger's)
+        self._inflight_said = -1
         self.turns = {"turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "yield_s": 0.0, "trims": 0,
                       "prepares": 0, "prepared": 0, "prepared_now": 0, "budget_updates": 0, "release_timeouts": 0,
-                      "combined_peak": 0, "gate_errors": 0}
+                      "ledger_waits": 0, "ledger_wait_s": 0.0, "room_asks": 0, "squeezes": 0, "forced_loads": 0,
+                      "prefetch_no_room": 0, "unreserved_maps": 0, "turn_peak_max": 0, "gate_errors": 0}
         if cfg.get("serve"):
             from gpuos_tools.sched.serve import Client
 
             srv = cfg["serve"]
+            self._overlap = bool(srv.get("overlap", False))
+            if srv.get("ledger"):
+                from gpuos_tools.sched.ledger import Ledger
+
+                self.ledger = Ledger(srv["ledger"], int(srv["job"]))
+                self.engine.ops = _LedgerOps(self.engine.ops, self)
+            elif not srv.get("unsafe_overlap"):  # (a test's knob: the overlap without the ledger, unsafe)
+                self._overlap = False  # no ledger, nothing makes the next job's loads wait: serial
             try:
                 self.serve = Client(srv["socket"], int(srv["job"]))
             except OSError as exc:  # not served, it would run over everyone's budget: it must not start
@@ -181,7 +197,152 @@ class Executor:
             self._bases = sorted(self._records)
             self._total = sum(self._records.values())
             self._key = key
+            if self.ledger is not None:
+                self._book_records(old)
         return self._records
+
+    # -- the ledger (serving): this job's booked bytes -------------------------------------------
+
+    def _book_records(self, old: dict[int, int]) -> None:
+        """The allocator's counts moved: records that went are unbooked (late: conservative);
+        every record mapped and not booked is booked now (an allocation, mapped by the allocator
+        when it was made: the ledger may pass its total, an allocation is the program's; an
+        address reused by a new allocation too), and a booked one whose size changed follows."""
+        eng = self.engine
+        with eng.lock, self._book:
+            for b in [b for b in self._charged if b not in self._records]:
+                self.ledger.uncharge(self._charged.pop(b))
+            new = 0
+            for b, size in self._records.items():
+                if b in self._charged:
+                    if self._charged[b] != size:
+                        diff = size - self._charged[b]
+                        self._charged[b] = size
+                        if diff > 0:
+                            new += diff
+                        else:
+                            self.ledger.uncharge(-diff)
+                elif eng.state(b) != "released":
+                    self._charged[b] = size
+                    new += size
+            self.ledger.charge(new, "alloc")
+
+    def _book_load(self, bases, force: bool = False) -> bool:
+        """Reserve in the ledger the records of ``bases`` that a load would map (released, not
+        booked yet), if all the jobs' bytes and these fit in the budget (or ``force``: booked
+        anyway, counted). ``_load_lock`` held. True when booked (or nothing to book)."""
+        if self.ledger is None:
+            return True
+        eng = self.engine
+        with eng.lock, self._book:
+            todo = {b: self._records[b] for b in bases if b in self._records and b not in self._charged
+                    and b in eng.pending and eng.pending[b].state == "released"}
+            if not self.ledger.reserve(sum(todo.values()), force):
+                return False
+            self._charged.update(todo)
+        if force and todo:
+            self.turns["forced_loads"] += 1
+        return True
+
+    def _unbook_unloaded(self, bases) -> None:
+        """Reserved records that were not loaded after all (freed meanwhile): unbooked."""
+        if self.ledger is None:
+            return
+        eng = self.engine
+        with eng.lock, self._book:
+            for b in bases:
+                if b in self._charged and b in eng.pending and eng.pending[b].state == "released":
+                    self.ledger.uncharge(self._charged.pop(b))
+
+    def _on_map(self, base: int) -> None:
+        """The engine maps ``base`` (its lock held): booked before, else booked now (counted)."""
+        with self._book:
+            if base in self._charged:
+                return
+            r = self.engine.ops.lookup(base)
+            size = r.size if r is not None else self._records.get(base, 0)
+            self._charged[base] = size
+            self.turns["unreserved_maps"] += 1
+            self.ledger.charge(size, "unreserved")
+
+    def _on_unmap(self, base: int) -> None:
+        """The engine released ``base`` (its lock held; the entry still says evicting): unbooked,
+        after the unmap."""
+        with self._book:
+            size = self._charged.pop(base, 0)
+            self.ledger.uncharge(size)
+        self._say_inflight(exclude=base)
+
+    def _evicting(self, exclude: int | None = None) -> int:
+        """Bytes of this job's evictions issued and not released yet (mapped meanwhile)."""
+        eng = self.engine
+        with eng.lock:
+            return sum(e.size for e in eng.pending.values() if e.state == "evicting" and e.base != exclude)
+
+    def _say_inflight(self, exclude: int | None = None) -> None:
+        """This job's evictions in flight, in the ledger when they changed (computed and written
+        under the engine's lock: two threads never write them out of order)."""
+        if self.ledger is None:
+            return
+        with self.engine.lock:
+            n = self._evicting(exclude)
+            if n != self._inflight_said:
+                self._inflight_said = n
+                self.ledger.set_inflight(n)
+
+    def policy_total(self) -> int:
+        """The serve's total (the budget of a job alone)."""
+        return self.ledger.total if self.ledger is not None else self._budget + self._others
+
+    def _room_from_coordinator(self, want: int, budget: int) -> int:
+        """Serving, a launch's working set is larger than this job's budget (the others keep
+        too much: its want was not known): ask the coordinator to trim the waiting jobs for
+        ``want`` and wait (up to NEED_WAIT_S) for the budget that follows; the budget now."""
+        c = self.serve
+        self._ask_room(want)
+        t = time.perf_counter()
+        while time.perf_counter() - t < NEED_WAIT_S and not c.gone:
+            msg = c.update
+            if msg is not None and int(msg["budget"]) >= want:
+                c.update = None
+                self._set_budget(int(msg["budget"]), int(msg["others"]))
+                self.turns["budget_updates"] += 1
+                return int(msg["budget"])
+            time.sleep(POLL_S * 4)
+        return budget
+
+    def _ask_room(self, want: int) -> None:
+        """Tell the coordinator this job, holding the turn, needs ``want`` bytes mapped: it trims
+        the waiting jobs for it (``need``)."""
+        c = self.serve
+        if c is None:
+            return
+        self._want = max(self._want, want)
+        try:
+            c.send({"op": "need", "want": self._want})
+            self.turns["room_asks"] += 1
+        except OSError:
+            pass
+
+    def _squeeze(self, ws, need: int) -> bool:
+        """A load of this job's does not fit in the ledger although it fits in the job's budget,
+        and nothing is in flight anywhere: the others hold more than the coordinator said (an
+        allocation not reported yet). Evict this job's own records outside ``ws`` (the policy's
+        order) to make the room (agent's lock held: inside an operation's callback). True when
+        evictions were issued."""
+        snap = self.ledger.snapshot()
+        short = snap["sum"] + need - self.ledger.total
+        if short <= 0:
+            return False
+        with self._load_lock:
+            recs = self.records()
+            victims = [b for op, b in self.policy.shed(max(0, self.policy.used - short), recs, protect=set(ws))
+                       if op == "evict"]
+            for b in victims:
+                self._evict(b)
+        self._say_inflight()
+        self.turns["squeezes"] += 1
+        return bool(victims)
 
     def bases_of(self, addrs) -> list[int]:
         """The records holding any of ``addrs`` (others: not owned, nothing to do)."""
@@ -265,6 +426,8 @@ class Executor:
             for op, arg in actions:
                 if op == "evict":
                     self._evict(arg)
+        if self.ledger is not None and any(op == "evict" for op, _ in actions):
+            self._say_inflight()
         for op, arg in actions:
             if op == "require":
                 self._require(arg, recs, budget, stream)
@@ -339,9 +502,11 @@ class Executor:
             c["peak_settled"] = max(c["peak_settled"], now)
             if now > budget and not over_budget:
                 c["over_physical"] += 1
-            if self.serve is not None:  # with the other jobs' memory, as the coordinator said
+            if self.serve is not None:  # this job's part; the combined peak is the ledger's (serve.py)
                 self._turn_peak = max(self._turn_peak, now)
-                self.turns["combined_peak"] = max(self.turns["combined_peak"], now + self._others)
+                self.turns["turn_peak_max"] = max(self.turns["turn_peak_max"], now)
+        if self.ledger is not None:
+            self._say_inflight()
 
     def _released(self, bases) -> int:
         eng = self.engine
@@ -352,9 +517,16 @@ class Executor:
         """The engine's require of ``bases`` (None: all), once what it loads fits under the
         budget beside what is mapped: evictions in flight free the room (a host wait, a stall)."""
         ws = list(recs) if bases is None else bases
-        too_big = sum(recs[b] for b in ws if b in recs) > budget  # over budget anyway: no wait
+        ws_bytes = sum(recs[b] for b in ws if b in recs)
+        too_big = ws_bytes > budget  # over budget anyway: no wait
+        if too_big and self.serve is not None and self._released(ws) and ws_bytes <= self.policy_total():
+            budget = self._room_from_coordinator(ws_bytes, budget)  # the others trimmed for it
+            too_big = ws_bytes > budget
         t = time.perf_counter()
         waited = False
+        led_t: float | None = None  # since when the ledger (the other jobs' bytes) holds it back
+        asked: float | None = None  # when the coordinator was asked for the room (``need``)
+        squeezed = False
         self._demand.set()  # the mover holds off: the launch at hand goes first
         try:
             while True:
@@ -362,16 +534,50 @@ class Executor:
                     need = self._released(ws)
                     late = time.perf_counter() - t > ROOM_TIMEOUT_S
                     if not need or too_big or late or self._fits(ws, need, budget):
-                        if late:
-                            self.counts["room_timeouts"] += 1
-                        if need:
-                            self._event("load", need)
-                        self.engine.require(bases, stream)
-                        break
+                        # serving: the ledger too; past the budget only when waiting cannot help
+                        stuck = False
+                        if need and self.ledger is not None and not late:
+                            stuck = squeezed and not self.ledger.anything_in_flight()
+                        elif self.ledger is None:
+                            stuck = too_big
+                        with self.engine.lock:  # no release between the booking and the loads it books
+                            booked = self._book_load(ws, force=late or stuck)
+                            if booked:
+                                if late:
+                                    self.counts["room_timeouts"] += 1
+                                if need:
+                                    self._event("load", need)
+                                self.engine.require(bases, stream)
+                                self._unbook_unloaded(ws)
+                        if booked:
+                            break
+                        now = time.perf_counter()
+                        if led_t is None:
+                            led_t = now
+                        need_now = 0
+                        if not self.ledger.anything_in_flight():
+                            # waiting cannot help: first the coordinator trims the waiting jobs
+                            # for this job's want; then this job evicts its own records (the
+                            # others hold more than it knew); then the load goes over, counted
+                            if asked is None:
+                                asked = now
+                                self._ask_room(self.physical() + need)
+                            elif not squeezed and now - asked > NEED_WAIT_S:
+                                squeezed = True
+                                need_now = need
+                    else:
+                        need_now = 0
+                if need_now:
+                    self._squeeze(ws, need_now)
+                elif led_t is not None:
+                    self._say_inflight()  # an eviction of this job's that failed is in flight no more
                 waited = True
                 time.sleep(POLL_S)
         finally:
             self._demand.clear()
+        if led_t is not None:
+            self.turns["ledger_waits"] += 1
+            self.turns["ledger_wait_s"] += time.perf_counter() - led_t
         if waited:
             self.counts["room_waits"] += 1
             self.counts["room_wait_s"] += time.perf_counter() - t
@@ -412,7 +618,24 @@ class Executor:
                         if not self._demand.is_set():
                             need = self._released([base])
                             late = time.perf_counter() - t > ROOM_TIMEOUT_S
-                            if not need or late or self._fits([base], need, self._budget):
+                            if self.ledger is not None and (not need or late or self.physical() + need <= self._budget):
+                                # serving: a prefetch never goes past the ledger; when waiting
+                                # cannot help (nothing in flight) or took too long, it is dropped
+                                # (the launch that needs the record loads it on demand)
+                                with eng.lock:  # no release between the booking and the load
+                                    booked = self._book_load([base])
+                                    if booked:
+                                        if need:
+                                            self._event("prefetch", need)
+                                        eng.prefetch(base)
+                                        self._unbook_unloaded([base])
+                                if booked:
+                                    break
+                                if late or not self.ledger.anything_in_flight():
+                                    self.turns["prefetch_no_room"] += 1
+                                    self.policy.forget(base)
+                                    break
+                            elif not need or late or self._fits([base], need, self._budget):
                                 if late:
                                     self.counts["room_timeouts"] += 1
                                 # a load from the engine's own host copy leaves it clean until written
@@ -475,20 +698,32 @@ class Executor:
             c.close()
 
     def _wait_turn(self) -> None:
-        """Say what this job holds, then wait for the grant (trimming when asked meanwhile)."""
+        """Say what this job holds, then wait for the grant (trimming when asked meanwhile).
+
+        ``mapped`` is what this job keeps once its evictions in flight complete, ``releasing``
+        what they still hold (serial switch: none, ``_shed`` waited for them). The coordinator's
+        budgets count kept bytes; the bytes in flight are the ledger's business: the next
+        job's loads wait in it until the releases complete (overlapped switch)."""
         c = self.serve
         t = time.perf_counter()
-        mapped = self._mapped_now()
+        mapped, releasing = self._holding()
         self._want = max(self._want, mapped)
-        c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": self._turn_peak})
+        c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": self._turn_peak, "releasing": releasing})
         self._turn_peak = 0
         while True:
-            msg = c.inbox.get()
+            try:  # this job's bytes in flight said again meanwhile: a cancelled eviction, or one that
+                # failed on the engine's evict thread, leaves no release to say it (else the
+                # holder's loads would wait for them up to ROOM_TIMEOUT_S)
+                msg = c.inbox.get(timeout=INFLIGHT_REFRESH_S if self.ledger is not None else None)
+            except queue.Empty:
+                self._say_inflight()
+                continue
             op = msg.get("op")
             if op == "trim":
                 self._shed(int(msg["keep"]))
                 self.turns["trims"] += 1
-                c.send({"op": "wait", "mapped": self._mapped_now(), "want": self._want, "peak": 0})
+                mapped, releasing = self._holding()
+                c.send({"op": "wait", "mapped": mapped, "want": self._want, "peak": 0, "releasing": releasing})
             elif op == "grant":
                 c.update = None  # sent before the grant (while this job held the turn): stale
                 self._grant(int(msg["budget"]), int(msg["others"]))
@@ -504,6 +739,16 @@ class Executor:
             self.records()
             return self.physical()
 
+    def _holding(self) -> tuple[int, int]:
+        """(owned bytes mapped once the evictions in flight complete, bytes they still hold),
+        read together under the engine's lock (a release between two reads would count twice)."""
+        with self.engine.agent.lock:
+            self.records()
+            with self.engine.lock:
+                now = self.physical()
+                releasing = self._evicting()
+        return max(0, now - releasing), releasing
+
     def _set_budget(self, budget: int, others: int) -> None:
         """The budget of the next decisions (agent's lock not needed: the program's thread, at
         its gate, is the only one deciding)."""
@@ -517,13 +762,17 @@ class Executor:
     def _reconcile(self) -> None:
         """The policy's books after the mover was held (``_load_lock`` held): what it counted as
         prefetched but was never loaded is not resident."""
+        self.policy._sync(self.records())  # records seen for the first time: resident unless released
         for b in list(self.policy.resident):
             if self.engine.state(b) == "released":
                 self.policy.forget(b)
 
     def _shed(self, keep: int) -> None:
-        """At a yield or a trim: evict down to ``keep`` bytes mapped (the policy's order), then
-        wait until the releases have completed (no lock of ours held: see ``gate``)."""
+        """At a yield or a trim: evict down to ``keep`` bytes mapped (the policy's order). The
+        serial switch then waits until every eviction of this job has been released (no lock
+        of ours held: see ``gate``), so the next job is granted with nothing in flight; the
+        overlapped one returns at once: the evictions are in the ledger's ``inflight`` before
+        the ``wait`` that lets the coordinator grant the next job goes."""
         agent = self.engine.agent
         with agent.lock, self._load_lock:
             self._hold = True  # the mover issues nothing until the next grant
@@ -532,17 +781,15 @@ class Executor:
             victims = [b for op, b in self.policy.shed(keep, recs) if op == "evict"]
             for b in victims:
                 self._evict(b, own=0)
-        eng = self.engine
-        deadline = time.perf_counter() + ROOM_TIMEOUT_S
-        while True:
-            with eng.lock:
-                busy = any(b in eng.pending and eng.pending[b].state == "evicting" for b in victims)
-            if not busy:
-                break
-            if time.perf_counter() > deadline:
-                self.turns["release_timeouts"] += 1
-                break
-            time.sleep(POLL_S * 4)
+        self._say_inflight()
+        if not self._overlap:
+            deadline = time.perf_counter() + ROOM_TIMEOUT_S
+            while self._evicting():
+                if time.perf_counter() > deadline:
+                    self.turns["release_timeouts"] += 1
+                    break
+                time.sleep(POLL_S * 4)
+            self._say_inflight()
         self._measure(self._budget, False)
 
     def _grant(self, budget: int, others: int) -> None:
@@ -565,12 +812,14 @@ class Executor:
         issued = 0
         with self._load_lock:
             for b in pre:
-                need = self._released([b])
-                if need and not self._fits([b], need, self._budget):
-                    break
-                if need:
-                    self._event("prefetch", need)
-                self.engine.prefetch(b)
+                with self.engine.lock:  # no release between the booking and the load
+                    need = self._released([b])
+                    if need and (self.physical() + need > self._budget or not self._book_load([b])):
+                        break  # the mover waits for the room (the others' releases in flight)
+                    if need:
+                        self._event("prefetch", need)
+                    self.engine.prefetch(b)
+                    self._unbook_unloaded([b])
                 issued += 1
         if pre[issued:]:
             self._start_mover()
@@ -592,6 +841,8 @@ class Executor:
             self._mover.join(30)
         if self.serve is not None:  # the coordinator sees the connection close: out of the rotation
             self.serve.close()
+        if self.ledger is not None:  # its bytes stay booked until the coordinator reaps the process
+            self.turns["ledger"] = {k: self.ledger.snapshot()[k] for k in ("peak", "peak_loads", "forced_loads")}
 
     def timeline(self) -> dict[str, Any]:
         """The event log (module docstring) with what a picture's title needs."""
@@ -723,6 +974,27 @@ class OnlineAgent(Agent):
             if path:
                 _write_json(path, ex.summary(), "summary")
         super().stop_background()
+
+
+class _LedgerOps:
+    """The engine's ops under serve's ledger: after each ``make_resident`` and ``release`` (the
+    engine's lock held) the executor's books follow (``Executor._on_map`` / ``_on_unmap``);
+    everything else goes to the real ops."""
+
+    def __init__(self, ops: Any, ex: Executor) -> None:
+        self._ops = ops
+        self._ex = ex
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ops, name)
+
+    def make_resident(self, base: int) -> None:
+        self._ex._on_map(base)  # booked before the map (a reservation, or now: counted)
+        self._ops.make_resident(base)
+
+    def release(self, base: int) -> None:
+        self._ops.release(base)
+        self._ex._on_unmap(base)
 
 
 def _write_json(path: str, data: Any, what: str, **dump: Any) -> None:

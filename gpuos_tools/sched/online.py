@@ -360,14 +360,15 @@ class OnlinePolicy:
 
     # -- a switch between jobs (gpu-prefetch-sched serve) ------------------------------------
 
-    def shed(self, keep: int, records: Mapping[int, int]) -> list[Action]:
+    def shed(self, keep: int, records: Mapping[int, int], protect: set[int] | frozenset[int] = frozenset()) -> list[Action]:
         """Evictions down to ``keep`` bytes resident, at a switch: the records used furthest
         ahead in the learned period first (Belady; LRU without a period, or with lru), so what
-        the next launches need goes last."""
+        the next launches need goes last; never one of ``protect`` (a launch's working set)."""
         self._sync(records)
         actions: list[Action] = []
+        protected = set(protect)
         while self.used > keep:
-            v = self._victim(set(), -1)
+            v = self._victim(protected, -1)
             if v is None:
                 break
             self._evict(v, actions)

@@ -10,18 +10,27 @@ The protocol: one JSON object a line, each way.
 
 job -> coordinator
   ``hello {job, pid}``                 at the executor's start.
-  ``wait {mapped, want, peak}``         the job needs the turn (its program is at an operation)
+  ``wait {mapped, want, peak, releasing}``
+                                        the job needs the turn (its program is at an operation)
                                         and blocks until ``grant``; ``mapped``: its owned bytes
-                                        mapped now (its evictions completed), ``want``: what it
-                                        had mapped while it last ran (at its first wait: what it
-                                        has), ``peak``: its turn's settled peak (figures only).
+                                        that stay mapped once its evictions in flight complete
+                                        (what it KEEPS), ``releasing``: the bytes those
+                                        evictions still hold (0 with the serial switch, which
+                                        waited for them), ``want``: what it had mapped while it
+                                        last ran (at its first wait: what it has), ``peak``: its
+                                        turn's settled peak (figures only).
+  ``need {want}``                       (the holder) a load of its does not fit: its working
+                                        set is larger than its budget, or the ledger has no room
+                                        and nothing is in flight; the coordinator raises its
+                                        want and trims the waiting jobs for it.
 coordinator -> job
   ``grant {budget, others}``            the turn: ``budget`` = total - ``others``, the bytes
-                                        the other jobs hold mapped (as they last said).
+                                        the other jobs keep (as they last said).
   ``yield {keep}``                      (to the holder) its slice is over and a job waits: at its
                                         next operation it evicts down to ``keep`` bytes (Belady
-                                        by its own predicted future), waits for the releases,
-                                        and sends ``wait``.
+                                        by its own predicted future) and sends ``wait`` once the
+                                        evictions are issued (``--switch serial``: once they
+                                        have been released).
   ``trim {keep}``                       (to a waiting job) evict down to ``keep`` the same way,
                                         then ``wait`` again: room for the job about to run.
   ``budget {budget, others}``           (to the holder) the others' memory changed (a job came,
@@ -29,18 +38,74 @@ coordinator -> job
 
 The coordinator's rules (``Coordinator``): the turn goes round in the order jobs asked for it;
 the holder is asked to yield once it has held the turn for ``slice_s`` and another job waits
-(never when alone). Before a job N is granted, the jobs that do not run hold at most
+(never when alone). Before a job N is granted, the jobs that do not run keep at most
 total - min(want(N), total): the outgoing job keeps at most what is left after N's want and the
 other waiting jobs, and if that is not enough, waiting jobs are trimmed, the last in the queue
 first (whose turn is furthest). N is granted once no trim is outstanding, with budget = total -
-what the others hold. A job that ends (its connection closes: exit, crash or kill) leaves the
-rotation at once, its memory counted as 0; if it held the turn, the next job is granted.
+what the others keep. A job that ends (its connection closes: exit, crash or kill) leaves the
+rotation at once, its memory counted as 0 in the budgets; if it held the turn, the next job is
+granted.
+
+The budget invariant. The memory in question is the jobs' OWNED records (what the agent's
+allocator maps; each job's `run` policy moves only those). Let T be the budget (``--budget``).
+Every job j has a ledger entry held[j] (gpuos_tools/sched/ledger.py: one small shared file,
+locked for every change), and the invariant is
+
+    at every instant:  mapped[j] <= held[j] for every job j,  and  sum_j held[j] <= T
+
+except for allocations (below). The bytes and who they count against:
+
+- mapped by job j (resident, idle or in use): held[j], whoever holds the turn;
+- a load in flight (j's ``make_resident`` + copy): held[j] from BEFORE the map: a load is
+  booked first (``Ledger.reserve``), only if everybody's held bytes and it fit in T; else it
+  waits (below);
+- a release in flight (j's save issued, the memory still mapped): held[j] until AFTER the unmap
+  (the executor's ops wrapper takes it off once ``release`` returned). Meanwhile it is counted in
+  inflight[j] too, which says that waiting for it will make room;
+- an allocation the program makes (mapped at once by the allocator, whether or not the job
+  holds the turn): held[j] from the job's next look at its records (its next operation or
+  wait); that can take the sum above T: allocations are the program's, not ours. A waiting
+  job's program thread is blocked at its gate, so this is a job's memory before its first
+  wait, or the holder's own, which its next decision evicts to its budget;
+- a job that has ended: held[j] until its process has been reaped (a process's memory stays
+  mapped after it closed its connection; counting it 0 from the close let the next job load
+  over T: seen in the CPU stress test, tests/test_sched_serve.py);
+- the coordinator's budgets count what the jobs KEEP (``mapped`` in ``wait``), not what they
+  are still releasing: a budget is a plan for the holder's decisions; the ledger, not the
+  budget, decides when a load may map.
+
+Who may map what when: only the holder's program thread and its mover load (a waiting job's
+mover is held from its yield to its next grant, its program thread is blocked at its gate);
+every load of theirs waits for the ledger. A load that does not fit waits while some job has
+bytes in flight (or is exiting); if nothing is in flight, waiting cannot help: the holder asks
+the coordinator to trim the waiting jobs for it (``need``), then evicts its own records outside
+the working set at hand, and only then, or after ROOM_TIMEOUT_S, books it over T (counted:
+``forced_loads``). A prefetch that does not fit and cannot wait is dropped instead (the launch
+that needs the record loads it on demand).
+
+The switch. Serial (the default): the outgoing job (and a trimmed one) waits until every
+eviction of its own has been released before its ``wait`` goes, so the incoming job is granted
+with nothing in flight (``early_grants`` counts grants made while another live job still had
+bytes in flight: 0 with serial). Overlapped (``--switch overlap``, MSched's; EXPERIMENTAL): the
+outgoing job issues its evictions (they are in inflight[] before its ``wait`` goes) and the
+incoming job is granted at once; its loads wait in the ledger for the outgoing releases, so
+saves and loads use both directions of the link at once, and the sum stays within T because no
+load is booked before the bytes it replaces have been unmapped. The CPU stress test holds it
+(tests/test_sched_serve.py: hundreds of switches, slow random saves and loads, the true sum of
+the fakes' mapped bytes); on an H200 its GPU test failed once in three runs (a load that waited
+10 s for room and was then forced over T; the serial switch failed once too, with evictions
+that failed on a job's evict thread), so it is not the default.
+
+How the combined peak is measured: under the ledger's lock, at every increase of the sum (a
+booking or a charge), so ``peak`` is the maximum of the true instantaneous sum of held[] --
+not per-job peaks taken at different moments, nor a job's own bytes plus what the others last
+said (the first build's measure). Since held[j] >= mapped[j] at every instant, it bounds the
+jobs' true combined owned memory from above. ``peak_loads`` is the same maximum over the
+increases made by loads: never above T unless a load was forced (``forced_loads``);
+``combined_peak`` (= ``peak``) includes allocations, which may pass T.
 
 The preemption is cooperative: a job yields at its next launch, copy or memset after the
-request; one that computes on the host for a long time keeps the turn meanwhile. Memory a job
-allocates is mapped at once (as in `run`): a job allocating while another holds the turn takes
-the total above the budget until its next wait reports it and the holder's next decision
-evicts to its new budget.
+request; one that computes on the host for a long time keeps the turn meanwhile.
 """
 
 from __future__ import annotations
@@ -105,17 +170,20 @@ class Job:
     wait_since: float | None = None
     counts: dict[str, Any] = field(default_factory=lambda: {
         "grants": 0, "turn_s": 0.0, "turn_waits": 0, "turn_wait_s": 0.0, "yields": 0, "trims": 0,
-        "budget_updates": 0, "budget_min": None, "budget_max": None, "left_holding": False, "peak": 0})
+        "budget_updates": 0, "early_grants": 0, "needs": 0, "budget_min": None, "budget_max": None, "left_holding": False,
+        "peak": 0})
+    releasing: int = 0  #: its evictions issued, not released yet, as it last said (figures only)
 
 
 class Coordinator:
     """The turn and the budget among the jobs (module docstring). ``step`` serves the socket
     for a while; the caller says when a job's process has exited (``leave``)."""
 
-    def __init__(self, path: str, total: int, slice_s: float, names: list[str]) -> None:
+    def __init__(self, path: str, total: int, slice_s: float, names: list[str], ledger: Any = None) -> None:
         if total <= 0:
             raise ValueError("the budget must be more than 0 bytes")
         self.path = path
+        self.ledger = ledger  #: the jobs' byte ledger (gpuos_tools/sched/ledger.py), or None
         self.total = total
         self.slice_s = slice_s
         self.jobs = [Job(i, n) for i, n in enumerate(names)]
@@ -224,11 +292,19 @@ class Coordinator:
         if j.state == "gone":
             return
         op = msg.get("op")
+        if op == "need":  # the holder's load does not fit: trim the waiting jobs for its want
+            j.want = max(j.want, int(msg.get("want", 0)))
+            j.counts["needs"] += 1
+            self._note(j.index, "need", j.want)
+            if j.state == "holding":
+                self._rebalance(j)
+            return
         if op != "wait":
             self.errors.append(f"job {j.index}: unknown message {msg}")
             return
         now = time.perf_counter()
         j.mapped = int(msg.get("mapped", 0))
+        j.releasing = max(0, int(msg.get("releasing", 0)))
         j.want = max(int(msg.get("want", 0)), j.mapped)
         j.counts["peak"] = max(j.counts["peak"], int(msg.get("peak", 0)))
         self._note(j.index, "wait", j.mapped)
@@ -258,6 +334,8 @@ class Coordinator:
             j.counts["left_holding"] = True
             self.holder = None
         j.state, j.mapped, j.trimming = "gone", 0, False
+        if self.ledger is not None:  # its bytes stay booked (and awaited) until its process is reaped
+            self.ledger.set_exiting(i)
         if i in self.queue:
             self.queue.remove(i)
         if j.conn is not None:
@@ -335,6 +413,8 @@ class Coordinator:
             j.counts["turn_wait_s"] += now - j.wait_since
             j.wait_since = None
         j.counts["grants"] += 1
+        if self.ledger is not None and self.ledger.inflight_of_others(j.index) > 0:
+            j.counts["early_grants"] += 1  # other jobs' releases still in flight (overlapped switch)
         self._span(j, b)
         if self._last is not None and self._last != j.index:
             self.switches += 1
@@ -422,11 +502,12 @@ class Client:
 # -- the serve command's driver ---------------------------------------------------------------
 
 
-def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int) -> list[str]:
+def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int,
+                overlap: bool = False, ledger: str | None = None) -> list[str]:
     """The job as `gpu-prefetch-sched run` with the coordinator's address in its config."""
     import sys
 
-    spec = json.dumps({"socket": socket_path, "job": job})
+    spec = json.dumps({"socket": socket_path, "job": job, "overlap": overlap, "ledger": ledger})
     return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(total),
             "--policy", policy, "--lookahead", str(lookahead), "--serve", spec, "--", *argv]
 
@@ -466,15 +547,23 @@ def throughput(own: dict[str, Any] | None) -> tuple[float | None, str | None]:
 
 
 def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, lookahead: int,
-               workdir: str, env: dict[str, str] | None = None, on_start: Any = None) -> dict[str, Any]:
+               workdir: str, env: dict[str, str] | None = None, on_start: Any = None,
+               overlap: bool = False) -> dict[str, Any]:
     """Start every job under the coordinator, serve them until all have ended, and return the
-    result (per job: exit status, times, turns, bytes moved, throughput). ``workdir`` holds
-    the socket and each job's stdout and stderr."""
+    result (per job: exit status, times, turns, bytes moved, throughput; the ledger's combined
+    peaks). ``workdir`` holds the socket, the ledger and each job's stdout and stderr.
+    ``overlap``: the overlapped switch (experimental: it failed the GPU test once in three runs
+    on an H200, see BENCHMARKS.md); the default is the serial one (saves complete, then the
+    grant)."""
     import subprocess
+
+    from gpuos_tools.sched.ledger import Ledger
 
     path = os.path.join(workdir, "serve.sock")
     names = [" ".join(argv) for argv in jobs]
-    coord = Coordinator(path, total, slice_s, names)
+    ledger_path = os.path.join(workdir, "serve.ledger")
+    ledger = Ledger(ledger_path, None, total=total, jobs=len(jobs))
+    coord = Coordinator(path, total, slice_s, names, ledger)
     procs: list[subprocess.Popen[bytes]] = []
     outs, t_start, t_end = [], [], [0.0] * len(jobs)
     t0 = time.perf_counter()
@@ -484,7 +573,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             err = open(os.path.join(workdir, f"job{i}.err"), "wb")
             outs.append((out, err))
             t_start.append(time.perf_counter())
-            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead),
+            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead, overlap, ledger_path),
                                           stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env))
             if on_start is not None:
                 on_start(i, procs[-1])
@@ -496,6 +585,7 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
                     codes[i] = p.returncode
                     t_end[i] = time.perf_counter()
                     coord.leave(i, f"exited {p.returncode}")
+                    ledger.zero(i)  # reaped: its memory is gone
     finally:
         for p in procs:
             if p.poll() is None:
@@ -506,6 +596,8 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             err.close()
         coord.close()
     wall = time.perf_counter() - t0
+    led = ledger.snapshot()
+    ledger.close()
     rows = []
     for i, argv in enumerate(jobs):
         with open(os.path.join(workdir, f"job{i}.out"), errors="replace") as f:
@@ -521,16 +613,23 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             "job": i, "argv": argv, "exit": codes[i], "ok": codes[i] == 0 and summary is not None,
             "wall_s": round(t_end[i] - t_start[i], 6), "turn_s": c["turn_s"], "grants": c["grants"],
             "turn_waits": c["turn_waits"], "turn_wait_s": c["turn_wait_s"], "switches": c["yields"],
-            "trims": c["trims"], "budget_min": c["budget_min"], "budget_max": c["budget_max"],
+            "trims": c["trims"], "early_grants": c["early_grants"],
+            "budget_min": c["budget_min"], "budget_max": c["budget_max"],
             "bytes_in": s.get("bytes_in"), "bytes_out": s.get("bytes_out"), "evictions": s.get("evictions"),
             "prefetches": s.get("prefetches"), "demand_loads": s.get("demand_loads"),
             "footprint": s.get("footprint"), "peak_settled": s.get("peak_settled"),
-            "over_physical": s.get("over_physical"), "combined_peak": turns.get("combined_peak"),
+            "over_physical": s.get("over_physical"), "turn_peak": turns.get("turn_peak_max"),
+            "ledger_waits": turns.get("ledger_waits"), "forced_loads": turns.get("forced_loads"),
+            "evict_errors": (s.get("engine") or {}).get("evict_errors", 0),
+            "evict_error": (s.get("engine") or {}).get("evict_error"),
             "throughput": tput, "throughput_unit": unit, "left_holding": c["left_holding"],
             "output": own,
             "summary": summary, "stderr_tail": err_text[-3000:] if codes[i] != 0 or summary is None else "",
         })
-    combined = [r["combined_peak"] for r in rows if r["combined_peak"] is not None]
     return {"type": "serve_summary", "budget": total, "slice_s": slice_s, "policy": policy, "lookahead": lookahead,
-            "jobs": rows, "switches": coord.switches, "wall_s": round(wall, 6),
-            "combined_peak": max(combined) if combined else None, "errors": coord.errors[:20]}
+            "switch": "overlap" if overlap else "serial", "jobs": rows, "switches": coord.switches,
+            "early_grants": sum(j.counts["early_grants"] for j in coord.jobs), "wall_s": round(wall, 6),
+            "combined_peak": led["peak"], "combined_peak_loads": led["peak_loads"],
+            "forced_loads": led["forced_loads"], "forced_over_max": led["forced_over_max"],
+            "unreserved_maps": led["unreserved_maps"], "alloc_charges": led["alloc_charges"],
+            "errors": coord.errors[:20]}

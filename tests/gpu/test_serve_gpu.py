@@ -1,8 +1,10 @@
 """`gpu-prefetch-sched serve` on a real GPU (pytest -m gpu): three CuPy stencil jobs of different
 sizes, seeds of work and lengths, whose memory together is ~175% of the budget, served
-time-sliced on one GPU (gpuos_tools/sched/serve.py, the executor's gate): each job's final
-arrays bit-identical to the same job run alone untraced, switches between them, and each job's
-mapped memory, beside what the others held, settled within the one budget."""
+time-sliced on one GPU (gpuos_tools/sched/serve.py, the executor's gate), with the serial and
+the (experimental) overlapped switch: each job's final arrays bit-identical to the same job run
+alone untraced, switches between them, and the ledger's sum of every job's booked bytes (a
+bound of their true combined owned memory at every instant) never taken past the budget by a
+load (allocations may: reported); no early grant with the serial switch."""
 
 from __future__ import annotations
 
@@ -62,9 +64,9 @@ def serve(tmp: Path, *opts: str) -> tuple[dict, list[dict]]:
     return result, result["jobs"]
 
 
-@pytest.mark.parametrize("policy", ["belady", "lru"])
-def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within_it(tmp_path, plain, policy):
-    result, jobs = serve(tmp_path, "--slice", "50ms", "--policy", policy)
+@pytest.mark.parametrize("policy,switch", [("belady", "overlap"), ("lru", "overlap"), ("belady", "serial")])
+def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within_it(tmp_path, plain, policy, switch):
+    result, jobs = serve(tmp_path, "--slice", "50ms", "--policy", policy, "--switch", switch)
     footprint = sum(p["total_bytes"] for p in plain)
     assert 1.5 * BUDGET <= footprint <= 2.0 * BUDGET, footprint / BUDGET
     for r, ref in zip(jobs, plain):
@@ -75,16 +77,25 @@ def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within
         s = r["summary"]
         assert s["footprint"] >= ref["total_bytes"], s
         assert s["unknown"] == 0 and "error" not in s, s
-        assert s["engine"].get("evict_errors", 0) == 0 and s["executor"]["mover_errors"] == 0, s["engine"]
+        assert s["engine"].get("evict_errors", 0) == 0, (s["engine"].get("evict_errors"), s["engine"].get("evict_error"))
+        assert s["executor"]["mover_errors"] == 0, s["executor"]
         sv = s["serve"]
         assert sv["gate_errors"] == 0 and sv["release_timeouts"] == 0, sv
         assert r["grants"] >= 1 and sv["prepares"] == r["grants"], (r, sv)
-        # settled within its budget, which is the total less what the others held: together within it
         assert s["over_physical"] == 0, s["executor"]
-        assert sv["combined_peak"] <= BUDGET, (sv["combined_peak"] / MIB, r["job"])
+        assert sv["forced_loads"] == 0 and sv["unreserved_maps"] == 0, {k: sv[k] for k in (
+            "forced_loads", "unreserved_maps", "ledger_waits", "ledger_wait_s", "room_asks", "squeezes")}
         assert r["bytes_in"] > 0 and r["bytes_out"] > 0, r
     assert result["switches"] > 0 and sum(r["switches"] for r in jobs) > 0, result
-    assert result["combined_peak"] <= BUDGET
+    # the ledger's true instantaneous sum of every job's booked bytes (>= what is mapped): no
+    # load ever took it past the budget; allocations may (a job maps its arrays as it makes
+    # them), reported as combined_peak
+    assert result["combined_peak_loads"] <= BUDGET, result["combined_peak_loads"] / MIB
+    assert result["forced_loads"] == 0 and result["unreserved_maps"] == 0, result
+    sys.stderr.write(f"{switch}: combined peak {result['combined_peak'] / MIB:.0f} MiB, at loads "
+                     f"{result['combined_peak_loads'] / MIB:.0f} MiB, early grants {result['early_grants']}\n")
+    if switch == "serial":
+        assert result["early_grants"] == 0, result["early_grants"]
     # every job waited for the turn at least once (its first operation, or after a switch)
     assert all(r["turn_waits"] >= 1 for r in jobs), [r["turn_waits"] for r in jobs]
 
