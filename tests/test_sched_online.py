@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from gpuos_tools.sched.online import NEVER, OnlinePolicy, Period
+from gpuos_tools.sched.online import MATCH_CHECK, NEVER, OCCURRENCES, OnlinePolicy, Period
 
 MiB = 1 << 20
 
@@ -124,6 +124,75 @@ def test_period_of_one_and_no_period_in_random_keys():
     for _ in range(300):
         per.push(rnd.randrange(10**6))
     assert per.known is None
+
+
+class SlowPeriod:
+    """The period learner as it was before its search used hashes (a deque, and up to
+    MATCH_CHECK comparisons per candidate): the reference the fast one must agree with."""
+
+    def __init__(self, history: int) -> None:
+        from collections import deque
+
+        self.keys = deque(maxlen=history)
+        self.start, self.seen, self.p, self.matched = 0, {}, None, 0
+
+    def known(self):
+        p = self.p
+        return p if p is not None and self.matched >= min(p, MATCH_CHECK) else None
+
+    def push(self, key: int) -> None:
+        from collections import deque
+
+        i = self.start + len(self.keys)
+        at = lambda j: self.keys[j - self.start]  # noqa: E731
+        if self.p is not None:
+            j = i - self.p
+            if j >= self.start and at(j) == key:
+                self.matched += 1
+            else:
+                self.p = None
+        if self.p is None:
+            for j in reversed(self.seen.get(key, ())):
+                p = i - j
+                if j < self.start:
+                    break
+                m, limit = 0, min(p - 1, MATCH_CHECK)
+                while m < limit and i - 1 - m - p >= self.start and at(i - 1 - m) == at(i - 1 - m - p):
+                    m += 1
+                if m == limit:
+                    self.p, self.matched = p, m + 1
+                    break
+            self.seen.setdefault(key, deque(maxlen=OCCURRENCES)).append(i)
+        if len(self.keys) == self.keys.maxlen:
+            self.start += 1
+        self.keys.append(key)
+
+
+def _sequences(rnd: random.Random):
+    """Random keys, periodic ones with noise, runs of one key, periods past MATCH_CHECK."""
+    yield [rnd.randrange(4) for _ in range(600)]
+    for p in (1, 3, 50, 70, 150):
+        base = [rnd.randrange(40) for _ in range(p)]
+        yield [base[i % p] if rnd.random() > 0.03 else 100 + rnd.randrange(5) for i in range(1200)]
+    yield [k for _ in range(30) for k in [1] * rnd.randrange(1, 8) + [2, 3]]
+    yield [k for _ in range(20) for k in rnd.sample(range(30), 30)]
+
+
+@pytest.mark.parametrize("history", [64, 300, 1 << 16])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_hashed_search_finds_what_comparing_every_key_finds(history, seed):
+    """Same candidate, same moment, same prediction as the plain search, also where the
+    history's bound cuts windows and the list is trimmed (history 64, 300)."""
+    for seq in _sequences(random.Random(seed)):
+        fast, slow = Period(history), SlowPeriod(history)
+        for t, k in enumerate(seq):
+            fast.push(k)
+            slow.push(k)
+            assert (fast.p, fast.matched, fast.known) == (slow.p, slow.matched, slow.known()), t
+            assert fast.start == slow.start
+            if fast.known:
+                p = fast.known
+                assert fast.predict(p + 2) == [slow.keys[len(slow.keys) - p + (x % p)] for x in range(p + 2)]
 
 
 # -- the policy ------------------------------------------------------------------------------

@@ -66,11 +66,19 @@ class Period:
     taken. It counts as known once a whole period has repeated (or MATCH_CHECK keys matched);
     from then on each key must equal the one a period before it, else the period is dropped
     (``broken`` counts it) and a new one is looked for.
+
+    Cost: while no period holds, every key is a search. A candidate is tested by comparing the
+    polynomial hashes of the two windows (prefix hashes kept beside the keys: O(1) a test, not
+    up to MATCH_CHECK comparisons) and, only when they are equal, the keys themselves, so the
+    result is the one the plain comparison gives. The keys live in a list trimmed by halves
+    (O(1) indexing; a deque's middle costs O(n / 64)); only the last ``history`` count.
     """
 
     def __init__(self, history: int = HISTORY) -> None:
-        self.keys: deque[int] = deque(maxlen=history)
-        self.start = 0  #: absolute index of keys[0]
+        self.history = history
+        self._keys: list[int] = []
+        self._h: list[int] = [0]  #: _h[k]: hash of _keys[:k]
+        self._off = 0  #: absolute index of _keys[0]
         self.seen: dict[int, deque[int]] = {}  #: key -> its last absolute positions
         self.p: int | None = None  #: candidate period
         self.matched = 0  #: consecutive keys equal to the key p before them
@@ -79,10 +87,15 @@ class Period:
 
     @property
     def n(self) -> int:
-        return self.start + len(self.keys)
+        return self._off + len(self._keys)
+
+    @property
+    def start(self) -> int:
+        """Absolute index of the oldest key kept."""
+        return max(self._off, self.n - self.history)
 
     def _at(self, i: int) -> int:
-        return self.keys[i - self.start]
+        return self._keys[i - self._off]
 
     @property
     def known(self) -> int | None:
@@ -96,7 +109,7 @@ class Period:
         broke = False
         if self.p is not None:
             j = i - self.p
-            if j >= self.start and self._at(j) == key:
+            if j >= self.start and self._keys[j - self._off] == key:
                 self.matched += 1
             else:
                 if was is not None:
@@ -105,23 +118,44 @@ class Period:
                 self.p = None
         if self.p is None:
             self._candidate(i, key)
-        if self.keys.maxlen is not None and len(self.keys) == self.keys.maxlen:
-            self.start += 1
-        self.keys.append(key)
+        if len(self._keys) >= 2 * self.history:
+            self._trim()
+        self._keys.append(key)
+        self._h.append((self._h[-1] * _BASE + key + 1) % _MOD)
         if self.known is not None and (was is None or broke):
             self.learned += 1
 
+    def _trim(self) -> None:
+        drop = len(self._keys) - self.history
+        self._keys = self._keys[drop:]
+        self._off += drop
+        h, hs = 0, [0]
+        for k in self._keys:
+            h = (h * _BASE + k + 1) % _MOD
+            hs.append(h)
+        self._h = hs
+
+    def _window(self, a: int, b: int) -> int:
+        """Hash of the keys at absolute [a, b)."""
+        hs, off = self._h, self._off
+        return (hs[b - off] - hs[a - off] * _pow(b - a)) % _MOD
+
     def _candidate(self, i: int, key: int) -> None:
+        start = self.start
+        keys, off = self._keys, self._off
         for j in reversed(self.seen.get(key, ())):
             p = i - j
-            if j < self.start:
+            if j < start:
                 break
-            m = 0
             limit = min(p - 1, MATCH_CHECK)
-            while m < limit and i - 1 - m - p >= self.start and self._at(i - 1 - m) == self._at(i - 1 - m - p):
-                m += 1
-            if m == limit:
-                self.p, self.matched = p, m + 1  # the key itself matches too
+            # the last ``limit`` keys against the ``limit`` keys p before them, all kept
+            if i - limit - p < start:
+                continue
+            if limit and (keys[i - 1 - off] != keys[i - 1 - p - off]  # most candidates fail here
+                          or self._window(i - limit, i) != self._window(i - limit - p, i - p)):
+                continue
+            if all(keys[t - off] == keys[t - p - off] for t in range(i - limit, i)):
+                self.p, self.matched = p, limit + 1  # the key itself matches too
                 break
         occ = self.seen.get(key)
         if occ is None:
@@ -133,14 +167,26 @@ class Period:
         p = self.known
         if p is None or k <= 0:
             return []
-        i = self.n
-        return [self._at(i - p + (t % p)) for t in range(k)]
+        keys, base = self._keys, self.n - p - self._off
+        return [keys[base + (t % p)] for t in range(k)]
 
     def phase_uses(self) -> tuple[int, list[int]]:
         """(period, the keys of one period starting at the next launch)."""
         p = self.known
         assert p is not None
         return p, self.predict(p)
+
+
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+_POW = [1]
+
+
+def _pow(k: int) -> int:
+    """_BASE ** k mod _MOD (k <= MATCH_CHECK: a table)."""
+    while len(_POW) <= k:
+        _POW.append(_POW[-1] * _BASE % _MOD)
+    return _POW[k]
 
 
 @dataclass
