@@ -367,6 +367,34 @@ def test_random_programs_never_run_a_launch_without_its_memory(seed):
             drive(pol, records, launches, 12 * MiB)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_victim_is_the_resident_record_used_furthest_ahead_lru_first_among_equals(seed):
+    """_victim's inlined scan against the definition: max of _next_use over the resident
+    records outside the protected ones, the least recently used first among equals; with
+    unknown launches in the period (they use every record) and records outside it."""
+    rnd = random.Random(seed)
+    records = {0x100 * (i + 1): MiB for i in range(12)}
+    bases = list(records)
+    body = [("k%d" % rnd.randrange(3), rnd.sample(bases[:8], rnd.randint(1, 3))) for _ in range(rnd.randint(4, 9))]
+    if seed % 2:
+        body.insert(rnd.randrange(len(body)), ("odd", None))
+    pol = OnlinePolicy(1 << 40)
+    checked = 0
+    for kernel, bs in body * 6:
+        pol.before(kernel, bs, records)
+        for _ in range(3):
+            protected = set(rnd.sample(bases, rnd.randint(0, 4)))
+            later = rnd.choice([-1, 0, 2, 5])
+            best, best_use = None, -1
+            for b in pol.resident:
+                if b not in protected and pol._next_use(b) > best_use:
+                    best, best_use = b, pol._next_use(b)
+            want = best if best is not None and best_use > later else None
+            assert pol._victim(protected, later) == want
+            checked += pol.period.known is not None
+    assert checked > 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
         OnlinePolicy(10, "fifo")

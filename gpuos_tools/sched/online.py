@@ -347,17 +347,16 @@ class OnlinePolicy:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
 
-    def _next_use(self, base: int) -> int:
-        """Launches from the next one to the next use of ``base`` (1 = the next launch), NEVER
-        if it is not in the period, or if no period is known."""
+    def _table(self) -> tuple[int, int, dict[int, list[int]], int]:
+        """(p, the next launch's phase, base -> its sorted phases in the period, launches to
+        the next unknown launch or NEVER), with a period known. The phases table is made once
+        per period learned: while the period holds, the key at phase i % p is the same for
+        every i."""
         per = self.period
         p = per.known
-        if p is None:
-            return NEVER
+        assert p is not None
         n = per.n  # the index of the next launch
         if self._uses_for != (per.learned, p):
-            # While the period holds, the key at phase i % p is the same for every i: one
-            # table per period learned.
             uses: dict[int, list[int]] = {}
             every: list[int] = []
             for i in range(n - p, n):
@@ -372,29 +371,57 @@ class OnlinePolicy:
             every.sort()
             self._uses, self._all, self._uses_for = uses, every, (per.learned, p)
         now = n % p
-        best = NEVER
-        for phases in (self._uses.get(base), self._all):
-            if phases:
-                k = bisect_left(phases, now)
-                nxt = phases[k] if k < len(phases) else phases[0] + p
-                best = min(best, nxt - now + 1)
+        every = self._all
+        if every:  # an unknown launch uses every record
+            k = bisect_left(every, now)
+            nxt_all = (every[k] if k < len(every) else every[0] + p) - now + 1
+        else:
+            nxt_all = NEVER
+        return p, now, self._uses, nxt_all
+
+    def _next_use(self, base: int) -> int:
+        """Launches from the next one to the next use of ``base`` (1 = the next launch), NEVER
+        if it is not in the period, or if no period is known."""
+        if self.period.known is None:
+            return NEVER
+        p, now, uses, best = self._table()
+        phases = uses.get(base)
+        if phases:
+            k = bisect_left(phases, now)
+            best = min(best, (phases[k] if k < len(phases) else phases[0] + p) - now + 1)
         return best
 
     def _victim(self, protected: set[int], later_than: int) -> int | None:
         """A resident record outside ``protected`` to evict: LRU without a future (or with the
-        lru policy); else the one used furthest ahead, if that is beyond ``later_than``."""
+        lru policy); else the one used furthest ahead, if that is beyond ``later_than``.
+
+        This is the policy's hot loop (every resident record, at every eviction): the next use
+        is computed inline from the period's phases table (``_next_use``'s arithmetic), and a
+        record used neither in the period nor by an unknown launch ends the search (nothing
+        is used later; the LRU one among those comes first)."""
         if self.policy == "lru" or self.period.known is None:
             for b in self.resident:
                 if b not in protected:
                     return b
             return None
+        p, now, uses, nxt_all = self._table()
+        get = uses.get
         best, best_use = None, -1
         for b in self.resident:  # least recent first: among equals, the LRU one wins
             if b in protected:
                 continue
-            u = self._next_use(b)
+            phases = get(b)
+            if phases:
+                k = bisect_left(phases, now)
+                u = (phases[k] if k < len(phases) else phases[0] + p) - now + 1
+                if u > nxt_all:
+                    u = nxt_all
+            else:
+                u = nxt_all
             if u > best_use:
                 best, best_use = b, u
+                if u >= NEVER:
+                    break
         return best if best is not None and best_use > later_than else None
 
     def _evict(self, b: int, actions: list[Action]) -> None:
