@@ -14,7 +14,8 @@ Workloads:
   records and --acts activation records, each launch touching one parameter and two
   activations). With --shuffle the activations are handed to the step's tensors in a new order
   every step, as the owned torch cache's LIFO reuse did (no period can be learned); without, in
-  the same order (the period is one step).
+  the same order (the period is one step). --fills N adds N launches of one kernel on one
+  activation record spread over the step, whose key comes back N times a step.
 
 Per run: microseconds per operation of the hook (mean over the timed steps, after --warmup
 steps), the period learned, loads and evictions. JSON on stdout; --profile prints cProfile's top
@@ -179,6 +180,8 @@ def cnn_workload(args) -> tuple[list[tuple[int, int]], list[list[Launch]]]:
         base += args.act_mib * MIB
     params, acts = allocs[: args.params], allocs[args.params:]
     template = [(f"k{j % 37}", j * 7 % args.params, j % args.acts, (j * 3 + 1) % args.acts) for j in range(args.ops)]
+    for j in range(args.fills):  # one kernel on one block, many times a step (torch's fills of a cached block)
+        template.insert(j * len(template) // args.fills, ("fill", 0, 0, 0))
     steps = []
     order = list(range(args.acts))
     for _ in range(args.steps):
@@ -253,6 +256,8 @@ def main() -> int:
     ap.add_argument("--acts", type=int, default=120, help="cnn: activation records")
     ap.add_argument("--act-mib", type=int, default=16, help="cnn: MiB of an activation record")
     ap.add_argument("--shuffle", action="store_true", help="cnn: activations in a new order every step")
+    ap.add_argument("--fills", type=int, default=0,
+                    help="cnn: launches of one kernel on one record spread over the step (its key repeats)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps (stderr)")
     ap.add_argument("--profile-top", type=int, default=30)

@@ -127,8 +127,10 @@ def test_period_of_one_and_no_period_in_random_keys():
 
 
 class SlowPeriod:
-    """The period learner as it was before its search used hashes (a deque, and up to
-    MATCH_CHECK comparisons per candidate): the reference the fast one must agree with."""
+    """The period learner by plain comparisons: candidates from the key's last OCCURRENCES
+    positions (as before the search used hashes); then, if none held or only one of at most
+    MATCH_CHECK that fails over MATCH_CHECK + 1 keys, the smallest period above MATCH_CHECK
+    that holds over them: the reference the fast one must agree with."""
 
     def __init__(self, history: int) -> None:
         from collections import deque
@@ -143,46 +145,67 @@ class SlowPeriod:
     def push(self, key: int) -> None:
         from collections import deque
 
-        i = self.start + len(self.keys)
-        at = lambda j: self.keys[j - self.start]  # noqa: E731
+        i, st, w = self.start + len(self.keys), self.start, MATCH_CHECK + 1
+        at = lambda j: key if j == i else self.keys[j - st]  # noqa: E731
         if self.p is not None:
             j = i - self.p
-            if j >= self.start and at(j) == key:
+            if j >= st and at(j) == key:
                 self.matched += 1
             else:
                 self.p = None
         if self.p is None:
+            found = None
             for j in reversed(self.seen.get(key, ())):
                 p = i - j
-                if j < self.start:
+                if j < st:
                     break
                 m, limit = 0, min(p - 1, MATCH_CHECK)
-                while m < limit and i - 1 - m - p >= self.start and at(i - 1 - m) == at(i - 1 - m - p):
+                while m < limit and i - 1 - m - p >= st and at(i - 1 - m) == at(i - 1 - m - p):
                     m += 1
                 if m == limit:
-                    self.p, self.matched = p, m + 1
+                    found = p
                     break
             self.seen.setdefault(key, deque(maxlen=OCCURRENCES)).append(i)
+
+            def holds(p: int) -> bool:  # the key and the MATCH_CHECK keys before it
+                return i - MATCH_CHECK - p >= st and all(at(i - m) == at(i - m - p) for m in range(w))
+
+            if found is None or found <= MATCH_CHECK:
+                win = None
+                for p in range(w, i + 1):
+                    if i - MATCH_CHECK - p < st:
+                        break
+                    if holds(p):
+                        win = p
+                        break
+                if win is not None and (found is None or not holds(found)):
+                    found = win
+            if found is not None:
+                self.p, self.matched = found, min(found - 1, MATCH_CHECK) + 1
         if len(self.keys) == self.keys.maxlen:
             self.start += 1
         self.keys.append(key)
 
 
 def _sequences(rnd: random.Random):
-    """Random keys, periodic ones with noise, runs of one key, periods past MATCH_CHECK."""
+    """Random keys, periodic ones with noise, runs of one key, periods past MATCH_CHECK, and
+    periods whose keys come back more than OCCURRENCES times each (found by their windows)."""
     yield [rnd.randrange(4) for _ in range(600)]
     for p in (1, 3, 50, 70, 150):
         base = [rnd.randrange(40) for _ in range(p)]
         yield [base[i % p] if rnd.random() > 0.03 else 100 + rnd.randrange(5) for i in range(1200)]
     yield [k for _ in range(30) for k in [1] * rnd.randrange(1, 8) + [2, 3]]
     yield [k for _ in range(20) for k in rnd.sample(range(30), 30)]
+    base = [rnd.randrange(6) for _ in range(130)]  # 6 keys, each ~20 times a period
+    yield [base[i % 130] if rnd.random() > 0.01 else 50 for i in range(1500)]
 
 
 @pytest.mark.parametrize("history", [64, 300, 1 << 16])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(3))
 def test_the_hashed_search_finds_what_comparing_every_key_finds(history, seed):
     """Same candidate, same moment, same prediction as the plain search, also where the
     history's bound cuts windows and the list is trimmed (history 64, 300)."""
+    learned_by_window = 0
     for seq in _sequences(random.Random(seed)):
         fast, slow = Period(history), SlowPeriod(history)
         for t, k in enumerate(seq):
@@ -193,6 +216,9 @@ def test_the_hashed_search_finds_what_comparing_every_key_finds(history, seed):
             if fast.known:
                 p = fast.known
                 assert fast.predict(p + 2) == [slow.keys[len(slow.keys) - p + (x % p)] for x in range(p + 2)]
+                learned_by_window += p == 130
+    if history > 300:
+        assert learned_by_window  # the period of the frequent keys was found
 
 
 # -- the policy ------------------------------------------------------------------------------

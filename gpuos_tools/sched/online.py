@@ -67,6 +67,16 @@ class Period:
     from then on each key must equal the one a period before it, else the period is dropped
     (``broken`` counts it) and a new one is looked for.
 
+    A key that comes back more than OCCURRENCES times within a period never suggests that
+    period. So the period is also looked up by the last MATCH_CHECK + 1 keys themselves (the
+    key included): the most recent earlier position where the same keys ended gives the
+    smallest period above MATCH_CHECK that passes the same test. It is taken when the key
+    suggests none, or only a short one (at most MATCH_CHECK) that does not hold over those
+    MATCH_CHECK + 1 keys: a local repeat, such as a run of one kernel, which would otherwise be
+    learned and broken over and over. Seen on a PyTorch CNN step on an H200: its fill and
+    layout kernels on the same cached blocks repeat dozens of times a step, the step's period
+    (542 launches) was never tested, and periods of 1 were learned and broken all along.
+
     Cost: while no period holds, every key is a search. A candidate is tested by comparing the
     polynomial hashes of the two windows (prefix hashes kept beside the keys: O(1) a test, not
     up to MATCH_CHECK comparisons) and, only when they are equal, the keys themselves, so the
@@ -80,6 +90,8 @@ class Period:
         self._h: list[int] = [0]  #: _h[k]: hash of _keys[:k]
         self._off = 0  #: absolute index of _keys[0]
         self.seen: dict[int, deque[int]] = {}  #: key -> its last absolute positions
+        #: hash of the MATCH_CHECK + 1 keys ending at a position -> the last positions (+ 1)
+        self.windows: dict[int, deque[int]] = {}
         self.p: int | None = None  #: candidate period
         self.matched = 0  #: consecutive keys equal to the key p before them
         self.broken = 0  #: known periods a key contradicted
@@ -107,21 +119,27 @@ class Period:
         i = self.n
         was = self.known
         broke = False
+        start = self.start  # of the keys before this one
         if self.p is not None:
             j = i - self.p
-            if j >= self.start and self._keys[j - self._off] == key:
+            if j >= start and self._keys[j - self._off] == key:
                 self.matched += 1
             else:
                 if was is not None:
                     self.broken += 1
                     broke = True
                 self.p = None
-        if self.p is None:
-            self._candidate(i, key)
         if len(self._keys) >= 2 * self.history:
             self._trim()
         self._keys.append(key)
         self._h.append((self._h[-1] * _BASE + key + 1) % _MOD)
+        # the hash of the MATCH_CHECK + 1 keys up to this one (None: fewer kept)
+        w = MATCH_CHECK + 1
+        hw = self._window(i + 1 - w, i + 1) if i + 1 - w >= self._off else None
+        if self.p is None:
+            self._search(i, key, start, hw)
+        if hw is not None:
+            self._note_window(i + 1, hw)
         if self.known is not None and (was is None or broke):
             self.learned += 1
 
@@ -138,29 +156,76 @@ class Period:
     def _window(self, a: int, b: int) -> int:
         """Hash of the keys at absolute [a, b)."""
         hs, off = self._h, self._off
-        return (hs[b - off] - hs[a - off] * _pow(b - a)) % _MOD
+        return (hs[b - off] - hs[a - off] * _POW[b - a]) % _MOD
 
-    def _candidate(self, i: int, key: int) -> None:
-        start = self.start
+    def _matches(self, i: int, p: int, n: int, start: int) -> bool:
+        """The ``n`` keys ending at ``i`` (inclusive) equal the ``n`` keys p before them, all of
+        them at or after ``start``: hashes first, then the keys themselves."""
+        if i + 1 - n - p < start:
+            return False
         keys, off = self._keys, self._off
+        if n > 1 and (keys[i - 1 - off] != keys[i - 1 - p - off]  # most candidates fail here
+                      or self._window(i + 1 - n, i + 1) != self._window(i + 1 - n - p, i + 1 - p)):
+            return False
+        return all(keys[t - off] == keys[t - p - off] for t in range(i + 1 - n, i + 1))
+
+    def _search(self, i: int, key: int, start: int, hw: int | None) -> None:
+        """No period holds at key ``i`` (appended): the candidates of the key, then the
+        windows' (class docstring)."""
+        found: int | None = None
         for j in reversed(self.seen.get(key, ())):
-            p = i - j
             if j < start:
                 break
-            limit = min(p - 1, MATCH_CHECK)
-            # the last ``limit`` keys against the ``limit`` keys p before them, all kept
-            if i - limit - p < start:
-                continue
-            if limit and (keys[i - 1 - off] != keys[i - 1 - p - off]  # most candidates fail here
-                          or self._window(i - limit, i) != self._window(i - limit - p, i - p)):
-                continue
-            if all(keys[t - off] == keys[t - p - off] for t in range(i - limit, i)):
-                self.p, self.matched = p, limit + 1  # the key itself matches too
+            p = i - j
+            # the key and the min(p - 1, MATCH_CHECK) keys before it (the key matches: j's)
+            if self._matches(i, p, min(p - 1, MATCH_CHECK) + 1, start):
+                found = p
                 break
         occ = self.seen.get(key)
         if occ is None:
             occ = self.seen[key] = deque(maxlen=OCCURRENCES)
         occ.append(i)
+        w = MATCH_CHECK + 1
+        if found is None or found <= MATCH_CHECK:
+            by_window = None if hw is None else self._by_window(i + 1, start, hw)
+            # a short candidate that does not hold over the window's keys is a local repeat
+            # (a run of one kernel on one block), not the loop's period: the window's wins
+            if by_window is not None and (found is None or not self._matches(i, found, w, start)):
+                found = by_window
+        if found is not None:
+            self.p, self.matched = found, min(found - 1, MATCH_CHECK) + 1
+
+    def _note_window(self, end: int, h: int) -> None:
+        """Remember where the MATCH_CHECK + 1 keys before ``end`` (absolute; hash ``h``) ended."""
+        w = MATCH_CHECK + 1
+        occ = self.windows.get(h)
+        if occ is None:
+            if len(self.windows) >= 2 * self.history:  # forget windows that left the history
+                start = self.start
+                self.windows = {x: q for x, q in self.windows.items() if q[-1] - w >= start}
+            # enough ends to reach one more than MATCH_CHECK back, even where the window
+            # recurs at every key (a run of one key)
+            occ = self.windows[h] = deque(maxlen=w + 1)
+        occ.append(end)
+
+    def _by_window(self, end: int, start: int, h: int) -> int | None:
+        """The smallest period above MATCH_CHECK whose MATCH_CHECK + 1 keys up to ``end`` (hash
+        ``h``) match: the most recent earlier end of the same keys, by their hash."""
+        w = MATCH_CHECK + 1
+        if end - w < start:
+            return None
+        occ = self.windows.get(h)
+        if not occ:
+            return None
+        for j in reversed(occ):
+            p = end - j
+            if p <= MATCH_CHECK:
+                continue
+            if j - w < start:
+                return None
+            if self._matches(end - 1, p, w, start):
+                return p
+        return None
 
     def predict(self, k: int) -> list[int]:
         """The next ``k`` keys if the period holds (empty while none is known)."""
@@ -179,14 +244,7 @@ class Period:
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
-_POW = [1]
-
-
-def _pow(k: int) -> int:
-    """_BASE ** k mod _MOD (k <= MATCH_CHECK: a table)."""
-    while len(_POW) <= k:
-        _POW.append(_POW[-1] * _BASE % _MOD)
-    return _POW[k]
+_POW = [pow(_BASE, k, _MOD) for k in range(MATCH_CHECK + 2)]  #: windows are at most MATCH_CHECK + 1 keys
 
 
 @dataclass
