@@ -265,6 +265,9 @@ class Stats:
     budget_max: int = 0  #: the largest budget a decision used (percentage budgets grow)
     periods: list[int] = field(default_factory=list)  #: each period learned, in order
     period_breaks: int = 0  #: known periods a launch contradicted
+    #: distinct launch keys so far: about one period's worth when the program repeats, growing
+    #: with every iteration when the records its launches touch do not repeat
+    keys: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -391,6 +394,7 @@ class OnlinePolicy:
         if kid is None:
             kid = self._ids[key] = len(self._sets)
             self._sets.append(ws)
+            self.stats.keys = len(self._sets)
         else:
             self._sets[kid] = ws
         before = self.period.known
