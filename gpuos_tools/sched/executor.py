@@ -177,6 +177,8 @@ class Executor:
     def physical(self) -> int:
         """Bytes of owned records mapped now: all but the released ones."""
         eng = self.engine
+        if not eng.pending:  # nothing released (the common case with room for everything)
+            return self._total
         with eng.lock:
             released = sum(e.size for e in eng.pending.values() if e.state == "released")
         return self._total - released
@@ -302,6 +304,11 @@ class Executor:
     def _require(self, bases, recs: dict[int, int], budget: int, stream: Any) -> None:
         """The engine's require of ``bases`` (None: all), once what it loads fits under the
         budget beside what is mapped: evictions in flight free the room (a host wait, a stall)."""
+        if bases is not None and not self.engine.pending:
+            # nothing released, loading or evicting: the engine's require would do nothing.
+            # Entries are added only by evictions (this thread's, or the engine's evict thread
+            # under the agent's lock, which this callback holds) and adopt (under it too)
+            return
         ws = list(recs) if bases is None else bases
         too_big = sum(recs[b] for b in ws if b in recs) > budget  # over budget anyway: no wait
         t = time.perf_counter()
