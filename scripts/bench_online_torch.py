@@ -161,6 +161,7 @@ def main() -> int:
                     row["executor"] = s.get("executor")
                     row["agent"] = s.get("agent")
                     row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
+                    row["distinct_keys"] = (s.get("policy_stats") or {}).get("keys")
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
                 if managed:
@@ -220,7 +221,8 @@ def _line(row: dict[str, Any]) -> str:
     lp = row.get("loop") or {}
     return (f"loop {row.get('loop_s')} s, speed {row.get('speed_vs_hbm')}, identical {row.get('identical')}, "
             f"loop in {lp.get('bytes_in', 0) / 1e9:.2f} GB out {lp.get('bytes_out', 0) / 1e9:.2f} GB, "
-            f"floor share {row.get('floor_share')}")
+            f"floor share {row.get('floor_share')}, periods {(row.get('summary') or {}).get('periods')}, "
+            f"breaks {row.get('period_breaks')}, keys {row.get('distinct_keys')}")
 
 
 def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

@@ -254,6 +254,29 @@ def test_torch_free_caches_and_same_stream_reuse_needs_no_driver_call(env):
     assert c != a and lib.torch_stats()["misses"] == 3
 
 
+def test_torch_cache_hands_out_the_lowest_address_so_a_repeated_step_gets_the_same_blocks(env):
+    """A training step allocates its tensors in the same order every step but frees them in
+    another order; with the newest block first, which tensor got which block changed from step
+    to step (gpu-prefetch-sched then learns no period). Lowest address first: the same."""
+    lib, _ = env
+    rnd = random.Random(3)
+    sizes = [3 * G, 3 * G, 3000, 3 * G, 5 * G, 3000, 3 * G]
+
+    def step() -> list[int]:
+        ptrs = [lib.torch_malloc(n, 0, S1) for n in sizes]
+        for i in rnd.sample(range(len(sizes)), len(sizes)):  # freed in a new order each step
+            lib.torch_free(ptrs[i], sizes[i], 0, S1)
+        return ptrs
+
+    first = step()
+    assert len(set(first)) == len(sizes) and all(first)
+    for _ in range(5):
+        assert step() == first
+    # the lowest address of the class, whichever was freed last
+    big = sorted(p for p, n in zip(first, sizes) if n == 3 * G)
+    assert lib.torch_malloc(3 * G, 0, S1) == big[0]
+
+
 def test_torch_cross_stream_reuse_waits_for_an_event_after_the_free(env):
     lib, counters = env
     a = lib.torch_malloc(4 * G, 0, S1)

@@ -324,6 +324,24 @@ def test_host_copies_are_pinned_ahead_once_the_programs_context_is_known():
     eng.close()
 
 
+def test_nothing_is_pinned_ahead_under_a_budget_of_everything():
+    """At 100% of the owned bytes nothing is ever evicted: pinning (which holds the driver's
+    lock against the program's launches) would be for nothing. Below it, records are pinned."""
+    bases = [0x1000_0000 * (i + 1) for i in range(4)]
+    for fraction, pins in ((1.0, 0), (1.5, 0), (0.66, 4)):
+        recs = [Rec(b, 64 * MIB) for b in bases]
+        ops = FakeOps(recs, auto=True)
+        agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+        agent.ctx = object()
+        eng = ResidencyEngine(agent, ops)
+        ex = Executor(eng, {"fraction": fraction}, lib=FakeLib(recs))
+        ex.before("k", [bases[0]], 0)
+        settle(eng, ex)
+        ex.close()
+        eng.close()
+        assert ex.counts["pins"] == pins, (fraction, ex.counts)
+
+
 def test_the_timeline_logs_every_move_and_the_plot_draws_it(tmp_path):
     """The bounded event log (executor's Timeline): as many evictions as the engine made, the
     bytes of loads and prefetches adding up to the engine's loaded bytes, mapped bytes

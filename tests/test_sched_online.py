@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from gpuos_tools.sched.online import NEVER, OnlinePolicy, Period
+from gpuos_tools.sched.online import MATCH_CHECK, NEVER, OCCURRENCES, OnlinePolicy, Period
 
 MiB = 1 << 20
 
@@ -124,6 +124,101 @@ def test_period_of_one_and_no_period_in_random_keys():
     for _ in range(300):
         per.push(rnd.randrange(10**6))
     assert per.known is None
+
+
+class SlowPeriod:
+    """The period learner by plain comparisons: candidates from the key's last OCCURRENCES
+    positions (as before the search used hashes); then, if none held or only one of at most
+    MATCH_CHECK that fails over MATCH_CHECK + 1 keys, the smallest period above MATCH_CHECK
+    that holds over them: the reference the fast one must agree with."""
+
+    def __init__(self, history: int) -> None:
+        from collections import deque
+
+        self.keys = deque(maxlen=history)
+        self.start, self.seen, self.p, self.matched = 0, {}, None, 0
+
+    def known(self):
+        p = self.p
+        return p if p is not None and self.matched >= min(p, MATCH_CHECK) else None
+
+    def push(self, key: int) -> None:
+        from collections import deque
+
+        i, st, w = self.start + len(self.keys), self.start, MATCH_CHECK + 1
+        at = lambda j: key if j == i else self.keys[j - st]  # noqa: E731
+        if self.p is not None:
+            j = i - self.p
+            if j >= st and at(j) == key:
+                self.matched += 1
+            else:
+                self.p = None
+        if self.p is None:
+            found = None
+            for j in reversed(self.seen.get(key, ())):
+                p = i - j
+                if j < st:
+                    break
+                m, limit = 0, min(p - 1, MATCH_CHECK)
+                while m < limit and i - 1 - m - p >= st and at(i - 1 - m) == at(i - 1 - m - p):
+                    m += 1
+                if m == limit:
+                    found = p
+                    break
+            self.seen.setdefault(key, deque(maxlen=OCCURRENCES)).append(i)
+
+            def holds(p: int) -> bool:  # the key and the MATCH_CHECK keys before it
+                return i - MATCH_CHECK - p >= st and all(at(i - m) == at(i - m - p) for m in range(w))
+
+            if found is None or found <= MATCH_CHECK:
+                win = None
+                for p in range(w, i + 1):
+                    if i - MATCH_CHECK - p < st:
+                        break
+                    if holds(p):
+                        win = p
+                        break
+                if win is not None and (found is None or not holds(found)):
+                    found = win
+            if found is not None:
+                self.p, self.matched = found, min(found - 1, MATCH_CHECK) + 1
+        if len(self.keys) == self.keys.maxlen:
+            self.start += 1
+        self.keys.append(key)
+
+
+def _sequences(rnd: random.Random):
+    """Random keys, periodic ones with noise, runs of one key, periods past MATCH_CHECK, and
+    periods whose keys come back more than OCCURRENCES times each (found by their windows)."""
+    yield [rnd.randrange(4) for _ in range(600)]
+    for p in (1, 3, 50, 70, 150):
+        base = [rnd.randrange(40) for _ in range(p)]
+        yield [base[i % p] if rnd.random() > 0.03 else 100 + rnd.randrange(5) for i in range(1200)]
+    yield [k for _ in range(30) for k in [1] * rnd.randrange(1, 8) + [2, 3]]
+    yield [k for _ in range(20) for k in rnd.sample(range(30), 30)]
+    base = [rnd.randrange(6) for _ in range(130)]  # 6 keys, each ~20 times a period
+    yield [base[i % 130] if rnd.random() > 0.01 else 50 for i in range(1500)]
+
+
+@pytest.mark.parametrize("history", [64, 300, 1 << 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_hashed_search_finds_what_comparing_every_key_finds(history, seed):
+    """Same candidate, same moment, same prediction as the plain search, also where the
+    history's bound cuts windows and the list is trimmed (history 64, 300)."""
+    learned_by_window = 0
+    for seq in _sequences(random.Random(seed)):
+        fast, slow = Period(history), SlowPeriod(history)
+        for t, k in enumerate(seq):
+            fast.push(k)
+            slow.push(k)
+            assert (fast.p, fast.matched, fast.known) == (slow.p, slow.matched, slow.known()), t
+            assert fast.start == slow.start
+            if fast.known:
+                p = fast.known
+                assert fast.predict(p + 2) == [slow.keys[len(slow.keys) - p + (x % p)] for x in range(p + 2)]
+                learned_by_window += p == 130
+    if history > 300:
+        assert learned_by_window  # the period of the frequent keys was found
 
 
 # -- the policy ------------------------------------------------------------------------------
@@ -296,6 +391,34 @@ def test_random_programs_never_run_a_launch_without_its_memory(seed):
         for look in (0, 1, 4):
             pol = OnlinePolicy(12 * MiB, policy, lookahead=look)
             drive(pol, records, launches, 12 * MiB)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_victim_is_the_resident_record_used_furthest_ahead_lru_first_among_equals(seed):
+    """_victim's inlined scan against the definition: max of _next_use over the resident
+    records outside the protected ones, the least recently used first among equals; with
+    unknown launches in the period (they use every record) and records outside it."""
+    rnd = random.Random(seed)
+    records = {0x100 * (i + 1): MiB for i in range(12)}
+    bases = list(records)
+    body = [("k%d" % rnd.randrange(3), rnd.sample(bases[:8], rnd.randint(1, 3))) for _ in range(rnd.randint(4, 9))]
+    if seed % 2:
+        body.insert(rnd.randrange(len(body)), ("odd", None))
+    pol = OnlinePolicy(1 << 40)
+    checked = 0
+    for kernel, bs in body * 6:
+        pol.before(kernel, bs, records)
+        for _ in range(3):
+            protected = set(rnd.sample(bases, rnd.randint(0, 4)))
+            later = rnd.choice([-1, 0, 2, 5])
+            best, best_use = None, -1
+            for b in pol.resident:
+                if b not in protected and pol._next_use(b) > best_use:
+                    best, best_use = b, pol._next_use(b)
+            want = best if best is not None and best_use > later else None
+            assert pol._victim(protected, later) == want
+            checked += pol.period.known is not None
+    assert checked > 0
 
 
 def test_bad_arguments():

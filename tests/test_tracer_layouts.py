@@ -50,3 +50,21 @@ def test_a_module_unload_forgets_the_layouts_of_its_function_handles(clean_trace
     assert t._args(entry, kp, 0) == struct.pack("<i", 7)
     assert entry[0] == 1
 
+
+
+def test_capture_status_needs_no_driver_call_until_a_capture_begins(monkeypatch):
+    """_capturing is asked at every launch: before any cuStreamBeginCapture no stream can be
+    capturing, so no driver call; from a capture's enter callback on, the driver is asked."""
+    import sys
+
+    monkeypatch.setattr(tracer, "_capture_begun", False)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # importing it would raise
+    assert tracer._capturing(0x1234) is False
+    handler = tracer._DRIVER_APIS["cuStreamBeginCapture_v2"][0]
+    pp = (ctypes.c_uint64 * 2)(0x1234, 0)  # (hStream, mode)
+    cb = struct.pack("<I4xQQQ", tracer._ENTER, 0, ctypes.addressof(pp), 0)
+    buf = ctypes.create_string_buffer(cb, len(cb))
+    handler(0, SimpleNamespace(ptr=ctypes.addressof(buf)))
+    assert tracer._capture_begun
+    with pytest.raises(ImportError):  # now it asks the driver
+        tracer._capturing(0x1234)

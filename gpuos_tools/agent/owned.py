@@ -41,9 +41,10 @@ place by `install_torch()` before the first CUDA allocation: at boot when torch 
 imported, else by an import hook the moment `import torch` finishes (programs that never import
 torch never load it). A pluggable allocator replaces torch's caching allocator, so the library
 caches itself, stream-ordered (csrc/gpuos_alloc.c, "PyTorch"): a freed block is reused at once
-on its stream, on another stream only after an event recorded on its stream has completed; no
-free synchronises the device; sizes are rounded to classes (at most 25 % over, or the power of
-two up to 1 MiB). Cached blocks stay in the table and are saved and released by a suspend like
+on its stream (the class's lowest address first, so that a repeated step gets the same blocks:
+gpu-prefetch-sched learns its period on them), on another stream only after an event recorded
+on its stream has completed; no free synchronises the device; sizes are rounded to classes (at
+most 25 % over, or the power of two up to 1 MiB). Cached blocks stay in the table and are saved and released by a suspend like
 live ones. `torch.cuda.empty_cache()` is wrapped to give the cache back (`torch_trim`).
 Not owned in a PyTorch program (measured on an H100, torch 2.11, scripts/probe_torch_not_owned.py):
 cuBLAS's and cuBLASLt's workspaces (one each, sized by CUBLAS_WORKSPACE_CONFIG: 32 MiB at

@@ -192,8 +192,19 @@ def _emit_launch_checked(item: tuple, entry: tuple | None) -> None:
 
 # ---------------------------------------------------------------- handlers (cbid, cbdata)
 
+#: a stream capture has begun in this process (set at cuStreamBeginCapture's enter, never
+#: cleared): until then no stream can be capturing, and ``_capturing`` needs no driver call
+_capture_begun = False
+
+
 def _capturing(stream: int) -> bool:
-    """A launch into a stream being captured only adds a node to a graph; it does not run."""
+    """A launch into a stream being captured only adds a node to a graph; it does not run.
+
+    Asked for every launch (and the agent's copies and memsets); the driver query through
+    cuda-python costs microseconds, so it is skipped while no capture has ever begun (a stream
+    joins a capture only through one that began it, by cuStreamBeginCapture, traced here)."""
+    if not _capture_begun:
+        return False
     from cuda.bindings import driver as drv
 
     err, status = drv.cuStreamIsCapturing(drv.CUstream(stream))
@@ -237,6 +248,9 @@ def _graph_launch(cbid: int, cbdata) -> None:
 def _graphop_handler(op: str):
     def handler(cbid: int, cbdata) -> None:
         site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if op == "capture_begin":  # from its enter on, launches may be captured (``_capturing``)
+            global _capture_begun
+            _capture_begun = True
         if site == _ENTER or _result(rp):
             return
         a, b = _Q2(_MEM, pp)

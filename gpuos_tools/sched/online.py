@@ -66,12 +66,32 @@ class Period:
     taken. It counts as known once a whole period has repeated (or MATCH_CHECK keys matched);
     from then on each key must equal the one a period before it, else the period is dropped
     (``broken`` counts it) and a new one is looked for.
+
+    A key that comes back more than OCCURRENCES times within a period never suggests that
+    period. So the period is also looked up by the last MATCH_CHECK + 1 keys themselves (the
+    key included): the most recent earlier position where the same keys ended gives the
+    smallest period above MATCH_CHECK that passes the same test. It is taken when the key
+    suggests none, or only a short one (at most MATCH_CHECK) that does not hold over those
+    MATCH_CHECK + 1 keys: a local repeat, such as a run of one kernel, which would otherwise be
+    learned and broken over and over. Seen on a PyTorch CNN step on an H200: its fill and
+    layout kernels on the same cached blocks repeat dozens of times a step, the step's period
+    (542 launches) was never tested, and periods of 1 were learned and broken all along.
+
+    Cost: while no period holds, every key is a search. A candidate is tested by comparing the
+    polynomial hashes of the two windows (prefix hashes kept beside the keys: O(1) a test, not
+    up to MATCH_CHECK comparisons) and, only when they are equal, the keys themselves, so the
+    result is the one the plain comparison gives. The keys live in a list trimmed by halves
+    (O(1) indexing; a deque's middle costs O(n / 64)); only the last ``history`` count.
     """
 
     def __init__(self, history: int = HISTORY) -> None:
-        self.keys: deque[int] = deque(maxlen=history)
-        self.start = 0  #: absolute index of keys[0]
+        self.history = history
+        self._keys: list[int] = []
+        self._h: list[int] = [0]  #: _h[k]: hash of _keys[:k]
+        self._off = 0  #: absolute index of _keys[0]
         self.seen: dict[int, deque[int]] = {}  #: key -> its last absolute positions
+        #: hash of the MATCH_CHECK + 1 keys ending at a position -> the last positions (+ 1)
+        self.windows: dict[int, deque[int]] = {}
         self.p: int | None = None  #: candidate period
         self.matched = 0  #: consecutive keys equal to the key p before them
         self.broken = 0  #: known periods a key contradicted
@@ -79,10 +99,15 @@ class Period:
 
     @property
     def n(self) -> int:
-        return self.start + len(self.keys)
+        return self._off + len(self._keys)
+
+    @property
+    def start(self) -> int:
+        """Absolute index of the oldest key kept."""
+        return max(self._off, self.n - self.history)
 
     def _at(self, i: int) -> int:
-        return self.keys[i - self.start]
+        return self._keys[i - self._off]
 
     @property
     def known(self) -> int | None:
@@ -94,53 +119,132 @@ class Period:
         i = self.n
         was = self.known
         broke = False
+        start = self.start  # of the keys before this one
         if self.p is not None:
             j = i - self.p
-            if j >= self.start and self._at(j) == key:
+            if j >= start and self._keys[j - self._off] == key:
                 self.matched += 1
             else:
                 if was is not None:
                     self.broken += 1
                     broke = True
                 self.p = None
+        if len(self._keys) >= 2 * self.history:
+            self._trim()
+        self._keys.append(key)
+        self._h.append((self._h[-1] * _BASE + key + 1) % _MOD)
+        # the hash of the MATCH_CHECK + 1 keys up to this one (None: fewer kept)
+        w = MATCH_CHECK + 1
+        hw = self._window(i + 1 - w, i + 1) if i + 1 - w >= self._off else None
         if self.p is None:
-            self._candidate(i, key)
-        if self.keys.maxlen is not None and len(self.keys) == self.keys.maxlen:
-            self.start += 1
-        self.keys.append(key)
+            self._search(i, key, start, hw)
+        if hw is not None:
+            self._note_window(i + 1, hw)
         if self.known is not None and (was is None or broke):
             self.learned += 1
 
-    def _candidate(self, i: int, key: int) -> None:
+    def _trim(self) -> None:
+        drop = len(self._keys) - self.history
+        self._keys = self._keys[drop:]
+        self._off += drop
+        h, hs = 0, [0]
+        for k in self._keys:
+            h = (h * _BASE + k + 1) % _MOD
+            hs.append(h)
+        self._h = hs
+
+    def _window(self, a: int, b: int) -> int:
+        """Hash of the keys at absolute [a, b)."""
+        hs, off = self._h, self._off
+        return (hs[b - off] - hs[a - off] * _POW[b - a]) % _MOD
+
+    def _matches(self, i: int, p: int, n: int, start: int) -> bool:
+        """The ``n`` keys ending at ``i`` (inclusive) equal the ``n`` keys p before them, all of
+        them at or after ``start``: hashes first, then the keys themselves."""
+        if i + 1 - n - p < start:
+            return False
+        keys, off = self._keys, self._off
+        if n > 1 and (keys[i - 1 - off] != keys[i - 1 - p - off]  # most candidates fail here
+                      or self._window(i + 1 - n, i + 1) != self._window(i + 1 - n - p, i + 1 - p)):
+            return False
+        return all(keys[t - off] == keys[t - p - off] for t in range(i + 1 - n, i + 1))
+
+    def _search(self, i: int, key: int, start: int, hw: int | None) -> None:
+        """No period holds at key ``i`` (appended): the candidates of the key, then the
+        windows' (class docstring)."""
+        found: int | None = None
         for j in reversed(self.seen.get(key, ())):
-            p = i - j
-            if j < self.start:
+            if j < start:
                 break
-            m = 0
-            limit = min(p - 1, MATCH_CHECK)
-            while m < limit and i - 1 - m - p >= self.start and self._at(i - 1 - m) == self._at(i - 1 - m - p):
-                m += 1
-            if m == limit:
-                self.p, self.matched = p, m + 1  # the key itself matches too
+            p = i - j
+            # the key and the min(p - 1, MATCH_CHECK) keys before it (the key matches: j's)
+            if self._matches(i, p, min(p - 1, MATCH_CHECK) + 1, start):
+                found = p
                 break
         occ = self.seen.get(key)
         if occ is None:
             occ = self.seen[key] = deque(maxlen=OCCURRENCES)
         occ.append(i)
+        w = MATCH_CHECK + 1
+        if found is None or found <= MATCH_CHECK:
+            by_window = None if hw is None else self._by_window(i + 1, start, hw)
+            # a short candidate that does not hold over the window's keys is a local repeat
+            # (a run of one kernel on one block), not the loop's period: the window's wins
+            if by_window is not None and (found is None or not self._matches(i, found, w, start)):
+                found = by_window
+        if found is not None:
+            self.p, self.matched = found, min(found - 1, MATCH_CHECK) + 1
+
+    def _note_window(self, end: int, h: int) -> None:
+        """Remember where the MATCH_CHECK + 1 keys before ``end`` (absolute; hash ``h``) ended."""
+        w = MATCH_CHECK + 1
+        occ = self.windows.get(h)
+        if occ is None:
+            if len(self.windows) >= 2 * self.history:  # forget windows that left the history
+                start = self.start
+                self.windows = {x: q for x, q in self.windows.items() if q[-1] - w >= start}
+            # enough ends to reach one more than MATCH_CHECK back, even where the window
+            # recurs at every key (a run of one key)
+            occ = self.windows[h] = deque(maxlen=w + 1)
+        occ.append(end)
+
+    def _by_window(self, end: int, start: int, h: int) -> int | None:
+        """The smallest period above MATCH_CHECK whose MATCH_CHECK + 1 keys up to ``end`` (hash
+        ``h``) match: the most recent earlier end of the same keys, by their hash."""
+        w = MATCH_CHECK + 1
+        if end - w < start:
+            return None
+        occ = self.windows.get(h)
+        if not occ:
+            return None
+        for j in reversed(occ):
+            p = end - j
+            if p <= MATCH_CHECK:
+                continue
+            if j - w < start:
+                return None
+            if self._matches(end - 1, p, w, start):
+                return p
+        return None
 
     def predict(self, k: int) -> list[int]:
         """The next ``k`` keys if the period holds (empty while none is known)."""
         p = self.known
         if p is None or k <= 0:
             return []
-        i = self.n
-        return [self._at(i - p + (t % p)) for t in range(k)]
+        keys, base = self._keys, self.n - p - self._off
+        return [keys[base + (t % p)] for t in range(k)]
 
     def phase_uses(self) -> tuple[int, list[int]]:
         """(period, the keys of one period starting at the next launch)."""
         p = self.known
         assert p is not None
         return p, self.predict(p)
+
+
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+_POW = [pow(_BASE, k, _MOD) for k in range(MATCH_CHECK + 2)]  #: windows are at most MATCH_CHECK + 1 keys
 
 
 @dataclass
@@ -161,6 +265,9 @@ class Stats:
     budget_max: int = 0  #: the largest budget a decision used (percentage budgets grow)
     periods: list[int] = field(default_factory=list)  #: each period learned, in order
     period_breaks: int = 0  #: known periods a launch contradicted
+    #: distinct launch keys so far: about one period's worth when the program repeats, growing
+    #: with every iteration when the records its launches touch do not repeat
+    keys: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -287,6 +394,7 @@ class OnlinePolicy:
         if kid is None:
             kid = self._ids[key] = len(self._sets)
             self._sets.append(ws)
+            self.stats.keys = len(self._sets)
         else:
             self._sets[kid] = ws
         before = self.period.known
@@ -301,17 +409,16 @@ class OnlinePolicy:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
 
-    def _next_use(self, base: int) -> int:
-        """Launches from the next one to the next use of ``base`` (1 = the next launch), NEVER
-        if it is not in the period, or if no period is known."""
+    def _table(self) -> tuple[int, int, dict[int, list[int]], int]:
+        """(p, the next launch's phase, base -> its sorted phases in the period, launches to
+        the next unknown launch or NEVER), with a period known. The phases table is made once
+        per period learned: while the period holds, the key at phase i % p is the same for
+        every i."""
         per = self.period
         p = per.known
-        if p is None:
-            return NEVER
+        assert p is not None
         n = per.n  # the index of the next launch
         if self._uses_for != (per.learned, p):
-            # While the period holds, the key at phase i % p is the same for every i: one
-            # table per period learned.
             uses: dict[int, list[int]] = {}
             every: list[int] = []
             for i in range(n - p, n):
@@ -326,29 +433,57 @@ class OnlinePolicy:
             every.sort()
             self._uses, self._all, self._uses_for = uses, every, (per.learned, p)
         now = n % p
-        best = NEVER
-        for phases in (self._uses.get(base), self._all):
-            if phases:
-                k = bisect_left(phases, now)
-                nxt = phases[k] if k < len(phases) else phases[0] + p
-                best = min(best, nxt - now + 1)
+        every = self._all
+        if every:  # an unknown launch uses every record
+            k = bisect_left(every, now)
+            nxt_all = (every[k] if k < len(every) else every[0] + p) - now + 1
+        else:
+            nxt_all = NEVER
+        return p, now, self._uses, nxt_all
+
+    def _next_use(self, base: int) -> int:
+        """Launches from the next one to the next use of ``base`` (1 = the next launch), NEVER
+        if it is not in the period, or if no period is known."""
+        if self.period.known is None:
+            return NEVER
+        p, now, uses, best = self._table()
+        phases = uses.get(base)
+        if phases:
+            k = bisect_left(phases, now)
+            best = min(best, (phases[k] if k < len(phases) else phases[0] + p) - now + 1)
         return best
 
     def _victim(self, protected: set[int], later_than: int) -> int | None:
         """A resident record outside ``protected`` to evict: LRU without a future (or with the
-        lru policy); else the one used furthest ahead, if that is beyond ``later_than``."""
+        lru policy); else the one used furthest ahead, if that is beyond ``later_than``.
+
+        This is the policy's hot loop (every resident record, at every eviction): the next use
+        is computed inline from the period's phases table (``_next_use``'s arithmetic), and a
+        record used neither in the period nor by an unknown launch ends the search (nothing
+        is used later; the LRU one among those comes first)."""
         if self.policy == "lru" or self.period.known is None:
             for b in self.resident:
                 if b not in protected:
                     return b
             return None
+        p, now, uses, nxt_all = self._table()
+        get = uses.get
         best, best_use = None, -1
         for b in self.resident:  # least recent first: among equals, the LRU one wins
             if b in protected:
                 continue
-            u = self._next_use(b)
+            phases = get(b)
+            if phases:
+                k = bisect_left(phases, now)
+                u = (phases[k] if k < len(phases) else phases[0] + p) - now + 1
+                if u > nxt_all:
+                    u = nxt_all
+            else:
+                u = nxt_all
             if u > best_use:
                 best, best_use = b, u
+                if u >= NEVER:
+                    break
         return best if best is not None and best_use > later_than else None
 
     def _evict(self, b: int, actions: list[Action]) -> None:

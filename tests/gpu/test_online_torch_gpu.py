@@ -75,3 +75,31 @@ def test_torch_job_over_budget_is_bit_identical_to_the_job_alone(tmp_path, name)
     loop = job["sched_loop"]  # the executor's counts inside the job's timed loop
     assert loop is not None and loop["launches"] > 0, job
     assert plain["sched_loop"] is None
+
+
+def test_the_cnn_learns_its_step_period_and_belady_moves_less_than_lru(tmp_path):
+    """The owned torch cache hands the same blocks to the same tensors every step (lowest
+    address first), so the CNN's launch keys repeat and the period of its training step is
+    learned (online.Period, by the keys' windows where single keys recur too often); with it,
+    Belady moves fewer bytes than LRU at the same budget. Before: periods of 1 only, Belady as
+    LRU (BENCHMARKS.md, the PyTorch section of 2026-11-24)."""
+    job, args = JOBS["cnn"]
+    args = [*args[:-2], "--steps", "10"]
+    runs = {}
+    for policy in ("belady", "lru"):
+        out = tmp_path / f"{policy}.json"
+        cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", "66%",
+               "--policy", policy, "--", sys.executable, str(job), *args, "--out", str(out)]
+        p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-6000:]
+        s = json.loads(p.stdout.splitlines()[-1])
+        runs[policy] = (json.loads(out.read_text()), s)
+        print(f"cnn {policy}: periods {s['periods']}, breaks {s['policy_stats']['period_breaks']}, "
+              f"keys {s['policy_stats'].get('keys')}, predicted {s['predicted']} of {s['launches']}, "
+              f"{s['bytes_in']} B in, {s['evictions']} evictions", file=sys.stderr)
+    (bjob, b), (ljob, lru) = runs["belady"], runs["lru"]
+    assert bjob["digest"] == ljob["digest"]
+    steps = b["launches"] // 12  # 2 warm-up + 10 timed steps: about one step's operations
+    assert max(b["periods"]) >= steps // 2, b["periods"]  # a step (or two: the data cycles), not a local repeat
+    assert b["predicted"] >= b["launches"] // 2, (b["predicted"], b["launches"])
+    assert b["bytes_in"] < lru["bytes_in"], (b["bytes_in"], lru["bytes_in"])

@@ -637,7 +637,8 @@ void gpuos_cupy_free(void *param, void *ptr, int device) {
  *   then to the granule. A freed block waits in its class's bucket and is handed out again
  *   only for that class: what is wasted is bounded by the rounding.
  * - A freed block is reused at once by a request on the same stream (stream order makes it
- *   safe, as in torch's allocator). A request on another stream takes it only once an event
+ *   safe, as in torch's allocator): the one at the lowest address of the class, so that block
+ *   identity repeats with the program's allocation sequence (cache_take). A request on another stream takes it only once an event
  *   recorded on the block's stream after its free has completed; the event is recorded
  *   lazily, on the first such request (recording later covers the free too), so a free costs
  *   no driver call and a program of one stream records none.
@@ -730,15 +731,20 @@ static uint64_t cache_take(int device, size_t size, CUstream stream) {
     pthread_mutex_lock(&tlock);
     bucket_t *b = bucket(device, size, 0);
     if (!b || !b->n) { pthread_mutex_unlock(&tlock); return 0; }
-    for (size_t i = b->n; i-- > 0;) { /* the newest of this stream: it is likely in cache */
-        if (b->v[i].stream == stream) {
-            cblock_t c = b->v[i];
-            take(b, i);
-            spare(c.event);
-            tstats[T_HITS]++;
-            pthread_mutex_unlock(&tlock);
-            return c.ptr;
-        }
+    /* The lowest address of this stream's blocks, not the newest: a program that repeats its
+       allocations and frees (a training step) then gets the same blocks for the same tensors
+       every step whatever order it freed them in, so the records its launches touch repeat
+       and gpu-prefetch-sched learns their period (with last-in first-out they did not). */
+    size_t best = b->n;
+    for (size_t i = 0; i < b->n; i++)
+        if (b->v[i].stream == stream && (best == b->n || b->v[i].ptr < b->v[best].ptr)) best = i;
+    if (best < b->n) {
+        cblock_t c = b->v[best];
+        take(b, best);
+        spare(c.event);
+        tstats[T_HITS]++;
+        pthread_mutex_unlock(&tlock);
+        return c.ptr;
     }
     /* others' blocks, the oldest first: out of the bucket while their events are looked at */
     cblock_t cand[CROSS_TRIES];
