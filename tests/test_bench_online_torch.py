@@ -39,11 +39,26 @@ def test_um_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["b", "--workloads", "llm", "--configs", "hbm,66%", "--um", "100%,66%",
                                       "--json", str(out)])
     assert mod.main() == 1  # um66's digest differs from hbm's: the run fails
-    assert [c[0] for c in calls] == ["hbm", "66%", "um100", "um66"]
-    assert calls[2][1] is None and calls[3][1] is None  # untraced: the job's own --managed
+    # first a discarded hbm run (a fresh GPU machine's first job runs slower), then the rows
+    assert [c[0] for c in calls] == ["hbm", "hbm", "66%", "um100", "um66"]
+    assert calls[3][1] is None and calls[4][1] is None  # untraced: the job's own --managed
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["um100"]["identical"] is True and rows["um100"]["speed_vs_hbm"] == round(1 / 3, 4)
     assert "ours_vs_um" not in rows["um100"] and "vs_um100" not in rows["um100"]  # no 100% Belady row asked
     u = rows["um66"]
     assert u["identical"] is False and u["ours_config"] == "66%" and u["ours_vs_um"] == 4.0
     assert u["vs_um100"] == round(8 / 3, 3) and u["um_loop"]["evictions"] == 3 and u["policy"] == "managed"
+
+
+def test_no_warmup_runs_only_the_rows(tmp_path, monkeypatch):
+    mod = load()
+    calls = []
+
+    def fake_run(job, job_args, sched, timeout):
+        calls.append(sched)
+        return {"ok": True, "loop_s": 1.0, "digest": "d", "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(mod, "run_job", fake_run)
+    monkeypatch.setattr(sys, "argv", ["b", "--workloads", "llm", "--configs", "hbm", "--no-warmup",
+                                      "--json", str(tmp_path / "b.json")])
+    assert mod.main() == 0 and calls == [None]
