@@ -162,6 +162,22 @@ def test_sizes_round_to_the_owned_caches_classes(um):
     assert lib.round(33 * MIB) == 40 * MIB
 
 
+def test_both_caches_round_every_size_alike(um, tmp_path):
+    """One header (agent/include/gpuos_sizeclass.h) for both: a comparison moves the same bytes."""
+    from gpuos_tools.agent import owned
+
+    lib, _, _ = um
+    path = tmp_path / "alloc.so"
+    shutil.copy(owned.build(tmp_path / "cache"), path)
+    alloc = ctypes.CDLL(str(path))
+    alloc.gpuos_torch_round.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+    alloc.gpuos_torch_round.restype = ctypes.c_size_t
+    sizes = [1, 511, 512, 513, 4095, 65537, MIB - 1, MIB, MIB + 1, 3 * MIB + 7, 255 * MIB, (1 << 34) + 3]
+    sizes += [int(1.37 ** k) for k in range(1, 90)]
+    for n in sizes:
+        assert lib.round(n) == alloc.gpuos_torch_round(n, 2 * MIB), n
+
+
 def test_blocks_are_managed_allocations_cached_per_size_and_stream_and_logged(um):
     lib, _, counters = um
     a = lib.malloc(3 * MIB, stream=7)

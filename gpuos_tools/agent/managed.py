@@ -59,6 +59,7 @@ from gpuos_tools.agent import native
 from gpuos_tools.errors import ExitCode
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_um.c"
+INCLUDE = Path(__file__).resolve().parent / "include"  #: gpuos_sizeclass.h, shared by both caches
 LOGN = 65536  #: the C library's ring of blocks handed out (LOGN there)
 RESERVE = 1 << 30  #: bytes of the GPU's free memory left to what is not managed
 COUNTERS = ("ops", "evictions", "evicted_bytes", "faulted_in", "faulted_bytes", "over_budget")
@@ -149,8 +150,8 @@ class ManagedLRU:
 # ---------------------------------------------------------------- the C library
 
 def build(cache: Path | None = None) -> Path:
-    """The library's path, compiled once per source version (native.build_library)."""
-    return native.build_library(cache, source=SOURCE, stem="libgpuos_um")
+    """The library's path, compiled once per version of its source and headers (native.build_library)."""
+    return native.build_library(cache, source=SOURCE, stem="libgpuos_um", includes=(INCLUDE,))
 
 
 class ManagedLibrary:

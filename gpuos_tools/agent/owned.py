@@ -77,6 +77,7 @@ from typing import Any
 from gpuos_tools.agent import native
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_alloc.c"
+INCLUDE = Path(__file__).resolve().parent / "include"  #: gpuos_sizeclass.h, shared by both caches
 ENV = "GPUOS_AGENT_OWN"
 
 F_RESIDENT, F_BUSY, F_SMALL, F_FREE_PENDING = 1, 2, 4, 8
@@ -143,8 +144,8 @@ def parse_option(value: str | None) -> tuple[str, ...] | None:
 
 
 def build(cache: Path | None = None) -> Path:
-    """The library's path, compiled once per source version (native.build_library)."""
-    return native.build_library(cache, source=SOURCE, stem="libgpuos_alloc")
+    """The library's path, compiled once per version of its source and headers (native.build_library)."""
+    return native.build_library(cache, source=SOURCE, stem="libgpuos_alloc", includes=(INCLUDE,))
 
 
 class OwnedLibrary:

@@ -28,7 +28,7 @@
  *          void *alloc(ssize_t size, int device, void *stream); void free(void *ptr, ssize_t size, int device, void *stream)
  *
  * No CUDA header is needed: the few types are declared below with the layouts of cuda.h.
- * Build: cc -O2 -shared -fPIC -o libgpuos_alloc.so gpuos_alloc.c -ldl -lpthread
+ * Build: cc -O2 -shared -fPIC -I../include -o libgpuos_alloc.so gpuos_alloc.c -ldl -lpthread
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -38,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+
+#include "gpuos_sizeclass.h"
 
 /* ---- ABI of the driver's virtual memory API (cuda.h) */
 typedef uint64_t CUdeviceptr;
@@ -86,8 +88,8 @@ static event_destroy_t p_event_destroy;
 
 /* ---- the table */
 enum { F_RESIDENT = 1, F_BUSY = 2, F_SMALL = 4, F_FREE_PENDING = 8 };
-#define SMALL_MIN_SHIFT 9 /* 512 B, CuPy's allocation unit */
-#define SMALL_MAX_SHIFT 20 /* 1 MiB */
+#define SMALL_MIN_SHIFT GPUOS_CLASS_MIN_SHIFT /* 512 B, CuPy's allocation unit */
+#define SMALL_MAX_SHIFT GPUOS_CLASS_SMALL_SHIFT /* 1 MiB */
 #define N_CLASSES (SMALL_MAX_SHIFT - SMALL_MIN_SHIFT + 1)
 #define MAX_DEVICES 64
 
@@ -660,17 +662,7 @@ static uint64_t tstats[8];
 enum { T_HITS, T_CROSS_HITS, T_MISSES, T_CACHED_BYTES, T_CACHED_BLOCKS, T_TRIMMED, T_OOM_RETRIES, T_EVENTS };
 
 /* the class a request of size bytes is served from */
-size_t gpuos_torch_round(size_t size, size_t g) {
-    if (size <= ((size_t)1 << SMALL_MAX_SHIFT) && size <= g / 2) {
-        unsigned shift = SMALL_MIN_SHIFT;
-        while (((size_t)1 << shift) < size) shift++;
-        return (size_t)1 << shift;
-    }
-    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)size));
-    size_t step = p / 4;
-    size_t r = (size + step - 1) / step * step;
-    return (r + g - 1) / g * g;
-}
+size_t gpuos_torch_round(size_t size, size_t g) { return gpuos_size_class(size, g); }
 
 /* the bucket of (device, size); created when make (tlock held); NULL when absent or no memory */
 static bucket_t *bucket(int device, uint64_t size, int make) {

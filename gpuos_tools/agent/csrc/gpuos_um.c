@@ -30,7 +30,7 @@
  * (cuMemPrefetchAsync_v2 with CU_MEM_LOCATION_TYPE_HOST; the older symbol with CU_DEVICE_CPU
  * where there is no _v2).
  *
- * No CUDA header is needed. Build: cc -O2 -shared -fPIC -o libgpuos_um.so gpuos_um.c -ldl -lpthread
+ * No CUDA header is needed. Build: cc -O2 -shared -fPIC -I../include -o libgpuos_um.so gpuos_um.c -ldl -lpthread
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -41,6 +41,8 @@
 #include <string.h>
 #include <sys/types.h>
 #include <unistd.h>
+
+#include "gpuos_sizeclass.h"
 
 typedef uint64_t CUdeviceptr;
 typedef void *CUstream;
@@ -57,8 +59,6 @@ static prefetch_v2_t p_prefetch2;
 static prefetch_v1_t p_prefetch1;
 
 #define GRANULE ((size_t)2 << 20)
-#define SMALL_MIN_SHIFT 9
-#define SMALL_MAX_SHIFT 20
 #define LOGN 65536 /* a power of two */
 
 /* the log Python reads (managed.py): entry i of the ring is at i % LOGN */
@@ -96,17 +96,7 @@ int gpuos_um_init(const char *libcuda_path, uint64_t reserve, int exit_code) {
     return 0;
 }
 
-size_t gpuos_um_round(size_t size) {
-    if (size <= ((size_t)1 << SMALL_MAX_SHIFT)) {
-        unsigned shift = SMALL_MIN_SHIFT;
-        while (((size_t)1 << shift) < size) shift++;
-        return (size_t)1 << shift;
-    }
-    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)size));
-    size_t step = p / 4;
-    size_t r = (size + step - 1) / step * step;
-    return (r + GRANULE - 1) / GRANULE * GRANULE;
-}
+size_t gpuos_um_round(size_t size) { return gpuos_size_class(size, GRANULE); }
 
 static bucket_t *bucket(uint64_t size, int make) { /* lock held */
     for (size_t i = 0; i < n_buckets; i++)
