@@ -155,14 +155,21 @@ def test_a_job_dying_mid_turn_does_not_hang_the_others(tmp_path):
         s.stop()
 
 
+def holder_and_waiter(s: Served, held: int, waiting: int, total: int) -> tuple[Raw, Raw]:
+    """Job 0 takes the turn holding ``held`` bytes; job 1 waits with ``waiting`` mapped, and job 0
+    is told its budget beside them."""
+    a, b = Raw(s.path, 0), Raw(s.path, 1)
+    a.send({"op": "wait", "mapped": held, "want": held})
+    assert a.recv()["op"] == "grant"
+    b.send({"op": "wait", "mapped": waiting, "want": waiting})
+    assert a.recv() == {"op": "budget", "budget": total - waiting, "others": waiting}
+    return a, b
+
+
 def test_a_job_ending_while_it_waits_leaves_the_queue_and_the_holder_gets_its_room(tmp_path):
     s = Served(tmp_path, 1000, 10.0, 2)
     try:
-        a, b = Raw(s.path, 0), Raw(s.path, 1)
-        a.send({"op": "wait", "mapped": 100, "want": 100})
-        assert a.recv()["op"] == "grant"
-        b.send({"op": "wait", "mapped": 400, "want": 400})
-        assert a.recv() == {"op": "budget", "budget": 600, "others": 400}
+        a, b = holder_and_waiter(s, 100, 400, 1000)
         b.sock.close()
         assert a.recv() == {"op": "budget", "budget": 1000, "others": 0}
         with s.lock:
@@ -197,11 +204,7 @@ def test_a_process_that_exits_without_connecting_and_garbage_on_the_socket(tmp_p
 def test_a_holder_that_needs_more_room_gets_the_waiting_jobs_trimmed(tmp_path):
     s = Served(tmp_path, 1000, 10.0, 2)
     try:
-        a, b = Raw(s.path, 0), Raw(s.path, 1)
-        a.send({"op": "wait", "mapped": 0, "want": 0})
-        assert a.recv()["op"] == "grant"
-        b.send({"op": "wait", "mapped": 700, "want": 700})
-        assert a.recv() == {"op": "budget", "budget": 300, "others": 700}
+        a, b = holder_and_waiter(s, 0, 700, 1000)
         a.send({"op": "need", "want": 500})  # a launch of its needs 500: b is trimmed for it
         assert b.recv() == {"op": "trim", "keep": 500}
         b.send({"op": "wait", "mapped": 500, "want": 700, "releasing": 200})
