@@ -184,10 +184,12 @@ MAN_SECTIONS = {
         "`--switch overlap` (EXPERIMENTAL, MSched's switch): the outgoing job reports as soon as "
         "its evictions are issued and the incoming job is granted at once; its loads wait in the "
         "ledger (below) until the outgoing releases have completed, so saves and loads use both "
-        "directions of the link at once. On an H200 (2026-11-24) it failed its GPU test once in "
-        "three runs (a load waited 10 s and went over the budget), as the serial switch did once "
-        "(with evictions that failed on a job's evict thread, cause not found), and it was not "
-        "faster overall: it is not the default.\n\n"
+        "directions of the link at once. It is not the default. On an H200 (2026-11-24) its GPU "
+        "test failed in 2 of 3 runs (a load waited 10 s and went over the budget; the serial "
+        "switch failed once too, after evictions failed on a job's evict thread). Two fixes "
+        "followed: the evict thread makes the program's context current, and a waiting job "
+        "reports its in-flight bytes again. After them the serve test (overlap and serial) passed "
+        "in 5 of 6 runs. The overlap was also not faster overall.\n\n"
         "Safety. Everything of SAFETY for `run` holds for each job. The jobs share one byte ledger "
         "(a small file, locked for every change): each job's owned bytes mapped, or about to be, "
         "are booked in it; a load is booked BEFORE its memory is mapped and only if all the jobs' "
@@ -630,7 +632,7 @@ def serve_cmd(
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
     switch: str = typer.Option("serial", "--switch", metavar="serial|overlap",
                                help="serial (the default): the incoming job is granted once the outgoing job's evictions "
-                               "have completed; overlap (EXPERIMENTAL: failed its GPU test once in three runs): granted "
+                               "have completed; overlap (EXPERIMENTAL, not proven over many runs): granted "
                                "once they are issued, its loads wait in the ledger for their releases. See SERVING."),
     json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
 ) -> None:
