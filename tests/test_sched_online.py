@@ -490,3 +490,19 @@ def test_small_segments_left_out_of_the_key_keep_a_decode_loops_period():
     assert out["large"].periods == [p] and out["large"].period_breaks == 0, out["large"]
     assert out["all"].period_breaks > 0, out["all"]
     assert out["large"].predicted > out["all"].predicted
+
+
+def test_period_use_names_the_period_that_governed_the_run_not_the_last_learned():
+    """A loop with a period of 4, then a short tail that repeats one launch: the last period
+    learned is 1, but nearly every decision was made with 4 known."""
+    pol = OnlinePolicy(None, "belady", 2, fraction=1.0)
+    recs = {0x1000 * (i + 1): 1 << 20 for i in range(4)}
+    bases = list(recs)
+    for s in range(4 * 20):
+        pol.before("k", [bases[s % 4]], recs)
+    for _ in range(6):
+        pol.before("tail", [bases[0]], recs)
+    d = pol.stats.as_dict()
+    assert d["periods"][0] == 4 and d["periods"][-1] == 1
+    assert d["period_use"][0][0] == 4 and d["period_use"][0][1] >= 70
+    assert sum(n for _, n in d["period_use"]) == d["predicted"]

@@ -885,7 +885,7 @@ class Executor:
             "stalls": pol["stalls"], "over_budget": pol["over_budget"], "over_budget_bytes": pol["over_budget_bytes"],
             "peak_resident": self.counts["peak_resident"], "peak_settled": self.counts["peak_settled"],
             "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],
-            "periods": pol["periods"], "predicted": pol["predicted"],
+            "periods": pol["periods"], "period_use": pol["period_use"], "predicted": pol["predicted"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
             "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),

@@ -264,6 +264,9 @@ class Stats:
     peak_resident: int = 0  #: the most bytes resident by the policy's books, after a decision
     budget_max: int = 0  #: the largest budget a decision used (percentage budgets grow)
     periods: list[int] = field(default_factory=list)  #: each period learned, in order
+    #: launches decided with each period known: what governed the run (the last periods
+    #: learned may be short ones of a program's ending, after its loop)
+    period_use: dict[int, int] = field(default_factory=dict)
     period_breaks: int = 0  #: known periods a launch contradicted
     #: distinct launch keys so far: about one period's worth when the program repeats, growing
     #: with every iteration when the records its launches touch do not repeat
@@ -272,6 +275,7 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["periods"] = list(self.periods[-8:])
+        d["period_use"] = sorted(([p, n] for p, n in self.period_use.items()), key=lambda x: -x[1])[:8]
         return d
 
 
@@ -400,6 +404,7 @@ class OnlinePolicy:
         before = self.period.known
         if before is not None:
             self.stats.predicted += 1
+            self.stats.period_use[before] = self.stats.period_use.get(before, 0) + 1
         self.period.push(kid)
         p = self.period.known
         if p is not None and p != before:
