@@ -518,3 +518,12 @@ def test_concurrent_residency_with_parking_keeps_handles_and_mappings_sound(env)
     assert st["park_reuses"] > 0 and st["parked_bytes"] <= 6 * G
     lib.trim_parked(0)
     assert counters()["handles"] == 9 and counters()["mapped"] == sum(lib.lookup(p).size for p in keep)
+
+
+def test_parked_bytes_is_park_stats_first_field(env):
+    lib, _ = env
+    a = lib.malloc(2 * G)
+    lib.set_park_limit(4 * G)
+    assert lib.parked_bytes() == 0
+    lib.release(a)
+    assert lib.parked_bytes() == lib.park_stats()["parked_bytes"] == 2 * G

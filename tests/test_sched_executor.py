@@ -472,6 +472,9 @@ class ParkingLib(FakeLib):
     def park_stats(self) -> dict[str, int]:
         return {"parked_bytes": sum(self.pool), "park_limit": self.limit, "park_reuses": self.reuses}
 
+    def parked_bytes(self) -> int:
+        return sum(self.pool)
+
 
 class ParkingOps(FakeOps):
     def __init__(self, recs: list[Rec], lib: ParkingLib) -> None:

@@ -259,6 +259,13 @@ class OwnedLibrary:
         a record of that size would reuse instead of creating memory)."""
         return self.lib.gpuos_alloc_parked(size, device)
 
+    def parked_bytes(self) -> int:
+        """Bytes parked now (park_stats' first field, without building the dict: the executor
+        asks at every decision)."""
+        out = (ctypes.c_uint64 * 6)()
+        self.lib.gpuos_alloc_park_stats(out)
+        return int(out[0])
+
     def park_stats(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 6)()
         self.lib.gpuos_alloc_park_stats(out)

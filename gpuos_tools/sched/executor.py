@@ -372,7 +372,7 @@ class Executor:
         return self._total - released + self._parked()
 
     def _parked(self) -> int:
-        return self.lib.park_stats()["parked_bytes"] if self._park else 0
+        return self.lib.parked_bytes() if self._park else 0
 
     def _fits(self, bases, need: int, budget: int) -> bool:
         """Whether loading the released records among ``bases`` (``need`` bytes) fits under
@@ -395,7 +395,7 @@ class Executor:
         reuse = sum(min(n, self.lib.parked(size)) for size, n in sizes.items())
         if phys + need - reuse <= budget:
             return True
-        if self.lib.park_stats()["parked_bytes"]:
+        if self.lib.parked_bytes():
             self.lib.trim_parked(0)
             self.counts["park_trims"] += 1
             return self.physical() + need <= budget
