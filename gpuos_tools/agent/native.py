@@ -1,4 +1,5 @@
-"""The native launch path of the tracer (csrc/gpuos_trace.c): build it, start it, decode its records.
+"""The native launch path of the tracer (gpuos_tools/injection/csrc/gpuos_trace.c): build it, start
+it, decode its records.
 
 `gpu-trace run` builds the library once per source version with the system C compiler into the
 user's cache (no CUDA headers needed) and hands its path to the program; the program's tracer
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from gpuos_tools.agent import wire
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_trace.c"
+SOURCE = Path(__file__).resolve().parent.parent / "injection" / "csrc" / "gpuos_trace.c"
 
 # handler kinds, as in the C enum
 KIND_LAUNCH, KIND_LAUNCH_COOP, KIND_LAUNCH_EX, KIND_GRAPH = 1, 2, 3, 4
@@ -60,15 +61,19 @@ def build_library(
     flags: tuple[str, ...] = ("-O2",),
     libs: tuple[str, ...] = ("-ldl", "-lpthread"),
     includes: tuple[Path, ...] = (),
+    sources: tuple[Path, ...] = (),
 ) -> Path:
     """Compile a native library (once per version of its source and headers) and return its path.
 
     The tracer's by default; gpu-kinfer-bridge's serve loop passes its own source, include
-    directory and flags. The file name carries a hash of the source, every header of
-    ``includes`` and the flags, so an edit rebuilds and two versions never share a file.
+    directory and flags, the agent's core its extra ``sources``. The file name carries a hash
+    of the sources, every header of ``includes`` and the flags, so an edit rebuilds and two
+    versions never share a file.
     BuildError says why when there is no compiler or it fails.
     """
     digest = hashlib.sha256(source.read_bytes())
+    for extra in sources:
+        digest.update(extra.read_bytes())
     for directory in includes:
         for header in sorted(Path(directory).glob("*.h")):
             digest.update(header.read_bytes())
@@ -82,7 +87,8 @@ def build_library(
         raise BuildError("no C compiler (cc, gcc or clang) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [compiler, *flags, "-shared", "-fPIC", *(f"-I{d}" for d in includes), "-o", str(tmp), str(source), *libs]
+    cmd = [compiler, *flags, "-shared", "-fPIC", *(f"-I{d}" for d in includes), "-o", str(tmp), str(source),
+           *(str(x) for x in sources), *libs]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:  # CC names a program that is not there
@@ -208,6 +214,8 @@ def parse_records(data: bytes, check_pointers: bool = False) -> list[tuple]:
         elif tag == 14:
             op, a, b = _U64[3].unpack_from(data, body)
             append((wire.GRAPHOP, ts, tid, cbid, GRAPH_OPS[op], a, b))
+        elif tag == 15:
+            append((wire.ERROR, ts, data[body : pos + length].decode(errors="replace")))
         elif tag == 12:
             fmt, size, ptx_len = _U64[3].unpack_from(data, body)
             ptx = data[body + 24 : body + 24 + ptx_len] if ptx_len else None

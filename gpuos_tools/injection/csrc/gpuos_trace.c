@@ -13,6 +13,11 @@
  * mirrored by gpuos_tools/agent/native.py (parse_records), which the parent uses to decode.
  *
  * Build: cc -O2 -shared -fPIC -o libgpuos_trace.so gpuos_trace.c -ldl -lpthread
+ *
+ * Built with -DGPUOS_AGENT and linked with gpuos_core.c, the same callback is the in-process
+ * agent's: at each launch, copy, memset, free and graph launch's enter site it hands the
+ * operation to the native core (core_enter, gpuos_core.h), and after each successful allocation,
+ * free, copy and memset it updates the core's allocation table.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -24,6 +29,10 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifdef GPUOS_AGENT
+#include "gpuos_core.h"
+#endif
 
 /* ---- ABI of CUPTI and the driver (see cupti_callbacks.h) */
 typedef struct {
@@ -65,11 +74,12 @@ enum {
 
 /* ---- record tags (parse_records in native.py) */
 enum { R_LAUNCH = 1, R_FUNC = 2, R_ALLOC = 3, R_FREE = 4, R_COPY = 5, R_SET = 6, R_MODULE = 7,
-       R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12, R_GRAPHOP = 14 };
+       R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12, R_GRAPHOP = 14, R_ERROR = 15 };
 
 #define MAX_CBID 4096
 #define SMALL_COPY 4096 /* bytes of a host-to-device copy kept in its record */
 static uint8_t kind_of[MAX_CBID];
+static uint8_t ptsz_of[MAX_CBID]; /* a _ptsz/_ptds variant: its stream 0 is the per-thread stream */
 static void *subscriber;
 static subscribe_t p_subscribe;
 static enable_t p_enable;
@@ -329,13 +339,26 @@ static void on_driver(uint32_t cbid, const cb_data_t *cb) {
         if (ak == 4) stream = q[3];
         uint64_t v[4] = {addr, size, ak, stream};
         put_u64s(R_ALLOC, cbid, v, 4);
+#ifdef GPUOS_AGENT
+        core_after_alloc(addr, size, ak);
+#endif
         return;
     }
-    if (kind == K_MAP) { uint64_t v[4] = {q[0], q[1], 6, 0}; put_u64s(R_ALLOC, cbid, v, 4); return; }
+    if (kind == K_MAP) {
+        uint64_t v[4] = {q[0], q[1], 6, 0};
+        put_u64s(R_ALLOC, cbid, v, 4);
+#ifdef GPUOS_AGENT
+        core_after_alloc(q[0], q[1], 6);
+#endif
+        return;
+    }
     if (kind >= K_FREE && kind <= K_UNMAP) {
         /* FREE: u64 addr, size (all ones: unknown), stream */
         uint64_t v[3] = {q[0], kind == K_UNMAP ? q[1] : ~0ull, kind == K_FREE_ASYNC ? q[1] : 0};
         put_u64s(R_FREE, cbid, v, 3);
+#ifdef GPUOS_AGENT
+        core_after_free(q[0]);
+#endif
         return;
     }
     if (kind >= K_COPY && kind < K_COPY2D) {
@@ -350,12 +373,16 @@ static void on_driver(uint32_t cbid, const cb_data_t *cb) {
         uint32_t type = 0;
         int from_host = dir == 1 || (dir == 0 && p_pointer_attr &&
                         (p_pointer_attr(&type, 2, src) != 0 || type == 1));
-        if (from_host && n && n <= SMALL_COPY && src) {
+        int payload = from_host && n && n <= SMALL_COPY && src;
+        if (payload) {
             char *p = begin(R_COPY, cbid, 80 + ((n + 7) & ~7ull));
             if (p) { memcpy(p, v, 80); memcpy(p + 80, (const void *)(uintptr_t)src, n); }
         } else {
             put_u64s(R_COPY, cbid, v, 10);
         }
+#ifdef GPUOS_AGENT
+        core_after_write(dst, payload ? (const uint8_t *)(uintptr_t)src : NULL, n, stream, 0);
+#endif
         return;
     }
     if (kind == K_COPY2D || kind == K_COPY2D_ASYNC) {
@@ -370,6 +397,10 @@ static void on_driver(uint32_t cbid, const cb_data_t *cb) {
         uint64_t st = kind == K_COPY2D_ASYNC;
         uint64_t v[10] = {dir, dst, src, m[14] * m[15], st ? q[1] : 0, st, m[14], m[15], m[6], m[13]};
         put_u64s(R_COPY, cbid, v, 10);
+#ifdef GPUOS_AGENT
+        if (m[15]) /* rows of width bytes, dst pitch apart */
+            core_after_write(dst, NULL, (m[15] - 1) * (m[13] ? m[13] : m[14]) + m[14], v[4], 0);
+#endif
         return;
     }
     if (kind >= K_SET && kind < K_LIBRARY) {
@@ -382,6 +413,9 @@ static void on_driver(uint32_t cbid, const cb_data_t *cb) {
         v[3] = elem;
         v[5] = st;
         put_u64s(R_SET, cbid, v, 6);
+#ifdef GPUOS_AGENT
+        core_after_write(v[0], NULL, v[1], v[4], 1);
+#endif
         return;
     }
     if (kind == K_LIBRARY) {
@@ -434,29 +468,161 @@ static void on_resource(uint32_t cbid, const res_data_t *r) {
         if (size) memcpy(p + 16, m->image, size);
     } else if (cbid == 7) { /* MODULE_UNLOAD_STARTING */
         forget_layouts();
+#ifdef GPUOS_AGENT
+        core_module_unloading();
+#endif
     } else if (cbid == 3 || cbid == 4) { /* STREAM: u64 stream, event (0 create 1 destroy) */
         uint64_t v[2] = {(uint64_t)(uintptr_t)r->stream, cbid == 4};
         put_u64s(R_STREAM, cbid, v, 2);
+#ifdef GPUOS_AGENT
+        core_stream_event(v[0], (int)v[1]);
+#endif
     }
 }
+
+#ifdef GPUOS_AGENT
+int trace_is_capturing(uint64_t stream) {
+    int capture = 0;
+    return p_is_capturing && p_is_capturing((void *)(uintptr_t)stream, &capture) == 0 && capture;
+}
+
+static int acting(uint8_t kind) { /* the operations the agent acts on before they are issued */
+    return kind == K_LAUNCH || kind == K_LAUNCH_COOP || kind == K_LAUNCH_EX || kind == K_GRAPH ||
+           (kind >= K_FREE && kind <= K_UNMAP) || (kind >= K_COPY && kind < K_LIBRARY);
+}
+
+static int updates_core(uint8_t kind) { /* exits that change the core's allocation table */
+    return (kind >= K_ALLOC && kind <= K_MAP) || (kind >= K_FREE && kind <= K_UNMAP) ||
+           (kind >= K_COPY && kind < K_LIBRARY);
+}
+
+/* the launch's arguments, gathered contiguously (per thread: launches of several threads) */
+static __thread uint8_t *args_buf;
+static __thread uint32_t *sizes_buf;
+static __thread size_t args_cap, sizes_cap;
+
+static void enter_launch(uint32_t cbid, const cb_data_t *cb, void *func, uint64_t stream, void **kp,
+                         void **extra) {
+    uint32_t n = 0, args_len = CORE_NO_ARGS;
+    pthread_mutex_lock(&lock);
+    layout_t *l = layout_of(func, cb->symbol_name);
+    if (l && l->known) {
+        const char *packed = NULL;
+        if (!kp && l->n)
+            for (void **e = extra; e && *e; e += 2)
+                if ((uintptr_t)e[0] == 1) packed = (const char *)e[1];
+        if (kp || packed || l->n == 0) {
+            if (sizes_cap < l->n || args_cap < l->args_len) {
+                size_t sc = l->n > 64 ? l->n : 64, ac = l->args_len > 4096 ? l->args_len : 4096;
+                uint32_t *s2 = realloc(sizes_buf, sc * 4);
+                if (s2) { sizes_buf = s2; sizes_cap = sc; }
+                uint8_t *a2 = realloc(args_buf, ac);
+                if (a2) { args_buf = a2; args_cap = ac; }
+            }
+            if (sizes_cap >= l->n && args_cap >= l->args_len) {
+                uint8_t *a = args_buf;
+                for (uint32_t i = 0; i < l->n; i++) {
+                    memcpy(a, kp ? (const char *)kp[i] : packed + l->offsets[i], l->sizes[i]);
+                    sizes_buf[i] = l->sizes[i];
+                    a += l->sizes[i];
+                }
+                n = l->n;
+                args_len = l->args_len;
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    core_enter(OP_LAUNCH, cbid, ptsz_of[cbid], 1, stream, (uint64_t)(uintptr_t)func, cb->symbol_name,
+               sizes_buf, n, args_buf, args_len, 0, 0, 0);
+}
+
+/* The agent's view of an operation about to be issued (as tracer.py's _agent_enter reads it). */
+static void agent_enter(uint32_t cbid, uint8_t kind, const cb_data_t *cb) {
+    const uint64_t *q = (const uint64_t *)cb->params;
+    const char *b = (const char *)cb->params;
+    if (kind == K_LAUNCH || kind == K_LAUNCH_COOP) {
+        void *f;
+        uint64_t stream;
+        void **kp, **extra = NULL;
+        memcpy(&f, b, 8);
+        memcpy(&stream, b + 40, 8);
+        memcpy(&kp, b + 48, 8);
+        if (kind == K_LAUNCH) memcpy(&extra, b + 56, 8);
+        enter_launch(cbid, cb, f, stream, kp, extra);
+    } else if (kind == K_LAUNCH_EX) {
+        uint64_t stream;
+        memcpy(&stream, (const char *)(uintptr_t)q[0] + 32, 8);
+        enter_launch(cbid, cb, (void *)(uintptr_t)q[1], stream, (void **)(uintptr_t)q[2], (void **)(uintptr_t)q[3]);
+    } else if (kind == K_GRAPH) {
+        core_enter(OP_GRAPH, cbid, ptsz_of[cbid], 1, q[1], 0, NULL, NULL, 0, NULL, CORE_NO_ARGS, 0, 0, 0);
+    } else if (kind >= K_FREE && kind <= K_UNMAP) {
+        uint64_t dst = kind == K_FREE_HOST ? 0 : q[0], stream = kind == K_FREE_ASYNC ? q[1] : 0;
+        core_enter(OP_FREE, cbid, ptsz_of[cbid], 0, stream, 0, NULL, NULL, 0, NULL, CORE_NO_ARGS, dst, 0, 0);
+    } else if (kind == K_COPY2D || kind == K_COPY2D_ASYNC) {
+        const uint64_t *m = (const uint64_t *)(uintptr_t)q[0];
+        uint32_t stype = (uint32_t)m[2], dtype = (uint32_t)m[9];
+        uint64_t src = (stype == 1 ? m[3] : m[4]) + m[1] * m[6] + m[0];
+        uint64_t dst = (dtype == 1 ? m[10] : m[11]) + m[8] * m[13] + m[7];
+        uint64_t stream = kind == K_COPY2D_ASYNC ? q[1] : 0;
+        core_enter(OP_WRITE, cbid, ptsz_of[cbid], 1, stream, 0, NULL, NULL, 0, NULL, CORE_NO_ARGS, dst, src, 0);
+    } else if (kind >= K_COPY && kind < K_COPY2D) {
+        uint32_t c = kind - K_COPY, peer = (c >> 1) & 1, st = c & 1;
+        uint64_t dst = q[0], src = peer ? q[2] : q[1], stream = st ? q[peer ? 5 : 3] : 0;
+        core_enter(OP_WRITE, cbid, ptsz_of[cbid], 1, stream, 0, NULL, NULL, 0, NULL, CORE_NO_ARGS, dst, src, 0);
+    } else if (kind >= K_SET && kind < K_LIBRARY) {
+        uint32_t c = kind - K_SET, two_d = (c >> 1) & 1, st = c & 1;
+        uint64_t stream = st ? q[two_d ? 5 : 3] : 0;
+        core_enter(OP_WRITE, cbid, ptsz_of[cbid], 1, stream, 0, NULL, NULL, 0, NULL, CORE_NO_ARGS, q[0], 0, 0);
+    }
+}
+#endif
 
 static void callback(void *userdata, int domain, uint32_t cbid, const void *data) {
     (void)userdata;
     if (domain == DOMAIN_DRIVER) {
         const cb_data_t *cb = (const cb_data_t *)data;
-        if (cb->site == SITE_ENTER || cbid >= MAX_CBID || !kind_of[cbid]) return;
+        if (cbid >= MAX_CBID || !kind_of[cbid]) return;
+#ifdef GPUOS_AGENT
+        if (core_skip()) return; /* the agent's own driver calls */
+        uint8_t kind = kind_of[cbid];
+        if (cb->site == SITE_ENTER) {
+            if (kind == K_CAPTURE_BEGIN) core_capture_begun(); /* launches may be captured from here */
+            else if (acting(kind)) agent_enter(cbid, kind, cb);
+            return;
+        }
+        if (acting(kind)) core_issued(); /* enqueued: before any lock (the agent may hold it, waiting) */
+        int core = updates_core(kind);
+        if (core) {
+            core_lock_program();
+            if (kind >= K_ALLOC && kind <= K_MAP) core_saw_context((uint64_t)(uintptr_t)cb->context);
+        }
+#else
+        if (cb->site == SITE_ENTER) return;
+#endif
         uint64_t t0 = now_ns(); /* our own time on the program's path, reported at the end */
         pthread_mutex_lock(&lock);
         n_callbacks++;
         on_driver(cbid, cb);
         ns_in_callbacks += now_ns() - t0;
         pthread_mutex_unlock(&lock);
+#ifdef GPUOS_AGENT
+        if (core) core_unlock();
+#endif
     } else if (domain == DOMAIN_RESOURCE) {
         pthread_mutex_lock(&lock);
         n_callbacks++;
         on_resource(cbid, (const res_data_t *)data);
         pthread_mutex_unlock(&lock);
     }
+}
+
+/* An in-band error message (the agent's, from Python): ERROR: text. */
+void gpuos_trace_error(const char *msg) {
+    size_t n = strlen(msg);
+    pthread_mutex_lock(&lock);
+    char *p = begin(R_ERROR, 0, n);
+    if (p) memcpy(p, msg, n);
+    pthread_mutex_unlock(&lock);
 }
 
 /* ---- shipping: frames are u32 length with bit 31 set (native), then the records */
@@ -528,7 +694,8 @@ int gpuos_trace_start(int fd, const char *cupti_path, const uint32_t *kinds, int
     for (int i = 0; i < n; i++) {
         uint32_t cbid = kinds[2 * i], kind = kinds[2 * i + 1];
         if (cbid >= MAX_CBID) continue;
-        kind_of[cbid] = (uint8_t)kind;
+        kind_of[cbid] = (uint8_t)(kind & 0x7f);
+        ptsz_of[cbid] = (uint8_t)(kind >> 7 & 1); /* bit 7: a per-thread-stream variant */
         if (p_enable(1, subscriber, DOMAIN_DRIVER, cbid)) return -5;
     }
     const uint32_t res[4] = {3, 4, 6, 7};
