@@ -1,0 +1,816 @@
+/*
+ * gpuos native core: the agent's per-operation work in C, in the program's own thread.
+ *
+ * The tracer's CUPTI callback (gpuos_trace.c built with -DGPUOS_AGENT) hands every launch, copy,
+ * memset, free and graph launch of the program to core_enter() before the driver sees it, and
+ * every allocation, free, copy and memset to the core_after_*() functions once it succeeded. The
+ * core keeps what the agent needs on every operation -- the live allocations, each launch's
+ * memoised access set, what was written since the last snapshot, what a snapshot in progress has
+ * not yet copied, what was touched when -- and enters Python (upcall_t, one ctypes callback) only
+ * when something must happen: a launch whose access set is not memoised, a snapshot buffer to
+ * protect, the residency engine or the scheduler with work to do, a reference dump. The design,
+ * and why each rule keeps the Python agent's semantics, is in docs/native-core.md.
+ *
+ * Everything below is guarded by the core lock, which is also the agent's lock on the Python
+ * side (gpuos_tools/injection/core.py NativeLock), except the own-thread table, the issuing
+ * count (its own mutex) and the stream set touched by resource callbacks (its own mutex).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpuos_core.h"
+
+/* ---- flags Python sets (core.py F_*) */
+enum { F_ENGINE = 1, F_EXEC = 2, F_GATE = 4, F_TOUCH = 8, F_SKIP_CAPTURED = 16 };
+static volatile uint32_t flags;
+static upcall_fn upcall;
+
+/* ---- the lock; a program thread that holds the GIL lets it go while it waits (a Python thread
+   of the agent may hold the lock and need the GIL to finish) */
+static pthread_mutex_t core_mu;
+static pthread_once_t core_once = PTHREAD_ONCE_INIT;
+static int (*p_gil_check)(void);
+static void *(*p_save_thread)(void);
+static void (*p_restore_thread)(void *);
+
+static void init_lock(void) {
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&core_mu, &a);
+    p_gil_check = (int (*)(void))dlsym(RTLD_DEFAULT, "PyGILState_Check");
+    p_save_thread = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyEval_SaveThread");
+    p_restore_thread = (void (*)(void *))dlsym(RTLD_DEFAULT, "PyEval_RestoreThread");
+    if (!p_gil_check || !p_save_thread || !p_restore_thread) p_gil_check = NULL;
+}
+
+void core_lock_program(void) {
+    pthread_once(&core_once, init_lock);
+    if (pthread_mutex_trylock(&core_mu) == 0) return;
+    void *ts = NULL;
+    if (p_gil_check && p_gil_check()) ts = p_save_thread();
+    pthread_mutex_lock(&core_mu);
+    if (ts) p_restore_thread(ts);
+}
+
+void core_unlock(void) { pthread_mutex_unlock(&core_mu); }
+
+/* From Python (ctypes lets the GIL go around the call). */
+void core_lock_py(void) {
+    pthread_once(&core_once, init_lock);
+    pthread_mutex_lock(&core_mu);
+}
+
+int core_trylock_py(double timeout_s) {
+    pthread_once(&core_once, init_lock);
+    if (timeout_s == 0) return pthread_mutex_trylock(&core_mu) == 0;
+    if (timeout_s < 0) { pthread_mutex_lock(&core_mu); return 1; }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = ts.tv_nsec + (long long)(timeout_s * 1e9);
+    ts.tv_sec += ns / 1000000000LL;
+    ts.tv_nsec = ns % 1000000000LL;
+    return pthread_mutex_timedlock(&core_mu, &ts) == 0;
+}
+
+/* ---- counters (core_counters) */
+static uint64_t n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects, epoch = 1;
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int call_up(upcall_t *u) {
+    if (!upcall) return -1;
+    uint64_t t = now_ns();
+    int rc = upcall(u);
+    n_upcalls++;
+    ns_upcall += now_ns() - t;
+    return rc;
+}
+
+/* ---- the agent's own threads: their driver calls are not the program's */
+#define OWN_MAX 512
+static int own_tids[OWN_MAX];
+static int n_own;
+static pthread_mutex_t own_mu = PTHREAD_MUTEX_INITIALIZER;
+static __thread int my_tid;
+
+static inline int tid_now(void) {
+    if (!my_tid) my_tid = (int)syscall(SYS_gettid);
+    return my_tid;
+}
+
+int core_skip(void) {
+    int n = __atomic_load_n(&n_own, __ATOMIC_ACQUIRE);
+    if (!n) return 0;
+    int me = tid_now();
+    for (int i = 0; i < n && i < OWN_MAX; i++)
+        if (__atomic_load_n(&own_tids[i], __ATOMIC_RELAXED) == me) return 1;
+    return 0;
+}
+
+/* Add (on) or remove a thread id; 0 when the table is full. */
+int core_own(int tid, int on) {
+    pthread_mutex_lock(&own_mu);
+    int i, n = n_own, found = -1;
+    for (i = 0; i < n; i++)
+        if (own_tids[i] == tid) found = i;
+    int ok = 1;
+    if (on && found < 0) {
+        int slot = -1;
+        for (i = 0; i < n; i++)
+            if (own_tids[i] == 0) slot = i;
+        if (slot >= 0) __atomic_store_n(&own_tids[slot], tid, __ATOMIC_RELEASE);
+        else if (n < OWN_MAX) {
+            __atomic_store_n(&own_tids[n], tid, __ATOMIC_RELEASE);
+            __atomic_store_n(&n_own, n + 1, __ATOMIC_RELEASE);
+        } else ok = 0;
+    } else if (!on && found >= 0) {
+        __atomic_store_n(&own_tids[found], 0, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&own_mu);
+    return ok;
+}
+
+/* ---- operations being issued: past their enter, not yet at their exit */
+static pthread_mutex_t issued_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t issued_cv = PTHREAD_COND_INITIALIZER;
+static int issuing;
+
+void core_issued(void) {
+    pthread_mutex_lock(&issued_mu);
+    if (issuing > 0) issuing--;
+    if (issuing == 0) pthread_cond_broadcast(&issued_cv);
+    pthread_mutex_unlock(&issued_mu);
+}
+
+/* Wait until at most `own` operations are being issued; those left after timeout_s. */
+int core_settle(double timeout_s, int own) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = ts.tv_nsec + (long long)(timeout_s * 1e9);
+    ts.tv_sec += ns / 1000000000LL;
+    ts.tv_nsec = ns % 1000000000LL;
+    pthread_mutex_lock(&issued_mu);
+    while (issuing > own)
+        if (pthread_cond_timedwait(&issued_cv, &issued_mu, &ts) == ETIMEDOUT) break;
+    int left = issuing > own ? issuing - own : 0;
+    pthread_mutex_unlock(&issued_mu);
+    return left;
+}
+
+/* ---- streams the program used (operations) or created (resource callbacks) */
+static uint64_t *streams;
+static int n_streams, cap_streams;
+static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void stream_set(uint64_t s, int add) {
+    pthread_mutex_lock(&streams_mu);
+    int i;
+    for (i = 0; i < n_streams && streams[i] != s; i++) {}
+    if (add && i == n_streams) {
+        if (n_streams == cap_streams) {
+            int cap = cap_streams ? 2 * cap_streams : 64;
+            uint64_t *p = realloc(streams, (size_t)cap * 8);
+            if (p) { streams = p; cap_streams = cap; }
+        }
+        if (n_streams < cap_streams) streams[n_streams++] = s;
+    } else if (!add && i < n_streams) {
+        streams[i] = streams[--n_streams];
+    }
+    pthread_mutex_unlock(&streams_mu);
+}
+
+/* The last stream an operation used, per thread: most operations repeat it (no table walk). */
+static __thread uint64_t last_stream = ~0ull;
+
+static inline void stream_used(uint64_t s) {
+    if (s == last_stream) return;
+    last_stream = s;
+    stream_set(s, 1);
+}
+
+void core_stream_event(uint64_t s, int destroyed) {
+    stream_set(s, !destroyed);
+    if (destroyed) last_stream = ~0ull;
+}
+
+int core_streams(uint64_t *out, int cap) {
+    pthread_mutex_lock(&streams_mu);
+    int n = n_streams < cap ? n_streams : cap;
+    memcpy(out, streams, (size_t)n * 8);
+    int all = n_streams;
+    pthread_mutex_unlock(&streams_mu);
+    return all;
+}
+
+/* ---- live allocations, sorted by address, with the predictor's rules (trace/allocs.py) */
+typedef struct {
+    uint64_t start, end, id;
+    uint64_t first_touch, last_touch;
+    uint32_t snap;    /* index in the snapshot in progress + 1; 0: not in it */
+    uint8_t payload;  /* bytes copied from the host landed here: the predictor keeps them */
+    uint8_t ptrs;     /* ... and they held a word inside the hull (or the hull grew since) */
+    uint8_t dirty;    /* written since the last snapshot's T0 */
+    uint8_t pad;
+} alloc_t;
+static alloc_t *allocs;
+static size_t n_allocs, cap_allocs;
+static uint64_t hull_lo = ~0ull, hull_hi, next_id = 1, touch_seq;
+static int dirty_all = 1; /* what was written is not known (no snapshot yet, or unknown since) */
+
+static size_t upper(uint64_t addr) { /* first index whose start > addr */
+    size_t lo = 0, hi = n_allocs;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (allocs[mid].start <= addr) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static alloc_t *find(uint64_t addr) {
+    if (!addr || addr < hull_lo || addr >= hull_hi) return NULL;
+    size_t i = upper(addr);
+    if (!i) return NULL;
+    alloc_t *a = &allocs[i - 1];
+    return addr < a->end ? a : NULL;
+}
+
+/* ---- the view queue: what Python's copy of the predictor must see, in order */
+enum { V_ALLOC = 1, V_FREE = 2, V_COPY = 3, V_SET = 4 };
+static char *vbuf;
+static size_t vlen, vcap;
+
+static char *vput(uint32_t tag, size_t body) {
+    size_t need = 8 + ((body + 7) & ~(size_t)7);
+    if (vlen + need > vcap) {
+        size_t cap = vcap ? vcap : 65536;
+        while (cap < vlen + need) cap *= 2;
+        char *b = realloc(vbuf, cap);
+        if (!b) return NULL;
+        vbuf = b;
+        vcap = cap;
+    }
+    char *p = vbuf + vlen;
+    uint32_t h[2] = {tag, (uint32_t)need};
+    memcpy(p, h, 8);
+    memset(p + 8, 0, need - 8);
+    vlen += need;
+    return p + 8;
+}
+
+/* Hand the queue to Python (core lock held): the caller frees it with core_free. */
+char *core_view_take(size_t *len) {
+    char *b = vbuf;
+    *len = vlen;
+    vbuf = NULL;
+    vlen = vcap = 0;
+    return b;
+}
+
+void core_free(void *p) { free(p); }
+
+static void evict_at(size_t i) {
+    memmove(&allocs[i], &allocs[i + 1], (n_allocs - i - 1) * sizeof(alloc_t));
+    n_allocs--;
+}
+
+void core_after_alloc(uint64_t addr, uint64_t size, uint32_t kind) {
+    uint64_t end = addr + size;
+    size_t i = upper(addr);
+    /* an allocation overlapping live ones replaces them (their free was not seen) */
+    if (i > 0 && allocs[i - 1].end > addr) evict_at(--i);
+    while (i < n_allocs && (allocs[i].start < end || allocs[i].start == addr)) evict_at(i);
+    if (n_allocs == cap_allocs) {
+        size_t cap = cap_allocs ? 2 * cap_allocs : 1024;
+        alloc_t *p = realloc(allocs, cap * sizeof(alloc_t));
+        if (!p) return;
+        allocs = p;
+        cap_allocs = cap;
+    }
+    memmove(&allocs[i + 1], &allocs[i], (n_allocs - i) * sizeof(alloc_t));
+    n_allocs++;
+    alloc_t *a = &allocs[i];
+    memset(a, 0, sizeof *a);
+    a->start = addr;
+    a->end = end;
+    a->id = next_id++;
+    a->dirty = 1;
+    int grew = addr < hull_lo || end > hull_hi;
+    if (addr < hull_lo) hull_lo = addr;
+    if (end > hull_hi) hull_hi = end;
+    if (grew) /* a word of stored bytes that was outside the hull may point into it now */
+        for (size_t k = 0; k < n_allocs; k++)
+            if (allocs[k].payload) allocs[k].ptrs = 1;
+    epoch++;
+    uint64_t *v = (uint64_t *)vput(V_ALLOC, 32);
+    if (v) { v[0] = a->id; v[1] = addr; v[2] = size; v[3] = kind; }
+}
+
+void core_after_free(uint64_t addr) {
+    if (!addr) return;
+    uint64_t *v = (uint64_t *)vput(V_FREE, 8);
+    if (v) v[0] = addr;
+    size_t i = upper(addr);
+    if (i && allocs[i - 1].start == addr) {
+        evict_at(i - 1);
+        epoch++;
+    }
+}
+
+static int has_hull_word(const uint8_t *p, uint64_t n) {
+    for (uint64_t off = 0; off + 8 <= n; off += 8) {
+        uint64_t w;
+        memcpy(&w, p + off, 8);
+        if (w >= hull_lo && w < hull_hi) return 1;
+    }
+    return 0;
+}
+
+/* A copy (with the host bytes it carried, if any) or a memset wrote [dst, dst + n). */
+void core_after_write(uint64_t dst, const uint8_t *payload, uint64_t n, uint64_t stream, int is_set) {
+    (void)stream;
+    alloc_t *a = find(dst);
+    int words = payload && has_hull_word(payload, n);
+    if (words || (a && a->ptrs)) epoch++; /* a pointer the predictor follows may change */
+    if (a && payload) {
+        a->payload = 1;
+        if (words) a->ptrs = 1;
+    }
+    if (payload || (a && a->payload)) { /* the predictor's stored contents change */
+        uint64_t plen = payload ? n : 0;
+        char *p = vput(is_set ? V_SET : V_COPY, 24 + plen);
+        if (p) {
+            uint64_t h[3] = {dst, n, plen};
+            memcpy(p, h, 24);
+            if (plen) memcpy(p + 24, payload, plen);
+        }
+    }
+}
+
+void core_module_unloading(void) {
+    __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED); /* function handles may come back for others */
+}
+
+void core_bump_epoch(void) { __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED); } /* any thread */
+
+/* the program's context: the agent's threads make it current (the first one an allocation used) */
+static uint64_t first_ctx;
+
+void core_saw_context(uint64_t ctx) {
+    if (!first_ctx && ctx) first_ctx = ctx;
+}
+
+uint64_t core_context(void) { return first_ctx; }
+
+size_t core_view_len(void) { return vlen; }
+
+/* ---- memoised access sets, per (function, the argument words inside the hull) and epoch */
+typedef struct memo {
+    struct memo *next;
+    uint64_t func, hash, epoch;
+    uint32_t nfound, nw, nt;
+    int32_t unknown;
+    uint64_t *found; /* nfound x (param << 32 | word), value */
+    uint32_t *idx;   /* nw + nt allocation indexes (valid for this epoch) */
+} memo_t;
+#define MEMO_BUCKETS 16384
+#define MEMO_MAX 65536
+static memo_t *memo[MEMO_BUCKETS];
+static size_t n_memo;
+static uint64_t memo_epoch;
+
+static void memo_clear(void) {
+    for (size_t b = 0; b < MEMO_BUCKETS; b++) {
+        for (memo_t *m = memo[b], *nx; m; m = nx) {
+            nx = m->next;
+            free(m->found);
+            free(m->idx);
+            free(m);
+        }
+        memo[b] = NULL;
+    }
+    n_memo = 0;
+}
+
+/* scratch for the argument scan (core lock held; copied into the memo entry before any upcall) */
+#define FOUND_MAX 8192
+static uint64_t found_buf[2 * FOUND_MAX];
+#define IDS_CAP 16384
+
+static inline uint64_t mix(uint64_t h, uint64_t v) {
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return h * 0xff51afd7ed558ccdull;
+}
+
+/* the words of the arguments inside the hull, as gpu-predict-access's pointer key takes them */
+static uint32_t scan(const uint32_t *sizes, uint32_t np, const uint8_t *args, uint64_t *hash, int *overflow) {
+    uint32_t n = 0, pos = 0;
+    uint64_t h = 0x12345;
+    *overflow = 0;
+    for (uint32_t i = 0; i < np; i++) {
+        uint32_t s = sizes[i];
+        for (uint32_t j = 0; j + 8 <= s; j += 8) {
+            uint64_t w;
+            memcpy(&w, args + pos + j, 8);
+            if (w >= hull_lo && w < hull_hi) {
+                if (n == FOUND_MAX) { *overflow = 1; return n; }
+                found_buf[2 * n] = (uint64_t)i << 32 | (j >> 3);
+                found_buf[2 * n + 1] = w;
+                h = mix(mix(h, found_buf[2 * n]), w);
+                n++;
+            }
+        }
+        pos += s;
+    }
+    *hash = h;
+    return n;
+}
+
+/* id -> index of the live allocations, for storing Python's answer (built once per epoch) */
+static uint64_t (*by_id)[2];
+static size_t n_by_id;
+static uint64_t by_id_epoch;
+
+static int cmp_id(const void *a, const void *b) {
+    uint64_t x = ((const uint64_t *)a)[0], y = ((const uint64_t *)b)[0];
+    return x < y ? -1 : x > y;
+}
+
+static long index_of_id(uint64_t id) {
+    if (by_id_epoch != epoch || !by_id) {
+        free(by_id);
+        by_id = malloc((n_allocs ? n_allocs : 1) * sizeof *by_id);
+        if (!by_id) return -1;
+        for (size_t i = 0; i < n_allocs; i++) { by_id[i][0] = allocs[i].id; by_id[i][1] = i; }
+        qsort(by_id, n_allocs, sizeof *by_id, cmp_id);
+        n_by_id = n_allocs;
+        by_id_epoch = epoch;
+    }
+    size_t lo = 0, hi = n_by_id;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (by_id[mid][0] < id) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < n_by_id && by_id[lo][0] == id ? (long)by_id[lo][1] : -1;
+}
+
+/* The launch's access set: memoised, or predicted by Python now. NULL: not known (treated as
+   unknown, touching nothing). */
+static memo_t *access_of(uint32_t cbid, uint64_t stream, uint64_t raw, uint64_t func, const char *name,
+                         const uint32_t *sizes, uint32_t np, const uint8_t *args, uint32_t args_len) {
+    if (memo_epoch != epoch) {
+        memo_clear();
+        memo_epoch = epoch;
+    }
+    uint64_t h = 0;
+    uint32_t nf = 0;
+    int overflow = 0;
+    int known = args_len != CORE_NO_ARGS;
+    if (known) nf = scan(sizes, np, args, &h, &overflow);
+    if (overflow) return NULL;
+    h = mix(mix(h, func), known);
+    size_t b = h % MEMO_BUCKETS;
+    for (memo_t *m = memo[b]; m; m = m->next)
+        if (m->hash == h && m->func == func && m->nfound == nf &&
+            !memcmp(m->found, found_buf, (size_t)nf * 16)) {
+            n_hits++;
+            return m;
+        }
+    n_misses++;
+    memo_t *m = calloc(1, sizeof *m);
+    uint64_t *ids = malloc(IDS_CAP * 8);
+    if (m) m->found = malloc((size_t)(nf ? nf : 1) * 16);
+    if (!m || !ids || !m->found) {
+        if (m) free(m->found);
+        free(m);
+        free(ids);
+        return NULL;
+    }
+    memcpy(m->found, found_buf, (size_t)nf * 16);
+    m->func = func;
+    m->hash = h;
+    m->nfound = nf;
+    upcall_t u = {0};
+    u.what = UP_PREDICT;
+    u.cbid = cbid;
+    u.stream = stream;
+    u.raw_stream = raw;
+    u.func = func;
+    u.name = name;
+    u.sizes = sizes;
+    u.nparams = np;
+    u.args = args;
+    u.args_len = args_len;
+    u.ids = ids;
+    u.cap = IDS_CAP;
+    int rc = call_up(&u);
+    uint32_t n = rc == 0 && u.nw + u.nt <= u.cap ? u.nw + u.nt : 0;
+    m->idx = malloc((size_t)(n ? n : 1) * 4);
+    if (rc != 0 || !m->idx || memo_epoch != epoch) {
+        /* failed, or allocations changed during the upcall: not known (every buffer counts) */
+        free(m->found);
+        free(m->idx);
+        free(m);
+        free(ids);
+        return NULL;
+    }
+    if (n_memo >= MEMO_MAX) memo_clear();
+    m->epoch = epoch;
+    m->unknown = u.unknown || u.nw + u.nt > u.cap; /* more than fit: every buffer counts */
+    for (uint32_t k = 0; k < n; k++) {
+        long i = index_of_id(ids[k]);
+        if (i < 0) continue; /* not live (freed meanwhile): nothing to track */
+        if (k < u.nw) m->idx[m->nw++] = (uint32_t)i; /* writes first, touched after them */
+        else m->idx[m->nw + m->nt++] = (uint32_t)i;
+    }
+    free(ids);
+    b = m->hash % MEMO_BUCKETS;
+    m->next = memo[b];
+    memo[b] = m;
+    n_memo++;
+    return m;
+}
+
+/* ---- a snapshot in progress: per buffer, done, or the streams whose writes are already
+   ordered after its copy (the agent's Snap.safe) */
+#define SAFE_MAX 8
+typedef struct { uint8_t done, nsafe; uint64_t safe[SAFE_MAX]; } sbuf_t;
+static sbuf_t *sbufs;
+static uint32_t n_sbufs;
+static int snap_active;
+
+/* At T0 (core lock held): the snapshot's buffers, by allocation id, in its order. */
+int core_snap_begin(const uint64_t *ids, uint32_t n) {
+    free(sbufs);
+    sbufs = calloc(n ? n : 1, sizeof *sbufs);
+    if (!sbufs) return -1;
+    n_sbufs = n;
+    for (size_t i = 0; i < n_allocs; i++) allocs[i].snap = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        long i = index_of_id(ids[k]);
+        if (i >= 0) allocs[i].snap = k + 1;
+    }
+    snap_active = 1;
+    return 0;
+}
+
+void core_snap_done(uint32_t i) {
+    if (i < n_sbufs) sbufs[i].done = 1;
+}
+
+void core_snap_safe(uint32_t i, const uint64_t *s, uint32_t n) {
+    if (i >= n_sbufs) return;
+    sbufs[i].nsafe = (uint8_t)(n < SAFE_MAX ? n : SAFE_MAX); /* more: asked again, Python knows */
+    memcpy(sbufs[i].safe, s, (size_t)sbufs[i].nsafe * 8);
+}
+
+void core_snap_end(void) {
+    snap_active = 0;
+    for (size_t i = 0; i < n_allocs; i++) allocs[i].snap = 0;
+}
+
+
+static inline int needs_protect(uint32_t i, uint64_t stream) {
+    sbuf_t *s = &sbufs[i];
+    if (s->done) return 0;
+    for (int k = 0; k < s->nsafe; k++)
+        if (s->safe[k] == stream) return 0;
+    return 1;
+}
+
+/* Python protects buffers `targets` (n of them, an array it may keep no reference to). */
+static void protect(const uint32_t *targets, uint32_t n, uint64_t stream, uint32_t cbid) {
+    if (!n) return;
+    upcall_t u = {0};
+    u.what = UP_PROTECT;
+    u.cbid = cbid;
+    u.stream = stream;
+    u.ntargets = n;
+    u.targets = targets;
+    n_protects++;
+    call_up(&u);
+}
+
+static void protect_all(uint64_t stream, uint32_t cbid) {
+    uint32_t *t = malloc((size_t)(n_sbufs ? n_sbufs : 1) * 4), n = 0;
+    if (!t) return;
+    for (uint32_t i = 0; i < n_sbufs; i++)
+        if (needs_protect(i, stream)) t[n++] = i;
+    protect(t, n, stream, cbid);
+    free(t);
+}
+
+static void protect_alloc(alloc_t *a, uint64_t stream, uint32_t cbid) {
+    if (a && a->snap && needs_protect(a->snap - 1, stream)) {
+        uint32_t t = a->snap - 1;
+        protect(&t, 1, stream, cbid);
+    }
+}
+
+/* ---- dirty (written since the last snapshot's T0) and touches (for the engine's orders) */
+
+/* The live allocations written since the last call (ids into out, at most cap; all: everything
+   counts, the set is not known); then a new period starts. Core lock held. */
+int core_take_dirty(uint64_t *out, int cap, int *all) {
+    *all = dirty_all;
+    int n = 0;
+    for (size_t i = 0; i < n_allocs; i++) {
+        if (allocs[i].dirty && !dirty_all) {
+            if (n < cap) out[n] = allocs[i].id;
+            n++;
+        }
+        allocs[i].dirty = 0;
+    }
+    dirty_all = 0;
+    return n;
+}
+
+void core_forget_dirty(void) { dirty_all = 1; }
+
+static inline void touch(alloc_t *a) {
+    a->last_touch = ++touch_seq;
+    if (!a->first_touch) a->first_touch = a->last_touch;
+}
+
+/* (id, first touch, last touch) of each live allocation touched so far; how many there are. */
+int core_touches(uint64_t *out, int cap) {
+    int n = 0;
+    for (size_t i = 0; i < n_allocs; i++) {
+        if (!allocs[i].first_touch) continue;
+        if (n < cap) {
+            out[3 * n] = allocs[i].id;
+            out[3 * n + 1] = allocs[i].first_touch;
+            out[3 * n + 2] = allocs[i].last_touch;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* ---- references (tests): operation numbers at whose start the state is dumped */
+static uint64_t *refs;
+static uint32_t n_refs, ref_at;
+
+void core_set_references(const uint64_t *ns, uint32_t n) {
+    free(refs);
+    refs = n ? malloc((size_t)n * 8) : NULL;
+    n_refs = refs ? n : 0;
+    if (refs) memcpy(refs, ns, (size_t)n * 8);
+    ref_at = 0;
+}
+
+/* what the last launch's access set was (tests compare it with gpu-predict-access's) */
+static memo_t *last_access;
+static int last_known;
+
+/* ---- the enter site */
+static int capture_begun;
+
+void core_capture_begun(void) { __atomic_store_n(&capture_begun, 1, __ATOMIC_RELEASE); }
+
+void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream, uint64_t func,
+                const char *name, const uint32_t *sizes, uint32_t np, const uint8_t *args,
+                uint32_t args_len, uint64_t dst, uint64_t src, int capturing) {
+    uint64_t t0 = now_ns();
+    uint64_t eff = stream == 0 && ptsz ? 2 : stream; /* CU_STREAM_PER_THREAD */
+    (void)capturing;
+    if (gated && (flags & F_GATE)) { /* serve: the GPU turn first, before the lock */
+        upcall_t g = {0};
+        g.what = UP_GATE;
+        g.cbid = cbid;
+        g.stream = eff;
+        call_up(&g);
+    }
+    core_lock_program();
+    pthread_mutex_lock(&issued_mu);
+    issuing++;
+    pthread_mutex_unlock(&issued_mu);
+    n_enters++;
+    if (op != OP_GRAPH && (snap_active || (flags & F_SKIP_CAPTURED)) &&
+        __atomic_load_n(&capture_begun, __ATOMIC_ACQUIRE) && (op == OP_LAUNCH || stream) &&
+        trace_is_capturing(stream)) {
+        n_ops++; /* only recorded into a graph: it writes nothing now */
+        goto out;
+    }
+    if (op != OP_GRAPH) {
+        n_ops++;
+        stream_used(stream);
+        while (ref_at < n_refs && refs[ref_at] < n_ops) ref_at++;
+        if (ref_at < n_refs && refs[ref_at] == n_ops) {
+            upcall_t r = {0};
+            r.what = UP_REFERENCE;
+            r.n = n_ops;
+            call_up(&r);
+        }
+    }
+    if (flags & (F_ENGINE | F_EXEC)) { /* the engine or the scheduler has work: the agent's hook */
+        upcall_t u = {0};
+        u.what = op == OP_LAUNCH ? UP_LAUNCH : op == OP_GRAPH ? UP_GRAPH : UP_WRITE;
+        u.cbid = cbid;
+        u.stream = eff;
+        u.raw_stream = stream;
+        u.func = func;
+        u.name = name;
+        u.sizes = sizes;
+        u.nparams = np;
+        u.args = args;
+        u.args_len = args_len;
+        u.dst = dst;
+        u.src = src;
+        call_up(&u);
+    }
+    last_known = 0;
+    if (op == OP_LAUNCH) {
+        if (!snap_active && dirty_all && !(flags & F_TOUCH)) goto out;
+        memo_t *m = access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
+        last_access = m;
+        last_known = 1;
+        int unknown = !m || m->unknown;
+        if (m) {
+            if (flags & F_TOUCH) /* the touched part includes the writes */
+                for (uint32_t k = m->nw; k < m->nw + m->nt; k++) touch(&allocs[m->idx[k]]);
+            if (!dirty_all && !unknown)
+                for (uint32_t k = 0; k < m->nw; k++) allocs[m->idx[k]].dirty = 1;
+        }
+        if (unknown) dirty_all = 1;
+        if (snap_active) {
+            if (unknown) protect_all(eff, cbid);
+            else if (m->nw) {
+                uint32_t *t = malloc((size_t)m->nw * 4), n = 0;
+                if (t) {
+                    for (uint32_t k = 0; k < m->nw; k++) {
+                        alloc_t *a = &allocs[m->idx[k]];
+                        if (a->snap && needs_protect(a->snap - 1, eff)) t[n++] = a->snap - 1;
+                    }
+                    protect(t, n, eff, cbid);
+                    free(t);
+                } else protect_all(eff, cbid);
+            }
+        }
+    } else if (op == OP_WRITE || op == OP_FREE) {
+        alloc_t *a = find(dst);
+        if (a) a->dirty = 1;
+        if ((flags & F_TOUCH) && op == OP_WRITE) {
+            if (a) touch(a);
+            alloc_t *s = find(src);
+            if (s) touch(s);
+        }
+        if (snap_active) protect_alloc(a, eff, cbid);
+    } else if (op == OP_GRAPH) { /* what its kernels write is not predicted here */
+        dirty_all = 1;
+        if (snap_active) protect_all(eff, cbid);
+    }
+out:
+    ns_enter += now_ns() - t0;
+    core_unlock();
+}
+
+
+/* unknown (-1: no access set was looked up), then writes and touched ids into out (cap). */
+int core_last_access(uint64_t *out, uint32_t cap, uint32_t *nw, uint32_t *nt) {
+    *nw = *nt = 0;
+    if (!last_known) return -1;
+    memo_t *m = last_access;
+    if (!m) return 1;
+    if (m->nw + m->nt > cap) return -2;
+    for (uint32_t k = 0; k < m->nw + m->nt; k++) out[k] = allocs[m->idx[k]].id;
+    *nw = m->nw;
+    *nt = m->nt;
+    return m->unknown;
+}
+
+/* ---- set up and figures */
+void core_set_flags(uint32_t mask, uint32_t values) {
+    uint32_t f = flags;
+    flags = (f & ~mask) | (values & mask);
+}
+
+uint32_t core_flags(void) { return flags; }
+
+void core_set_upcall(upcall_fn fn) {
+    pthread_once(&core_once, init_lock);
+    upcall = fn;
+}
+
+/* operations, enters, upcalls, ns in enters, ns in upcalls, memo misses, memo hits, protect
+   upcalls, epoch, live allocations, memo entries, whether the GIL is let go while waiting */
+void core_counters(uint64_t out[12]) {
+    uint64_t v[12] = {n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects,
+                      epoch, n_allocs, n_memo, p_gil_check != NULL};
+    memcpy(out, v, sizeof v);
+}
+
+uint64_t core_ops(void) { return n_ops; }

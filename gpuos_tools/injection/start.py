@@ -1,0 +1,198 @@
+"""Start-up of the in-process side, from the bootstrap (gpuos_tools/agent/boot/sitecustomize.py):
+the tracer alone or the Python agent (gpuos_tools/agent/tracer.py), or the agent on the native
+per-operation core (`NativeAgentTracer`), as the environment `gpu-trace run` set says."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from typing import Any
+
+from gpuos_tools.agent import native, tracer, wire
+from gpuos_tools.injection.core import (
+    F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
+    UP_PROTECT, UP_REFERENCE, UP_WRITE, VIEW_DRAIN_BYTES, NativeCore, NativeLock, OwnThreads, apply_view,
+    launch_args, report,
+)
+
+#: the agent's native library (set by `gpu-trace run --agent` when it could build it)
+NATIVE_AGENT_ENV = "GPUOS_AGENT_NATIVE"
+DRAIN_S = 0.5  #: how often the background thread looks at the view queue's size
+
+
+def start(fd: int) -> Any:
+    """Start tracing into ``fd`` (and the agent), as the environment says."""
+    library = os.environ.pop(NATIVE_AGENT_ENV, "")
+    if library and os.environ.get("GPUOS_TRACE_AGENT"):
+        return start_native_agent(fd, library)
+    return tracer.start(fd)
+
+
+def start_native_agent(fd: int, library: str) -> NativeAgentTracer:
+    from gpuos_tools.agent import owned
+    from gpuos_tools.agent.agent import Agent
+
+    check = os.environ.pop("GPUOS_TRACE_CHECK_POINTERS", "0") == "1"
+    flush_ms = float(os.environ.pop("GPUOS_TRACE_FLUSH_MS", "20"))
+    for name in ("GPUOS_TRACE_NATIVE", "GPUOS_TRACE_VALIDATE", "GPUOS_TRACE_AGENT"):
+        os.environ.pop(name, None)
+    budget = os.environ.pop("GPUOS_AGENT_COW_BUDGET", "")
+    cow = int(budget) if budget else None
+    agent: Any
+    if os.environ.get("GPUOS_SCHED_ONLINE"):  # gpu-prefetch-sched run: the online scheduler in front
+        from gpuos_tools.sched import executor
+
+        agent = executor.OnlineAgent(executor.config_from_environment() or {}, cow)
+    else:
+        agent = Agent(cow)
+    t = NativeAgentTracer(fd, flush_ms / 1000.0, library, check, agent)
+    t.start()
+    # GPUOS_AGENT_OWN=1: the program's CuPy and PyTorch allocations go through the owned
+    # allocator, installed after the tracer so that its mappings are traced
+    if owned.boot_from_environment():
+        agent.start_engine()
+        t.engine_started()
+    return t
+
+
+class AgentUpcalls:
+    """The Python half of the native core: the agent wired to it, and the answers to its upcalls
+    (the program's thread, core lock held; the gate before it). ``names``: cbid -> API name."""
+
+    def __init__(self, core: NativeCore, agent: Any, names: dict[int, str]) -> None:
+        self.core = core
+        self.agent = agent
+        self.names = names
+        agent.use_native(core, NativeLock(core, on_acquire=self.drain), OwnThreads(core))
+        agent.engine_busy = lambda: core.set_flag(F_ENGINE, True)
+        agent.predictions_changed = core.bump_epoch
+        agent.native_touches = core.touches
+        if agent.references:
+            core.set_references(sorted(agent.references))
+        core.set_flag(F_SKIP_CAPTURED, bool(agent.skip_captured))
+        self._seen: set[str] = set()
+        core.set_upcall(self.dispatch)
+
+    def drain(self) -> None:
+        """Bring the agent's view up to date (core lock held)."""
+        events = self.core.take_view()
+        if events:
+            apply_view(self.agent, events)
+
+    def dispatch(self, ptr: Any) -> int:
+        u = ptr.contents
+        what = u.what
+        agent = self.agent
+        try:
+            if what == UP_GATE:
+                gate = agent.gate
+                if gate is not None:
+                    gate()
+                return 0
+            self.drain()
+            if what == UP_PREDICT:
+                sizes, args = launch_args(u)
+                kernel = (u.name or b"").decode(errors="replace")
+                unknown, writes, touched = agent._predict(kernel, sizes, args)
+                u.nw, u.nt, u.unknown = len(writes), len(touched), int(unknown)
+                if len(writes) + len(touched) <= u.cap:
+                    ids = u.ids
+                    for k, i in enumerate((*writes, *touched)):
+                        ids[k] = i
+                return 0
+            if what == UP_PROTECT:
+                agent.protect_native([u.targets[i] for i in range(u.ntargets)], u.stream)
+                return 0
+            if what == UP_REFERENCE:
+                agent._reference(int(u.n))
+                return 0
+            api = self.names.get(u.cbid, "")
+            if what == UP_LAUNCH:
+                sizes, args = launch_args(u)
+                agent.before_launch(api, u.raw_stream, (u.name or b"").decode(errors="replace"), sizes, args)
+            elif what == UP_WRITE:
+                agent.before_write(api, u.dst, u.raw_stream, u.src)
+            elif what == UP_GRAPH:
+                agent.before_graph(u.raw_stream)
+            self.sync_flags()
+        except Exception as exc:  # never let the agent break the program
+            report(exc, self.core, self._seen, f"upcall {what}")
+            return 1
+        return 0
+
+    def sync_flags(self) -> None:
+        """Whether the engine still needs the hooks (it asks again when it does: engine_busy)."""
+        eng = self.agent.engine
+        if eng is None:
+            self.core.set_flag(F_ENGINE, False)
+            return
+        with eng.lock:  # the engine's threads change what it holds under it
+            self.core.set_flag(F_ENGINE, eng.needs_operations)
+
+    def engine_started(self) -> None:
+        """The owned allocator and the residency engine are in: touches are tracked from now on,
+        and the scheduler's hooks run unless it has nothing to decide (`Executor.dormant`)."""
+        core, agent = self.core, self.agent
+        core.set_flag(F_TOUCH, True)
+        ex = getattr(agent, "executor", None)
+        if ex is not None:
+            core.set_flag(F_EXEC, not ex.dormant)
+        core.set_flag(F_GATE, agent.gate is not None)
+        self.sync_flags()
+
+
+class NativeAgentTracer(tracer.Tracer):
+    """The agent on the native core: the C callback (tracer and core) does the per-operation work
+    and ships the trace itself; Python answers its upcalls (`AgentUpcalls`)."""
+
+    backend = "native-agent"
+
+    def __init__(self, fd: int, flush_interval: float, library: str, check_pointers: bool, agent: Any) -> None:
+        super().__init__(fd, flush_interval)
+        self.agent = agent
+        kinds = {cbid: kind | (PTSZ if name.endswith(("_ptsz", "_ptds")) else 0)
+                 for cbid, (name, _, kind) in self.table.items()}
+        self.session = native.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
+        self.core = NativeCore(library)
+        self.upcalls = AgentUpcalls(self.core, agent, {cbid: name for cbid, (name, _, _) in self.table.items()})
+        self._drainer: threading.Thread | None = None
+
+    def engine_started(self) -> None:
+        self.upcalls.engine_started()
+
+    def _drain_loop(self) -> None:
+        self.agent.own.add(threading.get_native_id())
+        while not self.stop.wait(DRAIN_S):
+            if self.core.view_pending() > VIEW_DRAIN_BYTES:
+                with self.agent.lock:  # acquiring it drains
+                    pass
+
+    # -- life cycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        wire.write_all(self.fd, wire.encode_frame([self.hello()]))
+        self.session.start()
+        os.environ["GPUOS_AGENT_SOCKET"] = self.agent.start_server()
+        if os.environ.pop("GPUOS_AGENT_STAGE_AHEAD", "") == "1":
+            self.agent.stage_ahead()
+        self._drainer = threading.Thread(target=self._drain_loop, name="gpuos-agent-view", daemon=True)
+        self._drainer.start()
+        atexit.register(self.shutdown)
+        os.register_at_fork(after_in_child=self._close)
+
+    def shutdown(self) -> None:
+        """At interpreter exit (after the frameworks' own handlers)."""
+        self.stop.set()
+        agent = self.agent
+        agent.stop_background()
+        if agent.server is not None:
+            agent.server.close()
+        counters: dict[str, Any] = self.session.stop()
+        counters["core"] = self.core.counters()
+        try:
+            wire.write_all(self.fd, wire.encode_frame([(wire.END, time.monotonic_ns(), counters)]))
+        except OSError:
+            pass
+        self._close()
