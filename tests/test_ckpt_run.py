@@ -59,7 +59,7 @@ def test_run_is_gpu_trace_run_agent(traced, tmp_path, monkeypatch, options):
     assert invoke(ckpt.app, "gpu-ckpt", "run", *options, *program) == 7
     assert len(traced) == 2
     assert traced[0] == traced[1]
-    assert traced[1]["agent"] is True and traced[1]["backend"] == "python"
+    assert traced[1]["agent"] is True and traced[1]["backend"] == "auto"  # the native core where it builds
     assert traced[1]["program"] == ["python3", "train.py", "--epochs", "1", "-o", "x"]
     if "--cow-budget" in options:
         assert traced[1]["cow_budget"] == {"2GiB": 2 << 30, "512M": 512 << 20}[options[options.index("--cow-budget") + 1]]

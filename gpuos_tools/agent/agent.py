@@ -113,10 +113,14 @@ class Agent(ProcessView):
     skip_captured = False
 
     def __init__(self, cow_budget: int | None = None) -> None:
+        #: the native per-operation core (gpuos_tools/injection), when it runs the program's
+        #: callbacks: it counts operations and streams, tracks what was written and protects a
+        #: snapshot's buffers itself, and calls the hooks below only when Python must act
+        self.core: Any = None
+        self._ops = 0
         super().__init__()
-        self.lock = threading.RLock()
-        self.ops = 0  #: launches, copies, memsets and frees seen (for T0 and references)
-        self.own: set[int] = set()  #: thread ids whose CUDA calls are the agent's own
+        self.lock: Any = threading.RLock()
+        self.own: Any = set()  #: thread ids whose CUDA calls are the agent's own
         self.snap: Snap | None = None
         self.cow_budget = cow_budget
         self.server = None
@@ -148,6 +152,42 @@ class Agent(ProcessView):
         #: gpuos_tools/agent/engine.py's ResidencyEngine, when the program's memory is owned
         self.engine = None
 
+    @property
+    def ops(self) -> int:
+        """Launches, copies, memsets and frees seen (for T0 and references)."""
+        return self.core.ops() if self.core is not None else self._ops
+
+    @ops.setter
+    def ops(self, value: int) -> None:
+        self._ops = value
+
+    @property
+    def streams(self) -> set[int]:  # type: ignore[override]
+        """The streams the program has used (the core's set when it runs)."""
+        return self.core.streams() | {0} if self.core is not None else self._streams
+
+    @streams.setter
+    def streams(self, value: set[int]) -> None:
+        self._streams = value
+
+    def use_native(self, core: Any, lock: Any, own: Any) -> None:
+        """Run on the native core (gpuos_tools/injection): its lock is the agent's lock, its
+        thread table the agent's ``own``. Before the tracer starts."""
+        self.core, self.lock, self.own = core, lock, own
+
+    def _take_dirty(self) -> set[int] | None:
+        """What was written since the last call (None: not known); a new period starts (lock held)."""
+        if self.core is not None:
+            return self.core.take_dirty()
+        written, self.dirty = self.dirty, set()
+        return written
+
+    def _forget_dirty(self) -> None:
+        """What was written is not known from here on: the next image is full."""
+        if self.core is not None:
+            self.core.forget_dirty()
+        self.dirty = None
+
     def start_engine(self) -> None:
         """Consult a residency engine on the launch path (the owned allocator is loaded)."""
         from gpuos_tools.agent.engine import ResidencyEngine
@@ -157,7 +197,8 @@ class Agent(ProcessView):
     # -- operations being issued (the tracer calls these) ---------------------------------------
 
     def issue_begin(self) -> None:
-        """At an operation's enter callback, with the agent's lock held."""
+        """At an operation's enter callback, with the agent's lock held (the Python tracer; the
+        native core counts them itself)."""
         with self._issued:
             self.issuing += 1
 
@@ -173,6 +214,9 @@ class Agent(ProcessView):
         has been enqueued by the driver; return how many had not after ``timeout`` seconds (0:
         all), which would mean an exit callback never came. ``own``: operations of the caller's
         that count as issuing and are not waited for (1 from inside an operation's enter callback)."""
+        core = getattr(self, "core", None)  # (the engine's tests borrow this method)
+        if core is not None:
+            return core.settle(timeout, own)
         with self._issued:
             self._issued.wait_for(lambda: self.issuing <= own, timeout)
             return max(0, self.issuing - own)
@@ -181,13 +225,20 @@ class Agent(ProcessView):
 
     def on_alloc(self, addr: int, size: int, kind: str) -> None:
         if self.ctx is None:  # the program's context, which the agent's threads make current
-            from cuda.bindings import driver as drv
+            if self.core is not None:  # the view is brought up to date on any thread: the core saw it
+                handle = self.core.context()
+                if handle:
+                    from cuda.bindings import driver as drv
 
-            err, ctx = drv.cuCtxGetCurrent()
-            if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
-                self.ctx = ctx
+                    self.ctx = drv.CUcontext(handle)
+            else:
+                from cuda.bindings import driver as drv
+
+                err, ctx = drv.cuCtxGetCurrent()
+                if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
+                    self.ctx = ctx
         super().on_alloc(addr, size, kind)
-        if self.dirty is not None:
+        if self.core is None and self.dirty is not None:
             self.dirty.add(self.next_id - 1)  # new since the parent: the next image needs it
 
     def buffers(self) -> list[Allocation]:
@@ -197,6 +248,8 @@ class Agent(ProcessView):
 
     def _operation(self, stream: int) -> None:
         """Count one operation of the program (and dump a reference where one is asked for)."""
+        if self.core is not None:  # the core counted it, and asks for references itself
+            return
         self.ops += 1
         self.streams.add(stream)
         if self.references and self.ops in self.references:
@@ -221,7 +274,7 @@ class Agent(ProcessView):
 
     def _before_launch_snap(self, api: str, stream: int, kernel: str, sizes, args) -> None:
         snap = self.snap
-        if snap is None and self.dirty is None:
+        if self.core is not None or (snap is None and self.dirty is None):  # the core does this
             return
         unknown, writes, _ = self._predict(kernel, sizes, args)
         if self.dirty is not None:
@@ -298,6 +351,8 @@ class Agent(ProcessView):
             self._before_write_snap(api, addr, stream)
 
     def _before_write_snap(self, api: str, addr: int, stream: int) -> None:
+        if self.core is not None:  # the core does this
+            return
         snap = self.snap
         a = self.pred.allocs.find(addr)
         if a is not None and self.dirty is not None:
@@ -309,10 +364,34 @@ class Agent(ProcessView):
 
     def before_graph(self, stream: int) -> None:
         """A graph is about to be launched on ``stream``: its kernels' footprint is not
-        predicted here, so every owned record must be back first."""
+        predicted here, so every owned record must be back first, and it may write any buffer
+        (what was written is not known; a snapshot in progress protects every buffer)."""
         eng = self.engine
         if eng is not None and (eng.pending or eng.clean):
             eng.graph(stream)
+        if self.core is None:  # the core does this
+            self.dirty = None
+            snap = self.snap
+            if snap is not None:
+                self._protect(snap, range(len(snap.buffers)), stream)
+
+    def protect_native(self, targets: list[int], stream: int) -> None:
+        """The core found ``targets`` (buffer indexes of the snapshot in progress) not yet safe
+        for a write on ``stream``: protect them, and tell the core what is safe now."""
+        snap = self.snap
+        if snap is None:
+            return
+        targets = [i for i in targets if i < len(snap.buffers)]
+        try:
+            self._protect(snap, targets, stream)
+        finally:
+            core = self.core
+            for i in targets:
+                safe = snap.safe[i]
+                if safe is None or snap.state[i] == DONE:
+                    core.snap_done(i)
+                elif safe:
+                    core.snap_safe(i, safe)
 
     def _protect(self, snap: Snap, targets, stream: int) -> None:
         from cuda.bindings import driver as drv
@@ -453,8 +532,10 @@ class Agent(ProcessView):
                         pool=pool, state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
                         index={b.id: i for i, b in enumerate(buffers)}, safe=[None] * n,
                         spare=spare, created=events + spare)
+            if self.core is not None:
+                self.core.snap_begin([b.id for b in buffers])
             self.snap = snap
-            written, self.dirty = self.dirty, set()  # what changed since the last T0, and anew
+            written = self._take_dirty()  # what changed since the last T0, and anew
         except BaseException:
             self.lock.release()
             drv.cuStreamDestroy(side)
@@ -485,7 +566,7 @@ class Agent(ProcessView):
             self.last = out
             return out
         except BaseException:
-            self.dirty = None  # the next image cannot be an increment of this one
+            self._forget_dirty()  # the next image cannot be an increment of this one
             raise
         finally:
             self._release(snap)
@@ -637,7 +718,7 @@ class Agent(ProcessView):
                 stall = time.perf_counter() - t0
                 go_at = time.monotonic()
                 # what was written since the last image is no longer known: the next one is full
-                self.dirty = None
+                self._forget_dirty()
                 ops = self.ops
         finally:
             drv.cuStreamDestroy(side)
@@ -709,6 +790,8 @@ class Agent(ProcessView):
         with self.lock:
             snap.state = [DONE] * len(snap.state)
             self.snap = None
+            if self.core is not None:
+                self.core.snap_end()
 
     def _digests(self, snap: Snap) -> list[str]:
         view = snap.staging.view(snap.total)
@@ -720,6 +803,8 @@ class Agent(ProcessView):
         with self.lock:
             if self.snap is snap:
                 self.snap = None
+                if self.core is not None:
+                    self.core.snap_end()
         drv.cuStreamSynchronize(snap.side)
         if snap.pool:
             drv.cuMemFree(snap.pool)
@@ -781,8 +866,7 @@ class Agent(ProcessView):
                 bufs = self.buffers()
             out = {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams), "state": "running",
-                   "launch_hooks": {"calls": self.hook_calls, "seconds": round(self.hook_ns / 1e9, 6),
-                                    "predicted": self.memo_misses, "epoch": self.pred.epoch}}
+                   "launch_hooks": self._hook_figures()}
             if eng is not None:
                 out["residency"] = eng.stats()
             return out
@@ -797,6 +881,16 @@ class Agent(ProcessView):
                 return {"ok": False, "error": "rollback needs 'image': the image's path"}
             return self.rollback(request["image"], lazy=bool(request.get("lazy")))
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _hook_figures(self) -> dict[str, Any]:
+        """The agent's time on the program's operations (ping's ``launch_hooks``)."""
+        if self.core is not None:
+            c = self.core.counters()
+            return {"native": True, "calls": c["enters"], "seconds": round((c["enter_ns"]) / 1e9, 6),
+                    "upcalls": c["upcalls"], "upcall_seconds": round(c["upcall_ns"] / 1e9, 6),
+                    "predicted": c["memo_misses"], "memo_hits": c["memo_hits"], "epoch": c["epoch"]}
+        return {"calls": self.hook_calls, "seconds": round(self.hook_ns / 1e9, 6),
+                "predicted": self.memo_misses, "epoch": self.pred.epoch}
 
     def start_server(self) -> str:
         from gpuos_tools.agent.control import Server

@@ -298,7 +298,21 @@ class ResidencyEngine:
         e = self.pending[self._bases[i]]
         return e if addr < e.base + e.size else None
 
+    def _busy(self) -> None:
+        """The engine has work on the program's operations (a record pending or clean): the
+        native core, when the agent runs on one, calls the agent's hooks from now on."""
+        busy = getattr(self.agent, "engine_busy", None)
+        if busy is not None:
+            busy()
+
+    @property
+    def needs_operations(self) -> bool:
+        """Whether the agent's hooks must see the program's operations: records pending or clean,
+        or digests that a conservative kernel's launch must drop."""
+        return bool(self.pending or self.clean or (self.conservative and self.digests))
+
     def _put(self, e: Entry) -> None:
+        self._busy()
         if e.base not in self.pending:
             self._bases.insert(bisect_right(self._bases, e.base), e.base)
         self.pending[e.base] = e
@@ -583,6 +597,7 @@ class ResidencyEngine:
         e.event, e.state, e.ordered = ev, LOADING, set()
         self.counts["loaded_bytes"] += e.size
         if e.own:  # later writes are ordered after the load and discard it from clean
+            self._busy()
             self.clean.add(e.base)
             self._since[e.base] = self._seq
             self._readers.pop(e.base, None)
@@ -710,7 +725,12 @@ class ResidencyEngine:
     def _order_locked(self) -> tuple[list[int], int]:
         by_id = getattr(self.agent, "by_id", {})
         seen: dict[int, None] = {}
-        for i in [*reversed(list(self.recent)), *list(self.first_touch)]:
+        touches = getattr(self.agent, "native_touches", None)
+        if touches is not None:  # the native core saw every operation's touches: newest first
+            ids = [i for i, _, _ in sorted(touches(), key=lambda t: -t[2])]
+        else:
+            ids = [*reversed(list(self.recent)), *list(self.first_touch)]
+        for i in ids:
             a = by_id.get(i)
             if a is not None:
                 e = self._find(a.addr)
@@ -1106,6 +1126,10 @@ class ResidencyEngine:
                                       "evictions": c["evictions"], "launches": self._seq})
         if new:
             self.conservative.update(new)
+            bump = getattr(self.agent, "predictions_changed", None)
+            if bump is not None:  # the native core's memoised access sets of these are stale
+                bump()
+            self._busy()
             why = getattr(self.agent, "unknown_why", None)
             for k in new:
                 if isinstance(why, dict):

@@ -119,7 +119,8 @@ def run(
     agent: bool = typer.Option(
         False, "--agent",
         help="Also run the agent: a control socket through which `gpu-ckpt --agent PID` takes "
-        "consistent snapshots while the program runs (uses the python backend).",
+        "consistent snapshots while the program runs (on the native core unless --backend python "
+        "or GPUOS_AGENT_BACKEND=python).",
     ),
     cow_budget: Optional[str] = typer.Option(
         None, "--cow-budget", metavar="SIZE",
@@ -184,9 +185,6 @@ def run_program(
 
         if validate:
             raise typer.BadParameter("--agent and --validate exclude each other", param_hint="--agent")
-        if backend == "native":
-            raise typer.BadParameter("--agent runs in the python backend", param_hint="--backend")
-        backend = "python"
         if cow_budget is not None:
             try:
                 budget = parse_size(cow_budget)

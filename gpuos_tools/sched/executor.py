@@ -163,6 +163,10 @@ class Executor:
         self.why: dict[str, str] = {}  #: kernel -> why the predictor said unknown (the agent fills it)
         # parked physical memory (module docstring, "Parking"): under `run` only; serve's jobs
         # give their memory to each other, so a yield must leave none parked
+        #: nothing to decide: a budget of the whole footprint or more, and no other job (`run` at
+        #: --budget 100%); the native core then does not call the executor's hooks at all
+        fraction = cfg.get("fraction")
+        self.dormant = self.serve is None and fraction is not None and float(fraction) >= 1.0
         self._park = (self.serve is None and os.environ.get(NO_PARK_ENV, "") in ("", "0")
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
@@ -887,6 +891,8 @@ class Executor:
             "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],
             "periods": pol["periods"], "period_use": pol["period_use"], "predicted": pol["predicted"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
+            # nothing to decide at this budget: the native core ran the program without the hooks
+            "dormant": self.dormant,
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
             "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),
         }

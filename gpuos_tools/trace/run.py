@@ -91,6 +91,23 @@ def native_library(backend: str, warn) -> str | None:
         return None
 
 
+def native_agent_library(backend: str, warn) -> str | None:
+    """The agent's native core (tracer and core in one library) for ``backend``, or None for the
+    Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under ``auto``)."""
+    from gpuos_tools.agent import native
+    from gpuos_tools.injection import core
+
+    if backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python":
+        return None
+    try:
+        return str(core.build())
+    except (native.BuildError, OSError) as exc:
+        if backend == "native":
+            raise GpuosError(f"cannot build the agent's native core: {exc}", ExitCode.FAILURE) from exc
+        warn(f"the agent's native core is unavailable ({exc}); running it through Python callbacks (slower)")
+        return None
+
+
 def trace_program(
     cmd: list[str], writer, images_dir: Path | None, flush_ms: float = 20.0, check_pointers: bool = False,
     backend: str = "auto", warn=lambda message: None, output_path: str = "-",
@@ -127,6 +144,7 @@ def trace_program(
         env["GPUOS_TRACE_VALIDATE"] = f"{validate[0]}:{validate[1]}:{int(validate[2])}"
     if agent:
         env["GPUOS_TRACE_AGENT"] = "1"
+        env["GPUOS_AGENT_NATIVE"] = native_agent_library(backend, warn) or ""
         if cow_budget is not None:
             env["GPUOS_AGENT_COW_BUDGET"] = str(cow_budget)
         if stage_ahead:

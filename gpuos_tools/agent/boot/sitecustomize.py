@@ -44,9 +44,9 @@ _fail_code = int(os.environ.pop("GPUOS_TRACE_FAIL_CODE", "70"))  # ExitCode.NO_C
 if _fd is not None:
     _clean_environment()
     try:
-        from gpuos_tools.agent import tracer as _tracer
+        from gpuos_tools.injection import start as _start
 
-        _tracer.start(int(_fd))
+        _start.start(int(_fd))
     except Exception as _exc:  # the user asked for a trace: do not run the program untraced
         sys.stderr.write(
             f"gpu-trace: error: the tracer could not start in {sys.executable}: "
