@@ -1,0 +1,112 @@
+"""The agent on its native per-operation core, on a real GPU (pytest -m gpu): a PyTorch training
+loop under `gpu-ckpt run` runs on the core (the trace says so, the core's counters are in its exit
+record), ends with the same weights as untraced, and a snapshot taken while it trains matches a
+stop-the-world reference taken at the same operation, as on the Python path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuos_tools.stream import open_input
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOAD = ROOT / "scripts" / "workloads" / "train_steps.py"
+
+PROGRAM = """
+import hashlib, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+x = torch.randn(128, 256, device="cuda"); y = torch.randint(0, 10, (128,), device="cuda")
+for _ in range(int(sys.argv[1])):
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+h = hashlib.sha256()
+for p in model.parameters():
+    h.update(p.detach().float().cpu().numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def records(path: Path) -> list[dict]:
+    with open_input(str(path)) as r:
+        return list(r)
+
+
+def test_a_training_loop_under_gpu_ckpt_run_uses_the_native_core_and_ends_bit_identical(tmp_path):
+    prog = tmp_path / "train.py"
+    prog.write_text(PROGRAM)
+    plain = subprocess.run([sys.executable, str(prog), "50"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    trace = tmp_path / "t.ndjson"
+    run = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "run", "--no-images", "-o", str(trace),
+                          "--", sys.executable, str(prog), "50"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == plain.stdout.strip()  # the same weights, bit for bit
+    recs = records(trace)
+    assert recs[0]["backend"] == "native-agent", recs[0]
+    launches = [r for r in recs if r["type"] == "launch"]
+    assert len(launches) > 50 * 10  # every step's launches are in the trace
+    core = recs[-1]["tracer"]["core"]
+    assert core["ops"] >= len(launches) and core["enters"] >= core["ops"]
+    # no snapshot was taken and no engine runs: nothing had to go to Python
+    assert core["upcalls"] == 0, core
+    assert not [r for r in recs if r["type"] == "error"]
+
+
+def test_a_snapshot_during_training_on_the_native_core(tmp_path):
+    """After a snapshot every launch's writes are tracked (the memo); the next image is
+    incremental and holds what the steps since wrote; the job goes on to the end."""
+    out = tmp_path / "steps.json"
+    pause = tmp_path / "p"
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "run", "--no-images", "-o", str(tmp_path / "t.ndjson"),
+         "--", sys.executable, str(WORKLOAD), "--model", "mlp", "--steps", "200", "--warmup", "5",
+         "--json", str(out), "--pause", str(pause)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        ready = Path(f"{pause}.ready")
+        while not ready.exists():
+            assert job.poll() is None, job.communicate()[1][-4000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        pid = ready.read_text()
+        first = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "--agent", pid, "--image",
+                                str(tmp_path / "img0")], capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr
+        Path(f"{pause}.go").write_text("go")
+        time.sleep(0.5)  # steps run: their writes are tracked by the core
+        second = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "--agent", pid, "--image",
+                                 str(tmp_path / "img1"), "--parent", str(tmp_path / "img0")],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stderr
+        snap = json.loads(second.stdout.splitlines()[-1])
+        assert snap["image"]["incremental"] is True, snap["image"]
+        ping = subprocess.run([sys.executable, "-c", "import json,sys; from gpuos_tools.agent.control import "
+                               "request, socket_path; print(json.dumps(request(socket_path(int(sys.argv[1])), 'ping')))",
+                               pid], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        if ping.returncode == 0:  # (the job may have finished meanwhile)
+            hooks = json.loads(ping.stdout)["launch_hooks"]
+            assert hooks["native"] is True and hooks["memo_hits"] > hooks["predicted"], hooks
+        verify = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-restore"), "verify", str(tmp_path / "img1")],
+                                capture_output=True, text=True, timeout=300)
+        assert verify.returncode == 0, verify.stderr
+        _, err = job.communicate(timeout=300)
+        assert job.returncode == 0, err[-4000:]
+        assert len(json.loads(out.read_text())["steps"]) == 200
+    finally:
+        if job.poll() is None:
+            job.kill()
