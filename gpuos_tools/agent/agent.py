@@ -127,7 +127,7 @@ class Agent(ProcessView):
         self.references = _parse_references(os.environ.pop("GPUOS_AGENT_REFERENCE_AT", ""))
         self.reference_out = os.environ.pop("GPUOS_AGENT_REFERENCE_OUT", "")
         self.last: dict[str, Any] | None = None
-        self.ctx = None
+        self._ctx: Any = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
         self._staging_made = threading.Lock()
         self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see _predict
@@ -160,6 +160,22 @@ class Agent(ProcessView):
     @ops.setter
     def ops(self, value: int) -> None:
         self._ops = value
+
+    @property
+    def ctx(self) -> Any:
+        """The program's context, which the agent's threads make current (None: no allocation
+        yet). On the native core: the context of the first allocation the core saw."""
+        if self._ctx is None and self.core is not None:
+            handle = self.core.context()
+            if handle:
+                from cuda.bindings import driver as drv
+
+                self._ctx = drv.CUcontext(handle)
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, value: Any) -> None:
+        self._ctx = value
 
     @property
     def streams(self) -> set[int]:  # type: ignore[override]
@@ -224,19 +240,12 @@ class Agent(ProcessView):
     # -- bookkeeping from the tracer's records ------------------------------------------------
 
     def on_alloc(self, addr: int, size: int, kind: str) -> None:
-        if self.ctx is None:  # the program's context, which the agent's threads make current
-            if self.core is not None:  # the view is brought up to date on any thread: the core saw it
-                handle = self.core.context()
-                if handle:
-                    from cuda.bindings import driver as drv
+        if self.core is None and self.ctx is None:  # the context the agent's threads make current
+            from cuda.bindings import driver as drv
 
-                    self.ctx = drv.CUcontext(handle)
-            else:
-                from cuda.bindings import driver as drv
-
-                err, ctx = drv.cuCtxGetCurrent()
-                if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
-                    self.ctx = ctx
+            err, ctx = drv.cuCtxGetCurrent()
+            if err == drv.CUresult.CUDA_SUCCESS and int(ctx):
+                self.ctx = ctx
         super().on_alloc(addr, size, kind)
         if self.core is None and self.dirty is not None:
             self.dirty.add(self.next_id - 1)  # new since the parent: the next image needs it

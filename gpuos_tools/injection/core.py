@@ -32,7 +32,8 @@ UP_LAUNCH, UP_WRITE, UP_GRAPH, UP_PREDICT, UP_PROTECT, UP_REFERENCE, UP_GATE = r
 NO_ARGS = 0xFFFFFFFF
 PTSZ = 0x80  #: bit of a handler kind: the API is a per-thread-stream variant
 COUNTERS = ("ops", "enters", "upcalls", "enter_ns", "upcall_ns", "memo_misses", "memo_hits", "protects",
-            "epoch", "allocations", "memo_entries", "gil_aware")
+            "epoch", "allocations", "memo_entries", "gil_aware", "epoch_allocs", "epoch_frees",
+            "epoch_pointer_copies", "epoch_writes_over_pointers", "epoch_module_unloads", "epoch_python")
 VIEW_DRAIN_BYTES = 1 << 20  #: the background drain takes the view queue past this size
 
 

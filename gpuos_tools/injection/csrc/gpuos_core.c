@@ -82,6 +82,10 @@ int core_trylock_py(double timeout_s) {
 
 /* ---- counters (core_counters) */
 static uint64_t n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects, epoch = 1;
+/* why the epoch moved: allocations, frees, host bytes holding live pointers, writes over stored
+   pointers, module unloads, Python (a kernel made conservative) */
+static uint64_t bumps[6];
+enum { B_ALLOC, B_FREE, B_WORDS, B_OVER, B_MODULE, B_PYTHON };
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -218,11 +222,12 @@ int core_streams(uint64_t *out, int cap) {
 typedef struct {
     uint64_t start, end, id;
     uint64_t first_touch, last_touch;
+    /* bytes copied from the host landed in [pay_lo, pay_hi): the predictor keeps them; those of
+       them that held a word inside the hull (or all of them, once the hull grew) in [ptr_lo, ptr_hi) */
+    uint64_t pay_lo, pay_hi, ptr_lo, ptr_hi;
     uint32_t snap;    /* index in the snapshot in progress + 1; 0: not in it */
-    uint8_t payload;  /* bytes copied from the host landed here: the predictor keeps them */
-    uint8_t ptrs;     /* ... and they held a word inside the hull (or the hull grew since) */
     uint8_t dirty;    /* written since the last snapshot's T0 */
-    uint8_t pad;
+    uint8_t pad[3];
 } alloc_t;
 static alloc_t *allocs;
 static size_t n_allocs, cap_allocs;
@@ -312,8 +317,13 @@ void core_after_alloc(uint64_t addr, uint64_t size, uint32_t kind) {
     if (end > hull_hi) hull_hi = end;
     if (grew) /* a word of stored bytes that was outside the hull may point into it now */
         for (size_t k = 0; k < n_allocs; k++)
-            if (allocs[k].payload) allocs[k].ptrs = 1;
+            if (allocs[k].pay_hi) {
+                alloc_t *b = &allocs[k];
+                if (!b->ptr_hi || b->pay_lo < b->ptr_lo) b->ptr_lo = b->pay_lo;
+                if (b->pay_hi > b->ptr_hi) b->ptr_hi = b->pay_hi;
+            }
     epoch++;
+    bumps[B_ALLOC]++;
     uint64_t *v = (uint64_t *)vput(V_ALLOC, 32);
     if (v) { v[0] = a->id; v[1] = addr; v[2] = size; v[3] = kind; }
 }
@@ -326,29 +336,49 @@ void core_after_free(uint64_t addr) {
     if (i && allocs[i - 1].start == addr) {
         evict_at(i - 1);
         epoch++;
+        bumps[B_FREE]++;
     }
 }
 
-static int has_hull_word(const uint8_t *p, uint64_t n) {
+
+/* 1: a word inside the hull; 2: one inside a live allocation (a pointer the predictor follows) */
+static int hull_words(const uint8_t *p, uint64_t n) {
+    int got = 0;
     for (uint64_t off = 0; off + 8 <= n; off += 8) {
         uint64_t w;
         memcpy(&w, p + off, 8);
-        if (w >= hull_lo && w < hull_hi) return 1;
+        if (w >= hull_lo && w < hull_hi) {
+            got = 1;
+            if (find(w)) return 2;
+        }
     }
-    return 0;
+    return got;
 }
 
-/* A copy (with the host bytes it carried, if any) or a memset wrote [dst, dst + n). */
+/* A copy (with the host bytes it carried, if any) or a memset wrote [dst, dst + n). The
+   predictor's memo moves when a stored pointer may change: new bytes holding a live pointer, or a
+   write over stored bytes that held a word inside the hull. */
 void core_after_write(uint64_t dst, const uint8_t *payload, uint64_t n, uint64_t stream, int is_set) {
     (void)stream;
     alloc_t *a = find(dst);
-    int words = payload && has_hull_word(payload, n);
-    if (words || (a && a->ptrs)) epoch++; /* a pointer the predictor follows may change */
-    if (a && payload) {
-        a->payload = 1;
-        if (words) a->ptrs = 1;
+    int words = payload ? hull_words(payload, n) : 0;
+    uint64_t end = dst + n;
+    if (words == 2) {
+        epoch++;
+        bumps[B_WORDS]++;
+    } else if (a && a->ptr_hi && dst < a->ptr_hi && end > a->ptr_lo) {
+        epoch++;
+        bumps[B_OVER]++;
     }
-    if (payload || (a && a->payload)) { /* the predictor's stored contents change */
+    if (a && payload) {
+        if (!a->pay_hi || dst < a->pay_lo) a->pay_lo = dst;
+        if (end > a->pay_hi) a->pay_hi = end;
+        if (words) {
+            if (!a->ptr_hi || dst < a->ptr_lo) a->ptr_lo = dst;
+            if (end > a->ptr_hi) a->ptr_hi = end;
+        }
+    }
+    if (payload || (a && a->pay_hi && dst < a->pay_hi && end > a->pay_lo)) { /* its stored contents change */
         uint64_t plen = payload ? n : 0;
         char *p = vput(is_set ? V_SET : V_COPY, 24 + plen);
         if (p) {
@@ -361,9 +391,13 @@ void core_after_write(uint64_t dst, const uint8_t *payload, uint64_t n, uint64_t
 
 void core_module_unloading(void) {
     __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED); /* function handles may come back for others */
+    bumps[B_MODULE]++;
 }
 
-void core_bump_epoch(void) { __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED); } /* any thread */
+void core_bump_epoch(void) { /* any thread */
+    __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED);
+    bumps[B_PYTHON]++;
+}
 
 /* the program's context: the agent's threads make it current (the first one an allocation used) */
 static uint64_t first_ctx;
@@ -806,10 +840,12 @@ void core_set_upcall(upcall_fn fn) {
 }
 
 /* operations, enters, upcalls, ns in enters, ns in upcalls, memo misses, memo hits, protect
-   upcalls, epoch, live allocations, memo entries, whether the GIL is let go while waiting */
-void core_counters(uint64_t out[12]) {
-    uint64_t v[12] = {n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects,
-                      epoch, n_allocs, n_memo, p_gil_check != NULL};
+   upcalls, epoch, live allocations, memo entries, whether the GIL is let go while waiting, then
+   the epoch's moves by cause (bumps) */
+void core_counters(uint64_t out[18]) {
+    uint64_t v[18] = {n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects,
+                      epoch, n_allocs, n_memo, p_gil_check != NULL,
+                      bumps[B_ALLOC], bumps[B_FREE], bumps[B_WORDS], bumps[B_OVER], bumps[B_MODULE], bumps[B_PYTHON]};
     memcpy(out, v, sizeof v);
 }
 
