@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORKLOAD = ROOT / "scripts" / "workloads" / "train_steps.py"
 CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gpu-prefetch-sched", "run"]}
-CONFIGS = ("plain", "trace", "agent", "agent_after_snapshot", "sched_100", "agent_python")
+CONFIGS = ("plain", "trace", "agent", "agent_after_snapshot", "sched_100", "agent_python", "plain_again")
 
 
 def tool(name: str) -> list[str]:
@@ -38,7 +38,7 @@ def tool(name: str) -> list[str]:
 
 def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if config == "plain":
+    if config in ("plain", "plain_again"):  # the second run, last, shows the run-to-run noise
         return [sys.executable, *workload], env
     if config == "trace":
         return [*tool("gpu-trace"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
@@ -122,6 +122,7 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
                 res["agent_us_per_op"] = round(core["enter_ns"] / 1e3 / max(1, core["enters"]), 3)
                 res["upcalls"] = core["upcalls"]
                 res["memo"] = {"misses": core["memo_misses"], "hits": core["memo_hits"]}
+                res["epoch_moves"] = {k[6:]: v for k, v in core.items() if k.startswith("epoch_")}
             if tracer.get("callback_ns") is not None and tracer.get("callbacks"):
                 res["tracer_us_per_callback"] = round(tracer["callback_ns"] / 1e3 / tracer["callbacks"], 3)
         trace.unlink()

@@ -124,6 +124,13 @@ class Driver:
         return name, sizes, args
 
 
+def track(agent: Agent) -> None:
+    """Start a period of write tracking (as a first snapshot's T0 does): from here on every
+    launch's access set is looked up."""
+    with agent.lock:
+        agent._take_dirty()
+
+
 def wired(core: NativeCore) -> tuple[Agent, AgentUpcalls]:
     agent = Agent(0)
     return agent, AgentUpcalls(core, agent, {})
@@ -132,7 +139,7 @@ def wired(core: NativeCore) -> tuple[Agent, AgentUpcalls]:
 @pytest.mark.parametrize("trace", TRACES, ids=[t.name for t in TRACES])
 def test_every_launch_gets_the_access_set_of_the_predictor(core, trace):
     agent, _ = wired(core)
-    core.set_flag(F_TOUCH, True)  # every launch's access set is looked up
+    track(agent)
     drv = Driver(core, agent)
     compared = 0
     for rec in records(trace):
@@ -161,7 +168,7 @@ def test_every_launch_gets_the_access_set_of_the_predictor(core, trace):
 def test_repeated_launches_come_from_the_memo_and_an_allocation_invalidates_it(core):
     recs = records(RECORDED / "torch.ndjson.zst")
     agent, _ = wired(core)
-    core.set_flag(F_TOUCH, True)
+    track(agent)
     drv = Driver(core, agent)
     launches = []
     for rec in recs:
@@ -191,7 +198,7 @@ def test_a_pointer_array_copied_from_the_host_changes_the_prediction(core):
     """A kernel given a pointer to device memory that holds pointers (copied from the host):
     the predictor follows them, so a new copy into that memory must reach the core's memo."""
     agent, _ = wired(core)
-    core.set_flag(F_TOUCH, True)
+    track(agent)
     drv = Driver(core, agent)
     base = 0x7F0000000000
     for i in range(4):  # a pointer table, then three arrays
@@ -377,3 +384,22 @@ def test_a_program_thread_holding_the_gil_lets_it_go_while_it_waits_for_the_lock
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_touches_alone_come_from_the_argument_words_without_python(core):
+    """With only the engine's touch order wanted, a launch touches the allocations its argument
+    words point into, and Python is not asked (whatever the memo's state)."""
+    agent, _ = wired(core)
+    core.set_flag(F_TOUCH, True)
+    drv = Driver(core, agent)
+    base = 0x7F0000000000
+    for i in range(3):
+        drv.alloc({"addr": base + i * 0x100000, "size": 0x100000, "kind": "device"})
+    for target in (2, 0):
+        addr = base + target * 0x100000 + 256
+        drv.launch({"func": 0xF00 + target, "kernel": "k", "layout": "x",
+                    "params": [{"size": 8, "hex": addr.to_bytes(8, "little").hex()},
+                               {"size": 4, "hex": "01000000"}]})
+    assert core.counters()["upcalls"] == 0
+    touches = sorted(core.touches(), key=lambda t: t[2])
+    assert [t[0] for t in touches] == [3, 1]  # allocation ids, oldest touch first

@@ -768,7 +768,20 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
     }
     last_known = 0;
     if (op == OP_LAUNCH) {
-        if (!snap_active && dirty_all && !(flags & F_TOUCH)) goto out;
+        if (!snap_active && dirty_all) {
+            /* only touches are wanted (the engine's orders): the allocations its argument words
+               point into, without a prediction (no upcall, however often the memo moves) */
+            if ((flags & F_TOUCH) && args_len != CORE_NO_ARGS) {
+                uint64_t h;
+                int overflow;
+                uint32_t nf = scan(sizes, np, args, &h, &overflow);
+                for (uint32_t k = 0; k < nf; k++) {
+                    alloc_t *a = find(found_buf[2 * k + 1]);
+                    if (a) touch(a);
+                }
+            }
+            goto out;
+        }
         memo_t *m = access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
         last_access = m;
         last_known = 1;
