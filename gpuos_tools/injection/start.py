@@ -48,6 +48,9 @@ def start_native_agent(fd: int, library: str) -> NativeAgentTracer:
     else:
         agent = Agent(cow)
     t = NativeAgentTracer(fd, flush_ms / 1000.0, library, check, agent)
+    # the handle to the running agent that the owned allocator (its own-thread marks) and programs
+    # under test look up, as for the Python agent
+    tracer._tracer = t
     t.start()
     # GPUOS_AGENT_OWN=1: the program's CuPy and PyTorch allocations go through the owned
     # allocator, installed after the tracer so that its mappings are traced

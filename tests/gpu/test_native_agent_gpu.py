@@ -68,21 +68,30 @@ def test_a_training_loop_under_gpu_ckpt_run_uses_the_native_core_and_ends_bit_id
 def test_a_snapshot_during_training_on_the_native_core(tmp_path):
     """After a snapshot every launch's writes are tracked (the memo); the next image is
     incremental and holds what the steps since wrote; the job goes on to the end."""
+    from gpuos_tools.agent.control import socket_path
+
     out = tmp_path / "steps.json"
     pause = tmp_path / "p"
-    job = subprocess.Popen(
-        [sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "run", "--no-images", "-o", str(tmp_path / "t.ndjson"),
-         "--", sys.executable, str(WORKLOAD), "--model", "mlp", "--steps", "200", "--warmup", "5",
-         "--json", str(out), "--pause", str(pause)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = tmp_path / "stderr"
+    with open(tmp_path / "stdout", "w") as o, open(err, "w") as e:  # files: nothing reads them meanwhile
+        job = subprocess.Popen(
+            [sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "run", "--no-images", "-o", str(tmp_path / "t.ndjson"),
+             "--", sys.executable, str(WORKLOAD), "--model", "mlp", "--steps", "200", "--warmup", "5",
+             "--json", str(out), "--pause", str(pause)],
+            cwd=ROOT, stdout=o, stderr=e, start_new_session=True)
     try:
         deadline = time.time() + 180
         ready = Path(f"{pause}.ready")
         while not ready.exists():
-            assert job.poll() is None, job.communicate()[1][-4000:]
+            assert job.poll() is None, err.read_text()[-4000:]
             assert time.time() < deadline
             time.sleep(0.05)
         pid = ready.read_text()
+        while not socket_path(int(pid)).exists():  # (it is made before the program's first line)
+            assert job.poll() is None and time.time() < deadline, (
+                f"no socket {socket_path(int(pid))}; there: {sorted(p.name for p in socket_path(0).parent.glob('*'))}; "
+                + err.read_text()[-4000:])
+            time.sleep(0.05)
         first = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "--agent", pid, "--image",
                                 str(tmp_path / "img0")], capture_output=True, text=True, timeout=300)
         assert first.returncode == 0, first.stderr
@@ -104,8 +113,7 @@ def test_a_snapshot_during_training_on_the_native_core(tmp_path):
         verify = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-restore"), "verify", str(tmp_path / "img1")],
                                 capture_output=True, text=True, timeout=300)
         assert verify.returncode == 0, verify.stderr
-        _, err = job.communicate(timeout=300)
-        assert job.returncode == 0, err[-4000:]
+        assert job.wait(timeout=300) == 0, err.read_text()[-4000:]
         assert len(json.loads(out.read_text())["steps"]) == 200
     finally:
         if job.poll() is None:
