@@ -297,7 +297,13 @@ def checkpoint(
         "last image; otherwise the image is full and the record says why).",
     ),
     compress: bool = typer.Option(False, "--compress", help="With --agent: zstd per chunk."),
-    checksum: str = typer.Option("crc32", "--checksum", metavar="crc32|sha256", help="With --agent: chunk checksum."),
+    checksum: str = typer.Option(
+        "auto", "--checksum", metavar="auto|xxh3|crc32|sha256",
+        help="With --agent: chunk checksum (auto: the fastest measured on this CPU, xxh3 where the xxhash "
+        "package is installed, else crc32; sha256 for content identity)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, max=256, metavar="N",
+        help="With --agent: image writer threads (default: the CPUs, at most 16)."),
     suspend: bool = typer.Option(
         False, "--suspend",
         help="With --agent: suspend the program (started with GPUOS_AGENT_OWN=1): its owned device memory goes to "
@@ -329,31 +335,40 @@ def checkpoint(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
+    from gpuos_tools.ckpt import chunkio
+
+    if checksum not in chunkio.CHOICES:
+        raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
+    if threads is not None and agent is None:
+        raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
     if (suspend or partial or max_hold is not None) and agent is None:
         raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",
                          ExitCode.USAGE)
     if agent is not None and suspend:
-        if pid is not None or profile is not None or leave_running or criu_arg or timeout or parent is not None:
+        if pid is not None or profile is not None or leave_running or criu_arg or timeout or parent is not None \
+                or threads is not None:
             raise GpuosError("--agent --suspend goes with --image, --partial, --max-hold, --compress, --checksum "
                              "and -o only (a suspend's image is full: no --parent)", ExitCode.USAGE)
         _suspend(agent, image, partial, max_hold, compress, checksum, output)
         return
     if agent is not None:
         if pid is not None or profile is not None or leave_running or criu_arg or timeout or partial:
-            raise GpuosError("--agent goes with --image, --parent, --compress, --checksum and -o only", ExitCode.USAGE)
+            raise GpuosError("--agent goes with --image, --parent, --compress, --checksum, --threads and -o only",
+                             ExitCode.USAGE)
         if image is None:
             raise GpuosError("--agent needs --image DIR: where the image goes", ExitCode.USAGE)
         from gpuos_tools.agent import control
         from gpuos_tools.agent.snapshot import snapshot_to_image
 
         answer = snapshot_to_image(control.resolve(agent), str(image), str(parent) if parent else None,
-                                   compress=compress, checksum=checksum)
+                                   compress=compress, checksum=checksum, threads=threads)
         answer.pop("allocations", None)
         _records("-" if output is None else output, PROG, [{"type": "agent_snapshot", **answer}], agent=agent)
         img = answer.get("image", {})
         _say(f"{img.get('path', image)}: {answer['bytes'] / 2**30:.2f} GiB of {answer['buffers']} allocations as of "
              f"T0, {'incremental' if img.get('incremental') else 'full'}; {answer['stall_s'] * 1e3:.2f} ms on the "
-             f"program's path, {answer['cow']} copy-on-write")
+             f"program's path, {answer['cow']} copy-on-write"
+             + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
         return
     if (pid is None) == (profile is None):
         raise GpuosError(
