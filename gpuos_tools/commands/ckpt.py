@@ -566,7 +566,7 @@ def periodic(
             "parent": None if step.parent is None else step.parent.name, "why": step.why,
             "would_keep": [e.name for e in kept], "would_delete": [e.name for e in doomed]}], profile=str(profile))
         return
-    snapshot = per.agent_snapshot(prof)
+    snapshot = per.snapshot_function(prof)
     record = per.run_periodic(prof, snapshot)
     if output is not None:
         _records(output, f"{PROG} periodic", [record], profile=str(profile))
