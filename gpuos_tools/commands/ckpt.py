@@ -498,6 +498,54 @@ def _records(output: str, tool: str, records: list[dict[str, Any]], **fields: An
 
 
 @app.command()
+def check(
+    directory: Optional[Path] = typer.Option(
+        None, "--dir", metavar="DIR", help="Also check DIR as a place for images (filesystem, O_DIRECT, free space)."),
+    json_out: bool = typer.Option(False, "--json", help="Records even on a terminal."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Records to FILE ('-': stdout)."),
+) -> None:
+    """Say what works on this host for checkpointing, and why not, touching no process.
+
+    Checks the NVIDIA driver and its checkpoint API, the virtual memory management API, CRIU
+    (version 4 or later, and `criu check`), CUPTI, permissions (root or CAP_SYS_ADMIN /
+    CAP_CHECKPOINT_RESTORE for CRIU, the state directory), host memory available for staging
+    snapshots, and with --dir the image directory. Then which paths are usable: the driver path
+    (`--pid`), full-process images (`--pid --image`) and the agent path (`run`, `--agent`).
+    Draws a table on a terminal, writes ckpt_check records otherwise. Exits 1 when a check
+    failed (warnings do not count), like `criu check`.
+    """
+    from gpuos_tools.ckpt.check import run_checks, table_rows
+
+    records = run_checks(image_dir=str(directory) if directory is not None else None)
+    summary = records[-1]
+    if json_out or output != "-" or not sys.stdout.isatty():
+        from gpuos_tools.stream import make_header, open_output
+
+        with open_output(output) as writer:
+            writer.write(make_header(f"{PROG} check"))
+            for rec in records:
+                writer.write(rec)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(box=None, header_style="bold")
+        for column in ("CHECK", "STATUS", "DETAIL"):
+            table.add_column(column, no_wrap=column != "DETAIL")
+        colour = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
+        for name, status_, detail in table_rows(records):
+            table.add_row(name, f"[{colour[status_]}]{status_}[/]", detail)
+        console = Console()
+        console.print(table)
+        paths = {"driver": "driver path (--pid)", "process_images": "full-process images (--pid --image)",
+                 "agent": "agent path (run, --agent)"}
+        console.print("usable: " + ", ".join(f"{text} {'yes' if summary[key] else 'no'}" for key, text in paths.items()),
+                      highlight=False)
+    if summary["failed"]:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+@app.command()
 def compact(
     head: Path = typer.Argument(..., metavar="HEAD", help="The newest image of a chain (an agent-path image directory)."),
     out: Path = typer.Argument(..., metavar="OUT", help="The full image to write (must not exist)."),
