@@ -35,7 +35,7 @@ FIGURES = os.environ.get("GPUOS_TEST_FIGURES")  # a JSON-lines file the device r
 
 CUPY = ("--framework", "cupy", "--gib", "0.5", "--iters", "1200")
 TORCH = ("--framework", "torch", "--gib", "0.5", "--iters", "900")
-SMALL = ("--framework", "cupy", "--gib", "0.25", "--iters", "1500")
+SMALL = ("--framework", "cupy", "--gib", "0.25", "--iters", "800")
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +44,16 @@ def need_criu() -> None:
         criu.find_criu()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"no usable CRIU: {e}")
+
+
+@pytest.fixture(autouse=True)
+def keep_guard_log(tmp_path: Path, request):
+    """What the guards did goes beside the figures (the device run brings it back), pass or fail."""
+    yield
+    log = tmp_path / "state" / "guard.log"
+    if FIGURES and log.exists():
+        with open(FIGURES + ".guard.log", "a", encoding="utf-8") as f:
+            f.write(f"== {request.node.name}\n" + log.read_text(errors="replace"))
 
 
 @pytest.fixture
@@ -160,7 +170,17 @@ def jobs(tmp_path: Path, env: dict[str, str]):
             job.kill()
 
 
+_references: dict[tuple[str, ...], dict] = {}
+
+
 def reference(args: tuple[str, ...], env: dict[str, str], tmp_path: Path) -> dict:
+    """The job's result when nothing interrupts it (once per arguments: it is deterministic)."""
+    if args not in _references:
+        _references[args] = _reference(args, env, tmp_path)
+    return _references[args]
+
+
+def _reference(args: tuple[str, ...], env: dict[str, str], tmp_path: Path) -> dict:
     d = tmp_path / f"reference-{time.monotonic_ns()}"
     d.mkdir()
     done = subprocess.run([sys.executable, str(PROGS / "criu_job.py"), "--dir", str(d), *args],
