@@ -180,7 +180,10 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
             "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
             "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
             "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
-            "- `PATH`: where `criu` is looked for (`--image`)."
+            "- `PATH`: where `criu` is looked for (`--image`).\n"
+            "- `GPUOS_AGENT_EXIT_WAIT`, `GPUOS_AGENT_EXIT_MAX` (in the program under the agent): how long its "
+            "exit waits for an image in flight before handing it to gpu-ckpt (default 30 s), and in all "
+            "(default 600 s)."
         ),
         "FILES": (
             "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"

@@ -23,6 +23,11 @@ Give a busy process at most 30 s to finish its submitted GPU work:
 
     gpu-ckpt --pid 4242 --timeout 30000
 
+What works on this host (driver, checkpoint API, CRIU, CUPTI, permissions, memory):
+
+    gpu-ckpt check
+    gpu-ckpt check --dir /var/lib/gpuos-tools/images --json | jq 'select(.status=="fail")'
+
 What is on the GPUs, and what is checkpointed:
 
     gpu-ckpt status
@@ -102,9 +107,18 @@ the first failure stops the run and the processes suspended so far are resumed; 
 the run goes on and the failed processes stay running.
 
 `--image DIR` needs CRIU 4 or later on PATH and a passing `criu check` (so root); both are
-checked before the process is touched. The GPU state is checkpointed first, then `criu dump`
-writes the image (by default CRIU ends the process; `--leave-running` resumes it on the GPU
-afterwards). If `criu dump` fails, the process is restored and unlocked."""
+checked before the process is touched (`gpu-ckpt check` says whether they pass here). The GPU
+state is checkpointed first, then `criu dump` writes the image (by default CRIU ends the
+process; `--leave-running` resumes it on the GPU afterwards). If `criu dump` fails, the process
+is restored and unlocked. DIR must be new or empty: the dump goes into a dot-named temp
+directory beside it and is renamed to DIR once complete, so DIR holds a whole image or nothing.
+A guard process started before anything is touched finishes or undoes the dump if gpu-ckpt is
+killed, even with SIGKILL (and likewise the restore if gpu-restore is): it waits for CRIU, makes
+a complete dump the image, and brings a process it finds locked or checkpointed back to
+running; what it did is in STATE_DIR/guard.log and STATE_DIR/guard-PID.json (a ckpt_guard
+record). CRIU restores an open regular file only if its size is what it was at the dump: a job
+that keeps a growing log open cannot be restored from a --leave-running image after it wrote
+more."""
 
 PERIODIC = """\
 `gpu-ckpt periodic --profile FILE` takes one image of an agent process per run, for cron. The
@@ -239,8 +253,32 @@ without CUPTI, its memory owned (virtual memory API), locks, checkpoints and res
 GPU (about 0.5 GiB for a CuPy job on an H100), and a process that needs it all freed has to be
 run without the agent and checkpointed with `gpu-ckpt --pid`."""
 
+DURABLE = """\
+Images at the storage's speed: the agent queues every buffer's chunks at once on the image
+writer's threads (`--threads`, default the CPUs up to 16), each chunk one file written in large
+writes straight from the pinned staging, with O_DIRECT where the filesystem takes it and it is
+not memory (tmpfs), checksummed on the same threads with the fastest checksum measured on this
+CPU (`--checksum auto`: xxh3 where the xxhash package is installed, else crc32; sha256 on
+request).
+
+No snapshot lost after T0: if the program ends while its image is being written, its exit
+waits for the image, up to GPUOS_AGENT_EXIT_WAIT seconds (default 30), saying so on its
+standard error; then it hands the image over: its bytes go into a memfd passed to the waiting
+gpu-ckpt over the control socket, and gpu-ckpt writes the image after the program is gone (the
+record's image says `handover`; `during_exit` says the program ended during the write). Without
+a gpu-ckpt still connected, or without the host memory for the copy, the exit waits for the
+image in place, up to GPUOS_AGENT_EXIT_MAX seconds in all (default 600), and says so if it gives
+up. The same holds for `gpu-ckpt periodic`. A program killed by a signal, or ending through
+os._exit, runs no exit handler: its image in flight is lost (no partial image is ever visible).
+
+`gpu-ckpt periodic` takes full-process images too: with `kind = "process"` in [images] and a
+[process] table (pid or command, timeout_ms) each run is a `gpu-ckpt --pid PID --image DIR
+--leave-running`, named and retired like the agent's images (chain.length must be 0: every
+full-process image is full)."""
+
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
-                            {"PERIODIC CHECKPOINTS": PERIODIC, "SUSPEND THROUGH THE AGENT": SUSPEND})
+                            {"PERIODIC CHECKPOINTS": PERIODIC, "SUSPEND THROUGH THE AGENT": SUSPEND,
+                             "DURABLE IMAGES": DURABLE})
 
 app = typer.Typer(
     name="gpu-ckpt",
