@@ -148,7 +148,9 @@ def test_sigkill_of_the_dumping_tool_leaves_the_job_or_a_whole_image(tmp_path: P
                 assert goes_on(d), f"kill {i}: the job is there but stopped"
                 seen.add("running")
             else:
-                assert criu.image_state(image) == "complete", f"kill {i}: the job is gone and no image"
+                state = tmp_path / "state"
+                said = {p.name: p.read_text() for p in state.iterdir()} if state.exists() else {}
+                assert criu.image_state(image) == "complete", f"kill {i}: the job is gone and no image: {said}"
                 back = criu.restore(Fake(), image)
                 assert back["pid"] == job.pid and goes_on(d)
                 seen.add("image")

@@ -59,7 +59,7 @@ def complete_dump(d: Path) -> None:
     d.mkdir()
     (d / "inventory.img").write_bytes(b"x")
     (d / "gpuos-ckpt.json").write_text("{}")
-    (d / "dump.log").write_text("...\n(00.5) " + guard.DUMP_DONE + "\n")
+    (d / "criu-dump.rc").write_text("0\n")
 
 
 def test_a_complete_dump_becomes_the_image_when_the_tool_died(tmp_path: Path, monkeypatch) -> None:

@@ -157,9 +157,12 @@ def _hand_over(job: Job) -> dict[str, Any] | None:
         job.refused = (f"{job.total / 2**30:.2f} GiB to hand over, {free / 2**30:.2f} GiB of host memory "
                        "available")
         return None
-    job.writer.abort()  # chunks being written finish; no byte of the entries is read after
     t = time.perf_counter()
-    fd = os.memfd_create("gpuos-image-handover", os.MFD_CLOEXEC)
+    try:  # copied while the writer goes on: if the copy fails, the image is still written here
+        fd = os.memfd_create("gpuos-image-handover", os.MFD_CLOEXEC)
+    except OSError as e:
+        job.refused = f"memfd_create: {e.strerror}"
+        return None
     try:
         os.ftruncate(fd, job.total)
         buffers, pieces, offset = [], [], 0
@@ -175,9 +178,18 @@ def _hand_over(job: Job) -> dict[str, Any] | None:
                 f.result()
         finally:
             workers.shutdown()
+    except OSError as e:
+        os.close(fd)
+        job.refused = f"copying into the memfd: {e.strerror or e}"
+        return None
     except BaseException:
         os.close(fd)
         raise
+    if job.writer.wait_written(0):  # every chunk got written meanwhile: commit it here after all
+        os.close(fd)
+        job.refused = "it was written meanwhile"
+        return None
+    job.writer.abort()  # chunks being written finish; no byte of the entries is read after
     control.attach_fds([fd])
     return {
         "path": job.path, "incremental": job.parent is not None, "during_exit": True,

@@ -78,13 +78,26 @@ def find_criu(timeout: float = 60) -> Criu:
     return Criu(exe, version, text)
 
 
+#: Runs CRIU and then writes its exit status to $GPUOS_CRIU_RC (temp file, rename): the guard of a
+#: killed tool is not CRIU's parent, so this is how it learns whether a dump finished.
+_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
+            'exit "$rc"')
+DUMP_RC = "criu-dump.rc"
+
+
 def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], log: Path,
-              out: Path) -> subprocess.CompletedProcess:
+              out: Path, rc_file: Path | None = None) -> subprocess.CompletedProcess:
     """Run CRIU with its output into the file ``out``, not into pipes of ours: if this tool is
-    killed, CRIU must carry on (a write to a dead reader's pipe would end it)."""
+    killed, CRIU must carry on (a write to a dead reader's pipe would end it). With ``rc_file``,
+    its exit status is written there when it ends, whoever waits for it."""
     t = time.monotonic()
+    argv, env = cmd, None
+    if rc_file is not None:
+        argv = ["/bin/sh", "-c", _WRAPPER, "gpuos-criu", *cmd]
+        env = {**os.environ, "GPUOS_CRIU_RC": str(rc_file)}
     with open(out, "wb") as f:
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              check=False)
     try:
         text = out.read_text(errors="replace")
     except OSError:
@@ -189,7 +202,7 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
     cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(temp), "--log-file", DUMP_LOG,
            "--shell-job", *(["--leave-running"] if leave_running else []), *(criu_args or [])]
     guard.phase("criu")
-    done = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out")
+    done = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out", temp / DUMP_RC)
     if done.returncode != 0:
         keep = _keep_log(temp / DUMP_LOG, image_dir.parent / f"{image_dir.name}.{DUMP_LOG}")
         if procs.exists(pid):

@@ -10,9 +10,9 @@ pipe closes without ``done``, the tool died, and the guard acts on the last phas
 
 - dump, any phase: it waits for a ``criu dump`` of the image still running (CRIU carries on
   when its parent dies; its output goes to a file, not to the dead tool's pipes), lets the
-  driver's state settle, then: a complete dump in the temp directory (CRIU's log ends with
-  "Dumping finished successfully") is made the image (renamed into place); a process still
-  there is brought back to running (restore and unlock, or unlock).
+  driver's state settle, then: a complete dump in the temp directory (CRIU exited 0, which the
+  shell around it wrote into ``criu-dump.rc``) is made the image (renamed into place); a
+  process still there is brought back to running (restore and unlock, or unlock).
 - restore: it waits for a ``criu restore`` of the image still running, then a restored process
   in the checkpointed or locked state is restored on the GPU (onto the device asked) and
   unlocked. If CRIU had not restored it, the image is intact and nothing runs.
@@ -33,7 +33,6 @@ from typing import IO, Any
 
 from gpuos_tools.ckpt import procs, registry
 
-DUMP_DONE = "Dumping finished successfully"
 SETTLE_S = 1.0  #: the driver state must read the same this long before the guard acts on it
 SETTLE_MAX_S = 60.0
 CRIU_WAIT_S = 3600.0
@@ -122,7 +121,8 @@ def criu_running(path: str, verb: str) -> list[int]:
         except OSError:
             continue
         words = [a.decode(errors="replace") for a in argv if a]
-        if verb in words and path in words and any("criu" in os.path.basename(w) for w in words[:3]):
+        # CRIU itself, the bundle's launcher scripts, or the shell that records CRIU's status
+        if verb in words and path in words and any("criu" in os.path.basename(w) for w in words):
             if procs.exists(pid):
                 out.append(pid)
     return out
@@ -143,11 +143,15 @@ def wait_criu(path: str, verb: str, timeout: float = CRIU_WAIT_S) -> bool:
 
 
 def dump_complete(temp: Path) -> bool:
+    """Did ``criu dump`` into ``temp`` finish successfully (its status, recorded by the shell
+    around it, is 0)?"""
+    from gpuos_tools.ckpt.criu import DUMP_RC
+
     try:
-        text = (temp / "dump.log").read_text(errors="replace")
+        rc = (temp / DUMP_RC).read_text().strip()
     except OSError:
         return False
-    return DUMP_DONE in text and (temp / "inventory.img").exists()
+    return rc == "0" and (temp / "inventory.img").exists()
 
 
 def settled_state(ckpt: Any, pid: int) -> str | None:

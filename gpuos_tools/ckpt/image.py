@@ -250,6 +250,7 @@ class ImageWriter:
         self.threads = threads or min(16, os.cpu_count() or 1)
         self._pool = chunkio.Workers(self.threads)
         self._futures: list[Future[dict[str, Any]]] = []
+        self._failed: BaseException | None = None  # the first chunk that failed
         self._queued = 0  # bytes handed to the threads
         self._written = 0  # bytes whose chunk file is written
         self._started = time.perf_counter()
@@ -363,15 +364,18 @@ class ImageWriter:
         return None
 
     def _chunk_job(self, buffer_id: int, n: int, data: memoryview) -> dict[str, Any]:
-        rec = self._write_chunk(buffer_id, n, data)
+        try:
+            rec = self._write_chunk(buffer_id, n, data)
+        except BaseException as e:
+            self._failed = e
+            raise
         with self._lock:
             self._buffers[buffer_id].chunks[n] = rec
         return rec
 
     def _store(self, buffer_id: int, offset: int, view: memoryview, wait: bool = True) -> None:
-        for f in self._futures:  # fail early: a chunk that failed already ends the image
-            if f.done() and f.exception() is not None:
-                f.result()
+        if self._failed is not None:  # fail early: a chunk that failed already ends the image
+            raise self._failed
         first = offset // self.chunk_size
         futures: list[Future[dict[str, Any]]] = []
         for i, start in enumerate(range(0, len(view), self.chunk_size)):
