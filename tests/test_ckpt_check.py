@@ -113,6 +113,18 @@ def test_criu_old_failing_or_missing(tmp_path: Path, version, check_rc, criu_sta
         assert "vDSO check failed" in checks["criu_check"]["detail"]
 
 
+def test_a_driver_without_checkpoint_support_fails_the_api_check(tmp_path: Path) -> None:
+    host = Good(tmp_path)
+    host.checkpoint_api = lambda: {"api": SimpleNamespace(version=12080), "own_state": None,
+                                   "own_error": "CUDA_ERROR_NOT_SUPPORTED"}
+    checks = by_check(check.run_checks(host))
+    assert checks["checkpoint_api"]["status"] == "fail" and "MPS" in checks["checkpoint_api"]["detail"]
+    host.checkpoint_api = lambda: {"api": SimpleNamespace(version=12080), "own_state": None,
+                                   "own_error": "CUDA_ERROR_INVALID_VALUE"}  # this pid: callable all the same
+    checks = by_check(check.run_checks(host))
+    assert checks["checkpoint_api"]["status"] == "ok" and checks["checkpoint_api"]["restore_onto_other_gpu"] is False
+
+
 def test_permissions_memory_and_cupti(tmp_path: Path) -> None:
     host = Good(tmp_path)
     host.euid = lambda: 1000

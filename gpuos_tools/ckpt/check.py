@@ -48,7 +48,7 @@ class Probes:
         from gpuos_tools.ckpt.driver import DriverAPI
 
         api = DriverAPI()
-        state, err = api.get_state(os.getpid())  # this process has CUDA initialised by the probe
+        state, err = api.get_state(os.getpid())  # answered for any pid where the API is supported
         return {"api": api, "own_state": state, "own_error": err}
 
     def vmm(self) -> list[dict[str, Any]]:
@@ -152,9 +152,13 @@ def run_checks(probes: Probes | None = None, image_dir: str | None = None) -> li
             from gpuos_tools.ckpt.driver import MIN_DRIVER_MIGRATION
 
             move = api.version >= MIN_DRIVER_MIGRATION
-            if got.get("own_error"):
-                out.append(_rec("checkpoint_api", "fail", f"cuCheckpointProcessGetState failed here: {got['own_error']}",
-                                restore_onto_other_gpu=move))
+            from gpuos_tools.ckpt.driver import error_code
+            from gpuos_tools.errors import ExitCode
+
+            err = got.get("own_error")
+            if err and error_code("state", err) == ExitCode.DRIVER_TOO_OLD:  # the entry point is there, not the support
+                out.append(_rec("checkpoint_api", "fail", f"cuCheckpointProcessGetState answers {err}: the driver "
+                                "cannot checkpoint here (too old, or MPS, MIG or vGPU)", restore_onto_other_gpu=move))
             else:
                 out.append(_rec("checkpoint_api", "ok", "lock, checkpoint, restore, unlock" +
                                 ("; restore onto another GPU of the same kind" if move else
