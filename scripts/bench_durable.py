@@ -46,7 +46,7 @@ def raw_write(path: Path, block: memoryview, total: int, direct: bool) -> float:
     t = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
     try:
-        left = total
+        left = total - total % chunkio.DIRECT_ALIGN if direct else total  # O_DIRECT: whole blocks
         while left:
             n = os.write(fd, block[:min(len(block), left)])
             left -= n
