@@ -11,6 +11,12 @@
    out=), each timed end to end, with the images' checksum (--checksum, crc32 by default); uncompressed and zstd level 1, on random bytes (what fp32
    weights look like to zstd: ~1.08x) and on zeros.
 
+4. Side by side (--compare, also part of the full run): the raw sequential write speed of the
+   same filesystem, one file written by one thread with large writes and fsynced (buffered, and
+   with O_DIRECT where the filesystem takes it; the faster counts), against ImageWriter writing
+   the same bytes (default threads, checksum "auto", O_DIRECT "auto"), alternated in the same run;
+   the ratio is the image's time over the raw time (1.0: the storage's speed).
+
 Figures are the best of --repeat runs, in GB/s (10^9 bytes per second). --dir picks where the
 images go (default /dev/shm, which is RAM: the agent's case of a fast target). The page cache
 is not dropped between writing and reading, so reads from a disk directory measure the cache
@@ -36,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpuos_tools.ckpt import chunkio
 from gpuos_tools.ckpt import image as img
 from gpuos_tools.units import parse_size
 
@@ -76,9 +83,13 @@ def bench_checksums(repeat: int, threads: list[int]) -> dict[str, Any]:
         "crc32": zlib.crc32,
         "blake2b": lambda b: hashlib.blake2b(b, digest_size=32).digest(),
     }
+    if chunkio.available("xxh3"):
+        fns["xxh3"] = chunkio.CHECKSUMS["xxh3"]
     for name, f in fns.items():
         out[f"{name}_1t_gbps"] = round(len(chunk) / best(repeat, lambda f=f: f(chunk)) / 1e9, 3)
-    for name in ("sha256", "crc32"):
+    for name in ("sha256", "crc32", "xxh3"):
+        if name not in fns:
+            continue
         for n in threads:
             views = [chunk] * n
             run = lambda f=fns[name], v=views: threaded(f, v)
@@ -96,6 +107,74 @@ def bench_memcpy(repeat: int) -> float:
         mv_d[:] = mv_s
 
     return round(len(src) / best(repeat, copy) / 1e9, 3)
+
+
+def raw_write(path: Path, block: memoryview, n: int, direct: bool) -> None:
+    """One file, ``n`` times ``block`` appended by one thread in large writes, fsynced: the
+    filesystem's own sequential write speed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        piece = chunkio.DIRECT_PIECE if direct else len(block)
+        for _ in range(n):
+            done = 0
+            while done < len(block):
+                done += os.write(fd, block[done:done + piece])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_compare(directory: Path, total: int, buffer_size: int, chunk_size: int, repeat: int,
+                  threads: int | None, checksum: str) -> dict[str, Any]:
+    """Raw sequential writes against ImageWriter, alternated, the same bytes to the same filesystem."""
+    import mmap
+
+    raw_block = mmap.mmap(-1, buffer_size)  # page-aligned, so O_DIRECT takes it as it is
+    raw_block[:] = os.urandom(buffer_size)
+    block = memoryview(raw_block)
+    n = max(1, total // buffer_size)
+    nbytes = n * buffer_size
+    fs = chunkio.fs_info(str(directory))
+    direct_ok = chunkio.fs_info(str(directory), "on").direct
+    raw_path, img_path = directory / "raw.bin", directory / "compare.img"
+    times: dict[str, list[float]] = {"raw_buffered": [], "raw_direct": [], "image": []}
+    summary: dict[str, Any] = {}
+
+    def image() -> None:
+        with img.ImageWriter(img_path, {"bench": True}, chunk_size=chunk_size, threads=threads,
+                             checksum=checksum) as w:
+            for i in range(n):
+                w.add(i, 0x7F0000000000 + i * buffer_size, buffer_size, block, wait=False)
+            summary.update(w.commit())
+            summary["checksum"] = w.checksum
+
+    for _ in range(repeat):
+        for name in times:
+            if name == "raw_direct" and not direct_ok:
+                continue
+            for p in (raw_path, img_path):
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+            t = time.perf_counter()
+            if name == "image":
+                image()
+            else:
+                raw_write(raw_path, block, n, direct=name == "raw_direct")
+            times[name].append(time.perf_counter() - t)
+    for p in (raw_path, img_path):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    best = {k: min(v) for k, v in times.items() if v}
+    raw_best = min(best.get("raw_buffered", float("inf")), best.get("raw_direct", float("inf")))
+    return {
+        "dir": str(directory), "filesystem": fs.fstype, "direct": fs.direct, "direct_why": fs.why,
+        "bytes": nbytes, "checksum": summary.get("checksum"), "threads": threads or min(16, os.cpu_count() or 1),
+        "seconds": {k: [round(x, 4) for x in v] for k, v in times.items() if v},
+        "gbps": {k: round(nbytes / v / 1e9, 3) for k, v in best.items()},
+        "ratio": round(best["image"] / raw_best, 3),
+    }
 
 
 def bench_image(directory: Path, total: int, buffer_size: int, chunk_size: int, compress: bool, data: str,
@@ -143,8 +222,10 @@ def main() -> int:
     ap.add_argument("--buffer-size", default="256MiB", help="bytes per buffer (default 256MiB)")
     ap.add_argument("--chunk-size", default="64MiB", help="bytes per chunk (default 64MiB)")
     ap.add_argument("--threads", type=int, default=None, help="writer/reader threads (default: min(16, CPUs))")
-    ap.add_argument("--checksum", default="crc32", choices=sorted(img.CHECKSUMS),
-                    help="the images' checksum (default crc32, the writer's default)")
+    ap.add_argument("--checksum", default="auto", choices=chunkio.CHOICES,
+                    help="the images' checksum (default auto, the writer's default)")
+    ap.add_argument("--compare", action="store_true",
+                    help="only the side-by-side part: raw sequential writes against the image writer")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-': stdout) instead of a table")
     args = ap.parse_args()
@@ -156,13 +237,18 @@ def main() -> int:
             "cpus": cpus, "python": platform.python_version(), "dir": args.dir,
             "filesystem": _fs_type(args.dir), "chunk_size": parse_size(args.chunk_size),
             "threads": args.threads or min(16, cpus), "checksum": args.checksum,
-            "checksums": bench_checksums(args.repeat, sorted({1, 2, cpus})),
-            "memcpy_gbps": bench_memcpy(args.repeat),
-            "images": [bench_image(work, parse_size(args.total), parse_size(args.buffer_size),
-                                   parse_size(args.chunk_size), compress, data, args.repeat, args.threads,
-                                   args.checksum)
-                       for data in ("random", "zeros") for compress in (False, True)],
+            "compare": bench_compare(work, parse_size(args.total), parse_size(args.buffer_size),
+                                     parse_size(args.chunk_size), args.repeat, args.threads, args.checksum),
         }
+        if not args.compare:
+            result.update({
+                "checksums": bench_checksums(args.repeat, sorted({1, 2, cpus})),
+                "memcpy_gbps": bench_memcpy(args.repeat),
+                "images": [bench_image(work, parse_size(args.total), parse_size(args.buffer_size),
+                                       parse_size(args.chunk_size), compress, data, args.repeat, args.threads,
+                                       args.checksum)
+                           for data in ("random", "zeros") for compress in (False, True)],
+            })
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
@@ -172,8 +258,13 @@ def main() -> int:
         else:
             Path(args.json).write_text(text, encoding="utf-8")
         return 0
+    c = result["compare"]
     print(f"{result['cpu']} x{cpus}, {result['dir']} ({result['filesystem']}), chunks {args.chunk_size}, "
-          f"{args.checksum}")
+          f"{args.checksum} ({c['checksum']})")
+    print(f"side by side, {c['bytes'] / 2**30:.2f} GiB, GB/s: " + ", ".join(f"{k} {v}" for k, v in c["gbps"].items())
+          + f"; image/raw time {c['ratio']} (O_DIRECT: {c['direct_why']})")
+    if args.compare:
+        return 0
     print("checksums (GB/s): " + ", ".join(f"{k[:-5]} {v}" for k, v in result["checksums"].items()))
     print(f"memcpy 1 GiB: {result['memcpy_gbps']} GB/s")
     print(f"{'data':8} {'zstd':5} {'ratio':>6} {'write':>7} {'verify':>7} {'read':>7}  GB/s")

@@ -150,8 +150,8 @@ def test_agent_form_still_parses(monkeypatch, tmp_path, capfd):
 
     asked = {}
 
-    def snap(sock, image, parent, compress, checksum):
-        asked.update(sock=sock, image=image, parent=parent, compress=compress, checksum=checksum)
+    def snap(sock, image, parent, compress, checksum, threads):
+        asked.update(sock=sock, image=image, parent=parent, compress=compress, checksum=checksum, threads=threads)
         return {"t0_ns": 1, "buffers": 1, "bytes": 1 << 20, "stall_s": 0.0, "cow": 0,
                 "image": {"path": image, "incremental": False}}
 
@@ -159,7 +159,7 @@ def test_agent_form_still_parses(monkeypatch, tmp_path, capfd):
     monkeypatch.setattr(snapshot, "snapshot_to_image", snap)
     assert invoke(ckpt.app, "gpu-ckpt", "--agent", "4242", "--image", str(tmp_path / "img")) == 0
     assert asked == {"sock": Path("/sock/4242"), "image": str(tmp_path / "img"), "parent": None, "compress": False,
-                     "checksum": "crc32"}
+                     "checksum": "auto", "threads": None}
     assert '"type": "agent_snapshot"' in capfd.readouterr().out.replace('":"', '": "')
     # `run` as --agent's value is a target, not the command
     assert invoke(ckpt.app, "gpu-ckpt", "--agent", "run", "--image", str(tmp_path / "img2")) == 0

@@ -192,7 +192,7 @@ def test_gpu_ckpt_agent_suspend_and_gpu_restore_agent_resume_write_records(agent
     lines = [json.loads(x) for x in s.stdout.splitlines()]
     assert lines[0]["type"] == "header" and lines[1]["type"] == "agent_suspend"
     assert lines[1]["not_owned"]["count"] == 1 and lines[1]["agent"] == str(srv.path)
-    assert requests[-1] == {"op": "suspend", "partial": True, "compress": False, "checksum": "crc32",
+    assert requests[-1] == {"op": "suspend", "partial": True, "compress": False, "checksum": "auto",
                             "image": str(Path(ROOT, "img")), "max_hold_s": 30.0}
     r = cli("restore", "--agent", str(srv.path), "--resume")
     assert r.returncode == 0, r.stderr

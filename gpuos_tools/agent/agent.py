@@ -476,10 +476,11 @@ class Agent(ProcessView):
 
     def snapshot(self, digest: bool = True, cow_budget: int | None = None, image: str | None = None,
                  parent: str | None = None, compress: bool = False, chunk_size: int | None = None,
-                 checksum: str = "crc32") -> dict[str, Any]:
+                 checksum: str = "auto", threads: int | None = None) -> dict[str, Any]:
         """Take a consistent snapshot; return its description (per-buffer digests with
-        ``digest``). With ``image``, write it there (gpuos_tools/ckpt/image.py); with ``parent``
-        (this agent's last image), an incremental image of what was written since."""
+        ``digest``). With ``image``, write it there (gpuos_tools/ckpt/image.py; ``threads``
+        writer threads); with ``parent`` (this agent's last image), an incremental image of what
+        was written since."""
         from cuda.bindings import driver as drv
 
         self.own.add(threading.get_native_id())
@@ -571,7 +572,8 @@ class Agent(ProcessView):
             if digest:
                 out["digests"] = self._digests(snap)
             if image is not None:
-                out["image"] = self._write_image(snap, image, parent, written, compress, chunk_size, checksum)
+                out["image"] = self._write_image(snap, image, parent, written, compress, chunk_size, checksum,
+                                                 threads)
             self.last = out
             return out
         except BaseException:
@@ -626,7 +628,10 @@ class Agent(ProcessView):
 
     def stop_background(self) -> None:
         """At exit: no more staging ahead (a piece being pinned finishes); a suspended program
-        is resumed."""
+        is resumed. A checkpoint request in progress finishes first (durable.py)."""
+        from gpuos_tools.agent import durable
+
+        durable.finish_at_exit(self.server)
         self._ahead_stop.set()
         if self.suspension is not None:
             self.suspension.shutdown()
@@ -741,10 +746,13 @@ class Agent(ProcessView):
         return out
 
     def _write_image(self, snap: Snap, path: str, parent: str | None, written: set[int] | None,
-                     compress: bool, chunk_size: int | None, checksum: str) -> dict[str, Any]:
+                     compress: bool, chunk_size: int | None, checksum: str,
+                     threads: int | None = None) -> dict[str, Any]:
         """Write the snapshot's host copies as an image; incremental when ``parent`` is the
-        image this agent wrote last and what was written since it is known."""
-        from gpuos_tools.ckpt.image import DEFAULT_CHUNK_SIZE, ImageWriter
+        image this agent wrote last and what was written since it is known. Through
+        gpuos_tools/agent/durable.py: all buffers queued at once, and handed over to gpu-ckpt
+        if the program exits meanwhile."""
+        from gpuos_tools.agent import durable
 
         incremental = parent is not None and written is not None and self.last_image is not None \
             and os.path.realpath(parent) == os.path.realpath(self.last_image)
@@ -754,14 +762,12 @@ class Agent(ProcessView):
             "allocations": [{"id": b.id, "addr": b.addr, "size": b.size, "kind": b.kind} for b in snap.buffers],
         }
         view = snap.staging.view(snap.total)
-        with ImageWriter(path, manifest, compress=compress, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
-                         parent=parent if incremental else None, checksum=checksum) as w:
-            for b, off in zip(snap.buffers, snap.offsets):
-                if incremental and b.id not in written:
-                    continue
-                w.add(b.id, b.addr, b.size, view[off : off + b.size])
-            summary = w.commit()
-        self.last_image = summary["path"]
+        entries = [(b.id, b.addr, b.size, view[off : off + b.size]) for b, off in zip(snap.buffers, snap.offsets)
+                   if not (incremental and b.id not in written)]
+        summary = durable.write_image(path, manifest, entries, parent=parent if incremental else None,
+                                      compress=compress, chunk_size=chunk_size, checksum=checksum, threads=threads)
+        if not summary.get("handover"):
+            self.last_image = summary["path"]
         summary["incremental"] = incremental
         if parent is not None and not incremental:
             summary["why_full"] = ("the parent is not this agent's last image" if written is not None
@@ -883,7 +889,8 @@ class Agent(ProcessView):
             return self.snapshot(
                 digest=bool(request.get("digest", True)), cow_budget=request.get("cow_budget"),
                 image=request.get("image"), parent=request.get("parent"), compress=bool(request.get("compress")),
-                chunk_size=request.get("chunk_size"), checksum=request.get("checksum") or "crc32",
+                chunk_size=request.get("chunk_size"), checksum=request.get("checksum") or "auto",
+                threads=request.get("threads"),
             )
         if op == "rollback":
             if not isinstance(request.get("image"), str):

@@ -14,7 +14,8 @@ the program's memory, stop-the-world;
 `suspend` (with `partial`, `image`, `max_hold_s`) releases the program's owned device memory and
 keeps it waiting, `resume` lets it go (gpuos_tools/agent/suspend.py; while suspended `ping`
 answers `state` without the agent's lock). A refusal the user should see (a GpuosError in the
-agent) answers its exit status as `code`.
+agent) answers its exit status as `code`. An answer may carry file descriptors (SCM_RIGHTS): an
+exiting agent hands an image in flight over as a memfd (gpuos_tools/agent/durable.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,28 @@ from gpuos_tools.errors import ExitCode, GpuosError
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 MAX_REQUEST = 1 << 20
+MAX_ANSWER = 64 << 20  #: a handover answer carries the image's manifest
+MAX_FDS = 8
+
+_local = threading.local()  #: per serving thread: the connection, the descriptors to send
+
+
+def attach_fds(fds: list[int]) -> None:
+    """Send ``fds`` with the answer of the request being handled on this thread (the server
+    closes them once sent)."""
+    _local.fds = list(getattr(_local, "fds", [])) + list(fds)
+
+
+def peer_connected() -> bool:
+    """Whether the requester of the request being handled on this thread is still connected."""
+    import select
+
+    conn = getattr(_local, "conn", None)
+    if conn is None:
+        return False
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return not poller.poll(0)
 
 
 def socket_dir() -> Path:
@@ -74,6 +97,13 @@ class Server:
         self.sock: socket.socket | None = None
         self.thread: threading.Thread | None = None
         self.uid = os.getuid()
+        self.busy = 0  #: requests between their arrival and their answer sent
+        self._idle = threading.Condition()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is being handled (an answer in progress is sent); whether so."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.busy == 0, timeout)
 
     def start(self) -> None:
         d = self.path.parent
@@ -141,23 +171,42 @@ class Server:
                 except ValueError as exc:
                     _answer(conn, {"ok": False, "error": f"bad request: {exc}"})
                     continue
+                with self._idle:
+                    self.busy += 1
+                _local.conn, _local.fds = conn, []
                 try:
-                    answer = self.handler(request)
-                except GpuosError as exc:  # a refusal meant for the user: its message and exit code
-                    answer = {"ok": False, "error": str(exc), "code": int(exc.code)}
-                except Exception as exc:  # the agent must outlive a failed request
-                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                _answer(conn, answer)
+                    try:
+                        answer = self.handler(request)
+                    except GpuosError as exc:  # a refusal meant for the user: its message and exit code
+                        answer = {"ok": False, "error": str(exc), "code": int(exc.code)}
+                    except Exception as exc:  # the agent must outlive a failed request
+                        answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                    fds, _local.fds = _local.fds, []
+                    try:
+                        _answer(conn, answer, fds)
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                finally:
+                    _local.conn = None
+                    with self._idle:
+                        self.busy -= 1
+                        self._idle.notify_all()
 
 
-def _answer(conn: socket.socket, answer: dict[str, Any]) -> None:
-    """Send one answer line. MSG_NOSIGNAL: a client that died (kill -9 of `gpu-ckpt --agent`) is
-    an EPIPE here, never a SIGPIPE, which would end a program that set SIGPIPE to its default."""
+def _answer(conn: socket.socket, answer: dict[str, Any], fds: list[int] | None = None) -> None:
+    """Send one answer line (with ``fds`` on its first bytes). MSG_NOSIGNAL: a client that died
+    (kill -9 of `gpu-ckpt --agent`) is an EPIPE here, never a SIGPIPE, which would end a program
+    that set SIGPIPE to its default."""
     try:
         data = json.dumps(answer).encode() + b"\n"
     except (TypeError, ValueError) as exc:
         data = json.dumps({"ok": False, "error": f"the answer could not be encoded: {exc}"}).encode() + b"\n"
-    conn.sendall(data, socket.MSG_NOSIGNAL)
+    if fds:
+        sent = socket.send_fds(conn, [data[:4096]], fds, socket.MSG_NOSIGNAL)
+        data = data[sent:]
+    if data:
+        conn.sendall(data, socket.MSG_NOSIGNAL)
 
 
 def request(target: str | Path, op: str, timeout: float | None = 600.0, **fields: Any) -> dict[str, Any]:
@@ -169,20 +218,39 @@ def request(target: str | Path, op: str, timeout: float | None = 600.0, **fields
         sock.connect(str(path))
     except OSError as exc:
         raise GpuosError(f"cannot reach the agent at {path}: {exc}", ExitCode.NO_SUCH_PROCESS) from exc
-    with sock, sock.makefile("rwb") as f:
-        f.write(json.dumps({"op": op, **fields}).encode() + b"\n")
-        f.flush()
+    fds: list[int] = []
+    with sock:
+        sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+        line = b""
         try:
-            line = f.readline(MAX_REQUEST)
+            while not line.endswith(b"\n") and len(line) < MAX_ANSWER:
+                data, got, _, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+                fds += got
+                if not data:
+                    break
+                line += data
         except TimeoutError as exc:
+            _close(fds)
             raise GpuosError(f"the agent at {path} did not answer within {timeout} s", ExitCode.FAILURE) from exc
-    if not line:
+    if not line.endswith(b"\n"):
+        _close(fds)
         raise GpuosError(f"the agent at {path} closed the connection (did the program exit?)", ExitCode.FAILURE)
     answer = json.loads(line)
+    if fds:
+        answer["_fds"] = fds  # the caller owns them now
     if not answer.get("ok"):
         try:
             code = ExitCode(answer.get("code", ExitCode.FAILURE))
         except ValueError:
             code = ExitCode.FAILURE
+        _close(fds)
         raise GpuosError(f"agent: {answer.get('error', 'failed')}", code)
     return answer
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

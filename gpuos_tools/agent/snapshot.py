@@ -3,6 +3,7 @@ and `gpu-ckpt periodic` call (the agent itself is gpuos_tools/agent/agent.py).""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -52,12 +53,32 @@ def find_agent(pid: int | None = None, socket: str | None = None, command: str |
 
 
 def snapshot_to_image(target: Path, image: str, parent: str | None = None, *, compress: bool = False,
-                      chunk_size: int | None = None, checksum: str = "crc32", timeout: float = 3600.0) -> dict[str, Any]:
-    """Ask the agent at ``target`` for a consistent snapshot written to ``image``."""
-    answer = control.request(target, "snapshot", timeout=timeout, digest=False, image=str(Path(image).absolute()),
-                             parent=str(Path(parent).absolute()) if parent else None, compress=compress,
-                             chunk_size=chunk_size, checksum=checksum)
+                      chunk_size: int | None = None, checksum: str = "auto", threads: int | None = None,
+                      timeout: float = 3600.0) -> dict[str, Any]:
+    """Ask the agent at ``target`` for a consistent snapshot written to ``image``. If the
+    program exits while the image is written, the agent hands the image's bytes over and it is
+    written here (gpuos_tools/agent/durable.py); the answer's ``image`` then says ``handover``."""
+    fields: dict[str, Any] = {"digest": False, "image": str(Path(image).absolute()),
+                              "parent": str(Path(parent).absolute()) if parent else None, "compress": compress,
+                              "chunk_size": chunk_size, "checksum": checksum}
+    if threads is not None:
+        fields["threads"] = threads
+    answer = control.request(target, "snapshot", timeout=timeout, **fields)
+    fds = answer.pop("_fds", [])
     answer.pop("ok", None)
+    if isinstance(answer.get("image"), dict) and "handover" in answer["image"]:
+        from gpuos_tools.agent.durable import finish_handover
+
+        try:
+            answer["image"] = finish_handover(answer["image"], fds)
+        except GpuosError:
+            raise
+        except Exception as e:  # the bytes are lost with this process: say so plainly
+            raise GpuosError(f"the program exited and handed its image over, but writing it failed: "
+                             f"{type(e).__name__}: {e}", ExitCode.IO_ERROR) from e
+    else:
+        for fd in fds:
+            os.close(fd)
     return answer
 
 
@@ -67,6 +88,7 @@ def periodic_snapshot(agent: dict[str, Any], options: dict[str, Any]) -> Callabl
 
     def snapshot(path: str, parent: str | None) -> dict[str, Any]:
         return snapshot_to_image(target, path, parent, compress=bool(options.get("compress")),
-                                 chunk_size=options.get("chunk_size"), checksum=options.get("checksum") or "crc32")
+                                 chunk_size=options.get("chunk_size"), checksum=options.get("checksum") or "auto",
+                                 threads=options.get("threads"))
 
     return snapshot

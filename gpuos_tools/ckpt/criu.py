@@ -11,15 +11,17 @@ Debian 12's 3.17, fails on recent kernels) and ``criu check`` must pass (which n
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuos_tools.ckpt import procs, registry
-from gpuos_tools.ckpt.driver import Checkpointer, Record, left_message
+from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, left_message
 from gpuos_tools.errors import ExitCode, GpuosError
 
 MIN_VERSION = (4, 0)
@@ -76,9 +78,31 @@ def find_criu(timeout: float = 60) -> Criu:
     return Criu(exe, version, text)
 
 
-def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], log: Path) -> subprocess.CompletedProcess:
+#: Runs CRIU and then writes its exit status to $GPUOS_CRIU_RC (temp file, rename): the guard of a
+#: killed tool is not CRIU's parent, so this is how it learns whether a dump finished.
+_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
+            'exit "$rc"')
+DUMP_RC = "criu-dump.rc"
+
+
+def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], log: Path,
+              out: Path, rc_file: Path | None = None) -> subprocess.CompletedProcess:
+    """Run CRIU with its output into the file ``out``, not into pipes of ours: if this tool is
+    killed, CRIU must carry on (a write to a dead reader's pipe would end it). With ``rc_file``,
+    its exit status is written there when it ends, whoever waits for it."""
     t = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    argv, env = cmd, None
+    if rc_file is not None:
+        argv = ["/bin/sh", "-c", _WRAPPER, "gpuos-criu", *cmd]
+        env = {**os.environ, "GPUOS_CRIU_RC": str(rc_file)}
+    with open(out, "wb") as f:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              check=False)
+    try:
+        text = out.read_text(errors="replace")
+    except OSError:
+        text = ""
+    done = subprocess.CompletedProcess(cmd, done.returncode, text, "")
     rec: Record = {
         "type": "ckpt_step",
         "pid": pid,
@@ -94,6 +118,16 @@ def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], lo
     return done
 
 
+def image_state(image_dir: Path) -> str:
+    """"complete" (an image gpu-ckpt finished), "empty" (missing or an empty directory), or
+    "other" (anything else: never written over)."""
+    if (image_dir / METADATA).exists() and (image_dir / "inventory.img").exists():
+        return "complete"
+    if not image_dir.exists() or (image_dir.is_dir() and not any(image_dir.iterdir())):
+        return "empty"
+    return "other"
+
+
 def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
          criu_args: list[str] | None = None) -> Record:
     """GPU checkpoint of ``pid``, then ``criu dump`` of it into ``image_dir``.
@@ -101,21 +135,55 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     Without ``leave_running`` CRIU ends the process after the dump (the image is its restorable
     state); with it, the process gets its GPU state back and runs on. If ``criu dump`` fails
     the process is restored and unlocked, and CRIU_FAILED raised.
+
+    The image is written into a dot-named temp directory beside ``image_dir`` and renamed into
+    place once CRIU has finished and the metadata is written: ``image_dir`` holds a complete
+    image or nothing. A guard process (gpuos_tools/ckpt/guard.py) finishes or undoes the dump if
+    this process is killed, even by SIGKILL.
     """
+    from gpuos_tools.ckpt.guard import Guard
+    from gpuos_tools.ckpt.image import _temp_name
+
     try:
         criu = find_criu()
     except GpuosError as e:
         raise ckpt.fail("dump", pid, str(e), e.code, None, False) from None
     image_dir = Path(image_dir).resolve()
-    if (image_dir / "inventory.img").exists() or (image_dir / METADATA).exists():
-        raise ckpt.fail("dump", pid, f"{image_dir} already holds an image: choose an empty directory; "
-                         "nothing was touched", ExitCode.USAGE, None, False)
+    if image_state(image_dir) != "empty":
+        raise ckpt.fail("dump", pid, f"{image_dir} is not empty (it holds an image or other files): choose a new "
+                         "or empty directory; nothing was touched", ExitCode.USAGE, None, False)
+    temp = Path(_temp_name(str(image_dir)))
     try:
-        image_dir.mkdir(parents=True, exist_ok=True)
+        image_dir.parent.mkdir(parents=True, exist_ok=True)
+        temp.mkdir(mode=0o700)
     except OSError as e:
-        raise ckpt.fail("dump", pid, f"{image_dir}: cannot create: {e.strerror}; nothing was touched",
+        raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
                          ExitCode.IO_ERROR, None, False) from e
+    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running)
+    try:
+        result = _dump(ckpt, criu, guard, pid, image_dir, temp, timeout_ms, leave_running, criu_args)
+    except CkptError:  # the process was left in the state the error names
+        guard.done()
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    except BaseException as e:  # interrupted (or a bug): the guard finishes or undoes the dump
+        raise _handed_to_guard(ckpt, guard, "dump", pid, e) from e
+    guard.done()
+    return result
+
+
+def _handed_to_guard(ckpt: Checkpointer, guard: Any, action: str, pid: int, e: BaseException) -> CkptError:
+    gpid = guard.abandon()
+    code = ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else ExitCode.SOFTWARE
+    return ckpt.fail(action, pid, f"interrupted ({type(e).__name__}: {e}) during the {action} of PID {pid}; its "
+                     f"guard (PID {gpid}) waits for CRIU, keeps a complete image and brings the process back "
+                     f"to running (what it did: {registry.state_dir() / 'guard.log'})", code, None, True)
+
+
+def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path, temp: Path, timeout_ms: int,
+          leave_running: bool, criu_args: list[str] | None) -> Record:
     info = procs.read_proc(pid) if procs.exists(pid) else None
+    guard.phase("gpu")
     gpu = ckpt.suspend(pid, timeout_ms)  # raises CkptError, the process left running
     entry = registry.lookup(pid) or {}
     meta = {
@@ -127,15 +195,16 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
         **ckpt.header_fields(),
     }
     try:
-        registry.write_json_atomic(image_dir / METADATA, meta, mode=0o644)
+        registry.write_json_atomic(temp / METADATA, meta, mode=0o644)
     except GpuosError as e:
         left = ckpt.bring_back(pid)
         raise ckpt.fail("dump", pid, f"{e}; {left_message(left, pid)}", e.code, left, left != "running") from None
-    cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(image_dir), "--log-file", DUMP_LOG,
+    cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(temp), "--log-file", DUMP_LOG,
            "--shell-job", *(["--leave-running"] if leave_running else []), *(criu_args or [])]
-    done = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG)
+    guard.phase("criu")
+    done = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out", temp / DUMP_RC)
     if done.returncode != 0:
-        (image_dir / METADATA).unlink(missing_ok=True)
+        keep = _keep_log(temp / DUMP_LOG, image_dir.parent / f"{image_dir.name}.{DUMP_LOG}")
         if procs.exists(pid):
             left = ckpt.bring_back(pid)
             where = left_message(left, pid)
@@ -143,9 +212,20 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
             left, where = None, "the process is gone"
         raise ckpt.fail(
             "dump", pid,
-            f"criu dump failed (exit {done.returncode}; log {image_dir / DUMP_LOG}): "
-            f"{_tail(done.stdout + done.stderr)}; {where}", ExitCode.CRIU_FAILED, left, True)
+            f"criu dump failed (exit {done.returncode}; log {keep}): "
+            f"{_tail(done.stdout)}; no image was written; {where}", ExitCode.CRIU_FAILED, left, True)
+    guard.phase("finalize")
+    try:
+        from gpuos_tools.ckpt.guard import finalize
+
+        finalize(temp, image_dir)
+    except OSError as e:
+        left = ckpt.bring_back(pid) if procs.exists(pid) else None
+        raise ckpt.fail("dump", pid, f"{image_dir}: cannot move the finished dump there ({e.strerror}); "
+                         f"{left_message(left, pid) if left else 'the process is gone'}",
+                         ExitCode.IO_ERROR, left, True) from e
     if leave_running:
+        guard.phase("resume")
         ckpt.resume(pid)
         state, message = "running", f"PID {pid} dumped to {image_dir} and left running"
     else:
@@ -162,10 +242,20 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
         "code": 0,
         "image": str(image_dir),
         "bytes": gpu.get("bytes"),
+        "checkpoint_s": gpu.get("checkpoint_s"),
         "message": message,
     }
     ckpt.out(result)
     return result
+
+
+def _keep_log(log: Path, keep: Path) -> Path:
+    """Move CRIU's log of a failed dump out of the temp directory (which goes) beside the image."""
+    try:
+        os.replace(log, keep)
+        return keep
+    except OSError:
+        return log
 
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
@@ -177,7 +267,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         raise ckpt.fail("restore", None, str(e), e.code, None, False) from None
     image_dir = Path(image_dir).resolve()
     meta = registry.read_json(image_dir / METADATA)
-    if not isinstance(meta, dict) or "pid" not in meta:
+    if not isinstance(meta, dict) or "pid" not in meta or not (image_dir / "inventory.img").exists():
         raise ckpt.fail("restore", None, f"{image_dir} holds no image written by gpu-ckpt --image "
                          f"(no {METADATA})", ExitCode.NO_INPUT, None, False)
     pid = int(meta["pid"])
@@ -191,17 +281,35 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
+    sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
     cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
            "--restore-detached", "--pidfile", str(pidfile), *(criu_args or [])]
-    done = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG)
-    if done.returncode != 0:
-        raise ckpt.fail(
-            "restore", pid, f"criu restore failed (exit {done.returncode}; log {image_dir / RESTORE_LOG}): "
-            f"{_tail(done.stdout + done.stderr)}; nothing was restored, the image is intact",
-            ExitCode.CRIU_FAILED, None, False)
+    from gpuos_tools.ckpt.guard import Guard
+
+    guard = Guard("restore", pid, image_dir, device=device, device_map=device_map, source_gpus=sources or None)
     try:
-        pid = int(pidfile.read_text().strip())
-    except (OSError, ValueError):
-        pass
-    sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
-    return ckpt.resume(pid, device, device_map, source_gpus=sources or None)
+        guard.phase("criu")
+        done = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG, image_dir / "criu-restore.out")
+        if done.returncode != 0:
+            if procs.exists(pid):  # CRIU failed after the process came back: do not leave it without its GPU
+                left = ckpt.bring_back(pid)
+                raise ckpt.fail("restore", pid, f"criu restore reported a failure (exit {done.returncode}; log "
+                                f"{image_dir / RESTORE_LOG}) but PID {pid} is there: {left_message(left, pid)}",
+                                ExitCode.CRIU_FAILED, left, True)
+            raise ckpt.fail(
+                "restore", pid, f"criu restore failed (exit {done.returncode}; log {image_dir / RESTORE_LOG}): "
+                f"{_tail(done.stdout)}; nothing was restored, the image is intact",
+                ExitCode.CRIU_FAILED, None, False)
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError):
+            pass
+        guard.phase("gpu", pid=pid)
+        result = ckpt.resume(pid, device, device_map, source_gpus=sources or None)
+    except CkptError:
+        guard.done()
+        raise
+    except BaseException as e:  # interrupted: the guard finishes the restore
+        raise _handed_to_guard(ckpt, guard, "restore", pid, e) from e
+    guard.done()
+    return result

@@ -12,7 +12,8 @@ manifest.json:
   image_id       32 hex digits, new for every image
   created        UTC time the image was committed (ISO 8601)
   chunk_size     bytes per chunk (the last chunk of a buffer may be shorter)
-  checksum       "crc32" (default) or "sha256": of each chunk's raw (uncompressed) bytes
+  checksum       "crc32", "xxh3" (128-bit XXH3) or "sha256": of each chunk's raw
+                 (uncompressed) bytes
   compression    "zstd" or null; level
   parent         null, or {path (relative to this image's directory), image_id}
   buffers        [{id, addr, size, kind, stored: true, chunks: [{n, file,
@@ -31,8 +32,11 @@ midway leaves only a dot-named temp directory, which ``clean_stale_temps`` remov
 writer is dead. There is no single-file form: a directory can be written by many threads at
 once without a shared file offset, and ``tar`` carries one anywhere.
 
-Checksums: crc32 (zlib) by default, sha256 on request, both computed on the writer's threads
-(zlib and hashlib release the GIL on large buffers). Measured on the development VM
+Checksums: "auto" by default, the fastest of xxh3 (where the xxhash package is installed) and
+crc32 measured on this CPU (gpuos_tools/ckpt/chunkio.py), sha256 on request, all computed on the
+writer's threads (they release the GIL on large buffers). Chunk files are written by the
+writer's own threads with large writes from the caller's memory, O_DIRECT where the filesystem
+takes it (chunkio.py says when and why). Measured on the development VM
 (BENCHMARKS.md, scripts/bench_image.py): crc32 2.7–3.3 GB/s on one core and 4.4–4.6 GB/s on two,
 sha256 (OpenSSL, SHA-NI) 1.3 and 2.5–2.7, blake2b 0.6. The image must keep up with the agent's
 copies at link speed (45 GB/s target), so the default is the cheapest per byte; crc32 catches
@@ -43,7 +47,6 @@ chunks whose crc32 sums are equal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -51,13 +54,13 @@ import shutil
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
+from gpuos_tools.ckpt import chunkio
 from gpuos_tools.errors import ExitCode, GpuosError
 
 SCHEMA = "gpuos-image/1"
@@ -84,23 +87,14 @@ class ImageError(GpuosError):
 # -- checksums --------------------------------------------------------------------------------
 
 
-def _sha256(data: Buffer) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def _crc32(data: Buffer) -> str:
-    return f"crc32:{zlib.crc32(data):08x}"
-
-
-CHECKSUMS: dict[str, Callable[[Buffer], str]] = {"sha256": _sha256, "crc32": _crc32}
+CHECKSUMS: dict[str, Callable[[Buffer], str]] = chunkio.CHECKSUMS
 
 
 def checksum(algorithm: str, data: Buffer) -> str:
-    try:
-        return CHECKSUMS[algorithm](data)
-    except KeyError:
-        raise ImageError(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})",
-                         ExitCode.BAD_INPUT) from None
+    why = chunkio.missing_reason(algorithm)
+    if why:
+        raise ImageError(why, ExitCode.BAD_INPUT)
+    return CHECKSUMS[algorithm](data)
 
 
 # -- small file-system helpers ----------------------------------------------------------------
@@ -206,6 +200,12 @@ class ImageWriter:
     different buffers; ``add_chunk`` streams one buffer in order. Nothing is visible at ``path``
     until ``commit`` returns; ``abort`` (or an exception inside ``with``) removes everything.
 
+    ``add(..., wait=False)`` returns once the buffer's chunks are queued: its bytes are then read
+    by the writer's threads until ``commit`` or ``abort`` returns, so that the chunks of many
+    buffers are written at once. ``checksum`` "auto" takes the fastest measured here
+    (chunkio.pick_checksum); ``direct`` "auto" writes with O_DIRECT where the filesystem takes it
+    and is not memory ("on": wherever it takes it, "off": never). ``progress()`` says how far it is.
+
     ``manifest`` carries the caller's fields (gpu, driver, cuda, process, t0, launch_seq, ...);
     with an ``allocations`` list ({id, addr, size, kind}) it is the allocation table at T0: a
     full image must then hold every one of them, and an incremental image inherits from the
@@ -214,11 +214,13 @@ class ImageWriter:
 
     def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any], *, compress: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, parent: str | os.PathLike[str] | None = None,
-                 checksum: str = "crc32", level: int = 1, threads: int | None = None, fsync: bool = True):
+                 checksum: str = "auto", level: int = 1, threads: int | None = None, fsync: bool = True,
+                 direct: str = "auto"):
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
-        if checksum not in CHECKSUMS:
-            raise ValueError(f"unknown checksum {checksum!r} (known: {', '.join(CHECKSUMS)})")
+        if direct not in ("auto", "on", "off"):
+            raise ValueError(f"direct must be auto, on or off, not {direct!r}")
+        checksum = chunkio.pick_checksum(checksum)  # ValueError for an unknown or unavailable one
         clash = RESERVED & set(manifest)
         if clash:
             raise ValueError(f"manifest keys owned by the image writer: {', '.join(sorted(clash))}")
@@ -240,11 +242,17 @@ class ImageWriter:
             os.mkdir(os.path.join(self.temp, CHUNKS), 0o700)
         except OSError as e:
             raise _io_error("cannot create", self.temp, e) from e
+        self.fs = chunkio.fs_info(os.path.dirname(self.path), direct)
+        self._direct = self.fs.direct
         self._lock = threading.Lock()
         self._buffers: dict[int, _Pending] = {}
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=threads or min(16, os.cpu_count() or 1),
-                                        thread_name_prefix="gpuos-image")
+        self.threads = threads or min(16, os.cpu_count() or 1)
+        self._pool = chunkio.Workers(self.threads)
+        self._futures: list[Future[dict[str, Any]]] = []
+        self._failed: BaseException | None = None  # the first chunk that failed
+        self._queued = 0  # bytes handed to the threads
+        self._written = 0  # bytes whose chunk file is written
         self._started = time.perf_counter()
         self._done = False
 
@@ -276,11 +284,27 @@ class ImageWriter:
                 stored, zstd = packed, True
         name = f"{buf_id}-{n}" + (".zst" if zstd else "")
         path = os.path.join(self.temp, CHUNKS, name)
+        direct = self._direct and not zstd  # compressed bytes are a fresh, unaligned buffer
         try:
-            _write_file(path, stored, self.sync)
+            if not chunkio.write_chunk_file(path, stored, sync=self.sync, direct=direct) and direct:
+                self._direct = False  # the filesystem refused O_DIRECT: buffered from now on
         except OSError as e:
             raise _io_error("cannot write chunk", path, e) from e
+        with self._lock:
+            self._written += len(data)
         return {"n": n, "file": name, "size": len(data), "stored_size": len(stored), "zstd": zstd, "sum": total}
+
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Whether every chunk queued so far is written (or failed), waiting up to ``timeout`` s."""
+        from concurrent.futures import wait
+
+        return not wait(list(self._futures), timeout)[1]
+
+    def progress(self) -> dict[str, Any]:
+        """Bytes queued and written so far, seconds since the writer started."""
+        with self._lock:
+            return {"queued": self._queued, "written": self._written,
+                    "seconds": round(time.perf_counter() - self._started, 6)}
 
     def _check_open(self) -> None:
         if self._done:
@@ -297,17 +321,18 @@ class ImageWriter:
                 raise ValueError(f"buffer {buffer_id} given twice")
             self._buffers[buffer_id] = _Pending(int(buffer_id), int(addr), int(size), meta)
 
-    def add(self, buffer_id: int, addr: int, size: int, data: Buffer, **meta: Any) -> None:
+    def add(self, buffer_id: int, addr: int, size: int, data: Buffer, *, wait: bool = True, **meta: Any) -> None:
         """Store a whole buffer. ``data`` (``size`` bytes, any buffer-protocol object) is only
-        read, never copied, and must stay valid until ``add`` returns; its chunks are hashed and
-        written on the writer's threads. ``meta`` (kind=..., ...) goes into the manifest entry."""
+        read, never copied, and must stay valid until ``add`` returns (with ``wait=False``: until
+        ``commit`` or ``abort`` returns); its chunks are hashed and written on the writer's
+        threads. ``meta`` (kind=..., ...) goes into the manifest entry."""
         view = memoryview(data).cast("B")
         if len(view) != size:
             raise ValueError(f"buffer {buffer_id}: {len(view)} bytes of data for size {size}")
         self.begin_buffer(buffer_id, addr, size, **meta)
-        self._store(buffer_id, 0, view)
         with self._lock:
             self._buffers[buffer_id].received = size
+        self._store(buffer_id, 0, view, wait)
 
     def add_chunk(self, buffer_id: int, offset: int, data: Buffer) -> None:
         """Store the next piece of a buffer, in order: ``offset`` must be where the previous
@@ -338,15 +363,30 @@ class ImageWriter:
                 return a
         return None
 
-    def _store(self, buffer_id: int, offset: int, view: memoryview) -> None:
+    def _chunk_job(self, buffer_id: int, n: int, data: memoryview) -> dict[str, Any]:
+        try:
+            rec = self._write_chunk(buffer_id, n, data)
+        except BaseException as e:
+            self._failed = e
+            raise
+        with self._lock:
+            self._buffers[buffer_id].chunks[n] = rec
+        return rec
+
+    def _store(self, buffer_id: int, offset: int, view: memoryview, wait: bool = True) -> None:
+        if self._failed is not None:  # fail early: a chunk that failed already ends the image
+            raise self._failed
         first = offset // self.chunk_size
         futures: list[Future[dict[str, Any]]] = []
         for i, start in enumerate(range(0, len(view), self.chunk_size)):
-            futures.append(self._pool.submit(self._write_chunk, buffer_id, first + i,
+            futures.append(self._pool.submit(self._chunk_job, buffer_id, first + i,
                                              view[start:start + self.chunk_size]))
-        results = [f.result() for f in futures]  # the first failure is raised here
         with self._lock:
-            self._buffers[buffer_id].chunks.update((rec["n"], rec) for rec in results)
+            self._queued += len(view)
+        self._futures += futures
+        if wait:
+            for f in futures:
+                f.result()  # the first failure is raised here
 
     def _table(self) -> list[dict[str, Any]]:
         """The buffer list of the manifest: stored buffers and, when incremental, inherited ones."""
@@ -383,7 +423,9 @@ class ImageWriter:
         Returns {path, image_id, bytes, stored_bytes, chunks, buffers, seconds}."""
         self._check_open()
         try:
-            self._pool.shutdown(wait=True)
+            for f in self._futures:
+                f.result()  # every chunk written; the first failure is raised here
+            self._pool.shutdown()
             buffers = self._table()
             raw = sum(c["size"] for b in buffers for c in b.get("chunks", []))
             stored = sum(c["stored_size"] for b in buffers for c in b.get("chunks", []))
@@ -432,7 +474,7 @@ class ImageWriter:
         if self._done:
             return
         self._done = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(cancel=True)  # chunks being written finish; their bytes are no longer read after
         shutil.rmtree(self.temp, ignore_errors=True)
 
 

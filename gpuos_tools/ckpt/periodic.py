@@ -20,6 +20,17 @@ called, and which old images to delete, for a profile like profiles/ckpt-periodi
     # socket = "/run/gpuos/agent-4242.sock"
     # command = 'python3? .*train'
 
+Full-process images instead (``[images] kind = "process"``): each run dumps the whole process
+with CRIU and leaves it running (`gpu-ckpt --pid PID --image DIR --leave-running`: the driver
+checkpoint, ``criu dump --leave-running``, the driver restore), into NAME-STAMP; every image is
+full (CRIU's incremental dumps need soft-dirty tracking, which recent kernels lack), so
+``chain.length`` must be 0, and compress, chunk_size and checksum do not apply. The process is
+named by a [process] table instead of [agent]::
+
+    [process]
+    pid = 4242                # or command = 'python3? .*train' (exactly one CUDA process)
+    timeout_ms = 600000       # how long the lock may wait for its GPU work (0: no limit)
+
 The snapshot itself is the agent's: ``run_periodic`` takes it as a function
 ``snapshot(path, parent) -> summary`` that writes a committed image at ``path`` (through
 ``ImageWriter``, so a failure leaves nothing visible), incremental on ``parent`` when that is
@@ -57,10 +68,11 @@ AGENT_SNAPSHOT_MODULE = "gpuos_tools.agent.snapshot"
 AGENT_SNAPSHOT_FACTORY = "periodic_snapshot"
 
 _KEYS = {
-    "images": {"directory", "name", "compress", "chunk_size", "checksum"},
+    "images": {"directory", "name", "compress", "chunk_size", "checksum", "kind"},
     "chain": {"length"},
     "retention": {"keep", "max_age"},
     "agent": {"pid", "socket", "command"},
+    "process": {"pid", "command", "timeout_ms"},
 }
 _STAMP = "%Y%m%dT%H%M%S"
 LOCK_FILE = ".gpuos-periodic.lock"
@@ -78,6 +90,8 @@ class PeriodicProfile:
     keep: int = 0
     max_age_s: float | None = None
     agent: dict[str, Any] = field(default_factory=dict)
+    kind: str = "agent"  #: "agent" (the agent's images) or "process" (CRIU full-process images)
+    process: dict[str, Any] = field(default_factory=dict)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -130,6 +144,13 @@ def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
             raise _bad(path, f"retention.max_age: {e}") from None
         if prof.max_age_s <= 0:
             raise _bad(path, "retention.max_age must be positive")
+    prof.kind = images.get("kind", "agent")
+    if prof.kind not in ("agent", "process"):
+        raise _bad(path, 'images.kind must be "agent" (the agent\'s images) or "process" (full-process, CRIU)')
+    if prof.kind == "process":
+        return _process_profile(path, prof, data)
+    if "process" in data:
+        raise _bad(path, '[process] goes with images.kind = "process" ([agent] names the agent otherwise)')
     agent = data.get("agent", {})
     if sum(k in agent for k in ("pid", "socket", "command")) != 1:
         raise _bad(path, "[agent] needs exactly one of pid, socket, command: which process to snapshot")
@@ -139,6 +160,28 @@ def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
         except (re.error, TypeError) as e:
             raise _bad(path, f"agent.command: bad regular expression: {e}") from None
     prof.agent = dict(agent)
+    return prof
+
+
+def _process_profile(path: Path, prof: PeriodicProfile, data: dict[str, Any]) -> PeriodicProfile:
+    if "agent" in data:
+        raise _bad(path, 'images.kind = "process" names its process in [process], not [agent]')
+    if prof.chain_length:
+        raise _bad(path, 'chain.length must be 0 with images.kind = "process": every full-process image is full')
+    proc = data.get("process", {})
+    if sum(k in proc for k in ("pid", "command")) != 1:
+        raise _bad(path, "[process] needs exactly one of pid, command: which process to dump")
+    if "pid" in proc and (isinstance(proc["pid"], bool) or not isinstance(proc["pid"], int) or proc["pid"] <= 0):
+        raise _bad(path, "process.pid must be a positive integer")
+    if "command" in proc:
+        try:
+            re.compile(proc["command"])
+        except (re.error, TypeError) as e:
+            raise _bad(path, f"process.command: bad regular expression: {e}") from None
+    timeout = proc.get("timeout_ms", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+        raise _bad(path, "process.timeout_ms must be an integer >= 0")
+    prof.process = dict(proc)
     return prof
 
 
@@ -184,6 +227,12 @@ def list_images(prof: PeriodicProfile) -> list[Entry]:
         if t is None or not path.is_dir():
             continue
         entry = Entry(name, path, t)
+        if prof.kind == "process":
+            from gpuos_tools.ckpt.criu import image_state
+
+            entry.readable = image_state(path) == "complete"
+            out.append(entry)
+            continue
         try:
             m = img.open_image(path).manifest
             entry.image_id = m["image_id"]
@@ -289,6 +338,15 @@ def _run_locked(prof: PeriodicProfile, snapshot: SnapshotFn, now: float) -> dict
         summary = snapshot(str(plan.path), None if plan.parent is None else str(plan.parent))
     finally:
         img.clean_stale_temps(prof.directory)
+    if prof.kind == "process":
+        from gpuos_tools.ckpt.criu import METADATA, image_state
+        from gpuos_tools.ckpt.registry import read_json
+
+        if image_state(plan.path) != "complete":
+            raise GpuosError(f"the dump did not leave a complete image at {plan.path}", ExitCode.SOFTWARE)
+        meta = read_json(plan.path / METADATA) or {}
+        nbytes = sum(f.stat().st_size for f in plan.path.iterdir() if f.is_file())
+        return _retire(prof, plan, now, started, summary, meta.get("bytes"), nbytes, cleaned, "process")
     try:
         made = img.open_image(plan.path)
     except img.ImageError as e:
@@ -298,6 +356,13 @@ def _run_locked(prof: PeriodicProfile, snapshot: SnapshotFn, now: float) -> dict
     if recorded != wanted:
         raise GpuosError(f"{plan.path}: the snapshot chained to {recorded}, not to {wanted} as planned",
                          ExitCode.SOFTWARE)
+    return _retire(prof, plan, now, started, summary, made.manifest.get("bytes"), made.manifest.get("stored_bytes"),
+                   cleaned, "full" if plan.parent is None else "incremental")
+
+
+def _retire(prof: PeriodicProfile, plan: Plan, now: float, started: float, summary: dict[str, Any],
+            nbytes: int | None, stored: int | None, cleaned: list[str], kind: str) -> dict[str, Any]:
+    """Apply retention after a new image was committed; the ``ckpt_periodic`` record."""
     seconds = time.perf_counter() - started
     images = list_images(prof)
     kept, doomed = retention(prof, images, now)
@@ -307,9 +372,9 @@ def _run_locked(prof: PeriodicProfile, snapshot: SnapshotFn, now: float) -> dict
         deleted.append(e.name)
     return {
         "type": "ckpt_periodic", "profile": str(prof.path), "directory": str(prof.directory),
-        "image": plan.name, "kind": "full" if plan.parent is None else "incremental",
+        "image": plan.name, "kind": kind,
         "parent": None if plan.parent is None else plan.parent.name, "why": plan.why,
-        "bytes": made.manifest.get("bytes"), "stored_bytes": made.manifest.get("stored_bytes"),
+        "bytes": nbytes, "stored_bytes": stored,
         "seconds": round(seconds, 6), "snapshot": summary, "kept": [e.name for e in kept],
         "deleted": deleted, "cleaned": [os.path.basename(p) for p in cleaned],
     }
@@ -340,3 +405,49 @@ def agent_snapshot(prof: PeriodicProfile) -> SnapshotFn:
         raise GpuosError(f"{AGENT_SNAPSHOT_MODULE} has no {AGENT_SNAPSHOT_FACTORY}(): the agent snapshot path "
                          "is not connected; no image was written", ExitCode.SNAPSHOT_UNAVAILABLE)
     return factory(dict(prof.agent), prof.options)
+
+
+def process_snapshot(prof: PeriodicProfile) -> SnapshotFn:
+    """The snapshot function of a full-process profile: a CRIU dump of the [process] that leaves
+    it running (gpuos_tools/ckpt/criu.py ``dump``), into the image's path."""
+    from gpuos_tools.ckpt import criu
+    from gpuos_tools.ckpt.driver import Checkpointer
+
+    pid = find_process(prof.process)
+
+    def snapshot(path: str, parent: str | None) -> dict[str, Any]:
+        assert parent is None  # every full-process image is full
+        rec = criu.dump(Checkpointer(), pid, Path(path), int(prof.process.get("timeout_ms", 0)), leave_running=True)
+        return {k: rec[k] for k in ("pid", "state", "bytes", "checkpoint_s", "message") if k in rec}
+
+    return snapshot
+
+
+def find_process(spec: dict[str, Any]) -> int:
+    """The pid a [process] table names: its pid, or the one CUDA process whose command line
+    matches its command (NO_SUCH_PROCESS when none or several do)."""
+    from gpuos_tools.ckpt import procs
+
+    if "pid" in spec:
+        return int(spec["pid"])
+    pattern = re.compile(spec["command"])
+    mapped, _ = procs.scan_cuda_pids()
+    skip = procs.ancestors()
+    hits = []
+    for pid in sorted(set(mapped) - skip):
+        try:
+            info = procs.read_proc(pid)
+        except GpuosError:
+            continue
+        if info.state != "Z" and pattern.search(info.command):
+            hits.append((pid, info.command))
+    if len(hits) != 1:
+        listed = "; ".join(f"{p}: {c[:80]}" for p, c in hits) or "none"
+        raise GpuosError(f"the command pattern {spec['command']!r} must match exactly one CUDA process, not "
+                         f"{len(hits)} ({listed})", ExitCode.NO_SUCH_PROCESS)
+    return hits[0][0]
+
+
+def snapshot_function(prof: PeriodicProfile) -> SnapshotFn:
+    """The profile's snapshot function: the agent's, or a CRIU dump for full-process profiles."""
+    return process_snapshot(prof) if prof.kind == "process" else agent_snapshot(prof)

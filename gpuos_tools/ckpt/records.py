@@ -33,11 +33,20 @@ image_diff_summary  a, b, buffers_a, buffers_b, added, removed, resized,
 image_compact  (gpu-ckpt compact) head, chain [image ids folded], image,
                image_id, bytes, stored_bytes, chunks, buffers, seconds
 ckpt_periodic  (gpu-ckpt periodic) profile, directory, image, kind (full,
-               incremental), parent, why, bytes, stored_bytes, seconds,
+               incremental, process), parent, why, bytes, stored_bytes, seconds,
                snapshot (the agent's summary), kept, deleted, cleaned (temp
                directories of dead writers removed)
 ckpt_periodic_plan  (gpu-ckpt periodic --plan) the same without taking the
                image: image, kind, parent, why, would_keep, would_delete
+ckpt_check     (gpu-ckpt check) check (driver, checkpoint_api, vmm, criu,
+               criu_check, cupti, permissions, host_memory, image_dir),
+               status (ok, warn, fail, skip), detail, and the facts found
+ckpt_check_summary  driver, process_images, agent (whether each path is
+               usable here), failed and warnings (check names)
+ckpt_guard     (STATE_DIR/guard-OWNER.json, written by the guard of a dump or
+               restore whose tool was killed) action, pid, image, phase (where
+               the tool died), state (the process afterwards), image_ok,
+               message, steps
 '''
 
 The last ``ckpt_result`` of a stream says what the process was left in, on success and on
@@ -171,7 +180,10 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
             "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
             "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
             "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
-            "- `PATH`: where `criu` is looked for (`--image`)."
+            "- `PATH`: where `criu` is looked for (`--image`).\n"
+            "- `GPUOS_AGENT_EXIT_WAIT`, `GPUOS_AGENT_EXIT_MAX` (in the program under the agent): how long its "
+            "exit waits for an image in flight before handing it to gpu-ckpt (default 30 s), and in all "
+            "(default 600 s)."
         ),
         "FILES": (
             "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"

@@ -23,6 +23,11 @@ Give a busy process at most 30 s to finish its submitted GPU work:
 
     gpu-ckpt --pid 4242 --timeout 30000
 
+What works on this host (driver, checkpoint API, CRIU, CUPTI, permissions, memory):
+
+    gpu-ckpt check
+    gpu-ckpt check --dir /var/lib/gpuos-tools/images --json | jq 'select(.status=="fail")'
+
 What is on the GPUs, and what is checkpointed:
 
     gpu-ckpt status
@@ -102,9 +107,18 @@ the first failure stops the run and the processes suspended so far are resumed; 
 the run goes on and the failed processes stay running.
 
 `--image DIR` needs CRIU 4 or later on PATH and a passing `criu check` (so root); both are
-checked before the process is touched. The GPU state is checkpointed first, then `criu dump`
-writes the image (by default CRIU ends the process; `--leave-running` resumes it on the GPU
-afterwards). If `criu dump` fails, the process is restored and unlocked."""
+checked before the process is touched (`gpu-ckpt check` says whether they pass here). The GPU
+state is checkpointed first, then `criu dump` writes the image (by default CRIU ends the
+process; `--leave-running` resumes it on the GPU afterwards). If `criu dump` fails, the process
+is restored and unlocked. DIR must be new or empty: the dump goes into a dot-named temp
+directory beside it and is renamed to DIR once complete, so DIR holds a whole image or nothing.
+A guard process started before anything is touched finishes or undoes the dump if gpu-ckpt is
+killed, even with SIGKILL (and likewise the restore if gpu-restore is): it waits for CRIU, makes
+a complete dump the image, and brings a process it finds locked or checkpointed back to
+running; what it did is in STATE_DIR/guard.log and STATE_DIR/guard-PID.json (a ckpt_guard
+record). CRIU restores an open regular file only if its size is what it was at the dump: a job
+that keeps a growing log open cannot be restored from a --leave-running image after it wrote
+more."""
 
 PERIODIC = """\
 `gpu-ckpt periodic --profile FILE` takes one image of an agent process per run, for cron. The
@@ -239,8 +253,32 @@ without CUPTI, its memory owned (virtual memory API), locks, checkpoints and res
 GPU (about 0.5 GiB for a CuPy job on an H100), and a process that needs it all freed has to be
 run without the agent and checkpointed with `gpu-ckpt --pid`."""
 
+DURABLE = """\
+Images at the storage's speed: the agent queues every buffer's chunks at once on the image
+writer's threads (`--threads`, default the CPUs up to 16), each chunk one file written in large
+writes straight from the pinned staging, with O_DIRECT where the filesystem takes it and it is
+not memory (tmpfs), checksummed on the same threads with the fastest checksum measured on this
+CPU (`--checksum auto`: xxh3 where the xxhash package is installed, else crc32; sha256 on
+request).
+
+No snapshot lost after T0: if the program ends while its image is being written, its exit
+waits for the image, up to GPUOS_AGENT_EXIT_WAIT seconds (default 30), saying so on its
+standard error; then it hands the image over: its bytes go into a memfd passed to the waiting
+gpu-ckpt over the control socket, and gpu-ckpt writes the image after the program is gone (the
+record's image says `handover`; `during_exit` says the program ended during the write). Without
+a gpu-ckpt still connected, or without the host memory for the copy, the exit waits for the
+image in place, up to GPUOS_AGENT_EXIT_MAX seconds in all (default 600), and says so if it gives
+up. The same holds for `gpu-ckpt periodic`. A program killed by a signal, or ending through
+os._exit, runs no exit handler: its image in flight is lost (no partial image is ever visible).
+
+`gpu-ckpt periodic` takes full-process images too: with `kind = "process"` in [images] and a
+[process] table (pid or command, timeout_ms) each run is a `gpu-ckpt --pid PID --image DIR
+--leave-running`, named and retired like the agent's images (chain.length must be 0: every
+full-process image is full)."""
+
 MAN_SECTIONS = man_sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
-                            {"PERIODIC CHECKPOINTS": PERIODIC, "SUSPEND THROUGH THE AGENT": SUSPEND})
+                            {"PERIODIC CHECKPOINTS": PERIODIC, "SUSPEND THROUGH THE AGENT": SUSPEND,
+                             "DURABLE IMAGES": DURABLE})
 
 app = typer.Typer(
     name="gpu-ckpt",
@@ -297,7 +335,13 @@ def checkpoint(
         "last image; otherwise the image is full and the record says why).",
     ),
     compress: bool = typer.Option(False, "--compress", help="With --agent: zstd per chunk."),
-    checksum: str = typer.Option("crc32", "--checksum", metavar="crc32|sha256", help="With --agent: chunk checksum."),
+    checksum: str = typer.Option(
+        "auto", "--checksum", metavar="auto|xxh3|crc32|sha256",
+        help="With --agent: chunk checksum (auto: the fastest measured on this CPU, xxh3 where the xxhash "
+        "package is installed, else crc32; sha256 for content identity)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, max=256, metavar="N",
+        help="With --agent: image writer threads (default: the CPUs, at most 16)."),
     suspend: bool = typer.Option(
         False, "--suspend",
         help="With --agent: suspend the program (started with GPUOS_AGENT_OWN=1): its owned device memory goes to "
@@ -329,31 +373,40 @@ def checkpoint(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
+    from gpuos_tools.ckpt import chunkio
+
+    if checksum not in chunkio.CHOICES:
+        raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
+    if threads is not None and agent is None:
+        raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
     if (suspend or partial or max_hold is not None) and agent is None:
         raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",
                          ExitCode.USAGE)
     if agent is not None and suspend:
-        if pid is not None or profile is not None or leave_running or criu_arg or timeout or parent is not None:
+        if pid is not None or profile is not None or leave_running or criu_arg or timeout or parent is not None \
+                or threads is not None:
             raise GpuosError("--agent --suspend goes with --image, --partial, --max-hold, --compress, --checksum "
                              "and -o only (a suspend's image is full: no --parent)", ExitCode.USAGE)
         _suspend(agent, image, partial, max_hold, compress, checksum, output)
         return
     if agent is not None:
         if pid is not None or profile is not None or leave_running or criu_arg or timeout or partial:
-            raise GpuosError("--agent goes with --image, --parent, --compress, --checksum and -o only", ExitCode.USAGE)
+            raise GpuosError("--agent goes with --image, --parent, --compress, --checksum, --threads and -o only",
+                             ExitCode.USAGE)
         if image is None:
             raise GpuosError("--agent needs --image DIR: where the image goes", ExitCode.USAGE)
         from gpuos_tools.agent import control
         from gpuos_tools.agent.snapshot import snapshot_to_image
 
         answer = snapshot_to_image(control.resolve(agent), str(image), str(parent) if parent else None,
-                                   compress=compress, checksum=checksum)
+                                   compress=compress, checksum=checksum, threads=threads)
         answer.pop("allocations", None)
         _records("-" if output is None else output, PROG, [{"type": "agent_snapshot", **answer}], agent=agent)
         img = answer.get("image", {})
         _say(f"{img.get('path', image)}: {answer['bytes'] / 2**30:.2f} GiB of {answer['buffers']} allocations as of "
              f"T0, {'incremental' if img.get('incremental') else 'full'}; {answer['stall_s'] * 1e3:.2f} ms on the "
-             f"program's path, {answer['cow']} copy-on-write")
+             f"program's path, {answer['cow']} copy-on-write"
+             + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
         return
     if (pid is None) == (profile is None):
         raise GpuosError(
@@ -483,6 +536,54 @@ def _records(output: str, tool: str, records: list[dict[str, Any]], **fields: An
 
 
 @app.command()
+def check(
+    directory: Optional[Path] = typer.Option(
+        None, "--dir", metavar="DIR", help="Also check DIR as a place for images (filesystem, O_DIRECT, free space)."),
+    json_out: bool = typer.Option(False, "--json", help="Records even on a terminal."),
+    output: str = typer.Option("-", "--output", "-o", metavar="FILE", help="Records to FILE ('-': stdout)."),
+) -> None:
+    """Say what works on this host for checkpointing, and why not, touching no process.
+
+    Checks the NVIDIA driver and its checkpoint API, the virtual memory management API, CRIU
+    (version 4 or later, and `criu check`), CUPTI, permissions (root or CAP_SYS_ADMIN /
+    CAP_CHECKPOINT_RESTORE for CRIU, the state directory), host memory available for staging
+    snapshots, and with --dir the image directory. Then which paths are usable: the driver path
+    (`--pid`), full-process images (`--pid --image`) and the agent path (`run`, `--agent`).
+    Draws a table on a terminal, writes ckpt_check records otherwise. Exits 1 when a check
+    failed (warnings do not count), like `criu check`.
+    """
+    from gpuos_tools.ckpt.check import run_checks, table_rows
+
+    records = run_checks(image_dir=str(directory) if directory is not None else None)
+    summary = records[-1]
+    if json_out or output != "-" or not sys.stdout.isatty():
+        from gpuos_tools.stream import make_header, open_output
+
+        with open_output(output) as writer:
+            writer.write(make_header(f"{PROG} check"))
+            for rec in records:
+                writer.write(rec)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(box=None, header_style="bold")
+        for column in ("CHECK", "STATUS", "DETAIL"):
+            table.add_column(column, no_wrap=column != "DETAIL")
+        colour = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
+        for name, status_, detail in table_rows(records):
+            table.add_row(name, f"[{colour[status_]}]{status_}[/]", detail)
+        console = Console()
+        console.print(table)
+        paths = {"driver": "driver path (--pid)", "process_images": "full-process images (--pid --image)",
+                 "agent": "agent path (run, --agent)"}
+        console.print("usable: " + ", ".join(f"{text} {'yes' if summary[key] else 'no'}" for key, text in paths.items()),
+                      highlight=False)
+    if summary["failed"]:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+@app.command()
 def compact(
     head: Path = typer.Argument(..., metavar="HEAD", help="The newest image of a chain (an agent-path image directory)."),
     out: Path = typer.Argument(..., metavar="OUT", help="The full image to write (must not exist)."),
@@ -551,7 +652,7 @@ def periodic(
             "parent": None if step.parent is None else step.parent.name, "why": step.why,
             "would_keep": [e.name for e in kept], "would_delete": [e.name for e in doomed]}], profile=str(profile))
         return
-    snapshot = per.agent_snapshot(prof)
+    snapshot = per.snapshot_function(prof)
     record = per.run_periodic(prof, snapshot)
     if output is not None:
         _records(output, f"{PROG} periodic", [record], profile=str(profile))
