@@ -197,6 +197,39 @@ def test_no_fixed_gib_in_messages() -> None:
 # -- infer: JSON, not NaN -------------------------------------------------------------------
 
 
+def test_infer_writes_strict_json_for_nan_input() -> None:
+    """A request with NaN or an infinity is refused by the daemon (bad_value); the record passed
+    through and the answer are still JSON (NaN and Infinity are not), the bad values null."""
+    import signal
+    import uuid
+
+    from gpuos_tools.kinfer import ring as R
+
+    bridge = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
+    name = f"kinfer-nan-{uuid.uuid4().hex[:8]}"
+    daemon = subprocess.Popen([*bridge, "serve", "--ring", name, "--gpu", "off", "--random-model", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    try:
+        assert _run([*bridge, "status", "--ring", name, "--wait", "60s"]).returncode == 0
+        digits = list(range(10)) * 3
+        text = (json.dumps({"type": "q", "x": [float("nan"), *digits]}) + "\n"
+                + json.dumps({"type": "q", "x": [*digits, float("inf")]}) + "\n")
+        done = _run([*bridge, "infer", "--ring", name], input=text)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=60)
+        R.ring_path(name).unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr
+
+    def strict(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    recs = [json.loads(line, parse_constant=strict) for line in done.stdout.splitlines()]
+    assert [r["type"] for r in recs] == ["header", "q", "kinfer_answer", "q", "kinfer_answer"]
+    assert recs[1]["x"][0] is None and recs[3]["x"][-1] is None and recs[1]["x"][1:] == digits
+    assert recs[2]["status"] == recs[4]["status"] == "bad_value"
+
+
 def test_infer_answers_are_json_numbers_or_null() -> None:
     from gpuos_tools.commands.kinfer import _json_number
 

@@ -376,7 +376,7 @@ def infer(
         if reader.header is None:
             writer.write(make_header("gpu-kinfer-bridge", ring=name))
         for rec in reader:
-            writer.write(rec)
+            writer.write(_json_record(rec))
             if "x" not in rec or rec["type"] == "header":
                 continue
             try:
@@ -392,9 +392,18 @@ def infer(
             })
 
 
+def _json_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A record passed through, its `x` as JSON has it: NaN and infinities (which the reader
+    accepts, as Python's json does) are not JSON numbers, so they are written as null; the
+    answer after the record says the daemon refused it (bad_value)."""
+    x = rec.get("x")
+    if isinstance(x, list) and any(isinstance(v, float) and not math.isfinite(v) for v in x):
+        return {**rec, "x": [_json_number(v) if isinstance(v, float) else v for v in x]}
+    return rec
+
+
 def _json_number(value: float) -> float | None:
-    """A model output for JSON: NaN and infinities (a refused request's outputs) are not JSON
-    numbers, so they become null; the status says why."""
+    """A number for JSON: NaN and infinities are not JSON numbers, so they become null."""
     return round(value, 6) if math.isfinite(value) else None
 
 
