@@ -128,6 +128,9 @@ def test_a_signal_leaves_no_temp_file(tmp_path: Path, sig: signal.Signals) -> No
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         time.sleep(0.02)
     assert _temps(tmp_path), "the output's temp file never appeared"
+    # let it get from creating the temp file to waiting for input inside the writer's block
+    # (a signal in between is a window of open_output's own)
+    time.sleep(0.5)
     proc.send_signal(sig)
     assert proc.wait(timeout=60) == (130 if sig == signal.SIGINT else 128 + sig)
     proc.stdin.close()
