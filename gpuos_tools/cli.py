@@ -7,26 +7,35 @@ A command module ends with::
 
 and then behaves like the rest of the toolkit: ``GpuosError`` becomes ``gpu-xxx: error: ...``
 on stderr and its exit code; a closed pipe (``| head``) ends it quietly with status 0; Ctrl-C
-gives 130; any other exception is a bug, reported in one line with status 75 (the traceback
-too when ``GPUOS_DEBUG=1``). A command may return an int to choose its exit status (for
-instance a traced program's own).
+gives 130; SIGTERM and SIGHUP unwind like Ctrl-C (so a half-written output file is removed)
+and give 128+N; any other exception is a bug, reported in one line with status 75 (the
+traceback too when ``GPUOS_DEBUG=1``). A command may return an int to choose its exit status
+(for instance a traced program's own). ``command(app, prog)`` is the click command as users
+see it: ``-h`` beside ``--help``, ``--version``, and usage lines that show each argument's
+metavar as written.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from types import TracebackType
-from typing import Annotated, Any, NoReturn, Self
+from typing import Annotated, Any, NoReturn, Self, TypeVar
 
 import click
 import typer
 from rich.console import Console
 from rich.progress import Progress
 
+import gpuos_tools
 from gpuos_tools.errors import ExitCode, GpuosError
+
+T = TypeVar("T")
 
 #: Environment variables every command honours; each man page lists them.
 ENVIRONMENT = {
@@ -50,6 +59,11 @@ def error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
+def warn(prog: str, message: str) -> None:
+    """Print ``prog: warning: message`` on stderr."""
+    print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+
+
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null so the interpreter's final flush of stdout cannot fail again."""
     try:
@@ -67,8 +81,52 @@ _ABORT = (click.exceptions.Abort, typer.Abort)
 _SHOWN = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread so that ``with`` blocks and ``finally``
+    clauses run (an output written atomically discards its temp file) before the command exits.
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """While the command runs, SIGTERM and SIGHUP raise Terminated (where nothing else handles
+    them). Commands that need their own handling (a daemon, a process left locked) install their
+    own handlers inside and restore this one after. A second signal during the clean-up ends the
+    process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old: dict[int, Any] = {}
+
+    def handler(signum: int, _frame: Any) -> None:
+        for sig in old:
+            signal.signal(sig, signal.SIG_DFL)
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                old[sig] = signal.signal(sig, handler)
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
 def run(command: Any, prog: str, args: Sequence[str] | None = None) -> int:
     """Run a click command or ``typer.main.get_command(app)``; return the exit status."""
+    with _terminate_raises():
+        return _run(command, prog, args)
+
+
+def _run(command: Any, prog: str, args: Sequence[str] | None) -> int:
     try:
         command._main_shell_completion({}, prog)
         with command.make_context(prog, list(sys.argv[1:] if args is None else args)) as ctx:
@@ -95,6 +153,8 @@ def run(command: Any, prog: str, args: Sequence[str] | None = None) -> int:
         return ExitCode.OK
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
+    except Terminated as e:
+        return 128 + e.signum
     except Exception as e:  # noqa: BLE001 (anything else is a bug: report it, exit SOFTWARE)
         error(prog, f"internal error: {type(e).__name__}: {e}")
         if os.environ.get("GPUOS_DEBUG") == "1":
@@ -122,10 +182,70 @@ def options_before_subcommand(ctx: typer.Context) -> list[str]:
     return given
 
 
+HELP_OPTIONS = ["-h", "--help"]
+
+
+def command(app: typer.Typer, prog: str) -> Any:
+    """The click command of ``app`` as every gpuos command presents it: ``-h`` as well as
+    ``--help`` (subcommands inherit it through their contexts), ``--version``, and usage lines
+    and argument lists that show each argument's metavar as written (typer's own wrapping gives
+    ``[[TRACE]]`` for a metavar that already says it is optional, and braces around required
+    ones, differently from one typer release to the next)."""
+    cmd = typer.main.get_command(app)
+    cmd.context_settings = {**(cmd.context_settings or {}), "help_option_names": HELP_OPTIONS}
+    if not any("--version" in getattr(p, "opts", ()) for p in cmd.params):
+        cmd.params.append(_version_option(prog))
+    _literal_metavars(cmd)
+    return cmd
+
+
+def _version_option(prog: str) -> Any:
+    """A ``--version`` option of the same click as typer's commands (typer vendors click since
+    0.26 and its parameter classes change between releases): made by typer itself, for a
+    throwaway command, and taken from it."""
+
+    def show(ctx: typer.Context, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            print(f"{prog} {gpuos_tools.__version__}")
+            raise typer.Exit(0)
+
+    probe = typer.Typer(add_completion=False)
+
+    @probe.command()
+    def version(
+        version: bool = typer.Option(False, "--version", is_eager=True, callback=show, help="Print the version and exit."),
+    ) -> None:
+        pass
+
+    param = next(p for p in typer.main.get_command(probe).params if p.name == "version")
+    param.expose_value = False
+    return param
+
+
+def _literal_metavars(cmd: Any) -> None:
+    for param in cmd.params:
+        if getattr(param, "param_type_name", None) == "argument" and param.metavar:
+            _show_as_written(param)
+    for sub in (getattr(cmd, "commands", None) or {}).values():
+        _literal_metavars(sub)
+
+
+def _show_as_written(param: Any) -> None:
+    metavar = param.metavar
+    record = param.get_help_record
+
+    def help_record(ctx: Any) -> tuple[str, str] | None:
+        found = record(ctx)
+        return None if found is None else (metavar, found[1])
+
+    param.get_usage_pieces = lambda ctx: [metavar]
+    param.get_help_record = help_record
+
+
 def run_app(app: typer.Typer, prog: str | None = None) -> NoReturn:
     """Entry point of a command: run ``app`` on sys.argv and exit with its status."""
     name = prog or os.path.basename(sys.argv[0])
-    sys.exit(int(run(typer.main.get_command(app), name)))
+    sys.exit(int(run(command(app, name), name)))
 
 
 def stderr_console() -> Console:
@@ -168,3 +288,21 @@ def progress(transient: bool = True) -> Progress | NullProgress:
         live = False
     return Progress(console=stderr_console(), transient=transient) if live else NullProgress()
 
+
+def with_progress(records: Iterable[T], label: str, every: int = 1 << 16) -> Iterator[T]:
+    """``records`` unchanged; while stderr is a terminal, a line on it counts them (every
+    ``every`` records, a power of two: short inputs show nothing), so a long run shows that it
+    is moving."""
+    with progress() as bar:
+        if isinstance(bar, NullProgress):
+            yield from records
+            return
+        task = None
+        mask = every - 1
+        n = 0
+        for n, rec in enumerate(records, 1):
+            if not n & mask:
+                if task is None:
+                    task = bar.add_task(label, total=None)
+                bar.update(task, description=f"{label}: {n:,} records")
+            yield rec

@@ -46,7 +46,7 @@ class ExitCode(enum.IntEnum):
 DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.OK: "success",
     ExitCode.FAILURE: "the tool ran but found problems (e.g. a check failed)",
-    ExitCode.USAGE: "bad command line (click's own code)",
+    ExitCode.USAGE: "bad command line (click's own code), or an option this installation cannot honour (--plot without matplotlib)",
     ExitCode.BAD_INPUT: "malformed stream: a bad line or record",
     ExitCode.TRUNCATED: "input ends in the middle of a record or compressed frame",
     ExitCode.NO_INPUT: "input file missing or unreadable",

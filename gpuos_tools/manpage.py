@@ -296,59 +296,47 @@ def stream_page() -> str:
 #: Every generated page: (name, section, renderer). Files are man/<name>.<section>.
 def gpu_trace_page() -> str:
     """gpu-trace(1), from the typer app in gpuos_tools/commands/trace.py."""
-    import typer
-
     from gpuos_tools.commands import trace
 
-    return render_man(typer.main.get_command(trace.app), "gpu-trace", 1, trace.MAN_SECTIONS)
+    return render_man(cli.command(trace.app, "gpu-trace"), "gpu-trace", 1, trace.MAN_SECTIONS)
 
 
 def gpu_ckpt_page() -> str:
     """gpu-ckpt(1), from the typer app in gpuos_tools/commands/ckpt.py."""
-    import typer
-
     from gpuos_tools.commands import ckpt
 
-    return render_man(typer.main.get_command(ckpt.app), "gpu-ckpt", 1, ckpt.MAN_SECTIONS)
+    return render_man(cli.command(ckpt.app, "gpu-ckpt"), "gpu-ckpt", 1, ckpt.MAN_SECTIONS)
 
 
 def gpu_restore_page() -> str:
     """gpu-restore(1), from the typer app in gpuos_tools/commands/restore.py."""
-    import typer
-
     from gpuos_tools.commands import restore
 
-    return render_man(typer.main.get_command(restore.app), "gpu-restore", 1, restore.MAN_SECTIONS)
+    return render_man(cli.command(restore.app, "gpu-restore"), "gpu-restore", 1, restore.MAN_SECTIONS)
 
 
 def gpu_predict_access_page() -> str:
     """gpu-predict-access(1), from the typer app in gpuos_tools/commands/predict_access.py."""
-    import typer
-
     from gpuos_tools.commands import predict_access
 
     return render_man(
-        typer.main.get_command(predict_access.app), "gpu-predict-access", 1, predict_access.MAN_SECTIONS
+        cli.command(predict_access.app, "gpu-predict-access"), "gpu-predict-access", 1, predict_access.MAN_SECTIONS
     )
 
 
 def gpu_kinfer_bridge_page() -> str:
     """gpu-kinfer-bridge(1), from the typer app in gpuos_tools/commands/kinfer.py."""
-    import typer
-
     from gpuos_tools.commands import kinfer
 
-    return render_man(typer.main.get_command(kinfer.app), "gpu-kinfer-bridge", 1, kinfer.MAN_SECTIONS)
+    return render_man(cli.command(kinfer.app, "gpu-kinfer-bridge"), "gpu-kinfer-bridge", 1, kinfer.MAN_SECTIONS)
 
 
 def gpu_prefetch_sched_page() -> str:
     """gpu-prefetch-sched(1), from the typer app in gpuos_tools/commands/prefetch_sched.py."""
-    import typer
-
     from gpuos_tools.commands import prefetch_sched
 
     return render_man(
-        typer.main.get_command(prefetch_sched.app), "gpu-prefetch-sched", 1, prefetch_sched.MAN_SECTIONS
+        cli.command(prefetch_sched.app, "gpu-prefetch-sched"), "gpu-prefetch-sched", 1, prefetch_sched.MAN_SECTIONS
     )
 
 
@@ -359,7 +347,5 @@ PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpu-restore", 1, gpu_restore_page),
     ("gpu-predict-access", 1, gpu_predict_access_page),
     ("gpu-kinfer-bridge", 1, gpu_kinfer_bridge_page),
-
-
     ("gpu-prefetch-sched", 1, gpu_prefetch_sched_page),
 ]

@@ -354,7 +354,7 @@ def test_shipped_profile() -> None:
     import pwd
     import tomllib
 
-    path = REPO / "profiles" / "maintenance.toml"
+    path = REPO / "gpuos_tools" / "profiles" / "maintenance.toml"
     data = tomllib.loads(path.read_text())
     assert data["state"]["file"].startswith("/") and data["checkpoint"]["on_error"] == "resume"
     users = data["select"]["users"]
@@ -533,7 +533,7 @@ def test_moving_a_one_gpu_process_swaps_two_gpus(remembered) -> None:
     (["H200", "H200"], 100 << 30, "7", "no GPU with index 7"),
     (["H200", "H200"], 100 << 30, "GPU-ffff", "no GPU with UUID"),
     (["H200", "H100"], 100 << 30, "1", "is not the same chip"),
-    (["H200", "H200"], 1 << 20, "1", "GiB free"),
+    (["H200", "H200"], 1 << 20, "1", "1.0 MiB free"),
 ])
 def test_bad_targets(remembered, names, free, device, message) -> None:
     with pytest.raises(GpuosError) as e:
@@ -650,10 +650,10 @@ def test_man_pages_show_cron_the_profile_and_the_codes() -> None:
             assert f".TP\n\\fB{code}\\fR\n" in page
     assert "[\\fICOMMAND\\fR [\\fIARGS\\fR]...]" in ckpt_page  # `gpu-ckpt --pid` works without one
     # the profile the examples show is a valid profile with the shipped profile's sections
-    example = ckpt_command.EXAMPLES.split("The profile (profiles/maintenance.toml in the source tree):", 1)[1]
+    example = ckpt_command.EXAMPLES.split("The profile (gpuos_tools/profiles/maintenance.toml, installed with the package):", 1)[1]
     example = example.split("A full-process image", 1)[0]
     block = "\n".join(line[4:] for line in example.splitlines() if line.startswith("    "))
     shown = tomllib.loads(block)
-    shipped = tomllib.loads((REPO / "profiles" / "maintenance.toml").read_text())
+    shipped = tomllib.loads((REPO / "gpuos_tools" / "profiles" / "maintenance.toml").read_text())
     assert shown.keys() == shipped.keys() and shown["select"] == shipped["select"]
     assert shown["checkpoint"] == shipped["checkpoint"] and shown["state"] == shipped["state"]

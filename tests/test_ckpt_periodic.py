@@ -64,7 +64,7 @@ def take(prof: per.PeriodicProfile, snap: FakeSnapshot, n: int, start: float = T
 
 
 def test_shipped_profile_loads() -> None:
-    prof = per.load_periodic_profile(REPO / "profiles" / "ckpt-periodic.toml")
+    prof = per.load_periodic_profile(REPO / "gpuos_tools" / "profiles" / "ckpt-periodic.toml")
     assert prof.chain_length == 6 and prof.keep == 14 and prof.max_age_s == 7 * 86400
     assert prof.chunk_size == 64 << 20 and prof.checksum == "crc32" and prof.agent == {"command": "python3? .*train"}
 

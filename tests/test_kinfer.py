@@ -892,13 +892,14 @@ def test_gpu_load_sampling_with_stubbed_nvml() -> None:
     assert not load.busy
 
 
-def test_profile_round_trip_and_calibration(tmp_path: Path) -> None:
+def test_profile_round_trip_and_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gpuos_tools.kinfer import calibrate as C
 
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no profile of the user's own
     shipped = P.load_profile("linnos")
-    assert shipped.section("model")["inputs"] == 31 and shipped.model_file() == REPO / "profiles" / "linnos.npz"
+    assert shipped.section("model")["inputs"] == 31 and shipped.model_file() == REPO / "gpuos_tools" / "profiles" / "linnos.npz"
     path = tmp_path / "p.toml"
-    path.write_text((REPO / "profiles" / "linnos.toml").read_text())
+    path.write_text((REPO / "gpuos_tools" / "profiles" / "linnos.toml").read_text())
     prof = P.load_profile(str(path))
     result = C.measure(prof, [1, 4], 3)
     assert len(result["cpu_us"]) == 2 and all(v > 0 for v in result["cpu_us"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuos_tools import figures
 from gpuos_tools.access.predict import Predictor
 from gpuos_tools.errors import ExitCode, GpuosError
 
@@ -72,17 +73,12 @@ def _bin(m: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, int]:
 def plot(records: Iterable[dict[str, Any]], path: Path, granularity: str = "alloc", templates=None,
          title: str = "") -> dict[str, int]:
     """Draw the access map into ``path`` (format from its suffix); return its dimensions."""
-    try:
-        import matplotlib
+    plt = figures.pyplot()
+    from matplotlib.colors import ListedColormap
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
-    except ImportError as exc:
-        raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.FAILURE) from exc
     m, ids, seqs = access_matrix(records, granularity, templates)
     if not seqs:
-        raise GpuosError("no launches to plot", ExitCode.FAILURE)
+        raise GpuosError("no kernel launches to plot", ExitCode.FAILURE)
     m, col_step = _bin(m, 1, MAX_COLUMNS)
     m, row_step = _bin(m, 0, MAX_ROWS)
     fig, ax = plt.subplots(figsize=(min(16, 4 + m.shape[1] / 40), min(12, 2 + m.shape[0] / 6)))
@@ -96,6 +92,8 @@ def plot(records: Iterable[dict[str, Any]], path: Path, granularity: str = "allo
     ax.legend(handles, ["read", "written", "unknown"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     ax.set_title(title or f"predicted accesses ({granularity} granularity)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        figures.save(fig, path, dpi=100)
+    finally:
+        plt.close(fig)
     return {"launches": len(seqs), "allocations": len(ids), "columns": m.shape[1], "rows": m.shape[0]}

@@ -152,6 +152,9 @@ class Predictor:
         self._captures: dict[int, list[dict[str, Any]]] = {}
         self._graphs: dict[int, list[dict[str, Any]] | None] = {}
         self._execs: dict[int, list[dict[str, Any]] | None] = {}
+        #: access records found in the input by annotate(): dropped, each replaced by this
+        #: predictor's own, so that a stream predicted twice is not a doubled workload
+        self.replaced = 0
 
     # -- the stream --------------------------------------------------------------------------
 
@@ -239,8 +242,13 @@ class Predictor:
         ``validated`` (the trace was made with --validate): a launch's access record is held
         until the next record, so that the `validation` following it can be scored into its
         ``validated`` entry (gpuos_tools/access/score.py).
+
+        Access records already in the input (a stream predicted before) are dropped and
+        counted in ``replaced``: the operations they describe get this predictor's records
+        instead, so predicting twice gives one access record per operation, as once does.
         """
         feed = self.feed
+        records = self._without_access(records)
         if not validated:
             for rec in records:
                 yield rec
@@ -268,6 +276,13 @@ class Predictor:
                     yield out
         if held is not None:
             yield held
+
+    def _without_access(self, records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for rec in records:
+            if rec["type"] == "access":
+                self.replaced += 1
+            else:
+                yield rec
 
     # -- launches ----------------------------------------------------------------------------
 

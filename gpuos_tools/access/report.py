@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpuos_tools.access.predict import BASIS_TEXT, Predictor
+from gpuos_tools.names import short_names
 from gpuos_tools.trace.stats import human_bytes
 
 
@@ -136,33 +137,32 @@ def render_report(rows: list[Row], console: Console, granularity: str) -> None:
     if any(r.validated for r in rows):
         render_validation(rows, console, granularity)
     table = Table(title=f"predicted accesses ({granularity} granularity)")
-    for col, justify in (("kernel", "left"), ("launches", "right"), ("reads/launch", "right"),
-                         ("writes/launch", "right"), ("bytes read", "right"), ("bytes written", "right"),
+    table.caption = "reads, writes: buffers per launch; bytes: summed over the launches"
+    for col, justify in (("kernel", "left"), ("launches", "right"), ("reads", "right"),
+                         ("writes", "right"), ("bytes read", "right"), ("bytes written", "right"),
                          ("unknown", "right")):  # fmt: skip
-        table.add_column(col, justify=justify, overflow="fold" if col == "kernel" else "ellipsis")
-    for row in rows:
-        name = row.name if len(row.name) <= 100 else row.name[:97] + "..."
+        table.add_column(col, justify=justify, overflow="ellipsis", no_wrap=True)
+    names = short_names([r.name for r in rows], max(30, min(100, console.width - 72)))
+    for row, name in zip(rows, names):
         table.add_row(
             name, str(row.launches), f"{row.reads / row.launches:.2f}", f"{row.writes / row.launches:.2f}",
             human_bytes(row.bytes_read), human_bytes(row.bytes_written),
             str(row.unknown) if row.unknown else "",
         )  # fmt: skip
     console.print(table)
-    for row in rows:
+    for row, name in zip(rows, names):
         for why, n in row.why.items():
-            console.print(f"unknown ×{n}: {row.name[:80]}: {why}", highlight=False)
+            console.print(f"unknown ×{n}: {name}: {why}", highlight=False)
 
 
 def render_validation(rows: list[Row], console: Console, granularity: str) -> None:
     table = Table(title=f"validated on the GPU ({granularity} granularity): missed and extra bytes")
     for col in ("kernel", "checked", "missed writes", "extra write bytes", "missed reads",
                 "extra read bytes", "reads not judged"):
-        table.add_column(col, justify="left" if col == "kernel" else "right",
-                         overflow="fold" if col == "kernel" else "ellipsis")
-    for row in rows:
-        if not row.validated:
-            continue
-        name = row.name if len(row.name) <= 80 else row.name[:77] + "..."
+        table.add_column(col, justify="left" if col == "kernel" else "right", overflow="ellipsis",
+                         no_wrap=col == "kernel")
+    checked = [r for r in rows if r.validated]
+    for row, name in zip(checked, short_names([r.name for r in checked], max(30, min(80, console.width - 90)))):
         missed_w = f"{row.missed_write_launches} ({human_bytes(row.missed_write_bytes)})" if row.missed_write_launches else "0"
         missed_r = (f"{row.missed_read_launches} ({human_bytes(row.missed_read_bytes)})"
                     if row.missed_read_launches else "0")

@@ -29,6 +29,7 @@ from typing import Any
 from gpuos_tools.ckpt import procs, registry
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.units import format_size
 
 Record = dict[str, Any]
 Emit = Callable[[Record], None]
@@ -692,7 +693,7 @@ class Checkpointer:
         free = target.get("memory_free")
         if needed and free is not None and free < needed:
             raise GpuosError(
-                f"{target['uuid']} has {free / 2**30:.2f} GiB free; PID {pid} needs {needed / 2**30:.2f} GiB",
+                f"{target['uuid']} has {format_size(free)} free; PID {pid} needs {format_size(needed)}",
                 ExitCode.BAD_GPU)
         if all(o == n for o, n in mapping.items()):
             return None, target

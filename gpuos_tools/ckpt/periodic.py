@@ -1,5 +1,5 @@
 """Periodic checkpoints from cron: which image to take next (full or incremental), what it is
-called, and which old images to delete, for a profile like profiles/ckpt-periodic.toml::
+called, and which old images to delete, for a profile like gpuos_tools/profiles/ckpt-periodic.toml::
 
     [images]
     directory = "/var/lib/gpuos-tools/images/train"  # relative paths: to the profile's directory

@@ -1,7 +1,7 @@
 """Profiles: which CUDA processes a maintenance run suspends, and the state file that says which
 ones it did, so that the run that resumes them brings back exactly those.
 
-A profile is TOML (see profiles/maintenance.toml)::
+A profile is TOML (see gpuos_tools/profiles/maintenance.toml)::
 
     [select]
     users = ["alice", 1001]          # processes of these users (names or uids)

@@ -186,8 +186,8 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
             "(default 600 s)."
         ),
         "FILES": (
-            "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
-            "- `profiles/ckpt-periodic.toml`: the example profile for periodic checkpoints (`gpu-ckpt periodic`).\n"
+            "- `gpuos_tools/profiles/maintenance.toml` (installed with the package): the example profile for a nightly maintenance run.\n"
+            "- `gpuos_tools/profiles/ckpt-periodic.toml` (installed with the package): the example profile for periodic checkpoints (`gpu-ckpt periodic`).\n"
             "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
             "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
         ),

@@ -11,7 +11,7 @@ import typer
 from gpuos_tools.ckpt.records import man_sections
 from gpuos_tools.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.units import SIZE_HELP, parse_size
+from gpuos_tools.units import SIZE_HELP, format_size, parse_size
 
 EXAMPLES = """\
 Free the GPU held by one process, then give it back:
@@ -40,7 +40,7 @@ the commands are quiet on success anyway):
     0 2 * * *  chronic gpu-ckpt --profile /etc/gpuos-tools/maintenance.toml
     30 2 * * * chronic gpu-restore --profile /etc/gpuos-tools/maintenance.toml
 
-The profile (profiles/maintenance.toml in the source tree):
+The profile (gpuos_tools/profiles/maintenance.toml, installed with the package):
 
     [select]
     users = ["alice", "bob"]
@@ -122,9 +122,9 @@ more."""
 
 PERIODIC = """\
 `gpu-ckpt periodic --profile FILE` takes one image of an agent process per run, for cron. The
-profile (profiles/ckpt-periodic.toml in the source tree) says where the images go and what they
-are called, whether chunks are compressed, how many incremental images may follow a full one,
-and how many images to keep and for how long:
+profile (gpuos_tools/profiles/ckpt-periodic.toml, installed with the package) says where the
+images go and what they are called, whether chunks are compressed, how many incremental images
+may follow a full one, and how many images to keep and for how long:
 
     [images]
     directory = "/var/lib/gpuos-tools/images/train"
@@ -403,7 +403,7 @@ def checkpoint(
         answer.pop("allocations", None)
         _records("-" if output is None else output, PROG, [{"type": "agent_snapshot", **answer}], agent=agent)
         img = answer.get("image", {})
-        _say(f"{img.get('path', image)}: {answer['bytes'] / 2**30:.2f} GiB of {answer['buffers']} allocations as of "
+        _say(f"{img.get('path', image)}: {format_size(answer['bytes'])} of {answer['buffers']} allocations as of "
              f"T0, {'incremental' if img.get('incremental') else 'full'}; {answer['stall_s'] * 1e3:.2f} ms on the "
              f"program's path, {answer['cow']} copy-on-write"
              + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
@@ -458,7 +458,7 @@ def _suspend(agent: str, image: Optional[Path], partial: bool, max_hold: Optiona
     _records("-" if output is None else output, PROG, [{"type": "agent_suspend", "agent": agent, **answer}],
              agent=agent)
     rest = answer["not_owned"]
-    text = (f"suspended: {answer['released_bytes'] / 2**30:.2f} GiB of {answer['buffers']} owned buffers released "
+    text = (f"suspended: {format_size(answer['released_bytes'])} of {answer['buffers']} owned buffers released "
             f"in {answer['suspend_s']:.3f} s ({answer['save_gbps']} GB/s to host)")
     if rest["count"]:
         text += f"; {rest['count']} allocations not owned stay on the GPU ({rest['bytes'] / 2**20:.1f} MiB)"
@@ -470,7 +470,7 @@ def _suspend(agent: str, image: Optional[Path], partial: bool, max_hold: Optiona
 def _describe(result: dict[str, Any]) -> str:
     text = result["message"]
     if result.get("bytes"):
-        text += f" ({result['bytes'] / 2**30:.2f} GiB"
+        text += f" ({format_size(result['bytes'])}"
         if result.get("checkpoint_s"):
             text += f" in {result['checkpoint_s']:.2f} s"
         text += ")"
@@ -522,7 +522,7 @@ def status(
         if not gpus and rec.get("checkpointed"):
             gpus = "(" + ",".join(str(g.get("index")) for g in rec["checkpointed"].get("gpus") or []) + ")"
         table.add_row(str(rec["pid"]), rec.get("user", "?"), rec.get("state") or rec.get("error", "?"),
-                      "?" if mem is None else f"{mem / 2**30:.2f} GiB", gpus, " ".join(rec.get("command", "").split()))
+                      "?" if mem is None else f"{format_size(mem)}", gpus, " ".join(rec.get("command", "").split()))
     Console().print(table)
 
 
@@ -614,7 +614,7 @@ def compact(
     _records(output, f"{PROG} compact", [{"type": "image_compact", "head": str(head), "chain": chain,
                                           "image": summary["path"], **{k: v for k, v in summary.items()
                                                                        if k != "path"}}])
-    _say(f"{out}: {len(chain)} image(s) folded, {summary['bytes'] / 2**30:.2f} GiB in {summary['seconds']:.2f} s")
+    _say(f"{out}: {len(chain)} image(s) folded, {format_size(summary['bytes'])} in {summary['seconds']:.2f} s")
 
 
 @app.command()

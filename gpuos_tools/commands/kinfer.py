@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -35,7 +36,9 @@ features_app = typer.Typer(help="LAKE's feature store: register a schema, record
 app.add_typer(features_app, name="features")
 
 ProfileOpt = typer.Option(
-    None, "--profile", "-p", metavar="NAME|FILE", help="Profile: profiles/NAME.toml of this checkout, or a TOML file."
+    None, "--profile", "-p", metavar="NAME|FILE",
+    help="Profile: a TOML file, or a NAME: your own ~/.config/gpuos-tools/profiles/NAME.toml, else the one installed "
+    "with the package (linnos).",
 )
 RingOpt = typer.Option(None, "--ring", "-r", metavar="NAME", help="Ring name (/dev/shm/NAME); default: the profile's.")
 
@@ -130,25 +133,30 @@ MAN_SECTIONS = {
         "lat_us; the header's `trace` field says collected or synthetic."
     ),
     "PROFILE": (
-        "TOML, read with tomllib. Tables: `[model]` name, file (model .npz, relative to the "
-        "profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
+        "TOML, read with tomllib. `--profile NAME` finds `~/.config/gpuos-tools/profiles/NAME.toml` "
+        "(`$XDG_CONFIG_HOME`) first, else the profile installed with the package; `--profile FILE` "
+        "reads FILE. Tables: `[model]` name, file (model .npz, relative to the profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
         "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
         "probe_busy_ms, window_ms, window_samples (see POLICY); `[native]` mode "
         "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
         "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
-        "atomically; comments added by hand are not kept. An old profile's `busy_factor`, "
+        "atomically (an installed profile is never rewritten: its calibrated copy goes to "
+        "`~/.config/gpuos-tools/profiles/`); comments added by hand are not kept. An old profile's `busy_factor`, "
         "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message."
     ),
     "FILES": (
         "- `/dev/shm/NAME`: the ring, and feature stores.\n"
-        "- `profiles/linnos.toml`: the LinnOS profile.\n"
+        "- `gpuos_tools/profiles/linnos.toml` (installed with the package): the LinnOS profile, "
+        "`--profile linnos`.\n"
+        "- `~/.config/gpuos-tools/profiles/NAME.toml` (`$XDG_CONFIG_HOME`): your own profiles, found by "
+        "name before the installed ones; `calibrate` writes its copy of an installed profile there.\n"
         "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
         "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
-        "    gpu-kinfer-bridge synth --reads 100000 --seed 1 -o io.ndjson\n"
+        "    gpu-kinfer-bridge synth --ios 100000 --seed 1 -o io.ndjson\n"
         "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
         "    gpu-kinfer-bridge serve --profile linnos --model linnos.npz &\n"
         "    gpu-kinfer-bridge replay io.ndjson --ring gpuos-kinfer --model linnos.npz\n\n"
@@ -245,6 +253,9 @@ def serve(
         path = model or (str(prof.model_file()) if prof.model_file() else None)
         if path is None:
             raise GpuosError("no model: give --model FILE (or --random-model SEED), or set [model] file in the profile", ExitCode.USAGE)
+        if model is None and not os.path.exists(path):
+            raise GpuosError(f"the profile's model {path} does not exist: train one (gpu-kinfer-bridge train TRACE "
+                             "--model FILE) and give --model FILE", ExitCode.NO_INPUT)
         mlp = _load_model(path)
     rs, bs = prof.section("ring"), prof.section("batch")
     geometry = R.Geometry(int(rs["lanes"]), int(rs["slots_per_lane"]), max(32, mlp.n_inputs), max(4, mlp.n_outputs))
@@ -279,14 +290,31 @@ def serve(
 
 
 @app.command()
-def status(ring: Optional[str] = RingOpt, profile: Optional[str] = ProfileOpt, output: OutputOpt = "-") -> None:
+def status(
+    ring: Optional[str] = RingOpt,
+    profile: Optional[str] = ProfileOpt,
+    wait: Optional[str] = typer.Option(
+        None, "--wait", metavar="DURATION",
+        help="Wait up to DURATION (30s, 500ms) for a live daemon on the ring before answering, as a script "
+        "does after starting `serve` in the background; exit 66 if none comes.",
+    ),
+    output: OutputOpt = "-",
+) -> None:
     """Write one `kinfer_status` record: the ring's geometry, daemon and counters."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.stream import make_header, open_output
+    from gpuos_tools.units import parse_duration
 
     name = ring or str(load_profile(profile).section("ring")["name"])
-    r = R.Ring.attach(name)
+    if wait is None:
+        r = R.Ring.attach(name)
+    else:
+        try:
+            limit = parse_duration(wait)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--wait") from None
+        r = _wait_for_daemon(name, limit)
     try:
         h = r.header
         g = r.geometry
@@ -303,6 +331,27 @@ def status(ring: Optional[str] = RingOpt, profile: Optional[str] = ProfileOpt, o
     with open_output(output) as writer:
         writer.write(make_header("gpu-kinfer-bridge", ring=name))
         writer.write(rec)
+
+
+def _wait_for_daemon(name: str, limit: float) -> Any:
+    """The ring once a live daemon serves it, polled every 20 ms for ``limit`` seconds."""
+    from gpuos_tools.kinfer import ring as R
+
+    ExitCode, GpuosError = _err()
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            r = R.Ring.attach(name)
+        except R.RingError as e:
+            if e.code != ExitCode.NO_INPUT or time.monotonic() >= deadline:
+                raise
+        else:
+            if r.daemon_alive():
+                return r
+            r.close()
+            if time.monotonic() >= deadline:
+                raise GpuosError(f"{R.ring_path(name)}: no live daemon after {limit:g} s", ExitCode.NO_INPUT)
+        time.sleep(0.02)
 
 
 @app.command()
@@ -327,7 +376,7 @@ def infer(
         if reader.header is None:
             writer.write(make_header("gpu-kinfer-bridge", ring=name))
         for rec in reader:
-            writer.write(rec)
+            writer.write(_json_record(rec))
             if "x" not in rec or rec["type"] == "header":
                 continue
             try:
@@ -337,10 +386,25 @@ def infer(
                 continue
             writer.write({
                 "type": "kinfer_answer", "status": R.STATUS_NAMES.get(answer.status, answer.status),
-                "decision": answer.decision, "outputs": [round(v, 6) for v in answer.outputs.tolist()],
+                "decision": answer.decision, "outputs": [_json_number(v) for v in answer.outputs.tolist()],
                 "batch": answer.batch, "where": "gpu" if answer.where == R.GPU else "cpu",
                 "latency_us": round(answer.latency_ns / 1e3, 3),
             })
+
+
+def _json_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A record passed through, its `x` as JSON has it: NaN and infinities (which the reader
+    accepts, as Python's json does) are not JSON numbers, so they are written as null; the
+    answer after the record says the daemon refused it (bad_value)."""
+    x = rec.get("x")
+    if isinstance(x, list) and any(isinstance(v, float) and not math.isfinite(v) for v in x):
+        return {**rec, "x": [_json_number(v) if isinstance(v, float) else v for v in x]}
+    return rec
+
+
+def _json_number(value: float) -> float | None:
+    """A number for JSON: NaN and infinities are not JSON numbers, so they become null."""
+    return round(value, 6) if math.isfinite(value) else None
 
 
 @app.command()
@@ -370,7 +434,11 @@ def load(
 
 @app.command()
 def calibrate(
-    profile: str = typer.Option("linnos", "--profile", "-p", metavar="NAME|FILE", help="Profile to measure for and update."),
+    profile: str = typer.Option(
+        "linnos", "--profile", "-p", metavar="NAME|FILE",
+        help="Profile to measure for and update (a profile installed with the package is copied to "
+        "~/.config/gpuos-tools/profiles/ and the copy updated).",
+    ),
     batches: str = typer.Option("1,2,4,8,16,32,64,128,256,512,1024,2048,4096", "--batches", help="Batch sizes, comma-separated."),
     reps: int = typer.Option(50, "--reps", help="Timed runs per batch size (median kept)."),
     device: int = typer.Option(0, "--device", help="GPU index."),
@@ -385,7 +453,7 @@ def calibrate(
     `kinfer_calibration` record.
     """
     from gpuos_tools.kinfer import calibrate as cal
-    from gpuos_tools.kinfer.policy import load_profile, write_profile
+    from gpuos_tools.kinfer.policy import is_shipped, load_profile, user_profile_dir, write_profile
     from gpuos_tools.stream import make_header, open_output
 
     try:
@@ -400,8 +468,17 @@ def calibrate(
         print(f"gpu-kinfer-bridge: GPU not measured: {result['gpu_error']}", file=sys.stderr)
     if not dry_run and result["gpu_us"] and prof.path is not None:
         data = cal.updated_profile(prof, result)
-        write_profile(prof.path, data, cal.PROFILE_COMMENT)
-        print(f"gpu-kinfer-bridge: {prof.path}: crossover {result['crossover']}", file=sys.stderr)
+        target = prof.path
+        if is_shipped(target):  # never rewrite the installed package: the user's own copy
+            target = user_profile_dir() / target.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            model = data.get("model", {}).get("file")
+            if model and not Path(model).is_absolute():  # the model stays the one it named
+                data["model"]["file"] = str(prof.path.parent / model)
+        write_profile(target, data, cal.PROFILE_COMMENT)
+        print(f"gpu-kinfer-bridge: {target}: crossover {result['crossover']}"
+              + (f" (the installed {prof.path.name} is unchanged; --profile {target.stem} now finds this one)"
+                 if target != prof.path else ""), file=sys.stderr)
     with open_output(output) as writer:
         writer.write(make_header("gpu-kinfer-bridge", profile=str(prof.path)))
         writer.write({"type": "kinfer_calibration", **result})
@@ -589,7 +666,7 @@ def synth(
 @app.command()
 def collect(
     directory: str = typer.Option(..., "--dir", "-d", metavar="DIR", help="Where to put the test files: on the disk to measure (tmpfs measures memory)."),
-    reads: int = typer.Option(20_000, "--reads", "-n", help="Stop after this many reads."),
+    reads: int = typer.Option(20_000, "--reads", "-n", help="Stop after this many reads, shared evenly among the devices."),
     devices: int = typer.Option(2, "--devices", help="Files, each standing for one device."),
     depth: int = typer.Option(4, "--depth", help="Threads (outstanding I/Os) per file."),
     size_mib: int = typer.Option(256, "--size-mib", help="Size of each file."),
@@ -603,6 +680,10 @@ def collect(
     from gpuos_tools.stream import make_header, open_output
 
     ExitCode, GpuosError = _err()
+    if devices < 1 or depth < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--devices/--depth")
+    if reads < devices:
+        raise typer.BadParameter(f"at least one read per device ({devices})", param_hint="--reads")
     try:
         records = run(directory, reads, devices=devices, depth=depth, file_size=size_mib << 20,
                       write_fraction=write_fraction, seed=seed)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from gpuos_tools.access import __doc__ as _access_doc
 from gpuos_tools.access.templates import __doc__ as _templates_doc
-from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
+from gpuos_tools import figures
+from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app, warn, with_progress
 
 _RECORD, _REST = _access_doc.split("\n\n", 2)[1:]
 _TEMPLATE_RECORD, _TEMPLATE_REST = _templates_doc.split("\n\n", 3)[2:]
@@ -80,6 +83,8 @@ MAN_SECTIONS = {
     "SEE ALSO": "gpu-trace(1)",
 }
 
+PROG = "gpu-predict-access"
+
 app = typer.Typer(
     name="gpu-predict-access",
     add_completion=False,
@@ -138,12 +143,20 @@ def predict(
         raise typer.BadParameter("must be alloc or range", param_hint="--granularity")
     if sum((report, explain_seq is not None, learn_out, plot_file is not None)) > 1:
         raise typer.BadParameter("--report, --explain, --learn and --plot exclude each other", param_hint="--report")
+    if plot_file is not None:
+        figures.check_path(plot_file)  # before the trace is read, not after
     table = output == "-" and sys.stdout.isatty()
+    seen = _Seen()
+
+    def records(reader):  # type: ignore[no-untyped-def]
+        return seen.count(with_progress(reader, f"reading {trace}"))
+
     if learn_out:
         from gpuos_tools.access.templates import learn
 
         with open_input(trace) as reader:
-            learned = learn(reader)
+            learned = learn(records(reader))
+        seen.check(trace)
         if not learned:
             raise GpuosError(f"{trace}: no validation records with extents (record it with "
                              "`gpu-trace run --validate`)", ExitCode.FAILURE)
@@ -162,12 +175,15 @@ def predict(
         if not templates:
             raise GpuosError(f"{templates_file}: no access_template records", ExitCode.BAD_INPUT)
     if plot_file is not None:
-        from pathlib import Path
-
         from gpuos_tools.access.plot import plot
 
         with open_input(trace) as reader:
-            dims = plot(reader, Path(plot_file), granularity, templates, title=f"{trace}: predicted accesses")
+            try:
+                dims = plot(records(reader), Path(plot_file), granularity, templates,
+                            title=f"{trace}: predicted accesses")
+            except GpuosError:
+                seen.check(trace)
+                raise
         if sys.stderr.isatty():
             Console(stderr=True).print(f"wrote {plot_file}: {dims['launches']} launches x "
                                        f"{dims['allocations']} allocations", highlight=False)
@@ -176,8 +192,9 @@ def predict(
         from gpuos_tools.access.report import explain, render_explain
 
         with open_input(trace) as reader:
-            ex = explain(reader, explain_seq, granularity, templates)
+            ex = explain(records(reader), explain_seq, granularity, templates)
         if ex is None:
+            seen.check(trace)
             raise GpuosError(f"{trace}: no launch with seq {explain_seq}", ExitCode.FAILURE)
         if table:
             render_explain(ex, Console(highlight=False))
@@ -190,7 +207,8 @@ def predict(
         from gpuos_tools.access.report import compute_report, render_report, report_records
 
         with open_input(trace) as reader:
-            rows = compute_report(reader, granularity, templates)
+            rows = compute_report(records(reader), granularity, templates)
+        seen.check(trace)
         if table:
             render_report(rows, Console(), granularity)
             return
@@ -198,15 +216,54 @@ def predict(
             writer.write(make_header("gpu-predict-access", source=trace, granularity=granularity))
             writer.write_many(report_records(rows, granularity))
         return
-    with open_input(trace) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
-        if reader.header is None:
-            writer.write(make_header("gpu-predict-access", source=trace))
-        validated = bool(reader.header and reader.header.get("validate"))
-        writer.write_many(Predictor(granularity, templates).annotate(reader, validated))
+    predictor = Predictor(granularity, templates)
+    with open_input(trace) as reader:
+        stream = records(reader)
+        first = next(stream, None)
+        if first is None:
+            seen.check(trace)  # empty: an error, before anything is written
+        with open_output(output, unbuffered=unbuffered or None) as writer:
+            if reader.header is None:
+                writer.write(make_header("gpu-predict-access", source=trace))
+            validated = bool(reader.header and reader.header.get("validate"))
+            writer.write_many(predictor.annotate(itertools.chain((first,), stream), validated))
+    seen.check(trace)
+    if predictor.replaced:
+        warn(PROG, f"{trace} already had {predictor.replaced:,} access records (predicted before?): "
+             "replaced by this run's, one per operation")
+
+
+class _Seen:
+    """What the input held, for a word when there was nothing to predict: an empty input is an
+    error (nothing upstream wrote a stream), a trace without a launch, copy or memset a warning
+    (a program that did no GPU work is a result, but a surprising one)."""
+
+    OPS = frozenset(("launch", "memcpy", "memset", "graph_launch"))
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.ops = 0
+
+    def count(self, records):  # type: ignore[no-untyped-def]
+        ops = self.OPS
+        for rec in records:
+            self.records += 1
+            if rec["type"] in ops:
+                self.ops += 1
+            yield rec
+
+    def check(self, trace: str) -> None:
+        from gpuos_tools.errors import ExitCode, GpuosError
+
+        if not self.records:
+            raise GpuosError(f"{trace}: empty: no records (not a gpu-trace stream?)", ExitCode.BAD_INPUT)
+        if not self.ops:
+            held = f"{self.records:,} record" + ("s" if self.records != 1 else "")
+            warn(PROG, f"{trace}: no launch, copy or memset records (it holds {held}): nothing to predict")
 
 
 def main() -> None:
-    run_app(app, prog="gpu-predict-access")
+    run_app(app, prog=PROG)
 
 
 if __name__ == "__main__":

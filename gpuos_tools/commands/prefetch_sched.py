@@ -8,7 +8,8 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
+from gpuos_tools import figures
+from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app, with_progress
 from gpuos_tools.sched import __doc__ as _sched_doc
 from gpuos_tools.sched.online import __doc__ as _online_doc
 from gpuos_tools.sched.planner import __doc__ as _planner_doc
@@ -252,7 +253,8 @@ MAN_SECTIONS = {
         "the whole future of the sequence, and the round-robin order needs every job. Memory use "
         "grows with the number of steps and of chunks they use.\n\n"
         "`simulate` is the command when none is named, so `gpu-prefetch-sched --simulate ...` "
-        "and `gpu-prefetch-sched simulate --simulate ...` are the same."
+        "and `gpu-prefetch-sched simulate ...` are the same; without a command name `--simulate` "
+        "is required, so that a mistyped command is not taken for a plan."
     ),
     "RECORDS": (
         "The output is a new stream (the input records are not repeated): a header, then the "
@@ -290,12 +292,18 @@ MAN_SECTIONS = {
 
 class _DefaultSimulate(TyperGroup):
     """`simulate` is the command when none is named: `gpu-prefetch-sched --simulate --budget
-    8GiB A.acc` keeps working beside `gpu-prefetch-sched run ...`."""
+    8GiB A.acc` keeps working beside `gpu-prefetch-sched run ...`. Named, `simulate` needs no
+    `--simulate` (the flag only tells the default command from a mistyped one)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["simulate", *args]
+        elif args and args[0] == "simulate":
+            ctx.meta[_SIMULATE_NAMED] = True
         return super().parse_args(ctx, args)
+
+
+_SIMULATE_NAMED = "gpuos_tools.prefetch_sched.simulate_named"
 
 
 app = typer.Typer(
@@ -320,12 +328,14 @@ def _opt(parse, text: str, name: str):  # type: ignore[no-untyped-def]
 
 @app.command("simulate")
 def sched(
+    ctx: typer.Context,
     streams: list[str] | None = typer.Argument(
         None, metavar="[ACCESS-STREAM]...",
         help="gpu-predict-access output, one per job ('-' = stdin, the default; *.zst ok).",
     ),
     simulate: bool = typer.Option(
-        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required (online execution is `gpu-prefetch-sched run`)."
+        False, "--simulate", help="Plan and simulate offline (needs no GPU). Required unless the command is named "
+        "(`gpu-prefetch-sched simulate`); online execution is `gpu-prefetch-sched run`."
     ),
     budget: str = typer.Option(..., "--budget", metavar="SIZE", help="Device memory budget: bytes with a unit (8GiB, 500MB) or N% of the footprint."),
     bw: str = typer.Option(
@@ -368,7 +378,7 @@ def sched(
     prediction). Each summary gives the bytes moved each way, stalls, and the estimated time
     against the transfer-bound floor and against all memory resident. Needs no GPU.
     """
-    from gpuos_tools.cli import progress, stderr_console
+    from gpuos_tools.cli import stderr_console
     from gpuos_tools.errors import ExitCode, GpuosError
     from gpuos_tools.sched.planner import PLANNERS
     from gpuos_tools.sched.report import render_summaries
@@ -384,7 +394,7 @@ def sched(
     from gpuos_tools.sched.workload import Chunks, interleave, load_job
     from gpuos_tools.stream import make_header, open_input, open_output
 
-    if not simulate:
+    if not simulate and not ctx.meta.get(_SIMULATE_NAMED):
         raise typer.BadParameter(
             "this command plans offline and needs --simulate (online execution: gpu-prefetch-sched run -- PROGRAM)",
             param_hint="--simulate"
@@ -403,7 +413,7 @@ def sched(
     if plot_file is not None:
         if schedule not in PLANNERS:
             raise typer.BadParameter("--plot draws the --schedule policy's timeline: belady or lru", param_hint="--plot")
-        _need_matplotlib()  # before the inputs are read, not after
+        figures.check_path(plot_file)  # before the inputs are read, not after
     policies = [p.strip() for p in compare.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -434,10 +444,9 @@ def sched(
 
     chunks = Chunks(chunk_size)
     jobs = []
-    with progress() as bar:
-        for index, source in enumerate(sources):
-            with open_input(source) as reader:
-                jobs.append(load_job(_counted(reader, bar, source), chunks, index, source, ktime, cap))
+    for index, source in enumerate(sources):
+        with open_input(source) as reader:
+            jobs.append(load_job(with_progress(reader, f"reading {source}"), chunks, index, source, ktime, cap))
     empty = [j.source for j in jobs if not j.steps]
     if empty:
         raise GpuosError(
@@ -551,7 +560,7 @@ def run(
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
     if plot_file is not None:
-        _need_matplotlib()  # before the program runs, not after
+        figures.check_path(plot_file)  # before the program runs, not after
     cfg: dict = {"policy": policy, "lookahead": lookahead}
     try:
         size, percent = parse_budget_spec(budget)
@@ -759,18 +768,10 @@ def plot_cmd(
     """
     from gpuos_tools.sched.plot import load_timeline, plot_timeline
 
+    figures.check_path(plot_file)
     drawn = plot_timeline(load_timeline(timeline), plot_file, title)
     print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
           file=sys.stderr)
-
-
-def _need_matplotlib() -> None:
-    from gpuos_tools.errors import ExitCode, GpuosError
-
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.USAGE) from exc
 
 
 def _isatty(stream: object) -> bool:
@@ -778,17 +779,6 @@ def _isatty(stream: object) -> bool:
         return bool(stream.isatty())  # type: ignore[attr-defined]
     except (AttributeError, ValueError):
         return False
-
-
-def _counted(records, bar, source):  # type: ignore[no-untyped-def]
-    """The records, showing a count every 65536 of them: short inputs show nothing."""
-    task = None
-    for n, rec in enumerate(records, 1):
-        if not n & 0xFFFF:
-            if task is None:
-                task = bar.add_task(f"reading {source}", total=None)
-            bar.update(task, description=f"reading {source}: {n:,} records")
-        yield rec
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import typer
 from gpuos_tools.ckpt.records import man_sections
 from gpuos_tools.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.units import format_size
 
 PROG = "gpu-restore"
 
@@ -313,11 +314,11 @@ def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = Fals
     _records("-" if output is None else output, PROG, [{"type": "agent_resume", "agent": agent, **answer}])
     if sys.stderr.isatty() and answer.get("lazy"):
         stderr_console().print(
-            f"{PROG}: going on after {answer['resume_s'] * 1000:.1f} ms; {answer['bytes'] / 2**30:.2f} GiB in "
+            f"{PROG}: going on after {answer['resume_s'] * 1000:.1f} ms; {format_size(answer['bytes'])} in "
             f"{answer['buffers']} buffers load behind it (ping shows when they are back)", highlight=False)
     elif sys.stderr.isatty():
         stderr_console().print(
-            f"{PROG}: resumed: {answer['bytes'] / 2**30:.2f} GiB in {answer['buffers']} buffers back in "
+            f"{PROG}: resumed: {format_size(answer['bytes'])} in {answer['buffers']} buffers back in "
             f"{answer['resume_s']:.3f} s ({answer['load_gbps']} GB/s); the program waited {answer['held_s']:.2f} s",
             highlight=False)
 
@@ -334,11 +335,11 @@ def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, la
     _records("-" if output is None else output, PROG, [{"type": "agent_rollback", "agent": agent, **answer}])
     if sys.stderr.isatty() and answer.get("lazy"):
         stderr_console().print(
-            f"{PROG}: {answer['image']}: going on after {answer['stall_s'] * 1e3:.1f} ms; {answer['bytes'] / 2**30:.2f} "
-            f"GiB in {answer['buffers']} allocations written back behind the program", highlight=False)
+            f"{PROG}: {answer['image']}: going on after {answer['stall_s'] * 1e3:.1f} ms; {format_size(answer['bytes'])} "
+            f"in {answer['buffers']} allocations written back behind the program", highlight=False)
     elif sys.stderr.isatty():
         stderr_console().print(
-            f"{PROG}: {answer['image']}: {answer['bytes'] / 2**30:.2f} GiB in {answer['buffers']} allocations written "
+            f"{PROG}: {answer['image']}: {format_size(answer['bytes'])} in {answer['buffers']} allocations written "
             f"back; the program waited {answer['stall_s'] * 1e3:.1f} ms", highlight=False)
 
 
@@ -381,7 +382,7 @@ def verify(
                    bytes=sum(int(b["size"]) for b in opened.buffers))
     if _to_terminal(json_out, output):
         if not problems:
-            stderr_console().print(f"{PROG}: {image}: ok ({rec['buffers']} buffers, {rec['bytes'] / 2**30:.2f} GiB, "
+            stderr_console().print(f"{PROG}: {image}: ok ({rec['buffers']} buffers, {format_size(rec['bytes'])}, "
                                    f"chain of {len(rec['chain'])})", highlight=False)
     else:
         _records(output, f"{PROG} verify", [rec])
@@ -421,7 +422,6 @@ def diff(
         from rich.console import Console
         from rich.table import Table
 
-        from gpuos_tools.units import format_size
 
         table = Table(box=None, header_style="bold")
         for column, justify in (("BUFFER", "right"), ("CHANGE", "left"), ("ADDRESS", "right"), ("SIZE", "right"),

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from gpuos_tools.cli import run_app, stderr_console
+from gpuos_tools.cli import run_app, stderr_console, warn, with_progress
 from gpuos_tools.agent.agent import __doc__ as _agent_doc
 from gpuos_tools.agent.control import __doc__ as _control_doc
 from gpuos_tools.agent.owned import __doc__ as _owned_doc
@@ -217,11 +217,17 @@ def stats(
     """
     from rich.console import Console
 
+    from gpuos_tools.errors import ExitCode, GpuosError
     from gpuos_tools.stream import make_header, open_input, open_output
     from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
 
     with open_input(trace) as reader:
-        result = compute_stats(reader)
+        result = compute_stats(with_progress(reader, f"reading {trace}"))
+    if not result.records:
+        raise GpuosError(f"{trace}: empty: no records (not a gpu-trace stream?)", ExitCode.BAD_INPUT)
+    if not (result.launches or result.graph_launches or result.allocs or result.copies or result.memsets.count):
+        warn("gpu-trace", f"{trace}: no allocation, launch, copy or memset records: the program did no GPU "
+             "work that was traced")
     if json_out or not sys.stdout.isatty():
         with open_output("-") as writer:
             writer.write(make_header("gpu-trace stats", source=trace))

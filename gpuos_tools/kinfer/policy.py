@@ -49,7 +49,16 @@ import numpy as np
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import atomic
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent.parent / "profiles"
+#: Profiles installed with the package (package data), found by name: ``--profile linnos``.
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def user_profile_dir() -> Path:
+    """Where a user's own profiles live, found by name before the shipped ones, and where
+    ``calibrate`` writes a calibrated copy of a shipped profile:
+    ``$XDG_CONFIG_HOME/gpuos-tools/profiles`` (default ``~/.config/gpuos-tools/profiles``)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "gpuos-tools" / "profiles"
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"name": "linnos", "file": "", "inputs": 31, "hidden": 256, "outputs": 2},
@@ -490,11 +499,18 @@ class Profile:
 
 
 def find_profile(name_or_path: str) -> Path:
-    """A path as given, or a name looked up as profiles/NAME.toml of this checkout."""
+    """A path as given (it ends in .toml or names a directory), or a name: the user's own
+    NAME.toml (``user_profile_dir()``) if there is one, else the one shipped with the package."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or "/" in name_or_path:
         return path
-    return PROFILE_DIR / f"{name_or_path}.toml"
+    own = user_profile_dir() / f"{name_or_path}.toml"
+    return own if own.is_file() else PROFILE_DIR / f"{name_or_path}.toml"
+
+
+def is_shipped(path: Path | None) -> bool:
+    """True for a profile installed with the package (never rewritten: calibrate writes a copy)."""
+    return path is not None and path.resolve().parent == PROFILE_DIR
 
 
 def load_profile(name_or_path: str | None) -> Profile:

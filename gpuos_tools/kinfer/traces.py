@@ -114,11 +114,19 @@ def collect(
     keep_files: bool = False,
 ) -> list[dict[str, Any]]:
     """Real I/O with O_DIRECT: ``devices`` files of ``file_size`` bytes in ``directory``,
-    ``depth`` threads each, until ``reads`` reads have completed. Records sorted by issue time.
+    ``depth`` threads each, until ``reads`` reads have completed, shared evenly among the
+    devices (each stops at its share, so every device has reads to hedge to, however the
+    threads were scheduled; a few more may complete while the last ones are in flight).
+    Records sorted by issue time.
 
     The files are filled with random bytes first (so reads hit allocated blocks) and removed
-    at the end unless ``keep_files``. Raises OSError when the filesystem refuses O_DIRECT.
+    at the end unless ``keep_files``. Raises OSError when the filesystem refuses O_DIRECT, and
+    ValueError when there are fewer reads than devices.
     """
+    if devices < 1 or depth < 1:
+        raise ValueError("devices and depth must be at least 1")
+    if reads < devices:
+        raise ValueError(f"{reads} reads cannot give each of {devices} devices one")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -134,8 +142,10 @@ def collect(
     lock = threading.Lock()
     pending = [0] * devices
     records: list[dict[str, Any]] = []
-    done_reads = [0]
-    stop = threading.Event()
+    # each device's share of the reads; a device's threads stop once it has done its share
+    share = [reads // devices + (1 if d < reads % devices else 0) for d in range(devices)]
+    done_reads = [0] * devices
+    stop = [threading.Event() for _ in range(devices)]
     t0 = time.perf_counter_ns()
     largest = 256 * 1024
 
@@ -145,7 +155,7 @@ def collect(
         view = memoryview(buf)
         fd = fds[dev]
         try:
-            while not stop.is_set():
+            while not stop[dev].is_set():
                 size = int(_sizes(wrng, 1, median_size, 0.8, largest)[0])
                 offset = int(wrng.integers(0, (file_size - size) // PAGE + 1)) * PAGE
                 is_read = wrng.random() >= write_fraction
@@ -166,9 +176,9 @@ def collect(
                         "offset": offset, "size": size, "pending": ahead, "lat_us": round((end - start) / 1e3, 3),
                     })
                     if is_read:
-                        done_reads[0] += 1
-                        if done_reads[0] >= reads:
-                            stop.set()
+                        done_reads[dev] += 1
+                        if done_reads[dev] >= share[dev]:
+                            stop[dev].set()
         finally:
             view.release()
             buf.close()
@@ -183,7 +193,8 @@ def collect(
         for th in threads:
             th.join()
     finally:
-        stop.set()
+        for event in stop:
+            event.set()
         for fd in fds:
             os.close(fd)
         if not keep_files:

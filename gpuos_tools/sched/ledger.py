@@ -1,7 +1,7 @@
 """The byte ledger of `gpu-prefetch-sched serve`: one small file in the serve's work folder,
 mapped by the coordinator and every job, that books each job's owned bytes that are (or may
 be) mapped on the GPU, so that a load of any job is allowed only while everybody's bytes
-together stay within the one budget (gpuos_tools/sched/serve.py, "The budget invariant").
+together stay within the one budget (docs/scheduler.md, "The budget invariant").
 
 Layout: int64 words. A header (magic, total, jobs, peak, peak_loads, forced_loads,
 forced_over_max, unreserved_maps, alloc_charges), then per job (held, inflight, exiting,

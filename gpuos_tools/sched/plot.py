@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools import figures
 from gpuos_tools.errors import ExitCode, GpuosError
 
 BINS = 200  #: time bins of the bandwidth panel
@@ -70,9 +71,17 @@ def simulated_timeline(work: Any, policy: str, cfg: Any, max_events: int = 200_0
 def load_timeline(path: str | Path) -> dict[str, Any]:
     """A `sched_timeline` JSON file (checked)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise GpuosError(f"{path}: cannot read a timeline: {exc}", ExitCode.BAD_INPUT) from exc
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GpuosError(f"{path}: no such file", ExitCode.NO_INPUT) from None
+    except IsADirectoryError:
+        raise GpuosError(f"{path}: is a directory, not a timeline", ExitCode.NO_INPUT) from None
+    except PermissionError:
+        raise GpuosError(f"{path}: not allowed to read it", ExitCode.PERMISSION) from None
+    except OSError as exc:
+        raise GpuosError(f"{path}: cannot read: {exc.strerror or exc}", ExitCode.NO_INPUT) from None
+    except ValueError as exc:  # JSON, or bytes that are not UTF-8
+        raise GpuosError(f"{path}: not a timeline (not JSON: {exc})", ExitCode.BAD_INPUT) from None
     if not isinstance(data, dict) or data.get("type") != "sched_timeline" or not isinstance(data.get("events"), list):
         raise GpuosError(f"{path}: not a sched_timeline (gpu-prefetch-sched run --timeline)", ExitCode.BAD_INPUT)
     return data
@@ -107,13 +116,7 @@ def _bandwidth(moves: list[tuple[float, float]], edges: list[float]) -> list[flo
 
 def plot_timeline(data: dict[str, Any], path: str | Path, title: str = "") -> dict[str, Any]:
     """Draw ``data`` (a sched_timeline) into ``path`` (format from its suffix); return counts."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise GpuosError("--plot needs matplotlib: pip install 'gpuos-tools[plot]'", ExitCode.FAILURE) from exc
+    plt = figures.pyplot()
     s = series(data)
     if not s["mapped"]:
         raise GpuosError("the timeline has no measurements to plot (no owned operation was decided)", ExitCode.FAILURE)
@@ -166,8 +169,10 @@ def plot_timeline(data: dict[str, Any], path: str | Path, title: str = "") -> di
         title += f" · {data['dropped']} events not kept"
     ax0.set_title(title, fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    try:
+        figures.save(fig, path, dpi=80)
+    finally:
+        plt.close(fig)
     return {"events": len(data["events"]), "mapped": len(s["mapped"]), "evictions": len(s["evict"]),
             "loads": len(s["load"]), "prefetches": len(s["prefetch"]), "waits": len(s["wait"]),
             "seconds": round(end, 6)}

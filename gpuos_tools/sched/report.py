@@ -30,6 +30,15 @@ def _time(s: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _share(budget: int, footprint: int) -> str:
+    """The budget against the footprint (the most memory resident at once with no budget)."""
+    if footprint <= 0:
+        return "nothing was resident"
+    if budget >= footprint:
+        return "all of it fits: nothing needs to move"
+    return f"{100 * budget / footprint:.0f}% of it: {100 * footprint / budget:.0f}% oversubscribed"
+
+
 def render_summaries(summaries: list[dict[str, Any]], console: Console) -> None:
     """One row per policy: bytes moved, faults, stalls, estimated time against floor and HBM."""
     if not summaries:
@@ -37,7 +46,8 @@ def render_summaries(summaries: list[dict[str, Any]], console: Console) -> None:
     first = summaries[0]
     chunk = "whole allocations" if first["chunk"] is None else format_size(first["chunk"])
     title = (
-        f"budget {format_size(first['budget'])} of {format_size(first['footprint'])} used at peak"
+        f"budget {format_size(first['budget'])} for a footprint of {format_size(first['footprint'])}"
+        f" ({_share(first['budget'], first['footprint'])})"
         f" · {first['jobs']} job(s), {first['steps']} steps ({first['unknown']} unknown)"
         f" · chunks {chunk}"
     )

@@ -1,111 +1,17 @@
 """`gpu-prefetch-sched serve`: several jobs on one GPU, time-sliced, their owned memory together
-within one budget (issue 8, item 3; MSched's context switch with working-set preparation).
+within one budget.
 
-Each job runs as `gpu-prefetch-sched run` (the agent, owned memory, the online executor of
-gpuos_tools/sched/executor.py) with ``serve`` in its config: the executor connects to the
-coordinator here over a Unix socket and its program's threads take the GPU turn at their
-launches, copies and memsets (``Executor.gate``, called by the tracer before the agent's lock).
+Each job runs as `gpu-prefetch-sched run` with ``serve`` in its config: its executor connects to
+the ``Coordinator`` here over a Unix socket (one JSON object a line each way: ``hello``, ``wait``,
+``need`` from the job; ``grant``, ``yield``, ``trim``, ``budget`` from the coordinator), and its
+program's threads take the GPU turn at their launches, copies and memsets (``Executor.gate``,
+called by the tracer before the agent's lock). Every load of every job is booked first in the
+shared byte ledger (gpuos_tools/sched/ledger.py).
 
-The protocol: one JSON object a line, each way.
-
-job -> coordinator
-  ``hello {job, pid}``                 at the executor's start.
-  ``wait {mapped, want, peak, releasing}``
-                                        the job needs the turn (its program is at an operation)
-                                        and blocks until ``grant``; ``mapped``: its owned bytes
-                                        that stay mapped once its evictions in flight complete
-                                        (what it KEEPS), ``releasing``: the bytes those
-                                        evictions still hold (0 with the serial switch, which
-                                        waited for them), ``want``: what it had mapped while it
-                                        last ran (at its first wait: what it has), ``peak``: its
-                                        turn's settled peak (figures only).
-  ``need {want}``                       (the holder) a load of its does not fit: its working
-                                        set is larger than its budget, or the ledger has no room
-                                        and nothing is in flight; the coordinator raises its
-                                        want and trims the waiting jobs for it.
-coordinator -> job
-  ``grant {budget, others}``            the turn: ``budget`` = total - ``others``, the bytes
-                                        the other jobs keep (as they last said).
-  ``yield {keep}``                      (to the holder) its slice is over and a job waits: at its
-                                        next operation it evicts down to ``keep`` bytes (Belady
-                                        by its own predicted future) and sends ``wait`` once the
-                                        evictions are issued (``--switch serial``: once they
-                                        have been released).
-  ``trim {keep}``                       (to a waiting job) evict down to ``keep`` the same way,
-                                        then ``wait`` again: room for the job about to run.
-  ``budget {budget, others}``           (to the holder) the others' memory changed (a job came,
-                                        trimmed or ended): the budget of its next decisions.
-
-The coordinator's rules (``Coordinator``): the turn goes round in the order jobs asked for it;
-the holder is asked to yield once it has held the turn for ``slice_s`` and another job waits
-(never when alone). Before a job N is granted, the jobs that do not run keep at most
-total - min(want(N), total): the outgoing job keeps at most what is left after N's want and the
-other waiting jobs, and if that is not enough, waiting jobs are trimmed, the last in the queue
-first (whose turn is furthest). N is granted once no trim is outstanding, with budget = total -
-what the others keep. A job that ends (its connection closes: exit, crash or kill) leaves the
-rotation at once, its memory counted as 0 in the budgets; if it held the turn, the next job is
-granted.
-
-The budget invariant. The memory in question is the jobs' OWNED records (what the agent's
-allocator maps; each job's `run` policy moves only those). Let T be the budget (``--budget``).
-Every job j has a ledger entry held[j] (gpuos_tools/sched/ledger.py: one small shared file,
-locked for every change), and the invariant is
-
-    at every instant:  mapped[j] <= held[j] for every job j,  and  sum_j held[j] <= T
-
-except for allocations (below). The bytes and who they count against:
-
-- mapped by job j (resident, idle or in use): held[j], whoever holds the turn;
-- a load in flight (j's ``make_resident`` + copy): held[j] from BEFORE the map: a load is
-  booked first (``Ledger.reserve``), only if everybody's held bytes and it fit in T; else it
-  waits (below);
-- a release in flight (j's save issued, the memory still mapped): held[j] until AFTER the unmap
-  (the executor's ops wrapper takes it off once ``release`` returned). Meanwhile it is counted in
-  inflight[j] too, which says that waiting for it will make room;
-- an allocation the program makes (mapped at once by the allocator, whether or not the job
-  holds the turn): held[j] from the job's next look at its records (its next operation or
-  wait); that can take the sum above T: allocations are the program's, not ours. A waiting
-  job's program thread is blocked at its gate, so this is a job's memory before its first
-  wait, or the holder's own, which its next decision evicts to its budget;
-- a job that has ended: held[j] until its process has been reaped (a process's memory stays
-  mapped after it closed its connection; counting it 0 from the close let the next job load
-  over T: seen in the CPU stress test, tests/test_sched_serve.py);
-- the coordinator's budgets count what the jobs KEEP (``mapped`` in ``wait``), not what they
-  are still releasing: a budget is a plan for the holder's decisions; the ledger, not the
-  budget, decides when a load may map.
-
-Who may map what when: only the holder's program thread and its mover load (a waiting job's
-mover is held from its yield to its next grant, its program thread is blocked at its gate);
-every load of theirs waits for the ledger. A load that does not fit waits while some job has
-bytes in flight (or is exiting); if nothing is in flight, waiting cannot help: the holder asks
-the coordinator to trim the waiting jobs for it (``need``), then evicts its own records outside
-the working set at hand, and only then, or after ROOM_TIMEOUT_S, books it over T (counted:
-``forced_loads``). A prefetch that does not fit and cannot wait is dropped instead (the launch
-that needs the record loads it on demand).
-
-The switch. Serial (the default): the outgoing job (and a trimmed one) waits until every
-eviction of its own has been released before its ``wait`` goes, so the incoming job is granted
-with nothing in flight (``early_grants`` counts grants made while another live job still had
-bytes in flight: 0 with serial). Overlapped (``--switch overlap``, MSched's; EXPERIMENTAL): the
-outgoing job issues its evictions (they are in inflight[] before its ``wait`` goes) and the
-incoming job is granted at once; its loads wait in the ledger for the outgoing releases, so
-saves and loads use both directions of the link at once, and the sum stays within T because no
-load is booked before the bytes it replaces have been unmapped. The CPU stress test holds it
-(tests/test_sched_serve.py: hundreds of switches, slow random saves and loads, the true sum of
-the fakes' mapped bytes); on an H200 its GPU test failed once in three runs (a load that waited
-10 s for room and was then forced over T; the serial switch failed once too, with evictions
-that failed on a job's evict thread), so it is not the default.
-
-How the combined peak is measured: under the ledger's lock, at every increase of the sum (a
-booking or a charge), so ``peak`` is the maximum of the true instantaneous sum of held[] --
-not per-job peaks taken at different moments, nor a job's own bytes plus what the others last
-said (the first build's measure). Since held[j] >= mapped[j] at every instant, it bounds the
-jobs' true combined owned memory from above. ``peak_loads`` is the same maximum over the
-increases made by loads: never above T unless a load was forced (``forced_loads``);
-``combined_peak`` (= ``peak``) includes allocations, which may pass T.
-
-The preemption is cooperative: a job yields at its next launch, copy or memset after the
-request; one that computes on the host for a long time keeps the turn meanwhile.
+The protocol, the coordinator's rules, the budget invariant (mapped[j] <= held[j] and
+sum(held) <= budget at every instant, allocations aside), the serial and overlapped switches and
+how the combined peak is measured are written down in docs/scheduler.md ("Several programs on
+one GPU"); tests/test_sched_serve.py holds the invariant under stress.
 """
 
 from __future__ import annotations

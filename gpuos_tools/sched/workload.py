@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuos_tools.errors import ExitCode, GpuosError
+
 #: The record types that become steps.
 STEP_OPS = ("launch", "memcpy", "memset", "graph_launch")
 
@@ -162,6 +164,7 @@ def load_job(
     pending_frees: list[int] = []
     stamps: list[int | None] = []
     last_ts: int | None = None
+    last_ref: tuple[str, Any] | None = None
     for rec in records:
         kind = rec["type"]
         if kind in STEP_OPS:
@@ -176,6 +179,11 @@ def load_job(
                 continue
             of = rec.get("of", "launch")
             ref = rec.get("seq") if of == "launch" else rec.get("index")
+            if ref is not None and (of, ref) == last_ref:
+                raise GpuosError(
+                    f"{source}: two access records in a row for {of} {ref} (was the stream predicted "
+                    "twice? gpu-predict-access replaces the access records of its input)", ExitCode.BAD_INPUT)
+            last_ref = (of, ref)
             if rec.get("unknown"):
                 ws = writes = live.all_chunks()
                 unknown = True

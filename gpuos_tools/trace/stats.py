@@ -23,6 +23,7 @@ from rich.table import Table
 
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.names import short_names
 from gpuos_tools.trace.allocs import AllocTable
 from gpuos_tools.trace.records import pointer_words
 
@@ -430,6 +431,11 @@ def sparkline(values: list[int], width: int = 60) -> str:
     return "".join(_SPARK[v * (len(_SPARK) - 1) // top] for v in values)
 
 
+def _name_width(console: Console, others: int) -> int:
+    """Characters left for a kernel name in a row whose other columns take about ``others``."""
+    return max(30, min(100, console.width - others))
+
+
 def render_stats(stats: Stats, console: Console, top: int = 20) -> None:
     """Draw the stats as tables: summary, top kernels, copies, allocations, unknown pointers."""
     title = " ".join([stats.tool or "trace", *stats.argv])
@@ -467,13 +473,14 @@ def render_stats(stats: Stats, console: Console, top: int = 20) -> None:
             title=f"Top kernels ({min(top, len(stats.kernels))} of {len(stats.kernels)})"
         )
         kernels.add_column("#", justify="right")
-        kernels.add_column("kernel", overflow="fold")
+        kernels.add_column("kernel", no_wrap=True, overflow="ellipsis")
         kernels.add_column("launches", justify="right")
         kernels.add_column("share", justify="right")
         kernels.add_column("unknown ptrs", justify="right")
-        for rank, k in enumerate(stats.top_kernels(top), 1):
+        shown = stats.top_kernels(top)
+        for rank, (k, name) in enumerate(zip(shown, short_names([k.name for k in shown], _name_width(console, 45))), 1):
             share = f"{100 * k.launches / stats.launches:.1f}%"
-            kernels.add_row(str(rank), k.name, f"{k.launches:,}", share, f"{k.unknown_ptrs:,}")
+            kernels.add_row(str(rank), name, f"{k.launches:,}", share, f"{k.unknown_ptrs:,}")
         console.print(kernels)
 
     if stats.copies or stats.memsets.count:
@@ -504,15 +511,16 @@ def render_stats(stats: Stats, console: Console, top: int = 20) -> None:
     suspects = [k for k in stats.top_kernels() if k.unknown_ptrs]
     if suspects:
         unknown = Table(title="Unknown pointer arguments (near allocations, in none)")
-        unknown.add_column("kernel", overflow="fold")
+        unknown.add_column("kernel", no_wrap=True, overflow="ellipsis")
         unknown.add_column("words", justify="right")
         unknown.add_column("launches", justify="right")
         unknown.add_column("example")
-        for k in sorted(suspects, key=lambda k: (-k.unknown_ptrs, k.name)):
+        suspects = sorted(suspects, key=lambda k: (-k.unknown_ptrs, k.name))
+        for k, name in zip(suspects, short_names([k.name for k in suspects], _name_width(console, 70))):
             assert k.example is not None
             param, offset, value = k.example
             unknown.add_row(
-                k.name,
+                name,
                 f"{k.unknown_ptrs:,}",
                 f"{k.unknown_ptr_launches:,} of {k.launches:,}",
                 f"param {param} +{offset}: {value:#x}",

@@ -113,7 +113,7 @@ def test_nvml_load_sampling() -> None:
 
 def test_calibrate_writes_the_gpu_curve(tmp_path: Path) -> None:
     profile = tmp_path / "linnos.toml"
-    profile.write_text((ROOT / "profiles" / "linnos.toml").read_text())
+    profile.write_text((ROOT / "gpuos_tools" / "profiles" / "linnos.toml").read_text())
     done = subprocess.run(
         [sys.executable, str(ROOT / "cmd" / "gpu-kinfer-bridge"), "calibrate", "--profile", str(profile),
          "--batches", "1,8,64,1024,4096", "--reps", "10"],
