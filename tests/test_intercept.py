@@ -111,6 +111,8 @@ def test_every_route_is_counted_once_against_what_the_driver_received(built, tmp
     # the driver handed out its own exports except for cuMemsetD32Async and cuGetProcAddress
     # (static functions of the fake): those were wrapped by name; the old cuMemAlloc was not
     assert c.getproc == {"identity": 5 + THREADS, "by_name": 3, "other": 1,
+                         "requested": ["cuLaunchKernel", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemsetD32Async",
+                                       "cuGetProcAddress", "cuGetProcAddress_v2"],
                          "skipped": [{"name": "cuMemAlloc", "version": 3000}]}
     assert c.raw["slots"]["cuLaunchKernel"] == ["dlsym", "getproc", "getproc"]  # legacy and ptsz apart
     assert c.raw["slots_full"] == 0 and c.raw["kernels_dropped"] == 0
@@ -263,6 +265,12 @@ def test_the_build_is_cached_per_source_version(tmp_path):
         assert {"dlsym", "cuGetProcAddress", "cuGetProcAddress_v2", "cuLaunchKernel", "cuLaunchKernel_ptsz",
                 "cuLaunchKernelEx", "cuGraphLaunch", "cuMemMap", "cuMemUnmap", "cuMemAllocAsync",
                 "cuMemAllocFromPoolAsync", "gpuos_intercept_dump"} <= names
+
+
+def test_the_library_names_the_calls_it_wraps(built):
+    names = intercept.call_names(built["lib"])
+    assert set(EXPECTED) <= set(names) and set(intercept.LAUNCHES) <= set(names)
+    assert len(names) == len(set(names)) and "cuGetExportTable" in names
 
 
 def test_count_files_are_checked_and_summed():

@@ -32,6 +32,14 @@ def build(cache: Path | None = None) -> Path:
     return native.build_library(cache, source=SOURCE, stem=STEM)
 
 
+def call_names(library: Path | str) -> list[str]:
+    """The kinds of call the library wraps (the names its count files use), asked of the library."""
+    lib = ctypes.CDLL(str(library))  # RTLD_LOCAL: loaded, not interposed, in this process
+    lib.gpuos_intercept_call_name.restype = ctypes.c_char_p
+    lib.gpuos_intercept_call_name.argtypes = [ctypes.c_int]
+    return [lib.gpuos_intercept_call_name(i).decode() for i in range(lib.gpuos_intercept_ncalls())]
+
+
 def environment(library: Path | str, out: str | None, base: Mapping[str, str] | None = None,
                 libcuda: str | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with the library preloaded first.

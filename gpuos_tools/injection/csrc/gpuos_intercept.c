@@ -187,7 +187,9 @@ static const char *const route_names[NROUTES] = {"direct", "dlsym", "getproc"};
     X(LIBRARY_LOAD, cuLibraryLoadData, "cuLibraryLoadData", 12000,                                 \
       (CUlibrary * l, const void *code, void *jo, void **jv, unsigned nj, void *lo, void **lv,      \
        unsigned nl),                                                                               \
-      (l, code, jo, jv, nj, lo, lv, nl), NOKERNEL)
+      (l, code, jo, jv, nj, lo, lv, nl), NOKERNEL)                                                \
+    X(EXPORT_TABLE, cuGetExportTable, "cuGetExportTable", 3000, (const void **t, const void *id),  \
+      (t, id), NOKERNEL)
 
 /* the two signatures of cuGetProcAddress: wrapped too, their answers rewritten */
 #define GETPROCS(X)                                                                                \
@@ -222,6 +224,7 @@ static uint64_t calls[NCALLS][NROUTES];
 static uint64_t n_getproc_identity, n_getproc_by_name, n_getproc_other, n_dlsym_wrapped,
     n_slots_full, n_kernels_dropped;
 #define MAX_SKIPPED 32
+static uint8_t requested[NCALLS]; /* kinds of call some cuGetProcAddress asked for */
 static char *skipped[MAX_SKIPPED]; /* names of ours whose handed-out pointer we could not wrap */
 static int skipped_version[MAX_SKIPPED], n_skipped;
 
@@ -443,6 +446,7 @@ static void *redirect(const char *sym, void *p, int version) {
     for (int i = 0; i < NENTRIES; i++) {
         if (strcmp(entries[i].base, sym)) continue;
         ours = 1;
+        requested[entries[i].call] = 1;
         if (entry_get(i) == p) {
             __atomic_fetch_add(&n_getproc_identity, 1, __ATOMIC_RELAXED);
             return wrap(entries[i].call, p, ROUTE_GETPROC);
@@ -559,9 +563,16 @@ int gpuos_intercept_dump(const char *path) {
         first = 0;
     }
     fprintf(f, "], \"kernels_dropped\": %llu, \"getproc\": {\"identity\": %llu, \"by_name\": %llu, "
-               "\"other\": %llu, \"skipped\": [",
+               "\"other\": %llu, \"requested\": [",
             (unsigned long long)n_kernels_dropped, (unsigned long long)n_getproc_identity,
             (unsigned long long)n_getproc_by_name, (unsigned long long)n_getproc_other);
+    first = 1;
+    for (int c = 0; c < NCALLS; c++) {
+        if (!requested[c]) continue;
+        fprintf(f, "%s\"%s\"", first ? "" : ", ", call_names[c]);
+        first = 0;
+    }
+    fputs("], \"skipped\": [", f);
     pthread_mutex_lock(&lock);
     for (int i = 0; i < n_skipped; i++) {
         fprintf(f, "%s{\"name\": ", i ? ", " : "");
