@@ -311,7 +311,8 @@ def ckpt_job_main(state: Path, max_s: float) -> None:
         it += 1
         if it % 10 == 0:
             torch.cuda.synchronize()
-            write_json(state / "progress.json", {"it": it, "t": time.time()})
+            launched = sum(view.totals()[n] for n in LAUNCHES) if view else None
+            write_json(state / "progress.json", {"it": it, "t": time.time(), "launches": launched})
         time.sleep(0.005)
     torch.cuda.synchronize()
     ref = np.arange(1 << 16, dtype=np.int64)
@@ -674,9 +675,9 @@ def summarize_ckpt_records(args: list[str], rc: int, stdout: str, stderr: str, w
     return out
 
 
-def _progress(state: Path) -> int:
+def _progress(state: Path, key: str = "it") -> int:
     p = read_json(state / "progress.json")
-    return int(p["it"]) if p else 0
+    return int(p.get(key) or 0) if p else 0
 
 
 def _alive(pid: int) -> bool:
@@ -768,7 +769,10 @@ def probe_driver_path(ctx: Context, mode: str) -> dict[str, Any]:
         if checkpointed:
             out["stopped_while_checkpointed"] = not job.runs(1.0)
             out["restore"] = cli("restore", ["--pid", str(job.pid)], env, 120)
+        launched = _progress(job.state, "launches")
         out["runs_after"] = job.runs(1.5)
+        if mode == "intercept":
+            out["counting_after"] = _progress(job.state, "launches") > launched
         result = job.finish()
         out["job"] = result
         out["ok"] = bool(checkpointed and out["restore"]["rc"] == 0 and out["runs_after"] and result
@@ -804,7 +808,9 @@ def probe_criu(ctx: Context) -> dict[str, Any]:
             out["restore"] = cli("restore", ["--image", str(image)], env, 240)
             restored = out["restore"]["rc"] == 0
             if restored:
+                launched = _progress(job.state, "launches")
                 out["runs_after"] = job.runs(2.0)
+                out["counting_after"] = _progress(job.state, "launches") > launched
                 result = job.finish()
                 out["job"] = result
                 counts_file = wait_for(lambda: next(iter(job.state.glob(f"counts-{job.pid}.json")), None), 10)
