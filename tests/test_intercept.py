@@ -159,6 +159,23 @@ def test_ctypes_on_the_driver_goes_through_dlsym_and_the_program_reads_its_count
     assert intercept.read_counts(dumped).calls == c.calls
 
 
+def test_a_wrapped_name_found_before_the_driver_is_loaded_loads_it_and_forwards(built, tmp_path):
+    """RTLD_DEFAULT finds the exported wrapper even before libcuda is loaded: calling it loads the
+    driver then, and the call reaches it (the caveat is written in docs/interception.md)."""
+    script = textwrap.dedent("""
+        import ctypes
+        launch = ctypes.CDLL(None).cuLaunchKernel
+        assert launch(ctypes.c_void_p(0x5000), 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0
+        counts = (ctypes.c_int64 * 16)()
+        ctypes.CDLL("libcuda.so.1").fake_entry_counts(counts, 16)
+        print(counts[0])
+    """)
+    done, (c,) = run(built, [sys.executable, "-c", script], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+    assert c.calls["cuLaunchKernel"] == {"direct": 1, "dlsym": 0, "getproc": 0}
+
+
 def test_without_the_library_a_program_sees_no_counters(built, tmp_path):
     done, _ = run(built, [sys.executable, "-c",
                           "from gpuos_tools.injection.intercept import InProcess; print(InProcess.attach())"],

@@ -276,7 +276,8 @@ static void *entry_get(int i) {
     if (__builtin_expect(!r, 0)) {
         void *h = cuda();
         void *(*dl)(void *, const char *) = get_real_dlsym();
-        r = h && dl ? dl(h, entries[i].name) : NULL;
+        if (!h || !dl) return NULL; /* no driver (yet): ask again next time */
+        r = dl(h, entries[i].name);
         if (!r) r = ABSENT;
         __atomic_store_n(&entry_real[i], r, __ATOMIC_RELEASE);
     }
