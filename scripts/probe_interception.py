@@ -843,27 +843,31 @@ def gpu_info() -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["workload          untraced  intercept  cupti (ms/step)  launches/step  us/launch icpt/cupti  "
-             "seen by icpt"]
+    """The figures for people: per workload, then the checkpoint cases."""
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+    rows = [("workload", "untraced ms", "icpt ms", "cupti ms", "launches", "icpt us/l", "cupti us/l", "seen",
+             "missing calls")]
     for name, w in results["workloads"].items():
         s = w.get("summary", {})
         m = s.get("median_ms", {})
-
-        def f(v: Any, fmt: str = "{:.3f}") -> str:
-            return fmt.format(v) if isinstance(v, (int, float)) else "-"
-
-        lines.append(f"{name:<17} {f(m.get('untraced')):>8} {f(m.get('intercept')):>10} {f(m.get('cupti')):>6}"
-                     f"{'':>11}{f(s.get('launches_per_step'), '{:.1f}'):>13}  "
-                     f"{f(s.get('intercept_us_per_launch'))}/{f(s.get('cupti_us_per_launch'))}"
-                     f"{'':>8}{f(s.get('seen_fraction'), '{:.4f}')}")
-    ck = results.get("checkpoint", {})
-    for key, v in ck.items():
-        lines.append(f"checkpoint {key}: " + ", ".join(f"{k}={v.get(k)}" for k in
-                                                        ("ok", "refused", "skipped", "error") if k in v))
-    cr = results.get("criu")
-    if cr:
-        lines.append("criu: " + ", ".join(f"{k}={cr.get(k)}" for k in ("ok", "skipped", "error", "runs_after",
-                                                                       "counts_after_restore") if k in cr))
+        rows.append((name, f(m.get("untraced")), f(m.get("intercept")), f(m.get("cupti")),
+                     f(s.get("launches_per_step"), "{:.1f}"), f(s.get("intercept_us_per_launch")),
+                     f(s.get("cupti_us_per_launch")), f(s.get("seen_fraction"), "{:.4f}"),
+                     f(s.get("missing_calls"), "{:d}")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    keys = ("ok", "refused", "stopped_while_checkpointed", "runs_after", "counting_after", "skipped", "error")
+    for case, v in results.get("checkpoint", {}).items():
+        lines.append(f"checkpoint {case}: " + ", ".join(f"{k}={v[k]}" for k in keys if k in v))
+    if results.get("criu"):
+        lines.append("criu: " + ", ".join(f"{k}={results['criu'][k]}" for k in (*keys, "ended_by_criu")
+                                          if k in results["criu"]))
+    if results.get("cpu_call_cost"):
+        c = results["cpu_call_cost"]
+        lines.append("ns added per call on this CPU: " + ", ".join(
+            f"{r} {c[r]['added_ns']}" for r in ("direct", "dlsym", "getproc") if r in c))
     return "\n".join(lines)
 
 

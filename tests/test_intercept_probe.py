@@ -265,3 +265,25 @@ def test_the_probe_without_workloads_measures_a_wrapped_call_on_this_cpu(probe, 
     with pytest.raises(SystemExit):
         probe.main(["--json", str(out), "--workloads", "nonesuch"])
     assert os.path.exists(data["library"])
+
+
+def test_the_worker_times_its_steps_and_writes_the_result_file(probe, tmp_path, monkeypatch):
+    done = []
+
+    def setup():
+        return (lambda: done.append(1)), (lambda: None), {"lib": "1.0"}
+
+    monkeypatch.setitem(probe.SETUPS, "stand-in", setup)
+    result = tmp_path / "r.json"
+    probe.worker_main("stand-in", 4, 2, result)
+    r = json.loads(result.read_text())
+    assert len(done) == 6 and len(r["times_s"]) == 4 and r["window"] is None  # not preloaded here
+    assert r["t0_ns"] <= r["t1_ns"] and r["pid"] == os.getpid() and r["versions"] == {"lib": "1.0"}
+
+
+def test_the_table_for_people_takes_partial_results(probe):
+    results = {"workloads": {"a": {"summary": {"median_ms": {"untraced": 1.0}, "launches_per_step": 3}},
+                             "b": {"runs": {}}},
+               "checkpoint": {"intercept": {"ok": True}, "cupti": {"refused": True}}, "criu": {"skipped": "no criu"}}
+    text = probe.table(results)
+    assert "a " in text and "checkpoint cupti: refused=True" in text and "criu: skipped=no criu" in text
