@@ -646,14 +646,20 @@ def cpu_call_cost(ctx: Context, calls: int = 2_000_000, reps: int = 3) -> dict[s
 # ---------------------------------------------------------------- checkpoints
 
 def cli(tool: str, args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """gpu-ckpt / gpu-restore with records on stdout: exit status, steps, the final result."""
+    """gpu-ckpt / gpu-restore with records on stdout: exit status, steps, the final result.
+    Past `timeout` its whole group (criu included) is ended."""
     t = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", f"gpuos_tools.commands.{tool}", *args], env=env, cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        p = subprocess.run([sys.executable, "-m", f"gpuos_tools.commands.{tool}", *args], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"command": args, "rc": None, "timed_out": True, "wall_s": round(time.monotonic() - t, 2)}
-    return summarize_ckpt_records(args, p.returncode, p.stdout, p.stderr, time.monotonic() - t)
+        stop_group(proc)
+        stdout, stderr = proc.communicate()
+        out = summarize_ckpt_records(args, proc.returncode, stdout, stderr, time.monotonic() - t)
+        return {**out, "rc": None, "timed_out": True}
+    return summarize_ckpt_records(args, proc.returncode, stdout, stderr, time.monotonic() - t)
 
 
 def summarize_ckpt_records(args: list[str], rc: int, stdout: str, stderr: str, wall: float) -> dict[str, Any]:
@@ -753,22 +759,30 @@ def ckpt_env(ctx: Context) -> dict[str, str]:
     return env
 
 
-def probe_driver_path(ctx: Context, mode: str) -> dict[str, Any]:
-    """gpu-ckpt --pid / gpu-restore --pid on the job under `mode`."""
-    out: dict[str, Any] = {"mode": mode}
+def probe_driver_path(ctx: Context, mode: str, out: dict[str, Any] | None = None,
+                      save: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """gpu-ckpt --pid / gpu-restore --pid on the job under `mode`; `out` filled step by step
+    (save() after each), so that a run cut off keeps what was seen."""
+    out = {} if out is None else out
+    out["mode"] = mode
     if ctx.time_for(90, least=60) is None:
-        return {**out, "skipped": "out of time"}
+        out["skipped"] = "out of time"
+        return out
     job = Job(ctx, mode, ctx.work / f"driver-{mode}")
     env = ckpt_env(ctx)
     try:
         if not job.ready(120):
-            return {**out, "error": "the job did not start", "log_tail": tail(ctx.logs / f"ckpt-driver-{mode}.log")}
+            out.update(error="the job did not start", log_tail=tail(ctx.logs / f"ckpt-driver-{mode}.log"))
+            return out
         out["pid"] = job.pid
         out["checkpoint"] = cli("ckpt", ["--pid", str(job.pid), "--timeout", "10000"], env, 120)
         checkpointed = out["checkpoint"]["rc"] == 0
+        out["refused"] = not checkpointed
+        save()
         if checkpointed:
             out["stopped_while_checkpointed"] = not job.runs(1.0)
             out["restore"] = cli("restore", ["--pid", str(job.pid)], env, 120)
+            save()
         launched = _progress(job.state, "launches")
         out["runs_after"] = job.runs(1.5)
         if mode == "intercept":
@@ -777,7 +791,6 @@ def probe_driver_path(ctx: Context, mode: str) -> dict[str, Any]:
         out["job"] = result
         out["ok"] = bool(checkpointed and out["restore"]["rc"] == 0 and out["runs_after"] and result
                          and result["recurrence_ok"] and result["buffer_ok"])
-        out["refused"] = not checkpointed
     finally:
         if job.pid and _alive(job.pid) and job.proc.poll() is None:
             # left locked or checkpointed by a failure above: bring it back before ending it
@@ -787,27 +800,34 @@ def probe_driver_path(ctx: Context, mode: str) -> dict[str, Any]:
     return out
 
 
-def probe_criu(ctx: Context) -> dict[str, Any]:
+def probe_criu(ctx: Context, out: dict[str, Any] | None = None,
+               save: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """gpu-ckpt --pid P --image DIR, then gpu-restore --image DIR, on the job under the interposer."""
-    out: dict[str, Any] = {"mode": "intercept", "criu": shutil.which("criu")}
+    out = {} if out is None else out
+    out.update(mode="intercept", criu=shutil.which("criu"))
     if out["criu"] is None:
-        return {**out, "skipped": "no criu on PATH"}
+        out["skipped"] = "no criu on PATH"
+        return out
     if ctx.time_for(150, least=90) is None:
-        return {**out, "skipped": "out of time"}
+        out["skipped"] = "out of time"
+        return out
     job = Job(ctx, "intercept", ctx.work / "criu-intercept")
     env = ckpt_env(ctx)
     image = job.state / "image"
     try:
         if not job.ready(120):
-            return {**out, "error": "the job did not start", "log_tail": tail(ctx.logs / "ckpt-criu-intercept.log")}
+            out.update(error="the job did not start", log_tail=tail(ctx.logs / "ckpt-criu-intercept.log"))
+            return out
         out["pid"] = job.pid
-        out["dump"] = cli("ckpt", ["--pid", str(job.pid), "--image", str(image), "--timeout", "10000"], env, 240)
+        out["dump"] = cli("ckpt", ["--pid", str(job.pid), "--image", str(image), "--timeout", "10000"], env, 150)
         dumped = out["dump"]["rc"] == 0
-        out["ended_by_criu"] = wait_for(lambda: job.proc.poll() is not None, 10) if dumped else False
+        # reaped here, so that its PID is free for CRIU to restore it under
+        out["ended_by_criu"] = bool(wait_for(lambda: job.proc.poll() is not None, 10)) if dumped else False
+        save()
         if dumped:
-            out["restore"] = cli("restore", ["--image", str(image)], env, 240)
-            restored = out["restore"]["rc"] == 0
-            if restored:
+            out["restore"] = cli("restore", ["--image", str(image)], env, 150)
+            save()
+            if out["restore"]["rc"] == 0:
                 launched = _progress(job.state, "launches")
                 out["runs_after"] = job.runs(2.0)
                 out["counting_after"] = _progress(job.state, "launches") > launched
@@ -819,12 +839,12 @@ def probe_criu(ctx: Context) -> dict[str, Any]:
 
                     out["counts_after_restore"] = intercept.read_counts(counts_file).launches()
                 out["ok"] = bool(out["runs_after"] and result and result["recurrence_ok"] and result["buffer_ok"])
+    finally:
         for name in ("dump.log", "restore.log"):
             if (image / name).exists():
                 out[name.replace(".", "_") + "_tail"] = tail(image / name, 1500)
-    finally:
         if job.pid and _alive(job.pid):
-            cli("restore", ["--pid", str(job.pid)], env, 60)
+            out["cleanup"] = cli("restore", ["--pid", str(job.pid)], env, 60).get("rc")
         job.stop()
         if image.exists():
             shutil.rmtree(image, ignore_errors=True)  # GPU memory and all: do not keep it
@@ -945,22 +965,23 @@ def probe(args: argparse.Namespace, names: list[str], ctx: Context | None = None
         save()
 
     if not args.skip_ckpt:
-        results["checkpoint"] = {}
-        for mode in ("intercept", "cupti"):
-            results["checkpoint"][mode] = guarded(results, f"checkpoint {mode}", lambda m=mode: probe_driver_path(ctx, m))
-            save()
-        if not results["checkpoint"]["intercept"].get("ok"):
-            results["checkpoint"]["plain"] = guarded(results, "checkpoint plain",
-                                                     lambda: probe_driver_path(ctx, "plain"))
+        cases = results["checkpoint"] = {}
+        for mode in ("intercept", "cupti", "plain"):
+            if mode == "plain" and cases["intercept"].get("ok"):
+                continue  # the control is needed only when the interposer case failed
+            out = cases[mode] = {}
+            guarded(out, f"checkpoint {mode}", lambda m=mode, o=out: probe_driver_path(ctx, m, o, save), results)
             save()
     if not args.skip_criu:
-        results["criu"] = guarded(results, "criu", lambda: probe_criu(ctx))
+        out = results["criu"] = {}
+        guarded(out, "criu", lambda: probe_criu(ctx, out, save), results)
         save()
 
     def one(name: str, mode: str, key: str, rep: int = 1) -> None:
         spec = WORKLOADS[name]
         entry = results["workloads"].setdefault(name, {"what": spec.what, "runs": {}})
-        entry["runs"][key] = guarded(results, f"{name} {key}", lambda: run_mode(ctx, name, spec, mode, rep))
+        out = entry["runs"][key] = {}
+        guarded(out, f"{name} {key}", lambda: out.update(run_mode(ctx, name, spec, mode, rep)), results)
         entry["summary"] = summarize(spec, entry["runs"])
         save()
 
@@ -978,13 +999,14 @@ def probe(args: argparse.Namespace, names: list[str], ctx: Context | None = None
     return 0
 
 
-def guarded(results: dict[str, Any], what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """fn(), or what went wrong in it: one failing case must not lose the others."""
+def guarded(out: dict[str, Any], what: str, fn: Callable[[], Any], results: dict[str, Any]) -> None:
+    """fn(), which fills `out`; what went wrong in it goes into `out` and the probe's errors:
+    one failing case must not lose the others."""
     try:
-        return fn()
+        fn()
     except Exception as e:  # noqa: BLE001 - recorded, and the probe goes on
-        results["errors"].append(f"{what}: {type(e).__name__}: {e}")
-        return {"error": f"{type(e).__name__}: {e}"}
+        out["error"] = f"{type(e).__name__}: {e}"
+        results["errors"].append(f"{what}: {out['error']}")
 
 
 if __name__ == "__main__":

@@ -287,3 +287,25 @@ def test_the_table_for_people_takes_partial_results(probe):
                "checkpoint": {"intercept": {"ok": True}, "cupti": {"refused": True}}, "criu": {"skipped": "no criu"}}
     text = probe.table(results)
     assert "a " in text and "checkpoint cupti: refused=True" in text and "criu: skipped=no criu" in text
+
+
+def test_the_criu_case_is_skipped_without_criu_and_keeps_the_job_running_when_the_dump_fails(probe, tmp_path, driver,
+                                                                                             monkeypatch):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    ctx = make_ctx(probe, tmp_path, driver, job_cmd=lambda state, max_s: [sys.executable, str(script), str(state)])
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert probe.probe_criu(ctx)["skipped"] == "no criu on PATH"
+    # a criu that says it works: gpu-ckpt then refuses the job itself (no CUDA in it), before any dump
+    (empty / "criu").write_text("#!/bin/sh\ncase \"$1\" in --version) echo 'Version: 4.2';; esac\nexit 0\n")
+    (empty / "criu").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{empty}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}/usr/bin:/bin")
+    saved = []
+    out = {}
+    probe.probe_criu(ctx, out, lambda: saved.append(dict(out)))
+    assert out["dump"]["rc"] not in (0, None) and out["ended_by_criu"] is False and "restore" not in out
+    assert "not a CUDA process" in out["dump"]["result"]["message"], out["dump"]
+    assert saved and saved[0]["dump"] == out["dump"]  # saved as soon as the dump answered
+    assert not probe._alive(out["pid"])
