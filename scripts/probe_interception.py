@@ -328,17 +328,26 @@ def ckpt_job_main(state: Path, max_s: float) -> None:
 # ---------------------------------------------------------------- running things, bounded
 
 def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """End the process group that `proc` leads (it was started in a session of its own)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+    """End the process group that `proc` leads (started in a session of its own, not yet reaped):
+    SIGTERM, then SIGKILL to whatever of the group is left once the leader has exited or `grace`
+    has passed. The leader is reaped only after that, so the group's id cannot have been reused."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+        except ChildProcessError:  # reaped already: its group id may name someone else's by now
             return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        time.sleep(0.05)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_bounded(cmd: list[str], env: dict[str, str], timeout: float, log: Path) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def test_a_run_past_its_timeout_is_ended_with_its_children(probe, tmp_path, driv
     rec = probe.run_mode(ctx, "sleeper", spec, "untraced")
     assert rec["timed_out"] and not rec["ok"] and time.monotonic() - t < 30
     for pid in map(int, pidfile.read_text().split()):
-        assert not probe._alive(pid)
+        assert probe.wait_for(lambda p=pid: not probe._alive(p), 10)
 
 
 def test_no_run_starts_that_would_not_fit_in_the_budget(probe, tmp_path, driver):
