@@ -990,6 +990,11 @@ def probe(args: argparse.Namespace, names: list[str], ctx: Context | None = None
         spec = WORKLOADS[name]
         entry = results["workloads"].setdefault(name, {"what": spec.what, "runs": {}})
         out = entry["runs"][key] = {}
+        plain = entry["runs"].get("untraced", {})
+        if key != "untraced" and plain and not plain.get("ok") and not plain.get("timed_out") \
+                and not plain.get("skipped"):
+            out.update(mode=mode, skipped="the program fails on its own (see runs.untraced)")
+            return
         guarded(out, f"{name} {key}", lambda: out.update(run_mode(ctx, name, spec, mode, rep)), results)
         entry["summary"] = summarize(spec, entry["runs"])
         save()

@@ -309,3 +309,19 @@ def test_the_criu_case_is_skipped_without_criu_and_keeps_the_job_running_when_th
     assert "not a CUDA process" in out["dump"]["result"]["message"], out["dump"]
     assert saved and saved[0]["dump"] == out["dump"]  # saved as soon as the dump answered
     assert not probe._alive(out["pid"])
+
+
+def test_a_workload_that_fails_on_its_own_is_not_run_under_the_tools(probe, tmp_path, driver):
+    import argparse
+
+    fails = tmp_path / "fails.py"
+    fails.write_text("raise SystemExit('no such library')\n")
+    ctx = make_ctx(probe, tmp_path, driver, worker_cmd=lambda name, spec, result: [sys.executable, str(fails)])
+    args = argparse.Namespace(json=tmp_path / "p.json", work=tmp_path / "w", logs=None, budget=120,
+                              skip_cpu_cost=True, skip_ckpt=True, skip_criu=True, keep_traces=False)
+    assert probe.probe(args, ["mlp_adam"], ctx=ctx) == 0
+    runs = json.loads((tmp_path / "p.json").read_text())["workloads"]["mlp_adam"]["runs"]
+    assert runs["untraced"]["ok"] is False and "no such library" in runs["untraced"]["log_tail"]
+    assert runs["both"]["ok"] is False  # run before the untraced one
+    for key in ("intercept", "cupti", "untraced.2", "intercept.2"):
+        assert runs[key]["skipped"].startswith("the program fails on its own"), key
