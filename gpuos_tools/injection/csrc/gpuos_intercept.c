@@ -26,8 +26,9 @@
  *
  * dlsym(RTLD_NEXT) and dlsym(RTLD_DEFAULT) depend on who calls: they are forwarded by a tail
  * call, so that libc sees the original caller's return address (tests/test_intercept.py checks
- * RTLD_NEXT). Not caught: dlvsym, cuGetExportTable's private tables, kernels inside CUDA graphs
- * (the graph launch is counted).
+ * both). Not caught: dlvsym, calls through the driver's private tables (cuGetExportTable is
+ * counted, not what is called through its answer), kernels inside CUDA graphs (the graph launch
+ * is counted).
  *
  * Environment: GPUOS_INTERCEPT_OUT=PATH (at exit, the counts as JSON; %p becomes the pid;
  * nothing is written by a process that made no intercepted call), GPUOS_INTERCEPT_LIBCUDA=PATH
