@@ -76,7 +76,7 @@ def test_a_snapshot_during_training_on_the_native_core(tmp_path):
     with open(tmp_path / "stdout", "w") as o, open(err, "w") as e:  # files: nothing reads them meanwhile
         job = subprocess.Popen(
             [sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "run", "--no-images", "-o", str(tmp_path / "t.ndjson"),
-             "--", sys.executable, str(WORKLOAD), "--model", "mlp", "--steps", "200", "--warmup", "5",
+             "--", sys.executable, str(WORKLOAD), "--model", "mlp", "--steps", "4000", "--warmup", "5",
              "--json", str(out), "--pause", str(pause)],
             cwd=ROOT, stdout=o, stderr=e, start_new_session=True)
     try:
@@ -96,7 +96,8 @@ def test_a_snapshot_during_training_on_the_native_core(tmp_path):
                                 str(tmp_path / "img0")], capture_output=True, text=True, timeout=300)
         assert first.returncode == 0, first.stderr
         Path(f"{pause}.go").write_text("go")
-        time.sleep(0.5)  # steps run: their writes are tracked by the core
+        time.sleep(0.5)  # steps run (a few seconds of them): their writes are tracked by the core
+        assert job.poll() is None, "the job ended before the second snapshot: give it more steps"
         second = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "--agent", pid, "--image",
                                  str(tmp_path / "img1"), "--parent", str(tmp_path / "img0")],
                                 capture_output=True, text=True, timeout=300)
@@ -114,7 +115,7 @@ def test_a_snapshot_during_training_on_the_native_core(tmp_path):
                                 capture_output=True, text=True, timeout=300)
         assert verify.returncode == 0, verify.stderr
         assert job.wait(timeout=300) == 0, err.read_text()[-4000:]
-        assert len(json.loads(out.read_text())["steps"]) == 200
+        assert len(json.loads(out.read_text())["steps"]) == 4000
     finally:
         if job.poll() is None:
             job.kill()
