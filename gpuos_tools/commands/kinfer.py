@@ -207,9 +207,9 @@ def serve(
     ),
     gpu: str = typer.Option("auto", "--gpu", metavar="auto|on|off", help="auto: the GPU when CuPy and a GPU are there; on: fail without."),
     device: int = typer.Option(0, "--device", help="GPU index."),
-    window_us: Optional[float] = typer.Option(None, "--window-us", help="Batching window (µs); default: the profile's."),
-    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch; default: the profile's."),
-    spin_us: float = typer.Option(200.0, "--spin-us", help="Spin this long on an empty ring before sleeping."),
+    window_us: Optional[float] = typer.Option(None, "--window-us", min=0.0, max=1e6, help="Batching window (µs); default: the profile's."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, max=1 << 20, help="Largest batch; default: the profile's."),
+    spin_us: float = typer.Option(200.0, "--spin-us", min=0.0, max=1e7, help="Spin this long on an empty ring before sleeping."),
     native: Optional[str] = typer.Option(
         None, "--native", metavar="auto|on|off",
         help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",

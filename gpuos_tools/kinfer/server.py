@@ -74,6 +74,17 @@ class ServeOptions:
     native: str = "auto"  # auto | on | off: the C serve loop
     native_max: int = 64  # largest batch the C loop answers itself
 
+    def __post_init__(self) -> None:
+        """Refuse what would make the loops misbehave (a negative max_batch once meant a lone
+        request was never answered)."""
+        for name, value, low in (("window_us", self.window_us, 0.0), ("spin_us", self.spin_us, 0.0),
+                                 ("max_batch", self.max_batch, 1), ("native_max", self.native_max, 0)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low):
+                raise ValueError(f"{name} must be a finite number of at least {low}, not {value!r}")
+        for name, value in (("use_gpu", self.use_gpu), ("native", self.native)):
+            if value not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be auto, on or off, not {value!r}")
+
 
 @dataclass
 class Server:
