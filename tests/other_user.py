@@ -64,7 +64,7 @@ def shared_directory() -> Iterator[Path]:
 class Stranger:
     """A second user: ``run(fn, *args)`` calls ``fn`` in a child running as this uid and gid
     (and ``groups``, supplementary), and returns what it returned (JSON), or raises
-    ``StrangerFailed`` with the exception it raised."""
+    ``StrangerFailed`` with the exception it raised (``in_child``)."""
 
     def __init__(self, uid: int | None = None, gid: int | None = None, groups: tuple[int, ...] = ()):
         need_root()
@@ -73,41 +73,53 @@ class Stranger:
         self.groups = groups
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: drop to the stranger, run, report, leave without cleanup handlers
-            try:
-                os.close(r)
-                os.setgroups(list(self.groups))
-                os.setgid(self.gid)
-                os.setuid(self.uid)
-                out = {"ok": True, "value": fn(*args)}
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                out = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__}
-            try:
-                os.write(w, json.dumps(out, default=str).encode())
-            finally:
-                os._exit(0)
-        os.close(w)
-        data = b""
-        deadline = time.monotonic() + timeout
+        return in_child(fn, *args, timeout=timeout, user=(self.uid, self.gid, self.groups))
+
+
+def in_child(fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
+             user: tuple[int, int, tuple[int, ...]] | None = None) -> Any:
+    """``fn(*args)`` in a forked child (as ``user``: uid, gid and supplementary groups, when
+    given), its JSON result returned here; ``StrangerFailed`` carries what it raised, and a child
+    killed by a signal (a SIGBUS, say) is reported as such instead of taking the test run down."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, report, leave without cleanup handlers
         try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([r], [], [], left)[0]:
-                    os.kill(pid, signal.SIGKILL)
-                    raise TimeoutError(f"the second user's code did not finish within {timeout} s")
-                chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                data += chunk
-        finally:
             os.close(r)
-            os.waitpid(pid, 0)
-        out = json.loads(data)
-        if not out["ok"]:
-            raise StrangerFailed(out["error"], out["type"])
-        return out["value"]
+            if user is not None:
+                uid, gid, groups = user
+                os.setgroups(list(groups))
+                os.setgid(gid)
+                os.setuid(uid)
+            out = {"ok": True, "value": fn(*args)}
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__}
+        try:
+            os.write(w, json.dumps(out, default=str).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise TimeoutError(f"the child did not finish within {timeout} s")
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise StrangerFailed(f"the child was killed by {signal.Signals(os.WTERMSIG(status)).name}", "signal")
+    out = json.loads(data)
+    if not out["ok"]:
+        raise StrangerFailed(out["error"], out["type"])
+    return out["value"]
 
 
 class StrangerFailed(Exception):

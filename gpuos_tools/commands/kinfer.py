@@ -38,6 +38,22 @@ ProfileOpt = typer.Option(
     None, "--profile", "-p", metavar="NAME|FILE", help="Profile: profiles/NAME.toml of this checkout, or a TOML file."
 )
 RingOpt = typer.Option(None, "--ring", "-r", metavar="NAME", help="Ring name (/dev/shm/NAME); default: the profile's.")
+RingOwnerOpt = typer.Option(None, "--ring-owner", metavar="USER", help="Also trust a ring of this user (a daemon of "
+                            "another user sharing its ring); otherwise only this user's and root's rings are used.")
+
+
+def _ring_owner(user: str | None) -> int | None:
+    """A user name or uid, as given to --ring-owner, to a uid."""
+    import pwd
+
+    if user is None:
+        return None
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise typer.BadParameter(f"no user named {user!r}", param_hint="--ring-owner") from None
 
 _LAYOUT = """The ring is one file, `/dev/shm/NAME`, laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
 
@@ -214,25 +230,39 @@ def serve(
         None, "--native", metavar="auto|on|off",
         help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",
     ),
-    recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of another geometry."),
+    recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of this user (another geometry, "
+                                  "or a damaged one) that no daemon serves; any other file is refused."),
+    mode: Optional[str] = typer.Option(None, "--mode", metavar="OCTAL", help="Permission bits of the ring file "
+                                       "(default: the profile's, 0600: this user only; 0660 with --group shares it)."),
+    group: Optional[str] = typer.Option(None, "--group", metavar="GROUP", help="Give the ring file to this group "
+                                        "(name or number) so that its members may produce (with --mode 0660)."),
+    model_dir: Optional[list[str]] = typer.Option(None, "--model-dir", metavar="DIR", help="Take model-load requests "
+                                                  "(gpu-kinfer-bridge load) only for regular files inside DIR (repeat "
+                                                  "for several); default: the profile's, else the served model's "
+                                                  "directory when no one else may write it."),
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
 ) -> None:
     """Serve inference requests from the ring until SIGTERM or SIGINT.
 
-    Creates the ring (or attaches to the one a previous daemon left, keeping its producers),
-    then answers every request. At exit writes one `kinfer_stats` record (the ring's counters)
-    to the output; messages go to stderr.
+    Creates the ring (or attaches to the one a previous daemon of this user left, keeping its
+    producers), then answers every request. At exit writes one `kinfer_stats` record (the
+    ring's counters) to the output; messages go to stderr.
     """
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.model import Mlp
-    from gpuos_tools.kinfer.policy import load_profile
-    from gpuos_tools.kinfer.server import ServeOptions, Server
+    from gpuos_tools.kinfer.policy import load_profile, parse_mode
+    from gpuos_tools.kinfer.server import ServeOptions, Server, default_model_dirs
     from gpuos_tools.stream import make_header, open_output
 
     ExitCode, GpuosError = _err()
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
+    if mode is not None:
+        try:
+            parse_mode(mode)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--mode") from None
     prof = load_profile(profile)
     ns = prof.section("native")
     native_mode = str(ns["mode"]) if native is None else native
@@ -241,6 +271,7 @@ def serve(
     shape = prof.section("model")
     if random_model is not None:
         mlp = Mlp.random(int(shape["inputs"]), int(shape["hidden"]), int(shape["outputs"]), random_model)
+        path = None
     else:
         path = model or (str(prof.model_file()) if prof.model_file() else None)
         if path is None:
@@ -248,13 +279,32 @@ def serve(
         mlp = _load_model(path)
     rs, bs = prof.section("ring"), prof.section("batch")
     geometry = R.Geometry(int(rs["lanes"]), int(rs["slots_per_lane"]), max(32, mlp.n_inputs), max(4, mlp.n_outputs))
+    try:
+        R.check_geometry(geometry)
+    except ValueError as e:
+        raise GpuosError(f"ring geometry: {e}", ExitCode.USAGE) from None
+    load_dir = shape["load_dir"]
+    if model_dir:
+        dirs = tuple(model_dir)
+    elif load_dir:
+        dirs = (str(prof.relative(load_dir)),)
+    else:
+        dirs = default_model_dirs(path)
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise GpuosError(f"{d}: no such directory (--model-dir)", ExitCode.USAGE)
     opts = ServeOptions(
         window_us=float(bs["window_us"] if window_us is None else window_us),
         max_batch=int(bs["max"] if max_batch is None else max_batch),
         spin_us=spin_us, use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
+        mode=parse_mode(rs["mode"] if mode is None else mode), group=(rs["group"] or None) if group is None else group,
+        model_dirs=dirs,
     )
     name = ring or str(rs["name"])
     server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
+    if not dirs:
+        print("gpu-kinfer-bridge: model loads are off (no --model-dir, and the model's directory is not private to "
+              "this user)", file=sys.stderr, flush=True)
     try:
         server.install_signals()
         where = "CPU and GPU" if server.gpu_ready else "CPU only"
@@ -271,22 +321,28 @@ def serve(
                  "gpu_delay_us": round(server.speed.delay_us(), 3), "gpu_probes": server.speed.probes,
                  "cpu_extra_us": round(server.cpu_speed.fit()[0], 3), "cpu_scale": round(server.cpu_speed.fit()[1], 4),
                  "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
+        stats["ring_repairs"] = server.repairs
+        failure = server.failure
     finally:
         server.close()
     with open_output(output, unbuffered=unbuffered or None) as writer:
         writer.write(make_header("gpu-kinfer-bridge", ring=name))
         writer.write(stats)
+    if failure:
+        raise GpuosError(failure, ExitCode.FAILURE)
 
 
 @app.command()
-def status(ring: Optional[str] = RingOpt, profile: Optional[str] = ProfileOpt, output: OutputOpt = "-") -> None:
+def status(ring: Optional[str] = RingOpt, profile: Optional[str] = ProfileOpt, ring_owner: Optional[str] = RingOwnerOpt,
+           output: OutputOpt = "-") -> None:
     """Write one `kinfer_status` record: the ring's geometry, daemon and counters."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.stream import make_header, open_output
 
+    owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
-    r = R.Ring.attach(name)
+    r = R.Ring.attach(name, owners=None if owner is None else (os.geteuid(), 0, owner))
     try:
         h = r.header
         g = r.geometry
@@ -311,7 +367,8 @@ def infer(
     ring: Optional[str] = RingOpt,
     profile: Optional[str] = ProfileOpt,
     model_id: int = typer.Option(0, "--model-id", help="Model to ask (0: the daemon's default)."),
-    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for each answer."),
+    timeout: float = typer.Option(5.0, "--timeout", min=0.0, help="Seconds to wait for each answer."),
+    ring_owner: Optional[str] = RingOwnerOpt,
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
 ) -> None:
@@ -322,8 +379,9 @@ def infer(
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.stream import make_header, open_input, open_output
 
+    owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
-    with R.Client(name) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
+    with R.Client(name, owner=owner) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
         if reader.header is None:
             writer.write(make_header("gpu-kinfer-bridge", ring=name))
         for rec in reader:
@@ -348,23 +406,28 @@ def load(
     model: str = typer.Argument(..., metavar="MODEL", help="Model file (.npz) to swap in."),
     ring: Optional[str] = RingOpt,
     profile: Optional[str] = ProfileOpt,
-    model_id: int = typer.Option(0, "--model-id", help="Which model to replace or add (0: the default)."),
-    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the daemon to take it."),
+    model_id: int = typer.Option(0, "--model-id", min=0, max=63, help="Which model to replace or add (0: the default; up to 63)."),
+    timeout: float = typer.Option(30.0, "--timeout", min=0.0, help="Seconds to wait for the daemon to take it."),
+    ring_owner: Optional[str] = RingOwnerOpt,
 ) -> None:
     """Swap a model into the running daemon without restarting it.
 
     The daemon loads the file in a thread and swaps it in between two batches; requests
-    already being answered finish on the old model. The file is checked here first.
+    already being answered finish on the old model. The file is checked here first; the daemon
+    takes only regular files inside its model directories (`serve --model-dir`).
     """
+    from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.kinfer.server import request_load
 
     ExitCode, GpuosError = _err()
     _load_model(model)
+    owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
-    code = request_load(name, model, model_id, timeout)
+    code = request_load(name, model, model_id, timeout, owner=owner)
     if code != 0:
-        raise GpuosError(f"the daemon refused {model} (status {code}; its stderr says why)", ExitCode.FAILURE)
+        why = R.CONTROL_NAMES.get(code, f"status {code}")
+        raise GpuosError(f"the daemon refused {model}: {why} (its stderr says more)", ExitCode.FAILURE)
     print(f"gpu-kinfer-bridge: model {model_id} is now {model}", file=sys.stderr)
 
 

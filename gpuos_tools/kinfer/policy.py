@@ -622,8 +622,10 @@ class Profile:
 
     def model_file(self) -> Path | None:
         name = self.section("model")["file"]
-        if not name:
-            return None
+        return self.relative(name) if name else None
+
+    def relative(self, name: str) -> Path:
+        """A path the profile names: relative ones are taken from the profile's directory."""
         path = Path(name)
         return path if path.is_absolute() or self.path is None else self.path.parent / path
 
