@@ -239,8 +239,11 @@ class Server:
         self._refresh_policy(force=True)  # the thread starts with serve()
 
     def _add_py(self, name: str, n: int = 1) -> None:
-        """Add to a ring counter (atomically while the C loop, which adds to them too, runs)."""
-        self._cnt[R.C[name]] += n
+        """Add to a ring counter (atomically while the C loop, which adds to them too, runs).
+        Modulo 2^64, as the C loop's atomic add: any process that can write the ring may have
+        set a counter to its largest value."""
+        i = R.C[name]
+        self._cnt[i] = (self._cnt[i] + n) & 0xFFFFFFFFFFFFFFFF
 
     def _add_native(self, name: str, n: int = 1) -> None:
         self.native.count(R.C[name], n)
