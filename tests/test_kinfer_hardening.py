@@ -633,3 +633,59 @@ def test_group_sharing_needs_a_group_this_user_has() -> None:
                            "no-such-group-here"], env=child_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no group named" in done.stderr
     assert not R.ring_path("kinfer-nogroup").exists()
+
+
+# -- the feature store, the ring's neighbour in /dev/shm -------------------------------------------------
+
+
+def test_feature_store_register_replaces_only_a_store(ring_name: str) -> None:
+    from gpuos_tools.kinfer import features as F
+
+    R.Ring.create(ring_name, R.Geometry(2, 2)).close()
+    with pytest.raises(R.RingError, match="not a feature store: not replacing it"):
+        F.FeatureStore.register(ring_name, "s", ["a"], 8)
+    assert R.Ring.attach(ring_name).geometry == R.Geometry(2, 2)  # the ring is still there
+    R.ring_path(ring_name).unlink()
+    F.FeatureStore.register(ring_name, "s", ["a"], 8).close()
+    assert stat.S_IMODE(os.stat(R.ring_path(ring_name)).st_mode) == 0o600
+    F.FeatureStore.register(ring_name, "s", ["a", "b"], 8).close()  # a store of ours: replaced
+    assert F.FeatureStore.open(ring_name).fields == ["a", "b"]
+
+
+def test_feature_store_header_out_of_range_is_refused_and_counts_wrap(ring_name: str) -> None:
+    from gpuos_tools.kinfer import features as F
+
+    store = F.FeatureStore.register(ring_name, "s", ["a"], 8)
+    store.header["write_index"] = (1 << 64) - 1
+    assert store.record([1.0]) == (1 << 64) - 1 and int(store.header["write_index"]) == 0
+    store.header["capacity"] = 0
+    store.close()
+    with pytest.raises(R.RingError, match="capacity 0 out of range"):
+        F.FeatureStore.open(ring_name)
+
+
+@needs_cc
+def test_a_feature_store_cut_short_under_a_writer_is_no_crash(ring_name: str) -> None:
+    from gpuos_tools.kinfer import features as F
+
+    def child(name: str) -> int:
+        store = F.FeatureStore.register(name, "s", ["a", "b"], 1024)
+        os.truncate(R.ring_path(name), 0)
+        for k in range(2000):
+            store.record([k, k])
+        n = len(store.window()[0])
+        store.close()
+        return n
+
+    assert in_child(child, ring_name) == 1024
+
+
+def test_a_feature_store_of_another_user_is_refused(ring_name: str) -> None:
+    from gpuos_tools.kinfer import features as F
+
+    other = Stranger()
+    other.run(lambda name: F.FeatureStore.register(name, "s", ["a"], 8, mode=0o666).close(), ring_name)
+    with pytest.raises(R.RingError, match=f"belongs to uid {other.uid}"):
+        F.FeatureStore.open(ring_name)
+    with pytest.raises(R.RingError, match=f"belongs to uid {other.uid}: not replacing"):
+        F.FeatureStore.register(ring_name, "s", ["a"], 8)

@@ -683,12 +683,20 @@ def features_register(
     fields: list[str] = typer.Option(..., "--field", "-f", metavar="NAME", help="A field name (repeat, in order)."),
     schema: str = typer.Option("features", "--schema", help="Schema name."),
     capacity: int = typer.Option(65536, "--capacity", help="Records kept (the oldest are overwritten)."),
+    mode: str = typer.Option("0600", "--mode", metavar="OCTAL", help="Permission bits of the store (0600: this user "
+                             "only; 0666 lets every user record)."),
 ) -> None:
-    """Create a feature store for vectors of the given fields."""
+    """Create a feature store for vectors of the given fields (replacing a store of this user of
+    that name; any other file is refused)."""
     from gpuos_tools.kinfer.features import FeatureStore
+    from gpuos_tools.kinfer.policy import parse_mode
 
     try:
-        FeatureStore.register(name, schema, fields, capacity).close()
+        bits = parse_mode(mode)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--mode") from None
+    try:
+        FeatureStore.register(name, schema, fields, capacity, mode=bits).close()
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--field") from None
 

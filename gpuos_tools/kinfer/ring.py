@@ -473,11 +473,11 @@ def set_access(fd: int, path: Path, mode: int, group: int | None) -> None:
     os.fchmod(fd, mode)
 
 
-def remove_ring(path: Path) -> None:
+def remove_ring(path: Path, magic: int = MAGIC, what: str = "gpu-kinfer-bridge ring", served: bool = True) -> None:
     """Unlink an old ring so a new one can take its name, refusing anything else: a file that is
-    not a regular file with the ring magic, one that belongs to another user, or a ring a daemon
-    still serves. The checks are made on the open file, and the name is removed only while it
-    still names that file."""
+    not a regular file with the ring magic (``magic``: a feature store's, for one), one that
+    belongs to another user, or (``served``) a ring a daemon still serves. The checks are made on
+    the open file, and the name is removed only while it still names that file."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -493,14 +493,15 @@ def remove_ring(path: Path) -> None:
         if st.st_uid != os.geteuid():
             raise RingError(f"{path}: belongs to uid {st.st_uid}: not replacing another user's file", ExitCode.PERMISSION)
         head = os.pread(fd, 96, 0)
-        if len(head) < 8 or struct.unpack_from("<Q", head)[0] != MAGIC:
-            raise RingError(f"{path}: not a gpu-kinfer-bridge ring: not replacing it (remove it yourself if it is not "
-                            "needed)", ExitCode.BAD_INPUT)
-        try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_WRLCK, LOCK_DAEMON))
-        except OSError:
-            pid = struct.unpack_from("<I", head, 80)[0] if len(head) >= 84 else 0
-            raise RingError(f"{path}: served by pid {pid}", ExitCode.FAILURE) from None
+        if len(head) < 8 or struct.unpack_from("<Q", head)[0] != magic:
+            raise RingError(f"{path}: not a {what}: not replacing it (remove it yourself if it is not needed)",
+                            ExitCode.BAD_INPUT)
+        if served:
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_WRLCK, LOCK_DAEMON))
+            except OSError:
+                pid = struct.unpack_from("<I", head, 80)[0] if len(head) >= 84 else 0
+                raise RingError(f"{path}: served by pid {pid}", ExitCode.FAILURE) from None
         try:
             now = os.lstat(path)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
