@@ -55,7 +55,7 @@ def _ring_owner(user: str | None) -> int | None:
     except KeyError:
         raise typer.BadParameter(f"no user named {user!r}", param_hint="--ring-owner") from None
 
-_LAYOUT = """The ring is one file, `/dev/shm/NAME`, laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
+_LAYOUT = """The ring is one file, `/dev/shm/NAME` (mode 0600 unless shared on purpose: SECURITY), laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
 
 - `struct gpuos_kinfer_header`, 4096 bytes: magic `0x31524E49464B5047` ("GPKINFR1"), layout version 1, header size, slot count, lanes, slots per lane, floats per request and per answer, meta size (128), file size, the offsets of the four arrays below, the daemon's pid, epoch and heartbeat, the model generation, the doorbell futex word (offset 128) and the daemon's sleeping flag (132), 16 counters (offset 192: served, batches, cpu_batches, gpu_batches, drop_bad_version, drop_bad_size, drop_bad_model, drop_bad_value, drop_abandoned, drop_bad_state, requeued, model_swaps, sleeps) and the model-load control block (offset 320).
 - `uint32_t state[nslots]`: FREE 0, WRITING 1, READY 2, TAKEN 3, DONE 4; each word is also the futex its producer sleeps on.
@@ -128,6 +128,38 @@ MAN_SECTIONS = {
         "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
         "instead. `--native off` always uses the Python loop."
     ),
+    "SECURITY": (
+        "The ring is a boundary between users. `serve` creates it mode 0600: only its owner may "
+        "produce. To share it on purpose, `--group GROUP --mode 0660` (or `[ring] group` and "
+        "`mode`) gives it to a group; the mode is set exactly, whatever the umask, and an existing "
+        "ring the daemon adopts gets it too. A ring that is not a regular file, is a symbolic link, "
+        "or belongs to another user is never adopted, mapped or replaced: another user could "
+        "otherwise create the name first and give any answer. Producers (`infer`, `status`, `load`, "
+        "the Python client, `examples/kinfer_producer.c`) trust only rings of their own user or "
+        "root, and those of the user named by `--ring-owner`. `--recreate` replaces only a ring of "
+        "this user that no daemon serves; any other file is refused (exit 64).\n\n"
+        "Whatever a process that may write the ring writes there is checked before use: the header's "
+        "sizes before anything is mapped (the daemon then takes every offset from that checked copy, "
+        "and rewrites the header if it is overwritten later), pids (a `producer_pid` of 0 or above "
+        "the kernel's limit names no process: its WRITING slot is reclaimed), state words, entries, "
+        "counters (they wrap). A writer that cuts the file short (ftruncate) cannot kill the daemon "
+        "with SIGBUS: a handler (`csrc/kinfer_guard.c`, built with the native loop's compiler) gives "
+        "the file its length back, and housekeeping does the same every 100 ms; the requests in "
+        "the lost part are dropped, the stats' `ring_repairs` counts the repairs. Where the file "
+        "cannot be given its length back the daemon stops with exit 1 and says so. Without a C "
+        "compiler there is no such handler, and a ring writable by others (`--mode` with group or "
+        "other write) is refused.\n\n"
+        "Model loads: the control block asks the daemon to load a file, and anyone who may write "
+        "the ring may write it. The daemon reads only regular files inside its model directories "
+        "(`--model-dir`, repeatable, or `[model] load_dir`; by default the directory of the model "
+        "it started with, when no one else may write it; none with `--random-model`), at most "
+        "256 MiB, opened without waiting (a FIFO is refused), within 10 s; a link that leads "
+        "outside is outside. `load` reports the daemon's refusal in words: 1 unreadable model, 2 "
+        "does not fit the ring, 3 not a regular file in a model directory, 4 timed out, 5 model id "
+        "above 63.\n\n"
+        "The feature store (`features register`) is made mode 0600 too (`--mode` shares it), replaces "
+        "only a store of this user, and is checked and guarded the same way."
+    ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
         "(3 digits), pending I/Os at the issue of each of the last 4 completed reads (4 x 3), and "
@@ -147,20 +179,28 @@ MAN_SECTIONS = {
     ),
     "PROFILE": (
         "TOML, read with tomllib. Tables: `[model]` name, file (model .npz, relative to the "
-        "profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
+        "profile), inputs, hidden, outputs, load_dir (see SECURITY); `[ring]` name, lanes, "
+        "slots_per_lane, mode (a string of octal digits, \"0600\", or an integer such as 0o660), "
+        "group; `[batch]` "
         "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
         "probe_busy_ms, window_ms, window_samples (see POLICY); `[native]` mode "
         "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
         "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
         "atomically; comments added by hand are not kept. An old profile's `busy_factor`, "
-        "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message."
+        "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message.\n\n"
+        "Every key is typed and bounded: a wrong type, a negative batch size or window, a mode that "
+        "leaves the owner without read and write, an unknown table or key, invalid UTF-8, or a "
+        "profile that is not a regular file is an error (exit 64) naming the file, the table and "
+        "the key; all the problems of a profile are reported at once."
     ),
     "FILES": (
         "- `/dev/shm/NAME`: the ring, and feature stores.\n"
         "- `profiles/linnos.toml`: the LinnOS profile.\n"
         "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
-        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`."
+        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`.\n"
+        "- `gpuos_tools/kinfer/csrc/kinfer_guard.c`: the truncation guard (SECURITY); built into "
+        "`~/.cache/gpuos-tools/libgpuos_kinfer_guard-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
