@@ -656,7 +656,7 @@ class Server:
         self._loading = False
         self._load_seq = None
 
-    def _start_load(self, seq: int, model_id: int, raw_path: bytes) -> None:
+    def _start_load(self, seq: int, model_id: int, raw_path: bytes | str) -> None:
         """Load a model in a thread; the loop swaps it in between two batches. Only a regular
         file inside one of ``options.model_dirs`` is read (any process that can write the ring
         can ask), without waiting on anything that is not one, and within ``load_timeout_s``."""
