@@ -206,6 +206,10 @@ def test_the_native_loop_refuses_a_layout_beyond_its_mapping(ring_name: str) -> 
         ring.header["outputs_offset"] = 1 << 40
         assert not lib.kn_create(ring.base, ring.size, 0, 0, 1)
         R.write_header(ring.mm, ring.geometry)
+        ring.header["state_offset"] = (1 << 64) - 8  # state_offset + 4 * nslots wraps around 2^64
+        ring.header["meta_offset"] = 4096
+        assert not lib.kn_create(ring.base, ring.size, 0, 0, 1)
+        R.write_header(ring.mm, ring.geometry)
         handle = lib.kn_create(ring.base, ring.size, 0, 0, 1)
         assert handle
         lib.kn_destroy(handle)

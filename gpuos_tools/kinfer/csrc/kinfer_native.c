@@ -368,12 +368,15 @@ static void *loop(void *arg)
 /* -- the interface the daemon calls (ctypes) ------------------------------------------------ */
 
 /* Is the layout a header states inside the mapped bytes, each array after the one before? Every
- * count is bounded first, so no product below can overflow. */
+ * count and offset is bounded first (offsets by the mapping, below 2^48), so no sum or product
+ * below can overflow. */
 static int layout_ok(const struct gpuos_kinfer_header *h, uint64_t mapped)
 {
     const uint64_t n = h->nslots, mi = h->max_inputs, mo = h->max_outputs;
     if (h->lanes == 0 || h->slots_per_lane == 0 || n != (uint64_t)h->lanes * h->slots_per_lane || n > (1u << 20) ||
-        mi == 0 || mi > (1u << 16) || mo == 0 || mo > KN_MAX_OUTPUTS)
+        mi == 0 || mi > (1u << 16) || mo == 0 || mo > KN_MAX_OUTPUTS || mapped >= (1ull << 48))
+        return 0;
+    if (h->state_offset > mapped || h->meta_offset > mapped || h->inputs_offset > mapped || h->outputs_offset > mapped)
         return 0;
     return h->state_offset >= GPUOS_KINFER_HEADER_SIZE && h->state_offset % 4 == 0 &&
            h->meta_offset >= h->state_offset + 4 * n && h->meta_offset % 8 == 0 &&
