@@ -53,7 +53,7 @@ def unused_id(start: int = 61000, skip: tuple[int, ...] = ()) -> int:
 def shared_directory() -> Iterator[Path]:
     """A directory every user may write, sticky like /tmp (pytest's own tmp_path is private to
     root, so a second user could not even reach a file in it); removed afterwards."""
-    d = Path(tempfile.mkdtemp(prefix="gpuos-shared-"))
+    d = Path(tempfile.mkdtemp(prefix="gpuos-shared-", dir="/tmp"))  # not $TMPDIR: it may sit in a private directory
     d.chmod(0o1777)
     try:
         yield d
