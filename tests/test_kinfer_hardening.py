@@ -8,7 +8,6 @@ model or a FIFO named in the control block, `serve --recreate` over a file that 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
