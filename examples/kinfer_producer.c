@@ -58,14 +58,20 @@ int main(int argc, char **argv)
     long n = atol(argv[2]);
     uint32_t entry_version = argc > 3 ? (uint32_t)atol(argv[3]) : GPUOS_KINFER_ENTRY_VERSION;
 
-    int fd = open(path, O_RDWR);
+    int fd = open(path, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) {
         fprintf(stderr, "%s: %s\n", path, strerror(errno));
         return 3;
     }
     struct stat st;
-    if (fstat(fd, &st) < 0 || (size_t)st.st_size < sizeof(struct gpuos_kinfer_header)) {
-        fprintf(stderr, "%s: too small for a ring\n", path);
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || (size_t)st.st_size < sizeof(struct gpuos_kinfer_header)) {
+        fprintf(stderr, "%s: not a ring (a regular file of at least a header)\n", path);
+        return 3;
+    }
+    /* a ring another user made could answer anything: trust this user's and root's (a ring shared
+     * on purpose by another user: compare with that user's uid instead) */
+    if (st.st_uid != geteuid() && st.st_uid != 0) {
+        fprintf(stderr, "%s: belongs to uid %u, not to this user or root\n", path, (unsigned)st.st_uid);
         return 3;
     }
     uint8_t *base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -1077,7 +1077,7 @@ def test_native_hot_swap_never_mixes_models(ring_name: str, tmp_path: Path) -> N
     a, b = M.Mlp.random(seed=1), M.Mlp.random(seed=2)
     b.save(tmp_path / "b.npz")
     a.save(tmp_path / "a.npz")
-    srv = _native_server(ring_name, a)
+    srv = _native_server(ring_name, a, model_dirs=(str(tmp_path),))
     x = np.arange(31, dtype=np.float32) % 10
     ya, yb = a.forward(x[None])[0], b.forward(x[None])[0]
     try:

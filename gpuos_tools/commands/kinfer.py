@@ -41,8 +41,24 @@ ProfileOpt = typer.Option(
     "with the package (linnos).",
 )
 RingOpt = typer.Option(None, "--ring", "-r", metavar="NAME", help="Ring name (/dev/shm/NAME); default: the profile's.")
+RingOwnerOpt = typer.Option(None, "--ring-owner", metavar="USER", help="Also trust a ring of this user (a daemon of "
+                            "another user sharing its ring); otherwise only this user's and root's rings are used.")
 
-_LAYOUT = """The ring is one file, `/dev/shm/NAME`, laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
+
+def _ring_owner(user: str | None) -> int | None:
+    """A user name or uid, as given to --ring-owner, to a uid."""
+    import pwd
+
+    if user is None:
+        return None
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise typer.BadParameter(f"no user named {user!r}", param_hint="--ring-owner") from None
+
+_LAYOUT = """The ring is one file, `/dev/shm/NAME` (mode 0600 unless shared on purpose: SECURITY), laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
 
 - `struct gpuos_kinfer_header`, 4096 bytes: magic `0x31524E49464B5047` ("GPKINFR1"), layout version 1, header size, slot count, lanes, slots per lane, floats per request and per answer, meta size (128), file size, the offsets of the four arrays below, the daemon's pid, epoch and heartbeat, the model generation, the doorbell futex word (offset 128) and the daemon's sleeping flag (132), 16 counters (offset 192: served, batches, cpu_batches, gpu_batches, drop_bad_version, drop_bad_size, drop_bad_model, drop_bad_value, drop_abandoned, drop_bad_state, requeued, model_swaps, sleeps) and the model-load control block (offset 320).
 - `uint32_t state[nslots]`: FREE 0, WRITING 1, READY 2, TAKEN 3, DONE 4; each word is also the futex its producer sleeps on.
@@ -115,6 +131,38 @@ MAN_SECTIONS = {
         "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
         "instead. `--native off` always uses the Python loop."
     ),
+    "SECURITY": (
+        "The ring is a boundary between users. `serve` creates it mode 0600: only its owner may "
+        "produce. To share it on purpose, `--group GROUP --mode 0660` (or `[ring] group` and "
+        "`mode`) gives it to a group; the mode is set exactly, whatever the umask, and an existing "
+        "ring the daemon adopts gets it too. A ring that is not a regular file, is a symbolic link, "
+        "or belongs to another user is never adopted, mapped or replaced: another user could "
+        "otherwise create the name first and give any answer. Producers (`infer`, `status`, `load`, "
+        "the Python client, `examples/kinfer_producer.c`) trust only rings of their own user or "
+        "root, and those of the user named by `--ring-owner`. `--recreate` replaces only a ring of "
+        "this user that no daemon serves; any other file is refused (exit 64).\n\n"
+        "Whatever a process that may write the ring writes there is checked before use: the header's "
+        "sizes before anything is mapped (the daemon then takes every offset from that checked copy, "
+        "and rewrites the header if it is overwritten later), pids (a `producer_pid` of 0 or above "
+        "the kernel's limit names no process: its WRITING slot is reclaimed), state words, entries, "
+        "counters (they wrap). A writer that cuts the file short (ftruncate) cannot kill the daemon "
+        "with SIGBUS: a handler (`csrc/kinfer_guard.c`, built with the native loop's compiler) gives "
+        "the file its length back, and housekeeping does the same every 100 ms; the requests in "
+        "the lost part are dropped, the stats' `ring_repairs` counts the repairs. Where the file "
+        "cannot be given its length back the daemon stops with exit 1 and says so. Without a C "
+        "compiler there is no such handler, and a ring writable by others (`--mode` with group or "
+        "other write) is refused.\n\n"
+        "Model loads: the control block asks the daemon to load a file, and anyone who may write "
+        "the ring may write it. The daemon reads only regular files inside its model directories "
+        "(`--model-dir`, repeatable, or `[model] load_dir`; by default the directory of the model "
+        "it started with, when no one else may write it; none with `--random-model`), at most "
+        "256 MiB, opened without waiting (a FIFO is refused), within 10 s; a link that leads "
+        "outside is outside. `load` reports the daemon's refusal in words: 1 unreadable model, 2 "
+        "does not fit the ring, 3 not a regular file in a model directory, 4 timed out, 5 model id "
+        "above 63.\n\n"
+        "The feature store (`features register`) is made mode 0600 too (`--mode` shares it), replaces "
+        "only a store of this user, and is checked and guarded the same way."
+    ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
         "(3 digits), pending I/Os at the issue of each of the last 4 completed reads (4 x 3), and "
@@ -135,14 +183,20 @@ MAN_SECTIONS = {
     "PROFILE": (
         "TOML, read with tomllib. `--profile NAME` finds `~/.config/gpuos-tools/profiles/NAME.toml` "
         "(`$XDG_CONFIG_HOME`) first, else the profile installed with the package; `--profile FILE` "
-        "reads FILE. Tables: `[model]` name, file (model .npz, relative to the profile), inputs, hidden, outputs; `[ring]` name, lanes, slots_per_lane; `[batch]` "
+        "reads FILE. Tables: `[model]` name, file (model .npz, relative to the profile), inputs, hidden, "
+        "outputs, load_dir (see SECURITY); `[ring]` name, lanes, slots_per_lane, mode (a string of octal "
+        "digits, \"0600\", or an integer such as 0o660), group; `[batch]` "
         "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
         "probe_busy_ms, window_ms, window_samples (see POLICY); `[native]` mode "
         "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
         "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
         "atomically (an installed profile is never rewritten: its calibrated copy goes to "
         "`~/.config/gpuos-tools/profiles/`); comments added by hand are not kept. An old profile's `busy_factor`, "
-        "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message."
+        "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message.\n\n"
+        "Every key is typed and bounded: a wrong type, a negative batch size or window, a mode that "
+        "leaves the owner without read and write, an unknown table or key, invalid UTF-8, or a "
+        "profile that is not a regular file is an error (exit 64) naming the file, the table and "
+        "the key; all the problems of a profile are reported at once."
     ),
     "FILES": (
         "- `/dev/shm/NAME`: the ring, and feature stores.\n"
@@ -152,7 +206,9 @@ MAN_SECTIONS = {
         "name before the installed ones; `calibrate` writes its copy of an installed profile there.\n"
         "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
-        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`."
+        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`.\n"
+        "- `gpuos_tools/kinfer/csrc/kinfer_guard.c`: the truncation guard (SECURITY); built into "
+        "`~/.cache/gpuos-tools/libgpuos_kinfer_guard-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
@@ -215,32 +271,46 @@ def serve(
     ),
     gpu: str = typer.Option("auto", "--gpu", metavar="auto|on|off", help="auto: the GPU when CuPy and a GPU are there; on: fail without."),
     device: int = typer.Option(0, "--device", help="GPU index."),
-    window_us: Optional[float] = typer.Option(None, "--window-us", help="Batching window (µs); default: the profile's."),
-    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch; default: the profile's."),
-    spin_us: float = typer.Option(200.0, "--spin-us", help="Spin this long on an empty ring before sleeping."),
+    window_us: Optional[float] = typer.Option(None, "--window-us", min=0.0, max=1e6, help="Batching window (µs); default: the profile's."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, max=1 << 20, help="Largest batch; default: the profile's."),
+    spin_us: float = typer.Option(200.0, "--spin-us", min=0.0, max=1e7, help="Spin this long on an empty ring before sleeping."),
     native: Optional[str] = typer.Option(
         None, "--native", metavar="auto|on|off",
         help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",
     ),
-    recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of another geometry."),
+    recreate: bool = typer.Option(False, "--recreate", help="Replace an existing ring of this user (another geometry, "
+                                  "or a damaged one) that no daemon serves; any other file is refused."),
+    mode: Optional[str] = typer.Option(None, "--mode", metavar="OCTAL", help="Permission bits of the ring file "
+                                       "(default: the profile's, 0600: this user only; 0660 with --group shares it)."),
+    group: Optional[str] = typer.Option(None, "--group", metavar="GROUP", help="Give the ring file to this group "
+                                        "(name or number) so that its members may produce (with --mode 0660)."),
+    model_dir: Optional[list[str]] = typer.Option(None, "--model-dir", metavar="DIR", help="Take model-load requests "
+                                                  "(gpu-kinfer-bridge load) only for regular files inside DIR (repeat "
+                                                  "for several); default: the profile's, else the served model's "
+                                                  "directory when no one else may write it."),
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
 ) -> None:
     """Serve inference requests from the ring until SIGTERM or SIGINT.
 
-    Creates the ring (or attaches to the one a previous daemon left, keeping its producers),
-    then answers every request. At exit writes one `kinfer_stats` record (the ring's counters)
-    to the output; messages go to stderr.
+    Creates the ring (or attaches to the one a previous daemon of this user left, keeping its
+    producers), then answers every request. At exit writes one `kinfer_stats` record (the
+    ring's counters) to the output; messages go to stderr.
     """
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.model import Mlp
-    from gpuos_tools.kinfer.policy import load_profile
-    from gpuos_tools.kinfer.server import ServeOptions, Server
+    from gpuos_tools.kinfer.policy import load_profile, parse_mode
+    from gpuos_tools.kinfer.server import ServeOptions, Server, default_model_dirs
     from gpuos_tools.stream import make_header, open_output
 
     ExitCode, GpuosError = _err()
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
+    if mode is not None:
+        try:
+            parse_mode(mode)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--mode") from None
     prof = load_profile(profile)
     ns = prof.section("native")
     native_mode = str(ns["mode"]) if native is None else native
@@ -249,6 +319,7 @@ def serve(
     shape = prof.section("model")
     if random_model is not None:
         mlp = Mlp.random(int(shape["inputs"]), int(shape["hidden"]), int(shape["outputs"]), random_model)
+        path = None
     else:
         path = model or (str(prof.model_file()) if prof.model_file() else None)
         if path is None:
@@ -259,13 +330,32 @@ def serve(
         mlp = _load_model(path)
     rs, bs = prof.section("ring"), prof.section("batch")
     geometry = R.Geometry(int(rs["lanes"]), int(rs["slots_per_lane"]), max(32, mlp.n_inputs), max(4, mlp.n_outputs))
+    try:
+        R.check_geometry(geometry)
+    except ValueError as e:
+        raise GpuosError(f"ring geometry: {e}", ExitCode.USAGE) from None
+    load_dir = shape["load_dir"]
+    if model_dir:
+        dirs = tuple(model_dir)
+    elif load_dir:
+        dirs = (str(prof.relative(load_dir)),)
+    else:
+        dirs = default_model_dirs(path)
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise GpuosError(f"{d}: no such directory (--model-dir)", ExitCode.USAGE)
     opts = ServeOptions(
         window_us=float(bs["window_us"] if window_us is None else window_us),
         max_batch=int(bs["max"] if max_batch is None else max_batch),
         spin_us=spin_us, use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
+        mode=parse_mode(rs["mode"] if mode is None else mode), group=(rs["group"] or None) if group is None else group,
+        model_dirs=dirs,
     )
     name = ring or str(rs["name"])
     server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
+    if not dirs:
+        print("gpu-kinfer-bridge: model loads are off (no --model-dir, and the model's directory is not private to "
+              "this user)", file=sys.stderr, flush=True)
     try:
         server.install_signals()
         where = "CPU and GPU" if server.gpu_ready else "CPU only"
@@ -282,17 +372,22 @@ def serve(
                  "gpu_delay_us": round(server.speed.delay_us(), 3), "gpu_probes": server.speed.probes,
                  "cpu_extra_us": round(server.cpu_speed.fit()[0], 3), "cpu_scale": round(server.cpu_speed.fit()[1], 4),
                  "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
+        stats["ring_repairs"] = server.repairs
+        failure = server.failure
     finally:
         server.close()
     with open_output(output, unbuffered=unbuffered or None) as writer:
         writer.write(make_header("gpu-kinfer-bridge", ring=name))
         writer.write(stats)
+    if failure:
+        raise GpuosError(failure, ExitCode.FAILURE)
 
 
 @app.command()
 def status(
     ring: Optional[str] = RingOpt,
     profile: Optional[str] = ProfileOpt,
+    ring_owner: Optional[str] = RingOwnerOpt,
     wait: Optional[str] = typer.Option(
         None, "--wait", metavar="DURATION",
         help="Wait up to DURATION (30s, 500ms) for a live daemon on the ring before answering, as a script "
@@ -306,15 +401,17 @@ def status(
     from gpuos_tools.stream import make_header, open_output
     from gpuos_tools.units import parse_duration
 
+    owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
+    owners = None if owner is None else (os.geteuid(), 0, owner)
     if wait is None:
-        r = R.Ring.attach(name)
+        r = R.Ring.attach(name, owners=owners)
     else:
         try:
             limit = parse_duration(wait)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--wait") from None
-        r = _wait_for_daemon(name, limit)
+        r = _wait_for_daemon(name, limit, owners)
     try:
         h = r.header
         g = r.geometry
@@ -333,7 +430,7 @@ def status(
         writer.write(rec)
 
 
-def _wait_for_daemon(name: str, limit: float) -> Any:
+def _wait_for_daemon(name: str, limit: float, owners: tuple[int, ...] | None = None) -> Any:
     """The ring once a live daemon serves it, polled every 20 ms for ``limit`` seconds."""
     from gpuos_tools.kinfer import ring as R
 
@@ -341,7 +438,7 @@ def _wait_for_daemon(name: str, limit: float) -> Any:
     deadline = time.monotonic() + limit
     while True:
         try:
-            r = R.Ring.attach(name)
+            r = R.Ring.attach(name, owners=owners)
         except R.RingError as e:
             if e.code != ExitCode.NO_INPUT or time.monotonic() >= deadline:
                 raise
@@ -360,7 +457,8 @@ def infer(
     ring: Optional[str] = RingOpt,
     profile: Optional[str] = ProfileOpt,
     model_id: int = typer.Option(0, "--model-id", help="Model to ask (0: the daemon's default)."),
-    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for each answer."),
+    timeout: float = typer.Option(5.0, "--timeout", min=0.0, help="Seconds to wait for each answer."),
+    ring_owner: Optional[str] = RingOwnerOpt,
     output: OutputOpt = "-",
     unbuffered: UnbufferedOpt = False,
 ) -> None:
@@ -371,8 +469,9 @@ def infer(
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.stream import make_header, open_input, open_output
 
+    owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
-    with R.Client(name) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
+    with R.Client(name, owner=owner) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
         if reader.header is None:
             writer.write(make_header("gpu-kinfer-bridge", ring=name))
         for rec in reader:
@@ -412,23 +511,28 @@ def load(
     model: str = typer.Argument(..., metavar="MODEL", help="Model file (.npz) to swap in."),
     ring: Optional[str] = RingOpt,
     profile: Optional[str] = ProfileOpt,
-    model_id: int = typer.Option(0, "--model-id", help="Which model to replace or add (0: the default)."),
-    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the daemon to take it."),
+    model_id: int = typer.Option(0, "--model-id", min=0, max=63, help="Which model to replace or add (0: the default; up to 63)."),
+    timeout: float = typer.Option(30.0, "--timeout", min=0.0, help="Seconds to wait for the daemon to take it."),
+    ring_owner: Optional[str] = RingOwnerOpt,
 ) -> None:
     """Swap a model into the running daemon without restarting it.
 
     The daemon loads the file in a thread and swaps it in between two batches; requests
-    already being answered finish on the old model. The file is checked here first.
+    already being answered finish on the old model. The file is checked here first; the daemon
+    takes only regular files inside its model directories (`serve --model-dir`).
     """
+    from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.kinfer.server import request_load
 
     ExitCode, GpuosError = _err()
     _load_model(model)
+    owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
-    code = request_load(name, model, model_id, timeout)
+    code = request_load(name, model, model_id, timeout, owner=owner)
     if code != 0:
-        raise GpuosError(f"the daemon refused {model} (status {code}; its stderr says why)", ExitCode.FAILURE)
+        why = R.CONTROL_NAMES.get(code, f"status {code}")
+        raise GpuosError(f"the daemon refused {model}: {why} (its stderr says more)", ExitCode.FAILURE)
     print(f"gpu-kinfer-bridge: model {model_id} is now {model}", file=sys.stderr)
 
 
@@ -701,12 +805,20 @@ def features_register(
     fields: list[str] = typer.Option(..., "--field", "-f", metavar="NAME", help="A field name (repeat, in order)."),
     schema: str = typer.Option("features", "--schema", help="Schema name."),
     capacity: int = typer.Option(65536, "--capacity", help="Records kept (the oldest are overwritten)."),
+    mode: str = typer.Option("0600", "--mode", metavar="OCTAL", help="Permission bits of the store (0600: this user "
+                             "only; 0666 lets every user record)."),
 ) -> None:
-    """Create a feature store for vectors of the given fields."""
+    """Create a feature store for vectors of the given fields (replacing a store of this user of
+    that name; any other file is refused)."""
     from gpuos_tools.kinfer.features import FeatureStore
+    from gpuos_tools.kinfer.policy import parse_mode
 
     try:
-        FeatureStore.register(name, schema, fields, capacity).close()
+        bits = parse_mode(mode)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--mode") from None
+    try:
+        FeatureStore.register(name, schema, fields, capacity, mode=bits).close()
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--field") from None
 

@@ -14,23 +14,28 @@ the ring is full the oldest records are overwritten.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import stat
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from gpuos_tools.errors import ExitCode
-from gpuos_tools.kinfer.ring import LOCK_DAEMON, RingError, flock_struct, ring_path
+from gpuos_tools.kinfer.ring import DEFAULT_MODE, LOCK_DAEMON, RingError, flock_struct, remove_ring, ring_path
 
 MAGIC = 0x31544145464B5047  # "GPKFEAT1"
 VERSION = 1
 HEADER_SIZE = 4096
 MAX_FIELDS = 64
 NAME_LEN = 48
+#: Most records a store may hold (a header saying more is refused before anything is mapped).
+MAX_CAPACITY = 1 << 28
 
 HEADER_DTYPE = np.dtype({
     "names": ["magic", "version", "n_fields", "capacity", "record_size", "write_index", "schema", "fields"],
@@ -45,19 +50,29 @@ def _record_size(n_fields: int) -> int:
 
 
 class FeatureStore:
-    def __init__(self, path: Path, fd: int, mm: mmap.mmap):
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, checked: bytes | None = None):
+        """``checked``: the header as it was checked (the live one may change under us; the
+        layout is taken from the checked copy)."""
         self.path, self.fd, self.mm = path, fd, mm
         self.header = np.frombuffer(mm, dtype=np.uint8)[:HEADER_SIZE].view(HEADER_DTYPE)[0]
-        h = self.header
+        h = self.header if checked is None else np.frombuffer(checked, dtype=HEADER_DTYPE)[0]
         self.n_fields = int(h["n_fields"])
         self.capacity = int(h["capacity"])
         self.record_size = int(h["record_size"])
-        self.schema = bytes(h["schema"]).decode()
-        self.fields = [bytes(f).decode() for f in h["fields"][: self.n_fields]]
+        self.schema = bytes(h["schema"]).decode(errors="replace")
+        self.fields = [bytes(f).decode(errors="replace") for f in h["fields"][: self.n_fields]]
+        from gpuos_tools.kinfer import guard
+
+        size = HEADER_SIZE + self.capacity * self.record_size
+        region = guard.protect(np.frombuffer(mm, dtype=np.uint8).ctypes.data, size, fd, size)  # a writer may cut it short
+        self._unguard = weakref.finalize(mm, region.release) if region is not None else None
 
     @classmethod
-    def register(cls, name: str, schema: str, fields: Sequence[str], capacity: int = 65536) -> FeatureStore:
-        """Create the store ``name`` for vectors of ``fields`` (replacing any store of that name)."""
+    def register(cls, name: str, schema: str, fields: Sequence[str], capacity: int = 65536,
+                 mode: int = DEFAULT_MODE) -> FeatureStore:
+        """Create the store ``name`` for vectors of ``fields``, mode ``mode`` (this user's alone
+        unless shared on purpose), replacing a feature store of this user of that name and
+        nothing else."""
         if not 1 <= len(fields) <= MAX_FIELDS:
             raise ValueError(f"a schema has 1 to {MAX_FIELDS} fields, not {len(fields)}")
         if len(set(fields)) != len(fields):
@@ -65,12 +80,17 @@ class FeatureStore:
         for text in (schema, *fields):
             if not text or len(text.encode()) >= NAME_LEN:
                 raise ValueError(f"names are 1 to {NAME_LEN - 1} bytes: {text!r}")
-        if capacity < 1:
-            raise ValueError("capacity must be positive")
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity must be 1 to {MAX_CAPACITY}")
         path = ring_path(name)
-        path.unlink(missing_ok=True)
+        if os.path.lexists(path):
+            remove_ring(path, MAGIC, "feature store", served=False)
         size = HEADER_SIZE + capacity * _record_size(len(fields))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise RingError(f"{path}: created by someone else meanwhile; refusing to use it", ExitCode.FAILURE) from None
+        os.fchmod(fd, mode)
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
         h = np.frombuffer(mm, dtype=np.uint8)[:HEADER_SIZE].view(HEADER_DTYPE)
@@ -85,34 +105,51 @@ class FeatureStore:
         return cls(path, fd, mm)
 
     @classmethod
-    def open(cls, name: str) -> FeatureStore:
+    def open(cls, name: str, owners: tuple[int, ...] | None = None) -> FeatureStore:
+        """Map a store after checking, before mapping, that it is a regular file (not followed
+        through a link) of one of ``owners`` (default: this user or root) with a sound header."""
         path = ring_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise RingError(f"{path}: no such feature store (register it first)", ExitCode.NO_INPUT) from None
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size) if size >= HEADER_SIZE else None
-        h = np.frombuffer(mm, dtype=np.uint8)[:HEADER_SIZE].view(HEADER_DTYPE)[0] if mm is not None else None
-        problem = None
-        if h is None or int(h["magic"]) != MAGIC:
-            problem = "not a feature store"
-        elif int(h["version"]) != VERSION:
-            problem = f"feature store version {int(h['version'])}, this program speaks {VERSION}"
-        elif not 1 <= int(h["n_fields"]) <= MAX_FIELDS or int(h["record_size"]) != _record_size(int(h["n_fields"])):
-            problem = "inconsistent field count or record size"
-        elif size < HEADER_SIZE + int(h["capacity"]) * int(h["record_size"]):
-            problem = "file shorter than its header says"
-        if problem:
-            del h
-            if mm is not None:
-                mm.close()
+        except PermissionError as e:
+            raise RingError(f"{path}: {e.strerror}", ExitCode.PERMISSION) from None
+        except OSError as e:
+            what = "a symbolic link, not a feature store" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
+            raise RingError(f"{path}: {what}", ExitCode.BAD_INPUT) from None
+        try:
+            st = os.fstat(fd)
+            allowed = (os.geteuid(), 0) if owners is None else owners
+            if not stat.S_ISREG(st.st_mode):
+                raise RingError(f"{path}: not a regular file, not a feature store", ExitCode.BAD_INPUT)
+            if st.st_uid not in allowed:
+                raise RingError(f"{path}: belongs to uid {st.st_uid}: refusing a feature store another user made",
+                                ExitCode.PERMISSION)
+            raw = os.pread(fd, HEADER_SIZE, 0)
+            h = np.frombuffer(raw, dtype=HEADER_DTYPE)[0] if len(raw) == HEADER_SIZE else None
+            problem = None
+            if h is None or int(h["magic"]) != MAGIC:
+                problem = "not a feature store"
+            elif int(h["version"]) != VERSION:
+                problem = f"feature store version {int(h['version'])}, this program speaks {VERSION}"
+            elif not 1 <= int(h["n_fields"]) <= MAX_FIELDS or int(h["record_size"]) != _record_size(int(h["n_fields"])):
+                problem = "inconsistent field count or record size"
+            elif not 1 <= int(h["capacity"]) <= MAX_CAPACITY:
+                problem = f"capacity {int(h['capacity'])} out of range"
+            elif st.st_size < HEADER_SIZE + int(h["capacity"]) * int(h["record_size"]):
+                problem = "file shorter than its header says"
+            if problem:
+                raise RingError(f"{path}: {problem}", ExitCode.BAD_INPUT)
+            mm = mmap.mmap(fd, HEADER_SIZE + int(h["capacity"]) * int(h["record_size"]))
+        except BaseException:
             os.close(fd)
-            raise RingError(f"{path}: {problem}", ExitCode.BAD_INPUT)
-        del h
-        return cls(path, fd, mm)  # type: ignore[arg-type]
+            raise
+        return cls(path, fd, mm, raw)
 
     def close(self) -> None:
+        if self._unguard is not None:
+            self._unguard()
         del self.header
         self.mm.close()
         os.close(self.fd)
@@ -129,7 +166,7 @@ class FeatureStore:
             off = HEADER_SIZE + (seq % self.capacity) * self.record_size
             self.mm[off : off + 16] = np.array([ts, seq], dtype="<u8").tobytes()
             self.mm[off + 16 : off + 16 + 4 * self.n_fields] = vec.tobytes()
-            self.header["write_index"] = seq + 1
+            self.header["write_index"] = (seq + 1) & 0xFFFFFFFFFFFFFFFF
         finally:
             fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_UNLCK, LOCK_DAEMON))
         return seq

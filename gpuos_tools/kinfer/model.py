@@ -29,6 +29,8 @@ HIDDEN = 256
 N_OUTPUTS = 2
 HISTORY = 4
 FAST, SLOW = 0, 1
+#: Largest sum of a model file's arrays, unpacked (a small archive could unpack to gigabytes).
+MAX_UNPACKED = 1 << 30
 
 
 @dataclass
@@ -89,21 +91,37 @@ class Mlp:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Mlp:
         """Read a model file; ValueError names what is wrong with a bad one."""
+        return cls._read(path, str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> Mlp:
+        """A model from a file's bytes (read by the caller, who checked the file); ``name`` for messages."""
+        return cls._read(io.BytesIO(data), name)
+
+    @classmethod
+    def _read(cls, source: Any, name: str) -> Mlp:
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with np.load(source, allow_pickle=False) as z:
                 missing = {"w1", "b1", "w2", "b2"} - set(z.files)
                 if missing:
-                    raise ValueError(f"{path}: not a model file (missing {', '.join(sorted(missing))})")
+                    raise ValueError(f"{name}: not a model file (missing {', '.join(sorted(missing))})")
+                unpacked = sum(info.file_size for info in z.zip.infolist())
+                if unpacked > MAX_UNPACKED:
+                    raise ValueError(f"{name}: its arrays unpack to {unpacked} bytes, more than a model may ({MAX_UNPACKED})")
                 meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+                if not isinstance(meta, dict):
+                    raise ValueError(f"{name}: not a model file (meta is not a JSON object)")
                 model = cls(z["w1"], z["b1"], z["w2"], z["b2"], meta)
         except (OSError, EOFError) as e:
-            raise ValueError(f"{path}: cannot read model: {e}") from e
-        except Exception as e:  # zipfile.BadZipFile, pickle refusal, bad JSON...
-            if isinstance(e, ValueError) and str(e).startswith(str(path)):
+            raise ValueError(f"{name}: cannot read model: {e}") from e
+        except Exception as e:  # zipfile.BadZipFile, pickle refusal, bad JSON, bad shapes...
+            if isinstance(e, ValueError) and str(e).startswith(name):
                 raise
-            raise ValueError(f"{path}: not a model file ({type(e).__name__}: {e})") from e
+            raise ValueError(f"{name}: not a model file ({type(e).__name__}: {e})") from e
+        if model.w1.ndim != 2 or model.w2.ndim != 2 or min(model.w1.shape + model.w2.shape) < 1:
+            raise ValueError(f"{name}: not a model file (layers of shape {model.w1.shape} and {model.w2.shape})")
         if not all(np.isfinite(a).all() for a in (model.w1, model.b1, model.w2, model.b2)):
-            raise ValueError(f"{path}: weights contain NaN or infinity")
+            raise ValueError(f"{name}: weights contain NaN or infinity")
         return model
 
 

@@ -44,7 +44,7 @@ def library(cache: Path | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     vp, u32, u64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64
     for name, res, args in [
-        ("kn_create", vp, [vp, u64, u64, u32]),
+        ("kn_create", vp, [vp, u64, u64, u64, u32]),
         ("kn_set_model", vp, [vp, u32, vp]),
         ("kn_in_use", ctypes.c_int, [vp, vp]),
         ("kn_set_cpu_ok", None, [vp, vp, u32]),
@@ -108,11 +108,13 @@ def native_forward(model: Mlp, x: np.ndarray, lib: ctypes.CDLL | None = None) ->
 
 
 class NativeLoop:
-    """The C serve thread of one mapped ring (``base``: the address of its first byte)."""
+    """The C serve thread of one mapped ring (``base``: the address of its first byte; ``size``:
+    how many bytes are mapped there, which the header's layout must fit)."""
 
-    def __init__(self, base: int, spin_us: float, window_us: float, max_batch: int, max_inputs: int, max_outputs: int):
+    def __init__(self, base: int, size: int, spin_us: float, window_us: float, max_batch: int, max_inputs: int,
+                 max_outputs: int):
         self.lib = library()
-        self.handle = self.lib.kn_create(base, int(spin_us * 1e3), int(window_us * 1e3), max_batch)
+        self.handle = self.lib.kn_create(base, size, int(spin_us * 1e3), int(window_us * 1e3), max_batch)
         if not self.handle:
             raise BuildError("the native serve loop refused this ring (layout or output count)")
         self.max_inputs, self.max_outputs = max_inputs, max_outputs

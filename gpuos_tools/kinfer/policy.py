@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -61,8 +62,8 @@ def user_profile_dir() -> Path:
     return Path(base) / "gpuos-tools" / "profiles"
 
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "model": {"name": "linnos", "file": "", "inputs": 31, "hidden": 256, "outputs": 2},
-    "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8},
+    "model": {"name": "linnos", "file": "", "inputs": 31, "hidden": 256, "outputs": 2, "load_dir": ""},
+    "ring": {"name": "gpuos-kinfer", "lanes": 64, "slots_per_lane": 8, "mode": "0600", "group": ""},
     "batch": {"window_us": 20.0, "max": 4096},
     "policy": {
         "cpu_below": 8, "busy_util": 70, "busy_procs": 1, "probe_batch": 64, "probe_idle_ms": 60.0,
@@ -70,6 +71,144 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "native": {"mode": "auto", "max_batch": 64},
 }
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one profile key may hold. ``kind``: int, float (an integer is taken too), str, bool,
+    "mode" (permission bits: an integer such as 0o660 or a string of octal digits) or list
+    (of ``item``); ``low``/``high``: inclusive bounds of a number or of each list item;
+    ``choices``: the strings allowed."""
+
+    kind: Any
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    item: Any = None
+
+
+#: The profile's schema, as data: every key of DEFAULTS (a key without a rule here must hold its
+#: default's type) and the [calibration] table `calibrate` writes. Bounds refuse what cannot work
+#: (a negative batch, a window of minus one microsecond) and what no machine could hold.
+RULES: dict[str, dict[str, Rule]] = {
+    "model": {"inputs": Rule(int, 1, 1 << 16), "hidden": Rule(int, 1, 1 << 16), "outputs": Rule(int, 1, 1 << 16)},
+    "ring": {"lanes": Rule(int, 1, 1 << 16), "slots_per_lane": Rule(int, 1, 1 << 12), "mode": Rule("mode")},
+    "batch": {"window_us": Rule(float, 0, 1e6), "max": Rule(int, 1, 1 << 20)},
+    "policy": {
+        "cpu_below": Rule(int, 0, 1 << 30), "busy_util": Rule(int, 0, 100), "busy_procs": Rule(int, 0, 1 << 16),
+        "probe_batch": Rule(int, 1, 1 << 20), "probe_idle_ms": Rule(float, 1e-3, 1e7), "probe_busy_ms": Rule(float, 1e-3, 1e7),
+        "window_ms": Rule(float, 1e-3, 1e7), "window_samples": Rule(int, 1, 1 << 24),
+    },
+    "native": {"mode": Rule(str, choices=("auto", "on", "off")), "max_batch": Rule(int, 0, 1 << 20)},
+    "calibration": {
+        "batches": Rule(list, 1, 1 << 30, item=int), "cpu_us": Rule(list, 0, 1e12, item=float),
+        "gpu_us": Rule(list, 0, 1e12, item=float), "crossover": Rule(int, -1, 1 << 30), "host": Rule(str),
+        "gpu": Rule(str), "date": Rule(str),
+    },
+}
+#: Largest profile file read (a profile is a few hundred bytes).
+MAX_PROFILE_BYTES = 1 << 20
+
+
+def _rule(table: str, key: str) -> Rule | None:
+    rule = RULES.get(table, {}).get(key)
+    if rule is None and key in DEFAULTS.get(table, {}):
+        default = DEFAULTS[table][key]
+        rule = Rule(bool if isinstance(default, bool) else type(default))
+    return rule
+
+
+def parse_mode(value: Any) -> int:
+    """Permission bits from a profile or a command line: an integer (0o660) or octal digits ("0660")."""
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or any(c not in "01234567" for c in text):
+            raise ValueError(f"{value!r} is not an octal mode such as 0600 or 0660")
+        value = int(text, 8)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o777:
+        raise ValueError(f"{value!r} is not a file mode between 0000 and 0777")
+    if value & 0o600 != 0o600:
+        raise ValueError(f"mode {value:04o} leaves the owner without read and write")
+    return value
+
+
+def _check_value(rule: Rule, value: Any) -> str | None:
+    """What is wrong with ``value`` under ``rule`` (None when it fits), in words."""
+    if rule.kind == "mode":
+        try:
+            parse_mode(value)
+        except ValueError as e:
+            return str(e)
+        return None
+    if rule.kind is list:
+        if not isinstance(value, list):
+            return f"must be a list, not {_toml_type(value)}"
+        for i, v in enumerate(value):
+            problem = _check_value(Rule(rule.item, rule.low, rule.high), v)
+            if problem:
+                return f"item {i} {problem}"
+        return None
+    if rule.kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, not {_toml_type(value)}"
+        if not math.isfinite(value):
+            return f"must be a finite number, not {value}"
+    elif rule.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer, not {_toml_type(value)}"
+    elif not isinstance(value, rule.kind) or (rule.kind is int and isinstance(value, bool)):
+        return f"must be {_toml_type(rule.kind())}, not {_toml_type(value)}"
+    if rule.kind is str:
+        if "\0" in value:
+            return "must not contain a NUL character"
+        if rule.choices and value not in rule.choices:
+            return f"must be one of {', '.join(rule.choices)}, not {value!r}"
+    if rule.low is not None and value < rule.low:
+        return f"must be at least {_number(rule.low)}, not {value}"
+    if rule.high is not None and value > rule.high:
+        return f"must be at most {_number(rule.high)}, not {value}"
+    return None
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def _toml_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def validate_profile(data: dict[str, Any]) -> list[str]:
+    """Every problem of a profile's parsed tables, each naming its [table] and key; empty when
+    the profile is usable. Obsolete keys are left to the caller."""
+    problems = []
+    for table, keys in data.items():
+        if table not in RULES and table not in DEFAULTS:
+            problems.append(f"unknown table [{table}] (known: {', '.join(sorted({*DEFAULTS, *RULES}))})")
+            continue
+        if not isinstance(keys, dict):
+            problems.append(f"{table} must be a table, not {_toml_type(keys)}")
+            continue
+        unknown = sorted(set(keys) - set(DEFAULTS.get(table, {})) - set(RULES.get(table, {})) - set(OBSOLETE.get(table, {})))
+        if unknown:
+            problems.append(f"unknown keys in [{table}]: {', '.join(unknown)}")
+        for key, value in keys.items():
+            rule = _rule(table, key)
+            problem = None if rule is None else _check_value(rule, value)
+            if problem:
+                problems.append(f"[{table}] {key} {problem}")
+    cal = data.get("calibration")
+    if isinstance(cal, dict) and not problems:
+        lengths = {k: len(cal[k]) for k in ("batches", "cpu_us", "gpu_us") if k in cal}
+        if len(set(lengths.values())) > 1:
+            problems.append("[calibration] batches, cpu_us and gpu_us must have one value per batch size "
+                            f"({', '.join(f'{k} {n}' for k, n in lengths.items())})")
+        elif list(cal.get("batches", [])) != sorted(set(cal.get("batches", []))):
+            problems.append("[calibration] batches must be increasing")
+    return problems
+
+
 #: Keys that older profiles may still hold; read and ignored, with a message.
 OBSOLETE = {"policy": {
     "busy_factor": "replaced by the measured GPU delay",
@@ -492,8 +631,10 @@ class Profile:
 
     def model_file(self) -> Path | None:
         name = self.section("model")["file"]
-        if not name:
-            return None
+        return self.relative(name) if name else None
+
+    def relative(self, name: str) -> Path:
+        """A path the profile names: relative ones are taken from the profile's directory."""
         path = Path(name)
         return path if path.is_absolute() or self.path is None else self.path.parent / path
 
@@ -514,26 +655,57 @@ def is_shipped(path: Path | None) -> bool:
 
 
 def load_profile(name_or_path: str | None) -> Profile:
+    """Read and validate a profile: every key's type and range (``RULES``), unknown tables and
+    keys refused; each problem is a BAD_INPUT error naming the file, the table and the key."""
     if name_or_path is None:
         return Profile(None, {})
     path = find_profile(name_or_path)
+    text = _read_profile(path)
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise GpuosError(f"{path}: not valid TOML: {e}", ExitCode.BAD_INPUT) from None
     for table, keys in data.items():
-        if not isinstance(keys, dict):
-            raise GpuosError(f"{path}: {table} must be a table", ExitCode.BAD_INPUT)
-        known = DEFAULTS.get(table)
-        for key in set(keys) & set(OBSOLETE.get(table, {})):
-            print(f"gpu-kinfer-bridge: {path}: [{table}] {key} is ignored ({OBSOLETE[table][key]})", file=sys.stderr)
-            del keys[key]
-        if known is not None and set(keys) - set(known):
-            raise GpuosError(f"{path}: unknown keys in [{table}]: {', '.join(sorted(set(keys) - set(known)))}", ExitCode.BAD_INPUT)
+        if isinstance(keys, dict):
+            for key in set(keys) & set(OBSOLETE.get(table, {})):
+                print(f"gpu-kinfer-bridge: {path}: [{table}] {key} is ignored ({OBSOLETE[table][key]})", file=sys.stderr)
+                del keys[key]
+    problems = validate_profile(data)
+    if problems:
+        raise GpuosError(f"{path}: " + "; ".join(problems), ExitCode.BAD_INPUT)
     return Profile(path, data)
+
+
+def _read_profile(path: Path) -> str:
+    """The profile's text: a regular file (a FIFO or a device is refused, never waited on), at most
+    ``MAX_PROFILE_BYTES``, UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
+    except PermissionError as e:
+        raise GpuosError(f"{path}: {e.strerror}", ExitCode.PERMISSION) from None
+    except OSError as e:
+        raise GpuosError(f"{path}: cannot open: {e.strerror}", ExitCode.NO_INPUT) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise GpuosError(f"{path}: not a regular file", ExitCode.BAD_INPUT)
+        if st.st_size > MAX_PROFILE_BYTES:
+            raise GpuosError(f"{path}: {st.st_size} bytes, more than a profile can be ({MAX_PROFILE_BYTES})", ExitCode.BAD_INPUT)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise GpuosError(f"{path}: more than a profile can be ({MAX_PROFILE_BYTES} bytes)", ExitCode.BAD_INPUT)
+    except OSError as e:
+        raise GpuosError(f"{path}: cannot read: {e.strerror}", ExitCode.NO_INPUT) from None
+    finally:
+        os.close(fd)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise GpuosError(f"{path}: not UTF-8 (byte {raw[e.start]:#04x} on line {line})", ExitCode.BAD_INPUT) from None
 
 
 def _toml_value(value: Any) -> str:

@@ -17,12 +17,16 @@ futex wait here has a timeout (``WAIT_SLICE_S``), so such a miss costs at most t
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
+import grp
 import mmap
 import os
 import platform
+import stat
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -99,6 +103,23 @@ _FLOATS = {n: struct.Struct(f"<{n}f") for n in range(1, 17)}
 #: Longest single futex sleep: bounds the cost of a wake-up lost to store/load reordering.
 WAIT_SLICE_S = 0.002
 
+#: Bounds on a header's geometry, so that no header makes a reader compute or map absurd sizes.
+MAX_SLOTS = 1 << 20
+MAX_VALUES = 1 << 16  # max_inputs and max_outputs
+#: Largest pid Linux hands out (PID_MAX_LIMIT); a producer_pid or daemon_pid above it is no process.
+PID_LIMIT = 1 << 22
+#: Permission bits of a new ring: its owner's alone unless shared on purpose (``--mode``, ``--group``).
+DEFAULT_MODE = 0o600
+
+#: control_status values: what the daemon made of the last model-load request.
+CONTROL_OK, CONTROL_FAILED, CONTROL_NO_FIT, CONTROL_NOT_ALLOWED, CONTROL_TIMEOUT, CONTROL_BAD_ID = 0, 1, 2, 3, 4, 5
+CONTROL_NAMES = {
+    CONTROL_OK: "swapped in", CONTROL_FAILED: "not a model file the daemon could read",
+    CONTROL_NO_FIT: "its inputs or outputs do not fit the ring",
+    CONTROL_NOT_ALLOWED: "not a regular file inside a directory the daemon loads models from (serve --model-dir)",
+    CONTROL_TIMEOUT: "the daemon gave up reading it (too slow)", CONTROL_BAD_ID: "model id out of range",
+}
+
 
 class RingError(GpuosError):
     """A ring that cannot be used (missing, wrong magic or version, wrong sizes, no daemon)."""
@@ -136,10 +157,12 @@ def futex_wake(addr: int, count: int = 1) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """True while a process (not a zombie: a dead producer not yet reaped) has this pid."""
+    """True while a process (not a zombie: a dead producer not yet reaped) has this pid. Any
+    value is taken (it comes from shared memory): 0, negatives and numbers above PID_LIMIT name
+    no process."""
     from gpuos_tools.ckpt.procs import exists
 
-    return exists(pid)
+    return 0 < pid <= PID_LIMIT and exists(pid)
 
 
 # -- layout -----------------------------------------------------------------------------------
@@ -176,94 +199,121 @@ def ring_path(name: str) -> Path:
 
 
 class Ring:
-    """A mapped ring file, with numpy views on each of its parts."""
+    """A mapped ring file, with numpy views on each of its parts.
 
-    def __init__(self, path: Path, fd: int, mm: mmap.mmap):
+    Every offset and size comes from ``geometry`` (checked against the file before mapping),
+    never from the live header, which any process that can write the ring may change at any time.
+    """
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, geometry: Geometry):
         self.path = path
         self.fd = fd
         self.mm = mm
+        self.geometry = geometry
+        self.offsets = geometry.offsets()
+        self.size = self.offsets["total"]
         self.buf = np.frombuffer(mm, dtype=np.uint8)
         self.header = self.buf[:HEADER_SIZE].view(HEADER_DTYPE)[0]
-        h = self.header
-        self.geometry = Geometry(int(h["lanes"]), int(h["slots_per_lane"]), int(h["max_inputs"]), int(h["max_outputs"]))
         n = self.geometry.nslots
         self.nslots = n
+        off = self.offsets
 
         def part(offset: int, count: int, dtype: Any) -> np.ndarray:
             size = np.dtype(dtype).itemsize * count
             return self.buf[offset : offset + size].view(dtype)
 
-        self.state = part(int(h["state_offset"]), n, np.uint32)
-        self.meta = part(int(h["meta_offset"]), n, META_DTYPE)
-        self.meta32 = part(int(h["meta_offset"]), n * 32, np.uint32).reshape(n, 32)
-        self.meta64 = part(int(h["meta_offset"]), n * 16, np.uint64).reshape(n, 16)
-        self.inputs = part(int(h["inputs_offset"]), n * self.geometry.max_inputs, np.float32).reshape(n, -1)
-        self.outputs = part(int(h["outputs_offset"]), n * self.geometry.max_outputs, np.float32).reshape(n, -1)
+        self.state = part(off["state"], n, np.uint32)
+        self.meta = part(off["meta"], n, META_DTYPE)
+        self.meta32 = part(off["meta"], n * 32, np.uint32).reshape(n, 32)
+        self.meta64 = part(off["meta"], n * 16, np.uint64).reshape(n, 16)
+        self.inputs = part(off["inputs"], n * self.geometry.max_inputs, np.float32).reshape(n, -1)
+        self.outputs = part(off["outputs"], n * self.geometry.max_outputs, np.float32).reshape(n, -1)
         self.counters = self.buf[192 : 192 + 8 * NCOUNTERS].view(np.uint64)
         self.base = self.buf.ctypes.data
-        self.state_addr = self.base + int(h["state_offset"])
+        self.state_addr = self.base + off["state"]
         self.doorbell_addr = self.base + HEADER_DTYPE.fields["doorbell"][1]
+        from gpuos_tools.kinfer import guard
+
+        self.guard = guard.protect(self.base, self.size, fd, self.size)
+        # the guard stops watching when the mapping goes, closed or collected: another mapping
+        # may take its addresses next
+        self._unguard = weakref.finalize(mm, self.guard.release) if self.guard is not None else None
 
     # -- creation and attachment --
 
     @classmethod
-    def create(cls, name: str, geometry: Geometry) -> Ring:
-        """Create (or replace) the ring file with an empty ring.
+    def create(cls, name: str, geometry: Geometry, *, mode: int = DEFAULT_MODE, group: int | None = None) -> Ring:
+        """Create (or replace) the ring file with an empty ring, mode ``mode`` (0600 unless it is
+        shared on purpose) and, when given, group ``group``.
 
-        A file already there is unlinked, never truncated: producers that still map it keep
+        A file already there is replaced only when it is a ring of this user that no daemon serves
+        (``remove_ring``), and it is unlinked, never truncated: producers that still map it keep
         valid memory (and learn from ``replaced()`` that it is gone) instead of SIGBUS.
         """
         path = ring_path(name)
+        check_geometry(geometry)
         off = geometry.offsets()
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        if os.path.lexists(path):
+            remove_ring(path)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise RingError(f"{path}: created by someone else meanwhile; refusing to use it", ExitCode.FAILURE) from None
+        except PermissionError as e:
+            raise RingError(f"{path}: cannot create: {e.strerror}", ExitCode.PERMISSION) from None
+        try:
+            set_access(fd, path, mode, group)
             os.ftruncate(fd, off["total"])
             mm = mmap.mmap(fd, off["total"])
-        except OSError:
+        except BaseException:
             os.close(fd)
+            path.unlink(missing_ok=True)
             raise
-        h = np.frombuffer(mm, dtype=np.uint8)[:HEADER_SIZE].view(HEADER_DTYPE)
-        h["version"] = VERSION
-        h["header_size"] = HEADER_SIZE
-        h["nslots"] = geometry.nslots
-        h["lanes"] = geometry.lanes
-        h["slots_per_lane"] = geometry.slots_per_lane
-        h["max_inputs"] = geometry.max_inputs
-        h["max_outputs"] = geometry.max_outputs
-        h["meta_size"] = META_SIZE
-        h["total_size"] = off["total"]
-        for part in ("state", "meta", "inputs", "outputs"):
-            h[f"{part}_offset"] = off[part]
-        h["magic"] = MAGIC  # last: a reader that sees the magic sees the rest
-        del h
-        return cls(path, fd, mm)
+        write_header(mm, geometry)
+        return cls(path, fd, mm, geometry)
 
     @classmethod
-    def attach(cls, name: str) -> Ring:
-        """Map an existing ring, checking magic, version and every size against the file."""
+    def attach(cls, name: str, *, owners: tuple[int, ...] | None = None) -> Ring:
+        """Map an existing ring after checking, before anything is mapped, that it is a regular
+        file (a symbolic link is not followed), owned by one of ``owners`` (default: this user
+        or root: a ring another user made could give any answer it likes), with a valid header
+        whose sizes fit the file."""
         path = ring_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise RingError(f"{path}: no such ring (is `gpu-kinfer-bridge serve` running?)", ExitCode.NO_INPUT) from None
         except PermissionError as e:
             raise RingError(f"{path}: {e.strerror}", ExitCode.PERMISSION) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RingError(f"{path}: a symbolic link, not a ring: refusing to follow it", ExitCode.BAD_INPUT) from None
+            raise RingError(f"{path}: cannot open: {e.strerror}", ExitCode.BAD_INPUT) from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RingError(f"{path}: not a regular file, not a ring", ExitCode.BAD_INPUT)
+            allowed = (os.geteuid(), 0) if owners is None else owners
+            if st.st_uid not in allowed:
+                raise RingError(f"{path}: belongs to uid {st.st_uid}, not {' or '.join(map(str, allowed))}: refusing "
+                                "a ring another user made", ExitCode.PERMISSION)
+            size = st.st_size
             if size < HEADER_SIZE:
                 raise RingError(f"{path}: {size} bytes, too small for a ring header", ExitCode.BAD_INPUT)
-            mm = mmap.mmap(fd, size)
-            problem = check_header(bytes(mm[:HEADER_SIZE]), size)
+            raw = os.pread(fd, HEADER_SIZE, 0)
+            problem = check_header(raw, size)
             if problem:
-                mm.close()
                 raise RingError(f"{path}: {problem}", ExitCode.BAD_INPUT)
+            geometry = header_geometry(raw)
+            mm = mmap.mmap(fd, geometry.offsets()["total"])
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm)
+        return cls(path, fd, mm, geometry)
 
     def close(self) -> None:
+        if self._unguard is not None:
+            self._unguard()  # before the mapping goes
         for name in ("header", "state", "meta", "meta32", "meta64", "inputs", "outputs", "counters", "buf"):
             self.__dict__.pop(name, None)
         try:
@@ -271,6 +321,23 @@ class Ring:
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
             pass
         os.close(self.fd)
+
+    # -- the file under the mapping --
+
+    def file_size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def truncated(self) -> bool:
+        """Was the file cut short under this mapping (now, or repaired since by the guard)?"""
+        return self.file_size() < self.size or (self.guard is not None and (self.guard.faults > 0 or self.guard.lost))
+
+    def restore_size(self) -> int:
+        """Give a file cut short its length back (the lost part reads as zeros); returns the size
+        it had. For the daemon's housekeeping: the guard does the same when a fault comes first."""
+        size = self.file_size()
+        if size < self.size:
+            os.ftruncate(self.fd, self.size)
+        return size
 
     # -- locks --
 
@@ -305,6 +372,8 @@ class Ring:
         """Why requests on this ring may go unanswered, in words for a message."""
         if self.replaced():
             return "the ring file was replaced or removed since this producer attached; attach again"
+        if self.guard is not None and self.guard.lost:
+            return "the ring file was cut short by another process and this mapping lost; attach again"
         pid = int(self.header["daemon_pid"])
         if pid == 0:
             return "no daemon is serving this ring"
@@ -321,8 +390,18 @@ def flock_struct(kind: int, start: int) -> bytes:
     return struct.pack("hhqqi", kind, os.SEEK_SET, start, 1, 0)
 
 
+def check_geometry(geometry: Geometry) -> None:
+    """ValueError when a geometry is outside what a ring may hold (``MAX_SLOTS``, ``MAX_VALUES``)."""
+    g = geometry
+    if not (1 <= g.lanes and 1 <= g.slots_per_lane and g.nslots <= MAX_SLOTS):
+        raise ValueError(f"{g.lanes} lanes x {g.slots_per_lane} slots: 1 to {MAX_SLOTS} slots in all")
+    if not (1 <= g.max_inputs <= MAX_VALUES and 1 <= g.max_outputs <= MAX_VALUES):
+        raise ValueError(f"{g.max_inputs} inputs, {g.max_outputs} outputs: 1 to {MAX_VALUES} each")
+
+
 def check_header(raw: bytes, file_size: int) -> str | None:
-    """What is wrong with a ring header (None when it is usable), in words for a message."""
+    """What is wrong with a ring header (None when it is usable), in words for a message. Every
+    field is range-checked before any size is computed from it."""
     h = np.frombuffer(raw[:HEADER_SIZE], dtype=HEADER_DTYPE)[0]
     if int(h["magic"]) != MAGIC:
         return f"not a gpu-kinfer-bridge ring (magic {int(h['magic']):#018x})"
@@ -333,13 +412,104 @@ def check_header(raw: bytes, file_size: int) -> str | None:
     lanes, per = int(h["lanes"]), int(h["slots_per_lane"])
     if lanes < 1 or per < 1 or lanes * per != int(h["nslots"]) or int(h["max_inputs"]) < 1 or int(h["max_outputs"]) < 1:
         return "inconsistent slot counts in the header"
-    expected = Geometry(lanes, per, int(h["max_inputs"]), int(h["max_outputs"])).offsets()
+    try:
+        check_geometry(header_geometry(raw))
+    except ValueError as e:
+        return f"geometry out of range: {e}"
+    expected = header_geometry(raw).offsets()
     for part in ("state", "meta", "inputs", "outputs"):
         if int(h[f"{part}_offset"]) != expected[part]:
             return f"{part}_offset is {int(h[f'{part}_offset'])}, the layout says {expected[part]}"
     if int(h["total_size"]) != expected["total"] or file_size < expected["total"]:
         return f"file is {file_size} bytes, header says {int(h['total_size'])}, layout needs {expected['total']}"
     return None
+
+
+def header_geometry(raw: bytes) -> Geometry:
+    """The geometry a header states (check it with ``check_header`` first)."""
+    h = np.frombuffer(raw[:HEADER_SIZE], dtype=HEADER_DTYPE)[0]
+    return Geometry(int(h["lanes"]), int(h["slots_per_lane"]), int(h["max_inputs"]), int(h["max_outputs"]))
+
+
+def write_header(mm: mmap.mmap, geometry: Geometry) -> None:
+    """Write the layout fields of a ring header (a new ring, or one whose header was lost to a
+    truncation); the magic goes last, so a reader that sees it sees the rest."""
+    off = geometry.offsets()
+    h = np.frombuffer(mm, dtype=np.uint8)[:HEADER_SIZE].view(HEADER_DTYPE)
+    h["version"] = VERSION
+    h["header_size"] = HEADER_SIZE
+    h["nslots"] = geometry.nslots
+    h["lanes"] = geometry.lanes
+    h["slots_per_lane"] = geometry.slots_per_lane
+    h["max_inputs"] = geometry.max_inputs
+    h["max_outputs"] = geometry.max_outputs
+    h["meta_size"] = META_SIZE
+    h["total_size"] = off["total"]
+    for part in ("state", "meta", "inputs", "outputs"):
+        h[f"{part}_offset"] = off[part]
+    h["magic"] = MAGIC
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """A group name or number (a ring shared with that group) to its gid; None for none."""
+    if group is None or group == "":
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise RingError(f"no group named {group!r}", ExitCode.USAGE) from None
+
+
+def set_access(fd: int, path: Path, mode: int, group: int | None) -> None:
+    """Give the ring file exactly ``mode`` (the umask does not narrow or widen a deliberate share)
+    and, when given, the group ``group`` (one this user belongs to)."""
+    if group is not None:
+        try:
+            os.fchown(fd, -1, group)
+        except PermissionError:
+            raise RingError(f"{path}: cannot give the ring to group {group} (not a member of it?)", ExitCode.PERMISSION) from None
+    os.fchmod(fd, mode)
+
+
+def remove_ring(path: Path, magic: int = MAGIC, what: str = "gpu-kinfer-bridge ring", served: bool = True) -> None:
+    """Unlink an old ring so a new one can take its name, refusing anything else: a file that is
+    not a regular file with the ring magic (``magic``: a feature store's, for one), one that
+    belongs to another user, or (``served``) a ring a daemon still serves. The checks are made on
+    the open file, and the name is removed only while it still names that file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        what = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise RingError(f"{path}: {what}: not replacing it (remove it yourself if it is not needed)",
+                        ExitCode.PERMISSION if e.errno in (errno.EACCES, errno.EPERM) else ExitCode.BAD_INPUT) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RingError(f"{path}: not a regular file: not replacing it", ExitCode.BAD_INPUT)
+        if st.st_uid != os.geteuid():
+            raise RingError(f"{path}: belongs to uid {st.st_uid}: not replacing another user's file", ExitCode.PERMISSION)
+        head = os.pread(fd, 96, 0)
+        if len(head) < 8 or struct.unpack_from("<Q", head)[0] != magic:
+            raise RingError(f"{path}: not a {what}: not replacing it (remove it yourself if it is not needed)",
+                            ExitCode.BAD_INPUT)
+        if served:
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_struct(fcntl.F_WRLCK, LOCK_DAEMON))
+            except OSError:
+                pid = struct.unpack_from("<I", head, 80)[0] if len(head) >= 84 else 0
+                raise RingError(f"{path}: served by pid {pid}", ExitCode.FAILURE) from None
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
 
 
 # -- the Python producer ----------------------------------------------------------------------
@@ -381,18 +551,21 @@ class Client:
     ``slots_per_lane`` requests be in flight at once.
     """
 
-    def __init__(self, name: str, *, spin_s: float = 200e-6, lane: int | None = None):
-        self.ring = Ring.attach(name)
+    def __init__(self, name: str, *, spin_s: float = 200e-6, lane: int | None = None, owner: int | None = None):
+        """``owner``: a uid besides this user and root whose ring to trust (a daemon of another
+        user that shares its ring on purpose); a ring of any other owner is refused."""
+        self.ring = Ring.attach(name, owners=None if owner is None else (os.geteuid(), 0, owner))
         self.spin_s = spin_s
         self.pid = os.getpid()
         self.lane = self._claim(lane)
         g = self.ring.geometry
+        off = self.ring.offsets
         self._first = self.lane * g.slots_per_lane
         self._slots = range(self._first, self._first + g.slots_per_lane)
-        self._state = memoryview(self.ring.mm).cast("B")[int(self.ring.header["state_offset"]):][: 4 * g.nslots].cast("I")
-        self._meta_off = int(self.ring.header["meta_offset"])
-        self._in_off = int(self.ring.header["inputs_offset"])
-        self._out_off = int(self.ring.header["outputs_offset"])
+        self._state = memoryview(self.ring.mm).cast("B")[off["state"]:][: 4 * g.nslots].cast("I")
+        self._meta_off = off["meta"]
+        self._in_off = off["inputs"]
+        self._out_off = off["outputs"]
         self._max_out = g.max_outputs
         self._max_in = g.max_inputs
         self._mm = self.ring.mm

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import stat
 import struct
 import sys
 import threading
@@ -45,6 +46,10 @@ from gpuos_tools.kinfer.model import Mlp
 from gpuos_tools.kinfer.policy import CpuSpeed, GpuLoad, GpuSpeed, Policy
 
 HOUSEKEEPING_S = 0.1
+#: How long a model load may take before the daemon gives up on it (a file that never ends).
+LOAD_TIMEOUT_S = 10.0
+#: Model ids a ring may ask for (the native loop holds as many).
+MAX_MODEL_IDS = 64
 RESCAN_S = 50e-6
 #: Batches up to this size take the per-slot path (struct and memoryview), larger ones numpy's.
 SMALL_BATCH = 8
@@ -73,6 +78,24 @@ class ServeOptions:
     gpu_mode: str = "auto"  # fused | matmul | auto
     native: str = "auto"  # auto | on | off: the C serve loop
     native_max: int = 64  # largest batch the C loop answers itself
+    mode: int = R.DEFAULT_MODE  # permission bits of the ring file
+    group: str | int | None = None  # the group that shares the ring, if any
+    model_dirs: tuple[str, ...] = ()  # where model-load requests may read from (none: no loads)
+    load_timeout_s: float = LOAD_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        """Refuse what would make the loops misbehave (a negative max_batch once meant a lone
+        request was never answered)."""
+        for name, value, low in (("window_us", self.window_us, 0.0), ("spin_us", self.spin_us, 0.0),
+                                 ("max_batch", self.max_batch, 1), ("native_max", self.native_max, 0),
+                                 ("load_timeout_s", self.load_timeout_s, 0.0)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low):
+                raise ValueError(f"{name} must be a finite number of at least {low}, not {value!r}")
+        for name, value in (("use_gpu", self.use_gpu), ("native", self.native)):
+            if value not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be auto, on or off, not {value!r}")
+        if not (isinstance(self.mode, int) and 0 <= self.mode <= 0o777 and self.mode & 0o600 == 0o600):
+            raise ValueError(f"mode must leave the owner read and write, between 0600 and 0777, not {self.mode!r}")
 
 
 @dataclass
@@ -100,16 +123,23 @@ class Server:
         self._add = self._add_py
         r = self.ring
         raw = memoryview(r.mm).cast("B")
-        off = int(r.header["state_offset"])
+        off = r.offsets["state"]  # the checked geometry's, never the live header's
         self._state_mv = raw[off : off + 4 * r.nslots]
         self._st = self._state_mv.cast("I")
         bell_off = R.HEADER_DTYPE.fields["doorbell"][1]
         self._bell = raw[bell_off : bell_off + 4].cast("I")
         cnt_off = R.HEADER_DTYPE.fields["counters"][1]
         self._cnt = raw[cnt_off : cnt_off + 8 * R.NCOUNTERS].cast("Q")  # cheaper per += than numpy
-        self._meta_off = int(r.header["meta_offset"])
-        self._in_off = int(r.header["inputs_offset"])
-        self._out_off = int(r.header["outputs_offset"])
+        self._meta_off = r.offsets["meta"]
+        self._in_off = r.offsets["inputs"]
+        self._out_off = r.offsets["outputs"]
+        self._load_seq: int | None = None  # the control request being loaded
+        self._load_deadline = 0.0
+        self._abandoned: set[int | None] = set()  # loads given up on (their late result is dropped)
+        self._lost_said = False
+        self._faults_seen = r.guard.faults if r.guard is not None else 0
+        self.failure: str | None = None  # why serving stopped, when it stopped on its own
+        self.repairs = 0  # times the ring file was found cut short and given its length back
 
     # -- setup --
 
@@ -125,12 +155,19 @@ class Server:
         recreate: bool = False,
         log: Callable[[str], None] | None = None,
     ) -> Server:
-        """Attach to the ring ``name`` (restart: producers stay attached) or create it."""
+        """Attach to the ring ``name`` (restart: producers stay attached) or create it.
+
+        An existing ring is adopted only when it is this user's (``Ring.attach`` checks type, owner
+        and header); it then gets ``options.mode`` and ``options.group`` like a new one. With
+        ``recreate`` an existing ring of this user that no daemon serves is replaced; any other
+        file is left alone and refused.
+        """
         say = log or (lambda m: print(m, file=sys.stderr, flush=True))
         path = R.ring_path(name)
+        gid = R.resolve_group(options.group)
         ring = None
-        if path.exists() and not recreate:
-            ring = R.Ring.attach(name)
+        if os.path.lexists(path) and not recreate:
+            ring = R.Ring.attach(name, owners=(os.geteuid(),))
             if ring.geometry != geometry:
                 have = ring.geometry
                 ring.close()
@@ -142,24 +179,23 @@ class Server:
                     ExitCode.BAD_INPUT,
                 )
         if ring is None:
-            if path.exists():
-                probe = None
-                try:
-                    probe = R.Ring.attach(name)
-                    if not probe.try_lock(R.LOCK_DAEMON):
-                        raise R.RingError(f"{path}: served by pid {int(probe.header['daemon_pid'])}", ExitCode.FAILURE)
-                except R.RingError as e:
-                    if "served by" in str(e):
-                        raise
-                finally:
-                    if probe is not None:
-                        probe.close()
-                path.unlink()  # a new inode: producers of the old one fail cleanly, never SIGBUS
-            ring = R.Ring.create(name, geometry)
+            ring = R.Ring.create(name, geometry, mode=options.mode, group=gid)  # replaces only an old ring of ours
         if not ring.try_lock(R.LOCK_DAEMON):
             pid = int(ring.header["daemon_pid"])
             ring.close()
             raise R.RingError(f"{path}: already served by pid {pid}", ExitCode.FAILURE)
+        try:
+            R.set_access(ring.fd, path, options.mode, gid)  # an adopted ring is shared as asked now, no wider
+            if ring.guard is None and options.mode & 0o022:
+                from gpuos_tools.kinfer import guard
+
+                raise R.RingError(
+                    f"{path}: the ring is writable by others (mode {options.mode:04o}), but the guard that keeps the "
+                    f"daemon alive when one of them cuts the file short cannot be built: {guard.unavailable()}",
+                    ExitCode.FAILURE)
+        except BaseException:
+            ring.close()
+            raise
         h = ring.header
         taken = np.flatnonzero(ring.state == R.TAKEN)
         if taken.size:  # the previous daemon died holding these: serve them again
@@ -188,8 +224,8 @@ class Server:
 
         g = self.ring.geometry
         try:
-            loop = native.NativeLoop(self.ring.base, self.options.spin_us, self.options.window_us, self.options.max_batch,
-                                     g.max_inputs, g.max_outputs)
+            loop = native.NativeLoop(self.ring.base, self.ring.size, self.options.spin_us, self.options.window_us,
+                                     self.options.max_batch, g.max_inputs, g.max_outputs)
         except (native.BuildError, OSError) as e:
             if self.options.native == "on":
                 raise R.RingError(f"--native on, but the native serve loop cannot run: {e}", ExitCode.FAILURE) from None
@@ -203,8 +239,11 @@ class Server:
         self._refresh_policy(force=True)  # the thread starts with serve()
 
     def _add_py(self, name: str, n: int = 1) -> None:
-        """Add to a ring counter (atomically while the C loop, which adds to them too, runs)."""
-        self._cnt[R.C[name]] += n
+        """Add to a ring counter (atomically while the C loop, which adds to them too, runs).
+        Modulo 2^64, as the C loop's atomic add: any process that can write the ring may have
+        set a counter to its largest value."""
+        i = R.C[name]
+        self._cnt[i] = (self._cnt[i] + n) & 0xFFFFFFFFFFFFFFFF
 
     def _add_native(self, name: str, n: int = 1) -> None:
         self.native.count(R.C[name], n)
@@ -547,8 +586,12 @@ class Server:
     # -- housekeeping --
 
     def housekeeping(self) -> None:
-        """Heartbeat, slots abandoned mid-write, impossible states, model-load requests."""
+        """The ring file's length and header, heartbeat, slots abandoned mid-write, impossible
+        states, model-load requests. Every word read here comes from memory other processes may
+        write, and is checked before it is used."""
         ring = self.ring
+        if not self._check_file():
+            return
         ring.header["heartbeat_ns"] = time.monotonic_ns()
         state = ring.state
         writing = np.flatnonzero(state == R.WRITING)
@@ -567,16 +610,74 @@ class Server:
         if self.native is not None:
             self.native.release()
         h = ring.header
+        if self._loading and time.monotonic() > self._load_deadline:
+            self._abandoned.add(self._load_seq)
+            self.log(f"model load gave up after {self.options.load_timeout_s:g} s; model unchanged")
+            self._control_done(self._load_seq, R.CONTROL_TIMEOUT)
         if int(h["control_seq"]) != int(h["control_ack"]) and not self._loading:
-            self._start_load(int(h["control_seq"]), int(h["control_model_id"]), bytes(h["control_path"]).split(b"\0")[0].decode(errors="replace"))
+            self._start_load(int(h["control_seq"]), int(h["control_model_id"]), bytes(h["control_path"]).split(b"\0")[0])
 
-    def _start_load(self, seq: int, model_id: int, path: str) -> None:
-        """Load a model in a thread; the loop swaps it in between two batches."""
+    def _check_file(self) -> bool:
+        """The ring file as it must be: its length (another process may cut it short), its
+        header (another process may overwrite it) and this daemon's pid in it. False, with
+        ``failure`` set and the loop stopped, once the mapping is lost for good."""
+        ring = self.ring
+        if ring.guard is not None and ring.guard.lost:
+            if not self._lost_said:
+                self._lost_said = True
+                self.failure = (f"{ring.path}: the ring file was cut short by another process and could not be given its "
+                                "length back; stopping (start again with --recreate)")
+                self.log(self.failure)
+            self.stop.set()
+            return False
+        size = ring.restore_size()
+        faults = ring.guard.faults if ring.guard is not None else 0
+        if size < ring.size or faults != self._faults_seen:
+            self._faults_seen = faults
+            self.repairs += 1
+            self.log(f"{ring.path}: the ring file was cut short by another process (to {size} bytes); its length is "
+                     "restored, the requests in the lost part are dropped")
+        raw = bytes(ring.mm[: R.HEADER_SIZE])
+        problem = R.check_header(raw, ring.size)
+        if not problem and R.header_geometry(raw) != ring.geometry:
+            problem = "another geometry"
+        if problem or int(ring.header["daemon_pid"]) != os.getpid():
+            if problem:
+                self.log(f"{ring.path}: ring header overwritten ({problem}); written again")
+                R.write_header(ring.mm, ring.geometry)
+            ring.header["daemon_pid"] = os.getpid()
+        return True
+
+    def _control_done(self, seq: int | None, status: int) -> None:
+        """Answer a model-load request (control block) with ``status``."""
+        h = self.ring.header
+        h["control_status"] = status
+        h["control_ack"] = (seq or 0) & 0xFFFFFFFF
+        self._loading = False
+        self._load_seq = None
+
+    def _start_load(self, seq: int, model_id: int, raw_path: bytes | str) -> None:
+        """Load a model in a thread; the loop swaps it in between two batches. Only a regular
+        file inside one of ``options.model_dirs`` is read (any process that can write the ring
+        can ask), without waiting on anything that is not one, and within ``load_timeout_s``."""
+        path = os.fsdecode(raw_path)
+        if model_id >= MAX_MODEL_IDS:
+            self.log(f"model load refused: model id {model_id} (ids go from 0 to {MAX_MODEL_IDS - 1})")
+            self._control_done(seq, R.CONTROL_BAD_ID)
+            return
+        try:
+            real = allowed_model_file(path, self.options.model_dirs)
+        except ValueError as e:
+            self.log(f"model load refused, model {model_id} unchanged: {e}")
+            self._control_done(seq, R.CONTROL_NOT_ALLOWED)
+            return
         self._loading = True
+        self._load_seq = seq
+        self._load_deadline = time.monotonic() + self.options.load_timeout_s
 
         def load() -> None:
             try:
-                model = Mlp.load(path)
+                model = Mlp.from_bytes(read_model_file(real), str(real))
                 backend = Backend(model)
                 if self.gpu_ready:
                     from gpuos_tools.kinfer import gpu
@@ -591,13 +692,15 @@ class Server:
     def _apply_swap(self) -> None:
         seq, model_id, backend, error = self._pending_swap  # type: ignore[misc]
         self._pending_swap = None
-        self._loading = False
+        if seq in self._abandoned:  # it finished after the daemon had given up on it
+            self._abandoned.discard(seq)
+            return
         h = self.ring.header
         if backend is None:
-            h["control_status"] = 1
+            status = R.CONTROL_FAILED
             self.log(f"model load refused, model {model_id} unchanged: {error}")
         elif backend.model.n_inputs > self.ring.geometry.max_inputs or backend.model.n_outputs > self.ring.geometry.max_outputs:
-            h["control_status"] = 2
+            status = R.CONTROL_NO_FIT
             self.log(f"model load refused: {backend.model.n_inputs} inputs / {backend.model.n_outputs} outputs do not fit the ring")
         else:
             self.models[model_id] = backend  # one reference store: batches already running keep the old one
@@ -605,9 +708,9 @@ class Server:
                 self.log(f"model {model_id}: its shape does not fit the native path; its requests are served in Python")
             h["model_generation"] = (int(h["model_generation"]) + 1) & 0xFFFFFFFF
             self._add("model_swaps")
-            h["control_status"] = 0
+            status = R.CONTROL_OK
             self.log(f"model {model_id} swapped in ({backend.model.meta.get('name', 'model')})")
-        h["control_ack"] = seq
+        self._control_done(seq, status)
 
     def close(self) -> None:
         if self.native is not None:
@@ -642,13 +745,76 @@ def _bucket_us(delay: float) -> float:
     return math.copysign(100 + round(math.log(abs(delay) / 100) / math.log(1.01)), delay)
 
 
-def request_load(name: str, path: str | Path, model_id: int = 0, timeout: float = 30.0) -> int:
+#: Largest model file the daemon reads on request (LinnOS's is 33 KB).
+MAX_MODEL_BYTES = 256 << 20
+
+
+def allowed_model_file(path: str, dirs: tuple[str, ...] | list[str]) -> Path:
+    """The real path of ``path`` when it lies inside one of ``dirs`` (symbolic links resolved:
+    a link inside that points outside is outside); ValueError says why not."""
+    if not dirs:
+        raise ValueError(f"{path}: this daemon takes no model files on request (start it with --model-dir DIR)")
+    if not os.path.isabs(path):
+        raise ValueError(f"{path}: not an absolute path")
+    real = os.path.realpath(path)
+    for d in dirs:
+        top = os.path.realpath(d)
+        if real != top and os.path.commonpath([real, top]) == top:
+            return Path(real)
+    raise ValueError(f"{path}: outside the model directories ({', '.join(map(str, dirs))})")
+
+
+def read_model_file(path: Path, limit: int = MAX_MODEL_BYTES) -> bytes:
+    """The bytes of a model file: a regular file (a FIFO, a device or a link is refused before
+    anything is read, never waited on), at most ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path}: {st.st_size} bytes, more than a model file may be ({limit})")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"{path}: more than a model file may be ({limit} bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def default_model_dirs(model_file: str | None) -> tuple[str, ...]:
+    """Where a daemon takes model files from when no directory is given: the directory of the
+    model it started with, if it belongs to this user or root and no one else may write it
+    (a directory anyone can write, /tmp say, would let anyone plant a model)."""
+    if not model_file:
+        return ()
+    d = os.path.dirname(os.path.realpath(model_file))
+    try:
+        st = os.stat(d)
+    except OSError:
+        return ()
+    if st.st_uid in (os.geteuid(), 0) and not st.st_mode & 0o022:
+        return (d,)
+    return ()
+
+
+def request_load(name: str, path: str | Path, model_id: int = 0, timeout: float = 30.0, owner: int | None = None) -> int:
     """Ask the daemon serving ``name`` to swap in the model file ``path``; wait for its answer.
 
-    Returns the daemon's status (0: swapped). The daemon loads the file itself, so the path
-    is made absolute here.
+    Returns the daemon's status (``R.CONTROL_OK``: swapped; ``R.CONTROL_NAMES`` says the others).
+    The daemon loads the file itself, so the path is made absolute here. ``owner``: as for
+    ``R.Client``.
     """
-    ring = R.Ring.attach(name)
+    ring = R.Ring.attach(name, owners=None if owner is None else (os.geteuid(), 0, owner))
     try:
         if not ring.daemon_alive():
             raise R.RingError(f"{ring.path}: no daemon is serving this ring", ExitCode.FAILURE)

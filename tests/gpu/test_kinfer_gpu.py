@@ -64,8 +64,8 @@ def test_daemon_answers_on_the_gpu_and_swaps_weights(tmp_path: Path) -> None:
     name = f"kinfer-gpu-{uuid.uuid4().hex[:8]}"
     a, b = M.Mlp.random(seed=1), M.Mlp.random(seed=2)
     try:
-        srv = S.Server.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=8), S.ServeOptions(use_gpu="on"), recreate=True,
-                            log=lambda m: None)
+        srv = S.Server.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=8),
+                            S.ServeOptions(use_gpu="on", model_dirs=(str(tmp_path),)), recreate=True, log=lambda m: None)
     except BaseException:
         R.ring_path(name).unlink(missing_ok=True)
         raise

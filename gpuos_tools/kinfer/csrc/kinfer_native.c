@@ -367,17 +367,42 @@ static void *loop(void *arg)
 
 /* -- the interface the daemon calls (ctypes) ------------------------------------------------ */
 
-struct kn *kn_create(void *base, uint64_t spin_ns, uint64_t window_ns, uint32_t max_batch)
+/* Is the layout a header states inside the mapped bytes, each array after the one before? Every
+ * count and offset is bounded first (offsets by the mapping, below 2^48), so no sum or product
+ * below can overflow. */
+static int layout_ok(const struct gpuos_kinfer_header *h, uint64_t mapped)
 {
-    struct gpuos_kinfer_header *h = base;
+    const uint64_t n = h->nslots, mi = h->max_inputs, mo = h->max_outputs;
+    if (h->lanes == 0 || h->slots_per_lane == 0 || n != (uint64_t)h->lanes * h->slots_per_lane || n > (1u << 20) ||
+        mi == 0 || mi > (1u << 16) || mo == 0 || mo > KN_MAX_OUTPUTS || mapped >= (1ull << 48))
+        return 0;
+    if (h->state_offset > mapped || h->meta_offset > mapped || h->inputs_offset > mapped || h->outputs_offset > mapped)
+        return 0;
+    return h->state_offset >= GPUOS_KINFER_HEADER_SIZE && h->state_offset % 4 == 0 &&
+           h->meta_offset >= h->state_offset + 4 * n && h->meta_offset % 8 == 0 &&
+           h->inputs_offset >= h->meta_offset + sizeof(struct gpuos_kinfer_meta) * n && h->inputs_offset % 4 == 0 &&
+           h->outputs_offset >= h->inputs_offset + 4 * mi * n && h->outputs_offset % 4 == 0 &&
+           h->outputs_offset <= mapped && 4 * mo * n <= mapped - h->outputs_offset;
+}
+
+/* base: the mapped ring, mapped: how many bytes of it are mapped. The header is read once, into a
+ * copy, and checked against the mapping: the live one may be rewritten by any process that can
+ * write the ring, and this thread's pointers must stay inside the mapping whatever it says later. */
+struct kn *kn_create(void *base, uint64_t mapped, uint64_t spin_ns, uint64_t window_ns, uint32_t max_batch)
+{
+    struct gpuos_kinfer_header copy;
+    if (mapped < sizeof copy)
+        return NULL;
+    memcpy(&copy, base, sizeof copy);
+    const struct gpuos_kinfer_header *h = &copy;
     if (h->magic != GPUOS_KINFER_MAGIC || h->version != GPUOS_KINFER_VERSION || h->meta_size != sizeof(struct gpuos_kinfer_meta) ||
-        h->max_outputs > KN_MAX_OUTPUTS)
+        !layout_ok(h, mapped))
         return NULL;
     struct kn *k = calloc(1, sizeof *k);
     if (!k)
         return NULL;
     uint8_t *b = base;
-    k->h = h;
+    k->h = base;
     k->state = (uint32_t *)(b + h->state_offset);
     k->meta = (struct gpuos_kinfer_meta *)(b + h->meta_offset);
     k->inputs = (float *)(b + h->inputs_offset);

@@ -1,7 +1,10 @@
 /* gpuos_kinfer.h: the shared-memory ring of gpu-kinfer-bridge, for producers written in C.
  *
- * The ring is one file, /dev/shm/<name> (shm_open(<name>)), created by `gpu-kinfer-bridge serve`.
- * Everything is little-endian, naturally aligned, x86-64 / aarch64 Linux. The file holds, in
+ * The ring is one file, /dev/shm/<name> (shm_open(<name>)), created by `gpu-kinfer-bridge serve`,
+ * mode 0600 unless the daemon's owner shares it on purpose (--mode, --group). A producer opens it
+ * with O_NOFOLLOW and checks, before mapping it, that it is a regular file owned by the user it
+ * trusts (its own uid, root, or the daemon's owner it was told) and that the header's sizes fit
+ * the file: a ring someone else made could give any answer. Everything is little-endian, naturally aligned, x86-64 / aarch64 Linux. The file holds, in
  * order (offsets in the header, so a reader never computes them itself):
  *
  *   struct gpuos_kinfer_header       4096 bytes
@@ -111,9 +114,10 @@ struct gpuos_kinfer_header {
     uint64_t counters[GPUOS_KINFER_NCOUNTERS]; /* 192 */
     uint32_t control_seq;      /* 320: +1 by a controller after writing control_path */
     uint32_t control_ack;      /* 324: the daemon copies control_seq here once done */
-    int32_t control_status;    /* 328: 0 ok, else an errno-like failure of the last control */
+    int32_t control_status;    /* 328: 0 swapped in, 1 unreadable model, 2 does not fit the ring, 3 not a regular
+                                  file in a directory the daemon loads from, 4 timed out, 5 model id >= 64 */
     uint32_t control_model_id; /* 332: which model control_path replaces (0 = the default) */
-    char control_path[256];    /* 336: model file to load (NUL-terminated) */
+    char control_path[256];    /* 336: model file to load (absolute, NUL-terminated) */
     uint8_t reserved3[GPUOS_KINFER_HEADER_SIZE - 592];
 };
 
