@@ -144,9 +144,20 @@ class Writer:
         self._closed = True
 
     def abort(self) -> None:
-        """Stop without finishing: discard a temp file; what already reached a pipe stays there."""
+        """Stop without finishing: discard a temp file. Written in place (standard output, a
+        pipe, a file with --unbuffered), the records already made still go out, as they would
+        have through a pipe: a command that stops at a bad or truncated input line leaves every
+        record before it, wherever its output goes. A zstd frame is not ended, so the reader
+        of a compressed output sees that it was cut short."""
         if self._closed:
             return
+        if self._rename is None and self._pending:
+            try:
+                self.per_record = True  # a zstd block ends with the records, the frame does not
+                self._drain()
+                self._file.flush()
+            except (OSError, StreamError):
+                pass  # a closed pipe, a full disk: nothing more can be saved
         self._closed = True
         self._pending.clear()
         if self._owns_file:
