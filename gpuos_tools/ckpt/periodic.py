@@ -29,6 +29,11 @@ Rules: the newest image and every image a kept image chains to are never deleted
 deleted newest first, each by one rename, so no image ever points at a deleted parent; files in
 the directory that are not images named by this profile are never touched; temp directories of
 writers that died are removed; a lock file keeps two runs of one profile apart.
+
+A damaged image (one whose manifest or parent chain does not pass gpuos_tools.ckpt.image's
+checks) never stops a run: it is listed in the record's ``damaged`` with what is wrong, is not
+counted by ``keep``, is never chained to and never deleted (what is damaged is for a person to
+look at), and the run goes on taking its image and applying retention to the others.
 """
 
 from __future__ import annotations
@@ -155,6 +160,8 @@ class Entry:
     image_id: str | None = None
     parent_id: str | None = None
     readable: bool = True
+    #: why it is damaged (None: it reads)
+    problem: str | None = None
 
 
 def image_name(prof: PeriodicProfile, now: float) -> str:
@@ -188,8 +195,9 @@ def list_images(prof: PeriodicProfile) -> list[Entry]:
             m = img.open_image(path).manifest
             entry.image_id = m["image_id"]
             entry.parent_id = (m.get("parent") or {}).get("image_id")
-        except img.ImageError:
+        except img.ImageError as e:
             entry.readable = False
+            entry.problem = str(e)
         out.append(entry)
     out.sort(key=lambda e: (e.time, e.name), reverse=True)
     return out
@@ -234,9 +242,11 @@ def plan_next(prof: PeriodicProfile, images: list[Entry], now: float) -> Plan:
 
 def retention(prof: PeriodicProfile, images: list[Entry], now: float) -> tuple[list[Entry], list[Entry]]:
     """(kept, to delete), both newest first: the newest ``keep`` images not older than
-    ``max_age``, the newest image always, and every image a kept one chains to."""
+    ``max_age``, the newest image always, and every image a kept one chains to. Damaged images
+    are in neither list: they are not counted and not deleted."""
     kept_ids: set[str] = set()
     kept: set[str] = set()
+    images = [e for e in images if e.readable]
     for i, e in enumerate(images):
         young = prof.max_age_s is None or now - e.time <= prof.max_age_s
         if i == 0 or ((prof.keep == 0 or i < prof.keep) and young):
@@ -253,6 +263,11 @@ def retention(prof: PeriodicProfile, images: list[Entry], now: float) -> tuple[l
                     kept_ids.add(cur.image_id)
                 cur = by_id.get(cur.parent_id) if cur.parent_id else None
     return [e for e in images if e.name in kept], [e for e in images if e.name not in kept]
+
+
+def damaged(images: list[Entry]) -> list[dict[str, str]]:
+    """The damaged images of a listing, for the record: [{image, problem}]."""
+    return [{"image": e.name, "problem": e.problem or "does not read"} for e in images if not e.readable]
 
 
 # -- one run ----------------------------------------------------------------------------------
@@ -307,6 +322,7 @@ def _run_locked(prof: PeriodicProfile, snapshot: SnapshotFn, now: float) -> dict
         deleted.append(e.name)
     return {
         "type": "ckpt_periodic", "profile": str(prof.path), "directory": str(prof.directory),
+        "damaged": damaged(images),
         "image": plan.name, "kind": "full" if plan.parent is None else "incremental",
         "parent": None if plan.parent is None else plan.parent.name, "why": plan.why,
         "bytes": made.manifest.get("bytes"), "stored_bytes": made.manifest.get("stored_bytes"),
