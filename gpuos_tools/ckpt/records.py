@@ -152,12 +152,26 @@ none, and a writer killed midway leaves only `.NAME.PID.XXXXXXXX.tmp`, removed b
 buffers written since its parent and names the parent (relative path and image id); reading a
 buffer it does not hold goes down the chain. `gpu-ckpt compact` folds a chain into one full
 image. There is no single-file form; `tar` carries an image directory.
+
+Every reader (verify, diff, compact, periodic, rollback) checks a manifest strictly before it
+reads anything: the type and range of every field below, unique buffer ids, buffers that do not
+overlap, every chunk but a buffer's last exactly `chunk_size` bytes and named as the writer names
+it, the manifest's own sum, and a parent chain that is bounded, free of loops and made of the very
+images recorded (by their manifests' sums). Chunk files are opened only inside `chunks/`, never
+through a symbolic link, only when they are regular files of the recorded size. A manifest that
+fails is IMAGE_CORRUPT, naming the file and the field.
+
+With `GPUOS_IMAGE_KEY` naming a key file (at least 16 bytes, readable by its owner only), every
+image written carries an HMAC-SHA256 of its manifest and every image read must carry a valid one:
+images that cross a trust boundary cannot be changed without the key. Such images need
+`checksum = "sha256"`, since crc32 does not protect chunk contents from someone who chooses them.
 """
 
 
 def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The man-page sections gpu-ckpt(1) and gpu-restore(1) share, around their own text."""
     from gpuos_tools.ckpt.image import IMAGE_DOC
+    from gpuos_tools.ckpt.manifest import render_format
 
     return {
         "RECORDS": (
@@ -166,12 +180,15 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
         ),
         "NOTES": notes,
         **(extra or {}),
-        "IMAGE FORMAT": IMAGE_FORMAT + "\n\n" + "\n".join("    " + line for line in IMAGE_DOC.strip("\n").splitlines()),
+        "IMAGE FORMAT": IMAGE_FORMAT + "\n\n" + "\n".join(
+            "    " + line for line in IMAGE_DOC.strip("\n").split("\n\n")[0].splitlines()) + "\n\n" + render_format(),
         "ENVIRONMENT": (
             "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
             "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
             "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
-            "- `PATH`: where `criu` is looked for (`--image`)."
+            "- `PATH`: where `criu` is looked for (`--image`).\n"
+            "- `GPUOS_IMAGE_KEY`: a key file; images are then signed when written and must be signed "
+            "to be read (see IMAGE FORMAT)."
         ),
         "FILES": (
             "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"

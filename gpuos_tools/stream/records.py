@@ -429,6 +429,10 @@ ACCESS_TEMPLATE = RecordType(
         Field("samples", COUNT, "validated launches fitted"),
         Field("fits", Map(COUNT), "how many expressions fitted them"),
     ),
+    note="`read` and `write` are null when no expression fits (the range then runs to the end of the "
+    "allocation). `scale` is k times the product of those unsigned integer words of the arguments; `max` "
+    "means the samples could not tell the expressions apart, so the largest value is used; "
+    '`{"const": 0}` means the kernel was never seen reading (or writing) there.',
 )
 
 IO = RecordType(

@@ -412,13 +412,15 @@ def _field_items(f: Field, prefix: str = "") -> Iterable[str]:
             yield from _field_items(inner, f"{prefix}{f.name}{sub}")
 
 
-def render(types: Iterable[RecordType]) -> str:
+def render(types: Iterable[RecordType], omit: Iterable[str] = ()) -> str:
     """The RECORDS text of a man page for these types, in gpuos_tools.manpage's markup: a
-    paragraph per type, then its fields as a list (``name?`` marks an optional field)."""
+    paragraph per type, then its fields as a list (``name?`` marks an optional field). Fields
+    named in ``omit`` (ones every type shares, said once by the caller) are left out."""
     blocks = []
+    skip = set(omit)
     for t in types:
         blocks.append(f"`{t.name}`: {t.doc}")
-        items = [item for f in t.fields for item in _field_items(f)]
+        items = [item for f in t.fields if f.name not in skip for item in _field_items(f)]
         if items:
             blocks.append("\n".join(items))
         if t.note:
