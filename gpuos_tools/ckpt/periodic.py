@@ -50,8 +50,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuos_tools.ckpt import image as img
+from gpuos_tools.ckpt.manifest import MAX_CHAIN, MAX_CHUNK
 from gpuos_tools.ckpt.profile import _bad, read_tables
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
 from gpuos_tools.units import parse_age, parse_size
 
 #: ``snapshot(path, parent) -> summary``: writes one committed image at ``path``.
@@ -61,11 +63,16 @@ SnapshotFn = Callable[[str, "str | None"], dict[str, Any]]
 AGENT_SNAPSHOT_MODULE = "gpuos_tools.agent.snapshot"
 AGENT_SNAPSHOT_FACTORY = "periodic_snapshot"
 
-_KEYS = {
-    "images": {"directory", "name", "compress", "chunk_size", "checksum"},
-    "chain": {"length"},
-    "retention": {"keep", "max_age"},
-    "agent": {"pid", "socket", "command"},
+#: Every table and key of a periodic profile, and what each key's value may be.
+_KEYS: dict[str, dict[str, Kind]] = {
+    "images": {"directory": Str(max_len=4096, form="a path"), "name": Str(max_len=200), "compress": Bool(),
+               "chunk_size": Either((Int(0, MAX_CHUNK, "bytes"), Str(max_len=64, form="a size such as 64MiB"))),
+               "checksum": Str(tuple(img.CHECKSUMS))},
+    "chain": {"length": Int(0, MAX_CHAIN - 1)},
+    "retention": {"keep": Int(0, 1 << 31), "max_age": Either((Num(0, unit="seconds"),
+                                                               Str(max_len=64, form="an age such as 7d")))},
+    "agent": {"pid": Int(1, (1 << 31) - 1), "socket": Str(max_len=4096, form="a path"),
+              "command": Str(max_len=4096, form="a regular expression")},
 }
 _STAMP = "%Y%m%dT%H%M%S"
 LOCK_FILE = ".gpuos-periodic.lock"
@@ -113,8 +120,8 @@ def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
         prof.chunk_size = chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else parse_size(str(chunk))
     except ValueError as e:
         raise _bad(path, f"images.chunk_size: {e}") from None
-    if prof.chunk_size < 4096:
-        raise _bad(path, "images.chunk_size must be at least 4KiB")
+    if not 4096 <= prof.chunk_size <= MAX_CHUNK:
+        raise _bad(path, "images.chunk_size must be at least 4KiB and at most 4GiB")
     prof.checksum = images.get("checksum", "crc32")
     if prof.checksum not in img.CHECKSUMS:
         raise _bad(path, f"images.checksum must be one of {', '.join(img.CHECKSUMS)}")

@@ -31,6 +31,7 @@ Problem = tuple[str, str] | None
 Checker = Callable[[Any], Problem]
 
 U64 = (1 << 64) - 1
+_INFINITE = (math.inf, -math.inf)
 I63 = (1 << 63) - 1
 
 
@@ -126,7 +127,7 @@ class Num(Kind):
         def check(value: Any) -> Problem:
             if value.__class__ is not float and value.__class__ is not int:
                 return "", f"must be a number ({text}), not {_show(value)}"
-            if not lo <= value <= hi:  # False for NaN too
+            if not lo <= value <= hi or value in _INFINITE:  # the comparison is False for NaN too
                 return "", f"must be a finite {text}, not {_show(value)}"
             return None
 
@@ -272,6 +273,31 @@ class Map(Kind):
                 if p is not None:
                     return f".{k}{p[0]}", p[1]
             return None
+
+        return check
+
+
+@dataclass(frozen=True)
+class Either(Kind):
+    """One of several kinds (tried in order; the first kind's problem is reported)."""
+
+    kinds: tuple[Kind, ...] = ()
+
+    @property
+    def text(self) -> str:  # type: ignore[override]
+        return " or ".join(k.text for k in self.kinds)
+
+    def checker(self) -> Checker:
+        checks = [k.checker() for k in self.kinds]
+        text = self.text
+
+        def check(value: Any) -> Problem:
+            problems = [c(value) for c in checks]
+            if any(p is None for p in problems):
+                return None
+            # a nested problem (inside a list that was the right kind) says more than "must be ..."
+            nested = [p for p in problems if p is not None and p[0]]
+            return nested[0] if nested else ("", f"must be {text}, not {_show(value)}")
 
         return check
 
