@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+
+# Every stream the tests make, in this process and in the commands they start, is checked record
+# by record against the record schemas (gpuos_tools.stream.records) as it is written.
+os.environ["GPUOS_CHECK_RECORDS"] = "1"
 
 
 @pytest.fixture

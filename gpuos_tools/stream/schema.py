@@ -96,7 +96,8 @@ class Int(Kind):
         lo, hi, text = self.lo, self.hi, self.text
 
         def check(value: Any) -> Problem:
-            if value.__class__ is not int:
+            # exact int first (all that JSON gives); subclasses (IntEnum) for records being written
+            if value.__class__ is not int and (not isinstance(value, int) or isinstance(value, bool)):
                 return "", f"must be an integer ({text}), not {_show(value)}"
             if value < lo or value > hi:
                 return "", f"must be {text}, not {_show(value)}"
@@ -125,7 +126,8 @@ class Num(Kind):
         lo, hi, text = self.lo, self.hi, self.text
 
         def check(value: Any) -> Problem:
-            if value.__class__ is not float and value.__class__ is not int:
+            if value.__class__ is not float and value.__class__ is not int and (
+                    not isinstance(value, (int, float)) or isinstance(value, bool)):  # numpy floats are floats
                 return "", f"must be a number ({text}), not {_show(value)}"
             if not lo <= value <= hi or value in _INFINITE:  # the comparison is False for NaN too
                 return "", f"must be a finite {text}, not {_show(value)}"
