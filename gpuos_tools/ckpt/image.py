@@ -707,7 +707,8 @@ class Image:
         if d is None:
             import zstandard
 
-            d = self._local.zstd = zstandard.ZstdDecompressor()
+            # a damaged frame header may ask for a window of up to 2 GiB; the writer's levels use at most 128 MiB
+            d = self._local.zstd = zstandard.ZstdDecompressor(max_window_size=1 << 27)
         return d
 
     def read_chunk(self, entry: dict[str, Any], chunk: dict[str, Any], out: memoryview, verify: bool = True) -> None:
@@ -744,6 +745,11 @@ class Image:
                 import zstandard
 
                 try:
+                    # what the frame says it holds, before anything is allocated for it
+                    declared = zstandard.frame_content_size(bytes(packed[:18]))
+                    if declared not in (-1, chunk["size"]):
+                        raise ImageError(f"{where}: the zstd frame says it holds {declared} bytes",
+                                         ExitCode.IMAGE_CORRUPT, path)
                     data = self._decompressor().decompress(bytes(packed[:got]), max_output_size=chunk["size"])
                 except zstandard.ZstdError as e:
                     raise ImageError(f"{where}: does not decompress ({e})", ExitCode.IMAGE_CORRUPT, path) from None

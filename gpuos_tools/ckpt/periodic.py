@@ -38,6 +38,7 @@ look at), and the run goes on taking its image and applying retention to the oth
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import importlib
 import importlib.util
@@ -51,7 +52,7 @@ from typing import Any
 
 from gpuos_tools.ckpt import image as img
 from gpuos_tools.ckpt.manifest import MAX_CHAIN, MAX_CHUNK
-from gpuos_tools.ckpt.profile import _bad, read_tables
+from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
 from gpuos_tools.units import parse_age, parse_size
@@ -65,13 +66,13 @@ AGENT_SNAPSHOT_FACTORY = "periodic_snapshot"
 
 #: Every table and key of a periodic profile, and what each key's value may be.
 _KEYS: dict[str, dict[str, Kind]] = {
-    "images": {"directory": Str(max_len=4096, form="a path"), "name": Str(max_len=200), "compress": Bool(),
+    "images": {"directory": PATH, "name": Str(max_len=200), "compress": Bool(),
                "chunk_size": Either((Int(0, MAX_CHUNK, "bytes"), Str(max_len=64, form="a size such as 64MiB"))),
                "checksum": Str(tuple(img.CHECKSUMS))},
     "chain": {"length": Int(0, MAX_CHAIN - 1)},
     "retention": {"keep": Int(0, 1 << 31), "max_age": Either((Num(0, unit="seconds"),
                                                                Str(max_len=64, form="an age such as 7d")))},
-    "agent": {"pid": Int(1, (1 << 31) - 1), "socket": Str(max_len=4096, form="a path"),
+    "agent": {"pid": Int(1, (1 << 31) - 1), "socket": PATH,
               "command": Str(max_len=4096, form="a regular expression")},
 }
 _STAMP = "%Y%m%dT%H%M%S"
@@ -192,6 +193,12 @@ def list_images(prof: PeriodicProfile) -> list[Entry]:
         names = os.listdir(prof.directory)
     except FileNotFoundError:
         return out
+    except OSError as e:
+        code = (ExitCode.PERMISSION if isinstance(e, PermissionError) else
+                ExitCode.BAD_INPUT if e.errno in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP) else
+                ExitCode.IO_ERROR)
+        raise GpuosError(f"{prof.directory}: cannot list the images (images.directory of {prof.path}): "
+                         f"{e.strerror}", code) from None
     for name in names:
         t = _name_time(prof, name)
         path = prof.directory / name

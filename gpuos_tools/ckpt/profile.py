@@ -40,16 +40,17 @@ from gpuos_tools.stream.schema import Bool, Either, Field, Int, Kind, List, Obj,
 from gpuos_tools.tomlfile import load_toml
 
 _UID = Int(0, (1 << 32) - 2)
-_USER = Either((Str(max_len=256), _UID))
+_USER = Either((Str(max_len=256, pattern="[^\x00/:]+", form="a user name"), _UID))
 _REGEX = Str(max_len=4096, form="a regular expression")
-_PATH = Str(max_len=4096, form="a path")
+#: a path: not empty, no NUL (which no file name can hold)
+PATH = Str(max_len=4096, pattern="[^\x00]+", form="a path")
 
 #: Every table and key a maintenance profile may have, and what each key's value may be.
 _KEYS: dict[str, dict[str, Kind]] = {
     "select": {"users": Either((List(_USER, max_len=4096), _USER)), "command": _REGEX,
                "exclude_command": _REGEX, "all": Bool()},
     "checkpoint": {"timeout_ms": Int(0, 1 << 40), "on_error": Str(("resume", "keep"))},
-    "state": {"file": _PATH},
+    "state": {"file": PATH},
 }
 STATE_SCHEMA = "gpuos-ckpt-profile/1"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,7 +124,8 @@ class Num(Kind):
         return f"{self.unit} {self.lo:g}..{self.hi:g}"
 
     def checker(self) -> Checker:
-        lo, hi, text = self.lo, self.hi, self.text
+        # an integer beyond the largest float is no number a reader can compute with
+        lo, hi, text = max(self.lo, -sys.float_info.max), min(self.hi, sys.float_info.max), self.text
 
         def check(value: Any) -> Problem:
             if value.__class__ is not float and value.__class__ is not int and (
