@@ -299,7 +299,7 @@ LIBRARY = RecordType(
     (
         *_common(),
         Field("format", NAME),
-        Field("size", BYTES),
+        Field("size", Int(0, U64, "bytes"), "as the image's header says"),
         Field("hash", SHA256, "PTX only"),
         Field("file", Str(max_len=4096), "PTX only"),
     ),
@@ -373,7 +373,7 @@ EXIT = RecordType(
     "exit", "the traced program ended.",
     (
         Field("ts", TS),
-        Field("code", Int(-(1 << 31), (1 << 31) - 1), "its exit status"),
+        Field("code", Int(-(1 << 31), (1 << 31) - 1), "its exit status; null when a signal ended it", null=True),
         Field("signal", Int(0, 1 << 16), "the signal that ended it"),
         Field("complete", Bool(), "the tracer said goodbye"),
         Field("records", Map(COUNT), "{type: count}"),
