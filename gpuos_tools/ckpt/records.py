@@ -1,44 +1,6 @@
 """The records gpu-ckpt and gpu-restore write, and the sink that writes them after a header.
 
-RECORDS = '''
-header         tool, action, pid or profile; once the driver was reached also
-               driver {cuda, release} and gpus [{index, uuid, name, memory}]
-ckpt_process   pid, user, command, starttime, state (before anything is done);
-               when checkpointing also gpus [{index, uuid, name, memory}] and
-               bytes: the process's GPU memory as NVML shows it (null: unknown)
-ckpt_step      pid, step (lock, checkpoint, restore, unlock, criu_dump,
-               criu_restore), ok, state_before, state_after, duration_s,
-               error (a CUresult name or exit status) when it failed,
-               recovery: true when the step undoes a failed action
-ckpt_result    action (checkpoint, restore, dump), pid, ok, state (what the
-               process was left in: running, locked, checkpointed, failed,
-               dumped; null when unknown), touched (false: nothing was done to it),
-               code and error (the exit code and its name), message; on
-               success bytes, lock_s, checkpoint_s, gbps, restore_s, unlock_s,
-               duration_s, device and gpu_map (for a move), image
-ckpt_status    (gpu-ckpt status) pid, user, command, state, error, gpus,
-               memory (bytes on GPUs; 0 when checkpointed), seen_by (nvml,
-               maps, gpu-ckpt, asked), checkpointed {checkpointed_at, bytes,
-               gpus} for processes gpu-ckpt checkpointed
-ckpt_profile   (--profile) action, profile, state_file, counts: selected,
-               suspended, resumed, skipped [{pid, why}], failed [{pid, error,
-               state, message}], ok
-image_verify   (gpu-restore verify) image, ok, problems [sentences naming the
-               file], chain [image paths, newest first], buffers, bytes
-image_diff     (gpu-restore diff) buffer, change (added, removed, resized,
-               changed), addr, size, kind; changed: ranges [[start, end)] at
-               chunk granularity and bytes; resized: new_addr, new_size
-image_diff_summary  a, b, buffers_a, buffers_b, added, removed, resized,
-               changed, bytes_changed, identical
-image_compact  (gpu-ckpt compact) head, chain [image ids folded], image,
-               image_id, bytes, stored_bytes, chunks, buffers, seconds
-ckpt_periodic  (gpu-ckpt periodic) profile, directory, image, kind (full,
-               incremental), parent, why, bytes, stored_bytes, seconds,
-               snapshot (the agent's summary), kept, deleted, cleaned (temp
-               directories of dead writers removed)
-ckpt_periodic_plan  (gpu-ckpt periodic --plan) the same without taking the
-               image: image, kind, parent, why, would_keep, would_delete
-'''
+Their schemas are below, as data (``TYPES``): the man pages list them from there.
 
 The last ``ckpt_result`` of a stream says what the process was left in, on success and on
 every error.
@@ -51,8 +13,101 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpuos_tools.stream import Writer, make_header, open_output
+from gpuos_tools.stream.records import BYTES, COUNT, register_output
+from gpuos_tools.stream.schema import Anything, Bool, Either, Field, Int, List, Map, Num, Obj, RecordType, Str, render
 
-RECORDS = __doc__.split("RECORDS = '''\n", 1)[1].split("'''", 1)[0]
+_PID = Int(1, (1 << 31) - 1, "pid")
+_SECONDS = Num(0, unit="s")
+_GPU = Obj((Field("index", COUNT), Field("uuid", Str()), Field("name", Str()), Field("memory", BYTES)),
+           text="{index, uuid, name, memory}")
+_STATE = Str(form="running, locked, checkpointed, failed, dumped")
+_NAMES = List(Str())
+_FAILED = List(Obj((Field("pid", _PID), Field("error", Str()), Field("state", _STATE, null=True),
+                    Field("message", Str())), text="{pid, error, state, message}"))
+_SKIPPED = List(Obj((Field("pid", _PID), Field("why", Str())), text="{pid, why}"))
+_DAMAGED = List(Obj((Field("image", Str(), required=True), Field("problem", Str(), required=True)),
+                    text="{image, problem}"))
+
+CKPT_PROCESS = RecordType("ckpt_process", "a process before anything is done to it.", (
+    Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),
+    Field("starttime", COUNT, "clock ticks after boot"), Field("state", _STATE, null=True),
+    Field("gpus", List(_GPU), "when checkpointing"),
+    Field("bytes", BYTES, "its GPU memory as NVML shows it; null: unknown", null=True),
+))
+CKPT_STEP = RecordType("ckpt_step", "one step of an action.", (
+    Field("pid", _PID, required=True),
+    Field("step", Str(("lock", "checkpoint", "restore", "unlock", "criu_dump", "criu_restore")), required=True),
+    Field("ok", Bool(), required=True), Field("state_before", _STATE, null=True),
+    Field("state_after", _STATE, null=True), Field("duration_s", _SECONDS),
+    Field("error", Str(), "a CUresult name or exit status, when it failed"),
+    Field("recovery", Bool(), "true when the step undoes a failed action"),
+))
+CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stream says what the process was "
+                         "left in, on success and on every error.", (
+    Field("action", Str(("checkpoint", "restore", "dump", "criu_restore")), required=True),
+    Field("pid", _PID, null=True), Field("ok", Bool(), required=True),
+    Field("state", _STATE, "what the process was left in; null when unknown", null=True),
+    Field("touched", Bool(), "false: nothing was done to it"),
+    Field("code", Int(0, 255), "the exit code"), Field("error", Str(), "its name"), Field("message", Str()),
+    Field("bytes", BYTES, null=True), Field("lock_s", _SECONDS), Field("checkpoint_s", _SECONDS),
+    Field("gbps", Num(0), null=True), Field("restore_s", _SECONDS), Field("unlock_s", _SECONDS),
+    Field("duration_s", _SECONDS), Field("device", Anything(), "for a move"), Field("gpu_map", Anything(), "for a move"),
+    Field("image", Anything()),
+))
+CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
+    Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),
+    Field("state", _STATE, null=True), Field("error", Str()), Field("gpus", List(_GPU)),
+    Field("memory", BYTES, "bytes on GPUs; 0 when checkpointed", null=True),
+    Field("seen_by", List(Str()), "nvml, maps, gpu-ckpt, asked"),
+    Field("checkpointed", Map(), "{checkpointed_at, bytes, gpus}, for processes gpu-ckpt checkpointed", null=True),
+))
+CKPT_PROFILE = RecordType("ckpt_profile", "(--profile) what a maintenance run did.", (
+    Field("action", Str(("checkpoint", "restore")), required=True), Field("profile", Str()),
+    Field("state_file", Str()), Field("selected", COUNT), Field("suspended", COUNT), Field("resumed", COUNT),
+    Field("skipped", _SKIPPED), Field("failed", _FAILED), Field("ok", Bool()),
+), note="Also the counts `resumed_after_failure`, `already_suspended`, `listed` and `still_suspended`.")
+IMAGE_VERIFY = RecordType("image_verify", "(gpu-restore verify) whether an image and its chain are sound.", (
+    Field("image", Str(), required=True), Field("ok", Bool(), required=True),
+    Field("problems", _NAMES, "sentences naming the file", required=True), Field("quick", Bool()),
+    Field("chain", _NAMES, "image paths, newest first"), Field("buffers", COUNT), Field("bytes", BYTES),
+))
+IMAGE_DIFF = RecordType("image_diff", "(gpu-restore diff) one buffer that differs.", (
+    Field("buffer", COUNT, required=True), Field("change", Str(("added", "removed", "resized", "changed")),
+                                                  required=True),
+    Field("addr", Int(0, (1 << 64) - 1, "address")), Field("size", BYTES), Field("kind", Str(), null=True),
+    Field("ranges", List(List(BYTES, length=2)), "changed: [start, end) at chunk granularity"),
+    Field("bytes", BYTES, "changed: bytes in the ranges"),
+    Field("new_addr", Int(0, (1 << 64) - 1, "address"), "resized"), Field("new_size", BYTES, "resized"),
+))
+IMAGE_DIFF_SUMMARY = RecordType("image_diff_summary", "(gpu-restore diff) the counts.", (
+    Field("a", Str()), Field("b", Str()), Field("buffers_a", COUNT), Field("buffers_b", COUNT),
+    Field("added", COUNT), Field("removed", COUNT), Field("resized", COUNT), Field("changed", COUNT),
+    Field("bytes_changed", COUNT), Field("identical", Bool(), required=True),
+))
+IMAGE_COMPACT = RecordType("image_compact", "(gpu-ckpt compact) the full image written.", (
+    Field("head", Str(), required=True), Field("chain", _NAMES, "image ids folded"), Field("image", Str()),
+    Field("image_id", Str()), Field("bytes", COUNT), Field("stored_bytes", COUNT), Field("chunks", COUNT),
+    Field("buffers", COUNT), Field("seconds", _SECONDS), Field("incremental", Bool()),
+))
+_PERIODIC_COMMON = (
+    Field("profile", Str()), Field("directory", Str()), Field("image", Str(), required=True),
+    Field("kind", Str(("full", "incremental")), required=True), Field("parent", Str(), null=True),
+    Field("why", Str()),
+    Field("damaged", _DAMAGED, "images that did not read: never chained to, counted or deleted"),
+)
+CKPT_PERIODIC = RecordType("ckpt_periodic", "(gpu-ckpt periodic) the image taken and what retention did.", (
+    *_PERIODIC_COMMON, Field("bytes", COUNT, null=True), Field("stored_bytes", COUNT, null=True),
+    Field("seconds", _SECONDS), Field("snapshot", Anything(), "the agent's summary"), Field("kept", _NAMES),
+    Field("deleted", _NAMES), Field("cleaned", _NAMES, "temp directories of dead writers removed"),
+))
+CKPT_PERIODIC_PLAN = RecordType("ckpt_periodic_plan", "(gpu-ckpt periodic --plan) the same, without taking the "
+                                "image.", (*_PERIODIC_COMMON, Field("would_keep", _NAMES),
+                                           Field("would_delete", _NAMES)))
+
+#: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.
+TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, IMAGE_VERIFY, IMAGE_DIFF,
+         IMAGE_DIFF_SUMMARY, IMAGE_COMPACT, CKPT_PERIODIC, CKPT_PERIODIC_PLAN)
+register_output(*TYPES)
 
 
 class Sink:
@@ -175,8 +230,9 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
 
     return {
         "RECORDS": (
-            "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
-            "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in RECORDS.strip("\n").splitlines())
+            "One JSON object per line after the header (tool, action, pid or profile; once the driver was "
+            "reached also driver {cuda, release} and gpus); durations in seconds, sizes in bytes, GPUs by "
+            "nvidia-smi index and UUID; `?` marks a field that may be absent.\n\n" + render(TYPES)
         ),
         "NOTES": notes,
         **(extra or {}),

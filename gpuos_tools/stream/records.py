@@ -444,3 +444,26 @@ TRACE_TYPES = (ALLOC, FREE, LAUNCH, MEMCPY, MEMSET, MODULE, LIBRARY, STREAM, GRA
 
 #: Every type a reader checks.
 INPUT = Registry((HEADER, *TRACE_TYPES, ACCESS, ACCESS_TEMPLATE, IO))
+
+
+# -- what tools write but no reader checks ---------------------------------------------------------
+
+_OUTPUT: dict[str, Any] = {}
+
+
+def register_output(*types: RecordType) -> None:
+    """Add the schemas of record types a higher layer writes (its man page lists them): with
+    GPUOS_CHECK_RECORDS=1 every record of them written is checked too."""
+    for t in types:
+        if t.name in INPUT or _OUTPUT.get(t.name, (t,))[0] is not t:
+            raise ValueError(f"record type {t.name!r} defined twice")
+        _OUTPUT[t.name] = (t, t.checker())
+
+
+def check_written(record: dict[str, Any]) -> str | None:
+    """None for a record a tool may write, else what is wrong with it."""
+    problem = INPUT.check(record)
+    if problem is None and record.get("type") not in INPUT:
+        entry = _OUTPUT.get(record.get("type"))
+        return None if entry is None else entry[1](record)
+    return problem

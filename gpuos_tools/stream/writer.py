@@ -17,7 +17,7 @@ import zstandard
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.stream import atomic
 from gpuos_tools.stream.framing import STDIO, StreamError
-from gpuos_tools.stream.records import INPUT
+from gpuos_tools.stream.records import check_written
 
 #: Set to 1 (the tests do), every record written is checked as a reader would check it.
 CHECK_ENV = "GPUOS_CHECK_RECORDS"
@@ -117,7 +117,7 @@ class Writer:
     def _check(self, record: dict[str, Any]) -> None:
         """Refuse a record that readers would refuse: a tool that writes one has a bug."""
         self._written += 1
-        problem = INPUT.check(record)
+        problem = check_written(record)
         if problem is None and record.get("type") == "header" and self._written > 1:
             problem = "a second header"
         if problem is not None:
