@@ -18,6 +18,7 @@ EXIT_CODES = (
     ExitCode.NO_INPUT,
     ExitCode.PERMISSION,
     ExitCode.IO_ERROR,
+    ExitCode.SOFTWARE,
 )
 
 MANUAL = """\
@@ -107,6 +108,11 @@ side files named by their content hash, `<sha256 hex>` plus a suffix such as `.c
 records refer to them by `"sha256:<hex>"` and by the file name relative to a directory the
 header names. A file is written once, atomically, and never rewritten: the same content
 always has the same name.
+
+# ENVIRONMENT
+- `GPUOS_CHECK_RECORDS`: when `1`, every record a command writes is checked against its type's
+  schema as it is written, and one that readers would refuse is an internal error (status
+  $SOFTWARE). The test suite sets it, so that every stream the tests make is checked.
 
 # EXAMPLES
 Count the kernel launches in a compressed trace:
