@@ -178,6 +178,8 @@ def test_a_chunk_that_is_a_fifo_does_not_hang_verify(tmp_path: Path) -> None:
     assert "1-0.zst: not a regular file" in done.stderr
     with pytest.raises(ImageError, match="not a regular file"):
         open_image(image).read(1)
+    with pytest.raises(ImageError, match="not a regular file"):
+        open_image(image).read(1, memoryview(bytearray(65536)))  # opened without blocking, refused
 
 
 @pytest.mark.parametrize("target", ["/dev/zero", "/etc/hostname"])
@@ -187,8 +189,11 @@ def test_a_chunk_that_is_a_symlink_out_of_the_image_is_not_read(tmp_path: Path, 
     chunk.unlink()
     os.symlink(target, chunk)
     assert any("1-0.zst: not a regular file" in p for p in verify(image))
-    with pytest.raises(ImageError, match="symbolic link"):
+    with pytest.raises(ImageError, match="1-0.zst: not a regular file"):
         open_image(image).read(1)
+    view = memoryview(bytearray(65536))
+    with pytest.raises(ImageError, match="symbolic link"):  # read into memory of one's own: opened, refused
+        open_image(image).read(1, view)
     with pytest.raises(ImageError):
         compact(image, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -210,8 +215,10 @@ def test_a_symlinked_chunks_directory_is_refused(tmp_path: Path) -> None:
     shutil.move(image / "chunks", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", image / "chunks")
     assert any("chunks: is not a directory" in p for p in verify(image))
-    with pytest.raises(ImageError, match="not a directory"):
+    with pytest.raises(ImageError, match="chunk directory"):
         open_image(image).read(1)
+    with pytest.raises(ImageError, match="not a directory"):
+        open_image(image).read(1, memoryview(bytearray(65536)))
 
 
 @pytest.mark.parametrize("path", ["/etc", "/tmp/x/../../etc", ""])

@@ -702,6 +702,29 @@ class Image:
             problems.append(f"{os.path.join(chunks, name)}: extra chunk file, not in the manifest")
         return problems, unreadable
 
+    def _check_files(self, entry: dict[str, Any]) -> None:
+        """IMAGE_CORRUPT unless every chunk file of a buffer of this image is there, a regular file
+        of its recorded size (looked at, not opened)."""
+        chunks = os.path.join(self.path, CHUNKS)
+        try:
+            dfd = os.open(chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ImageError(f"{chunks}: cannot be read as the image's chunk directory ({e.strerror})",
+                             ExitCode.IMAGE_CORRUPT, chunks) from None
+        try:
+            for c in entry["chunks"]:
+                path = os.path.join(chunks, c["file"])
+                try:
+                    st = os.stat(c["file"], dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise ImageError(f"{path}: missing chunk (buffer {entry['id']}, chunk {c['n']})",
+                                     ExitCode.IMAGE_CORRUPT, path) from None
+                if not stat.S_ISREG(st.st_mode) or st.st_size != c["stored_size"]:
+                    raise ImageError(f"{path}: not a regular file of {c['stored_size']} bytes (buffer {entry['id']}, "
+                                     f"chunk {c['n']})", ExitCode.IMAGE_CORRUPT, path)
+        finally:
+            os.close(dfd)
+
     def _decompressor(self) -> Any:
         d = getattr(self._local, "zstd", None)
         if d is None:
@@ -775,6 +798,7 @@ class Image:
         image, entry = self.holder(buffer_id)
         size = entry["size"]
         if out is None:
+            image._check_files(entry)  # before memory is taken for what the manifest says they hold
             target = memoryview(bytearray(size))
         else:
             target = memoryview(out).cast("B")
