@@ -211,7 +211,30 @@ FREE = RecordType(
     ),
 )
 
-PARAM = Obj((
+class _Param(Obj):
+    """A launch parameter, checked in one function: a launch has several, and a trace has
+    launches by the million."""
+
+    def checker(self) -> Checker:
+        generic = super().checker()
+        hi = 1 << 16
+
+        def check(value: Any) -> Problem:
+            if value.__class__ is dict and len(value) == 3:
+                offset, size, hexs = value.get("offset"), value.get("size"), value.get("hex")
+                if (offset.__class__ is int and size.__class__ is int and hexs.__class__ is str
+                        and 0 <= offset <= hi and 0 <= size <= hi and len(hexs) <= 2 * hi):
+                    try:
+                        if len(bytes.fromhex(hexs)) * 2 == len(hexs):
+                            return None
+                    except ValueError:
+                        pass
+            return generic(value)  # anything else, and every problem, the general way
+
+        return check
+
+
+PARAM = _Param((
     Field("offset", PARAM_OFFSET, "where the parameter starts in the argument buffer"),
     Field("size", PARAM_OFFSET, "its bytes"),
     Field("hex", Hex(1 << 16), "its bytes as passed"),
