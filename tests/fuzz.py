@@ -210,7 +210,8 @@ def _read(data: bytes, on_error: str = "raise") -> list[dict[str, Any]]:
     from gpuos_tools.stream.reader import Reader
 
     buf = io.BytesIO(data)
-    with Reader("fuzz.ndjson", buf.read, None, compressed_by_name=False, on_error=on_error) as reader:  # type: ignore[arg-type]
+    mode: Any = on_error
+    with Reader("fuzz.ndjson", buf.read, None, compressed_by_name=False, on_error=mode) as reader:
         return list(reader)
 
 

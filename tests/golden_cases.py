@@ -191,8 +191,10 @@ def _is(kind: str, key: str | None = None) -> Callable[[dict[str, Any]], bool]:
 BAD: dict[str, Callable[[], str]] = {
     "type-is-a-number": lambda: _raw("cupy", _is("alloc"), lambda line: '{"type":5}'),
     "type-is-empty": lambda: _raw("cupy", _is("alloc"), lambda line: '{"type":""}'),
-    "dptrs-index-out-of-range": lambda: _edit("cupy", _is("launch", "dptrs"), lambda r: r["dptrs"][0].__setitem__(0, 99)),
-    "dptrs-past-the-parameter": lambda: _edit("cupy", _is("launch", "dptrs"), lambda r: r["dptrs"][0].__setitem__(1, 30)),
+    "dptrs-index-out-of-range": lambda: _edit("cupy", _is("launch", "dptrs"),
+                                              lambda r: r["dptrs"][0].__setitem__(0, 99)),
+    "dptrs-past-the-parameter": lambda: _edit("cupy", _is("launch", "dptrs"),
+                                              lambda r: r["dptrs"][0].__setitem__(1, 30)),
     "alloc-without-size": lambda: _edit("cupy", _is("alloc"), lambda r: r.pop("size")),
     "alloc-size-negative": lambda: _edit("cupy", _is("alloc"), lambda r: r.update(size=-4096)),
     "alloc-size-1e300": lambda: _edit("cupy", _is("alloc"), lambda r: r.update(size=1e300)),

@@ -677,7 +677,8 @@ class Image:
         except OSError as e:
             if expected or e.errno not in (errno.ENOENT,):
                 why = "is not a directory" if e.errno in (errno.ENOTDIR, errno.ELOOP) else (e.strerror or str(e))
-                problems.append(f"{chunks}: {why}" if e.errno != errno.ENOENT else f"{self.path}: no {CHUNKS}/ directory")
+                problems.append(f"{chunks}: {why}" if e.errno != errno.ENOENT
+                                else f"{self.path}: no {CHUNKS}/ directory")
             return problems, None
         try:
             present = set(os.listdir(dfd))

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuos_tools.stream import Writer, make_header, open_output
 from gpuos_tools.stream.records import BYTES, COUNT, register_output
-from gpuos_tools.stream.schema import Anything, Bool, Either, Field, Int, List, Map, Num, Obj, RecordType, Str, render
+from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Map, Num, Obj, RecordType, Str, render
 
 _PID = Int(1, (1 << 31) - 1, "pid")
 _SECONDS = Num(0, unit="s")
@@ -51,7 +51,8 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("code", Int(0, 255), "the exit code"), Field("error", Str(), "its name"), Field("message", Str()),
     Field("bytes", BYTES, null=True), Field("lock_s", _SECONDS), Field("checkpoint_s", _SECONDS),
     Field("gbps", Num(0), null=True), Field("restore_s", _SECONDS), Field("unlock_s", _SECONDS),
-    Field("duration_s", _SECONDS), Field("device", Anything(), "for a move"), Field("gpu_map", Anything(), "for a move"),
+    Field("duration_s", _SECONDS), Field("device", Anything(), "for a move"),
+    Field("gpu_map", Anything(), "for a move"),
     Field("image", Anything()),
 ))
 CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (

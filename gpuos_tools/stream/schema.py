@@ -9,8 +9,8 @@ rendered from them (``render``). And the tests check every stream they make agai
 A type is *open*: fields it does not list are passed through untouched, so a newer writer's
 additions never break an older reader. Fields it lists are checked whenever present; those marked
 required must be present. Integers are bounded (an address is 64 bits; a size is at most
-``MAX_BYTES``, more than any machine holds), floats must be finite, and lists have a largest
-length, so no single record can make a tool allocate without bound.
+``gpuos_tools.units.MAX_BYTES``, more than any machine holds), floats must be finite, and lists
+have a largest length, so no single record can make a tool allocate without bound.
 
 Checkers return None for a good value and ``(path, problem)`` for a bad one, where ``path`` says
 where inside the value (``[3].hex``); they never raise, whatever JSON they are given.
@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuos_tools.units import MAX_BYTES
 
 #: None, or (where inside the value, what is wrong)
 Problem = tuple[str, str] | None
