@@ -121,3 +121,18 @@ def test_the_largest_allocation_a_stream_may_give_simulates_in_bounded_time(tmp_
     assert time.perf_counter() - start < 20
     summaries = [r for r in records(out) if r["type"] == "sched_summary"]
     assert summaries and all(s["policy"] for s in summaries)
+
+
+def test_a_stream_without_a_header_is_read_as_gpuos_1(tmp_path: Path) -> None:
+    """gpuos-stream(7): a stream without a header is accepted; a filter then writes its own."""
+    import zstandard
+
+    with zstandard.open(REPO / RECORDED_CUPY, "rt") as f:
+        lines = f.read().splitlines()[1:]
+    path = tmp_path / "headless.ndjson"
+    path.write_text("\n".join(lines) + "\n")
+    code, out, err = call("gpu-predict-access", [str(path)])
+    assert code == 0, err
+    recs = records(out)
+    assert recs[0]["type"] == "header" and recs[0]["tool"] == "gpu-predict-access"
+    assert [r for r in recs[1:] if r["type"] != "access"] == [json.loads(line) for line in lines]
