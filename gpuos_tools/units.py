@@ -32,6 +32,11 @@ _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*(
 
 SIZE_HELP = "bytes, or with a unit: B, KiB, MiB, GiB, TiB (K, M, G, T alike), KB, MB, GB, TB"
 
+#: The largest size any input may give (256 TiB): more memory than any one machine holds, GPU
+#: or host, so a larger number is a damaged or hostile input, never a real allocation, and every
+#: sum of a few thousand such sizes still fits comfortably in 64 bits.
+MAX_BYTES = 1 << 48
+
 
 def _split(text: str) -> tuple[float, str] | None:
     m = _NUMBER.match(text)
@@ -47,7 +52,10 @@ def parse_size(text: str) -> int:
     if parts is None or parts[1].lower() not in _SIZE_UNITS or parts[1] == "b":
         raise ValueError(f"not a size: {text!r} ({SIZE_HELP})")
     value, unit = parts
-    return round(value * _SIZE_UNITS[unit.lower()])
+    size = value * _SIZE_UNITS[unit.lower()]
+    if not size <= MAX_BYTES:  # also inf, from 1e400
+        raise ValueError(f"size too large: {text!r} (at most 256TiB)")
+    return round(size)
 
 
 def parse_budget_spec(text: str) -> tuple[int | None, float | None]:

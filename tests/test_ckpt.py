@@ -593,12 +593,12 @@ def test_sink_writes_the_header_first_with_what_is_known(tmp_path: Path) -> None
     with open_output(str(out)) as writer:
         sink = Sink(writer, "gpu-ckpt", lambda: dict(known), action="checkpoint", pid=5)
         known["driver"] = {"cuda": "13.0"}
-        sink({"type": "ckpt_step", "pid": 5})
+        sink({"type": "ckpt_step", "pid": 5, "step": "lock", "ok": True})
         sink.finish()
     with open_input(str(out)) as reader:
         records = list(reader)
     assert records[0]["type"] == "header" and records[0]["driver"] == {"cuda": "13.0"} and records[0]["pid"] == 5
-    assert records[1:] == [{"type": "ckpt_step", "pid": 5}] == sink.records
+    assert records[1:] == [{"type": "ckpt_step", "pid": 5, "step": "lock", "ok": True}] == sink.records
 
 
 def test_ckpt_error_carries_the_state() -> None:

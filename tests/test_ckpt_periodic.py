@@ -238,3 +238,36 @@ def test_command_is_quiet_on_success(tmp_path: Path, monkeypatch: pytest.MonkeyP
                ["periodic", "--profile", str(prof.path), "-o", str(out_file)]) == 0
     rec = json.loads(out_file.read_text().splitlines()[-1])
     assert rec["type"] == "ckpt_periodic" and rec["kind"] == "incremental"
+
+
+def test_a_damaged_image_is_skipped_and_reported_and_retention_goes_on(tmp_path: Path) -> None:
+    """A manifest with a wrong field type once made every later run fail; now the run goes on:
+    the damaged image is listed, not counted, not chained to, never deleted."""
+    prof = profile(tmp_path, length=0, keep=2)
+    snap = FakeSnapshot(prof)
+    records = take(prof, snap, 3)
+    bad = prof.directory / records[1]["image"]
+    m = json.loads((bad / "manifest.json").read_text())
+    del m["buffers"][0]["id"]
+    (bad / "manifest.json").write_text(json.dumps(m))
+    later = take(prof, snap, 3, start=T + 3 * 900)
+    assert all(r["damaged"] == [{"image": bad.name, "problem": later[0]["damaged"][0]["problem"]}] for r in later)
+    assert "field 'buffers[0].id' is missing" in later[0]["damaged"][0]["problem"]
+    assert bad.is_dir() and bad.name not in sum((r["deleted"] for r in later), [])
+    assert later[-1]["kept"] == [r["image"] for r in later[:0:-1]]  # keep = 2 counts only sound images
+    assert sorted(os.listdir(prof.directory)) == sorted([bad.name, *later[-1]["kept"], per.LOCK_FILE])
+
+
+def test_periodic_command_ends_with_failure_naming_a_damaged_image(tmp_path: Path, capsys) -> None:
+    prof = profile(tmp_path, length=0)
+    take(prof, FakeSnapshot(prof), 1)
+    (bad,) = [p for p in prof.directory.iterdir() if p.name.startswith("job-")]
+    (bad / "manifest.json").write_text('{"schema": "gpuos-image/1", "image_id": 5}')
+    from gpuos_tools.commands import ckpt
+
+    code = run(typer.main.get_command(ckpt.app), "gpu-ckpt", ["periodic", "--profile", str(prof.path), "--plan"])
+    captured = capsys.readouterr()
+    assert code == ExitCode.FAILURE
+    assert "damaged image left as it is" in captured.err and str(bad) in captured.err
+    plan = json.loads(captured.out.splitlines()[-1])
+    assert plan["damaged"][0]["image"] == bad.name and plan["would_delete"] == []

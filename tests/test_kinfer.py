@@ -522,7 +522,7 @@ def test_cli_synth_train_replay(tmp_path: Path) -> None:
     assert done.returncode == 66
     trace.write_text('{"type":"io","dev":0}\n')
     done = run("train", str(trace), "--model", str(model))
-    assert done.returncode == 64 and "not a valid io record" in done.stderr
+    assert done.returncode == 64 and f"{trace}:1: io record, field 't_us' is missing" in done.stderr
 
 
 # -- feature store ---------------------------------------------------------------------------

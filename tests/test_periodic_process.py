@@ -42,12 +42,12 @@ def test_a_process_profile_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change,message", [
-    (("kind = \"process\"", "kind = \"vm\""), "images.kind must be"),
+    (("kind = \"process\"", "kind = \"vm\""), "images.kind: must be"),
     (("[retention]", "[chain]\nlength = 3\n[retention]"), "chain.length must be 0"),
     (("pid = 4242", "pid = 4242\ncommand = 'x'"), "exactly one of pid, command"),
-    (("pid = 4242", "pid = -1"), "process.pid must be a positive integer"),
+    (("pid = 4242", "pid = -1"), "process.pid: must be integer"),
     (("pid = 4242", "command = '('"), "bad regular expression"),
-    (("timeout_ms = 1000", "timeout_ms = -5"), "timeout_ms must be an integer"),
+    (("timeout_ms = 1000", "timeout_ms = -5"), "timeout_ms: must be integer"),
     (("[process]", "[agent]\npid = 1\n[process]"), r"not \[agent\]"),
 ])
 def test_bad_process_profiles_say_what_is_wrong(tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -83,8 +83,10 @@ def test_runs_take_full_process_images_and_retention_keeps_the_newest(tmp_path: 
         made.append(rec["image"])
         deleted += rec["deleted"]
     names = sorted(p.name for p in (tmp_path / "imgs").iterdir() if p.name != per.LOCK_FILE)
-    assert names == sorted(made[1:] + ["notes.txt"]), names  # newest two; the incomplete one retired too
-    assert deleted == ["job-20000101T000000.000Z", made[0]]
+    # the newest two; the incomplete one is damaged: reported, never counted or deleted
+    assert names == sorted(made[1:] + ["job-20000101T000000.000Z", "notes.txt"]), names
+    assert deleted == [made[0]]
+    assert [d["image"] for d in rec["damaged"]] == ["job-20000101T000000.000Z"]
 
 
 def test_a_dump_that_leaves_no_complete_image_fails(tmp_path: Path) -> None:

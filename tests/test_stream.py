@@ -81,7 +81,7 @@ def test_pure_python_encoder_gives_the_same_bytes(
 
 def test_zst_round_trip(tmp_path: Path, records: list[dict[str, Any]]) -> None:
     path = tmp_path / "t.ndjson.zst"
-    many = records * 500
+    many = records + records[1:] * 500  # one header, first
     write_all(path, many)
     raw = path.read_bytes()
     assert raw[:4] == b"\x28\xb5\x2f\xfd"
@@ -263,16 +263,16 @@ def test_bad_lines_can_be_emitted_in_band(tmp_path: Path) -> None:
     assert [e["line"] for e in errors] == [2, 3, 4, 5]
     assert all(e["source"] == str(path) for e in errors)
     assert errors[0]["message"].startswith("not valid JSON")
-    assert errors[1]["message"] == "not a JSON object (a list)"
-    assert errors[2]["message"] == 'record has no "type"'
+    assert errors[1]["message"] == "not a JSON object (a list): not a gpuos record"
+    assert errors[2]["message"] == 'not a gpuos record (a JSON object without "type")'
     assert errors[3]["message"].startswith("not valid UTF-8")
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b'{"type":"a"}\n"just a string"\n', "not a JSON object (a str)"),
-        (b'{"type":"a"}\n{"kind":"x"}\n', 'record has no "type"'),
+        (b'{"type":"a"}\n"just a string"\n', "not a JSON object (a string): not a gpuos record"),
+        (b'{"type":"a"}\n{"kind":"x"}\n', 'not a gpuos record (a JSON object without "type")'),
         (b'{"type":"a"}\n{"type":"b"}\xc3\n', "not valid UTF-8"),
         (b'{"type":"a"}\n' + b"[" * 100_000 + b"\n", "not valid JSON: nested too deeply"),
     ],
@@ -299,7 +299,7 @@ def test_truncated_plain_file(tmp_path: Path) -> None:
 
 def test_truncated_zst_file(tmp_path: Path, records: list[dict[str, Any]]) -> None:
     whole = tmp_path / "whole.zst"
-    write_all(whole, records * 2000)
+    write_all(whole, records + records[1:] * 2000)
     data = whole.read_bytes()
     for cut in (len(data) // 2, len(data) - 1):
         path = tmp_path / "cut.zst"
@@ -321,7 +321,7 @@ def test_zst_name_without_zstd_data(tmp_path: Path) -> None:
 
 def test_corrupt_zst_data(tmp_path: Path, records: list[dict[str, Any]]) -> None:
     path = tmp_path / "t.zst"
-    write_all(path, records * 100)
+    write_all(path, records + records[1:] * 100)
     data = bytearray(path.read_bytes())
     data[20:60] = b"\xff" * 40
     path.write_bytes(bytes(data))

@@ -1,14 +1,6 @@
 """Which buffers each kernel launch, copy and memset reads and writes, speculated from a trace.
 
-access       of ("launch"|"memcpy"|"memset"|"graph_launch"), seq (launches: the launch's
-             seq) or index (memcpy, memset, graph_launch: 1-based count of those records),
-             kernel (launches: the launch's mangled kernel name), captured? (true: the launch
-             was captured into a CUDA graph and did not run then), graph? (graph_launch),
-             launches? (graph_launch: the captured launches it runs),
-             reads [{alloc, offset, size, how}], writes [{alloc, offset, size, how}],
-             unknown (true: the launch may touch any memory), why? (text: what made it
-             unknown, or that a failed launch ran nothing), ts? (the `ts` of the record it
-             follows, so that a stream of access records alone keeps its times)
+The `access` record's fields are written once, as data, in gpuos_tools.stream.records (ACCESS).
 
 A buffer is an allocation id (of an `alloc` record) and a byte range inside it. Granularity
 `alloc` (default) gives the whole allocation; `range` gives, for a launch, the range from the

@@ -5,14 +5,12 @@ a working set is a pointer plus a size computed from the launch's integers).
 `gpu-predict-access --learn` reads traces made with `gpu-trace run --validate` and writes one
 ``access_template`` record per (kernel, pointer position):
 
-access_template  kernel (mangled), param, offset (where the pointer word is in the arguments),
-                 read, write: a size expression, or null when none fits (the range then runs to
-                 the end of the allocation): {"const": bytes} or {"scale": k, "args": [[param,
-                 offset, width], ...]} (k times the product of those unsigned integer words), or
-                 {"max": [expression, ...]}: the samples could not tell these apart, so the
-                 largest value is used; {"const": 0} means the kernel was never seen reading (or
-                 writing) there;
-                 samples (validated launches fitted), fits (how many expressions fitted them)
+Its fields are written once, as data, in gpuos_tools.stream.records (ACCESS_TEMPLATE): `read` and
+`write` are a size expression, or null when none fits (the range then runs to the end of the
+allocation): {"const": bytes} or {"scale": k, "args": [[param, offset, width], ...]} (k times the
+product of those unsigned integer words), or {"max": [expression, ...]}: the samples could not
+tell these apart, so the largest value is used; {"const": 0} means the kernel was never seen
+reading (or writing) there.
 
 The observations are whole 128-byte chunks (the validator's granularity): an expression fits a
 launch when rounding the pointer plus its value up to a chunk boundary (at most to the end of

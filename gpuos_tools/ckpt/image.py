@@ -15,7 +15,10 @@ manifest.json:
   checksum       "crc32", "xxh3" (128-bit XXH3) or "sha256": of each chunk's raw
                  (uncompressed) bytes
   compression    "zstd" or null; level
-  parent         null, or {path (relative to this image's directory), image_id}
+  parent         null, or {path (relative to this image's directory), image_id,
+                 manifest_sum (the parent's own)}
+  manifest_sum   sha256 of this manifest's canonical form; mac: with a key
+                 (gpuos_tools/ckpt/manifest.py has every field's type and range)
   buffers        [{id, addr, size, kind, stored: true, chunks: [{n, file,
                  size, stored_size, zstd, sum}]}] or, in an incremental image,
                  {id, addr, size, kind, stored: false} for a buffer unchanged
@@ -47,10 +50,13 @@ chunks whose crc32 sums are equal.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -61,6 +67,8 @@ from types import TracebackType
 from typing import Any, Self
 
 from gpuos_tools.ckpt import chunkio
+from gpuos_tools.ckpt import manifest as mf
+from gpuos_tools.ckpt.manifest import load_key, seal
 from gpuos_tools.errors import ExitCode, GpuosError
 
 SCHEMA = "gpuos-image/1"
@@ -71,7 +79,7 @@ IMAGE_DOC = __doc__.split("IMAGE = '''\n", 1)[1].split("'''", 1)[0]
 
 #: Keys of the manifest that the writer owns; the caller's manifest may not set them.
 RESERVED = frozenset({"schema", "image_id", "created", "chunk_size", "checksum", "compression", "parent",
-                      "buffers", "bytes", "stored_bytes", "write_s"})
+                      "buffers", "bytes", "stored_bytes", "write_s", "manifest_sum", "mac"})
 
 Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
@@ -439,12 +447,17 @@ class ImageWriter:
                 "compression": {"codec": "zstd", "level": self.level} if self.compress else None,
                 "parent": None if self.parent is None else {
                     "path": os.path.relpath(self.parent.path, os.path.dirname(self.path)),
-                    "image_id": self.parent.manifest["image_id"]},
+                    "image_id": self.parent.manifest["image_id"], "manifest_sum": self.parent.sum},
                 "buffers": buffers,
                 "bytes": raw,
                 "stored_bytes": stored,
             })
             manifest["write_s"] = round(time.perf_counter() - self._started, 6)
+            try:  # never commit an image that its readers would refuse
+                mf.check(manifest, frozenset(CHECKSUMS))
+            except GpuosError as e:
+                raise ImageError(f"{self.path}: {e}", ExitCode.SOFTWARE, self.path) from None
+            seal(manifest, load_key())  # its own sum, and a MAC when a key is configured
             text = json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"
             manifest_path = os.path.join(self.temp, MANIFEST)
             _write_file(manifest_path, text, self.sync)
@@ -479,6 +492,64 @@ class ImageWriter:
 
 
 # -- reading ----------------------------------------------------------------------------------
+#
+# Nothing a manifest says is trusted before gpuos_tools.ckpt.manifest.check has passed it: field
+# types, unique ids, bounded sizes, buffers that do not overlap, and the chunk geometry (every
+# chunk but the last exactly chunk_size, in order, named as the writer names them). Files are
+# then opened only inside the image's chunks/ directory, never through a symlink, only when they
+# are regular files of the size the manifest says, and without blocking (a FIFO is refused, not
+# waited on).
+
+_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_SENTINEL: Any = object()
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a key given twice makes a manifest ambiguous; refuse it."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _open_regular(path: str, limit: int, what: str, *, dir_fd: int | None = None) -> tuple[int, int]:
+    """(fd, size) of a regular file, opened without following a symlink and without blocking;
+    IMAGE_CORRUPT when it is something else or larger than ``limit``."""
+    try:
+        fd = os.open(path, _OPEN, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ImageError(f"{what}: is a symbolic link (refused)", ExitCode.IMAGE_CORRUPT, path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError(f"{what}: not a regular file (refused)", ExitCode.IMAGE_CORRUPT, path)
+        if st.st_size > limit:
+            raise ImageError(f"{what}: {st.st_size} bytes, more than the {limit} expected", ExitCode.IMAGE_CORRUPT,
+                             path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_exactly(fd: int, out: memoryview) -> int:
+    got = 0
+    while got < len(out):
+        n = os.readv(fd, [out[got:]])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _read_manifest(path: str) -> dict[str, Any]:
@@ -486,34 +557,48 @@ def _read_manifest(path: str) -> dict[str, Any]:
         raise ImageError(f"{path}: no such image", ExitCode.NO_INPUT, path)
     mpath = os.path.join(path, MANIFEST)
     try:
-        with open(mpath, "rb") as f:
-            raw = f.read()
+        fd, size = _open_regular(mpath, mf.MAX_MANIFEST, mpath)
     except FileNotFoundError:
         raise ImageError(f"{path}: not an image (no {MANIFEST}; a write that never finished?)",
                          ExitCode.IMAGE_CORRUPT, mpath) from None
     except OSError as e:
         raise _io_error("cannot read", mpath, e) from e
     try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = bytearray(size)
+        got = _read_exactly(fd, memoryview(raw))
+    except OSError as e:
+        raise _io_error("cannot read", mpath, e) from e
+    finally:
+        os.close(fd)
+    try:
+        m = json.loads(bytes(raw[:got]), object_pairs_hook=_pairs, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ImageError(f"{mpath}: truncated or malformed manifest ({e})", ExitCode.IMAGE_CORRUPT, mpath) from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+    if not isinstance(m, dict) or m.get("schema") != SCHEMA:
         raise ImageError(f"{mpath}: not a {SCHEMA} manifest", ExitCode.IMAGE_CORRUPT, mpath)
-    for key in ("image_id", "chunk_size", "checksum", "buffers"):
-        if key not in manifest:
-            raise ImageError(f"{mpath}: manifest has no {key!r}", ExitCode.IMAGE_CORRUPT, mpath)
-    return manifest
+    return m
 
 
 class Image:
-    """A committed image, opened read-only. ``buffers`` is the manifest's buffer list."""
+    """A committed image, opened read-only and checked (its manifest only: ``open_image`` also
+    follows and checks the parent chain). ``buffers`` is the manifest's buffer list. ``key``: the
+    MAC key (default: from GPUOS_IMAGE_KEY)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], key: bytes | None = _SENTINEL):
         self.path = os.path.abspath(os.fspath(path))
-        self.manifest = _read_manifest(self.path)
-        self.buffers: list[dict[str, Any]] = self.manifest["buffers"]
-        self._by_id = {int(b["id"]): b for b in self.buffers}
-        self._parent: Image | None = None
+        self.key = mf.load_key() if key is _SENTINEL else key
+        m = _read_manifest(self.path)
+        mpath = os.path.join(self.path, MANIFEST)
+        try:
+            mf.check(m, frozenset(CHECKSUMS))
+            #: sha256 of the manifest's canonical form: what a child image names its parent by
+            self.sum = mf.check_seal(m, self.key)
+        except GpuosError as e:
+            raise ImageError(f"{mpath}: {e}", ExitCode.IMAGE_CORRUPT, mpath) from None
+        self.manifest = m
+        self.buffers: list[dict[str, Any]] = m["buffers"]
+        self._by_id = {b["id"]: b for b in self.buffers}
+        self._chain: list[Image] | None = None
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -528,60 +613,169 @@ class Image:
         return self.manifest.get("parent") is not None
 
     def buffer(self, buffer_id: int) -> dict[str, Any] | None:
-        return self._by_id.get(int(buffer_id))
+        return self._by_id.get(buffer_id)
 
-    def parent(self) -> Image | None:
-        """The parent image (incremental images), checked to be the one recorded."""
+    def _open_parent(self) -> Image | None:
+        """The parent this manifest names, checked to be the one recorded (by its manifest's sum
+        where the image records it, by its id otherwise)."""
         ref = self.manifest.get("parent")
         if ref is None:
             return None
-        if self._parent is None:
-            where = os.path.normpath(os.path.join(os.path.dirname(self.path), ref["path"]))
+        where = os.path.normpath(os.path.join(os.path.dirname(self.path), ref["path"]))
+        try:
+            st = os.lstat(where)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise ImageError(f"{self.path}: broken parent chain: {where} is a symbolic link (refused)",
+                             ExitCode.IMAGE_CORRUPT, where)
+        try:
+            parent = Image(where, self.key)
+        except ImageError as e:
+            raise ImageError(f"{self.path}: broken parent chain: {e}", ExitCode.IMAGE_CORRUPT, where) from None
+        want = ref.get("manifest_sum")
+        if want is not None and parent.sum != want:
+            raise ImageError(f"{self.path}: broken parent chain: {where} is not the image it was taken on (its "
+                             f"manifest's sum is {parent.sum}, not {want})", ExitCode.IMAGE_CORRUPT, where)
+        if parent.image_id != ref["image_id"]:
+            raise ImageError(f"{self.path}: broken parent chain: {where} is image {parent.image_id}, "
+                             f"not the parent {ref['image_id']}", ExitCode.IMAGE_CORRUPT, where)
+        return parent
+
+    def walk(self) -> tuple[list[Image], ImageError | None]:
+        """This image and the ancestors that open, newest first, and the error that ended the walk
+        early (None when it reached a full image). Bounded, and stops at a loop."""
+        out: list[Image] = [self]
+        seen = {os.path.realpath(self.path), self.sum}
+        while True:
             try:
-                parent = Image(where)
+                parent = out[-1]._open_parent()
             except ImageError as e:
-                raise ImageError(f"{self.path}: broken parent chain: {e}", ExitCode.IMAGE_CORRUPT, where) from None
-            if parent.image_id != ref.get("image_id"):
-                raise ImageError(f"{self.path}: broken parent chain: {where} is image {parent.image_id}, "
-                                 f"not the parent {ref.get('image_id')}", ExitCode.IMAGE_CORRUPT, where)
-            self._parent = parent
-        return self._parent
+                return out, e
+            if parent is None:
+                return out, None
+            real = os.path.realpath(parent.path)
+            if real in seen or parent.sum in seen:
+                return out, ImageError(f"{self.path}: parent chain loops at {parent.path}", ExitCode.IMAGE_CORRUPT,
+                                       parent.path)
+            if len(out) > mf.MAX_CHAIN:
+                return out, ImageError(f"{self.path}: parent chain longer than {mf.MAX_CHAIN} images",
+                                       ExitCode.IMAGE_CORRUPT, parent.path)
+            seen |= {real, parent.sum}
+            out.append(parent)
 
     def chain(self) -> list[Image]:
-        """This image and its ancestors, newest first, down to the full image."""
-        out: list[Image] = [self]
-        seen = {self.image_id}
-        while (p := out[-1].parent()) is not None:
-            if p.image_id in seen:
-                raise ImageError(f"{self.path}: parent chain loops at {p.path}", ExitCode.IMAGE_CORRUPT, p.path)
-            seen.add(p.image_id)
-            out.append(p)
-        return out
+        """This image and its ancestors, newest first, down to the full image; every inherited
+        buffer is found in it at the same address and size (IMAGE_CORRUPT otherwise)."""
+        if self._chain is None:
+            images, error = self.walk()
+            if error is not None:
+                raise error
+            for image, older in zip(images, images[1:], strict=False):
+                for b in image.buffers:
+                    if not b.get("stored", True):
+                        old = older.buffer(b["id"])
+                        if old is None:
+                            raise ImageError(f"{older.path}: broken parent chain: buffer {b['id']} is not there",
+                                             ExitCode.IMAGE_CORRUPT, older.path)
+                        if (old["addr"], old["size"]) != (b["addr"], b["size"]):
+                            raise ImageError(
+                                f"{image.path}: broken parent chain: buffer {b['id']} is {b['addr']:#x}+{b['size']} "
+                                f"here but {old['addr']:#x}+{old['size']} in {older.path}", ExitCode.IMAGE_CORRUPT,
+                                image.path)
+            self._chain = images
+        return self._chain
+
+    def parent(self) -> Image | None:
+        """The parent image (incremental images), checked to be the one recorded."""
+        chain = self.chain()
+        return chain[1] if len(chain) > 1 else None
 
     def holder(self, buffer_id: int) -> tuple[Image, dict[str, Any]]:
         """The image of the chain that stores this buffer's bytes, and its entry there."""
-        entry = self.buffer(buffer_id)
-        if entry is None:
-            raise ImageError(f"{self.path}: no buffer {buffer_id}", ExitCode.BAD_INPUT, self.path)
-        image: Image = self
-        while not entry.get("stored", True):
-            parent = image.parent()
-            if parent is None:
-                raise ImageError(f"{image.path}: buffer {buffer_id} is inherited but the image has no parent",
-                                 ExitCode.IMAGE_CORRUPT, image.path)
-            image = parent
+        for image in self.chain():
             entry = image.buffer(buffer_id)
             if entry is None:
-                raise ImageError(f"{image.path}: broken parent chain: buffer {buffer_id} is not there",
-                                 ExitCode.IMAGE_CORRUPT, image.path)
-        return image, entry
+                break
+            if entry.get("stored", True):
+                return image, entry
+        if self.buffer(buffer_id) is None:
+            raise ImageError(f"{self.path}: no buffer {buffer_id}", ExitCode.BAD_INPUT, self.path)
+        raise ImageError(f"{self.path}: broken parent chain: buffer {buffer_id} is stored in none of its images",
+                         ExitCode.IMAGE_CORRUPT, self.path)
+
+    def chunk_problems(self) -> list[str]:
+        """Every chunk file that is missing, extra, not a regular file or of the wrong size,
+        from the directory alone (no file is opened)."""
+        return self._chunk_check()[0]
+
+    def _chunk_check(self) -> tuple[list[str], set[str] | None]:
+        """(problems, names of the chunk files that cannot be read; None: none can)."""
+        problems: list[str] = []
+        unreadable: set[str] = set()
+        chunks = os.path.join(self.path, CHUNKS)
+        expected = {c["file"]: (b, c) for b in self.buffers if b.get("stored", True) for c in b["chunks"]}
+        try:
+            dfd = os.open(chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if expected or e.errno not in (errno.ENOENT,):
+                why = "is not a directory" if e.errno in (errno.ENOTDIR, errno.ELOOP) else (e.strerror or str(e))
+                problems.append(f"{chunks}: {why}" if e.errno != errno.ENOENT
+                                else f"{self.path}: no {CHUNKS}/ directory")
+            return problems, None
+        try:
+            present = set(os.listdir(dfd))
+            for name, (b, c) in expected.items():
+                path = os.path.join(chunks, name)
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    problems.append(f"{path}: missing chunk (buffer {b['id']}, chunk {c['n']})")
+                    unreadable.add(name)
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    problems.append(f"{path}: not a regular file (buffer {b['id']}, chunk {c['n']})")
+                    unreadable.add(name)
+                elif st.st_size != c["stored_size"]:
+                    problems.append(f"{path}: chunk is {st.st_size} bytes, the manifest says {c['stored_size']} "
+                                    f"(buffer {b['id']}, chunk {c['n']})")
+                    unreadable.add(name)
+        finally:
+            os.close(dfd)
+        for name in sorted(present - set(expected)):
+            problems.append(f"{os.path.join(chunks, name)}: extra chunk file, not in the manifest")
+        return problems, unreadable
+
+    def _check_files(self, entry: dict[str, Any]) -> None:
+        """IMAGE_CORRUPT unless every chunk file of a buffer of this image is there, a regular file
+        of its recorded size (looked at, not opened)."""
+        chunks = os.path.join(self.path, CHUNKS)
+        try:
+            dfd = os.open(chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ImageError(f"{chunks}: cannot be read as the image's chunk directory ({e.strerror})",
+                             ExitCode.IMAGE_CORRUPT, chunks) from None
+        try:
+            for c in entry["chunks"]:
+                path = os.path.join(chunks, c["file"])
+                try:
+                    st = os.stat(c["file"], dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise ImageError(f"{path}: missing chunk (buffer {entry['id']}, chunk {c['n']})",
+                                     ExitCode.IMAGE_CORRUPT, path) from None
+                if not stat.S_ISREG(st.st_mode) or st.st_size != c["stored_size"]:
+                    raise ImageError(f"{path}: not a regular file of {c['stored_size']} bytes (buffer {entry['id']}, "
+                                     f"chunk {c['n']})", ExitCode.IMAGE_CORRUPT, path)
+        finally:
+            os.close(dfd)
 
     def _decompressor(self) -> Any:
         d = getattr(self._local, "zstd", None)
         if d is None:
             import zstandard
 
-            d = self._local.zstd = zstandard.ZstdDecompressor()
+            # a damaged frame header may ask for a window of up to 2 GiB; the writer's levels use at most 128 MiB
+            d = self._local.zstd = zstandard.ZstdDecompressor(max_window_size=1 << 27)
         return d
 
     def read_chunk(self, entry: dict[str, Any], chunk: dict[str, Any], out: memoryview, verify: bool = True) -> None:
@@ -589,35 +783,54 @@ class Image:
         path = os.path.join(self.path, CHUNKS, chunk["file"])
         start = chunk["n"] * self.manifest["chunk_size"]
         where = f"{path}: chunk {chunk['n']} of buffer {entry['id']} (bytes {start}+{chunk['size']})"
+        if len(out) != chunk["size"]:
+            raise ValueError(f"out holds {len(out)} bytes, the chunk {chunk['size']}")
         try:
-            with open(path, "rb", buffering=0) as f:
-                if chunk.get("zstd"):
-                    packed = f.read()
-                    import zstandard
-
-                    try:
-                        data = self._decompressor().decompress(packed, max_output_size=chunk["size"])
-                    except zstandard.ZstdError as e:
-                        raise ImageError(f"{where}: does not decompress ({e})",
-                                         ExitCode.IMAGE_CORRUPT, path) from None
-                    if len(data) != chunk["size"]:
-                        raise ImageError(f"{where}: decompresses to {len(data)} bytes",
-                                         ExitCode.IMAGE_CORRUPT, path)
-                    out[:] = data
-                else:
-                    got = 0
-                    while got < len(out):
-                        n = f.readinto(out[got:])
-                        if not n:
-                            break
-                        got += n
-                    if got != chunk["size"] or f.read(1):
-                        raise ImageError(f"{where}: file is not {chunk['size']} bytes long",
-                                         ExitCode.IMAGE_CORRUPT, path)
+            dfd = os.open(os.path.join(self.path, CHUNKS), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ImageError(f"{where}: missing (no {CHUNKS}/ directory)", ExitCode.IMAGE_CORRUPT, path) from None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ImageError(f"{where}: {CHUNKS}/ is not a directory (refused)", ExitCode.IMAGE_CORRUPT,
+                                 path) from None
+            raise _io_error("cannot read", path, e) from e
+        try:
+            fd, size = _open_regular(chunk["file"], chunk["stored_size"], where, dir_fd=dfd)
         except FileNotFoundError:
             raise ImageError(f"{where}: missing", ExitCode.IMAGE_CORRUPT, path) from None
         except OSError as e:
             raise _io_error("cannot read", path, e) from e
+        finally:
+            os.close(dfd)
+        try:
+            if size != chunk["stored_size"]:
+                raise ImageError(f"{where}: file is {size} bytes, the manifest says {chunk['stored_size']}",
+                                 ExitCode.IMAGE_CORRUPT, path)
+            if chunk.get("zstd"):
+                packed = bytearray(size)
+                got = _read_exactly(fd, memoryview(packed))
+                import zstandard
+
+                try:
+                    # what the frame says it holds, before anything is allocated for it
+                    declared = zstandard.frame_content_size(bytes(packed[:18]))
+                    if declared not in (-1, chunk["size"]):
+                        raise ImageError(f"{where}: the zstd frame says it holds {declared} bytes",
+                                         ExitCode.IMAGE_CORRUPT, path)
+                    data = self._decompressor().decompress(bytes(packed[:got]), max_output_size=chunk["size"])
+                except zstandard.ZstdError as e:
+                    raise ImageError(f"{where}: does not decompress ({e})", ExitCode.IMAGE_CORRUPT, path) from None
+                if len(data) != chunk["size"]:
+                    raise ImageError(f"{where}: decompresses to {len(data)} bytes", ExitCode.IMAGE_CORRUPT, path)
+                out[:] = data
+            else:
+                got = _read_exactly(fd, out)
+            if got != size or os.read(fd, 1):
+                raise ImageError(f"{where}: file changed size while it was read", ExitCode.IMAGE_CORRUPT, path)
+        except OSError as e:
+            raise _io_error("cannot read", path, e) from e
+        finally:
+            os.close(fd)
         if verify and checksum(self.manifest["checksum"], out) != chunk["sum"]:
             raise ImageError(f"{where}: checksum mismatch", ExitCode.IMAGE_CORRUPT, path)
 
@@ -627,20 +840,17 @@ class Image:
         With ``out`` (a writable buffer of at least its size, e.g. pinned host memory) the bytes
         are read into it and a memoryview of that part is returned; otherwise new bytes."""
         image, entry = self.holder(buffer_id)
-        size = int(entry["size"])
+        size = entry["size"]
         if out is None:
+            image._check_files(entry)  # before memory is taken for what the manifest says they hold
             target = memoryview(bytearray(size))
         else:
             target = memoryview(out).cast("B")
             if target.readonly or len(target) < size:
                 raise ValueError(f"out must be writable and hold {size} bytes")
             target = target[:size]
-        cs = int(image.manifest["chunk_size"])
-        chunks = entry.get("chunks", [])
-        if sum(c["size"] for c in chunks) != size:
-            raise ImageError(f"{image.path}: buffer {buffer_id}: chunks hold {sum(c['size'] for c in chunks)} "
-                             f"bytes, not {size}", ExitCode.IMAGE_CORRUPT, image.path)
-        jobs = [(c, target[c["n"] * cs:c["n"] * cs + c["size"]]) for c in chunks]
+        cs = image.manifest["chunk_size"]
+        jobs = [(c, target[c["n"] * cs:c["n"] * cs + c["size"]]) for c in entry["chunks"]]
         workers = threads or min(16, os.cpu_count() or 1)
         if workers > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
@@ -658,92 +868,55 @@ class Image:
             yield b, image, entry
 
 
-def open_image(path: str | os.PathLike[str]) -> Image:
-    """Open a committed image (IMAGE_CORRUPT when its manifest is missing or bad)."""
-    return Image(path)
+def open_image(path: str | os.PathLike[str], key: bytes | None = _SENTINEL) -> Image:
+    """Open a committed image and check it and its parent chain: every manifest strictly (see
+    gpuos_tools.ckpt.manifest), the chain bounded, loop-free and made of the images recorded.
+    NO_INPUT when there is no such directory, IMAGE_CORRUPT naming the file and field otherwise.
+    Chunk files are checked as they are read (``verify`` checks them all)."""
+    image = Image(path, key)
+    image.chain()
+    return image
 
 
 # -- verify, diff, compact --------------------------------------------------------------------
 
 
-def verify(path: str | os.PathLike[str], *, data: bool = True) -> list[str]:
+def verify(path: str | os.PathLike[str], *, data: bool = True, key: bytes | None = _SENTINEL) -> list[str]:
     """Every problem of an image and its parent chain, as sentences naming the file at fault:
-    unreadable or truncated manifest, missing, extra or wrong-sized chunk files, checksum
-    mismatches, a broken parent chain. [] when it is sound. ``data=False`` skips reading the
-    chunks (sizes only)."""
+    unreadable, truncated or inconsistent manifest, missing, extra or wrong-sized chunk files,
+    checksum mismatches, a broken parent chain. [] when it is sound. ``data=False`` skips reading
+    the chunks (sizes only)."""
     problems: list[str] = []
     try:
-        image = Image(path)
+        image = Image(path, key)
     except ImageError as e:
         return [str(e)]
-    images = [image]
-    try:
-        images = image.chain()
-    except ImageError as e:
-        problems.append(str(e))
-        images = [image] + _reachable_parents(image)
+    images, error = image.walk()
+    if error is not None:
+        problems.append(str(error))
+    else:
+        try:
+            image.chain()
+        except ImageError as e:
+            problems.append(str(e))
     for img in images:
         problems += _verify_one(img, data)
-    for b in image.buffers:
-        try:
-            _, entry = image.holder(b["id"])
-        except ImageError as e:
-            if str(e) not in problems:
-                problems.append(str(e))
-            continue
-        if (int(entry["addr"]), int(entry["size"])) != (int(b["addr"]), int(b["size"])):
-            problems.append(f"{image.path}: broken parent chain: buffer {b['id']} is {b['addr']:#x}+{b['size']} "
-                            f"here but {entry['addr']:#x}+{entry['size']} where it is stored")
     return problems
 
 
-def _reachable_parents(image: Image) -> list[Image]:
-    out: list[Image] = []
-    cur = image
-    while True:
-        try:
-            cur = cur.parent()  # type: ignore[assignment]
-        except ImageError:
-            return out
-        if cur is None or any(cur.image_id == o.image_id for o in out):
-            return out
-        out.append(cur)
-
-
 def _verify_one(image: Image, data: bool, threads: int | None = None) -> list[str]:
-    problems = []
-    cs = image.manifest["chunk_size"]
-    expected: set[str] = set()
-    to_read: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for b in image.buffers:
-        if not b.get("stored", True):
-            continue
-        chunks = b.get("chunks", [])
-        want = -(-int(b["size"]) // cs)
-        if [c["n"] for c in chunks] != list(range(want)) or sum(c["size"] for c in chunks) != int(b["size"]):
-            problems.append(f"{image.path}: buffer {b['id']}: manifest lists chunks that do not cover its "
-                            f"{b['size']} bytes")
-        for c in chunks:
-            expected.add(c["file"])
-            path = os.path.join(image.path, CHUNKS, c["file"])
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                problems.append(f"{path}: missing chunk (buffer {b['id']}, chunk {c['n']})")
-                continue
-            if st.st_size != c["stored_size"]:
-                problems.append(f"{path}: chunk is {st.st_size} bytes, the manifest says {c['stored_size']} "
-                                f"(buffer {b['id']}, chunk {c['n']})")
-                continue
-            if data:
-                to_read.append((b, c))
+    problems, unreadable = image._chunk_check()
+    if not data or unreadable is None:
+        return problems
+    to_read = [(b, c) for b in image.buffers if b.get("stored", True) for c in b["chunks"]
+               if c["file"] not in unreadable]
     local = threading.local()
 
     def check(job: tuple[dict[str, Any], dict[str, Any]]) -> str | None:
         b, c = job
         scratch = getattr(local, "buf", None)  # one chunk-sized buffer per thread, reused
         if scratch is None or len(scratch) < c["size"]:
-            scratch = local.buf = bytearray(max(cs, c["size"]))
+            scratch = local.buf = bytearray(c["size"])
         try:
             image.read_chunk(b, c, memoryview(scratch)[:c["size"]])
         except ImageError as e:
@@ -753,14 +926,6 @@ def _verify_one(image: Image, data: bool, threads: int | None = None) -> list[st
     if to_read:
         with ThreadPoolExecutor(max_workers=min(threads or min(16, os.cpu_count() or 1), len(to_read))) as pool:
             problems += [p for p in pool.map(check, to_read) if p is not None]
-    try:
-        present = set(os.listdir(os.path.join(image.path, CHUNKS)))
-    except FileNotFoundError:
-        present = set()
-        if expected:
-            problems.append(f"{image.path}: no {CHUNKS}/ directory")
-    for name in sorted(present - expected):
-        problems.append(f"{os.path.join(image.path, CHUNKS, name)}: extra chunk file, not in the manifest")
     return problems
 
 
@@ -768,8 +933,8 @@ def diff(a: str | os.PathLike[str] | Image, b: str | os.PathLike[str] | Image) -
     """Which buffers differ between two images (each resolved through its chain): one
     ``image_diff`` record per buffer that was added, removed, moved/resized or changed, with
     the changed byte ranges at chunk granularity ([start, end) pairs, merged when adjacent)."""
-    ia = a if isinstance(a, Image) else Image(a)
-    ib = b if isinstance(b, Image) else Image(b)
+    ia = a if isinstance(a, Image) else open_image(a)
+    ib = b if isinstance(b, Image) else open_image(b)
     out: list[dict[str, Any]] = []
     ids = sorted({x["id"] for x in ia.buffers} | {x["id"] for x in ib.buffers})
     for buf_id in ids:
@@ -833,9 +998,12 @@ def compact(chain_head: str | os.PathLike[str], out: str | os.PathLike[str], *, 
     """Fold an image and its parent chain into one full image at ``out`` (every buffer's bytes
     read through the chain and checked, written anew). The manifest keeps the head's fields and
     records the images folded in ``compacted_from``. Returns the writer's summary."""
-    head = Image(chain_head)
+    head = open_image(chain_head)
     chain = head.chain()
     m = head.manifest
+    parent_dir = os.path.dirname(os.path.abspath(os.fspath(out)))
+    if not os.path.isdir(parent_dir):  # an image goes into a directory that exists, never a new tree
+        raise ImageError(f"{out}: no such directory: {parent_dir}", ExitCode.IO_ERROR, parent_dir)
     fields = {k: v for k, v in m.items() if k not in RESERVED}
     fields["compacted_from"] = [img.image_id for img in chain]
     writer = ImageWriter(out, fields, compress=(m.get("compression") is not None) if compress is None else compress,
@@ -849,7 +1017,7 @@ def compact(chain_head: str | os.PathLike[str], out: str | os.PathLike[str], *, 
 
 
 def is_image(path: str | os.PathLike[str]) -> bool:
-    """Does ``path`` hold a committed image (a directory with a manifest of our schema)?"""
+    """Does ``path`` hold a committed image (a directory with a sound manifest of our schema)?"""
     try:
         Image(path)
     except ImageError:

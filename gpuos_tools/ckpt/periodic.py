@@ -40,10 +40,16 @@ Rules: the newest image and every image a kept image chains to are never deleted
 deleted newest first, each by one rename, so no image ever points at a deleted parent; files in
 the directory that are not images named by this profile are never touched; temp directories of
 writers that died are removed; a lock file keeps two runs of one profile apart.
+
+A damaged image (one whose manifest or parent chain does not pass gpuos_tools.ckpt.image's
+checks) never stops a run: it is listed in the record's ``damaged`` with what is wrong, is not
+counted by ``keep``, is never chained to and never deleted (what is damaged is for a person to
+look at), and the run goes on taking its image and applying retention to the others.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import importlib
 import importlib.util
@@ -56,8 +62,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuos_tools.ckpt import image as img
-from gpuos_tools.ckpt.profile import _bad, read_tables
+from gpuos_tools.ckpt.manifest import MAX_CHAIN, MAX_CHUNK
+from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
 from gpuos_tools.units import parse_age, parse_size
 
 #: ``snapshot(path, parent) -> summary``: writes one committed image at ``path``.
@@ -67,12 +75,18 @@ SnapshotFn = Callable[[str, "str | None"], dict[str, Any]]
 AGENT_SNAPSHOT_MODULE = "gpuos_tools.agent.snapshot"
 AGENT_SNAPSHOT_FACTORY = "periodic_snapshot"
 
-_KEYS = {
-    "images": {"directory", "name", "compress", "chunk_size", "checksum", "kind"},
-    "chain": {"length"},
-    "retention": {"keep", "max_age"},
-    "agent": {"pid", "socket", "command"},
-    "process": {"pid", "command", "timeout_ms"},
+#: Every table and key of a periodic profile, and what each key's value may be.
+_KEYS: dict[str, dict[str, Kind]] = {
+    "images": {"directory": PATH, "name": Str(max_len=200), "compress": Bool(),
+               "chunk_size": Either((Int(0, MAX_CHUNK, "bytes"), Str(max_len=64, form="a size such as 64MiB"))),
+               "checksum": Str((*img.CHECKSUMS, "auto")), "kind": Str(("agent", "process"))},
+    "chain": {"length": Int(0, MAX_CHAIN - 1)},
+    "retention": {"keep": Int(0, 1 << 31), "max_age": Either((Num(0, unit="seconds"),
+                                                               Str(max_len=64, form="an age such as 7d")))},
+    "agent": {"pid": Int(1, (1 << 31) - 1), "socket": PATH,
+              "command": Str(max_len=4096, form="a regular expression")},
+    "process": {"pid": Int(1, (1 << 31) - 1), "command": Str(max_len=4096, form="a regular expression"),
+                "timeout_ms": Int(0, 1 << 31)},
 }
 _STAMP = "%Y%m%dT%H%M%S"
 LOCK_FILE = ".gpuos-periodic.lock"
@@ -122,8 +136,8 @@ def load_periodic_profile(path: str | os.PathLike[str]) -> PeriodicProfile:
         prof.chunk_size = chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else parse_size(str(chunk))
     except ValueError as e:
         raise _bad(path, f"images.chunk_size: {e}") from None
-    if prof.chunk_size < 4096:
-        raise _bad(path, "images.chunk_size must be at least 4KiB")
+    if not 4096 <= prof.chunk_size <= MAX_CHUNK:
+        raise _bad(path, "images.chunk_size must be at least 4KiB and at most 4GiB")
     prof.checksum = images.get("checksum", "crc32")
     if prof.checksum not in img.CHECKSUMS:
         raise _bad(path, f"images.checksum must be one of {', '.join(img.CHECKSUMS)}")
@@ -198,6 +212,8 @@ class Entry:
     image_id: str | None = None
     parent_id: str | None = None
     readable: bool = True
+    #: why it is damaged (None: it reads)
+    problem: str | None = None
 
 
 def image_name(prof: PeriodicProfile, now: float) -> str:
@@ -221,6 +237,12 @@ def list_images(prof: PeriodicProfile) -> list[Entry]:
         names = os.listdir(prof.directory)
     except FileNotFoundError:
         return out
+    except OSError as e:
+        code = (ExitCode.PERMISSION if isinstance(e, PermissionError) else
+                ExitCode.BAD_INPUT if e.errno in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP) else
+                ExitCode.IO_ERROR)
+        raise GpuosError(f"{prof.directory}: cannot list the images (images.directory of {prof.path}): "
+                         f"{e.strerror}", code) from None
     for name in names:
         t = _name_time(prof, name)
         path = prof.directory / name
@@ -237,8 +259,9 @@ def list_images(prof: PeriodicProfile) -> list[Entry]:
             m = img.open_image(path).manifest
             entry.image_id = m["image_id"]
             entry.parent_id = (m.get("parent") or {}).get("image_id")
-        except img.ImageError:
+        except img.ImageError as e:
             entry.readable = False
+            entry.problem = str(e)
         out.append(entry)
     out.sort(key=lambda e: (e.time, e.name), reverse=True)
     return out
@@ -283,9 +306,11 @@ def plan_next(prof: PeriodicProfile, images: list[Entry], now: float) -> Plan:
 
 def retention(prof: PeriodicProfile, images: list[Entry], now: float) -> tuple[list[Entry], list[Entry]]:
     """(kept, to delete), both newest first: the newest ``keep`` images not older than
-    ``max_age``, the newest image always, and every image a kept one chains to."""
+    ``max_age``, the newest image always, and every image a kept one chains to. Damaged images
+    are in neither list: they are not counted and not deleted."""
     kept_ids: set[str] = set()
     kept: set[str] = set()
+    images = [e for e in images if e.readable]
     for i, e in enumerate(images):
         young = prof.max_age_s is None or now - e.time <= prof.max_age_s
         if i == 0 or ((prof.keep == 0 or i < prof.keep) and young):
@@ -302,6 +327,11 @@ def retention(prof: PeriodicProfile, images: list[Entry], now: float) -> tuple[l
                     kept_ids.add(cur.image_id)
                 cur = by_id.get(cur.parent_id) if cur.parent_id else None
     return [e for e in images if e.name in kept], [e for e in images if e.name not in kept]
+
+
+def damaged(images: list[Entry]) -> list[dict[str, str]]:
+    """The damaged images of a listing, for the record: [{image, problem}]."""
+    return [{"image": e.name, "problem": e.problem or "does not read"} for e in images if not e.readable]
 
 
 # -- one run ----------------------------------------------------------------------------------
@@ -372,6 +402,7 @@ def _retire(prof: PeriodicProfile, plan: Plan, now: float, started: float, summa
         deleted.append(e.name)
     return {
         "type": "ckpt_periodic", "profile": str(prof.path), "directory": str(prof.directory),
+        "damaged": damaged(images),
         "image": plan.name, "kind": kind,
         "parent": None if plan.parent is None else plan.parent.name, "why": plan.why,
         "bytes": nbytes, "stored_bytes": stored,

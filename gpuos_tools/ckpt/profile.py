@@ -23,11 +23,11 @@ what is suspended.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import re
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,21 @@ from gpuos_tools.ckpt import procs, registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream.schema import Bool, Either, Field, Int, Kind, List, Obj, Str
+from gpuos_tools.tomlfile import load_toml
 
-_KEYS = {
-    "select": {"users", "command", "exclude_command", "all"},
-    "checkpoint": {"timeout_ms", "on_error"},
-    "state": {"file"},
+_UID = Int(0, (1 << 32) - 2)
+_USER = Either((Str(max_len=256, pattern="[^\x00/:]+", form="a user name"), _UID))
+_REGEX = Str(max_len=4096, form="a regular expression")
+#: a path: not empty, no NUL (which no file name can hold)
+PATH = Str(max_len=4096, pattern="[^\x00]+", form="a path")
+
+#: Every table and key a maintenance profile may have, and what each key's value may be.
+_KEYS: dict[str, dict[str, Kind]] = {
+    "select": {"users": Either((List(_USER, max_len=4096), _USER)), "command": _REGEX,
+               "exclude_command": _REGEX, "all": Bool()},
+    "checkpoint": {"timeout_ms": Int(0, 1 << 40), "on_error": Str(("resume", "keep"))},
+    "state": {"file": PATH},
 }
 STATE_SCHEMA = "gpuos-ckpt-profile/1"
 
@@ -93,27 +103,29 @@ def _regex(path: Path, key: str, value: Any) -> re.Pattern[str] | None:
         raise _bad(path, f"select.{key}: bad regular expression: {e}") from None
 
 
-def read_tables(path: Path, keys: dict[str, Any]) -> dict[str, Any]:
-    """A TOML profile whose tables and keys must all be known (``keys``: table -> its keys);
-    NO_INPUT when missing, PERMISSION when unreadable, BAD_INPUT naming what is wrong."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
-    except PermissionError as e:
-        raise GpuosError(f"{path}: cannot read: {e.strerror}", ExitCode.PERMISSION) from None
-    except tomllib.TOMLDecodeError as e:
-        raise _bad(path, f"not valid TOML: {e}") from None
+def read_tables(path: Path, keys: dict[str, dict[str, Kind]]) -> dict[str, Any]:
+    """A TOML profile whose tables and keys must all be known (``keys``: table -> key -> the
+    kind of its value); NO_INPUT when missing, PERMISSION when unreadable, BAD_INPUT naming the
+    table and key that is wrong (not UTF-8, not TOML, unknown, or a value of the wrong type)."""
+    data = load_toml(path)
     for table, value in data.items():
         if table not in keys:
             raise _bad(path, f"unknown table [{table}] (known: {', '.join(sorted(keys))})")
         if not isinstance(value, dict):
             raise _bad(path, f"{table} must be a table ([{table}])")
-        for key in value:
-            if key not in keys[table]:
+        for key, v in value.items():
+            kind = keys[table].get(key)
+            if kind is None:
                 raise _bad(path, f"unknown key {table}.{key} (known: {', '.join(sorted(keys[table]))})")
+            problem = _checker(kind)(v)
+            if problem is not None:
+                raise _bad(path, f"{table}.{key}{problem[0]}: {problem[1]}")
     return data
+
+
+@functools.cache
+def _checker(kind: Kind) -> Any:
+    return kind.checker()
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -186,14 +198,32 @@ def select(profile: Profile, candidates: list[procs.ProcInfo]) -> list[procs.Pro
     return [info for info in candidates if profile.matches(info)]
 
 
+#: One process of a state file: what resuming it needs to trust.
+_STATE_ENTRY = Obj((
+    Field("pid", Int(1, (1 << 31) - 1), required=True),
+    Field("starttime", Int(0, 1 << 62)),
+    Field("boot_id", Str(max_len=64)),
+    Field("user", Str(max_len=256)),
+    Field("command", Str()),
+    Field("checkpointed_at", Str(max_len=64)),
+))
+
+
 def read_state(profile: Profile) -> list[dict[str, Any]]:
-    """The entries of the profile's state file ([] when there is none)."""
+    """The entries of the profile's state file ([] when there is none); BAD_INPUT naming the
+    entry and field when it is damaged (nothing is resumed from a list that cannot be trusted)."""
     data = registry.read_json(profile.state_file)
     if data is None:
         return []
     if not isinstance(data, dict) or data.get("schema") != STATE_SCHEMA or not isinstance(data.get("processes"), list):
         raise GpuosError(f"{profile.state_file}: not a gpu-ckpt profile state file", ExitCode.BAD_INPUT)
-    return [e for e in data["processes"] if isinstance(e, dict) and "pid" in e]
+    check = _checker(_STATE_ENTRY)
+    for i, e in enumerate(data["processes"]):
+        problem = check(e)
+        if problem is not None:
+            raise GpuosError(f"{profile.state_file}: damaged state file: processes[{i}]{problem[0]}: {problem[1]}",
+                             ExitCode.BAD_INPUT)
+    return data["processes"]
 
 
 def write_state(profile: Profile, entries: list[dict[str, Any]]) -> None:

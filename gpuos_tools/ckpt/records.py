@@ -1,53 +1,6 @@
 """The records gpu-ckpt and gpu-restore write, and the sink that writes them after a header.
 
-RECORDS = '''
-header         tool, action, pid or profile; once the driver was reached also
-               driver {cuda, release} and gpus [{index, uuid, name, memory}]
-ckpt_process   pid, user, command, starttime, state (before anything is done);
-               when checkpointing also gpus [{index, uuid, name, memory}] and
-               bytes: the process's GPU memory as NVML shows it (null: unknown)
-ckpt_step      pid, step (lock, checkpoint, restore, unlock, criu_dump,
-               criu_restore), ok, state_before, state_after, duration_s,
-               error (a CUresult name or exit status) when it failed,
-               recovery: true when the step undoes a failed action
-ckpt_result    action (checkpoint, restore, dump), pid, ok, state (what the
-               process was left in: running, locked, checkpointed, failed,
-               dumped; null when unknown), touched (false: nothing was done to it),
-               code and error (the exit code and its name), message; on
-               success bytes, lock_s, checkpoint_s, gbps, restore_s, unlock_s,
-               duration_s, device and gpu_map (for a move), image
-ckpt_status    (gpu-ckpt status) pid, user, command, state, error, gpus,
-               memory (bytes on GPUs; 0 when checkpointed), seen_by (nvml,
-               maps, gpu-ckpt, asked), checkpointed {checkpointed_at, bytes,
-               gpus} for processes gpu-ckpt checkpointed
-ckpt_profile   (--profile) action, profile, state_file, counts: selected,
-               suspended, resumed, skipped [{pid, why}], failed [{pid, error,
-               state, message}], ok
-image_verify   (gpu-restore verify) image, ok, problems [sentences naming the
-               file], chain [image paths, newest first], buffers, bytes
-image_diff     (gpu-restore diff) buffer, change (added, removed, resized,
-               changed), addr, size, kind; changed: ranges [[start, end)] at
-               chunk granularity and bytes; resized: new_addr, new_size
-image_diff_summary  a, b, buffers_a, buffers_b, added, removed, resized,
-               changed, bytes_changed, identical
-image_compact  (gpu-ckpt compact) head, chain [image ids folded], image,
-               image_id, bytes, stored_bytes, chunks, buffers, seconds
-ckpt_periodic  (gpu-ckpt periodic) profile, directory, image, kind (full,
-               incremental, process), parent, why, bytes, stored_bytes, seconds,
-               snapshot (the agent's summary), kept, deleted, cleaned (temp
-               directories of dead writers removed)
-ckpt_periodic_plan  (gpu-ckpt periodic --plan) the same without taking the
-               image: image, kind, parent, why, would_keep, would_delete
-ckpt_check     (gpu-ckpt check) check (driver, checkpoint_api, vmm, criu,
-               criu_check, cupti, permissions, host_memory, image_dir),
-               status (ok, warn, fail, skip), detail, and the facts found
-ckpt_check_summary  driver, process_images, agent (whether each path is
-               usable here), failed and warnings (check names)
-ckpt_guard     (STATE_DIR/guard-OWNER.json, written by the guard of a dump or
-               restore whose tool was killed) action, pid, image, phase (where
-               the tool died), state (the process afterwards), image_ok,
-               message, steps
-'''
+Their schemas are below, as data (``TYPES``): the man pages list them from there.
 
 The last ``ckpt_result`` of a stream says what the process was left in, on success and on
 every error.
@@ -60,8 +13,120 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpuos_tools.stream import Writer, make_header, open_output
+from gpuos_tools.stream.records import BYTES, COUNT, register_output
+from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Map, Num, Obj, RecordType, Str, render
 
-RECORDS = __doc__.split("RECORDS = '''\n", 1)[1].split("'''", 1)[0]
+_PID = Int(1, (1 << 31) - 1, "pid")
+_SECONDS = Num(0, unit="s")
+_GPU = Obj((Field("index", COUNT), Field("uuid", Str()), Field("name", Str()), Field("memory", BYTES)),
+           text="{index, uuid, name, memory}")
+_STATE = Str(form="running, locked, checkpointed, failed, dumped")
+_NAMES = List(Str())
+_FAILED = List(Obj((Field("pid", _PID), Field("error", Str()), Field("state", _STATE, null=True),
+                    Field("message", Str())), text="{pid, error, state, message}"))
+_SKIPPED = List(Obj((Field("pid", _PID), Field("why", Str())), text="{pid, why}"))
+_DAMAGED = List(Obj((Field("image", Str(), required=True), Field("problem", Str(), required=True)),
+                    text="{image, problem}"))
+
+CKPT_PROCESS = RecordType("ckpt_process", "a process before anything is done to it.", (
+    Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),
+    Field("starttime", COUNT, "clock ticks after boot"), Field("state", _STATE, null=True),
+    Field("gpus", List(_GPU), "when checkpointing"),
+    Field("bytes", BYTES, "its GPU memory as NVML shows it; null: unknown", null=True),
+))
+CKPT_STEP = RecordType("ckpt_step", "one step of an action.", (
+    Field("pid", _PID, required=True),
+    Field("step", Str(("lock", "checkpoint", "restore", "unlock", "criu_dump", "criu_restore")), required=True),
+    Field("ok", Bool(), required=True), Field("state_before", _STATE, null=True),
+    Field("state_after", _STATE, null=True), Field("duration_s", _SECONDS),
+    Field("error", Str(), "a CUresult name or exit status, when it failed"),
+    Field("recovery", Bool(), "true when the step undoes a failed action"),
+))
+CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stream says what the process was "
+                         "left in, on success and on every error.", (
+    Field("action", Str(("checkpoint", "restore", "dump", "criu_restore")), required=True),
+    Field("pid", _PID, null=True), Field("ok", Bool(), required=True),
+    Field("state", _STATE, "what the process was left in; null when unknown", null=True),
+    Field("touched", Bool(), "false: nothing was done to it"),
+    Field("code", Int(0, 255), "the exit code"), Field("error", Str(), "its name"), Field("message", Str()),
+    Field("bytes", BYTES, null=True), Field("lock_s", _SECONDS), Field("checkpoint_s", _SECONDS),
+    Field("gbps", Num(0), null=True), Field("restore_s", _SECONDS), Field("unlock_s", _SECONDS),
+    Field("duration_s", _SECONDS), Field("device", Anything(), "for a move"),
+    Field("gpu_map", Anything(), "for a move"),
+    Field("image", Anything()),
+))
+CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
+    Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),
+    Field("state", _STATE, null=True), Field("error", Str()), Field("gpus", List(_GPU)),
+    Field("memory", BYTES, "bytes on GPUs; 0 when checkpointed", null=True),
+    Field("seen_by", List(Str()), "nvml, maps, gpu-ckpt, asked"),
+    Field("checkpointed", Map(), "{checkpointed_at, bytes, gpus}, for processes gpu-ckpt checkpointed", null=True),
+))
+CKPT_PROFILE = RecordType("ckpt_profile", "(--profile) what a maintenance run did.", (
+    Field("action", Str(("checkpoint", "restore")), required=True), Field("profile", Str()),
+    Field("state_file", Str()), Field("selected", COUNT), Field("suspended", COUNT), Field("resumed", COUNT),
+    Field("skipped", _SKIPPED), Field("failed", _FAILED), Field("ok", Bool()),
+), note="Also the counts `resumed_after_failure`, `already_suspended`, `listed` and `still_suspended`.")
+IMAGE_VERIFY = RecordType("image_verify", "(gpu-restore verify) whether an image and its chain are sound.", (
+    Field("image", Str(), required=True), Field("ok", Bool(), required=True),
+    Field("problems", _NAMES, "sentences naming the file", required=True), Field("quick", Bool()),
+    Field("chain", _NAMES, "image paths, newest first"), Field("buffers", COUNT), Field("bytes", BYTES),
+))
+IMAGE_DIFF = RecordType("image_diff", "(gpu-restore diff) one buffer that differs.", (
+    Field("buffer", COUNT, required=True), Field("change", Str(("added", "removed", "resized", "changed")),
+                                                  required=True),
+    Field("addr", Int(0, (1 << 64) - 1, "address")), Field("size", BYTES), Field("kind", Str(), null=True),
+    Field("ranges", List(List(BYTES, length=2)), "changed: [start, end) at chunk granularity"),
+    Field("bytes", BYTES, "changed: bytes in the ranges"),
+    Field("new_addr", Int(0, (1 << 64) - 1, "address"), "resized"), Field("new_size", BYTES, "resized"),
+))
+IMAGE_DIFF_SUMMARY = RecordType("image_diff_summary", "(gpu-restore diff) the counts.", (
+    Field("a", Str()), Field("b", Str()), Field("buffers_a", COUNT), Field("buffers_b", COUNT),
+    Field("added", COUNT), Field("removed", COUNT), Field("resized", COUNT), Field("changed", COUNT),
+    Field("bytes_changed", COUNT), Field("identical", Bool(), required=True),
+))
+IMAGE_COMPACT = RecordType("image_compact", "(gpu-ckpt compact) the full image written.", (
+    Field("head", Str(), required=True), Field("chain", _NAMES, "image ids folded"), Field("image", Str()),
+    Field("image_id", Str()), Field("bytes", COUNT), Field("stored_bytes", COUNT), Field("chunks", COUNT),
+    Field("buffers", COUNT), Field("seconds", _SECONDS), Field("incremental", Bool()),
+))
+_PERIODIC_COMMON = (
+    Field("profile", Str()), Field("directory", Str()), Field("image", Str(), required=True),
+    Field("kind", Str(("full", "incremental", "process")), required=True), Field("parent", Str(), null=True),
+    Field("why", Str()),
+    Field("damaged", _DAMAGED, "images that did not read: never chained to, counted or deleted"),
+)
+CKPT_PERIODIC = RecordType("ckpt_periodic", "(gpu-ckpt periodic) the image taken and what retention did.", (
+    *_PERIODIC_COMMON, Field("bytes", COUNT, null=True), Field("stored_bytes", COUNT, null=True),
+    Field("seconds", _SECONDS), Field("snapshot", Anything(), "the agent's summary"), Field("kept", _NAMES),
+    Field("deleted", _NAMES), Field("cleaned", _NAMES, "temp directories of dead writers removed"),
+))
+CKPT_PERIODIC_PLAN = RecordType("ckpt_periodic_plan", "(gpu-ckpt periodic --plan) the same, without taking the "
+                                "image.", (*_PERIODIC_COMMON, Field("would_keep", _NAMES),
+                                           Field("would_delete", _NAMES)))
+
+CKPT_CHECK = RecordType("ckpt_check", "(gpu-ckpt check) one check of what works on this host, with the facts "
+                        "it found.", (
+    Field("check", Str(("driver", "checkpoint_api", "vmm", "criu", "criu_check", "cupti", "permissions",
+                        "host_memory", "image_dir")), required=True),
+    Field("status", Str(("ok", "warn", "fail", "skip")), required=True), Field("detail", Str()),
+))
+CKPT_CHECK_SUMMARY = RecordType("ckpt_check_summary", "(gpu-ckpt check) whether each path is usable here.", (
+    Field("driver", Bool()), Field("process_images", Bool()), Field("agent", Bool()),
+    Field("failed", _NAMES, "check names"), Field("warnings", _NAMES, "check names"),
+))
+CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by the guard of a dump or restore "
+                        "whose tool was killed) what the guard found and did.", (
+    Field("action", Str()), Field("pid", _PID, null=True), Field("image", Str(), null=True),
+    Field("phase", Str(), "where the tool died"), Field("state", _STATE, "the process afterwards", null=True),
+    Field("image_ok", Bool(), null=True), Field("message", Str()), Field("steps", Anything()),
+))
+
+#: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.
+TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, IMAGE_VERIFY, IMAGE_DIFF,
+         IMAGE_DIFF_SUMMARY, IMAGE_COMPACT, CKPT_PERIODIC, CKPT_PERIODIC_PLAN, CKPT_CHECK, CKPT_CHECK_SUMMARY,
+         CKPT_GUARD)
+register_output(*TYPES)
 
 
 class Sink:
@@ -161,21 +226,37 @@ none, and a writer killed midway leaves only `.NAME.PID.XXXXXXXX.tmp`, removed b
 buffers written since its parent and names the parent (relative path and image id); reading a
 buffer it does not hold goes down the chain. `gpu-ckpt compact` folds a chain into one full
 image. There is no single-file form; `tar` carries an image directory.
+
+Every reader (verify, diff, compact, periodic, rollback) checks a manifest strictly before it
+reads anything: the type and range of every field below, unique buffer ids, buffers that do not
+overlap, every chunk but a buffer's last exactly `chunk_size` bytes and named as the writer names
+it, the manifest's own sum, and a parent chain that is bounded, free of loops and made of the very
+images recorded (by their manifests' sums). Chunk files are opened only inside `chunks/`, never
+through a symbolic link, only when they are regular files of the recorded size. A manifest that
+fails is IMAGE_CORRUPT, naming the file and the field.
+
+With `GPUOS_IMAGE_KEY` naming a key file (at least 16 bytes, readable by its owner only), every
+image written carries an HMAC-SHA256 of its manifest and every image read must carry a valid one:
+images that cross a trust boundary cannot be changed without the key. Such images need
+`checksum = "sha256"`, since crc32 does not protect chunk contents from someone who chooses them.
 """
 
 
 def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The man-page sections gpu-ckpt(1) and gpu-restore(1) share, around their own text."""
     from gpuos_tools.ckpt.image import IMAGE_DOC
+    from gpuos_tools.ckpt.manifest import render_format
 
     return {
         "RECORDS": (
-            "One JSON object per line after the header; durations in seconds, sizes in bytes, GPUs by "
-            "nvidia-smi index and UUID.\n\n" + "\n".join("    " + line for line in RECORDS.strip("\n").splitlines())
+            "One JSON object per line after the header (tool, action, pid or profile; once the driver was "
+            "reached also driver {cuda, release} and gpus); durations in seconds, sizes in bytes, GPUs by "
+            "nvidia-smi index and UUID; `?` marks a field that may be absent.\n\n" + render(TYPES)
         ),
         "NOTES": notes,
         **(extra or {}),
-        "IMAGE FORMAT": IMAGE_FORMAT + "\n\n" + "\n".join("    " + line for line in IMAGE_DOC.strip("\n").splitlines()),
+        "IMAGE FORMAT": IMAGE_FORMAT + "\n\n" + "\n".join(
+            "    " + line for line in IMAGE_DOC.strip("\n").split("\n\n")[0].splitlines()) + "\n\n" + render_format(),
         "ENVIRONMENT": (
             "- `GPUOS_CKPT_STATE_DIR`: where gpu-ckpt remembers the processes it checkpointed (default "
             "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
@@ -183,11 +264,13 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
             "- `PATH`: where `criu` is looked for (`--image`).\n"
             "- `GPUOS_AGENT_EXIT_WAIT`, `GPUOS_AGENT_EXIT_MAX` (in the program under the agent): how long its "
             "exit waits for an image in flight before handing it to gpu-ckpt (default 30 s), and in all "
-            "(default 600 s)."
+            "(default 600 s).\n"
+            "- `GPUOS_IMAGE_KEY`: a key file; images are then signed when written and must be signed "
+            "to be read (see IMAGE FORMAT)."
         ),
         "FILES": (
-            "- `gpuos_tools/profiles/maintenance.toml` (installed with the package): the example profile for a nightly maintenance run.\n"
-            "- `gpuos_tools/profiles/ckpt-periodic.toml` (installed with the package): the example profile for periodic checkpoints (`gpu-ckpt periodic`).\n"
+            "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"
+            "- `profiles/ckpt-periodic.toml`: the example profile for periodic checkpoints (`gpu-ckpt periodic`).\n"
             "- `STATE_DIR/PID.json`: what gpu-ckpt recorded about a checkpointed process (its GPUs and bytes).\n"
             "- `DIR/gpuos-ckpt.json`, `DIR/dump.log`, `DIR/restore.log`: beside CRIU's image files in an `--image` directory."
         ),

@@ -75,7 +75,7 @@ def read_json(path: Path) -> Any | None:
         return None
     except PermissionError as e:
         raise GpuosError(f"{path}: cannot read: {e.strerror}", ExitCode.PERMISSION) from e
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise GpuosError(f"{path}: not a readable JSON state file: {e}", ExitCode.BAD_INPUT) from e
 
 

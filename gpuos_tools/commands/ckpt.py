@@ -155,6 +155,12 @@ same profile apart. Records go only where `-o` says: a run is silent on success,
 is a message on standard error with a non-zero status. `--plan` writes what the next run would
 do and changes nothing.
 
+A damaged image in the directory (a manifest or parent chain that does not pass the checks of
+`gpu-restore verify`) does not stop a run: the run still takes its image and applies retention
+to the others, but the damaged image is never chained to, not counted by `keep` and never
+deleted; the record lists it under `damaged`, and the run ends with a message per damaged image
+and status 1, so that cron shows it until someone looks.
+
 The snapshot is the agent's (the concurrent checkpoint path): the profile's [agent] names a
 program started with `gpu-ckpt run` or `gpu-trace run --agent` (pid, socket, or a command-line
 pattern that must match exactly one agent process), and each run asks it, over its control socket, for a
@@ -650,12 +656,24 @@ def periodic(
             "type": "ckpt_periodic_plan", "profile": str(profile), "directory": str(prof.directory),
             "image": step.name, "kind": "full" if step.parent is None else "incremental",
             "parent": None if step.parent is None else step.parent.name, "why": step.why,
-            "would_keep": [e.name for e in kept], "would_delete": [e.name for e in doomed]}], profile=str(profile))
+            "would_keep": [e.name for e in kept], "would_delete": [e.name for e in doomed],
+            "damaged": per.damaged(images)}], profile=str(profile))
+        _damaged(per.damaged(images))
         return
     snapshot = per.snapshot_function(prof)
     record = per.run_periodic(prof, snapshot)
     if output is not None:
         _records(output, f"{PROG} periodic", [record], profile=str(profile))
+    _damaged(record["damaged"])
+
+
+def _damaged(damaged: list[dict[str, str]]) -> None:
+    """Damaged images never stop a periodic run, but the run ends with FAILURE naming each one,
+    so that cron (through chronic) shows them until someone looks."""
+    for d in damaged:
+        error(PROG, f"damaged image left as it is (not chained to, not counted, not deleted): {d['problem']}")
+    if damaged:
+        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 

@@ -893,7 +893,8 @@ def features_window(
     finally:
         store.close()
     with open_output(output) as writer:
-        writer.write(make_header("gpu-kinfer-bridge", store=name, schema=schema, fields=fields))
+        # the store's own schema name; "schema" is the stream's (gpuos/1), which readers check
+        writer.write(make_header("gpu-kinfer-bridge", store=name, store_schema=schema, fields=fields))
         writer.write_many(
             {"type": "feature", "seq": int(s), "ts_ns": int(t), "x": [float(v) for v in row]}
             for t, s, row in zip(ts.tolist(), seq.tolist(), values)

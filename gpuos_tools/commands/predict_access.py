@@ -13,15 +13,18 @@ from gpuos_tools.access import __doc__ as _access_doc
 from gpuos_tools.access.templates import __doc__ as _templates_doc
 from gpuos_tools import figures
 from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app, warn, with_progress
+from gpuos_tools.stream.records import ACCESS, ACCESS_TEMPLATE
+from gpuos_tools.stream.schema import render
 
-_RECORD, _REST = _access_doc.split("\n\n", 2)[1:]
-_TEMPLATE_RECORD, _TEMPLATE_REST = _templates_doc.split("\n\n", 3)[2:]
+_REST = _access_doc.split("\n\n", 2)[2]
+_TEMPLATE_REST = _templates_doc.split("\n\n", 3)[3]
 
 MAN_SECTIONS = {
     "RECORDS": (
         "After each `launch`, `memcpy`, `memset` and `graph_launch` record (which pass through "
-        "unchanged, as every other record does) comes one `access` record:\n\n"
-        + "\n".join("    " + line for line in _RECORD.splitlines())
+        "unchanged, as every other record does) comes one `access` record (`?` marks a field that "
+        "may be absent):\n\n"
+        + render([ACCESS])
         + "\n\n"
         + _REST.strip("\n")
     ),
@@ -49,7 +52,7 @@ MAN_SECTIONS = {
         "GPU showed, in 128-byte chunks.\n\n"
         "`--learn` writes size templates (`access_template` records) fitted to the read and write "
         "extents in the validation records; `--templates FILE` uses them at range granularity:\n\n"
-        + "\n".join("    " + line for line in _TEMPLATE_RECORD.splitlines())
+        + render([ACCESS_TEMPLATE])
         + "\n\n" + _TEMPLATE_REST.strip("\n")
     ),
     "NOTES": (

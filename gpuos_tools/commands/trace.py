@@ -13,15 +13,17 @@ from gpuos_tools.agent.agent import __doc__ as _agent_doc
 from gpuos_tools.agent.control import __doc__ as _control_doc
 from gpuos_tools.agent.owned import __doc__ as _owned_doc
 from gpuos_tools.agent.validate import __doc__ as _validate_doc
-from gpuos_tools.trace.records import __doc__ as _records_doc
-
-TRACE_RECORDS = _records_doc.split("\n\n", 2)[2].split("\n\nA launch's")[0]
+from gpuos_tools.stream.records import HEADER, TRACE_TYPES
+from gpuos_tools.stream.schema import render
 
 MAN_SECTIONS = {
     "RECORDS": (
-        "One JSON object per line after the header; addresses, handles and sizes are integers, "
-        "`ts` is CLOCK_MONOTONIC in nanoseconds, `tid` the caller's thread id.\n\n"
-        + "\n".join("    " + line for line in TRACE_RECORDS.strip("\n").splitlines())
+        "One JSON object per line after the header; addresses, handles and sizes are integers. "
+        "Records of the traced program's calls also carry `ts` (when, CLOCK_MONOTONIC "
+        "nanoseconds), `tid` (the caller's thread id) and `api` (the driver call). Each record is "
+        "listed with its fields, `?` marking those that may be absent; every reader of the stream "
+        "checks these types and ranges, and refuses a record that breaks them, naming its line "
+        "and field.\n\n" + render([HEADER, *TRACE_TYPES], omit=("ts", "tid", "api"))
     ),
     "EXAMPLES": (
         "Trace a training script into a compressed file, then summarise it:\n\n"

@@ -5,7 +5,8 @@ launch, in trace order, with the chunks it needs resident (its working set), the
 write, the chunks freed just before it, and an estimate of how long it computes.
 
 A chunk is the unit of residency: an allocation of S bytes is cut into ceil(S / `--chunk`)
-chunks (the last one shorter; an allocation smaller than a chunk is one chunk of its own size).
+chunks (the last one shorter; an allocation smaller than a chunk is one chunk of its own size),
+at most 65,536 of them: a larger allocation gets chunks of a multiple of `--chunk`.
 An access entry (allocation, offset, size) needs every chunk its byte range overlaps, so both
 `--granularity alloc` and `--granularity range` predictions work, and a range inside a large
 allocation needs only its part. `--chunk alloc` makes every allocation one chunk.
@@ -39,6 +40,10 @@ from gpuos_tools.errors import ExitCode, GpuosError
 
 #: The record types that become steps.
 STEP_OPS = ("launch", "memcpy", "memset", "graph_launch")
+#: The most chunks one allocation is cut into: a larger allocation gets larger chunks (a multiple
+#: of `--chunk`), so that one huge allocation cannot make the simulator work or allocate per
+#: 2 MiB of it (a 256 TiB allocation is 65,536 chunks of 4 GiB, not 134 million of 2 MiB).
+MAX_CHUNKS_PER_ALLOC = 1 << 16
 
 
 @dataclass(slots=True)
@@ -71,10 +76,18 @@ class Chunks:
     alloc: list[int] = field(default_factory=list)
     offset: list[int] = field(default_factory=list)
 
+    def step_for(self, size: int) -> int:
+        """Bytes per chunk of an allocation of ``size`` bytes: ``chunk``, or more (a multiple of
+        it) where that would cut the allocation into more than MAX_CHUNKS_PER_ALLOC chunks."""
+        step = self.chunk if self.chunk else max(size, 1)
+        if size > step * MAX_CHUNKS_PER_ALLOC:
+            step *= -(-size // (step * MAX_CHUNKS_PER_ALLOC))
+        return step
+
     def add_allocation(self, job: int, alloc_id: int, size: int) -> tuple[int, int]:
         """Cut an allocation into chunks; return (first chunk id, count)."""
         base = len(self.sizes)
-        step = self.chunk if self.chunk else max(size, 1)
+        step = self.step_for(size)
         n = max(1, -(-size // step))
         for k in range(n):
             self.sizes.append(max(1, min(step, size - k * step)))
@@ -110,6 +123,7 @@ class _Live:
         self.by_addr: dict[int, int] = {}  # start address -> alloc id
         self.bytes = 0
         self.peak = 0
+        self._all: tuple[int, ...] | None = None  # all_chunks, until the next alloc or free
 
     def alloc(self, rec: dict[str, Any], pending_frees: list[int]) -> None:
         if rec.get("kind") == "host":
@@ -121,6 +135,7 @@ class _Live:
         size = int(rec.get("size") or 0)
         first, n = self.chunks.add_allocation(self.job, rec["id"], size)
         self.by_id[rec["id"]] = (first, n, size)
+        self._all = None
         self.addr_of[rec["id"]] = addr
         if addr is not None:
             self.by_addr[addr] = rec["id"]
@@ -136,6 +151,7 @@ class _Live:
 
     def _free(self, alloc_id: int, pending_frees: list[int]) -> None:
         first, n, size = self.by_id.pop(alloc_id)
+        self._all = None
         addr = self.addr_of.pop(alloc_id, None)
         if addr is not None and self.by_addr.get(addr) == alloc_id:
             del self.by_addr[addr]
@@ -143,10 +159,14 @@ class _Live:
         pending_frees.extend(range(first, first + n))
 
     def all_chunks(self) -> tuple[int, ...]:
-        out: list[int] = []
-        for first, n, _ in self.by_id.values():
-            out.extend(range(first, first + n))
-        return tuple(out)
+        """Every chunk of every live allocation: one tuple shared by the unknown steps between
+        two allocation changes, not one copy per step."""
+        if self._all is None:
+            out: list[int] = []
+            for first, n, _ in self.by_id.values():
+                out.extend(range(first, first + n))
+            self._all = tuple(out)
+        return self._all
 
 
 def load_job(
@@ -196,14 +216,15 @@ def load_job(
                         if got is None:
                             job.skipped_entries += 1
                             continue
-                        first, n, _ = got
+                        first, n, whole = got
                         off = int(e.get("offset") or 0)
                         size = int(e.get("size") or 0)
                         if size <= 0:
                             continue
                         if chunk:
-                            lo = min(off // chunk, n - 1)
-                            hi = min((off + size - 1) // chunk, n - 1)
+                            step = chunks.step_for(whole)
+                            lo = min(off // step, n - 1)
+                            hi = min((off + size - 1) // step, n - 1)
                         else:
                             lo = hi = 0
                         for c in range(first + lo, first + hi + 1):

@@ -17,6 +17,10 @@ import zstandard
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.stream import atomic
 from gpuos_tools.stream.framing import STDIO, StreamError
+from gpuos_tools.stream.records import check_written
+
+#: Set to 1 (the tests do), every record written is checked as a reader would check it.
+CHECK_ENV = "GPUOS_CHECK_RECORDS"
 
 # Records are encoded one by one but written in batches of this many lines.
 _BATCH = 1024
@@ -72,11 +76,16 @@ class Writer:
         self._zstd = zstandard.ZstdCompressor().compressobj() if compress else None
         self._pending: list[str] = []
         self._closed = False
+        #: GPUOS_CHECK_RECORDS=1: every record written is checked against its type's schema
+        self._checking = os.environ.get(CHECK_ENV) == "1"
+        self._written = 0
         self._chunks = _chunk_encoder()
 
     def write(self, record: dict[str, Any]) -> None:
         if self._closed:
             raise ValueError(f"{self.name}: write to a closed stream")
+        if self._checking:
+            self._check(record)
         pending = self._pending
         pending.append("".join(self._chunks(record, 0)))
         if self.per_record or len(pending) >= _BATCH:
@@ -91,12 +100,33 @@ class Writer:
             return
         # Encoding happens in C as each record is pulled, so a producer that reuses one dict
         # for every record still gets each version written.
+        if self._checking:
+            records = map(self._checked, records)
         lines = map("".join, map(self._chunks, records, itertools.repeat(0)))
         pending = self._pending
-        while batch := list(itertools.islice(lines, _BATCH - len(pending))):
-            pending += batch
+        while True:
+            # extend keeps what it got when the producer raises (a bad input line): abort()
+            # then still writes those records where they can go
+            before = len(pending)
+            pending.extend(itertools.islice(lines, _BATCH - before))
+            if len(pending) == before:
+                break
             if len(pending) >= _BATCH:
                 self._drain()
+
+    def _check(self, record: dict[str, Any]) -> None:
+        """Refuse a record that readers would refuse: a tool that writes one has a bug."""
+        self._written += 1
+        problem = check_written(record)
+        if problem is None and record.get("type") == "header" and self._written > 1:
+            problem = "a second header"
+        if problem is not None:
+            raise StreamError(f"{self.name}: record {self._written} ({record.get('type')!r}) would not read back: "
+                              f"{problem} ({CHECK_ENV}=1)", ExitCode.SOFTWARE, path=self.name)
+
+    def _checked(self, record: dict[str, Any]) -> dict[str, Any]:
+        self._check(record)
+        return record
 
     def _drain(self) -> None:
         """Write out the pending lines; in per-record mode also push them to the reader."""
@@ -144,9 +174,20 @@ class Writer:
         self._closed = True
 
     def abort(self) -> None:
-        """Stop without finishing: discard a temp file; what already reached a pipe stays there."""
+        """Stop without finishing: discard a temp file. Written in place (standard output, a
+        pipe, a file with --unbuffered), the records already made still go out, as they would
+        have through a pipe: a command that stops at a bad or truncated input line leaves every
+        record before it, wherever its output goes. A zstd frame is not ended, so the reader
+        of a compressed output sees that it was cut short."""
         if self._closed:
             return
+        if self._rename is None and self._pending:
+            try:
+                self.per_record = True  # a zstd block ends with the records, the frame does not
+                self._drain()
+                self._file.flush()
+            except (OSError, StreamError):
+                pass  # a closed pipe, a full disk: nothing more can be saved
         self._closed = True
         self._pending.clear()
         if self._owns_file:
