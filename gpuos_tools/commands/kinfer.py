@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -50,7 +51,7 @@ Slots come in lanes; a producer owns a lane while it holds the POSIX record lock
 
 Bad input never stops the daemon: an entry of another version, of the wrong size, for an unknown model or with non-finite values is answered with that status and counted; a slot left WRITING by a producer that died is freed and counted (`drop_abandoned`); a word in no known state is reset and counted. A daemon that restarts on an existing ring of the same geometry keeps the producers attached: requests the old one had TAKEN are served again (`requeued`). A ring of another geometry is refused unless `--recreate`, which makes a new file (producers of the old one get "daemon gone", never a crash).
 
-Wake-up: the daemon spins on the doorbell for `--spin-us`, then announces sleep, re-checks and futex-waits; producers spin for 50 us before sleeping. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
+Wake-up: the daemon spins on the doorbell while traffic is recent (see WAITING), then announces sleep, re-checks and futex-waits; the Python producer spins for its answer in the same way (200 us to 2 ms, after its recent waits), then sleeps. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
 
 MAN_SECTIONS = {
     "RING LAYOUT": _LAYOUT,
@@ -111,6 +112,19 @@ MAN_SECTIONS = {
         "Without a compiler (or if the build fails) `--native auto` says so on stderr and the "
         "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
         "instead. `--native off` always uses the Python loop."
+    ),
+    "WAITING": (
+        "A futex wake-up of a sleeping thread costs tens to hundreds of microseconds (about 250 us on "
+        "a 2-vCPU VM), so a daemon that sleeps between requests makes each of them pay it. By "
+        "default the daemon spins after each request for a window that follows the traffic: twice "
+        "the longest recent gap between requests (a longer gap raises it at once; it loses 1/8 at "
+        "each request), at least `[wait] spin_min_us` (200) and at most `spin_max_us` (5000, or "
+        "`--spin-max-us`); once the gaps exceed that maximum it spins only the minimum. So a "
+        "producer sending a request every millisecond finds the daemon awake (one core spins while "
+        "that traffic lasts), one sending a request a second pays the wake-up, and an idle daemon "
+        "sleeps and uses no CPU. `--spin-us N` sets a fixed spin of N us instead. The Python client "
+        "waits for its answer the same way, spinning 200 us to 2 ms after its recent waits, then "
+        "sleeping. The `kinfer_stats` record counts the daemon's sleeps (`sleeps`)."
     ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
@@ -209,7 +223,12 @@ def serve(
     device: int = typer.Option(0, "--device", help="GPU index."),
     window_us: Optional[float] = typer.Option(None, "--window-us", help="Batching window (µs); default: the profile's."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch; default: the profile's."),
-    spin_us: float = typer.Option(200.0, "--spin-us", help="Spin this long on an empty ring before sleeping."),
+    spin_us: Optional[float] = typer.Option(
+        None, "--spin-us", help="Spin exactly this long on an empty ring before sleeping; default: adaptive (see WAITING).",
+    ),
+    spin_max_us: Optional[float] = typer.Option(
+        None, "--spin-max-us", help="Adaptive waiting: the longest spin (µs); default: the profile's [wait] spin_max_us.",
+    ),
     native: Optional[str] = typer.Option(
         None, "--native", metavar="auto|on|off",
         help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",
@@ -248,10 +267,17 @@ def serve(
         mlp = _load_model(path)
     rs, bs = prof.section("ring"), prof.section("batch")
     geometry = R.Geometry(int(rs["lanes"]), int(rs["slots_per_lane"]), max(32, mlp.n_inputs), max(4, mlp.n_outputs))
+    ws = prof.section("wait")
+    spin_min = float(ws["spin_min_us"])
+    spin_max = float(ws["spin_max_us"] if spin_max_us is None else spin_max_us)
+    for value, hint in ((spin_us, "--spin-us"), (spin_max, "--spin-max-us"), (spin_min, "[wait] spin_min_us")):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise typer.BadParameter("must be a finite number of µs, 0 or more", param_hint=hint)
     opts = ServeOptions(
         window_us=float(bs["window_us"] if window_us is None else window_us),
         max_batch=int(bs["max"] if max_batch is None else max_batch),
-        spin_us=spin_us, use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
+        spin_us=spin_us, spin_min_us=spin_min, spin_max_us=max(spin_min, spin_max),
+        use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
     )
     name = ring or str(rs["name"])
     server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)

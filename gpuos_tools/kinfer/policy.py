@@ -60,6 +60,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "probe_busy_ms": 20.0, "window_ms": 1000.0, "window_samples": 4096,
     },
     "native": {"mode": "auto", "max_batch": 64},
+    "wait": {"spin_min_us": 200.0, "spin_max_us": 5000.0},
 }
 #: Keys that older profiles may still hold; read and ignored, with a message.
 OBSOLETE = {"policy": {

@@ -98,6 +98,12 @@ _FLOATS = {n: struct.Struct(f"<{n}f") for n in range(1, 17)}
 
 #: Longest single futex sleep: bounds the cost of a wake-up lost to store/load reordering.
 WAIT_SLICE_S = 0.002
+#: The client's adaptive spin for an answer (wait.py's rule on its recent waits): at least
+#: CLIENT_SPIN_MIN_S, at most CLIENT_SPIN_MAX_S, twice the recent longest wait in between, so
+#: a client whose answers take a daemon's wake-up (~250 µs on a VM) spins through it instead
+#: of paying a second wake-up of its own.
+CLIENT_SPIN_MIN_S = 200e-6
+CLIENT_SPIN_MAX_S = 2e-3
 
 
 class RingError(GpuosError):
@@ -381,9 +387,12 @@ class Client:
     ``slots_per_lane`` requests be in flight at once.
     """
 
-    def __init__(self, name: str, *, spin_s: float = 200e-6, lane: int | None = None):
+    def __init__(self, name: str, *, spin_s: float | None = None, lane: int | None = None):
+        """``spin_s``: spin this long for an answer before sleeping; None (the default): adaptive."""
         self.ring = Ring.attach(name)
         self.spin_s = spin_s
+        self._hold = CLIENT_SPIN_MIN_S if spin_s is None else spin_s
+        self._gap = 0.0
         self.pid = os.getpid()
         self.lane = self._claim(lane)
         g = self.ring.geometry
@@ -468,15 +477,21 @@ class Client:
         raise RingError(f"lane {self.lane}: all {per} slots are in flight; wait for an answer first", ExitCode.FAILURE)
 
     def wait(self, slot: int, timeout: float = 5.0) -> Answer:
-        """Wait for the answer in ``slot``: spin ``spin_s``, then sleep on the slot's futex."""
+        """Wait for the answer in ``slot``: spin (adaptively, or ``spin_s``), then sleep on the slot's futex."""
         st = self._state
         if st[slot] != DONE:
-            t0 = time.perf_counter()
-            spin_until = t0 + self.spin_s
-            while st[slot] != DONE and time.perf_counter() < spin_until:
+            perf = time.perf_counter
+            t0 = perf()
+            spin_until = t0 + self._hold
+            while st[slot] != DONE and perf() < spin_until:
                 pass
             if st[slot] != DONE:
                 self._sleep(slot, t0 + timeout)
+            if self.spin_s is None:  # wait.Adaptive's rule, inlined: this runs once per request
+                waited = min(perf() - t0, 2 * CLIENT_SPIN_MAX_S)
+                g = self._gap - self._gap / 8
+                self._gap = g = waited if waited > g else g
+                self._hold = CLIENT_SPIN_MIN_S if g > CLIENT_SPIN_MAX_S else min(CLIENT_SPIN_MAX_S, max(CLIENT_SPIN_MIN_S, 2 * g))
         self._busy.discard(slot)
         mm = self._mm
         status, _, submit_ns, done_ns, _, _, decision, n_out, batch, where, _ = _READ_BACK.unpack_from(

@@ -11,7 +11,9 @@ Without it, one Python loop does everything (plus a loader thread for model swap
 sampler):
 
 1. find READY slots (one vectorised compare over the state words);
-2. none: spin ``spin_us``, then announce sleep, re-check, futex-wait on the doorbell;
+2. none: spin while traffic is recent (``wait.Adaptive``: a window between ``spin_min_us`` and
+   ``spin_max_us`` that follows the recent gaps between requests; or a fixed ``spin_us``), then
+   announce sleep, re-check, futex-wait on the doorbell;
 3. some: while traffic has recently come in bursts (mean batch > 1.5), wait up to
    ``window_us`` for more, as LAKE does; a lone producer is never delayed;
 4. mark them TAKEN, refuse malformed entries (each refusal counted in the header), run the
@@ -43,6 +45,7 @@ from gpuos_tools.errors import ExitCode
 from gpuos_tools.kinfer import ring as R
 from gpuos_tools.kinfer.model import Mlp
 from gpuos_tools.kinfer.policy import CpuSpeed, GpuLoad, GpuSpeed, Policy
+from gpuos_tools.kinfer.wait import SPIN_MAX_US, SPIN_MIN_US, Adaptive
 
 HOUSEKEEPING_S = 0.1
 RESCAN_S = 50e-6
@@ -67,7 +70,9 @@ class Backend:
 class ServeOptions:
     window_us: float = 20.0
     max_batch: int = 4096
-    spin_us: float = 200.0
+    spin_us: float | None = None  # a fixed spin; None: adaptive between spin_min_us and spin_max_us
+    spin_min_us: float = SPIN_MIN_US
+    spin_max_us: float = SPIN_MAX_US
     use_gpu: str = "auto"  # auto | on | off
     device: int = 0
     gpu_mode: str = "auto"  # fused | matmul | auto
@@ -187,9 +192,12 @@ class Server:
         from gpuos_tools.kinfer import native
 
         g = self.ring.geometry
+        o = self.options
         try:
-            loop = native.NativeLoop(self.ring.base, self.options.spin_us, self.options.window_us, self.options.max_batch,
-                                     g.max_inputs, g.max_outputs)
+            loop = native.NativeLoop(self.ring.base, o.spin_min_us if o.spin_us is None else o.spin_us, o.window_us,
+                                     o.max_batch, g.max_inputs, g.max_outputs)
+            if o.spin_us is None:
+                loop.set_wait(o.spin_min_us, o.spin_max_us)
         except (native.BuildError, OSError) as e:
             if self.options.native == "on":
                 raise R.RingError(f"--native on, but the native serve loop cannot run: {e}", ExitCode.FAILURE) from None
@@ -326,7 +334,9 @@ class Server:
         state = ring.state
         header = ring.header
         bell = self._bell
-        spin = self.options.spin_us / 1e6
+        o = self.options
+        lo, hi = (o.spin_us, o.spin_us) if o.spin_us is not None else (o.spin_min_us, o.spin_max_us)
+        wait = Adaptive(lo / 1e6, hi / 1e6)  # with lo == hi the hold is always lo: a fixed spin
         window = self.options.window_us / 1e6
         max_batch = self.options.max_batch
         batches = 0
@@ -341,7 +351,7 @@ class Server:
             if rung == seen and now < next_scan:
                 if idle_since is None:
                     idle_since = now
-                elif now - idle_since > spin:
+                elif now - idle_since > wait.hold():
                     self._sleep(header, state)
                     idle_since = None
                     next_scan = 0.0
@@ -352,6 +362,7 @@ class Server:
             if not ready:
                 continue
             idle_since = None
+            wait.arrival(now)
             if window > 0 and self._ewma > 1.5 and len(ready) < max_batch:
                 deadline = now + window
                 while perf() < deadline and bell[0] == seen:
