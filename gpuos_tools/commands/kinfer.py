@@ -612,19 +612,119 @@ def synth(
         writer.write_many(synthesize(ios, seed=seed, **params))
 
 
-@app.command()
+_PROGRAM = typer.Argument(
+    None, metavar="[-- PROGRAM [ARGS]...]",
+    help="With --source ebpf: run this program and stop when it exits (its stdout goes to stderr).",
+)
+
+
+def _disks(specs: list[str] | None, directory: str | None) -> list[int]:
+    """Kernel numbers of the disks named by --disk (or the one under --dir)."""
+    from gpuos_tools.kinfer.bpf.collect import resolve_disk
+
+    ExitCode, GpuosError = _err()
+    named = list(specs or []) or ([directory] if directory else [])
+    try:
+        return sorted({resolve_disk(spec) for spec in named})
+    except ValueError as e:
+        raise GpuosError(str(e), ExitCode.USAGE) from None
+
+
+class _Load:
+    """collect's own O_DIRECT load (traces.collect) in a thread, as a workload to trace."""
+
+    def __init__(self, directory: str, **kwargs: Any):
+        import threading
+
+        from gpuos_tools.kinfer.traces import collect as run
+
+        self.stop, self.ready, self.error = threading.Event(), threading.Event(), None
+        self.directory = directory
+
+        def body() -> None:
+            try:
+                run(directory, None, stop=self.stop, ready=self.ready, **kwargs)
+            except OSError as e:
+                self.error = e
+                self.ready.set()
+
+        self.thread = threading.Thread(target=body, name="kinfer-load", daemon=True)
+
+    def start(self) -> None:
+        ExitCode, GpuosError = _err()
+        self.thread.start()
+        self.ready.wait()
+        if self.error is not None:
+            raise GpuosError(f"{self.directory}: {self.error.strerror or self.error} (O_DIRECT needs a filesystem that supports it)",
+                             ExitCode.IO_ERROR)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _stop_on_signals() -> Any:
+    """An event set by SIGTERM/SIGINT/SIGHUP (a capture then ends cleanly, its records kept)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
 def collect(
-    directory: str = typer.Option(..., "--dir", "-d", metavar="DIR", help="Where to put the test files: on the disk to measure (tmpfs measures memory)."),
-    reads: int = typer.Option(20_000, "--reads", "-n", help="Stop after this many reads."),
+    source: str = typer.Option("direct", "--source", metavar="direct|ebpf",
+                               help="direct: time O_DIRECT I/O issued here, from user space; ebpf: record what the kernel's block layer sees."),
+    directory: Optional[str] = typer.Option(
+        None, "--dir", "-d", metavar="DIR",
+        help="Put test files here and run O_DIRECT reads and writes on them (needed with direct; with ebpf, a load to trace). On the disk to measure: tmpfs measures memory.",
+    ),
+    reads: Optional[int] = typer.Option(None, "--reads", "-n", help="Stop after this many reads (direct: default 20000)."),
     devices: int = typer.Option(2, "--devices", help="Files, each standing for one device."),
     depth: int = typer.Option(4, "--depth", help="Threads (outstanding I/Os) per file."),
     size_mib: int = typer.Option(256, "--size-mib", help="Size of each file."),
     write_fraction: float = typer.Option(0.2, "--write-fraction", help="Share of writes."),
     seed: int = typer.Option(0, "--seed", help="Seed of offsets and sizes."),
+    disk: Optional[list[str]] = typer.Option(
+        None, "--disk", metavar="DISK", help="ebpf: a disk to record (vda, /dev/vda, 254:0, or a path on it; repeat); default: the disk under --dir, else every disk.",
+    ),
+    seconds: Optional[float] = typer.Option(None, "--seconds", help="ebpf: stop after this long."),
+    ring: Optional[str] = typer.Option(None, "--ring", "-r", metavar="NAME", help="ebpf: also ask the daemon serving this ring for each read's decision."),
+    program: Optional[list[str]] = _PROGRAM,
     output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
 ) -> None:
-    """Collect a real block-I/O trace here: O_DIRECT reads and writes on files, recording the
-    pending I/Os at issue and the latency of each."""
+    """Collect a real block-I/O trace: `io` records with the pending I/Os at issue and the
+    latency of each.
+
+    `--source direct` (the default) issues O_DIRECT reads and writes on files in --dir and
+    times them from user space. `--source ebpf` loads a BPF program on the block layer (root)
+    and records every read and write the kernel sends to the chosen disks, whoever issues them,
+    with LinnOS's 31 inputs as the kernel computed them at issue (`x`), until PROGRAM exits,
+    --seconds, --reads, or SIGINT/SIGTERM; with --dir it also runs the direct load as a
+    workload. See EBPF PRODUCER.
+    """
+    ExitCode, GpuosError = _err()
+    if source not in ("direct", "ebpf"):
+        raise typer.BadParameter("direct or ebpf", param_hint="--source")
+    for value, hint in ((reads, "--reads"), (seconds, "--seconds")):
+        if value is not None and not value > 0:
+            raise typer.BadParameter("must be positive", param_hint=hint)
+    if source == "direct":
+        if directory is None:
+            raise typer.BadParameter("--source direct needs a directory for its test files", param_hint="--dir")
+        if program or disk or seconds or ring:
+            raise typer.BadParameter("PROGRAM, --disk, --seconds and --ring go with --source ebpf", param_hint="--source")
+        _collect_direct(directory, reads or 20_000, devices, depth, size_mib, write_fraction, seed, output)
+        return
+    _collect_ebpf(directory, reads, devices, depth, size_mib, write_fraction, seed, disk, seconds, ring, program, output, unbuffered)
+
+
+def _collect_direct(directory: str, reads: int, devices: int, depth: int, size_mib: int, write_fraction: float, seed: int,
+                    output: str) -> None:
     from gpuos_tools.kinfer.traces import collect as run
     from gpuos_tools.stream import make_header, open_output
 
@@ -635,9 +735,161 @@ def collect(
     except OSError as e:
         raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a filesystem that supports it)", ExitCode.IO_ERROR) from None
     with open_output(output) as writer:
-        writer.write(make_header("gpu-kinfer-bridge", trace="collected", host=socket.gethostname(), dir=directory,
+        writer.write(make_header("gpu-kinfer-bridge", trace="collected", source="direct", host=socket.gethostname(), dir=directory,
                                  devices=devices, depth=depth, size_mib=size_mib, write_fraction=write_fraction, seed=seed))
         writer.write_many(records)
+
+
+def _open_loader(disks: list[int], ring: Optional[str], lanes: int = 4) -> Any:
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.bpf.loader import Loader
+
+    loader = Loader(disks, predict=ring is not None)
+    try:
+        if ring is not None:
+            loader.attach_ring(R.ring_path(ring), lanes=lanes)
+    except BaseException:
+        loader.close()
+        raise
+    return loader
+
+
+def _collect_ebpf(directory: Optional[str], reads: Optional[int], devices: int, depth: int, size_mib: int, write_fraction: float,
+                  seed: int, disk: Optional[list[str]], seconds: Optional[float], ring: Optional[str],
+                  program: Optional[list[str]], output: str, unbuffered: bool) -> None:
+    import platform
+
+    from gpuos_tools.kinfer.bpf import OBJECT
+    from gpuos_tools.kinfer.bpf.collect import Converter, capture
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    disks = _disks(disk, directory)
+    load = _Load(directory, devices=devices, depth=depth, file_size=size_mib << 20, write_fraction=write_fraction,
+                 seed=seed) if directory else None
+    stop = _stop_on_signals()
+    loader = _open_loader(disks, ring)
+    try:
+        if load is not None:
+            load.start()  # its files are written before the tracepoints are attached
+        t0 = time.monotonic_ns()
+        conv = Converter(t0)
+        with open_output(output, unbuffered=unbuffered or None) as writer:
+            writer.write(make_header("gpu-kinfer-bridge", trace="collected", source="ebpf", kernel=platform.release(),
+                                     disks=[_disk_name_of(d) for d in disks] or "all", t0_monotonic_ns=t0,
+                                     object=OBJECT.name, ring=ring, dir=directory, program=program or None))
+            try:
+                done = capture(loader, lambda recs: writer.write_many(conv.records(recs)), seconds=seconds, reads=reads,
+                               program=program, stop=stop)
+            except FileNotFoundError as e:
+                raise GpuosError(str(e.strerror), ExitCode.PROGRAM_NOT_FOUND) from None
+            writer.write({"type": "kinfer_collect", "reason": done.reason, "seconds": round(done.seconds, 3), "reads": done.reads,
+                          "records": done.records, "disks": conv.disks(), "program_status": done.returncode, **loader.stats()})
+    finally:
+        loader.close()
+        if load is not None:
+            load.close()
+    stats = _capture_line(done)
+    print(f"gpu-kinfer-bridge: {stats}", file=sys.stderr)
+
+
+def _disk_name_of(dev: int) -> str:
+    from gpuos_tools.kinfer.bpf.collect import disk_name
+
+    return disk_name(dev)
+
+
+def _capture_line(done: Any) -> str:
+    return f"{done.records} I/Os ({done.reads} reads) in {done.seconds:.1f} s; {done.reason}"
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def watch(
+    ring: Optional[str] = typer.Option(None, "--ring", "-r", metavar="NAME", help="The daemon serving this ring decides; default: start one with --model."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="FILE", help="LinnOS model: served by a daemon started here, and its threshold_us tells slow reads."),
+    threshold_us: Optional[float] = typer.Option(None, "--threshold-us", help="Reads slower than this are slow; default: the model's threshold_us."),
+    disk: Optional[list[str]] = typer.Option(None, "--disk", metavar="DISK", help="A disk to watch (vda, /dev/vda, 254:0, or a path on it; repeat); default: every disk."),
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between interval reports."),
+    seconds: Optional[float] = typer.Option(None, "--seconds", help="Stop after this long."),
+    lanes: int = typer.Option(4, "--lanes", help="Ring lanes to claim (each lets 8 reads wait for an answer at once)."),
+    trace: Optional[str] = typer.Option(None, "--trace", metavar="FILE", help="Also write every I/O as an `io` record with its decision."),
+    gpu: str = typer.Option("off", "--gpu", metavar="auto|on|off", help="For the daemon watch starts itself."),
+    program: Optional[list[str]] = _PROGRAM,
+    output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
+) -> None:
+    """Run LinnOS live on the kernel's reads: each read's kernel-side inputs go to the daemon at
+    issue; its decision is matched with the read's measured latency. Writes `kinfer_watch`
+    records per disk every --interval (scope interval) and at the end (scope total): reads,
+    predicted slow, actually slow, accuracy against always answering fast, added latency (issue
+    to answer) and the ring round trip. A read cannot be redirected from here; see EBPF PRODUCER."""
+    import numpy as np  # noqa: F401  (the loader's records are numpy arrays)
+
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.bpf.collect import Converter, WatchStats, capture
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    if ring is None and model is None:
+        raise typer.BadParameter("give --ring NAME (a daemon serving a LinnOS model) or --model FILE", param_hint="--ring")
+    if not interval > 0 or lanes < 1:
+        raise typer.BadParameter("--interval must be positive, --lanes at least 1", param_hint="--interval")
+    thr = threshold_us
+    if thr is None:
+        if model is None:
+            raise typer.BadParameter("with --ring, give --threshold-us or the --model it serves", param_hint="--threshold-us")
+        thr = _load_model(model).meta.get("threshold_us")
+        if thr is None:
+            raise GpuosError(f"{model}: no threshold_us in the model; give --threshold-us", ExitCode.BAD_INPUT)
+    disks = _disks(disk, None)
+    stop = _stop_on_signals()
+    proc = None
+    name = ring
+    if name is None:
+        proc, name = _spawn_daemon(str(model), gpu)
+    trace_writer = None
+    try:
+        loader = _open_loader(disks, name, lanes)
+        try:
+            conv = Converter(time.monotonic_ns())
+            stats = WatchStats(float(thr))
+            with open_output(output, unbuffered=unbuffered or None) as writer:
+                writer.write(make_header("gpu-kinfer-bridge", ring=str(R.ring_path(name)), threshold_us=float(thr),
+                                         disks=[_disk_name_of(d) for d in disks] or "all", lanes=loader.ring_info.get("lanes")))
+                if trace is not None:
+                    trace_writer = open_output(trace, unbuffered=unbuffered or None)
+                    trace_writer.write(make_header("gpu-kinfer-bridge", trace="collected", source="ebpf", ring=name,
+                                                   t0_monotonic_ns=conv.t0_ns, threshold_us=float(thr)))
+
+                def sink(recs: Any) -> None:
+                    rows = conv.records(recs)
+                    stats.add(rows)
+                    if trace_writer is not None:
+                        trace_writer.write_many(rows)
+
+                last = [0.0]
+
+                def tick(elapsed: float) -> None:
+                    writer.write_many(stats.reports("interval", elapsed - last[0]))
+                    last[0] = elapsed
+
+                try:
+                    done = capture(loader, sink, seconds=seconds, program=program, stop=stop, tick=tick, tick_s=interval)
+                except FileNotFoundError as e:
+                    raise GpuosError(str(e.strerror), ExitCode.PROGRAM_NOT_FOUND) from None
+                writer.write_many(stats.reports("total", done.seconds))
+                writer.write({"type": "kinfer_collect", "reason": done.reason, "seconds": round(done.seconds, 3),
+                              "reads": done.reads, "records": done.records, "disks": conv.disks(),
+                              "program_status": done.returncode, **loader.stats()})
+        finally:
+            loader.close()
+            if trace_writer is not None:
+                trace_writer.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+            R.ring_path(name).unlink(missing_ok=True)
 
 
 @features_app.command("register")

@@ -1,7 +1,8 @@
 """LinnOS on a block-I/O trace: the training set, training, and the hedging replay.
 
 Training: every read of every device becomes one sample (its 31 inputs from that device's
-history, its label slow/fast by the trace-wide threshold). The first ``1 - holdout`` of the
+history, or as the kernel computed them when the trace carries them, ``x``; its label slow/fast
+by the trace-wide threshold). The first ``1 - holdout`` of the
 reads in time train the model, the rest measure it.
 
 Replay: each read is sent through the bridge (the daemon decides, as it would for a kernel).
@@ -43,8 +44,11 @@ def dataset(records: list[dict[str, Any]]) -> tuple[Dataset, dict[int, dict[str,
         raise ValueError("the trace has no reads")
     parts = []
     for dev, d in sorted(per.items()):
-        complete = d["t_us"] + d["lat_us"]
-        x = M.features_from_reads(d["pending"], d["lat_us"], complete, d["t_us"])
+        if "x" in d:  # the inputs the kernel computed at issue (an eBPF trace)
+            x = d["x"]
+        else:
+            complete = d["t_us"] + d["lat_us"]
+            x = M.features_from_reads(d["pending"], d["lat_us"], complete, d["t_us"])
         n = len(d["t_us"])
         parts.append((x, d["lat_us"], d["t_us"], np.full(n, dev), np.arange(n)))
     cat = [np.concatenate(p) for p in zip(*parts)]

@@ -487,11 +487,8 @@ class Client:
                 pass
             if st[slot] != DONE:
                 self._sleep(slot, t0 + timeout)
-            if self.spin_s is None:  # wait.Adaptive's rule, inlined: this runs once per request
-                waited = min(perf() - t0, 2 * CLIENT_SPIN_MAX_S)
-                g = self._gap - self._gap / 8
-                self._gap = g = waited if waited > g else g
-                self._hold = CLIENT_SPIN_MIN_S if g > CLIENT_SPIN_MAX_S else min(CLIENT_SPIN_MAX_S, max(CLIENT_SPIN_MIN_S, 2 * g))
+            if self.spin_s is None:
+                self._learn(perf() - t0)
         self._busy.discard(slot)
         mm = self._mm
         status, _, submit_ns, done_ns, _, _, decision, n_out, batch, where, _ = _READ_BACK.unpack_from(
@@ -502,6 +499,13 @@ class Client:
             fmt = _FLOATS.get(n_out) or struct.Struct(f"<{n_out}f")
             values = fmt.unpack_from(mm, self._out_off + slot * 4 * self._max_out)
         return Answer(status, decision, values, batch, where, done_ns - submit_ns)
+
+    def _learn(self, waited: float) -> None:
+        """wait.Adaptive's rule on the recent waits for an answer: the spin for the next one."""
+        waited = min(waited, 2 * CLIENT_SPIN_MAX_S)
+        g = self._gap - self._gap / 8
+        self._gap = g = waited if waited > g else g
+        self._hold = CLIENT_SPIN_MIN_S if g > CLIENT_SPIN_MAX_S else min(CLIENT_SPIN_MAX_S, max(CLIENT_SPIN_MIN_S, 2 * g))
 
     def _sleep(self, slot: int, deadline: float) -> None:
         st = self._state

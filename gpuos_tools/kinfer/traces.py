@@ -103,7 +103,7 @@ def synthesize(
 
 def collect(
     directory: str | os.PathLike[str],
-    reads: int,
+    reads: int | None,
     *,
     devices: int = 2,
     depth: int = 4,
@@ -112,12 +112,17 @@ def collect(
     median_size: int = 16 * 1024,
     seed: int = 0,
     keep_files: bool = False,
+    stop: threading.Event | None = None,
+    ready: threading.Event | None = None,
 ) -> list[dict[str, Any]]:
     """Real I/O with O_DIRECT: ``devices`` files of ``file_size`` bytes in ``directory``,
-    ``depth`` threads each, until ``reads`` reads have completed. Records sorted by issue time.
+    ``depth`` threads each, until ``reads`` reads have completed (or ``stop`` is set; ``reads``
+    None: only then). Records sorted by issue time.
 
-    The files are filled with random bytes first (so reads hit allocated blocks) and removed
-    at the end unless ``keep_files``. Raises OSError when the filesystem refuses O_DIRECT.
+    The files are filled with random bytes first (so reads hit allocated blocks; ``ready`` is
+    set once they are and the I/O starts) and removed at the end unless ``keep_files``. Raises
+    OSError when the filesystem refuses O_DIRECT. Used as a load generator too (the eBPF
+    collector records what the kernel saw of it).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -135,7 +140,7 @@ def collect(
     pending = [0] * devices
     records: list[dict[str, Any]] = []
     done_reads = [0]
-    stop = threading.Event()
+    stop = stop or threading.Event()
     t0 = time.perf_counter_ns()
     largest = 256 * 1024
 
@@ -167,7 +172,7 @@ def collect(
                     })
                     if is_read:
                         done_reads[0] += 1
-                        if done_reads[0] >= reads:
+                        if reads is not None and done_reads[0] >= reads:
                             stop.set()
         finally:
             view.release()
@@ -180,6 +185,8 @@ def collect(
     try:
         for th in threads:
             th.start()
+        if ready is not None:
+            ready.set()
         for th in threads:
             th.join()
     finally:
@@ -209,18 +216,28 @@ def io_records(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def device_reads(records: list[dict[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
-    """Per device, its reads as arrays in issue order: t_us, lat_us, pending."""
-    out: dict[int, dict[str, list[float]]] = {}
+    """Per device, its reads as arrays in issue order: t_us, lat_us, pending, and ``x`` (n, 31)
+    when every read of that device carries the inputs the kernel computed (``collect --source
+    ebpf``)."""
+    out: dict[int, dict[str, list[Any]]] = {}
     for r in records:
         if r["op"] != "R":
             continue
-        d = out.setdefault(int(r["dev"]), {"t_us": [], "lat_us": [], "pending": []})
+        d = out.setdefault(int(r["dev"]), {"t_us": [], "lat_us": [], "pending": [], "x": []})
         d["t_us"].append(float(r["t_us"]))
         d["lat_us"].append(float(r["lat_us"]))
         d["pending"].append(int(r["pending"]))
+        d["x"].append(r.get("x"))
     arrays = {}
     for dev, d in out.items():
         t = np.asarray(d["t_us"])
         order = np.argsort(t, kind="stable")
+        xs = d.pop("x")
         arrays[dev] = {k: np.asarray(v)[order] for k, v in d.items()}
+        if all(isinstance(x, list) and len(x) == KERNEL_INPUTS for x in xs):
+            arrays[dev]["x"] = np.asarray(xs, dtype=np.float32)[order]
     return arrays
+
+
+#: LinnOS's input count, as the eBPF producer records it in ``x``.
+KERNEL_INPUTS = 31

@@ -22,6 +22,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -78,7 +79,7 @@ enum gk_predicted {
 enum { E_ST_WAIT = 1, E_ST_ANSWERED = 2, E_ST_DONE_WAIT = 3 };
 
 struct entry {
-    uint64_t rq;   /* 0: empty */
+    uint64_t rq;   /* the read's key (key_of), 0: empty */
     uint64_t seq;  /* the kinfer request's seq, 0 when none was sent */
     uint32_t state;
     uint32_t slot;
@@ -186,6 +187,14 @@ static inline void relax(void)
 
 /* -- the table of reads in flight ------------------------------------------------------------ */
 
+/* A read's key: its request's address and issue time. The kernel reuses a request as soon as
+ * it completes, often before the daemon's answer for the previous read in it has come. */
+static uint64_t key_of(uint64_t rq, uint64_t issue_ns)
+{
+    uint64_t key = rq * 0x9e3779b97f4a7c15ull ^ issue_ns;
+    return key ? key : 1;
+}
+
 static uint32_t hash_rq(uint64_t rq)
 {
     rq ^= rq >> 33;
@@ -209,7 +218,7 @@ static struct entry *insert(struct gk *k, uint64_t rq)
 {
     struct entry *e = find(k, rq);
     if (e)
-        return e; /* the same request pointer again: its earlier completion was lost */
+        return e; /* the same read again (a lost event): start it over */
     if (k->entries >= GK_TABLE * 3 / 4)
         return NULL;
     for (uint32_t i = hash_rq(rq);; i = (i + 1) & (GK_TABLE - 1)) {
@@ -402,14 +411,7 @@ static int on_event(void *ctx, void *data, size_t size)
         k->counters[L_ISSUES]++;
         if (!k->h)
             return 0;
-        struct entry *e = find(k, ev->rq);
-        if (e && e->state == E_ST_DONE_WAIT) { /* the address reused before its answer came */
-            e->rec.predicted = GK_P_TIMEOUT;
-            k->counters[L_TIMEOUTS]++;
-            emit(k, &e->rec);
-        }
-        if (!e)
-            e = insert(k, ev->rq);
+        struct entry *e = insert(k, key_of(ev->rq, ev->issue_ns));
         if (!e)
             return 0; /* table full: its completion is recorded unpredicted */
         e->seq = 0;
@@ -428,7 +430,7 @@ static int on_event(void *ctx, void *data, size_t size)
     if (ev->kind != GK_COMPLETE)
         return 0;
     k->counters[L_COMPLETIONS]++;
-    struct entry *e = k->h && ev->op == GK_READ ? find(k, ev->rq) : NULL;
+    struct entry *e = k->h && ev->op == GK_READ ? find(k, key_of(ev->rq, ev->issue_ns)) : NULL;
     if (e && e->rec.issue_ns != ev->issue_ns)
         e = NULL; /* an entry of an earlier request at this address */
     if (!e) {
@@ -509,6 +511,7 @@ static void note_traffic(struct gk *k, uint64_t now)
 static void *loop(void *arg)
 {
     struct gk *k = arg;
+    uint32_t spins = 0;
     while (!__atomic_load_n(&k->stop, __ATOMIC_ACQUIRE)) {
         int n = ring_buffer__consume(k->rb);
         int answers = poll_answers(k);
@@ -519,12 +522,16 @@ static void *loop(void *arg)
             sweep(k, now);
             k->next_sweep = now + GK_SWEEP_NS;
         }
-        if (n > 0 || answers > 0 || k->outstanding) {
-            relax();
+        if (n > 0 || answers > 0)
+            continue;
+        if (k->outstanding) { /* the daemon may need this very CPU to answer: offer it */
+            sched_yield();
             continue;
         }
         if (now - k->last_event_ns < hold_ns(k)) {
             relax();
+            if ((++spins & 15) == 0)
+                sched_yield();
             continue;
         }
         k->counters[L_SLEEPS]++;

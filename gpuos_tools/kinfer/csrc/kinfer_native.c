@@ -22,6 +22,7 @@
 #include <linux/futex.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -355,6 +356,7 @@ static void *loop(void *arg)
     uint32_t seen = 0;
     int have_seen = 0;
     uint64_t idle_since = 0, next_scan = 0;
+    uint32_t spins = 0;
     while (!__atomic_load_n(&k->stop, __ATOMIC_ACQUIRE)) {
         uint64_t now = now_ns();
         uint32_t rung = __atomic_load_n(&k->h->doorbell, __ATOMIC_ACQUIRE);
@@ -367,6 +369,10 @@ static void *loop(void *arg)
                 next_scan = 0;
             }
             relax();
+            /* now and then let another thread of this CPU run: on a small machine the producer
+             * may be waiting for this very CPU (sched_yield returns at once when none is) */
+            if ((++spins & 15) == 0)
+                sched_yield();
             continue;
         }
         seen = rung;
