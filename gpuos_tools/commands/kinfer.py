@@ -126,6 +126,31 @@ MAN_SECTIONS = {
         "waits for its answer the same way, spinning 200 us to 2 ms after its recent waits, then "
         "sleeping. The `kinfer_stats` record counts the daemon's sleeps (`sleeps`)."
     ),
+    "EBPF PRODUCER": (
+        "`collect --source ebpf` and `watch` load `linnos_block.bpf.o`, shipped with the package "
+        "(CO-RE, compiled with clang from `gpuos_tools/kinfer/bpf/linnos_block.bpf.c`: no compiler "
+        "is needed for it), with a small libbpf loader (`loader.c`, built once with `cc` against "
+        "libbpf's headers, Debian libbpf-dev, into `~/.cache/gpuos-tools/`). They need root (or "
+        "CAP_BPF and CAP_PERFMON), a kernel with BTF (`/sys/kernel/btf/vmlinux`) and the block "
+        "layer's tracepoints (`block_io_start`, 6.5 and later, names the submitting task; before "
+        "it the task current at issue is named).\n\n"
+        "Per disk, the program keeps the 4 KiB units in flight and the last 4 completed reads "
+        "(pending at their issue, latency), builds LinnOS's 31 inputs for each read when it is "
+        "issued to the driver and passes them with the request's identity through a BPF ring "
+        "buffer. Reads and writes are tracked, not flushes or discards. With a daemon (`watch`, or "
+        "`collect --ring`), the loader sends each read's inputs to it as a C producer on up to "
+        "`--lanes` lanes of 8 slots and matches the answer with the read's completion. It never "
+        "waits for a slot: a read that finds all of them in flight is recorded unpredicted "
+        "(`no_slot`). `added_us` is how long after the issue the answer was known (what a kernel "
+        "waiting for it before sending the read would pay); `infer_us` the ring's round trip.\n\n"
+        "A read cannot be redirected from here (that takes a kernel change): hedging stays a "
+        "replay of the recorded trace (`replay`, with `--replica shifted` for a trace of one "
+        "disk: a modelled independent replica). Records come in completion order; `t_us` is the "
+        "issue time. The closing `kinfer_collect` record gives the loader's and the program's "
+        "counters (events lost, reads not predicted, completions of requests issued before the "
+        "program was attached). `python -m gpuos_tools.kinfer.bpf.build` rebuilds the object "
+        "(clang, bpftool), `--check` compares a rebuild with the shipped one."
+    ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
         "(3 digits), pending I/Os at the issue of each of the last 4 completed reads (4 x 3), and "
@@ -138,9 +163,11 @@ MAN_SECTIONS = {
         "replica (the next device of the trace) and costs the latency of the replica's read nearest "
         "in time. It reports average, p50, p99 and p99.9 read latency with no prediction, with "
         "LinnOS (each read also charged the measured bridge round trip; `linnos_uncharged` without that charge) and with an oracle.\n\n"
-        "Traces: `collect` measures real reads and writes with O_DIRECT on files here; `synth` "
+        "Traces: `collect` measures real reads and writes with O_DIRECT on files here (`--source "
+        "direct`) or records what the block layer sees (`--source ebpf`, see EBPF PRODUCER: its "
+        "reads carry the kernel's inputs, `x`, which `train` and `replay` then use); `synth` "
         "generates Poisson arrivals, log-normal sizes and periodic slow (GC) phases from a seed. "
-        "Both write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "
+        "All write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "
         "lat_us; the header's `trace` field says collected or synthetic."
     ),
     "PROFILE": (
@@ -158,7 +185,9 @@ MAN_SECTIONS = {
         "- `profiles/linnos.toml`: the LinnOS profile.\n"
         "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
-        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`."
+        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`.\n"
+        "- `gpuos_tools/kinfer/bpf/linnos_block.bpf.o`: the block-layer program (source beside it); "
+        "`loader.c`: its loader, built into `~/.cache/gpuos-tools/libgpuos_kinfer_bpf-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
@@ -169,6 +198,10 @@ MAN_SECTIONS = {
         "Capture features as LAKE does, then train on the last minute of them:\n\n"
         "    gpu-kinfer-bridge features capture io.ndjson linnos-features\n"
         "    gpu-kinfer-bridge train --features linnos-features --last-s 60 --model linnos-v2.npz\n\n"
+        "Record what the kernel sees of a workload, train on it, watch LinnOS live (root):\n\n"
+        "    gpu-kinfer-bridge collect --source ebpf --disk /data -o io.ndjson -- fio job.fio\n"
+        "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
+        "    gpu-kinfer-bridge watch --model linnos.npz --disk /data --interval 5\n\n"
         "Swap in a retrained model without stopping the daemon:\n\n"
         "    gpu-kinfer-bridge load linnos-v2.npz --ring gpuos-kinfer\n\n"
         "Measure the crossover on this machine and store it in the profile:\n\n"
@@ -524,11 +557,21 @@ def replay(
     ),
     gpu: str = typer.Option("off", "--gpu", metavar="auto|on|off", help="For the daemon replay starts itself."),
     reroute_us: float = typer.Option(0.0, "--reroute-us", help="Extra cost of sending a read to the replica (µs)."),
+    replica: str = typer.Option(
+        "next", "--replica", metavar="next|shifted",
+        help="next: the trace's next device serves a rerouted read; shifted: for one disk, a model of an identical independent replica (the same disk half the trace later).",
+    ),
+    probes: int = typer.Option(500, "--probes", help="Round trips measured to charge each LinnOS read."),
     output: OutputOpt = "-",
 ) -> None:
     """Replay a trace's reads through the bridge with hedging (a read predicted slow goes to
     the replica); write a `kinfer_replay` record: avg, p50, p99, p99.9 read latency with no
-    prediction, with LinnOS and with an oracle."""
+    prediction, with LinnOS and with an oracle.
+
+    Each LinnOS read is charged the bridge's round trip as measured here after the replay:
+    the median of --probes sequential requests sent at the trace's median gap between reads
+    (so the daemon waits between them as it would for that traffic). The record's
+    `inference` says what was charged and how; stderr says it too."""
     import numpy as np
 
     from gpuos_tools.kinfer import ring as R
@@ -536,11 +579,19 @@ def replay(
     from gpuos_tools.stream import make_header, open_output
 
     ExitCode, GpuosError = _err()
+    if replica not in ("next", "shifted"):
+        raise typer.BadParameter("next or shifted", param_hint="--replica")
+    if probes < 1:
+        raise typer.BadParameter("at least 1", param_hint="--probes")
     mlp = _load_model(model)
     thr = mlp.meta.get("threshold_us")
     if thr is None:
         raise GpuosError(f"{model}: no threshold_us in the model (train it with gpu-kinfer-bridge train)", ExitCode.BAD_INPUT)
     records = _read_trace(trace)
+    read_t = np.sort(np.array([float(r["t_us"]) for r in records if r["op"] == "R"]))
+    # the pace of the probes: the trace's median gap between reads, at most 10 ms (the probes
+    # then take at most probes x 10 ms)
+    pace_s = min(0.01, float(np.median(np.diff(read_t))) / 1e6) if read_t.size > 1 else 0.0
     proc = None
     name = ring
     if name is None:
@@ -559,7 +610,14 @@ def replay(
                         if not a.ok:
                             raise GpuosError(f"the daemon refused read {start + k}: {R.STATUS_NAMES.get(a.status)}", ExitCode.FAILURE)
                         out[start + k] = a.decision
-                for row in x[:500]:  # the inference time charged to every read: sequential round trips, warm
+                perf = time.perf_counter
+                for k in range(probes):  # the round trip charged to every read, at the trace's pace
+                    row = x[k % len(x)]
+                    due = perf() + pace_s
+                    if pace_s > 0.001:
+                        time.sleep(pace_s)
+                    while perf() < due:
+                        pass
                     t0 = time.perf_counter_ns()
                     client.infer(row)
                     probe_us.append((time.perf_counter_ns() - t0) / 1e3)
@@ -567,7 +625,7 @@ def replay(
 
             try:
                 report = run_replay(records, decide, float(thr), reroute_us=reroute_us,
-                                    inference_us=0.0)
+                                    inference_us=0.0, replica=replica)
             except ValueError as e:
                 raise GpuosError(f"{trace}: {e}", ExitCode.BAD_INPUT) from None
     finally:
@@ -580,7 +638,16 @@ def replay(
     for key in ("avg", "p50", "p99", "p99.9", "max"):
         report["linnos"][key] += inference
     report["inference_us"] = round(inference, 3)
+    report["inference"] = {
+        "charged_us": round(inference, 3), "p99_us": round(float(np.percentile(probe_us, 99)), 3) if probe_us else None,
+        "requests": len(probe_us), "pace_us": round(pace_s * 1e6, 3),
+        "how": "median round trip of sequential batch-1 requests from this client to the daemon, sent at the trace's "
+               "median gap between reads, measured after the replay; added to every LinnOS read (linnos_uncharged: without it)",
+    }
     report["model"] = model
+    print(f"gpu-kinfer-bridge: each LinnOS read charged {inference:.1f} us, the median round trip of {len(probe_us)} requests "
+          f"measured here at the trace's pace ({pace_s * 1e6:.0f} us apart; p99 {report['inference']['p99_us']} us)",
+          file=sys.stderr)
     with open_output(output) as writer:
         writer.write(make_header("gpu-kinfer-bridge", source=trace, ring=name))
         writer.write(report)
