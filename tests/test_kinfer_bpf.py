@@ -506,3 +506,40 @@ def test_collect_ebpf_usage_errors(tmp_path: Path) -> None:
     done = subprocess.run([*BRIDGE, "watch", "--seconds", "1"], env=child_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--ring" in done.stderr
 
+
+
+# -- replay on a one-disk trace, and what it charges ---------------------------------------------
+
+
+def test_replay_models_a_replica_for_one_disk() -> None:
+    from gpuos_tools.kinfer.traces import synthesize
+
+    records = [r for r in synthesize(6000, seed=2, devices=1)]
+    model, report = linnos.train_trace(records, epochs=2)
+    with pytest.raises(ValueError, match="--replica shifted"):
+        linnos.replay(records, model.predict, report["threshold_us"])
+    out = linnos.replay(records, model.predict, report["threshold_us"], replica="shifted")
+    assert out["replica"] == "shifted" and out["devices"] == 1
+    assert out["oracle"]["p99"] <= out["none"]["p99"]  # the slow reads, sent to a replica not slow then
+    assert 0 <= out["accuracy"] <= 1 and out["always_fast_accuracy"] == pytest.approx(1 - out["slow_fraction"])
+    with pytest.raises(ValueError, match="unknown replica"):
+        linnos.replay(records, model.predict, report["threshold_us"], replica="mirror")
+
+
+def test_replay_cli_says_what_it_charged(tmp_path: Path) -> None:
+    from gpuos_tools.kinfer.traces import synthesize
+    from gpuos_tools.stream import make_header
+
+    trace = tmp_path / "t.ndjson"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in [make_header("test"), *synthesize(3000, seed=4, devices=2)]))
+    model, _ = linnos.train_trace([json.loads(line) for line in trace.read_text().splitlines()[1:]], epochs=2)
+    model.meta = {"threshold_us": 150.0}
+    model.save(tmp_path / "m.npz")
+    done = subprocess.run([*BRIDGE, "replay", str(trace), "--model", str(tmp_path / "m.npz"), "--probes", "40"], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout.splitlines()[-1])
+    inf = rep["inference"]
+    assert inf["requests"] == 40 and inf["charged_us"] == rep["inference_us"] > 0 and inf["pace_us"] > 0
+    assert rep["linnos"]["p50"] == pytest.approx(rep["linnos_uncharged"]["p50"] + rep["inference_us"])
+    assert f"charged {inf['charged_us']:.1f} us" in done.stderr

@@ -10,6 +10,7 @@ array (``RECORD_DTYPE``, checked field by field against the C struct when the li
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 from typing import Any, Self
 
@@ -48,13 +49,34 @@ _LIB: ctypes.CDLL | None = None
 RECORD_DTYPE: np.dtype | None = None
 
 
+#: A folder where libbpf's Debian packages were unpacked (``dpkg -x libbpf1*.deb libbpf-dev*.deb
+#: DIR``), for a machine that has neither libbpf-dev nor network: its headers and library are
+#: used (and the library found again at run time through the rpath).
+PREFIX_ENV = "GPUOS_LIBBPF_PREFIX"
+
+
+def _libbpf_flags() -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    prefix = os.environ.get(PREFIX_ENV)
+    if not prefix:
+        return (), ("-lbpf",)
+    root = Path(prefix)
+    libdirs = sorted({p.parent for p in root.glob("usr/lib*/**/libbpf.so*")})
+    if not (root / "usr/include/bpf/libbpf.h").exists() or not libdirs:
+        raise BuildError(f"{PREFIX_ENV}={prefix}: no usr/include/bpf/libbpf.h or libbpf.so under it")
+    libs = [arg for d in libdirs for arg in (f"-L{d}", f"-Wl,-rpath,{d}")]
+    if not any(d.glob("libbpf.so") for d in libdirs):  # only the runtime's libbpf.so.1: link it by name
+        return (root / "usr/include",), (*libs, f"-l:{next(libdirs[0].glob('libbpf.so.*')).name}")
+    return (root / "usr/include",), (*libs, "-lbpf")
+
+
 def library(cache: Path | None = None) -> ctypes.CDLL:
     """The loader library, built on first use (BuildError says why it cannot be)."""
     global _LIB, RECORD_DTYPE
     if _LIB is not None and cache is None:
         return _LIB
+    extra_includes, bpf_libs = _libbpf_flags()
     path = build_library(cache, source=LOADER_SOURCE, stem="libgpuos_kinfer_bpf", flags=("-O2", "-std=gnu11"),
-                         libs=("-lbpf", "-lpthread"), includes=(HERE, HEADER_FILE.parent))
+                         libs=(*bpf_libs, "-lpthread"), includes=(HERE, HEADER_FILE.parent, *extra_includes))
     lib = ctypes.CDLL(str(path))
     vp, u32, u64, i32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
     for name, res, args in [
