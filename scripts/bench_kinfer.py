@@ -454,6 +454,7 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, default=1.0, help="policy: probe on the daemon's schedule this long before picking")
     ap.add_argument("--skip-python-loop", action="store_true", help="round trip: skip the --native off comparison")
     ap.add_argument("--skip-round-trip", action="store_true", help="skip the CPU round trip (P8) altogether")
+    ap.add_argument("--round-trip-only", action="store_true", help="only the CPU round trip (P8): no sweep, no GPU parts")
     ap.add_argument("--truth-n", type=int, default=500, help="policy: batches per side and case for the mean")
     ap.add_argument("--truth-span-s", type=float, default=3.5, help="policy: seconds those batches are spread over")
     args = ap.parse_args()
@@ -482,6 +483,9 @@ def main() -> int:
         crt = result[key]["c_producer"].get("producer_us")
         if crt:
             log(f"  with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")
+    if args.round_trip_only:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     gpu = None
     reason = None
     try:

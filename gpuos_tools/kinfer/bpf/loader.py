@@ -50,8 +50,9 @@ RECORD_DTYPE: np.dtype | None = None
 
 
 #: A folder where libbpf's Debian packages were unpacked (``dpkg -x libbpf1*.deb libbpf-dev*.deb
-#: DIR``), for a machine that has neither libbpf-dev nor network: its headers and library are
-#: used (and the library found again at run time through the rpath).
+#: DIR``, and libelf1's where the machine lacks libelf.so.1), for a machine that has neither
+#: libbpf-dev nor network: its headers and libraries are used, and found again at run time
+#: through the rpath.
 PREFIX_ENV = "GPUOS_LIBBPF_PREFIX"
 
 
@@ -63,7 +64,8 @@ def _libbpf_flags() -> tuple[tuple[Path, ...], tuple[str, ...]]:
     libdirs = sorted({p.parent for p in root.glob("usr/lib*/**/libbpf.so*")})
     if not (root / "usr/include/bpf/libbpf.h").exists() or not libdirs:
         raise BuildError(f"{PREFIX_ENV}={prefix}: no usr/include/bpf/libbpf.h or libbpf.so under it")
-    libs = [arg for d in libdirs for arg in (f"-L{d}", f"-Wl,-rpath,{d}")]
+    # DT_RPATH (not RUNPATH): it is searched for libbpf's own dependencies too (libelf unpacked there)
+    libs = ["-Wl,--disable-new-dtags", *(arg for d in libdirs for arg in (f"-L{d}", f"-Wl,-rpath,{d}"))]
     if not any(d.glob("libbpf.so") for d in libdirs):  # only the runtime's libbpf.so.1: link it by name
         return (root / "usr/include",), (*libs, f"-l:{next(libdirs[0].glob('libbpf.so.*')).name}")
     return (root / "usr/include",), (*libs, "-lbpf")
