@@ -49,6 +49,9 @@ from gpuos_tools.kinfer.wait import SPIN_MAX_US, SPIN_MIN_US, Adaptive
 
 HOUSEKEEPING_S = 0.1
 RESCAN_S = 50e-6
+#: A gap this long between two turns of the spin: the loop was not spinning (descheduled, or in
+#: housekeeping), and that time does not count as idle.
+PREEMPTED_S = 50e-6
 #: Batches up to this size take the per-slot path (struct and memoryview), larger ones numpy's.
 SMALL_BATCH = 8
 _READY_WORD = R.READY.to_bytes(4, "little")
@@ -344,8 +347,12 @@ class Server:
         seen = -1
         next_scan = 0.0
         perf = time.perf_counter
+        last_turn = perf()
         while not self.stop.is_set():
             now = perf()
+            if idle_since is not None and now - last_turn > PREEMPTED_S:
+                idle_since += now - last_turn  # descheduled (or busy in _tick), not idle: as the C loop
+            last_turn = now
             self._tick(now)
             rung = bell[0]
             if rung == seen and now < next_scan:

@@ -38,6 +38,7 @@
 #define KN_MAX_OUTPUTS 16
 #define KN_RESCAN_NS 50000ull
 #define KN_SLEEP_NS 100000000ull
+#define KN_PREEMPTED_NS 50000ull /* a gap this long between two turns of the spin: the thread was descheduled */
 
 struct kn_model {
     uint32_t n_inputs, hidden, n_outputs, reserved;
@@ -357,8 +358,14 @@ static void *loop(void *arg)
     int have_seen = 0;
     uint64_t idle_since = 0, next_scan = 0;
     uint32_t spins = 0;
+    uint64_t last_turn = 0;
     while (!__atomic_load_n(&k->stop, __ATOMIC_ACQUIRE)) {
         uint64_t now = now_ns();
+        /* time spent descheduled (another process had this CPU) is not time spent idle: a busy
+         * machine must not make the loop fall asleep between requests that do come */
+        if (idle_since && now - last_turn > KN_PREEMPTED_NS)
+            idle_since += now - last_turn;
+        last_turn = now;
         uint32_t rung = __atomic_load_n(&k->h->doorbell, __ATOMIC_ACQUIRE);
         if (have_seen && rung == seen && now < next_scan) {
             if (idle_since == 0) {
