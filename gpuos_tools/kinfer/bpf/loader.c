@@ -512,10 +512,14 @@ static void *loop(void *arg)
 {
     struct gk *k = arg;
     uint32_t spins = 0;
+    uint64_t last_turn = now_ns();
     while (!__atomic_load_n(&k->stop, __ATOMIC_ACQUIRE)) {
         int n = ring_buffer__consume(k->rb);
         int answers = poll_answers(k);
         uint64_t now = now_ns();
+        if (now - last_turn > 50000ull) /* descheduled, not idle: as the daemon's loop */
+            k->last_event_ns += now - last_turn;
+        last_turn = now;
         if (n > 0)
             note_traffic(k, now);
         if (now >= k->next_sweep) {
@@ -537,6 +541,7 @@ static void *loop(void *arg)
         k->counters[L_SLEEPS]++;
         ring_buffer__poll(k->rb, GK_SLEEP_MS); /* handles what it finds, like consume */
         uint64_t after = now_ns();
+        last_turn = after;
         if (after - now < (uint64_t)GK_SLEEP_MS * 1000000ull)
             note_traffic(k, after);
     }
