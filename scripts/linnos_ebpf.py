@@ -10,7 +10,8 @@
 3. Train: `train`'s code on the first 80% of the reads in time; accuracy on the last 20%
    against always answering "fast", and the LinnOS paper's 87-97%.
 4. Hedging: `gpu-kinfer-bridge replay` (a daemon of its own, decisions through the ring, each
-   read charged the round trip measured at the trace's pace) on the held-out reads: p50/p99
+   read charged the round trip measured at the trace's pace, with the load stopped) on the
+   held-out reads: p50/p99
    read latency with no prediction, LinnOS and the oracle. With one disk the replica is
    `--replica shifted` (a model of an identical independent disk), else the next disk.
 5. Live (--live-seconds > 0): `watch`'s path under the same load with the trained model:
@@ -171,6 +172,8 @@ def main() -> int:
     ap.add_argument("--burst-mib", type=int, default=64, help="bursty writer: MiB per burst (0: none)")
     ap.add_argument("--burst-pause-ms", type=float, default=400.0)
     ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--label", default="inflection", choices=["inflection", "percentile"], help="how slow reads are told (train's)")
+    ap.add_argument("--percentile", type=float, default=90.0, help="with --label percentile")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", help="also write the recorded trace here (.zst compresses)")
     args = ap.parse_args()
@@ -190,49 +193,57 @@ def main() -> int:
                  "burst_mib": args.burst_mib, "burst_pause_ms": args.burst_pause_ms},
         "paper": PAPER,
     }
-    load = Load(dirs, args.write_fraction, args.depth, args.size_mib, args.burst_mib, args.burst_pause_ms, args.seed)
+    def new_load() -> Load:
+        return Load(dirs, args.write_fraction, args.depth, args.size_mib, args.burst_mib, args.burst_pause_ms, args.seed)
+
+    load = new_load()
     log(f"load on {', '.join(map(str, dirs))} ({', '.join(result['disks'])}); tracing {args.seconds:g} s")
     load.start()
     try:
         rows, result["collect"], result["trace_disks"] = record_trace(disks, args.seconds)
-        reads = [r for r in rows if r["op"] == "R"]
-        log(f"{len(rows)} I/Os, {len(reads)} reads")
-        if args.trace:
-            from gpuos_tools.stream import make_header, open_output
-
-            with open_output(args.trace) as w:
-                w.write(make_header("gpu-kinfer-bridge", trace="collected", source="ebpf", **result["load"]))
-                w.write_many(rows)
-        model, report = train_trace(rows, epochs=args.epochs, seed=args.seed)
-        result["train"] = {k: report[k] for k in ("reads", "train_reads", "threshold_us", "slow_fraction", "train", "holdout")}
-        ho = report["holdout"]
-        cut_t = sorted(r["t_us"] for r in reads)[report["train_reads"]]
-        held = [r for r in rows if r["t_us"] >= cut_t]
-        ho_reads = [r for r in held if r["op"] == "R"]
-        slow_share = float(np.mean([r["lat_us"] > report["threshold_us"] for r in ho_reads]))
-        result["accuracy"] = {"holdout": ho["accuracy"], "always_fast": round(1 - slow_share, 4),
-                              "false_fast": ho["false_fast"], "false_slow": ho["false_slow"], "paper": "87-97%"}
-        log(f"holdout accuracy {ho['accuracy']:.3f} (always fast {1 - slow_share:.3f}); missed slow reads {ho['false_fast']:.2f}")
-        with tempfile.TemporaryDirectory(prefix="linnos-ebpf-") as tmp:
-            mpath = Path(tmp) / "linnos.npz"
-            model.save(mpath)
-            tpath = Path(tmp) / "holdout.ndjson"
-            tpath.write_text("".join(json.dumps(r) + "\n" for r in held))
-            n_disks = len({r["dev"] for r in ho_reads})
-            replica = "next" if n_disks > 1 else "shifted"
-            done = subprocess.run([*BRIDGE, "replay", str(tpath), "--model", str(mpath), "--replica", replica],
-                                  capture_output=True, text=True, timeout=900)
-            if done.returncode != 0:
-                raise RuntimeError(f"replay failed: {done.stderr}")
-            rep = [json.loads(line) for line in done.stdout.splitlines()][-1]
-            result["replay"] = {k: rep[k] for k in ("reads", "devices", "replica", "threshold_us", "slow_fraction", "rerouted",
-                                                    "accuracy", "always_fast_accuracy", "false_fast", "false_slow",
-                                                    "inference", "none", "linnos", "linnos_uncharged", "oracle")}
-            if args.live_seconds > 0:
-                log(f"live decisions for {args.live_seconds:g} s")
-                result["live"] = live(disks, mpath, float(report["threshold_us"]), args.live_seconds)
     finally:
-        load.close()
+        load.close()  # the replay's round trips are measured on a quiet machine; the live phase has its own load
+    reads = [r for r in rows if r["op"] == "R"]
+    log(f"{len(rows)} I/Os, {len(reads)} reads")
+    if args.trace:
+        from gpuos_tools.stream import make_header, open_output
+
+        with open_output(args.trace) as w:
+            w.write(make_header("gpu-kinfer-bridge", trace="collected", source="ebpf", **result["load"]))
+            w.write_many(rows)
+    model, report = train_trace(rows, epochs=args.epochs, seed=args.seed, label=args.label, percentile=args.percentile)
+    result["train"] = {k: report[k] for k in ("reads", "train_reads", "threshold_us", "label", "slow_fraction", "train", "holdout")}
+    ho = report["holdout"]
+    cut_t = sorted(r["t_us"] for r in reads)[report["train_reads"]]
+    held = [r for r in rows if r["t_us"] >= cut_t]
+    ho_reads = [r for r in held if r["op"] == "R"]
+    slow_share = float(np.mean([r["lat_us"] > report["threshold_us"] for r in ho_reads]))
+    result["accuracy"] = {"holdout": ho["accuracy"], "always_fast": round(1 - slow_share, 4),
+                          "false_fast": ho["false_fast"], "false_slow": ho["false_slow"], "paper": "87-97%"}
+    log(f"holdout accuracy {ho['accuracy']:.3f} (always fast {1 - slow_share:.3f}); missed slow reads {ho['false_fast']:.2f}")
+    with tempfile.TemporaryDirectory(prefix="linnos-ebpf-") as tmp:
+        mpath = Path(tmp) / "linnos.npz"
+        model.save(mpath)
+        tpath = Path(tmp) / "holdout.ndjson"
+        tpath.write_text("".join(json.dumps(r) + "\n" for r in held))
+        n_disks = len({r["dev"] for r in ho_reads})
+        replica = "next" if n_disks > 1 else "shifted"
+        done = subprocess.run([*BRIDGE, "replay", str(tpath), "--model", str(mpath), "--replica", replica],
+                              capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"replay failed: {done.stderr}")
+        rep = [json.loads(line) for line in done.stdout.splitlines()][-1]
+        result["replay"] = {k: rep[k] for k in ("reads", "devices", "replica", "threshold_us", "slow_fraction", "rerouted",
+                                                "accuracy", "always_fast_accuracy", "false_fast", "false_slow",
+                                                "inference", "none", "linnos", "linnos_uncharged", "oracle")}
+        if args.live_seconds > 0:
+            log(f"live decisions for {args.live_seconds:g} s, under the same load")
+            load = new_load()
+            load.start()
+            try:
+                result["live"] = live(disks, mpath, float(report["threshold_us"]), args.live_seconds)
+            finally:
+                load.close()
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     rp = result["replay"]
     print(f"{'':24} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9}", file=sys.stderr)
