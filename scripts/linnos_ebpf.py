@@ -253,9 +253,10 @@ def main() -> int:
     print(f"holdout accuracy {result['accuracy']['holdout']:.4f}, always fast {result['accuracy']['always_fast']:.4f} "
           f"({PAPER}); replica {rp['replica']}; charged {rp['inference']['charged_us']} us per read", file=sys.stderr)
     for d in result.get("live", {}).get("disks", []):
+        added, decided = d["added_us"] or {}, d["decided_us"] or {}
         print(f"live {d['disk']}: {d['predicted']}/{d['reads']} reads predicted, accuracy {d['accuracy']}, always fast "
-              f"{d['always_fast_accuracy']}, added p50/p99 {d['added_us']['p50'] if d['added_us'] else None}/"
-              f"{d['added_us']['p99'] if d['added_us'] else None} us", file=sys.stderr)
+              f"{d['always_fast_accuracy']}; decided p50/p99 {decided.get('p50')}/{decided.get('p99')} us after the issue, "
+              f"seen by the loader {added.get('p50')}/{added.get('p99')} us", file=sys.stderr)
     return 0
 
 

@@ -171,7 +171,7 @@ def test_converter_makes_io_records() -> None:
     recs = _records(dtype, [
         {"issue_ns": t0 + 5000, "done_ns": t0 + 105_500, "sector": 8, "dev": vda, "bytes": 8192, "pending": 3, "pid": 42,
          "comm": b"fio", "op": 0, "predicted": 1, "decision": 1, "batch": 2, "where": 0, "submit_ns": t0 + 7000,
-         "answer_ns": t0 + 9500, "features": feats},
+         "answer_ns": t0 + 9500, "decided_ns": t0 + 9000, "features": feats},
         {"issue_ns": t0 + 6000, "done_ns": t0 + 46_000, "sector": 16, "dev": vda, "bytes": 4096, "op": 1, "error": -5},
         {"issue_ns": t0 + 7000, "done_ns": t0 + 8000, "sector": 24, "dev": vda, "bytes": 4096, "op": 0, "predicted": 2},
     ])
@@ -180,7 +180,7 @@ def test_converter_makes_io_records() -> None:
     name = BC.disk_name(vda)
     assert out[0] == {"type": "io", "dev": 0, "disk": name, "t_us": 5.0, "op": "R", "offset": 4096, "size": 8192, "pending": 3,
                       "lat_us": 100.5, "hwq": 0, "pid": 42, "comm": "fio", "x": feats.tolist(), "predicted": "answered",
-                      "decision": 1, "batch": 2, "where": "cpu", "infer_us": 2.5, "added_us": 4.5}
+                      "decision": 1, "batch": 2, "where": "cpu", "infer_us": 2.5, "added_us": 4.5, "decided_us": 4.0}
     assert out[1]["op"] == "W" and out[1]["error"] == -5 and "x" not in out[1]
     assert out[2]["predicted"] == "no_slot" and "decision" not in out[2]
     assert conv.disks() == [{"dev": 0, "disk": name, "devno": "254:0"}]
@@ -201,7 +201,7 @@ def test_watch_statistics() -> None:
         if decision is None:
             r["predicted"] = "no_slot"
         else:
-            r.update(decision=decision, added_us=10.0, infer_us=3.0)
+            r.update(decision=decision, added_us=10.0, decided_us=8.0, infer_us=3.0)
         return r
 
     stats.add([read(50, 0), read(50, 0), read(50, 1), read(200, 1), read(300, 0), read(40, None), {"op": "W", "disk": "vda"}])
@@ -435,7 +435,7 @@ def test_own_direct_reads_arrive_as_kinfer_records(tmp_path: Path, ring_name: st
         assert rec["predicted"] in ("answered", "no_slot")
         if rec["predicted"] == "answered":
             assert rec["decision"] == int(model.predict(np.array([x], dtype=np.float32))[0])
-            assert rec["infer_us"] > 0 and rec["added_us"] >= rec["infer_us"]
+            assert rec["infer_us"] > 0 and rec["added_us"] >= rec["infer_us"] and 0 < rec["decided_us"] <= rec["added_us"]
     answered = sum(rec["predicted"] == "answered" for rec in recs)
     assert answered >= 1, stats  # how many depends on how busy the machine is, not on the code
     # the history is the kernel's: read k's last completed read is, but for a read of another

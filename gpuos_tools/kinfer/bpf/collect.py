@@ -4,7 +4,8 @@
   path on a filesystem: the disk under it) to the kernel's number the program filters on;
 - ``Converter``: joined records to ``io`` records (traces.py's format, plus what only the
   kernel knows: the 31 inputs as the kernel built them, ``x``; the hardware queue; the task;
-  and, when a daemon was asked, its decision and how long after the issue it was known);
+  and, when a daemon was asked, its decision, how long after the issue the daemon had written
+  it, ``decided_us``, and the loader had seen it, ``added_us``);
 - ``WatchStats``: per-disk accuracy and added latency of the live decisions;
 - ``capture``: the loop that drives a ``loader.Loader`` until a program exits, a duration or a
   read count is reached, or ``stop`` is set.
@@ -120,8 +121,8 @@ class Converter:
         out = []
         t0 = self.t0_ns
         for r in recs.tolist():  # tuples in RECORD_DTYPE's field order: fast to walk
-            (issue, done, sector, seen, submit, answer, dev, size, pending, pid, hwq, error, decision, batch, where,
-             status, comm, op, predicted, features) = r
+            (issue, done, sector, seen, submit, answer, decided, dev, size, pending, pid, hwq, error, decision, batch,
+             where, status, comm, op, predicted, features) = r
             rec: dict[str, Any] = {
                 "type": "io", "dev": self.disk(dev), "disk": self.names[dev], "t_us": round((issue - t0) / 1e3, 3),
                 "op": "R" if op == 0 else "W", "offset": sector * 512, "size": size, "pending": pending,
@@ -139,6 +140,7 @@ class Converter:
                     rec["where"] = "gpu" if where == 1 else "cpu"
                     rec["infer_us"] = round((answer - submit) / 1e3, 3)
                     rec["added_us"] = round((answer - issue) / 1e3, 3)
+                    rec["decided_us"] = round((decided - issue) / 1e3, 3)
                 elif predicted == 5:
                     rec["status"] = status
             out.append(rec)
@@ -183,6 +185,7 @@ class DiskStats:
     false_slow: int = 0  # fast reads predicted slow
     unpredicted: dict[str, int] = field(default_factory=dict)
     added: Reservoir = field(default_factory=Reservoir)
+    decided: Reservoir = field(default_factory=Reservoir)
     round_trip: Reservoir = field(default_factory=Reservoir)
     latency: Reservoir = field(default_factory=Reservoir)
 
@@ -205,6 +208,7 @@ class DiskStats:
         self.false_fast += slow and not said_slow
         self.false_slow += said_slow and not slow
         self.added.add(rec["added_us"])
+        self.decided.add(rec["decided_us"])
         self.round_trip.add(rec["infer_us"])
 
     def report(self) -> dict[str, Any]:
@@ -217,7 +221,7 @@ class DiskStats:
             "always_fast_accuracy": round(fast / n, 4) if n else None,
             "false_fast": round(self.false_fast / self.slow, 4) if self.slow else None,
             "false_slow": round(self.false_slow / fast, 4) if fast else None,
-            "added_us": self.added.summary(), "round_trip_us": self.round_trip.summary(),
+            "added_us": self.added.summary(), "decided_us": self.decided.summary(), "round_trip_us": self.round_trip.summary(),
             "read_latency_us": self.latency.summary(), "unpredicted": dict(self.unpredicted),
         }
 

@@ -56,6 +56,7 @@ struct gk_record {
     uint64_t seen_ns;    /* loader: the issue event read from the ring buffer */
     uint64_t submit_ns;  /* loader: the request written into the kinfer ring */
     uint64_t answer_ns;  /* loader: the daemon's answer seen */
+    uint64_t decided_ns; /* daemon: the answer written (its done_ns) */
     uint32_t dev, bytes, pending, pid, hwq;
     int32_t error;
     int32_t decision;    /* the daemon's decision (1 = slow), -1 when not predicted */
@@ -295,6 +296,7 @@ static void answer_seen(struct gk *k, uint32_t i, uint64_t now)
     int ok = m->status == GPUOS_KINFER_OK;
     e->seq = 0;
     e->rec.answer_ns = now;
+    e->rec.decided_ns = m->done_ns;
     e->rec.status = m->status;
     e->rec.decision = ok ? m->decision : -1;
     e->rec.batch = m->batch;
@@ -560,7 +562,7 @@ int gk_layout(uint32_t *out, int n)
         __builtin_offsetof(struct gk_record, issue_ns), __builtin_offsetof(struct gk_record, done_ns),
         __builtin_offsetof(struct gk_record, sector), __builtin_offsetof(struct gk_record, seen_ns),
         __builtin_offsetof(struct gk_record, submit_ns), __builtin_offsetof(struct gk_record, answer_ns),
-        __builtin_offsetof(struct gk_record, dev), __builtin_offsetof(struct gk_record, bytes),
+        __builtin_offsetof(struct gk_record, decided_ns), __builtin_offsetof(struct gk_record, dev), __builtin_offsetof(struct gk_record, bytes),
         __builtin_offsetof(struct gk_record, pending), __builtin_offsetof(struct gk_record, pid),
         __builtin_offsetof(struct gk_record, hwq), __builtin_offsetof(struct gk_record, error),
         __builtin_offsetof(struct gk_record, decision), __builtin_offsetof(struct gk_record, batch),

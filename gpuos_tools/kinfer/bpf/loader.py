@@ -26,7 +26,7 @@ __all__ = ["BpfError", "Loader", "RECORD_DTYPE", "PREDICTED", "library"]
 # struct gk_record of loader.c, field by field in declaration order (offsets checked by gk_layout)
 _FIELDS = [
     ("issue_ns", "<u8"), ("done_ns", "<u8"), ("sector", "<u8"), ("seen_ns", "<u8"), ("submit_ns", "<u8"),
-    ("answer_ns", "<u8"), ("dev", "<u4"), ("bytes", "<u4"), ("pending", "<u4"), ("pid", "<u4"), ("hwq", "<u4"),
+    ("answer_ns", "<u8"), ("decided_ns", "<u8"), ("dev", "<u4"), ("bytes", "<u4"), ("pending", "<u4"), ("pid", "<u4"), ("hwq", "<u4"),
     ("error", "<i4"), ("decision", "<i4"), ("batch", "<u4"), ("where", "<u4"), ("status", "<u4"), ("comm", "S16"),
     ("op", "u1"), ("predicted", "u1"), ("features", "u1", (31,)),
 ]
