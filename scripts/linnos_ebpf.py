@@ -26,12 +26,10 @@ import argparse
 import json
 import os
 import platform
-import random
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,7 +48,7 @@ from gpuos_tools.kinfer.bpf import unavailable_reason  # noqa: E402
 from gpuos_tools.kinfer.bpf.collect import Converter, WatchStats, capture, disk_name, resolve_disk  # noqa: E402
 from gpuos_tools.kinfer.bpf.loader import Loader  # noqa: E402
 from gpuos_tools.kinfer.linnos import train_trace  # noqa: E402
-from gpuos_tools.kinfer.traces import collect as direct_load  # noqa: E402
+from gpuos_tools.kinfer.traces import Load  # noqa: E402
 
 BRIDGE = [sys.executable, str(ROOT / "cmd" / "gpu-kinfer-bridge")]
 PAPER = "LinnOS (OSDI'20): 87-97% accuracy"
@@ -58,61 +56,6 @@ PAPER = "LinnOS (OSDI'20): 87-97% accuracy"
 
 def log(message: str) -> None:
     print(f"linnos_ebpf: {message}", file=sys.stderr, flush=True)
-
-
-class Load:
-    """The mixed load: O_DIRECT readers/writers per folder, and a bursty buffered writer."""
-
-    def __init__(self, dirs: list[Path], write_fraction: float, depth: int, size_mib: int, burst_mib: int,
-                 burst_pause_ms: float, seed: int):
-        self.stop = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.ready: list[threading.Event] = []
-        self.errors: list[BaseException] = []
-        for k, d in enumerate(dirs):
-            ready = threading.Event()
-            self.ready.append(ready)
-            self.threads.append(threading.Thread(target=self._direct, args=(d, write_fraction, depth, size_mib, seed + k, ready),
-                                                 daemon=True))
-        if burst_mib > 0:
-            self.threads.append(threading.Thread(target=self._bursts, args=(dirs[0], burst_mib, burst_pause_ms, seed), daemon=True))
-
-    def _direct(self, d: Path, write_fraction: float, depth: int, size_mib: int, seed: int, ready: threading.Event) -> None:
-        try:
-            direct_load(d, None, devices=2, depth=depth, file_size=size_mib << 20, write_fraction=write_fraction, seed=seed,
-                        stop=self.stop, ready=ready)
-        except BaseException as e:  # reported by start()
-            self.errors.append(e)
-            ready.set()
-
-    def _bursts(self, d: Path, mib: int, pause_ms: float, seed: int) -> None:
-        rng = random.Random(seed)
-        path = d / f"linnos-burst-{os.getpid()}.bin"
-        chunk = os.urandom(1 << 20)
-        try:
-            with open(path, "wb") as f:
-                while not self.stop.is_set():
-                    f.seek(0)
-                    for _ in range(mib):
-                        f.write(chunk)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    self.stop.wait(rng.uniform(0, pause_ms) / 1e3)
-        finally:
-            path.unlink(missing_ok=True)
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-        for r in self.ready:
-            r.wait()
-        if self.errors:
-            raise RuntimeError(f"load failed: {self.errors[0]}")
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
 
 
 def record_trace(disks: list[int], seconds: float) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
@@ -194,7 +137,8 @@ def main() -> int:
         "paper": PAPER,
     }
     def new_load() -> Load:
-        return Load(dirs, args.write_fraction, args.depth, args.size_mib, args.burst_mib, args.burst_pause_ms, args.seed)
+        return Load(dirs, depth=args.depth, file_size=args.size_mib << 20, write_fraction=args.write_fraction, seed=args.seed,
+                    burst_mib=args.burst_mib, burst_pause_ms=args.burst_pause_ms)
 
     load = new_load()
     log(f"load on {', '.join(map(str, dirs))} ({', '.join(result['disks'])}); tracing {args.seconds:g} s")

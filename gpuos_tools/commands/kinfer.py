@@ -698,39 +698,6 @@ def _disks(specs: list[str] | None, directory: str | None) -> list[int]:
         raise GpuosError(str(e), ExitCode.USAGE) from None
 
 
-class _Load:
-    """collect's own O_DIRECT load (traces.collect) in a thread, as a workload to trace."""
-
-    def __init__(self, directory: str, **kwargs: Any):
-        import threading
-
-        from gpuos_tools.kinfer.traces import collect as run
-
-        self.stop, self.ready, self.error = threading.Event(), threading.Event(), None
-        self.directory = directory
-
-        def body() -> None:
-            try:
-                run(directory, None, stop=self.stop, ready=self.ready, **kwargs)
-            except OSError as e:
-                self.error = e
-                self.ready.set()
-
-        self.thread = threading.Thread(target=body, name="kinfer-load", daemon=True)
-
-    def start(self) -> None:
-        ExitCode, GpuosError = _err()
-        self.thread.start()
-        self.ready.wait()
-        if self.error is not None:
-            raise GpuosError(f"{self.directory}: {self.error.strerror or self.error} (O_DIRECT needs a filesystem that supports it)",
-                             ExitCode.IO_ERROR)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-
-
 def _stop_on_signals() -> Any:
     """An event set by SIGTERM/SIGINT/SIGHUP (a capture then ends cleanly, its records kept)."""
     import signal
@@ -833,13 +800,19 @@ def _collect_ebpf(directory: Optional[str], reads: Optional[int], devices: int, 
 
     ExitCode, GpuosError = _err()
     disks = _disks(disk, directory)
-    load = _Load(directory, devices=devices, depth=depth, file_size=size_mib << 20, write_fraction=write_fraction,
-                 seed=seed) if directory else None
+    from gpuos_tools.kinfer.traces import Load
+
+    load = Load([directory], devices=devices, depth=depth, file_size=size_mib << 20, write_fraction=write_fraction,
+                seed=seed) if directory else None
     stop = _stop_on_signals()
     loader = _open_loader(disks, ring)
     try:
         if load is not None:
-            load.start()  # its files are written before the tracepoints are attached
+            try:
+                load.start()  # its files are written before the tracepoints are attached
+            except OSError as e:
+                raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a filesystem that supports it)",
+                                 ExitCode.IO_ERROR) from None
         t0 = time.monotonic_ns()
         conv = Converter(t0)
         with open_output(output, unbuffered=unbuffered or None) as writer:
@@ -891,8 +864,6 @@ def watch(
     records per disk every --interval (scope interval) and at the end (scope total): reads,
     predicted slow, actually slow, accuracy against always answering fast, added latency (issue
     to answer) and the ring round trip. A read cannot be redirected from here; see EBPF PRODUCER."""
-    import numpy as np  # noqa: F401  (the loader's records are numpy arrays)
-
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.bpf.collect import Converter, WatchStats, capture
     from gpuos_tools.stream import make_header, open_output

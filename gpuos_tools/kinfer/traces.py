@@ -200,6 +200,71 @@ def collect(
     return records
 
 
+class Load:
+    """``collect``'s O_DIRECT reads and writes as a background workload (one thread per folder),
+    and optionally a bursty buffered writer on the first folder (``burst_mib`` written then
+    fsynced, at random pauses up to ``burst_pause_ms``): the writeback bursts stand for the slow
+    periods LinnOS learns to see coming. For tracing what the kernel sees of it (``collect
+    --source ebpf --dir``, scripts/linnos_ebpf.py). ``start`` returns once the test files are
+    written (OSError when a folder refuses O_DIRECT); ``close`` stops it and removes them."""
+
+    def __init__(self, dirs: list[str | os.PathLike[str]], *, devices: int = 2, depth: int = 4, file_size: int = 256 << 20,
+                 write_fraction: float = 0.2, seed: int = 0, burst_mib: int = 0, burst_pause_ms: float = 400.0):
+        self.stop = threading.Event()
+        self.errors: list[OSError] = []
+        self.ready: list[threading.Event] = []
+        self.threads: list[threading.Thread] = []
+        for k, d in enumerate(dirs):
+            ready = threading.Event()
+            self.ready.append(ready)
+            kwargs = {"devices": devices, "depth": depth, "file_size": file_size, "write_fraction": write_fraction,
+                      "seed": seed + k, "stop": self.stop, "ready": ready}
+            self.threads.append(threading.Thread(target=self._direct, args=(Path(d), ready, kwargs), daemon=True))
+        if burst_mib > 0 and dirs:
+            self.threads.append(threading.Thread(target=self._bursts, args=(Path(dirs[0]), burst_mib, burst_pause_ms, seed),
+                                                 daemon=True))
+
+    def _direct(self, d: Path, ready: threading.Event, kwargs: dict[str, Any]) -> None:
+        try:
+            collect(d, None, **kwargs)
+        except OSError as e:
+            self.errors.append(e)
+            ready.set()
+
+    def _bursts(self, d: Path, mib: int, pause_ms: float, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        path = d / f"kinfer-burst-{os.getpid()}.bin"
+        chunk = os.urandom(1 << 20)
+        try:
+            with open(path, "wb") as f:
+                while not self.stop.is_set():
+                    f.seek(0)
+                    for _ in range(mib):
+                        f.write(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    self.stop.wait(float(rng.uniform(0, pause_ms)) / 1e3)
+        except OSError as e:
+            self.errors.append(e)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+        for r in self.ready:
+            r.wait()
+        if self.errors:
+            self.close()
+            raise self.errors[0]
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            if t.is_alive() or t.ident is not None:
+                t.join()
+
+
 def io_records(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """The ``io`` records of a stream, checked: ValueError names the first bad one."""
     for n, r in enumerate(records, 1):

@@ -317,14 +317,11 @@ static int poll_answers(struct gk *k)
     if (!k->outstanding)
         return 0;
     int got = 0;
-    uint64_t now = 0;
     for (uint32_t i = 0; i < k->nslots; i++) {
         if (!k->slot_seq[i])
             continue;
         if (__atomic_load_n(&k->state[k->slots[i]], __ATOMIC_ACQUIRE) == GPUOS_KINFER_DONE) {
-            if (!now)
-                now = now_ns();
-            answer_seen(k, i, now);
+            answer_seen(k, i, now_ns()); /* the time after this slot's DONE was seen, never before the daemon's done_ns */
             got++;
         }
     }
