@@ -508,6 +508,9 @@ def test_collect_ebpf_usage_errors(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no such disk" in done.stderr
     done = subprocess.run([*BRIDGE, "watch", "--seconds", "1"], env=child_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--ring" in done.stderr
+    done = subprocess.run([*BRIDGE, "watch", "--ring", f"no-ring-{uuid.uuid4().hex[:6]}", "--threshold-us", "100", "--seconds", "1"],
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 66 and "is `gpu-kinfer-bridge serve` running?" in done.stderr
 
 
 

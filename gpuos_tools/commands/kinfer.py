@@ -779,6 +779,8 @@ def _open_loader(disks: list[int], ring: Optional[str], lanes: int = 4) -> Any:
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.bpf.loader import Loader
 
+    if ring is not None:  # the ring's own checks and messages (missing: is serve running?) first
+        R.Ring.attach(ring).close()
     loader = Loader(disks, predict=ring is not None)
     try:
         if ring is not None:
