@@ -2,9 +2,13 @@
 """Benchmarks of gpu-kinfer-bridge; JSON to --json.
 
 - round_trip (CPU, P8): a daemon (`gpu-kinfer-bridge serve --gpu off`, its own process, with
-  the native C loop) and one Python producer here; sequential requests of batch 1; p50/p99/p99.9
-  of the producer's wall time from submit to answer, and of the daemon's part (submit_ns to
-  done_ns); then the same with examples/kinfer_producer.c as the producer.
+  the native C loop, at its default waiting unless --spin-us) and one Python producer here;
+  sequential requests of batch 1; p50/p99/p99.9 of the producer's wall time from submit to
+  answer, and of the daemon's part (submit_ns to done_ns); then the same with
+  examples/kinfer_producer.c as the producer. Then the Python producer again with a pause
+  before each request (--gaps, in µs: a sleep from 1 ms up, a busy wait below, as a producer
+  waiting for work would), with the daemon's CPU use over each run, and the daemon's CPU use
+  while idle (--idle-s after the traffic stops, once its spin window has passed).
   round_trip_python: the same with `--native off` (the CPython loop), for comparison.
 - sweep: median latency of one batch on the CPU (numpy, and the native loop's C forward) and
   the GPU (copy in, run, copy out, synchronise) across batch sizes, and the crossover.
@@ -104,11 +108,40 @@ def pin_process(pid: int, cores: set[int]) -> None:
             pass
 
 
-def round_trip(requests: int, spin_us: float, cores: list[int] | None, native: str = "on") -> dict:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def paced(client: R.Client, x: np.ndarray, gap_us: float, n: int, daemon: int) -> dict:
+    """n round trips, each after a pause of gap_us; the daemon's CPU share over the run."""
+    gap = gap_us / 1e6
+    rts = []
+    sleeps0 = client.ring.counter_values()["sleeps"]
+    cpu0, t0 = cpu_seconds(daemon), time.monotonic()
+    for _ in range(n):
+        if gap >= 0.001:
+            time.sleep(gap)
+        elif gap > 0:
+            due = time.perf_counter() + gap
+            while time.perf_counter() < due:
+                pass
+        ta = time.perf_counter_ns()
+        client.infer(x)
+        rts.append((time.perf_counter_ns() - ta) / 1e3)
+    span = time.monotonic() - t0
+    return {"gap_us": gap_us, **pct(rts), "daemon_sleeps": client.ring.counter_values()["sleeps"] - sleeps0,
+            "daemon_cpu": round((cpu_seconds(daemon) - cpu0) / span, 3), "seconds": round(span, 3)}
+
+
+def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, native: str = "on",
+               gaps: list[float] = (), gap_s: float = 3.0, idle_s: float = 3.0) -> dict:
     name = f"kinfer-bench-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    spin = [] if spin_us is None else ["--spin-us", str(spin_us)]
     proc = subprocess.Popen([sys.executable, str(ROOT / "cmd" / "gpu-kinfer-bridge"), "serve", "--ring", name, "--gpu", "off",
-                             "--random-model", "0", "--spin-us", str(spin_us), "--native", native, "-o", os.devnull], env=env)
+                             "--random-model", "0", *spin, "--native", native, "-o", os.devnull], env=env)
     mask = os.sched_getaffinity(0)
     try:
         deadline = time.monotonic() + 60
@@ -139,7 +172,18 @@ def round_trip(requests: int, spin_us: float, cores: list[int] | None, native: s
                 daemon.append(a.latency_ns / 1e3)
                 batches.append(a.batch)
             counters = client.ring.counter_values()
-        c_rt = c_round_trip(name, requests)
+            c_rt = c_round_trip(name, requests)
+            gap_runs = []
+            for g in gaps:
+                n = max(50, min(requests, int(gap_s / max(g / 1e6, 20e-6))))
+                gap_runs.append(paced(client, x, g, n, proc.pid))
+                log(f"  gap {g:g} us: p50 {gap_runs[-1]['p50']} us, p99 {gap_runs[-1]['p99']} us, "
+                    f"daemon CPU {gap_runs[-1]['daemon_cpu']:.0%}, {gap_runs[-1]['daemon_sleeps']} daemon sleeps")
+            time.sleep(0.5)  # past any spin window (5 ms by default)
+            cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(idle_s)
+            idle = {"seconds": idle_s, "daemon_cpu": round((cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0), 4)}
+            log(f"  idle: daemon CPU {idle['daemon_cpu']:.1%} over {idle_s:g} s")
     finally:
         os.sched_setaffinity(0, mask)
         proc.terminate()
@@ -147,6 +191,7 @@ def round_trip(requests: int, spin_us: float, cores: list[int] | None, native: s
         R.ring_path(name).unlink(missing_ok=True)
     return {"producer_us": pct(wall), "daemon_us": pct(daemon), "batch_max": int(max(batches)),
             "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores, "native": native, "c_producer": c_rt,
+            "spin_us": spin_us if spin_us is not None else "adaptive (default)", "gaps": gap_runs, "idle": idle,
             "target": {"p50_us": 5, "p99_us": 20}}
 
 
@@ -394,7 +439,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--requests", type=int, default=20000, help="round trips measured (batch 1)")
-    ap.add_argument("--spin-us", type=float, default=200.0, help="the daemon's spin before sleeping")
+    ap.add_argument("--spin-us", type=float, default=None, help="a fixed spin for the daemon; default: its adaptive default")
+    ap.add_argument("--gaps", default="0,100,1000,4000,20000",
+                    help="round trip: pauses before each request (µs) for the paced runs; empty: none")
+    ap.add_argument("--gap-s", type=float, default=3.0, help="round trip: about this long per paced run")
+    ap.add_argument("--idle-s", type=float, default=3.0, help="round trip: measure the idle daemon's CPU this long")
     ap.add_argument("--cores", default="auto",
                     help="DAEMON,PRODUCER cores for the round trip; auto: the last two this process may use; none: no pinning")
     ap.add_argument("--reps", type=int, default=50)
@@ -405,6 +454,7 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, default=1.0, help="policy: probe on the daemon's schedule this long before picking")
     ap.add_argument("--skip-python-loop", action="store_true", help="round trip: skip the --native off comparison")
     ap.add_argument("--skip-round-trip", action="store_true", help="skip the CPU round trip (P8) altogether")
+    ap.add_argument("--round-trip-only", action="store_true", help="only the CPU round trip (P8): no sweep, no GPU parts")
     ap.add_argument("--truth-n", type=int, default=500, help="policy: batches per side and case for the mean")
     ap.add_argument("--truth-span-s", type=float, default=3.5, help="policy: seconds those batches are spread over")
     args = ap.parse_args()
@@ -426,12 +476,16 @@ def main() -> int:
         runs = []
     for key, native in runs:
         log(f"round trip, batch 1, CPU path, --native {native}")
-        result[key] = round_trip(args.requests, args.spin_us, cores, native)
+        gaps = [float(v) for v in args.gaps.split(",") if v.strip()] if key == "round_trip" else []
+        result[key] = round_trip(args.requests, args.spin_us, cores, native, gaps, args.gap_s, args.idle_s)
         rt = result[key]["producer_us"]
         log(f"{key} (--native {native}): p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
         crt = result[key]["c_producer"].get("producer_us")
         if crt:
             log(f"  with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")
+    if args.round_trip_only:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     gpu = None
     reason = None
     try:

@@ -144,10 +144,14 @@ def test_no_run_starts_that_would_not_fit_in_the_budget(probe, tmp_path, driver)
 def write_trace(path: Path, launches: list[tuple[int, str, str, int]], others: list[tuple[str, str, int]]) -> None:
     with open_output(str(path)) as w:
         w.write({"type": "header", "schema": "gpuos/1", "tool": "gpu-trace", "version": "0", "backend": "native"})
-        for func, kernel, api, ts in launches:
-            w.write({"type": "launch", "ts": ts, "api": api, "func": func, "kernel": kernel, "name": kernel})
-        for kind, api, ts in others:
-            w.write({"type": kind, "ts": ts, "api": api})
+        for seq, (func, kernel, api, ts) in enumerate(launches, 1):
+            w.write({"type": "launch", "ts": ts, "seq": seq, "api": api, "func": func, "kernel": kernel, "name": kernel})
+        for kind, api, ts in others:  # the fields a reader requires, as the tracer writes them
+            extra = {"memcpy": {"dir": "HtoD", "dst": 1 << 40, "src": 4096, "bytes": 8},
+                     "memset": {"dst": 1 << 40, "bytes": 8},
+                     "graph": {"event": "instantiate", "graph": 7, "exec": 9},
+                     "alloc": {"id": ts, "addr": (1 << 40) + (ts << 20), "size": 4096}}.get(kind, {})
+            w.write({"type": kind, "ts": ts, "api": api, **extra})
         w.write({"type": "exit", "code": 0, "complete": True})
 
 

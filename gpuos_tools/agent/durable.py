@@ -38,6 +38,7 @@ from typing import Any
 
 from gpuos_tools.ckpt import chunkio
 from gpuos_tools.ckpt.image import DEFAULT_CHUNK_SIZE, ImageWriter
+from gpuos_tools.units import format_size
 
 EXIT_WAIT_ENV = "GPUOS_AGENT_EXIT_WAIT"
 EXIT_MAX_ENV = "GPUOS_AGENT_EXIT_MAX"
@@ -95,7 +96,7 @@ class Job:
 
     def progress(self) -> str:
         p = self.writer.progress()
-        return f"{p['written'] / 2**30:.2f} of {self.total / 2**30:.2f} GiB written"
+        return f"{format_size(p['written'])} of {format_size(self.total)} written"
 
 
 _jobs: list[Job] = []
@@ -154,7 +155,7 @@ def _hand_over(job: Job) -> dict[str, Any] | None:
         return None
     free = available_memory()
     if free is not None and free < job.total + (256 << 20):
-        job.refused = (f"{job.total / 2**30:.2f} GiB to hand over, {free / 2**30:.2f} GiB of host memory "
+        job.refused = (f"{format_size(job.total)} to hand over, {format_size(free)} of host memory "
                        "available")
         return None
     t = time.perf_counter()

@@ -69,7 +69,7 @@ Slots come in lanes; a producer owns a lane while it holds the POSIX record lock
 
 Bad input never stops the daemon: an entry of another version, of the wrong size, for an unknown model or with non-finite values is answered with that status and counted; a slot left WRITING by a producer that died is freed and counted (`drop_abandoned`); a word in no known state is reset and counted. A daemon that restarts on an existing ring of the same geometry keeps the producers attached: requests the old one had TAKEN are served again (`requeued`). A ring of another geometry is refused unless `--recreate`, which makes a new file (producers of the old one get "daemon gone", never a crash).
 
-Wake-up: the daemon spins on the doorbell for `--spin-us`, then announces sleep, re-checks and futex-waits; producers spin for 50 us before sleeping. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
+Wake-up: the daemon spins on the doorbell while traffic is recent (see WAITING), then announces sleep, re-checks and futex-waits; the Python producer spins for its answer in the same way (200 us to 2 ms, after its recent waits), then sleeps. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
 
 MAN_SECTIONS = {
     "RING LAYOUT": _LAYOUT,
@@ -163,6 +163,45 @@ MAN_SECTIONS = {
         "The feature store (`features register`) is made mode 0600 too (`--mode` shares it), replaces "
         "only a store of this user, and is checked and guarded the same way."
     ),
+    "WAITING": (
+        "A futex wake-up of a sleeping thread costs tens to hundreds of microseconds (about 250 us on "
+        "a 2-vCPU VM), so a daemon that sleeps between requests makes each of them pay it. By "
+        "default the daemon spins after each request for a window that follows the traffic: twice "
+        "the longest recent gap between requests (a longer gap raises it at once; it loses 1/8 at "
+        "each request), at least `[wait] spin_min_us` (200) and at most `spin_max_us` (5000, or "
+        "`--spin-max-us`); once the gaps exceed that maximum it spins only the minimum. So a "
+        "producer sending a request every millisecond finds the daemon awake (one core spins while "
+        "that traffic lasts), one sending a request a second pays the wake-up, and an idle daemon "
+        "sleeps and uses no CPU. `--spin-us N` sets a fixed spin of N us instead. The Python client "
+        "waits for its answer the same way, spinning 200 us to 2 ms after its recent waits, then "
+        "sleeping. The `kinfer_stats` record counts the daemon's sleeps (`sleeps`)."
+    ),
+    "EBPF PRODUCER": (
+        "`collect --source ebpf` and `watch` load `linnos_block.bpf.o`, shipped with the package "
+        "(CO-RE, compiled with clang from `gpuos_tools/kinfer/bpf/linnos_block.bpf.c`: no compiler "
+        "is needed for it), with a small libbpf loader (`loader.c`, built once with `cc` against "
+        "libbpf's headers, Debian libbpf-dev, into `~/.cache/gpuos-tools/`). They need root (or "
+        "CAP_BPF and CAP_PERFMON), a kernel with BTF (`/sys/kernel/btf/vmlinux`) and the block "
+        "layer's tracepoints (`block_io_start`, 6.5 and later, names the submitting task; before "
+        "it the task current at issue is named).\n\n"
+        "Per disk, the program keeps the 4 KiB units in flight and the last 4 completed reads "
+        "(pending at their issue, latency), builds LinnOS's 31 inputs for each read when it is "
+        "issued to the driver and passes them with the request's identity through a BPF ring "
+        "buffer. Reads and writes are tracked, not flushes or discards. With a daemon (`watch`, or "
+        "`collect --ring`), the loader sends each read's inputs to it as a C producer on up to "
+        "`--lanes` lanes of 8 slots and matches the answer with the read's completion. It never "
+        "waits for a slot: a read that finds all of them in flight is recorded unpredicted "
+        "(`no_slot`). `decided_us` is how long after the issue the daemon had written the answer, "
+        "`added_us` when the loader saw it (what a kernel waiting for it before sending the read "
+        "would pay); `infer_us` the ring's round trip.\n\n"
+        "A read cannot be redirected from here (that takes a kernel change): hedging stays a "
+        "replay of the recorded trace (`replay`, with `--replica shifted` for a trace of one "
+        "disk: a modelled independent replica). Records come in completion order; `t_us` is the "
+        "issue time. The closing `kinfer_collect` record gives the loader's and the program's "
+        "counters (events lost, reads not predicted, completions of requests issued before the "
+        "program was attached). `python -m gpuos_tools.kinfer.bpf.build` rebuilds the object "
+        "(clang, bpftool), `--check` compares a rebuild with the shipped one."
+    ),
     "LINNOS": (
         "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
         "(3 digits), pending I/Os at the issue of each of the last 4 completed reads (4 x 3), and "
@@ -175,9 +214,11 @@ MAN_SECTIONS = {
         "replica (the next device of the trace) and costs the latency of the replica's read nearest "
         "in time. It reports average, p50, p99 and p99.9 read latency with no prediction, with "
         "LinnOS (each read also charged the measured bridge round trip; `linnos_uncharged` without that charge) and with an oracle.\n\n"
-        "Traces: `collect` measures real reads and writes with O_DIRECT on files here; `synth` "
+        "Traces: `collect` measures real reads and writes with O_DIRECT on files here (`--source "
+        "direct`) or records what the block layer sees (`--source ebpf`, see EBPF PRODUCER: its "
+        "reads carry the kernel's inputs, `x`, which `train` and `replay` then use); `synth` "
         "generates Poisson arrivals, log-normal sizes and periodic slow (GC) phases from a seed. "
-        "Both write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "
+        "All write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "
         "lat_us; the header's `trace` field says collected or synthetic."
     ),
     "PROFILE": (
@@ -208,7 +249,9 @@ MAN_SECTIONS = {
         "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
         "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_guard.c`: the truncation guard (SECURITY); built into "
-        "`~/.cache/gpuos-tools/libgpuos_kinfer_guard-HASH.so`."
+        "`~/.cache/gpuos-tools/libgpuos_kinfer_guard-HASH.so`.\n"
+        "- `gpuos_tools/kinfer/bpf/linnos_block.bpf.o`: the block-layer program (source beside it); "
+        "`loader.c`: its loader, built into `~/.cache/gpuos-tools/libgpuos_kinfer_bpf-HASH.so`."
     ),
     "EXAMPLES": (
         "Train on a synthetic trace, serve, replay:\n\n"
@@ -219,6 +262,10 @@ MAN_SECTIONS = {
         "Capture features as LAKE does, then train on the last minute of them:\n\n"
         "    gpu-kinfer-bridge features capture io.ndjson linnos-features\n"
         "    gpu-kinfer-bridge train --features linnos-features --last-s 60 --model linnos-v2.npz\n\n"
+        "Record what the kernel sees of a workload, train on it, watch LinnOS live (root):\n\n"
+        "    gpu-kinfer-bridge collect --source ebpf --disk /data -o io.ndjson -- fio job.fio\n"
+        "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
+        "    gpu-kinfer-bridge watch --model linnos.npz --disk /data --interval 5\n\n"
         "Swap in a retrained model without stopping the daemon:\n\n"
         "    gpu-kinfer-bridge load linnos-v2.npz --ring gpuos-kinfer\n\n"
         "Measure the crossover on this machine and store it in the profile:\n\n"
@@ -273,7 +320,14 @@ def serve(
     device: int = typer.Option(0, "--device", help="GPU index."),
     window_us: Optional[float] = typer.Option(None, "--window-us", min=0.0, max=1e6, help="Batching window (µs); default: the profile's."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, max=1 << 20, help="Largest batch; default: the profile's."),
-    spin_us: float = typer.Option(200.0, "--spin-us", min=0.0, max=1e7, help="Spin this long on an empty ring before sleeping."),
+    spin_us: Optional[float] = typer.Option(
+        None, "--spin-us", min=0.0, max=1e7,
+        help="Spin exactly this long on an empty ring before sleeping; default: adaptive (see WAITING).",
+    ),
+    spin_max_us: Optional[float] = typer.Option(
+        None, "--spin-max-us", min=0.0, max=1e7,
+        help="Adaptive waiting: the longest spin (µs); default: the profile's [wait] spin_max_us.",
+    ),
     native: Optional[str] = typer.Option(
         None, "--native", metavar="auto|on|off",
         help="The C serve loop for small CPU batches (built once with cc); auto: used when it builds; default: the profile's.",
@@ -344,10 +398,17 @@ def serve(
     for d in dirs:
         if not os.path.isdir(d):
             raise GpuosError(f"{d}: no such directory (--model-dir)", ExitCode.USAGE)
+    ws = prof.section("wait")
+    spin_min = float(ws["spin_min_us"])
+    spin_max = float(ws["spin_max_us"] if spin_max_us is None else spin_max_us)
+    for value, hint in ((spin_us, "--spin-us"), (spin_max, "--spin-max-us"), (spin_min, "[wait] spin_min_us")):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise typer.BadParameter("must be a finite number of µs, 0 or more", param_hint=hint)
     opts = ServeOptions(
         window_us=float(bs["window_us"] if window_us is None else window_us),
         max_batch=int(bs["max"] if max_batch is None else max_batch),
-        spin_us=spin_us, use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
+        spin_us=spin_us, spin_min_us=spin_min, spin_max_us=max(spin_min, spin_max),
+        use_gpu=gpu, device=device, native=native_mode, native_max=int(ns["max_batch"]),
         mode=parse_mode(rs["mode"] if mode is None else mode), group=(rs["group"] or None) if group is None else group,
         model_dirs=dirs,
     )
@@ -679,11 +740,21 @@ def replay(
     ),
     gpu: str = typer.Option("off", "--gpu", metavar="auto|on|off", help="For the daemon replay starts itself."),
     reroute_us: float = typer.Option(0.0, "--reroute-us", help="Extra cost of sending a read to the replica (µs)."),
+    replica: str = typer.Option(
+        "next", "--replica", metavar="next|shifted",
+        help="next: the trace's next device serves a rerouted read; shifted: for one disk, a model of an identical independent replica (the same disk half the trace later).",
+    ),
+    probes: int = typer.Option(500, "--probes", help="Round trips measured to charge each LinnOS read."),
     output: OutputOpt = "-",
 ) -> None:
     """Replay a trace's reads through the bridge with hedging (a read predicted slow goes to
     the replica); write a `kinfer_replay` record: avg, p50, p99, p99.9 read latency with no
-    prediction, with LinnOS and with an oracle."""
+    prediction, with LinnOS and with an oracle.
+
+    Each LinnOS read is charged the bridge's round trip as measured here after the replay:
+    the median of --probes sequential requests sent at the trace's median gap between reads
+    (so the daemon waits between them as it would for that traffic). The record's
+    `inference` says what was charged and how; stderr says it too."""
     import numpy as np
 
     from gpuos_tools.kinfer import ring as R
@@ -691,11 +762,19 @@ def replay(
     from gpuos_tools.stream import make_header, open_output
 
     ExitCode, GpuosError = _err()
+    if replica not in ("next", "shifted"):
+        raise typer.BadParameter("next or shifted", param_hint="--replica")
+    if probes < 1:
+        raise typer.BadParameter("at least 1", param_hint="--probes")
     mlp = _load_model(model)
     thr = mlp.meta.get("threshold_us")
     if thr is None:
         raise GpuosError(f"{model}: no threshold_us in the model (train it with gpu-kinfer-bridge train)", ExitCode.BAD_INPUT)
     records = _read_trace(trace)
+    read_t = np.sort(np.array([float(r["t_us"]) for r in records if r["op"] == "R"]))
+    # the pace of the probes: the trace's median gap between reads, at most 10 ms (the probes
+    # then take at most probes x 10 ms)
+    pace_s = min(0.01, float(np.median(np.diff(read_t))) / 1e6) if read_t.size > 1 else 0.0
     proc = None
     name = ring
     if name is None:
@@ -714,7 +793,14 @@ def replay(
                         if not a.ok:
                             raise GpuosError(f"the daemon refused read {start + k}: {R.STATUS_NAMES.get(a.status)}", ExitCode.FAILURE)
                         out[start + k] = a.decision
-                for row in x[:500]:  # the inference time charged to every read: sequential round trips, warm
+                perf = time.perf_counter
+                for k in range(probes):  # the round trip charged to every read, at the trace's pace
+                    row = x[k % len(x)]
+                    due = perf() + pace_s
+                    if pace_s > 0.001:
+                        time.sleep(pace_s)
+                    while perf() < due:
+                        pass
                     t0 = time.perf_counter_ns()
                     client.infer(row)
                     probe_us.append((time.perf_counter_ns() - t0) / 1e3)
@@ -722,7 +808,7 @@ def replay(
 
             try:
                 report = run_replay(records, decide, float(thr), reroute_us=reroute_us,
-                                    inference_us=0.0)
+                                    inference_us=0.0, replica=replica)
             except ValueError as e:
                 raise GpuosError(f"{trace}: {e}", ExitCode.BAD_INPUT) from None
     finally:
@@ -735,7 +821,16 @@ def replay(
     for key in ("avg", "p50", "p99", "p99.9", "max"):
         report["linnos"][key] += inference
     report["inference_us"] = round(inference, 3)
+    report["inference"] = {
+        "charged_us": round(inference, 3), "p99_us": round(float(np.percentile(probe_us, 99)), 3) if probe_us else None,
+        "requests": len(probe_us), "pace_us": round(pace_s * 1e6, 3),
+        "how": "median round trip of sequential batch-1 requests from this client to the daemon, sent at the trace's "
+               "median gap between reads, measured after the replay; added to every LinnOS read (linnos_uncharged: without it)",
+    }
     report["model"] = model
+    print(f"gpu-kinfer-bridge: each LinnOS read charged {inference:.1f} us, the median round trip of {len(probe_us)} requests "
+          f"measured here at the trace's pace ({pace_s * 1e6:.0f} us apart; p99 {report['inference']['p99_us']} us)",
+          file=sys.stderr)
     with open_output(output) as writer:
         writer.write(make_header("gpu-kinfer-bridge", source=trace, ring=name))
         writer.write(report)
@@ -767,19 +862,86 @@ def synth(
         writer.write_many(synthesize(ios, seed=seed, **params))
 
 
-@app.command()
+_PROGRAM = typer.Argument(
+    None, metavar="[-- PROGRAM [ARGS]...]",
+    help="With --source ebpf: run this program and stop when it exits (its stdout goes to stderr).",
+)
+
+
+def _disks(specs: list[str] | None, directory: str | None) -> list[int]:
+    """Kernel numbers of the disks named by --disk (or the one under --dir)."""
+    from gpuos_tools.kinfer.bpf.collect import resolve_disk
+
+    ExitCode, GpuosError = _err()
+    named = list(specs or []) or ([directory] if directory else [])
+    try:
+        return sorted({resolve_disk(spec) for spec in named})
+    except ValueError as e:
+        raise GpuosError(str(e), ExitCode.USAGE) from None
+
+
+def _stop_on_signals() -> Any:
+    """An event set by SIGTERM/SIGINT/SIGHUP (a capture then ends cleanly, its records kept)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
 def collect(
-    directory: str = typer.Option(..., "--dir", "-d", metavar="DIR", help="Where to put the test files: on the disk to measure (tmpfs measures memory)."),
-    reads: int = typer.Option(20_000, "--reads", "-n", help="Stop after this many reads, shared evenly among the devices."),
+    source: str = typer.Option("direct", "--source", metavar="direct|ebpf",
+                               help="direct: time O_DIRECT I/O issued here, from user space; ebpf: record what the kernel's block layer sees."),
+    directory: Optional[str] = typer.Option(
+        None, "--dir", "-d", metavar="DIR",
+        help="Put test files here and run O_DIRECT reads and writes on them (needed with direct; with ebpf, a load to trace). On the disk to measure: tmpfs measures memory.",
+    ),
+    reads: Optional[int] = typer.Option(None, "--reads", "-n", help="Stop after this many reads (direct: default 20000, shared evenly among the devices)."),
     devices: int = typer.Option(2, "--devices", help="Files, each standing for one device."),
     depth: int = typer.Option(4, "--depth", help="Threads (outstanding I/Os) per file."),
     size_mib: int = typer.Option(256, "--size-mib", help="Size of each file."),
     write_fraction: float = typer.Option(0.2, "--write-fraction", help="Share of writes."),
     seed: int = typer.Option(0, "--seed", help="Seed of offsets and sizes."),
+    disk: Optional[list[str]] = typer.Option(
+        None, "--disk", metavar="DISK", help="ebpf: a disk to record (vda, /dev/vda, 254:0, or a path on it; repeat); default: the disk under --dir, else every disk.",
+    ),
+    seconds: Optional[float] = typer.Option(None, "--seconds", help="ebpf: stop after this long."),
+    ring: Optional[str] = typer.Option(None, "--ring", "-r", metavar="NAME", help="ebpf: also ask the daemon serving this ring for each read's decision."),
+    program: Optional[list[str]] = _PROGRAM,
     output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
 ) -> None:
-    """Collect a real block-I/O trace here: O_DIRECT reads and writes on files, recording the
-    pending I/Os at issue and the latency of each."""
+    """Collect a real block-I/O trace: `io` records with the pending I/Os at issue and the
+    latency of each.
+
+    `--source direct` (the default) issues O_DIRECT reads and writes on files in --dir and
+    times them from user space. `--source ebpf` loads a BPF program on the block layer (root)
+    and records every read and write the kernel sends to the chosen disks, whoever issues them,
+    with LinnOS's 31 inputs as the kernel computed them at issue (`x`), until PROGRAM exits,
+    --seconds, --reads, or SIGINT/SIGTERM; with --dir it also runs the direct load as a
+    workload. See EBPF PRODUCER.
+    """
+    ExitCode, GpuosError = _err()
+    if source not in ("direct", "ebpf"):
+        raise typer.BadParameter("direct or ebpf", param_hint="--source")
+    for value, hint in ((reads, "--reads"), (seconds, "--seconds")):
+        if value is not None and not value > 0:
+            raise typer.BadParameter("must be positive", param_hint=hint)
+    if source == "direct":
+        if directory is None:
+            raise typer.BadParameter("--source direct needs a directory for its test files", param_hint="--dir")
+        if program or disk or seconds or ring:
+            raise typer.BadParameter("PROGRAM, --disk, --seconds and --ring go with --source ebpf", param_hint="--source")
+        _collect_direct(directory, reads or 20_000, devices, depth, size_mib, write_fraction, seed, output)
+        return
+    _collect_ebpf(directory, reads, devices, depth, size_mib, write_fraction, seed, disk, seconds, ring, program, output, unbuffered)
+
+
+def _collect_direct(directory: str, reads: int, devices: int, depth: int, size_mib: int, write_fraction: float, seed: int,
+                    output: str) -> None:
     from gpuos_tools.kinfer.traces import collect as run
     from gpuos_tools.stream import make_header, open_output
 
@@ -794,9 +956,167 @@ def collect(
     except OSError as e:
         raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a filesystem that supports it)", ExitCode.IO_ERROR) from None
     with open_output(output) as writer:
-        writer.write(make_header("gpu-kinfer-bridge", trace="collected", host=socket.gethostname(), dir=directory,
+        writer.write(make_header("gpu-kinfer-bridge", trace="collected", source="direct", host=socket.gethostname(), dir=directory,
                                  devices=devices, depth=depth, size_mib=size_mib, write_fraction=write_fraction, seed=seed))
         writer.write_many(records)
+
+
+def _open_loader(disks: list[int], ring: Optional[str], lanes: int = 4) -> Any:
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.bpf.loader import Loader
+
+    if ring is not None:  # the ring's own checks and messages (missing: is serve running?) first
+        R.Ring.attach(ring).close()
+    loader = Loader(disks, predict=ring is not None)
+    try:
+        if ring is not None:
+            loader.attach_ring(R.ring_path(ring), lanes=lanes)
+    except BaseException:
+        loader.close()
+        raise
+    return loader
+
+
+def _collect_ebpf(directory: Optional[str], reads: Optional[int], devices: int, depth: int, size_mib: int, write_fraction: float,
+                  seed: int, disk: Optional[list[str]], seconds: Optional[float], ring: Optional[str],
+                  program: Optional[list[str]], output: str, unbuffered: bool) -> None:
+    import platform
+
+    from gpuos_tools.kinfer.bpf import OBJECT
+    from gpuos_tools.kinfer.bpf.collect import Converter, capture
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    disks = _disks(disk, directory)
+    from gpuos_tools.kinfer.traces import Load
+
+    load = Load([directory], devices=devices, depth=depth, file_size=size_mib << 20, write_fraction=write_fraction,
+                seed=seed) if directory else None
+    stop = _stop_on_signals()
+    loader = _open_loader(disks, ring)
+    try:
+        if load is not None:
+            try:
+                load.start()  # its files are written before the tracepoints are attached
+            except OSError as e:
+                raise GpuosError(f"{directory}: {e.strerror or e} (O_DIRECT needs a filesystem that supports it)",
+                                 ExitCode.IO_ERROR) from None
+        t0 = time.monotonic_ns()
+        conv = Converter(t0)
+        with open_output(output, unbuffered=unbuffered or None) as writer:
+            writer.write(make_header("gpu-kinfer-bridge", trace="collected", source="ebpf", kernel=platform.release(),
+                                     disks=[_disk_name_of(d) for d in disks] or "all", t0_monotonic_ns=t0,
+                                     object=OBJECT.name, ring=ring, dir=directory, program=program or None))
+            try:
+                done = capture(loader, lambda recs: writer.write_many(conv.records(recs)), seconds=seconds, reads=reads,
+                               program=program, stop=stop)
+            except FileNotFoundError as e:
+                raise GpuosError(str(e.strerror), ExitCode.PROGRAM_NOT_FOUND) from None
+            writer.write({"type": "kinfer_collect", "reason": done.reason, "seconds": round(done.seconds, 3), "reads": done.reads,
+                          "records": done.records, "disks": conv.disks(), "program_status": done.returncode, **loader.stats()})
+    finally:
+        loader.close()
+        if load is not None:
+            load.close()
+    stats = _capture_line(done)
+    print(f"gpu-kinfer-bridge: {stats}", file=sys.stderr)
+
+
+def _disk_name_of(dev: int) -> str:
+    from gpuos_tools.kinfer.bpf.collect import disk_name
+
+    return disk_name(dev)
+
+
+def _capture_line(done: Any) -> str:
+    return f"{done.records} I/Os ({done.reads} reads) in {done.seconds:.1f} s; {done.reason}"
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def watch(
+    ring: Optional[str] = typer.Option(None, "--ring", "-r", metavar="NAME", help="The daemon serving this ring decides; default: start one with --model."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="FILE", help="LinnOS model: served by a daemon started here, and its threshold_us tells slow reads."),
+    threshold_us: Optional[float] = typer.Option(None, "--threshold-us", help="Reads slower than this are slow; default: the model's threshold_us."),
+    disk: Optional[list[str]] = typer.Option(None, "--disk", metavar="DISK", help="A disk to watch (vda, /dev/vda, 254:0, or a path on it; repeat); default: every disk."),
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between interval reports."),
+    seconds: Optional[float] = typer.Option(None, "--seconds", help="Stop after this long."),
+    lanes: int = typer.Option(4, "--lanes", help="Ring lanes to claim (each lets 8 reads wait for an answer at once)."),
+    trace: Optional[str] = typer.Option(None, "--trace", metavar="FILE", help="Also write every I/O as an `io` record with its decision."),
+    gpu: str = typer.Option("off", "--gpu", metavar="auto|on|off", help="For the daemon watch starts itself."),
+    program: Optional[list[str]] = _PROGRAM,
+    output: OutputOpt = "-",
+    unbuffered: UnbufferedOpt = False,
+) -> None:
+    """Run LinnOS live on the kernel's reads: each read's kernel-side inputs go to the daemon at
+    issue; its decision is matched with the read's measured latency. Writes `kinfer_watch`
+    records per disk every --interval (scope interval) and at the end (scope total): reads,
+    predicted slow, actually slow, accuracy against always answering fast, added latency (issue
+    to answer) and the ring round trip. A read cannot be redirected from here; see EBPF PRODUCER."""
+    from gpuos_tools.kinfer import ring as R
+    from gpuos_tools.kinfer.bpf.collect import Converter, WatchStats, capture
+    from gpuos_tools.stream import make_header, open_output
+
+    ExitCode, GpuosError = _err()
+    if ring is None and model is None:
+        raise typer.BadParameter("give --ring NAME (a daemon serving a LinnOS model) or --model FILE", param_hint="--ring")
+    if not interval > 0 or lanes < 1:
+        raise typer.BadParameter("--interval must be positive, --lanes at least 1", param_hint="--interval")
+    thr = threshold_us
+    if thr is None:
+        if model is None:
+            raise typer.BadParameter("with --ring, give --threshold-us or the --model it serves", param_hint="--threshold-us")
+        thr = _load_model(model).meta.get("threshold_us")
+        if thr is None:
+            raise GpuosError(f"{model}: no threshold_us in the model; give --threshold-us", ExitCode.BAD_INPUT)
+    disks = _disks(disk, None)
+    stop = _stop_on_signals()
+    proc = None
+    name = ring
+    if name is None:
+        proc, name = _spawn_daemon(str(model), gpu)
+    trace_writer = None
+    try:
+        loader = _open_loader(disks, name, lanes)
+        try:
+            conv = Converter(time.monotonic_ns())
+            stats = WatchStats(float(thr))
+            with open_output(output, unbuffered=unbuffered or None) as writer:
+                writer.write(make_header("gpu-kinfer-bridge", ring=str(R.ring_path(name)), threshold_us=float(thr),
+                                         disks=[_disk_name_of(d) for d in disks] or "all", lanes=loader.ring_info.get("lanes")))
+                if trace is not None:
+                    trace_writer = open_output(trace, unbuffered=unbuffered or None)
+                    trace_writer.write(make_header("gpu-kinfer-bridge", trace="collected", source="ebpf", ring=name,
+                                                   t0_monotonic_ns=conv.t0_ns, threshold_us=float(thr)))
+
+                def sink(recs: Any) -> None:
+                    rows = conv.records(recs)
+                    stats.add(rows)
+                    if trace_writer is not None:
+                        trace_writer.write_many(rows)
+
+                last = [0.0]
+
+                def tick(elapsed: float) -> None:
+                    writer.write_many(stats.reports("interval", elapsed - last[0]))
+                    last[0] = elapsed
+
+                try:
+                    done = capture(loader, sink, seconds=seconds, program=program, stop=stop, tick=tick, tick_s=interval)
+                except FileNotFoundError as e:
+                    raise GpuosError(str(e.strerror), ExitCode.PROGRAM_NOT_FOUND) from None
+                writer.write_many(stats.reports("total", done.seconds))
+                writer.write({"type": "kinfer_collect", "reason": done.reason, "seconds": round(done.seconds, 3),
+                              "reads": done.reads, "records": done.records, "disks": conv.disks(),
+                              "program_status": done.returncode, **loader.stats()})
+        finally:
+            loader.close()
+            if trace_writer is not None:
+                trace_writer.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+            R.ring_path(name).unlink(missing_ok=True)
 
 
 @features_app.command("register")

@@ -1,7 +1,8 @@
 """LinnOS on a block-I/O trace: the training set, training, and the hedging replay.
 
 Training: every read of every device becomes one sample (its 31 inputs from that device's
-history, its label slow/fast by the trace-wide threshold). The first ``1 - holdout`` of the
+history, or as the kernel computed them when the trace carries them, ``x``; its label slow/fast
+by the trace-wide threshold). The first ``1 - holdout`` of the
 reads in time train the model, the rest measure it.
 
 Replay: each read is sent through the bridge (the daemon decides, as it would for a kernel).
@@ -43,8 +44,11 @@ def dataset(records: list[dict[str, Any]]) -> tuple[Dataset, dict[int, dict[str,
         raise ValueError("the trace has no reads")
     parts = []
     for dev, d in sorted(per.items()):
-        complete = d["t_us"] + d["lat_us"]
-        x = M.features_from_reads(d["pending"], d["lat_us"], complete, d["t_us"])
+        if "x" in d:  # the inputs the kernel computed at issue (an eBPF trace)
+            x = d["x"]
+        else:
+            complete = d["t_us"] + d["lat_us"]
+            x = M.features_from_reads(d["pending"], d["lat_us"], complete, d["t_us"])
         n = len(d["t_us"])
         parts.append((x, d["lat_us"], d["t_us"], np.full(n, dev), np.arange(n)))
     cat = [np.concatenate(p) for p in zip(*parts)]
@@ -121,19 +125,34 @@ def replay(
     *,
     inference_us: float = 0.0,
     reroute_us: float = 0.0,
+    replica: str = "next",
 ) -> dict[str, Any]:
-    """Replay the reads of ``records`` with hedging; ``decide(x)`` gives 1 (slow) per row."""
+    """Replay the reads of ``records`` with hedging; ``decide(x)`` gives 1 (slow) per row.
+
+    ``replica``: ``next``, the next device of the trace serves a rerouted read (its read
+    nearest in time); ``shifted``, for a trace of one disk, a replica modelled as an identical
+    disk independent of this one: its read nearest to half the trace's span later (wrapping
+    around). Shifted is a model, not a measurement; say so wherever its figures go.
+    """
     data, per = dataset(records)
     devices = sorted(per)
-    if len(devices) < 2:
-        raise ValueError("hedging needs reads on at least two devices (the trace has one)")
+    if replica not in ("next", "shifted"):
+        raise ValueError(f"unknown replica {replica!r} (next or shifted)")
+    if replica == "next" and len(devices) < 2:
+        raise ValueError("hedging needs reads on at least two devices (the trace has one; --replica shifted models a second)")
     pred = np.asarray(decide(data.x)).astype(np.int64)
     truth = data.labels(threshold_us)
     replica_lat = np.empty_like(data.lat_us)
     for k, dev in enumerate(devices):
         mine = data.dev == dev
-        other = per[devices[(k + 1) % len(devices)]]
-        pos = np.clip(np.searchsorted(other["t_us"], data.t_us[mine]), 0, len(other["t_us"]) - 1)
+        if replica == "next":
+            other = per[devices[(k + 1) % len(devices)]]
+            when = data.t_us[mine]
+        else:
+            other = per[dev]
+            t0, span = float(other["t_us"][0]), float(other["t_us"][-1] - other["t_us"][0]) or 1.0
+            when = t0 + (data.t_us[mine] - t0 + span / 2) % span
+        pos = np.clip(np.searchsorted(other["t_us"], when), 0, len(other["t_us"]) - 1)
         replica_lat[mine] = other["lat_us"][pos]
     base = data.lat_us
     linnos = np.where(pred == M.SLOW, replica_lat + reroute_us, base) + inference_us
@@ -147,7 +166,10 @@ def replay(
         "slow_fraction": float(slow.mean()),
         "inference_us": inference_us,
         "reroute_us": reroute_us,
+        "replica": replica,
         "rerouted": float(pred.mean()),
+        "accuracy": float(np.mean(pred == truth)),
+        "always_fast_accuracy": float(np.mean(truth == M.FAST)),
         "false_fast": float(np.mean(pred[slow] == M.FAST)) if slow.any() else 0.0,
         "false_slow": float(np.mean(pred[~slow] == M.SLOW)) if (~slow).any() else 0.0,
         "none": M.summary(base),

@@ -60,6 +60,9 @@ def library(cache: Path | None = None) -> ctypes.CDLL:
         ("kn_forward_kind", ctypes.c_int, []),
         ("kn_use_forward", ctypes.c_int, [ctypes.c_int]),
         ("kn_forward_rows", ctypes.c_int, [vp, vp, u32, u32, vp, u32]),
+        ("kn_set_wait", None, [vp, u64, u64]),
+        ("kn_wait_state", None, [vp, vp]),
+        ("kn_wait_replay", u64, [u64, u64, vp, u32]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -156,6 +159,16 @@ class NativeLoop:
         if not np.array_equal(table, self._table):
             self._table = table
             self.lib.kn_set_cpu_ok(self.handle, table.ctypes.data, self.table_size)
+
+    def set_wait(self, spin_min_us: float, spin_max_us: float) -> None:
+        """Adaptive waiting between these bounds (wait.py) instead of the fixed spin (before ``start``)."""
+        self.lib.kn_set_wait(self.handle, int(spin_min_us * 1e3), int(spin_max_us * 1e3))
+
+    def wait_state(self) -> dict[str, float]:
+        """The spin window now (µs) and the gap estimate behind it."""
+        out = (ctypes.c_uint64 * 2)()
+        self.lib.kn_wait_state(self.handle, out)
+        return {"hold_us": out[0] / 1e3, "gap_us": out[1] / 1e3}
 
     def count(self, index: int, n: int) -> None:
         self.lib.kn_count(self.handle, index, n)

@@ -70,6 +70,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "probe_busy_ms": 20.0, "window_ms": 1000.0, "window_samples": 4096,
     },
     "native": {"mode": "auto", "max_batch": 64},
+    "wait": {"spin_min_us": 200.0, "spin_max_us": 5000.0},
 }
 
 
@@ -94,6 +95,7 @@ RULES: dict[str, dict[str, Rule]] = {
     "model": {"inputs": Rule(int, 1, 1 << 16), "hidden": Rule(int, 1, 1 << 16), "outputs": Rule(int, 1, 1 << 16)},
     "ring": {"lanes": Rule(int, 1, 1 << 16), "slots_per_lane": Rule(int, 1, 1 << 12), "mode": Rule("mode")},
     "batch": {"window_us": Rule(float, 0, 1e6), "max": Rule(int, 1, 1 << 20)},
+    "wait": {"spin_min_us": Rule(float, 0, 1e7), "spin_max_us": Rule(float, 0, 1e7)},
     "policy": {
         "cpu_below": Rule(int, 0, 1 << 30), "busy_util": Rule(int, 0, 100), "busy_procs": Rule(int, 0, 1 << 16),
         "probe_batch": Rule(int, 1, 1 << 20), "probe_idle_ms": Rule(float, 1e-3, 1e7), "probe_busy_ms": Rule(float, 1e-3, 1e7),

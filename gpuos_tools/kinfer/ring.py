@@ -102,6 +102,12 @@ _FLOATS = {n: struct.Struct(f"<{n}f") for n in range(1, 17)}
 
 #: Longest single futex sleep: bounds the cost of a wake-up lost to store/load reordering.
 WAIT_SLICE_S = 0.002
+#: The client's adaptive spin for an answer (wait.py's rule on its recent waits): at least
+#: CLIENT_SPIN_MIN_S, at most CLIENT_SPIN_MAX_S, twice the recent longest wait in between, so
+#: a client whose answers take a daemon's wake-up (~250 µs on a VM) spins through it instead
+#: of paying a second wake-up of its own.
+CLIENT_SPIN_MIN_S = 200e-6
+CLIENT_SPIN_MAX_S = 2e-3
 
 #: Bounds on a header's geometry, so that no header makes a reader compute or map absurd sizes.
 MAX_SLOTS = 1 << 20
@@ -551,11 +557,15 @@ class Client:
     ``slots_per_lane`` requests be in flight at once.
     """
 
-    def __init__(self, name: str, *, spin_s: float = 200e-6, lane: int | None = None, owner: int | None = None):
-        """``owner``: a uid besides this user and root whose ring to trust (a daemon of another
-        user that shares its ring on purpose); a ring of any other owner is refused."""
+    def __init__(self, name: str, *, spin_s: float | None = None, lane: int | None = None,
+                 owner: int | None = None):
+        """``spin_s``: spin this long for an answer before sleeping; None (the default): adaptive.
+        ``owner``: a uid besides this user and root whose ring to trust (a daemon of another user
+        that shares its ring on purpose); a ring of any other owner is refused."""
         self.ring = Ring.attach(name, owners=None if owner is None else (os.geteuid(), 0, owner))
         self.spin_s = spin_s
+        self._hold = CLIENT_SPIN_MIN_S if spin_s is None else spin_s
+        self._gap = 0.0
         self.pid = os.getpid()
         self.lane = self._claim(lane)
         g = self.ring.geometry
@@ -641,15 +651,18 @@ class Client:
         raise RingError(f"lane {self.lane}: all {per} slots are in flight; wait for an answer first", ExitCode.FAILURE)
 
     def wait(self, slot: int, timeout: float = 5.0) -> Answer:
-        """Wait for the answer in ``slot``: spin ``spin_s``, then sleep on the slot's futex."""
+        """Wait for the answer in ``slot``: spin (adaptively, or ``spin_s``), then sleep on the slot's futex."""
         st = self._state
         if st[slot] != DONE:
-            t0 = time.perf_counter()
-            spin_until = t0 + self.spin_s
-            while st[slot] != DONE and time.perf_counter() < spin_until:
+            perf = time.perf_counter
+            t0 = perf()
+            spin_until = t0 + self._hold
+            while st[slot] != DONE and perf() < spin_until:
                 pass
             if st[slot] != DONE:
                 self._sleep(slot, t0 + timeout)
+            if self.spin_s is None:
+                self._learn(perf() - t0)
         self._busy.discard(slot)
         mm = self._mm
         status, _, submit_ns, done_ns, _, _, decision, n_out, batch, where, _ = _READ_BACK.unpack_from(
@@ -660,6 +673,13 @@ class Client:
             fmt = _FLOATS.get(n_out) or struct.Struct(f"<{n_out}f")
             values = fmt.unpack_from(mm, self._out_off + slot * 4 * self._max_out)
         return Answer(status, decision, values, batch, where, done_ns - submit_ns)
+
+    def _learn(self, waited: float) -> None:
+        """wait.Adaptive's rule on the recent waits for an answer: the spin for the next one."""
+        waited = min(waited, 2 * CLIENT_SPIN_MAX_S)
+        g = self._gap - self._gap / 8
+        self._gap = g = waited if waited > g else g
+        self._hold = CLIENT_SPIN_MIN_S if g > CLIENT_SPIN_MAX_S else min(CLIENT_SPIN_MAX_S, max(CLIENT_SPIN_MIN_S, 2 * g))
 
     def _sleep(self, slot: int, deadline: float) -> None:
         st = self._state

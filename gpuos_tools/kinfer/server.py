@@ -11,7 +11,9 @@ Without it, one Python loop does everything (plus a loader thread for model swap
 sampler):
 
 1. find READY slots (one vectorised compare over the state words);
-2. none: spin ``spin_us``, then announce sleep, re-check, futex-wait on the doorbell;
+2. none: spin while traffic is recent (``wait.Adaptive``: a window between ``spin_min_us`` and
+   ``spin_max_us`` that follows the recent gaps between requests; or a fixed ``spin_us``), then
+   announce sleep, re-check, futex-wait on the doorbell;
 3. some: while traffic has recently come in bursts (mean batch > 1.5), wait up to
    ``window_us`` for more, as LAKE does; a lone producer is never delayed;
 4. mark them TAKEN, refuse malformed entries (each refusal counted in the header), run the
@@ -44,6 +46,7 @@ from gpuos_tools.errors import ExitCode
 from gpuos_tools.kinfer import ring as R
 from gpuos_tools.kinfer.model import Mlp
 from gpuos_tools.kinfer.policy import CpuSpeed, GpuLoad, GpuSpeed, Policy
+from gpuos_tools.kinfer.wait import SPIN_MAX_US, SPIN_MIN_US, Adaptive
 
 HOUSEKEEPING_S = 0.1
 #: How long a model load may take before the daemon gives up on it (a file that never ends).
@@ -51,6 +54,9 @@ LOAD_TIMEOUT_S = 10.0
 #: Model ids a ring may ask for (the native loop holds as many).
 MAX_MODEL_IDS = 64
 RESCAN_S = 50e-6
+#: A gap this long between two turns of the spin: the loop was not spinning (descheduled, or in
+#: housekeeping), and that time does not count as idle.
+PREEMPTED_S = 50e-6
 #: Batches up to this size take the per-slot path (struct and memoryview), larger ones numpy's.
 SMALL_BATCH = 8
 _READY_WORD = R.READY.to_bytes(4, "little")
@@ -72,7 +78,9 @@ class Backend:
 class ServeOptions:
     window_us: float = 20.0
     max_batch: int = 4096
-    spin_us: float = 200.0
+    spin_us: float | None = None  # a fixed spin; None: adaptive between spin_min_us and spin_max_us
+    spin_min_us: float = SPIN_MIN_US
+    spin_max_us: float = SPIN_MAX_US
     use_gpu: str = "auto"  # auto | on | off
     device: int = 0
     gpu_mode: str = "auto"  # fused | matmul | auto
@@ -87,8 +95,11 @@ class ServeOptions:
         """Refuse what would make the loops misbehave (a negative max_batch once meant a lone
         request was never answered)."""
         for name, value, low in (("window_us", self.window_us, 0.0), ("spin_us", self.spin_us, 0.0),
+                                 ("spin_min_us", self.spin_min_us, 0.0), ("spin_max_us", self.spin_max_us, 0.0),
                                  ("max_batch", self.max_batch, 1), ("native_max", self.native_max, 0),
                                  ("load_timeout_s", self.load_timeout_s, 0.0)):
+            if name == "spin_us" and value is None:  # adaptive waiting
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low):
                 raise ValueError(f"{name} must be a finite number of at least {low}, not {value!r}")
         for name, value in (("use_gpu", self.use_gpu), ("native", self.native)):
@@ -223,9 +234,12 @@ class Server:
         from gpuos_tools.kinfer import native
 
         g = self.ring.geometry
+        o = self.options
         try:
-            loop = native.NativeLoop(self.ring.base, self.ring.size, self.options.spin_us, self.options.window_us,
-                                     self.options.max_batch, g.max_inputs, g.max_outputs)
+            loop = native.NativeLoop(self.ring.base, self.ring.size, o.spin_min_us if o.spin_us is None else o.spin_us,
+                                     o.window_us, o.max_batch, g.max_inputs, g.max_outputs)
+            if o.spin_us is None:
+                loop.set_wait(o.spin_min_us, o.spin_max_us)
         except (native.BuildError, OSError) as e:
             if self.options.native == "on":
                 raise R.RingError(f"--native on, but the native serve loop cannot run: {e}", ExitCode.FAILURE) from None
@@ -365,7 +379,9 @@ class Server:
         state = ring.state
         header = ring.header
         bell = self._bell
-        spin = self.options.spin_us / 1e6
+        o = self.options
+        lo, hi = (o.spin_us, o.spin_us) if o.spin_us is not None else (o.spin_min_us, o.spin_max_us)
+        wait = Adaptive(lo / 1e6, hi / 1e6)  # with lo == hi the hold is always lo: a fixed spin
         window = self.options.window_us / 1e6
         max_batch = self.options.max_batch
         batches = 0
@@ -373,14 +389,18 @@ class Server:
         seen = -1
         next_scan = 0.0
         perf = time.perf_counter
+        last_turn = perf()
         while not self.stop.is_set():
             now = perf()
+            if idle_since is not None and now - last_turn > PREEMPTED_S:
+                idle_since += now - last_turn  # descheduled (or busy in _tick), not idle: as the C loop
+            last_turn = now
             self._tick(now)
             rung = bell[0]
             if rung == seen and now < next_scan:
                 if idle_since is None:
                     idle_since = now
-                elif now - idle_since > spin:
+                elif now - idle_since > wait.hold():
                     self._sleep(header, state)
                     idle_since = None
                     next_scan = 0.0
@@ -391,6 +411,7 @@ class Server:
             if not ready:
                 continue
             idle_since = None
+            wait.arrival(now)
             if window > 0 and self._ewma > 1.5 and len(ready) < max_batch:
                 deadline = now + window
                 while perf() < deadline and bell[0] == seen:

@@ -103,7 +103,7 @@ def synthesize(
 
 def collect(
     directory: str | os.PathLike[str],
-    reads: int,
+    reads: int | None,
     *,
     devices: int = 2,
     depth: int = 4,
@@ -112,20 +112,24 @@ def collect(
     median_size: int = 16 * 1024,
     seed: int = 0,
     keep_files: bool = False,
+    stop: threading.Event | None = None,
+    ready: threading.Event | None = None,
 ) -> list[dict[str, Any]]:
     """Real I/O with O_DIRECT: ``devices`` files of ``file_size`` bytes in ``directory``,
     ``depth`` threads each, until ``reads`` reads have completed, shared evenly among the
     devices (each stops at its share, so every device has reads to hedge to, however the
-    threads were scheduled; a few more may complete while the last ones are in flight).
-    Records sorted by issue time.
+    threads were scheduled; a few more may complete while the last ones are in flight), or
+    until ``stop`` is set (``reads`` None: only then). Records sorted by issue time.
 
-    The files are filled with random bytes first (so reads hit allocated blocks) and removed
-    at the end unless ``keep_files``. Raises OSError when the filesystem refuses O_DIRECT, and
-    ValueError when there are fewer reads than devices.
+    The files are filled with random bytes first (so reads hit allocated blocks; ``ready`` is
+    set once they are and the I/O starts) and removed at the end unless ``keep_files``. Raises
+    OSError when the filesystem refuses O_DIRECT, and ValueError when there are fewer reads
+    than devices. Used as a load generator too (the eBPF collector records what the kernel saw
+    of it).
     """
     if devices < 1 or depth < 1:
         raise ValueError("devices and depth must be at least 1")
-    if reads < devices:
+    if reads is not None and reads < devices:
         raise ValueError(f"{reads} reads cannot give each of {devices} devices one")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -143,9 +147,10 @@ def collect(
     pending = [0] * devices
     records: list[dict[str, Any]] = []
     # each device's share of the reads; a device's threads stop once it has done its share
-    share = [reads // devices + (1 if d < reads % devices else 0) for d in range(devices)]
+    share = [reads // devices + (1 if d < reads % devices else 0) for d in range(devices)] if reads is not None else None
     done_reads = [0] * devices
-    stop = [threading.Event() for _ in range(devices)]
+    stop = stop or threading.Event()  # all of them (the caller's, or the end)
+    stopped = [threading.Event() for _ in range(devices)]  # one device's share done
     t0 = time.perf_counter_ns()
     largest = 256 * 1024
 
@@ -155,7 +160,7 @@ def collect(
         view = memoryview(buf)
         fd = fds[dev]
         try:
-            while not stop[dev].is_set():
+            while not (stopped[dev].is_set() or stop.is_set()):
                 size = int(_sizes(wrng, 1, median_size, 0.8, largest)[0])
                 offset = int(wrng.integers(0, (file_size - size) // PAGE + 1)) * PAGE
                 is_read = wrng.random() >= write_fraction
@@ -177,8 +182,8 @@ def collect(
                     })
                     if is_read:
                         done_reads[dev] += 1
-                        if done_reads[dev] >= share[dev]:
-                            stop[dev].set()
+                        if share is not None and done_reads[dev] >= share[dev]:
+                            stopped[dev].set()
         finally:
             view.release()
             buf.close()
@@ -190,11 +195,12 @@ def collect(
     try:
         for th in threads:
             th.start()
+        if ready is not None:
+            ready.set()
         for th in threads:
             th.join()
     finally:
-        for event in stop:
-            event.set()
+        stop.set()
         for fd in fds:
             os.close(fd)
         if not keep_files:
@@ -202,6 +208,71 @@ def collect(
                 path.unlink(missing_ok=True)
     records.sort(key=lambda r: r["t_us"])
     return records
+
+
+class Load:
+    """``collect``'s O_DIRECT reads and writes as a background workload (one thread per folder),
+    and optionally a bursty buffered writer on the first folder (``burst_mib`` written then
+    fsynced, at random pauses up to ``burst_pause_ms``): the writeback bursts stand for the slow
+    periods LinnOS learns to see coming. For tracing what the kernel sees of it (``collect
+    --source ebpf --dir``, scripts/linnos_ebpf.py). ``start`` returns once the test files are
+    written (OSError when a folder refuses O_DIRECT); ``close`` stops it and removes them."""
+
+    def __init__(self, dirs: list[str | os.PathLike[str]], *, devices: int = 2, depth: int = 4, file_size: int = 256 << 20,
+                 write_fraction: float = 0.2, seed: int = 0, burst_mib: int = 0, burst_pause_ms: float = 400.0):
+        self.stop = threading.Event()
+        self.errors: list[OSError] = []
+        self.ready: list[threading.Event] = []
+        self.threads: list[threading.Thread] = []
+        for k, d in enumerate(dirs):
+            ready = threading.Event()
+            self.ready.append(ready)
+            kwargs = {"devices": devices, "depth": depth, "file_size": file_size, "write_fraction": write_fraction,
+                      "seed": seed + k, "stop": self.stop, "ready": ready}
+            self.threads.append(threading.Thread(target=self._direct, args=(Path(d), ready, kwargs), daemon=True))
+        if burst_mib > 0 and dirs:
+            self.threads.append(threading.Thread(target=self._bursts, args=(Path(dirs[0]), burst_mib, burst_pause_ms, seed),
+                                                 daemon=True))
+
+    def _direct(self, d: Path, ready: threading.Event, kwargs: dict[str, Any]) -> None:
+        try:
+            collect(d, None, **kwargs)
+        except OSError as e:
+            self.errors.append(e)
+            ready.set()
+
+    def _bursts(self, d: Path, mib: int, pause_ms: float, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        path = d / f"kinfer-burst-{os.getpid()}.bin"
+        chunk = os.urandom(1 << 20)
+        try:
+            with open(path, "wb") as f:
+                while not self.stop.is_set():
+                    f.seek(0)
+                    for _ in range(mib):
+                        f.write(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    self.stop.wait(float(rng.uniform(0, pause_ms)) / 1e3)
+        except OSError as e:
+            self.errors.append(e)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+        for r in self.ready:
+            r.wait()
+        if self.errors:
+            self.close()
+            raise self.errors[0]
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            if t.is_alive() or t.ident is not None:
+                t.join()
 
 
 def io_records(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -220,18 +291,28 @@ def io_records(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def device_reads(records: list[dict[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
-    """Per device, its reads as arrays in issue order: t_us, lat_us, pending."""
-    out: dict[int, dict[str, list[float]]] = {}
+    """Per device, its reads as arrays in issue order: t_us, lat_us, pending, and ``x`` (n, 31)
+    when every read of that device carries the inputs the kernel computed (``collect --source
+    ebpf``)."""
+    out: dict[int, dict[str, list[Any]]] = {}
     for r in records:
         if r["op"] != "R":
             continue
-        d = out.setdefault(int(r["dev"]), {"t_us": [], "lat_us": [], "pending": []})
+        d = out.setdefault(int(r["dev"]), {"t_us": [], "lat_us": [], "pending": [], "x": []})
         d["t_us"].append(float(r["t_us"]))
         d["lat_us"].append(float(r["lat_us"]))
         d["pending"].append(int(r["pending"]))
+        d["x"].append(r.get("x"))
     arrays = {}
     for dev, d in out.items():
         t = np.asarray(d["t_us"])
         order = np.argsort(t, kind="stable")
+        xs = d.pop("x")
         arrays[dev] = {k: np.asarray(v)[order] for k, v in d.items()}
+        if all(isinstance(x, list) and len(x) == KERNEL_INPUTS for x in xs):
+            arrays[dev]["x"] = np.asarray(xs, dtype=np.float32)[order]
     return arrays
+
+
+#: LinnOS's input count, as the eBPF producer records it in ``x``.
+KERNEL_INPUTS = 31

@@ -22,6 +22,7 @@
 #include <linux/futex.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,7 @@
 #define KN_MAX_OUTPUTS 16
 #define KN_RESCAN_NS 50000ull
 #define KN_SLEEP_NS 100000000ull
+#define KN_PREEMPTED_NS 50000ull /* a gap this long between two turns of the spin: the thread was descheduled */
 
 struct kn_model {
     uint32_t n_inputs, hidden, n_outputs, reserved;
@@ -53,6 +55,9 @@ struct kn {
     float *inputs, *outputs;
     uint32_t nslots, max_inputs, max_outputs, max_batch;
     uint64_t spin_ns, window_ns;
+    /* adaptive waiting (kn_set_wait; gpuos_tools/kinfer/wait.py): spin_ns is then spin_min */
+    int adaptive;
+    uint64_t spin_max_ns, gap_ns, last_arrival_ns;
     struct kn_model *models[KN_MAX_MODELS];
     struct kn_model *hazard;
     uint8_t cpu_ok[KN_MAX_BATCH + 1]; /* by batch size: 1 when this thread answers such a batch */
@@ -306,6 +311,32 @@ static int answer(struct kn *k, const uint32_t *slots, uint32_t n)
     return 1;
 }
 
+/* How long to spin after the last arrival before sleeping: fixed (spin_ns), or adaptive as in
+ * wait.py: twice a decaying maximum of recent gaps, within [spin_ns, spin_max_ns]; spin_ns
+ * alone once the gaps exceed spin_max_ns (sparse traffic: no spinning for it). */
+static uint64_t hold_ns(const struct kn *k)
+{
+    if (!k->adaptive)
+        return k->spin_ns;
+    uint64_t g = k->gap_ns;
+    if (g == 0 || g > k->spin_max_ns)
+        return k->spin_ns;
+    uint64_t h = 2 * g;
+    return h < k->spin_ns ? k->spin_ns : h > k->spin_max_ns ? k->spin_max_ns : h;
+}
+
+static void note_arrival(struct kn *k, uint64_t now)
+{
+    if (k->last_arrival_ns) {
+        uint64_t gap = now - k->last_arrival_ns;
+        if (gap > 2 * k->spin_max_ns)
+            gap = 2 * k->spin_max_ns;
+        uint64_t decayed = k->gap_ns - k->gap_ns / 8;
+        k->gap_ns = gap > decayed ? gap : decayed;
+    }
+    k->last_arrival_ns = now;
+}
+
 static void sleep_on_doorbell(struct kn *k)
 {
     uint32_t bell = __atomic_load_n(&k->h->doorbell, __ATOMIC_SEQ_CST);
@@ -326,18 +357,29 @@ static void *loop(void *arg)
     uint32_t seen = 0;
     int have_seen = 0;
     uint64_t idle_since = 0, next_scan = 0;
+    uint32_t spins = 0;
+    uint64_t last_turn = 0;
     while (!__atomic_load_n(&k->stop, __ATOMIC_ACQUIRE)) {
         uint64_t now = now_ns();
+        /* time spent descheduled (another process had this CPU) is not time spent idle: a busy
+         * machine must not make the loop fall asleep between requests that do come */
+        if (idle_since && now - last_turn > KN_PREEMPTED_NS)
+            idle_since += now - last_turn;
+        last_turn = now;
         uint32_t rung = __atomic_load_n(&k->h->doorbell, __ATOMIC_ACQUIRE);
         if (have_seen && rung == seen && now < next_scan) {
             if (idle_since == 0) {
                 idle_since = now;
-            } else if (now - idle_since > k->spin_ns) {
+            } else if (now - idle_since > hold_ns(k)) {
                 sleep_on_doorbell(k);
                 idle_since = 0;
                 next_scan = 0;
             }
             relax();
+            /* now and then let another thread of this CPU run: on a small machine the producer
+             * may be waiting for this very CPU (sched_yield returns at once when none is) */
+            if ((++spins & 15) == 0)
+                sched_yield();
             continue;
         }
         seen = rung;
@@ -347,6 +389,7 @@ static void *loop(void *arg)
         if (n == 0)
             continue;
         idle_since = 0;
+        note_arrival(k, now);
         if (k->window_ns && k->ewma > 1.5 && n < k->max_batch) {
             uint64_t deadline = now + k->window_ns;
             while (now_ns() < deadline && __atomic_load_n(&k->h->doorbell, __ATOMIC_ACQUIRE) == seen)
@@ -425,6 +468,38 @@ struct kn *kn_create(void *base, uint64_t mapped, uint64_t spin_ns, uint64_t win
         return NULL;
     }
     return k;
+}
+
+/* Adaptive waiting between spin_min_ns and spin_max_ns (before kn_start); spin_max_ns 0: the
+ * fixed spin given to kn_create. */
+void kn_set_wait(struct kn *k, uint64_t spin_min_ns, uint64_t spin_max_ns)
+{
+    k->adaptive = spin_max_ns > 0;
+    if (k->adaptive) {
+        k->spin_ns = spin_min_ns;
+        k->spin_max_ns = spin_max_ns < spin_min_ns ? spin_min_ns : spin_max_ns;
+    }
+}
+
+/* The window now: hold (ns) and the gap estimate behind it (for tests). */
+void kn_wait_state(struct kn *k, uint64_t *out)
+{
+    out[0] = hold_ns(k);
+    out[1] = k->gap_ns;
+}
+
+/* Feed arrivals at the given times and return the hold after them (tests compare the C rule
+ * with wait.Adaptive on the same sequence). */
+uint64_t kn_wait_replay(uint64_t spin_min_ns, uint64_t spin_max_ns, const uint64_t *arrivals, uint32_t n)
+{
+    struct kn k;
+    memset(&k, 0, sizeof k);
+    k.adaptive = 1;
+    k.spin_ns = spin_min_ns;
+    k.spin_max_ns = spin_max_ns;
+    for (uint32_t i = 0; i < n; i++)
+        note_arrival(&k, arrivals[i]);
+    return hold_ns(&k);
 }
 
 int kn_max_models(void) { return KN_MAX_MODELS; }
