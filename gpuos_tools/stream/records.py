@@ -173,7 +173,7 @@ HEADER = RecordType(
               "directory, absolute when the stream went to standard output; null without images", null=True),
     ),
     note="Each tool adds fields of its own (the tracer: `driver` (the NVIDIA driver's version), `cuda` (the "
-    "CUDA driver API version), `python`, `cupti`, `backend` (native or python), `validate` {samples, "
+    "CUDA driver API version), `python`, `cupti`, `backend` (native, python, or native-agent: the agent on its native core), `validate` {samples, "
     "max_bytes, extents} with `--validate`; other tools their options).",
 )
 
@@ -397,11 +397,11 @@ EXIT = RecordType(
     (
         Field("ts", TS),
         Field("code", Int(-(1 << 31), (1 << 31) - 1), "its exit status; null when a signal ended it", null=True),
-        Field("signal", Int(0, 1 << 16), "the signal that ended it"),
+        Field("signal", Str(max_len=32), "the name of the signal that ended it (SIGKILL)"),
         Field("complete", Bool(), "the tracer said goodbye"),
         Field("records", Map(COUNT), "{type: count}"),
         Field("wall_s", Num(0, unit="s")),
-        Field("tracer", Map(), "{callbacks, errors, functions, and on the native path callback_ns}"),
+        Field("tracer", Map(), "{callbacks, errors, functions, and on the native path callback_ns; under the agent's native core its counters, core}"),
     ),
 )
 
