@@ -49,9 +49,9 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("state", _STATE, "what the process was left in; null when unknown", null=True),
     Field("touched", Bool(), "false: nothing was done to it"),
     Field("code", Int(0, 255), "the exit code"), Field("error", Str(), "its name"), Field("message", Str()),
-    Field("bytes", BYTES, null=True), Field("lock_s", _SECONDS), Field("checkpoint_s", _SECONDS),
-    Field("gbps", Num(0), null=True), Field("restore_s", _SECONDS), Field("unlock_s", _SECONDS),
-    Field("duration_s", _SECONDS), Field("device", Anything(), "for a move"),
+    Field("bytes", BYTES, null=True), Field("lock_s", _SECONDS, null=True), Field("checkpoint_s", _SECONDS, null=True),
+    Field("gbps", Num(0), null=True), Field("restore_s", _SECONDS, null=True), Field("unlock_s", _SECONDS, null=True),
+    Field("duration_s", _SECONDS, null=True), Field("device", Anything(), "for a move"),
     Field("gpu_map", Anything(), "for a move"),
     Field("image", Anything()),
 ))
