@@ -51,7 +51,6 @@ chunks whose crc32 sums are equal.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import secrets

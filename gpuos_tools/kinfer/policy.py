@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import stat
 import sys
 import threading
 import time
@@ -47,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuos_tools.tomlfile import load_toml
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import atomic
 
@@ -108,8 +108,6 @@ RULES: dict[str, dict[str, Rule]] = {
         "gpu": Rule(str), "date": Rule(str),
     },
 }
-#: Largest profile file read (a profile is a few hundred bytes).
-MAX_PROFILE_BYTES = 1 << 20
 
 
 def _rule(table: str, key: str) -> Rule | None:
@@ -662,11 +660,7 @@ def load_profile(name_or_path: str | None) -> Profile:
     if name_or_path is None:
         return Profile(None, {})
     path = find_profile(name_or_path)
-    text = _read_profile(path)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise GpuosError(f"{path}: not valid TOML: {e}", ExitCode.BAD_INPUT) from None
+    data = load_toml(path)  # a regular file, bounded, UTF-8 (gpuos_tools/tomlfile.py)
     for table, keys in data.items():
         if isinstance(keys, dict):
             for key in set(keys) & set(OBSOLETE.get(table, {})):
@@ -676,38 +670,6 @@ def load_profile(name_or_path: str | None) -> Profile:
     if problems:
         raise GpuosError(f"{path}: " + "; ".join(problems), ExitCode.BAD_INPUT)
     return Profile(path, data)
-
-
-def _read_profile(path: Path) -> str:
-    """The profile's text: a regular file (a FIFO or a device is refused, never waited on), at most
-    ``MAX_PROFILE_BYTES``, UTF-8."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise GpuosError(f"{path}: no such profile", ExitCode.NO_INPUT) from None
-    except PermissionError as e:
-        raise GpuosError(f"{path}: {e.strerror}", ExitCode.PERMISSION) from None
-    except OSError as e:
-        raise GpuosError(f"{path}: cannot open: {e.strerror}", ExitCode.NO_INPUT) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise GpuosError(f"{path}: not a regular file", ExitCode.BAD_INPUT)
-        if st.st_size > MAX_PROFILE_BYTES:
-            raise GpuosError(f"{path}: {st.st_size} bytes, more than a profile can be ({MAX_PROFILE_BYTES})", ExitCode.BAD_INPUT)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)
-        if len(raw) > MAX_PROFILE_BYTES:
-            raise GpuosError(f"{path}: more than a profile can be ({MAX_PROFILE_BYTES} bytes)", ExitCode.BAD_INPUT)
-    except OSError as e:
-        raise GpuosError(f"{path}: cannot read: {e.strerror}", ExitCode.NO_INPUT) from None
-    finally:
-        os.close(fd)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise GpuosError(f"{path}: not UTF-8 (byte {raw[e.start]:#04x} on line {line})", ExitCode.BAD_INPUT) from None
 
 
 def _toml_value(value: Any) -> str:
