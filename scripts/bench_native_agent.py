@@ -3,12 +3,15 @@
 under the agent on its native core (before and after a first snapshot, when every launch's write
 set is tracked), under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 
-    bench_native_agent.py [--models resnet50,mlp] [--steps N] [--json OUT]
+    bench_native_agent.py [--models resnet50,mlp] [--steps N] [--repeat R] [--json OUT]
 
 Runs scripts/workloads/train_steps.py (timm ResNet-50 bf16 batch 64, ~900 launches a step; a
 small MLP with Adam(foreach=True), ~35) once per configuration, one after another on the same
-GPU; each run reports its own median step (after its warm-up). Ratios are against the untraced
-run of the same model in the same call. The agent's own time per operation comes from the core's
+GPU; each run reports its own median step (after its warm-up). Successive processes of the same
+loop differ by up to ~10 % on an H100, so --repeat R runs the whole list of configurations R times,
+interleaved (config order rotated each round), and reports per configuration the median of its
+runs' medians and their spread; ratios are against the untraced runs of the same model in the
+same call. The agent's own time per operation comes from the core's
 counters in the trace's exit record. JSON to --json, a table on stderr.
 """
 
@@ -129,6 +132,18 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
     return res
 
 
+def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (model, configuration): the median of its runs' medians, their min and max, and how many
+    runs. The untraced runs ("plain" and "plain_again") are pooled as "plain"."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        if r.get("median_s"):
+            config = "plain" if r["config"] == "plain_again" else r["config"]
+            by.setdefault((r["model"], config), []).append(r["median_s"])
+    return {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
+            for key, v in by.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="resnet50,mlp")
@@ -136,18 +151,24 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every configuration, interleaved (default 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
+        configs = args.configs.split(",")
         for model in args.models.split(","):
-            for config in args.configs.split(","):
-                r = run_one(config, model, args.steps, args.warmup, args.timeout, Path(d))
-                results.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "stderr"}), file=sys.stderr, flush=True)
-                if args.json:
-                    args.json.write_text(json.dumps({"results": results}, indent=1))
-    base = {r["model"]: r.get("median_s") for r in results if r["config"] == "plain"}
+            for round_ in range(args.repeat):
+                k = round_ % len(configs)  # rotated: no configuration always runs first or last
+                for config in configs[k:] + configs[:k]:
+                    r = run_one(config, model, args.steps, args.warmup, args.timeout, Path(d))
+                    r["round"] = round_
+                    results.append(r)
+                    print(json.dumps({k: v for k, v in r.items() if k != "stderr"}), file=sys.stderr, flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps({"results": results}, indent=1))
+    summary = summarize(results)
+    base = {m: s["median_s"] for (m, c), s in summary.items() if c in ("plain", "plain_again")}
     for r in results:
         b = base.get(r["model"])
         if b and r.get("median_s"):
@@ -155,7 +176,9 @@ def main() -> int:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     out = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup,
-           "results": results}
+           "repeat": args.repeat, "results": results,
+           "summary": [{"model": m, "config": c, **v, "ratio": round(v["median_s"] / base[m], 4) if base.get(m) else None}
+                       for (m, c), v in summary.items()]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     print(f"{'model':10} {'config':22} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8}", file=sys.stderr)
@@ -164,6 +187,12 @@ def main() -> int:
         print(f"{r['model']:10} {r['config']:22} {med * 1e3 if med else float('nan'):10.2f} "
               f"{r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
               f"{r.get('upcalls', ''):>8}", file=sys.stderr)
+    if args.repeat > 1:
+        print(f"{'model':10} {'config':22} {'median of medians ms':>21} {'min..max ms':>16} {'ratio':>7}", file=sys.stderr)
+        for row in out["summary"]:
+            print(f"{row['model']:10} {row['config']:22} {row['median_s'] * 1e3:21.2f} "
+                  f"{row['min_s'] * 1e3:7.2f}..{row['max_s'] * 1e3:<7.2f} {row['ratio'] or float('nan'):7.3f}",
+                  file=sys.stderr)
     return 0 if all(r.get("rc") == 0 for r in results) else 1
 
 
