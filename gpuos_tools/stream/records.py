@@ -21,6 +21,7 @@ from gpuos_tools.stream.schema import (
     Anything,
     Bool,
     Checker,
+    Either,
     Field,
     Hex,
     Int,
@@ -397,7 +398,7 @@ EXIT = RecordType(
     (
         Field("ts", TS),
         Field("code", Int(-(1 << 31), (1 << 31) - 1), "its exit status; null when a signal ended it", null=True),
-        Field("signal", Str(max_len=32), "the name of the signal that ended it (SIGKILL)"),
+        Field("signal", Either((Str(max_len=32), Int(0, 1 << 16))), "the signal that ended it: its name (SIGKILL) as gpu-trace writes it, or its number"),
         Field("complete", Bool(), "the tracer said goodbye"),
         Field("records", Map(COUNT), "{type: count}"),
         Field("wall_s", Num(0, unit="s")),
