@@ -51,3 +51,19 @@ def test_kind_codes_match_the_c_enum():
         assert f"{name} = {value}" in src
     assert native.copy_kind("DtoH", False, True) == 32 | 2 << 2 | 1
     assert native.set_kind(4, True, False) == 64 | 2 << 2 | 2
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_code_is_not_loaded_from_a_cache_others_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(native.BuildError, match="writable by group or others"):
+        native.build_library(shared)
+    own = tmp_path / "own"
+    lib = native.build_library(own)
+    lib.chmod(0o666)  # a library someone else could have rewritten
+    with pytest.raises(native.BuildError, match="writable by group or others"):
+        native.build_library(own)
+    lib.chmod(0o755)
+    assert native.build_library(own) == lib

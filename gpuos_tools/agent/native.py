@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import stat
 import struct
 import subprocess
 from pathlib import Path
@@ -80,12 +81,17 @@ def build_library(
     digest.update(" ".join((*flags, *libs)).encode())
     tag = digest.hexdigest()[:16]
     target = (cache or cache_dir()) / f"{stem}-{tag}.so"
-    if target.is_file():
+    if target.exists():
+        _trusted(target.parent, directory=True)
+        _trusted(target, directory=False)
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
         raise BuildError("no C compiler (cc, gcc or clang) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.parent.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.chmod(0o700)  # whatever the umask: only this user may put code here
+    _trusted(target.parent, directory=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     cmd = [compiler, *flags, "-shared", "-fPIC", *(f"-I{d}" for d in includes), "-o", str(tmp), str(source),
            *(str(x) for x in sources), *libs]
@@ -96,8 +102,28 @@ def build_library(
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
+    os.chmod(tmp, 0o755)
     os.replace(tmp, target)
     return target
+
+
+def _trusted(path: Path, directory: bool) -> None:
+    """Refuse to load code from ``path`` unless only this user (or root) could have put it there:
+    it is what it claims to be (not a symbolic link), owned by this user or root, and not
+    writable by group or others (a shared XDG_CACHE_HOME would otherwise let another user plant a
+    library that every traced program loads)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise BuildError(f"{path}: {e.strerror}") from None
+    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    if not kind_ok:
+        raise BuildError(f"{path}: not a {'directory' if directory else 'regular file'} (a link is not followed)")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise BuildError(f"{path} belongs to uid {st.st_uid}: refusing to load code from it")
+    if st.st_mode & 0o022:
+        raise BuildError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                         "refusing to load code from it; set XDG_CACHE_HOME to a directory of your own")
 
 
 def loaded_library_path(fragment: str) -> str | None:
