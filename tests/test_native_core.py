@@ -403,3 +403,27 @@ def test_touches_alone_come_from_the_argument_words_without_python(core):
     assert core.counters()["upcalls"] == 0
     touches = sorted(core.touches(), key=lambda t: t[2])
     assert [t[0] for t in touches] == [3, 1]  # allocation ids, oldest touch first
+
+
+def test_the_agent_runs_on_the_core_unless_asked_not_to_or_it_cannot_be_built(monkeypatch):
+    from gpuos_tools.agent import native as N
+    from gpuos_tools.errors import GpuosError
+    from gpuos_tools.trace import run
+
+    said: list[str] = []
+    monkeypatch.setattr(core_mod, "build", lambda: Path("/cache/libgpuos_agent-x.so"))
+    assert run.native_agent_library("auto", said.append) == "/cache/libgpuos_agent-x.so"
+    assert run.native_agent_library("python", said.append) is None
+    monkeypatch.setenv("GPUOS_AGENT_BACKEND", "python")
+    assert run.native_agent_library("auto", said.append) is None
+    monkeypatch.delenv("GPUOS_AGENT_BACKEND")
+
+    def broken():
+        raise N.BuildError("no C compiler (cc, gcc or clang) on PATH")
+
+    monkeypatch.setattr(core_mod, "build", broken)
+    assert run.native_agent_library("auto", said.append) is None
+    assert said == ["the agent's native core is unavailable (no C compiler (cc, gcc or clang) on PATH); "
+                    "running it through Python callbacks (slower)"]
+    with pytest.raises(GpuosError, match="cannot build the agent's native core"):
+        run.native_agent_library("native", said.append)

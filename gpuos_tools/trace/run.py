@@ -76,36 +76,37 @@ class RunSummary:
     errors: list[str] = field(default_factory=list)
 
 
-def native_library(backend: str, warn) -> str | None:
-    """The native tracer's library for ``backend`` (auto|native|python), or None for Python."""
+def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
+    """``build()``'s library path for ``backend`` (auto|native|python): None for python, and under
+    auto when it cannot be built (said through ``warn``); under native that is an error."""
     from gpuos_tools.agent import native
 
     if backend == "python":
         return None
     try:
-        return str(native.build_library())
+        return str(build())
     except (native.BuildError, OSError) as exc:
         if backend == "native":
-            raise GpuosError(f"cannot build the native tracer: {exc}", ExitCode.FAILURE) from exc
-        warn(f"native tracer unavailable ({exc}); tracing through Python callbacks (slower)")
+            raise GpuosError(f"cannot build {what}: {exc}", ExitCode.FAILURE) from exc
+        warn(f"{what} is unavailable ({exc}); {fallback} through Python callbacks (slower)")
         return None
+
+
+def native_library(backend: str, warn) -> str | None:
+    """The native tracer's library for ``backend`` (auto|native|python), or None for Python."""
+    from gpuos_tools.agent import native
+
+    return _built(backend, warn, native.build_library, "the native tracer", "tracing")
 
 
 def native_agent_library(backend: str, warn) -> str | None:
     """The agent's native core (tracer and core in one library) for ``backend``, or None for the
     Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under ``auto``)."""
-    from gpuos_tools.agent import native
     from gpuos_tools.injection import core
 
-    if backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python":
+    if os.environ.get("GPUOS_AGENT_BACKEND") == "python":
         return None
-    try:
-        return str(core.build())
-    except (native.BuildError, OSError) as exc:
-        if backend == "native":
-            raise GpuosError(f"cannot build the agent's native core: {exc}", ExitCode.FAILURE) from exc
-        warn(f"the agent's native core is unavailable ({exc}); running it through Python callbacks (slower)")
-        return None
+    return _built(backend, warn, core.build, "the agent's native core", "running it")
 
 
 def trace_program(
