@@ -711,6 +711,9 @@ def serve_cmd(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
         env.pop(k, None)
+    # serve's jobs run the Python agent: the native core's gate (the GPU turn) has not run on a
+    # GPU yet, and the executor's hooks see every operation of a served job anyway
+    env.setdefault("GPUOS_AGENT_BACKEND", "python")
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
         result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env, overlap=switch == "overlap")
     if json_file:
