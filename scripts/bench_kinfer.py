@@ -146,14 +146,8 @@ def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, na
     try:
         deadline = time.monotonic() + 60
         while True:
-            try:
-                r = R.Ring.attach(name)
-                ok = int(r.header["daemon_pid"]) == proc.pid
-                r.close()
-                if ok:
-                    break
-            except R.RingError:
-                pass
+            if R.served_by(name, proc.pid):
+                break
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("daemon did not start")
             time.sleep(0.02)

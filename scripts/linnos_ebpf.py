@@ -74,14 +74,8 @@ def start_daemon(model: Path) -> tuple[subprocess.Popen[bytes], str]:
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        try:
-            r = R.Ring.attach(name)
-            ok = int(r.header["daemon_pid"]) == proc.pid
-            r.close()
-            if ok:
-                return proc, name
-        except R.RingError:
-            pass
+        if R.served_by(name, proc.pid):
+            return proc, name
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError("daemon did not start")

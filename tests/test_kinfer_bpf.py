@@ -352,14 +352,8 @@ def _daemon(name: str) -> subprocess.Popen[bytes]:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read().decode()
-        try:
-            r = R.Ring.attach(name)
-            ok = int(r.header["daemon_pid"]) == proc.pid
-            r.close()
-            if ok:
-                return proc
-        except R.RingError:
-            pass
+        if R.served_by(name, proc.pid):
+            return proc
         time.sleep(0.02)
     proc.kill()
     raise AssertionError("daemon did not start")

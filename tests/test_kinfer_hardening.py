@@ -75,14 +75,8 @@ def _daemon(name: str, *args: str) -> subprocess.Popen[bytes]:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"daemon exited {proc.returncode}: {proc.stderr.read().decode()}")
-        try:
-            r = R.Ring.attach(name)
-            ok = int(r.header["daemon_pid"]) == proc.pid
-            r.close()
-            if ok:
-                return proc
-        except R.RingError:
-            pass
+        if R.served_by(name, proc.pid):
+            return proc
         time.sleep(0.02)
     proc.kill()
     raise AssertionError("daemon did not start")

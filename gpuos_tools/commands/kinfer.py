@@ -718,14 +718,8 @@ def _spawn_daemon(model: str, gpu: str) -> tuple[subprocess.Popen[bytes], str]:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise GpuosError(f"the replay daemon exited with status {proc.returncode}", ExitCode.FAILURE)
-        try:
-            r = R.Ring.attach(name)
-            ok = int(r.header["daemon_pid"]) == proc.pid
-            r.close()
-            if ok:
-                return proc, name
-        except R.RingError:
-            pass
+        if R.served_by(name, proc.pid):
+            return proc, name
         time.sleep(0.02)
     proc.terminate()
     raise GpuosError("the replay daemon did not start within 60 s", ExitCode.FAILURE)

@@ -199,6 +199,19 @@ class Geometry:
         return {"state": state, "meta": meta, "inputs": inputs, "outputs": outputs, "total": total}
 
 
+def served_by(name: str, pid: int) -> bool:
+    """Whether the ring ``name`` exists and the daemon serving it is ``pid`` (a daemon just
+    started: ready once its pid is in the header)."""
+    try:
+        r = Ring.attach(name)
+    except RingError:
+        return False
+    try:
+        return int(r.header["daemon_pid"]) == pid
+    finally:
+        r.close()
+
+
 def ring_path(name: str) -> Path:
     """Where shm_open(name) puts the ring; a name with a slash is taken as a path."""
     return Path(name) if "/" in name else Path("/dev/shm") / name
