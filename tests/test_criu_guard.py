@@ -166,3 +166,62 @@ def test_the_guard_takes_over_when_its_tool_is_killed(tmp_path: Path) -> None:
 def test_the_guard_does_nothing_once_told_done(tmp_path: Path) -> None:
     owner, outcome = run_guard(tmp_path, [{"name": "gpu"}], kill_owner=False)
     assert owner.returncode == 0 and not outcome.exists()
+
+
+class NoGpu(driver.Checkpointer):
+    """A CPU-only process: nothing to lock or copy on the GPU side."""
+
+    api = property(lambda self: None)
+
+    def suspend(self, pid, timeout_ms=0):  # noqa: ANN001
+        return {"bytes": 0, "checkpoint_s": 0.0}
+
+    def bring_back(self, pid, restore=True):  # noqa: ANN001
+        return "running"
+
+    def _state(self, pid):  # noqa: ANN001
+        return "running"
+
+    def header_fields(self):
+        return {}
+
+
+FAILING_CRIU = """#!/bin/sh
+case "$1" in
+  --version) echo "Version: 4.2"; exit 0 ;;
+  check) echo "Looks good."; exit 0 ;;
+  dump) shift; while [ "$1" != "--images-dir" ]; do shift; done
+        printf '(00.01) Dumping\\n(00.02) Error (criu/cr-dump.c:2093): Dumping FAILED.\\n' > "$2/dump.log"
+        exit 1 ;;
+esac
+exit 2
+"""
+
+
+def test_a_failed_dump_says_what_criu_logged(tmp_path: Path, monkeypatch, sleeper) -> None:
+    """CRIU prints nothing on a failed dump: the message carries the error lines of its log, which is
+    kept beside the image that was not written."""
+    from gpuos_tools.ckpt import criu
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "criu").write_text(FAILING_CRIU)
+    (bindir / "criu").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
+    with pytest.raises(driver.CkptError) as e:
+        criu.dump(NoGpu(), sleeper.pid, tmp_path / "image")
+    assert "Error (criu/cr-dump.c:2093): Dumping FAILED." in str(e.value)
+    assert (tmp_path / "image.dump.log").exists() and not (tmp_path / "image").exists()
+    assert sleeper.poll() is None
+
+
+def test_log_errors_reads_the_last_error_lines(tmp_path: Path) -> None:
+    from gpuos_tools.ckpt import criu
+
+    log = tmp_path / "x.log"
+    log.write_text("".join(f"(0.{i}) Error (a.c:{i}): e{i}\n(0.{i}) fine\n" for i in range(6)))
+    assert criu.log_errors(log, lines=2) == "(0.4) Error (a.c:4): e4 | (0.5) Error (a.c:5): e5"
+    log.write_text("all well\n")
+    assert criu.log_errors(log) == "(no error line in the log)"
+    assert criu.log_errors(tmp_path / "missing") == "(no log)"

@@ -44,6 +44,18 @@ def _tail(text: str, lines: int = 5) -> str:
     return " | ".join(rows[-lines:]) if rows else "(no output)"
 
 
+def log_errors(log: Path, lines: int = 3) -> str:
+    """CRIU's own words for a failure: the last ``Error`` lines of its log (stdout is usually empty)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 20)))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+    rows = [r.strip() for r in text.splitlines() if "Error" in r]
+    return " | ".join(rows[-lines:]) if rows else "(no error line in the log)"
+
+
 def find_criu(timeout: float = 60) -> Criu:
     """The usable CRIU on PATH, or raise CRIU_UNUSABLE saying what is missing. Touches no process."""
     untouched = "nothing was touched (without --image, the GPU state alone is checkpointed)"
@@ -213,7 +225,7 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         raise ckpt.fail(
             "dump", pid,
             f"criu dump failed (exit {done.returncode}; log {keep}): "
-            f"{_tail(done.stdout)}; no image was written; {where}", ExitCode.CRIU_FAILED, left, True)
+            f"{_said(done.stdout, keep)}; no image was written; {where}", ExitCode.CRIU_FAILED, left, True)
     guard.phase("finalize")
     try:
         from gpuos_tools.ckpt.guard import finalize
@@ -247,6 +259,11 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
     }
     ckpt.out(result)
     return result
+
+
+def _said(stdout: str, log: Path) -> str:
+    """What CRIU printed, else the error lines of its log."""
+    return _tail(stdout) if stdout.strip() else log_errors(log)
 
 
 def _keep_log(log: Path, keep: Path) -> Path:
@@ -298,7 +315,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
                                 ExitCode.CRIU_FAILED, left, True)
             raise ckpt.fail(
                 "restore", pid, f"criu restore failed (exit {done.returncode}; log {image_dir / RESTORE_LOG}): "
-                f"{_tail(done.stdout)}; nothing was restored, the image is intact",
+                f"{_said(done.stdout, image_dir / RESTORE_LOG)}; nothing was restored, the image is intact",
                 ExitCode.CRIU_FAILED, None, False)
         try:
             pid = int(pidfile.read_text().strip())
