@@ -78,7 +78,7 @@ def criu_env(tmp_path_factory) -> dict[str, str]:
 
 
 def criu_cannot_dump(directory: Path, env: dict[str, str]) -> str | None:
-    """Dump the test's job with CRIU alone (--leave-running): some sandboxes pass `criu check` and still
+    """Dump the test's job with CRIU alone, as the tool would: some sandboxes pass `criu check` and still
     refuse every dump. None when it works, else CRIU's error lines; the tool under test is not involved."""
     job = start_job(directory / "job", env)
     try:
@@ -86,7 +86,7 @@ def criu_cannot_dump(directory: Path, env: dict[str, str]) -> str | None:
         images.mkdir()
         done = subprocess.run(
             [criu.find_criu().path, "dump", "--tree", str(job.pid), "--images-dir", str(images), "--log-file",
-             "dump.log", "--shell-job", "--leave-running"], capture_output=True, text=True, timeout=120, env=env,
+             "dump.log", "--shell-job"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=env,
             check=False)
         return None if done.returncode == 0 else criu.log_errors(images / "dump.log")
     finally:
