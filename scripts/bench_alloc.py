@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Allocation cost with owned allocations (gpuos_tools/agent/owned.py) against CuPy's default.
+"""Allocation cost with owned allocations (gpuos_tools/memory/owned.py) against CuPy's default.
 
 Three measurements, each for CuPy's default (cudaMalloc; MemoryPool over it) and the owned
 library (VMM; MemoryPool over it), in this process, untraced:
@@ -52,7 +52,7 @@ def sizes(n: int, seed: int = 1) -> list[int]:
 def raw(kind: str, sz: list[int], repeat: int) -> float:
     import cupy as cp
 
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     if kind == "default":
         alloc, free = cp.cuda.runtime.malloc, cp.cuda.runtime.free
@@ -81,7 +81,7 @@ def raw(kind: str, sz: list[int], repeat: int) -> float:
 def make_pool(kind: str):
     import cupy as cp
 
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     if kind == "default":
         pool = cp.cuda.MemoryPool()
@@ -137,7 +137,7 @@ def torch_child(kind: str, sz: list[int], repeat: int, iters: int) -> dict[str, 
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     if kind == "owned":
         owned.install_torch()

@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpuos_tools.agent.control import socket_path  # noqa: E402
-from gpuos_tools.ckpt import chunkio  # noqa: E402
-from gpuos_tools.ckpt.image import verify  # noqa: E402
+from gpuos_tools.image import chunkio  # noqa: E402
+from gpuos_tools.image.store import verify  # noqa: E402
 
 PROG = ROOT / "tests" / "gpu" / "progs" / "agent_job.py"
 

@@ -17,7 +17,7 @@ Per workload, side by side (--configs):
 - with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
   DynamicCache (new memory per token and layer);
 - um<B>, one per --um budget (e.g. --um 100%,66%,50%,33%; none by default): the fault-driven
-  managed-memory baseline, the job's --managed B/100 (gpuos_tools/agent/managed.py): torch
+  managed-memory baseline, the job's --managed B/100 (gpuos_tools/memory/managed.py): torch
   allocates CUDA managed memory, and before each aten operation the least recently used whole
   blocks are pushed to the host (cuMemPrefetchAsync, stream-ordered) until the operation's
   blocks fit a software budget of B of the managed bytes; nothing is prefetched back, kernels

@@ -45,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.agent.engine import ResidencyEngine  # noqa: E402
+from gpuos_tools.memory.engine import ResidencyEngine  # noqa: E402
 from gpuos_tools.sched.executor import Executor, OnlineAgent  # noqa: E402
 
 MIB = 1 << 20

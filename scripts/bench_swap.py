@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The swap pipeline of the residency engine (issue 8, P7: ">= 90 GB/s both directions on an
 H200"): owned records evicted to the engine's pinned host copies while others are loaded back,
-at the same time, through the engine itself (gpuos_tools/agent/engine.py: evict_from_operation
+at the same time, through the engine itself (gpuos_tools/memory/engine.py: evict_from_operation
 -> save on its evict stream, release on its evict thread; prefetch -> make resident + load on
 its prefetch stream), not through bare cudaMemcpy.
 
-Two sets of owned records (gpuos_tools/agent/owned.py), A and B, --gib GiB each in records of
+Two sets of owned records (gpuos_tools/memory/owned.py), A and B, --gib GiB each in records of
 --record-mib MiB, filled with a non-zero pattern; the engine's pinned host copies made before
 any timing (as the executor's mover pins ahead). Each trial, from A resident and B released:
 
@@ -49,8 +49,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["GPUOS_ENGINE_NO_DIGEST"] = "1"
 
-from gpuos_tools.agent.engine import RELEASED, RESIDENT, DriverOps, ResidencyEngine  # noqa: E402
-from gpuos_tools.agent.owned import OwnedLibrary  # noqa: E402
+from gpuos_tools.memory.engine import RELEASED, RESIDENT, DriverOps, ResidencyEngine  # noqa: E402
+from gpuos_tools.memory.owned import OwnedLibrary  # noqa: E402
 from gpuos_tools.cuda.driver import ok  # noqa: E402
 from gpuos_tools.cuda.nvml import nvml_session  # noqa: E402
 

@@ -616,10 +616,10 @@ def summarize(spec: Workload, runs: dict[str, dict[str, Any]]) -> dict[str, Any]
 
 def cpu_call_cost(ctx: Context, calls: int = 2_000_000, reps: int = 3) -> dict[str, Any]:
     """ns per cuLaunchKernel through each route on the stand-in driver, plain and interposed."""
-    from gpuos_tools.agent import native
+    from gpuos_tools import cbuild
 
     cache = ctx.work / "cache"
-    fake = native.build_library(cache, source=ROOT / "tests" / "fake_libcuda_entry.c", stem="libfake-entry",
+    fake = cbuild.build_library(cache, source=ROOT / "tests" / "fake_libcuda_entry.c", stem="libfake-entry",
                                 flags=("-O2", "-Wl,-Bsymbolic", "-Wl,-soname,libcuda.so.1"), libs=("-lpthread",))
     drv = ctx.work / "fake-driver"
     drv.mkdir(exist_ok=True)
@@ -935,8 +935,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def probe(args: argparse.Namespace, names: list[str], ctx: Context | None = None) -> int:
-    from gpuos_tools.agent import native
-    from gpuos_tools.injection import intercept
+    from gpuos_tools import cbuild
+    from gpuos_tools.injection import intercept, tracelib
 
     started = time.monotonic()
     work = args.work or Path(tempfile.mkdtemp(prefix="probe-interception-"))
@@ -956,8 +956,8 @@ def probe(args: argparse.Namespace, names: list[str], ctx: Context | None = None
     try:
         library = intercept.build(work / "cache")
         results["library"] = str(library)
-        results["tracer_library"] = str(native.build_library())
-    except (native.BuildError, OSError) as e:
+        results["tracer_library"] = str(tracelib.tracer_library())
+    except (cbuild.BuildError, OSError) as e:
         results["errors"].append(f"build: {e}")
         save()
         return 1
@@ -969,7 +969,7 @@ def probe(args: argparse.Namespace, names: list[str], ctx: Context | None = None
     if not args.skip_cpu_cost:
         try:
             results["cpu_call_cost"] = cpu_call_cost(ctx)
-        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired, native.BuildError) as e:
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired, cbuild.BuildError) as e:
             results["errors"].append(f"cpu_call_cost: {e}")
         save()
 

@@ -60,7 +60,7 @@ def child() -> None:
     q = torch.randn(4, 8, 256, 64, device=dev, dtype=torch.float16)
     F.scaled_dot_product_attention(q, q, q).sum().item()
     mark("end")
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     print(json.dumps({"owned": owned.torch_allocator() is not None}))
 

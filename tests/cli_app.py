@@ -1,4 +1,4 @@
-"""A tiny command built on gpuos_tools.cli, for tests/test_cli.py (run as a script there)."""
+"""A tiny command built on gpuos_tools.commands.cli, for tests/test_cli.py (run as a script there)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from gpuos_tools.cli import OutputOpt, run_app
+from gpuos_tools.commands.cli import OutputOpt, run_app
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import open_output
 

@@ -44,7 +44,7 @@ def in_repo() -> Iterator[None]:
 def call(command: str, args: list[str]) -> tuple[int, bytes, str]:
     """Run a gpuos command in this process, as its entry point would: (status, stdout, stderr).
     Standard output is a file (not a terminal), so commands write records."""
-    from gpuos_tools.cli import run
+    from gpuos_tools.commands.cli import run
     from gpuos_tools.commands import predict_access, prefetch_sched, trace
 
     app = {"gpu-predict-access": predict_access.app, "gpu-trace": trace.app,

@@ -15,7 +15,7 @@ from gpuos_tools.access import Predictor
 from gpuos_tools.access.report import compute_report, explain, report_records
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.stream import open_input
-from gpuos_tools.trace.records import pointer_words
+from gpuos_tools.model.records import pointer_words
 
 RECORDED = REPO / "tests" / "data" / "recorded"
 TRACES = ["cupy", "cupy-python", "torch", "torch-python", "apis"]

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from gpuos_tools.agent import wire
+from gpuos_tools.model import wire
 from gpuos_tools.agent.agent import Agent
 
 KERNEL = "_Z5scalePffx"  # scale(float*, float, long long)

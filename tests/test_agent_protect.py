@@ -10,7 +10,7 @@ import pytest
 
 from gpuos_tools.agent import agent as agent_mod
 from gpuos_tools.agent.agent import COW, ENQUEUED, HOST, UNSAVED, Agent, Snap
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 NOT_READY = 600
 

@@ -15,9 +15,9 @@ import pytest
 
 from gpuos_tools.agent import control
 from gpuos_tools.agent.agent import fit_problems
-from gpuos_tools.ckpt.image import ImageWriter
+from gpuos_tools.image.store import ImageWriter
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = {"gpu": "NVIDIA H100 80GB HBM3", "cuda": 13000}

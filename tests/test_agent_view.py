@@ -1,7 +1,7 @@
 """The validator's and the agent's view of the program (gpuos_tools/agent/view.py), fed the same
 wire tuples the tracer ships, without a GPU."""
 
-from gpuos_tools.agent import wire
+from gpuos_tools.model import wire
 from gpuos_tools.agent.view import ProcessView
 
 

@@ -1,4 +1,4 @@
-"""The image writer's storage side (gpuos_tools/ckpt/chunkio.py and ImageWriter's use of it):
+"""The image writer's storage side (gpuos_tools/image/chunkio.py and ImageWriter's use of it):
 checksums chosen by speed, O_DIRECT chunk files from aligned and unaligned sources, the writer's
 own threads, and queued (wait=False) buffers."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.ckpt import chunkio
-from gpuos_tools.ckpt.image import ImageError, ImageWriter, open_image, verify
+from gpuos_tools.image import chunkio
+from gpuos_tools.image.store import ImageError, ImageWriter, open_image, verify
 
 CS = 64 << 10
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, child_env, fake_cuda_process
 
-from gpuos_tools.ckpt import criu, procs, registry
+from gpuos_tools.ckpt import criu, registry
+from gpuos_tools import procs
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, error_code, uuid_bytes
 from gpuos_tools.ckpt.profile import (
     Profile,
@@ -181,7 +182,7 @@ def _as_other_user(pid: int, uid: int) -> tuple[int, str]:
     """Run `gpu-ckpt --pid PID` in a forked child that has become ``uid``; (status, stderr)."""
     import typer
 
-    from gpuos_tools.cli import run
+    from gpuos_tools.commands.cli import run
     from gpuos_tools.commands.ckpt import app
 
     command = typer.main.get_command(app)

@@ -19,9 +19,9 @@ import pytest
 import typer
 from helpers import REPO, child_env
 
-from gpuos_tools.ckpt import image as img
+from gpuos_tools.image import store as img
 from gpuos_tools.ckpt import periodic as per
-from gpuos_tools.cli import run
+from gpuos_tools.commands.cli import run
 from gpuos_tools.errors import ExitCode, GpuosError
 
 T = 1_700_000_000.0  # a fixed "now" (2023-11-14, in the past for --plan), advanced by the tests

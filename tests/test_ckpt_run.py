@@ -14,7 +14,7 @@ import pytest
 import typer
 from helpers import REPO, child_env
 
-from gpuos_tools import cli
+from gpuos_tools.commands import cli
 from gpuos_tools.commands import ckpt, trace
 from gpuos_tools.errors import ExitCode
 

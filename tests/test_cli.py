@@ -14,7 +14,7 @@ from cli_app import app
 from helpers import child_env
 from rich.progress import Progress
 
-from gpuos_tools.cli import NullProgress, progress, run, stderr_console
+from gpuos_tools.commands.cli import NullProgress, progress, run, stderr_console
 from gpuos_tools.errors import ExitCode
 
 APP = str(Path(__file__).with_name("cli_app.py"))

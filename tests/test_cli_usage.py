@@ -15,7 +15,7 @@ import typer
 from helpers import REPO, child_env
 
 import gpuos_tools
-from gpuos_tools.cli import command, run
+from gpuos_tools.commands.cli import command, run
 
 COMMANDS = ["gpu-trace", "gpu-ckpt", "gpu-restore", "gpu-predict-access", "gpu-prefetch-sched", "gpu-kinfer-bridge"]
 MODULES = {

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, child_env
 
-from gpuos_tools.ckpt import criu, driver, procs
+from gpuos_tools.ckpt import criu, driver
+from gpuos_tools import procs
 
 BUNDLE = REPO.parent / "shared" / "criu" / "path"
 

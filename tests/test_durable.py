@@ -18,13 +18,13 @@ from helpers import child_env
 
 from gpuos_tools.agent import control, durable
 from gpuos_tools.agent.snapshot import snapshot_to_image
-from gpuos_tools.ckpt.image import open_image, verify
+from gpuos_tools.image.store import open_image, verify
 
 CHILD = r"""
 import atexit, os, random, sys, time
 from pathlib import Path
 from gpuos_tools.agent import control, durable
-from gpuos_tools.ckpt import chunkio
+from gpuos_tools.image import chunkio
 
 real = chunkio.write_chunk_file
 def slow(path, data, *, sync, direct):  # the fake: a slow disk

@@ -1,4 +1,4 @@
-"""The residency engine (gpuos_tools/agent/engine.py) on a fake driver: what each operation
+"""The residency engine (gpuos_tools/memory/engine.py) on a fake driver: what each operation
 waits for, what loads when and in which order, eviction after the last use, and what an
 operation touching an evicting record does. No GPU: the owned library's records and the
 driver's streams and events are simulated, events completing when the test says so."""
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from gpuos_tools.agent.agent import Agent
-from gpuos_tools.agent.engine import EVICTING, LOADING, RELEASED, RESIDENT, ResidencyEngine
+from gpuos_tools.memory.engine import EVICTING, LOADING, RELEASED, RESIDENT, ResidencyEngine
 
 MIB = 1 << 20
 
@@ -235,7 +235,7 @@ def test_background_loader_keeps_a_bounded_amount_ahead():
 
 
 def test_the_most_recently_touched_come_first_and_recency_is_sampled_once_all_is_learnt():
-    from gpuos_tools.agent.engine import SAMPLE
+    from gpuos_tools.memory.engine import SAMPLE
 
     recs = [Rec(b, 256 * MIB) for b in BASES]
     ops = FakeOps(recs, auto=True)

@@ -1,4 +1,4 @@
-"""A write no prediction showed, detected at run time (gpuos_tools/agent/engine.py, "Mismatches";
+"""A write no prediction showed, detected at run time (gpuos_tools/memory/engine.py, "Mismatches";
 issue 8, item 2): a clean record whose digest changed names the kernels that may have written it,
 those kernels are unknown from then on and their launches count as writing everything resident,
 so the evictions after them save without a digest. On the digest tests' fake driver; the
@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from gpuos_tools.agent.engine import RELEASED, ResidencyEngine
+from gpuos_tools.memory.engine import RELEASED, ResidencyEngine
 from tests.test_engine import MIB, FakeAgent, Rec
 from tests.test_engine_digest import DigestOps, wait_state
 

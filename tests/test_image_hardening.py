@@ -22,10 +22,10 @@ import pytest
 import typer
 from helpers import REPO, child_env
 
-from gpuos_tools.ckpt import image as img
-from gpuos_tools.ckpt import manifest as mf
-from gpuos_tools.ckpt.image import ImageError, compact, diff, open_image, verify
-from gpuos_tools.cli import run
+from gpuos_tools.image import store as img
+from gpuos_tools.image import manifest as mf
+from gpuos_tools.image.store import ImageError, compact, diff, open_image, verify
+from gpuos_tools.commands.cli import run
 from gpuos_tools.errors import ExitCode
 
 RECORDED = REPO / "tests" / "data" / "recorded" / "agent-image"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.agent import native
+from gpuos_tools import cbuild
 from gpuos_tools.injection import intercept
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
@@ -41,7 +41,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
     cache = d / "cache"
     out = {"lib": intercept.build(cache), "dir": d}
     for name, extra in (("drv", ("-Wl,-Bsymbolic",)), ("drv-plain", ())):
-        fake = native.build_library(cache, source=FAKE, stem=f"libfake-{name}",
+        fake = cbuild.build_library(cache, source=FAKE, stem=f"libfake-{name}",
                                     flags=("-O2", *extra, "-Wl,-soname,libcuda.so.1"), libs=("-lpthread",))
         (d / name).mkdir()
         shutil.copy(fake, d / name / "libcuda.so.1")

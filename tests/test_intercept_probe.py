@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.agent import native
+from gpuos_tools import cbuild
 from gpuos_tools.injection import intercept
 from gpuos_tools.stream import open_output
 
@@ -43,7 +43,7 @@ def probe():
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("driver")
-    fake = native.build_library(d / "cache", source=TESTS / "fake_libcuda_entry.c", stem="libfake-entry",
+    fake = cbuild.build_library(d / "cache", source=TESTS / "fake_libcuda_entry.c", stem="libfake-entry",
                                 flags=("-O2", "-Wl,-Bsymbolic", "-Wl,-soname,libcuda.so.1"), libs=("-lpthread",))
     shutil.copy(fake, d / "libcuda.so.1")
     return d

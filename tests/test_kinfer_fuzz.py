@@ -321,7 +321,7 @@ def test_kept_ring_cases_stay_fixed(tmp_path: Path, fixture: dict[str, Any]) -> 
 def test_the_fuzzer_finds_a_planted_bug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness fails, and minimises, when the daemon breaks: with the pid check taken away, a
     WRITING slot whose producer_pid is 2^31 crashes housekeeping again."""
-    from gpuos_tools.ckpt import procs
+    from gpuos_tools import procs
 
     monkeypatch.setattr(R, "pid_alive", lambda pid: procs.exists(pid))
     cases = [[{"request": 1}], [{"byte": 9000, "value": 1}, {"state": 5, "value": R.WRITING}],

@@ -12,7 +12,7 @@ from cli_app import app
 from helpers import REPO
 
 from gpuos_tools.errors import DESCRIPTIONS, ExitCode
-from gpuos_tools.manpage import PAGES, markup_to_roff, render_man
+from gpuos_tools.commands.manpage import PAGES, markup_to_roff, render_man
 
 MAN = REPO / "man"
 PAGE_FILES = sorted(p for p in MAN.iterdir() if p.suffix[1:].isdigit())

@@ -1,4 +1,4 @@
-"""The UM baseline's pieces on the CPU (gpuos_tools/agent/managed.py): the software budget's LRU
+"""The UM baseline's pieces on the CPU (gpuos_tools/memory/managed.py): the software budget's LRU
 bookkeeping, and the managed allocator's C library (csrc/gpuos_um.c) on the stand-in driver
 (tests/fake_libcuda.c): size classes, per-stream reuse, the log of blocks handed out, the
 limit against the GPU's free memory, the eviction call."""
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.agent import managed, native
-from gpuos_tools.agent.managed import ManagedLRU
+from gpuos_tools.memory import managed
+from gpuos_tools import cbuild
+from gpuos_tools.memory.managed import ManagedLRU
 
 FAKE = Path(__file__).resolve().parent / "fake_libcuda.c"
 MIB = 1 << 20
@@ -119,7 +120,7 @@ def um(tmp_path):
     if not HAVE_CC:
         pytest.skip("no C compiler")
     lib_path = managed.build(tmp_path / "cache")
-    fake_path = native.build_library(tmp_path / "cache", source=FAKE, stem="libfakecuda", libs=("-lpthread",))
+    fake_path = cbuild.build_library(tmp_path / "cache", source=FAKE, stem="libfakecuda", libs=("-lpthread",))
     mine, fake = tmp_path / "libum.so", tmp_path / "libfake.so"
     shutil.copy(lib_path, mine)
     shutil.copy(fake_path, fake)
@@ -164,7 +165,7 @@ def test_sizes_round_to_the_owned_caches_classes(um):
 
 def test_both_caches_round_every_size_alike(um, tmp_path):
     """One header (agent/include/gpuos_sizeclass.h) for both: a comparison moves the same bytes."""
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     lib, _, _ = um
     path = tmp_path / "alloc.so"
@@ -211,11 +212,11 @@ def test_the_limit_is_the_free_memory_at_the_first_allocation_less_the_reserve(u
 def test_a_refusal_with_an_exit_status_ends_the_process_saying_why(tmp_path):
     if not HAVE_CC:
         pytest.skip("no C compiler")
-    fake_path = native.build_library(tmp_path / "cache", source=FAKE, stem="libfakecuda", libs=("-lpthread",))
+    fake_path = cbuild.build_library(tmp_path / "cache", source=FAKE, stem="libfakecuda", libs=("-lpthread",))
     lib_path = managed.build(tmp_path / "cache")
     code = (
         "import ctypes, sys\n"
-        "from gpuos_tools.agent import managed\n"
+        "from gpuos_tools.memory import managed\n"
         f"fake = ctypes.CDLL({str(fake_path)!r}); fake.fake_set_free.argtypes = [ctypes.c_uint64]\n"
         "fake.fake_set_free(1 << 30)\n"
         f"lib = managed.ManagedLibrary({str(lib_path)!r}, libcuda={str(fake_path)!r}, reserve=1 << 29)\n"

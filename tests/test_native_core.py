@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from gpuos_tools.agent import native, wire
+from gpuos_tools.model import binary, wire
 from gpuos_tools.agent.agent import DONE, Agent
 from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.injection import core as core_mod
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
 RECORDED = Path(__file__).parent / "data" / "recorded"
 TRACES = sorted(RECORDED.glob("*.ndjson.zst"))
 OP_LAUNCH, OP_WRITE, OP_FREE, OP_GRAPH = 1, 2, 3, 4
-KIND_CODE = {k: i for i, k in enumerate(native.ALLOC_KINDS)}
+KIND_CODE = {k: i for i, k in enumerate(binary.ALLOC_KINDS)}
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +406,7 @@ def test_touches_alone_come_from_the_argument_words_without_python(core):
 
 
 def test_the_agent_runs_on_the_core_unless_asked_not_to_or_it_cannot_be_built(monkeypatch):
-    from gpuos_tools.agent import native as N
+    from gpuos_tools import cbuild
     from gpuos_tools.errors import GpuosError
     from gpuos_tools.trace import run
 
@@ -419,7 +419,7 @@ def test_the_agent_runs_on_the_core_unless_asked_not_to_or_it_cannot_be_built(mo
     monkeypatch.delenv("GPUOS_AGENT_BACKEND")
 
     def broken():
-        raise N.BuildError("no C compiler (cc, gcc or clang) on PATH")
+        raise cbuild.BuildError("no C compiler (cc, gcc or clang) on PATH")
 
     monkeypatch.setattr(core_mod, "build", broken)
     assert run.native_agent_library("auto", said.append) is None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.agent import owned
+from gpuos_tools.memory import owned
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 
@@ -23,10 +23,10 @@ G = 2 << 20
 def env(tmp_path):
     """(OwnedLibrary, counters()) with private copies of both libraries, so that each test
     starts from empty tables (the state of a shared object is per load)."""
-    from gpuos_tools.agent import native
+    from gpuos_tools import cbuild
 
     lib_path = owned.build(tmp_path / "cache")
-    fake_path = native.build_library(tmp_path / "cache", source=FAKE, stem="libfakecuda", libs=("-lpthread",))
+    fake_path = cbuild.build_library(tmp_path / "cache", source=FAKE, stem="libfakecuda", libs=("-lpthread",))
     mine, fake = tmp_path / "liballoc.so", tmp_path / "libfake.so"
     shutil.copy(lib_path, mine)
     shutil.copy(fake_path, fake)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, child_env
 
-from gpuos_tools.cli import command, run
+from gpuos_tools.commands.cli import command, run
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.kinfer import policy as P
 

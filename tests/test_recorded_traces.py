@@ -14,7 +14,7 @@ import pytest
 from gpuos_tools.cuda import elf
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.stream import open_input
-from gpuos_tools.trace.allocs import AllocTable
+from gpuos_tools.model.allocs import AllocTable
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "recorded"

@@ -292,7 +292,7 @@ def test_collect_refuses_fewer_reads_than_devices(tmp_path: Path) -> None:
 
 
 def test_long_inputs_show_a_count_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpuos_tools.cli import with_progress
+    from gpuos_tools.commands.cli import with_progress
 
     master, slave = os.openpty()
     try:
@@ -308,7 +308,7 @@ def test_long_inputs_show_a_count_on_a_terminal(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_no_progress_when_not_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpuos_tools.cli import with_progress
+    from gpuos_tools.commands.cli import with_progress
 
     with open(tmp_path / "err", "w") as err:
         monkeypatch.setattr(sys, "stderr", err)

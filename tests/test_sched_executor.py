@@ -1,5 +1,5 @@
 """The online executor (gpuos_tools/sched/executor.py) driving the real residency engine
-(gpuos_tools/agent/engine.py) on the engine tests' fake driver: a stencil loop's launches, each
+(gpuos_tools/memory/engine.py) on the engine tests' fake driver: a stencil loop's launches, each
 checked to find its records mapped when it is issued, the mapped bytes within the budget, and
 every array's contents surviving the evictions and loads. No GPU."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from test_engine import FakeAgent, FakeOps, Rec
 
-from gpuos_tools.agent.engine import ResidencyEngine
+from gpuos_tools.memory.engine import ResidencyEngine
 from gpuos_tools.sched.executor import Executor
 
 MIB = 1 << 20

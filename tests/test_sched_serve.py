@@ -16,7 +16,7 @@ import pytest
 from test_engine import FakeAgent, FakeOps, Rec
 from test_sched_executor import FakeLib
 
-from gpuos_tools.agent.engine import ResidencyEngine
+from gpuos_tools.memory.engine import ResidencyEngine
 from gpuos_tools.sched.executor import Executor
 from gpuos_tools.sched.serve import Coordinator, Lines, job_output, throughput
 

@@ -1,11 +1,11 @@
-"""The agent's pinned staging, pinned in pieces (gpuos_tools/agent/staging.py), with the driver's
+"""The agent's pinned staging, pinned in pieces (gpuos_tools/memory/staging.py), with the driver's
 register/unregister calls replaced by recorders: the piece logic needs no GPU."""
 
 import threading
 
 import pytest
 
-from gpuos_tools.agent.staging import Staging, StagingError
+from gpuos_tools.memory.staging import Staging, StagingError
 
 MIB = 1 << 20
 

@@ -17,13 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpuos_tools.agent import control, owned
+from gpuos_tools.agent import control
+from gpuos_tools.memory import owned
 from gpuos_tools.agent.agent import Agent
 from gpuos_tools.agent.suspend import (SUSPENDED, Span, Suspension, image_buffers, layout, named, refusal, split,
                                        summary)
 from gpuos_tools.agent.view import ProcessView
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from gpuos_tools.trace.allocs import Allocation, AllocTable
+from gpuos_tools.model.allocs import Allocation, AllocTable
 
 BASE = 0x7F00_0000_0000
 

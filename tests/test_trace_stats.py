@@ -1,6 +1,6 @@
 """gpu-trace stats arithmetic, on tests/data/unit-small.ndjson and inline records.
 
-unit-small.ndjson is written by hand in the record format of gpuos_tools/trace/records.py, only
+unit-small.ndjson is written by hand in the record format of gpuos_tools/model/records.py, only
 to check the arithmetic; every expected number below was worked out from it by hand. Its
 addresses: A = 0x7f0000000000 (4 KiB, id 1), B = 0x7f0000100000 (1 MiB, id 2),
 C = 0x7f0000400000 (2 MiB, id 3, allocated after A is freed).

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpuos_tools.agent import tracer
+from gpuos_tools.injection import tracer
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import numpy as np
 
 from gpuos_tools.agent.validate import CHUNK, Layout, complement
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 
 def regions():

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from gpuos_tools.agent import wire
-from gpuos_tools.trace.decode import Decoder
+from gpuos_tools.model import wire
+from gpuos_tools.model.decode import Decoder
 
 
 def test_frames_round_trip_through_a_pipe():

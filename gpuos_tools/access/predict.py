@@ -18,7 +18,7 @@ from typing import Any
 from gpuos_tools.access.proto import CONST, POINTERS, STRUCT, VALUE, prototype
 from gpuos_tools.access.templates import Templates
 from gpuos_tools.cuda.elf import demangle
-from gpuos_tools.trace.allocs import Allocation, AllocTable
+from gpuos_tools.model.allocs import Allocation, AllocTable
 
 GRANULARITIES = ("alloc", "range")
 

@@ -1,6 +1,6 @@
 """Scoring a prediction against what `gpu-trace run --validate` observed on the GPU.
 
-A `validation` record (gpuos_tools/trace/records.py) follows the launch it checked and gives,
+A `validation` record (gpuos_tools/model/records.py) follows the launch it checked and gives,
 in absolute addresses: the chunks the kernel changed (`written`), whether poisoning everything
 outside the range prediction changed its output (`reads`), and per pointer how far the kernel
 read and wrote (`extents`). Any prediction of that launch — another granularity, size templates
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

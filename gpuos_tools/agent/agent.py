@@ -45,11 +45,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuos_tools.agent.staging import Staging
+from gpuos_tools.memory.staging import Staging
 from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.cuda.driver import ok as _ok
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
@@ -149,7 +149,7 @@ class Agent(ProcessView):
         self.issuing = 0
         self._issued = threading.Condition(threading.Lock())
         self.suspension = None  #: gpuos_tools/agent/suspend.py's Suspension, from the first suspend
-        #: gpuos_tools/agent/engine.py's ResidencyEngine, when the program's memory is owned
+        #: gpuos_tools/memory/engine.py's ResidencyEngine, when the program's memory is owned
         self.engine = None
 
     @property
@@ -206,7 +206,7 @@ class Agent(ProcessView):
 
     def start_engine(self) -> None:
         """Consult a residency engine on the launch path (the owned allocator is loaded)."""
-        from gpuos_tools.agent.engine import ResidencyEngine
+        from gpuos_tools.memory.engine import ResidencyEngine
 
         self.engine = ResidencyEngine(self)
 
@@ -478,7 +478,7 @@ class Agent(ProcessView):
                  parent: str | None = None, compress: bool = False, chunk_size: int | None = None,
                  checksum: str = "auto", threads: int | None = None) -> dict[str, Any]:
         """Take a consistent snapshot; return its description (per-buffer digests with
-        ``digest``). With ``image``, write it there (gpuos_tools/ckpt/image.py; ``threads``
+        ``digest``). With ``image``, write it there (gpuos_tools/image/store.py; ``threads``
         writer threads); with ``parent`` (this agent's last image), an incremental image of what
         was written since."""
         from cuda.bindings import driver as drv
@@ -583,11 +583,11 @@ class Agent(ProcessView):
             self._release(snap)
 
     def _ensure_staging(self, total: int, pause=None, stop: threading.Event | None = None) -> Staging:
-        """Pinned host memory of at least ``total`` bytes (gpuos_tools/agent/staging.py). It is
+        """Pinned host memory of at least ``total`` bytes (gpuos_tools/memory/staging.py). It is
         pinned a piece at a time, with ``pause`` between pieces, and kept between snapshots."""
         from cuda.bindings import driver as drv
 
-        from gpuos_tools.agent.staging import PIECE, driver_staging
+        from gpuos_tools.memory.staging import PIECE, driver_staging
 
         with self._staging_made:
             if self.staging is None:
@@ -662,7 +662,7 @@ class Agent(ProcessView):
         """
         from cuda.bindings import driver as drv
 
-        from gpuos_tools.ckpt.image import open_image
+        from gpuos_tools.image.store import open_image
 
         if self.ctx is None:
             raise GpuosError("the program has no CUDA allocation yet: nothing to roll back", ExitCode.WRONG_STATE)
@@ -690,7 +690,7 @@ class Agent(ProcessView):
         eng = self.engine
         if lazy:
             if eng is None:  # plain allocations: an engine that only loads (made now, used once settled under the lock)
-                from gpuos_tools.agent.engine import ResidencyEngine
+                from gpuos_tools.memory.engine import ResidencyEngine
 
                 eng = ResidencyEngine(self, owned=False)
             for name in ("demand", "background"):  # made here, not in the program's first callback after

@@ -15,7 +15,7 @@ from gpuos_tools.errors import ExitCode, GpuosError
 
 def agents() -> list[tuple[int, Path]]:
     """(pid, socket) of every agent of this user whose process is alive."""
-    from gpuos_tools.ckpt.procs import exists
+    from gpuos_tools.procs import exists
 
     out = []
     d = control.socket_dir()

@@ -1,5 +1,5 @@
 """Suspend and resume through the agent (issue 7, items 2 and 5): the physical memory of every
-buffer the agent owns (gpuos_tools/agent/owned.py, `GPUOS_AGENT_OWN=1`) goes to pinned host
+buffer the agent owns (gpuos_tools/memory/owned.py, `GPUOS_AGENT_OWN=1`) goes to pinned host
 memory at link speed and back to the driver; the program waits; resume maps it again at the
 same addresses and reloads it.
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 RUNNING, SUSPENDING, SUSPENDED, RESUMING = "running", "suspending", "suspended", "resuming"
 LARGEST = 5  #: allocations named in a refusal or a report
@@ -210,7 +210,7 @@ class Suspension:
 
     def suspend(self, partial: bool = False, image: str | None = None, compress: bool = False,
                 chunk_size: int | None = None, checksum: str = "crc32", max_hold_s: float | None = None) -> dict[str, Any]:
-        from gpuos_tools.agent import owned
+        from gpuos_tools.memory import owned
 
         agent = self.agent
         if self.held:
@@ -254,7 +254,7 @@ class Suspension:
     def resume(self, timeout: float | None = None, lazy: bool = False) -> dict[str, Any]:
         """Let the program go on: every buffer loaded first, or (``lazy``) at once, each of its
         operations waiting on the GPU for the buffers it touches while the rest load behind
-        (gpuos_tools/agent/engine.py)."""
+        (gpuos_tools/memory/engine.py)."""
         with self._turn:
             if self.state != SUSPENDED:
                 raise GpuosError(f"the program is {self.state}, not suspended: nothing to resume",
@@ -425,7 +425,7 @@ class Suspension:
 
     def _write_image(self, allocs: list[Allocation], spans: list[Span], opts: dict[str, Any]) -> dict[str, Any]:
         from gpuos_tools.agent.agent import _device_facts
-        from gpuos_tools.ckpt.image import DEFAULT_CHUNK_SIZE, ImageWriter
+        from gpuos_tools.image.store import DEFAULT_CHUNK_SIZE, ImageWriter
 
         agent = self.agent
         entries = image_buffers(allocs, spans)
@@ -454,7 +454,7 @@ class Suspension:
             return self._resume_lazy(t0)
         from cuda.bindings import driver as drv
 
-        from gpuos_tools.agent.owned import OwnedError
+        from gpuos_tools.memory.owned import OwnedError
 
         lib, staging, side = self._lib, self.agent.staging, self._side
         gone = 0

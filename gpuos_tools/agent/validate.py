@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from gpuos_tools.agent.view import DEVICE_KINDS, ProcessView, launch_record
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model.allocs import Allocation
 
 CHUNK = 128  #: bytes per hashed chunk (the PTX kernel below is written for this size)
 POISONS = (0x00, 0xFF)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpuos_tools.access.predict import Predictor
-from gpuos_tools.agent import wire
-from gpuos_tools.trace.allocs import Allocation
+from gpuos_tools.model import wire
+from gpuos_tools.model.allocs import Allocation
 
 #: allocation kinds whose memory lives on the GPU (host allocations are pinned host memory)
 DEVICE_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
@@ -38,7 +38,7 @@ class ProcessView:
         self.streams: set[int] = {0}
 
     def observe(self, item: tuple) -> None:
-        """Apply one wire tuple (gpuos_tools/agent/wire.py) the tracer is about to ship."""
+        """Apply one wire tuple (gpuos_tools/model/wire.py) the tracer is about to ship."""
         tag = item[0]
         if tag == wire.ALLOC:
             self.on_alloc(item[4], item[5], item[6])

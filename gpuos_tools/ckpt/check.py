@@ -114,7 +114,7 @@ class Probes:
         return out
 
     def fs(self, directory: str) -> dict[str, Any]:
-        from gpuos_tools.ckpt import chunkio
+        from gpuos_tools.image import chunkio
 
         info = chunkio.fs_info(directory)
         st = os.statvfs(directory)

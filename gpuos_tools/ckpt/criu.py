@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.ckpt import procs, registry
+from gpuos_tools import procs
+from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, left_message
 from gpuos_tools.errors import ExitCode, GpuosError
 
@@ -154,7 +155,7 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     this process is killed, even by SIGKILL.
     """
     from gpuos_tools.ckpt.guard import Guard
-    from gpuos_tools.ckpt.image import _temp_name
+    from gpuos_tools.image.store import _temp_name
 
     try:
         criu = find_criu()

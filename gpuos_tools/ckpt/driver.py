@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpuos_tools.ckpt import procs, registry
+from gpuos_tools import procs
+from gpuos_tools.ckpt import registry
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.units import format_size

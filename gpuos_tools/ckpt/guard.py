@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gpuos_tools.ckpt import procs, registry
+from gpuos_tools import procs
+from gpuos_tools.ckpt import registry
 
 SETTLE_S = 1.0  #: the driver state must read the same this long before the guard acts on it
 SETTLE_MAX_S = 60.0
@@ -171,7 +172,7 @@ def settled_state(ckpt: Any, pid: int) -> str | None:
 
 def finalize(temp: Path, image: Path) -> None:
     """Make a complete dump in ``temp`` the image at ``image`` (an empty directory there is replaced)."""
-    from gpuos_tools.ckpt.image import _fsync_dir
+    from gpuos_tools.image.store import _fsync_dir
 
     os.rename(temp, image)  # rename(2) replaces an empty directory
     _fsync_dir(str(image.parent))

@@ -41,7 +41,7 @@ deleted newest first, each by one rename, so no image ever points at a deleted p
 the directory that are not images named by this profile are never touched; temp directories of
 writers that died are removed; a lock file keeps two runs of one profile apart.
 
-A damaged image (one whose manifest or parent chain does not pass gpuos_tools.ckpt.image's
+A damaged image (one whose manifest or parent chain does not pass gpuos_tools.image.store's
 checks) never stops a run: it is listed in the record's ``damaged`` with what is wrong, is not
 counted by ``keep``, is never chained to and never deleted (what is damaged is for a person to
 look at), and the run goes on taking its image and applying retention to the others.
@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.ckpt import image as img
-from gpuos_tools.ckpt.manifest import MAX_CHAIN, MAX_CHUNK
+from gpuos_tools.image import store as img
+from gpuos_tools.image.manifest import MAX_CHAIN, MAX_CHUNK
 from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
@@ -457,7 +457,7 @@ def process_snapshot(prof: PeriodicProfile) -> SnapshotFn:
 def find_process(spec: dict[str, Any]) -> int:
     """The pid a [process] table names: its pid, or the one CUDA process whose command line
     matches its command (NO_SUCH_PROCESS when none or several do)."""
-    from gpuos_tools.ckpt import procs
+    from gpuos_tools import procs
 
     if "pid" in spec:
         return int(spec["pid"])

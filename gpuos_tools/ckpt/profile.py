@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.ckpt import procs, registry
+from gpuos_tools import procs
+from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError

@@ -212,7 +212,7 @@ def record_stream(output: str | None, tool: str, header_fields: Callable[[], dic
 
 IMAGE_FORMAT = """\
 Images of the agent path (`gpu-ckpt compact`, `gpu-ckpt periodic`, `gpu-restore verify` and
-`gpu-restore diff`; the agent writes them through `gpuos_tools.ckpt.image.ImageWriter`) are
+`gpu-restore diff`; the agent writes them through `gpuos_tools.image.store.ImageWriter`) are
 directories, not live processes: a JSON manifest (the allocation table with addresses and
 sizes, GPU, driver, CUDA, process, parent image, T0 and the launch sequence number at T0) and
 each buffer's bytes in fixed-size chunk files (64 MiB by default), each with a checksum of its
@@ -244,8 +244,8 @@ images that cross a trust boundary cannot be changed without the key. Such image
 
 def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The man-page sections gpu-ckpt(1) and gpu-restore(1) share, around their own text."""
-    from gpuos_tools.ckpt.image import IMAGE_DOC
-    from gpuos_tools.ckpt.manifest import render_format
+    from gpuos_tools.image.store import IMAGE_DOC
+    from gpuos_tools.image.manifest import render_format
 
     return {
         "RECORDS": (

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.ckpt import procs
+from gpuos_tools import procs
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import atomic
 

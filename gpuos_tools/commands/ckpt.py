@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from gpuos_tools.ckpt.records import man_sections
-from gpuos_tools.cli import error, options_before_subcommand, run_app, stderr_console
+from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.units import SIZE_HELP, format_size, parse_size
 
@@ -235,7 +235,7 @@ suspends and rollbacks are refused (79); ping's `residency` shows what is pendin
 done, the reload's time and GB/s. The same engine evicts (saves after the buffer's last use,
 then releases) and prefetches single buffers for gpu-prefetch-sched.
 
-The residency API (gpuos_tools/agent/engine.py's ResidencyEngine, inside the program under the
+The residency API (gpuos_tools/memory/engine.py's ResidencyEngine, inside the program under the
 agent; what gpu-prefetch-sched run and lazy resume use) guarantees, per owned buffer (a large
 buffer, or a segment of small ones): `require` before an operation maps every buffer the
 operation touches and makes the operation's stream wait on the GPU for each load in flight, so an
@@ -379,7 +379,7 @@ def checkpoint(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
-    from gpuos_tools.ckpt import chunkio
+    from gpuos_tools.image import chunkio
 
     if checksum not in chunkio.CHOICES:
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
@@ -605,7 +605,7 @@ def compact(
     them into OUT, which appears only when complete. The images of the chain are left as they
     are. Writes one image_compact record.
     """
-    from gpuos_tools.ckpt import image as img
+    from gpuos_tools.image import store as img
 
     size = None
     if chunk_size is not None:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app
+from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app
 
 # The daemon's CPU path runs small batches on one core next to a spinning loop: BLAS threads
 # only fight it (on a 2-core machine a 128-row batch took 16 ms with OpenBLAS's threads, 74 µs

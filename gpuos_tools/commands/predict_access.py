@@ -12,7 +12,7 @@ import typer
 from gpuos_tools.access import __doc__ as _access_doc
 from gpuos_tools.access.templates import __doc__ as _templates_doc
 from gpuos_tools import figures
-from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app, warn, with_progress
+from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, warn, with_progress
 from gpuos_tools.stream.records import ACCESS, ACCESS_TEMPLATE
 from gpuos_tools.stream.schema import render
 

@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperGroup
 
 from gpuos_tools import figures
-from gpuos_tools.cli import OutputOpt, UnbufferedOpt, run_app, with_progress
+from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, with_progress
 from gpuos_tools.sched import __doc__ as _sched_doc
 from gpuos_tools.sched.online import __doc__ as _online_doc
 from gpuos_tools.sched.planner import __doc__ as _planner_doc
@@ -378,7 +378,7 @@ def sched(
     prediction). Each summary gives the bytes moved each way, stalls, and the estimated time
     against the transfer-bound floor and against all memory resident. Needs no GPU.
     """
-    from gpuos_tools.cli import stderr_console
+    from gpuos_tools.commands.cli import stderr_console
     from gpuos_tools.errors import ExitCode, GpuosError
     from gpuos_tools.sched.planner import PLANNERS
     from gpuos_tools.sched.report import render_summaries

@@ -8,10 +8,10 @@ from typing import Optional
 
 import typer
 
-from gpuos_tools.cli import run_app, stderr_console, warn, with_progress
+from gpuos_tools.commands.cli import run_app, stderr_console, warn, with_progress
 from gpuos_tools.agent.agent import __doc__ as _agent_doc
 from gpuos_tools.agent.control import __doc__ as _control_doc
-from gpuos_tools.agent.owned import __doc__ as _owned_doc
+from gpuos_tools.memory.owned import __doc__ as _owned_doc
 from gpuos_tools.agent.validate import __doc__ as _validate_doc
 from gpuos_tools.stream.records import HEADER, TRACE_TYPES
 from gpuos_tools.stream.schema import render

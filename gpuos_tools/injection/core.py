@@ -18,7 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuos_tools.agent import native, wire
+from gpuos_tools import cbuild
+from gpuos_tools.injection import tracelib
+from gpuos_tools.model import binary, wire
 from gpuos_tools.agent.view import ProcessView
 
 HERE = Path(__file__).resolve().parent
@@ -39,7 +41,7 @@ VIEW_DRAIN_BYTES = 1 << 20  #: the background drain takes the view queue past th
 
 def build(cache: Path | None = None) -> Path:
     """The tracer and the core as one library (built once per version of their sources)."""
-    return native.build_library(cache, stem="libgpuos_agent", flags=("-O2", "-DGPUOS_AGENT"),
+    return cbuild.build_library(cache, source=tracelib.SOURCE, stem="libgpuos_agent", flags=("-O2", "-DGPUOS_AGENT"),
                                 includes=(INCLUDE,), sources=SOURCES)
 
 
@@ -119,7 +121,7 @@ def parse_view(data: bytes) -> list[tuple]:
         body = pos + 8
         if tag == 1:
             i, addr, size, kind = _V_ALLOC.unpack_from(data, body)
-            out.append(("alloc", i, addr, size, native.ALLOC_KINDS[kind] if kind < len(native.ALLOC_KINDS) else "device"))
+            out.append(("alloc", i, addr, size, binary.ALLOC_KINDS[kind] if kind < len(binary.ALLOC_KINDS) else "device"))
         elif tag == 2:
             out.append(("free", struct.unpack_from("<Q", data, body)[0]))
         elif tag in (3, 4):

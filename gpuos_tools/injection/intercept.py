@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.agent import native
+from gpuos_tools import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_intercept.c"
 STEM = "libgpuos_intercept"
@@ -28,8 +28,8 @@ LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
 
 
 def build(cache: Path | None = None) -> Path:
-    """The library, compiled once per version of its source (native.BuildError says why not)."""
-    return native.build_library(cache, source=SOURCE, stem=STEM)
+    """The library, compiled once per version of its source (cbuild.BuildError says why not)."""
+    return cbuild.build_library(cache, source=SOURCE, stem=STEM)
 
 
 def call_names(library: Path | str) -> list[str]:

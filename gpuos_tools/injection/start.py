@@ -1,5 +1,5 @@
-"""Start-up of the in-process side, from the bootstrap (gpuos_tools/agent/boot/sitecustomize.py):
-the tracer alone or the Python agent (gpuos_tools/agent/tracer.py), or the agent on the native
+"""Start-up of the in-process side, from the bootstrap (gpuos_tools/injection/boot/sitecustomize.py):
+the tracer alone or the Python agent (gpuos_tools/injection/tracer.py), or the agent on the native
 per-operation core (`NativeAgentTracer`), as the environment `gpu-trace run` set says."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Any
 
-from gpuos_tools.agent import native, tracer, wire
+from gpuos_tools.injection import tracelib, tracer
+from gpuos_tools.model import wire
 from gpuos_tools.injection.core import (
     F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
     UP_PROTECT, UP_REFERENCE, UP_WRITE, VIEW_DRAIN_BYTES, NativeCore, NativeLock, OwnThreads, apply_view,
@@ -31,7 +32,7 @@ def start(fd: int) -> Any:
 
 
 def start_native_agent(fd: int, library: str) -> NativeAgentTracer:
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
     from gpuos_tools.agent.agent import Agent
 
     check = os.environ.pop("GPUOS_TRACE_CHECK_POINTERS", "0") == "1"
@@ -157,7 +158,7 @@ class NativeAgentTracer(tracer.Tracer):
         self.agent = agent
         kinds = {cbid: kind | (PTSZ if name.endswith(("_ptsz", "_ptds")) else 0)
                  for cbid, (name, _, kind) in self.table.items()}
-        self.session = native.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
+        self.session = tracelib.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
         self.core = NativeCore(library)
         self.upcalls = AgentUpcalls(self.core, agent, {cbid: name for cbid, (name, _, _) in self.table.items()})
         self._drainer: threading.Thread | None = None

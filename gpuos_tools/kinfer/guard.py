@@ -12,7 +12,7 @@ import ctypes
 import threading
 from pathlib import Path
 
-from gpuos_tools.agent.native import BuildError, build_library
+from gpuos_tools.cbuild import BuildError, build_library
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kinfer_guard.c"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuos_tools.agent.native import BuildError, build_library
+from gpuos_tools.cbuild import BuildError, build_library
 from gpuos_tools.kinfer.model import Mlp
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kinfer_native.c"

@@ -166,7 +166,7 @@ def pid_alive(pid: int) -> bool:
     """True while a process (not a zombie: a dead producer not yet reaped) has this pid. Any
     value is taken (it comes from shared memory): 0, negatives and numbers above PID_LIMIT name
     no process."""
-    from gpuos_tools.ckpt.procs import exists
+    from gpuos_tools.procs import exists
 
     return 0 < pid <= PID_LIMIT and exists(pid)
 

@@ -1,8 +1,8 @@
 """Online execution inside the program (`gpu-prefetch-sched run`): the agent's launch path asks
 the online policy (gpuos_tools/sched/online.py) what to do and carries it out through the
-residency engine (gpuos_tools/agent/engine.py) -- the engine of issue 7, not a second one.
+residency engine (gpuos_tools/memory/engine.py) -- the engine of issue 7, not a second one.
 
-`OnlineAgent` is the agent with this added; gpuos_tools/agent/tracer.py makes one instead of a
+`OnlineAgent` is the agent with this added; gpuos_tools/injection/tracer.py makes one instead of a
 plain Agent when GPUOS_SCHED_ONLINE is set (JSON: budget or fraction, policy, lookahead, the
 summary file's path), which `gpu-prefetch-sched run` does along with GPUOS_AGENT_OWN=1.
 
@@ -68,7 +68,7 @@ from bisect import bisect_right
 from typing import Any
 
 from gpuos_tools.agent.agent import Agent, _stream_of
-from gpuos_tools.agent.engine import _opaque_copy
+from gpuos_tools.memory.engine import _opaque_copy
 from gpuos_tools.errors import GpuosError
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.stream import atomic

@@ -5,7 +5,7 @@ Pure decision logic: no CUDA here. The caller (gpuos_tools/sched/executor.py, in
 program under the agent) tells it, per launch, the kernel, the record bases the launch touches
 (from the residency engine's mapping; None when not trustworthy) and the live owned records with
 their sizes; it answers a list of actions in the order they must be applied to the engine
-(gpuos_tools/agent/engine.py): ``("evict", base)``, ``("require", bases)``,
+(gpuos_tools/memory/engine.py): ``("evict", base)``, ``("require", bases)``,
 ``("prefetch", base)``.
 
 - Working set: the launch's bases; None (unknown) means every live record (conservative: a

@@ -1,6 +1,6 @@
 """The source text of gpuos-stream(7), kept beside the code it describes.
 
-The markup is gpuos_tools.manpage's (``# TITLE``, paragraphs, ``- `` items, four-space
+The markup is gpuos_tools.commands.manpage's (``# TITLE``, paragraphs, ``- `` items, four-space
 verbatim blocks, `backquotes`); ``$NAME`` stands for the number of ``ExitCode.NAME``.
 """
 

@@ -475,7 +475,7 @@ def _field_items(f: Field, prefix: str = "") -> Iterable[str]:
 
 
 def render(types: Iterable[RecordType], omit: Iterable[str] = ()) -> str:
-    """The RECORDS text of a man page for these types, in gpuos_tools.manpage's markup: a
+    """The RECORDS text of a man page for these types, in gpuos_tools.commands.manpage's markup: a
     paragraph per type, then its fields as a list (``name?`` marks an optional field). Fields
     named in ``omit`` (ones every type shares, said once by the caller) are left out."""
     blocks = []

@@ -1,6 +1,6 @@
 """`gpu-trace run`: start a Python program with the tracer injected and write its stream.
 
-The program is started with our bootstrap first on PYTHONPATH (gpuos_tools/agent/boot) and the
+The program is started with our bootstrap first on PYTHONPATH (gpuos_tools/injection/boot) and the
 write end of a pipe in GPUOS_TRACE_FD; the tracer inside sends wire frames, this process decodes
 them into records. The program's stdin/stdout/stderr are its own, its exit status is ours.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gpuos_tools
-from gpuos_tools.agent import wire
+from gpuos_tools.model import wire
 from gpuos_tools.errors import ExitCode, GpuosError
 
 BOOT_DIR = Path(gpuos_tools.__file__).resolve().parent / "agent" / "boot"
@@ -79,13 +79,13 @@ class RunSummary:
 def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
     """``build()``'s library path for ``backend`` (auto|native|python): None for python, and under
     auto when it cannot be built (said through ``warn``); under native that is an error."""
-    from gpuos_tools.agent import native
+    from gpuos_tools import cbuild
 
     if backend == "python":
         return None
     try:
         return str(build())
-    except (native.BuildError, OSError) as exc:
+    except (cbuild.BuildError, OSError) as exc:
         if backend == "native":
             raise GpuosError(f"cannot build {what}: {exc}", ExitCode.FAILURE) from exc
         warn(f"{what} is unavailable ({exc}); {fallback} through Python callbacks (slower)")
@@ -94,9 +94,9 @@ def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
 
 def native_library(backend: str, warn) -> str | None:
     """The native tracer's library for ``backend`` (auto|native|python), or None for Python."""
-    from gpuos_tools.agent import native
+    from gpuos_tools.injection import tracelib
 
-    return _built(backend, warn, native.build_library, "the native tracer", "tracing")
+    return _built(backend, warn, tracelib.tracer_library, "the native tracer", "tracing")
 
 
 def native_agent_library(backend: str, warn) -> str | None:
@@ -120,10 +120,10 @@ def trace_program(
     ``validate``: (samples per kernel, max live bytes, measure extents) for --validate.
     ``agent``: with the agent; ``cow_budget`` and ``stage_ahead`` are its options.
     """
-    from gpuos_tools.agent.native import parse_records
+    from gpuos_tools.model.binary import parse_records
     from gpuos_tools.cuda.driver import probe_driver
     from gpuos_tools.stream import make_header
-    from gpuos_tools.trace.decode import Decoder
+    from gpuos_tools.model.decode import Decoder
 
     exe = resolve_program(cmd)
     driver = probe_driver()

@@ -24,8 +24,8 @@ from rich.table import Table
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.names import short_names
-from gpuos_tools.trace.allocs import AllocTable
-from gpuos_tools.trace.records import pointer_words
+from gpuos_tools.model.allocs import AllocTable
+from gpuos_tools.model.records import pointer_words
 
 #: How far outside the allocations seen so far a word may lie and still count as an address.
 #: Device allocations cluster in a few regions of the address space; small integers, floats'

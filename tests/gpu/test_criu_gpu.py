@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.ckpt import criu, procs
+from gpuos_tools.ckpt import criu
+from gpuos_tools import procs
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
 from gpuos_tools.errors import ExitCode
 

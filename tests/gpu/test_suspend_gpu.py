@@ -194,7 +194,7 @@ def test_lazy_resume_of_a_program_not_suspended_is_refused(tmp_path):
 def test_engine_evict_then_demand_loads_keep_the_program_bit_identical(tmp_path, plain):
     """Half way, the program (under the agent) evicts every owned record through the residency
     engine -- saved after its last use on the evict stream, then released -- and goes on: each
-    operation loads back on the GPU what it touches before it runs (gpuos_tools/agent/engine.py)."""
+    operation loads back on the GPU what it touches before it runs (gpuos_tools/memory/engine.py)."""
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
            str(tmp_path / "trace.ndjson.zst"), "--", sys.executable, str(PROGS / "owned_prog.py")]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpuos_tools.stream import open_input
-from gpuos_tools.trace.allocs import AllocTable
-from gpuos_tools.trace.records import pointer_words
+from gpuos_tools.model.allocs import AllocTable
+from gpuos_tools.model.records import pointer_words
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """The fault-driven managed-memory baseline of scripts/bench_online_torch.py on a real GPU
-(pytest -m gpu; gpuos_tools/agent/managed.py, csrc/gpuos_um.c): torch allocating CUDA managed
+(pytest -m gpu; gpuos_tools/memory/managed.py, csrc/gpuos_um.c): torch allocating CUDA managed
 memory under a software budget of 50% of it (least recently used blocks pushed to the host
 before each aten operation, faulted back by the kernels) decodes the same tokens as the job
 alone with torch's own allocator, while blocks are evicted and faulted back inside the decode

@@ -10,7 +10,7 @@
  *
  * No CUDA or CUPTI header is needed to build it: the few structs used are declared below with
  * the layouts of cupti_callbacks.h and generated_cuda_meta.h (stable ABI). Record layouts are
- * mirrored by gpuos_tools/agent/native.py (parse_records), which the parent uses to decode.
+ * mirrored by gpuos_tools/cbuild.py (parse_records), which the parent uses to decode.
  *
  * Build: cc -O2 -shared -fPIC -o libgpuos_trace.so gpuos_trace.c -ldl -lpthread
  *

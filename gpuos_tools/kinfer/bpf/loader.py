@@ -16,7 +16,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from gpuos_tools.agent.native import BuildError, build_library
+from gpuos_tools.cbuild import BuildError, build_library
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.kinfer.bpf import HERE, LOADER_SOURCE, OBJECT, unavailable_reason
 from gpuos_tools.kinfer.ring import HEADER_FILE

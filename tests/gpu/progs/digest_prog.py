@@ -1,4 +1,4 @@
-"""The residency engine's digest kernel (gpuos_tools/agent/engine.py, DriverOps.digest) on
+"""The residency engine's digest kernel (gpuos_tools/memory/engine.py, DriverOps.digest) on
 buffers of a few sizes and contents, without the agent: prints one JSON line, per case the
 hex digest at two addresses and digest_reference's (numpy) of the same bytes, and the kernel's GB/s."""
 
@@ -7,7 +7,7 @@ import json
 import cupy as cp
 import numpy as np
 
-from gpuos_tools.agent.engine import DriverOps, digest_reference
+from gpuos_tools.memory.engine import DriverOps, digest_reference
 
 ops = DriverOps(owned=False)
 ops.digest_prepare()

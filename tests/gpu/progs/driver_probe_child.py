@@ -20,11 +20,11 @@ import cupy as cp
 
 
 def main() -> None:
-    traced = sys.modules.get("gpuos_tools.agent.tracer")
+    traced = sys.modules.get("gpuos_tools.injection.tracer")
     tracer = traced._tracer if traced is not None else None
     agent = tracer.agent if tracer is not None else None
     if tracer is None:  # run alone: own CuPy's allocations anyway (VMM memory, no CUPTI)
-        from gpuos_tools.agent import owned
+        from gpuos_tools.memory import owned
 
         owned.install_cupy()
     x = cp.arange(64 << 20, dtype=cp.float32)  # 256 MiB, owned

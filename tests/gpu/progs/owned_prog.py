@@ -51,7 +51,7 @@ def cycle(report: dict) -> None:
     """save -> release -> make_resident -> (garbage) -> load/prefetch of every record."""
     from cuda.bindings import driver as drv
 
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     lib = owned.OwnedLibrary.load()
     res = owned.Residency(lib)
@@ -103,9 +103,9 @@ def evict_all(report: dict) -> None:
     import sys
     import time
 
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
-    engine = sys.modules["gpuos_tools.agent.tracer"]._tracer.agent.engine
+    engine = sys.modules["gpuos_tools.injection.tracer"]._tracer.agent.engine
     lib = owned.OwnedLibrary.load()
     bases = [r.base for r in lib.table() if r.resident]
     accepted = [b for b in bases if engine.evict(b)]
@@ -169,7 +169,7 @@ def main() -> None:
             state["ints"][: len(junk)] += cp.asarray([int(j[-1]) for j in junk])
     cp.cuda.Device().synchronize()
     report["digests"] = {k: ([digest(x) for x in v] if isinstance(v, list) else digest(v)) for k, v in state.items()}
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     pool = owned.pool()
     report["owned"] = pool is not None and cp.cuda.get_allocator() == pool.malloc
@@ -183,7 +183,7 @@ def main() -> None:
         report["arrays_owned"] = all(lib.lookup(a.data.ptr) is not None for a in arrays)
     import sys
 
-    tracer = sys.modules.get("gpuos_tools.agent.tracer")  # under gpu-trace run --agent
+    tracer = sys.modules.get("gpuos_tools.injection.tracer")  # under gpu-trace run --agent
     engine = getattr(getattr(getattr(tracer, "_tracer", None), "agent", None), "engine", None)
     if engine is not None:  # what the residency engine did (a lazy resume's loads, among others)
         report["residency_settled"] = engine.wait_settled(60)

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from gpuos_tools.agent import owned
+from gpuos_tools.memory import owned
 
 lib = owned.OwnedLibrary.load()  # initialises the library torch loads by the same path
 alloc = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "gpuos_torch_malloc", "gpuos_torch_free")

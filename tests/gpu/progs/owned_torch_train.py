@@ -162,7 +162,7 @@ def main() -> None:
     report["digest"] = h.hexdigest()
     report["losses"] = [float(v) for v in torch.stack(losses).cpu()]
 
-    from gpuos_tools.agent import owned
+    from gpuos_tools.memory import owned
 
     report["owned"] = owned.torch_allocator() is not None
     lib = owned.loaded()

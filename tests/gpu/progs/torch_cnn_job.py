@@ -17,7 +17,7 @@ order, the training loop's wall time (synchronised before and after; 2 warm-up s
 it, in the digest too) and its/s, the bytes of parameters, data and optimizer state.
 
 --managed FRACTION: the fault-driven managed-memory baseline, an EMULATION of the driver's
-eviction under pressure (gpuos_tools/agent/managed.py; torch_decode_job.py's docstring says
+eviction under pressure (gpuos_tools/memory/managed.py; torch_decode_job.py's docstring says
 the same): managed memory, a software budget of FRACTION of it kept before each aten
 operation (the backward's and the optimizer's too) from the model's creation to the end of
 the training loop by pushing least recently used blocks to the host, nothing prefetched back.
@@ -106,7 +106,7 @@ def main() -> None:
     um = None
     hooked = contextlib.ExitStack()
     if args.managed:  # before torch's first CUDA allocation
-        from gpuos_tools.agent import managed
+        from gpuos_tools.memory import managed
 
         um = managed.install_torch(args.managed, reserve=args.managed_reserve)
         hooked.enter_context(um.mode())

@@ -23,7 +23,7 @@ in it) and tokens/s, the weights' bytes, the cache kind; under `gpu-prefetch-sch
 did inside the decode loop (`sched_loop`: bytes in and out, evictions, stalls, ...).
 
 --managed FRACTION: the fault-driven managed-memory baseline (scripts/bench_online_torch.py
---um), an EMULATION of the driver's eviction under pressure (gpuos_tools/agent/managed.py):
+--um), an EMULATION of the driver's eviction under pressure (gpuos_tools/memory/managed.py):
 torch allocates CUDA managed memory (a CUDAPluggableAllocator over csrc/gpuos_um.c; the job
 exits with status 81 rather than hold more managed memory than the GPU had free less
 --managed-reserve), and a software budget of FRACTION of the managed bytes is kept by a
@@ -102,7 +102,7 @@ def main() -> None:
     um = None
     hooked = contextlib.ExitStack()
     if args.managed:  # before torch's first CUDA allocation (and before transformers touches torch)
-        from gpuos_tools.agent import managed
+        from gpuos_tools.memory import managed
 
         um = managed.install_torch(args.managed, reserve=args.managed_reserve)
     from transformers import LlamaConfig, LlamaForCausalLM

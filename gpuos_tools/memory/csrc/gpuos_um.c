@@ -1,6 +1,6 @@
 /*
  * gpuos managed-memory allocator for PyTorch: the fault-driven unified-memory baseline of
- * scripts/bench_online_torch.py (gpuos_tools/agent/managed.py drives it; not the agent's
+ * scripts/bench_online_torch.py (gpuos_tools/memory/managed.py drives it; not the agent's
  * allocator, which is gpuos_alloc.c).
  *
  *   torch.cuda.memory.CUDAPluggableAllocator(path, "gpuos_um_malloc", "gpuos_um_free")

@@ -28,7 +28,8 @@ import threading
 import time
 from collections import deque
 
-from gpuos_tools.agent import native, wire
+from gpuos_tools.injection import tracelib
+from gpuos_tools.model import binary, wire
 
 # One memoryview over the user address space (x86-64 and aarch64 user space is below 2**47).
 _MEM = memoryview((ctypes.c_char * (1 << 47)).from_address(0)).cast("B")
@@ -422,32 +423,32 @@ _NOSIZE = lambda f: -1  # noqa: E731
 
 def _copy(direction: str, peer: bool, with_stream: bool):
     return (_copy_handler(direction, "peer" if peer else "ds", with_stream),
-            native.copy_kind(direction, peer, with_stream))
+            binary.copy_kind(direction, peer, with_stream))
 
 
 def _set(elem: int, two_d: bool, with_stream: bool):
-    return _memset_handler(elem, two_d, with_stream), native.set_kind(elem, two_d, with_stream)
+    return _memset_handler(elem, two_d, with_stream), binary.set_kind(elem, two_d, with_stream)
 
 
 # API base name -> (Python handler, native handler kind)
 _DRIVER_APIS: dict[str, tuple[object, int]] = {
-    "cuLaunchKernel": (_launch, native.KIND_LAUNCH),
-    "cuLaunchKernelEx": (_launch_ex, native.KIND_LAUNCH_EX),
-    "cuLaunchCooperativeKernel": (_launch_coop, native.KIND_LAUNCH_COOP),
-    "cuGraphLaunch": (_graph_launch, native.KIND_GRAPH),
-    "cuMemAlloc_v2": (_alloc_handler("device", _Q2, _F, _Z), native.KIND_ALLOC + 0),
+    "cuLaunchKernel": (_launch, binary.KIND_LAUNCH),
+    "cuLaunchKernelEx": (_launch_ex, binary.KIND_LAUNCH_EX),
+    "cuLaunchCooperativeKernel": (_launch_coop, binary.KIND_LAUNCH_COOP),
+    "cuGraphLaunch": (_graph_launch, binary.KIND_GRAPH),
+    "cuMemAlloc_v2": (_alloc_handler("device", _Q2, _F, _Z), binary.KIND_ALLOC + 0),
     "cuMemAllocPitch_v2": (_alloc_handler("pitch", _Q4, lambda f: _U64(_MEM, f[1])[0] * f[3], _Z),
-                           native.KIND_ALLOC + 1),
-    "cuMemAllocManaged": (_alloc_handler("managed", _Q2, _F, _Z), native.KIND_ALLOC + 2),
-    "cuMemAllocAsync": (_alloc_handler("async", _Q3, _F, lambda f: f[2]), native.KIND_ALLOC + 3),
-    "cuMemAllocFromPoolAsync": (_alloc_handler("pool", _Q4, _F, lambda f: f[3]), native.KIND_ALLOC + 4),
-    "cuMemAllocHost_v2": (_alloc_handler("host", _Q2, _F, _Z), native.KIND_ALLOC + 5),
-    "cuMemHostAlloc": (_alloc_handler("host", _Q2, _F, _Z), native.KIND_ALLOC + 5),
-    "cuMemMap": (_map_handler, native.KIND_MAP),
-    "cuMemFree_v2": (_free_handler(_FREE1, _NOSIZE, _Z), native.KIND_FREE),
-    "cuMemFreeAsync": (_free_handler(_Q2, _NOSIZE, lambda f: f[1]), native.KIND_FREE_ASYNC),
-    "cuMemFreeHost": (_free_handler(_FREE1, _NOSIZE, _Z), native.KIND_FREE_HOST),
-    "cuMemUnmap": (_free_handler(_Q2, _F, _Z), native.KIND_UNMAP),
+                           binary.KIND_ALLOC + 1),
+    "cuMemAllocManaged": (_alloc_handler("managed", _Q2, _F, _Z), binary.KIND_ALLOC + 2),
+    "cuMemAllocAsync": (_alloc_handler("async", _Q3, _F, lambda f: f[2]), binary.KIND_ALLOC + 3),
+    "cuMemAllocFromPoolAsync": (_alloc_handler("pool", _Q4, _F, lambda f: f[3]), binary.KIND_ALLOC + 4),
+    "cuMemAllocHost_v2": (_alloc_handler("host", _Q2, _F, _Z), binary.KIND_ALLOC + 5),
+    "cuMemHostAlloc": (_alloc_handler("host", _Q2, _F, _Z), binary.KIND_ALLOC + 5),
+    "cuMemMap": (_map_handler, binary.KIND_MAP),
+    "cuMemFree_v2": (_free_handler(_FREE1, _NOSIZE, _Z), binary.KIND_FREE),
+    "cuMemFreeAsync": (_free_handler(_Q2, _NOSIZE, lambda f: f[1]), binary.KIND_FREE_ASYNC),
+    "cuMemFreeHost": (_free_handler(_FREE1, _NOSIZE, _Z), binary.KIND_FREE_HOST),
+    "cuMemUnmap": (_free_handler(_Q2, _F, _Z), binary.KIND_UNMAP),
     "cuMemcpy": _copy("default", False, False),
     "cuMemcpyAsync": _copy("default", False, True),
     "cuMemcpyHtoD_v2": _copy("HtoD", False, False),
@@ -458,9 +459,9 @@ _DRIVER_APIS: dict[str, tuple[object, int]] = {
     "cuMemcpyDtoDAsync_v2": _copy("DtoD", False, True),
     "cuMemcpyPeer": _copy("peer", True, False),
     "cuMemcpyPeerAsync": _copy("peer", True, True),
-    "cuMemcpy2D_v2": (_copy2d_handler(False), native.KIND_COPY2D),
-    "cuMemcpy2DUnaligned_v2": (_copy2d_handler(False), native.KIND_COPY2D),
-    "cuMemcpy2DAsync_v2": (_copy2d_handler(True), native.KIND_COPY2D_ASYNC),
+    "cuMemcpy2D_v2": (_copy2d_handler(False), binary.KIND_COPY2D),
+    "cuMemcpy2DUnaligned_v2": (_copy2d_handler(False), binary.KIND_COPY2D),
+    "cuMemcpy2DAsync_v2": (_copy2d_handler(True), binary.KIND_COPY2D_ASYNC),
     "cuMemsetD8_v2": _set(1, False, False),
     "cuMemsetD16_v2": _set(2, False, False),
     "cuMemsetD32_v2": _set(4, False, False),
@@ -473,17 +474,17 @@ _DRIVER_APIS: dict[str, tuple[object, int]] = {
     "cuMemsetD2D8Async": _set(1, True, True),
     "cuMemsetD2D16Async": _set(2, True, True),
     "cuMemsetD2D32Async": _set(4, True, True),
-    "cuStreamBeginCapture": (_graphop_handler("capture_begin"), native.KIND_CAPTURE_BEGIN),
-    "cuStreamBeginCapture_v2": (_graphop_handler("capture_begin"), native.KIND_CAPTURE_BEGIN),
-    "cuStreamBeginCaptureToGraph": (_graphop_handler("capture_begin"), native.KIND_CAPTURE_BEGIN),
-    "cuStreamEndCapture": (_graphop_handler("capture_end"), native.KIND_CAPTURE_END),
-    "cuGraphInstantiate": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
-    "cuGraphInstantiate_v2": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
-    "cuGraphInstantiateWithFlags": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
-    "cuGraphInstantiateWithParams": (_graphop_handler("instantiate"), native.KIND_INSTANTIATE),
-    "cuModuleLoadData": (_library_load, native.KIND_LIBRARY),
-    "cuModuleLoadDataEx": (_library_load, native.KIND_LIBRARY),
-    "cuLibraryLoadData": (_library_load, native.KIND_LIBRARY),
+    "cuStreamBeginCapture": (_graphop_handler("capture_begin"), binary.KIND_CAPTURE_BEGIN),
+    "cuStreamBeginCapture_v2": (_graphop_handler("capture_begin"), binary.KIND_CAPTURE_BEGIN),
+    "cuStreamBeginCaptureToGraph": (_graphop_handler("capture_begin"), binary.KIND_CAPTURE_BEGIN),
+    "cuStreamEndCapture": (_graphop_handler("capture_end"), binary.KIND_CAPTURE_END),
+    "cuGraphInstantiate": (_graphop_handler("instantiate"), binary.KIND_INSTANTIATE),
+    "cuGraphInstantiate_v2": (_graphop_handler("instantiate"), binary.KIND_INSTANTIATE),
+    "cuGraphInstantiateWithFlags": (_graphop_handler("instantiate"), binary.KIND_INSTANTIATE),
+    "cuGraphInstantiateWithParams": (_graphop_handler("instantiate"), binary.KIND_INSTANTIATE),
+    "cuModuleLoadData": (_library_load, binary.KIND_LIBRARY),
+    "cuModuleLoadDataEx": (_library_load, binary.KIND_LIBRARY),
+    "cuLibraryLoadData": (_library_load, binary.KIND_LIBRARY),
 }
 _VARIANTS = ("", "_ptsz", "_ptds")
 
@@ -850,7 +851,7 @@ class NativeTracer(Tracer):
     def __init__(self, fd: int, flush_interval: float, library: str, check_pointers: bool):
         super().__init__(fd, flush_interval)
         kinds = {cbid: kind for cbid, (_, _, kind) in self.table.items()}
-        self.session = native.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
+        self.session = tracelib.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
 
     def start(self) -> None:
         wire.write_all(self.fd, wire.encode_frame([self.hello()]))
@@ -917,8 +918,8 @@ def start(fd: int) -> Tracer:
         _tracer = Tracer(fd, flush_ms / 1000.0)
     _tracer.start()
     # GPUOS_AGENT_OWN=1: the program's CuPy allocations go through the owned allocator
-    # (gpuos_tools/agent/owned.py), installed after the tracer so that its mappings are traced
-    from gpuos_tools.agent import owned
+    # (gpuos_tools/memory/owned.py), installed after the tracer so that its mappings are traced
+    from gpuos_tools.memory import owned
 
     if owned.boot_from_environment() and getattr(_tracer, "agent", None) is not None:
         _tracer.agent.start_engine()  # lazy resume, and the residency API gpu-prefetch-sched drives

@@ -93,7 +93,7 @@ enum { F_RESIDENT = 1, F_BUSY = 2, F_SMALL = 4, F_FREE_PENDING = 8 };
 #define N_CLASSES (SMALL_MAX_SHIFT - SMALL_MIN_SHIFT + 1)
 #define MAX_DEVICES 64
 
-/* What Python reads (gpuos_tools/agent/owned.py RECORD mirrors it). */
+/* What Python reads (gpuos_tools/memory/owned.py RECORD mirrors it). */
 typedef struct {
     uint64_t base;      /* start of the reserved range (granularity-aligned) */
     uint64_t size;      /* bytes reserved; mapped while resident */

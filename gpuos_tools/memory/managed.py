@@ -6,7 +6,7 @@ because the baseline must never allocate more managed memory than the GPU has fr
 driver's own eviction would need the GPU's memory really full, and the device is shared):
 
 - Memory: torch allocates through a small C library (csrc/gpuos_um.c, built once with the
-  system compiler by native.build_library, libcuda dlopened at run time) put in place with
+  system compiler by cbuild.build_library, libcuda dlopened at run time) put in place with
   `torch.cuda.memory.CUDAPluggableAllocator`: every block is its own `cuMemAllocManaged`
   allocation, cached per size class and stream like the owned allocator's PyTorch cache (same
   classes), never given back during the job. The managed bytes may never exceed the GPU's free
@@ -55,7 +55,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.agent import native
+from gpuos_tools import cbuild
 from gpuos_tools.errors import ExitCode
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_um.c"
@@ -150,8 +150,8 @@ class ManagedLRU:
 # ---------------------------------------------------------------- the C library
 
 def build(cache: Path | None = None) -> Path:
-    """The library's path, compiled once per version of its source and headers (native.build_library)."""
-    return native.build_library(cache, source=SOURCE, stem="libgpuos_um", includes=(INCLUDE,))
+    """The library's path, compiled once per version of its source and headers (cbuild.build_library)."""
+    return cbuild.build_library(cache, source=SOURCE, stem="libgpuos_um", includes=(INCLUDE,))
 
 
 class ManagedLibrary:
@@ -267,7 +267,7 @@ class Session:
 
         class BudgetMode(TorchDispatchMode):
             """Before each operation: its blocks used, least recently used blocks to the host
-            (gpuos_tools.agent.managed)."""
+            (gpuos_tools.memory.managed)."""
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 kwargs = kwargs or {}

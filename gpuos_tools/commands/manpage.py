@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import gpuos_tools
-from gpuos_tools import cli
+from gpuos_tools.commands import cli
 from gpuos_tools.errors import DESCRIPTIONS, ExitCode
 from gpuos_tools.stream import manual
 

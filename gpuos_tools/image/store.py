@@ -18,7 +18,7 @@ manifest.json:
   parent         null, or {path (relative to this image's directory), image_id,
                  manifest_sum (the parent's own)}
   manifest_sum   sha256 of this manifest's canonical form; mac: with a key
-                 (gpuos_tools/ckpt/manifest.py has every field's type and range)
+                 (gpuos_tools/image/manifest.py has every field's type and range)
   buffers        [{id, addr, size, kind, stored: true, chunks: [{n, file,
                  size, stored_size, zstd, sum}]}] or, in an incremental image,
                  {id, addr, size, kind, stored: false} for a buffer unchanged
@@ -36,7 +36,7 @@ writer is dead. There is no single-file form: a directory can be written by many
 once without a shared file offset, and ``tar`` carries one anywhere.
 
 Checksums: "auto" by default, the fastest of xxh3 (where the xxhash package is installed) and
-crc32 measured on this CPU (gpuos_tools/ckpt/chunkio.py), sha256 on request, all computed on the
+crc32 measured on this CPU (gpuos_tools/image/chunkio.py), sha256 on request, all computed on the
 writer's threads (they release the GIL on large buffers). Chunk files are written by the
 writer's own threads with large writes from the caller's memory, O_DIRECT where the filesystem
 takes it (chunkio.py says when and why). Measured on the development VM
@@ -65,9 +65,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
-from gpuos_tools.ckpt import chunkio
-from gpuos_tools.ckpt import manifest as mf
-from gpuos_tools.ckpt.manifest import load_key, seal
+from gpuos_tools.image import chunkio
+from gpuos_tools.image import manifest as mf
+from gpuos_tools.image.manifest import load_key, seal
 from gpuos_tools.errors import ExitCode, GpuosError
 
 SCHEMA = "gpuos-image/1"
@@ -492,7 +492,7 @@ class ImageWriter:
 
 # -- reading ----------------------------------------------------------------------------------
 #
-# Nothing a manifest says is trusted before gpuos_tools.ckpt.manifest.check has passed it: field
+# Nothing a manifest says is trusted before gpuos_tools.image.manifest.check has passed it: field
 # types, unique ids, bounded sizes, buffers that do not overlap, and the chunk geometry (every
 # chunk but the last exactly chunk_size, in order, named as the writer names them). Files are
 # then opened only inside the image's chunks/ directory, never through a symlink, only when they
@@ -869,7 +869,7 @@ class Image:
 
 def open_image(path: str | os.PathLike[str], key: bytes | None = _SENTINEL) -> Image:
     """Open a committed image and check it and its parent chain: every manifest strictly (see
-    gpuos_tools.ckpt.manifest), the chain bounded, loop-free and made of the images recorded.
+    gpuos_tools.image.manifest), the chain bounded, loop-free and made of the images recorded.
     NO_INPUT when there is no such directory, IMAGE_CORRUPT naming the file and field otherwise.
     Chunk files are checked as they are read (``verify`` checks them all)."""
     image = Image(path, key)

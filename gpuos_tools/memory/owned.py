@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.agent import native
+from gpuos_tools import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_alloc.c"
 INCLUDE = Path(__file__).resolve().parent / "include"  #: gpuos_sizeclass.h, shared by both caches
@@ -144,8 +144,8 @@ def parse_option(value: str | None) -> tuple[str, ...] | None:
 
 
 def build(cache: Path | None = None) -> Path:
-    """The library's path, compiled once per version of its source and headers (native.build_library)."""
-    return native.build_library(cache, source=SOURCE, stem="libgpuos_alloc", includes=(INCLUDE,))
+    """The library's path, compiled once per version of its source and headers (cbuild.build_library)."""
+    return cbuild.build_library(cache, source=SOURCE, stem="libgpuos_alloc", includes=(INCLUDE,))
 
 
 class OwnedLibrary:
@@ -501,7 +501,7 @@ def _ok(result: tuple, what: str) -> Any:
 def _agents_own_thread() -> Iterator[None]:
     """While inside, this thread's driver calls are the agent's, not the program's (the tracer
     skips them): releasing a buffer is not the program freeing it."""
-    tracer = sys.modules.get("gpuos_tools.agent.tracer")  # loaded only in a traced program
+    tracer = sys.modules.get("gpuos_tools.injection.tracer")  # loaded only in a traced program
     agent = getattr(getattr(tracer, "_tracer", None), "agent", None)
     me = threading.get_native_id()
     mine = agent is not None and me not in agent.own

@@ -3,7 +3,7 @@ wait on the GPU -- never on the host -- for the records they touch (issue 7, ite
 
 The agent consults it before each launch, copy, memset, graph launch and free of the program
 (``Agent.before_launch`` / ``before_write`` / ``before_graph``, with the agent's lock held). A
-record of the owned allocator (gpuos_tools/agent/owned.py: a large buffer, or a segment of small
+record of the owned allocator (gpuos_tools/memory/owned.py: a large buffer, or a segment of small
 ones) is, for the engine:
 
 - resident: mapped, its device copy the truth. Not in ``pending``; nothing to do.
@@ -1346,14 +1346,14 @@ def compile_digest(arch: int | None) -> tuple[bytes, int | None]:
 
 
 class DriverOps:
-    """Ops on the owned library (gpuos_tools/agent/owned.py) and the CUDA driver, in the
+    """Ops on the owned library (gpuos_tools/memory/owned.py) and the CUDA driver, in the
     agent's context."""
 
     def __init__(self, agent: Any = None, owned: bool = True) -> None:
         self.agent = agent
         self.lib = None  #: None: the program's memory is not owned (only loads into mapped memory)
         if owned:
-            from gpuos_tools.agent import owned as owned_lib
+            from gpuos_tools.memory import owned as owned_lib
 
             self.lib = owned_lib.OwnedLibrary.load()
         self._hosts: dict[int, tuple[int, int]] = {}  #: base -> (pinned address, size), the engine's own

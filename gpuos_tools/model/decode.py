@@ -1,4 +1,4 @@
-"""Turn the tracer's wire tuples (gpuos_tools.agent.wire) into gpuos stream records.
+"""Turn the tracer's wire tuples (gpuos_tools.model.wire) into gpuos stream records.
 
 This runs in the `gpu-trace` process, off the traced program's path: allocation ids, parameter
 slicing, hex encoding, demangling, module hashing and storage all happen here.
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.agent import wire
+from gpuos_tools.model import wire
 from gpuos_tools.cuda import elf
 from gpuos_tools.stream import store_blob
 
