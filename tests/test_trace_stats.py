@@ -20,12 +20,12 @@ from gpuos_tools.trace.stats import (
     ADDRESS_MARGIN,
     Timeline,
     compute_stats,
-    human_bytes,
     human_duration,
     render_stats,
     sparkline,
     stats_records,
 )
+from gpuos_tools.units import format_size
 
 DATA = Path(__file__).parent / "data"
 A, B, C = 0x7F0000000000, 0x7F0000100000, 0x7F0000400000
@@ -236,13 +236,13 @@ def test_timeline_short_is_exact() -> None:
     assert t.points() == [(ts, ts * 10) for ts in range(150)]
 
 
-def test_human_bytes() -> None:
-    assert human_bytes(0) == "0 B"
-    assert human_bytes(1023) == "1023 B"
-    assert human_bytes(1536) == "1.5 KiB"
-    assert human_bytes(3 * MIB) == "3.0 MiB"
-    assert human_bytes(80 << 30) == "80.0 GiB"
-    assert human_bytes(3 << 40) == "3.0 TiB"
+def test_sizes_are_written_in_binary_units() -> None:
+    assert format_size(0) == "0 B"
+    assert format_size(1023) == "1023 B"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(3 * MIB) == "3.0 MiB"
+    assert format_size(80 << 30) == "80.0 GiB"
+    assert format_size(3 << 40) == "3.0 TiB"
 
 
 def test_human_duration() -> None:

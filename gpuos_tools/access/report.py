@@ -13,7 +13,7 @@ from rich.table import Table
 
 from gpuos_tools.access.predict import BASIS_TEXT, Predictor
 from gpuos_tools.names import short_names
-from gpuos_tools.trace.stats import human_bytes
+from gpuos_tools.units import format_size
 
 
 @dataclass(slots=True)
@@ -146,7 +146,7 @@ def render_report(rows: list[Row], console: Console, granularity: str) -> None:
     for row, name in zip(rows, names):
         table.add_row(
             name, str(row.launches), f"{row.reads / row.launches:.2f}", f"{row.writes / row.launches:.2f}",
-            human_bytes(row.bytes_read), human_bytes(row.bytes_written),
+            format_size(row.bytes_read), format_size(row.bytes_written),
             str(row.unknown) if row.unknown else "",
         )  # fmt: skip
     console.print(table)
@@ -163,11 +163,11 @@ def render_validation(rows: list[Row], console: Console, granularity: str) -> No
                          no_wrap=col == "kernel")
     checked = [r for r in rows if r.validated]
     for row, name in zip(checked, short_names([r.name for r in checked], max(30, min(80, console.width - 90)))):
-        missed_w = f"{row.missed_write_launches} ({human_bytes(row.missed_write_bytes)})" if row.missed_write_launches else "0"
-        missed_r = (f"{row.missed_read_launches} ({human_bytes(row.missed_read_bytes)})"
+        missed_w = f"{row.missed_write_launches} ({format_size(row.missed_write_bytes)})" if row.missed_write_launches else "0"
+        missed_r = (f"{row.missed_read_launches} ({format_size(row.missed_read_bytes)})"
                     if row.missed_read_launches else "0")
-        extra_w = f"{human_bytes(row.extra_write_bytes)} ({_pct(row.extra_write_bytes, row.written_bytes)})"
-        extra_r = (f"{human_bytes(row.extra_read_bytes)} ({_pct(row.extra_read_bytes, row.read_bytes)})"
+        extra_w = f"{format_size(row.extra_write_bytes)} ({_pct(row.extra_write_bytes, row.written_bytes)})"
+        extra_r = (f"{format_size(row.extra_read_bytes)} ({_pct(row.extra_read_bytes, row.read_bytes)})"
                    if row.read_measured else "-")
         unjudged = ", ".join(f"{k} {n}" for k, n in row.reads_unchecked.items())
         table.add_row(name, str(row.validated), missed_w, extra_w, missed_r, extra_r, unjudged)

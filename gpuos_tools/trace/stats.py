@@ -23,9 +23,10 @@ from rich.table import Table
 
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.names import short_names
 from gpuos_tools.model.allocs import AllocTable
 from gpuos_tools.model.records import pointer_words
+from gpuos_tools.names import short_names
+from gpuos_tools.units import format_size
 
 #: How far outside the allocations seen so far a word may lie and still count as an address.
 #: Device allocations cluster in a few regions of the address space; small integers, floats'
@@ -397,18 +398,6 @@ def _example(example: tuple[int, int, int] | None) -> dict[str, Any] | None:
     return {"param": param, "offset": offset, "value": hex(value)}
 
 
-def human_bytes(n: int) -> str:
-    """1536 -> "1.5 KiB": binary units, one decimal."""
-    if abs(n) < 1024:
-        return f"{n} B"
-    value = n / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def human_duration(ns: int) -> str:
     """Nanoseconds in the largest unit that keeps the number at or above 1: "1.500 ms"."""
     for unit, scale in (("s", 10**9), ("ms", 10**6), ("µs", 10**3)):
@@ -489,9 +478,9 @@ def render_stats(stats: Stats, console: Console, top: int = 20) -> None:
         copies.add_column("count", justify="right")
         copies.add_column("bytes", justify="right")
         for direction, c in stats.copies_by_bytes():
-            copies.add_row(direction, f"{c.count:,}", human_bytes(c.bytes))
+            copies.add_row(direction, f"{c.count:,}", format_size(c.bytes))
         if stats.memsets.count:
-            copies.add_row("memset", f"{stats.memsets.count:,}", human_bytes(stats.memsets.bytes))
+            copies.add_row("memset", f"{stats.memsets.count:,}", format_size(stats.memsets.bytes))
         console.print(copies)
 
     if stats.allocs or stats.frees:
@@ -499,11 +488,11 @@ def render_stats(stats: Stats, console: Console, top: int = 20) -> None:
         allocs = Table(title="Allocations", show_header=False)
         allocs.add_column(style="bold")
         allocs.add_column()
-        allocs.add_row("allocations", f"{stats.allocs:,} ({human_bytes(stats.alloc_bytes)})")
+        allocs.add_row("allocations", f"{stats.allocs:,} ({format_size(stats.alloc_bytes)})")
         allocs.add_row("frees", f"{stats.frees:,} ({table.unknown_frees:,} of unknown addresses)")
-        allocs.add_row("peak live", human_bytes(table.peak_bytes))
+        allocs.add_row("peak live", format_size(table.peak_bytes))
         allocs.add_row(
-            "live at end", f"{human_bytes(table.live_bytes)} in {table.live_count:,} allocations"
+            "live at end", f"{format_size(table.live_bytes)} in {table.live_count:,} allocations"
         )
         allocs.add_row("over time", sparkline([b for _, b in stats.timeline.points()]))
         console.print(allocs)
