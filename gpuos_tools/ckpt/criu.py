@@ -23,7 +23,9 @@ from typing import Any
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, left_message
+from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image.store import temp_name
 
 MIN_VERSION = (4, 0)
 #: What gpu-ckpt writes beside CRIU's images: the process, its GPUs and bytes.
@@ -95,7 +97,6 @@ def find_criu(timeout: float = 60) -> Criu:
 #: killed tool is not CRIU's parent, so this is how it learns whether a dump finished.
 _WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
             'exit "$rc"')
-DUMP_RC = "criu-dump.rc"
 
 
 def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], log: Path,
@@ -154,8 +155,6 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     image or nothing. A guard process (gpuos_tools/ckpt/guard.py) finishes or undoes the dump if
     this process is killed, even by SIGKILL.
     """
-    from gpuos_tools.ckpt.guard import Guard
-    from gpuos_tools.image.store import _temp_name
 
     try:
         criu = find_criu()
@@ -165,7 +164,7 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     if image_state(image_dir) != "empty":
         raise ckpt.fail("dump", pid, f"{image_dir} is not empty (it holds an image or other files): choose a new "
                          "or empty directory; nothing was touched", ExitCode.USAGE, None, False)
-    temp = Path(_temp_name(str(image_dir)))
+    temp = Path(temp_name(str(image_dir)))
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
         temp.mkdir(mode=0o700)
@@ -229,8 +228,6 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
             f"{_said(done.stdout, keep)}; no image was written; {where}", ExitCode.CRIU_FAILED, left, True)
     guard.phase("finalize")
     try:
-        from gpuos_tools.ckpt.guard import finalize
-
         finalize(temp, image_dir)
     except OSError as e:
         left = ckpt.bring_back(pid) if procs.exists(pid) else None
@@ -302,8 +299,6 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
     sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
     cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
            "--restore-detached", "--pidfile", str(pidfile), *(criu_args or [])]
-    from gpuos_tools.ckpt.guard import Guard
-
     guard = Guard("restore", pid, image_dir, device=device, device_map=device_map, source_gpus=sources or None)
     try:
         guard.phase("criu")

@@ -33,10 +33,14 @@ from typing import IO, Any
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
+from gpuos_tools.ckpt.driver import Checkpointer, CkptError
+from gpuos_tools.image.store import fsync_dir
 
 SETTLE_S = 1.0  #: the driver state must read the same this long before the guard acts on it
 SETTLE_MAX_S = 60.0
 CRIU_WAIT_S = 3600.0
+#: The file in a dump's temp directory where the shell around ``criu dump`` writes its exit status.
+DUMP_RC = "criu-dump.rc"
 
 
 class Guard:
@@ -146,8 +150,6 @@ def wait_criu(path: str, verb: str, timeout: float = CRIU_WAIT_S) -> bool:
 def dump_complete(temp: Path) -> bool:
     """Did ``criu dump`` into ``temp`` finish successfully (its status, recorded by the shell
     around it, is 0)?"""
-    from gpuos_tools.ckpt.criu import DUMP_RC
-
     try:
         rc = (temp / DUMP_RC).read_text().strip()
     except OSError:
@@ -172,16 +174,12 @@ def settled_state(ckpt: Any, pid: int) -> str | None:
 
 def finalize(temp: Path, image: Path) -> None:
     """Make a complete dump in ``temp`` the image at ``image`` (an empty directory there is replaced)."""
-    from gpuos_tools.image.store import _fsync_dir
-
     os.rename(temp, image)  # rename(2) replaces an empty directory
-    _fsync_dir(str(image.parent))
+    fsync_dir(str(image.parent))
 
 
 def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     """What the guard does when its tool died after ``last`` (see the module's text)."""
-    from gpuos_tools.ckpt.driver import Checkpointer, CkptError
-
     action, pid = first["action"], int(first["pid"])
     image = Path(first["image"])
     outcome: dict[str, Any] = {"type": "ckpt_guard", "action": action, "pid": pid, "image": str(image),

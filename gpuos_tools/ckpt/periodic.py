@@ -34,7 +34,7 @@ named by a [process] table instead of [agent]::
 The snapshot itself is the agent's: ``run_periodic`` takes it as a function
 ``snapshot(path, parent) -> summary`` that writes a committed image at ``path`` (through
 ``ImageWriter``, so a failure leaves nothing visible), incremental on ``parent`` when that is
-not None. ``agent_snapshot`` is where the command gets that function from the agent package.
+not None. ``agent_snapshot`` gets that function from the agent (``agent/snapshot.py``).
 
 Rules: the newest image and every image a kept image chains to are never deleted; images are
 deleted newest first, each by one rename, so no image ever points at a deleted parent; files in
@@ -51,8 +51,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import importlib
-import importlib.util
 import os
 import re
 import time
@@ -64,16 +62,13 @@ from typing import Any
 from gpuos_tools.image import store as img
 from gpuos_tools.image.manifest import MAX_CHAIN, MAX_CHUNK
 from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
+from gpuos_tools.agent.snapshot import periodic_snapshot
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
 from gpuos_tools.units import parse_age, parse_size
 
 #: ``snapshot(path, parent) -> summary``: writes one committed image at ``path``.
 SnapshotFn = Callable[[str, "str | None"], dict[str, Any]]
-
-#: The module and function the agent engineer provides (see ``agent_snapshot``).
-AGENT_SNAPSHOT_MODULE = "gpuos_tools.agent.snapshot"
-AGENT_SNAPSHOT_FACTORY = "periodic_snapshot"
 
 #: Every table and key of a periodic profile, and what each key's value may be.
 _KEYS: dict[str, dict[str, Kind]] = {
@@ -411,31 +406,11 @@ def _retire(prof: PeriodicProfile, plan: Plan, now: float, started: float, summa
     }
 
 
-# -- THE HOOK: where the agent's snapshot path plugs in -----------------------------------------
-
-
 def agent_snapshot(prof: PeriodicProfile) -> SnapshotFn:
-    """The snapshot function for ``gpu-ckpt periodic``, from the agent package.
-
-    Contract for the agent side: module ``gpuos_tools.agent.snapshot`` defines
-    ``periodic_snapshot(agent: dict, options: dict) -> snapshot`` where ``agent`` is the
-    profile's [agent] table (pid, socket or command), ``options`` is {compress, chunk_size,
-    checksum}, and ``snapshot(path, parent)`` takes one consistent snapshot of that agent's
-    process into a committed image at ``path`` (ImageWriter, with ``parent`` when not None)
-    and returns its summary. Where that module is missing (a partial install) this raises
-    SNAPSHOT_UNAVAILABLE: no image is ever faked.
-    """
-    if importlib.util.find_spec(AGENT_SNAPSHOT_MODULE) is None:
-        raise GpuosError(
-            f"the agent snapshot path is not available in this build ({AGENT_SNAPSHOT_MODULE}."
-            f"{AGENT_SNAPSHOT_FACTORY} is not there yet): no image was written",
-            ExitCode.SNAPSHOT_UNAVAILABLE)
-    module = importlib.import_module(AGENT_SNAPSHOT_MODULE)
-    factory = getattr(module, AGENT_SNAPSHOT_FACTORY, None)
-    if factory is None:
-        raise GpuosError(f"{AGENT_SNAPSHOT_MODULE} has no {AGENT_SNAPSHOT_FACTORY}(): the agent snapshot path "
-                         "is not connected; no image was written", ExitCode.SNAPSHOT_UNAVAILABLE)
-    return factory(dict(prof.agent), prof.options)
+    """The snapshot function for ``gpu-ckpt periodic`` of an agent's job: ``snapshot(path, parent)``
+    takes one consistent snapshot of the profile's [agent] (pid, socket or command) into a
+    committed image at ``path``, incremental on ``parent`` when not None, and returns its summary."""
+    return periodic_snapshot(dict(prof.agent), prof.options)
 
 
 def process_snapshot(prof: PeriodicProfile) -> SnapshotFn:

@@ -107,7 +107,7 @@ def checksum(algorithm: str, data: Buffer) -> str:
 # -- small file-system helpers ----------------------------------------------------------------
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -133,7 +133,7 @@ def _io_error(what: str, path: str, e: OSError) -> ImageError:
     return ImageError(f"{path}: {what}: {e.strerror or e}", code, path)
 
 
-def _temp_name(final: str) -> str:
+def temp_name(final: str) -> str:
     parent, base = os.path.split(os.path.abspath(final))
     return os.path.join(parent, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
@@ -178,12 +178,12 @@ def remove_image(path: str | os.PathLike[str]) -> None:
     """Delete an image so that no partial image is ever visible: rename it to a temp name
     first (one atomic step), then remove the files."""
     path = os.fspath(path)
-    temp = _temp_name(path)
+    temp = temp_name(path)
     try:
         os.rename(path, temp)
     except OSError as e:
         raise _io_error("cannot remove", path, e) from e
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
     shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -242,7 +242,7 @@ class ImageWriter:
         if os.path.lexists(self.path):
             raise ImageError(f"{self.path}: already exists (an image is never overwritten)", ExitCode.IO_ERROR,
                              self.path)
-        self.temp = _temp_name(self.path)
+        self.temp = temp_name(self.path)
         try:  # 0700 and 0600: an image holds a process's memory
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             os.mkdir(self.temp, 0o700)
@@ -461,14 +461,14 @@ class ImageWriter:
             manifest_path = os.path.join(self.temp, MANIFEST)
             _write_file(manifest_path, text, self.sync)
             if self.sync:
-                _fsync_dir(os.path.join(self.temp, CHUNKS))
-                _fsync_dir(self.temp)
+                fsync_dir(os.path.join(self.temp, CHUNKS))
+                fsync_dir(self.temp)
             if os.path.lexists(self.path):
                 raise ImageError(f"{self.path}: appeared while the image was written; not replaced",
                                  ExitCode.IO_ERROR, self.path)
             os.rename(self.temp, self.path)
             if self.sync:
-                _fsync_dir(os.path.dirname(self.path))
+                fsync_dir(os.path.dirname(self.path))
         except OSError as e:
             self.abort()
             raise _io_error("cannot write image", self.path, e) from e
