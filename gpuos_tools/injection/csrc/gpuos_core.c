@@ -107,6 +107,10 @@ static int call_up(upcall_t *u) {
 static int own_tids[OWN_MAX];
 static int n_own;
 static pthread_mutex_t own_mu = PTHREAD_MUTEX_INITIALIZER;
+static capture_query_fn capture_query; /* set by the front end at its start */
+
+void core_set_capture_query(capture_query_fn query) { capture_query = query; }
+
 static __thread int my_tid;
 
 static inline int tid_now(void) {
@@ -735,7 +739,7 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
     n_enters++;
     if (op != OP_GRAPH && (snap_active || (flags & F_SKIP_CAPTURED)) &&
         __atomic_load_n(&capture_begun, __ATOMIC_ACQUIRE) && (op == OP_LAUNCH || stream) &&
-        trace_is_capturing(stream)) {
+        capture_query && capture_query(stream)) {
         n_ops++; /* only recorded into a graph: it writes nothing now */
         goto out;
     }

@@ -481,7 +481,7 @@ static void on_resource(uint32_t cbid, const res_data_t *r) {
 }
 
 #ifdef GPUOS_AGENT
-int trace_is_capturing(uint64_t stream) {
+static int trace_is_capturing(uint64_t stream) {
     int capture = 0;
     return p_is_capturing && p_is_capturing((void *)(uintptr_t)stream, &capture) == 0 && capture;
 }
@@ -687,6 +687,9 @@ int gpuos_trace_start(int fd, const char *cupti_path, const uint32_t *kinds, int
     p_pointer_attr = (pointer_attr_t)dlsym(cuda, "cuPointerGetAttribute");
     p_is_capturing = (is_capturing_t)dlsym(cuda, "cuStreamIsCapturing");
     if (!p_subscribe || !p_enable || !p_unsubscribe) return -3;
+#ifdef GPUOS_AGENT
+    core_set_capture_query(trace_is_capturing);
+#endif
     out_fd = fd;
     check_pointers = check;
     flush_us = flush_ms * 1000;

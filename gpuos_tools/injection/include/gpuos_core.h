@@ -66,7 +66,9 @@ void core_stream_event(uint64_t stream, int destroyed); /* resource callback: no
 void core_module_unloading(void);
 void core_saw_context(uint64_t ctx);   /* the context of an allocation (the first is kept) */
 
-/* the tracer's own (gpuos_trace.c) */
-int trace_is_capturing(uint64_t stream);
+/* Whether a stream is capturing a graph: the front end that calls the core (the CUPTI tracer,
+   an interposer) registers how to ask, before the first operation. */
+typedef int (*capture_query_fn)(uint64_t stream);
+void core_set_capture_query(capture_query_fn query);
 
 #endif
