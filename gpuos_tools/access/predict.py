@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuos_tools.access.proto import CONST, POINTERS, STRUCT, VALUE, prototype
+from gpuos_tools.access.score import score
 from gpuos_tools.access.templates import Templates
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.model.allocs import Allocation, AllocTable
@@ -256,7 +257,6 @@ class Predictor:
                 if out is not None:
                     yield out
             return
-        from gpuos_tools.access.score import score
 
         held = None
         for rec in records:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpuos_tools.access.predict import BASIS_TEXT, Predictor
+from gpuos_tools.access.score import score
 from gpuos_tools.names import short_names
 from gpuos_tools.units import format_size
 
@@ -62,8 +63,6 @@ class Row:
 
 def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc", templates=None) -> list[Row]:
     """One pass over a trace: a row per kernel, then one each for memcpy, memset, graph_launch."""
-    from gpuos_tools.access.score import score
-
     pred = Predictor(granularity, templates)
     rows: dict[tuple[str, str], Row] = {}
     feed = pred.feed

@@ -22,7 +22,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.errors import GpuosError
+from gpuos_tools.ckpt import criu, registry
+from gpuos_tools.ckpt.driver import MIN_DRIVER_MIGRATION, DriverAPI, error_code
+from gpuos_tools.cuda.driver import probe_driver
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image import chunkio
 
 Record = dict[str, Any]
 
@@ -40,13 +44,9 @@ class Probes:
     """The host as the checks see it (real); tests replace methods."""
 
     def driver(self) -> Any:
-        from gpuos_tools.cuda.driver import probe_driver
-
         return probe_driver()
 
     def checkpoint_api(self) -> Any:
-        from gpuos_tools.ckpt.driver import DriverAPI
-
         api = DriverAPI()
         state, err = api.get_state(os.getpid())  # answered for any pid where the API is supported
         return {"api": api, "own_state": state, "own_error": err}
@@ -64,8 +64,6 @@ class Probes:
         return out
 
     def criu(self) -> Any:
-        from gpuos_tools.ckpt import criu
-
         return criu
 
     def which(self, name: str) -> str | None:
@@ -99,8 +97,6 @@ class Probes:
             return None
 
     def state_dir(self) -> Path:
-        from gpuos_tools.ckpt import registry
-
         return registry.state_dir()
 
     def meminfo(self) -> dict[str, int]:
@@ -114,8 +110,6 @@ class Probes:
         return out
 
     def fs(self, directory: str) -> dict[str, Any]:
-        from gpuos_tools.image import chunkio
-
         info = chunkio.fs_info(directory)
         st = os.statvfs(directory)
         return {"filesystem": info.fstype, "mount": info.mount, "direct": info.direct, "direct_why": info.why,
@@ -149,11 +143,8 @@ def run_checks(probes: Probes | None = None, image_dir: str | None = None) -> li
         try:
             got = p.checkpoint_api()
             api = got["api"]
-            from gpuos_tools.ckpt.driver import MIN_DRIVER_MIGRATION
 
             move = api.version >= MIN_DRIVER_MIGRATION
-            from gpuos_tools.ckpt.driver import error_code
-            from gpuos_tools.errors import ExitCode
 
             err = got.get("own_error")
             if err and error_code("state", err) == ExitCode.DRIVER_TOO_OLD:  # the entry point is there, not the support

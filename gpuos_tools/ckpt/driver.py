@@ -28,6 +28,8 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
+from gpuos_tools.cuda import nvml
+from gpuos_tools.cuda.driver import probe_driver
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.units import format_size
@@ -87,8 +89,6 @@ class DriverAPI:
     """cuCheckpointProcess* through cuda-python, after cuInit(0) (probe_driver)."""
 
     def __init__(self) -> None:
-        from gpuos_tools.cuda.driver import probe_driver
-
         self.info = probe_driver()  # NO_DRIVER without cuda-python, libcuda or a GPU
         from cuda.bindings import driver as drv
 
@@ -305,8 +305,6 @@ class Checkpointer:
     def machine_gpus(self) -> list[dict[str, Any]]:
         """Every GPU of the machine (NVML; the driver's own list when NVML is missing)."""
         if self._gpus is None:
-            from gpuos_tools.cuda import nvml
-
             with nvml_session() as nv:
                 if nv is not None:
                     self._gpus = nv.gpus()

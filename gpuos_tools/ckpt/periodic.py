@@ -59,11 +59,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools import procs
+from gpuos_tools.agent.snapshot import periodic_snapshot
+from gpuos_tools.ckpt import criu
+from gpuos_tools.ckpt.criu import METADATA, image_state
+from gpuos_tools.ckpt.driver import Checkpointer
+from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
+from gpuos_tools.ckpt.registry import read_json
+from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import store as img
 from gpuos_tools.image.manifest import MAX_CHAIN, MAX_CHUNK
-from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
-from gpuos_tools.agent.snapshot import periodic_snapshot
-from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
 from gpuos_tools.units import parse_age, parse_size
 
@@ -245,8 +250,6 @@ def list_images(prof: PeriodicProfile) -> list[Entry]:
             continue
         entry = Entry(name, path, t)
         if prof.kind == "process":
-            from gpuos_tools.ckpt.criu import image_state
-
             entry.readable = image_state(path) == "complete"
             out.append(entry)
             continue
@@ -364,9 +367,6 @@ def _run_locked(prof: PeriodicProfile, snapshot: SnapshotFn, now: float) -> dict
     finally:
         img.clean_stale_temps(prof.directory)
     if prof.kind == "process":
-        from gpuos_tools.ckpt.criu import METADATA, image_state
-        from gpuos_tools.ckpt.registry import read_json
-
         if image_state(plan.path) != "complete":
             raise GpuosError(f"the dump did not leave a complete image at {plan.path}", ExitCode.SOFTWARE)
         meta = read_json(plan.path / METADATA) or {}
@@ -416,9 +416,6 @@ def agent_snapshot(prof: PeriodicProfile) -> SnapshotFn:
 def process_snapshot(prof: PeriodicProfile) -> SnapshotFn:
     """The snapshot function of a full-process profile: a CRIU dump of the [process] that leaves
     it running (gpuos_tools/ckpt/criu.py ``dump``), into the image's path."""
-    from gpuos_tools.ckpt import criu
-    from gpuos_tools.ckpt.driver import Checkpointer
-
     pid = find_process(prof.process)
 
     def snapshot(path: str, parent: str | None) -> dict[str, Any]:
@@ -432,8 +429,6 @@ def process_snapshot(prof: PeriodicProfile) -> SnapshotFn:
 def find_process(spec: dict[str, Any]) -> int:
     """The pid a [process] table names: its pid, or the one CUDA process whose command line
     matches its command (NO_SUCH_PROCESS when none or several do)."""
-    from gpuos_tools import procs
-
     if "pid" in spec:
         return int(spec["pid"])
     pattern = re.compile(spec["command"])

@@ -12,6 +12,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gpuos_tools.ckpt.driver import CkptError
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image.manifest import render_format
+from gpuos_tools.image.store import IMAGE_DOC
 from gpuos_tools.stream import Writer, make_header, open_output
 from gpuos_tools.stream.records import BYTES, COUNT, register_output
 from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Map, Num, Obj, RecordType, Str, render
@@ -166,9 +170,6 @@ def run_recorded(output: str | None, tool: str, ckpt: Any, work: Callable[[], An
     as everywhere in the toolkit); any other output failure after a successful action is an
     IO_ERROR that says the action itself succeeded.
     """
-    from gpuos_tools.ckpt.driver import CkptError
-    from gpuos_tools.errors import ExitCode, GpuosError
-
     started = False
     failure: CkptError | None = None
     result: Any = None
@@ -244,9 +245,6 @@ images that cross a trust boundary cannot be changed without the key. Such image
 
 def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The man-page sections gpu-ckpt(1) and gpu-restore(1) share, around their own text."""
-    from gpuos_tools.image.store import IMAGE_DOC
-    from gpuos_tools.image.manifest import render_format
-
     return {
         "RECORDS": (
             "One JSON object per line after the header (tool, action, pid or profile; once the driver was "
