@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpuos_tools.agent.control import socket_path  # noqa: E402
 from gpuos_tools.image import chunkio  # noqa: E402
-from gpuos_tools.image.store import verify  # noqa: E402
+from gpuos_tools.image import verify  # noqa: E402
 
 PROG = ROOT / "tests" / "gpu" / "progs" / "agent_job.py"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Throughput of the checkpoint image format on the CPU (gpuos_tools.image.store): no GPU.
+"""Throughput of the checkpoint image format on the CPU (gpuos_tools.image): no GPU.
 
 1. Checksums of one 64 MiB chunk: sha256, crc32, blake2b on one thread, and sha256/crc32 on
    1..N threads at once (hashlib and zlib release the GIL on large buffers), in GB/s.
@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuos_tools.image import chunkio
-from gpuos_tools.image import store as img
+from gpuos_tools import image as img
 from gpuos_tools.units import parse_size
 
 

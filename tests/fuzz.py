@@ -277,7 +277,7 @@ def sealed_chain(directory: Path) -> tuple[Path, dict[int, bytes]]:
     """The recorded agent images compacted into a sealed full image, with an incremental image on
     it that rewrites buffer 2 (as the recorded incremental did), at a 64 KiB chunk size so that
     buffers span several chunks; and what each buffer holds at the head."""
-    from gpuos_tools.image.store import ImageWriter, compact, open_image
+    from gpuos_tools.image import ImageWriter, compact, open_image
 
     directory.mkdir(parents=True, exist_ok=True)
     compact(RECORDED / "agent-image" / "full", directory / "full", chunk_size=64 << 10)
@@ -365,7 +365,7 @@ def run_image(head: Path, truth: dict[int, bytes], out: Path) -> None:
     """verify, open, read every buffer, diff against itself and compact: an image that verifies
     must give the bytes written for every buffer it still has at the same place, and so must
     its compacted copy. Raises AssertionError for wrong content."""
-    from gpuos_tools.image.store import compact, diff, open_image, verify
+    from gpuos_tools.image import compact, diff, open_image, verify
 
     problems = verify(head)
     try:

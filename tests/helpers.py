@@ -60,7 +60,7 @@ def image_dir_problems(directory: str | os.PathLike[str]) -> list[str]:
     committed image (and its parent chain) must verify clean; a writer's dot-named temp directory
     is fine (never an image); anything else under a final name (a partial image made visible)
     is a problem."""
-    from gpuos_tools.image.store import is_image, verify
+    from gpuos_tools.image import is_image, verify
 
     problems = []
     for path in sorted(Path(directory).iterdir()):

@@ -15,7 +15,7 @@ import pytest
 
 from gpuos_tools.agent import control
 from gpuos_tools.agent.agent import fit_problems
-from gpuos_tools.image.store import ImageWriter
+from gpuos_tools.image import ImageWriter
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.model.allocs import Allocation
 

@@ -100,7 +100,7 @@ def test_kill9_of_gpu_ckpt_mid_snapshot_leaves_sound_images_and_a_serving_agent(
 
     from helpers import image_dir_problems
 
-    from gpuos_tools.image.store import ImageWriter, verify
+    from gpuos_tools.image import ImageWriter, verify
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     data = random.Random(1).randbytes(24 << 20)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuos_tools.image import chunkio
-from gpuos_tools.image.store import ImageError, ImageWriter, open_image, verify
+from gpuos_tools.image import ImageError, ImageWriter, open_image, verify
 
 CS = 64 << 10
 

@@ -19,7 +19,7 @@ import pytest
 import typer
 from helpers import REPO, child_env
 
-from gpuos_tools.image import store as img
+from gpuos_tools import image as img
 from gpuos_tools.ckpt import periodic as per
 from gpuos_tools.commands.cli import run
 from gpuos_tools.errors import ExitCode, GpuosError

@@ -18,7 +18,7 @@ from helpers import child_env
 
 from gpuos_tools.agent import control, durable
 from gpuos_tools.agent.snapshot import snapshot_to_image
-from gpuos_tools.image.store import open_image, verify
+from gpuos_tools.image import open_image, verify
 
 CHILD = r"""
 import atexit, os, random, sys, time

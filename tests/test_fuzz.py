@@ -82,7 +82,7 @@ IMAGE_FIXTURES = sorted(p for p in (fuzz.FIXTURES / "image").iterdir() if p.is_d
 @pytest.mark.parametrize("path", IMAGE_FIXTURES, ids=[p.name for p in IMAGE_FIXTURES])
 def test_image_regression(path: Path) -> None:
     """A damaged chain once crashed a reader: it is now refused, naming the chunk."""
-    from gpuos_tools.image.store import ImageError, open_image, verify
+    from gpuos_tools.image import ImageError, open_image, verify
 
     head = path / "inc"
     problems = verify(head)

@@ -1,4 +1,4 @@
-"""The image format of the agent path (gpuos_tools.image.store) and its commands.
+"""The image format of the agent path (gpuos_tools.image) and its commands.
 
 Format unit tests: every image here is built from bytes generated in the test (random or
 patterned), not recorded from a GPU; they check the format's own promises — round trips,
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, child_env
 
-from gpuos_tools.image import store as img
-from gpuos_tools.image.store import ImageError, ImageWriter, compact, diff, open_image, verify
+from gpuos_tools import image as img
+from gpuos_tools.image import ImageError, ImageWriter, compact, diff, open_image, verify
 from gpuos_tools.errors import ExitCode
 
 CS = 4096  # a small chunk size, so that small buffers span several chunks
@@ -210,7 +210,7 @@ def test_refusals(tmp_path: Path) -> None:
 
 KILL_CHILD = r"""
 import os, sys
-from gpuos_tools.image.store import ImageWriter
+from gpuos_tools.image import ImageWriter
 path = sys.argv[1]
 w = ImageWriter(path, {"process": {"pid": os.getpid()}}, chunk_size=1 << 16, threads=2)
 block = os.urandom(1 << 20)
@@ -245,7 +245,7 @@ def test_kill_9_mid_write_leaves_no_loadable_image(tmp_path: Path, delay: float)
 
 LOOP_CHILD = r"""
 import os, sys
-from gpuos_tools.image.store import ImageWriter
+from gpuos_tools.image import ImageWriter
 block = os.urandom(1 << 18)
 for n in range(100000):
     with ImageWriter(os.path.join(sys.argv[1], f"im-{n}"), {}, chunk_size=1 << 16, compress=n % 2 == 1) as w:

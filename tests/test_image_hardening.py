@@ -22,9 +22,9 @@ import pytest
 import typer
 from helpers import REPO, child_env
 
-from gpuos_tools.image import store as img
+from gpuos_tools import image as img
 from gpuos_tools.image import manifest as mf
-from gpuos_tools.image.store import ImageError, compact, diff, open_image, verify
+from gpuos_tools.image import ImageError, compact, diff, open_image, verify
 from gpuos_tools.commands.cli import run
 from gpuos_tools.errors import ExitCode
 

@@ -131,3 +131,31 @@ def test_the_checker_sees_each_kind_of_edge(tmp_path: Path) -> None:
     found = {(unit(m), how) for m, _, how in edges_of(probe)}
     assert found == {("agent", "import"), ("units", "import"), ("sched", "import"), ("commands", "import"),
                      ("commands", "string")}
+
+
+def test_no_circle_between_modules() -> None:
+    """Inside a package too, no two modules import each other, directly or round a loop (importing
+    a module's own package, its face, does not count)."""
+    modules = {}
+    for path in sources():
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for module, _, how in edges_of(path):
+            for target in (module, module.rsplit(".", 1)[0]):
+                if target in modules and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+                    break
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt == path[0]:
+                circles.append(" -> ".join([*path, nxt]))
+            elif nxt not in path and nxt > path[0] and len(path) < 8:
+                visit(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    assert not circles, "modules in a circle:\n" + "\n".join(circles)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuos_tools.agent.agent import fit_problems
-from gpuos_tools.image.store import compact, diff, open_image, verify
+from gpuos_tools.image import compact, diff, open_image, verify
 from gpuos_tools.model.allocs import Allocation
 
 HERE = Path(__file__).resolve().parent / "data" / "recorded" / "agent-image"

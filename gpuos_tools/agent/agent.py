@@ -478,7 +478,7 @@ class Agent(ProcessView):
                  parent: str | None = None, compress: bool = False, chunk_size: int | None = None,
                  checksum: str = "auto", threads: int | None = None) -> dict[str, Any]:
         """Take a consistent snapshot; return its description (per-buffer digests with
-        ``digest``). With ``image``, write it there (gpuos_tools/image/store.py; ``threads``
+        ``digest``). With ``image``, write it there (gpuos_tools/image/; ``threads``
         writer threads); with ``parent`` (this agent's last image), an incremental image of what
         was written since."""
         from cuda.bindings import driver as drv
@@ -662,7 +662,7 @@ class Agent(ProcessView):
         """
         from cuda.bindings import driver as drv
 
-        from gpuos_tools.image.store import open_image
+        from gpuos_tools.image import open_image
 
         if self.ctx is None:
             raise GpuosError("the program has no CUDA allocation yet: nothing to roll back", ExitCode.WRONG_STATE)

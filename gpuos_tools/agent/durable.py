@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpuos_tools.image import chunkio
-from gpuos_tools.image.store import DEFAULT_CHUNK_SIZE, ImageWriter
+from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
 from gpuos_tools.units import format_size
 
 EXIT_WAIT_ENV = "GPUOS_AGENT_EXIT_WAIT"

@@ -425,7 +425,7 @@ class Suspension:
 
     def _write_image(self, allocs: list[Allocation], spans: list[Span], opts: dict[str, Any]) -> dict[str, Any]:
         from gpuos_tools.agent.agent import _device_facts
-        from gpuos_tools.image.store import DEFAULT_CHUNK_SIZE, ImageWriter
+        from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
 
         agent = self.agent
         entries = image_buffers(allocs, spans)

@@ -25,7 +25,7 @@ from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, left_message
 from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.image.store import temp_name
+from gpuos_tools.image import temp_name
 
 MIN_VERSION = (4, 0)
 #: What gpu-ckpt writes beside CRIU's images: the process, its GPUs and bytes.

@@ -34,7 +34,7 @@ from typing import IO, Any
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
-from gpuos_tools.image.store import fsync_dir
+from gpuos_tools.image import fsync_dir
 
 SETTLE_S = 1.0  #: the driver state must read the same this long before the guard acts on it
 SETTLE_MAX_S = 60.0

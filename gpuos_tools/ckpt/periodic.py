@@ -41,7 +41,7 @@ deleted newest first, each by one rename, so no image ever points at a deleted p
 the directory that are not images named by this profile are never touched; temp directories of
 writers that died are removed; a lock file keeps two runs of one profile apart.
 
-A damaged image (one whose manifest or parent chain does not pass gpuos_tools.image.store's
+A damaged image (one whose manifest or parent chain does not pass gpuos_tools.image's
 checks) never stops a run: it is listed in the record's ``damaged`` with what is wrong, is not
 counted by ``keep``, is never chained to and never deleted (what is damaged is for a person to
 look at), and the run goes on taking its image and applying retention to the others.
@@ -67,7 +67,7 @@ from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
 from gpuos_tools.ckpt.registry import read_json
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.image import store as img
+from gpuos_tools import image as img
 from gpuos_tools.image.manifest import MAX_CHAIN, MAX_CHUNK
 from gpuos_tools.stream.schema import Bool, Either, Int, Kind, Num, Str
 from gpuos_tools.units import parse_age, parse_size

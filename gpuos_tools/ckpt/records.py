@@ -15,7 +15,7 @@ from typing import Any
 from gpuos_tools.ckpt.driver import CkptError
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image.manifest import render_format
-from gpuos_tools.image.store import IMAGE_DOC
+from gpuos_tools.image import IMAGE_DOC
 from gpuos_tools.stream import Writer, make_header, open_output
 from gpuos_tools.stream.records import BYTES, COUNT, register_output
 from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Map, Num, Obj, RecordType, Str, render
@@ -213,7 +213,7 @@ def record_stream(output: str | None, tool: str, header_fields: Callable[[], dic
 
 IMAGE_FORMAT = """\
 Images of the agent path (`gpu-ckpt compact`, `gpu-ckpt periodic`, `gpu-restore verify` and
-`gpu-restore diff`; the agent writes them through `gpuos_tools.image.store.ImageWriter`) are
+`gpu-restore diff`; the agent writes them through `gpuos_tools.image.ImageWriter`) are
 directories, not live processes: a JSON manifest (the allocation table with addresses and
 sizes, GPU, driver, CUDA, process, parent image, T0 and the launch sequence number at T0) and
 each buffer's bytes in fixed-size chunk files (64 MiB by default), each with a checksum of its

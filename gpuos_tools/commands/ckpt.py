@@ -605,7 +605,7 @@ def compact(
     them into OUT, which appears only when complete. The images of the chain are left as they
     are. Writes one image_compact record.
     """
-    from gpuos_tools.image import store as img
+    from gpuos_tools import image as img
 
     size = None
     if chunk_size is not None:

@@ -326,7 +326,7 @@ def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = Fals
 def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, lazy: bool = False) -> None:
     """`gpu-restore --agent`: ask the agent to write the image back; one agent_rollback record."""
     from gpuos_tools.agent import control
-    from gpuos_tools.image.store import open_image
+    from gpuos_tools.image import open_image
 
     open_image(image).chain()  # a missing or broken image is refused here, before the agent is asked
     answer = control.request(control.resolve(agent), "rollback", timeout=timeout, image=str(image.absolute()),
@@ -369,7 +369,7 @@ def verify(
     status is then IMAGE_CORRUPT (90). Writes one image_verify record (a line on standard
     error instead when standard output is a terminal).
     """
-    from gpuos_tools.image import store as img
+    from gpuos_tools import image as img
 
     if not image.exists():
         raise GpuosError(f"{image}: no such image", ExitCode.NO_INPUT)
@@ -407,7 +407,7 @@ def diff(
     records and an image_diff_summary otherwise. Exits 0 when they hold the same contents, 1
     when they differ (as diff(1) does).
     """
-    from gpuos_tools.image import store as img
+    from gpuos_tools import image as img
 
     for p in (a, b):
         if not p.exists():

@@ -104,7 +104,7 @@ def test_stage_ahead_pins_the_staging_before_the_first_snapshot(tmp_path):
     import time
 
     from gpuos_tools.agent.control import request
-    from gpuos_tools.image.store import verify
+    from gpuos_tools.image import verify
 
     proc, sock = start_job(tmp_path / "job", gib="1", extra=["--stage-ahead"])
     try:
@@ -131,7 +131,7 @@ def test_snapshot_images_full_then_incremental(tmp_path):
     import time
 
     from gpuos_tools.agent.control import request, socket_path
-    from gpuos_tools.image.store import compact, open_image, verify
+    from gpuos_tools.image import compact, open_image, verify
 
     env = dict(os.environ, GPU_JOB_GIB="0.5", GPUOS_JOB_STOP=str(tmp_path / "stop"),
                GPUOS_JOB_LOG=str(tmp_path / "log"), GPUOS_JOB_READY=str(tmp_path / "ready"))
@@ -226,7 +226,8 @@ def test_kill9_of_the_job_while_it_writes_an_image_leaves_no_loadable_corrupt_im
     from helpers import image_dir_problems  # tests/ is on sys.path under pytest
 
     from gpuos_tools.agent.control import request
-    from gpuos_tools.image.store import _pid_alive, clean_stale_temps, is_image
+    from gpuos_tools.image import clean_stale_temps, is_image
+    from gpuos_tools.image.layout import _pid_alive
 
     rng = random.Random(6)
     outcomes = []
@@ -293,7 +294,7 @@ def test_kill9_of_gpu_ckpt_leaves_the_agent_serving_and_no_corrupt_image(tmp_pat
     from helpers import image_dir_problems  # tests/ is on sys.path under pytest
 
     from gpuos_tools.agent.control import request
-    from gpuos_tools.image.store import is_image, open_image, verify
+    from gpuos_tools.image import is_image, open_image, verify
 
     rng = random.Random(7)
     images = tmp_path / "images"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuos_tools.image.store import open_image, verify
+from gpuos_tools.image import open_image, verify
 
 pytestmark = pytest.mark.gpu
 

@@ -53,7 +53,7 @@ def records(out: str, kind: str) -> list[dict]:
 
 def test_rollback_then_continue_equals_an_uninterrupted_run(tmp_path):
     from gpuos_tools.agent.control import request, socket_path
-    from gpuos_tools.image.store import open_image
+    from gpuos_tools.image import open_image
     from gpuos_tools.image.manifest import manifest_sum
 
     (tmp_path / "twin").mkdir()
@@ -183,7 +183,7 @@ def test_lazy_rollback_refuses_snapshots_until_written_back_and_then_holds_the_i
     """While a lazy rollback is pending, snapshot and rollback are refused (79); once the engine
     is done (ping's residency.lazy), every buffer holds the image's bytes."""
     from gpuos_tools.agent.control import request, socket_path
-    from gpuos_tools.image.store import open_image
+    from gpuos_tools.image import open_image
     from gpuos_tools.errors import ExitCode, GpuosError
 
     job_dir = tmp_path / "job"
