@@ -1,5 +1,7 @@
 /*
  * gpuos native core: the agent's per-operation work in C, in the program's own thread.
+ * (One unit, over 800 lines: its tables share one lock and are static to it, so that the compiler
+ * sees every access on the per-operation path; split, they would need exported globals.)
  *
  * The tracer's CUPTI callback (gpuos_trace.c built with -DGPUOS_AGENT) hands every launch, copy,
  * memset, free and graph launch of the program to core_enter() before the driver sees it, and

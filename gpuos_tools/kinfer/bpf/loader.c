@@ -6,7 +6,8 @@
  *   - for each completion, joins the request's issue, the daemon's answer and its latency into
  *     one struct gk_record and queues it for the Python side (gk_take).
  * Built once with the system C compiler and -lbpf (gpuos_tools/kinfer/bpf/loader.py), used
- * through ctypes.
+ * through ctypes. (One unit, over 800 lines: libbpf's objects, the ring-buffer thread and the
+ * producer's lanes share static state behind one thread; the BPF program itself is apart.)
  *
  * Waiting: the thread polls the ring buffer and its outstanding answers while events are
  * recent (an adaptive window, as the daemon's: gpuos_tools/kinfer/wait.py), then sleeps in

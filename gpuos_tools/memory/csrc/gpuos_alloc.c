@@ -1,6 +1,8 @@
 /*
  * gpuos owned allocations: a device-memory allocator on the CUDA virtual memory API, so that the
  * agent can take a buffer's physical memory away and give it back at the same address.
+ * (One unit, over 800 lines: the record table, the size-class segments and the driver calls share
+ * one lock and static state that nothing else may touch.)
  *
  * Every buffer the program gets lies in a virtual address range of its own (reserved with
  * cuMemAddressReserve, rounded up to the allocation granularity, 2 MiB on Hopper), backed by one
