@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`gpu-prefetch-sched serve` against the same jobs run one after another (issue 8, item 3).
 
-The jobs are tests/gpu/progs/stencil_job.py loops of different sizes (--jobs: ARRAYSxMIB each,
+The jobs are workloads/stencil_job.py loops of different sizes (--jobs: ARRAYSxMIB each,
 --work FMAs per element, --periods repetitions). Side by side:
 
 - alone: each job by itself, untraced, CuPy's own allocator, everything in device memory, one
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
 
-JOB = ROOT / "tests" / "gpu" / "progs" / "stencil_job.py"
+JOB = ROOT / "workloads" / "stencil_job.py"
 
 
 def env() -> dict[str, str]:

@@ -190,7 +190,7 @@ def test_run_end_to_end_with_a_fake_job(fake_job, tmp_path: Path, monkeypatch: p
     prog.write_text(FAKE_JOB)
     lib = tmp_path / "fakelib" / "libcuda.so.1"
     monkeypatch.setattr(bench, "JOBS", {"fake": (prog.name, ())})
-    monkeypatch.setattr(bench, "PROGS", tmp_path)
+    monkeypatch.setattr(bench, "WORKLOADS", tmp_path)
     monkeypatch.setattr(bench, "missing_modules", lambda names: [])
     monkeypatch.setattr(bench, "job_command", lambda program, stage_ahead=False: [sys.executable, str(program), str(lib)])
     monkeypatch.setattr(bench, "gpu_info", lambda: {"gpu": "fake"})
