@@ -18,12 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.access.report import compute_report
+from gpuos_tools.access.templates import Templates, learn
+from gpuos_tools.stream import open_input
 
-from gpuos_tools.access.report import compute_report  # noqa: E402
-from gpuos_tools.access.templates import Templates, learn  # noqa: E402
-from gpuos_tools.stream import open_input  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SUITE = ROOT / "workloads" / "suite"
 PROGRAMS = ("cupy_suite", "torch_cnn", "torch_optim", "transformer_block")

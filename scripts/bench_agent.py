@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 WORKLOADS = ROOT / "workloads"
 
 #: job name -> (program, the modules it needs)

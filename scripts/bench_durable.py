@@ -32,12 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.agent.control import socket_path
+from gpuos_tools.image import chunkio
+from gpuos_tools.image.store import verify
 
-from gpuos_tools.agent.control import socket_path  # noqa: E402
-from gpuos_tools.image import chunkio  # noqa: E402
-from gpuos_tools.image.store import verify  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PROG = ROOT / "workloads" / "agent_job.py"
 

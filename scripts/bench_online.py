@@ -62,10 +62,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.cuda.nvml import gpu_summary
 
-from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB = ROOT / "workloads" / "stencil_job.py"
 
@@ -242,8 +241,6 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     out = {"bench": "online", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
            "gpu": gpu_summary(), "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-
-
 
 
 if __name__ == "__main__":

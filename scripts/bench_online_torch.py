@@ -59,10 +59,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.cuda.nvml import gpu_summary
 
-from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOADS = ROOT / "workloads"
 JOBS = {"llm": WORKLOADS / "torch_decode_job.py", "cnn": WORKLOADS / "torch_cnn_job.py"}
@@ -243,8 +242,6 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     out = {"bench": "online_torch", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
            "gpu": gpu_summary(), "args": vars(args), "rows": rows}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-
-
 
 
 if __name__ == "__main__":

@@ -41,10 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_suspend import JOB, check, demand_text, stop, wait_file, wait_lazy_done  # scripts/, beside this one
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_suspend import JOB, check, demand_text, stop, wait_file, wait_lazy_done  # noqa: E402
 
 GIB = 1 << 30
 

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.cuda.nvml import gpu_summary
 
-from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB = ROOT / "workloads" / "stencil_job.py"
 
@@ -179,7 +178,6 @@ def save(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for r in slim["alone"]:
         r.pop("digests", None)
     Path(args.json).write_text(json.dumps(slim, indent=1) + "\n")
-
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 JOB = ROOT / "workloads" / "suspend_job.py"
 GIB = 1 << 30
 

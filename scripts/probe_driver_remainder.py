@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 CHILD = ROOT / "workloads" / "driver_probe_child.py"
 LOCK_MS = 3000
 
