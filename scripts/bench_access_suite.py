@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Accuracy of gpu-predict-access, validated on the GPU: the suite of issue 3.
 
-Runs each program of tests/gpu/progs/suite under `gpu-trace run --validate` at two sizes
+Runs each program of workloads/suite under `gpu-trace run --validate` at two sizes
 (GPUOS_SUITE_SCALE), learns size templates from the first run, and scores the second run's
 predictions — range granularity with those templates, range without, alloc — against what the
 GPU showed (gpuos_tools/access/score.py). Prints a markdown table for BENCHMARKS.md; --json
@@ -18,14 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+from gpuos_tools.access.report import compute_report
+from gpuos_tools.access.templates import Templates, learn
+from gpuos_tools.stream import open_input
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.access.report import compute_report  # noqa: E402
-from gpuos_tools.access.templates import Templates, learn  # noqa: E402
-from gpuos_tools.stream import open_input  # noqa: E402
-
-SUITE = ROOT / "tests" / "gpu" / "progs" / "suite"
+SUITE = ROOT / "workloads" / "suite"
 PROGRAMS = ("cupy_suite", "torch_cnn", "torch_optim", "transformer_block")
 
 

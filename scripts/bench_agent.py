@@ -2,7 +2,7 @@
 """The agent's concurrent snapshot against the driver's stop-the-world checkpoint, on the same job:
 program-visible stall, bandwidth to host RAM and the job's throughput meanwhile (issue 6, P1/P2).
 
-Starts a job (--job; tests/gpu/progs/) under `gpu-trace run --agent`:
+Starts a job (--job; workloads/) under `gpu-trace run --agent`:
 
     cupy       agent_job.py            CuPy, --gib GiB in 256 MiB arrays updated on two streams
     torch_cnn  agent_job_torch_cnn.py  a ResNet-18-like CNN training loop, topped up to --gib
@@ -47,8 +47,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-PROGS = ROOT / "tests" / "gpu" / "progs"
+WORKLOADS = ROOT / "workloads"
 
 #: job name -> (program, the modules it needs)
 JOBS = {
@@ -277,7 +276,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         raise SystemExit(f"bench_agent: --job {args.job} needs {', '.join(missing)}, which {sys.executable} "
                          "cannot import")
     failures: list[str] = []
-    out: dict[str, Any] = {"benchmark": "bench_agent", "job": args.job, "program": f"tests/gpu/progs/{program}",
+    out: dict[str, Any] = {"benchmark": "bench_agent", "job": args.job, "program": f"workloads/{program}",
                            "gib": args.gib, "stage_ahead": args.stage_ahead, **gpu_info(), "host": platform.node(),
                            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "command": " ".join([Path(sys.executable).name, *sys.argv])}
@@ -287,7 +286,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         env = dict(os.environ, GPU_JOB_GIB=str(args.gib), GPUOS_JOB_STOP=str(t / "stop"),
                    GPUOS_JOB_LOG=str(log), GPUOS_JOB_READY=str(t / "ready"))
         started = time.time()
-        proc = subprocess.Popen(job_command(PROGS / program, args.stage_ahead), cwd=ROOT, env=env,
+        proc = subprocess.Popen(job_command(WORKLOADS / program, args.stage_ahead), cwd=ROOT, env=env,
                                 start_new_session=True)  # so that a failure here kills the job too, not only gpu-trace
         pid = None
         driver: dict[str, Any] | None = None

@@ -41,8 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def sizes(n: int, seed: int = 1) -> list[int]:
     rng = random.Random(seed)

@@ -23,11 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.ckpt.driver import Checkpointer
+from gpuos_tools.cuda.nvml import nvml_session
 
-from gpuos_tools.ckpt.driver import Checkpointer  # noqa: E402
-from gpuos_tools.cuda.nvml import nvml_session  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = ROOT / "scripts" / "bench_ckpt_child.py"
 GIB = 1 << 30

@@ -3,7 +3,7 @@
 to the same filesystem, side by side in one run (the durable-image target: within 1.25x of the
 raw write time; at least 5 GB/s into tmpfs).
 
-Starts tests/gpu/progs/agent_job.py (--gib GiB in 256 MiB arrays, updated on two streams) under
+Starts workloads/agent_job.py (--gib GiB in 256 MiB arrays, updated on two streams) under
 `gpu-trace run --agent`, takes one warm-up snapshot (it pins the agent's host staging, which
 later snapshots reuse; its time is reported as "first"), then for each --dirs directory,
 --repeat times alternately:
@@ -32,14 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuos_tools.agent.control import socket_path
+from gpuos_tools.image import chunkio
+from gpuos_tools.image import verify
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.agent.control import socket_path  # noqa: E402
-from gpuos_tools.image import chunkio  # noqa: E402
-from gpuos_tools.image import verify  # noqa: E402
-
-PROG = ROOT / "tests" / "gpu" / "progs" / "agent_job.py"
+PROG = ROOT / "workloads" / "agent_job.py"
 
 
 def raw_write(path: Path, block: memoryview, total: int, direct: bool) -> float:

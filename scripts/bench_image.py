@@ -40,7 +40,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuos_tools.image import chunkio
 from gpuos_tools import image as img

@@ -5,7 +5,7 @@ set is tracked), under `gpu-prefetch-sched run --budget 100%`, and under the Pyt
 
     bench_native_agent.py [--models resnet50,mlp] [--steps N] [--repeat R] [--json OUT]
 
-Runs scripts/workloads/train_steps.py (timm ResNet-50 bf16 batch 64, ~900 launches a step; a
+Runs workloads/train_steps.py (timm ResNet-50 bf16 batch 64, ~900 launches a step; a
 small MLP with Adam(foreach=True), ~35) once per configuration, one after another on the same
 GPU; each run reports its own median step (after its warm-up). Successive processes of the same
 loop differ by up to ~10 % on an H100, so --repeat R runs the whole list of configurations R times,
@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-WORKLOAD = ROOT / "scripts" / "workloads" / "train_steps.py"
+WORKLOAD = ROOT / "workloads" / "train_steps.py"
 CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gpu-prefetch-sched", "run"]}
 CONFIGS = ("plain", "trace", "agent", "agent_after_snapshot", "sched_100", "agent_python", "plain_again")
 

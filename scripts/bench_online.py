@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`gpu-prefetch-sched run` against all-in-HBM on a CuPy stencil loop (issue 8, P6).
 
-The job is tests/gpu/progs/stencil_job.py: --arrays float32 arrays of --mib MiB; step s reads
+The job is workloads/stencil_job.py: --arrays float32 arrays of --mib MiB; step s reads
 arrays s..s+2 and writes s+3 (mod n), --work fused multiply-adds per element (the arithmetic
 intensity); --periods repetitions of the n steps. For each --work value, side by side:
 
@@ -62,12 +62,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools.cuda.nvml import gpu_summary
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
-
-JOB = ROOT / "tests" / "gpu" / "progs" / "stencil_job.py"
+JOB = ROOT / "workloads" / "stencil_job.py"
 
 
 def env() -> dict[str, str]:
@@ -242,8 +241,6 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     out = {"bench": "online", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
            "gpu": gpu_summary(), "args": vars(args), "rows": [{k: v for k, v in r.items() if k != "digests"} for r in rows]}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-
-
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """`gpu-prefetch-sched run` on PyTorch programs against all-in-HBM (issue 8: the LLM-decode and
 CNN workloads).
 
-Workloads (tests/gpu/progs/):
+Workloads (workloads/):
 - llm: torch_decode_job.py, a transformers Llama with random bf16 weights (default 16 layers of
   hidden 2048, MLP 5632: 1.9 GB of weights; 8 timed tokens), greedy decode with a static KV cache; timed: the
   decode loop (--llm-args);
@@ -59,13 +59,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools.cuda.nvml import gpu_summary
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
-
-PROGS = ROOT / "tests" / "gpu" / "progs"
-JOBS = {"llm": PROGS / "torch_decode_job.py", "cnn": PROGS / "torch_cnn_job.py"}
+WORKLOADS = ROOT / "workloads"
+JOBS = {"llm": WORKLOADS / "torch_decode_job.py", "cnn": WORKLOADS / "torch_cnn_job.py"}
 LLM_ARGS = "--hidden 2048 --layers 16 --mlp 5632 --heads 16 --vocab 32000 --prompt 32 --tokens 9"
 CNN_ARGS = "--width 64 --blocks 2 --batch 64 --image 64 --batches 4 --steps 12"
 SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "bytes_in", "bytes_out", "loads", "prefetches",
@@ -243,8 +242,6 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     out = {"bench": "online_torch", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
            "gpu": gpu_summary(), "args": vars(args), "rows": rows}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-
-
 
 
 if __name__ == "__main__":

@@ -42,11 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.sched.executor import Executor, OnlineAgent
 
-from gpuos_tools.memory.engine import ResidencyEngine  # noqa: E402
-from gpuos_tools.sched.executor import Executor, OnlineAgent  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 1 << 20
 

@@ -23,13 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gpuos_tools.access import Predictor
+from gpuos_tools.stream import open_input
+from gpuos_tools.stream.reader import Reader
+from gpuos_tools.stream.writer import Writer
 
-from gpuos_tools.access import Predictor  # noqa: E402
-from gpuos_tools.stream import open_input  # noqa: E402
-from gpuos_tools.stream.reader import Reader  # noqa: E402
-from gpuos_tools.stream.writer import Writer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TRACES = ["torch", "cupy", "apis"]
 

@@ -2,7 +2,7 @@
 """Rollback of a >= 8 GiB CuPy job through the agent, eager against --lazy, same job (issue 7,
 item 3: lazy restore on rollback).
 
-The job is tests/gpu/progs/suspend_job.py (--gib GiB of pseudo-random data in 256 MiB arrays,
+The job is workloads/suspend_job.py (--gib GiB of pseudo-random data in 256 MiB arrays,
 then a small kernel about every millisecond) under `gpu-trace run --agent`, its memory plain
 CuPy (`plain`) or owned (`owned`, GPUOS_AGENT_OWN=1). Once: a full image of it (a snapshot
 written to --dir). Then --reps times eager, then --reps times lazy: the job overwrites all its
@@ -41,10 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_suspend import JOB, check, demand_text, stop, wait_file, wait_lazy_done  # scripts/, beside this one
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_suspend import JOB, check, demand_text, stop, wait_file, wait_lazy_done  # noqa: E402
 
 GIB = 1 << 30
 

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from gpuos_tools.access import Predictor
 from gpuos_tools.sched.schedule import write_schedule

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`gpu-prefetch-sched serve` against the same jobs run one after another (issue 8, item 3).
 
-The jobs are tests/gpu/progs/stencil_job.py loops of different sizes (--jobs: ARRAYSxMIB each,
+The jobs are workloads/stencil_job.py loops of different sizes (--jobs: ARRAYSxMIB each,
 --work FMAs per element, --periods repetitions). Side by side:
 
 - alone: each job by itself, untraced, CuPy's own allocator, everything in device memory, one
@@ -33,12 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools.cuda.nvml import gpu_summary
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from gpuos_tools.cuda.nvml import gpu_summary  # noqa: E402
-
-JOB = ROOT / "tests" / "gpu" / "progs" / "stencil_job.py"
+JOB = ROOT / "workloads" / "stencil_job.py"
 
 
 def env() -> dict[str, str]:
@@ -179,7 +178,6 @@ def save(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for r in slim["alone"]:
         r.pop("digests", None)
     Path(args.json).write_text(json.dumps(slim, indent=1) + "\n")
-
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuos_tools.stream import make_header, open_input, open_output, passthrough
 

@@ -2,7 +2,7 @@
 """Suspend and resume of a >= 8 GiB CuPy job through the agent against the driver checkpoint
 path on a CUPTI-free copy of the same job, side by side in one run (issue 7, items 2 and 5).
 
-The job is tests/gpu/progs/suspend_job.py (--gib GiB in 256 MiB arrays, then a launch about
+The job is workloads/suspend_job.py (--gib GiB in 256 MiB arrays, then a launch about
 every millisecond).
 
 1. agent path: the job under `gpu-trace run --agent` with GPUOS_AGENT_OWN=1; --reps times
@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-JOB = ROOT / "tests" / "gpu" / "progs" / "suspend_job.py"
+JOB = ROOT / "workloads" / "suspend_job.py"
 GIB = 1 << 30
 
 

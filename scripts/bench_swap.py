@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["GPUOS_ENGINE_NO_DIGEST"] = "1"
 
 from gpuos_tools.memory.engine import RELEASED, RESIDENT, DriverOps, ResidencyEngine  # noqa: E402
@@ -281,7 +280,6 @@ def main() -> int:
           f"{r['both_combined_gbps']:>9}", file=sys.stderr)
     eng.close()
     return 0
-
 
 
 def _driver() -> str | None:

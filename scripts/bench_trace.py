@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuos_tools.stream import open_input
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "scripts" / "bench_trace_workload.py"
 CPUS: set[int] = set()  # every run on the same cores (--cpus), so runs differ by the tracer only
@@ -38,9 +40,6 @@ def run_workload(mode: str, iters: int, trace: Path | None, backend: str = "nati
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     launches = None
     if trace is not None:
-        sys.path.insert(0, str(ROOT))
-        from gpuos_tools.stream import open_input
-
         launches = 0
         with open_input(str(trace)) as reader:
             for r in reader:

@@ -4,7 +4,7 @@ program that runs under the agent (CUPTI subscribed)? And once the agent detache
 (unsubscribe + cuptiFinalize)? And while the program is parked in a CUPTI callback, as a
 suspended program is? One JSON report on stdout (issue 7, the "driver remainder").
 
-Cases, each in a fresh child (tests/gpu/progs/driver_probe_child.py under `gpu-trace run --agent`,
+Cases, each in a fresh child (workloads/driver_probe_child.py under `gpu-trace run --agent`,
 GPUOS_AGENT_OWN=1):
   idle:   lock with CUPTI attached; detach; lock -> checkpoint -> restore -> unlock; checksum
   parked: park a launch in its callback; detach; lock; (if locked) checkpoint/restore/unlock; unpark
@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-CHILD = ROOT / "tests" / "gpu" / "progs" / "driver_probe_child.py"
+CHILD = ROOT / "workloads" / "driver_probe_child.py"
 LOCK_MS = 3000
 
 

@@ -23,9 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gpuos_tools.cuda.driver import ok  # noqa: E402
+from gpuos_tools.cuda.driver import ok
 
 
 def main() -> int:

@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 MIB = 1 << 20
 #: marker sizes: size classes of the owned cache (so the mapping is exactly this), unlike the program's
 MARKERS = {"conv": 40 * MIB, "mm": 56 * MIB, "addmm": 112 * MIB, "sdpa": 224 * MIB, "end": 448 * MIB}

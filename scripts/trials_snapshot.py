@@ -3,7 +3,7 @@
 
 Each seed runs a trial program under `gpu-trace run --agent` with snapshots requested at random
 moments while random kernels, memsets and copies run on three streams (--program cupy:
-tests/gpu/progs/snapshot_prog.py, raw kernels and CuPy; --program torch: snapshot_prog_torch.py,
+workloads/snapshot_prog.py, raw kernels and CuPy; --program torch: snapshot_prog_torch.py,
 PyTorch ops with cuBLAS, cuDNN and the caching allocator), then runs it again (the twin)
 stopping the world at exactly the operation counts of those snapshots; every snapshot must be
 bit-identical (sha256 per allocation) to its reference. Seeds go on until --trials snapshots
@@ -21,11 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-
-from test_agent_gpu import PROGRAMS, trials  # noqa: E402
+from workloads.snapshot_trials import PROGRAMS, trials
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import REPO, fake_cuda_process
+from helpers import REPO, child_env, fake_cuda_process
 
 from gpuos_tools.ckpt import driver as ckpt_driver
 from gpuos_tools.ckpt import registry
@@ -25,7 +25,7 @@ spec.loader.exec_module(bench)
 
 def test_help_runs_without_a_gpu() -> None:
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_agent.py"), "--help"],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=60, check=False, env=child_env())
     assert done.returncode == 0, done.stderr
     assert "--job" in done.stdout and "--no-driver" in done.stdout
 
@@ -190,7 +190,7 @@ def test_run_end_to_end_with_a_fake_job(fake_job, tmp_path: Path, monkeypatch: p
     prog.write_text(FAKE_JOB)
     lib = tmp_path / "fakelib" / "libcuda.so.1"
     monkeypatch.setattr(bench, "JOBS", {"fake": (prog.name, ())})
-    monkeypatch.setattr(bench, "PROGS", tmp_path)
+    monkeypatch.setattr(bench, "WORKLOADS", tmp_path)
     monkeypatch.setattr(bench, "missing_modules", lambda names: [])
     monkeypatch.setattr(bench, "job_command", lambda program, stage_ahead=False: [sys.executable, str(program), str(lib)])
     monkeypatch.setattr(bench, "gpu_info", lambda: {"gpu": "fake"})

@@ -1,5 +1,5 @@
 """The agent-path images recorded on an H100 (tests/data/recorded/agent-image, by
-scripts/record-agent-image): a full image of tests/gpu/progs/image_prog.py taken while it ran,
+scripts/record-agent-image): a full image of workloads/image_prog.py taken while it ran,
 and an incremental one after it changed one buffer. What CPU-side readers must get from them."""
 
 from __future__ import annotations

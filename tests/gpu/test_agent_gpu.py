@@ -12,62 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from workloads.snapshot_trials import trials
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGS = Path(__file__).resolve().parent / "progs"
-
-
-#: the trial programs: random work on several streams while snapshots are taken (same protocol)
-PROGRAMS = {"cupy": PROGS / "snapshot_prog.py", "torch": PROGS / "snapshot_prog_torch.py"}
-
-
-def traced_run(tmp: Path, name: str, env_extra: dict, program: str = "cupy") -> subprocess.CompletedProcess:
-    env = dict(os.environ, **env_extra)
-    return subprocess.run(
-        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
-         str(tmp / f"{name}.ndjson.zst"), "--", sys.executable, str(PROGRAMS[program])],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-
-
-def trials(tmp: Path, seed: int, snapshots: int, ops: int = 3000, stats: list | None = None,
-           program: str = "cupy", env_extra: dict | None = None) -> tuple[int, list[str]]:
-    """(snapshots compared, mismatches) for one seed of ``program`` (a key of PROGRAMS): a run
-    with snapshots, then its twin. ``stats`` collects each compared snapshot's answer (without
-    digests)."""
-    tag = "" if program == "cupy" else f"{program}-"
-    env = {"GPUOS_TRIAL_SEED": str(seed), "GPUOS_TRIAL_OPS": str(ops), **(env_extra or {})}
-    report = tmp / f"{tag}a{seed}.json"
-    a = traced_run(tmp, f"{tag}a{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": str(snapshots),
-                                          "GPUOS_TEST_REPORT": str(report)}, program)
-    assert a.returncode == 0, a.stderr[-12000:]
-    answers = json.loads(report.read_text())["answers"]
-    assert answers, "no snapshot was taken"
-    refs = tmp / f"{tag}b{seed}.refs"
-    refs.unlink(missing_ok=True)  # the agent appends
-    b = traced_run(tmp, f"{tag}b{seed}", {**env, "GPUOS_TRIAL_SNAPSHOTS": "0", "GPUOS_AGENT_REFERENCE_OUT": str(refs),
-                                          "GPUOS_AGENT_REFERENCE_AT": ",".join(str(x["ops_before"]) for x in answers)},
-                   program)
-    assert b.returncode == 0, b.stderr[-12000:]
-    by_ops = {}
-    for line in refs.read_text().splitlines():
-        r = json.loads(line)
-        by_ops[r["ops_before"]] = r
-    bad = []
-    compared = 0
-    for x in answers:
-        ref = by_ops.get(x["ops_before"])
-        if ref is None:
-            continue  # taken after the last operation: no reference point in the twin
-        compared += 1
-        if stats is not None:
-            stats.append({k: v for k, v in x.items() if k not in ("digests", "allocations")})
-        if x["digests"] != ref["digests"]:
-            diff = [i for i, (p, q) in enumerate(zip(x["digests"], ref["digests"])) if p != q]
-            bad.append(f"{program} seed {seed} ops_before {x['ops_before']}: buffers {diff} differ "
-                       f"(cow {x['cow']}, host saves {x['host_saves']}, waits {x['stream_waits']})")
-    return compared, bad
+WORKLOADS = ROOT / "workloads"
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -137,7 +87,7 @@ def test_snapshot_images_full_then_incremental(tmp_path):
                GPUOS_JOB_LOG=str(tmp_path / "log"), GPUOS_JOB_READY=str(tmp_path / "ready"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o", os.devnull,
-         "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env, start_new_session=True)
+         "--", sys.executable, str(WORKLOADS / "agent_job.py")], cwd=ROOT, env=env, start_new_session=True)
     try:
         deadline = time.time() + 120
         while not (tmp_path / "ready").exists():
@@ -173,7 +123,7 @@ def test_snapshot_images_full_then_incremental(tmp_path):
 
 
 def start_job(tmp: Path, gib: str = "0.5", extra: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
-    """tests/gpu/progs/agent_job.py under `gpu-trace run --agent`, in its own process group:
+    """workloads/agent_job.py under `gpu-trace run --agent`, in its own process group:
     (the process, its agent's socket) once its arrays are ready."""
     import time
 
@@ -184,7 +134,7 @@ def start_job(tmp: Path, gib: str = "0.5", extra: list[str] | None = None) -> tu
                GPUOS_JOB_READY=str(tmp / "ready"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", *(extra or []), "--no-images",
-         "-o", os.devnull, "--", sys.executable, str(PROGS / "agent_job.py")], cwd=ROOT, env=env,
+         "-o", os.devnull, "--", sys.executable, str(WORKLOADS / "agent_job.py")], cwd=ROOT, env=env,
         start_new_session=True)
     deadline = time.time() + 120
     while not (tmp / "ready").exists():

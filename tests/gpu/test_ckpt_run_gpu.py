@@ -18,7 +18,7 @@ from gpuos_tools.stream import open_input
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGS = Path(__file__).resolve().parent / "progs"
+WORKLOADS = ROOT / "workloads"
 
 
 def command(name: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -34,7 +34,7 @@ def test_gpu_ckpt_run_job_takes_an_agent_image(tmp_path):
     with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: nothing reads them while it runs
         job = subprocess.Popen(
             [sys.executable, "-m", "gpuos_tools.commands.ckpt", "run", "--no-images", "-o", str(trace),
-             "--", sys.executable, str(PROGS / "agent_job.py")],
+             "--", sys.executable, str(WORKLOADS / "agent_job.py")],
             cwd=ROOT, env=env, stdout=o, stderr=e, start_new_session=True)
     try:
         deadline = time.time() + 120

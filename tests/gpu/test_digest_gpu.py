@@ -22,6 +22,8 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGS = Path(__file__).resolve().parent / "progs"
+STENCIL_JOB = ROOT / "workloads" / "stencil_job.py"
+HIDDEN_WRITE_JOB = PROGS / "hidden_write_job.py"
 STENCIL = ["--arrays", "8", "--mib", "32", "--periods", "8", "--work", "32"]
 
 
@@ -33,18 +35,18 @@ def env(**extra: str) -> dict:
     return e
 
 
-def plain(tmp: Path, prog: str, args: list[str]) -> dict:
+def plain(tmp: Path, prog: Path, args: list[str]) -> dict:
     out = tmp / "plain.json"
-    p = subprocess.run([sys.executable, str(PROGS / prog), *args, "--out", str(out)], cwd=ROOT, env=env(),
+    p = subprocess.run([sys.executable, str(prog), *args, "--out", str(out)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-def sched(tmp: Path, prog: str, args: list[str], budget: str, **extra: str) -> tuple[dict, dict, str]:
+def sched(tmp: Path, prog: Path, args: list[str], budget: str, **extra: str) -> tuple[dict, dict, str]:
     out = tmp / "job.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", budget, "--",
-           sys.executable, str(PROGS / prog), *args, "--out", str(out)]
+           sys.executable, str(prog), *args, "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-6000:]
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
@@ -68,15 +70,15 @@ def test_the_kernel_computes_the_reference_digest_at_any_address_and_size():
 
 
 def test_stencil_at_150_percent_skips_write_backs_and_stays_bit_identical(tmp_path):
-    ref = plain(tmp_path, "stencil_job.py", STENCIL)
-    job, s, err = sched(tmp_path, "stencil_job.py", STENCIL, "66%")
+    ref = plain(tmp_path, STENCIL_JOB, STENCIL)
+    job, s, err = sched(tmp_path, STENCIL_JOB, STENCIL, "66%")
     assert job["digests"] == ref["digests"]
     assert s["digest"] == "on" and "no GPU digests" not in err, (s["digest"], err[-2000:])
     eng = s["engine"]
     assert s["digest_skips"] > 0 and s["bytes_not_written_back"] >= s["digest_skips"] * ref["array_bytes"], s
     assert eng["digest_changed"] > 0 and eng.get("evict_errors", 0) == 0, eng
     # the same run without digests saves more
-    job2, s2, _ = sched(tmp_path, "stencil_job.py", STENCIL, "66%", GPUOS_ENGINE_NO_DIGEST="1")
+    job2, s2, _ = sched(tmp_path, STENCIL_JOB, STENCIL, "66%", GPUOS_ENGINE_NO_DIGEST="1")
     assert job2["digests"] == ref["digests"]
     assert s2["digest"].startswith("off") and s2["digests"] == 0 and s2["digest_skips"] == 0, s2
     print("stencil 66%: evictions", s["evictions"], "saves", s["evict_saves"], "digest skips", s["digest_skips"],
@@ -85,8 +87,8 @@ def test_stencil_at_150_percent_skips_write_backs_and_stays_bit_identical(tmp_pa
 
 def test_a_read_mostly_job_skips_most_write_backs(tmp_path):
     args = [*STENCIL, "--coeffs", "8"]
-    ref = plain(tmp_path, "stencil_job.py", args)
-    job, s, _ = sched(tmp_path, "stencil_job.py", args, "66%")
+    ref = plain(tmp_path, STENCIL_JOB, args)
+    job, s, _ = sched(tmp_path, STENCIL_JOB, args, "66%")
     assert job["digests"] == ref["digests"]
     assert s["unknown"] == 0 and s["evictions"] > 0, s
     # the coefficients are only read: most evictions are theirs, and need no save
@@ -96,7 +98,7 @@ def test_a_read_mostly_job_skips_most_write_backs(tmp_path):
 
 def test_a_write_the_predictor_cannot_see_is_still_saved(tmp_path):
     args = ["--arrays", "8", "--mib", "32", "--periods", "4"]
-    job, s, err = sched(tmp_path, "hidden_write_job.py", args, "50%")
+    job, s, err = sched(tmp_path, HIDDEN_WRITE_JOB, args, "50%")
     assert job["ok"], job
     assert s["evictions"] >= 8, s  # evicted
     eng = s["engine"]
@@ -107,7 +109,7 @@ def test_a_write_the_predictor_cannot_see_is_still_saved(tmp_path):
     assert s["unknown"] >= eng["conservative_launches"] > 0 and "conservative from now on" in err, s
     # without the digest the engine trusts the prediction: the writes are lost (which is why
     # the check matters; if this ends right, the job no longer hides its writes)
-    job2, s2, _ = sched(tmp_path, "hidden_write_job.py", args, "50%", GPUOS_ENGINE_NO_DIGEST="1")
+    job2, s2, _ = sched(tmp_path, HIDDEN_WRITE_JOB, args, "50%", GPUOS_ENGINE_NO_DIGEST="1")
     assert not job2["ok"] and s2["unknown"] == 0 and s2["mismatches"] == 0, (job2, s2)
 
 
@@ -132,14 +134,14 @@ def test_after_a_mismatch_the_kernel_is_conservative_and_its_writes_are_kept_wit
     count as writing everything resident, and peek's launches keep evicting. The same run
     without the rule (GPUOS_ENGINE_NO_CONSERVE=1) must lose them, else the test proves nothing."""
     args = ["--arrays", "8", "--mib", "32", "--periods", "6", "--coeffs", "4"]
-    ref = plain(tmp_path, "hidden_write_job.py", args)
+    ref = plain(tmp_path, HIDDEN_WRITE_JOB, args)
     assert ref["ok"], ref
     runs = {}
     for name, extra in (("rule, check on", {}),
                         ("rule, check off after the 1st mismatch", {"GPUOS_ENGINE_DIGEST_OFF_AFTER": "1"}),
                         ("no rule, check off after the 1st mismatch",
                          {"GPUOS_ENGINE_DIGEST_OFF_AFTER": "1", "GPUOS_ENGINE_NO_CONSERVE": "1"})):
-        job, s, err = sched(tmp_path, "hidden_write_job.py", args, "50%", **extra)
+        job, s, err = sched(tmp_path, HIDDEN_WRITE_JOB, args, "50%", **extra)
         _figures(name, job, s)
         runs[name] = (job, s, err)
         assert s["engine"].get("evict_errors", 0) == 0 and "error" not in s, s

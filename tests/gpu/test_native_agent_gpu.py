@@ -20,7 +20,7 @@ from gpuos_tools.stream import open_input
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKLOAD = ROOT / "scripts" / "workloads" / "train_steps.py"
+WORKLOAD = ROOT / "workloads" / "train_steps.py"
 
 PROGRAM = """
 import hashlib, sys, torch

@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).resolve().parent / "progs" / "stencil_job.py"
+JOB = ROOT / "workloads" / "stencil_job.py"
 ARGS = ["--arrays", "8", "--mib", "32", "--periods", "8", "--work", "32"]
 
 

@@ -2,7 +2,7 @@
 Llama's greedy decode with a KV cache (random weights) and a CNN's training steps, each at a
 budget of 66% of its owned memory (150% oversubscription), produce the same output as the same
 program run alone with torch's own allocator -- the same token ids, the same final parameters
-bit for bit -- while records are evicted and loaded again (tests/gpu/progs/torch_decode_job.py,
+bit for bit -- while records are evicted and loaded again (workloads/torch_decode_job.py,
 torch_cnn_job.py; gpuos_tools/sched/executor.py)."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGS = Path(__file__).resolve().parent / "progs"
+WORKLOADS = ROOT / "workloads"
 JOBS = {
-    "llm": (PROGS / "torch_decode_job.py",
+    "llm": (WORKLOADS / "torch_decode_job.py",
             ["--hidden", "1024", "--layers", "6", "--mlp", "2816", "--heads", "8", "--vocab", "8000",
              "--prompt", "16", "--tokens", "8"]),
-    "cnn": (PROGS / "torch_cnn_job.py",
+    "cnn": (WORKLOADS / "torch_cnn_job.py",
             ["--width", "16", "--blocks", "1", "--batch", "16", "--image", "32", "--batches", "2", "--steps", "4"]),
 }
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from workloads.snapshot_trials import trials
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,10 +96,7 @@ def test_torch_pluggable_allocator_entry_points(tmp_path):
 
 def test_agent_snapshots_of_owned_memory_equal_the_state_at_t0(tmp_path, monkeypatch):
     """The agent's concurrent snapshots work unchanged over owned (VMM) memory: the snapshot
-    trials of test_agent_gpu.py with GPUOS_AGENT_OWN=1 in both runs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_agent_gpu import trials
-
+    trials (workloads/snapshot_trials.py) with GPUOS_AGENT_OWN=1 in both runs."""
     monkeypatch.setenv("GPUOS_AGENT_OWN", "1")
     compared, bad = trials(tmp_path, 11, snapshots=15, ops=1500)
     assert not bad, bad

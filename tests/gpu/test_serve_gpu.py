@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).resolve().parent / "progs" / "stencil_job.py"
+JOB = ROOT / "workloads" / "stencil_job.py"
 MIB = 1 << 20
 #: (arrays, MiB each, periods, work): 256 + 288 + 240 = 784 MiB together, ~1.5 s of loop each alone
 JOBS = [(8, 32, 40, 16384), (6, 48, 40, 12288), (10, 24, 40, 16384)]

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGS = Path(__file__).resolve().parent / "progs"
+WORKLOADS = ROOT / "workloads"
 
 
 def gpu_trace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -31,13 +32,13 @@ def gpu_trace(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 BACKENDS = pytest.mark.parametrize("backend", ["native", "python"])
 
 
-def traced(tmp_path: Path, prog: str, name: str, backend: str, keep_images: bool = False):
+def traced(tmp_path: Path, prog: Path, name: str, backend: str, keep_images: bool = False):
     out = tmp_path / f"{name}.ndjson.zst"
     report = tmp_path / f"{name}.report.json"
     env = os.environ.copy()
     env["GPUOS_TEST_REPORT"] = str(report)
     proc = gpu_trace("run", "--backend", backend, "--check-pointers", "-o", str(out), "--",
-                     sys.executable, str(PROGS / prog), env=env)
+                     sys.executable, str(prog), env=env)
     assert proc.returncode == 0, proc.stderr
     if backend == "python":  # the recorded fixtures come from the default (native) path
         name += "-python"
@@ -104,7 +105,7 @@ def check_common(records):
 
 @BACKENDS
 def test_cupy_program(tmp_path, backend):
-    records, report, images = traced(tmp_path, "cupy_prog.py", "cupy", backend, keep_images=True)
+    records, report, images = traced(tmp_path, WORKLOADS / "cupy_prog.py", "cupy", backend, keep_images=True)
     launches = check_common(records)
     ptrs = report["pointers"]
 
@@ -151,7 +152,7 @@ def test_cupy_program(tmp_path, backend):
 
 @BACKENDS
 def test_torch_training_step(tmp_path, backend):
-    records, report, _ = traced(tmp_path, "torch_prog.py", "torch", backend)
+    records, report, _ = traced(tmp_path, PROGS / "torch_prog.py", "torch", backend)
     launches = check_common(records)
     words = {}
     for rec, table in replay(records):
@@ -239,7 +240,7 @@ def test_a_reader_that_leaves_early_ends_gpu_trace_quietly_and_the_program_still
 
 @BACKENDS
 def test_less_common_driver_paths(tmp_path, backend):
-    records, report, _ = traced(tmp_path, "apis_prog.py", "apis", backend)
+    records, report, _ = traced(tmp_path, PROGS / "apis_prog.py", "apis", backend)
     check_common(records)
     by_type: dict[str, list] = {}
     for rec in records:
@@ -290,7 +291,7 @@ def test_numba_program(tmp_path, backend):
                            capture_output=True, text=True, timeout=300)
     if plain.returncode != 0:  # e.g. numba-cuda older than the installed NumPy (np.row_stack gone)
         pytest.skip(f"Numba does not run here even untraced: {plain.stderr.strip().splitlines()[-1]}")
-    records, report, _ = traced(tmp_path, "numba_prog.py", "numba", backend)
+    records, report, _ = traced(tmp_path, PROGS / "numba_prog.py", "numba", backend)
     launches = check_common(records)
     (saxpy,) = [r for r in launches if "saxpy" in r["name"]]
     seen = {int.from_bytes(bytes.fromhex(saxpy["params"][i]["hex"])[off : off + 8], "little")

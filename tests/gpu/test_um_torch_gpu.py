@@ -19,12 +19,12 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGS = Path(__file__).resolve().parent / "progs"
+WORKLOADS = ROOT / "workloads"
 JOBS = {
-    "llm": (PROGS / "torch_decode_job.py",
+    "llm": (WORKLOADS / "torch_decode_job.py",
             ["--hidden", "1024", "--layers", "6", "--mlp", "2816", "--heads", "8", "--vocab", "8000",
              "--prompt", "16", "--tokens", "8"]),
-    "cnn": (PROGS / "torch_cnn_job.py",
+    "cnn": (WORKLOADS / "torch_cnn_job.py",
             ["--width", "16", "--blocks", "1", "--batch", "16", "--image", "32", "--batches", "2", "--steps", "4"]),
 }
 

@@ -1,7 +1,7 @@
 """The job scripts/bench_suspend.py suspends: --gib GiB of pseudo-random data in 256 MiB CuPy
-arrays (a splitmix64 kernel, as bench_ckpt_child.py), then a loop that launches a small kernel
-about every millisecond, so that a suspend finds it between launches. The same file runs under
-`gpu-trace run --agent` with GPUOS_AGENT_OWN=1 (the agent path) and alone (the driver path).
+arrays (a splitmix64 kernel, as scripts/bench_ckpt_child.py), then a loop that launches a small
+kernel about every millisecond, so that a suspend finds it between launches. The same file runs
+under `gpu-trace run --agent` with GPUOS_AGENT_OWN=1 (the agent path) and alone (the driver path).
 
 --dir D: D/ready holds {"pid", "checksum"} once the data is there; whenever D/check exists the
 job writes D/check.json with the checksum computed again and removes D/check; whenever D/stamp
