@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+from collections.abc import Callable
+from typing import IO
 
 import click
 import typer
@@ -623,6 +627,22 @@ def run(
     raise typer.Exit(code)
 
 
+def job_command(serve: dict, argv: list[str], budget: int, policy: str, lookahead: int) -> list[str]:
+    """A job of `serve`: `gpu-prefetch-sched run` with ``serve`` (the coordinator's address and
+    the job's number, sched/serve.py `serve_jobs`) as its hidden --serve option."""
+    return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(budget),
+            "--policy", policy, "--lookahead", str(lookahead), "--serve", json.dumps(serve), "--", *argv]
+
+
+def job_starter(budget: int, policy: str, lookahead: int, env: dict[str, str]) -> Callable[..., subprocess.Popen]:
+    """What `serve_jobs` starts each job with: its `job_command` in ``env``."""
+    def start(serve: dict, argv: list[str], stdout: IO[bytes], stderr: IO[bytes]) -> subprocess.Popen:
+        return subprocess.Popen(job_command(serve, argv, budget, policy, lookahead), stdout=stdout, stderr=stderr,
+                                stdin=subprocess.DEVNULL, env=env)
+
+    return start
+
+
 @app.command("serve")
 def serve_cmd(
     jobs: list[str] | None = typer.Option(
@@ -714,8 +734,9 @@ def serve_cmd(
     # serve's jobs run the Python agent: the native core's gate (the GPU turn) has not run on a
     # GPU yet, and the executor's hooks see every operation of a served job anyway
     env.setdefault("GPUOS_AGENT_BACKEND", "python")
+    start = job_starter(size, policy, lookahead, env)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
-        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env, overlap=switch == "overlap")
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, start, overlap=switch == "overlap")
     if json_file:
         try:
             with open(json_file, "w") as f:
