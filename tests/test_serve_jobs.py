@@ -1,15 +1,20 @@
 """How `gpu-prefetch-sched serve` starts its jobs, without a GPU: the coordinator (sched/serve.py)
 starts each through the callable the command hands in, with the job's serve config; the command's
-callable runs the job as `gpu-prefetch-sched run --serve SPEC`."""
+callable runs the job as `gpu-prefetch-sched run --serve SPEC`, whose SPEC becomes the boot
+config's serve part."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
-from gpuos_tools.commands import prefetch_sched
+import typer
+
+from gpuos_tools.commands import cli, prefetch_sched
 from gpuos_tools.sched.serve import serve_jobs
+from gpuos_tools.trace import run as launcher
 
 #: a job that served nothing: says its summary (as `run` would) and its own throughput, and ends
 JOB = """
@@ -48,3 +53,25 @@ def test_the_commands_job_is_run_with_its_serve_spec():
     assert json.loads(cmd[i + 1]) == serve
     assert cmd[cmd.index("--budget") + 1] == str(1 << 30) and cmd[cmd.index("--policy") + 1] == "lru"
     assert cmd[cmd.index("--lookahead") + 1] == "3" and cmd[cmd.index("--") + 1:] == ["python3", "job.py", "--x"]
+
+
+def test_run_makes_the_serve_spec_part_of_the_boot_config(monkeypatch, tmp_path):
+    """`run --serve SPEC` hands the launcher an online config whose serve part is SPEC, the
+    program's allocations all owned."""
+    seen = {}
+
+    def fake(program, **kw):
+        seen.update(kw)
+        with open(kw["online"].summary, "w") as f:
+            json.dump({"bytes_in": 0}, f)
+        return SimpleNamespace(code=0, errors=[])
+
+    monkeypatch.setattr(launcher, "run_program", fake)
+    spec = {"socket": str(tmp_path / "s.sock"), "job": 3, "overlap": False, "ledger": None}
+    code = cli.run(typer.main.get_command(prefetch_sched.app), "gpu-prefetch-sched",
+                   ["run", "--budget", "1GiB", "--policy", "lru", "--lookahead", "1", "--serve", json.dumps(spec),
+                    "--", "python3", "job.py"])
+    assert code == 0
+    online = seen["online"]
+    assert online.executor_config()["serve"] == spec and online.budget == 1 << 30 and online.policy == "lru"
+    assert seen["agent"] is True and seen["own"] == ("cupy", "torch")
