@@ -1,5 +1,5 @@
 """`gpu-ckpt run -- PROGRAM`, the alias of `gpu-trace run --agent`, without a GPU: its parsing, that
-it goes through gpu-trace's own code with the same arguments, and that it leaves the other
+it goes through the same launcher as gpu-trace run with the same arguments, and that it leaves the other
 forms of gpu-ckpt (`--pid`, `--agent`, subcommands) as they were. On a GPU:
 tests/gpu/test_ckpt_run_gpu.py."""
 
@@ -17,6 +17,7 @@ from helpers import REPO, child_env
 from gpuos_tools.commands import cli
 from gpuos_tools.commands import ckpt, trace
 from gpuos_tools.errors import ExitCode
+from gpuos_tools.trace import run as launcher
 
 
 def invoke(app: typer.Typer, prog: str, *args: str) -> int:
@@ -66,18 +67,19 @@ def test_run_is_gpu_trace_run_agent(traced, tmp_path, monkeypatch, options):
     assert traced[1]["stage_ahead"] is ("--stage-ahead" in options)
 
 
-def test_run_calls_gpu_trace_run_program(monkeypatch):
-    """No second implementation: gpu-ckpt run hands its options to gpu-trace's run_program."""
+def test_run_calls_the_library_launcher(monkeypatch):
+    """No second implementation: gpu-ckpt run hands its options to the launcher gpu-trace run uses."""
     seen = {}
 
     def fake(program, **kw):
+        kw.pop("warn")
         seen.update(program=program, **kw)
-        return 3
+        return SimpleNamespace(code=3, errors=[])
 
-    monkeypatch.setattr(trace, "run_program", fake)
+    monkeypatch.setattr(launcher, "run_program", fake)
     assert invoke(ckpt.app, "gpu-ckpt", "run", "--cow-budget", "1G", "-o", "f.ndjson", "--", "python3", "p.py") == 3
     assert seen == {"program": ["python3", "p.py"], "output": "f.ndjson", "no_images": False, "agent": True,
-                    "cow_budget": "1G", "stage_ahead": False, "prog": "gpu-ckpt"}
+                    "cow_budget": "1G", "stage_ahead": False}
 
 
 def test_run_messages_are_gpu_ckpts(monkeypatch, capsys, tmp_path):

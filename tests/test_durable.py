@@ -25,6 +25,7 @@ import atexit, os, random, sys, time
 from pathlib import Path
 from gpuos_tools.agent import control, durable
 from gpuos_tools.image import chunkio
+from gpuos_tools.injection import config
 
 real = chunkio.write_chunk_file
 def slow(path, data, *, sync, direct):  # the fake: a slow disk
@@ -43,7 +44,10 @@ def handler(request):
 
 server = control.Server(handler, Path(sys.argv[1]))
 server.start()
-atexit.register(durable.finish_at_exit, server)  # as Agent.stop_background does at exit
+# as Agent.stop_background does at exit, with GPUOS_AGENT_EXIT_WAIT/MAX read as the launcher reads
+# them into the boot config
+o = config.overrides_from_environment()
+atexit.register(durable.finish_at_exit, server, o.exit_wait_s, o.exit_max_s)
 print("ready", flush=True)
 sys.stdin.readline()  # then the program ends, the image still being written
 print("exiting", flush=True)

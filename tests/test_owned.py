@@ -202,8 +202,7 @@ def test_option_parsing():
     assert owned.parse_option("torch") == ("torch",) and owned.parse_option("torch,cupy") == ("cupy", "torch")
     with pytest.raises(ValueError, match="GPUOS_AGENT_OWN"):
         owned.parse_option("jax")
-    env = {"GPUOS_AGENT_OWN": "0", "OTHER": "x"}
-    assert owned.boot_from_environment(env) is None and env == {"OTHER": "x"}
+    assert owned.boot(None) is None and owned.boot(()) is None  # nothing asked: nothing owned
 
 
 def test_record_layout_matches_the_c_struct(env):
@@ -413,8 +412,7 @@ def test_torch_is_owned_when_imported_after_boot(env, tmp_path, monkeypatch):
     monkeypatch.setattr(owned, "_library", lib)
     monkeypatch.setattr(owned, "_torch_allocator", None)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    env_vars = {"GPUOS_AGENT_OWN": "torch"}
-    assert owned.boot_from_environment(env_vars) == ("torch",) and env_vars == {}
+    assert owned.boot(owned.parse_option("torch")) == ("torch",)
     assert "torch" not in sys.modules  # nothing imported for a program that may never use it
     import torch
 

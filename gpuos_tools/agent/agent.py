@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuos_tools.agent import durable
 from gpuos_tools.memory.staging import Staging
 from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.cuda.driver import ok as _ok
@@ -124,8 +125,11 @@ class Agent(ProcessView):
         self.snap: Snap | None = None
         self.cow_budget = cow_budget
         self.server = None
-        self.references = _parse_references(os.environ.pop("GPUOS_AGENT_REFERENCE_AT", ""))
-        self.reference_out = os.environ.pop("GPUOS_AGENT_REFERENCE_OUT", "")
+        self.references: set[int] = set()  #: operation counts at whose start the state is dumped (tests)
+        self.reference_out: str | None = None
+        #: how long the program's exit waits for an image in flight, and in all (durable.py)
+        self.exit_wait_s = durable.EXIT_WAIT_S
+        self.exit_max_s = durable.EXIT_MAX_S
         self.last: dict[str, Any] | None = None
         self._ctx: Any = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
@@ -629,9 +633,7 @@ class Agent(ProcessView):
     def stop_background(self) -> None:
         """At exit: no more staging ahead (a piece being pinned finishes); a suspended program
         is resumed. A checkpoint request in progress finishes first (durable.py)."""
-        from gpuos_tools.agent import durable
-
-        durable.finish_at_exit(self.server)
+        durable.finish_at_exit(self.server, self.exit_wait_s, self.exit_max_s)
         self._ahead_stop.set()
         if self.suspension is not None:
             self.suspension.shutdown()
@@ -752,8 +754,6 @@ class Agent(ProcessView):
         image this agent wrote last and what was written since it is known. Through
         gpuos_tools/agent/durable.py: all buffers queued at once, and handed over to gpu-ckpt
         if the program exits meanwhile."""
-        from gpuos_tools.agent import durable
-
         incremental = parent is not None and written is not None and self.last_image is not None \
             and os.path.realpath(parent) == os.path.realpath(self.last_image)
         manifest = {
@@ -828,6 +828,12 @@ class Agent(ProcessView):
             drv.cuEventDestroy(ev)
 
     # -- references for tests: the state after exactly N operations, stop-the-world ------------
+
+    def dump_references(self, at: tuple[int, ...] | list[int], out: str | None) -> None:
+        """Tests: dump a digest of every buffer into ``out`` at the start of operation k+1 for
+        each k in ``at``, to compare with a snapshot whose 'ops_before' is k."""
+        self.references = {k + 1 for k in at}
+        self.reference_out = out
 
     def _reference(self, n: int) -> None:
         """Before operation n+1... called at operation n's enter: the state after n-1 ops."""
@@ -976,9 +982,3 @@ def _device_facts() -> dict[str, Any]:
 def _stream_of(api: str, stream: int) -> int:
     """The stream an API call really uses: handle 0 of a _ptsz call is the per-thread stream."""
     return PER_THREAD_STREAM if stream == 0 and api.endswith(("_ptsz", "_ptds")) else stream
-
-
-def _parse_references(text: str) -> set[int]:
-    """GPUOS_AGENT_REFERENCE_AT: operation counts (comma-separated) at whose start the state is
-    dumped; 'ops_before' k of a snapshot compares with the reference taken at operation k+1."""
-    return {int(x) + 1 for x in text.split(",") if x.strip()}

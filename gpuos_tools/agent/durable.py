@@ -40,6 +40,7 @@ from gpuos_tools.image import chunkio
 from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
 from gpuos_tools.units import format_size
 
+#: the variables that set the two (read by the launcher into the boot config: injection/config.py)
 EXIT_WAIT_ENV = "GPUOS_AGENT_EXIT_WAIT"
 EXIT_MAX_ENV = "GPUOS_AGENT_EXIT_MAX"
 EXIT_WAIT_S = 30.0
@@ -54,16 +55,6 @@ Entry = tuple[int, int, int, Any]
 
 def _say(message: str) -> None:
     print(f"gpuos agent: {message}", file=sys.stderr, flush=True)
-
-
-def _seconds(env: str, default: float) -> float:
-    text = os.environ.get(env, "")
-    try:
-        value = float(text) if text.strip() else default
-    except ValueError:
-        _say(f"{env}={text!r} is not a number of seconds: {default} s")
-        return default
-    return max(0.0, value)
 
 
 def available_memory() -> int | None:
@@ -205,15 +196,16 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
         done += os.pwrite(fd, view[done:], at + done)
 
 
-def finish_at_exit(server: Any) -> None:
+def finish_at_exit(server: Any, wait_s: float = EXIT_WAIT_S, max_s: float = EXIT_MAX_S) -> None:
     """The program is exiting: let a control request in progress finish (an image in flight
     written, or handed over), bounded and said on stderr. ``server`` is the agent's control
-    Server (``busy``, ``wait_idle``)."""
+    Server (``busy``, ``wait_idle``); ``wait_s`` and ``max_s``: how long to wait before the
+    handover, and in all (GPUOS_AGENT_EXIT_WAIT and GPUOS_AGENT_EXIT_MAX, through the boot
+    config)."""
     if server is None or not server.busy:
         return
     for job in current():
         job.exiting = True
-    wait_s, max_s = _seconds(EXIT_WAIT_ENV, EXIT_WAIT_S), _seconds(EXIT_MAX_ENV, EXIT_MAX_S)
     start = time.monotonic()
     jobs = current()
     what = f"the image {jobs[0].path} ({jobs[0].progress()})" if jobs else "a snapshot in progress"

@@ -260,9 +260,10 @@ def man_sections(notes: str, examples: str, see_also: str, extra: dict[str, str]
             "`/run/gpuos-tools/ckpt` for root, `$XDG_RUNTIME_DIR/gpuos-tools/ckpt` or "
             "`/tmp/gpuos-tools-UID/ckpt` for others).\n"
             "- `PATH`: where `criu` is looked for (`--image`).\n"
-            "- `GPUOS_AGENT_EXIT_WAIT`, `GPUOS_AGENT_EXIT_MAX` (in the program under the agent): how long its "
-            "exit waits for an image in flight before handing it to gpu-ckpt (default 30 s), and in all "
-            "(default 600 s).\n"
+            "- `GPUOS_AGENT_EXIT_WAIT`, `GPUOS_AGENT_EXIT_MAX` (in the environment of `gpu-ckpt run` or "
+            "`gpu-trace run --agent`, for the program it starts): how long the program's exit waits for an "
+            "image in flight before handing it to gpu-ckpt (default 30 s), and in all (default 600 s); a value "
+            "that is not a number of seconds is refused before the program starts.\n"
             "- `GPUOS_IMAGE_KEY`: a key file; images are then signed when written and must be signed "
             "to be read (see IMAGE FORMAT)."
         ),

@@ -9,8 +9,9 @@ from typing import Any, Optional
 import typer
 
 from gpuos_tools.ckpt.records import man_sections
-from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
+from gpuos_tools.commands.cli import error, options_before_subcommand, report_run, run_app, stderr_console, warn
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.trace import run as launcher
 from gpuos_tools.units import SIZE_HELP, format_size, parse_size
 
 EXAMPLES = """\
@@ -705,10 +706,9 @@ def run(
     `gpu-restore --agent PID --image DIR` rolls it back, PID being the program's (the stream's
     header names it and the agent's socket). Exits with the program's own status.
     """
-    from gpuos_tools.commands import trace
-
-    raise typer.Exit(trace.run_program(program, output=output, no_images=no_images, agent=True,
-                                       cow_budget=cow_budget, stage_ahead=stage_ahead, prog=PROG))
+    summary = launcher.run_program(program, output=output, no_images=no_images, agent=True, cow_budget=cow_budget,
+                                   stage_ahead=stage_ahead, warn=lambda m: warn(PROG, m))
+    raise typer.Exit(report_run(PROG, summary))
 
 
 def main() -> None:

@@ -253,6 +253,17 @@ def stderr_console() -> Console:
     return Console(stderr=True, no_color=os.environ.get("NO_COLOR", "") != "", highlight=False)
 
 
+def report_run(prog: str, summary: Any) -> int:
+    """After a traced program (gpu-trace run and the commands built on it; ``summary`` is the
+    launcher's RunSummary): one line about it on a terminal, the stream's problems as warnings.
+    Returns the program's own exit status."""
+    if sys.stderr.isatty():
+        stderr_console().print(f"{prog}: {summary.describe()}", highlight=False)
+    for message in summary.errors[:10]:
+        warn(prog, message)
+    return summary.code
+
+
 class NullProgress:
     """What ``progress()`` gives when stderr is not a terminal: the same calls, no output."""
 

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import shutil
+import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
+from typing import IO
 
 import click
 import typer
 from typer.core import TyperGroup
 
 from gpuos_tools import figures
-from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, with_progress
+from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, report_run, run_app, warn, with_progress
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.injection.config import OnlineConfig, ServeConfig
+from gpuos_tools.memory import owned
 from gpuos_tools.sched import __doc__ as _sched_doc
+from gpuos_tools.sched.online import POLICIES
 from gpuos_tools.sched.online import __doc__ as _online_doc
+from gpuos_tools.sched.plot import load_timeline, plot_timeline
+from gpuos_tools.sched.serve import serve_jobs
+from gpuos_tools.stream import make_header, open_output
+from gpuos_tools.trace import run as launcher
+from gpuos_tools.units import parse_budget_spec, parse_duration
 from gpuos_tools.sched.planner import __doc__ as _planner_doc
 from gpuos_tools.sched.simulate import __doc__ as _simulate_doc
 from gpuos_tools.sched.workload import __doc__ as _workload_doc
@@ -306,8 +323,10 @@ class _DefaultSimulate(TyperGroup):
 _SIMULATE_NAMED = "gpuos_tools.prefetch_sched.simulate_named"
 
 
+PROG = "gpu-prefetch-sched"
+
 app = typer.Typer(
-    name="gpu-prefetch-sched",
+    name=PROG,
     cls=_DefaultSimulate,
     add_completion=False,
     rich_markup_mode=None,
@@ -546,81 +565,76 @@ def run(
     EXECUTION. At the end, one `sched_summary` record (after a header) on standard output; the
     program's own output is its own. Exits with the program's status.
     """
-    import json as _json
-    import os
-    import tempfile
-
-    from gpuos_tools.commands import trace
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.sched.executor import ENV
-    from gpuos_tools.sched.online import POLICIES
-    from gpuos_tools.stream import make_header, open_output
-    from gpuos_tools.units import parse_budget_spec
-
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
     if plot_file is not None:
         figures.check_path(plot_file)  # before the program runs, not after
-    cfg: dict = {"policy": policy, "lookahead": lookahead}
+    size = fraction = None
     try:
         size, percent = parse_budget_spec(budget)
         if percent is not None:
             if not 0 < percent:
                 raise ValueError("must be more than 0%")
-            cfg["fraction"] = percent / 100
-        else:
-            if size <= 0:
-                raise ValueError("must be more than 0 bytes")
-            cfg["budget"] = size
+            fraction, size = percent / 100, None
+        elif size <= 0:
+            raise ValueError("must be more than 0 bytes")
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--budget") from e
+    served = None
     if serve_spec is not None:  # a job of `gpu-prefetch-sched serve`: its budget comes with each grant
         try:
-            spec = _json.loads(serve_spec)
-            cfg["serve"] = {"socket": str(spec["socket"]), "job": int(spec["job"]),
-                            "overlap": bool(spec.get("overlap", False)), "ledger": spec.get("ledger")}
-        except (ValueError, KeyError, TypeError) as e:
+            spec = json.loads(serve_spec)
+            served = ServeConfig(socket=str(spec["socket"]), job=int(spec["job"]),
+                                 overlap=bool(spec.get("overlap", False)), ledger=spec.get("ledger"))
+        except (ValueError, KeyError, TypeError, GpuosError) as e:
             raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
-        if "fraction" in cfg:
+        if fraction is not None:
             raise typer.BadParameter("a job served takes a budget in bytes", param_hint="--budget")
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
-        cfg["summary"] = os.path.join(tmp, "summary.json")
+        timeline_path = None
         if timeline or plot_file:
-            cfg["timeline"] = os.path.abspath(timeline) if timeline else os.path.join(tmp, "timeline.json")
-        saved = {k: os.environ.get(k) for k in (ENV, "GPUOS_AGENT_OWN")}
-        os.environ[ENV] = _json.dumps(cfg)
-        os.environ["GPUOS_AGENT_OWN"] = "1"
+            timeline_path = os.path.abspath(timeline) if timeline else os.path.join(tmp, "timeline.json")
+        online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
+                              summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served)
+        traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
+                                      online=online, own=owned.FRAMEWORKS, warn=lambda m: warn(PROG, m))
+        code = report_run(PROG, traced)
         try:
-            code = trace.run_program(program, output=output or os.devnull, no_images=True, agent=True,
-                                     prog="gpu-prefetch-sched")
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        try:
-            with open(cfg["summary"]) as f:
-                summary = _json.load(f)
+            with open(online.summary) as f:
+                summary = json.load(f)
         except (OSError, ValueError):
             summary = None
         events = None
         if plot_file is not None and summary is not None:
-            from gpuos_tools.sched.plot import load_timeline, plot_timeline
-
-            events = load_timeline(cfg["timeline"])
+            events = load_timeline(timeline_path)
     if summary is None:
         raise GpuosError(
             f"the program (exit {code}) ended without the policy's summary: it made no owned allocation "
             "(neither CuPy nor PyTorch allocated device memory?), or it was killed", ExitCode.FAILURE)
     with open_output("-") as writer:
-        writer.write(make_header("gpu-prefetch-sched", mode="run", argv=list(program), budget_spec=budget))
+        writer.write(make_header(PROG, mode="run", argv=list(program), budget_spec=budget))
         writer.write({"type": "sched_summary", "mode": "online", "exit": code, **summary})
     if events is not None:  # after the summary: a picture that fails loses no figures
         drawn = plot_timeline(events, plot_file)
-        print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
+        print(f"{PROG}: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",
               file=sys.stderr)
     raise typer.Exit(code)
+
+
+def job_command(serve: dict, argv: list[str], budget: int, policy: str, lookahead: int) -> list[str]:
+    """A job of `serve`: `gpu-prefetch-sched run` with ``serve`` (the coordinator's address and
+    the job's number, sched/serve.py `serve_jobs`) as its hidden --serve option."""
+    return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(budget),
+            "--policy", policy, "--lookahead", str(lookahead), "--serve", json.dumps(serve), "--", *argv]
+
+
+def job_starter(budget: int, policy: str, lookahead: int, env: dict[str, str]) -> Callable[..., subprocess.Popen]:
+    """What `serve_jobs` starts each job with: its `job_command` in ``env``."""
+    def start(serve: dict, argv: list[str], stdout: IO[bytes], stderr: IO[bytes]) -> subprocess.Popen:
+        return subprocess.Popen(job_command(serve, argv, budget, policy, lookahead), stdout=stdout, stderr=stderr,
+                                stdin=subprocess.DEVNULL, env=env)
+
+    return start
 
 
 @app.command("serve")
@@ -666,18 +680,6 @@ def serve_cmd(
     Standard output: a header, one `serve_job` record per job, then `serve_summary`; a table on
     standard error. Exits 1 when a job failed (its own status is in its record).
     """
-    import json as _json
-    import os
-    import shlex
-    import shutil
-    import tempfile
-
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.sched.online import POLICIES
-    from gpuos_tools.sched.serve import serve_jobs
-    from gpuos_tools.stream import make_header, open_output
-    from gpuos_tools.units import parse_budget_spec, parse_duration
-
     if not jobs:
         raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
     if policy not in POLICIES:
@@ -709,22 +711,21 @@ def serve_cmd(
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    for k in ("GPUOS_AGENT_OWN", "GPUOS_SCHED_ONLINE"):
-        env.pop(k, None)
     # serve's jobs run the Python agent: the native core's gate (the GPU turn) has not run on a
     # GPU yet, and the executor's hooks see every operation of a served job anyway
     env.setdefault("GPUOS_AGENT_BACKEND", "python")
+    start = job_starter(size, policy, lookahead, env)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
-        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, env=env, overlap=switch == "overlap")
+        result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, start, overlap=switch == "overlap")
     if json_file:
         try:
             with open(json_file, "w") as f:
-                _json.dump(result, f, indent=1)
+                json.dump(result, f, indent=1)
                 f.write("\n")
         except OSError as e:
             raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
     with open_output("-") as writer:
-        writer.write(make_header("gpu-prefetch-sched", mode="serve", jobs=[r["argv"] for r in result["jobs"]],
+        writer.write(make_header(PROG, mode="serve", jobs=[r["argv"] for r in result["jobs"]],
                                  budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead, switch=switch))
         for r in result["jobs"]:
             writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
@@ -785,7 +786,7 @@ def _isatty(stream: object) -> bool:
 
 
 def main() -> None:
-    run_app(app, prog="gpu-prefetch-sched")
+    run_app(app, prog=PROG)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,19 @@ from typing import Optional
 
 import typer
 
-from gpuos_tools.commands.cli import run_app, stderr_console, warn, with_progress
+from gpuos_tools.commands.cli import report_run, run_app, warn, with_progress
 from gpuos_tools.agent.agent import __doc__ as _agent_doc
 from gpuos_tools.agent.control import __doc__ as _control_doc
 from gpuos_tools.memory.owned import __doc__ as _owned_doc
 from gpuos_tools.agent.validate import __doc__ as _validate_doc
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream import make_header, open_input, open_output
 from gpuos_tools.stream.records import HEADER, TRACE_TYPES
 from gpuos_tools.stream.schema import render
+from gpuos_tools.trace import run as launcher
+from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
+
+PROG = "gpu-trace"
 
 MAN_SECTIONS = {
     "RECORDS": (
@@ -64,7 +70,7 @@ MAN_SECTIONS = {
 }
 
 app = typer.Typer(
-    name="gpu-trace",
+    name=PROG,
     help=(
         "Trace the GPU work of an unmodified Python program. "
         "`gpu-trace run` starts the program (CuPy, PyTorch, Numba...) with an in-process CUPTI "
@@ -146,65 +152,13 @@ def run(
     Only the started process is traced (not programs it starts). Module images go to a side
     directory by content hash, never inline.
     """
-    raise typer.Exit(run_program(
+    summary = launcher.run_program(
         program, output=output, images=images, no_images=no_images, flush_ms=flush_ms, unbuffered=unbuffered,
         backend=backend, check_pointers=check_pointers, validate=validate, validate_samples=validate_samples,
         validate_max=validate_max, validate_extents=validate_extents, agent=agent, cow_budget=cow_budget,
-        stage_ahead=stage_ahead,
-    ))
-
-
-def run_program(
-    program: list[str], *, output: str = "-", images: Optional[Path] = None, no_images: bool = False,
-    flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
-    validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
-    agent: bool = False, cow_budget: Optional[str] = None, stage_ahead: bool = False, prog: str = "gpu-trace",
-) -> int:
-    """What `gpu-trace run` does with its options, for it and for the commands that alias it
-    (`gpu-ckpt run` is `gpu-trace run --agent`): check them, trace PROGRAM into ``output``,
-    report on stderr as ``prog``; return the program's own exit status."""
-    from gpuos_tools.stream import open_output
-    from gpuos_tools.trace.run import default_images_dir, describe, trace_program
-
-    if backend not in ("auto", "native", "python"):
-        raise typer.BadParameter("must be auto, native or python", param_hint="--backend")
-    validation = None
-    if validate:
-        from gpuos_tools.units import parse_size
-
-        if backend == "native":
-            raise typer.BadParameter("--validate runs in the python backend", param_hint="--backend")
-        try:
-            validation = (validate_samples, parse_size(validate_max), validate_extents)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--validate-max") from None
-        backend = "python"
-    budget = None
-    if stage_ahead and not agent:
-        raise typer.BadParameter("--stage-ahead is an option of --agent", param_hint="--stage-ahead")
-    if agent:
-        from gpuos_tools.units import parse_size
-
-        if validate:
-            raise typer.BadParameter("--agent and --validate exclude each other", param_hint="--agent")
-        if cow_budget is not None:
-            try:
-                budget = parse_size(cow_budget)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--cow-budget") from None
-    images_dir = None if no_images else (images or default_images_dir(output))
-    with open_output(output, unbuffered=unbuffered or None) as writer:
-        summary = trace_program(
-            program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers,
-            backend=backend, warn=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr),
-            output_path=output, validate=validation, agent=agent, cow_budget=budget,
-            stage_ahead=stage_ahead,
-        )
-    if sys.stderr.isatty():
-        stderr_console().print(f"{prog}: {describe(summary)}", highlight=False)
-    for message in summary.errors[:10]:
-        print(f"{prog}: warning: {message}", file=sys.stderr)
-    return summary.code
+        stage_ahead=stage_ahead, warn=lambda m: warn(PROG, m),
+    )
+    raise typer.Exit(report_run(PROG, summary))
 
 
 @app.command()
@@ -219,16 +173,12 @@ def stats(
     """
     from rich.console import Console
 
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.stream import make_header, open_input, open_output
-    from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
-
     with open_input(trace) as reader:
         result = compute_stats(with_progress(reader, f"reading {trace}"))
     if not result.records:
         raise GpuosError(f"{trace}: empty: no records (not a gpu-trace stream?)", ExitCode.BAD_INPUT)
     if not (result.launches or result.graph_launches or result.allocs or result.copies or result.memsets.count):
-        warn("gpu-trace", f"{trace}: no allocation, launch, copy or memset records: the program did no GPU "
+        warn(PROG, f"{trace}: no allocation, launch, copy or memset records: the program did no GPU "
              "work that was traced")
     if json_out or not sys.stdout.isatty():
         with open_output("-") as writer:
@@ -245,7 +195,7 @@ def stats(
 
 
 def main() -> None:
-    run_app(app, prog="gpu-trace")
+    run_app(app, prog=PROG)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Start-up of the in-process side, from the bootstrap (gpuos_tools/injection/boot/sitecustomize.py):
-the tracer alone or the Python agent (gpuos_tools/injection/tracer.py), or the agent on the native
-per-operation core (`NativeAgentTracer`), as the environment `gpu-trace run` set says."""
+"""Start-up of the in-process side, from the bootstrap (gpuos_tools/injection/boot/sitecustomize.py),
+as the launcher's `BootConfig` (injection/config.py) says: the tracer alone, the validator or the
+Python agent (injection/tracer.py), or the agent on the native per-operation core
+(`NativeAgentTracer`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 from typing import Any
 
 from gpuos_tools.injection import tracelib, tracer
+from gpuos_tools.injection.config import BootConfig
+from gpuos_tools.memory import owned
 from gpuos_tools.model import wire
 from gpuos_tools.injection.core import (
     F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
@@ -18,44 +21,40 @@ from gpuos_tools.injection.core import (
     launch_args, report,
 )
 
-#: the agent's native library (set by `gpu-trace run --agent` when it could build it)
-NATIVE_AGENT_ENV = "GPUOS_AGENT_NATIVE"
 DRAIN_S = 0.5  #: how often the background thread looks at the view queue's size
 
 
-def start(fd: int) -> Any:
-    """Start tracing into ``fd`` (and the agent), as the environment says."""
-    library = os.environ.pop(NATIVE_AGENT_ENV, "")
-    if library and os.environ.get("GPUOS_TRACE_AGENT"):
-        return start_native_agent(fd, library)
-    return tracer.start(fd)
-
-
-def start_native_agent(fd: int, library: str) -> NativeAgentTracer:
-    from gpuos_tools.memory import owned
-    from gpuos_tools.agent.agent import Agent
-
-    check = os.environ.pop("GPUOS_TRACE_CHECK_POINTERS", "0") == "1"
-    flush_ms = float(os.environ.pop("GPUOS_TRACE_FLUSH_MS", "20"))
-    for name in ("GPUOS_TRACE_NATIVE", "GPUOS_TRACE_VALIDATE", "GPUOS_TRACE_AGENT"):
-        os.environ.pop(name, None)
-    budget = os.environ.pop("GPUOS_AGENT_COW_BUDGET", "")
-    cow = int(budget) if budget else None
-    agent: Any
-    if os.environ.get("GPUOS_SCHED_ONLINE"):  # gpu-prefetch-sched run: the online scheduler in front
-        from gpuos_tools.sched import executor
-
-        agent = executor.OnlineAgent(executor.config_from_environment() or {}, cow)
+def boot(cfg: BootConfig) -> Any:
+    """The program's environment made plain again (the launcher's PYTHONPATH entries taken
+    off: programs this one starts are not traced), then `start`."""
+    path = cfg.program_pythonpath(os.environ.get("PYTHONPATH"))
+    if path is None:
+        os.environ.pop("PYTHONPATH", None)
     else:
-        agent = Agent(cow)
-    t = NativeAgentTracer(fd, flush_ms / 1000.0, library, check, agent)
+        os.environ["PYTHONPATH"] = path
+    return start(cfg)
+
+
+def start(cfg: BootConfig) -> Any:
+    """Start tracing (and the agent) as ``cfg`` says."""
+    if cfg.agent is not None and cfg.agent.native:
+        return start_native_agent(cfg)
+    return tracer.start(cfg)
+
+
+def start_native_agent(cfg: BootConfig) -> NativeAgentTracer:
+    agent = tracer.make_agent(cfg.agent)
+    t = NativeAgentTracer(cfg.trace.fd, cfg.trace.flush_ms / 1000.0, cfg.agent.native, cfg.trace.check_pointers,
+                          agent)
     # the handle to the running agent that the owned allocator (its own-thread marks) and programs
     # under test look up, as for the Python agent
     tracer._tracer = t
     t.start()
-    # GPUOS_AGENT_OWN=1: the program's CuPy and PyTorch allocations go through the owned
-    # allocator, installed after the tracer so that its mappings are traced
-    if owned.boot_from_environment():
+    if cfg.agent.stage_ahead:
+        agent.stage_ahead()
+    # the program's CuPy and PyTorch allocations through the owned allocator, installed after
+    # the tracer so that its mappings are traced
+    if owned.boot(cfg.own):
         agent.start_engine()
         t.engine_started()
     return t
@@ -178,9 +177,8 @@ class NativeAgentTracer(tracer.Tracer):
     def start(self) -> None:
         wire.write_all(self.fd, wire.encode_frame([self.hello()]))
         self.session.start()
+        # an output: child tools of the program find its agent there
         os.environ["GPUOS_AGENT_SOCKET"] = self.agent.start_server()
-        if os.environ.pop("GPUOS_AGENT_STAGE_AHEAD", "") == "1":
-            self.agent.stage_ahead()
         self._drainer = threading.Thread(target=self._drain_loop, name="gpuos-agent-view", daemon=True)
         self._drainer.start()
         atexit.register(self.shutdown)

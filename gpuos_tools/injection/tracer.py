@@ -28,8 +28,12 @@ import threading
 import time
 from collections import deque
 
+from gpuos_tools.agent.agent import Agent
 from gpuos_tools.injection import tracelib
+from gpuos_tools.injection.config import AgentConfig, BootConfig
+from gpuos_tools.memory import owned
 from gpuos_tools.model import binary, wire
+from gpuos_tools.sched import executor
 
 # One memoryview over the user address space (x86-64 and aarch64 user space is below 2**47).
 _MEM = memoryview((ctypes.c_char * (1 << 47)).from_address(0)).cast("B")
@@ -775,9 +779,8 @@ class Tracer:
         self.thread = threading.Thread(target=self._drain_loop, name="gpuos-trace-drain", daemon=True)
         self.thread.start()
         if agent is not None:
+            # an output: child tools of the program find its agent there
             os.environ["GPUOS_AGENT_SOCKET"] = agent.start_server()
-            if os.environ.pop("GPUOS_AGENT_STAGE_AHEAD", "") == "1":
-                agent.stage_ahead()
         atexit.register(self.shutdown)
         os.register_at_fork(after_in_child=self._forked)
 
@@ -880,47 +883,43 @@ def _cupti_version() -> str:
 _tracer: Tracer | None = None
 
 
-def start(fd: int) -> Tracer:
-    """Start tracing into ``fd``, as the environment set by `gpu-trace run` says."""
-    global _tracer, _emit_launch
-    check = os.environ.pop("GPUOS_TRACE_CHECK_POINTERS", "0") == "1"
-    flush_ms = float(os.environ.pop("GPUOS_TRACE_FLUSH_MS", "20"))
-    library = os.environ.pop("GPUOS_TRACE_NATIVE", "")
-    validate = os.environ.pop("GPUOS_TRACE_VALIDATE", "")
-    agent_on = os.environ.pop("GPUOS_TRACE_AGENT", "")
-    if agent_on:
-        from gpuos_tools.agent.agent import Agent
-
-        budget = os.environ.pop("GPUOS_AGENT_COW_BUDGET", "")
-        if check:
-            _emit_launch = _emit_launch_checked
-        cow = int(budget) if budget else None
-        if os.environ.get("GPUOS_SCHED_ONLINE"):  # gpu-prefetch-sched run: the online scheduler in front
-            from gpuos_tools.sched import executor as online
-
-            agent = online.OnlineAgent(online.config_from_environment() or {}, cow)
-        else:
-            agent = Agent(cow)
-        _tracer = Tracer(fd, flush_ms / 1000.0, agent=agent)
-    elif validate:
-        from gpuos_tools.agent.validate import Validator
-
-        samples, max_bytes, extents = validate.split(":")
-        validator = Validator(int(samples), int(max_bytes), extents == "1")
-        if check:
-            _emit_launch = _emit_launch_checked
-        _tracer = Tracer(fd, flush_ms / 1000.0, validator)
-    elif library:
-        _tracer = NativeTracer(fd, flush_ms / 1000.0, library, check)
+def make_agent(cfg: AgentConfig) -> Agent:
+    """The agent ``cfg`` asks for: with the online scheduler in front under gpu-prefetch-sched run."""
+    if cfg.online is not None:
+        agent = executor.OnlineAgent(cfg.online.executor_config(), cfg.cow_budget)
     else:
-        if check:
-            _emit_launch = _emit_launch_checked
-        _tracer = Tracer(fd, flush_ms / 1000.0)
-    _tracer.start()
-    # GPUOS_AGENT_OWN=1: the program's CuPy allocations go through the owned allocator
-    # (gpuos_tools/memory/owned.py), installed after the tracer so that its mappings are traced
-    from gpuos_tools.memory import owned
+        agent = Agent(cfg.cow_budget)
+    agent.exit_wait_s, agent.exit_max_s = cfg.exit_wait_s, cfg.exit_max_s
+    agent.dump_references(cfg.reference_at, cfg.reference_out)
+    return agent
 
-    if owned.boot_from_environment() and getattr(_tracer, "agent", None) is not None:
-        _tracer.agent.start_engine()  # lazy resume, and the residency API gpu-prefetch-sched drives
+
+def start(cfg: BootConfig) -> Tracer:
+    """Start tracing as the launcher's config says: the Python tracer alone, with the validator or
+    the Python agent, or the native tracer (the agent on the native core: injection/start.py)."""
+    global _tracer, _emit_launch
+    trace, flush_s = cfg.trace, cfg.trace.flush_ms / 1000.0
+    native = trace.native and cfg.agent is None and cfg.validate is None
+    if trace.check_pointers and not native:  # (the native tracer checks them itself)
+        _emit_launch = _emit_launch_checked
+    agent = None
+    if cfg.agent is not None:
+        agent = make_agent(cfg.agent)
+        _tracer = Tracer(trace.fd, flush_s, agent=agent)
+    elif cfg.validate is not None:
+        from gpuos_tools.agent.validate import Validator  # numpy: imported under --validate only
+
+        v = cfg.validate
+        _tracer = Tracer(trace.fd, flush_s, Validator(v.samples, v.max_bytes, v.extents))
+    elif native:
+        _tracer = NativeTracer(trace.fd, flush_s, trace.native, trace.check_pointers)
+    else:
+        _tracer = Tracer(trace.fd, flush_s)
+    _tracer.start()
+    if agent is not None and cfg.agent.stage_ahead:
+        agent.stage_ahead()
+    # the program's CuPy and PyTorch allocations through the owned allocator (memory/owned.py),
+    # installed after the tracer so that its mappings are traced
+    if owned.boot(cfg.own) and agent is not None:
+        agent.start_engine()  # lazy resume, and the residency API gpu-prefetch-sched drives
     return _tracer

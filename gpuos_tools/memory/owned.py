@@ -466,13 +466,12 @@ def pool() -> Any:
     return _pool
 
 
-def boot_from_environment(environ: dict[str, str] | None = None) -> tuple[str, ...] | None:
-    """Read GPUOS_AGENT_OWN (removing it, so programs this one starts are not affected) and
-    install what it asks for; returns the frameworks owned (torch: also when only hooked, to be
-    installed on import). Called by tracer.start."""
-    env = os.environ if environ is None else environ
-    what = parse_option(env.pop(ENV, None))
-    if what is None:
+def boot(what: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Own the allocations of the frameworks in ``what`` (`parse_option`'s answer to
+    GPUOS_AGENT_OWN, through the boot config) that are importable; returns those owned (torch:
+    also when only hooked, to be installed on import), None when none is. Called by the tracer's
+    start."""
+    if not what:
         return None
     done = []
     if "cupy" in what and importlib.util.find_spec("cupy") is not None:

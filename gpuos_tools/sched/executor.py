@@ -3,8 +3,9 @@ the online policy (gpuos_tools/sched/online.py) what to do and carries it out th
 residency engine (gpuos_tools/memory/engine.py) -- the engine of issue 7, not a second one.
 
 `OnlineAgent` is the agent with this added; gpuos_tools/injection/tracer.py makes one instead of a
-plain Agent when GPUOS_SCHED_ONLINE is set (JSON: budget or fraction, policy, lookahead, the
-summary file's path), which `gpu-prefetch-sched run` does along with GPUOS_AGENT_OWN=1.
+plain Agent when the boot config has an online part (injection/config.py `OnlineConfig`: budget or
+fraction, policy, lookahead, the summary file's path; its `executor_config()` is the ``cfg`` dict
+taken here), which `gpu-prefetch-sched run` gives, with the program's allocations owned.
 
 Before each launch, copy and memset of the program (its thread, the agent's lock held):
 
@@ -73,7 +74,6 @@ from gpuos_tools.errors import GpuosError
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.stream import atomic
 
-ENV = "GPUOS_SCHED_ONLINE"
 NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
 PARK_LIMIT = 1 << 62  #: parked bytes count against the budget and are trimmed when it is short
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
@@ -81,13 +81,6 @@ NEED_WAIT_S = 0.2  #: serving: how long the coordinator's trims may take to show
 INFLIGHT_REFRESH_S = 0.01  #: serving: a waiting job says its bytes in flight again this often
 POLL_S = 50e-6
 KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
-
-
-def config_from_environment(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """GPUOS_SCHED_ONLINE's JSON (removed from the environment: children run plain)."""
-    env = os.environ if environ is None else environ
-    text = env.pop(ENV, "")
-    return json.loads(text) if text else None
 
 
 class Executor:

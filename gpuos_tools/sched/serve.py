@@ -21,13 +21,20 @@ import os
 import queue
 import select
 import socket
+import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
+
+from gpuos_tools.sched.ledger import Ledger
 
 MAX_LINE = 1 << 20
+
+#: how serve_jobs starts a job: (its serve config, argv, stdout, stderr) -> the process
+StartJob = Callable[[dict[str, Any], list[str], IO[bytes], IO[bytes]], "subprocess.Popen[bytes]"]
 
 
 def send(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -408,16 +415,6 @@ class Client:
 # -- the serve command's driver ---------------------------------------------------------------
 
 
-def job_command(job: int, argv: list[str], socket_path: str, total: int, policy: str, lookahead: int,
-                overlap: bool = False, ledger: str | None = None) -> list[str]:
-    """The job as `gpu-prefetch-sched run` with the coordinator's address in its config."""
-    import sys
-
-    spec = json.dumps({"socket": socket_path, "job": job, "overlap": overlap, "ledger": ledger})
-    return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(total),
-            "--policy", policy, "--lookahead", str(lookahead), "--serve", spec, "--", *argv]
-
-
 def job_output(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the run's sched_summary, the job's own last JSON object line) in a job's stdout."""
     summary = own = None
@@ -453,18 +450,17 @@ def throughput(own: dict[str, Any] | None) -> tuple[float | None, str | None]:
 
 
 def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, lookahead: int,
-               workdir: str, env: dict[str, str] | None = None, on_start: Any = None,
+               workdir: str, start_job: StartJob, on_start: Any = None,
                overlap: bool = False) -> dict[str, Any]:
     """Start every job under the coordinator, serve them until all have ended, and return the
     result (per job: exit status, times, turns, bytes moved, throughput; the ledger's combined
     peaks). ``workdir`` holds the socket, the ledger and each job's stdout and stderr.
-    ``overlap``: the overlapped switch (experimental: it failed the GPU test once in three runs
-    on an H200, see BENCHMARKS.md); the default is the serial one (saves complete, then the
-    grant)."""
-    import subprocess
-
-    from gpuos_tools.sched.ledger import Ledger
-
+    ``start_job(serve, argv, stdout, stderr)`` starts one job, a program run as `gpu-prefetch-sched
+    run` does with ``serve`` ({"socket", "job", "overlap", "ledger"}) as its executor's config's
+    ``serve``, writing its ``sched_summary`` record to ``stdout``: the command hands it in (it
+    knows how a program is launched; this layer does not). ``overlap``: the overlapped switch
+    (experimental: it failed the GPU test once in three runs on an H200, see BENCHMARKS.md); the
+    default is the serial one (saves complete, then the grant)."""
     path = os.path.join(workdir, "serve.sock")
     names = [" ".join(argv) for argv in jobs]
     ledger_path = os.path.join(workdir, "serve.ledger")
@@ -479,8 +475,8 @@ def serve_jobs(jobs: list[list[str]], total: int, slice_s: float, policy: str, l
             err = open(os.path.join(workdir, f"job{i}.err"), "wb")
             outs.append((out, err))
             t_start.append(time.perf_counter())
-            procs.append(subprocess.Popen(job_command(i, argv, path, total, policy, lookahead, overlap, ledger_path),
-                                          stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env))
+            serve = {"socket": path, "job": i, "overlap": overlap, "ledger": ledger_path}
+            procs.append(start_job(serve, argv, out, err))
             if on_start is not None:
                 on_start(i, procs[-1])
         codes: list[int | None] = [None] * len(jobs)

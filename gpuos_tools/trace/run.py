@@ -1,8 +1,12 @@
-"""`gpu-trace run`: start a Python program with the tracer injected and write its stream.
+"""The launcher: start a Python program with the in-process side injected, and write its stream.
 
-The program is started with our bootstrap first on PYTHONPATH (gpuos_tools/injection/boot) and the
-write end of a pipe in GPUOS_TRACE_FD; the tracer inside sends wire frames, this process decodes
-them into records. The program's stdin/stdout/stderr are its own, its exit status is ours.
+`run_program` is what `gpu-trace run` (and `gpu-ckpt run`, `gpu-prefetch-sched run`) does with its
+options; `trace_program` starts the program with our bootstrap first on PYTHONPATH
+(gpuos_tools/injection/boot) and one variable, GPUOS_BOOT: the `BootConfig`
+(gpuos_tools/injection/config.py), whose trace part names the write end of a pipe. The tracer
+inside sends wire frames, this process decodes them into records. The program's
+stdin/stdout/stderr are its own, its exit status is ours. Problems are `GpuosError`s with the
+toolkit's exit codes (USAGE for options that do not fit together).
 """
 
 from __future__ import annotations
@@ -12,15 +16,28 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gpuos_tools
-from gpuos_tools.model import wire
+from gpuos_tools import cbuild
+from gpuos_tools.agent.control import socket_path
+from gpuos_tools.cuda.driver import probe_driver
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.injection import core, tracelib
+from gpuos_tools.injection.config import (
+    AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment, overrides_from_environment,
+)
+from gpuos_tools.model import wire
+from gpuos_tools.model.binary import parse_records
+from gpuos_tools.model.decode import Decoder
+from gpuos_tools.stream import make_header, open_output
+from gpuos_tools.units import parse_size
 
-BOOT_DIR = Path(gpuos_tools.__file__).resolve().parent / "agent" / "boot"
+BOOT_DIR = Path(gpuos_tools.__file__).resolve().parent / "injection" / "boot"
 PACKAGE_ROOT = Path(gpuos_tools.__file__).resolve().parent.parent
+BACKENDS = ("auto", "native", "python")
 
 
 def resolve_program(cmd: list[str]) -> str:
@@ -75,12 +92,66 @@ class RunSummary:
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
 
+    def describe(self) -> str:
+        """One line for stderr on a terminal."""
+        parts = [f"{n:,} {t}" for t, n in sorted(self.records.items(), key=lambda kv: -kv[1])]
+        status = f"signal {self.signal}" if self.signal else f"exit {self.code}"
+        tail = "" if self.complete else " (tracer ended without its final flush: the last records may be missing)"
+        return f"traced {', '.join(parts) or 'nothing'}; program {status} after {self.wall_s:.1f}s{tail}"
+
+
+def _silent(message: str) -> None:
+    pass
+
+
+def run_program(
+    program: list[str], *, output: str = "-", images: Path | None = None, no_images: bool = False,
+    flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
+    validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
+    agent: bool = False, cow_budget: str | None = None, stage_ahead: bool = False,
+    online: OnlineConfig | None = None, own: tuple[str, ...] | None = None,
+    warn: Callable[[str], None] = _silent,
+) -> RunSummary:
+    """`gpu-trace run` with its options (`gpu-ckpt run` is `gpu-trace run --agent`;
+    `gpu-prefetch-sched run` adds ``online`` and owns every framework's allocations): check them,
+    trace PROGRAM into ``output`` (module images beside it unless ``no_images``), say what the
+    caller should know through ``warn``; the summary holds the program's own exit status.
+    ``own``: the frameworks whose allocations are owned (None: as GPUOS_AGENT_OWN says)."""
+    if backend not in BACKENDS:
+        raise GpuosError(f"--backend: must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}", ExitCode.USAGE)
+    validation = None
+    if validate:
+        if backend == "native":
+            raise GpuosError("--backend native: --validate runs in the python backend", ExitCode.USAGE)
+        if agent:
+            raise GpuosError("--agent and --validate exclude each other", ExitCode.USAGE)
+        try:
+            validation = ValidateConfig(validate_samples, parse_size(validate_max), validate_extents)
+        except ValueError as exc:
+            raise GpuosError(f"--validate-max: {exc}", ExitCode.USAGE) from None
+        backend = "python"
+    if stage_ahead and not agent:
+        raise GpuosError("--stage-ahead is an option of --agent", ExitCode.USAGE)
+    if online is not None and not agent:
+        raise GpuosError("the online scheduler runs in the agent", ExitCode.USAGE)
+    budget = None
+    if agent and cow_budget is not None:
+        try:
+            budget = parse_size(cow_budget)
+        except ValueError as exc:
+            raise GpuosError(f"--cow-budget: {exc}", ExitCode.USAGE) from None
+    images_dir = None if no_images else (images or default_images_dir(output))
+    with open_output(output, unbuffered=unbuffered or None) as writer:
+        return trace_program(
+            program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers, backend=backend,
+            warn=warn, output_path=output, validate=validation, agent=agent, cow_budget=budget,
+            stage_ahead=stage_ahead, online=online, own=own,
+        )
+
 
 def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
     """``build()``'s library path for ``backend`` (auto|native|python): None for python, and under
     auto when it cannot be built (said through ``warn``); under native that is an error."""
-    from gpuos_tools import cbuild
-
     if backend == "python":
         return None
     try:
@@ -94,16 +165,12 @@ def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
 
 def native_library(backend: str, warn) -> str | None:
     """The native tracer's library for ``backend`` (auto|native|python), or None for Python."""
-    from gpuos_tools.injection import tracelib
-
     return _built(backend, warn, tracelib.tracer_library, "the native tracer", "tracing")
 
 
 def native_agent_library(backend: str, warn) -> str | None:
     """The agent's native core (tracer and core in one library) for ``backend``, or None for the
     Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under ``auto``)."""
-    from gpuos_tools.injection import core
-
     if os.environ.get("GPUOS_AGENT_BACKEND") == "python":
         return None
     return _built(backend, warn, core.build, "the agent's native core", "running it")
@@ -111,45 +178,40 @@ def native_agent_library(backend: str, warn) -> str | None:
 
 def trace_program(
     cmd: list[str], writer, images_dir: Path | None, flush_ms: float = 20.0, check_pointers: bool = False,
-    backend: str = "auto", warn=lambda message: None, output_path: str = "-",
-    validate: tuple[int, int, bool] | None = None, agent: bool = False, cow_budget: int | None = None,
-    stage_ahead: bool = False,
+    backend: str = "auto", warn: Callable[[str], None] = _silent, output_path: str = "-",
+    validate: ValidateConfig | None = None, agent: bool = False, cow_budget: int | None = None,
+    stage_ahead: bool = False, online: OnlineConfig | None = None, own: tuple[str, ...] | None = None,
 ) -> RunSummary:
     """Run ``cmd`` traced, writing header, records and an exit record to ``writer``.
 
-    ``validate``: (samples per kernel, max live bytes, measure extents) for --validate.
-    ``agent``: with the agent; ``cow_budget`` and ``stage_ahead`` are its options.
+    ``validate``: for --validate. ``agent``: with the agent; ``cow_budget``, ``stage_ahead`` and
+    ``online`` (gpu-prefetch-sched run's scheduler) are its options. ``own``: as in `run_program`.
     """
-    from gpuos_tools.model.binary import parse_records
-    from gpuos_tools.cuda.driver import probe_driver
-    from gpuos_tools.stream import make_header
-    from gpuos_tools.model.decode import Decoder
-
     exe = resolve_program(cmd)
+    overrides = overrides_from_environment(own=own is None)  # a bad value is refused before anything starts
     driver = probe_driver()
     library = native_library(backend, warn)
+    agent_cfg = None
+    if agent:
+        agent_cfg = AgentConfig(
+            native=native_agent_library(backend, warn), cow_budget=cow_budget, stage_ahead=stage_ahead,
+            exit_wait_s=overrides.exit_wait_s, exit_max_s=overrides.exit_max_s,
+            reference_at=overrides.reference_at, reference_out=overrides.reference_out, online=online)
     if images_dir is not None:
         images_dir.mkdir(parents=True, exist_ok=True)
 
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ)
-    added = os.pathsep.join([str(BOOT_DIR), str(PACKAGE_ROOT)])
-    env["PYTHONPATH"] = added + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["GPUOS_TRACE_PYTHONPATH_ADDED"] = str(PACKAGE_ROOT)
-    env["GPUOS_TRACE_FD"] = str(write_fd)
-    env["GPUOS_TRACE_FAIL_CODE"] = str(int(ExitCode.NO_CUPTI))
-    env["GPUOS_TRACE_FLUSH_MS"] = str(flush_ms)
-    env["GPUOS_TRACE_CHECK_POINTERS"] = "1" if check_pointers else "0"
-    env["GPUOS_TRACE_NATIVE"] = library or ""
-    if validate is not None:
-        env["GPUOS_TRACE_VALIDATE"] = f"{validate[0]}:{validate[1]}:{int(validate[2])}"
-    if agent:
-        env["GPUOS_TRACE_AGENT"] = "1"
-        env["GPUOS_AGENT_NATIVE"] = native_agent_library(backend, warn) or ""
-        if cow_budget is not None:
-            env["GPUOS_AGENT_COW_BUDGET"] = str(cow_budget)
-        if stage_ahead:
-            env["GPUOS_AGENT_STAGE_AHEAD"] = "1"
+    try:
+        config = BootConfig(
+            trace=TraceConfig(fd=write_fd, flush_ms=flush_ms, native=library, check_pointers=check_pointers,
+                              fail_code=int(ExitCode.NO_CUPTI)),
+            validate=validate, agent=agent_cfg, own=overrides.own if own is None else own,
+            pythonpath=(str(BOOT_DIR), str(PACKAGE_ROOT)))
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    env = boot_environment(os.environ, config)
 
     decoder = Decoder(images_dir)
     started = time.monotonic()
@@ -172,9 +234,9 @@ def trace_program(
             python=hello[2] if hello else None, cupti=hello[3] if hello else None,
             backend=hello[6] if hello else None,
             images=_images_ref(images_dir, output_path),
-            **({"validate": {"samples": validate[0], "max_bytes": validate[1], "extents": validate[2]}}
-               if validate else {}),
-            **({"agent": {"socket": str(_agent_socket(proc.pid))}} if agent else {}),
+            **({"validate": {"samples": validate.samples, "max_bytes": validate.max_bytes,
+                             "extents": validate.extents}} if validate else {}),
+            **({"agent": {"socket": str(socket_path(proc.pid))}} if agent else {}),
         )
 
     wrote_header = False
@@ -208,7 +270,7 @@ def trace_program(
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
 
-    if decoder.hello is None and rc == int(ExitCode.NO_CUPTI):
+    if decoder.hello is None and rc == config.trace.fail_code:
         raise GpuosError(
             "the tracer could not start inside the program (see the message above); "
             "install the CUDA extra in the program's interpreter: pip install 'gpuos-tools[cuda]'",
@@ -236,12 +298,6 @@ def trace_program(
     return summary
 
 
-def _agent_socket(pid: int):
-    from gpuos_tools.agent.control import socket_path
-
-    return socket_path(pid)
-
-
 def _images_ref(images_dir: Path | None, output_path: str) -> str | None:
     """The header's images entry: relative to the trace file's directory when there is one."""
     if images_dir is None:
@@ -249,11 +305,3 @@ def _images_ref(images_dir: Path | None, output_path: str) -> str | None:
     if output_path == "-":
         return str(images_dir.resolve())
     return os.path.relpath(images_dir.resolve(), Path(output_path).resolve().parent)
-
-
-def describe(summary: RunSummary) -> str:
-    """One line for stderr on a terminal."""
-    parts = [f"{n:,} {t}" for t, n in sorted(summary.records.items(), key=lambda kv: -kv[1])]
-    status = f"signal {summary.signal}" if summary.signal else f"exit {summary.code}"
-    tail = "" if summary.complete else " (tracer ended without its final flush: the last records may be missing)"
-    return f"traced {', '.join(parts) or 'nothing'}; program {status} after {summary.wall_s:.1f}s{tail}"

@@ -1,8 +1,11 @@
-"""Bootstrap of the gpuos tracer, found first on PYTHONPATH by the program `gpu-trace run` starts.
+"""Bootstrap of the gpuos tracer, found first on PYTHONPATH by the program the launcher
+(gpuos_tools/trace/run.py) starts.
 
-It runs the sitecustomize it shadows (if the interpreter has one), then, when GPUOS_TRACE_FD
-is set, starts the tracer before the program's first line. The variables are removed from the
-environment so that programs this one starts are not traced into the same pipe.
+It runs the sitecustomize it shadows (if the interpreter has one), then, when GPUOS_BOOT is set,
+removes it from the environment (programs this one starts are not traced into the same pipe),
+parses it (gpuos_tools/injection/config.py) and starts the tracer before the program's first line
+(gpuos_tools/injection/start.py:boot). A tracer that cannot start ends the program rather than let
+it run untraced.
 """
 
 import importlib
@@ -28,25 +31,16 @@ def _chain_original() -> None:
             sys.modules["sitecustomize"] = me
 
 
-def _clean_environment() -> None:
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != _here]
-    extra = os.environ.pop("GPUOS_TRACE_PYTHONPATH_ADDED", "")
-    parts = [p for p in parts if p not in extra.split(os.pathsep)]
-    if parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join(parts)
-    else:
-        os.environ.pop("PYTHONPATH", None)
-
-
 _chain_original()
-_fd = os.environ.pop("GPUOS_TRACE_FD", None)
-_fail_code = int(os.environ.pop("GPUOS_TRACE_FAIL_CODE", "70"))  # ExitCode.NO_CUPTI
-if _fd is not None:
-    _clean_environment()
+_text = os.environ.pop("GPUOS_BOOT", None)  # config.ENV; nothing is imported unless it is set
+if _text is not None:
+    _fail_code = 70  # ExitCode.NO_CUPTI, until the config says
     try:
-        from gpuos_tools.injection import start as _start
+        from gpuos_tools.injection import config as _config, start as _start
 
-        _start.start(int(_fd))
+        _cfg = _config.BootConfig.from_json(_text)
+        _fail_code = _cfg.trace.fail_code
+        _start.boot(_cfg)
     except Exception as _exc:  # the user asked for a trace: do not run the program untraced
         sys.stderr.write(
             f"gpu-trace: error: the tracer could not start in {sys.executable}: "

@@ -1,0 +1,291 @@
+"""The in-process side's configuration: one typed `BootConfig`.
+
+The launcher (gpuos_tools/trace/run.py) builds it from its options, writes it as JSON into one
+environment variable, GPUOS_BOOT, and starts the program; in the program the bootstrap
+(injection/boot/sitecustomize.py) removes the variable, so that programs the traced one starts are
+not traced into the same pipe, parses it once (`BootConfig.from_json`) and hands the result to
+injection/start.py. Everything in the program takes its settings from that object, none from
+the environment. Parsing refuses what does not fit: an unknown or missing field, a value of the
+wrong type or out of range (`ConfigError`).
+
+A few settings have variables documented for users, set in the environment of the command that
+starts the program (GPUOS_AGENT_OWN, GPUOS_AGENT_EXIT_WAIT, GPUOS_AGENT_EXIT_MAX) and two for tests
+(GPUOS_AGENT_REFERENCE_AT, GPUOS_AGENT_REFERENCE_OUT): `overrides_from_environment` reads them,
+in the launcher, into the config, and `boot_environment` leaves them out of the program's
+environment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from typing import Any
+
+from gpuos_tools.agent.durable import EXIT_MAX_ENV, EXIT_MAX_S, EXIT_WAIT_ENV, EXIT_WAIT_S
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.memory import owned
+from gpuos_tools.sched.online import POLICIES
+
+#: the one variable the launcher sets for the program (besides PYTHONPATH); the bootstrap names it too
+ENV = "GPUOS_BOOT"
+REFERENCE_AT_ENV = "GPUOS_AGENT_REFERENCE_AT"
+REFERENCE_OUT_ENV = "GPUOS_AGENT_REFERENCE_OUT"
+#: variables of the launcher's environment that go into the config, not to the program
+OVERRIDES = (owned.ENV, EXIT_WAIT_ENV, EXIT_MAX_ENV, REFERENCE_AT_ENV, REFERENCE_OUT_ENV)
+
+
+class ConfigError(GpuosError):
+    """A boot configuration (or a variable that goes into one) that cannot be used."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ExitCode.USAGE)
+
+
+def _check(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {what}")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """The tracer: where its frames go and how."""
+
+    fd: int  #: the write end of the launcher's pipe
+    flush_ms: float = 20.0  #: how often the Python tracer's drain thread ships frames
+    native: str | None = None  #: the native tracer's library (None: cupti-python callbacks)
+    check_pointers: bool = False  #: ask the driver which argument words are device pointers
+    fail_code: int = int(ExitCode.NO_CUPTI)  #: the program's status when the tracer cannot start
+
+    def __post_init__(self) -> None:
+        _check(self.fd >= 0, "trace.fd", f"{self.fd} is not a file descriptor")
+        _check(self.flush_ms > 0, "trace.flush_ms", f"{self.flush_ms} is not more than 0")
+        _check(0 < self.fail_code < 256, "trace.fail_code", f"{self.fail_code} is not an exit status (1-255)")
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """`gpu-trace run --validate`: which launches the validator checks."""
+
+    samples: int  #: the first N launches of each kernel, then its 2^k-th ones
+    max_bytes: int  #: skip launches while more device memory than this is live
+    extents: bool  #: also measure how far past each pointer a kernel reads
+
+    def __post_init__(self) -> None:
+        _check(self.samples >= 1, "validate.samples", f"{self.samples} is not 1 or more")
+        _check(self.max_bytes >= 0, "validate.max_bytes", f"{self.max_bytes} is negative")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A job of `gpu-prefetch-sched serve`: its coordinator's address and its number."""
+
+    socket: str
+    job: int
+    overlap: bool = False
+    ledger: str | None = None  #: the shared byte ledger's file
+
+    def __post_init__(self) -> None:
+        _check(bool(self.socket), "serve.socket", "empty")
+        _check(self.job >= 0, "serve.job", f"{self.job} is negative")
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """`gpu-prefetch-sched run`: the online scheduler in front of the agent (sched/executor.py)."""
+
+    policy: str = "belady"
+    lookahead: int = 2
+    budget: int | None = None  #: bytes; or
+    fraction: float | None = None  #: of the owned bytes at each decision
+    summary: str | None = None  #: where the executor writes its summary at the end (JSON)
+    timeline: str | None = None  #: where it writes its event log at the end (JSON)
+    serve: ServeConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, "online.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
+        _check(self.lookahead >= 0, "online.lookahead", f"{self.lookahead} is negative")
+        _check((self.budget is None) != (self.fraction is None), "online", "give one of budget and fraction")
+        _check(self.budget is None or self.budget > 0, "online.budget", f"{self.budget} is not more than 0 bytes")
+        _check(self.fraction is None or self.fraction > 0, "online.fraction", f"{self.fraction} is not more than 0")
+        _check(self.serve is None or self.budget is not None, "online", "a job served takes a budget in bytes")
+
+    def executor_config(self) -> dict[str, Any]:
+        """The dict `sched.executor.Executor` takes: the fields that are set."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent (`--agent`): snapshots, rollback, suspend, and the scheduler's hooks."""
+
+    native: str | None = None  #: the agent's native core library (None: the Python agent)
+    cow_budget: int | None = None  #: device bytes for copy-on-write slots (None: chosen per snapshot)
+    stage_ahead: bool = False  #: pin host staging in the background as the program allocates
+    exit_wait_s: float = EXIT_WAIT_S  #: how long the exit waits for an image in flight (agent/durable.py)
+    exit_max_s: float = EXIT_MAX_S  #: ... and in all
+    reference_at: tuple[int, ...] = ()  #: tests: operation counts after which the state is dumped
+    reference_out: str | None = None  #: tests: the file the dumps are appended to
+    online: OnlineConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.cow_budget is None or self.cow_budget >= 0, "agent.cow_budget", f"{self.cow_budget} is negative")
+        _check(self.exit_wait_s >= 0, "agent.exit_wait_s", f"{self.exit_wait_s} is negative")
+        _check(self.exit_max_s >= 0, "agent.exit_max_s", f"{self.exit_max_s} is negative")
+        _check(all(k >= 0 for k in self.reference_at), "agent.reference_at", "a negative operation count")
+        _check(not self.reference_at or bool(self.reference_out), "agent.reference_out",
+               "needed with reference_at")
+
+
+@dataclass(frozen=True)
+class BootConfig:
+    """Everything the in-process side is told, in one object."""
+
+    trace: TraceConfig
+    validate: ValidateConfig | None = None
+    agent: AgentConfig | None = None
+    #: frameworks whose allocations go through the owned allocator (memory/owned.py): cupy, torch
+    own: tuple[str, ...] = ()
+    #: the entries the launcher put first on PYTHONPATH (the bootstrap's directory, the package's
+    #: parent), taken off again at boot
+    pythonpath: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.validate is None or self.agent is None, "boot", "validate and agent exclude each other")
+        _check(all(f in owned.FRAMEWORKS for f in self.own), "own",
+               f"{list(self.own)}: expected some of {', '.join(owned.FRAMEWORKS)}")
+
+    def program_pythonpath(self, value: str | None) -> str | None:
+        """The program's PYTHONPATH once booted: ``value`` without the launcher's entries (the
+        first occurrence of each), None when nothing is left; so that programs the traced one
+        starts run plain."""
+        parts = [p for p in (value or "").split(os.pathsep) if p]
+        for added in self.pythonpath:
+            if added in parts:
+                parts.remove(added)
+        return os.pathsep.join(parts) or None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> BootConfig:
+        """Parse what `to_json` wrote; `ConfigError` naming the variable and the field otherwise."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{ENV}: not JSON: {exc}") from None
+        try:
+            return _decode(cls, data, "")
+        except ConfigError as exc:
+            raise ConfigError(f"{ENV}: {exc}") from None
+
+
+def _decode(cls: type, data: Any, where: str) -> Any:
+    """An instance of the dataclass ``cls`` from a JSON object, every field's type checked."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'the config'}: expected an object, got {json.dumps(data)[:60]}")
+    prefix = f"{where}." if where else ""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, f in known.items():
+        if name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"{prefix}{name}: missing")
+            continue
+        values[name] = _value(hints[name], data[name], prefix + name)
+    return cls(**values)
+
+
+def _value(tp: Any, v: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if v is None:
+            return None
+        (tp,) = args
+        origin = typing.get_origin(tp)
+    if origin is tuple:
+        item = typing.get_args(tp)[0]
+        if not isinstance(v, list):
+            raise ConfigError(f"{where}: expected a list, got {json.dumps(v)[:60]}")
+        return tuple(_value(item, x, f"{where}[{i}]") for i, x in enumerate(v))
+    if is_dataclass(tp):
+        return _decode(tp, v, where)
+    if tp is bool:
+        ok = isinstance(v, bool)
+    elif tp is int:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif tp is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        v = float(v) if ok else v
+    elif tp is str:
+        ok = isinstance(v, str)
+    else:  # a type this module does not use
+        raise TypeError(f"{where}: cannot decode {tp}")
+    if not ok:
+        raise ConfigError(f"{where}: expected {'a number' if tp is float else tp.__name__}, got {json.dumps(v)[:60]}")
+    return v
+
+
+# -- the launcher's side ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The settings of the documented variables (module docstring), as the launcher read them."""
+
+    own: tuple[str, ...] = ()
+    exit_wait_s: float = EXIT_WAIT_S
+    exit_max_s: float = EXIT_MAX_S
+    reference_at: tuple[int, ...] = ()
+    reference_out: str | None = None
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name}={text!r}: expected a number of seconds, 0 or more")
+    return value
+
+
+def overrides_from_environment(environ: Mapping[str, str] | None = None, *, own: bool = True) -> Overrides:
+    """Read the variables (module docstring) from the launcher's environment; `ConfigError`
+    for a value that does not parse. ``own``: False when the caller decides what is owned
+    (GPUOS_AGENT_OWN is then not read)."""
+    env = os.environ if environ is None else environ
+    try:
+        owning = (owned.parse_option(env.get(owned.ENV)) or ()) if own else ()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    at_text = env.get(REFERENCE_AT_ENV, "")
+    try:
+        at = tuple(int(x) for x in at_text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{REFERENCE_AT_ENV}={at_text!r}: expected operation counts, comma-separated") from None
+    return Overrides(own=owning, exit_wait_s=_seconds(env, EXIT_WAIT_ENV, EXIT_WAIT_S),
+                     exit_max_s=_seconds(env, EXIT_MAX_ENV, EXIT_MAX_S), reference_at=at,
+                     reference_out=env.get(REFERENCE_OUT_ENV) or None)
+
+
+def boot_environment(environ: Mapping[str, str], config: BootConfig) -> dict[str, str]:
+    """The program's environment: ``environ`` with the config in GPUOS_BOOT and its
+    ``pythonpath`` first on PYTHONPATH, and without the variables the config took in."""
+    env = {k: v for k, v in environ.items() if k not in OVERRIDES}
+    env["PYTHONPATH"] = os.pathsep.join([*config.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+    env[ENV] = config.to_json()
+    return env
