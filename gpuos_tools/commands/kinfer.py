@@ -16,8 +16,8 @@ import typer
 from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app
 
 # The daemon's CPU path runs small batches on one core next to a spinning loop: BLAS threads
-# only fight it (on a 2-core machine a 128-row batch took 16 ms with OpenBLAS's threads, 74 µs
-# without). Set before numpy is first imported; an explicit setting wins.
+# only fight it, and make a small batch many times slower. Set before numpy is first imported;
+# an explicit setting wins.
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 

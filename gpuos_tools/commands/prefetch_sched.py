@@ -365,7 +365,7 @@ def serve_cmd(
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
     switch: str = typer.Option("serial", "--switch", metavar="serial|overlap",
                                help="serial (the default): the incoming job is granted once the outgoing job's evictions "
-                               "have completed; overlap (EXPERIMENTAL, not proven over many runs): granted "
+                               "have completed; overlap (experimental): granted "
                                "once they are issued, its loads wait in the ledger for their releases. See SERVING."),
     json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
 ) -> None:

@@ -69,8 +69,8 @@ Fold an incremental image and its chain into one full image, and check it:
 
 NOTES = """\
 A checkpoint is stop-the-world: the lock waits for the process's CUDA calls in flight and its
-submitted GPU work, then the driver copies its device memory to host memory (about 1 GB/s on
-an H100 or H200) and releases its GPUs. The CPU side keeps running; its next CUDA call blocks
+submitted GPU work, then the driver copies its device memory to host memory (about 1 GB/s: seconds
+per GiB) and releases its GPUs. The CPU side keeps running; its next CUDA call blocks
 until the process is restored. `gpu-restore --pid PID` copies the memory back (onto another GPU
 of the same kind with `--device`) and unlocks it.
 
@@ -184,14 +184,14 @@ buffer's physical memory back to the driver as soon as its copy completed; the a
 reserved. Resume maps new physical memory at the same addresses, copies the contents back, waits
 for the copies and lets the program go on. The program's memory lives in host RAM (pinned) in
 between; the first suspend of a process pins that staging first, while the program still runs
-(about 2.4 s for 8 GiB on an H100), later ones reuse it.
+(seconds for several GiB), later ones reuse it.
 
 With `--image DIR` the saved memory is also written as an image of the agent path (full; the
 program's other device allocations are copied for it too), readable by `gpu-restore verify`,
 `diff` and `--agent PID --image DIR`. `--max-hold S` resumes by itself after S seconds.
 
 Guarantees: the program's state after resume is what it was at the suspend, at the same device
-addresses (tested bit for bit against an uninterrupted run). While suspended, the agent's
+addresses. While suspended, the agent's
 control socket keeps serving: `ping` answers `state` `suspended`; `snapshot`, `rollback` and a
 second suspend are refused (79, WRONG_STATE); a resume without a suspend is refused (79). A
 resume that cannot get the memory back (another process took the GPU) is refused with the
@@ -200,9 +200,8 @@ agent's shutdown resumes a suspended program first.
 
 Not owned: the CUDA context and module images, and device memory allocated outside CuPy's and
 PyTorch's allocators (cuBLAS's workspace, cuFFT's plans, cuDNN's small buffers, cudaMalloc in
-extensions) stay on the GPU; a PyTorch training job keeps about 64 MiB there with the default
-cuBLAS workspace on an H100 (gpu-trace(1), OWNED ALLOCATIONS). A
-program with such allocations is refused (93, NOT_OWNED, naming the largest) unless `--partial`
+extensions) stay on the GPU; a PyTorch training job keeps tens of MiB there with the default
+cuBLAS workspace (gpu-trace(1), OWNED ALLOCATIONS). A program with such allocations is refused (93, NOT_OWNED, naming the largest) unless `--partial`
 is given; a program started without GPUOS_AGENT_OWN=1 is refused with or without it; nothing is
 changed then. The `agent_suspend` record lists what stayed (`not_owned`: count, bytes, the
 largest), the bytes released, `staging_s`, `lock_s`, `settle_s`, `sync_s`, `save_s` and
@@ -243,12 +242,11 @@ eviction runs while a snapshot copies the buffers. What it does not guarantee: a
 a buffer by a pointer its launch's prediction does not show (see above).
 
 The remainder through the driver: the driver checkpoint API refuses to lock a process under
-the agent (CUDA_ERROR_NOT_SUPPORTED), measured on an H100 with driver 580.159 also after the
-agent unsubscribed its CUPTI callbacks and called cuptiFinalize, idle or parked; the same program
-without CUPTI, its memory owned (virtual memory API), locks, checkpoints and restores
-(scripts/probe_driver_remainder.py). So a suspend does not free the remainder: it stays on the
-GPU (about 0.5 GiB for a CuPy job on an H100), and a process that needs it all freed has to be
-run without the agent and checkpointed with `gpu-ckpt --pid`."""
+the agent (CUDA_ERROR_NOT_SUPPORTED), even after the agent unsubscribed its CUPTI callbacks and
+called cuptiFinalize; the same program without CUPTI, its memory owned, locks, checkpoints and
+restores. So a suspend does not free the remainder: it stays on the GPU (the CUDA context and
+what is not owned: hundreds of MiB for a CuPy job), and a process that needs it all freed has
+to be run without the agent and checkpointed with `gpu-ckpt --pid`."""
 
 DURABLE = """\
 Images at the storage's speed: the agent queues every buffer's chunks at once on the image

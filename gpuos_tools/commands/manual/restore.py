@@ -143,10 +143,6 @@ prediction, and a kernel that reaches a buffer by a pointer the prediction does 
 its old contents (an owned buffer of a lazy resume would fault instead); once the engine runs,
 launches are predicted until every allocation has been touched; until every buffer is back,
 snapshots, suspends and rollbacks are refused (79) and the image's pinned staging stays in use.
-Measured on an H100 (8 GiB): the program is held under 1 ms instead of ~160 ms; its first kernel
-ran 2.4-2.8 ms after the hold when its buffer was written back first (recency order), 11.1 ms
-when that buffer needed a write-back on demand (159.8 ms, the whole write-back, with the
-background not pausing: the copy engine served the background stream's queue first).
 The `agent_rollback` record has `lazy: true`; its stall_s is the time the program was held (the
 synchronisation included), gbps is null; the write-back's time and GB/s are in the agent's
 ping answer (`residency.lazy`, kind rollback) once done.

@@ -41,8 +41,7 @@ SECTIONS = {
         "always says which happened.\n\n"
         "Only the started process is traced, not the programs it starts; a program that forks "
         "stops tracing in the child. The native tracer needs a C compiler once; without one, "
-        "`--backend auto` falls back to cupti-python callbacks, which cost about 12 us per launch "
-        "instead of well under one. Another CUPTI tool (Nsight Systems, a profiler) attached to "
+        "`--backend auto` falls back to cupti-python callbacks, which cost far more per launch. Another CUPTI tool (Nsight Systems, a profiler) attached to "
         "the same program prevents tracing. With `--check-pointers` the native path records at "
         "most 64 driver-confirmed pointers per launch (`--backend python` records all of them)."
     ),
@@ -53,5 +52,5 @@ SECTIONS = {
     "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
     + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
     "OWNED ALLOCATIONS": _owned_doc.split("\n\n", 1)[1].strip("\n"),
-    "SEE ALSO": "gpuos-stream(7), gpu-predict-access(1), gpu-ckpt(1)",
+    "SEE ALSO": "gpu-predict-access(1), gpu-ckpt(1)",
 }
