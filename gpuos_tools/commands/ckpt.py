@@ -8,8 +8,20 @@ from typing import Any, Optional
 
 import typer
 
+from gpuos_tools.agent import control
+from gpuos_tools.agent.snapshot import snapshot_to_image
+from gpuos_tools.agent.suspend import request_suspend
+from gpuos_tools.ckpt import criu
+from gpuos_tools.ckpt import periodic as per
+from gpuos_tools.ckpt.check import run_checks, table_rows
+from gpuos_tools.ckpt.driver import Checkpointer
+from gpuos_tools.ckpt.profile import load_profile, suspend_profile
+from gpuos_tools.ckpt.records import run_recorded
 from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image import chunkio
+from gpuos_tools.image import store as img
+from gpuos_tools.stream import make_header, open_output
 from gpuos_tools.units import SIZE_HELP, format_size, parse_size
 
 
@@ -106,7 +118,6 @@ def checkpoint(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
-    from gpuos_tools.image import chunkio
 
     if checksum not in chunkio.CHOICES:
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
@@ -128,8 +139,6 @@ def checkpoint(
                              ExitCode.USAGE)
         if image is None:
             raise GpuosError("--agent needs --image DIR: where the image goes", ExitCode.USAGE)
-        from gpuos_tools.agent import control
-        from gpuos_tools.agent.snapshot import snapshot_to_image
 
         answer = snapshot_to_image(control.resolve(agent), str(image), str(parent) if parent else None,
                                    compress=compress, checksum=checksum, threads=threads)
@@ -149,14 +158,8 @@ def checkpoint(
     if image is None and (leave_running or criu_arg):
         raise GpuosError("--leave-running and --criu-arg go with --image", ExitCode.USAGE)
 
-    from gpuos_tools.ckpt import criu
-    from gpuos_tools.ckpt.driver import Checkpointer
-    from gpuos_tools.ckpt.records import run_recorded
-
     ckpt = Checkpointer()
     if profile is not None:
-        from gpuos_tools.ckpt.profile import load_profile, suspend_profile
-
         prof = load_profile(profile)
         summary, failures = run_recorded(output, PROG, ckpt, lambda: suspend_profile(ckpt, prof),
                                          action="checkpoint", profile=str(profile))
@@ -183,9 +186,6 @@ def checkpoint(
 def _suspend(agent: str, image: Optional[Path], partial: bool, max_hold: Optional[float], compress: bool,
              checksum: str, output: Optional[str]) -> None:
     """`gpu-ckpt --agent PID --suspend`: one agent_suspend record (gpuos_tools/agent/suspend.py)."""
-    from gpuos_tools.agent import control
-    from gpuos_tools.agent.suspend import request_suspend
-
     answer = request_suspend(control.resolve(agent), partial=partial, image=str(image) if image else None,
                              compress=compress, checksum=checksum, max_hold_s=max_hold)
     _records("-" if output is None else output, PROG, [{"type": "agent_suspend", "agent": agent, **answer}],
@@ -226,8 +226,6 @@ def status(
     those gpu-ckpt checkpointed, and each --pid. Draws a table when stdout is a terminal, writes
     ckpt_status records otherwise.
     """
-    from gpuos_tools.ckpt.driver import Checkpointer
-
     ckpt = Checkpointer()
     rows = ckpt.list_processes(pid or [])
     if ckpt.nvml_missing:
@@ -235,8 +233,6 @@ def status(
     if ckpt.unreadable and sys.stderr.isatty():
         _say(f"{ckpt.unreadable} process(es) could not be inspected (another user's: run as root to see them)")
     if json_out or output != "-" or not sys.stdout.isatty():
-        from gpuos_tools.stream import make_header, open_output
-
         with open_output(output) as writer:
             writer.write(make_header(f"{PROG} status", **ckpt.header_fields()))
             for rec in rows:
@@ -260,8 +256,6 @@ def status(
 
 
 def _records(output: str, tool: str, records: list[dict[str, Any]], **fields: Any) -> None:
-    from gpuos_tools.stream import make_header, open_output
-
     with open_output(output) as writer:
         writer.write(make_header(tool, **fields))
         for rec in records:
@@ -285,13 +279,9 @@ def check(
     Draws a table on a terminal, writes ckpt_check records otherwise. Exits 1 when a check
     failed (warnings do not count), like `criu check`.
     """
-    from gpuos_tools.ckpt.check import run_checks, table_rows
-
     records = run_checks(image_dir=str(directory) if directory is not None else None)
     summary = records[-1]
     if json_out or output != "-" or not sys.stdout.isatty():
-        from gpuos_tools.stream import make_header, open_output
-
         with open_output(output) as writer:
             writer.write(make_header(f"{PROG} check"))
             for rec in records:
@@ -332,8 +322,6 @@ def compact(
     them into OUT, which appears only when complete. The images of the chain are left as they
     are. Writes one image_compact record.
     """
-    from gpuos_tools.image import store as img
-
     size = None
     if chunk_size is not None:
         try:
@@ -368,8 +356,6 @@ def periodic(
     success; a message on stderr and a non-zero status on failure.
     """
     import time
-
-    from gpuos_tools.ckpt import periodic as per
 
     prof = per.load_periodic_profile(profile)
     if plan:

@@ -1,4 +1,9 @@
-"""gpu-kinfer-bridge: a LAKE-style inference service over shared memory, with LinnOS."""
+"""gpu-kinfer-bridge: a LAKE-style inference service over shared memory, with LinnOS.
+
+Over 800 lines because the command has fourteen subcommands (the daemon, its producers, model
+training, loading and calibration, replay, eBPF capture, the feature store) sharing one app and
+its options; each is options and calls into gpuos_tools.kinfer.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,13 @@ from typing import Any, Optional
 import typer
 
 from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.kinfer.bpf import OBJECT
+from gpuos_tools.stream import make_header, open_input, open_output
+from gpuos_tools.units import parse_duration
+
+# gpuos_tools.kinfer's other modules load numpy: each subcommand imports those it uses, so that
+# --help and the light subcommands do not pay for it.
 
 # The daemon's CPU path runs small batches on one core next to a spinning loop: BLAS threads
 # only fight it, and make a small batch many times slower. Set before numpy is first imported;
@@ -60,16 +72,9 @@ def _ring_owner(user: str | None) -> int | None:
 
 
 
-def _err() -> tuple[Any, Any]:
-    from gpuos_tools.errors import ExitCode, GpuosError
-
-    return ExitCode, GpuosError
-
-
 def _load_model(path: str) -> Any:
     from gpuos_tools.kinfer.model import Mlp
 
-    ExitCode, GpuosError = _err()
     if not os.path.exists(path):
         raise GpuosError(f"{path}: no such model file (gpu-kinfer-bridge train writes one)", ExitCode.NO_INPUT)
     try:
@@ -80,9 +85,7 @@ def _load_model(path: str) -> Any:
 
 def _read_trace(path: str) -> list[dict[str, Any]]:
     from gpuos_tools.kinfer.traces import io_records
-    from gpuos_tools.stream import open_input
 
-    ExitCode, GpuosError = _err()
     with open_input(path) as reader:
         try:
             records = list(io_records(reader))
@@ -140,9 +143,7 @@ def serve(
     from gpuos_tools.kinfer.model import Mlp
     from gpuos_tools.kinfer.policy import load_profile, parse_mode
     from gpuos_tools.kinfer.server import ServeOptions, Server, default_model_dirs
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
     if mode is not None:
@@ -244,8 +245,6 @@ def status(
     """Write one `kinfer_status` record: the ring's geometry, daemon and counters."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
-    from gpuos_tools.stream import make_header, open_output
-    from gpuos_tools.units import parse_duration
 
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
@@ -280,7 +279,6 @@ def _wait_for_daemon(name: str, limit: float, owners: tuple[int, ...] | None = N
     """The ring once a live daemon serves it, polled every 20 ms for ``limit`` seconds."""
     from gpuos_tools.kinfer import ring as R
 
-    ExitCode, GpuosError = _err()
     deadline = time.monotonic() + limit
     while True:
         try:
@@ -313,7 +311,6 @@ def infer(
     every other record passes through."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
-    from gpuos_tools.stream import make_header, open_input, open_output
 
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
@@ -371,7 +368,6 @@ def load(
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.kinfer.server import request_load
 
-    ExitCode, GpuosError = _err()
     _load_model(model)
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
@@ -404,7 +400,6 @@ def calibrate(
     """
     from gpuos_tools.kinfer import calibrate as cal
     from gpuos_tools.kinfer.policy import is_shipped, load_profile, user_profile_dir, write_profile
-    from gpuos_tools.stream import make_header, open_output
 
     try:
         sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
@@ -452,9 +447,7 @@ def train(
     """Train the LinnOS model on a trace or a feature-store window; write it and a
     `kinfer_train` report record."""
     from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, train_arrays, train_trace
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if label not in ("inflection", "percentile"):
         raise typer.BadParameter("inflection or percentile", param_hint="--label")
     if (trace is None) == (features is None):
@@ -490,7 +483,6 @@ def _spawn_daemon(model: str, gpu: str) -> tuple[subprocess.Popen[bytes], str]:
     """A daemon of our own on a private ring, for replay without --ring."""
     from gpuos_tools.kinfer import ring as R
 
-    ExitCode, GpuosError = _err()
     name = f"gpuos-kinfer-replay-{os.getpid()}"
     root = str(Path(__file__).resolve().parent.parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
@@ -538,9 +530,7 @@ def replay(
 
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.linnos import replay as run_replay
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if replica not in ("next", "shifted"):
         raise typer.BadParameter("next or shifted", param_hint="--replica")
     if probes < 1:
@@ -630,7 +620,6 @@ def synth(
     """Generate a synthetic block-I/O trace: Poisson arrivals, log-normal sizes, periodic slow
     phases standing for garbage collection."""
     from gpuos_tools.kinfer.traces import synthesize
-    from gpuos_tools.stream import make_header, open_output
 
     if devices < 1 or ios < 1:
         raise typer.BadParameter("must be positive", param_hint="--ios/--devices")
@@ -651,7 +640,6 @@ def _disks(specs: list[str] | None, directory: str | None) -> list[int]:
     """Kernel numbers of the disks named by --disk (or the one under --dir)."""
     from gpuos_tools.kinfer.bpf.collect import resolve_disk
 
-    ExitCode, GpuosError = _err()
     named = list(specs or []) or ([directory] if directory else [])
     try:
         return sorted({resolve_disk(spec) for spec in named})
@@ -703,7 +691,6 @@ def collect(
     --seconds, --reads, or SIGINT/SIGTERM; with --dir it also runs the direct load as a
     workload. See EBPF PRODUCER.
     """
-    ExitCode, GpuosError = _err()
     if source not in ("direct", "ebpf"):
         raise typer.BadParameter("direct or ebpf", param_hint="--source")
     for value, hint in ((reads, "--reads"), (seconds, "--seconds")):
@@ -722,9 +709,7 @@ def collect(
 def _collect_direct(directory: str, reads: int, devices: int, depth: int, size_mib: int, write_fraction: float, seed: int,
                     output: str) -> None:
     from gpuos_tools.kinfer.traces import collect as run
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if devices < 1 or depth < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--devices/--depth")
     if reads < devices:
@@ -761,11 +746,8 @@ def _collect_ebpf(directory: Optional[str], reads: Optional[int], devices: int, 
                   program: Optional[list[str]], output: str, unbuffered: bool) -> None:
     import platform
 
-    from gpuos_tools.kinfer.bpf import OBJECT
     from gpuos_tools.kinfer.bpf.collect import Converter, capture
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     disks = _disks(disk, directory)
     from gpuos_tools.kinfer.traces import Load
 
@@ -833,9 +815,7 @@ def watch(
     to answer) and the ring round trip. A read cannot be redirected from here; see EBPF PRODUCER."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.bpf.collect import Converter, WatchStats, capture
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if ring is None and model is None:
         raise typer.BadParameter("give --ring NAME (a daemon serving a LinnOS model) or --model FILE", param_hint="--ring")
     if not interval > 0 or lanes < 1:
@@ -934,7 +914,6 @@ def features_capture(
     from gpuos_tools.kinfer.features import FeatureStore
     from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, capture
 
-    ExitCode, GpuosError = _err()
     records = _read_trace(trace)
     try:
         store = FeatureStore.open(name)
@@ -958,9 +937,7 @@ def features_record(
 ) -> None:
     """Append the `x` vector of every input record, timestamped now."""
     from gpuos_tools.kinfer.features import FeatureStore
-    from gpuos_tools.stream import open_input
 
-    ExitCode, GpuosError = _err()
     store = FeatureStore.open(name)
     try:
         with open_input(input) as reader:
@@ -982,7 +959,6 @@ def features_window(
 ) -> None:
     """Write the stored vectors (oldest first) as `feature` records: seq, ts_ns, x."""
     from gpuos_tools.kinfer.features import FeatureStore
-    from gpuos_tools.stream import make_header, open_output
 
     store = FeatureStore.open(name)
     try:

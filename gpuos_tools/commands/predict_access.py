@@ -10,7 +10,12 @@ from typing import Optional
 import typer
 
 from gpuos_tools import figures
+from gpuos_tools.access.predict import GRANULARITIES, Predictor
+from gpuos_tools.access.report import compute_report, explain, render_explain, render_report, report_records
+from gpuos_tools.access.templates import Templates, learn
 from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, warn, with_progress
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream import make_header, open_input, open_output
 
 
 PROG = "gpu-predict-access"
@@ -63,10 +68,6 @@ def predict(
     """
     from rich.console import Console
 
-    from gpuos_tools.access.predict import GRANULARITIES, Predictor
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.stream import make_header, open_input, open_output
-
     if granularity is None:
         granularity = "range" if templates_file else "alloc"
     if granularity not in GRANULARITIES:
@@ -82,8 +83,6 @@ def predict(
         return seen.count(with_progress(reader, f"reading {trace}"))
 
     if learn_out:
-        from gpuos_tools.access.templates import learn
-
         with open_input(trace) as reader:
             learned = learn(records(reader))
         seen.check(trace)
@@ -96,8 +95,6 @@ def predict(
         return
     templates = None
     if templates_file is not None:
-        from gpuos_tools.access.templates import Templates
-
         if granularity != "range":
             raise typer.BadParameter("templates give ranges: use --granularity range", param_hint="--templates")
         with open_input(templates_file) as reader:
@@ -105,7 +102,7 @@ def predict(
         if not templates:
             raise GpuosError(f"{templates_file}: no access_template records", ExitCode.BAD_INPUT)
     if plot_file is not None:
-        from gpuos_tools.access.plot import plot
+        from gpuos_tools.access.plot import plot  # numpy: only --plot needs it
 
         with open_input(trace) as reader:
             try:
@@ -119,8 +116,6 @@ def predict(
                                        f"{dims['allocations']} allocations", highlight=False)
         return
     if explain_seq is not None:
-        from gpuos_tools.access.report import explain, render_explain
-
         with open_input(trace) as reader:
             ex = explain(records(reader), explain_seq, granularity, templates)
         if ex is None:
@@ -134,8 +129,6 @@ def predict(
             writer.write(ex)
         return
     if report:
-        from gpuos_tools.access.report import compute_report, render_report, report_records
-
         with open_input(trace) as reader:
             rows = compute_report(records(reader), granularity, templates)
         seen.check(trace)
@@ -183,8 +176,6 @@ class _Seen:
             yield rec
 
     def check(self, trace: str) -> None:
-        from gpuos_tools.errors import ExitCode, GpuosError
-
         if not self.records:
             raise GpuosError(f"{trace}: empty: no records (not a gpu-trace stream?)", ExitCode.BAD_INPUT)
         if not self.ops:

@@ -9,7 +9,19 @@ import typer
 from typer.core import TyperGroup
 
 from gpuos_tools import figures
-from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, with_progress
+from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, stderr_console, with_progress
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
+from gpuos_tools.sched.planner import PLANNERS
+from gpuos_tools.sched.plot import load_timeline, plot_timeline, simulated_timeline
+from gpuos_tools.sched.report import render_summaries
+from gpuos_tools.sched.schedule import write_schedule
+from gpuos_tools.sched.serve import serve_jobs
+from gpuos_tools.sched.simulate import POLICIES, Config
+from gpuos_tools.sched.simulate import simulate as run_policy
+from gpuos_tools.sched.workload import Chunks, interleave, load_job
+from gpuos_tools.stream import make_header, open_input, open_output
+from gpuos_tools.units import parse_bandwidth, parse_budget, parse_budget_spec, parse_duration, parse_size
 
 
 class _DefaultSimulate(TyperGroup):
@@ -100,22 +112,6 @@ def sched(
     prediction). Each summary gives the bytes moved each way, stalls, and the estimated time
     against the transfer-bound floor and against all memory resident. Needs no GPU.
     """
-    from gpuos_tools.commands.cli import stderr_console
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.sched.planner import PLANNERS
-    from gpuos_tools.sched.report import render_summaries
-    from gpuos_tools.sched.schedule import write_schedule
-    from gpuos_tools.sched.simulate import POLICIES, Config
-    from gpuos_tools.sched.simulate import simulate as run_policy
-    from gpuos_tools.units import (
-        parse_bandwidth,
-        parse_budget,
-        parse_duration,
-        parse_size,
-    )
-    from gpuos_tools.sched.workload import Chunks, interleave, load_job
-    from gpuos_tools.stream import make_header, open_input, open_output
-
     if not simulate and not ctx.meta.get(_SIMULATE_NAMED):
         raise typer.BadParameter(
             "this command plans offline and needs --simulate (online execution: gpu-prefetch-sched run -- PROGRAM)",
@@ -214,8 +210,6 @@ def sched(
     elif _isatty(sys.stderr):
         render_summaries(summaries, stderr_console())
     if plot_file is not None:
-        from gpuos_tools.sched.plot import plot_timeline, simulated_timeline
-
         drawn = plot_timeline(simulated_timeline(work, schedule, cfg), plot_file)
         print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.6g} simulated s",
               file=sys.stderr)
@@ -394,16 +388,10 @@ def serve_cmd(
     import shutil
     import tempfile
 
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.sched.online import POLICIES
-    from gpuos_tools.sched.serve import serve_jobs
-    from gpuos_tools.stream import make_header, open_output
-    from gpuos_tools.units import parse_budget_spec, parse_duration
-
     if not jobs:
         raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
-    if policy not in POLICIES:
-        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    if policy not in ONLINE_POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(ONLINE_POLICIES)}", param_hint="--policy")
     if switch not in ("overlap", "serial"):
         raise typer.BadParameter("must be overlap or serial", param_hint="--switch")
     try:
@@ -491,8 +479,6 @@ def plot_cmd(
     machine or anywhere) and draws it into FILE.png, as `run --plot` does at the end of a run;
     see TIMELINE. Needs matplotlib, no GPU.
     """
-    from gpuos_tools.sched.plot import load_timeline, plot_timeline
-
     figures.check_path(plot_file)
     drawn = plot_timeline(load_timeline(timeline), plot_file, title)
     print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",

@@ -8,8 +8,16 @@ from typing import Any, Optional
 
 import typer
 
+from gpuos_tools.agent import control
+from gpuos_tools.agent.suspend import request_resume
+from gpuos_tools.ckpt import criu
+from gpuos_tools.ckpt.driver import Checkpointer
+from gpuos_tools.ckpt.profile import load_profile, resume_profile
+from gpuos_tools.ckpt.records import run_recorded
 from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image import store as img
+from gpuos_tools.stream import make_header, open_output
 from gpuos_tools.units import format_size
 
 PROG = "gpu-restore"
@@ -109,14 +117,8 @@ def restore(
     if criu_arg and image is None:
         raise GpuosError("--criu-arg goes with --image", ExitCode.USAGE)
 
-    from gpuos_tools.ckpt import criu
-    from gpuos_tools.ckpt.driver import Checkpointer
-    from gpuos_tools.ckpt.records import run_recorded
-
     ckpt = Checkpointer()
     if profile is not None:
-        from gpuos_tools.ckpt.profile import load_profile, resume_profile
-
         prof = load_profile(profile)
         summary, failures = run_recorded(output, PROG, ckpt, lambda: resume_profile(ckpt, prof),
                                          action="restore", profile=str(profile))
@@ -144,9 +146,6 @@ def restore(
 
 def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = False) -> None:
     """`gpu-restore --agent PID --resume [--lazy]`: one agent_resume record (gpuos_tools/agent/suspend.py)."""
-    from gpuos_tools.agent import control
-    from gpuos_tools.agent.suspend import request_resume
-
     answer = request_resume(control.resolve(agent), timeout=timeout, lazy=lazy)
     _records("-" if output is None else output, PROG, [{"type": "agent_resume", "agent": agent, **answer}])
     if sys.stderr.isatty() and answer.get("lazy"):
@@ -162,10 +161,7 @@ def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = Fals
 
 def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, lazy: bool = False) -> None:
     """`gpu-restore --agent`: ask the agent to write the image back; one agent_rollback record."""
-    from gpuos_tools.agent import control
-    from gpuos_tools.image.store import open_image
-
-    open_image(image).chain()  # a missing or broken image is refused here, before the agent is asked
+    img.open_image(image).chain()  # a missing or broken image is refused here, before the agent is asked
     answer = control.request(control.resolve(agent), "rollback", timeout=timeout, image=str(image.absolute()),
                              **({"lazy": True} if lazy else {}))
     answer.pop("ok", None)
@@ -181,8 +177,6 @@ def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, la
 
 
 def _records(output: str, tool: str, records: list[dict[str, Any]]) -> None:
-    from gpuos_tools.stream import make_header, open_output
-
     with open_output(output) as writer:
         writer.write(make_header(tool))
         for rec in records:
@@ -206,8 +200,6 @@ def verify(
     status is then IMAGE_CORRUPT (90). Writes one image_verify record (a line on standard
     error instead when standard output is a terminal).
     """
-    from gpuos_tools.image import store as img
-
     if not image.exists():
         raise GpuosError(f"{image}: no such image", ExitCode.NO_INPUT)
     problems = img.verify(image, data=not quick)
@@ -244,8 +236,6 @@ def diff(
     records and an image_diff_summary otherwise. Exits 0 when they hold the same contents, 1
     when they differ (as diff(1) does).
     """
-    from gpuos_tools.image import store as img
-
     for p in (a, b):
         if not p.exists():
             raise GpuosError(f"{p}: no such image", ExitCode.NO_INPUT)

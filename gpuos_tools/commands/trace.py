@@ -9,6 +9,9 @@ from typing import Optional
 import typer
 
 from gpuos_tools.commands.cli import run_app, stderr_console, warn, with_progress
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream import make_header, open_input, open_output
+from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
 
 
 app = typer.Typer(
@@ -166,10 +169,6 @@ def stats(
     Draws tables when stdout is a terminal, writes stats_* JSON records otherwise. Needs no GPU.
     """
     from rich.console import Console
-
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.stream import make_header, open_input, open_output
-    from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
 
     with open_input(trace) as reader:
         result = compute_stats(with_progress(reader, f"reading {trace}"))
