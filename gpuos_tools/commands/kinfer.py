@@ -480,7 +480,8 @@ def train(
 
 
 def _spawn_daemon(model: str, gpu: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A daemon of our own on a private ring, for replay without --ring."""
+    """A daemon of our own on a private ring, for replay without --ring: this command's `serve`,
+    whose profile, model and option handling is the command's, not the library's."""
     from gpuos_tools.kinfer import ring as R
 
     name = f"gpuos-kinfer-replay-{os.getpid()}"
