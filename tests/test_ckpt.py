@@ -641,7 +641,7 @@ def test_failing_output_neither_undoes_nor_hides_the_work() -> None:
 def test_man_pages_show_cron_the_profile_and_the_codes() -> None:
     import tomllib
 
-    from gpuos_tools.commands import ckpt as ckpt_command
+    from gpuos_tools.commands.manual import ckpt as ckpt_manual
 
     ckpt_page = (REPO / "man" / "gpu-ckpt.1").read_text()
     restore_page = (REPO / "man" / "gpu-restore.1").read_text()
@@ -651,7 +651,7 @@ def test_man_pages_show_cron_the_profile_and_the_codes() -> None:
             assert f".TP\n\\fB{code}\\fR\n" in page
     assert "[\\fICOMMAND\\fR [\\fIARGS\\fR]...]" in ckpt_page  # `gpu-ckpt --pid` works without one
     # the profile the examples show is a valid profile with the shipped profile's sections
-    example = ckpt_command.EXAMPLES.split("The profile (gpuos_tools/profiles/maintenance.toml, installed with the package):", 1)[1]
+    example = ckpt_manual.EXAMPLES.split("The profile (gpuos_tools/profiles/maintenance.toml, installed with the package):", 1)[1]
     example = example.split("A full-process image", 1)[0]
     block = "\n".join(line[4:] for line in example.splitlines() if line.startswith("    "))
     shown = tomllib.loads(block)

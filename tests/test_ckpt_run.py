@@ -148,7 +148,7 @@ def test_a_bare_pid_is_no_command():
 
 
 def test_agent_form_still_parses(monkeypatch, tmp_path, capfd):
-    from gpuos_tools.agent import control, snapshot
+    from gpuos_tools.agent import control
 
     asked = {}
 
@@ -158,7 +158,7 @@ def test_agent_form_still_parses(monkeypatch, tmp_path, capfd):
                 "image": {"path": image, "incremental": False}}
 
     monkeypatch.setattr(control, "resolve", lambda target: Path(f"/sock/{target}"))
-    monkeypatch.setattr(snapshot, "snapshot_to_image", snap)
+    monkeypatch.setattr(ckpt, "snapshot_to_image", snap)  # where gpu-ckpt calls it
     assert invoke(ckpt.app, "gpu-ckpt", "--agent", "4242", "--image", str(tmp_path / "img")) == 0
     assert asked == {"sock": Path("/sock/4242"), "image": str(tmp_path / "img"), "parent": None, "compress": False,
                      "checksum": "auto", "threads": None}

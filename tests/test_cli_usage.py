@@ -16,18 +16,13 @@ from helpers import REPO, child_env
 
 import gpuos_tools
 from gpuos_tools.commands.cli import command, run
+from gpuos_tools.commands.registry import BY_PROG
 
-COMMANDS = ["gpu-trace", "gpu-ckpt", "gpu-restore", "gpu-predict-access", "gpu-prefetch-sched", "gpu-kinfer-bridge"]
-MODULES = {
-    "gpu-trace": "trace", "gpu-ckpt": "ckpt", "gpu-restore": "restore", "gpu-predict-access": "predict_access",
-    "gpu-prefetch-sched": "prefetch_sched", "gpu-kinfer-bridge": "kinfer",
-}
+COMMANDS = list(BY_PROG)
 
 
 def _command(name: str):  # type: ignore[no-untyped-def]
-    import importlib
-
-    return command(importlib.import_module(f"gpuos_tools.commands.{MODULES[name]}").app, name)
+    return command(BY_PROG[name].app, name)
 
 
 def _walk(cmd, words):  # type: ignore[no-untyped-def]

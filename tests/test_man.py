@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from helpers import REPO
 
 from gpuos_tools.errors import DESCRIPTIONS, ExitCode
 from gpuos_tools.commands.manpage import PAGES, markup_to_roff, render_man
+from gpuos_tools.commands.registry import COMMANDS
 
 MAN = REPO / "man"
 PAGE_FILES = sorted(p for p in MAN.iterdir() if p.suffix[1:].isdigit())
@@ -20,6 +22,19 @@ PAGE_FILES = sorted(p for p in MAN.iterdir() if p.suffix[1:].isdigit())
 
 def test_every_registered_page_is_checked_in() -> None:
     assert {f"{name}.{section}" for name, section, _ in PAGES} == {p.name for p in PAGE_FILES}
+    assert {f"{c.prog}.{c.section}" for c in COMMANDS} < {f"{name}.{section}" for name, section, _ in PAGES}
+
+
+def test_console_scripts_are_the_registry() -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {c.prog: c.entry_point for c in COMMANDS}
+    for c in COMMANDS:  # each entry point and manual module is there
+        assert callable(c.load().main) and c.app is c.load().app and c.sections
+
+
+def test_checkout_wrappers_are_the_registry() -> None:
+    """cmd/ holds one wrapper per registered command (each runs the command it is named after)."""
+    assert sorted(p.name for p in (REPO / "cmd").iterdir()) == sorted(c.prog for c in COMMANDS)
 
 
 @pytest.mark.parametrize("path", PAGE_FILES, ids=lambda p: p.name)

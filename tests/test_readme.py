@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-COMMANDS = ["gpu-trace", "gpu-predict-access", "gpu-prefetch-sched", "gpu-ckpt", "gpu-restore", "gpu-kinfer-bridge"]
+from gpuos_tools.commands.registry import COMMANDS as REGISTERED
+
+COMMANDS = [command.prog for command in REGISTERED]
 RING = Path("/dev/shm/tour")  # the README's ring name
 
 

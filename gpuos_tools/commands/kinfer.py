@@ -1,4 +1,9 @@
-"""gpu-kinfer-bridge: a LAKE-style inference service over shared memory, with LinnOS."""
+"""gpu-kinfer-bridge: a LAKE-style inference service over shared memory, with LinnOS.
+
+Over 800 lines because the command has fourteen subcommands (the daemon, its producers, model
+training, loading and calibration, replay, eBPF capture, the feature store) sharing one app and
+its options; each is options and calls into gpuos_tools.kinfer.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,17 @@ from typing import Any, Optional
 import typer
 
 from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.kinfer.bpf import OBJECT
+from gpuos_tools.stream import make_header, open_input, open_output
+from gpuos_tools.units import parse_duration
+
+# gpuos_tools.kinfer's other modules load numpy: each subcommand imports those it uses, so that
+# --help and the light subcommands do not pay for it.
 
 # The daemon's CPU path runs small batches on one core next to a spinning loop: BLAS threads
-# only fight it (on a 2-core machine a 128-row batch took 16 ms with OpenBLAS's threads, 74 µs
-# without). Set before numpy is first imported; an explicit setting wins.
+# only fight it, and make a small batch many times slower. Set before numpy is first imported;
+# an explicit setting wins.
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
@@ -58,233 +70,11 @@ def _ring_owner(user: str | None) -> int | None:
     except KeyError:
         raise typer.BadParameter(f"no user named {user!r}", param_hint="--ring-owner") from None
 
-_LAYOUT = """The ring is one file, `/dev/shm/NAME` (mode 0600 unless shared on purpose: SECURITY), laid out as `include/gpuos_kinfer.h` (installed with the package, under `gpuos_tools/kinfer/include/`) defines it; all integers little-endian:
-
-- `struct gpuos_kinfer_header`, 4096 bytes: magic `0x31524E49464B5047` ("GPKINFR1"), layout version 1, header size, slot count, lanes, slots per lane, floats per request and per answer, meta size (128), file size, the offsets of the four arrays below, the daemon's pid, epoch and heartbeat, the model generation, the doorbell futex word (offset 128) and the daemon's sleeping flag (132), 16 counters (offset 192: served, batches, cpu_batches, gpu_batches, drop_bad_version, drop_bad_size, drop_bad_model, drop_bad_value, drop_abandoned, drop_bad_state, requeued, model_swaps, sleeps) and the model-load control block (offset 320).
-- `uint32_t state[nslots]`: FREE 0, WRITING 1, READY 2, TAKEN 3, DONE 4; each word is also the futex its producer sleeps on.
-- `struct gpuos_kinfer_meta meta[nslots]`, 128 bytes each: version (1), model_id, n_inputs, status, seq, submit_ns, done_ns, producer_pid, waiting, decision, n_outputs, batch, where (0 CPU, 1 GPU), answer_seq.
-- `float inputs[nslots][max_inputs]`, then `float outputs[nslots][max_outputs]`.
-
-Slots come in lanes; a producer owns a lane while it holds the POSIX record lock (`fcntl` `F_SETLK`) on byte 2^40 + 1 + lane of the file, which the kernel releases if it dies. To ask: set `state` WRITING, fill `meta` and `inputs`, store READY (release), add 1 to the doorbell and futex-wake it if the daemon sleeps. To wait: spin on `state` until DONE, then set `waiting`, re-check, and futex-wait on the state word. Status: 0 ok, 1 bad version, 2 bad size, 3 unknown model, 4 NaN or infinite input.
-
-Bad input never stops the daemon: an entry of another version, of the wrong size, for an unknown model or with non-finite values is answered with that status and counted; a slot left WRITING by a producer that died is freed and counted (`drop_abandoned`); a word in no known state is reset and counted. A daemon that restarts on an existing ring of the same geometry keeps the producers attached: requests the old one had TAKEN are served again (`requeued`). A ring of another geometry is refused unless `--recreate`, which makes a new file (producers of the old one get "daemon gone", never a crash).
-
-Wake-up: the daemon spins on the doorbell while traffic is recent (see WAITING), then announces sleep, re-checks and futex-waits; the Python producer spins for its answer in the same way (200 us to 2 ms, after its recent waits), then sleeps. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
-
-MAN_SECTIONS = {
-    "RING LAYOUT": _LAYOUT,
-    "POLICY": (
-        "Each batch runs on the CPU (the native loop's C code or numpy) or the GPU (CuPy, one fused "
-        "kernel). With a calibration in the profile (`gpu-kinfer-bridge calibrate`), the side with "
-        "the lower expected latency at that batch size wins. Each side's expectation is its "
-        "calibrated curve (log-log interpolation) corrected by what the daemon measured on that side "
-        "over the last `window_ms` (at most `window_samples` batches): the GPU's curve plus its mean "
-        "delay (measured minus calibrated latency; a GPU time-sliced with another process makes "
-        "every batch wait about the same, whatever its size), the CPU's curve as a + b times it: a "
-        "fixed extra (a batch run alone pays tens of us more than back to back, whatever its size) "
-        "plus a proportional one (another process on the cores), a least-squares line through "
-        "the window's batches when they span several sizes, its slope kept between 1 and the "
-        "ratio of the means, and the fixed extra alone (b = 1) when they do not. Means, not medians: a producer pays every "
-        "batch's latency, the ones that waited behind another process's burst included. With no "
-        "measurement in the window the calibration stands. The daemon measures every batch it runs "
-        "on the GPU, and probes (times one batch of `probe_batch` rows, with no warm-up run before "
-        "it: a probe pays what the next request would, an idle GPU's wake-up included) when its "
-        "last measurement is older than about `probe_busy_ms` while NVML shows at least "
-        "`busy_procs` other processes on the GPU, or about `probe_idle_ms` otherwise (60 ms by "
-        "default: a mean of a few idle probes was too noisy); each "
-        "interval is drawn anew within +-50% of that, so probes do not lock onto the phase of a "
-        "periodic load, and the period is capped so that even the longest interval leaves two "
-        "probes in `window_ms` (333 ms with a 1 s window): the mean is never one probe's. A probe "
-        "holds the Python loop for one GPU batch: 30 us to a few hundred on an idle H100 (more "
-        "the longer the GPU was left alone), up to a time slice (2.4 ms) behind another "
-        "process. It times the model's forward pass of every CPU batch its Python loop runs "
-        "while there is a GPU to choose; the CPU is not probed, and the batches the native loop "
-        "answers itself are not timed, so with the native path the CPU's estimate comes from the "
-        "CPU batches handed to the Python loop (above `[native] max_batch`, or with a bad entry) "
-        "and is the calibration while there are none. So another process on the GPU, or on "
-        "the CPU, moves batches to the other side only as far as it really slows that side down "
-        "on average. Without a calibration, LAKE's rule: CPU below "
-        "`cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent with "
-        "at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
-        "`kinfer_stats` record at exit gives `gpu_delay_us`, `gpu_probes`, `cpu_extra_us` and "
-        "`cpu_scale` (the CPU's a and b) and `cpu_slowdown` (its ratio of the means).\n\n"
-        "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
-        "batch above 1.5); a lone producer is answered at once."
-    ),
-    "NATIVE PATH": (
-        "By default (`--native auto`, profile `[native] mode`) the ring is served by a C thread: "
-        "`gpuos_tools/kinfer/csrc/kinfer_native.c`, compiled once with the system C compiler (`cc`, "
-        "or `$CC`) into `~/.cache/gpuos-tools/` (`$XDG_CACHE_HOME`), loaded with ctypes. It spins "
-        "and sleeps on the doorbell as RING LAYOUT describes, batches as the daemon does, and "
-        "answers itself every batch of at most `[native] max_batch` requests that the policy "
-        "gives to the CPU, when every entry is well-formed (version, a model it holds, the model's "
-        "input count, finite values): the 31-256-2 perceptron runs in plain C on the daemon's "
-        "weights and gives numpy's outputs up to float rounding. Every other batch (GPU batches, "
-        "larger ones, any bad entry, models above id 63 or of a shape it does not take) is handed "
-        "whole to the Python loop, which answers and counts it as before, and also does "
-        "housekeeping, probes and model loads. A model swap replaces the C side's weights with "
-        "one atomic pointer store; a batch in flight finishes on the weights it started with, "
-        "which are freed only once the thread no longer holds them.\n\n"
-        "The `kinfer_stats` record at exit says whether it ran (`native`) and how many batches it "
-        "answered (`native_batches`, `native_served`) and handed over (`handed_batches`).\n\n"
-        "Without a compiler (or if the build fails) `--native auto` says so on stderr and the "
-        "Python loop serves everything (round trip several times slower); `--native on` exits 1 "
-        "instead. `--native off` always uses the Python loop."
-    ),
-    "SECURITY": (
-        "The ring is a boundary between users. `serve` creates it mode 0600: only its owner may "
-        "produce. To share it on purpose, `--group GROUP --mode 0660` (or `[ring] group` and "
-        "`mode`) gives it to a group; the mode is set exactly, whatever the umask, and an existing "
-        "ring the daemon adopts gets it too. A ring that is not a regular file, is a symbolic link, "
-        "or belongs to another user is never adopted, mapped or replaced: another user could "
-        "otherwise create the name first and give any answer. Producers (`infer`, `status`, `load`, "
-        "the Python client, `examples/kinfer_producer.c`) trust only rings of their own user or "
-        "root, and those of the user named by `--ring-owner`. `--recreate` replaces only a ring of "
-        "this user that no daemon serves; any other file is refused (exit 64).\n\n"
-        "Whatever a process that may write the ring writes there is checked before use: the header's "
-        "sizes before anything is mapped (the daemon then takes every offset from that checked copy, "
-        "and rewrites the header if it is overwritten later), pids (a `producer_pid` of 0 or above "
-        "the kernel's limit names no process: its WRITING slot is reclaimed), state words, entries, "
-        "counters (they wrap). A writer that cuts the file short (ftruncate) cannot kill the daemon "
-        "with SIGBUS: a handler (`csrc/kinfer_guard.c`, built with the native loop's compiler) gives "
-        "the file its length back, and housekeeping does the same every 100 ms; the requests in "
-        "the lost part are dropped, the stats' `ring_repairs` counts the repairs. Where the file "
-        "cannot be given its length back the daemon stops with exit 1 and says so. Without a C "
-        "compiler there is no such handler, and a ring writable by others (`--mode` with group or "
-        "other write) is refused.\n\n"
-        "Model loads: the control block asks the daemon to load a file, and anyone who may write "
-        "the ring may write it. The daemon reads only regular files inside its model directories "
-        "(`--model-dir`, repeatable, or `[model] load_dir`; by default the directory of the model "
-        "it started with, when no one else may write it; none with `--random-model`), at most "
-        "256 MiB, opened without waiting (a FIFO is refused), within 10 s; a link that leads "
-        "outside is outside. `load` reports the daemon's refusal in words: 1 unreadable model, 2 "
-        "does not fit the ring, 3 not a regular file in a model directory, 4 timed out, 5 model id "
-        "above 63.\n\n"
-        "The feature store (`features register`) is made mode 0600 too (`--mode` shares it), replaces "
-        "only a store of this user, and is checked and guarded the same way."
-    ),
-    "WAITING": (
-        "A futex wake-up of a sleeping thread costs tens to hundreds of microseconds (about 250 us on "
-        "a 2-vCPU VM), so a daemon that sleeps between requests makes each of them pay it. By "
-        "default the daemon spins after each request for a window that follows the traffic: twice "
-        "the longest recent gap between requests (a longer gap raises it at once; it loses 1/8 at "
-        "each request), at least `[wait] spin_min_us` (200) and at most `spin_max_us` (5000, or "
-        "`--spin-max-us`); once the gaps exceed that maximum it spins only the minimum. So a "
-        "producer sending a request every millisecond finds the daemon awake (one core spins while "
-        "that traffic lasts), one sending a request a second pays the wake-up, and an idle daemon "
-        "sleeps and uses no CPU. `--spin-us N` sets a fixed spin of N us instead. The Python client "
-        "waits for its answer the same way, spinning 200 us to 2 ms after its recent waits, then "
-        "sleeping. The `kinfer_stats` record counts the daemon's sleeps (`sleeps`)."
-    ),
-    "EBPF PRODUCER": (
-        "`collect --source ebpf` and `watch` load `linnos_block.bpf.o`, shipped with the package "
-        "(CO-RE, compiled with clang from `gpuos_tools/kinfer/bpf/linnos_block.bpf.c`: no compiler "
-        "is needed for it), with a small libbpf loader (`loader.c`, built once with `cc` against "
-        "libbpf's headers, Debian libbpf-dev, into `~/.cache/gpuos-tools/`). They need root (or "
-        "CAP_BPF and CAP_PERFMON), a kernel with BTF (`/sys/kernel/btf/vmlinux`) and the block "
-        "layer's tracepoints (`block_io_start`, 6.5 and later, names the submitting task; before "
-        "it the task current at issue is named).\n\n"
-        "Per disk, the program keeps the 4 KiB units in flight and the last 4 completed reads "
-        "(pending at their issue, latency), builds LinnOS's 31 inputs for each read when it is "
-        "issued to the driver and passes them with the request's identity through a BPF ring "
-        "buffer. Reads and writes are tracked, not flushes or discards. With a daemon (`watch`, or "
-        "`collect --ring`), the loader sends each read's inputs to it as a C producer on up to "
-        "`--lanes` lanes of 8 slots and matches the answer with the read's completion. It never "
-        "waits for a slot: a read that finds all of them in flight is recorded unpredicted "
-        "(`no_slot`). `decided_us` is how long after the issue the daemon had written the answer, "
-        "`added_us` when the loader saw it (what a kernel waiting for it before sending the read "
-        "would pay); `infer_us` the ring's round trip.\n\n"
-        "A read cannot be redirected from here (that takes a kernel change): hedging stays a "
-        "replay of the recorded trace (`replay`, with `--replica shifted` for a trace of one "
-        "disk: a modelled independent replica). Records come in completion order; `t_us` is the "
-        "issue time. The closing `kinfer_collect` record gives the loader's and the program's "
-        "counters (events lost, reads not predicted, completions of requests issued before the "
-        "program was attached). `python -m gpuos_tools.kinfer.bpf.build` rebuilds the object "
-        "(clang, bpftool), `--check` compares a rebuild with the shipped one."
-    ),
-    "LINNOS": (
-        "Inputs (31, one decimal digit each): pending I/Os in 4 KiB units when the read is issued "
-        "(3 digits), pending I/Os at the issue of each of the last 4 completed reads (4 x 3), and "
-        "those reads' latencies in microseconds (4 x 4). Network 31-256-2 with ReLU; output 1 = "
-        "slow. Labels: slow above the knee of the latency CDF (`--label inflection`) or a "
-        "percentile. Loss: hinge on the class margin, 5x weight on slow reads (predicting a slow "
-        "read fast is the costly mistake). Training uses the first 80% of the reads in time and "
-        "reports accuracy on the rest.\n\n"
-        "`replay` sends every read of a trace through the bridge; a read predicted slow goes to the "
-        "replica (the next device of the trace) and costs the latency of the replica's read nearest "
-        "in time. It reports average, p50, p99 and p99.9 read latency with no prediction, with "
-        "LinnOS (each read also charged the measured bridge round trip; `linnos_uncharged` without that charge) and with an oracle.\n\n"
-        "Traces: `collect` measures real reads and writes with O_DIRECT on files here (`--source "
-        "direct`) or records what the block layer sees (`--source ebpf`, see EBPF PRODUCER: its "
-        "reads carry the kernel's inputs, `x`, which `train` and `replay` then use); `synth` "
-        "generates Poisson arrivals, log-normal sizes and periodic slow (GC) phases from a seed. "
-        "All write `io` records: dev, t_us, op (R or W), offset, size, pending (4 KiB units) and "
-        "lat_us; the header's `trace` field says collected or synthetic."
-    ),
-    "PROFILE": (
-        "TOML, read with tomllib. `--profile NAME` finds `~/.config/gpuos-tools/profiles/NAME.toml` "
-        "(`$XDG_CONFIG_HOME`) first, else the profile installed with the package; `--profile FILE` "
-        "reads FILE. Tables: `[model]` name, file (model .npz, relative to the profile), inputs, hidden, "
-        "outputs, load_dir (see SECURITY); `[ring]` name, lanes, slots_per_lane, mode (a string of octal "
-        "digits, \"0600\", or an integer such as 0o660), group; `[batch]` "
-        "window_us, max; `[policy]` cpu_below, busy_util, busy_procs, probe_batch, probe_idle_ms, "
-        "probe_busy_ms, window_ms, window_samples (see POLICY); `[native]` mode "
-        "(auto, on, off) and max_batch (see NATIVE PATH); `[calibration]` (written by calibrate) "
-        "batches, cpu_us, gpu_us, crossover, host, gpu, date. `calibrate` rewrites the whole file "
-        "atomically (an installed profile is never rewritten: its calibrated copy goes to "
-        "`~/.config/gpuos-tools/profiles/`); comments added by hand are not kept. An old profile's `busy_factor`, "
-        "`slowdown_samples` and `slowdown_max_age_ms` are ignored, with a message.\n\n"
-        "Every key is typed and bounded: a wrong type, a negative batch size or window, a mode that "
-        "leaves the owner without read and write, an unknown table or key, invalid UTF-8, or a "
-        "profile that is not a regular file is an error (exit 64) naming the file, the table and "
-        "the key; all the problems of a profile are reported at once."
-    ),
-    "FILES": (
-        "- `/dev/shm/NAME`: the ring, and feature stores.\n"
-        "- `gpuos_tools/profiles/linnos.toml` (installed with the package): the LinnOS profile, "
-        "`--profile linnos`.\n"
-        "- `~/.config/gpuos-tools/profiles/NAME.toml` (`$XDG_CONFIG_HOME`): your own profiles, found by "
-        "name before the installed ones; `calibrate` writes its copy of an installed profile there.\n"
-        "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
-        "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
-        "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`.\n"
-        "- `gpuos_tools/kinfer/csrc/kinfer_guard.c`: the truncation guard (SECURITY); built into "
-        "`~/.cache/gpuos-tools/libgpuos_kinfer_guard-HASH.so`.\n"
-        "- `gpuos_tools/kinfer/bpf/linnos_block.bpf.o`: the block-layer program (source beside it); "
-        "`loader.c`: its loader, built into `~/.cache/gpuos-tools/libgpuos_kinfer_bpf-HASH.so`."
-    ),
-    "EXAMPLES": (
-        "Train on a synthetic trace, serve, replay:\n\n"
-        "    gpu-kinfer-bridge synth --ios 100000 --seed 1 -o io.ndjson\n"
-        "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
-        "    gpu-kinfer-bridge serve --profile linnos --model linnos.npz &\n"
-        "    gpu-kinfer-bridge replay io.ndjson --ring gpuos-kinfer --model linnos.npz\n\n"
-        "Capture features as LAKE does, then train on the last minute of them:\n\n"
-        "    gpu-kinfer-bridge features capture io.ndjson linnos-features\n"
-        "    gpu-kinfer-bridge train --features linnos-features --last-s 60 --model linnos-v2.npz\n\n"
-        "Record what the kernel sees of a workload, train on it, watch LinnOS live (root):\n\n"
-        "    gpu-kinfer-bridge collect --source ebpf --disk /data -o io.ndjson -- fio job.fio\n"
-        "    gpu-kinfer-bridge train io.ndjson --model linnos.npz\n"
-        "    gpu-kinfer-bridge watch --model linnos.npz --disk /data --interval 5\n\n"
-        "Swap in a retrained model without stopping the daemon:\n\n"
-        "    gpu-kinfer-bridge load linnos-v2.npz --ring gpuos-kinfer\n\n"
-        "Measure the crossover on this machine and store it in the profile:\n\n"
-        "    gpu-kinfer-bridge calibrate --profile linnos"
-    ),
-    "SEE ALSO": "gpu-trace(1)",
-}
-
-
-def _err() -> tuple[Any, Any]:
-    from gpuos_tools.errors import ExitCode, GpuosError
-
-    return ExitCode, GpuosError
 
 
 def _load_model(path: str) -> Any:
     from gpuos_tools.kinfer.model import Mlp
 
-    ExitCode, GpuosError = _err()
     if not os.path.exists(path):
         raise GpuosError(f"{path}: no such model file (gpu-kinfer-bridge train writes one)", ExitCode.NO_INPUT)
     try:
@@ -295,9 +85,7 @@ def _load_model(path: str) -> Any:
 
 def _read_trace(path: str) -> list[dict[str, Any]]:
     from gpuos_tools.kinfer.traces import io_records
-    from gpuos_tools.stream import open_input
 
-    ExitCode, GpuosError = _err()
     with open_input(path) as reader:
         try:
             records = list(io_records(reader))
@@ -355,9 +143,7 @@ def serve(
     from gpuos_tools.kinfer.model import Mlp
     from gpuos_tools.kinfer.policy import load_profile, parse_mode
     from gpuos_tools.kinfer.server import ServeOptions, Server, default_model_dirs
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
     if mode is not None:
@@ -459,8 +245,6 @@ def status(
     """Write one `kinfer_status` record: the ring's geometry, daemon and counters."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
-    from gpuos_tools.stream import make_header, open_output
-    from gpuos_tools.units import parse_duration
 
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
@@ -495,7 +279,6 @@ def _wait_for_daemon(name: str, limit: float, owners: tuple[int, ...] | None = N
     """The ring once a live daemon serves it, polled every 20 ms for ``limit`` seconds."""
     from gpuos_tools.kinfer import ring as R
 
-    ExitCode, GpuosError = _err()
     deadline = time.monotonic() + limit
     while True:
         try:
@@ -528,7 +311,6 @@ def infer(
     every other record passes through."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.policy import load_profile
-    from gpuos_tools.stream import make_header, open_input, open_output
 
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
@@ -586,7 +368,6 @@ def load(
     from gpuos_tools.kinfer.policy import load_profile
     from gpuos_tools.kinfer.server import request_load
 
-    ExitCode, GpuosError = _err()
     _load_model(model)
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
@@ -619,7 +400,6 @@ def calibrate(
     """
     from gpuos_tools.kinfer import calibrate as cal
     from gpuos_tools.kinfer.policy import is_shipped, load_profile, user_profile_dir, write_profile
-    from gpuos_tools.stream import make_header, open_output
 
     try:
         sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
@@ -667,9 +447,7 @@ def train(
     """Train the LinnOS model on a trace or a feature-store window; write it and a
     `kinfer_train` report record."""
     from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, train_arrays, train_trace
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if label not in ("inflection", "percentile"):
         raise typer.BadParameter("inflection or percentile", param_hint="--label")
     if (trace is None) == (features is None):
@@ -702,10 +480,10 @@ def train(
 
 
 def _spawn_daemon(model: str, gpu: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A daemon of our own on a private ring, for replay without --ring."""
+    """A daemon of our own on a private ring, for replay without --ring: this command's `serve`,
+    whose profile, model and option handling is the command's, not the library's."""
     from gpuos_tools.kinfer import ring as R
 
-    ExitCode, GpuosError = _err()
     name = f"gpuos-kinfer-replay-{os.getpid()}"
     root = str(Path(__file__).resolve().parent.parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
@@ -753,9 +531,7 @@ def replay(
 
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.linnos import replay as run_replay
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if replica not in ("next", "shifted"):
         raise typer.BadParameter("next or shifted", param_hint="--replica")
     if probes < 1:
@@ -845,7 +621,6 @@ def synth(
     """Generate a synthetic block-I/O trace: Poisson arrivals, log-normal sizes, periodic slow
     phases standing for garbage collection."""
     from gpuos_tools.kinfer.traces import synthesize
-    from gpuos_tools.stream import make_header, open_output
 
     if devices < 1 or ios < 1:
         raise typer.BadParameter("must be positive", param_hint="--ios/--devices")
@@ -866,7 +641,6 @@ def _disks(specs: list[str] | None, directory: str | None) -> list[int]:
     """Kernel numbers of the disks named by --disk (or the one under --dir)."""
     from gpuos_tools.kinfer.bpf.collect import resolve_disk
 
-    ExitCode, GpuosError = _err()
     named = list(specs or []) or ([directory] if directory else [])
     try:
         return sorted({resolve_disk(spec) for spec in named})
@@ -918,7 +692,6 @@ def collect(
     --seconds, --reads, or SIGINT/SIGTERM; with --dir it also runs the direct load as a
     workload. See EBPF PRODUCER.
     """
-    ExitCode, GpuosError = _err()
     if source not in ("direct", "ebpf"):
         raise typer.BadParameter("direct or ebpf", param_hint="--source")
     for value, hint in ((reads, "--reads"), (seconds, "--seconds")):
@@ -937,9 +710,7 @@ def collect(
 def _collect_direct(directory: str, reads: int, devices: int, depth: int, size_mib: int, write_fraction: float, seed: int,
                     output: str) -> None:
     from gpuos_tools.kinfer.traces import collect as run
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if devices < 1 or depth < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--devices/--depth")
     if reads < devices:
@@ -976,11 +747,8 @@ def _collect_ebpf(directory: Optional[str], reads: Optional[int], devices: int, 
                   program: Optional[list[str]], output: str, unbuffered: bool) -> None:
     import platform
 
-    from gpuos_tools.kinfer.bpf import OBJECT
     from gpuos_tools.kinfer.bpf.collect import Converter, capture
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     disks = _disks(disk, directory)
     from gpuos_tools.kinfer.traces import Load
 
@@ -1048,9 +816,7 @@ def watch(
     to answer) and the ring round trip. A read cannot be redirected from here; see EBPF PRODUCER."""
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.bpf.collect import Converter, WatchStats, capture
-    from gpuos_tools.stream import make_header, open_output
 
-    ExitCode, GpuosError = _err()
     if ring is None and model is None:
         raise typer.BadParameter("give --ring NAME (a daemon serving a LinnOS model) or --model FILE", param_hint="--ring")
     if not interval > 0 or lanes < 1:
@@ -1149,7 +915,6 @@ def features_capture(
     from gpuos_tools.kinfer.features import FeatureStore
     from gpuos_tools.kinfer.linnos import FEATURE_FIELDS, capture
 
-    ExitCode, GpuosError = _err()
     records = _read_trace(trace)
     try:
         store = FeatureStore.open(name)
@@ -1173,9 +938,7 @@ def features_record(
 ) -> None:
     """Append the `x` vector of every input record, timestamped now."""
     from gpuos_tools.kinfer.features import FeatureStore
-    from gpuos_tools.stream import open_input
 
-    ExitCode, GpuosError = _err()
     store = FeatureStore.open(name)
     try:
         with open_input(input) as reader:
@@ -1197,7 +960,6 @@ def features_window(
 ) -> None:
     """Write the stored vectors (oldest first) as `feature` records: seq, ts_ns, x."""
     from gpuos_tools.kinfer.features import FeatureStore
-    from gpuos_tools.stream import make_header, open_output
 
     store = FeatureStore.open(name)
     try:

@@ -1,6 +1,7 @@
 """Man pages generated from the code: from click/typer command definitions, and from text kept
-in the modules they document. ``scripts/gen-man`` writes every page in ``PAGES`` to man/, and
-tests/test_man.py fails when a checked-in page differs from what the code says now.
+in gpuos_tools.commands.manual, one page per command of gpuos_tools.commands.registry.
+``scripts/gen-man`` writes every page in ``PAGES`` to man/, and tests/test_man.py fails when a
+checked-in page differs from what the code says now.
 
 Text sources use a small markup, written flush left: ``# TITLE`` starts a section, blank lines
 separate paragraphs, ``- `` starts a list item (continued by lines indented two spaces), a
@@ -14,10 +15,11 @@ import inspect
 import re
 import string
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import gpuos_tools
-from gpuos_tools.commands import cli
+from gpuos_tools.commands import cli, registry
 from gpuos_tools.errors import DESCRIPTIONS, ExitCode
 from gpuos_tools.stream import manual
 
@@ -293,59 +295,13 @@ def stream_page() -> str:
     return _page("gpuos-stream", 7, manual.SUMMARY, sections)
 
 
+def command_page(command: registry.Command) -> str:
+    """A command's page, from its typer app and its manual module (gpuos_tools.commands.manual)."""
+    return render_man(cli.command(command.app, command.prog), command.prog, command.section, command.sections)
+
+
 #: Every generated page: (name, section, renderer). Files are man/<name>.<section>.
-def gpu_trace_page() -> str:
-    """gpu-trace(1), from the typer app in gpuos_tools/commands/trace.py."""
-    from gpuos_tools.commands import trace
-
-    return render_man(cli.command(trace.app, "gpu-trace"), "gpu-trace", 1, trace.MAN_SECTIONS)
-
-
-def gpu_ckpt_page() -> str:
-    """gpu-ckpt(1), from the typer app in gpuos_tools/commands/ckpt.py."""
-    from gpuos_tools.commands import ckpt
-
-    return render_man(cli.command(ckpt.app, "gpu-ckpt"), "gpu-ckpt", 1, ckpt.MAN_SECTIONS)
-
-
-def gpu_restore_page() -> str:
-    """gpu-restore(1), from the typer app in gpuos_tools/commands/restore.py."""
-    from gpuos_tools.commands import restore
-
-    return render_man(cli.command(restore.app, "gpu-restore"), "gpu-restore", 1, restore.MAN_SECTIONS)
-
-
-def gpu_predict_access_page() -> str:
-    """gpu-predict-access(1), from the typer app in gpuos_tools/commands/predict_access.py."""
-    from gpuos_tools.commands import predict_access
-
-    return render_man(
-        cli.command(predict_access.app, "gpu-predict-access"), "gpu-predict-access", 1, predict_access.MAN_SECTIONS
-    )
-
-
-def gpu_kinfer_bridge_page() -> str:
-    """gpu-kinfer-bridge(1), from the typer app in gpuos_tools/commands/kinfer.py."""
-    from gpuos_tools.commands import kinfer
-
-    return render_man(cli.command(kinfer.app, "gpu-kinfer-bridge"), "gpu-kinfer-bridge", 1, kinfer.MAN_SECTIONS)
-
-
-def gpu_prefetch_sched_page() -> str:
-    """gpu-prefetch-sched(1), from the typer app in gpuos_tools/commands/prefetch_sched.py."""
-    from gpuos_tools.commands import prefetch_sched
-
-    return render_man(
-        cli.command(prefetch_sched.app, "gpu-prefetch-sched"), "gpu-prefetch-sched", 1, prefetch_sched.MAN_SECTIONS
-    )
-
-
 PAGES: list[tuple[str, int, Callable[[], str]]] = [
     ("gpuos-stream", 7, stream_page),
-    ("gpu-trace", 1, gpu_trace_page),
-    ("gpu-ckpt", 1, gpu_ckpt_page),
-    ("gpu-restore", 1, gpu_restore_page),
-    ("gpu-predict-access", 1, gpu_predict_access_page),
-    ("gpu-kinfer-bridge", 1, gpu_kinfer_bridge_page),
-    ("gpu-prefetch-sched", 1, gpu_prefetch_sched_page),
+    *((command.prog, command.section, partial(command_page, command)) for command in registry.COMMANDS),
 ]

@@ -9,82 +9,14 @@ from typing import Optional
 
 import typer
 
-from gpuos_tools.access import __doc__ as _access_doc
-from gpuos_tools.access.templates import __doc__ as _templates_doc
 from gpuos_tools import figures
+from gpuos_tools.access.predict import GRANULARITIES, Predictor
+from gpuos_tools.access.report import compute_report, explain, render_explain, render_report, report_records
+from gpuos_tools.access.templates import Templates, learn
 from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app, warn, with_progress
-from gpuos_tools.stream.records import ACCESS, ACCESS_TEMPLATE
-from gpuos_tools.stream.schema import render
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream import make_header, open_input, open_output
 
-_REST = _access_doc.split("\n\n", 2)[2]
-_TEMPLATE_REST = _templates_doc.split("\n\n", 3)[3]
-
-MAN_SECTIONS = {
-    "RECORDS": (
-        "After each `launch`, `memcpy`, `memset` and `graph_launch` record (which pass through "
-        "unchanged, as every other record does) comes one `access` record (`?` marks a field that "
-        "may be absent):\n\n"
-        + render([ACCESS])
-        + "\n\n"
-        + _REST.strip("\n")
-    ),
-    "REPORT": (
-        "`--report` reads the whole trace and writes, instead of the stream, one `access_report` "
-        "record per kernel (then one each for all memcpys, memsets and graph launches): `of`, "
-        "`kernel` (mangled), `name` (demangled), `granularity`, `launches`, `captured`, "
-        "`reads_per_launch` and `writes_per_launch` (buffers, mean), `bytes_read` and "
-        "`bytes_written` (summed over launches at the chosen granularity), `unknown` (launches) "
-        "and `why` ({reason: launches}). On a terminal it draws a table instead.\n\n"
-        "`--explain SEQ` writes one `access_explain` record for the launch with that `seq`: each "
-        "parameter's offset, size, type and basis; each pointer word with its parameter, offset, "
-        "value, how it was found, the allocation and offset it lies in and the decision; and the "
-        "`access` record. On a terminal it prints the same as text."
-    ),
-    "VALIDATION": (
-        "`gpu-trace run --validate` checks these predictions on the GPU for sampled launches "
-        "(see gpu-trace(1)) and puts a `validation` record after each launch it checked. On "
-        "such a trace each launch's `access` record gains `validated`: `writes` and `reads` "
-        "(\"ok\", \"missed\", \"unknown\", \"nondeterministic\", \"skipped\" or \"unchecked\"), "
-        "`missed_write_bytes`, `extra_write_bytes`, `written_bytes`, and where read extents were "
-        "measured `read_bytes`, `missed_read_bytes`, `extra_read_bytes`; `--report` adds per "
-        "kernel a `validation` object with the same sums and draws a table of them. The prediction "
-        "scored is this command's, at its granularity and with its templates, against what the "
-        "GPU showed, in 128-byte chunks.\n\n"
-        "`--learn` writes size templates (`access_template` records) fitted to the read and write "
-        "extents in the validation records; `--templates FILE` uses them at range granularity:\n\n"
-        + render([ACCESS_TEMPLATE])
-        + "\n\n" + _TEMPLATE_REST.strip("\n")
-    ),
-    "NOTES": (
-        "Without validation this is speculation (as PhOS does it): directions come from the "
-        "demangled prototype (const pointer: read; anything else: read and write), and launch "
-        "ranges run to the end of the allocation unless a size template says otherwise. Measured "
-        "on the suite in BENCHMARKS.md, range and alloc predictions missed nothing; templates "
-        "learned at one program size cut the extra bytes several times but missed accesses at "
-        "another size, so use templates where being tight matters more than being safe, and "
-        "validate them.\n\n"
-        "Pointers inside by-value structs are found, and pointer arrays copied from the host are "
-        "followed; pointers written into device memory by kernels are not (a launch through such "
-        "a `T**` parameter is unknown). PyTorch's caching allocator places many tensors in one "
-        "allocation, so at `alloc` granularity a PyTorch kernel usually reads and writes the "
-        "whole segment."
-    ),
-    "EXAMPLES": (
-        "Annotate a trace as it is recorded and keep the launches that may write allocation 3:\n\n"
-        "    gpu-trace run -- python3 train.py | gpu-predict-access | \\\n"
-        "      jq -c 'select(.type==\"access\" and any(.writes[]; .alloc==3))'\n\n"
-        "Per-kernel summary of a recorded trace:\n\n"
-        "    gpu-predict-access --report trace.ndjson.zst\n\n"
-        "Why launch 14 was predicted as it was:\n\n"
-        "    gpu-predict-access --explain 14 trace.ndjson.zst\n\n"
-        "Validate on the GPU, learn size templates, then score them on a run at another size:\n\n"
-        "    gpu-trace run --validate -o small.ndjson.zst -- python3 step.py --batch 16\n"
-        "    gpu-predict-access --learn small.ndjson.zst -o step.templates\n"
-        "    gpu-trace run --validate -o big.ndjson.zst -- python3 step.py --batch 32\n"
-        "    gpu-predict-access --templates step.templates --report big.ndjson.zst"
-    ),
-    "SEE ALSO": "gpu-trace(1)",
-}
 
 PROG = "gpu-predict-access"
 
@@ -136,10 +68,6 @@ def predict(
     """
     from rich.console import Console
 
-    from gpuos_tools.access.predict import GRANULARITIES, Predictor
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.stream import make_header, open_input, open_output
-
     if granularity is None:
         granularity = "range" if templates_file else "alloc"
     if granularity not in GRANULARITIES:
@@ -155,8 +83,6 @@ def predict(
         return seen.count(with_progress(reader, f"reading {trace}"))
 
     if learn_out:
-        from gpuos_tools.access.templates import learn
-
         with open_input(trace) as reader:
             learned = learn(records(reader))
         seen.check(trace)
@@ -169,8 +95,6 @@ def predict(
         return
     templates = None
     if templates_file is not None:
-        from gpuos_tools.access.templates import Templates
-
         if granularity != "range":
             raise typer.BadParameter("templates give ranges: use --granularity range", param_hint="--templates")
         with open_input(templates_file) as reader:
@@ -178,7 +102,7 @@ def predict(
         if not templates:
             raise GpuosError(f"{templates_file}: no access_template records", ExitCode.BAD_INPUT)
     if plot_file is not None:
-        from gpuos_tools.access.plot import plot
+        from gpuos_tools.access.plot import plot  # numpy: only --plot needs it
 
         with open_input(trace) as reader:
             try:
@@ -192,8 +116,6 @@ def predict(
                                        f"{dims['allocations']} allocations", highlight=False)
         return
     if explain_seq is not None:
-        from gpuos_tools.access.report import explain, render_explain
-
         with open_input(trace) as reader:
             ex = explain(records(reader), explain_seq, granularity, templates)
         if ex is None:
@@ -207,8 +129,6 @@ def predict(
             writer.write(ex)
         return
     if report:
-        from gpuos_tools.access.report import compute_report, render_report, report_records
-
         with open_input(trace) as reader:
             rows = compute_report(records(reader), granularity, templates)
         seen.check(trace)
@@ -256,8 +176,6 @@ class _Seen:
             yield rec
 
     def check(self, trace: str) -> None:
-        from gpuos_tools.errors import ExitCode, GpuosError
-
         if not self.records:
             raise GpuosError(f"{trace}: empty: no records (not a gpu-trace stream?)", ExitCode.BAD_INPUT)
         if not self.ops:

@@ -17,295 +17,22 @@ import typer
 from typer.core import TyperGroup
 
 from gpuos_tools import figures
-from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, report_run, run_app, warn, with_progress
+from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, report_run, run_app, stderr_console, warn, with_progress
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection.config import OnlineConfig, ServeConfig
 from gpuos_tools.memory import owned
-from gpuos_tools.sched import __doc__ as _sched_doc
-from gpuos_tools.sched.online import POLICIES
-from gpuos_tools.sched.online import __doc__ as _online_doc
-from gpuos_tools.sched.plot import load_timeline, plot_timeline
+from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
+from gpuos_tools.sched.planner import PLANNERS
+from gpuos_tools.sched.plot import load_timeline, plot_timeline, simulated_timeline
+from gpuos_tools.sched.report import render_summaries
+from gpuos_tools.sched.schedule import write_schedule
 from gpuos_tools.sched.serve import serve_jobs
-from gpuos_tools.stream import make_header, open_output
+from gpuos_tools.sched.simulate import POLICIES, Config, simulate as run_policy
+from gpuos_tools.sched.workload import Chunks, interleave, load_job
+from gpuos_tools.stream import make_header, open_input, open_output
 from gpuos_tools.trace import run as launcher
-from gpuos_tools.units import parse_budget_spec, parse_duration
-from gpuos_tools.sched.planner import __doc__ as _planner_doc
-from gpuos_tools.sched.simulate import __doc__ as _simulate_doc
-from gpuos_tools.sched.workload import __doc__ as _workload_doc
+from gpuos_tools.units import parse_bandwidth, parse_budget, parse_budget_spec, parse_duration, parse_size
 
-_RECORDS, _FIELDS = _sched_doc.split("\n\n", 2)[1:]
-
-
-MAN_SECTIONS = {
-    "BUDGET": (
-        "`--budget` is the most device memory the job(s) may hold at once. Units: a plain number "
-        "is bytes; `B`; binary `KiB`, `MiB`, `GiB`, `TiB` (the bare letters `K`, `M`, `G`, `T` "
-        "mean the same); decimal `KB`, `MB`, `GB`, `TB`; `N%` is a percentage of the footprint: "
-        "the most memory resident at once with no budget (every chunk from its first use until "
-        "its allocation is freed). The footprint is not the total allocated: memory that is "
-        "allocated but never used (workspaces, pools) needs no room. `--budget 66%` is 150% "
-        "oversubscription.\n\n"
-        "Bandwidths (`--bw`, `--um-evict-bw`) are sizes per second (`50.5GB/s`); durations take "
-        "`ns`, `us`, `ms` or `s`."
-    ),
-    "MEMORY AND STEPS": _workload_doc.split("\n\n", 1)[1].strip("\n"),
-    "POLICIES": _planner_doc.split("\n\n", 1)[1].strip("\n"),
-    "TIME MODEL": _simulate_doc.split("\n\n", 1)[1].strip("\n"),
-    "SAFETY": (
-        "- An `unknown` access (a launch whose buffers could not be bounded, every graph launch) "
-        "needs every live device allocation of its job resident while it runs. These steps are "
-        "counted (`unknown`).\n"
-        "- When a working set is larger than the budget (an unknown step of a job bigger than the "
-        "budget, or one huge kernel), it cannot be resident at once: the step is counted in "
-        "`over_budget` and what did not fit is charged as demand paging. `peak_resident` never "
-        "exceeds the budget.\n"
-        "- Dirty chunks are written back before eviction; only chunks whose host copy is current "
-        "(or whose allocation was freed) are dropped. In `simulate`, dirtiness comes from the "
-        "predicted writes, which count every non-const pointer as written; `run` compares GPU "
-        "digests of the record instead (ONLINE EXECUTION).\n"
-        "- `simulate` runs nothing on a GPU, and validates nothing: the schedule is as good as "
-        "the predictions and the time model.\n"
-        "- `run`: a launch runs only once every record it is predicted to touch is mapped and "
-        "loaded (its stream waits on the GPU); an unknown launch or a graph launch gets every "
-        "owned record, over the budget if need be. A kernel that reaches memory by a pointer the "
-        "prediction does not see (a pointer stored in device memory, an address computed from "
-        "another buffer's) would fault on a released record: such launches must come out "
-        "unknown, which is the predictor's rule. A write the prediction did not show is caught at run "
-        "time when it is not lost: a record loaded from the engine's host copy and not predicted "
-        "written since whose digest changed by its eviction is a `mismatch` (counted, and named in "
-        "the summary); the kernels predicted to read it since its load (else every kernel launched "
-        "since) become `conservative`: from then on each of their launches is unknown (every owned "
-        "record resident, over the budget if need be) and counts as writing every resident record, "
-        "so the evictions after it save without consulting a digest. Reads outside a prediction "
-        "cannot be caught that way (on a released record they fault). The rule needs the digest to "
-        "find the first write: with `GPUOS_ENGINE_NO_DIGEST=1` (or no NVRTC) nothing is found and the "
-        "predictions are trusted (such a write to a record under 256 KiB, or with the check off, is "
-        "lost); while a record's check is backed off its evictions save anyway and a write is found "
-        "at its next check; a kernel made conservative stays so if the check is backed off or turned "
-        "off later. Memory the program did not allocate through CuPy or PyTorch "
-        "(cuBLAS or cuFFT workspaces) is not owned and never moved. The budget is our own, below "
-        "the GPU's memory: no managed memory is used."
-    ),
-    "ONLINE EXECUTION": (
-        "`gpu-prefetch-sched run --budget SIZE|N% -- PROGRAM` starts PROGRAM under the agent "
-        "(`gpu-trace run --agent`, python callback path) with its CuPy and PyTorch allocations owned "
-        "(`GPUOS_AGENT_OWN=1`: every buffer, or segment of small ones, is a record at a fixed "
-        "address whose physical memory can be saved, released and mapped again). The unit of "
-        "residency is the record. A percentage budget is that share of the program's owned memory "
-        "at each decision.\n\n"
-        + _online_doc.split("\n\n", 1)[1].split("\n\nWhy not", 1)[0].strip("\n")
-        + "\n\nThe moves go through the agent's residency engine: an eviction's save is ordered "
-        "on the GPU after everything the program has enqueued and runs on the engine's evict "
-        "stream, its release follows once the save is done; prefetches run on "
-        "another stream from a mover thread, each once there is room for it; an operation's stream "
-        "waits on the GPU for the loads of its records. The budget holds mapped memory: a record "
-        "counts until its release, so a load that needs room waits on the host for evictions in "
-        "flight (a stall, counted). The program's own allocations are mapped at once and can take "
-        "the memory above the budget until its next launch evicts.\n\n"
-        "Write-backs of unchanged records are skipped by a GPU digest: when a record is loaded "
-        "from the engine's own host copy, a small kernel (NVRTC, compiled once per run) takes a "
-        "128-bit digest of its device bytes before the program can touch it; at its next "
-        "eviction the digest is taken again, after the program's last use, and compared: equal, "
-        "the record is released without a save; different, it is saved. The predictor cannot "
-        "tell reads from writes in CuPy's kernels (extern \"C\", no parameter types: every "
-        "array argument counts as written), and a kernel may write through a `const` pointer; the "
-        "digest sees the bytes. The risk: a change that leaves both 64-bit lanes of the digest "
-        "equal (each lane a sum of a 64-bit finaliser of every 8-byte word mixed with its index) "
-        "would keep the stale host copy, about 2^-64 per lane and eviction for changes not made "
-        "to collide. Records under 256 KiB are saved without a digest. A changed record's save waits "
-        "for the comparison (a host round trip), so after a check finds a record changed its "
-        "next 4 evictions save at once without digests, then it is checked again (each further "
-        "change doubles the run, up to 32; an unchanged check ends it). `GPUOS_ENGINE_NO_DIGEST=1` "
-        "turns the check off (then a record loaded from the host copy and not predicted written "
-        "since is released without a save, and all others are saved); without NVRTC the engine "
-        "says so once on standard error and goes on the same way. The summary counts `digests` "
-        "(kernels run), `digest_skips`, `bytes_not_written_back` (every eviction without a save), "
-        "and `digest` (on, off, or why unavailable).\n\n"
-        "A record found changed although no launch since its load was predicted to write it is a "
-        "mismatch (SAFETY): the summary counts `mismatches` and lists the `conservative` kernels "
-        "(unknown since; their `kernels` row says why), `engine.mismatch` logs the first 64 (record, "
-        "bytes, kernels, found: predicted to read it / launched since its load, evictions and "
-        "launches so far), and standard error says it once per new kernel. "
-        "`GPUOS_ENGINE_NO_CONSERVE=1` reports mismatches without acting on them, and "
-        "`GPUOS_ENGINE_DIGEST_OFF_AFTER=N` turns the check off after the Nth (both for tests: what "
-        "the rule alone keeps).\n\n"
-        "Parked memory: creating and releasing physical memory makes the driver clear it on a copy "
-        "engine, which halves host-to-device copies meanwhile. So an evicted record's physical "
-        "memory stays parked (unmapped, kept) and the next load of a record of the same size maps "
-        "it again. Parked bytes count against the budget. When a load needs room that only "
-        "parked memory of other sizes holds, all of it goes back to the driver first. The summary's "
-        "`park` gives parked bytes, reuses and releases. `GPUOS_ENGINE_NO_PARK=1` turns it off; "
-        "serve's jobs do not park.\n\n"
-        "The record on standard output at the end, `sched_summary` with `mode` online: policy, "
-        "lookahead, budget (the largest a decision used), fraction, footprint (owned bytes at the "
-        "end), launches (operations decided: launches, copies, memsets), unknown, bytes_in, "
-        "bytes_out (copied host to device and device to host), loads, prefetches, demand_loads, "
-        "evictions, evict_saves, stream_waits (operations made to wait on the GPU for a load), "
-        "stalls (operations that found a record of theirs not resident), over_budget, "
-        "over_budget_bytes, peak_resident (most mapped bytes after a decision), peak_settled (the "
-        "same, counted from the first decision within the budget after the last allocation or "
-        "over-budget launch), "
-        "over_physical (decisions after that found the mapped bytes above the budget), "
-        "peak_planned (the policy's own books), periods (the last 8 launch periods learned, in "
-        "order), period_use ([period, operations decided with it known], the 8 most used: the "
-        "period that governed the run), predicted "
-        "(operations decided with a period known), wall_s, exit (the program's status), and "
-        "`executor`, `policy_stats`, `engine` with the parts' own counters; `kernels`, what the "
-        "predictions looked like (operations, unknown ones and unknown_share, no_owned: operations "
-        "that touch no owned record, and per kernel or API name, the most frequent 40 and every "
-        "unknown one: ops, unknown, mean_bytes of the records predicted, why it was unknown); "
-        "`agent`, where the launch path's time went (launch_hooks, launch_hook_s, memo_misses, "
-        "executor_s). A program can read the executor's counts so far with "
-        "gpuos_tools.sched.executor.current_counts() (taken from sys.modules: None when it does not "
-        "run under `run`), to know what moved inside a timed region.\n\n"
-        "PyTorch: its allocations go through the owned allocator's stream-ordered cache "
-        "(GPUOS_AGENT_OWN=1); blocks it caches stay owned records and are moved like live ones; "
-        "small tensors share segments, and a segment is the unit of residency. cuBLAS's and "
-        "cuDNN's workspaces are cudaMalloc'd past the allocator: not owned, never moved. The "
-        "launch period is learned on each launch's kernel and its large records (segments of small "
-        "blocks are left out of the key: their order need not repeat). Launches captured into a "
-        "CUDA graph are not decided (they do not run then); a graph launch is an unknown operation "
-        "(every record required); graph replay over owned PyTorch memory is not supported (the "
-        "allocator has no private pool for captures). Measured on an H100: a transformers Llama "
-        "decode and a CNN's training steps ran bit-identical to the job alone at 66%, 50% and 33% "
-        "budgets with no unknown launch; both were bound by the python callback path (~0.1-0.2 ms "
-        "per operation), not by the link (BENCHMARKS.md).\n\n"
-        "Several programs at once: `serve` (SERVING). Not built yet: the native callback path (each "
-        "operation pays the python agent's callback, ~0.1-0.3 ms). The fault-driven managed-memory "
-        "baseline is in scripts/bench_online.py, not in this command."
-    ),
-    "SERVING": (
-        "`gpu-prefetch-sched serve --budget SIZE [--slice 50ms] [--policy belady|lru] [--lookahead N] "
-        "[--switch serial|overlap] [--json FILE] --job 'PROGRAM ARGS' --job ...` starts each job as "
-        "`run` would (the agent, its "
-        "CuPy memory owned, the online policy) and time-slices them on the GPU. `--budget` is bytes "
-        "with a unit (see BUDGET; a percentage is refused, the jobs' footprint is not known before "
-        "they run): the most owned memory ALL the jobs may hold mapped together. `--slice` is a "
-        "duration (`ns`, `us`, `ms`, `s`). Each `--job` is one string split as a shell would "
-        "(quotes, no expansion); its program must exist.\n\n"
-        "The turn. One job holds it at a time; the others' program threads wait on the host at "
-        "their next launch, copy or memset (not at frees) until granted, in the order they asked. "
-        "Once the holder has held it for a slice and another job waits, it is asked to yield; at "
-        "its next operation it evicts its records down to what the incoming job leaves room for "
-        "(the incoming job's want: what it had mapped when it last ran), in its own Belady order "
-        "(the record its learned period uses furthest ahead first, so what its next launches "
-        "need goes last; LRU with `--policy lru`), waits until the releases have completed, and "
-        "reports the bytes it keeps. If the jobs that wait hold too much for the incoming "
-        "one, they are trimmed the same way, the one whose turn is furthest first. The incoming "
-        "job is granted a budget of the total minus what the others keep, and before its "
-        "operation goes on it prefetches its predicted next working sets (one period ahead, at "
-        "least `--lookahead` launches) as far as that budget allows: the loads that fit are "
-        "enqueued at once on the engine's prefetch stream, the rest follow as room comes. While "
-        "it runs, its budget follows what the others keep (a job that starts, is trimmed or "
-        "ends). A launch whose working set is larger than the holder's budget asks the "
-        "coordinator to trim the waiting jobs for it. A job that ends, crashes or is killed "
-        "leaves the rotation at once (its connection closes); a job alone never waits and is "
-        "never asked to yield.\n\n"
-        "`--switch overlap` (EXPERIMENTAL, MSched's switch): the outgoing job reports as soon as "
-        "its evictions are issued and the incoming job is granted at once; its loads wait in the "
-        "ledger (below) until the outgoing releases have completed, so saves and loads use both "
-        "directions of the link at once. It is not the default. On an H200 (2026-11-24) its GPU "
-        "test failed in 2 of 3 runs (a load waited 10 s and went over the budget; the serial "
-        "switch failed once too, after evictions failed on a job's evict thread). Two fixes "
-        "followed: the evict thread makes the program's context current, and a waiting job "
-        "reports its in-flight bytes again. After them the serve test (overlap and serial) passed "
-        "in 5 of 6 runs. The overlap was also not faster overall.\n\n"
-        "Safety. Everything of SAFETY for `run` holds for each job. The jobs share one byte ledger "
-        "(a small file, locked for every change): each job's owned bytes mapped, or about to be, "
-        "are booked in it; a load is booked BEFORE its memory is mapped and only if all the jobs' "
-        "bytes and it fit in the budget (else it waits while some job has evictions in flight or "
-        "is exiting; when nothing is, the holder asks the coordinator for room, then evicts its "
-        "own records outside the launch's working set, and only then, or after 10 s, loads over "
-        "the budget, counted as forced); a release is taken off AFTER the unmap; a job that ended "
-        "keeps its bytes booked until its process has been reaped. Memory a job allocates is "
-        "mapped at once: it is booked when the job next looks at its records, and may take the "
-        "sum above the budget (allocations are the program's) until the job's evictions bring "
-        "it back. A job never waits for the turn holding the agent's lock (it waits before "
-        "taking it), so the engine's threads and its own evictions go on. The preemption is "
-        "cooperative: a job yields at its next operation after the request, so one that computes "
-        "on the host for long keeps the turn meanwhile. The budget is our own, below the "
-        "GPU's memory; nothing is oversubscribed in the driver.\n\n"
-        "Output: a header, one `serve_job` record per job (job, argv, exit, ok, wall_s, turn_s "
-        "(time holding the turn), grants, turn_waits and turn_wait_s (waits for the turn, "
-        "seconds), switches (yields), trims, early_grants (grants made while another job's "
-        "evictions were still in flight: 0 with the serial switch), budget_min and budget_max "
-        "(budgets granted), bytes_in, bytes_out, evictions, prefetches, demand_loads, footprint, "
-        "peak_settled, over_physical, turn_peak (the job's own largest mapped bytes while it held "
-        "the turn), ledger_waits, forced_loads, evict_errors and evict_error (the engine's), "
-        "throughput and throughput_unit (the job's own: a `throughput` field of the last JSON "
-        "object line it printed, or its `steps` / `loop_s`), output (that line), summary (the "
-        "job's `sched_summary` as `run` gives it, with `serve`: the job's turn counters)), then "
-        "`serve_summary` (budget, slice_s, policy, lookahead, switch, switches, early_grants, "
-        "wall_s, combined_peak (the ledger's largest sum of every job's booked bytes, taken under "
-        "its lock at every increase: a bound of the jobs' true combined owned memory at any "
-        "instant, allocations included), combined_peak_loads (the same over the increases made "
-        "by loads: within the budget unless a load was forced), forced_loads, forced_over_max, "
-        "unreserved_maps (maps the executor had not booked first), alloc_charges, errors). "
-        "`--json FILE` writes the same as one object. A table goes to standard error. "
-        "The exit status is 1 when any job failed (non-zero exit, or no summary)."
-    ),
-    "TIMELINE": (
-        "`run --timeline FILE.json` writes the executor's event log at the end: a JSON object, "
-        "`type` sched_timeline, with policy, lookahead, fraction, footprint, `summary` (the "
-        "summary's scalar fields), `events` and `dropped`. Each event is `[t_s, kind, value]`, "
-        "t_s in seconds from the executor's start: `mapped` (owned bytes mapped, measured after "
-        "each decision and each prefetch), `budget` (the budget a decision used, when it "
-        "changes), `evict` (a record's bytes, when its eviction was issued), `load` (bytes a "
-        "launch's require loaded, at its issue), `prefetch` (a record's bytes, at the mover's "
-        "issue), `wait` (a host wait for room: value in seconds, t_s its start). At most "
-        "200000 events are kept; the rest are counted in `dropped`. Times are when moves were "
-        "issued on the host, not when the copies ran on the GPU.\n\n"
-        "`run --plot FILE.png` draws it at the end; `gpu-prefetch-sched plot FILE.json --plot "
-        "FILE.png` draws a recorded one (on a machine without a GPU, too); `simulate --plot "
-        "FILE.png` draws the `--schedule` policy's simulation the same way (simulated seconds, "
-        "the moves of each step at their simulated start, its stall as a wait, the bytes "
-        "resident in the planner's books after each step). Three panels on one "
-        "time axis: mapped bytes against the budget and the footprint; bytes issued per time "
-        "bin as bandwidth, host to device above zero (prefetches, loads at a launch) and device "
-        "to host below (evictions); the host waits for room (the stalls, simulated). All three need matplotlib "
-        "(`pip install 'gpuos-tools[plot]'`)."
-    ),
-    "NOTES": (
-        "Every input of `simulate` is read to its end before anything is written: Belady needs "
-        "the whole future of the sequence, and the round-robin order needs every job. Memory use "
-        "grows with the number of steps and of chunks they use.\n\n"
-        "`simulate` is the command when none is named, so `gpu-prefetch-sched --simulate ...` "
-        "and `gpu-prefetch-sched simulate ...` are the same; without a command name `--simulate` "
-        "is required, so that a mistyped command is not taken for a plan."
-    ),
-    "RECORDS": (
-        "The output is a new stream (the input records are not repeated): a header, then the "
-        "schedule of `--schedule`'s policy in step order, then one `sched_summary` per policy "
-        "of `--compare`.\n\n"
-        + "\n".join("    " + line for line in _RECORDS.splitlines())
-        + "\n\n"
-        + _FIELDS.strip("\n")
-        + "\n\nOn a terminal the summaries are drawn as a table instead of the stream; when "
-        "standard output is not a terminal and standard error is, the table also goes to "
-        "standard error."
-    ),
-    "EXAMPLES": (
-        "The main pipeline: trace, predict, plan under an 8 GiB budget:\n\n"
-        "    gpu-trace run -- python3 train.py | gpu-predict-access | \\\n"
-        "      gpu-prefetch-sched --simulate --budget 8GiB\n\n"
-        "A recorded trace at 150% oversubscription, byte ranges, 64 KiB chunks, summaries only:\n\n"
-        "    gpu-predict-access --granularity range train.ndjson.zst | \\\n"
-        "      gpu-prefetch-sched --simulate --budget 66% --chunk 64KiB --schedule none\n\n"
-        "Two jobs time-sliced on one GPU, 5 ms slices, H100 link figures:\n\n"
-        "    gpu-prefetch-sched --simulate --budget 4GiB --slice 5ms --bw 40GB/s a.acc b.acc\n\n"
-        "A CuPy job at 150% oversubscription, online, its trace kept:\n\n"
-        "    gpu-prefetch-sched run --budget 66% -o job.ndjson.zst -- python3 solver.py | jq .\n\n"
-        "The same, its timeline recorded on the GPU's machine and drawn elsewhere:\n\n"
-        "    gpu-prefetch-sched run --budget 66% --timeline run.json -- python3 solver.py\n"
-        "    gpu-prefetch-sched plot run.json --plot run.png\n\n"
-        "Three CuPy jobs served together on one GPU under 4 GiB, 100 ms slices:\n\n"
-        "    gpu-prefetch-sched serve --budget 4GiB --slice 100ms --json serve.json \\\n"
-        "      --job 'python3 solver.py --n 1' --job 'python3 solver.py --n 2' --job 'python3 train.py'\n\n"
-        "The evictions that are not write-backs:\n\n"
-        "    gpu-prefetch-sched --simulate --budget 50% a.acc | jq -c 'select(.type==\"evict\" and (.writeback|not))'"
-    ),
-    "SEE ALSO": "gpu-predict-access(1), gpu-trace(1)",
-}
 
 class _DefaultSimulate(TyperGroup):
     """`simulate` is the command when none is named: `gpu-prefetch-sched --simulate --budget
@@ -397,22 +124,6 @@ def sched(
     prediction). Each summary gives the bytes moved each way, stalls, and the estimated time
     against the transfer-bound floor and against all memory resident. Needs no GPU.
     """
-    from gpuos_tools.commands.cli import stderr_console
-    from gpuos_tools.errors import ExitCode, GpuosError
-    from gpuos_tools.sched.planner import PLANNERS
-    from gpuos_tools.sched.report import render_summaries
-    from gpuos_tools.sched.schedule import write_schedule
-    from gpuos_tools.sched.simulate import POLICIES, Config
-    from gpuos_tools.sched.simulate import simulate as run_policy
-    from gpuos_tools.units import (
-        parse_bandwidth,
-        parse_budget,
-        parse_duration,
-        parse_size,
-    )
-    from gpuos_tools.sched.workload import Chunks, interleave, load_job
-    from gpuos_tools.stream import make_header, open_input, open_output
-
     if not simulate and not ctx.meta.get(_SIMULATE_NAMED):
         raise typer.BadParameter(
             "this command plans offline and needs --simulate (online execution: gpu-prefetch-sched run -- PROGRAM)",
@@ -511,8 +222,6 @@ def sched(
     elif _isatty(sys.stderr):
         render_summaries(summaries, stderr_console())
     if plot_file is not None:
-        from gpuos_tools.sched.plot import plot_timeline, simulated_timeline
-
         drawn = plot_timeline(simulated_timeline(work, schedule, cfg), plot_file)
         print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.6g} simulated s",
               file=sys.stderr)
@@ -657,7 +366,7 @@ def serve_cmd(
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
     switch: str = typer.Option("serial", "--switch", metavar="serial|overlap",
                                help="serial (the default): the incoming job is granted once the outgoing job's evictions "
-                               "have completed; overlap (EXPERIMENTAL, not proven over many runs): granted "
+                               "have completed; overlap (experimental): granted "
                                "once they are issued, its loads wait in the ledger for their releases. See SERVING."),
     json_file: str | None = typer.Option(None, "--json", metavar="FILE", help="Also write the whole result (one JSON object) to FILE."),
 ) -> None:
@@ -682,8 +391,8 @@ def serve_cmd(
     """
     if not jobs:
         raise typer.BadParameter("no jobs: give each with --job 'PROGRAM ARGS'", param_hint="--job")
-    if policy not in POLICIES:
-        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    if policy not in ONLINE_POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(ONLINE_POLICIES)}", param_hint="--policy")
     if switch not in ("overlap", "serial"):
         raise typer.BadParameter("must be overlap or serial", param_hint="--switch")
     try:
@@ -770,8 +479,6 @@ def plot_cmd(
     machine or anywhere) and draws it into FILE.png, as `run --plot` does at the end of a run;
     see TIMELINE. Needs matplotlib, no GPU.
     """
-    from gpuos_tools.sched.plot import load_timeline, plot_timeline
-
     figures.check_path(plot_file)
     drawn = plot_timeline(load_timeline(timeline), plot_file, title)
     print(f"gpu-prefetch-sched: wrote {plot_file}: {drawn['events']} events over {drawn['seconds']:.3f} s",

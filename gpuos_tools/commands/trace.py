@@ -9,65 +9,13 @@ from typing import Optional
 import typer
 
 from gpuos_tools.commands.cli import report_run, run_app, warn, with_progress
-from gpuos_tools.agent.agent import __doc__ as _agent_doc
-from gpuos_tools.agent.control import __doc__ as _control_doc
-from gpuos_tools.memory.owned import __doc__ as _owned_doc
-from gpuos_tools.agent.validate import __doc__ as _validate_doc
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import make_header, open_input, open_output
-from gpuos_tools.stream.records import HEADER, TRACE_TYPES
-from gpuos_tools.stream.schema import render
 from gpuos_tools.trace import run as launcher
 from gpuos_tools.trace.stats import compute_stats, render_stats, stats_records
 
 PROG = "gpu-trace"
 
-MAN_SECTIONS = {
-    "RECORDS": (
-        "One JSON object per line after the header; addresses, handles and sizes are integers. "
-        "Records of the traced program's calls also carry `ts` (when, CLOCK_MONOTONIC "
-        "nanoseconds), `tid` (the caller's thread id) and `api` (the driver call). Each record is "
-        "listed with its fields, `?` marking those that may be absent; every reader of the stream "
-        "checks these types and ranges, and refuses a record that breaks them, naming its line "
-        "and field.\n\n" + render([HEADER, *TRACE_TYPES], omit=("ts", "tid", "api"))
-    ),
-    "EXAMPLES": (
-        "Trace a training script into a compressed file, then summarise it:\n\n"
-        "    gpu-trace run -o train.ndjson.zst -- python3 train.py --epochs 1\n"
-        "    gpu-trace stats train.ndjson.zst\n\n"
-        "Follow launches live, one kernel name per line:\n\n"
-        "    gpu-trace run -- python3 infer.py | jq -r 'select(.type==\"launch\") | .name'\n\n"
-        "Validate a trace against the driver (slow; every pointer-sized argument word is checked):\n\n"
-        "    gpu-trace run --check-pointers -o t.ndjson -- python3 step.py"
-    ),
-    "ENVIRONMENT": (
-        "- `GPUOS_IMAGES`: default directory for module images.\n"
-        "- `CC`: the C compiler that builds the native tracer (default `cc`).\n"
-        "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy and PyTorch allocations go through the "
-        "owned allocator (`cupy` or `torch` for one of them; see OWNED ALLOCATIONS); opt-in, default off.\n"
-        "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "
-        "`$XDG_CACHE_HOME/gpuos-tools` (default `~/.cache/gpuos-tools`)."
-    ),
-    "NOTES": (
-        "`gpu-trace run` exits with the program's own status (128+N when signal N ended it); "
-        "the codes below that are 64 or more are gpu-trace's own, and the trace's `exit` record "
-        "always says which happened.\n\n"
-        "Only the started process is traced, not the programs it starts; a program that forks "
-        "stops tracing in the child. The native tracer needs a C compiler once; without one, "
-        "`--backend auto` falls back to cupti-python callbacks, which cost about 12 us per launch "
-        "instead of well under one. Another CUPTI tool (Nsight Systems, a profiler) attached to "
-        "the same program prevents tracing. With `--check-pointers` the native path records at "
-        "most 64 driver-confirmed pointers per launch (`--backend python` records all of them)."
-    ),
-    "VALIDATION": _validate_doc.split("\n\n", 1)[1].strip("\n")
-    + "\n\n`--validate` runs in the python backend; with its trials a validated launch takes "
-    "milliseconds (tens with extents), so sample few launches in big programs "
-    "(`--validate-samples`).",
-    "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
-    + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
-    "OWNED ALLOCATIONS": _owned_doc.split("\n\n", 1)[1].strip("\n"),
-    "SEE ALSO": "gpuos-stream(7), gpu-predict-access(1), gpu-ckpt(1)",
-}
 
 app = typer.Typer(
     name=PROG,

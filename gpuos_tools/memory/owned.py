@@ -46,7 +46,7 @@ gpu-prefetch-sched learns its period on them), on another stream only after an e
 on its stream has completed; no free synchronises the device; sizes are rounded to classes (at
 most 25 % over, or the power of two up to 1 MiB). Cached blocks stay in the table and are saved and released by a suspend like
 live ones. `torch.cuda.empty_cache()` is wrapped to give the cache back (`torch_trim`).
-Not owned in a PyTorch program (measured on an H100, torch 2.11, scripts/probe_torch_not_owned.py):
+Not owned in a PyTorch program (torch 2.11; scripts/probe_torch_not_owned.py lists them):
 cuBLAS's and cuBLASLt's workspaces (one each, sized by CUBLAS_WORKSPACE_CONFIG: 32 MiB at
 :4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's 2 x 24.75 KiB + 2 x 4 B: torch
 allocates these with cudaMalloc past its allocator, so a suspend needs --partial and they stay

@@ -16,10 +16,9 @@ their sizes; it answers a list of actions in the order they must be applied to t
   launch contradicts it) there is no future: eviction is LRU and nothing is prefetched. The
   caller may name the records that identify a launch in its key (``key_bases``: the executor
   leaves out segments of small blocks, which a framework's cache hands out in an order that
-  need not repeat from one iteration to the next: on an H100, keyed on every record, a PyTorch
-  decode loop's one-token period broke and a two-token one was learned, presumably from its
-  temporaries, since its weights and static KV cache keep their large records); a key's
-  predicted working set is then the one its last launch had.
+  need not repeat from one iteration to the next: keyed on every record, a PyTorch decode
+  loop's temporaries can break its one-token period); a key's predicted working set is then the
+  one its last launch had.
 - Before a launch its whole working set is required (made resident; the launch's stream waits
   for the loads). Room is made first by evicting, never a record of the launch itself, the
   resident record whose next use is furthest in the predicted future (Belady; never used again
