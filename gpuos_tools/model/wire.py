@@ -3,7 +3,7 @@
 The tracer must do as little as possible on the program's launch path, so it appends plain tuples
 to a queue and a drain thread ships them in batches as length-prefixed `marshal` frames over an
 inherited pipe. The native tracer (csrc/gpuos_trace.c) ships binary records instead, in frames
-whose length has bit 31 set; agent/native.py turns them into the same tuples. The parent turns them into stream records (gpuos_tools.model.decode). Both sides
+whose length has bit 31 set; model/binary.py turns them into the same tuples. The parent turns them into stream records (gpuos_tools.model.decode). Both sides
 come from the same installed package, so marshal's version coupling is not a concern.
 
 Tuple layouts (first element is the tag):
@@ -64,7 +64,7 @@ class TruncatedWire(Exception):
     """The tracer's pipe ended in the middle of a frame (the program died while writing)."""
 
 
-NATIVE_FLAG = 0x80000000  # a frame of the native tracer's binary records (agent/native.py)
+NATIVE_FLAG = 0x80000000  # a frame of the native tracer's binary records (model/binary.py)
 
 
 def read_frames(fd: int, chunk: int = 1 << 20, native=None) -> Iterator[list]:

@@ -224,7 +224,7 @@ int core_streams(uint64_t *out, int cap) {
     return all;
 }
 
-/* ---- live allocations, sorted by address, with the predictor's rules (trace/allocs.py) */
+/* ---- live allocations, sorted by address, with the predictor's rules (model/allocs.py) */
 typedef struct {
     uint64_t start, end, id;
     uint64_t first_touch, last_touch;
