@@ -25,6 +25,7 @@ from typing import Any
 
 from gpuos_tools import figures
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.sched.simulate import simulate
 
 BINS = 200  #: time bins of the bandwidth panel
 
@@ -34,8 +35,6 @@ def simulated_timeline(work: Any, policy: str, cfg: Any, max_events: int = 200_0
     its evictions and its loads as one event each at their simulated start, its stall as a wait,
     and the bytes resident once its decision is carried out (loads and first touches in,
     evictions and frees out)."""
-    from gpuos_tools.sched.simulate import simulate
-
     sizes = work.chunks.sizes
     events: list[list] = [[0.0, "budget", cfg.budget]]
     dropped = 0
