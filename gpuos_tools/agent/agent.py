@@ -909,13 +909,13 @@ class Agent(ProcessView):
                 "predicted": self.memo_misses, "epoch": self.pred.epoch}
 
     def start_server(self) -> str:
-        from gpuos_tools.agent.control import Server
+        from gpuos_tools.agent.control import ControlServer
 
         def handler(request: dict[str, Any]) -> dict[str, Any]:
             self.own.add(threading.get_native_id())
             return self.handle(request)
 
-        self.server = Server(handler)
+        self.server = ControlServer(handler)
         self.server.start()
         return str(self.server.path)
 

@@ -207,8 +207,8 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
 
 def finish_at_exit(server: Any) -> None:
     """The program is exiting: let a control request in progress finish (an image in flight
-    written, or handed over), bounded and said on stderr. ``server`` is the agent's control
-    Server (``busy``, ``wait_idle``)."""
+    written, or handed over), bounded and said on stderr. ``server`` is the agent's
+    ControlServer (``busy``, ``wait_idle``)."""
     if server is None or not server.busy:
         return
     for job in current():

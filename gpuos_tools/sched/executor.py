@@ -142,7 +142,7 @@ class Executor:
                       "ledger_waits": 0, "ledger_wait_s": 0.0, "room_asks": 0, "squeezes": 0, "forced_loads": 0,
                       "prefetch_no_room": 0, "unreserved_maps": 0, "turn_peak_max": 0, "gate_errors": 0}
         if cfg.get("serve"):
-            from gpuos_tools.sched.serve import Client
+            from gpuos_tools.sched.serve import CoordinatorClient
 
             srv = cfg["serve"]
             self._overlap = bool(srv.get("overlap", False))
@@ -154,7 +154,7 @@ class Executor:
             elif not srv.get("unsafe_overlap"):  # (a test's knob: the overlap without the ledger, unsafe)
                 self._overlap = False  # no ledger, nothing makes the next job's loads wait: serial
             try:
-                self.serve = Client(srv["socket"], int(srv["job"]))
+                self.serve = CoordinatorClient(srv["socket"], int(srv["job"]))
             except OSError as exc:  # not served, it would run over everyone's budget: it must not start
                 raise RuntimeError(f"gpu-prefetch-sched serve: cannot reach the coordinator at {srv['socket']}: {exc}") from exc
         #: per kernel (or copy/memset API) name: [operations, unknown ones, bytes of the records
