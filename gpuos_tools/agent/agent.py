@@ -45,10 +45,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuos_tools.memory.staging import Staging
+from gpuos_tools.agent import durable
+from gpuos_tools.agent.control import ControlServer
+from gpuos_tools.agent.suspend import Suspension
 from gpuos_tools.agent.view import ProcessView, launch_record
+from gpuos_tools.cuda.driver import context_facts
 from gpuos_tools.cuda.driver import ok as _ok
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image.store import open_image
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.staging import PIECE, Staging, driver_staging
 from gpuos_tools.model.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
@@ -206,8 +212,6 @@ class Agent(ProcessView):
 
     def start_engine(self) -> None:
         """Consult a residency engine on the launch path (the owned allocator is loaded)."""
-        from gpuos_tools.memory.engine import ResidencyEngine
-
         self.engine = ResidencyEngine(self)
 
     # -- operations being issued (the tracer calls these) ---------------------------------------
@@ -490,7 +494,7 @@ class Agent(ProcessView):
         with self.lock:
             total = sum(b.size for b in self.buffers())
         t_prep = time.perf_counter()
-        staging = self._ensure_staging(total, pause=STAGING_PAUSE)
+        staging = self.ensure_staging(total, pause=STAGING_PAUSE)
         staging_s = time.perf_counter() - t_prep
         if cow_budget is None:
             cow_budget = self.cow_budget
@@ -582,12 +586,10 @@ class Agent(ProcessView):
         finally:
             self._release(snap)
 
-    def _ensure_staging(self, total: int, pause=None, stop: threading.Event | None = None) -> Staging:
+    def ensure_staging(self, total: int, pause=None, stop: threading.Event | None = None) -> Staging:
         """Pinned host memory of at least ``total`` bytes (gpuos_tools/memory/staging.py). It is
         pinned a piece at a time, with ``pause`` between pieces, and kept between snapshots."""
         from cuda.bindings import driver as drv
-
-        from gpuos_tools.memory.staging import PIECE, driver_staging
 
         with self._staging_made:
             if self.staging is None:
@@ -617,7 +619,7 @@ class Agent(ProcessView):
                     continue
                 try:
                     _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-                    self._ensure_staging(total, pause=lambda took: 3 * took, stop=self._ahead_stop)
+                    self.ensure_staging(total, pause=lambda took: 3 * took, stop=self._ahead_stop)
                 except Exception as exc:  # noqa: BLE001 (a snapshot will pin what it needs, or say why)
                     print(f"gpuos agent: staging ahead stopped: {exc}", file=sys.stderr, flush=True)
                     return
@@ -629,8 +631,6 @@ class Agent(ProcessView):
     def stop_background(self) -> None:
         """At exit: no more staging ahead (a piece being pinned finishes); a suspended program
         is resumed. A checkpoint request in progress finishes first (durable.py)."""
-        from gpuos_tools.agent import durable
-
         durable.finish_at_exit(self.server)
         self._ahead_stop.set()
         if self.suspension is not None:
@@ -662,14 +662,12 @@ class Agent(ProcessView):
         """
         from cuda.bindings import driver as drv
 
-        from gpuos_tools.image.store import open_image
-
         if self.ctx is None:
             raise GpuosError("the program has no CUDA allocation yet: nothing to roll back", ExitCode.WRONG_STATE)
         _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         img = open_image(image)
         img.chain()  # a broken chain is refused before anything else
-        facts = _device_facts()
+        facts = context_facts()
         with self.lock:
             live = self.buffers()
         problems = fit_problems(img.manifest, live, facts)
@@ -678,7 +676,7 @@ class Agent(ProcessView):
                              ExitCode.IMAGE_MISMATCH)
         entries = sorted(img.buffers, key=lambda b: int(b["addr"]))
         total = sum(int(b["size"]) for b in entries)
-        staging = self._ensure_staging(total)
+        staging = self.ensure_staging(total)
         view = staging.view(total)
         t_read = time.perf_counter()
         offsets, off = [], 0
@@ -690,8 +688,6 @@ class Agent(ProcessView):
         eng = self.engine
         if lazy:
             if eng is None:  # plain allocations: an engine that only loads (made now, used once settled under the lock)
-                from gpuos_tools.memory.engine import ResidencyEngine
-
                 eng = ResidencyEngine(self, owned=False)
             for name in ("demand", "background"):  # made here, not in the program's first callback after
                 eng._stream(name)
@@ -752,13 +748,11 @@ class Agent(ProcessView):
         image this agent wrote last and what was written since it is known. Through
         gpuos_tools/agent/durable.py: all buffers queued at once, and handed over to gpu-ckpt
         if the program exits meanwhile."""
-        from gpuos_tools.agent import durable
-
         incremental = parent is not None and written is not None and self.last_image is not None \
             and os.path.realpath(parent) == os.path.realpath(self.last_image)
         manifest = {
             "source": "gpuos-agent", "pid": os.getpid(), "argv": sys.argv, "t0_ns": snap.t0_ns,
-            "ops_before": snap.ops_before, **_device_facts(),
+            "ops_before": snap.ops_before, **context_facts(),
             "allocations": [{"id": b.id, "addr": b.addr, "size": b.size, "kind": b.kind} for b in snap.buffers],
         }
         view = snap.staging.view(snap.total)
@@ -866,8 +860,6 @@ class Agent(ProcessView):
             raise GpuosError(f"buffers are not all back ({_pending(eng)}): {op} after they are "
                              "(a lazy resume or rollback still loading, or buffers evicted)", ExitCode.WRONG_STATE)
         if op == "suspend":
-            from gpuos_tools.agent.suspend import Suspension
-
             if self.suspension is None:
                 self.suspension = Suspension(self)
             return self.suspension.suspend(
@@ -909,8 +901,6 @@ class Agent(ProcessView):
                 "predicted": self.memo_misses, "epoch": self.pred.epoch}
 
     def start_server(self) -> str:
-        from gpuos_tools.agent.control import ControlServer
-
         def handler(request: dict[str, Any]) -> dict[str, Any]:
             self.own.add(threading.get_native_id())
             return self.handle(request)
@@ -927,7 +917,7 @@ def _pending(engine: Any) -> str:
 
 def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[str, Any]) -> list[str]:
     """Why an image (its manifest) cannot be rolled back into a process whose live device
-    allocations are ``live`` on a GPU and driver described by ``facts`` (``_device_facts``);
+    allocations are ``live`` on a GPU and driver described by ``facts`` (``cuda.driver.context_facts``);
     empty when it fits. The allocation tables must be the same set of (address, size): a buffer
     of the image with nowhere to go, or an allocation the image would leave as it is, refuses."""
     problems = []
@@ -952,25 +942,6 @@ def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[s
         problems.append(f"{len(have - want)} allocations of this process are not in the image "
                         f"({listed(have - want)})")
     return problems
-
-
-def _device_facts() -> dict[str, Any]:
-    """The GPU, driver and CUDA version of the current context, for an image's manifest."""
-    from cuda.bindings import driver as drv
-
-    facts: dict[str, Any] = {}
-    err, dev = drv.cuCtxGetDevice()
-    if err == drv.CUresult.CUDA_SUCCESS:
-        err, name = drv.cuDeviceGetName(256, dev)
-        if err == drv.CUresult.CUDA_SUCCESS:
-            facts["gpu"] = name.split(b"\0", 1)[0].decode()
-        err, uuid = drv.cuDeviceGetUuid(dev)
-        if err == drv.CUresult.CUDA_SUCCESS:
-            facts["gpu_uuid"] = bytes(uuid.bytes).hex()
-    err, version = drv.cuDriverGetVersion()
-    if err == drv.CUresult.CUDA_SUCCESS:
-        facts["cuda"] = int(version)
-    return facts
 
 
 def _stream_of(api: str, stream: int) -> int:

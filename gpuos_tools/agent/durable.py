@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gpuos_tools.agent import control
 from gpuos_tools.image import chunkio
 from gpuos_tools.image.store import DEFAULT_CHUNK_SIZE, ImageWriter
 from gpuos_tools.units import format_size
@@ -148,8 +149,6 @@ def write_image(path: str, manifest: dict[str, Any], entries: list[Entry], *, pa
 def _hand_over(job: Job) -> dict[str, Any] | None:
     """Stop writing, copy the image's bytes into a memfd and attach it to the control answer;
     the answer to return, or None (``job.refused`` says why) when it cannot be done."""
-    from gpuos_tools.agent import control
-
     if not control.peer_connected():
         job.refused = "the requester (gpu-ckpt) is no longer connected"
         return None
