@@ -43,10 +43,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from gpuos_tools.agent import durable
 from gpuos_tools.agent.control import ControlServer
+from gpuos_tools.agent.hooks import HOOKS, OPERATION_HOOKS, AgentHooks
 from gpuos_tools.agent.suspend import Suspension
 from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.cuda.driver import context_facts
@@ -61,7 +63,7 @@ UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
-MEMO_MAX = 65536  # launch predictions kept (see Agent._writes)
+MEMO_MAX = 65536  # launch predictions kept (see Agent.predict_launch)
 WHY_MAX = 256  # kernels whose last unknown prediction keeps its reason (Agent.unknown_why)
 
 
@@ -108,14 +110,15 @@ class Snap:
 
 
 class Agent(ProcessView):
-    """State and operations of the agent; the tracer calls its hooks from callbacks."""
+    """State and operations of the agent; the tracer calls its hooks from callbacks. Other code
+    acts on the same path through hooks registered with ``add_hooks`` (gpuos_tools/agent/hooks.py)."""
 
-    #: gpu-prefetch-sched serve: called by the tracer before a launch, copy or memset, BEFORE the
-    #: agent's lock (it may block for the GPU turn; gpuos_tools/sched/executor.py Executor.gate)
+    #: the registered hooks' gate (`AgentHooks.gate`), which the tracer calls before a launch,
+    #: copy or memset, BEFORE the agent's lock; None: no hook has one
     gate = None
 
     #: launches, copies and memsets into a stream being captured are skipped (they only add a
-    #: node to a graph) also when no snapshot is in progress (gpu-prefetch-sched's agent)
+    #: node to a graph) also when no snapshot is in progress (a registered hook asks for it)
     skip_captured = False
 
     def __init__(self, cow_budget: int | None = None) -> None:
@@ -136,7 +139,7 @@ class Agent(ProcessView):
         self._ctx: Any = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
         self._staging_made = threading.Lock()
-        self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see _predict
+        self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see predict_launch
         self._memo_words: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}
         self._memo_epoch = -1
         self.memo_misses = 0
@@ -157,6 +160,19 @@ class Agent(ProcessView):
         self.suspension = None  #: gpuos_tools/agent/suspend.py's Suspension, from the first suspend
         #: gpuos_tools/memory/engine.py's ResidencyEngine, when the program's memory is owned
         self.engine = None
+        #: the native core's side of the engine, set by its wiring when it runs (injection/start.py):
+        #: the engine calls ``engine_busy()`` when it has work on the program's operations and
+        #: ``predictions_changed()`` when launch predictions the core memoised are stale, and
+        #: reads ``native_touches()`` ((allocation id, first touch, last touch) of those touched)
+        self.engine_busy: Callable[[], None] | None = None
+        self.predictions_changed: Callable[[], None] | None = None
+        self.native_touches: Callable[[], list[tuple[int, int, int]]] | None = None
+        #: the registered hooks (``add_hooks``), and per hook name the callables they offered
+        self.hooks: list[AgentHooks] = []
+        self._on: dict[str, tuple[Callable[..., None], ...]] = {name: () for name in HOOKS}
+        self._launch_hooks: tuple[Callable[..., None], ...] = ()
+        self._write_hooks: tuple[Callable[..., None], ...] = ()
+        self._graph_hooks: tuple[Callable[..., None], ...] = ()
 
     @property
     def ops(self) -> int:
@@ -197,6 +213,46 @@ class Agent(ProcessView):
         thread table the agent's ``own``. Before the tracer starts."""
         self.core, self.lock, self.own = core, lock, own
 
+    # -- hooks (gpuos_tools/agent/hooks.py) -----------------------------------------------------
+
+    def add_hooks(self, hooks: AgentHooks) -> None:
+        """Register ``hooks``: from now on the agent calls the hooks it offers, after those
+        registered before it. The program may be running: an operation sees the hooks of
+        before or after the call (each hook's callables are one tuple, replaced whole)."""
+        offered = hooks.offered()
+        if "gate" in offered and self.gate is not None:
+            raise ValueError("a gate is registered already: the agent takes one")
+        self.hooks.append(hooks)
+        for name in offered:
+            self._on[name] = (*self._on[name], getattr(hooks, name))
+        self._hooks_changed()
+
+    def remove_hooks(self, hooks: AgentHooks) -> None:
+        """No more calls to ``hooks``."""
+        self.hooks.remove(hooks)
+        for name in HOOKS:
+            self._on[name] = tuple(f for f in self._on[name] if getattr(f, "__self__", None) is not hooks)
+        self._hooks_changed()
+
+    def _hooks_changed(self) -> None:
+        on = self._on
+        self._launch_hooks, self._write_hooks, self._graph_hooks = (on[name] for name in OPERATION_HOOKS)
+        gates = on["gate"]
+        if gates:
+            self.gate = gates[0]
+        else:
+            self.__dict__.pop("gate", None)  # the class's None
+        if any(h.skip_captured for h in self.hooks):
+            self.skip_captured = True
+        else:
+            self.__dict__.pop("skip_captured", None)
+
+    @property
+    def hooks_see_every_operation(self) -> bool:
+        """Whether a registered hook must see every launch, copy and memset (the native core
+        then calls the agent for each; else only when the engine or a snapshot needs it)."""
+        return any(h.every_operation for h in self.hooks if set(h.offered()) & set(OPERATION_HOOKS))
+
     def _take_dirty(self) -> set[int] | None:
         """What was written since the last call (None: not known); a new period starts (lock held)."""
         if self.core is not None:
@@ -211,8 +267,11 @@ class Agent(ProcessView):
         self.dirty = None
 
     def start_engine(self) -> None:
-        """Consult a residency engine on the launch path (the owned allocator is loaded)."""
+        """Consult a residency engine on the launch path (the owned allocator is loaded); the
+        hooks' ``engine_started`` follow."""
         self.engine = ResidencyEngine(self)
+        for hook in self._on["engine_started"]:
+            hook(self)
 
     # -- operations being issued (the tracer calls these) ---------------------------------------
 
@@ -266,12 +325,22 @@ class Agent(ProcessView):
         self.ops += 1
         self.streams.add(stream)
         if self.references and self.ops in self.references:
-            self._reference(self.ops)
+            self.dump_reference(self.ops)
 
     def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+        """A kernel launch is about to be issued (the registered hooks first)."""
         t = time.perf_counter_ns()
         try:
-            self._before_launch(api, stream, kernel, sizes, args)
+            hooks = self._launch_hooks
+            if hooks:
+                try:
+                    real = stream_of(api, stream)
+                    for hook in hooks:
+                        hook(self, api, real, kernel, sizes, args)
+                finally:  # whatever happened, the agent's own work: the engine loads, snapshots protect
+                    self._before_launch(api, stream, kernel, sizes, args)
+            else:
+                self._before_launch(api, stream, kernel, sizes, args)
         finally:
             self.hook_ns += time.perf_counter_ns() - t
             self.hook_calls += 1
@@ -281,7 +350,7 @@ class Agent(ProcessView):
         eng = self.engine
         try:
             if eng is not None and eng.watching:  # records to load first, touches to learn or sample
-                eng.launch(_stream_of(api, stream), kernel, sizes, args)
+                eng.launch(stream_of(api, stream), kernel, sizes, args)
         finally:  # a failing engine must not skip a snapshot's protection (they never run together)
             self._before_launch_snap(api, stream, kernel, sizes, args)
 
@@ -289,7 +358,7 @@ class Agent(ProcessView):
         snap = self.snap
         if self.core is not None or (snap is None and self.dirty is None):  # the core does this
             return
-        unknown, writes, _ = self._predict(kernel, sizes, args)
+        unknown, writes, _ = self.predict_launch(kernel, sizes, args)
         if self.dirty is not None:
             if unknown:
                 self.dirty = None
@@ -301,18 +370,18 @@ class Agent(ProcessView):
             targets = range(len(snap.buffers))
         else:
             targets = [snap.index[w] for w in writes if w in snap.index]
-        self._protect(snap, targets, _stream_of(api, stream))
+        self._protect(snap, targets, stream_of(api, stream))
 
-    def _writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
-        """(unknown, allocation ids written) of a launch (``_predict``)."""
-        return self._predict(kernel, sizes, args)[:2]
+    def launch_writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
+        """(unknown, allocation ids written) of a launch (``predict_launch``)."""
+        return self.predict_launch(kernel, sizes, args)[:2]
 
-    def _touches(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
-        """(unknown, allocation ids read or written, ids written) of a launch (``_predict``)."""
-        unknown, writes, touched = self._predict(kernel, sizes, args)
+    def launch_touches(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+        """(unknown, allocation ids read or written, ids written) of a launch (``predict_launch``)."""
+        unknown, writes, touched = self.predict_launch(kernel, sizes, args)
         return unknown, touched, writes
 
-    def _predict(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+    def predict_launch(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
         """(unknown, allocation ids written, ids read or written) of a launch, memoised until the predictor's epoch
         moves (an allocation came or went, or known device memory changed): a training loop
         repeats its launches every step, and predicting one costs 30-300 us in Python, paid on
@@ -354,14 +423,25 @@ class Agent(ProcessView):
 
     def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:
         """A copy or memset into ``addr`` (from ``src``, for a copy), or a free of it, is about
-        to be issued."""
+        to be issued (the registered hooks first)."""
+        hooks = self._write_hooks
+        failed = None
+        if hooks:
+            try:
+                real = stream_of(api, stream)
+                for hook in hooks:
+                    hook(self, api, addr, real, src)
+            except BaseException as exc:  # noqa: BLE001 (the agent's own work still runs; raised after it)
+                failed = exc
         self._operation(stream)
         eng = self.engine
         try:
             if eng is not None and eng.watching:
-                eng.access(api, _stream_of(api, stream), addr, src)
+                eng.access(api, stream_of(api, stream), addr, src)
         finally:
             self._before_write_snap(api, addr, stream)
+        if failed is not None:
+            raise failed
 
     def _before_write_snap(self, api: str, addr: int, stream: int) -> None:
         if self.core is not None:  # the core does this
@@ -373,12 +453,21 @@ class Agent(ProcessView):
         if snap is None:
             return
         if a is not None and a.id in snap.index:
-            self._protect(snap, [snap.index[a.id]], _stream_of(api, stream))
+            self._protect(snap, [snap.index[a.id]], stream_of(api, stream))
 
     def before_graph(self, stream: int) -> None:
-        """A graph is about to be launched on ``stream``: its kernels' footprint is not
-        predicted here, so every owned record must be back first, and it may write any buffer
-        (what was written is not known; a snapshot in progress protects every buffer)."""
+        """A graph is about to be launched on ``stream`` (the registered hooks first): its
+        kernels' footprint is not predicted here, so every owned record must be back first, and
+        it may write any buffer (what was written is not known; a snapshot in progress protects
+        every buffer)."""
+        hooks = self._graph_hooks
+        failed = None
+        if hooks:
+            try:
+                for hook in hooks:
+                    hook(self, stream)
+            except BaseException as exc:  # noqa: BLE001 (the agent's own work still runs; raised after it)
+                failed = exc
         eng = self.engine
         if eng is not None and (eng.pending or eng.clean):
             eng.graph(stream)
@@ -387,6 +476,8 @@ class Agent(ProcessView):
             snap = self.snap
             if snap is not None:
                 self._protect(snap, range(len(snap.buffers)), stream)
+        if failed is not None:
+            raise failed
 
     def protect_native(self, targets: list[int], stream: int) -> None:
         """The core found ``targets`` (buffer indexes of the snapshot in progress) not yet safe
@@ -629,8 +720,16 @@ class Agent(ProcessView):
         return t
 
     def stop_background(self) -> None:
-        """At exit: no more staging ahead (a piece being pinned finishes); a suspended program
-        is resumed. A checkpoint request in progress finishes first (durable.py)."""
+        """At exit, after the hooks' ``at_exit``: no more staging ahead (a piece being pinned
+        finishes); a suspended program is resumed. A checkpoint request in progress finishes
+        first (durable.py)."""
+        try:
+            for hook in self._on["at_exit"]:
+                hook(self)
+        finally:
+            self._stop_background()
+
+    def _stop_background(self) -> None:
         durable.finish_at_exit(self.server)
         self._ahead_stop.set()
         if self.suspension is not None:
@@ -689,8 +788,7 @@ class Agent(ProcessView):
         if lazy:
             if eng is None:  # plain allocations: an engine that only loads (made now, used once settled under the lock)
                 eng = ResidencyEngine(self, owned=False)
-            for name in ("demand", "background"):  # made here, not in the program's first callback after
-                eng._stream(name)
+            eng.make_streams("demand", "background")  # here, not in the program's first callback after
         side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         try:
             with self.lock:
@@ -823,7 +921,7 @@ class Agent(ProcessView):
 
     # -- references for tests: the state after exactly N operations, stop-the-world ------------
 
-    def _reference(self, n: int) -> None:
+    def dump_reference(self, n: int) -> None:
         """Before operation n+1... called at operation n's enter: the state after n-1 ops."""
         from cuda.bindings import driver as drv
 
@@ -944,7 +1042,7 @@ def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[s
     return problems
 
 
-def _stream_of(api: str, stream: int) -> int:
+def stream_of(api: str, stream: int) -> int:
     """The stream an API call really uses: handle 0 of a _ptsz call is the per-thread stream."""
     return PER_THREAD_STREAM if stream == 0 and api.endswith(("_ptsz", "_ptds")) else stream
 

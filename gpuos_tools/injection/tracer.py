@@ -895,12 +895,11 @@ def start(fd: int) -> Tracer:
         if check:
             _emit_launch = _emit_launch_checked
         cow = int(budget) if budget else None
+        agent = Agent(cow)
         if os.environ.get("GPUOS_SCHED_ONLINE"):  # gpu-prefetch-sched run: the online scheduler in front
-            from gpuos_tools.sched import executor as online
+            from gpuos_tools.sched import executor
 
-            agent = online.OnlineAgent(online.config_from_environment() or {}, cow)
-        else:
-            agent = Agent(cow)
+            executor.attach(agent, executor.config_from_environment() or {})
         _tracer = Tracer(fd, flush_ms / 1000.0, agent=agent)
     elif validate:
         from gpuos_tools.agent.validate import Validator
