@@ -113,7 +113,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def paced(client: R.Client, x: np.ndarray, gap_us: float, n: int, daemon: int) -> dict:
+def paced(client: R.RingClient, x: np.ndarray, gap_us: float, n: int, daemon: int) -> dict:
     """n round trips, each after a pause of gap_us; the daemon's CPU share over the run."""
     gap = gap_us / 1e6
     rts = []
@@ -153,7 +153,7 @@ def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, na
         if cores:  # daemon and producer each on a core of its own, as a kernel helper and a daemon would be
             pin_process(proc.pid, {cores[0]})
             os.sched_setaffinity(0, {cores[1]})
-        with R.Client(name) as client:
+        with R.RingClient(name) as client:
             x = np.random.default_rng(0).integers(0, 10, 31).astype(np.float32)
             for _ in range(2000):
                 client.infer(x)

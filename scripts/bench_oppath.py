@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools.agent.agent import Agent
 from gpuos_tools.memory.engine import ResidencyEngine
-from gpuos_tools.sched.executor import Executor, OnlineAgent
+from gpuos_tools.sched.executor import Executor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,14 +199,15 @@ def run(args) -> dict[str, Any]:
     allocs, steps = (torch_workload if args.workload == "torch" else cnn_workload)(args)
     recs = [Rec(a, s) for a, s in allocs]
     total = sum(s for _, s in allocs)
-    agent = OnlineAgent({"fraction": args.fraction, "policy": args.policy, "lookahead": args.lookahead,
-                         "prepin": False})
+    agent = Agent()
     agent.ctx = object()  # no driver: on_alloc must not look for the program's context
     for a, s in allocs:
         agent.on_alloc(a, s, "device")
     ops = FastOps(recs)
     agent.engine = ResidencyEngine(agent, ops)
-    agent.executor = ex = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
+    ex = Executor(agent.engine, {"fraction": args.fraction, "policy": args.policy, "lookahead": args.lookahead,
+                                 "prepin": False}, lib=FakeLib(recs))
+    ex.attach(agent)  # as gpuos_tools.sched.executor.attach does when the engine starts
     hook = agent.before_launch
     prof = cProfile.Profile() if args.profile else None
     n_timed = 0

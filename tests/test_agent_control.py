@@ -25,7 +25,7 @@ def server(tmp_path):
             raise RuntimeError("it broke")
         return {"ok": True, "echo": req}
 
-    srv = control.Server(handler, tmp_path / "sock" / "agent-1.sock")
+    srv = control.ControlServer(handler, tmp_path / "sock" / "agent-1.sock")
     srv.start()
     yield srv, seen
     srv.close()
@@ -81,7 +81,7 @@ def test_unreachable_socket_is_a_clear_error(tmp_path):
 
 
 def test_closing_removes_the_socket(tmp_path):
-    srv = control.Server(lambda r: {"ok": True}, tmp_path / "d" / "agent-2.sock")
+    srv = control.ControlServer(lambda r: {"ok": True}, tmp_path / "d" / "agent-2.sock")
     srv.start()
     assert srv.path.exists()
     srv.close()
@@ -104,7 +104,7 @@ def test_a_client_killed_mid_request_leaves_the_agent_serving(tmp_path):
             release.wait(30)
         return {"ok": True, "op": req["op"]}
 
-    srv = control.Server(handler, tmp_path / "s" / "agent-3.sock")
+    srv = control.ControlServer(handler, tmp_path / "s" / "agent-3.sock")
     srv.start()
     try:
         client = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
@@ -131,7 +131,7 @@ def handler(req):
     if req["op"] == "slow":
         time.sleep(0.3)  # the client is gone by now
     return {"ok": True}
-srv = control.Server(handler, Path(sys.argv[1]))
+srv = control.ControlServer(handler, Path(sys.argv[1]))
 srv.start()
 c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 c.connect(str(srv.path))
@@ -155,7 +155,7 @@ def test_a_vanished_client_is_no_sigpipe_for_the_program(tmp_path):
 
 
 def test_an_answer_that_cannot_be_encoded_is_an_error_not_a_dead_agent(tmp_path):
-    srv = control.Server(lambda r: {"ok": True, "odd": {1, 2}} if r["op"] == "odd" else {"ok": True},
+    srv = control.ControlServer(lambda r: {"ok": True, "odd": {1, 2}} if r["op"] == "odd" else {"ok": True},
                          tmp_path / "s" / "agent-5.sock")
     srv.start()
     try:

@@ -28,7 +28,7 @@ class _Agent:
     def __init__(self, path: Path):
         self.threads: set[int] = set()
         self.seen: list[dict[str, Any]] = []
-        self.srv = control.Server(self.handle, path)
+        self.srv = control.ControlServer(self.handle, path)
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         self.threads.add(threading.get_native_id())
@@ -228,7 +228,7 @@ def test_a_symlinked_socket_directory_is_refused(tmp_path: Path) -> None:
     real.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(real)
     with pytest.raises(GpuosError, match="is a symbolic link") as err:
-        control.Server(lambda r: {"ok": True}, tmp_path / "link" / "agent-1.sock").start()
+        control.ControlServer(lambda r: {"ok": True}, tmp_path / "link" / "agent-1.sock").start()
     assert err.value.code == ExitCode.PERMISSION
     assert list(real.iterdir()) == []
 
@@ -238,9 +238,9 @@ def test_an_open_socket_directory_is_refused(tmp_path: Path) -> None:
     d.mkdir()
     d.chmod(0o755)
     with pytest.raises(GpuosError, match=r"mode 0755: the agent socket directory must be private \(chmod 700"):
-        control.Server(lambda r: {"ok": True}, d / "agent-1.sock").start()
+        control.ControlServer(lambda r: {"ok": True}, d / "agent-1.sock").start()
     d.chmod(0o700)
-    srv = control.Server(lambda r: {"ok": True}, d / "agent-1.sock")
+    srv = control.ControlServer(lambda r: {"ok": True}, d / "agent-1.sock")
     srv.start()
     try:
         assert stat.S_IMODE(os.stat(srv.path).st_mode) == 0o600
@@ -251,7 +251,7 @@ def test_an_open_socket_directory_is_refused(tmp_path: Path) -> None:
 def test_a_file_in_place_of_the_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     with pytest.raises(GpuosError, match="not a directory"):
-        control.Server(lambda r: {"ok": True}, tmp_path / "f" / "agent-1.sock").start()
+        control.ControlServer(lambda r: {"ok": True}, tmp_path / "f" / "agent-1.sock").start()
 
 
 def test_the_client_refuses_an_oversized_request_before_sending(agent: _Agent) -> None:
@@ -270,7 +270,7 @@ def test_a_directory_made_by_another_user_is_refused(tmp_path: Path) -> None:
     d.mkdir(mode=0o700)
     os.chown(d, other.uid, other.gid)  # as if the other user had pre-created /tmp/gpuos-UID
     with pytest.raises(GpuosError, match=f"belongs to uid {other.uid}"):
-        control.Server(lambda r: {"ok": True}, d / "agent-1.sock").start()
+        control.ControlServer(lambda r: {"ok": True}, d / "agent-1.sock").start()
 
 
 def _connect_and_ask(path: str, lines: list[bytes]) -> list[str]:

@@ -69,7 +69,7 @@ def agent(tmp_path, monkeypatch):
         return {"ok": True, "image": req["image"], "image_id": "ab" * 16, "chain": 1, "buffers": 1, "bytes": 4096,
                 "read_s": 0.001, "stall_s": 0.0005, "gbps": 8.2, "ops_before": 12}
 
-    srv = control.Server(handler, control.socket_path(os.getpid()))
+    srv = control.ControlServer(handler, control.socket_path(os.getpid()))
     srv.start()
     yield srv, requests, refuse
     srv.close()

@@ -30,7 +30,7 @@ def agent(tmp_path, monkeypatch):
                 "allocations": [[1, 4096, 1 << 20, "device"]],
                 "image": {"path": req.get("image"), "incremental": False, "bytes": 3 << 20}}
 
-    srv = control.Server(handler, control.socket_path(os.getpid()))
+    srv = control.ControlServer(handler, control.socket_path(os.getpid()))
     srv.start()
     yield srv, requests
     srv.close()
@@ -119,7 +119,7 @@ def test_kill9_of_gpu_ckpt_mid_snapshot_leaves_sound_images_and_a_serving_agent(
                 "gbps": 1.0, "cow": 0, "cow_bytes": 0, "host_saves": 0, "stream_waits": 0, "stall_s": 0.0,
                 "allocations": [[1, 4096, len(data), "device"]], "image": summary}
 
-    srv = control.Server(handler, control.socket_path(os.getpid()))
+    srv = control.ControlServer(handler, control.socket_path(os.getpid()))
     srv.start()
     try:
         rng = random.Random(2)

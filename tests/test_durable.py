@@ -42,7 +42,7 @@ def handler(request):
                                   chunk_size=int(os.environ["CHUNK"]), checksum=request["checksum"], threads=1)
     return {"ok": True, "t0_ns": 1, "buffers": len(entries), "bytes": sum(sizes), "image": summary}
 
-server = control.Server(handler, Path(sys.argv[1]))
+server = control.ControlServer(handler, Path(sys.argv[1]))
 server.start()
 # as Agent.stop_background does at exit, with GPUOS_AGENT_EXIT_WAIT/MAX read as the launcher reads
 # them into the boot config
@@ -204,7 +204,7 @@ def test_fds_travel_with_an_answer(tmp_path: Path) -> None:
         control.attach_fds([fd])
         return {"ok": True}
 
-    srv = control.Server(handler, tmp_path / "s.sock")
+    srv = control.ControlServer(handler, tmp_path / "s.sock")
     srv.start()
     try:
         answer = control.request(srv.path, "x")

@@ -135,7 +135,7 @@ class FakeAgent:
         self.issuing = 0  # the real Agent's count of operations being issued, and its waits on it
         self._issued = threading.Condition(threading.Lock())
 
-    def _touches(self, kernel, sizes, args):
+    def launch_touches(self, kernel, sizes, args):
         return self.launches[kernel]
 
     issue_begin = Agent.issue_begin

@@ -161,26 +161,27 @@ def test_the_agents_prediction_of_a_conservative_kernel_is_unknown():
     a.on_alloc(0x7000_0000, 4096, "device")
     kernel = "_Z4bumpPKfx"  # bump(const float*, long long): predicted to read only
     args = struct.pack("<Qq", 0x7000_0000, 1024)
-    unknown, touched, writes = a._touches(kernel, (8, 8), args)
+    unknown, touched, writes = a.launch_touches(kernel, (8, 8), args)
     assert not unknown and touched == (1,) and writes == ()
 
     class Eng:
         conservative = {kernel}
 
     a.engine = Eng()
-    assert a._touches(kernel, (8, 8), args) == (True, (1,), ())
-    assert a._writes(kernel, (8, 8), args) == (True, ())
-    assert a._touches("_Z5otherPKfx", (8, 8), args)[0] is False
+    assert a.launch_touches(kernel, (8, 8), args) == (True, (1,), ())
+    assert a.launch_writes(kernel, (8, 8), args) == (True, ())
+    assert a.launch_touches("_Z5otherPKfx", (8, 8), args)[0] is False
 
 
 @pytest.mark.parametrize("conserve", [True, False])
-def test_online_agent_keeps_a_hidden_write_only_with_the_rule(monkeypatch, conserve):
+def test_the_executor_on_the_agent_keeps_a_hidden_write_only_with_the_rule(monkeypatch, conserve):
     """The real agent (predictor and memo), executor and engine on the fake driver: bump(const
     float*) writes its array anyway, peek(const float*, float*) only reads its coefficients.
     The check goes off at the first mismatch; from then on the rule alone keeps the bumps: with
     it every launch finds the latest bytes, and the summary names bump (not peek); without it
     an array comes back stale."""
-    from gpuos_tools.sched.executor import Executor, OnlineAgent
+    from gpuos_tools.agent.agent import Agent
+    from gpuos_tools.sched.executor import Executor
     from tests.test_sched_executor import FakeLib, settle
 
     monkeypatch.setenv("GPUOS_ENGINE_DIGEST_OFF_AFTER", "1")
@@ -195,13 +196,14 @@ def test_online_agent_keeps_a_hidden_write_only_with_the_rule(monkeypatch, conse
     sizes = {**{b: 64 * MIB for b in arrays + coeffs}, out: 1 * MIB}
     recs = [Rec(b, n) for b, n in sizes.items()]
     ops = DigestOps(recs)
-    agent = OnlineAgent({"budget": 5 * 64 * MIB // 2, "policy": "lru", "lookahead": 1, "prepin": False})
+    agent = Agent()
     agent.ctx = object()
     for b, n in sizes.items():
         agent.on_alloc(b, n, "vmm")
     agent.engine = ResidencyEngine(agent, ops)
-    agent.executor = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
-    agent.executor.why = agent.unknown_why
+    ex = Executor(agent.engine, {"budget": 5 * 64 * MIB // 2, "policy": "lru", "lookahead": 1, "prepin": False},
+                  lib=FakeLib(recs))
+    ex.attach(agent)
     bump, peek = "_Z4bumpIfEvPKT_x", "_Z4peekPKfPfi"  # bump<float>(const float*, long long); peek(const float*, float*, int)
     expect = {b: ops.device[b] for b in sizes}
     stale = []
@@ -211,14 +213,14 @@ def test_online_agent_keeps_a_hidden_write_only_with_the_rule(monkeypatch, conse
         if ops.device[a] != expect[a]:
             stale.append(step)
         ops.device[a] = expect[a] = b"bump%d" % step  # the write no prediction shows
-        settle(agent.engine, agent.executor)
+        settle(agent.engine, ex)
         agent.before_launch("cuLaunchKernel", 0, peek, (8, 8, 4), struct.pack("<QQi", c, out, 0))
         assert ops.device[c] == expect[c], step  # only read: never changes
         ops.device[out] = expect[out] = b"peek%d" % step
-        settle(agent.engine, agent.executor)
-    agent.executor.close()
+        settle(agent.engine, ex)
+    ex.close()
     agent.engine.close()
-    s = agent.executor.summary()
+    s = ex.summary()
     assert s["mismatches"] >= 1 and s["evictions"] > 20, s
     assert s["engine"]["digest"].startswith("off"), s["engine"]["digest"]
     if conserve:

@@ -46,8 +46,8 @@ def ring_name() -> Iterator[str]:
     R.ring_path(name).unlink(missing_ok=True)
 
 
-def _server(name: str, model: M.Mlp | None = None, geometry: R.Geometry = R.Geometry(4, 4)) -> S.Server:
-    return S.Server.open(name, geometry, model or M.Mlp.random(seed=3), P.Policy(), S.ServeOptions(use_gpu="off"),
+def _server(name: str, model: M.Mlp | None = None, geometry: R.Geometry = R.Geometry(4, 4)) -> S.RingServer:
+    return S.RingServer.open(name, geometry, model or M.Mlp.random(seed=3), P.Policy(), S.ServeOptions(use_gpu="off"),
                          recreate=True, log=lambda m: None)
 
 
@@ -142,7 +142,7 @@ def test_c_producers_round_trip_through_the_daemon(c_producer: Path, ring_name: 
     try:
         runs = [subprocess.Popen([str(c_producer), ring_name, "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(3)]
-        with R.Client(ring_name) as client:  # a Python producer at the same time
+        with R.RingClient(ring_name) as client:  # a Python producer at the same time
             py = [client.infer(np.arange(31) % 10) for _ in range(20)]
         outs = [r.communicate(timeout=60) for r in runs]
         bad = subprocess.run([str(c_producer), ring_name, "3", "9"], capture_output=True, text=True, timeout=60)
@@ -236,7 +236,7 @@ def test_producer_dying_mid_write_is_reclaimed(ring_name: str) -> None:
         code = (
             "import os, sys\n"
             "from gpuos_tools.kinfer import ring as R\n"
-            f"c = R.Client({ring_name!r})\n"
+            f"c = R.RingClient({ring_name!r})\n"
             "slot = c._first\n"
             "c._state[slot] = R.WRITING\n"
             "c.ring.meta32[slot, R.M32['producer_pid']] = os.getpid()\n"
@@ -252,7 +252,7 @@ def test_producer_dying_mid_write_is_reclaimed(ring_name: str) -> None:
         srv.ring.state[1] = 77  # a word no producer should write
         srv.housekeeping()
         assert srv.ring.state[1] == R.FREE and srv.ring.counter_values()["drop_bad_state"] == 1
-        with R.Client(ring_name) as again:  # the dead producer's lane is free again
+        with R.RingClient(ring_name) as again:  # the dead producer's lane is free again
             assert again.lane == 0
     finally:
         srv.close()
@@ -279,7 +279,7 @@ def test_ring_attach_refuses_bad_files(tmp_path: Path, ring_name: str) -> None:
 
 def test_client_says_when_no_daemon_answers(ring_name: str) -> None:
     R.Ring.create(ring_name, R.Geometry(2, 2)).close()
-    with R.Client(ring_name) as client:
+    with R.RingClient(ring_name) as client:
         with pytest.raises(R.RingError, match="no daemon is serving"):
             client.infer(np.zeros(31), timeout=0.05)
         with pytest.raises(ValueError, match="at most 32"):
@@ -288,7 +288,7 @@ def test_client_says_when_no_daemon_answers(ring_name: str) -> None:
 
 def test_client_of_a_replaced_ring_is_told_so(ring_name: str) -> None:
     R.Ring.create(ring_name, R.Geometry(2, 2)).close()
-    with R.Client(ring_name) as client:
+    with R.RingClient(ring_name) as client:
         R.Ring.create(ring_name, R.Geometry(2, 2)).close()  # a new file: the old mapping stays valid
         assert client.ring.replaced()
         with pytest.raises(R.RingError, match="replaced or removed"):
@@ -297,22 +297,22 @@ def test_client_of_a_replaced_ring_is_told_so(ring_name: str) -> None:
 
 def test_lanes_are_exclusive_within_and_across_processes(ring_name: str) -> None:
     R.Ring.create(ring_name, R.Geometry(2, 2)).close()
-    with R.Client(ring_name) as a, R.Client(ring_name) as b:
+    with R.RingClient(ring_name) as a, R.RingClient(ring_name) as b:
         assert {a.lane, b.lane} == {0, 1}
         with pytest.raises(R.RingError, match="no free lane"):
-            R.Client(ring_name)
+            R.RingClient(ring_name)
         # the refused client closed its descriptor: a and b must still hold their lanes
         with pytest.raises(R.RingError, match="no free lane"):
-            R.Client(ring_name)
-    code = f"from gpuos_tools.kinfer import ring as R\nc = R.Client({ring_name!r})\nprint(c.lane)\n"
-    with R.Client(ring_name) as a:
+            R.RingClient(ring_name)
+    code = f"from gpuos_tools.kinfer import ring as R\nc = R.RingClient({ring_name!r})\nprint(c.lane)\n"
+    with R.RingClient(ring_name) as a:
         other = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
         assert int(other.stdout) == 1 - a.lane
 
 
 def test_daemon_restart_keeps_producers_attached(ring_name: str) -> None:
     proc = _daemon(ring_name, "--random-model", "1")
-    with R.Client(ring_name) as client:
+    with R.RingClient(ring_name) as client:
         x = np.arange(31) % 10
         first = client.infer(x)
         epoch = int(client.ring.header["daemon_epoch"])
@@ -382,7 +382,7 @@ def test_load_command_hot_swaps_the_running_daemon(ring_name: str, tmp_path: Pat
     proc = _daemon(ring_name, "--model", str(tmp_path / "a.npz"))
     try:
         x = np.arange(31, dtype=np.float32) % 10
-        with R.Client(ring_name) as client:
+        with R.RingClient(ring_name) as client:
             assert np.allclose(client.infer(x).outputs, a.forward(x[None])[0])
             done = subprocess.run([*BRIDGE, "load", str(tmp_path / "b.npz"), "--ring", ring_name], env=child_env(),
                                   capture_output=True, text=True, timeout=60)
@@ -941,8 +941,8 @@ def test_cli_infer_and_status(ring_name: str) -> None:
 native_only = pytest.mark.skipif(CC is None, reason="no C compiler: the native path cannot be built")
 
 
-def _native_server(name: str, model: M.Mlp | None = None, policy: P.Policy | None = None, **opts: object) -> S.Server:
-    srv = S.Server.open(name, R.Geometry(4, 4), model or M.Mlp.random(seed=3), policy or P.Policy(),
+def _native_server(name: str, model: M.Mlp | None = None, policy: P.Policy | None = None, **opts: object) -> S.RingServer:
+    srv = S.RingServer.open(name, R.Geometry(4, 4), model or M.Mlp.random(seed=3), policy or P.Policy(),
                         S.ServeOptions(use_gpu="off", native="on", **opts), recreate=True, log=lambda m: None)
     assert srv.native is not None
     return srv
@@ -951,14 +951,14 @@ def _native_server(name: str, model: M.Mlp | None = None, policy: P.Policy | Non
 class _Serving:
     """``srv.serve()`` in a thread for the length of a with-block."""
 
-    def __init__(self, srv: S.Server):
+    def __init__(self, srv: S.RingServer):
         import threading
 
         self.srv = srv
         srv.stop.clear()
         self.thread = threading.Thread(target=srv.serve, daemon=True)
 
-    def __enter__(self) -> S.Server:
+    def __enter__(self) -> S.RingServer:
         self.thread.start()
         return self.srv
 
@@ -1049,7 +1049,7 @@ def test_native_path_reclaims_a_dead_producers_slot(ring_name: str) -> None:
         code = (
             "import os\n"
             "from gpuos_tools.kinfer import ring as R\n"
-            f"c = R.Client({ring_name!r})\n"
+            f"c = R.RingClient({ring_name!r})\n"
             "c._state[c._first] = R.WRITING\n"
             "c.ring.meta32[c._first, R.M32['producer_pid']] = os.getpid()\n"
             "print(c._first, flush=True)\n"
@@ -1060,7 +1060,7 @@ def test_native_path_reclaims_a_dead_producers_slot(ring_name: str) -> None:
             slot = int(done.stdout)
             _until(lambda: srv.ring.counter_values()["drop_abandoned"] == 1, "the abandoned slot counted")
             assert srv.ring.state[slot] == R.FREE
-            with R.Client(ring_name) as client:
+            with R.RingClient(ring_name) as client:
                 assert client.infer(np.arange(31) % 10).ok
     finally:
         srv.close()
@@ -1075,7 +1075,7 @@ def test_native_hot_swap_never_mixes_models(ring_name: str, tmp_path: Path) -> N
     x = np.arange(31, dtype=np.float32) % 10
     ya, yb = a.forward(x[None])[0], b.forward(x[None])[0]
     try:
-        with _Serving(srv), R.Client(ring_name) as client:
+        with _Serving(srv), R.RingClient(ring_name) as client:
             seen = []
             for k in range(6):
                 path = tmp_path / ("b.npz" if k % 2 == 0 else "a.npz")
@@ -1146,7 +1146,7 @@ def test_without_a_compiler_the_daemon_says_so_and_serves_in_python(ring_name: s
     env = child_env(CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
     proc = _daemon(ring_name, "--random-model", "3", env=env)
     try:
-        with R.Client(ring_name) as client:
+        with R.RingClient(ring_name) as client:
             x = np.arange(31) % 10
             answer = client.infer(x)
             assert answer.ok and np.allclose(answer.outputs, M.Mlp.random(seed=3).forward(x[None].astype(np.float32))[0])
@@ -1163,7 +1163,7 @@ def test_without_a_compiler_the_daemon_says_so_and_serves_in_python(ring_name: s
 def test_python_loop_picks_by_the_measured_delay_and_feeds_it(ring_name: str, path: str) -> None:
     model = M.Mlp.random(seed=8)
     pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[10, 10, 10], window_ms=1e9)
-    srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
+    srv = S.RingServer.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
                         log=lambda m: None)
     fake = _FakeGpu(model)
     srv.models[0].gpu = fake
@@ -1197,7 +1197,7 @@ def test_python_loop_times_its_cpu_batches_and_picks_by_the_cpu_slowdown(ring_na
     model = M.Mlp.random(seed=9)
     # calibrated: a batch of 2 takes 10 µs on the CPU, 12 on the GPU
     pol = P.Policy(batches=[1, 4, 16], cpu_us=[5, 20, 80], gpu_us=[12, 12, 12], window_ms=1e9)
-    srv = S.Server.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
+    srv = S.RingServer.open(ring_name, R.Geometry(4, 4), model, pol, S.ServeOptions(use_gpu="off", native="off"), recreate=True,
                         log=lambda m: None)
     x = np.random.default_rng(4).integers(0, 10, (2, 31)).astype(np.float32)
     run = srv.process_small if path == "small" else (lambda slots: srv.process(np.array(slots)))

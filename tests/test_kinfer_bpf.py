@@ -274,10 +274,10 @@ def test_client_spins_by_the_same_rule(ring_name: str) -> None:
     from gpuos_tools.kinfer import policy as P
     from gpuos_tools.kinfer import server as S
 
-    srv = S.Server.open(ring_name, R.Geometry(2, 2), M.Mlp.random(seed=3), P.Policy(),
+    srv = S.RingServer.open(ring_name, R.Geometry(2, 2), M.Mlp.random(seed=3), P.Policy(),
                         S.ServeOptions(use_gpu="off", native="off"), recreate=True, log=lambda m: None)
     try:
-        with R.Client(ring_name) as c:
+        with R.RingClient(ring_name) as c:
             assert c._hold == R.CLIENT_SPIN_MIN_S
             ref = W.Adaptive(R.CLIENT_SPIN_MIN_S, R.CLIENT_SPIN_MAX_S)
             t = 0.0
@@ -295,7 +295,7 @@ def test_client_spins_by_the_same_rule(ring_name: str) -> None:
             assert c.wait(slot).ok
             timer.join()
             assert c._gap > 0
-            fixed = R.Client(ring_name, spin_s=50e-6)
+            fixed = R.RingClient(ring_name, spin_s=50e-6)
             slot = fixed.submit(np.zeros(31, dtype=np.float32))
             srv.serve(max_batches=1)
             assert fixed.wait(slot).ok and fixed._hold == 50e-6

@@ -148,7 +148,7 @@ def _as(dtype: np.dtype, value: int) -> Any:
 # -- one run: a daemon on its ring, cases of mutations, the invariants ------------------------------------
 
 
-def _check(srv: S.Server, where: str) -> None:
+def _check(srv: S.RingServer, where: str) -> None:
     ring = srv.ring
     assert (ring.state <= R.DONE).all(), f"{where}: a state word left unknown"
     assert ring.file_size() == ring.size, f"{where}: the file is {ring.file_size()} bytes, not {ring.size}"
@@ -156,13 +156,13 @@ def _check(srv: S.Server, where: str) -> None:
     assert problem is None, f"{where}: header {problem}"
 
 
-def _final_request(srv: S.Server, native: bool) -> None:
+def _final_request(srv: S.RingServer, native: bool) -> None:
     """A well-formed request after everything: answered with the outputs of a model the daemon
     was allowed to load (the one it started with or one from its directory)."""
     ring = srv.ring
     allowed = [M.Mlp.random(seed=3).forward(X[None])[0], M.Mlp.random(seed=4).forward(X[None])[0]]
     if native:
-        with R.Client(str(ring.path)) as c:
+        with R.RingClient(str(ring.path)) as c:
             a = c.infer(X, timeout=10)
             assert a.ok, f"final request: status {a.status}"
             out = a.outputs
@@ -175,7 +175,7 @@ def _final_request(srv: S.Server, native: bool) -> None:
     assert any(np.allclose(out, want, rtol=1e-4, atol=1e-4) for want in allowed), f"final answer {out} from no allowed model"
 
 
-def _settle_loads(srv: S.Server, wait: float = 0.0) -> None:
+def _settle_loads(srv: S.RingServer, wait: float = 0.0) -> None:
     deadline = time.monotonic() + wait
     while True:
         if srv._pending_swap is not None:
@@ -192,7 +192,7 @@ def run_cases(base: str, cases: list[list[dict[str, Any]]], native: bool) -> dic
     paths = Paths(basep)
     name = str(basep / "ring")
     logs: list[str] = []
-    srv = S.Server.open(name, GEOMETRY, M.Mlp.random(seed=3), P.Policy(),
+    srv = S.RingServer.open(name, GEOMETRY, M.Mlp.random(seed=3), P.Policy(),
                         S.ServeOptions(use_gpu="off", native="on" if native else "off", model_dirs=(str(paths.models),),
                                        load_timeout_s=0.5),
                         recreate=True, log=logs.append)

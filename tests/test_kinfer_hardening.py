@@ -51,9 +51,9 @@ def ring_name() -> Iterator[str]:
 
 
 def _server(name: str, *, native: str = "off", model: M.Mlp | None = None, logs: list[str] | None = None,
-            **opts: object) -> S.Server:
+            **opts: object) -> S.RingServer:
     say = logs.append if logs is not None else (lambda m: None)
-    return S.Server.open(name, R.Geometry(4, 4), model or M.Mlp.random(seed=3), P.Policy(),
+    return S.RingServer.open(name, R.Geometry(4, 4), model or M.Mlp.random(seed=3), P.Policy(),
                          S.ServeOptions(use_gpu="off", native=native, **opts), recreate=True, log=say)
 
 
@@ -94,7 +94,7 @@ def _ask(name: str, tries: float = 10.0) -> R.Answer:
     deadline = time.monotonic() + tries
     while True:
         try:
-            with R.Client(name) as c:
+            with R.RingClient(name) as c:
                 return c.infer(X, timeout=2)
         except R.RingError:
             if time.monotonic() > deadline:
@@ -146,7 +146,7 @@ def test_a_daemon_restarted_on_such_a_ring_serves(ring_name: str) -> None:
 
 def test_a_client_takes_any_daemon_pid(ring_name: str) -> None:
     R.Ring.create(ring_name, R.Geometry(2, 2)).close()
-    with R.Client(ring_name) as c:
+    with R.RingClient(ring_name) as c:
         c.ring.header["daemon_pid"] = 0xFFFFFFFF
         assert not c.ring.daemon_alive()
         with pytest.raises(R.RingError, match="daemon pid 4294967295 is gone"):
@@ -182,7 +182,7 @@ def test_a_header_rewritten_while_serving_is_restored(ring_name: str) -> None:
         assert R.check_header(bytes(srv.ring.mm[: R.HEADER_SIZE]), srv.ring.size) is None
         assert int(srv.ring.header["daemon_pid"]) == os.getpid()
         assert any("header overwritten" in m for m in logs)
-        with R.Client(ring_name) as c:  # a producer can attach again
+        with R.RingClient(ring_name) as c:  # a producer can attach again
             assert c.ring.geometry == srv.ring.geometry
     finally:
         srv.close()
@@ -231,7 +231,7 @@ def test_a_new_ring_is_private_and_shared_only_on_purpose(ring_name: str) -> Non
 
 def test_serve_gives_an_adopted_ring_the_mode_asked(ring_name: str) -> None:
     R.Ring.create(ring_name, R.Geometry(4, 4), mode=0o666).close()  # as older daemons made them
-    srv = S.Server.open(ring_name, R.Geometry(4, 4), M.Mlp.random(seed=1), P.Policy(),
+    srv = S.RingServer.open(ring_name, R.Geometry(4, 4), M.Mlp.random(seed=1), P.Policy(),
                         S.ServeOptions(use_gpu="off", native="off"), log=lambda m: None)
     try:
         assert stat.S_IMODE(os.fstat(srv.ring.fd).st_mode) == 0o600
@@ -256,7 +256,7 @@ def test_attach_and_serve_refuse_what_is_not_a_ring_file(ring_name: str, tmp_pat
             R.Ring.attach(ring_name)
         for recreate in (False, True):
             with pytest.raises(R.RingError, match="symbolic link|not a regular file|cannot open|not replacing"):
-                S.Server.open(ring_name, R.Geometry(2, 2), M.Mlp.random(), P.Policy(), S.ServeOptions(use_gpu="off",
+                S.RingServer.open(ring_name, R.Geometry(2, 2), M.Mlp.random(), P.Policy(), S.ServeOptions(use_gpu="off",
                               native="off"), recreate=recreate, log=lambda m: None)
         assert time.monotonic() - t0 < 5  # nothing waited on the FIFO
         assert os.path.lexists(path)
@@ -346,7 +346,7 @@ def test_a_fault_outside_every_ring_still_ends_the_process(tmp_path: Path) -> No
 def test_a_ring_cut_short_under_the_daemon_is_repaired(ring_name: str, native: str, size: int) -> None:
     proc = _daemon(ring_name, "--random-model", "4", "--native", native)
     try:
-        with R.Client(ring_name) as c:
+        with R.RingClient(ring_name) as c:
             first = c.infer(X)
             assert first.ok
             os.truncate(R.ring_path(ring_name), size)  # what any writer of the ring can do
@@ -373,7 +373,7 @@ def model_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _control(srv: S.Server, path: str | bytes, model_id: int = 0, wait: float = 10.0) -> int:
+def _control(srv: S.RingServer, path: str | bytes, model_id: int = 0, wait: float = 10.0) -> int:
     """Write a model-load request into the control block as any producer could; run the daemon's
     side until it answers."""
     h = srv.ring.header
@@ -391,7 +391,7 @@ def _control(srv: S.Server, path: str | bytes, model_id: int = 0, wait: float = 
     return int(h["control_status"])
 
 
-def _answer(srv: S.Server) -> np.ndarray:
+def _answer(srv: S.RingServer) -> np.ndarray:
     _put(srv.ring, 0)
     srv.process_small(srv.ready_slots())
     return srv.ring.outputs[0, :2].copy()
@@ -522,15 +522,15 @@ def test_a_ring_pre_created_by_another_user_is_refused(ring_name: str) -> None:
         assert done.returncode == 73, done.stderr
         assert f"belongs to uid {other.uid}" in done.stderr
     with pytest.raises(R.RingError, match=f"belongs to uid {other.uid}") as err:  # nor do producers trust it
-        R.Client(ring_name)
+        R.RingClient(ring_name)
     assert err.value.code == ExitCode.PERMISSION
-    with R.Client(ring_name, owner=other.uid) as c:  # unless told to
+    with R.RingClient(ring_name, owner=other.uid) as c:  # unless told to
         assert c.ring.geometry == R.Geometry(4, 4)
     assert os.stat(R.ring_path(ring_name)).st_uid == other.uid  # left as it was
 
 
 def _produce(name: str) -> object:
-    with R.Client(name) as c:
+    with R.RingClient(name) as c:
         a = c.infer(X, timeout=5)
         return [a.status, a.values]
 

@@ -62,7 +62,7 @@ def launch_args(rec: dict) -> tuple[tuple[int, ...] | None, bytes | None]:
 
 
 def reference(view: ProcessView, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
-    """gpu-predict-access's answer with no memo of ours (as Agent._predict builds it)."""
+    """gpu-predict-access's answer with no memo of ours (as Agent.predict_launch builds it)."""
     acc = view.pred.launch(launch_record(kernel, sizes, args))[0]
     writes = tuple(dict.fromkeys(e["alloc"] for e in acc["writes"]))
     touched = tuple(dict.fromkeys([e["alloc"] for e in acc["reads"]] + list(writes)))
@@ -427,3 +427,34 @@ def test_the_agent_runs_on_the_core_unless_asked_not_to_or_it_cannot_be_built(mo
                     "running it through Python callbacks (slower)"]
     with pytest.raises(GpuosError, match="cannot build the agent's native core"):
         run.native_agent_library("native", said.append)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_the_executors_hooks_set_the_cores_flags(core, monkeypatch, fraction):
+    """gpu-prefetch-sched run on the native core: the executor attached to a plain agent skips
+    captured launches from the start, and once the engine starts the core calls the agent on
+    every operation only when the executor has something to decide (below 100%: F_EXEC); no
+    gate when not serving."""
+    from test_engine import FakeOps, Rec
+    from test_sched_executor import FakeLib
+
+    from gpuos_tools.agent import agent as agent_mod
+    from gpuos_tools.injection.core import F_EXEC, F_GATE, F_SKIP_CAPTURED
+    from gpuos_tools.memory.engine import ResidencyEngine
+    from gpuos_tools.sched import executor
+
+    recs = [Rec(0x1000_0000, 1 << 20)]
+    ops = FakeOps(recs, auto=True)
+    ops.lib = FakeLib(recs)
+    monkeypatch.setattr(agent_mod, "ResidencyEngine", lambda agent: ResidencyEngine(agent, ops))
+    monkeypatch.setattr(executor, "_current", None)
+    agent = Agent(0)
+    executor.attach(agent, {"fraction": fraction, "prepin": False})
+    upcalls = AgentUpcalls(core, agent, {})
+    assert core.flags() & (F_SKIP_CAPTURED | F_EXEC | F_GATE | F_TOUCH) == F_SKIP_CAPTURED
+    agent.start_engine()
+    upcalls.engine_started()
+    flags = core.flags()
+    assert flags & F_TOUCH and not flags & F_GATE
+    assert bool(flags & F_EXEC) == (fraction < 1.0) == (not executor._current.dormant)
+    agent.engine.close()

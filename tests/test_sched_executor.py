@@ -75,7 +75,7 @@ def test_stencil_under_budget_keeps_data_and_memory_in_bounds(policy, frac):
         ws = [bases[(s + k) % n] for k in range(4)]
         out = ws[-1]
         ex.before("stencil", ws, stream=0)
-        # then the agent's own hook, as OnlineAgent calls it: the engine learns the write
+        # then the agent's own hook, as it calls it after the executor's: the engine learns the write
         ids = tuple(bases.index(b) + 1 for b in ws)
         eng.agent.launches["stencil"] = (False, ids, ids[-1:])
         eng.launch(0, "stencil", None, None)
@@ -173,35 +173,56 @@ def test_evict_from_operation_waits_for_another_threads_operation_to_reach_the_d
     eng.close()
 
 
-def test_online_agent_acts_before_the_engine_hook_and_writes_its_summary(tmp_path):
-    """OnlineAgent's glue: allocation ids from the predictor -> records -> the executor, then the
-    agent's own hook; copies count as operations; the summary file at the end."""
-    import json
+def attached(monkeypatch, cfg: dict, recs: list[Rec], ops: FakeOps):
+    """A plain agent with the executor attached as the in-process start-up does (``attach``),
+    its engine started on the fake driver: (agent, the executor made at the engine's start)."""
+    from gpuos_tools.agent import agent as agent_mod
+    from gpuos_tools.agent.agent import Agent
+    from gpuos_tools.sched import executor as executor_mod
 
-    from gpuos_tools.sched.executor import OnlineAgent
+    monkeypatch.setattr(agent_mod, "ResidencyEngine", lambda agent: ResidencyEngine(agent, ops))
+    monkeypatch.setattr(executor_mod, "_current", None)
+    ops.lib = FakeLib(recs)  # the owned library the executor reads (engine.ops.lib)
+    agent = Agent()
+    agent.ctx = object()  # as if the program's context were known (no driver here)
+    for r in recs:
+        agent.on_alloc(r.base, r.size, "vmm")
+    executor_mod.attach(agent, cfg)
+    assert agent.skip_captured and agent.gate is None and not agent.hooks_see_every_operation
+    agent.start_engine()
+    ex = executor_mod.current_counts() and executor_mod._current
+    assert isinstance(ex, Executor) and ex.engine is agent.engine and ex.why is agent.unknown_why
+    assert agent.hooks_see_every_operation and agent.gate is None  # not serving: no gate
+    return agent, ex
+
+
+def test_the_executor_acts_before_the_engine_hook_and_writes_its_summary(tmp_path, monkeypatch):
+    """The executor's hooks on the agent: allocation ids from the predictor -> records -> the
+    executor, then the agent's own hook; copies count as operations; the summary file at the end."""
+    import json
 
     n = 6
     bases = [0x1000_0000 * (i + 1) for i in range(n)]
     recs = [Rec(b, 64 * MIB) for b in bases]
     ops = FakeOps(recs, auto=True)
     summary = tmp_path / "summary.json"
-    agent = OnlineAgent({"budget": 3 * 64 * MIB, "policy": "belady", "lookahead": 1, "summary": str(summary)})
-    agent.ctx = object()  # as if the program's context were known (no driver here)
-    for b in bases:
-        agent.on_alloc(b, 64 * MIB, "vmm")
+    cfg = {"budget": 3 * 64 * MIB, "policy": "belady", "lookahead": 1, "summary": str(summary), "prepin": False}
+    agent, ex = attached(monkeypatch, cfg, recs, ops)
     ids = {b: i for i, b in ((a.id, a.addr) for a in agent.by_id.values())}
-    agent.engine = ResidencyEngine(agent, ops)
-    agent.executor = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
-    agent._touches = lambda kernel, sizes, args: agent._launches[kernel]
+    launches = {}
+    agent.launch_touches = lambda kernel, sizes, args: launches[kernel]
     for s in range(5 * n):
         ws = [bases[(s + k) % n] for k in range(2)]
-        agent._launches = {"k": (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))}
+        launches["k"] = (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))
         agent.before_launch("cuLaunchKernel", 0, "k", None, None)
         assert all(ops.recs[b].resident for b in ws), s
         ops.device[ws[-1]] = b"s%d" % s
-        settle(agent.engine, agent.executor)
+        settle(agent.engine, ex)
+    assert agent.ops == 5 * n and agent.hook_calls == 5 * n  # the agent's own part ran each time
     agent.before_write("cuMemcpyDtoH_v2", 0x7000, 0, bases[0] + 64)  # a copy out of an owned record
     assert ops.recs[bases[0]].resident
+    agent.before_write("cuMemFree_v2", bases[1], 0)  # a free: no decision, the agent counts it
+    assert agent.ops == 5 * n + 2
     agent.stop_background()
     out = json.loads(summary.read_text())
     assert out["launches"] == 5 * n + 1 and out["evictions"] > 0 and out["periods"][0] == n
@@ -342,17 +363,16 @@ def test_nothing_is_pinned_ahead_under_a_budget_of_everything():
         assert ex.counts["pins"] == pins, (fraction, ex.counts)
 
 
-def test_the_timeline_logs_every_move_and_the_plot_draws_it(tmp_path):
+def test_the_timeline_logs_every_move_and_the_plot_draws_it(tmp_path, monkeypatch):
     """The bounded event log (executor's Timeline): as many evictions as the engine made, the
     bytes of loads and prefetches adding up to the engine's loaded bytes, mapped bytes
-    measured at each decision; written through OnlineAgent's end and drawn by
-    `gpu-prefetch-sched plot` when matplotlib is there."""
+    measured at each decision; written at the program's end (the executor's at_exit hook) and
+    drawn by `gpu-prefetch-sched plot` when matplotlib is there."""
     import subprocess
     import sys
 
     from helpers import REPO, child_env
 
-    from gpuos_tools.sched.executor import OnlineAgent
     from gpuos_tools.sched.plot import load_timeline, series
 
     n = 9
@@ -361,18 +381,14 @@ def test_the_timeline_logs_every_move_and_the_plot_draws_it(tmp_path):
     ops = FakeOps(recs, auto=True)
     path = tmp_path / "timeline.json"
     budget = 6 * 64 * MIB
-    agent = OnlineAgent({"budget": budget, "policy": "belady", "lookahead": 2, "timeline": str(path),
-                         "prepin": False})
-    agent.ctx = object()
-    for b in bases:
-        agent.on_alloc(b, 64 * MIB, "vmm")
+    agent, ex = attached(monkeypatch, {"budget": budget, "policy": "belady", "lookahead": 2, "timeline": str(path),
+                                       "prepin": False}, recs, ops)
     ids = {b: i for i, b in ((a.id, a.addr) for a in agent.by_id.values())}
-    agent.engine = ResidencyEngine(agent, ops)
-    agent.executor = ex = Executor(agent.engine, agent.sched_cfg, lib=FakeLib(recs))
-    agent._touches = lambda kernel, sizes, args: agent._launches[kernel]
+    launches = {}
+    agent.launch_touches = lambda kernel, sizes, args: launches[kernel]
     for s in range(6 * n):
         ws = [bases[(s + k) % n] for k in range(4)]
-        agent._launches = {"k": (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))}
+        launches["k"] = (False, tuple(ids[b] for b in ws), (ids[ws[-1]],))
         agent.before_launch("cuLaunchKernel", 0, "k", None, None)
         ops.device[ws[-1]] = b"s%d" % s
         settle(agent.engine, ex)
@@ -437,7 +453,7 @@ def test_the_kernel_profile_counts_unknown_launches_and_predicted_bytes():
     rows = {r["kernel"]: r for r in prof["top"]}
     assert rows["k"]["ops"] == 3 and rows["k"]["mean_bytes"] == 2 * 64 * MIB and "why" not in rows["k"]
     assert rows["mystery"]["why"] == "a pointer in no traced allocation" and rows["mystery"]["mean_bytes"] is None
-    assert mod.current_counts() is None or mod._current is not ex  # only an OnlineAgent's executor is current
+    assert mod.current_counts() is None or mod._current is not ex  # only the executor attach made is current
     mod._current = ex
     try:
         c = mod.current_counts()

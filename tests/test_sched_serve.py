@@ -317,7 +317,7 @@ def test_two_executors_take_turns_keep_their_data_and_their_memory_within_the_to
 def test_without_serve_the_gate_is_not_installed_and_costs_nothing():
     """`run`: no serve in the config, no client, no gate on the agent (the tracer skips it)."""
     from gpuos_tools.agent.agent import Agent
-    from gpuos_tools.sched.executor import OnlineAgent
+    from gpuos_tools.sched.executor import attach
 
     bases = [0x1000_0000]
     recs = [Rec(b, 64 * MIB) for b in bases]
@@ -326,7 +326,38 @@ def test_without_serve_the_gate_is_not_installed_and_costs_nothing():
     assert ex.serve is None
     ex.gate()  # a no-op
     assert "serve" not in ex.summary()
-    assert Agent.gate is None and OnlineAgent({"budget": 1}).gate is None
+    assert "gate" not in ex.offered() and "before_launch" in ex.offered()
+    agent = Agent()
+    attach(agent, {"budget": 1})
+    ex.attach(agent)
+    assert Agent.gate is None and agent.gate is None
+    eng.close()
+
+
+def test_serving_the_executor_registers_its_gate_on_the_agent(monkeypatch):
+    """`serve`: the job's executor is the agent's gate (the tracer calls it before the lock);
+    one gate only."""
+    from gpuos_tools.agent.agent import Agent
+    from gpuos_tools.sched import executor as executor_mod
+
+    class FakeClient:  # the job's end of the protocol, as if connected
+        def __init__(self, path, job):
+            self.ask = self.update = None
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(executor_mod, "CoordinatorClient", FakeClient)
+    recs = [Rec(0x1000_0000, 64 * MIB)]
+    eng = ResidencyEngine(FakeAgent({1: recs[0].base}), FakeOps(recs, auto=True))
+    ex = Executor(eng, {"budget": 1 << 30, "prepin": False, "serve": {"socket": "s", "job": 0}}, lib=FakeLib(recs))
+    agent = Agent()
+    ex.attach(agent)
+    assert agent.gate == ex.gate and agent.skip_captured
+    with pytest.raises(ValueError, match="gate"):
+        Executor(eng, ex.cfg, lib=FakeLib(recs)).attach(agent)
+    agent.remove_hooks(ex)
+    assert agent.gate is None and not agent.skip_captured and not agent.hooks
     eng.close()
 
 

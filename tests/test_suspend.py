@@ -175,7 +175,7 @@ def agent(tmp_path, monkeypatch):
         return {"ok": True, "state": "running", "buffers": 3, "bytes": 6 * MIB, "resume_s": 0.1, "load_gbps": 48.0,
                 "held_s": 2.5}
 
-    srv = control.Server(handler, control.socket_path(os.getpid()))
+    srv = control.ControlServer(handler, control.socket_path(os.getpid()))
     srv.start()
     yield srv, requests, refuse
     srv.close()

@@ -43,20 +43,27 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from gpuos_tools.agent import durable
-from gpuos_tools.memory.staging import Staging
+from gpuos_tools.agent.control import ControlServer
+from gpuos_tools.agent.hooks import HOOKS, OPERATION_HOOKS, AgentHooks
+from gpuos_tools.agent.suspend import Suspension
 from gpuos_tools.agent.view import ProcessView, launch_record
+from gpuos_tools.cuda.driver import context_facts
 from gpuos_tools.cuda.driver import ok as _ok
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image import open_image
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.staging import PIECE, Staging, driver_staging
 from gpuos_tools.model.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
 PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
-MEMO_MAX = 65536  # launch predictions kept (see Agent._writes)
+MEMO_MAX = 65536  # launch predictions kept (see Agent.predict_launch)
 WHY_MAX = 256  # kernels whose last unknown prediction keeps its reason (Agent.unknown_why)
 
 
@@ -103,14 +110,15 @@ class Snap:
 
 
 class Agent(ProcessView):
-    """State and operations of the agent; the tracer calls its hooks from callbacks."""
+    """State and operations of the agent; the tracer calls its hooks from callbacks. Other code
+    acts on the same path through hooks registered with ``add_hooks`` (gpuos_tools/agent/hooks.py)."""
 
-    #: gpu-prefetch-sched serve: called by the tracer before a launch, copy or memset, BEFORE the
-    #: agent's lock (it may block for the GPU turn; gpuos_tools/sched/executor.py Executor.gate)
+    #: the registered hooks' gate (`AgentHooks.gate`), which the tracer calls before a launch,
+    #: copy or memset, BEFORE the agent's lock; None: no hook has one
     gate = None
 
     #: launches, copies and memsets into a stream being captured are skipped (they only add a
-    #: node to a graph) also when no snapshot is in progress (gpu-prefetch-sched's agent)
+    #: node to a graph) also when no snapshot is in progress (a registered hook asks for it)
     skip_captured = False
 
     def __init__(self, cow_budget: int | None = None) -> None:
@@ -134,7 +142,7 @@ class Agent(ProcessView):
         self._ctx: Any = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
         self._staging_made = threading.Lock()
-        self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see _predict
+        self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see predict_launch
         self._memo_words: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}
         self._memo_epoch = -1
         self.memo_misses = 0
@@ -155,6 +163,19 @@ class Agent(ProcessView):
         self.suspension = None  #: gpuos_tools/agent/suspend.py's Suspension, from the first suspend
         #: gpuos_tools/memory/engine.py's ResidencyEngine, when the program's memory is owned
         self.engine = None
+        #: the native core's side of the engine, set by its wiring when it runs (injection/start.py):
+        #: the engine calls ``engine_busy()`` when it has work on the program's operations and
+        #: ``predictions_changed()`` when launch predictions the core memoised are stale, and
+        #: reads ``native_touches()`` ((allocation id, first touch, last touch) of those touched)
+        self.engine_busy: Callable[[], None] | None = None
+        self.predictions_changed: Callable[[], None] | None = None
+        self.native_touches: Callable[[], list[tuple[int, int, int]]] | None = None
+        #: the registered hooks (``add_hooks``), and per hook name the callables they offered
+        self.hooks: list[AgentHooks] = []
+        self._on: dict[str, tuple[Callable[..., None], ...]] = {name: () for name in HOOKS}
+        self._launch_hooks: tuple[Callable[..., None], ...] = ()
+        self._write_hooks: tuple[Callable[..., None], ...] = ()
+        self._graph_hooks: tuple[Callable[..., None], ...] = ()
 
     @property
     def ops(self) -> int:
@@ -195,6 +216,46 @@ class Agent(ProcessView):
         thread table the agent's ``own``. Before the tracer starts."""
         self.core, self.lock, self.own = core, lock, own
 
+    # -- hooks (gpuos_tools/agent/hooks.py) -----------------------------------------------------
+
+    def add_hooks(self, hooks: AgentHooks) -> None:
+        """Register ``hooks``: from now on the agent calls the hooks it offers, after those
+        registered before it. The program may be running: an operation sees the hooks of
+        before or after the call (each hook's callables are one tuple, replaced whole)."""
+        offered = hooks.offered()
+        if "gate" in offered and self.gate is not None:
+            raise ValueError("a gate is registered already: the agent takes one")
+        self.hooks.append(hooks)
+        for name in offered:
+            self._on[name] = (*self._on[name], getattr(hooks, name))
+        self._hooks_changed()
+
+    def remove_hooks(self, hooks: AgentHooks) -> None:
+        """No more calls to ``hooks``."""
+        self.hooks.remove(hooks)
+        for name in HOOKS:
+            self._on[name] = tuple(f for f in self._on[name] if getattr(f, "__self__", None) is not hooks)
+        self._hooks_changed()
+
+    def _hooks_changed(self) -> None:
+        on = self._on
+        self._launch_hooks, self._write_hooks, self._graph_hooks = (on[name] for name in OPERATION_HOOKS)
+        gates = on["gate"]
+        if gates:
+            self.gate = gates[0]
+        else:
+            self.__dict__.pop("gate", None)  # the class's None
+        if any(h.skip_captured for h in self.hooks):
+            self.skip_captured = True
+        else:
+            self.__dict__.pop("skip_captured", None)
+
+    @property
+    def hooks_see_every_operation(self) -> bool:
+        """Whether a registered hook must see every launch, copy and memset (the native core
+        then calls the agent for each; else only when the engine or a snapshot needs it)."""
+        return any(h.every_operation for h in self.hooks if set(h.offered()) & set(OPERATION_HOOKS))
+
     def _take_dirty(self) -> set[int] | None:
         """What was written since the last call (None: not known); a new period starts (lock held)."""
         if self.core is not None:
@@ -209,10 +270,11 @@ class Agent(ProcessView):
         self.dirty = None
 
     def start_engine(self) -> None:
-        """Consult a residency engine on the launch path (the owned allocator is loaded)."""
-        from gpuos_tools.memory.engine import ResidencyEngine
-
+        """Consult a residency engine on the launch path (the owned allocator is loaded); the
+        hooks' ``engine_started`` follow."""
         self.engine = ResidencyEngine(self)
+        for hook in self._on["engine_started"]:
+            hook(self)
 
     # -- operations being issued (the tracer calls these) ---------------------------------------
 
@@ -266,12 +328,22 @@ class Agent(ProcessView):
         self.ops += 1
         self.streams.add(stream)
         if self.references and self.ops in self.references:
-            self._reference(self.ops)
+            self.dump_reference(self.ops)
 
     def before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+        """A kernel launch is about to be issued (the registered hooks first)."""
         t = time.perf_counter_ns()
         try:
-            self._before_launch(api, stream, kernel, sizes, args)
+            hooks = self._launch_hooks
+            if hooks:
+                try:
+                    real = stream_of(api, stream)
+                    for hook in hooks:
+                        hook(self, api, real, kernel, sizes, args)
+                finally:  # whatever happened, the agent's own work: the engine loads, snapshots protect
+                    self._before_launch(api, stream, kernel, sizes, args)
+            else:
+                self._before_launch(api, stream, kernel, sizes, args)
         finally:
             self.hook_ns += time.perf_counter_ns() - t
             self.hook_calls += 1
@@ -281,7 +353,7 @@ class Agent(ProcessView):
         eng = self.engine
         try:
             if eng is not None and eng.watching:  # records to load first, touches to learn or sample
-                eng.launch(_stream_of(api, stream), kernel, sizes, args)
+                eng.launch(stream_of(api, stream), kernel, sizes, args)
         finally:  # a failing engine must not skip a snapshot's protection (they never run together)
             self._before_launch_snap(api, stream, kernel, sizes, args)
 
@@ -289,7 +361,7 @@ class Agent(ProcessView):
         snap = self.snap
         if self.core is not None or (snap is None and self.dirty is None):  # the core does this
             return
-        unknown, writes, _ = self._predict(kernel, sizes, args)
+        unknown, writes, _ = self.predict_launch(kernel, sizes, args)
         if self.dirty is not None:
             if unknown:
                 self.dirty = None
@@ -301,18 +373,18 @@ class Agent(ProcessView):
             targets = range(len(snap.buffers))
         else:
             targets = [snap.index[w] for w in writes if w in snap.index]
-        self._protect(snap, targets, _stream_of(api, stream))
+        self._protect(snap, targets, stream_of(api, stream))
 
-    def _writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
-        """(unknown, allocation ids written) of a launch (``_predict``)."""
-        return self._predict(kernel, sizes, args)[:2]
+    def launch_writes(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...]]:
+        """(unknown, allocation ids written) of a launch (``predict_launch``)."""
+        return self.predict_launch(kernel, sizes, args)[:2]
 
-    def _touches(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
-        """(unknown, allocation ids read or written, ids written) of a launch (``_predict``)."""
-        unknown, writes, touched = self._predict(kernel, sizes, args)
+    def launch_touches(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+        """(unknown, allocation ids read or written, ids written) of a launch (``predict_launch``)."""
+        unknown, writes, touched = self.predict_launch(kernel, sizes, args)
         return unknown, touched, writes
 
-    def _predict(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+    def predict_launch(self, kernel: str, sizes, args) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
         """(unknown, allocation ids written, ids read or written) of a launch, memoised until the predictor's epoch
         moves (an allocation came or went, or known device memory changed): a training loop
         repeats its launches every step, and predicting one costs 30-300 us in Python, paid on
@@ -354,14 +426,25 @@ class Agent(ProcessView):
 
     def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:
         """A copy or memset into ``addr`` (from ``src``, for a copy), or a free of it, is about
-        to be issued."""
+        to be issued (the registered hooks first)."""
+        hooks = self._write_hooks
+        failed = None
+        if hooks:
+            try:
+                real = stream_of(api, stream)
+                for hook in hooks:
+                    hook(self, api, addr, real, src)
+            except BaseException as exc:  # noqa: BLE001 (the agent's own work still runs; raised after it)
+                failed = exc
         self._operation(stream)
         eng = self.engine
         try:
             if eng is not None and eng.watching:
-                eng.access(api, _stream_of(api, stream), addr, src)
+                eng.access(api, stream_of(api, stream), addr, src)
         finally:
             self._before_write_snap(api, addr, stream)
+        if failed is not None:
+            raise failed
 
     def _before_write_snap(self, api: str, addr: int, stream: int) -> None:
         if self.core is not None:  # the core does this
@@ -373,12 +456,21 @@ class Agent(ProcessView):
         if snap is None:
             return
         if a is not None and a.id in snap.index:
-            self._protect(snap, [snap.index[a.id]], _stream_of(api, stream))
+            self._protect(snap, [snap.index[a.id]], stream_of(api, stream))
 
     def before_graph(self, stream: int) -> None:
-        """A graph is about to be launched on ``stream``: its kernels' footprint is not
-        predicted here, so every owned record must be back first, and it may write any buffer
-        (what was written is not known; a snapshot in progress protects every buffer)."""
+        """A graph is about to be launched on ``stream`` (the registered hooks first): its
+        kernels' footprint is not predicted here, so every owned record must be back first, and
+        it may write any buffer (what was written is not known; a snapshot in progress protects
+        every buffer)."""
+        hooks = self._graph_hooks
+        failed = None
+        if hooks:
+            try:
+                for hook in hooks:
+                    hook(self, stream)
+            except BaseException as exc:  # noqa: BLE001 (the agent's own work still runs; raised after it)
+                failed = exc
         eng = self.engine
         if eng is not None and (eng.pending or eng.clean):
             eng.graph(stream)
@@ -387,6 +479,8 @@ class Agent(ProcessView):
             snap = self.snap
             if snap is not None:
                 self._protect(snap, range(len(snap.buffers)), stream)
+        if failed is not None:
+            raise failed
 
     def protect_native(self, targets: list[int], stream: int) -> None:
         """The core found ``targets`` (buffer indexes of the snapshot in progress) not yet safe
@@ -494,7 +588,7 @@ class Agent(ProcessView):
         with self.lock:
             total = sum(b.size for b in self.buffers())
         t_prep = time.perf_counter()
-        staging = self._ensure_staging(total, pause=STAGING_PAUSE)
+        staging = self.ensure_staging(total, pause=STAGING_PAUSE)
         staging_s = time.perf_counter() - t_prep
         if cow_budget is None:
             cow_budget = self.cow_budget
@@ -586,12 +680,10 @@ class Agent(ProcessView):
         finally:
             self._release(snap)
 
-    def _ensure_staging(self, total: int, pause=None, stop: threading.Event | None = None) -> Staging:
+    def ensure_staging(self, total: int, pause=None, stop: threading.Event | None = None) -> Staging:
         """Pinned host memory of at least ``total`` bytes (gpuos_tools/memory/staging.py). It is
         pinned a piece at a time, with ``pause`` between pieces, and kept between snapshots."""
         from cuda.bindings import driver as drv
-
-        from gpuos_tools.memory.staging import PIECE, driver_staging
 
         with self._staging_made:
             if self.staging is None:
@@ -621,7 +713,7 @@ class Agent(ProcessView):
                     continue
                 try:
                     _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-                    self._ensure_staging(total, pause=lambda took: 3 * took, stop=self._ahead_stop)
+                    self.ensure_staging(total, pause=lambda took: 3 * took, stop=self._ahead_stop)
                 except Exception as exc:  # noqa: BLE001 (a snapshot will pin what it needs, or say why)
                     print(f"gpuos agent: staging ahead stopped: {exc}", file=sys.stderr, flush=True)
                     return
@@ -631,8 +723,16 @@ class Agent(ProcessView):
         return t
 
     def stop_background(self) -> None:
-        """At exit: no more staging ahead (a piece being pinned finishes); a suspended program
-        is resumed. A checkpoint request in progress finishes first (durable.py)."""
+        """At exit, after the hooks' ``at_exit``: no more staging ahead (a piece being pinned
+        finishes); a suspended program is resumed. A checkpoint request in progress finishes
+        first (durable.py)."""
+        try:
+            for hook in self._on["at_exit"]:
+                hook(self)
+        finally:
+            self._stop_background()
+
+    def _stop_background(self) -> None:
         durable.finish_at_exit(self.server, self.exit_wait_s, self.exit_max_s)
         self._ahead_stop.set()
         if self.suspension is not None:
@@ -664,14 +764,12 @@ class Agent(ProcessView):
         """
         from cuda.bindings import driver as drv
 
-        from gpuos_tools.image import open_image
-
         if self.ctx is None:
             raise GpuosError("the program has no CUDA allocation yet: nothing to roll back", ExitCode.WRONG_STATE)
         _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         img = open_image(image)
         img.chain()  # a broken chain is refused before anything else
-        facts = _device_facts()
+        facts = context_facts()
         with self.lock:
             live = self.buffers()
         problems = fit_problems(img.manifest, live, facts)
@@ -680,7 +778,7 @@ class Agent(ProcessView):
                              ExitCode.IMAGE_MISMATCH)
         entries = sorted(img.buffers, key=lambda b: int(b["addr"]))
         total = sum(int(b["size"]) for b in entries)
-        staging = self._ensure_staging(total)
+        staging = self.ensure_staging(total)
         view = staging.view(total)
         t_read = time.perf_counter()
         offsets, off = [], 0
@@ -692,11 +790,8 @@ class Agent(ProcessView):
         eng = self.engine
         if lazy:
             if eng is None:  # plain allocations: an engine that only loads (made now, used once settled under the lock)
-                from gpuos_tools.memory.engine import ResidencyEngine
-
                 eng = ResidencyEngine(self, owned=False)
-            for name in ("demand", "background"):  # made here, not in the program's first callback after
-                eng._stream(name)
+            eng.make_streams("demand", "background")  # here, not in the program's first callback after
         side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         try:
             with self.lock:
@@ -758,7 +853,7 @@ class Agent(ProcessView):
             and os.path.realpath(parent) == os.path.realpath(self.last_image)
         manifest = {
             "source": "gpuos-agent", "pid": os.getpid(), "argv": sys.argv, "t0_ns": snap.t0_ns,
-            "ops_before": snap.ops_before, **_device_facts(),
+            "ops_before": snap.ops_before, **context_facts(),
             "allocations": [{"id": b.id, "addr": b.addr, "size": b.size, "kind": b.kind} for b in snap.buffers],
         }
         view = snap.staging.view(snap.total)
@@ -835,7 +930,7 @@ class Agent(ProcessView):
         self.references = {k + 1 for k in at}
         self.reference_out = out
 
-    def _reference(self, n: int) -> None:
+    def dump_reference(self, n: int) -> None:
         """Before operation n+1... called at operation n's enter: the state after n-1 ops."""
         from cuda.bindings import driver as drv
 
@@ -872,8 +967,6 @@ class Agent(ProcessView):
             raise GpuosError(f"buffers are not all back ({_pending(eng)}): {op} after they are "
                              "(a lazy resume or rollback still loading, or buffers evicted)", ExitCode.WRONG_STATE)
         if op == "suspend":
-            from gpuos_tools.agent.suspend import Suspension
-
             if self.suspension is None:
                 self.suspension = Suspension(self)
             return self.suspension.suspend(
@@ -915,13 +1008,11 @@ class Agent(ProcessView):
                 "predicted": self.memo_misses, "epoch": self.pred.epoch}
 
     def start_server(self) -> str:
-        from gpuos_tools.agent.control import Server
-
         def handler(request: dict[str, Any]) -> dict[str, Any]:
             self.own.add(threading.get_native_id())
             return self.handle(request)
 
-        self.server = Server(handler)
+        self.server = ControlServer(handler)
         self.server.start()
         return str(self.server.path)
 
@@ -933,7 +1024,7 @@ def _pending(engine: Any) -> str:
 
 def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[str, Any]) -> list[str]:
     """Why an image (its manifest) cannot be rolled back into a process whose live device
-    allocations are ``live`` on a GPU and driver described by ``facts`` (``_device_facts``);
+    allocations are ``live`` on a GPU and driver described by ``facts`` (``cuda.driver.context_facts``);
     empty when it fits. The allocation tables must be the same set of (address, size): a buffer
     of the image with nowhere to go, or an allocation the image would leave as it is, refuses."""
     problems = []
@@ -960,25 +1051,6 @@ def fit_problems(manifest: dict[str, Any], live: list[Allocation], facts: dict[s
     return problems
 
 
-def _device_facts() -> dict[str, Any]:
-    """The GPU, driver and CUDA version of the current context, for an image's manifest."""
-    from cuda.bindings import driver as drv
-
-    facts: dict[str, Any] = {}
-    err, dev = drv.cuCtxGetDevice()
-    if err == drv.CUresult.CUDA_SUCCESS:
-        err, name = drv.cuDeviceGetName(256, dev)
-        if err == drv.CUresult.CUDA_SUCCESS:
-            facts["gpu"] = name.split(b"\0", 1)[0].decode()
-        err, uuid = drv.cuDeviceGetUuid(dev)
-        if err == drv.CUresult.CUDA_SUCCESS:
-            facts["gpu_uuid"] = bytes(uuid.bytes).hex()
-    err, version = drv.cuDriverGetVersion()
-    if err == drv.CUresult.CUDA_SUCCESS:
-        facts["cuda"] = int(version)
-    return facts
-
-
-def _stream_of(api: str, stream: int) -> int:
+def stream_of(api: str, stream: int) -> int:
     """The stream an API call really uses: handle 0 of a _ptsz call is the per-thread stream."""
     return PER_THREAD_STREAM if stream == 0 and api.endswith(("_ptsz", "_ptds")) else stream

@@ -140,7 +140,7 @@ class _TooLarge(Exception):
     pass
 
 
-class Server:
+class ControlServer:
     """Serves the control socket: one thread accepts, one thread per connection reads requests
     and writes answers, and one thread runs ``handler(request) -> answer`` for all of them, in
     the order requests arrive (the agent's handler is written for one caller at a time, and

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gpuos_tools.agent import control
 from gpuos_tools.image import chunkio
 from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
 from gpuos_tools.units import format_size
@@ -139,8 +140,6 @@ def write_image(path: str, manifest: dict[str, Any], entries: list[Entry], *, pa
 def _hand_over(job: Job) -> dict[str, Any] | None:
     """Stop writing, copy the image's bytes into a memfd and attach it to the control answer;
     the answer to return, or None (``job.refused`` says why) when it cannot be done."""
-    from gpuos_tools.agent import control
-
     if not control.peer_connected():
         job.refused = "the requester (gpu-ckpt) is no longer connected"
         return None
@@ -198,8 +197,8 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
 
 def finish_at_exit(server: Any, wait_s: float = EXIT_WAIT_S, max_s: float = EXIT_MAX_S) -> None:
     """The program is exiting: let a control request in progress finish (an image in flight
-    written, or handed over), bounded and said on stderr. ``server`` is the agent's control
-    Server (``busy``, ``wait_idle``); ``wait_s`` and ``max_s``: how long to wait before the
+    written, or handed over), bounded and said on stderr. ``server`` is the agent's
+    ControlServer (``busy``, ``wait_idle``); ``wait_s`` and ``max_s``: how long to wait before the
     handover, and in all (GPUOS_AGENT_EXIT_WAIT and GPUOS_AGENT_EXIT_MAX, through the boot
     config)."""
     if server is None or not server.busy:

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from gpuos_tools.agent import control
+from gpuos_tools.agent.durable import finish_handover
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.procs import exists
 
 
 def agents() -> list[tuple[int, Path]]:
     """(pid, socket) of every agent of this user whose process is alive."""
-    from gpuos_tools.procs import exists
-
     out = []
     d = control.socket_dir()
     for sock in sorted(d.glob("agent-*.sock")) if d.is_dir() else ():
@@ -67,8 +67,6 @@ def snapshot_to_image(target: Path, image: str, parent: str | None = None, *, co
     fds = answer.pop("_fds", [])
     answer.pop("ok", None)
     if isinstance(answer.get("image"), dict) and "handover" in answer["image"]:
-        from gpuos_tools.agent.durable import finish_handover
-
         try:
             answer["image"] = finish_handover(answer["image"], fds)
         except GpuosError:

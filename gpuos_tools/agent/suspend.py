@@ -45,10 +45,19 @@ import time
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from gpuos_tools.agent import control
+from gpuos_tools.cuda.driver import context_facts
+from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
+from gpuos_tools.memory import owned
+from gpuos_tools.memory.owned import OwnedError
+from gpuos_tools.memory.staging import Staging
 from gpuos_tools.model.allocs import Allocation
+from gpuos_tools.units import format_size
 
 RUNNING, SUSPENDING, SUSPENDED, RESUMING = "running", "suspending", "suspended", "resuming"
 LARGEST = 5  #: allocations named in a refusal or a report
@@ -96,8 +105,6 @@ def named(allocs: Sequence[Allocation], top: int = LARGEST) -> str:
 
 
 def _mib(n: int) -> str:
-    from gpuos_tools.units import format_size
-
     return format_size(n)
 
 
@@ -161,8 +168,6 @@ def _ok(result: tuple, what: str) -> Any:
 
 def _process_gpu_memory() -> int | None:
     """Device memory NVML charges to this process (None without NVML, or not listed)."""
-    from gpuos_tools.cuda.nvml import nvml_session
-
     try:
         with nvml_session() as nv:
             if nv is None:
@@ -173,11 +178,30 @@ def _process_gpu_memory() -> int | None:
         return None
 
 
+class Suspendable(Protocol):
+    """What a `Suspension` uses of the agent (gpuos_tools/agent/agent.py's Agent)."""
+
+    lock: Any  #: the agent's lock: held, the program's next operation waits in its callback
+    own: Any  #: thread ids whose driver calls are the agent's own
+    snap: Any  #: the snapshot in progress, or None
+    ctx: Any  #: the program's context (None: none yet)
+    ops: int  #: the program's operations seen so far
+    engine: Any  #: the residency engine, or None
+    staging: Staging | None  #: pinned host memory, kept between requests
+    last_image: str | None  #: the last image the agent wrote
+
+    def buffers(self) -> list[Allocation]: ...
+
+    def settle(self) -> int: ...
+
+    def ensure_staging(self, total: int) -> Staging: ...
+
+
 class Suspension:
     """Suspend / resume of the agent's program (module docstring). The control thread calls
     ``suspend``, ``resume``, ``status``; the agent's shutdown calls ``shutdown``."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Suspendable) -> None:
         self.agent = agent
         self.state = RUNNING
         self.info: dict[str, Any] = {}  #: the last suspend's answer (ping shows it)
@@ -210,8 +234,6 @@ class Suspension:
 
     def suspend(self, partial: bool = False, image: str | None = None, compress: bool = False,
                 chunk_size: int | None = None, checksum: str = "crc32", max_hold_s: float | None = None) -> dict[str, Any]:
-        from gpuos_tools.memory import owned
-
         agent = self.agent
         if self.held:
             raise GpuosError(f"the program is already {self.state}", ExitCode.WRONG_STATE)
@@ -233,7 +255,7 @@ class Suspension:
         _ok(drv.cuCtxSetCurrent(agent.ctx), "cuCtxSetCurrent")
         # pinned staging for everything, before the program is stopped (pinning is ~2 GB/s)
         need = sum(r.size for r in records) + (sum(a.size for a in outside) if image else 0)
-        agent._ensure_staging(need)
+        agent.ensure_staging(need)
         staging_s = time.perf_counter() - t_request
         self._lib = lib
         self.state = SUSPENDING
@@ -358,7 +380,7 @@ class Suspension:
         _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
         t_sync = time.perf_counter()
         spans, total = layout(records, outside if opts["image"] else [])
-        staging = agent._ensure_staging(total)  # the program grew since the staging was pinned: pin the rest
+        staging = agent.ensure_staging(total)  # the program grew since the staging was pinned: pin the rest
         side = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         events = []
         released: list[Span] = []
@@ -424,16 +446,13 @@ class Suspension:
         return answer
 
     def _write_image(self, allocs: list[Allocation], spans: list[Span], opts: dict[str, Any]) -> dict[str, Any]:
-        from gpuos_tools.agent.agent import _device_facts
-        from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
-
         agent = self.agent
         entries = image_buffers(allocs, spans)
         total = max((s.offset + s.size for s in spans), default=0)
         view = agent.staging.view(total)
         manifest = {
             "source": "gpuos-agent", "pid": os.getpid(), "argv": sys.argv, "t0_ns": time.time_ns(),
-            "ops_before": agent.ops, "suspend": True, **_device_facts(),
+            "ops_before": agent.ops, "suspend": True, **context_facts(),
             "allocations": [{"id": a.id, "addr": a.addr, "size": a.size, "kind": a.kind} for a, _ in entries],
         }
         with ImageWriter(opts["image"], manifest, compress=opts["compress"],
@@ -453,8 +472,6 @@ class Suspension:
         if lazy:
             return self._resume_lazy(t0)
         from cuda.bindings import driver as drv
-
-        from gpuos_tools.memory.owned import OwnedError
 
         lib, staging, side = self._lib, self.agent.staging, self._side
         gone = 0
@@ -536,10 +553,6 @@ class Suspension:
 def request_suspend(target: Any, *, partial: bool = False, image: str | None = None, compress: bool = False,
                     checksum: str = "crc32", max_hold_s: float | None = None, timeout: float = 3600.0) -> dict[str, Any]:
     """Ask the agent at ``target`` (a socket path) to suspend its program."""
-    from pathlib import Path
-
-    from gpuos_tools.agent import control
-
     fields: dict[str, Any] = {"partial": partial, "compress": compress, "checksum": checksum}
     if image is not None:
         fields["image"] = str(Path(image).absolute())
@@ -553,8 +566,6 @@ def request_suspend(target: Any, *, partial: bool = False, image: str | None = N
 def request_resume(target: Any, timeout: float = 3600.0, lazy: bool = False) -> dict[str, Any]:
     """Ask the agent at ``target`` to resume its suspended program (``lazy``: at once, the
     buffers loaded behind it)."""
-    from gpuos_tools.agent import control
-
     answer = control.request(target, "resume", timeout=timeout, **({"lazy": True} if lazy else {}))
     answer.pop("ok", None)
     return answer

@@ -142,7 +142,7 @@ def serve(
     from gpuos_tools.kinfer import ring as R
     from gpuos_tools.kinfer.model import Mlp
     from gpuos_tools.kinfer.policy import load_profile, parse_mode
-    from gpuos_tools.kinfer.server import ServeOptions, Server, default_model_dirs
+    from gpuos_tools.kinfer.server import RingServer, ServeOptions, default_model_dirs
 
     if gpu not in ("auto", "on", "off"):
         raise typer.BadParameter("must be auto, on or off", param_hint="--gpu")
@@ -199,7 +199,7 @@ def serve(
         model_dirs=dirs,
     )
     name = ring or str(rs["name"])
-    server = Server.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
+    server = RingServer.open(name, geometry, mlp, prof.policy(), opts, recreate=recreate)
     if not dirs:
         print("gpu-kinfer-bridge: model loads are off (no --model-dir, and the model's directory is not private to "
               "this user)", file=sys.stderr, flush=True)
@@ -314,7 +314,7 @@ def infer(
 
     owner = _ring_owner(ring_owner)
     name = ring or str(load_profile(profile).section("ring")["name"])
-    with R.Client(name, owner=owner) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
+    with R.RingClient(name, owner=owner) as client, open_input(input) as reader, open_output(output, unbuffered=unbuffered or None) as writer:
         if reader.header is None:
             writer.write(make_header("gpu-kinfer-bridge", ring=name))
         for rec in reader:
@@ -551,7 +551,7 @@ def replay(
         proc, name = _spawn_daemon(model, gpu)
     probe_us: list[float] = []
     try:
-        with R.Client(name) as client:
+        with R.RingClient(name) as client:
             depth = client.ring.geometry.slots_per_lane
 
             def decide(x: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Driver helpers through cuda-python: is there a usable driver, and which GPUs does it show."""
+"""Driver helpers through cuda-python: is there a usable driver, which GPUs does it show, and
+which GPU and driver does the current context run on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,26 @@ def ok(result: tuple, what: str) -> Any:
     if result[0] != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what}: {getattr(result[0], 'name', result[0])}")
     return result[1] if len(result) == 2 else (result[1:] or None)
+
+
+def context_facts() -> dict[str, Any]:
+    """The GPU (name, UUID) and CUDA driver version of the current context, for an image's
+    manifest; a fact the driver does not give is left out."""
+    from cuda.bindings import driver as drv
+
+    facts: dict[str, Any] = {}
+    err, dev = drv.cuCtxGetDevice()
+    if err == drv.CUresult.CUDA_SUCCESS:
+        err, name = drv.cuDeviceGetName(256, dev)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            facts["gpu"] = name.split(b"\0", 1)[0].decode()
+        err, uuid = drv.cuDeviceGetUuid(dev)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            facts["gpu_uuid"] = bytes(uuid.bytes).hex()
+    err, version = drv.cuDriverGetVersion()
+    if err == drv.CUresult.CUDA_SUCCESS:
+        facts["cuda"] = int(version)
+    return facts
 
 
 @dataclass

@@ -98,7 +98,7 @@ class AgentUpcalls:
             if what == UP_PREDICT:
                 sizes, args = launch_args(u)
                 kernel = (u.name or b"").decode(errors="replace")
-                unknown, writes, touched = agent._predict(kernel, sizes, args)
+                unknown, writes, touched = agent.predict_launch(kernel, sizes, args)
                 u.nw, u.nt, u.unknown = len(writes), len(touched), int(unknown)
                 if len(writes) + len(touched) <= u.cap:
                     ids = u.ids
@@ -109,7 +109,7 @@ class AgentUpcalls:
                 agent.protect_native([u.targets[i] for i in range(u.ntargets)], u.stream)
                 return 0
             if what == UP_REFERENCE:
-                agent._reference(int(u.n))
+                agent.dump_reference(int(u.n))
                 return 0
             api = self.names.get(u.cbid, "")
             if what == UP_LAUNCH:
@@ -139,9 +139,7 @@ class AgentUpcalls:
         and the scheduler's hooks run unless it has nothing to decide (`Executor.dormant`)."""
         core, agent = self.core, self.agent
         core.set_flag(F_TOUCH, True)
-        ex = getattr(agent, "executor", None)
-        if ex is not None:
-            core.set_flag(F_EXEC, not ex.dormant)
+        core.set_flag(F_EXEC, agent.hooks_see_every_operation)
         core.set_flag(F_GATE, agent.gate is not None)
         self.sync_flags()
 

@@ -885,10 +885,9 @@ _tracer: Tracer | None = None
 
 def make_agent(cfg: AgentConfig) -> Agent:
     """The agent ``cfg`` asks for: with the online scheduler in front under gpu-prefetch-sched run."""
+    agent = Agent(cfg.cow_budget)
     if cfg.online is not None:
-        agent = executor.OnlineAgent(cfg.online.executor_config(), cfg.cow_budget)
-    else:
-        agent = Agent(cfg.cow_budget)
+        executor.attach(agent, cfg.online.executor_config())
     agent.exit_wait_s, agent.exit_max_s = cfg.exit_wait_s, cfg.exit_max_s
     agent.dump_references(cfg.reference_at, cfg.reference_out)
     return agent

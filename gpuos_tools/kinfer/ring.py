@@ -1,5 +1,5 @@
 """The shared-memory request/response ring, as include/gpuos_kinfer.h lays it out, and its Python
-producer (``Client``).
+producer (``RingClient``).
 
 The header file is the reference; the numpy dtypes below mirror it field by field and a test
 compiles the header and compares every offset. The daemon side reads the ring through numpy
@@ -563,7 +563,7 @@ class Answer:
         )
 
 
-class Client:
+class RingClient:
     """A producer: owns one lane of the ring (one client per thread) and sends requests.
 
     ``infer(x)`` sends one vector and waits for its answer; ``submit``/``wait`` let up to

@@ -71,7 +71,7 @@ class Backend:
     """One model on the CPU and, when there is a GPU, on the GPU too."""
 
     model: Mlp
-    gpu: Any = None  # gpu.GpuMlp (Server._run times it for the delay estimate)
+    gpu: Any = None  # gpu.GpuMlp (RingServer._run times it for the delay estimate)
 
 
 @dataclass
@@ -110,7 +110,7 @@ class ServeOptions:
 
 
 @dataclass
-class Server:
+class RingServer:
     ring: R.Ring
     models: dict[int, Backend]
     policy: Policy
@@ -165,7 +165,7 @@ class Server:
         *,
         recreate: bool = False,
         log: Callable[[str], None] | None = None,
-    ) -> Server:
+    ) -> RingServer:
         """Attach to the ring ``name`` (restart: producers stay attached) or create it.
 
         An existing ring is adopted only when it is this user's (``Ring.attach`` checks type, owner
@@ -833,7 +833,7 @@ def request_load(name: str, path: str | Path, model_id: int = 0, timeout: float 
 
     Returns the daemon's status (``R.CONTROL_OK``: swapped; ``R.CONTROL_NAMES`` says the others).
     The daemon loads the file itself, so the path is made absolute here. ``owner``: as for
-    ``R.Client``.
+    ``R.RingClient``.
     """
     ring = R.Ring.attach(name, owners=None if owner is None else (os.geteuid(), 0, owner))
     try:

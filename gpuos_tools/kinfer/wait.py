@@ -4,7 +4,7 @@ A futex wake-up of a sleeping thread is slow on a VM (about 250 µs on the 2-vCP
 machine: the idle vCPU has to be woken by the host), so a daemon that sleeps between two
 requests makes each of them pay that. Spinning forever costs a core even when nothing comes.
 The rule used everywhere a thread waits for the other side (the daemon's C and Python loops,
-the eBPF loader; ``Client`` applies the same shape to its wait for an answer):
+the eBPF loader; ``RingClient`` applies the same shape to its wait for an answer):
 
 - after the last arrival, keep spinning for ``hold = clamp(2 g, spin_min, spin_max)``, where
   ``g`` is a decaying maximum of the recent gaps between arrivals (a new gap raises it at
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Defaults of the daemon's window (profile [wait]); the client's are in ring.Client.
+#: Defaults of the daemon's window (profile [wait]); the client's are in ring.RingClient.
 SPIN_MIN_US = 200.0
 SPIN_MAX_US = 5000.0
 

@@ -96,7 +96,7 @@ read it (or too many did), every kernel launched since its load (the launch last
 included: one being issued as a prefetch loads it may run after). Each mismatch is counted
 (``mismatches``) and logged (``mismatch``: record, bytes, suspects, how found), and each suspect
 becomes ``conservative``: from then on its launches are unknown -- to the agent's predictor
-(``Agent._predict``: the executor's policy, snapshots) and here (every record required) -- and
+(``Agent.predict_launch``: the executor's policy, snapshots) and here (every record required) -- and
 count as writing everything resident: ``clean`` is cleared and every digest dropped, so the
 evictions after them save without relying on a digest (a graph launch drops the digests too
 once a kernel is conservative: it may run one). At the detection, the clean records that a new
@@ -336,6 +336,19 @@ class ResidencyEngine:
             s = self._streams[name] = self.ops.stream()
         return s
 
+    def make_streams(self, *names: str) -> None:
+        """Make the named streams ("demand", "prefetch", "background", "evict") now, not in the
+        program's first callback that needs one."""
+        for name in names:
+            self._stream(name)
+
+    def pin_host(self, base: int, size: int) -> None:
+        """Make the host copy of record ``base`` (``size`` bytes) now, on the caller's thread
+        (pinning holds the driver's lock: the executor's mover does it ahead of evictions)."""
+        with self.lock, self._own():
+            self.ops.enter()
+            self.ops.host(base, size)
+
     @contextmanager
     def _own(self) -> Iterator[None]:
         """This thread's driver calls are the agent's while inside."""
@@ -366,7 +379,7 @@ class ResidencyEngine:
     def bases_of_launch(self, kernel: str, sizes: Any, args: Any) -> set[int] | None:
         """The pending records a launch reads or writes, by the agent's predictor; None when
         the prediction is unknown (then every record counts)."""
-        unknown, touched, _ = self.agent._touches(kernel, sizes, args)
+        unknown, touched, _ = self.agent.launch_touches(kernel, sizes, args)
         if unknown:
             return None
         by_id = self.agent.by_id
@@ -401,7 +414,7 @@ class ResidencyEngine:
 
     def launch(self, stream: int, kernel: str, sizes: Any, args: Any) -> None:
         """Before a launch on ``stream``."""
-        unknown, touched, writes = self.agent._touches(kernel, sizes, args)
+        unknown, touched, writes = self.agent.launch_touches(kernel, sizes, args)
         suspect = bool(self.conservative) and kernel in self.conservative
         if suspect:  # a mismatch named it: unknown, and it writes everything resident
             unknown = True
@@ -477,7 +490,7 @@ class ResidencyEngine:
                 a = allocs.find(addr) if addr else None
                 if a is not None:
                     self._touched(a.id)
-        if _opaque_copy(api):  # 3D copies and copies through arrays: addresses not read here
+        if opaque_copy(api):  # 3D copies and copies through arrays: addresses not read here
             if self.pending:
                 self.require(None, stream)
             self.clean.clear()
@@ -1176,7 +1189,7 @@ class ResidencyEngine:
             self._loader.join(60)
 
 
-def _opaque_copy(api: str) -> bool:
+def opaque_copy(api: str) -> bool:
     """A copy whose device addresses the tracer's hook does not give (cuMemcpy3D*, and copies to
     or from CUDA arrays: cuMemcpyDtoA, AtoD, AtoH, HtoA, AtoA): it counts as touching every record."""
     return api.startswith("cuMemcpy") and ("3D" in api or "toA" in api or "Ato" in api)

@@ -2,10 +2,13 @@
 the online policy (gpuos_tools/sched/online.py) what to do and carries it out through the
 residency engine (gpuos_tools/memory/engine.py) -- the engine of issue 7, not a second one.
 
-`OnlineAgent` is the agent with this added; gpuos_tools/injection/tracer.py makes one instead of a
-plain Agent when the boot config has an online part (injection/config.py `OnlineConfig`: budget or
-fraction, policy, lookahead, the summary file's path; its `executor_config()` is the ``cfg`` dict
-taken here), which `gpu-prefetch-sched run` gives, with the program's allocations owned.
+The `Executor` is hooks on the agent (gpuos_tools/agent/hooks.py): when the boot config has an
+online part (injection/config.py `OnlineConfig`: budget or fraction, policy, lookahead, the
+summary file's path; its `executor_config()` is the ``cfg`` dict taken here), which
+`gpu-prefetch-sched run` gives with the program's allocations owned, the in-process start-up
+(gpuos_tools/injection/tracer.py `make_agent`) makes a plain Agent and calls
+``attach(agent, cfg)``; when the agent's residency engine starts, an Executor is made on it and
+registers itself.
 
 Before each launch, copy and memset of the program (its thread, the agent's lock held):
 
@@ -68,10 +71,13 @@ import time
 from bisect import bisect_right
 from typing import Any
 
-from gpuos_tools.agent.agent import Agent, _stream_of
-from gpuos_tools.memory.engine import _opaque_copy
+from gpuos_tools.agent.agent import Agent
+from gpuos_tools.agent.hooks import AgentHooks
 from gpuos_tools.errors import GpuosError
+from gpuos_tools.memory.engine import opaque_copy
+from gpuos_tools.sched.ledger import Ledger
 from gpuos_tools.sched.online import OnlinePolicy
+from gpuos_tools.sched.serve import CoordinatorClient
 from gpuos_tools.stream import atomic
 
 NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
@@ -83,8 +89,13 @@ POLL_S = 50e-6
 KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 
 
-class Executor:
-    """The policy's actions carried out through the engine (module docstring)."""
+class Executor(AgentHooks):
+    """The policy's actions carried out through the engine (module docstring); ``attach``
+    registers it on the engine's agent."""
+
+    #: a launch captured into a CUDA graph does not run: no decision for it (the graph's launch
+    #: is one, unknown); without this its stream waits would be captured into the graph
+    skip_captured = True
 
     def __init__(self, engine: Any, cfg: dict[str, Any], lib: Any = None) -> None:
         self.engine = engine
@@ -135,19 +146,15 @@ class Executor:
                       "ledger_waits": 0, "ledger_wait_s": 0.0, "room_asks": 0, "squeezes": 0, "forced_loads": 0,
                       "prefetch_no_room": 0, "unreserved_maps": 0, "turn_peak_max": 0, "gate_errors": 0}
         if cfg.get("serve"):
-            from gpuos_tools.sched.serve import Client
-
             srv = cfg["serve"]
             self._overlap = bool(srv.get("overlap", False))
             if srv.get("ledger"):
-                from gpuos_tools.sched.ledger import Ledger
-
                 self.ledger = Ledger(srv["ledger"], int(srv["job"]))
                 self.engine.ops = _LedgerOps(self.engine.ops, self)
             elif not srv.get("unsafe_overlap"):  # (a test's knob: the overlap without the ledger, unsafe)
                 self._overlap = False  # no ledger, nothing makes the next job's loads wait: serial
             try:
-                self.serve = Client(srv["socket"], int(srv["job"]))
+                self.serve = CoordinatorClient(srv["socket"], int(srv["job"]))
             except OSError as exc:  # not served, it would run over everyone's budget: it must not start
                 raise RuntimeError(f"gpu-prefetch-sched serve: cannot reach the coordinator at {srv['socket']}: {exc}") from exc
         #: per kernel (or copy/memset API) name: [operations, unknown ones, bytes of the records
@@ -160,11 +167,55 @@ class Executor:
         #: --budget 100%); the native core then does not call the executor's hooks at all
         fraction = cfg.get("fraction")
         self.dormant = self.serve is None and fraction is not None and float(fraction) >= 1.0
+        self.every_operation = not self.dormant
         self._park = (self.serve is None and os.environ.get(NO_PARK_ENV, "") in ("", "0")
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
             self.lib.set_park_limit(PARK_LIMIT)
         self.counts["park_trims"] = 0
+
+    # -- the hooks on the agent (gpuos_tools/agent/hooks.py) ------------------------------------
+
+    def attach(self, agent: Agent) -> None:
+        """Register on ``agent`` (the engine's): its launches, copies and memsets come to
+        ``before`` first, its exit to ``at_exit``; serving, its operations wait at ``gate``."""
+        self.why = agent.unknown_why
+        agent.add_hooks(self)
+
+    def offered(self) -> tuple[str, ...]:
+        """The gate only when serving (else it would cost a call per operation)."""
+        return tuple(name for name in super().offered() if name != "gate" or self.serve is not None)
+
+    def before_launch(self, agent: Any, api: str, stream: int, kernel: str, sizes: Any, args: Any) -> None:
+        """The records the launch reads or writes, by the agent's prediction (None: unknown)."""
+        unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
+        by_id = agent.by_id
+        self.before(kernel, None if unknown else [by_id[i].addr for i in touched if i in by_id], stream)
+
+    def before_write(self, agent: Any, api: str, addr: int, stream: int, src: int) -> None:
+        """Copies and memsets (a free is no decision). 3D copies and copies through CUDA arrays:
+        the engine does not read their addresses and loads everything; the policy counts them
+        unknown the same way."""
+        if api.startswith(("cuMemcpy", "cuMemset")):
+            self.before(api, None if opaque_copy(api) else [a for a in (addr, src) if a], stream)
+
+    def before_graph(self, agent: Any, stream: int) -> None:
+        self.before("cuGraphLaunch", None, stream)
+
+    def at_exit(self, agent: Any) -> None:
+        """The program ends: the mover stops, and the timeline and summary are written where the
+        config says."""
+        self.close()
+        tl = self.cfg.get("timeline")
+        if tl:
+            data = self.timeline()
+            data["summary"] = {k: v for k, v in self.summary().items() if not isinstance(v, (dict, list))}
+            _write_json(tl, data, "timeline", separators=(",", ":"))
+        path = self.cfg.get("summary")
+        if path:
+            _write_json(path, self.summary(), "summary")
+
+    # -- the timeline ---------------------------------------------------------------------------
 
     def _event(self, kind: str, value: float, t: float | None = None) -> None:
         log = self._log
@@ -612,9 +663,7 @@ class Executor:
                 continue
             if isinstance(base, tuple):  # ("pin", base, size): the engine's host copy, made ahead
                 try:
-                    with eng.lock, eng._own():
-                        eng.ops.enter()
-                        eng.ops.host(base[1], base[2])
+                    eng.pin_host(base[1], base[2])
                     self.counts["pins"] += 1
                 except Exception as exc:  # noqa: BLE001 (the eviction pins it then, on the program's thread)
                     self.counts["pin_errors"] += 1
@@ -665,7 +714,8 @@ class Executor:
 
     def gate(self) -> None:
         """Before a launch, copy or memset of the program, on its thread, BEFORE the agent's lock
-        is taken: the tracer's callback calls this first (Agent.gate), and only when serving.
+        is taken: the tracer's callback calls this first (the agent's gate, registered only
+        when serving).
 
         Why here and not in ``before`` (which runs with the agent's lock held): waiting for the
         turn can take whole slices of the other jobs, and the engine's threads take the agent's
@@ -904,7 +954,7 @@ class Executor:
         return out
 
 
-_current: Executor | None = None  #: this process's executor (OnlineAgent.start_engine)
+_current: Executor | None = None  #: this process's executor (``attach``)
 
 
 def current_counts() -> dict[str, Any] | None:
@@ -922,72 +972,28 @@ def current_counts() -> dict[str, Any] | None:
             "over_budget": p.over_budget, "room_wait_s": round(ex.counts["room_wait_s"], 6), "t": time.perf_counter()}
 
 
-class OnlineAgent(Agent):
-    """The agent with the online executor in front of its launch, copy and memset hooks."""
+def attach(agent: Agent, cfg: dict[str, Any]) -> None:
+    """`gpu-prefetch-sched run`: the online executor in front of ``agent``'s launches, copies and
+    memsets from the start of its residency engine (`Agent.start_engine`; the owned allocator is
+    loaded), which it acts through. ``cfg``: the config (`OnlineConfig.executor_config()`). From now
+    on launches captured into a CUDA graph are skipped (`Executor.skip_captured`)."""
+    agent.add_hooks(_OnEngine(cfg))
 
-    #: a launch captured into a CUDA graph does not run: no decision for it (the graph's launch
-    #: is one, unknown); without this its stream waits would be captured into the graph
+
+class _OnEngine(AgentHooks):
+    """Until the agent's engine starts: captured launches skipped; then the executor is made
+    on the engine and registered."""
+
     skip_captured = True
 
-    def __init__(self, cfg: dict[str, Any], cow_budget: int | None = None) -> None:
-        super().__init__(cow_budget)
-        self.sched_cfg = cfg
-        self.executor: Executor | None = None
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
 
-    def start_engine(self) -> None:
-        super().start_engine()
-        self.executor = Executor(self.engine, self.sched_cfg)
-        if self.executor.serve is not None:  # gpu-prefetch-sched serve: the tracer calls it before the lock
-            self.gate = self.executor.gate
-        self.executor.why = self.unknown_why
+    def engine_started(self, agent: Any) -> None:
         global _current
-        _current = self.executor
-
-    def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
-        ex = self.executor
-        if ex is not None:
-            try:
-                unknown, touched, _ = self._touches(kernel, sizes, args)
-                by_id = self.by_id
-                addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
-                ex.before(kernel, addrs, _stream_of(api, stream))
-            finally:  # whatever happened, the engine's own hook still loads what the launch touches
-                super()._before_launch(api, stream, kernel, sizes, args)
-        else:
-            super()._before_launch(api, stream, kernel, sizes, args)
-
-    def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:
-        ex = self.executor
-        try:
-            if ex is not None and api.startswith(("cuMemcpy", "cuMemset")):
-                # 3D copies and copies through CUDA arrays: the engine does not read their
-                # addresses and loads everything; the policy counts them unknown the same way
-                addrs = None if _opaque_copy(api) else [a for a in (addr, src) if a]
-                ex.before(api, addrs, _stream_of(api, stream))
-        finally:
-            super().before_write(api, addr, stream, src)
-
-    def before_graph(self, stream: int) -> None:
-        ex = self.executor
-        try:
-            if ex is not None:
-                ex.before("cuGraphLaunch", None, stream)
-        finally:
-            super().before_graph(stream)
-
-    def stop_background(self) -> None:
-        ex = self.executor
-        if ex is not None:
-            ex.close()
-            tl = self.sched_cfg.get("timeline")
-            if tl:
-                data = ex.timeline()
-                data["summary"] = {k: v for k, v in ex.summary().items() if not isinstance(v, (dict, list))}
-                _write_json(tl, data, "timeline", separators=(",", ":"))
-            path = self.sched_cfg.get("summary")
-            if path:
-                _write_json(path, ex.summary(), "summary")
-        super().stop_background()
+        ex = Executor(agent.engine, self.cfg)
+        ex.attach(agent)
+        _current = ex
 
 
 class _LedgerOps:

@@ -358,7 +358,7 @@ class Coordinator:
 # -- the job side (inside the program, for the executor) ------------------------------------------
 
 
-class Client:
+class CoordinatorClient:
     """The job's end of the protocol. A reader thread takes the coordinator's messages: a yield
     request and budget updates are left in ``ask`` and ``update`` for the program's next
     operation to find (a look at two attributes, the only cost per operation); grants and trims

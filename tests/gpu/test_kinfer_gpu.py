@@ -64,7 +64,7 @@ def test_daemon_answers_on_the_gpu_and_swaps_weights(tmp_path: Path) -> None:
     name = f"kinfer-gpu-{uuid.uuid4().hex[:8]}"
     a, b = M.Mlp.random(seed=1), M.Mlp.random(seed=2)
     try:
-        srv = S.Server.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=8),
+        srv = S.RingServer.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=8),
                             S.ServeOptions(use_gpu="on", model_dirs=(str(tmp_path),)), recreate=True, log=lambda m: None)
     except BaseException:
         R.ring_path(name).unlink(missing_ok=True)
@@ -127,7 +127,7 @@ def test_calibrate_writes_the_gpu_curve(tmp_path: Path) -> None:
     assert pol.cpu_below == (rec["crossover"] if rec["crossover"] is not None else 4097)
 
 
-def _serve_in_thread(srv: S.Server):  # noqa: ANN202
+def _serve_in_thread(srv: S.RingServer):  # noqa: ANN202
     import threading
 
     thread = threading.Thread(target=srv.serve, daemon=True)
@@ -146,7 +146,7 @@ def test_measured_delay_and_native_loop_on_a_real_gpu(gpu_wins: bool) -> None:
     pol = P.Policy(batches=[1, 4096], cpu_us=[cpu, cpu], gpu_us=[30.0, 80.0])
     model = M.Mlp.random(seed=6)
     try:
-        srv = S.Server.open(name, R.Geometry(16, 8), model, pol, S.ServeOptions(use_gpu="on", native="auto"), recreate=True,
+        srv = S.RingServer.open(name, R.Geometry(16, 8), model, pol, S.ServeOptions(use_gpu="on", native="auto"), recreate=True,
                             log=lambda m: None)
     except BaseException:
         R.ring_path(name).unlink(missing_ok=True)
@@ -160,7 +160,7 @@ def test_measured_delay_and_native_loop_on_a_real_gpu(gpu_wins: bool) -> None:
                 time.sleep(0.01)
             assert srv.speed.probes >= 1 and srv.speed.last_probe_us > 0  # nothing measured yet: probed at once
             x = _x(40, seed=9)
-            with R.Client(name) as client:
+            with R.RingClient(name) as client:
                 answers = [client.infer(row) for row in x]
         finally:
             srv.stop.set()

@@ -25,7 +25,7 @@ def test_gpu_batches_survive_truncation_rewrites_and_a_planted_model(tmp_path: P
     a = M.Mlp.random(seed=1)
     planted = tmp_path / "planted.npz"
     M.Mlp.random(seed=666).save(planted)
-    srv = S.Server.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=1), S.ServeOptions(use_gpu="on", native="off",
+    srv = S.RingServer.open(name, R.Geometry(16, 8), a, P.Policy(cpu_below=1), S.ServeOptions(use_gpu="on", native="off",
                         model_dirs=(str(models),)), recreate=True, log=lambda m: None)
     sampler, srv.gpu_load = srv.gpu_load, None  # another job on a shared GPU must not make this a CPU test
     try:
