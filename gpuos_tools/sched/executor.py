@@ -68,7 +68,7 @@ from bisect import bisect_right
 from typing import Any
 
 from gpuos_tools.agent.agent import Agent, _stream_of
-from gpuos_tools.memory.engine import _opaque_copy
+from gpuos_tools.memory.engine import opaque_copy as _opaque_copy
 from gpuos_tools.errors import GpuosError
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.stream import atomic

@@ -1,7 +1,7 @@
 """`gpu-prefetch-sched run` on a real GPU (pytest -m gpu): a CuPy stencil loop whose arrays are
 half again as large as the budget runs to the same bytes as without it, with the mapped
 memory within the budget once the program's allocations stopped, and its launch period learned
-and used for prefetching (gpuos_tools/sched/online.py, executor.py, agent/engine.py)."""
+and used for prefetching (gpuos_tools/sched/online.py, executor.py, memory/engine.py)."""
 
 from __future__ import annotations
 
