@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from gpuos_tools.injection import tracelib, tracer
+from gpuos_tools.memory import threads
 from gpuos_tools.model import wire
 from gpuos_tools.injection.core import (
     F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
@@ -49,8 +50,8 @@ def start_native_agent(fd: int, library: str) -> NativeAgentTracer:
     else:
         agent = Agent(cow)
     t = NativeAgentTracer(fd, flush_ms / 1000.0, library, check, agent)
-    # the handle to the running agent that the owned allocator (its own-thread marks) and programs
-    # under test look up, as for the Python agent
+    threads.set_own_threads(agent.own)  # memory's own-thread marks: the core's table (set by the upcalls)
+    # the handle to the running agent that programs under test look up, as for the Python agent
     tracer._tracer = t
     t.start()
     # GPUOS_AGENT_OWN=1: the program's CuPy and PyTorch allocations go through the owned

@@ -29,6 +29,7 @@ import time
 from collections import deque
 
 from gpuos_tools.injection import tracelib
+from gpuos_tools.memory import threads
 from gpuos_tools.model import binary, wire
 
 # One memoryview over the user address space (x86-64 and aarch64 user space is below 2**47).
@@ -901,6 +902,7 @@ def start(fd: int) -> Tracer:
             agent = online.OnlineAgent(online.config_from_environment() or {}, cow)
         else:
             agent = Agent(cow)
+        threads.set_own_threads(agent.own)  # memory's own-thread marks
         _tracer = Tracer(fd, flush_ms / 1000.0, agent=agent)
     elif validate:
         from gpuos_tools.agent.validate import Validator

@@ -16,8 +16,9 @@ so CuPy's own caching stays in front and allocation-heavy programs keep their sp
 (scripts/bench_alloc.py). `install_cupy()` does the same from any program.
 
 Residency (`Residency`), per record, from a thread of the agent's (never with the agent's lock
-held; the thread is marked as the agent's own so that the tracer does not take its driver calls
-for the program's):
+held; the thread is marked as the agent's own, in the set the agent registered with
+gpuos_tools/memory/threads.py, so that the tracer does not take its driver calls for the
+program's):
 
 - `save(addr)`: copy the record's whole range to pinned host memory on a side stream; returns
   the event after the copy. The caller makes sure no work in flight writes the buffer (for now:
@@ -68,13 +69,12 @@ import importlib.util
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuos_tools import cbuild
+from gpuos_tools.memory.threads import agents_thread
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_alloc.c"
 INCLUDE = Path(__file__).resolve().parent / "include"  #: gpuos_sizeclass.h, shared by both caches
@@ -497,23 +497,6 @@ def _ok(result: tuple, what: str) -> Any:
     return result[1] if len(result) == 2 else (result[1:] or None)
 
 
-@contextmanager
-def _agents_own_thread() -> Iterator[None]:
-    """While inside, this thread's driver calls are the agent's, not the program's (the tracer
-    skips them): releasing a buffer is not the program freeing it."""
-    tracer = sys.modules.get("gpuos_tools.injection.tracer")  # loaded only in a traced program
-    agent = getattr(getattr(tracer, "_tracer", None), "agent", None)
-    me = threading.get_native_id()
-    mine = agent is not None and me not in agent.own
-    if mine:
-        agent.own.add(me)
-    try:
-        yield
-    finally:
-        if mine:
-            agent.own.discard(me)
-
-
 class Residency:
     """save / release / make_resident / load / prefetch_async per record, with pinned host
     copies and a side stream (module docstring). Not for concurrent use from several threads."""
@@ -558,7 +541,7 @@ class Residency:
         r = self._record(addr)
         if not r.resident:
             raise OwnedError(f"save {r.base:#x}: it is released")
-        with _agents_own_thread():
+        with agents_thread():
             side = self._enter(r.device)
             host = self.host.get(r.base)
             if host is None or host[1] != r.size:
@@ -574,13 +557,13 @@ class Residency:
     def release(self, addr: int) -> None:
         """Release the physical memory of the record holding ``addr`` (saved first: ``save``)."""
         r = self._record(addr)
-        with _agents_own_thread():
+        with agents_thread():
             self._enter(r.device)
             self.lib.release(r.base)
 
     def make_resident(self, addr: int) -> None:
         r = self._record(addr)
-        with _agents_own_thread():
+        with agents_thread():
             self._enter(r.device)
             self.lib.make_resident(r.base)
 
@@ -595,7 +578,7 @@ class Residency:
             raise OwnedError(f"load {r.base:#x}: nothing saved for it")
         if not r.resident:
             raise OwnedError(f"load {r.base:#x}: it is released (make_resident first)")
-        with _agents_own_thread():
+        with agents_thread():
             side = self._enter(r.device)
             s = side if stream is None else stream
             _ok(drv.cuMemcpyHtoDAsync(r.base, host[0], r.size, s), "cuMemcpyHtoDAsync(load)")
@@ -615,14 +598,14 @@ class Residency:
         r = self._record(addr)
         host = self.host.pop(r.base, None)
         if host is not None:
-            with _agents_own_thread():
+            with agents_thread():
                 self._enter(r.device)
                 drv.cuMemFreeHost(host[0])
 
     def close(self) -> None:
         from cuda.bindings import driver as drv
 
-        with _agents_own_thread():
+        with agents_thread():
             for device, side in self.side.items():
                 self._enter(device)
                 drv.cuStreamSynchronize(side)
