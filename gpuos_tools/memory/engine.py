@@ -336,13 +336,13 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
 
     def _copy(self, e: Entry, stream: Any) -> bool:
         self.ops.copy_in(e.base, e.pieces, stream)
-        if e.own:  # before the load's event: no operation of the program runs before the digest
+        if e.own_copy:  # before the load's event: no operation of the program runs before the digest
             self._digest_host_copy(e.base, e.size, stream)
         ev = self.ops.event()
         self.ops.record(ev, stream)
         e.event, e.state, e.ordered = ev, LOADING, set()
         self.counts["loaded_bytes"] += e.size
-        if e.own:  # later writes are ordered after the load and discard it from clean
+        if e.own_copy:  # later writes are ordered after the load and discard it from clean
             self._busy()
             self.clean.add(e.base)
             self._since[e.base] = self._seq

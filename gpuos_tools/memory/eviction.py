@@ -165,7 +165,7 @@ class Eviction:
         held): the digest to compare with the host copy's (``how`` "digest"), nothing when the
         host copy is known current without one ("clean"), else the save ("save"). Returns the
         entry, the event after it, and ``how``."""
-        e = Entry(base, size, EVICTING, pieces, own=True)
+        e = Entry(base, size, EVICTING, pieces, own_copy=True)
         self._put(e)
         clean = base in self.clean
         if self._backing_off(base):  # changed at its last check: save

@@ -23,7 +23,7 @@ class Entry:
     ordered: set = field(default_factory=set)  #: streams already waiting on ``event`` (loading)
     cancelled: bool = False  #: evicting: an operation touched it, it stays
     on_demand: bool = False
-    own: bool = False  #: ``pieces`` are the engine's own pinned copy (kept after the load)
+    own_copy: bool = False  #: ``pieces`` are the engine's own pinned copy (kept after the load)
     mapped: bool = False  #: a lazy rollback's: mapped all along, only the load is missing
     #: evicting with a digest check while clean: the kernels that may have written it (a mismatch)
     suspects: tuple[list[str], str, bool] | None = None
