@@ -1,14 +1,49 @@
 """Owned allocations: the agent as the allocator of the traced program, on the CUDA virtual
 memory API, so that a buffer's physical memory can be released and later made resident again at
-the same address.
+the same address. The paragraphs after this one are gpu-trace(1)'s OWNED ALLOCATIONS section
+(commands/trace.py); the design, for a reader of the code: docs/owned-memory-and-residency.md.
 
-The allocator is a small C library (csrc/gpuos_alloc.c), built once into the user's cache and
-loaded with ctypes (``OwnedLibrary``); its table of records (a large buffer, or a segment of
-small blocks: the unit of residency) is read here. ``install_cupy`` and ``install_torch`` /
-``watch_torch`` route a framework's allocations through it, ``boot_from_environment`` as
-GPUOS_AGENT_OWN asks. Saving a record, releasing it and loading it back is the residency
-engine's (engine.py). How the allocator works, what it does not own, and the limits of any
-pluggable allocator in PyTorch: docs/owned-memory-and-residency.md.
+The allocator is a small C library (csrc/gpuos_alloc.c), built once with the system compiler
+into the user's cache like the native tracer, and loaded with ctypes. Every buffer gets its own
+reserved address range, rounded up to the allocation granularity (2 MiB on Hopper) and backed by
+one physical allocation; requests of up to 1 MiB are carved out of granule-sized segments by
+power-of-two size class, and such a segment is then the unit of residency. The library's table
+(address, size, physical handle, resident) is read here through ctypes.
+
+CuPy: `GPUOS_AGENT_OWN=1` in the environment of `gpu-trace run` (any backend, with or without
+`--agent`) makes the tracer's bootstrap route CuPy's allocations through the library, before
+the program's first line: a `cupy.cuda.MemoryPool` over a `CFunctionAllocator` of the library,
+so CuPy's own caching stays in front and allocation-heavy programs keep their speed
+(scripts/bench_alloc.py). `install_cupy()` does the same from any program.
+
+Residency: the library releases a record's physical memory keeping its addresses, and makes it
+resident again at the same addresses; the agent's residency engine saves the contents before
+and loads them back after (a suspend, a lazy resume, `gpu-prefetch-sched run`): the same bytes
+at the same addresses (tested on the GPU, tests/gpu/test_owned_gpu.py).
+
+PyTorch: the same `GPUOS_AGENT_OWN=1` makes torch allocate through the library's
+`gpuos_torch_malloc` / `gpuos_torch_free` (`torch.cuda.memory.CUDAPluggableAllocator`), put in
+place by `install_torch()` before the first CUDA allocation: at boot when torch is already
+imported, else by an import hook the moment `import torch` finishes (programs that never import
+torch never load it). A pluggable allocator replaces torch's caching allocator, so the library
+caches itself, stream-ordered (csrc/gpuos_alloc.c, "PyTorch"): a freed block is reused at once
+on its stream (the class's lowest address first, so that a repeated step gets the same blocks:
+gpu-prefetch-sched learns its period on them), on another stream only after an event recorded
+on its stream has completed; no free synchronises the device; sizes are rounded to classes (at
+most 25 % over, or the power of two up to 1 MiB). Cached blocks stay in the table and are saved
+and released by a suspend like live ones. `torch.cuda.empty_cache()` is wrapped to give the
+cache back (`torch_trim`). Not owned in a PyTorch program (measured on an H100, torch 2.11,
+scripts/probe_torch_not_owned.py): cuBLAS's and cuBLASLt's workspaces (one each, sized by
+CUBLAS_WORKSPACE_CONFIG: 32 MiB at :4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's
+2 x 24.75 KiB + 2 x 4 B: torch allocates these with cudaMalloc past its allocator, so a suspend
+needs --partial and they stay on the GPU. Limits (torch's, for any pluggable allocator):
+`torch.cuda.memory_stats()` and `torch.cuda.memory_allocated()` raise RuntimeError
+("CUDAPluggableAllocator does not yet support getDeviceStats"); `Tensor.record_stream` is not
+seen (a block is freed on its allocation stream: a program that frees a tensor still used on
+another stream must make that stream wait first); CUDA graph capture and replay run (tested),
+but there is no private pool: a block freed during capture goes back to the shared cache, so
+memory the graph still writes on replay can be handed to another tensor; keep owning off for
+programs that replay graphs.
 """
 
 from __future__ import annotations
