@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The swap pipeline of the residency engine (issue 8, P7: ">= 90 GB/s both directions on an
 H200"): owned records evicted to the engine's pinned host copies while others are loaded back,
-at the same time, through the engine itself (gpuos_tools/memory/engine.py: evict_from_operation
+at the same time, through the engine itself (gpuos_tools/memory/eviction.py: evict_from_operation
 -> save on its evict stream, release on its evict thread; prefetch -> make resident + load on
 its prefetch stream), not through bare cudaMemcpy.
 
@@ -48,7 +48,9 @@ from typing import Any
 
 os.environ["GPUOS_ENGINE_NO_DIGEST"] = "1"
 
-from gpuos_tools.memory.engine import RELEASED, RESIDENT, DriverOps, ResidencyEngine  # noqa: E402
+from gpuos_tools.memory.driver_ops import DriverOps  # noqa: E402
+from gpuos_tools.memory.engine import ResidencyEngine  # noqa: E402
+from gpuos_tools.memory.states import RELEASED, RESIDENT  # noqa: E402
 from gpuos_tools.memory.owned import OwnedLibrary  # noqa: E402
 from gpuos_tools.cuda.driver import ok  # noqa: E402
 from gpuos_tools.cuda.nvml import nvml_session  # noqa: E402

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 from gpuos_tools.agent.agent import Agent
-from gpuos_tools.memory.engine import EVICTING, LOADING, RELEASED, RESIDENT, ResidencyEngine
+from gpuos_tools.memory.engine import SAMPLE, ResidencyEngine
+from gpuos_tools.memory.states import EVICTING, LOADING, RELEASED, RESIDENT
 
 MIB = 1 << 20
 
@@ -235,8 +236,6 @@ def test_background_loader_keeps_a_bounded_amount_ahead():
 
 
 def test_the_most_recently_touched_come_first_and_recency_is_sampled_once_all_is_learnt():
-    from gpuos_tools.memory.engine import SAMPLE
-
     recs = [Rec(b, 256 * MIB) for b in BASES]
     ops = FakeOps(recs, auto=True)
     agent = FakeAgent({i + 1: b for i, b in enumerate(BASES)})

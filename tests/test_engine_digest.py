@@ -1,5 +1,5 @@
-"""The residency engine's digest check (gpuos_tools/memory/engine.py, "Digests") on a fake
-driver: when a record evicted again may skip its save, when it must be saved, where the digests
+"""The residency engine's digest check (gpuos_tools/memory/digests.py; docs/residency-engine.md)
+on a fake driver: when a record evicted again may skip its save, when it must be saved, where the digests
 are ordered, and how the engine goes on without them. The GPU kernel is mocked by a hash of the
 fake device bytes; tests/gpu/test_digest_gpu.py runs the real one."""
 
@@ -10,7 +10,10 @@ import threading
 
 import pytest
 
-from gpuos_tools.memory.engine import RELEASED, RESIDENT, ResidencyEngine
+from gpuos_tools.memory.digest_kernel import digest_reference
+from gpuos_tools.memory.digests import BACKOFF
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.states import RELEASED, RESIDENT
 from tests.test_engine import MIB, FakeAgent, FakeOps, Rec
 
 BASE = 0x1000_0000
@@ -203,8 +206,6 @@ def test_executor_summary_reports_the_digests():
 def test_the_digests_definition_sees_order_shifts_tails_and_lengths():
     import numpy as np
 
-    from gpuos_tools.memory.engine import digest_reference
-
     rng = np.random.default_rng(3)
     data = rng.integers(0, 256, 4099, dtype=np.uint8).tobytes()
     d = digest_reference(data)
@@ -224,7 +225,6 @@ def test_after_a_change_the_next_evictions_save_without_digests_then_it_is_check
     """Back-off: a record found changed saves its next BACKOFF[0] evictions at once (no digest
     at their loads or evictions), then is checked again; each further change doubles the run;
     an unchanged check ends it."""
-    from gpuos_tools.memory.engine import BACKOFF
 
     eng, ops, _ = cycle()
 
@@ -261,7 +261,6 @@ def test_after_a_change_the_next_evictions_save_without_digests_then_it_is_check
 
 
 def test_the_back_off_run_is_capped():
-    from gpuos_tools.memory.engine import BACKOFF
 
     eng, ops, _ = cycle()
     k = 0

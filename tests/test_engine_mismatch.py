@@ -1,9 +1,9 @@
-"""A write no prediction showed, detected at run time (gpuos_tools/memory/engine.py, "Mismatches";
-issue 8, item 2): a clean record whose digest changed names the kernels that may have written it,
-those kernels are unknown from then on and their launches count as writing everything resident,
-so the evictions after them save without a digest. On the digest tests' fake driver; the
-end-to-end test drives the real agent, predictor and executor and loses a write without the rule.
-tests/gpu/test_digest_gpu.py runs it on a GPU."""
+"""A write no prediction showed, detected at run time (gpuos_tools/memory/conservative.py;
+docs/residency-engine.md, "Mismatches"): a clean record whose digest changed names the kernels
+that may have written it, those kernels are unknown from then on and their launches count as
+writing everything resident, so the evictions after them save without a digest. On the digest
+tests' fake driver; the end-to-end test drives the real agent, predictor and executor and loses
+a write without the rule. tests/gpu/test_digest_gpu.py runs it on a GPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import struct
 
 import pytest
 
-from gpuos_tools.memory.engine import RELEASED, ResidencyEngine
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.states import RELEASED
 from tests.test_engine import MIB, FakeAgent, Rec
 from tests.test_engine_digest import DigestOps, wait_state
 

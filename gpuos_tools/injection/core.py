@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuos_tools import cbuild
+from gpuos_tools.agent.view import ProcessView
 from gpuos_tools.injection import tracelib
 from gpuos_tools.model import binary, wire
-from gpuos_tools.agent.view import ProcessView
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "csrc" / "gpuos_core.c",)

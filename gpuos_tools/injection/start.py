@@ -13,13 +13,13 @@ from typing import Any
 
 from gpuos_tools.injection import tracelib, tracer
 from gpuos_tools.injection.config import BootConfig
-from gpuos_tools.memory import owned
-from gpuos_tools.model import wire
 from gpuos_tools.injection.core import (
     F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
     UP_PROTECT, UP_REFERENCE, UP_WRITE, VIEW_DRAIN_BYTES, NativeCore, NativeLock, OwnThreads, apply_view,
     launch_args, report,
 )
+from gpuos_tools.memory import owned, threads
+from gpuos_tools.model import wire
 
 DRAIN_S = 0.5  #: how often the background thread looks at the view queue's size
 
@@ -46,8 +46,8 @@ def start_native_agent(cfg: BootConfig) -> NativeAgentTracer:
     agent = tracer.make_agent(cfg.agent)
     t = NativeAgentTracer(cfg.trace.fd, cfg.trace.flush_ms / 1000.0, cfg.agent.native, cfg.trace.check_pointers,
                           agent)
-    # the handle to the running agent that the owned allocator (its own-thread marks) and programs
-    # under test look up, as for the Python agent
+    threads.set_own_threads(agent.own)  # memory's own-thread marks: the core's table (set by the upcalls)
+    # the handle to the running agent that programs under test look up, as for the Python agent
     tracer._tracer = t
     t.start()
     if cfg.agent.stage_ahead:

@@ -31,7 +31,7 @@ from collections import deque
 from gpuos_tools.agent.agent import Agent
 from gpuos_tools.injection import tracelib
 from gpuos_tools.injection.config import AgentConfig, BootConfig
-from gpuos_tools.memory import owned
+from gpuos_tools.memory import owned, threads
 from gpuos_tools.model import binary, wire
 from gpuos_tools.sched import executor
 
@@ -904,6 +904,7 @@ def start(cfg: BootConfig) -> Tracer:
     agent = None
     if cfg.agent is not None:
         agent = make_agent(cfg.agent)
+        threads.set_own_threads(agent.own)  # memory's own-thread marks
         _tracer = Tracer(trace.fd, flush_s, agent=agent)
     elif cfg.validate is not None:
         from gpuos_tools.agent.validate import Validator  # numpy: imported under --validate only

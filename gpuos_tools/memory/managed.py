@@ -1,4 +1,4 @@
-"""The fault-driven managed-memory (UM) baseline for PyTorch programs (issue 8): what
+"""The fault-driven managed-memory (UM) baseline for PyTorch programs: what
 `gpu-prefetch-sched run --budget N%` is compared with in scripts/bench_online_torch.py (um rows).
 
 An EMULATION of the CUDA driver's eviction of managed memory under pressure, done explicitly,

@@ -1,6 +1,7 @@
 """Owned allocations: the agent as the allocator of the traced program, on the CUDA virtual
-memory API, so that a buffer's physical memory can be saved and released and later made
-resident again at the same address (issue 7, first part).
+memory API, so that a buffer's physical memory can be released and later made resident again at
+the same address. The paragraphs after this one are gpu-trace(1)'s OWNED ALLOCATIONS section
+(commands/trace.py); the design, for a reader of the code: docs/owned-memory-and-residency.md.
 
 The allocator is a small C library (csrc/gpuos_alloc.c), built once with the system compiler
 into the user's cache like the native tracer, and loaded with ctypes. Every buffer gets its own
@@ -15,25 +16,10 @@ the program's first line: a `cupy.cuda.MemoryPool` over a `CFunctionAllocator` o
 so CuPy's own caching stays in front and allocation-heavy programs keep their speed
 (scripts/bench_alloc.py). `install_cupy()` does the same from any program.
 
-Residency (`Residency`), per record, from a thread of the agent's (never with the agent's lock
-held; the thread is marked as the agent's own so that the tracer does not take its driver calls
-for the program's):
-
-- `save(addr)`: copy the record's whole range to pinned host memory on a side stream; returns
-  the event after the copy. The caller makes sure no work in flight writes the buffer (for now:
-  the device is synchronised or the program is stopped).
-- `release(addr)`: unmap and release the physical memory, keeping the address range. Its
-  contents must have been saved (`save`, waited for) and no work may touch it until it is
-  resident again: a kernel that does faults.
-- `make_resident(addr)`: create physical memory and map it at the same address (contents
-  undefined until loaded).
-- `load(addr, stream)`: copy the saved contents back (on ``stream``, else the side stream);
-  returns the event after the copy.
-- `prefetch_async(addr, stream)`: make_resident + load on ``stream``; returns the event a
-  caller (or another stream) waits on before it touches the buffer.
-
-save -> release -> make_resident -> load gives the same bytes at the same addresses (tested on the
-GPU, tests/gpu/test_owned_gpu.py).
+Residency: the library releases a record's physical memory keeping its addresses, and makes it
+resident again at the same addresses; the agent's residency engine saves the contents before
+and loads them back after (a suspend, a lazy resume, `gpu-prefetch-sched run`): the same bytes
+at the same addresses (tested on the GPU, tests/gpu/test_owned_gpu.py).
 
 PyTorch: the same `GPUOS_AGENT_OWN=1` makes torch allocate through the library's
 `gpuos_torch_malloc` / `gpuos_torch_free` (`torch.cuda.memory.CUDAPluggableAllocator`), put in
@@ -44,19 +30,20 @@ caches itself, stream-ordered (csrc/gpuos_alloc.c, "PyTorch"): a freed block is 
 on its stream (the class's lowest address first, so that a repeated step gets the same blocks:
 gpu-prefetch-sched learns its period on them), on another stream only after an event recorded
 on its stream has completed; no free synchronises the device; sizes are rounded to classes (at
-most 25 % over, or the power of two up to 1 MiB). Cached blocks stay in the table and are saved and released by a suspend like
-live ones. `torch.cuda.empty_cache()` is wrapped to give the cache back (`torch_trim`).
-Not owned in a PyTorch program (torch 2.11; scripts/probe_torch_not_owned.py lists them):
-cuBLAS's and cuBLASLt's workspaces (one each, sized by CUBLAS_WORKSPACE_CONFIG: 32 MiB at
-:4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's 2 x 24.75 KiB + 2 x 4 B: torch
-allocates these with cudaMalloc past its allocator, so a suspend needs --partial and they stay
-on the GPU. Limits (torch's, for any pluggable allocator): `torch.cuda.memory_stats()` and
-`torch.cuda.memory_allocated()` raise RuntimeError ("CUDAPluggableAllocator does not yet
-support getDeviceStats"); `Tensor.record_stream` is not seen (a block is freed on its
-allocation stream: a program that frees a tensor still used on another stream must make that
-stream wait first); CUDA graph capture and replay run (tested), but there is no private pool:
-a block freed during capture goes back to the shared cache, so memory the graph still writes on
-replay can be handed to another tensor; keep owning off for programs that replay graphs.
+most 25 % over, or the power of two up to 1 MiB). Cached blocks stay in the table and are saved
+and released by a suspend like live ones. `torch.cuda.empty_cache()` is wrapped to give the
+cache back (`torch_trim`). Not owned in a PyTorch program (torch 2.11; scripts/probe_torch_not_owned.py
+lists them): cuBLAS's and cuBLASLt's workspaces (one each, sized by
+CUBLAS_WORKSPACE_CONFIG: 32 MiB at :4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's
+2 x 24.75 KiB + 2 x 4 B: torch allocates these with cudaMalloc past its allocator, so a suspend
+needs --partial and they stay on the GPU. Limits (torch's, for any pluggable allocator):
+`torch.cuda.memory_stats()` and `torch.cuda.memory_allocated()` raise RuntimeError
+("CUDAPluggableAllocator does not yet support getDeviceStats"); `Tensor.record_stream` is not
+seen (a block is freed on its allocation stream: a program that frees a tensor still used on
+another stream must make that stream wait first); CUDA graph capture and replay run (tested),
+but there is no private pool: a block freed during capture goes back to the shared cache, so
+memory the graph still writes on replay can be handed to another tensor; keep owning off for
+programs that replay graphs.
 """
 
 from __future__ import annotations
@@ -68,8 +55,6 @@ import importlib.util
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -457,7 +442,8 @@ def watch_torch() -> str:
 
 
 def loaded() -> OwnedLibrary | None:
-    """The process's library if something loaded it (install_cupy, install_torch, Residency), else None."""
+    """The process's library if something loaded it (install_cupy, install_torch, the residency
+    engine), else None."""
     return _library
 
 
@@ -484,149 +470,3 @@ def boot(what: tuple[str, ...] | None) -> tuple[str, ...] | None:
         sys.stderr.write(f"gpu-trace: warning: {ENV}: neither {' nor '.join(what)} is importable: nothing is owned\n")
         return None
     return tuple(done)
-
-
-# ---------------------------------------------------------------- residency with copies
-
-def _ok(result: tuple, what: str) -> Any:
-    from cuda.bindings import driver as drv
-
-    if result[0] != drv.CUresult.CUDA_SUCCESS:
-        raise OwnedError(f"{what}: {getattr(result[0], 'name', result[0])}")
-    return result[1] if len(result) == 2 else (result[1:] or None)
-
-
-@contextmanager
-def _agents_own_thread() -> Iterator[None]:
-    """While inside, this thread's driver calls are the agent's, not the program's (the tracer
-    skips them): releasing a buffer is not the program freeing it."""
-    tracer = sys.modules.get("gpuos_tools.injection.tracer")  # loaded only in a traced program
-    agent = getattr(getattr(tracer, "_tracer", None), "agent", None)
-    me = threading.get_native_id()
-    mine = agent is not None and me not in agent.own
-    if mine:
-        agent.own.add(me)
-    try:
-        yield
-    finally:
-        if mine:
-            agent.own.discard(me)
-
-
-class Residency:
-    """save / release / make_resident / load / prefetch_async per record, with pinned host
-    copies and a side stream (module docstring). Not for concurrent use from several threads."""
-
-    def __init__(self, lib: OwnedLibrary | None = None) -> None:
-        self.lib = lib or OwnedLibrary.load()
-        self.host: dict[int, tuple[int, int]] = {}  #: record base -> (pinned address, size)
-        self.side: dict[int, Any] = {}  #: device -> side stream
-        self.ctx: dict[int, Any] = {}
-
-    def _record(self, addr: int) -> Record:
-        r = self.lib.lookup(addr)
-        if r is None:
-            raise OwnedError(f"{addr:#x}: not an owned allocation")
-        return r
-
-    def _enter(self, device: int) -> Any:
-        """Make ``device``'s primary context (the one CuPy and torch use) current; its side stream."""
-        from cuda.bindings import driver as drv
-
-        if device not in self.ctx:
-            _ok(drv.cuInit(0), "cuInit")
-            dev = _ok(drv.cuDeviceGet(device), "cuDeviceGet")
-            self.ctx[device] = _ok(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _ok(drv.cuCtxSetCurrent(self.ctx[device]), "cuCtxSetCurrent")
-        if device not in self.side:
-            self.side[device] = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        return self.side[device]
-
-    def _event(self, stream: Any) -> Any:
-        from cuda.bindings import driver as drv
-
-        ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        _ok(drv.cuEventRecord(ev, stream), "cuEventRecord")
-        return ev
-
-    def save(self, addr: int, after: Any = None) -> Any:
-        """Copy the record holding ``addr`` to pinned host memory on the side stream (after the
-        work submitted so far to stream ``after``, when given); the event after the copy."""
-        from cuda.bindings import driver as drv
-
-        r = self._record(addr)
-        if not r.resident:
-            raise OwnedError(f"save {r.base:#x}: it is released")
-        with _agents_own_thread():
-            side = self._enter(r.device)
-            host = self.host.get(r.base)
-            if host is None or host[1] != r.size:
-                if host is not None:
-                    drv.cuMemFreeHost(host[0])
-                host = (int(_ok(drv.cuMemHostAlloc(r.size, 0), "cuMemHostAlloc")), r.size)
-                self.host[r.base] = host
-            if after is not None:
-                _ok(drv.cuStreamWaitEvent(side, self._event(after), 0), "cuStreamWaitEvent")
-            _ok(drv.cuMemcpyDtoHAsync(host[0], r.base, r.size, side), "cuMemcpyDtoHAsync(save)")
-            return self._event(side)
-
-    def release(self, addr: int) -> None:
-        """Release the physical memory of the record holding ``addr`` (saved first: ``save``)."""
-        r = self._record(addr)
-        with _agents_own_thread():
-            self._enter(r.device)
-            self.lib.release(r.base)
-
-    def make_resident(self, addr: int) -> None:
-        r = self._record(addr)
-        with _agents_own_thread():
-            self._enter(r.device)
-            self.lib.make_resident(r.base)
-
-    def load(self, addr: int, stream: Any = None) -> Any:
-        """Copy the saved contents back into the (resident) record holding ``addr``, on
-        ``stream`` or the side stream; the event after the copy."""
-        from cuda.bindings import driver as drv
-
-        r = self._record(addr)
-        host = self.host.get(r.base)
-        if host is None or host[1] != r.size:
-            raise OwnedError(f"load {r.base:#x}: nothing saved for it")
-        if not r.resident:
-            raise OwnedError(f"load {r.base:#x}: it is released (make_resident first)")
-        with _agents_own_thread():
-            side = self._enter(r.device)
-            s = side if stream is None else stream
-            _ok(drv.cuMemcpyHtoDAsync(r.base, host[0], r.size, s), "cuMemcpyHtoDAsync(load)")
-            return self._event(s)
-
-    def prefetch_async(self, addr: int, stream: Any = None) -> Any:
-        """make_resident (if released) + load on ``stream``; the event a user waits on."""
-        r = self._record(addr)
-        if not r.resident:
-            self.make_resident(r.base)
-        return self.load(r.base, stream)
-
-    def drop(self, addr: int) -> None:
-        """Forget the saved copy of the record holding ``addr`` (frees its pinned memory)."""
-        from cuda.bindings import driver as drv
-
-        r = self._record(addr)
-        host = self.host.pop(r.base, None)
-        if host is not None:
-            with _agents_own_thread():
-                self._enter(r.device)
-                drv.cuMemFreeHost(host[0])
-
-    def close(self) -> None:
-        from cuda.bindings import driver as drv
-
-        with _agents_own_thread():
-            for device, side in self.side.items():
-                self._enter(device)
-                drv.cuStreamSynchronize(side)
-                drv.cuStreamDestroy(side)
-            for ptr, _ in self.host.values():
-                drv.cuMemFreeHost(ptr)
-        self.side.clear()
-        self.host.clear()

@@ -1,4 +1,4 @@
-"""The residency engine's digest check on a real GPU (pytest -m gpu; gpuos_tools/memory/engine.py,
+"""The residency engine's digest check on a real GPU (pytest -m gpu; docs/residency-engine.md,
 "Digests"): the kernel computes digest_reference's value at any address and size; under
 `gpu-prefetch-sched run` at 150% the stencil ends bit-identical with write-backs skipped; a
 read-mostly job skips most of them; a write the predictor cannot see is still saved, found as a

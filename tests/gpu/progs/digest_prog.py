@@ -1,5 +1,5 @@
-"""The residency engine's digest kernel (gpuos_tools/memory/engine.py, DriverOps.digest) on
-buffers of a few sizes and contents, without the agent: prints one JSON line, per case the
+"""The residency engine's digest kernel (gpuos_tools/memory/digest_kernel.py, run by
+driver_ops.DriverOps.digest) on buffers of a few sizes and contents, without the agent: prints one JSON line, per case the
 hex digest at two addresses and digest_reference's (numpy) of the same bytes, and the kernel's GB/s."""
 
 import json
@@ -7,7 +7,8 @@ import json
 import cupy as cp
 import numpy as np
 
-from gpuos_tools.memory.engine import DriverOps, digest_reference
+from gpuos_tools.memory.digest_kernel import digest_reference
+from gpuos_tools.memory.driver_ops import DriverOps
 
 ops = DriverOps(owned=False)
 ops.digest_prepare()

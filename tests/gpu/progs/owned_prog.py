@@ -2,12 +2,13 @@
 
 Arrays of many sizes (small ones share the library's segments, large ones have ranges of their
 own), elementwise work with temporaries, matmul (cuBLAS), FFT (cuFFT work areas), reductions and
-frees. GPUOS_OWNED_CYCLE=1: half way, from a thread of its own, every record of the owned
-allocator is saved to pinned memory, released, made resident again (overwritten with garbage
-first), reloaded (half by load, half by prefetch_async on another stream) and compared byte for
-byte; device free memory is measured around the release. GPUOS_ENGINE_EVICT=1 (under the
-agent): half way, every owned record is evicted through the residency engine and the program
-goes on, loading back on demand what it touches. GPUOS_SUSPEND_DIR=D: half way, it
+frees. GPUOS_OWNED_CYCLE=1 (under the agent): half way, every record of the owned allocator
+goes through the agent's residency engine -- evicted (saved to pinned memory, then released),
+loaded back at the same address (half by prefetch, half by require on a stream of the program's)
+and compared byte for byte with what it held before; device free memory is measured around the
+release. GPUOS_ENGINE_EVICT=1 (under the agent): half way, every owned record is evicted through
+the residency engine and the program goes on, loading back on demand what it touches.
+GPUOS_SUSPEND_DIR=D: half way, it
 writes its pid to D/pid and launches a small kernel on a scratch array every millisecond (its
 results untouched) until D/go exists, so that a test can suspend and resume it through the
 agent meanwhile (tests/gpu/test_suspend_gpu.py). Writes a JSON report to
@@ -21,7 +22,6 @@ import ctypes
 import hashlib
 import json
 import os
-import threading
 
 import cupy as cp
 
@@ -47,52 +47,82 @@ def used_by_me() -> int | None:
         return None
 
 
+def running_engine():
+    """The residency engine of the agent this program runs under (gpu-trace run --agent with
+    GPUOS_AGENT_OWN=1), or None."""
+    import sys
+
+    tracer = sys.modules.get("gpuos_tools.injection.tracer")
+    return getattr(getattr(getattr(tracer, "_tracer", None), "agent", None), "engine", None)
+
+
+def evict_and_wait(engine, bases: list[int], timeout: float = 60) -> list[int]:
+    """Ask the engine to evict each record of ``bases``; wait until those it accepted are
+    released (or ``timeout``); the accepted ones."""
+    import time
+
+    accepted = [b for b in bases if engine.evict(b)]
+    deadline = time.monotonic() + timeout
+    while any(engine.state(b) != "released" for b in accepted) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return accepted
+
+
+def device_sha256(base: int, size: int) -> str:
+    from cuda.bindings import driver as drv
+
+    buf = (ctypes.c_char * size)()
+    drv.cuMemcpyDtoH(ctypes.addressof(buf), base, size)
+    return hashlib.sha256(memoryview(buf)).hexdigest()
+
+
 def cycle(report: dict) -> None:
-    """save -> release -> make_resident -> (garbage) -> load/prefetch of every record."""
+    """evict (save + release) -> load back (make_resident + copy) of every owned record through
+    the agent's residency engine, at the same addresses, compared byte for byte."""
     from cuda.bindings import driver as drv
 
     from gpuos_tools.memory import owned
 
+    engine = running_engine()
     lib = owned.OwnedLibrary.load()
-    res = owned.Residency(lib)
     records = lib.table()
-    events = [res.save(r.base) for r in records]
-    for ev in events:
-        drv.cuEventSynchronize(ev)
-    before = [hashlib.sha256(ctypes.string_at(res.host[r.base][0], r.size)).hexdigest() for r in records]
+    # one record goes and comes back first: the engine's one-time GPU allocations (its digest
+    # kernel and slots, made at the first eviction) are then not in what the release frees
+    stream = cp.cuda.Stream(non_blocking=True)
+    warm = evict_and_wait(engine, [records[-1].base])
+    for b in warm:
+        ev = engine.prefetch(b)
+        if ev is not None:
+            drv.cuEventSynchronize(ev)
+        engine.require([b], stream.ptr)  # its load has completed: the engine forgets it (resident)
+    before = [device_sha256(r.base, r.size) for r in records]
     total = sum(r.size for r in records)
     free0 = int(drv.cuMemGetInfo()[1])
     nvml0 = used_by_me()
-    for r in records:
-        res.release(r.base)
+    accepted = evict_and_wait(engine, [r.base for r in records])
     free1 = int(drv.cuMemGetInfo()[1])
     nvml1 = used_by_me()
     released = [not r.resident for r in lib.table()]
-    stream = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)[1]
     events = []
     for i, r in enumerate(records):
-        if i % 2:
-            res.make_resident(r.base)
-            drv.cuMemsetD8(r.base, 0xA5, r.size)  # what a fresh mapping holds must not matter
-            events.append(res.load(r.base))
+        if i % 2:  # the program's stream waits on the GPU for the load
+            engine.require([r.base], stream.ptr)
         else:
-            events.append(res.prefetch_async(r.base, stream))
+            events.append(engine.prefetch(r.base))
     for ev in events:
-        drv.cuEventSynchronize(ev)
-    after = []
-    for r in records:
-        buf = (ctypes.c_char * r.size)()
-        drv.cuMemcpyDtoH(ctypes.addressof(buf), r.base, r.size)
-        after.append(hashlib.sha256(memoryview(buf)).hexdigest())
-    drv.cuStreamDestroy(stream)
-    res.close()
+        if ev is not None:
+            drv.cuEventSynchronize(ev)
+    stream.synchronize()
+    resident_after = all(r.resident for r in lib.table())  # before anything else touches them
+    after = [device_sha256(r.base, r.size) for r in records]
     report["cycle"] = {
         "records": len(records), "bytes": total, "small_segments": sum(r.small for r in records),
+        "evictions_accepted": len(accepted), "warm_up_evictions": len(warm),
         "all_released": all(released), "meminfo_freed": free1 - free0,
         "nvml_freed": None if nvml0 is None or nvml1 is None else nvml0 - nvml1,
         "identical": before == after, "differ": [i for i, (a, b) in enumerate(zip(before, after)) if a != b],
         "same_addresses": [r.base for r in lib.table()] == [r.base for r in records],
-        "resident_after": all(r.resident for r in lib.table()),
+        "resident_after": resident_after,
     }
 
 
@@ -100,18 +130,12 @@ def evict_all(report: dict) -> None:
     """Evict every resident owned record through the agent's residency engine (saved after its
     last use, then released) and wait until all are released; the program's next operations
     load back what they touch (GPUOS_ENGINE_EVICT=1, under gpu-trace run --agent)."""
-    import sys
-    import time
-
     from gpuos_tools.memory import owned
 
-    engine = sys.modules["gpuos_tools.injection.tracer"]._tracer.agent.engine
+    engine = running_engine()
     lib = owned.OwnedLibrary.load()
     bases = [r.base for r in lib.table() if r.resident]
-    accepted = [b for b in bases if engine.evict(b)]
-    deadline = time.monotonic() + 60
-    while any(engine.state(b) != "released" for b in accepted) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    accepted = evict_and_wait(engine, bases)
     table = {r.base: r for r in lib.table()}
     report["evict"] = {"records": len(bases), "accepted": len(accepted),
                        "released": sum(1 for b in accepted if b in table and not table[b].resident),
@@ -148,10 +172,8 @@ def main() -> None:
     }
     for step in range(STEPS):
         if step == STEPS // 2 and os.environ.get("GPUOS_OWNED_CYCLE") == "1":
-            cp.cuda.Device().synchronize()  # the caller's part: nothing in flight touches the buffers
-            t = threading.Thread(target=cycle, args=(report,))
-            t.start()
-            t.join()
+            cp.cuda.Device().synchronize()  # the hashes before: nothing in flight writes the buffers
+            cycle(report)
         if step == STEPS // 2 and os.environ.get("GPUOS_ENGINE_EVICT") == "1":
             evict_all(report)
         if step == STEPS // 2 and os.environ.get("GPUOS_SUSPEND_DIR"):
@@ -181,10 +203,7 @@ def main() -> None:
         lib = owned.OwnedLibrary.load()
         arrays = [x for v in state.values() for x in (v if isinstance(v, list) else [v])]
         report["arrays_owned"] = all(lib.lookup(a.data.ptr) is not None for a in arrays)
-    import sys
-
-    tracer = sys.modules.get("gpuos_tools.injection.tracer")  # under gpu-trace run --agent
-    engine = getattr(getattr(getattr(tracer, "_tracer", None), "agent", None), "engine", None)
+    engine = running_engine()
     if engine is not None:  # what the residency engine did (a lazy resume's loads, among others)
         report["residency_settled"] = engine.wait_settled(60)
         report["residency"] = engine.stats()

@@ -1,0 +1,45 @@
+"""The agent's own threads: a thread whose driver calls are the agent's, not the program's, so
+that the tracer skips them (releasing a buffer is not the program freeing it).
+
+The set of such threads belongs to the agent (a set of native thread ids, or the native core's
+table: anything with ``add``, ``discard`` and ``in``). Code here is handed the agent's set where
+it has the agent (the residency engine), and otherwise uses the one the agent side registered
+when it started (``set_own_threads``): memory never looks the agent up, it is a layer above.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_registered: Any = None
+
+
+def set_own_threads(marks: Any) -> None:
+    """Register the running agent's set of own thread ids (None: no agent any more)."""
+    global _registered
+    _registered = marks
+
+
+def own_threads() -> Any:
+    """The registered set of the agent's own thread ids, or None."""
+    return _registered
+
+
+@contextmanager
+def agents_thread(marks: Any = None) -> Iterator[None]:
+    """While inside, this thread's driver calls are the agent's. ``marks``: the agent's set
+    (default: the registered one; with none, nothing is marked). A thread already marked stays
+    marked when it leaves."""
+    own = marks if marks is not None else _registered
+    me = threading.get_native_id()
+    mine = own is not None and me not in own
+    if mine:
+        own.add(me)
+    try:
+        yield
+    finally:
+        if mine:
+            own.discard(me)
