@@ -159,3 +159,33 @@ def test_no_circle_between_modules() -> None:
     for start in sorted(graph):
         visit(start, [start])
     assert not circles, "modules in a circle:\n" + "\n".join(circles)
+
+
+#: Imports of the toolkit's own modules that stay inside functions, and why: each keeps a heavy
+#: package (numpy, pyelftools, matplotlib) out of a path that does not use it, or, in the
+#: bootstrap, keeps a program that is not traced from importing anything.
+INNER_ALLOWED = {
+    ("injection/boot/sitecustomize.py", "gpuos_tools.injection"): "nothing is imported unless GPUOS_BOOT is set",
+    ("injection/tracer.py", "gpuos_tools.agent.validate"): "numpy, in the traced program, under --validate only",
+    ("injection/tracer.py", "gpuos_tools.cuda"): "pyelftools, in the traced program, when a layout is read",
+    ("commands/kinfer.py", "gpuos_tools.kinfer"): "numpy, not for --help",
+    ("commands/predict_access.py", "gpuos_tools.access.plot"): "matplotlib, for --plot only",
+}
+
+
+def test_imports_stand_at_the_tops_of_files() -> None:
+    inside = []
+    for path in sources():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        top = {id(n) for n in tree.body}
+        rel = str(path.relative_to(PACKAGE))
+        for node in ast.walk(tree):
+            if id(node) in top or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if name.startswith("gpuos_tools") and not any(
+                        rel == f and name.startswith(m) for f, m in INNER_ALLOWED):
+                    inside.append(f"{rel}:{node.lineno}: {name}")
+    assert not inside, "imports inside functions (move them to the top, or say why in INNER_ALLOWED):\n" + \
+        "\n".join(inside)

@@ -107,7 +107,7 @@ def _param_info(func: int) -> tuple[tuple | None, str]:
 
 
 def _nvinfo_layout(name: str) -> tuple | None:
-    from gpuos_tools.cuda import elf
+    from gpuos_tools.cuda import elf  # pyelftools: loaded into the program only when a layout is read
 
     for image in reversed(_cubins):
         try:
@@ -510,7 +510,7 @@ def driver_table(cbid_enum) -> dict[int, tuple[str, object, int]]:
 
 def _validating_handlers(validator, table: dict) -> dict:
     """Launch handlers that check sampled launches on the GPU around the program's own launch."""
-    from gpuos_tools.agent.validate import CudaFailure
+    from gpuos_tools.agent.validate import CudaFailure  # numpy: imported under --validate only
 
     handlers = {}
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuos_tools.kinfer.gpu import GpuMlp
 from gpuos_tools.kinfer.model import Mlp
 from gpuos_tools.kinfer.policy import DEFAULTS, Profile, crossover, steady_curve
 
@@ -35,8 +36,6 @@ def measure(profile: Profile, batches: list[int], reps: int, device: int = 0) ->
     error = None
     mode = None
     try:
-        from gpuos_tools.kinfer.gpu import GpuMlp
-
         g = GpuMlp(model, device)
         mode = g.mode
         gpu_name = g.cp.cuda.runtime.getDeviceProperties(device)["name"].decode()

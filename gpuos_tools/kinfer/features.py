@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuos_tools.errors import ExitCode
+from gpuos_tools.kinfer import guard
 from gpuos_tools.kinfer.ring import DEFAULT_MODE, LOCK_DAEMON, RingError, flock_struct, remove_ring, ring_path
 
 MAGIC = 0x31544145464B5047  # "GPKFEAT1"
@@ -61,7 +62,6 @@ class FeatureStore:
         self.record_size = int(h["record_size"])
         self.schema = bytes(h["schema"]).decode(errors="replace")
         self.fields = [bytes(f).decode(errors="replace") for f in h["fields"][: self.n_fields]]
-        from gpuos_tools.kinfer import guard
 
         size = HEADER_SIZE + self.capacity * self.record_size
         region = guard.protect(np.frombuffer(mm, dtype=np.uint8).ctypes.data, size, fd, size)  # a writer may cut it short

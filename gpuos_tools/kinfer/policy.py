@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from gpuos_tools.tomlfile import load_toml
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import atomic
+from gpuos_tools.tomlfile import load_toml
 
 #: Profiles installed with the package (package data), found by name: ``--profile linnos``.
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"

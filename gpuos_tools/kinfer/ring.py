@@ -34,6 +34,8 @@ from typing import Any, Self
 import numpy as np
 
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.kinfer import guard
+from gpuos_tools.procs import exists
 
 HEADER_FILE = Path(__file__).resolve().parent / "include" / "gpuos_kinfer.h"
 
@@ -166,8 +168,6 @@ def pid_alive(pid: int) -> bool:
     """True while a process (not a zombie: a dead producer not yet reaped) has this pid. Any
     value is taken (it comes from shared memory): 0, negatives and numbers above PID_LIMIT name
     no process."""
-    from gpuos_tools.procs import exists
-
     return 0 < pid <= PID_LIMIT and exists(pid)
 
 
@@ -251,7 +251,6 @@ class Ring:
         self.base = self.buf.ctypes.data
         self.state_addr = self.base + off["state"]
         self.doorbell_addr = self.base + HEADER_DTYPE.fields["doorbell"][1]
-        from gpuos_tools.kinfer import guard
 
         self.guard = guard.protect(self.base, self.size, fd, self.size)
         # the guard stops watching when the mapping goes, closed or collected: another mapping

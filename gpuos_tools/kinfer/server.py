@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from gpuos_tools.errors import ExitCode
-from gpuos_tools.kinfer import ring as R
+from gpuos_tools.kinfer import gpu, guard, native, ring as R
 from gpuos_tools.kinfer.model import Mlp
 from gpuos_tools.kinfer.policy import CpuSpeed, GpuLoad, GpuSpeed, Policy
 from gpuos_tools.kinfer.wait import SPIN_MAX_US, SPIN_MIN_US, Adaptive
@@ -198,8 +198,6 @@ class RingServer:
         try:
             R.set_access(ring.fd, path, options.mode, gid)  # an adopted ring is shared as asked now, no wider
             if ring.guard is None and options.mode & 0o022:
-                from gpuos_tools.kinfer import guard
-
                 raise R.RingError(
                     f"{path}: the ring is writable by others (mode {options.mode:04o}), but the guard that keeps the "
                     f"daemon alive when one of them cuts the file short cannot be built: {guard.unavailable()}",
@@ -231,8 +229,6 @@ class RingServer:
 
     def _start_native(self) -> None:
         """Build (once) and start the C serve loop; without a compiler, say so and stay in Python."""
-        from gpuos_tools.kinfer import native
-
         g = self.ring.geometry
         o = self.options
         try:
@@ -330,8 +326,6 @@ class RingServer:
         return y
 
     def _start_gpu(self, backend: Backend) -> None:
-        from gpuos_tools.kinfer import gpu
-
         reason = gpu.gpu_unavailable_reason()
         if reason is not None:
             if self.options.use_gpu == "on":
@@ -701,8 +695,6 @@ class RingServer:
                 model = Mlp.from_bytes(read_model_file(real), str(real))
                 backend = Backend(model)
                 if self.gpu_ready:
-                    from gpuos_tools.kinfer import gpu
-
                     backend.gpu = gpu.GpuMlp(model, self.options.device, self.options.gpu_mode)
                 self._pending_swap = (seq, model_id, backend, "")
             except Exception as e:  # a bad file must not take the daemon down
