@@ -189,3 +189,14 @@ def test_imports_stand_at_the_tops_of_files() -> None:
                     inside.append(f"{rel}:{node.lineno}: {name}")
     assert not inside, "imports inside functions (move them to the top, or say why in INNER_ALLOWED):\n" + \
         "\n".join(inside)
+
+
+def test_a_long_module_says_why_at_its_top() -> None:
+    """Past about 800 lines a module is split, or says at its top why it is one piece."""
+    files = [*sources(), *PACKAGE.rglob("*.c")]
+    quiet = []
+    for path in files:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > 850 and "over 800 lines" not in " ".join(lines[:15]).lower():
+            quiet.append(f"{path.relative_to(REPO)}: {len(lines)} lines")
+    assert not quiet, "long modules without a reason at the top:\n" + "\n".join(quiet)

@@ -1,9 +1,11 @@
 """The in-process agent (`gpu-trace run --agent`): consistent snapshots of a running program's
-device memory, taken while it keeps launching work.
+device memory, taken while it keeps launching work. Over 800 lines: the snapshot's hooks on every
+operation, its copier and the rollback share the snapshot's state and the agent's one lock.
 
-The agent rides on the python callback path. It keeps the live allocations and the streams the
-program uses, predicts each launch's write set (gpu-predict-access at range granularity, made
-in-process), and answers requests on its control socket (gpuos_tools/agent/control.py).
+The agent rides on the tracer's callbacks (the native core in C, or Python). It keeps the live
+allocations and the streams the program uses, predicts each launch's write set (gpu-predict-access
+at range granularity, made in-process), and answers requests on its control socket
+(gpuos_tools/agent/control.py).
 
 A snapshot captures every device allocation as it was at T0, the moment the request took the
 agent's lock (no program callback runs while it is held, so T0 falls between two of the

@@ -1,4 +1,4 @@
-"""Suspend and resume through the agent (issue 7, items 2 and 5): the physical memory of every
+"""Suspend and resume through the agent: the physical memory of every
 buffer the agent owns (gpuos_tools/memory/owned.py, `GPUOS_AGENT_OWN=1`) goes to pinned host
 memory at link speed and back to the driver; the program waits; resume maps it again at the
 same addresses and reloads it.

@@ -1,4 +1,6 @@
-"""The in-process tracer: CUPTI driver-API and resource callbacks through cupti-python.
+"""The in-process tracer: CUPTI driver-API and resource callbacks through cupti-python. (Over 800
+lines: one handler per kind of driver call, each on the program's launch path, kept beside the
+callback's dispatch table that names them.)
 
 Runs inside the traced program (started by the bootstrap in ``boot/sitecustomize.py``). Design
 for a short launch path:

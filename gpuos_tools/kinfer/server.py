@@ -1,6 +1,7 @@
 """The daemon: takes READY requests from the ring in batches, runs the model where the policy
 says, answers each request, and keeps the ring healthy (abandoned slots, bad entries, restarts,
-model swaps).
+model swaps). Over 800 lines: batching, the CPU/GPU choice, housekeeping and model swaps all
+act on the one ring this daemon owns, from its one serving thread.
 
 With the native path (the default where a C compiler is found), the ring is served by a C
 thread (``native.NativeLoop``, csrc/kinfer_native.c) doing steps 1-3 below: it answers itself

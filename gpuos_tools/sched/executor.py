@@ -1,6 +1,8 @@
 """Online execution inside the program (`gpu-prefetch-sched run`): the agent's launch path asks
 the online policy (gpuos_tools/sched/online.py) what to do and carries it out through the
-residency engine (gpuos_tools/memory/engine.py) -- the engine of issue 7, not a second one.
+residency engine (gpuos_tools/memory/engine.py) -- the same engine that serves lazy loads, not a
+second one. Over 800 lines: the executor's decisions, its mover thread and serve's ledger all act
+under the engine's lock on one shared view of which records are where.
 
 The `Executor` is hooks on the agent (gpuos_tools/agent/hooks.py): when the boot config has an
 online part (injection/config.py `OnlineConfig`: budget or fraction, policy, lookahead, the

@@ -1,5 +1,5 @@
 """The online policy of `gpu-prefetch-sched run`: which owned records to evict, require and
-prefetch before each launch of a running program, under a byte budget (issue 8, online slice).
+prefetch before each launch of a running program, under a byte budget.
 
 Pure decision logic: no CUDA here. The caller (gpuos_tools/sched/executor.py, inside the
 program under the agent) tells it, per launch, the kernel, the record bases the launch touches
