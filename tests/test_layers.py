@@ -200,3 +200,12 @@ def test_a_long_module_says_why_at_its_top() -> None:
         if len(lines) > 850 and "over 800 lines" not in " ".join(lines[:15]).lower():
             quiet.append(f"{path.relative_to(REPO)}: {len(lines)} lines")
     assert not quiet, "long modules without a reason at the top:\n" + "\n".join(quiet)
+
+
+def test_the_architecture_page_draws_these_layers() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## The layers", 1)[1].split("```", 2)[1]
+    drawn = [line.split()[0] for line in block.splitlines() if line.strip() and not line.startswith(" ─")]
+    drawn = [name for name in drawn if not name.startswith("─")]
+    expected = [layer[0] if len(layer) == 1 else "base" for layer in reversed(LAYERS)]
+    assert drawn == expected, "docs/architecture.md's drawing of the layers is not tests/test_layers.py's LAYERS"
