@@ -1412,3 +1412,15 @@ def test_idle_gpu_delay_is_the_mean_of_enough_probes() -> None:
         worst = max(worst, abs(speed.delay_us() - 190.0))
         assert RUN2.choose(256, True, gpu_delay_us=speed.delay_us(), cpu_fit=(87.0, 1.0)) == "cpu"
     assert worst < 60.0
+
+
+def test_a_failed_batch_makes_the_stats_null_not_infinite() -> None:
+    """While a failed GPU batch is in the window the delay is infinite; the kinfer_stats record
+    says null (JSON has no infinity), and a finite estimate is kept, rounded."""
+    from gpuos_tools.commands.kinfer import _measured
+
+    clock = Clock()
+    speed = P.GpuSpeed(H100, clock, random.Random(5))
+    speed.observe(64, float("inf"))
+    assert speed.delay_us() == float("inf") and _measured(speed.delay_us(), 3) is None
+    assert _measured(1483.25049, 3) == 1483.25

@@ -529,3 +529,31 @@ def test_store_blob(tmp_path: Path) -> None:
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert os.listdir(tmp_path / "images") == [name]
     assert store_blob(tmp_path / "images", b"other")[1] != name
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_value_json_cannot_carry_is_refused_naming_its_field(tmp_path: Path, bad: float) -> None:
+    """NaN and infinities are not JSON: written, the line would be refused by every reader. The
+    writer refuses the record as the tool's bug (SOFTWARE), saying which record and field."""
+    path = tmp_path / "out.ndjson"
+    header = make_header("test")
+    with pytest.raises(StreamError) as e:
+        with open_output(path) as writer:
+            writer.write(header)
+            writer.write({"type": "x", "n": 1})
+            writer.write({"type": "sched_summary", "jobs": [{"ok": 1.0}, {"ok": bad}]})
+    assert e.value.code == ExitCode.SOFTWARE
+    assert "sched_summary record: field jobs[1].ok is" in str(e.value)
+    assert ("NaN" if bad != bad else "Infinity") in str(e.value)
+    with pytest.raises(StreamError) as e:
+        write_all(tmp_path / "many.ndjson", [header, {"type": "x", "v": [1.5, bad]}])
+    assert e.value.code == ExitCode.SOFTWARE and "NaN or infinite" in str(e.value)
+
+
+def test_a_producers_own_value_error_is_not_taken_for_a_bad_number(tmp_path: Path) -> None:
+    def records():
+        yield make_header("test")
+        raise ValueError("the producer's own")
+
+    with pytest.raises(ValueError, match="the producer's own"):
+        write_all(tmp_path / "x.ndjson", records())

@@ -96,6 +96,12 @@ def _read_trace(path: str) -> list[dict[str, Any]]:
     return records
 
 
+
+def _measured(value: float, digits: int) -> float | None:
+    """A speed estimate for the stats record: null while a failed batch in the window makes it
+    infinite (JSON has no infinity)."""
+    return round(value, digits) if math.isfinite(value) else None
+
 @app.command()
 def serve(
     profile: Optional[str] = ProfileOpt,
@@ -216,9 +222,10 @@ def serve(
         stats = {"type": "kinfer_stats", "ring": str(server.ring.path), "seconds": round(time.monotonic() - t0, 3),
                  **server.ring.counter_values(), "native": server.native is not None,
                  **(server.native.stats() if server.native is not None else {}),
-                 "gpu_delay_us": round(server.speed.delay_us(), 3), "gpu_probes": server.speed.probes,
-                 "cpu_extra_us": round(server.cpu_speed.fit()[0], 3), "cpu_scale": round(server.cpu_speed.fit()[1], 4),
-                 "cpu_slowdown": round(server.cpu_speed.slowdown(), 4)}
+                 "gpu_delay_us": _measured(server.speed.delay_us(), 3), "gpu_probes": server.speed.probes,
+                 "cpu_extra_us": _measured(server.cpu_speed.fit()[0], 3),
+                 "cpu_scale": _measured(server.cpu_speed.fit()[1], 4),
+                 "cpu_slowdown": _measured(server.cpu_speed.slowdown(), 4)}
         stats["ring_repairs"] = server.repairs
         failure = server.failure
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import json.encoder
+import math
 import os
 import stat
 import sys
@@ -32,11 +33,54 @@ def _chunk_encoder() -> Callable[[Any, int], Iterable[str]]:
     Made once and called directly, the C encoder that json.dumps uses internally costs about
     half of what JSONEncoder.encode does (which rebuilds it on every call).
     """
-    base = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False)
+    # allow_nan=False: NaN and infinities are not JSON, and every reader would refuse the line
+    base = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False, allow_nan=False)
     c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
     if c_make_encoder is None:
         return lambda record, _level: (base.encode(record),)
-    return c_make_encoder(None, base.default, json.encoder.encode_basestring, None, ":", ",", False, False, True)
+    return c_make_encoder(None, base.default, json.encoder.encode_basestring, None, ":", ",", False, False, False)
+
+
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """Where in a record a NaN or an infinity is (``field.sub[2]``), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(the record)"
+    if isinstance(value, dict):
+        items: Iterable[tuple[str, Any]] = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        found = _non_finite(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_non_finite_error(e: ValueError) -> bool:
+    return str(e).startswith("Out of range float values are not JSON compliant")
+
+
+def _unwritable(name: str, record: Any, e: ValueError) -> StreamError:
+    """A record JSON cannot carry (``record`` when known): the tool that made it has a bug."""
+    where = _non_finite(record) if record is not None else None
+    if where is not None:
+        kind = record.get("type", "?") if isinstance(record, dict) else type(record).__name__
+        what = f"a {kind} record: field {where} is {_non_finite_value(record, where)}"
+    else:
+        what = "a record: a number in it is NaN or infinite"
+    return StreamError(f"{name}: cannot write {what}, which JSON cannot carry (a bug in the tool that "
+                       "made it; that record was not written)", ExitCode.SOFTWARE, path=name)
+
+
+def _non_finite_value(record: Any, where: str) -> str:
+    value: Any = record
+    for part in where.replace("[", ".[").split("."):
+        if not part or part == "(the record)":
+            continue
+        value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+    return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
 
 
 def _is_live(file: BinaryIO) -> bool:
@@ -87,7 +131,12 @@ class Writer:
         if self._checking:
             self._check(record)
         pending = self._pending
-        pending.append("".join(self._chunks(record, 0)))
+        try:
+            pending.append("".join(self._chunks(record, 0)))
+        except ValueError as e:
+            if not _is_non_finite_error(e):
+                raise
+            raise _unwritable(self.name, record, e) from None
         if self.per_record or len(pending) >= _BATCH:
             self._drain()
 
@@ -108,7 +157,12 @@ class Writer:
             # extend keeps what it got when the producer raises (a bad input line): abort()
             # then still writes those records where they can go
             before = len(pending)
-            pending.extend(itertools.islice(lines, _BATCH - before))
+            try:
+                pending.extend(itertools.islice(lines, _BATCH - before))
+            except ValueError as e:
+                if not _is_non_finite_error(e):  # the producer's own error
+                    raise
+                raise _unwritable(self.name, None, e) from None
             if len(pending) == before:
                 break
             if len(pending) >= _BATCH:

@@ -52,7 +52,8 @@ SECTIONS = {
         "`cpu_below` or while busy, busy meaning NVML utilisation above `busy_util` percent with "
         "at least `busy_procs` other processes on the GPU (sampled every 20 ms). The "
         "`kinfer_stats` record at exit gives `gpu_delay_us`, `gpu_probes`, `cpu_extra_us` and "
-        "`cpu_scale` (the CPU's a and b) and `cpu_slowdown` (its ratio of the means).\n\n"
+        "`cpu_scale` (the CPU's a and b) and `cpu_slowdown` (its ratio of the means); each is null "
+        "while a failed batch in the window makes the estimate infinite.\n\n"
         "Requests are batched inside `--window-us` only while traffic comes in bursts (recent mean "
         "batch above 1.5); a lone producer is answered at once."
     ),
