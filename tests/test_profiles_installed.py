@@ -104,3 +104,29 @@ def test_status_waits_for_a_daemon(tmp_path: Path) -> None:
     bad = subprocess.run([*BRIDGE, "status", "--ring", name, "--wait", "soon"], capture_output=True, text=True,
                          env=child_env(), timeout=60, check=False)
     assert bad.returncode == ExitCode.USAGE and "not a duration" in bad.stderr
+
+
+def test_every_file_the_package_reads_at_run_time_is_package_data() -> None:
+    """C sources, headers and the bootstrap are not modules: setuptools installs them only where
+    pyproject's package-data names them (a non-editable install would lack them otherwise)."""
+    import fnmatch
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    root = REPO / "gpuos_tools"
+    missing = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in (".c", ".h", ".toml", ".o", ".json") and not (
+                path.suffix == ".py" and not (path.parent / "__init__.py").exists()):
+            continue
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        covered = False
+        for package, patterns in data.items():
+            base = REPO.joinpath(*package.split("."))
+            if base in path.parents:
+                rel = path.relative_to(base).as_posix()
+                covered |= any(fnmatch.fnmatch(rel, p) for p in patterns)
+        if not covered:
+            missing.append(str(path.relative_to(REPO)))
+    assert not missing, f"not package data (add them to pyproject's [tool.setuptools.package-data]): {missing}"
