@@ -315,5 +315,5 @@ def with_progress(records: Iterable[T], label: str, every: int = 1 << 16) -> Ite
             if not n & mask:
                 if task is None:
                     task = bar.add_task(label, total=None)
-                bar.update(task, description=f"{label}: {n:,} records")
+                bar.update(task, description=f"{label}: {n:,} records", refresh=True)  # seen at once
             yield rec
