@@ -188,6 +188,50 @@ def ancestors(pid: int | None = None) -> set[int]:
     return out
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent's pid, None when the process is gone."""
+    try:
+        with open(f"{PROC}/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        return int(stat[stat.rindex(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (children, their children...), in pid order."""
+    children: dict[int, list[int]] = {}
+    for p in all_pids():
+        parent = parent_of(p)
+        if parent is not None:
+            children.setdefault(parent, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in out:
+            continue
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return sorted(out)
+
+
+def environ_values(pid: int, names: tuple[str, ...]) -> dict[str, str]:
+    """Those of ``names`` set in the process's environment as it started (empty when unreadable:
+    only root or the owner may read it)."""
+    try:
+        with open(f"{PROC}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = key.decode(errors="replace")
+        if sep and name in names:
+            out[name] = value.decode(errors="replace")
+    return out
+
+
 def boot_id() -> str:
     try:
         with open(f"{PROC}/sys/kernel/random/boot_id") as f:

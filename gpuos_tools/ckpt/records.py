@@ -69,6 +69,17 @@ CKPT_PROFILE = RecordType("ckpt_profile", "(--profile) what a maintenance run di
     Field("state_file", Str()), Field("selected", COUNT), Field("suspended", COUNT), Field("resumed", COUNT),
     Field("skipped", _SKIPPED), Field("failed", _FAILED), Field("ok", Bool()),
 ), note="Also the counts `resumed_after_failure`, `already_suspended`, `listed` and `still_suspended`.")
+CKPT_JOB = RecordType("ckpt_job", "(--job) the processes of a job checkpointed or restored together.", (
+    Field("action", Str(("checkpoint", "restore")), required=True), Field("pid", _PID, "the job's launcher",
+                                                                        required=True),
+    Field("ok", Bool(), required=True), Field("state", _STATE, null=True),
+    Field("ranks", List(Obj((Field("pid", _PID), Field("user", Str()), Field("command", Str()),
+                             Field("starttime", COUNT), Field("rank", COUNT, null=True)),
+                            text="{pid, user, command, starttime, rank}")), "rank order"),
+    Field("rounds", COUNT, "rounds of locking every rank at once until all held"),
+    Field("lock_s", _SECONDS), Field("checkpoint_s", _SECONDS), Field("restore_s", _SECONDS),
+    Field("unlock_s", _SECONDS), Field("duration_s", _SECONDS), Field("message", Str()),
+))
 IMAGE_VERIFY = RecordType("image_verify", "(gpu-restore verify) whether an image and its chain are sound.", (
     Field("image", Str(), required=True), Field("ok", Bool(), required=True),
     Field("problems", _NAMES, "sentences naming the file", required=True), Field("quick", Bool()),
@@ -125,7 +136,7 @@ CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by t
 ))
 
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.
-TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, IMAGE_VERIFY, IMAGE_DIFF,
+TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, CKPT_JOB, IMAGE_VERIFY, IMAGE_DIFF,
          IMAGE_DIFF_SUMMARY, IMAGE_COMPACT, CKPT_PERIODIC, CKPT_PERIODIC_PLAN, CKPT_CHECK, CKPT_CHECK_SUMMARY,
          CKPT_GUARD)
 register_output(*TYPES)

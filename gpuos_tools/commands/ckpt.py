@@ -15,6 +15,7 @@ from gpuos_tools.agent.suspend import request_suspend
 from gpuos_tools.ckpt import criu, periodic as per
 from gpuos_tools.ckpt.check import run_checks, table_rows
 from gpuos_tools.ckpt.driver import Checkpointer
+from gpuos_tools.ckpt.job import suspend_job
 from gpuos_tools.ckpt.profile import load_profile, suspend_profile
 from gpuos_tools.ckpt.records import run_recorded
 from gpuos_tools.commands.cli import error, options_before_subcommand, report_run, run_app, stderr_console, warn
@@ -45,6 +46,12 @@ def _say(message: str) -> None:
 def checkpoint(
     ctx: typer.Context,
     pid: Optional[int] = typer.Option(None, "--pid", "-p", metavar="PID", help="The CUDA process to checkpoint."),
+    job: Optional[int] = typer.Option(
+        None, "--job", metavar="PID",
+        help="Checkpoint every CUDA process in the tree of PID (a launcher such as torchrun, or any parent) "
+        "together: every rank locked at once (retried in rounds while a collective holds one), then each "
+        "checkpointed. `gpu-restore --job PID` restores them all before unlocking any.",
+    ),
     timeout: int = typer.Option(
         0, "--timeout", "-t", min=0, metavar="MS",
         help="How long the lock may wait for the process's CUDA calls and submitted GPU work, in "
@@ -127,14 +134,15 @@ def checkpoint(
         raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",
                          ExitCode.USAGE)
     if agent is not None and suspend:
-        if pid is not None or profile is not None or leave_running or criu_arg or timeout or parent is not None \
-                or threads is not None:
+        if pid is not None or job is not None or profile is not None or leave_running or criu_arg or timeout \
+                or parent is not None or threads is not None:
             raise GpuosError("--agent --suspend goes with --image, --partial, --max-hold, --compress, --checksum "
                              "and -o only (a suspend's image is full: no --parent)", ExitCode.USAGE)
         _suspend(agent, image, partial, max_hold, compress, checksum, output)
         return
     if agent is not None:
-        if pid is not None or profile is not None or leave_running or criu_arg or timeout or partial:
+        if pid is not None or job is not None or profile is not None or leave_running or criu_arg or timeout \
+                or partial:
             raise GpuosError("--agent goes with --image, --parent, --compress, --checksum, --threads and -o only",
                              ExitCode.USAGE)
         if image is None:
@@ -150,9 +158,18 @@ def checkpoint(
              f"program's path, {answer['cow']} copy-on-write"
              + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
         return
+    if job is not None:
+        if pid is not None or profile is not None or image is not None or leave_running or criu_arg:
+            raise GpuosError("--job goes with --timeout and -o only (images of a job: not yet)", ExitCode.USAGE)
+        ckpt = Checkpointer()
+        result = run_recorded("-" if output is None else output, PROG, ckpt,
+                              lambda: suspend_job(ckpt, job, timeout), action="checkpoint", pid=job)
+        _say(result["message"])
+        return
     if (pid is None) == (profile is None):
         raise GpuosError(
-            f"give --pid PID or --profile FILE, or a command (`{PROG} status`); see `{PROG} --help`", ExitCode.USAGE)
+            f"give --pid PID, --job PID or --profile FILE, or a command (`{PROG} status`); see `{PROG} --help`",
+            ExitCode.USAGE)
     if profile is not None and (image is not None or timeout):
         raise GpuosError("--profile takes its timeout from the profile and cannot make images", ExitCode.USAGE)
     if image is None and (leave_running or criu_arg):

@@ -13,6 +13,7 @@ from gpuos_tools.agent import control
 from gpuos_tools.agent.suspend import request_resume
 from gpuos_tools.ckpt import criu
 from gpuos_tools.ckpt.driver import Checkpointer
+from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
 from gpuos_tools.ckpt.records import run_recorded
 from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
@@ -30,6 +31,11 @@ app = typer.Typer(name=PROG, add_completion=False, rich_markup_mode=None, pretty
 def restore(
     ctx: typer.Context,
     pid: Optional[int] = typer.Option(None, "--pid", "-p", metavar="PID", help="The checkpointed process."),
+    job: Optional[int] = typer.Option(
+        None, "--job", metavar="PID",
+        help="Restore every CUDA process in the tree of PID that `gpu-ckpt --job PID` checkpointed: all "
+        "their memory back first, then every one unlocked (each on the GPU it was checkpointed on).",
+    ),
     device: Optional[str] = typer.Option(
         None, "--device", "-d", metavar="INDEX|UUID",
         help="Restore onto this GPU (nvidia-smi index, or UUID or a unique prefix of it) instead of "
@@ -97,19 +103,29 @@ def restore(
             raise GpuosError("--agent --resume cannot move a program to another GPU: its CUDA context stays on its own, "
                              "and the driver's checkpoint, which could move it, refuses a process with CUPTI loaded",
                              ExitCode.USAGE)
-        if any(x is not None for x in (pid, profile, image)) or criu_arg:
+        if any(x is not None for x in (pid, job, profile, image)) or criu_arg:
             raise GpuosError("--agent --resume goes with --lazy, --timeout and -o only", ExitCode.USAGE)
         _resume(agent, output, timeout, lazy)
         return
     if agent is not None:
-        if any(x is not None for x in (pid, device, device_map, profile)) or criu_arg:
+        if any(x is not None for x in (pid, job, device, device_map, profile)) or criu_arg:
             raise GpuosError("--agent goes with --image, --timeout and -o only", ExitCode.USAGE)
         if image is None:
             raise GpuosError("--agent needs --image DIR: the image to roll back to", ExitCode.USAGE)
         _rollback(agent, image, output, timeout, lazy)
         return
+    if job is not None:
+        if any(x is not None for x in (pid, image, profile, device, device_map)) or criu_arg:
+            raise GpuosError("--job goes with -o only (each process back on its own GPUs)", ExitCode.USAGE)
+        ckpt = Checkpointer()
+        result = run_recorded("-" if output is None else output, PROG, ckpt, lambda: resume_job(ckpt, job),
+                              action="restore", pid=job)
+        if sys.stderr.isatty():
+            stderr_console().print(f"{PROG}: {result['message']}", highlight=False)
+        return
     if sum(x is not None for x in (pid, image, profile)) != 1:
-        raise GpuosError(f"give one of --pid PID, --image DIR, --profile FILE; see `{PROG} --help`", ExitCode.USAGE)
+        raise GpuosError(f"give one of --pid PID, --job PID, --image DIR, --profile FILE; see `{PROG} --help`",
+                         ExitCode.USAGE)
     if device is not None and device_map:
         raise GpuosError("give --device or --device-map, not both", ExitCode.USAGE)
     if profile is not None and (device is not None or device_map):

@@ -1,0 +1,236 @@
+"""A job of several CUDA processes (a launcher such as torchrun and its ranks) checkpointed and
+restored together through the driver path.
+
+Ranks of a data-parallel job wait for each other in every collective. Locking them one after
+another can hang: a rank that is already locked never joins the next collective, and a rank
+still running that has queued work for it cannot finish its work, so its own lock waits for
+good. So every rank is asked for its lock at the same time, each with a time limit; when any
+lock fails or times out, the locks taken are given back (the job runs on), and the whole round
+is tried again after a pause, a bounded number of times. Only when every rank is locked is any
+rank checkpointed; on any failure after that, every rank is brought back to running. A restore
+puts every rank's memory back before unlocking any, so no rank runs while another is still
+without its GPU. docs/snapshots-and-images.md ("Jobs of several processes") says what the
+driver refuses (NCCL jobs are among what it cannot checkpoint on every driver).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpuos_tools import procs
+from gpuos_tools.ckpt import registry
+from gpuos_tools.ckpt.driver import Checkpointer, Record, error_code
+from gpuos_tools.errors import ExitCode, GpuosError
+
+#: What a launcher tells each rank (torchrun, torch.distributed, MPI launchers, SLURM).
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+LOCK_TIMEOUT_MS = 10_000  #: per rank and round, when the caller gives none (0 would wait for ever)
+ROUNDS = 3
+PAUSE_S = 0.5  #: between rounds, so that collectives in flight can finish
+
+
+@dataclass
+class Rank:
+    info: procs.ProcInfo
+    rank: int | None  #: from the launcher's variables; None when unreadable or not set
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.info.describe(), "rank": self.rank}
+
+
+def job_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None) -> list[Rank]:
+    """The CUDA processes in ``pid``'s tree (``pid`` included), in rank order (then pid order).
+
+    ``is_cuda``: whether a process uses CUDA (default: it maps libcuda). Raises NO_SUCH_PROCESS
+    when ``pid`` is gone and NOT_CUDA_PROCESS when no process of the tree uses CUDA."""
+    procs.read_proc(pid)  # NO_SUCH_PROCESS
+    check = is_cuda or _maps_libcuda
+    ranks = []
+    for p in procs.descendants(pid):
+        try:
+            info = procs.read_proc(p)
+        except GpuosError:
+            continue  # exited meanwhile
+        if info.state == "Z" or not check(p):
+            continue
+        env = procs.environ_values(p, RANK_VARIABLES)
+        rank = next((int(env[k]) for k in RANK_VARIABLES if k in env and k != "WORLD_SIZE" and k != "LOCAL_RANK"
+                     and env[k].isdigit()), None)
+        ranks.append(Rank(info, rank))
+    if not ranks:
+        raise GpuosError(f"no process in the tree of PID {pid} uses CUDA (none maps libcuda.so)",
+                         ExitCode.NOT_CUDA_PROCESS)
+    return sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.info.pid))
+
+
+def _maps_libcuda(pid: int) -> bool:
+    try:
+        return procs.maps_libcuda(pid)
+    except GpuosError:
+        return False
+
+
+def _each(pids: list[int], fn: Callable[[int], Any]) -> dict[int, Any]:
+    """``fn(pid)`` for every pid at once, one thread each; a raised exception is the result."""
+    out: dict[int, Any] = {}
+
+    def run(pid: int) -> None:
+        try:
+            out[pid] = fn(pid)
+        except BaseException as e:  # noqa: BLE001 -- reported with the pid
+            out[pid] = e
+
+    threads = [threading.Thread(target=run, args=(p,), name=f"gpu-ckpt-rank-{p}") for p in pids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int = ROUNDS,
+                pause_s: float = PAUSE_S, is_cuda: Callable[[int], bool] | None = None) -> Record:
+    """Lock every rank of ``pid``'s job, then checkpoint each; the ``ckpt_job`` record.
+
+    Raises CkptError when the job could not be checkpointed, every rank left running (or, where
+    the driver leaves no choice, in the state the error names)."""
+    start = time.monotonic()
+    try:
+        ranks = job_ranks(pid, is_cuda)
+    except GpuosError as e:
+        raise ckpt.fail("checkpoint", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    pids = [r.info.pid for r in ranks]
+    states, usage = {}, {}
+    for r in ranks:
+        state = ckpt.state(r.info.pid, quiet=False)  # raises CkptError, untouched
+        gpus, nbytes = usage[r.info.pid] = ckpt.usage(r.info.pid)
+        ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": state, "gpus": gpus, "bytes": nbytes})
+        states[r.info.pid] = state
+    wrong = {p: s for p, s in states.items() if s != "running"}
+    if wrong:
+        raise ckpt.fail("checkpoint", pid, "cannot checkpoint the job: " + ", ".join(
+            f"PID {p} is {s}" for p, s in wrong.items()) + "; nothing was done", ExitCode.WRONG_STATE, None, False)
+    api = ckpt.api
+    limit = timeout_ms or LOCK_TIMEOUT_MS
+    lock_s: float | None = None
+    tried = 0
+    for tried in range(1, rounds + 1):
+        t = time.monotonic()
+        errors = _each(pids, lambda p: api.lock(p, limit))
+        lock_s = time.monotonic() - t
+        for p in pids:
+            err = errors[p]
+            ckpt._step(p, "lock", "running", lock_s, str(err) if isinstance(err, BaseException) else err)
+        failed = {p: e for p, e in errors.items() if e}
+        if not failed:
+            break
+        for p in pids:  # give back what was taken: the job runs on until the next round
+            if p not in failed or ckpt._state(p) in ("locked", "checkpointed"):
+                ckpt.bring_back(p)
+        if tried < rounds:
+            time.sleep(pause_s)
+    else:
+        left = {p: ckpt._state(p) for p in pids}
+        detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
+        codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code("lock", e) for e in failed.values()}
+        code = codes.pop() if len(codes) == 1 else ExitCode.FAILURE
+        raise ckpt.fail("checkpoint", pid, f"could not lock every rank of the job at once in {rounds} rounds of "
+                        f"{limit} ms ({detail}); " + _left(left), code, _common(left),
+                        any(s != "running" for s in left.values()))
+    t = time.monotonic()
+    errors = _each(pids, api.checkpoint)
+    checkpoint_s = time.monotonic() - t
+    for p in pids:
+        err = errors[p]
+        ckpt._step(p, "checkpoint", "locked", checkpoint_s, str(err) if isinstance(err, BaseException) else err)
+    failed = {p: e for p, e in errors.items() if e}
+    if failed:
+        left = {p: ckpt.bring_back(p) for p in pids}
+        detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
+        raise ckpt.fail("checkpoint", pid, f"checkpoint of the job failed ({detail}): the driver cannot checkpoint "
+                        f"what some rank uses (NCCL, IPC or managed memory, MPS, MIG); " + _left(left),
+                        ExitCode.NOT_CHECKPOINTABLE, _common(left), True)
+    for r in ranks:
+        gpus, nbytes = usage[r.info.pid]
+        registry.remember(registry.entry_for(r.info, gpus=gpus, bytes=nbytes))
+    result: Record = {
+        "type": "ckpt_job", "action": "checkpoint", "pid": pid, "ok": True, "state": "checkpointed",
+        "ranks": [r.describe() for r in ranks], "rounds": tried, "lock_s": round(lock_s or 0.0, 6),
+        "checkpoint_s": round(checkpoint_s, 6), "duration_s": round(time.monotonic() - start, 6),
+        "message": f"{len(pids)} processes of the job of PID {pid} checkpointed; `gpu-restore --job {pid}` "
+                   "resumes them",
+    }
+    ckpt.out(result)
+    return result
+
+
+def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | None = None) -> Record:
+    """Restore every checkpointed rank of ``pid``'s job, then unlock every rank; the ``ckpt_job``
+    record. Raises CkptError saying what each rank was left in."""
+    start = time.monotonic()
+    try:
+        ranks = job_ranks(pid, is_cuda)
+    except GpuosError as e:
+        raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    pids = [r.info.pid for r in ranks]
+    states = {r.info.pid: ckpt.state(r.info.pid, quiet=False) for r in ranks}
+    for r in ranks:
+        ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": states[r.info.pid]})
+    wrong = {p: s for p, s in states.items() if s not in ("checkpointed", "locked")}
+    if wrong:
+        raise ckpt.fail("restore", pid, "cannot restore the job: " + ", ".join(
+            f"PID {p} is {s}" for p, s in wrong.items()) + "; nothing was done", ExitCode.WRONG_STATE, None, False)
+    api = ckpt.api
+    to_restore = [p for p in pids if states[p] == "checkpointed"]
+    t = time.monotonic()
+    errors = _each(to_restore, api.restore)
+    restore_s = time.monotonic() - t
+    for p in to_restore:
+        err = errors[p]
+        ckpt._step(p, "restore", "checkpointed", restore_s, str(err) if isinstance(err, BaseException) else err)
+    failed = {p: e for p, e in errors.items() if e}
+    if failed:
+        # the ranks whose memory is back run again only with the others: leave every rank where it is
+        left = {p: ckpt._state(p) for p in pids}
+        detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
+        codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code("restore", e)
+                 for e in failed.values()}
+        raise ckpt.fail("restore", pid, f"restore of the job failed ({detail}); no rank was unlocked: "
+                        + _left(left) + f"; `gpu-restore --job {pid}` tries again",
+                        codes.pop() if len(codes) == 1 else ExitCode.FAILURE, _common(left), True)
+    t = time.monotonic()
+    errors = _each(pids, api.unlock)
+    unlock_s = time.monotonic() - t
+    for p in pids:
+        err = errors[p]
+        ckpt._step(p, "unlock", "locked", unlock_s, str(err) if isinstance(err, BaseException) else err)
+    failed = {p: e for p, e in errors.items() if e}
+    if failed:
+        left = {p: ckpt._state(p) for p in pids}
+        raise ckpt.fail("restore", pid, "unlock failed for " + "; ".join(f"PID {p}: {e}" for p, e in failed.items())
+                        + "; " + _left(left), ExitCode.FAILURE, _common(left), True)
+    for p in pids:
+        registry.forget(p)
+    result: Record = {
+        "type": "ckpt_job", "action": "restore", "pid": pid, "ok": True, "state": "running",
+        "ranks": [r.describe() for r in ranks], "restore_s": round(restore_s, 6), "unlock_s": round(unlock_s, 6),
+        "duration_s": round(time.monotonic() - start, 6),
+        "message": f"{len(pids)} processes of the job of PID {pid} restored and running",
+    }
+    ckpt.out(result)
+    return result
+
+
+def _left(states: dict[int, str | None]) -> str:
+    return "left: " + ", ".join(f"PID {p} {s or 'unknown'}" for p, s in states.items())
+
+
+def _common(states: dict[int, str | None]) -> str | None:
+    """The one state every rank is in, else None."""
+    values = set(states.values())
+    return values.pop() if len(values) == 1 else None
+

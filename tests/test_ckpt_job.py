@@ -1,0 +1,220 @@
+"""`gpu-ckpt --job` / `gpu-restore --job` on the CPU: the ranks of a job are found in a real
+process tree (real processes that map a file named libcuda.so.1), and the driver steps go to a
+fake driver that models what matters for a job: a rank whose collective is in flight cannot be
+locked until the other ranks can run again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import FAKE_CUDA
+
+from gpuos_tools import procs
+from gpuos_tools.ckpt import job as J
+from gpuos_tools.ckpt.driver import Checkpointer, CkptError
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream.records import check_written
+
+LAUNCHER = """
+import os, subprocess, sys
+lib, code = sys.argv[1], sys.argv[2]
+kids = [subprocess.Popen([sys.executable, '-c', code, lib], env={**os.environ, 'RANK': str(r), 'WORLD_SIZE': '2'},
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in (1, 0)]
+for k in kids:
+    k.stdout.readline()
+print(' '.join(str(k.pid) for k in kids), flush=True)
+sys.stdin.read()
+for k in kids:
+    k.kill()
+"""
+
+
+@contextlib.contextmanager
+def launched_job(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """A launcher (no CUDA) with two ranks that map libcuda, started rank 1 first."""
+    lib = tmp_path / "fakelib" / "libcuda.so.1"
+    lib.parent.mkdir()
+    lib.write_bytes(b"\0" * 4096)
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(lib), FAKE_CUDA], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    kids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        kids = [int(p) for p in proc.stdout.readline().split()]
+        yield proc, kids
+    finally:
+        for pid in [proc.pid, *kids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        proc.wait()
+
+
+class FakeDriver:
+    """The driver checkpoint API for the ranks: states, and a lock that times out for a rank
+    while ``stuck`` says its collective is in flight (so many more tries)."""
+
+    version = 13000
+
+    def __init__(self, pids: list[int]):
+        self.states = {p: "running" for p in pids}
+        self.stuck: dict[int, int] = {}
+        self.fail_checkpoint: set[int] = set()
+        self.calls: list[tuple[str, int]] = []
+
+    def get_state(self, pid: int) -> tuple[str | None, str | None]:
+        return self.states.get(pid), None
+
+    def lock(self, pid: int, timeout_ms: int) -> str | None:
+        self.calls.append(("lock", pid))
+        if self.stuck.get(pid, 0) > 0:
+            self.stuck[pid] -= 1
+            return "CUDA_ERROR_TIMEOUT"
+        self.states[pid] = "locked"
+        return None
+
+    def checkpoint(self, pid: int) -> str | None:
+        self.calls.append(("checkpoint", pid))
+        if pid in self.fail_checkpoint:
+            return "CUDA_ERROR_NOT_SUPPORTED"
+        self.states[pid] = "checkpointed"
+        return None
+
+    def restore(self, pid: int, pairs=None) -> str | None:  # noqa: ANN001
+        self.calls.append(("restore", pid))
+        self.states[pid] = "locked"
+        return None
+
+    def unlock(self, pid: int) -> str | None:
+        self.calls.append(("unlock", pid))
+        self.states[pid] = "running"
+        return None
+
+
+class JobCheckpointer(Checkpointer):
+    def __init__(self, driver: FakeDriver):
+        self.records: list[dict] = []
+        super().__init__(emit=self.records.append)
+        self._api = driver
+
+    def usage(self, pid: int):  # noqa: ANN201 -- no NVML here
+        return [], 1 << 20
+
+    def header_fields(self):  # noqa: ANN201
+        return {}
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
+    with launched_job(tmp_path) as (launcher, kids):
+        yield launcher, kids
+
+
+def test_the_ranks_are_the_cuda_processes_of_the_tree_in_rank_order(job) -> None:
+    launcher, kids = job
+    ranks = J.job_ranks(launcher.pid)
+    assert [r.info.pid for r in ranks] == [kids[1], kids[0]]  # rank 0 was started second
+    assert [r.rank for r in ranks] == [0, 1]
+    assert launcher.pid not in [r.info.pid for r in ranks]  # the launcher maps no libcuda
+    assert [r.info.pid for r in J.job_ranks(kids[0])] == [kids[0]]  # a rank alone is its own job
+
+
+def test_a_tree_without_cuda_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(GpuosError) as e:
+        J.job_ranks(os.getpid(), is_cuda=lambda pid: False)
+    assert e.value.code == ExitCode.NOT_CUDA_PROCESS
+
+
+def test_every_rank_is_locked_before_any_is_checkpointed_and_a_stuck_round_is_retried(job) -> None:
+    launcher, kids = job
+    ranks = sorted(kids)
+    driver = FakeDriver(ranks)
+    driver.stuck[kids[0]] = 1  # rank 1's collective is in flight in the first round
+    ckpt = JobCheckpointer(driver)
+    result = J.suspend_job(ckpt, launcher.pid, timeout_ms=50, pause_s=0.0)
+    assert result["ok"] and result["rounds"] == 2 and driver.states == {p: "checkpointed" for p in ranks}
+    # round one: the rank that was locked is given back (unlocked) before the retry
+    first_round = driver.calls[:driver.calls.index(("unlock", kids[1])) + 1]
+    assert ("lock", kids[1]) in first_round and ("checkpoint", kids[1]) not in first_round
+    last_lock = max(i for i, c in enumerate(driver.calls) if c[0] == "lock")
+    first_checkpoint = min(i for i, c in enumerate(driver.calls) if c[0] == "checkpoint")
+    assert last_lock < first_checkpoint
+    for rec in ckpt.records:
+        assert check_written(rec) is None, rec
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+
+    before = len(driver.calls)
+    back = J.resume_job(ckpt, launcher.pid)
+    assert back["ok"] and driver.states == {p: "running" for p in ranks}
+    steps = [c[0] for c in driver.calls[before:]]
+    assert sorted(steps) == ["restore", "restore", "unlock", "unlock"]
+    assert steps.index("unlock") > max(i for i, s in enumerate(steps) if s == "restore")  # all back, then go
+    assert check_written(back) is None
+
+
+def test_a_rank_that_never_locks_leaves_the_whole_job_running(job) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    driver.stuck[kids[1]] = 99
+    ckpt = JobCheckpointer(driver)
+    started = time.monotonic()
+    with pytest.raises(CkptError) as e:
+        J.suspend_job(ckpt, launcher.pid, timeout_ms=50, rounds=3, pause_s=0.01)
+    assert e.value.code == ExitCode.LOCK_TIMEOUT and "3 rounds" in str(e.value)
+    assert driver.states == {p: "running" for p in kids} and time.monotonic() - started < 10
+    assert ("checkpoint", kids[0]) not in driver.calls
+
+
+def test_a_rank_the_driver_cannot_checkpoint_brings_every_rank_back(job) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    driver.fail_checkpoint.add(kids[0])
+    ckpt = JobCheckpointer(driver)
+    with pytest.raises(CkptError) as e:
+        J.suspend_job(ckpt, launcher.pid, timeout_ms=50, pause_s=0.0)
+    assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and e.value.state == "running"
+    assert driver.states == {p: "running" for p in kids}
+
+
+def test_a_job_not_all_running_is_not_touched(job) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    driver.states[kids[0]] = "checkpointed"
+    ckpt = JobCheckpointer(driver)
+    with pytest.raises(CkptError) as e:
+        J.suspend_job(ckpt, launcher.pid, pause_s=0.0)
+    assert e.value.code == ExitCode.WRONG_STATE and not driver.calls
+    with pytest.raises(CkptError) as e:
+        J.resume_job(ckpt, launcher.pid)
+    assert e.value.code == ExitCode.WRONG_STATE and not driver.calls
+
+
+@pytest.mark.parametrize(("command", "args"), [
+    ("ckpt", ["--job", "1", "--pid", "2"]),
+    ("ckpt", ["--job", "1", "--image", "d"]),
+    ("ckpt", ["--job", "1", "--agent", "2", "--image", "d"]),
+    ("restore", ["--job", "1", "--device", "0"]),
+    ("restore", ["--job", "1", "--pid", "2"]),
+])
+def test_job_usage_errors(command: str, args: list[str], tmp_path: Path) -> None:
+    from helpers import child_env
+
+    done = subprocess.run([sys.executable, "-m", f"gpuos_tools.commands.{command}", *args], env=child_env(
+        GPUOS_CKPT_STATE_DIR=str(tmp_path)), capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == ExitCode.USAGE, done.stderr
+    assert done.stdout == "" and done.stderr.strip()
+
+
+def test_the_launcher_reads_only_what_it_may(job) -> None:
+    """Another user's process: its environment is unreadable, and the rank is then unknown (None),
+    not an error; our own processes give theirs."""
+    launcher, kids = job
+    assert procs.environ_values(kids[0], ("RANK",)) == {"RANK": "1"}
+    assert procs.environ_values(2**22 + 12345, ("RANK",)) == {}
