@@ -232,6 +232,17 @@ def environ_values(pid: int, names: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+#: What a launcher tells each rank of a job (torchrun, MPI launchers, SLURM), first found wins.
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def rank_of(pid: int) -> int | None:
+    """The rank a launcher gave the process (its environment as it started), None when it has
+    none or its environment is not ours to read."""
+    env = environ_values(pid, RANK_VARIABLES)
+    return next((int(env[k]) for k in RANK_VARIABLES if env.get(k, "").isdigit()), None)
+
+
 def boot_id() -> str:
     try:
         with open(f"{PROC}/sys/kernel/random/boot_id") as f:

@@ -218,3 +218,14 @@ def test_the_launcher_reads_only_what_it_may(job) -> None:
     launcher, kids = job
     assert procs.environ_values(kids[0], ("RANK",)) == {"RANK": "1"}
     assert procs.environ_values(2**22 + 12345, ("RANK",)) == {}
+
+
+def test_status_names_each_ranks_job_and_rank(job, monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, kids = job
+    ckpt = JobCheckpointer(FakeDriver(kids))
+    monkeypatch.setattr(JobCheckpointer, "machine_gpus", lambda self: [])
+    rows = {r["pid"]: r for r in ckpt.list_processes(kids)}
+    assert {rows[k]["rank"] for k in kids} == {0, 1}
+    assert all(rows[k]["job"] == launcher.pid for k in kids)
+    for rec in rows.values():
+        assert check_written(rec) is None, rec

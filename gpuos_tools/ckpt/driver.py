@@ -723,6 +723,9 @@ class Checkpointer:
             try:
                 info = procs.read_proc(pid)
                 rec.update(user=info.user, command=info.command)
+                rank = procs.rank_of(pid)
+                if rank is not None:  # a rank of a job: its launcher is the job (gpu-ckpt --job PPID)
+                    rec.update(job=procs.parent_of(pid), rank=rank)
             except GpuosError as e:
                 rec.update(state=None, error=ExitCode(e.code).name, message=str(e))
                 out.append(rec)

@@ -26,8 +26,6 @@ from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, Record, error_code
 from gpuos_tools.errors import ExitCode, GpuosError
 
-#: What a launcher tells each rank (torchrun, torch.distributed, MPI launchers, SLURM).
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 LOCK_TIMEOUT_MS = 10_000  #: per rank and round, when the caller gives none (0 would wait for ever)
 ROUNDS = 3
 PAUSE_S = 0.5  #: between rounds, so that collectives in flight can finish
@@ -57,10 +55,7 @@ def job_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None) -> list[Ra
             continue  # exited meanwhile
         if info.state == "Z" or not check(p):
             continue
-        env = procs.environ_values(p, RANK_VARIABLES)
-        rank = next((int(env[k]) for k in RANK_VARIABLES if k in env and k != "WORLD_SIZE" and k != "LOCAL_RANK"
-                     and env[k].isdigit()), None)
-        ranks.append(Rank(info, rank))
+        ranks.append(Rank(info, procs.rank_of(p)))
     if not ranks:
         raise GpuosError(f"no process in the tree of PID {pid} uses CUDA (none maps libcuda.so)",
                          ExitCode.NOT_CUDA_PROCESS)

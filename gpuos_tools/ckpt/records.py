@@ -62,6 +62,8 @@ CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
     Field("state", _STATE, null=True), Field("error", Str()), Field("gpus", List(_GPU)),
     Field("memory", BYTES, "bytes on GPUs; 0 when checkpointed", null=True),
     Field("seen_by", List(Str()), "nvml, maps, gpu-ckpt, asked"),
+    Field("job", _PID, "a rank's launcher (its parent): `gpu-ckpt --job JOB` takes the job whole", null=True),
+    Field("rank", COUNT, "the rank its launcher gave it (RANK and the like)"),
     Field("checkpointed", Map(), "{checkpointed_at, bytes, gpus}, for processes gpu-ckpt checkpointed", null=True),
 ))
 CKPT_PROFILE = RecordType("ckpt_profile", "(--profile) what a maintenance run did.", (

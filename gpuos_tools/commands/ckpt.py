@@ -259,15 +259,18 @@ def status(
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
-    for column, justify in (("PID", "right"), ("USER", "left"), ("STATE", "left"), ("GPU MEMORY", "right"),
-                            ("GPUS", "left"), ("COMMAND", "left")):
+    for column, justify in (("PID", "right"), ("JOB/RANK", "left"), ("USER", "left"), ("STATE", "left"),
+                            ("GPU MEMORY", "right"), ("GPUS", "left"), ("COMMAND", "left")):
         table.add_column(column, justify=justify, no_wrap=column != "COMMAND")
+    # the ranks of a job together, in rank order
+    rows = sorted(rows, key=lambda r: (r.get("job") or r["pid"], r.get("rank", -1), r["pid"]))
     for rec in rows:
         mem = rec.get("memory")
         gpus = ",".join(str(g["index"]) for g in rec.get("gpus") or [])
         if not gpus and rec.get("checkpointed"):
             gpus = "(" + ",".join(str(g.get("index")) for g in rec["checkpointed"].get("gpus") or []) + ")"
-        table.add_row(str(rec["pid"]), rec.get("user", "?"), rec.get("state") or rec.get("error", "?"),
+        job = f"{rec['job']}/{rec['rank']}" if rec.get("job") else ""
+        table.add_row(str(rec["pid"]), job, rec.get("user", "?"), rec.get("state") or rec.get("error", "?"),
                       "?" if mem is None else f"{format_size(mem)}", gpus, " ".join(rec.get("command", "").split()))
     Console().print(table)
 
