@@ -525,3 +525,63 @@ def test_parked_bytes_is_park_stats_first_field(env):
     assert lib.parked_bytes() == 0
     lib.release(a)
     assert lib.parked_bytes() == lib.park_stats()["parked_bytes"] == 2 * G
+
+
+def test_torch_memory_statistics_follow_live_and_held_blocks(env):
+    """What torch.cuda.memory_allocated and the like read (a pluggable allocator answers none of
+    them): live blocks at their class, blocks held from the driver, peaks, and a reset."""
+    lib, _ = env
+    a = lib.torch_malloc(10 * G, 0, S1)
+    b = lib.torch_malloc(3000, 0, S1)
+    m = lib.torch_memory(0)
+    assert m["allocated"] == m["reserved"] == 10 * G + 4096 and m["allocs"] == 2
+    lib.torch_free(a, 10 * G, 0, S1)  # cached: no longer allocated, still held
+    m = lib.torch_memory(0)
+    assert m["allocated"] == 4096 and m["reserved"] == 10 * G + 4096 and m["allocated_peak"] == 10 * G + 4096
+    assert m["frees"] == 1 and m["bytes_allocated"] == 10 * G + 4096 and m["bytes_freed"] == 10 * G
+    assert lib.torch_malloc(10 * G, 0, S1) == a  # a cache hit counts as allocated again
+    assert lib.torch_memory(0)["allocated"] == 10 * G + 4096
+    lib.torch_free(a, 10 * G, 0, S1)
+    lib.torch_free(b, 3000, 0, S1)
+    assert lib.torch_trim() == 2  # given back: nothing held
+    m = lib.torch_memory(0)
+    assert m["allocated"] == 0 and m["reserved"] == 0 and m["reserved_peak"] == 10 * G + 4096
+    lib.torch_reset_peaks(0)
+    m = lib.torch_memory(0)
+    assert m["allocated_peak"] == 0 and m["reserved_peak"] == 0
+    assert lib.torch_memory(1)["allocs"] == 0 and lib.torch_memory(999)["allocs"] == 0
+
+    from gpuos_tools.memory.owned import torch_memory_stats
+
+    c = lib.torch_malloc(G, 0, S1)
+    stats = torch_memory_stats(lib, 0)
+    assert stats["allocated_bytes"]["all"]["current"] == G and stats["reserved_bytes"]["all"]["peak"] == G
+    assert stats["allocation"]["all"]["current"] == 1 and stats["num_device_alloc"] == lib.torch_stats()["misses"]
+    lib.torch_free(c, G, 0, S1)
+
+
+def test_torch_statistics_are_installed_where_torch_reads_them(env):
+    """memory_stats and friends in torch.cuda.memory look memory_stats_as_nested_dict up as a
+    module global; the installed functions replace it there and in torch.cuda (a stand-in for
+    torch here: the GPU test runs the real one)."""
+    import types
+
+    from gpuos_tools.memory.owned import answer_torch_memory_stats
+
+    lib, _ = env
+    raising = lambda device=None: (_ for _ in ()).throw(RuntimeError("no getDeviceStats"))  # noqa: E731
+    memory = types.SimpleNamespace(memory_stats_as_nested_dict=raising, reset_peak_memory_stats=raising,
+                                   reset_accumulated_memory_stats=raising)
+    cuda = types.SimpleNamespace(memory=memory, memory_stats_as_nested_dict=raising, reset_peak_memory_stats=raising,
+                                 _utils=types.SimpleNamespace(
+                                     _get_device_index=lambda d, optional=False: 0 if d is None else int(d)))
+    answer_torch_memory_stats(types.SimpleNamespace(cuda=cuda), lib)
+    a = lib.torch_malloc(4 * G, 0, S1)
+    assert cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"] == 4 * G
+    assert memory.memory_stats_as_nested_dict(0)["reserved_bytes"]["all"]["peak"] == 4 * G
+    lib.torch_free(a, 4 * G, 0, S1)
+    lib.torch_trim()
+    memory.reset_peak_memory_stats("0")
+    assert cuda.memory_stats_as_nested_dict(0)["allocated_bytes"]["all"]["peak"] == 0
+    memory.reset_accumulated_memory_stats()
+    assert memory.memory_stats_as_nested_dict.__wrapped__ is raising

@@ -36,9 +36,10 @@ cache back (`torch_trim`). Not owned in a PyTorch program (torch 2.11; scripts/p
 lists them): cuBLAS's and cuBLASLt's workspaces (one each, sized by
 CUBLAS_WORKSPACE_CONFIG: 32 MiB at :4096:8, 8 MiB at :4096:2) plus 1 KiB each, and cuDNN's
 2 x 24.75 KiB + 2 x 4 B: torch allocates these with cudaMalloc past its allocator, so a suspend
-needs --partial and they stay on the GPU. Limits (torch's, for any pluggable allocator):
-`torch.cuda.memory_stats()` and `torch.cuda.memory_allocated()` raise RuntimeError
-("CUDAPluggableAllocator does not yet support getDeviceStats"); `Tensor.record_stream` is not
+needs --partial and they stay on the GPU. torch's memory statistics (`memory_stats`,
+`memory_allocated`, `max_memory_allocated`, `memory_reserved`, `reset_peak_memory_stats`), which
+raise for any pluggable allocator, are answered from the library's own counters, blocks counted
+at their size class. Limits (torch's, for any pluggable allocator): `Tensor.record_stream` is not
 seen (a block is freed on its allocation stream: a program that frees a tensor still used on
 another stream must make that stream wait first); CUDA graph capture and replay run (tested),
 but there is no private pool: a block freed during capture goes back to the shared cache, so
@@ -150,6 +151,8 @@ class OwnedLibrary:
         lib.gpuos_alloc_record_size.restype = ctypes.c_size_t
         lib.gpuos_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.gpuos_torch_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.gpuos_torch_memory.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+        lib.gpuos_torch_reset_peaks.argtypes = [ctypes.c_int]
         for name in ("gpuos_alloc_set_park_limit", "gpuos_alloc_trim_parked"):
             getattr(lib, name).argtypes = [ctypes.c_uint64]
             getattr(lib, name).restype = ctypes.c_uint64
@@ -215,6 +218,19 @@ class OwnedLibrary:
         keys = ("hits", "cross_stream_hits", "misses", "cached_bytes", "cached_blocks", "trimmed",
                 "oom_retries", "events")
         return dict(zip(keys, (int(x) for x in out)))
+
+    def torch_memory(self, device: int = 0) -> dict[str, int]:
+        """torch's memory statistics for ``device``, as the library keeps them: bytes of live
+        blocks (by their size class) and of blocks held from the driver (live and cached), their
+        peaks, the allocations and frees, and the bytes allocated and freed in all."""
+        out = (ctypes.c_uint64 * 8)()
+        self.lib.gpuos_torch_memory(device, out)
+        keys = ("allocated", "allocated_peak", "reserved", "reserved_peak", "allocs", "frees", "bytes_allocated",
+                "bytes_freed")
+        return dict(zip(keys, (int(x) for x in out)))
+
+    def torch_reset_peaks(self, device: int = 0) -> None:
+        self.lib.gpuos_torch_reset_peaks(device)
 
     # -- residency ----------------------------------------------------------------------------
 
@@ -364,8 +380,67 @@ def install_torch() -> Any:
     empty_cache.__wrapped__ = original  # type: ignore[attr-defined]
     torch.cuda.memory.empty_cache = empty_cache
     torch.cuda.empty_cache = empty_cache
+    answer_torch_memory_stats(torch, lib)
     _torch_allocator = alloc
     return alloc
+
+
+def torch_memory_stats(lib: OwnedLibrary, device: int) -> dict[str, Any]:
+    """``torch.cuda.memory_stats_as_nested_dict(device)`` from the library's counters: what a
+    pluggable allocator leaves unanswered ("CUDAPluggableAllocator does not yet support
+    getDeviceStats"), and what training loops and libraries read (memory_allocated,
+    max_memory_allocated, memory_reserved, memory_stats). Blocks are counted at their size class
+    (torch's own allocator counts at 512-byte rounding), so "requested" equals "allocated"."""
+    m, counters = lib.torch_memory(device), lib.torch_stats()
+
+    def stat(current: int, peak: int, allocated: int, freed: int) -> dict[str, dict[str, int]]:
+        one = {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+        return {"all": dict(one), "large_pool": dict(one),
+                "small_pool": {"current": 0, "peak": 0, "allocated": 0, "freed": 0}}
+
+    allocated = stat(m["allocated"], m["allocated_peak"], m["bytes_allocated"], m["bytes_freed"])
+    # bytes held from the driver: current and peak only (what comes and goes is not counted)
+    reserved = {pool: {"current": m["reserved"] if pool != "small_pool" else 0,
+                       "peak": m["reserved_peak"] if pool != "small_pool" else 0}
+                for pool in ("all", "large_pool", "small_pool")}
+    live = {"current": m["allocs"] - m["frees"], "allocated": m["allocs"], "freed": m["frees"]}  # no peak kept
+    counts = {"all": dict(live), "large_pool": dict(live), "small_pool": {"current": 0, "allocated": 0, "freed": 0}}
+    return {
+        "allocated_bytes": allocated, "active_bytes": allocated, "requested_bytes": allocated,
+        "reserved_bytes": reserved, "allocation": counts, "active": counts,
+        "num_alloc_retries": counters["oom_retries"], "num_ooms": 0, "num_sync_all_streams": 0,
+        "num_device_alloc": counters["misses"], "num_device_free": counters["trimmed"],
+    }
+
+
+def answer_torch_memory_stats(torch: Any, lib: OwnedLibrary) -> None:
+    """torch.cuda's memory statistics answered from the library (they raise for a pluggable
+    allocator): ``memory_stats_as_nested_dict`` is what memory_stats, memory_allocated,
+    max_memory_allocated, memory_reserved and max_memory_reserved read; the resets start the
+    peaks again."""
+    memory = torch.cuda.memory
+
+    def index(device: Any) -> int:
+        return int(torch.cuda._utils._get_device_index(device, optional=True))
+
+    def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+        """(gpuos agent) torch's memory statistics, from the owned allocator's counters."""
+        return torch_memory_stats(lib, index(device))
+
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        """(gpuos agent) the peaks start again from what is allocated and reserved now."""
+        lib.torch_reset_peaks(index(device))
+
+    def reset_accumulated_memory_stats(device: Any = None) -> None:
+        """(gpuos agent) the owned allocator keeps no separate accumulated counters to reset."""
+
+    for name, fn in (("memory_stats_as_nested_dict", memory_stats_as_nested_dict),
+                     ("reset_peak_memory_stats", reset_peak_memory_stats),
+                     ("reset_accumulated_memory_stats", reset_accumulated_memory_stats)):
+        fn.__wrapped__ = getattr(memory, name, None)  # type: ignore[attr-defined]
+        setattr(memory, name, fn)
+        if hasattr(torch.cuda, name):
+            setattr(torch.cuda, name, fn)
 
 
 def torch_allocator() -> Any:

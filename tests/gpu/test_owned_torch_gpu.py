@@ -77,6 +77,12 @@ def test_owned_torch_training_is_bit_identical_to_the_untraced_run(tmp_path, pla
     assert run["digest"] == plain["digest"]
     assert run["empty_cache"]["cached_before"] > 0 and run["empty_cache"]["cached_after"] == 0
     # stream order across streams: not while the freeing stream still works, then yes
+    # torch's memory statistics answer from the owned allocator's counters, as they do untraced
+    for probes in (run["probes"], plain["probes"]):
+        assert probes["memory_stats"]["ok"] and probes["memory_allocated"]["ok"], probes
+        peak = probes["peak"]
+        assert peak["ok"] and peak["peak"] >= peak["before"] + (64 << 20) and peak["after"] == peak["before"], peak
+        assert peak["max_reserved"] >= peak["reserved"] > 0, peak
     cross = run["probes"]["cross_stream"]
     assert cross["main_was_busy"] and cross["other_while_busy"] and cross["reused_after"], cross
     assert plain["probes"]["cross_stream"]["other_while_busy"]

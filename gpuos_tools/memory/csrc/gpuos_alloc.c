@@ -662,6 +662,24 @@ static CUevent *spare_events; /* created, free for reuse */
 static size_t n_spare, cap_spare;
 static uint64_t tstats[8];
 enum { T_HITS, T_CROSS_HITS, T_MISSES, T_CACHED_BYTES, T_CACHED_BLOCKS, T_TRIMMED, T_OOM_RETRIES, T_EVENTS };
+/* torch's memory statistics per device (torch.cuda.memory_allocated and the like, which a
+   pluggable allocator does not answer): bytes of live blocks (by their class), of blocks held
+   from the driver (live and cached), their peaks, the allocations and frees, and the bytes
+   allocated and freed in all */
+#define TORCH_DEVICES 64
+enum { M_ALLOCATED, M_ALLOCATED_PEAK, M_RESERVED, M_RESERVED_PEAK, M_ALLOCS, M_FREES, M_BYTES_IN, M_BYTES_OUT, M_N };
+static uint64_t tmem[TORCH_DEVICES][M_N]; /* guarded by tlock */
+
+static void mem_moved(int device, int64_t allocated, int64_t reserved) { /* tlock held */
+    if (device < 0 || device >= TORCH_DEVICES) return;
+    uint64_t *m = tmem[device];
+    m[M_ALLOCATED] += (uint64_t)allocated;
+    m[M_RESERVED] += (uint64_t)reserved;
+    if (allocated > 0) m[M_ALLOCS]++, m[M_BYTES_IN] += (uint64_t)allocated;
+    if (allocated < 0) m[M_FREES]++, m[M_BYTES_OUT] += (uint64_t)-allocated;
+    if (m[M_ALLOCATED] > m[M_ALLOCATED_PEAK]) m[M_ALLOCATED_PEAK] = m[M_ALLOCATED];
+    if (m[M_RESERVED] > m[M_RESERVED_PEAK]) m[M_RESERVED_PEAK] = m[M_RESERVED];
+}
 
 /* the class a request of size bytes is served from */
 size_t gpuos_torch_round(size_t size, size_t g) { return gpuos_size_class(size, g); }
@@ -800,6 +818,7 @@ int gpuos_torch_trim(void) {
     for (size_t i = 0; i < n_buckets; i++) {
         memcpy(&all[k], buckets[i].v, buckets[i].n * sizeof *all);
         k += buckets[i].n;
+        mem_moved(buckets[i].device, 0, -(int64_t)(buckets[i].size * buckets[i].n));
         buckets[i].n = 0;
     }
     tstats[T_CACHED_BYTES] = 0;
@@ -830,6 +849,25 @@ void gpuos_torch_stats(uint64_t out[8]) {
     pthread_mutex_unlock(&tlock);
 }
 
+/* torch's statistics for device: allocated, peak allocated, reserved, peak reserved bytes,
+   allocations, frees, bytes allocated and freed in all (zero for a device out of range) */
+void gpuos_torch_memory(int device, uint64_t out[M_N]) {
+    pthread_mutex_lock(&tlock);
+    if (device >= 0 && device < TORCH_DEVICES) memcpy(out, tmem[device], sizeof tmem[device]);
+    else memset(out, 0, sizeof tmem[0]);
+    pthread_mutex_unlock(&tlock);
+}
+
+/* torch.cuda.reset_peak_memory_stats: the peaks start again from what is held now */
+void gpuos_torch_reset_peaks(int device) {
+    pthread_mutex_lock(&tlock);
+    if (device >= 0 && device < TORCH_DEVICES) {
+        tmem[device][M_ALLOCATED_PEAK] = tmem[device][M_ALLOCATED];
+        tmem[device][M_RESERVED_PEAK] = tmem[device][M_RESERVED];
+    }
+    pthread_mutex_unlock(&tlock);
+}
+
 /* torch.cuda.memory.CUDAPluggableAllocator's signatures (gpuos_alloc_init first: owned.py). */
 void *gpuos_torch_malloc(ssize_t size, int device, void *stream) {
     if (size <= 0 || !p_map) return NULL;
@@ -837,13 +875,23 @@ void *gpuos_torch_malloc(ssize_t size, int device, void *stream) {
     if (!g) return NULL;
     size_t r = gpuos_torch_round((size_t)size, g);
     uint64_t p = cache_take(device, r, stream);
-    if (p) return (void *)(uintptr_t)p;
+    if (p) {
+        pthread_mutex_lock(&tlock);
+        mem_moved(device, (int64_t)r, 0);
+        pthread_mutex_unlock(&tlock);
+        return (void *)(uintptr_t)p;
+    }
     p = gpuos_alloc_malloc(r, device);
     if (!p && gpuos_torch_trim() > 0) { /* the driver refused: give the cache back, once more */
         __atomic_add_fetch(&tstats[T_OOM_RETRIES], 1, __ATOMIC_RELAXED);
         p = gpuos_alloc_malloc(r, device);
     }
-    if (p) __atomic_add_fetch(&tstats[T_MISSES], 1, __ATOMIC_RELAXED);
+    if (p) {
+        __atomic_add_fetch(&tstats[T_MISSES], 1, __ATOMIC_RELAXED);
+        pthread_mutex_lock(&tlock);
+        mem_moved(device, (int64_t)r, (int64_t)r);
+        pthread_mutex_unlock(&tlock);
+    }
     return (void *)(uintptr_t)p;
 }
 
@@ -856,9 +904,11 @@ void gpuos_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     if (b && !push(b, (cblock_t){(uint64_t)(uintptr_t)ptr, stream, NULL})) {
         tstats[T_CACHED_BYTES] += r;
         tstats[T_CACHED_BLOCKS]++;
+        mem_moved(device, -(int64_t)r, 0);
         pthread_mutex_unlock(&tlock);
         return;
     }
+    mem_moved(device, -(int64_t)r, -(int64_t)r);
     pthread_mutex_unlock(&tlock);
     gpuos_alloc_free((uint64_t)(uintptr_t)ptr); /* no room to cache it: back to the driver */
 }

@@ -69,7 +69,7 @@ def wait_for_go(d: str, report: dict) -> None:
 
 
 def probes(report: dict) -> None:
-    """What torch's allocator-facing APIs do under the allocator in place (reported, not required)."""
+    """What torch's allocator-facing APIs do under the allocator in place."""
     out = {}
     try:
         s = torch.cuda.memory_stats()
@@ -80,6 +80,16 @@ def probes(report: dict) -> None:
         out["memory_allocated"] = {"ok": True, "value": torch.cuda.memory_allocated()}
     except Exception as e:  # noqa: BLE001
         out["memory_allocated"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    try:  # what training loops log: a peak over a step, after a reset
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        peak = torch.cuda.max_memory_allocated()
+        del big
+        out["peak"] = {"ok": True, "before": before, "peak": peak, "after": torch.cuda.memory_allocated(),
+                       "reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved()}
+    except Exception as e:  # noqa: BLE001
+        out["peak"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
     try:
         a = torch.ones(1 << 20, device="cuda")
         side = torch.cuda.Stream()
