@@ -47,7 +47,10 @@ def _workdir(tmp: Path) -> Path:
 
 
 def _run_tour(work: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    script = "set -euo pipefail\n" + "\n".join(blocks((REPO / "README.md").read_text(), "sh"))
+    # a block that fails ends the script; the trap ends a daemon it started too, which would
+    # otherwise hold the output pipes open until the timeout
+    script = "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + "\n".join(
+        blocks((REPO / "README.md").read_text(), "sh"))
     ring_was_there = RING.exists()
     proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
