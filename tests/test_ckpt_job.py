@@ -66,9 +66,12 @@ class FakeDriver:
         self.states = {p: "running" for p in pids}
         self.stuck: dict[int, int] = {}
         self.fail_checkpoint: set[int] = set()
+        self.uninitialised: set[int] = set()  # map libcuda, no CUDA state (a launcher that imported torch)
         self.calls: list[tuple[str, int]] = []
 
     def get_state(self, pid: int) -> tuple[str | None, str | None]:
+        if pid in self.uninitialised:
+            return None, "CUDA_ERROR_NOT_INITIALIZED"
         return self.states.get(pid), None
 
     def lock(self, pid: int, timeout_ms: int) -> str | None:
@@ -229,3 +232,17 @@ def test_status_names_each_ranks_job_and_rank(job, monkeypatch: pytest.MonkeyPat
     assert all(rows[k]["job"] == launcher.pid for k in kids)
     for rec in rows.values():
         assert check_written(rec) is None, rec
+
+
+def test_a_process_that_never_initialised_cuda_is_no_rank(job) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    driver.uninitialised.add(kids[0])
+    ckpt = JobCheckpointer(driver)
+    result = J.suspend_job(ckpt, launcher.pid, pause_s=0.0)
+    assert [r["pid"] for r in result["ranks"]] == [kids[1]] and driver.states[kids[0]] == "running"
+    assert all(pid == kids[1] for _, pid in driver.calls)
+    driver.uninitialised.add(kids[1])
+    with pytest.raises(CkptError) as e:
+        J.resume_job(ckpt, launcher.pid)
+    assert e.value.code == ExitCode.NOT_CUDA_PROCESS and not e.value.touched

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
-from gpuos_tools.ckpt.driver import Checkpointer, Record, error_code
+from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, error_code
 from gpuos_tools.errors import ExitCode, GpuosError
 
 LOCK_TIMEOUT_MS = 10_000  #: per rank and round, when the caller gives none (0 would wait for ever)
@@ -98,10 +98,11 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
         ranks = job_ranks(pid, is_cuda)
     except GpuosError as e:
         raise ckpt.fail("checkpoint", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    ranks, states = _with_cuda_state(ckpt, "checkpoint", pid, ranks)
     pids = [r.info.pid for r in ranks]
-    states, usage = {}, {}
+    usage = {}
     for r in ranks:
-        state = ckpt.state(r.info.pid, quiet=False)  # raises CkptError, untouched
+        state = states[r.info.pid]
         gpus, nbytes = usage[r.info.pid] = ckpt.usage(r.info.pid)
         ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": state, "gpus": gpus, "bytes": nbytes})
         states[r.info.pid] = state
@@ -171,8 +172,8 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
         ranks = job_ranks(pid, is_cuda)
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    ranks, states = _with_cuda_state(ckpt, "restore", pid, ranks)
     pids = [r.info.pid for r in ranks]
-    states = {r.info.pid: ckpt.state(r.info.pid, quiet=False) for r in ranks}
     for r in ranks:
         ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": states[r.info.pid]})
     wrong = {p: s for p, s in states.items() if s not in ("checkpointed", "locked")}
@@ -218,6 +219,26 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
     }
     ckpt.out(result)
     return result
+
+
+def _with_cuda_state(ckpt: Checkpointer, action: str, pid: int, ranks: list[Rank]) -> tuple[list[Rank], dict]:
+    """The ranks the driver knows a CUDA state for, and those states. A process that maps
+    libcuda without having initialised CUDA (a launcher that imported torch) is no rank; any
+    other error stops the action before anything is touched."""
+    kept, states = [], {}
+    for r in ranks:
+        try:
+            states[r.info.pid] = ckpt.state(r.info.pid)
+        except CkptError as e:
+            if e.code == ExitCode.NOT_CUDA_PROCESS:
+                continue
+            ckpt.out(e.record)
+            raise
+        kept.append(r)
+    if not kept:
+        raise ckpt.fail(action, pid, f"no process in the tree of PID {pid} has initialised CUDA; nothing was touched",
+                        ExitCode.NOT_CUDA_PROCESS, None, False)
+    return kept, states
 
 
 def _left(states: dict[int, str | None]) -> str:

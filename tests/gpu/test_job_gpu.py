@@ -1,0 +1,120 @@
+"""`gpu-ckpt --job` / `gpu-restore --job` on a real 2-GPU data-parallel job (pytest -m gpu; skipped
+with fewer than two GPUs): torchrun starts workloads/ddp_job.py with NCCL; in the middle of its
+training every rank is checkpointed through the driver, the GPUs are seen released, every rank
+is restored, and the job ends with the same parameters as an uninterrupted run. Where the driver
+refuses a rank (what NCCL maps), the test checks that every rank was left running and the job
+still ends bit-identical, and prints the account: which step, which error, on which rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuos_tools.cuda.nvml import nvml_session
+from gpuos_tools.errors import ExitCode
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "workloads" / "ddp_job.py"
+STEPS = 300
+
+
+def _gpus() -> int:
+    with nvml_session() as nv:
+        return len(nv.gpus()) if nv is not None else 0
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no PyTorch"),
+              pytest.mark.skipif(_gpus() < 2, reason="a data-parallel job needs two GPUs")]
+
+
+def start_job(tmp: Path, name: str) -> tuple[subprocess.Popen, Path, Path]:
+    progress, out = tmp / f"{name}.progress", tmp / f"{name}.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID", NCCL_DEBUG="WARN",
+               MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29500 + os.getpid() % 1000), str(JOB), "--steps", str(STEPS), "--progress", str(progress), "--out",
+           str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    return proc, progress, out
+
+
+def finish(proc: subprocess.Popen, out: Path) -> dict:
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["ranks_agree"] and result["steps"] == STEPS, result
+    return result
+
+
+def cli(command: str, *args: str, state_dir: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    env = dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state_dir))
+    done = subprocess.run([sys.executable, "-m", f"gpuos_tools.commands.{command}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    return done, [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def wait_for_step(progress: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-6000:] if proc.stderr else "the job ended"
+        try:
+            if int(progress.read_text()) >= step:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the job did not reach step {step}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("plain")
+    first = finish(*start_job(tmp, "a")[::2])
+    second = finish(*start_job(tmp, "b")[::2])
+    assert first["digest"] == second["digest"], "the job itself is not deterministic"
+    return first
+
+
+def test_a_job_checkpointed_and_restored_through_the_driver_ends_bit_identical(tmp_path, uninterrupted) -> None:
+    proc, progress, out = start_job(tmp_path, "job")
+    state = tmp_path / "state"
+    try:
+        wait_for_step(progress, STEPS // 3, proc)
+        done, records = cli("ckpt", "--job", str(proc.pid), "--timeout", "5000", state_dir=state)
+        print(json.dumps({"ckpt": records}, indent=None)[-8000:])
+        if done.returncode == 0:
+            job = [r for r in records if r["type"] == "ckpt_job"][-1]
+            assert job["ok"] and len(job["ranks"]) == 2, job
+            step_at = int(progress.read_text())
+            time.sleep(2.0)
+            assert int(progress.read_text()) == step_at, "a rank went on while the job was checkpointed"
+            with nvml_session() as nv:
+                held = {pid: nv.processes().get(pid) for pid in (r["pid"] for r in job["ranks"])}
+            assert not any(held.values()), f"GPUs not released: {held}"
+            back, records = cli("restore", "--job", str(proc.pid), state_dir=state)
+            print(json.dumps({"restore": records})[-4000:])
+            assert back.returncode == 0, back.stderr
+        else:  # a precise account of what the driver refused, and the job left running
+            result = [r for r in records if r["type"] == "ckpt_result"][-1]
+            print(json.dumps({"refused": result}))
+            assert done.returncode in (ExitCode.NOT_CHECKPOINTABLE, ExitCode.LOCK_TIMEOUT, ExitCode.CUDA_ERROR), \
+                done.stderr
+            assert result["state"] in ("running", None), result
+        assert finish(proc, out)["digest"] == uninterrupted["digest"]
+    finally:
+        if proc.poll() is None:
+            subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(proc.pid)],
+                           cwd=ROOT, env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
+                           timeout=300, check=False)
+            os.killpg(proc.pid, 9)
+            proc.wait()
