@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -57,9 +58,8 @@ def test_page_is_sound_roff(path: Path) -> None:
 
 
 def test_gen_man_check_agrees() -> None:
-    done = subprocess.run(
-        [str(REPO / "scripts" / "gen-man"), "--check"], capture_output=True, text=True, timeout=60, check=False
-    )
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen-man"), "--check"], capture_output=True,
+                          text=True, timeout=60, check=False)  # this interpreter, whatever python3 is on PATH
     assert done.returncode == 0, done.stdout
 
 
