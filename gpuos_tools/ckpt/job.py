@@ -87,6 +87,25 @@ def _each(pids: list[int], fn: Callable[[int], Any]) -> dict[int, Any]:
     return out
 
 
+def _step_all(ckpt: Checkpointer, pids: list[int], step: str, before: str,
+              fn: Callable[[int], Any]) -> tuple[float, dict[int, Any]]:
+    """One driver step on every rank at once, each recorded; (seconds, {pid: error} of those
+    that failed: a CUresult name, or the exception raised)."""
+    t = time.monotonic()
+    errors = _each(pids, fn)
+    seconds = time.monotonic() - t
+    for p in pids:
+        err = errors[p]
+        ckpt._step(p, step, before, seconds, str(err) if isinstance(err, BaseException) else err)
+    return seconds, {p: e for p, e in errors.items() if e}
+
+
+def _code(call: str, failed: dict[int, Any]) -> ExitCode:
+    """The exit code of a step that failed on some ranks: theirs when they agree."""
+    codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code(call, e) for e in failed.values()}
+    return codes.pop() if len(codes) == 1 else ExitCode.FAILURE
+
+
 def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int = ROUNDS,
                 pause_s: float = PAUSE_S, is_cuda: Callable[[int], bool] | None = None) -> Record:
     """Lock every rank of ``pid``'s job, then checkpoint each; the ``ckpt_job`` record.
@@ -115,13 +134,7 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
     lock_s: float | None = None
     tried = 0
     for tried in range(1, rounds + 1):
-        t = time.monotonic()
-        errors = _each(pids, lambda p: api.lock(p, limit))
-        lock_s = time.monotonic() - t
-        for p in pids:
-            err = errors[p]
-            ckpt._step(p, "lock", "running", lock_s, str(err) if isinstance(err, BaseException) else err)
-        failed = {p: e for p, e in errors.items() if e}
+        lock_s, failed = _step_all(ckpt, pids, "lock", "running", lambda p: api.lock(p, limit))
         if not failed:
             break
         for p in pids:  # give back what was taken: the job runs on until the next round
@@ -132,18 +145,11 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
     else:
         left = {p: ckpt._state(p) for p in pids}
         detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
-        codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code("lock", e) for e in failed.values()}
-        code = codes.pop() if len(codes) == 1 else ExitCode.FAILURE
+        code = _code("lock", failed)
         raise ckpt.fail("checkpoint", pid, f"could not lock every rank of the job at once in {rounds} rounds of "
                         f"{limit} ms ({detail}); " + _left(left), code, _common(left),
                         any(s != "running" for s in left.values()))
-    t = time.monotonic()
-    errors = _each(pids, api.checkpoint)
-    checkpoint_s = time.monotonic() - t
-    for p in pids:
-        err = errors[p]
-        ckpt._step(p, "checkpoint", "locked", checkpoint_s, str(err) if isinstance(err, BaseException) else err)
-    failed = {p: e for p, e in errors.items() if e}
+    checkpoint_s, failed = _step_all(ckpt, pids, "checkpoint", "locked", api.checkpoint)
     if failed:
         left = {p: ckpt.bring_back(p) for p in pids}
         detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
@@ -182,29 +188,15 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
             f"PID {p} is {s}" for p, s in wrong.items()) + "; nothing was done", ExitCode.WRONG_STATE, None, False)
     api = ckpt.api
     to_restore = [p for p in pids if states[p] == "checkpointed"]
-    t = time.monotonic()
-    errors = _each(to_restore, api.restore)
-    restore_s = time.monotonic() - t
-    for p in to_restore:
-        err = errors[p]
-        ckpt._step(p, "restore", "checkpointed", restore_s, str(err) if isinstance(err, BaseException) else err)
-    failed = {p: e for p, e in errors.items() if e}
+    restore_s, failed = _step_all(ckpt, to_restore, "restore", "checkpointed", api.restore)
     if failed:
         # the ranks whose memory is back run again only with the others: leave every rank where it is
         left = {p: ckpt._state(p) for p in pids}
         detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
-        codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code("restore", e)
-                 for e in failed.values()}
         raise ckpt.fail("restore", pid, f"restore of the job failed ({detail}); no rank was unlocked: "
-                        + _left(left) + f"; `gpu-restore --job {pid}` tries again",
-                        codes.pop() if len(codes) == 1 else ExitCode.FAILURE, _common(left), True)
-    t = time.monotonic()
-    errors = _each(pids, api.unlock)
-    unlock_s = time.monotonic() - t
-    for p in pids:
-        err = errors[p]
-        ckpt._step(p, "unlock", "locked", unlock_s, str(err) if isinstance(err, BaseException) else err)
-    failed = {p: e for p, e in errors.items() if e}
+                        + _left(left) + f"; `gpu-restore --job {pid}` tries again", _code("restore", failed),
+                        _common(left), True)
+    unlock_s, failed = _step_all(ckpt, pids, "unlock", "locked", api.unlock)
     if failed:
         left = {p: ckpt._state(p) for p in pids}
         raise ckpt.fail("restore", pid, "unlock failed for " + "; ".join(f"PID {p}: {e}" for p, e in failed.items())
