@@ -41,10 +41,10 @@ def _chunk_encoder() -> Callable[[Any, int], Iterable[str]]:
     return c_make_encoder(None, base.default, json.encoder.encode_basestring, None, ":", ",", False, False, False)
 
 
-def _non_finite(value: Any, path: str = "") -> str | None:
-    """Where in a record a NaN or an infinity is (``field.sub[2]``), or None."""
+def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
+    """Where in a record a NaN or an infinity is (``field.sub[2]``), and the number; or None."""
     if isinstance(value, float) and not math.isfinite(value):
-        return path or "(the record)"
+        return path or "(the record)", value
     if isinstance(value, dict):
         items: Iterable[tuple[str, Any]] = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
     elif isinstance(value, (list, tuple)):
@@ -62,25 +62,18 @@ def _is_non_finite_error(e: ValueError) -> bool:
     return str(e).startswith("Out of range float values are not JSON compliant")
 
 
-def _unwritable(name: str, record: Any, e: ValueError) -> StreamError:
+def _unwritable(name: str, record: Any) -> StreamError:
     """A record JSON cannot carry (``record`` when known): the tool that made it has a bug."""
-    where = _non_finite(record) if record is not None else None
-    if where is not None:
+    found = _non_finite(record) if record is not None else None
+    if found is not None:
+        where, number = found
         kind = record.get("type", "?") if isinstance(record, dict) else type(record).__name__
-        what = f"a {kind} record: field {where} is {_non_finite_value(record, where)}"
+        shown = "NaN" if number != number else ("Infinity" if number > 0 else "-Infinity")
+        what = f"a {kind} record: field {where} is {shown}"
     else:
         what = "a record: a number in it is NaN or infinite"
     return StreamError(f"{name}: cannot write {what}, which JSON cannot carry (a bug in the tool that "
                        "made it; that record was not written)", ExitCode.SOFTWARE, path=name)
-
-
-def _non_finite_value(record: Any, where: str) -> str:
-    value: Any = record
-    for part in where.replace("[", ".[").split("."):
-        if not part or part == "(the record)":
-            continue
-        value = value[int(part[1:-1])] if part.startswith("[") else value[part]
-    return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
 
 
 def _is_live(file: BinaryIO) -> bool:
@@ -136,7 +129,7 @@ class Writer:
         except ValueError as e:
             if not _is_non_finite_error(e):
                 raise
-            raise _unwritable(self.name, record, e) from None
+            raise _unwritable(self.name, record) from None
         if self.per_record or len(pending) >= _BATCH:
             self._drain()
 
@@ -162,7 +155,7 @@ class Writer:
             except ValueError as e:
                 if not _is_non_finite_error(e):  # the producer's own error
                     raise
-                raise _unwritable(self.name, None, e) from None
+                raise _unwritable(self.name, None) from None
             if len(pending) == before:
                 break
             if len(pending) >= _BATCH:
