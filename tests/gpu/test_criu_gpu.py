@@ -361,8 +361,10 @@ def test_kill_9_of_gpu_ckpt_and_gpu_restore_never_strands_the_job(jobs, tmp_path
 
 
 def test_periodic_full_process_images_with_retention(jobs, tmp_path: Path, env) -> None:
-    expected = reference(SMALL, env, tmp_path)
-    job = jobs(SMALL)
+    # long enough that the job is still mid-run after the third dump (800 iterations end within it)
+    prog = ("--framework", "cupy", "--gib", "0.25", "--iters", "5000")
+    expected = reference(prog, env, tmp_path)
+    job = jobs(prog)
     job.wait_iter(100)
     images = tmp_path / "images"
     profile = tmp_path / "periodic.toml"
@@ -385,6 +387,7 @@ pid = {job.pid}
         rec = [r for r in records if r["type"] == "ckpt_periodic"][-1]
         assert rec["kind"] == "process"
         made.append(rec["image"])
+        assert not (job.dir / "done.json").exists(), "the job ended during the dumps: make it longer"
         assert driver_state(job.pid) == "running"
         time.sleep(0.3)
     names = sorted(n for n in os.listdir(images) if n.startswith("job-"))

@@ -39,7 +39,9 @@ pytestmark = [pytest.mark.gpu,
 def start_job(tmp: Path, name: str) -> tuple[subprocess.Popen, Path, Path]:
     progress, out = tmp / f"{name}.progress", tmp / f"{name}.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID", NCCL_DEBUG="WARN",
-               MASTER_ADDR="127.0.0.1")
+               MASTER_ADDR="127.0.0.1",
+               # NVLink multicast stays off: where GPUs are shared it can put them out of service
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + os.getpid() % 1000), str(JOB), "--steps", str(STEPS), "--progress", str(progress), "--out",
            str(out)]
