@@ -18,6 +18,7 @@ from helpers import FAKE_CUDA
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import job as J
+from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream.records import check_written
@@ -106,8 +107,11 @@ class JobCheckpointer(Checkpointer):
         super().__init__(emit=self.records.append)
         self._api = driver
 
+    #: what NVML would say of each pid (default: nothing listed, 1 MiB)
+    gpus: dict[int, tuple[list[dict], int | None]] = {}
+
     def usage(self, pid: int):  # noqa: ANN201 -- no NVML here
-        return [], 1 << 20
+        return self.gpus.get(pid, ([], 1 << 20))
 
     def header_fields(self):  # noqa: ANN201
         return {}
@@ -160,6 +164,22 @@ def test_every_rank_is_locked_before_any_is_checkpointed_and_a_stuck_round_is_re
     assert sorted(steps) == ["restore", "restore", "unlock", "unlock"]
     assert steps.index("unlock") > max(i for i, s in enumerate(steps) if s == "restore")  # all back, then go
     assert check_written(back) is None
+
+
+def test_a_process_whose_gpu_nvml_lists_without_bytes_is_written_with_memory_null(job) -> None:
+    # as on a 2-GPU H100 under torchrun: the launcher has the GPU's device file open and a CUDA
+    # state, and NVML gives it no memory; its record must still be one a reader accepts
+    launcher, kids = job
+    ranks = sorted(kids)
+    ckpt = JobCheckpointer(FakeDriver(ranks))
+    gpu = {"index": 0, "uuid": "GPU-1ab659e8-eaed-158f-2afe-0a6b9ee5628e", "name": "NVIDIA H100 80GB HBM3"}
+    ckpt.gpus = {ranks[0]: ([{**gpu, "memory": None}], None), ranks[1]: ([{**gpu, "memory": 1935671296}], 1935671296)}
+    assert J.suspend_job(ckpt, launcher.pid, timeout_ms=50, pause_s=0.0)["ok"]
+    written = [r for r in ckpt.records if r["type"] == "ckpt_process"]
+    assert [r["gpus"][0]["memory"] for r in written] in ([None, 1935671296], [1935671296, None])
+    for rec in ckpt.records:
+        assert check_written(rec) is None, rec
+    assert J.resume_job(ckpt, launcher.pid)["ok"]
 
 
 def test_a_rank_that_never_locks_leaves_the_whole_job_running(job) -> None:

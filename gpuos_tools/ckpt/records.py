@@ -20,7 +20,9 @@ from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Map, Num
 
 _PID = Int(1, (1 << 31) - 1, "pid")
 _SECONDS = Num(0, unit="s")
-_GPU = Obj((Field("index", COUNT), Field("uuid", Str()), Field("name", Str()), Field("memory", BYTES)),
+# memory is null where NVML lists no memory for the process (a launcher that only opened the GPU's
+# device file, or NVML seen from another pid namespace): its GPU is known, its bytes are not
+_GPU = Obj((Field("index", COUNT), Field("uuid", Str()), Field("name", Str()), Field("memory", BYTES, null=True)),
            text="{index, uuid, name, memory}")
 _STATE = Str(form="running, locked, checkpointed, failed, dumped")
 _NAMES = List(Str())

@@ -59,7 +59,7 @@ def finish(proc: subprocess.Popen, out: Path) -> dict:
 
 
 def cli(command: str, *args: str, state_dir: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    env = dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state_dir))
+    env = dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state_dir), PYTHONFAULTHANDLER="1")
     done = subprocess.run([sys.executable, "-m", f"gpuos_tools.commands.{command}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     return done, [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
@@ -96,7 +96,8 @@ def test_a_job_checkpointed_and_restored_through_the_driver_ends_bit_identical(t
         print(json.dumps({"ckpt": records}, indent=None)[-8000:])
         if done.returncode == 0:
             job = [r for r in records if r["type"] == "ckpt_job"][-1]
-            assert job["ok"] and len(job["ranks"]) == 2, job
+            # the ranks, and the launcher too where it has initialised CUDA (torchrun does; rank null)
+            assert job["ok"] and sorted(r["rank"] for r in job["ranks"] if r["rank"] is not None) == [0, 1], job
             step_at = int(progress.read_text())
             time.sleep(2.0)
             assert int(progress.read_text()) == step_at, "a rank went on while the job was checkpointed"
@@ -107,7 +108,10 @@ def test_a_job_checkpointed_and_restored_through_the_driver_ends_bit_identical(t
             print(json.dumps({"restore": records})[-4000:])
             assert back.returncode == 0, back.stderr
         else:  # a precise account of what the driver refused, and the job left running
-            result = [r for r in records if r["type"] == "ckpt_result"][-1]
+            print(json.dumps({"returncode": done.returncode, "stderr": done.stderr[-6000:]}))
+            results = [r for r in records if r["type"] == "ckpt_result"]
+            assert results, f"gpu-ckpt --job ended ({done.returncode}) without a result record: {done.stderr[-6000:]}"
+            result = results[-1]
             print(json.dumps({"refused": result}))
             assert done.returncode in (ExitCode.NOT_CHECKPOINTABLE, ExitCode.LOCK_TIMEOUT, ExitCode.CUDA_ERROR), \
                 done.stderr
