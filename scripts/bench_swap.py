@@ -28,7 +28,7 @@ GB/s = bytes / time; for "both", each direction's GB/s (bytes / its own last com
 combined (2 x bytes / the later). Also the raw ceiling on the
 same pinned memory: cuMemcpyDtoHAsync / HtoDAsync of the same records on two streams of our own,
 each direction alone and both at once. Medians of --trials. The digest check is off
-(GPUOS_ENGINE_NO_DIGEST=1): unchanged records would otherwise skip their saves.
+(the engine's digest switch): unchanged records would otherwise skip their saves.
 
     python3 scripts/bench_swap.py [--gib 4] [--record-mib 256] [--trials 3] [--park off,on] [--json FILE]
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -46,14 +45,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ["GPUOS_ENGINE_NO_DIGEST"] = "1"
-
-from gpuos_tools.memory.driver_ops import DriverOps  # noqa: E402
-from gpuos_tools.memory.engine import ResidencyEngine  # noqa: E402
-from gpuos_tools.memory.states import RELEASED, RESIDENT  # noqa: E402
-from gpuos_tools.memory.owned import OwnedLibrary  # noqa: E402
-from gpuos_tools.cuda.driver import ok  # noqa: E402
-from gpuos_tools.cuda.nvml import nvml_session  # noqa: E402
+from gpuos_tools.cuda.driver import ok
+from gpuos_tools.cuda.nvml import nvml_session
+from gpuos_tools.memory.driver_ops import DriverOps
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.owned import OwnedLibrary
+from gpuos_tools.memory.settings import EngineSettings
+from gpuos_tools.memory.states import RELEASED, RESIDENT
 
 POLL_S = 20e-6
 
@@ -153,7 +151,7 @@ def main() -> int:
     lib = OwnedLibrary.load()
     agent = BenchAgent(ctx)
     ops = DriverOps(agent)
-    eng = ResidencyEngine(agent, ops)
+    eng = ResidencyEngine(agent, ops, settings=EngineSettings(digest=False))
 
     rec = args.record_mib << 20
     n = max(1, int(args.gib * (1 << 30)) // rec)

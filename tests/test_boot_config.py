@@ -21,12 +21,17 @@ from gpuos_tools.injection import config
 from gpuos_tools.injection.config import (
     AgentConfig, BootConfig, ConfigError, OnlineConfig, ServeConfig, TraceConfig, ValidateConfig,
 )
+from gpuos_tools.injection.tracer import make_agent
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.trace import run as launcher
 
 FULL = BootConfig(
     trace=TraceConfig(fd=7, flush_ms=5.0, native=None, check_pointers=True, fail_code=99),
     agent=AgentConfig(native="/cache/libgpuos_agent.so", cow_budget=1 << 30, stage_ahead=True, exit_wait_s=0.5,
                       exit_max_s=10.0, reference_at=(3, 40), reference_out="/tmp/refs",
+                      engine=EngineSettings(digest=False, conserve=False, digest_off_after=2, yield_to_demand=False,
+                                            park=False),
+                      image_key="/keys/images.key",
                       online=OnlineConfig(policy="lru", lookahead=1, budget=1 << 28, summary="/tmp/s.json",
                                           timeline="/tmp/t.json",
                                           serve=ServeConfig(socket="/tmp/serve.sock", job=2, overlap=True,
@@ -123,6 +128,9 @@ def test_overrides_are_read_from_the_launchers_environment():
     ({"GPUOS_AGENT_EXIT_MAX": "-1"}, "GPUOS_AGENT_EXIT_MAX='-1'"),
     ({"GPUOS_AGENT_EXIT_MAX": "inf"}, "GPUOS_AGENT_EXIT_MAX='inf'"),
     ({"GPUOS_AGENT_REFERENCE_AT": "1,x"}, "GPUOS_AGENT_REFERENCE_AT='1,x'"),
+    ({"GPUOS_ENGINE_NO_DIGEST": "yes"}, "GPUOS_ENGINE_NO_DIGEST='yes': expected 1"),
+    ({"GPUOS_ENGINE_DIGEST_OFF_AFTER": "-2"}, "GPUOS_ENGINE_DIGEST_OFF_AFTER='-2'"),
+    ({"GPUOS_ENGINE_DIGEST_OFF_AFTER": "one"}, "GPUOS_ENGINE_DIGEST_OFF_AFTER='one'"),
 ])
 def test_bad_overrides_are_refused(env, says):
     with pytest.raises(ConfigError, match=None) as e:
@@ -133,6 +141,7 @@ def test_bad_overrides_are_refused(env, says):
 def test_the_program_gets_one_variable_and_pythonpath():
     environ = {"HOME": "/home/u", "PYTHONPATH": "/mine", "GPUOS_AGENT_OWN": "1", "GPUOS_AGENT_EXIT_WAIT": "3",
                "GPUOS_AGENT_BACKEND": "python", "GPUOS_IMAGES": "/imgs"}
+    environ.update({"GPUOS_ENGINE_NO_PARK": "1", "GPUOS_IMAGE_KEY": "/keys/images.key"})
     env = config.boot_environment(environ, FULL)
     assert env.pop(config.ENV) == FULL.to_json()
     assert env.pop("PYTHONPATH") == os.pathsep.join(["/boot", "/pkg", "/mine"])
@@ -250,3 +259,36 @@ def test_the_launcher_refuses_options_that_do_not_fit(tmp_path, args, says):
         launcher.run_program(["python3", "p.py"], output=str(tmp_path / "t.ndjson"), **args)
     assert e.value.code == ExitCode.USAGE and says in str(e.value)
     assert not (tmp_path / "t.ndjson").exists()
+
+
+def test_the_engine_switches_and_the_image_key_go_through_the_config(tmp_path):
+    """The residency engine's switches and the image key are read in the launcher and reach the
+    agent through the config: the program's environment is not consulted."""
+    key = tmp_path / "images.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    o = config.overrides_from_environment({"GPUOS_ENGINE_NO_DIGEST": "1", "GPUOS_ENGINE_NO_CONSERVE": "0",
+                                           "GPUOS_ENGINE_DIGEST_OFF_AFTER": "3", "GPUOS_ENGINE_NO_YIELD": "1",
+                                           "GPUOS_ENGINE_NO_PARK": "1", "GPUOS_IMAGE_KEY": str(key)})
+    assert o.engine == EngineSettings(digest=False, conserve=True, digest_off_after=3, yield_to_demand=False,
+                                      park=False)
+    assert o.image_key == str(key)
+    assert config.overrides_from_environment({}).engine == EngineSettings() and \
+        config.overrides_from_environment({}).image_key is None
+    cfg = AgentConfig(engine=o.engine, image_key=o.image_key)
+    assert BootConfig.from_json(BootConfig(trace=TraceConfig(fd=3), agent=cfg).to_json()).agent == cfg
+    agent = make_agent(cfg)
+    assert agent.engine_settings == o.engine and agent.image_key == b"k" * 32
+    assert make_agent(AgentConfig()).image_key is None
+
+
+def test_an_image_key_the_program_could_not_use_is_refused_before_it_starts(tmp_path):
+    key = tmp_path / "open.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o644)
+    with pytest.raises(GpuosError, match="readable or writable by others"):
+        config.overrides_from_environment({"GPUOS_IMAGE_KEY": str(key)})
+    with pytest.raises(GpuosError, match="cannot read the image key"):
+        config.overrides_from_environment({"GPUOS_IMAGE_KEY": str(tmp_path / "missing.key")})
+    with pytest.raises(ConfigError, match="agent.image_key: 'rel.key' is not an absolute path"):
+        AgentConfig(image_key="rel.key")

@@ -14,6 +14,7 @@ import pytest
 
 from gpuos_tools.agent.agent import Agent
 from gpuos_tools.memory.engine import SAMPLE, ResidencyEngine
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.states import EVICTING, LOADING, RELEASED, RESIDENT
 
 MIB = 1 << 20
@@ -306,7 +307,8 @@ def test_the_loader_issues_nothing_more_while_a_demand_load_is_in_flight_and_tim
 
 
 def test_without_yield_the_loader_feeds_on_past_a_demand_load(monkeypatch):
-    monkeypatch.setenv("GPUOS_ENGINE_NO_YIELD", "1")  # the measurement switch of bench_rollback's -noyield modes
+    # the measurement switch of bench_rollback's -noyield modes (GPUOS_ENGINE_NO_YIELD=1)
+    monkeypatch.setattr(FakeAgent, "engine_settings", EngineSettings(yield_to_demand=False), raising=False)
     eng, ops, agent = setup(ahead=600 * MIB)
     t = eng.load_rest()
     assert _until(lambda: len(ops.calls("copy_in")) == 2)

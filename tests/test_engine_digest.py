@@ -13,6 +13,7 @@ import pytest
 from gpuos_tools.memory.digest_kernel import digest_reference
 from gpuos_tools.memory.digests import BACKOFF
 from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.states import RELEASED, RESIDENT
 from tests.test_engine import MIB, FakeAgent, FakeOps, Rec
 
@@ -154,7 +155,7 @@ def test_an_operation_during_the_check_cancels_the_eviction_and_keeps_the_digest
 
 
 def test_no_digest_switch_keeps_the_predictions_rules(monkeypatch):
-    monkeypatch.setenv("GPUOS_ENGINE_NO_DIGEST", "1")
+    monkeypatch.setattr(FakeAgent, "engine_settings", EngineSettings(digest=False), raising=False)
     eng, ops, _ = cycle()
     assert ops.prepared == 0 and ops.inits == 0 and not ops.calls("digest")
     assert eng.evict_from_operation(BASE)

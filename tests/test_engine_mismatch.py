@@ -12,6 +12,7 @@ import struct
 import pytest
 
 from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.states import RELEASED
 from tests.test_engine import MIB, FakeAgent, Rec
 from tests.test_engine_digest import DigestOps, wait_state
@@ -20,19 +21,10 @@ A, B, C = 0x1000_0000, 0x2000_0000, 0x3000_0000
 
 
 def engine(monkeypatch, conserve: bool = True, off_after: int = 0):
-    monkeypatch.delenv("GPUOS_ENGINE_NO_DIGEST", raising=False)
-    if conserve:
-        monkeypatch.delenv("GPUOS_ENGINE_NO_CONSERVE", raising=False)
-    else:
-        monkeypatch.setenv("GPUOS_ENGINE_NO_CONSERVE", "1")
-    if off_after:
-        monkeypatch.setenv("GPUOS_ENGINE_DIGEST_OFF_AFTER", str(off_after))
-    else:
-        monkeypatch.delenv("GPUOS_ENGINE_DIGEST_OFF_AFTER", raising=False)
     ops = DigestOps([Rec(b, 64 * MIB) for b in (A, B, C)])
     agent = FakeAgent({1: A, 2: B, 3: C})
     agent.unknown_why = {}
-    eng = ResidencyEngine(agent, ops)
+    eng = ResidencyEngine(agent, ops, settings=EngineSettings(conserve=conserve, digest_off_after=off_after))
     # bump: predicted to read A only (a const pointer), but writes it; other: reads and writes B
     agent.launches.update({"bump": (False, (1,), ()), "other": (False, (2,), (2,)), "peek": (False, (3,), ())})
     return eng, ops, agent
@@ -185,12 +177,6 @@ def test_the_executor_on_the_agent_keeps_a_hidden_write_only_with_the_rule(monke
     from gpuos_tools.sched.executor import Executor
     from tests.test_sched_executor import FakeLib, settle
 
-    monkeypatch.setenv("GPUOS_ENGINE_DIGEST_OFF_AFTER", "1")
-    if conserve:
-        monkeypatch.delenv("GPUOS_ENGINE_NO_CONSERVE", raising=False)
-    else:
-        monkeypatch.setenv("GPUOS_ENGINE_NO_CONSERVE", "1")
-    monkeypatch.delenv("GPUOS_ENGINE_NO_DIGEST", raising=False)
     arrays = [0x1000_0000 * (i + 1) for i in range(4)]
     coeffs = [0x1000_0000 * (i + 5) for i in range(2)]
     out = 0x7000_0000
@@ -198,6 +184,7 @@ def test_the_executor_on_the_agent_keeps_a_hidden_write_only_with_the_rule(monke
     recs = [Rec(b, n) for b, n in sizes.items()]
     ops = DigestOps(recs)
     agent = Agent()
+    agent.engine_settings = EngineSettings(conserve=conserve, digest_off_after=1)  # as the boot config says
     agent.ctx = object()
     for b, n in sizes.items():
         agent.on_alloc(b, n, "vmm")

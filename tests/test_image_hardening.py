@@ -383,3 +383,19 @@ def test_a_key_readable_by_others_is_refused(tmp_path: Path, key: Path) -> None:
     with pytest.raises(Exception, match="readable or writable by others") as caught:
         open_image(RECORDED / "full")
     assert caught.value.code == ExitCode.PERMISSION
+
+
+def test_a_key_given_to_the_writer_wins_over_the_environment(tmp_path: Path, key: Path) -> None:
+    """The agent hands its writer the key of its boot config (None: unsigned), whatever the
+    program's environment names: the image is sealed with that key and read back with it."""
+    other = os.urandom(32)
+    with img.ImageWriter(tmp_path / "given", {}, checksum="sha256", chunk_size=4096, key=other) as w:
+        w.add(1, 0x10000, 100, bytes(100))
+        w.commit()
+    with pytest.raises(ImageError, match="MAC mismatch"):
+        open_image(tmp_path / "given")  # the environment's key is another
+    assert open_image(tmp_path / "given", key=other).manifest["mac"].startswith("hmac-sha256:")
+    with img.ImageWriter(tmp_path / "plain", {}, chunk_size=4096, key=None) as w:  # crc32 is fine unsigned
+        w.add(1, 0x10000, 100, bytes(100))
+        w.commit()
+    assert "mac" not in open_image(tmp_path / "plain", key=None).manifest

@@ -12,6 +12,7 @@ import pytest
 from test_engine import FakeAgent, FakeOps, Rec
 
 from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.executor import Executor
 
 MIB = 1 << 20
@@ -519,7 +520,6 @@ class ParkingOps(FakeOps):
 
 @pytest.mark.parametrize("sizes", [[64], [64, 32, 96]], ids=["one-size", "mixed"])
 def test_parked_memory_counts_against_the_budget_and_is_mapped_again(sizes, monkeypatch):
-    monkeypatch.delenv("GPUOS_ENGINE_NO_PARK", raising=False)
     n = 9
     bases = [0x1000_0000 * (i + 1) for i in range(n)]
     recs = [Rec(b, sizes[i % len(sizes)] * MIB) for i, b in enumerate(bases)]
@@ -558,11 +558,12 @@ def test_parked_memory_counts_against_the_budget_and_is_mapped_again(sizes, monk
         assert lib.creates == 0 and st["executor"]["park_trims"] <= 1
 
 
-def test_parking_is_off_under_the_environment_switch(monkeypatch):
-    monkeypatch.setenv("GPUOS_ENGINE_NO_PARK", "1")
+def test_parking_is_off_under_the_switch():
     recs = [Rec(0x1000_0000, 64 * MIB)]
     lib = ParkingLib(recs)
-    eng = ResidencyEngine(FakeAgent({1: recs[0].base}), ParkingOps(recs, lib))
+    # GPUOS_ENGINE_NO_PARK=1, as the launcher puts it into the boot config
+    settings = EngineSettings.from_environment({"GPUOS_ENGINE_NO_PARK": "1"})
+    eng = ResidencyEngine(FakeAgent({1: recs[0].base}), ParkingOps(recs, lib), settings=settings)
     ex = Executor(eng, {"budget": 64 * MIB, "prepin": False}, lib=lib)
     assert lib.limit == 0 and "park" not in ex.summary()
     ex.close()

@@ -58,6 +58,7 @@ from gpuos_tools.cuda.driver import ok as _ok
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import open_image
 from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.staging import PIECE, Staging, driver_staging
 from gpuos_tools.model.allocs import Allocation
 
@@ -140,6 +141,10 @@ class Agent(ProcessView):
         #: how long the program's exit waits for an image in flight, and in all (durable.py)
         self.exit_wait_s = durable.EXIT_WAIT_S
         self.exit_max_s = durable.EXIT_MAX_S
+        #: the residency engine's switches, and the MAC key of the images the agent writes and
+        #: reads (None: unsigned); both from the boot config, never the program's environment
+        self.engine_settings = EngineSettings()
+        self.image_key: bytes | None = None
         self.last: dict[str, Any] | None = None
         self._ctx: Any = None
         self.staging: Staging | None = None  #: pinned host memory, kept between snapshots
@@ -769,7 +774,7 @@ class Agent(ProcessView):
         if self.ctx is None:
             raise GpuosError("the program has no CUDA allocation yet: nothing to roll back", ExitCode.WRONG_STATE)
         _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        img = open_image(image)
+        img = open_image(image, key=self.image_key)
         img.chain()  # a broken chain is refused before anything else
         facts = context_facts()
         with self.lock:
@@ -862,7 +867,8 @@ class Agent(ProcessView):
         entries = [(b.id, b.addr, b.size, view[off : off + b.size]) for b, off in zip(snap.buffers, snap.offsets)
                    if not (incremental and b.id not in written)]
         summary = durable.write_image(path, manifest, entries, parent=parent if incremental else None,
-                                      compress=compress, chunk_size=chunk_size, checksum=checksum, threads=threads)
+                                      compress=compress, chunk_size=chunk_size, checksum=checksum, threads=threads,
+                                      key=self.image_key)
         if not summary.get("handover"):
             self.last_image = summary["path"]
         summary["incremental"] = incremental

@@ -113,14 +113,14 @@ def _registered(job: Job) -> Iterator[Job]:
 
 def write_image(path: str, manifest: dict[str, Any], entries: list[Entry], *, parent: str | None = None,
                 compress: bool = False, chunk_size: int | None = None, checksum: str = "auto",
-                threads: int | None = None) -> dict[str, Any]:
+                threads: int | None = None, key: bytes | None = None) -> dict[str, Any]:
     """Write an image of ``entries`` (their bytes stay valid until this returns), every buffer
     queued at once so that all the writer's threads work. Returns the writer's summary, or,
     when the program's exit asked for it, the handover answer (``handover``: what gpu-ckpt needs
     to write the image; the memfd is attached to the control answer)."""
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
     writer = ImageWriter(path, manifest, compress=compress, chunk_size=chunk_size, parent=parent,
-                         checksum=checksum, threads=threads)
+                         checksum=checksum, threads=threads, key=key)
     options = {"compress": compress, "chunk_size": chunk_size, "checksum": writer.checksum,
                "level": writer.level, "threads": threads}
     job = Job(path, writer, entries, manifest, parent, options)

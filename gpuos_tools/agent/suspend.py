@@ -189,6 +189,7 @@ class Suspendable(Protocol):
     engine: Any  #: the residency engine, or None
     staging: Staging | None  #: pinned host memory, kept between requests
     last_image: str | None  #: the last image the agent wrote
+    image_key: bytes | None  #: the MAC key of its images (None: unsigned)
 
     def buffers(self) -> list[Allocation]: ...
 
@@ -456,7 +457,8 @@ class Suspension:
             "allocations": [{"id": a.id, "addr": a.addr, "size": a.size, "kind": a.kind} for a, _ in entries],
         }
         with ImageWriter(opts["image"], manifest, compress=opts["compress"],
-                         chunk_size=opts["chunk_size"] or DEFAULT_CHUNK_SIZE, checksum=opts["checksum"]) as w:
+                         chunk_size=opts["chunk_size"] or DEFAULT_CHUNK_SIZE, checksum=opts["checksum"],
+                         key=self.agent.image_key) as w:
             for a, off in entries:
                 w.add(a.id, a.addr, a.size, view[off : off + a.size])
             out = w.commit()

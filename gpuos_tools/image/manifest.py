@@ -59,6 +59,8 @@ MAX_CHAIN = 1024
 #: decompresses to more than this many times its size.
 ZSTD_MAX_RATIO = 1 << 15
 KEY_ENV = "GPUOS_IMAGE_KEY"
+#: a ``key`` argument's default: the key is the file $GPUOS_IMAGE_KEY names (``load_key``)
+KEY_FROM_ENVIRONMENT: Any = object()
 #: Chunk checksums that identify content (equal sums: equal bytes; no one can choose bytes to fit).
 CRYPTOGRAPHIC = frozenset({"sha256"})
 

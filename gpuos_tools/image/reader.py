@@ -27,7 +27,6 @@ from gpuos_tools.image.layout import CHECKSUMS, CHUNKS, MANIFEST, SCHEMA, Buffer
 # waited on).
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_SENTINEL: Any = object()
 
 
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -110,9 +109,9 @@ class Image:
     follows and checks the parent chain). ``buffers`` is the manifest's buffer list. ``key``: the
     MAC key (default: from GPUOS_IMAGE_KEY)."""
 
-    def __init__(self, path: str | os.PathLike[str], key: bytes | None = _SENTINEL):
+    def __init__(self, path: str | os.PathLike[str], key: bytes | None = mf.KEY_FROM_ENVIRONMENT):
         self.path = os.path.abspath(os.fspath(path))
-        self.key = mf.load_key() if key is _SENTINEL else key
+        self.key = mf.load_key() if key is mf.KEY_FROM_ENVIRONMENT else key
         m = _read_manifest(self.path)
         mpath = os.path.join(self.path, MANIFEST)
         try:
@@ -394,7 +393,7 @@ class Image:
             yield b, image, entry
 
 
-def open_image(path: str | os.PathLike[str], key: bytes | None = _SENTINEL) -> Image:
+def open_image(path: str | os.PathLike[str], key: bytes | None = mf.KEY_FROM_ENVIRONMENT) -> Image:
     """Open a committed image and check it and its parent chain: every manifest strictly (see
     gpuos_tools.image.manifest), the chain bounded, loop-free and made of the images recorded.
     NO_INPUT when there is no such directory, IMAGE_CORRUPT naming the file and field otherwise.
@@ -407,7 +406,7 @@ def open_image(path: str | os.PathLike[str], key: bytes | None = _SENTINEL) -> I
 # -- verify, diff, compact --------------------------------------------------------------------
 
 
-def verify(path: str | os.PathLike[str], *, data: bool = True, key: bytes | None = _SENTINEL) -> list[str]:
+def verify(path: str | os.PathLike[str], *, data: bool = True, key: bytes | None = mf.KEY_FROM_ENVIRONMENT) -> list[str]:
     """Every problem of an image and its parent chain, as sentences naming the file at fault:
     unreadable, truncated or inconsistent manifest, missing, extra or wrong-sized chunk files,
     checksum mismatches, a broken parent chain. [] when it is sound. ``data=False`` skips reading

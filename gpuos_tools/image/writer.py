@@ -33,7 +33,7 @@ from gpuos_tools.image.layout import (
     fsync_dir,
     temp_name,
 )
-from gpuos_tools.image.manifest import load_key, seal
+from gpuos_tools.image.manifest import KEY_FROM_ENVIRONMENT, load_key, seal
 from gpuos_tools.image.reader import open_image
 
 # -- writing ----------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ class ImageWriter:
     def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any], *, compress: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, parent: str | os.PathLike[str] | None = None,
                  checksum: str = "auto", level: int = 1, threads: int | None = None, fsync: bool = True,
-                 direct: str = "auto"):
+                 direct: str = "auto", key: bytes | None = KEY_FROM_ENVIRONMENT):
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         if direct not in ("auto", "on", "off"):
@@ -87,7 +87,9 @@ class ImageWriter:
         self.checksum = checksum
         self.level = level
         self.sync = fsync
-        self.parent = open_image(parent) if parent is not None else None
+        #: the MAC key: the caller's (the agent's, from its boot config), else GPUOS_IMAGE_KEY's
+        self.key = load_key() if key is KEY_FROM_ENVIRONMENT else key
+        self.parent = open_image(parent, key=self.key) if parent is not None else None
         if os.path.lexists(self.path):
             raise ImageError(f"{self.path}: already exists (an image is never overwritten)", ExitCode.IO_ERROR,
                              self.path)
@@ -305,7 +307,7 @@ class ImageWriter:
                 mf.check(manifest, frozenset(CHECKSUMS))
             except GpuosError as e:
                 raise ImageError(f"{self.path}: {e}", ExitCode.SOFTWARE, self.path) from None
-            seal(manifest, load_key())  # its own sum, and a MAC when a key is configured
+            seal(manifest, self.key)  # its own sum, and a MAC when a key is configured
             text = json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"
             manifest_path = os.path.join(self.temp, MANIFEST)
             _write_file(manifest_path, text, self.sync)

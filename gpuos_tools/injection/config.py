@@ -9,10 +9,10 @@ the environment. Parsing refuses what does not fit: an unknown or missing field,
 wrong type or out of range (`ConfigError`).
 
 A few settings have variables documented for users, set in the environment of the command that
-starts the program (GPUOS_AGENT_OWN, GPUOS_AGENT_EXIT_WAIT, GPUOS_AGENT_EXIT_MAX) and two for tests
-(GPUOS_AGENT_REFERENCE_AT, GPUOS_AGENT_REFERENCE_OUT): `overrides_from_environment` reads them,
-in the launcher, into the config, and `boot_environment` leaves them out of the program's
-environment.
+starts the program (GPUOS_AGENT_OWN, GPUOS_AGENT_EXIT_WAIT, GPUOS_AGENT_EXIT_MAX, GPUOS_IMAGE_KEY,
+the residency engine's GPUOS_ENGINE_* switches) and two for tests (GPUOS_AGENT_REFERENCE_AT,
+GPUOS_AGENT_REFERENCE_OUT): `overrides_from_environment` reads them, in the launcher, into the
+config, and `boot_environment` leaves them out of the program's environment.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from gpuos_tools.agent.durable import EXIT_MAX_ENV, EXIT_MAX_S, EXIT_WAIT_ENV, EXIT_WAIT_S
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image.manifest import KEY_ENV, load_key
 from gpuos_tools.memory import owned
+from gpuos_tools.memory.settings import VARIABLES as ENGINE_VARIABLES
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.online import POLICIES
 
 #: the one variable the launcher sets for the program (besides PYTHONPATH); the bootstrap names it too
@@ -36,7 +39,7 @@ ENV = "GPUOS_BOOT"
 REFERENCE_AT_ENV = "GPUOS_AGENT_REFERENCE_AT"
 REFERENCE_OUT_ENV = "GPUOS_AGENT_REFERENCE_OUT"
 #: variables of the launcher's environment that go into the config, not to the program
-OVERRIDES = (owned.ENV, EXIT_WAIT_ENV, EXIT_MAX_ENV, REFERENCE_AT_ENV, REFERENCE_OUT_ENV)
+OVERRIDES = (owned.ENV, EXIT_WAIT_ENV, EXIT_MAX_ENV, REFERENCE_AT_ENV, REFERENCE_OUT_ENV, KEY_ENV, *ENGINE_VARIABLES)
 
 
 class ConfigError(GpuosError):
@@ -131,8 +134,12 @@ class AgentConfig:
     reference_at: tuple[int, ...] = ()  #: tests: operation counts after which the state is dumped
     reference_out: str | None = None  #: tests: the file the dumps are appended to
     online: OnlineConfig | None = None
+    engine: EngineSettings = field(default_factory=EngineSettings)  #: the residency engine's switches
+    image_key: str | None = None  #: the file holding the MAC key of the agent's images (None: unsigned)
 
     def __post_init__(self) -> None:
+        _check(self.image_key is None or os.path.isabs(self.image_key), "agent.image_key",
+               f"{self.image_key!r} is not an absolute path")
         _check(self.cow_budget is None or self.cow_budget >= 0, "agent.cow_budget", f"{self.cow_budget} is negative")
         _check(self.exit_wait_s >= 0, "agent.exit_wait_s", f"{self.exit_wait_s} is negative")
         _check(self.exit_max_s >= 0, "agent.exit_max_s", f"{self.exit_max_s} is negative")
@@ -248,6 +255,8 @@ class Overrides:
     exit_max_s: float = EXIT_MAX_S
     reference_at: tuple[int, ...] = ()
     reference_out: str | None = None
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    image_key: str | None = None  #: an absolute path, its key checked readable and private
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -277,9 +286,17 @@ def overrides_from_environment(environ: Mapping[str, str] | None = None, *, own:
         at = tuple(int(x) for x in at_text.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"{REFERENCE_AT_ENV}={at_text!r}: expected operation counts, comma-separated") from None
+    try:
+        engine = EngineSettings.from_environment(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    key_path = env.get(KEY_ENV) or None
+    if key_path is not None:
+        key_path = os.path.abspath(key_path)
+        load_key(key_path)  # unreadable, too open or too short: refused before the program starts
     return Overrides(own=owning, exit_wait_s=_seconds(env, EXIT_WAIT_ENV, EXIT_WAIT_S),
                      exit_max_s=_seconds(env, EXIT_MAX_ENV, EXIT_MAX_S), reference_at=at,
-                     reference_out=env.get(REFERENCE_OUT_ENV) or None)
+                     reference_out=env.get(REFERENCE_OUT_ENV) or None, engine=engine, image_key=key_path)
 
 
 def boot_environment(environ: Mapping[str, str], config: BootConfig) -> dict[str, str]:

@@ -32,6 +32,7 @@ from collections import deque
 
 from gpuos_tools.agent.agent import Agent
 from gpuos_tools.injection import tracelib
+from gpuos_tools.image.manifest import load_key
 from gpuos_tools.injection.config import AgentConfig, BootConfig
 from gpuos_tools.memory import owned, threads
 from gpuos_tools.model import binary, wire
@@ -888,6 +889,8 @@ _tracer: Tracer | None = None
 def make_agent(cfg: AgentConfig) -> Agent:
     """The agent ``cfg`` asks for: with the online scheduler in front under gpu-prefetch-sched run."""
     agent = Agent(cfg.cow_budget)
+    agent.engine_settings = cfg.engine
+    agent.image_key = load_key(cfg.image_key) if cfg.image_key is not None else None
     if cfg.online is not None:
         executor.attach(agent, cfg.online.executor_config())
     agent.exit_wait_s, agent.exit_max_s = cfg.exit_wait_s, cfg.exit_max_s

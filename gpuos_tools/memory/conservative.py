@@ -6,7 +6,6 @@ methods use the engine's lock, ``clean``, ``digests`` and ``counts``."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -25,9 +24,9 @@ class Mismatches:
         """The state of the rule (from the engine's ``__init__``)."""
         #: kernel names whose launches are unknown since a mismatch named them
         self.conservative: set[str] = set()
-        self.conserve = os.environ.get("GPUOS_ENGINE_NO_CONSERVE") != "1"
+        self.conserve = self.settings.conserve
         self.mismatch_log: list[dict[str, Any]] = []
-        self._digest_off_after = int(os.environ.get("GPUOS_ENGINE_DIGEST_OFF_AFTER") or 0)
+        self._digest_off_after = self.settings.digest_off_after
         self._seq = 0  #: launches seen (``launch``)
         #: kernel -> the sequence number of its last launch, least recently launched first
         self._last_launch: dict[str, int] = {}

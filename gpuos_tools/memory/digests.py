@@ -5,7 +5,6 @@ current, decided on the GPU, and the back-off for records that keep changing
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -30,7 +29,7 @@ class Digests:
         self._backoff: dict[int, list[int]] = {}
         #: "on", "off (...)", "unavailable: ..."; None: not decided until the first eviction
         self.digest_mode: str | None = None
-        if os.environ.get("GPUOS_ENGINE_NO_DIGEST") == "1":
+        if not self.settings.digest:
             self.digest_mode = "off (GPUOS_ENGINE_NO_DIGEST=1)"
         elif not hasattr(self.ops, "digest"):
             self.digest_mode = "unavailable: the driver side has no digest"

@@ -6,7 +6,7 @@ This module holds the engine itself: its state, what an operation touches, the a
 ``require`` and the loads. Its other parts are mixed in from their own modules: lazy loads
 (lazy.py), evictions and the evict thread (eviction.py), digests of host copies (digests.py),
 the conservative rule after a mismatch (conservative.py); the driver side is driver_ops.py.
-The design, the rules and the GPUOS_ENGINE_* switches: docs/residency-engine.md.
+The design, the rules and the switches (settings.py): docs/residency-engine.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gpuos_tools.memory.digests import Digests
 from gpuos_tools.memory.driver_ops import DriverOps, Ops
 from gpuos_tools.memory.eviction import Eviction
 from gpuos_tools.memory.lazy import AHEAD, LazyLoader
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.states import EVICTING, LOADING, RELEASED, RESIDENT, Entry
 from gpuos_tools.memory.threads import agents_thread
 
@@ -31,10 +32,13 @@ RECENT_MAX = 4096  #: allocation ids kept in ``recent`` (the least recent droppe
 
 class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
     """Residency of the owned records (docs/residency-engine.md). ``agent``: the Agent (its
-    lock, streams, predictor, ``own`` thread set); ``ops``: the driver side."""
+    lock, streams, predictor, ``own`` thread set); ``ops``: the driver side; ``settings``: its
+    switches (default: the agent's ``engine_settings``, else the defaults)."""
 
-    def __init__(self, agent: Any = None, ops: Ops | None = None, ahead: int = AHEAD, owned: bool = True) -> None:
+    def __init__(self, agent: Any = None, ops: Ops | None = None, ahead: int = AHEAD, owned: bool = True,
+                 settings: EngineSettings | None = None) -> None:
         self.agent = agent
+        self.settings = settings or getattr(agent, "engine_settings", None) or EngineSettings()
         #: whether the program's memory is owned (records can be released); False: an engine made
         #: for a lazy rollback of plain allocations, which only loads into mapped memory
         self.owned = owned

@@ -7,7 +7,6 @@ a demand load is in flight (docs/residency-engine.md, "Lazy loads"). A part of
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ class LazyLoader:
         """The loader's state (from the engine's ``__init__``)."""
         #: the loader pauses while a demand load is in flight (``_yield_to_demand``); off only
         #: with GPUOS_ENGINE_NO_YIELD=1, to measure what it buys (scripts/bench_rollback.py)
-        self.yield_to_demand = os.environ.get("GPUOS_ENGINE_NO_YIELD") != "1"
+        self.yield_to_demand = self.settings.yield_to_demand
         self._loader: threading.Thread | None = None
         self._loading = False  #: the background loader runs (it may wait on any load event)
         self._retired: list[Any] = []  #: events of dropped records, destroyed when it ends

@@ -65,7 +65,6 @@ gives a program under `run` the counts so far, for its own timed regions.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import sys
 import threading
@@ -82,7 +81,6 @@ from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
 from gpuos_tools.stream import atomic
 
-NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
 PARK_LIMIT = 1 << 62  #: parked bytes count against the budget and are trimmed when it is short
 ROOM_TIMEOUT_S = 10.0  #: longest wait for room before a load goes ahead over the budget
 NEED_WAIT_S = 0.2  #: serving: how long the coordinator's trims may take to show in the ledger
@@ -170,7 +168,8 @@ class Executor(AgentHooks):
         fraction = cfg.get("fraction")
         self.dormant = self.serve is None and fraction is not None and float(fraction) >= 1.0
         self.every_operation = not self.dormant
-        self._park = (self.serve is None and os.environ.get(NO_PARK_ENV, "") in ("", "0")
+        settings = getattr(engine, "settings", None)  # (GPUOS_ENGINE_NO_PARK=1 turns parking off)
+        self._park = (self.serve is None and (settings is None or settings.park)
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
             self.lib.set_park_limit(PARK_LIMIT)

@@ -62,7 +62,9 @@ def sections(notes: str, examples: str, see_also: str, extra: dict[str, str] | N
             "image in flight before handing it to gpu-ckpt (default 30 s), and in all (default 600 s); a value "
             "that is not a number of seconds is refused before the program starts.\n"
             "- `GPUOS_IMAGE_KEY`: a key file; images are then signed when written and must be signed "
-            "to be read (see IMAGE FORMAT)."
+            "to be read (see IMAGE FORMAT). The agent signs its images with the key named in the environment "
+            "of the command that started the program (`gpu-ckpt run`, `gpu-trace run --agent`), checked there "
+            "before the program starts; the program's own environment does not carry it."
         ),
         "FILES": (
             "- `profiles/maintenance.toml`: the example profile for a nightly maintenance run.\n"

@@ -1,0 +1,56 @@
+"""The residency engine's switches, as the program is told them at boot.
+
+Users and tests set them as variables in the environment of the command that starts the program
+(`gpu-prefetch-sched run`, `gpu-ckpt run`, `gpu-trace run --agent`); the launcher reads them
+there (`from_environment`) into the boot config, and the engine takes them from that object,
+never from the program's environment. What each switch is for: docs/residency-engine.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+NO_DIGEST_ENV = "GPUOS_ENGINE_NO_DIGEST"  #: 1: no digest of host copies (every eviction saves)
+NO_CONSERVE_ENV = "GPUOS_ENGINE_NO_CONSERVE"  #: 1: mismatches reported, not acted on
+DIGEST_OFF_AFTER_ENV = "GPUOS_ENGINE_DIGEST_OFF_AFTER"  #: N: the digest check goes off after the Nth mismatch
+NO_YIELD_ENV = "GPUOS_ENGINE_NO_YIELD"  #: 1: the background loader does not pause for demand loads
+NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
+#: every variable above: the launcher reads them and leaves them out of the program's environment
+VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's switches; the defaults are what a user runs."""
+
+    digest: bool = True  #: digest host copies, so that an unchanged record is evicted without a save
+    conserve: bool = True  #: after a mismatch, the kernels that may have written are treated as unknown
+    digest_off_after: int = 0  #: turn the digest check off after this many mismatches (0: never)
+    yield_to_demand: bool = True  #: the background loader pauses while a demand load is in flight
+    park: bool = True  #: keep released physical memory parked for reuse (`gpu-prefetch-sched run`)
+
+    def __post_init__(self) -> None:
+        if self.digest_off_after < 0:
+            raise ValueError(f"{DIGEST_OFF_AFTER_ENV}: {self.digest_off_after} is negative")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> EngineSettings:
+        """The switches the variables above set in ``environ``; ValueError naming the variable
+        for a value that is not one it takes."""
+
+        def flag(name: str) -> bool:  # "1": the switch is set; unset, empty or "0": not
+            value = environ.get(name, "").strip()
+            if value not in ("", "0", "1"):
+                raise ValueError(f"{name}={value!r}: expected 1 (or 0, or unset)")
+            return value == "1"
+
+        text = environ.get(DIGEST_OFF_AFTER_ENV, "").strip()
+        try:
+            off_after = int(text) if text else 0
+        except ValueError:
+            off_after = -1
+        if off_after < 0:
+            raise ValueError(f"{DIGEST_OFF_AFTER_ENV}={text!r}: expected a number of mismatches, 0 or more")
+        return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
+                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV))
