@@ -13,10 +13,10 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from gpuos_tools.access import decode_nvidia, decode_torch
+from gpuos_tools.access import decode_cupy, decode_nvidia, decode_torch
 from gpuos_tools.access.decoded import Decoded, Plan, Planner
 
-PLANNERS: tuple[Planner, ...] = (*decode_torch.PLANNERS, *decode_nvidia.PLANNERS)
+PLANNERS: tuple[Planner, ...] = (*decode_torch.PLANNERS, *decode_cupy.PLANNERS, *decode_nvidia.PLANNERS)
 
 _NONE = object()
 
