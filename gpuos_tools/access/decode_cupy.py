@@ -61,7 +61,7 @@ def plan_elementwise(name: str, sizes: tuple[int, ...]) -> Plan | None:
         ndim = (len(index) - 8) // 16
         if i64(index, 0) != numel([i64(index, 8 + 8 * d) for d in range(ndim)]):
             return None  # not a CIndexer
-        dec = Decoded(VIA, regions={i: (0, 8) for i, _ in arrays})
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i, _ in arrays})
         for i, itemsize in arrays:
             span = carray(raw[i], itemsize)
             if span is None:
@@ -95,7 +95,7 @@ def plan_random(name: str, sizes: tuple[int, ...]) -> Plan | None:
             states, n = i64(raw[1], 0), i64(raw[3], 0)
             if states < 1 or n < 0:
                 return None
-            dec = Decoded(VIA, regions={0: (0, 8), 2: (0, 8)})
+            dec = Decoded(VIA, regions={0: [(0, 8)], 2: [(0, 8)]})
             dec.read(0, 0, min(n, states) * state)
             dec.write(0, 0, min(n, states) * state)
             dec.write(2, 0, n * out)
@@ -109,7 +109,7 @@ def plan_random(name: str, sizes: tuple[int, ...]) -> Plan | None:
             return None
 
         def init(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
-            dec = Decoded(VIA, regions={0: (0, 8)})
+            dec = Decoded(VIA, regions={0: [(0, 8)]})
             dec.write(0, 0, max(0, i64(raw[2], 0)) * state)
             return dec
 

@@ -56,7 +56,7 @@ def plan_xmma_gemm(name: str, sizes: tuple[int, ...]) -> Plan | None:
             if min(s0, s1, bs) < 0 or i32(b, 168 + 8 * i) not in (s0, s1) or (batched and batch > 1 and not bs):
                 return None
             extents.append(((rows - 1) * s0 + (cols - 1) * s1 + (batch - 1) * bs + 1) * elem[i])
-        dec = Decoded(VIA, regions={0: (0, 56)})
+        dec = Decoded(VIA, regions={0: [(0, 56)]})
         dec.read(0, 0, extents[0])
         dec.read(0, 8, extents[1])
         dec.read(0, 16, extents[2])  # beta's place is not known: C is taken as read
@@ -68,7 +68,7 @@ def plan_xmma_gemm(name: str, sizes: tuple[int, ...]) -> Plan | None:
                 dec.read(0, off, None)
                 dec.write(0, off, None)
         # split-K workspace: partial-result slices (@368 bytes times @356), then two more regions
-        dec.regions[0] = (0, 408)
+        dec.known(0, 368, 408)
         carved(dec, b, (376, 392, 400), [i64(b, 368) * i32(b, 356), i32(b, 384), i32(b, 388)])
         return dec
 
@@ -156,7 +156,7 @@ def plan_bn_forward(name: str, sizes: tuple[int, ...]) -> Plan | None:
     ptr = [(1, 0), (3, 0), (4, 0), (5, 0), (8, 0), (9, 0), (10, 0), (11, 0)]
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
-        dec = Decoded(VIA, regions={p: (0, 8) for p, _ in ptr})
+        dec = Decoded(VIA, regions={p: [(0, 8)] for p, _ in ptr} | {0: [(0, TENSOR)], 2: [(0, TENSOR)]})
         return dec if _bn_forward(dec, raw[0], raw[2], ptr, elem) else None
 
     return plan
@@ -173,7 +173,7 @@ def plan_bn_forward_args(name: str, sizes: tuple[int, ...]) -> Plan | None:
     ptr = [(0, 104), (0, 216), (0, 224), (0, 232), (0, 248), (0, 256), (0, 264), (0, 272)]
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
-        dec = Decoded(VIA, regions={0: (0, 280)})
+        dec = Decoded(VIA, regions={0: [(0, 280)]})
         return dec if _bn_forward(dec, raw[0][:TENSOR], raw[0][112 : 112 + TENSOR], ptr, elem) else None
 
     return plan
@@ -190,7 +190,7 @@ def plan_bn_backward(name: str, sizes: tuple[int, ...]) -> Plan | None:
         if x is None or dy is None or dx is None or len(x[1]) < 2 or not x[1] == dy[1] == dx[1]:
             return None
         c = x[1][1] * max(4, elem)
-        dec = Decoded(VIA, regions={p: (0, 8) for p in pointers})
+        dec = Decoded(VIA, regions={p: [(0, 8)] for p in pointers} | {d: [(0, TENSOR)] for d in (4, 6, 8)})
         dec.read(5, 0, x[0])
         dec.read(7, 0, dy[0])
         dec.write(9, 0, dx[0])
@@ -241,7 +241,7 @@ def plan_layout_transform(name: str, sizes: tuple[int, ...]) -> Plan | None:
         if not ok or min(n, c, hw) < 1 or grid[2] != n:
             return None
         size = n * c * hw * elem
-        dec = Decoded(VIA, regions={1: (0, 8), 2: (0, 8)})
+        dec = Decoded(VIA, regions={1: [(0, 8)], 2: [(0, 8)]})
         dec.read(1, 0, size)
         dec.write(2, 0, size)
         return dec
@@ -279,7 +279,7 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
             return None
         x = sum((d - 1) * st for d, st in zip((n, c, h, w), xs)) + 1
         y = sum((d - 1) * st for d, st in zip((n, k, pp, q), ys)) + 1
-        dec = Decoded(VIA, regions={3: (0, 8), 5: (0, 8), 6: (0, 8)})
+        dec = Decoded(VIA, regions={3: [(0, 8)], 5: [(0, 8)], 6: [(0, 8)]})
         dec.read(3, 0, ((k - 1) * ld + crs) * elem)
         dec.read(5, 0, y * elem)  # beta's place is not known: y is taken as read
         dec.write(5, 0, y * elem)
@@ -327,13 +327,13 @@ def plan_xmma_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
             return None
         filt = k * c * r * s_ * elem
         src, other, out = {"fprop": (x, filt, y), "dgrad": (y, filt, x), "wgrad": (x, y, filt)}[kind]
-        dec = Decoded(VIA, regions={0: (0, 32)})
+        dec = Decoded(VIA, regions={0: [(0, 32)]})
         dec.read(0, 0, src)
         dec.read(0, 8, other)
         dec.read(0, 16, out)  # C: beta's place is not known
         dec.write(0, 24, out)
         if kind == "wgrad" and len(b) >= 360:  # split-K slices (@308 of @320 bytes), then two regions
-            dec.regions[0] = (0, 360)
+            dec.known(0, 308, 360)
             carved(dec, b, (328, 344, 352), [i32(b, 308) * i64(b, 320), i32(b, 336), i32(b, 340)])
         return dec
 
@@ -365,7 +365,7 @@ def plan_cutlass_dgrad(name: str, sizes: tuple[int, ...]) -> Plan | None:
         grid = rec.get("grid") or (0, 0, 0)
         if (i32(b, 72), i32(b, 76)) != (grid[0], grid[1]):
             return None  # grid_tiled_shape is not where it was read
-        dec = Decoded(VIA, regions={0: (0, 456)})  # C's pointer is a word of the layout either way
+        dec = Decoded(VIA, regions={0: [(0, 80), (184, 192), (240, 248), (312, 320), (384, 456)]})
         if i32(b, 80) != 1 and u64(b, 448):  # the semaphore serialises split-K tiles only
             dec.read(0, 448, None)
             dec.write(0, 448, None)
@@ -414,7 +414,7 @@ def plan_cub_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
             n_in, n_out = count * segments, segments
         if n_in < 0 or n_out < 1:
             return None
-        dec = Decoded(VIA, regions={0: (0, 8), 1: (0, 8)})
+        dec = Decoded(VIA, regions={0: [(0, 8)], 1: [(0, 8)]})
         dec.read(0, 0, n_in * elem_in)
         dec.write(1, 0, n_out * elem_out)
         return dec

@@ -105,7 +105,7 @@ def plan_vectorized(name: str, sizes: tuple[int, ...]) -> Plan | None:
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         n = i32(raw[0], 0)
-        dec = Decoded(VIA, regions={2: (0, 8 * k)})
+        dec = Decoded(VIA, regions={2: [(0, 8 * k)]})
         for i, size in enumerate(elems):
             if i == 0:
                 dec.write(2, 0, n * size)
@@ -143,7 +143,7 @@ def plan_legacy(name: str, sizes: tuple[int, ...]) -> Plan | None:
         if calc is None or numel(calc[0]) != n:
             return None
         dims, strides = calc
-        dec = Decoded(VIA, regions={1: (0, data_at + 8 * k)})
+        dec = Decoded(VIA, regions={1: [(0, data_at + 8 * k)]})
         for i, size in enumerate(elems):
             extent = last_offset(dims, strides[i]) + size if n > 0 else 0
             if i == 0:
@@ -199,7 +199,7 @@ def plan_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
             return None  # a second output (values and indices): its element type is not in the name
         out_last = last_offset(outcalc[0], outcalc[1][0]) + out_size
         in_last = last_offset(outcalc[0], outcalc[1][1]) + last_offset(incalc[0], incalc[1][0]) + in_size
-        dec = Decoded(VIA, regions={0: (c, total)})
+        dec = Decoded(VIA, regions={0: [(c, total)]})
         dec.read(0, src, in_last)
         dec.write(0, src + 8, out_last)
         if b[src + 56]:  # accumulate: the output is read and combined
@@ -303,7 +303,7 @@ def _simple_plan(spec: Simple, t: int, sizes: tuple[int, ...]) -> Plan:
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         values = [int.from_bytes(r, "little", signed=True) for r in raw]
-        dec = Decoded(VIA, regions={i: (0, 8) for i in pointers})
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in pointers})
         for param, how, size in spec.spans(values, t):
             if size < 0:
                 return None

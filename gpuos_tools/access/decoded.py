@@ -21,9 +21,17 @@ class Decoded:
     via: str  #: the decoder (for ``how``: ``dptr:VIA``)
     #: (param, byte offset of the pointer word) -> (read span or None, written span or None)
     spans: dict[tuple[int, int], tuple[Span | None, Span | None]] = field(default_factory=dict)
-    #: param -> [start, end) of its bytes whose layout the decoder read: a word found there that
-    #: is not in ``spans`` is not a pointer (uninitialised padding, a size, a stride)
-    regions: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: param -> [start, end) ranges of its bytes whose layout the decoder read: a word found
+    #: there that is not in ``spans`` is not a pointer (uninitialised padding, a size, a stride)
+    regions: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def known(self, param: int, start: int, end: int) -> None:
+        """Bytes [start, end) of ``param`` are laid out as the decoder read them."""
+        self.regions.setdefault(param, []).append((start, end))
+
+    def laid_out(self, param: int, offset: int) -> bool:
+        """Whether the word at ``offset`` of ``param`` lies in a range the decoder read."""
+        return any(s <= offset < e for s, e in self.regions.get(param, ()))
 
     def read(self, param: int, offset: int, size: int | None) -> None:
         self._add(param, offset, size, 0)

@@ -458,8 +458,7 @@ class Predictor:
             if decoded is not None and f.found != STORED:
                 spans = decoded.spans.get((f.param, f.offset))
                 if spans is None:
-                    region = decoded.regions.get(f.param)
-                    if region is not None and region[0] <= f.offset < region[1]:
+                    if decoded.laid_out(f.param, f.offset):
                         continue  # the decoded layout says this word is not a pointer
                 elif alloc is not None:
                     how = f"{f.found}:{decoded.via}"
