@@ -23,8 +23,8 @@ DATA = Path(__file__).resolve().parent / "data" / "recorded"
 BOUNDS = {
     ("torch_cnn", 1): (25, 42),
     ("torch_cnn", 2): (14, 38),
-    ("cupy_suite", 1): (15, 25),
-    ("cupy_suite", 2): (170, 410),  # cuBLAS's split-K through its 64 MiB workspace: not decoded
+    ("cupy_suite", 1): (14, 23),
+    ("cupy_suite", 2): (20, 26),
 }
 
 
@@ -158,6 +158,16 @@ def test_max_pool_and_cudnn_batch_norm(torch2):
     s = spans(pred, rec)
     assert s[(1, 0)] == ((0, B * 16 * 32 * 32 * 4), None) and s[(3, 0)] == (None, (0, B * 16 * 32 * 32 * 4))
     assert s[(8, 0)] == ((0, 64), (0, 64))  # running mean: read and updated
+
+
+def test_cublas_split_k_through_its_workspace(cupy2):
+    # a GEMM of 96x32 by 32x64 (n x k by k x m) split along k into one slice: CUTLASS's Kernel2
+    # writes the partial product into cuBLAS's 64 MiB workspace, splitKreduce reads it into C
+    pred, rec, _ = launch_with(cupy2, 35)
+    assert spans(pred, rec) == {(0, 304): (None, (0, 96 * 64 * 4))}
+    pred, rec, _ = launch_with(cupy2, 36)
+    s = spans(pred, rec)
+    assert s[(1, 0)] == ((0, 96 * 64 * 4), None) and s[(3, 0)] == (None, (0, 96 * 64 * 4))
 
 
 def test_cupy_arrays_and_random_numbers(cupy2):

@@ -422,5 +422,69 @@ def plan_cub_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
-PLANNERS = (plan_cub_reduce, plan_xmma_gemm, plan_xmma_conv, plan_cutlass_dgrad, plan_bn_forward, plan_bn_forward_args, plan_bn_backward,
+# -- cuBLAS's split-K through CUTLASS: Kernel2 (partial products) and splitKreduce -------------
+# cutlass::Kernel2<cutlass_80_simt_sgemm_*>(Params): n, m, k at 0; the tile grid at 12 (its k:
+# the number of slices); the slice stride in elements at 40; the C and D iterators' row pitch
+# in bytes at 152 and 216; A, B, C, D at 280..304. D holds k slices of an n x m partial
+# product. A, B and C are not decoded (their pitches were not pinned down).
+# splitKreduce_kernel(cublasSplitKParams<T>, workspace, C, D, D2, ...): m, n at 8, the
+# workspace pitch at 16, C's and D's at 20..28, the slice stride at 36, the slices at 40.
+
+_KERNEL2 = re.compile(r"^void cutlass::Kernel2<cutlass_80_simt_sgemm_\w+>\(cutlass_80_simt_sgemm_\w+::Params\)$")
+
+
+def plan_cutlass_split_k(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not _KERNEL2.match(name) or sizes != (360,):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        n, mm, k = i32(b, 0), i32(b, 4), i32(b, 8)
+        slices, stride, pitch = i32(b, 20), i64(b, 40), i64(b, 216)
+        grid = rec.get("grid") or (0, 0, 0)
+        if min(n, mm, k, slices) < 1 or slices != grid[2] or pitch != i64(b, 152) or pitch < mm * 4:
+            return None
+        if slices > 1 and stride < (n - 1) * pitch // 4 + mm:
+            return None  # slices would overlap: not the layout read
+        dec = Decoded(VIA, regions={0: [(304, 312)]})
+        dec.write(0, 304, (slices - 1) * stride * 4 + (n - 1) * pitch + mm * 4)
+        return dec
+
+    return plan
+
+
+def plan_split_k_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not name.startswith("void cublasLt::splitKreduce_kernel<"):
+        return None
+    params = split_params(name)
+    if not params or len(params) != len(sizes) or sizes[0] != 60 or params[0] != "cublasLt::cublasSplitKParams<float>":
+        return None
+    if params[1:5] != ["float const*", "float const*", "float*", "float*"]:
+        return None
+    others = [i for i in range(5, len(params)) if params[i].endswith("*") and sizes[i] == 8]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        mm, n, ws_pitch, stride, slices = i32(b, 8), i32(b, 12), i32(b, 16), i32(b, 36), i32(b, 40)
+        pitch = max(i32(b, 20), i32(b, 24), i32(b, 28))
+        if min(mm, n, slices) < 1 or min(ws_pitch, i32(b, 20), i32(b, 24), i32(b, 28)) < mm:
+            return None
+        if slices > 1 and stride < (n - 1) * ws_pitch + mm:
+            return None
+        out = ((n - 1) * pitch + mm) * 4
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in range(1, 5)})
+        dec.read(1, 0, ((slices - 1) * stride + (n - 1) * ws_pitch + mm) * 4)
+        dec.read(2, 0, out)  # C, read when beta is not zero
+        dec.write(3, 0, out)
+        dec.write(4, 0, out)
+        for i in others:  # epilogue inputs and outputs: never seen set
+            if u64(raw[i], 0):
+                dec.read(i, 0, None)
+                dec.write(i, 0, None)
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_cub_reduce, plan_xmma_gemm, plan_cutlass_split_k, plan_split_k_reduce, plan_xmma_conv, plan_cutlass_dgrad, plan_bn_forward, plan_bn_forward_args, plan_bn_backward,
             plan_layout_transform, plan_implicit_conv)
