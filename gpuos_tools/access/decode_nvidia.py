@@ -132,7 +132,8 @@ def _bn_forward(dec: Decoded, xdesc: bytes, ydesc: bytes, ptr: list[tuple[int, i
     return True
 
 
-_BN_FW = "cudnnTensorStruct, {T} const*, cudnnTensorStruct, {T}*, {T} const*, {T} const*, {T}, {T}, {T}*, {T}*, {T}*, {T}*, {T}, {T}"
+_BN_FW = ("cudnnTensorStruct, {T} const*, cudnnTensorStruct, {T}*, {T} const*, {T} const*, {T}, {T}, {T}*, {T}*, "
+          "{T}*, {T}*, {T}, {T}")
 _BN_BW = ("{T}, {T}, {T}, {T}, cudnnTensorStruct, {T} const*, cudnnTensorStruct, {T} const*, cudnnTensorStruct, "
           "{T}*, {T} const*, {T}*, {T}*, {T} const*, {T} const*, {T}")
 
@@ -486,5 +487,16 @@ def plan_split_k_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
-PLANNERS = (plan_cub_reduce, plan_xmma_gemm, plan_cutlass_split_k, plan_split_k_reduce, plan_xmma_conv, plan_cutlass_dgrad, plan_bn_forward, plan_bn_forward_args, plan_bn_backward,
-            plan_layout_transform, plan_implicit_conv)
+PLANNERS = (
+    plan_cub_reduce,
+    plan_xmma_gemm,
+    plan_cutlass_split_k,
+    plan_split_k_reduce,
+    plan_xmma_conv,
+    plan_cutlass_dgrad,
+    plan_bn_forward,
+    plan_bn_forward_args,
+    plan_bn_backward,
+    plan_layout_transform,
+    plan_implicit_conv,
+)
