@@ -223,3 +223,13 @@ def test_cli_extent_report():
     assert rows and all(r["granularity"] == "extent" for r in rows)
     v = [r["validation"] for r in rows if "validation" in r]
     assert sum(x["missed_write_launches"] + x["missed_read_launches"] for x in v) == 0
+
+
+def test_explain_says_what_the_decoder_read(torch2):
+    from gpuos_tools.access.report import explain
+
+    ex = explain(iter(torch2), 36, "extent")
+    decisions = {(w["param"], w["offset"]): w["decision"] for w in ex["words"]}
+    assert decisions[(0, 984)] == f"decoded (pytorch): read [0, {B * 32 * 32 * 32 * 4})"
+    assert decisions[(0, 992)] == "decoded (pytorch): write [0, 128)"
+    assert decisions[(0, 120)].startswith("not a pointer")
