@@ -21,8 +21,8 @@ DATA = Path(__file__).resolve().parent / "data" / "recorded"
 #: (program, scale) -> the most extra bytes extent granularity may predict, in percent of the
 #: bytes the GPU showed written and read (validated launches). Range predicted 556-1315 %.
 BOUNDS = {
-    ("torch_cnn", 1): (25, 42),
-    ("torch_cnn", 2): (14, 38),
+    ("torch_cnn", 1): (1, 27),
+    ("torch_cnn", 2): (11, 35),
     ("cupy_suite", 1): (14, 23),
     ("cupy_suite", 2): (20, 26),
 }
@@ -147,6 +147,18 @@ def test_cublas_gemm_of_the_linear_layer(torch2):
     assert s[(0, 8)][0] == (0, 10 * 8192 * 4)  # W
     assert s[(0, 48)][1] == (0, B * 10 * 4)  # y
     assert s[(0, 24)][0] == (0, B * 4)  # the bias (10 floats), bounded by the larger side of y
+
+
+def test_random_fill_through_its_store(torch2):
+    pred, rec, _ = launch_with(torch2, 1)  # randn(32, 3, 32, 32): the input batch
+    assert spans(pred, rec) == {(3, 0): (None, (0, B * 3 * 32 * 32 * 4))}
+
+
+def test_small_n_gemm_of_the_linear_layer():
+    pred, rec, _ = launch_with(load("suite-torch_cnn.s1.ndjson.zst"), 14)  # batch 16: y = x W^T + b
+    s = spans(pred, rec)
+    assert s[(0, 16)][0] == (0, 10 * 8192 * 4) and s[(0, 32)][0] == (0, 16 * 8192 * 4)
+    assert s[(0, 64)][1] == (0, 16 * 10 * 4)
 
 
 def test_max_pool_and_cudnn_batch_norm(torch2):

@@ -487,8 +487,47 @@ def plan_split_k_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+# -- cuBLAS: gemmSN_TN_kernel (small-n GEMM) -------------------------------------------------
+# cublasGemmSmallNParams<A, B, C, T>: alpha and beta pointers (host), A, B, C, D each as
+# (pointer, batch stride) at 16..72, alpha and beta at 80, m, n, k at 92, lda, ldb, ldc, ldd at
+# 104, the batch count at 128, a bias vector at 136. A is transposed (TN): k x m with lda.
+
+_GEMM_SN = re.compile(r"^void gemmSN_TN_kernel<(\w[\w ]*), [^(]*\(cublasGemmSmallNParams<cublasGemvTensorStridedBatched<")
+
+
+def plan_gemm_small_n(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    m = _GEMM_SN.match(name)
+    elem = sizeof(m.group(1)) if m else None
+    if elem is None or sizes != (152,):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        mm, n, k = i32(b, 92), i32(b, 96), i32(b, 100)
+        lda, ldb, ldc, ldd, batch = i32(b, 104), i32(b, 108), i32(b, 112), i32(b, 116), i32(b, 128)
+        strides = [i64(b, 24 + 16 * i) for i in range(4)]
+        if min(mm, n, k, batch) < 1 or lda < k or ldb < k or min(ldc, ldd) < mm or min(strides) < 0:
+            return None
+        if batch > 1 and not all(strides):
+            return None
+        last = [(mm - 1) * lda + k, (n - 1) * ldb + k, (n - 1) * ldc + mm, (n - 1) * ldd + mm]
+        dec = Decoded(VIA, regions={0: [(16, 80), (136, 144)]})
+        for i, (off, size) in enumerate(zip((16, 32, 48, 64), last)):
+            extent = ((batch - 1) * strides[i] + size) * elem
+            if i < 3:  # C: beta's place is not certain, so C is taken as read
+                dec.read(0, off, extent)
+            else:
+                dec.write(0, off, extent)
+        if u64(b, 136):
+            dec.read(0, 136, max(mm, n) * elem)  # a bias along either side of D
+        return dec
+
+    return plan
+
+
 PLANNERS = (
     plan_cub_reduce,
+    plan_gemm_small_n,
     plan_xmma_gemm,
     plan_cutlass_split_k,
     plan_split_k_reduce,

@@ -26,6 +26,7 @@ from gpuos_tools.access.layouts import (
     base_name,
     calculator_size,
     i32,
+    i64,
     lambda_params,
     last_offset,
     numel,
@@ -316,4 +317,40 @@ def _simple_plan(spec: Simple, t: int, sizes: tuple[int, ...]) -> Plan:
     return plan
 
 
-PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple)
+# -- distribution_elementwise_grid_stride_kernel (random fills) ---------------------------------
+# (numel, PhiloxCudaState, dist_func, store): the one-dimensional store, lambda #1 of
+# distribution_nullary_kernel<scalar_t, ...>, captures the output pointer and its byte stride.
+
+_DIST = "at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel"
+_NULLARY = "at::native::(anonymous namespace)::distribution_nullary_kernel"
+
+
+def plan_distribution(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, _DIST)
+    if targs is None or len(targs) != 4 or len(sizes) != 4 or sizes[0] != 8 or sizes[3] < 12:
+        return None
+    store = targs[3]
+    nullary = args_of(store, _NULLARY)
+    params = lambda_params(store)
+    if not store.startswith(_NULLARY + "<") or nullary is None or params is None or len(params) != 2:
+        return None
+    if not store.endswith("{lambda(" + ", ".join(params) + ")#1}") or params[0] != "int":
+        return None  # #2 is the strided store, through an offset calculator
+    elem = sizeof(nullary[0])
+    if elem is None:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n, stride = i64(raw[0], 0), i32(raw[3], 8)
+        if n < 0:
+            return None
+        dec = Decoded(VIA, regions={3: [(0, 12)]})
+        if n > 0:
+            lo, hi = min(0, (n - 1) * stride), max(0, (n - 1) * stride) + elem
+            dec.spans[(3, 0)] = (None, (lo, hi))
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution)
