@@ -245,3 +245,30 @@ def test_explain_says_what_the_decoder_read(torch2):
     assert decisions[(0, 984)] == f"decoded (pytorch): read [0, {B * 32 * 32 * 32 * 4})"
     assert decisions[(0, 992)] == "decoded (pytorch): write [0, 128)"
     assert decisions[(0, 120)].startswith("not a pointer")
+
+
+@pytest.mark.parametrize("name", ["suite-torch_cnn.s2.ndjson.zst", "suite-cupy_suite.s2.ndjson.zst"])
+def test_decoders_take_any_bytes(name):
+    """Random bytes in a decoded kernel's arguments are rejected or decoded, never an error, and
+    whatever is decoded stays inside the pointer's allocation."""
+    import random
+
+    rng = random.Random(7)
+    pred = Predictor("extent")
+    seen = set()
+    for rec in load(name):
+        if rec["type"] == "launch" and rec["kernel"] not in seen:
+            seen.add(rec["kernel"])
+            for _ in range(20):
+                params = []
+                for p in rec["params"]:
+                    raw = bytearray.fromhex(p["hex"])
+                    for _ in range(max(1, len(raw) // 16)):
+                        raw[rng.randrange(len(raw))] = rng.randrange(256)
+                    params.append({**p, "hex": raw.hex()})
+                acc = pred.launch({**rec, "params": params})[0]
+                for e in acc["reads"] + acc["writes"]:
+                    assert e["offset"] >= 0 and e["offset"] + e["size"] <= pred.by_id[e["alloc"]].size
+        if rec["type"] != "validation":
+            pred.feed(rec)
+    assert len(seen) > 10

@@ -24,7 +24,10 @@ _NONE = object()
 def make_plan(name: str, sizes: tuple[int, ...]) -> Plan | None:
     """The first planner's plan for a kernel (demangled name, parameter sizes), or None."""
     for planner in PLANNERS:
-        plan = planner(name, sizes)
+        try:
+            plan = planner(name, sizes)
+        except (ValueError, IndexError, KeyError):  # a name no planner was written for
+            continue
         if plan is not None:
             return plan
     return None
@@ -50,5 +53,5 @@ class Decoders:
             if any(len(r) != s for r, s in zip(raw, sizes)):
                 return None
             return plan(raw, rec)
-        except (IndexError, ValueError, struct.error):
-            return None
+        except (IndexError, ValueError, KeyError, ZeroDivisionError, struct.error):
+            return None  # bytes that are not the structure the plan reads
