@@ -272,3 +272,22 @@ def test_decoders_take_any_bytes(name):
         if rec["type"] != "validation":
             pred.feed(rec)
     assert len(seen) > 10
+
+
+def test_foreach_optimizer_step_reads_the_gradients_it_was_given():
+    # tests/gpu/progs/torch_prog.py: Adam over Linear(256, 512) and Linear(512, 10); its report
+    # names the parameters' last gradients. The last step's lerp_(exp_avg, grads, 1 - beta1)
+    # reads both lists and writes the first.
+    report = json.loads((DATA / "torch.report.json").read_text())
+    numel = {"0.weight": 512 * 256, "0.bias": 512, "2.weight": 10 * 512, "2.bias": 10}
+    records = load("torch.ndjson.zst")
+    seq = [r["seq"] for r in records if r["type"] == "launch" and "TernaryOpScalarFunctor<float, 2, 2, 0>" in r["name"]][-1]
+    pred, rec, _ = launch_with(records, seq)
+    s = spans(pred, rec)
+    raw = bytes.fromhex(rec["params"][0]["hex"])
+    words = {int.from_bytes(raw[off : off + 8], "little"): (off, sp) for (_, off), sp in s.items()}
+    for name, grad in report["grads"].items():
+        off, (read, write) = words[grad]
+        assert off >= 64 * 8 and read == (0, numel[name] * 4) and write is None  # list 1: read only
+        state_read, state_write = s[(0, off - 64 * 8)]  # the same tensor in list 0 (exp_avg)
+        assert state_read == state_write == (0, numel[name] * 4)

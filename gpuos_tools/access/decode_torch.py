@@ -16,6 +16,7 @@ for the few functions known to return their argument's type (``_SAME_TYPE``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -353,4 +354,68 @@ def plan_distribution(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
-PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution)
+# -- multi_tensor_apply_kernel (the foreach ops of optimizers) ---------------------------------
+# TensorListMetadata<n>: addresses[n][max tensors], numel_for_tensor[max tensors],
+# block_to_tensor[320] (bytes), block_to_chunk[320], start_tensor_this_launch;
+# TensorListScalarListMetadata<T, n> has scalar_vals[max tensors] after the counts and no start.
+# Block b works on tensor block_to_tensor[b]. The foreach functors
+# (Unary|Binary|Pointwise|Ternary)Op*Functor and ZeroFunctor <T, depth, r_args_depth,
+# res_arg_index> read lists 0 .. r_args_depth - 1 and write list res_arg_index.
+
+_NSA = "at::native::(anonymous namespace)::"
+_MAX_TENSORS = (110, 64, 48, 36, 30)
+_MAX_TENSORS_SCALARLIST = (96, 64, 48, 36, 30)
+_MAX_BLOCKS = 320
+_FOREACH = re.compile(r"^at::native::\(anonymous namespace\)::(?:(?:Unary|Binary|Pointwise|Ternary)Op\w*|Zero)Functor<")
+
+
+def plan_foreach(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, _NSA + "multi_tensor_apply_kernel")
+    if targs is None or len(targs) < 2 or not sizes:
+        return None
+    meta, functor = targs[0], targs[1]
+    plain, scalars = args_of(meta, _NSA + "TensorListMetadata"), args_of(meta, _NSA + "TensorListScalarListMetadata")
+    if plain is not None and meta.startswith(_NSA + "TensorListMetadata<") and len(plain) == 1:
+        depth, scalar, limits = int(plain[0]), 0, _MAX_TENSORS
+    elif scalars is not None and meta.startswith(_NSA + "TensorListScalarListMetadata<") and len(scalars) == 2:
+        depth, scalar, limits = int(scalars[1]), sizeof(scalars[0]) or -1, _MAX_TENSORS_SCALARLIST
+    else:
+        return None
+    if not 1 <= depth <= 5 or scalar < 0:
+        return None
+    max_t = limits[depth - 1]
+    fargs = args_of(functor, base_name(functor)) if _FOREACH.match(functor) else None
+    if fargs is None or len(fargs) != 4 or int(fargs[1]) != depth:
+        return None
+    elem, r_depth, res = sizeof(fargs[0]), int(fargs[2]), int(fargs[3])
+    if elem is None or not 0 <= r_depth <= depth or not 0 <= res < depth:
+        return None
+    numels = 8 * depth * max_t
+    to_tensor = numels + 8 * max_t + scalar * max_t
+    to_chunk = (to_tensor + _MAX_BLOCKS + 3) & ~3
+    end = to_chunk + 4 * _MAX_BLOCKS + (4 if limits is _MAX_TENSORS else 0)  # start_tensor_this_launch
+    if sizes[0] != (end + 7) & ~7:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        blocks = (rec.get("grid") or (0,))[0]
+        if not 1 <= blocks <= _MAX_BLOCKS:
+            return None
+        tensors = set(b[to_tensor : to_tensor + blocks])
+        dec = Decoded(VIA, regions={0: [(0, end)]})
+        for t in tensors:
+            n = i64(b, numels + 8 * t) if t < max_t else -1
+            if n < 0:
+                return None
+            for d in range(depth):
+                if d < r_depth:
+                    dec.read(0, 8 * (d * max_t + t), n * elem)
+                if d == res:
+                    dec.write(0, 8 * (d * max_t + t), n * elem)
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach)
