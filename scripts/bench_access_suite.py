@@ -3,9 +3,11 @@
 
 Runs each program of workloads/suite under `gpu-trace run --validate` at two sizes
 (GPUOS_SUITE_SCALE), learns size templates from the first run, and scores the second run's
-predictions — range granularity with those templates, range without, alloc — against what the
-GPU showed (gpuos_tools/access/score.py). Prints a markdown table for BENCHMARKS.md; --json
-writes the raw figures. Needs a GPU, CuPy, PyTorch and transformers (--score-only does not).
+predictions — range granularity with those templates, range without, extent, alloc — against
+what the GPU showed (gpuos_tools/access/score.py). Prints a markdown table for BENCHMARKS.md;
+--json writes the raw figures. Needs a GPU, CuPy, PyTorch and transformers (--score-only does
+not: it scores the traces already in --keep, named PREFIX + NAME.sSCALE.ndjson.zst, e.g. the
+checked-in ones with `--keep tests/data/recorded --prefix suite-`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ SUITE = ROOT / "workloads" / "suite"
 PROGRAMS = ("cupy_suite", "torch_cnn", "torch_optim", "transformer_block")
 
 
-def run_one(name: str, outdir: Path, samples: int, scale: int) -> dict:
+def run_one(name: str, outdir: Path, samples: int, scale: int, prefix: str = "") -> dict:
     """Trace one suite program with --validate at one size; the run's facts (not yet scored)."""
-    trace = outdir / f"{name}.s{scale}.ndjson.zst"
+    trace = outdir / f"{prefix}{name}.s{scale}.ndjson.zst"
     env = dict(os.environ, GPUOS_SUITE_SCALE=str(scale))
     t0 = time.perf_counter()
     proc = subprocess.run(
@@ -50,9 +52,10 @@ def load(path: Path) -> list[dict]:
         return list(reader)
 
 
-def score_one(name: str, outdir: Path, learn_scale: int, score_scale: int) -> dict:
-    """Templates learned at one size, scored on the run at another (range+templates, range, alloc)."""
-    records = load(outdir / f"{name}.s{score_scale}.ndjson.zst")
+def score_one(name: str, outdir: Path, learn_scale: int, score_scale: int, prefix: str = "") -> dict:
+    """Templates learned at one size, scored on the run at another (range+templates, range,
+    extent, alloc)."""
+    records = load(outdir / f"{prefix}{name}.s{score_scale}.ndjson.zst")
     result: dict = {"program": name, "scored_on_scale": score_scale}
     result["errors"] = [r["message"] for r in records if r["type"] == "error"][:10]
     vals = [r for r in records if r["type"] == "validation"]
@@ -61,14 +64,15 @@ def score_one(name: str, outdir: Path, learn_scale: int, score_scale: int) -> di
     result["skipped_why"] = sorted({v.get("why", "") for v in vals if not v["checked"]})[:5]
     result["validate_ms"] = round(sum(v.get("ms", 0) for v in vals), 1)
     result["stored_pointer_launches"] = sum(1 for v in vals if v.get("stored_pointers"))
-    learn_path = outdir / f"{name}.s{learn_scale}.ndjson.zst"
+    learn_path = outdir / f"{prefix}{name}.s{learn_scale}.ndjson.zst"
     templates = None
     if learn_path.exists() and learn_scale != score_scale:
         learned = learn(load(learn_path))
         templates = Templates(t.record() for t in learned)
         result["templates"] = len(learned)
         result["templates_learned_on_scale"] = learn_scale
-    for label, gran, tpl in (("templates", "range", templates), ("range", "range", None), ("alloc", "alloc", None)):
+    for label, gran, tpl in (("templates", "range", templates), ("range", "range", None), ("extent", "extent", None),
+                             ("alloc", "alloc", None)):
         if label == "templates" and tpl is None:
             continue
         rows = compute_report(iter(records), gran, tpl)
@@ -101,20 +105,21 @@ def pct(a: int, b: int) -> str:
 def table(results: list[dict]) -> str:
     lines = [
         "| program | launches | validated | unknown | missed writes | missed reads | reads not judged "
-        "| extra write bytes: templates / range / alloc | extra read bytes: templates / range / alloc |",
+        "| extra write bytes: templates / range / extent / alloc "
+        "| extra read bytes: templates / range / extent / alloc |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "range" not in r:
             lines.append(f"| {r['program']} | failed | | | | | | | |")
             continue
-        g, a = r["range"], r["alloc"]
+        g, e, a = r["range"], r["extent"], r["alloc"]
         t = r.get("templates", g)
         unj = ", ".join(f"{k} {n}" for k, n in g["reads_unjudged"].items()) or "0"
-        miss_w = " / ".join(str(x["missed_write_launches"]) for x in (t, g, a))
-        miss_r = " / ".join(str(x["missed_read_launches"]) for x in (t, g, a))
-        ew = " / ".join(pct(x["extra_write_bytes"], x["written_bytes"]) for x in (t, g, a))
-        er = " / ".join(pct(x["extra_read_bytes"], x["read_bytes"]) for x in (t, g, a))
+        miss_w = " / ".join(str(x["missed_write_launches"]) for x in (t, g, e, a))
+        miss_r = " / ".join(str(x["missed_read_launches"]) for x in (t, g, e, a))
+        ew = " / ".join(pct(x["extra_write_bytes"], x["written_bytes"]) for x in (t, g, e, a))
+        er = " / ".join(pct(x["extra_read_bytes"], x["read_bytes"]) for x in (t, g, e, a))
         lines.append(f"| {r['program']} | {g['launches']} | {g['validated']} | {g['unknown']} | {miss_w} | {miss_r} "
                      f"| {unj} | {ew} | {er} |")
     return "\n".join(lines)
@@ -128,6 +133,7 @@ def main() -> int:
     ap.add_argument("--learn-scale", type=int, default=1, help="program size whose run the templates are learned on")
     ap.add_argument("--score-scale", type=int, default=2, help="program size whose run is scored")
     ap.add_argument("--score-only", action="store_true", help="score the traces already in --keep; run nothing")
+    ap.add_argument("--prefix", default="", help="the traces' file names start with this (e.g. suite-)")
     ap.add_argument("programs", nargs="*", default=list(PROGRAMS))
     args = ap.parse_args()
     outdir = args.keep or Path(os.environ.get("TMPDIR", "/tmp")) / "gpuos-access-suite"
@@ -136,19 +142,19 @@ def main() -> int:
     if not args.score_only:
         for name in args.programs:
             for scale in dict.fromkeys((args.learn_scale, args.score_scale)):
-                r = run_one(name, outdir, args.samples, scale)
+                r = run_one(name, outdir, args.samples, scale, args.prefix)
                 runs.append(r)
                 print(json.dumps(r)[:2000], file=sys.stderr)
     results = []
     for name in args.programs:
-        if not (outdir / f"{name}.s{args.score_scale}.ndjson.zst").exists():
+        if not (outdir / f"{args.prefix}{name}.s{args.score_scale}.ndjson.zst").exists():
             results.append({"program": name})
             continue
-        r = score_one(name, outdir, args.learn_scale, args.score_scale)
+        r = score_one(name, outdir, args.learn_scale, args.score_scale, args.prefix)
         results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k not in ("range", "alloc", "templates")})[:2000],
+        print(json.dumps({k: v for k, v in r.items() if k not in ("range", "extent", "alloc", "templates")})[:2000],
               file=sys.stderr)
-        for label in ("templates", "range", "alloc"):
+        for label in ("templates", "range", "extent", "alloc"):
             if label in r and r[label]["misses"]:
                 print(f"  {label} misses: {json.dumps(r[label]['misses'])[:3000]}", file=sys.stderr)
     print(table(results))

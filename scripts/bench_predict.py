@@ -5,9 +5,10 @@ Each trace is replicated N times: copy k has its launches' seq shifted by k * (l
 copy) and its allocation ids by k * (max id + 1), and every allocation still live at the end of
 a copy is freed before the next copy allocates the same addresses again, so the allocation
 table stays consistent. Measured: prediction alone (records already parsed, as a filter inside
-a Python pipeline would see them), the same without `dptrs` (the argument scan), and the whole
-command path (parse the NDJSON, predict, encode the output), all in this one process. Then the
-steady state of a training loop: one recorded step's launches repeated (`steady_state`).
+a Python pipeline would see them), the same without `dptrs` (the argument scan), at extent
+granularity (argument decoders), and the whole command path (parse the NDJSON, predict,
+encode the output), all in this one process. Then the steady state of a training loop: one
+recorded step's launches repeated (`steady_state`), at range and extent granularity.
 
     scripts/bench_predict.py [--copies N] [--json FILE]
 """
@@ -67,8 +68,9 @@ def steady_state(copies: int) -> dict:
     launches = [r for r in records if r["type"] == "launch"]
     step = launches[len(launches) * 2 // 3 :]
     out = {"step_launches": len(step)}
-    for label, memo in (("memo", True), ("no_memo", False)):
-        pred = Predictor("range")
+    for label, granularity, memo in (("memo", "range", True), ("no_memo", "range", False),
+                                     ("extent_memo", "extent", True), ("extent_no_memo", "extent", False)):
+        pred = Predictor(granularity)
         for r in records:
             pred.feed(r)
         if not memo:
@@ -108,8 +110,8 @@ def main() -> int:
             r.pop("dptrs", None)
         text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
 
-        def predict(recs=records):
-            feed = Predictor().feed
+        def predict(recs=records, granularity="alloc"):
+            feed = Predictor(granularity).feed
             for r in recs:
                 feed(r)
 
@@ -126,6 +128,7 @@ def main() -> int:
             "records": len(records),
             "predict_launches_per_s": round(timed(predict, launches)),
             "predict_scan_launches_per_s": round(timed(lambda: predict(stripped), launches)),
+            "predict_extent_launches_per_s": round(timed(lambda: predict(granularity="extent"), launches)),
             "pipeline_launches_per_s": round(timed(pipeline, launches)),
             "input_mb": round(len(text) / 1e6, 1),
         }
@@ -133,12 +136,14 @@ def main() -> int:
         print(
             f"{name:6s} {launches:7d} launches: predict {row['predict_launches_per_s']:>9,}/s, "
             f"scan (no dptrs) {row['predict_scan_launches_per_s']:>9,}/s, "
+            f"extent {row['predict_extent_launches_per_s']:>9,}/s, "
             f"parse+predict+write {row['pipeline_launches_per_s']:>9,}/s ({row['input_mb']} MB)",
             flush=True,
         )
     steady = steady_state(args.copies)
     print(f"steady state (torch_cnn's last training step repeated {args.copies}x): "
-          f"predict {steady['memo']:,}/s, without the memo {steady['no_memo']:,}/s", flush=True)
+          f"range {steady['memo']:,}/s, without the memo {steady['no_memo']:,}/s; "
+          f"extent {steady['extent_memo']:,}/s, without the memo {steady['extent_no_memo']:,}/s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"python": platform.python_version(), "cpu": platform.processor(),
                                                "copies": args.copies, "results": results,

@@ -4,9 +4,14 @@ The `access` record's fields are written once, as data, in gpuos_tools.stream.re
 
 A buffer is an allocation id (of an `alloc` record) and a byte range inside it. Granularity
 `alloc` (default) gives the whole allocation; `range` gives, for a launch, the range from the
-pointer to the end of its allocation (all that the arguments alone justify: tighter ranges
-need size templates fitted per kernel, not built yet) and, for a copy or memset, exactly the
-bytes it covers. A buffer that is both read and written is listed in both. Several pointers
+pointer to the end of its allocation (or as far as a size template says) and, for a copy or
+memset, exactly the bytes it covers; `extent` is range where, for the kernels whose argument
+structures it can read (PyTorch's elementwise, reduction and other ATen kernels, CuPy's
+elementwise and random kernels, cuBLAS GEMMs, cuDNN convolutions, batch norm and layout
+transforms, CUB reductions), each pointer gets the bytes those structures say it reaches and
+the direction they say (an output is written, an input read). Anything a decoder cannot check
+falls back to range for that launch or pointer. A buffer that is both read and written is
+listed in both. Several pointers
 into one allocation give one entry per disjoint range (ranges that overlap or touch are merged;
 at alloc granularity that is one entry per allocation).
 
@@ -22,7 +27,10 @@ whose word lies in a live allocation: read and write assumed), `reference`, and
 `pointer-to-pointer`. A buffer found through memory is `stored`: a pointer held in device
 memory that an argument points to, where that memory's contents are known because they were
 copied from the host (`data` of a memcpy record; how batched GEMM's pointer arrays arrive):
-read and write assumed. For copies: `copy source`, `copy destination`; for memsets: `memset`.
+read and write assumed. At extent granularity a decoded pointer's `how` is `dptr:DECODER` or
+`scan:DECODER` (`pytorch`, `cupy`, `nvidia`); a word inside a decoded structure that the
+structure says is not a pointer (padding, a size) is not listed. For copies: `copy source`,
+`copy destination`; for memsets: `memset`.
 
 A launch is unknown when its layout is `none` (arguments not decoded), when a
 driver-confirmed pointer lies in no traced allocation, or when a parameter is a pointer to
@@ -38,8 +46,8 @@ memset is unknown when a device address in it lies in no traced allocation or it
 its allocation's end. Host addresses that are not traced allocations are not listed; pinned
 host memory from `cuMemHostAlloc` is a traced allocation (kind `host`) and is listed.
 
-Nothing here is validated on a GPU yet: read/write directions come from prototypes, not
-from the kernels' code.
+Directions come from prototypes (and, at extent granularity, from the decoded structures),
+not from the kernels' code: `gpu-trace run --validate` checks them on the GPU.
 """
 
 from gpuos_tools.access.predict import GRANULARITIES, Finding, KernelInfo, Predictor, kernel_info

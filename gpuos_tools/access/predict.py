@@ -15,13 +15,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from gpuos_tools.access.decoded import Decoded, Span
+from gpuos_tools.access.extents import Decoders
 from gpuos_tools.access.proto import CONST, POINTERS, STRUCT, VALUE, prototype
 from gpuos_tools.access.score import score
 from gpuos_tools.access.templates import Templates
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.model.allocs import Allocation, AllocTable
 
-GRANULARITIES = ("alloc", "range")
+GRANULARITIES = ("alloc", "range", "extent")
 
 #: Basis of a parameter whose type is not known: the kernel is extern "C", or its prototype
 #: does not match the launch's parameters.
@@ -131,10 +133,12 @@ class Predictor:
     def __init__(self, granularity: str = "alloc", templates: Templates | None = None) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
-        if templates is not None and granularity != "range":
-            raise ValueError("size templates apply at range granularity")
+        if templates is not None and granularity == "alloc":
+            raise ValueError("size templates apply at range or extent granularity")
         self.granularity = granularity
         self.templates = templates if templates else None
+        #: argument decoders (extent granularity only)
+        self.decoders = Decoders() if granularity == "extent" else None
         self.allocs = AllocTable()
         self._kernels: dict[tuple[str, int], KernelInfo] = {}
         self._counts = {"memcpy": 0, "memset": 0, "graph_launch": 0}
@@ -330,8 +334,8 @@ class Predictor:
         of each aligned 8-byte word of a parameter that lies inside the allocations' hull, as
         ``findings`` scans them. Launches with equal keys get equal predictions (the agent
         memoises on it). None where that is not all (arguments not decoded, or size templates,
-        which read scalars too)."""
-        if sizes is None or args is None or self.templates is not None:
+        which read scalars too, and extent granularity, whose decoders do)."""
+        if sizes is None or args is None or self.templates is not None or self.decoders is not None:
             return None
         hull = self.allocs.hull
         if hull is None:
@@ -422,6 +426,8 @@ class Predictor:
         params = rec.get("params") or ()
         key = (rec.get("kernel"), tuple([p.get("hex") for p in params]), rec.get("captured"),
                rec.get("result"), rec.get("layout"), "dptrs" in rec)
+        if self.decoders is not None:  # a decoder may check the launch's shape
+            key += (tuple(rec.get("grid") or ()), tuple(rec.get("block") or ()))
         hit = self._memo.get(key)
         if hit is None:
             hit = self.launch(rec)[0]
@@ -444,8 +450,22 @@ class Predictor:
         followed = {f.param for f in found if f.found == STORED}
         templates = self.templates
         params = rec.get("params") or ()
+        decoded: Decoded | None = None
+        if self.decoders is not None and rec.get("layout") != "none":
+            decoded = self.decoders.decode(info.kernel, info.name, rec)
         for f in found:
             alloc = f.alloc
+            if decoded is not None and f.found != STORED:
+                spans = decoded.spans.get((f.param, f.offset))
+                if spans is None:
+                    if decoded.laid_out(f.param, f.offset):
+                        continue  # the decoded layout says this word is not a pointer
+                elif alloc is not None:
+                    how = f"{f.found}:{decoded.via}"
+                    for into, span in zip((reads, writes), spans):
+                        if span is not None:
+                            _merge_span(into, alloc, f.word, span, how)
+                    continue
             if alloc is None:
                 why.append(
                     f"param {f.param} +{f.offset}: device pointer {f.word:#x} (driver) in no traced allocation"
@@ -555,6 +575,15 @@ class Predictor:
         if why:
             out["why"] = "; ".join(why)
         return out
+
+
+def _merge_span(into: dict[int, list], alloc: Allocation, word: int, span: Span, how: str) -> None:
+    """Add a decoded span of the pointer ``word``, clipped to its allocation."""
+    lo, hi = span
+    start = max(alloc.addr, word + lo)
+    end = alloc.end if hi is None else min(alloc.end, word + hi)
+    if end > start:
+        _merge(into, alloc.id, start - alloc.addr, end - start, how)
 
 
 def _merge(into: dict[int, list], alloc_id: int, offset: int, size: int, how: str) -> None:

@@ -34,7 +34,7 @@ VALUE = "value"  #: a scalar type (int, long...): not a pointer by its type
 REFERENCE = "reference"  #: ``T&`` (unusual for a kernel): direction unknown
 
 
-def _mask_operators(text: str) -> str:
+def mask_operators(text: str) -> str:
     """``text`` with operator names' bracket characters replaced by letters (same length)."""
     return _OPERATORS.sub(lambda m: "operator" + "x" * (len(m.group()) - 8), text)
 
@@ -44,7 +44,7 @@ def split_params(demangled: str) -> list[str] | None:
 
     ``f()`` and ``f(void)`` give ``[]``.
     """
-    masked = _mask_operators(demangled.rstrip())
+    masked = mask_operators(demangled.rstrip())
     # A trailing cv-qualifier belongs to member functions, not to kernels, but is harmless.
     end = len(masked)
     tail = masked.rstrip()

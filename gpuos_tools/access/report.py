@@ -195,6 +195,9 @@ def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
     """How each buffer of one launch was inferred, given the predictor's state just before it."""
     access, info, found = pred.launch(rec)
     params = rec.get("params") or ()
+    decoded = None
+    if pred.decoders is not None and rec.get("layout") != "none":
+        decoded = pred.decoders.decode(info.kernel, info.name, rec)
     words = []
     for f in found:
         basis = "stored" if f.found == "stored" else info.bases[f.param] if f.param < len(info.bases) else "untyped"
@@ -212,7 +215,12 @@ def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
         }
         if f.via is not None:
             entry["via"] = f.via  # the device address the pointer was read from
-        if f.alloc is None:
+        spans = decoded.spans.get((f.param, f.offset)) if decoded is not None and f.found != "stored" else None
+        if spans is not None:
+            entry["decision"] = f"decoded ({decoded.via}): " + _spans_text(spans)
+        elif decoded is not None and f.found != "stored" and decoded.laid_out(f.param, f.offset):
+            entry["decision"] = f"not a pointer: a field of the structure decoded ({decoded.via})"
+        elif f.alloc is None:
             entry["decision"] = "in no traced allocation: the launch is unknown"
         elif basis == "const":
             entry["decision"] = "read"
@@ -235,6 +243,16 @@ def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
         "words": words,
         "access": access,
     }
+
+
+def _spans_text(spans: tuple) -> str:
+    """"read [lo, hi), write [lo, hi)" of a decoded pointer's spans (hi None: to its allocation's end)."""
+    parts = []
+    for label, span in zip(("read", "write"), spans):
+        if span is not None:
+            lo, hi = span
+            parts.append(f"{label} [{lo}, {'end' if hi is None else hi})")
+    return ", ".join(parts) or "not accessed"
 
 
 def render_explain(ex: dict[str, Any], console: Console) -> None:

@@ -33,10 +33,11 @@ def predict(
     trace: str = typer.Argument("-", metavar="[TRACE]", help="A gpu-trace stream ('-' = stdin, *.zst ok)."),
     output: OutputOpt = "-",
     granularity: Optional[str] = typer.Option(
-        None, "--granularity", metavar="alloc|range",
+        None, "--granularity", metavar="alloc|range|extent",
         help="alloc (default): whole allocations; range (default with --templates): from each "
         "pointer to the end of its allocation, or as far as its size template says (copies and "
-        "memsets: exactly their bytes).",
+        "memsets: exactly their bytes); extent: the bytes each pointer reaches as the launch's "
+        "argument structures say (PyTorch, CuPy, cuBLAS, cuDNN, CUB kernels), range elsewhere.",
     ),
     explain_seq: Optional[int] = typer.Option(
         None, "--explain", metavar="SEQ", help="Explain the launch with this seq instead of writing the stream."
@@ -71,7 +72,7 @@ def predict(
     if granularity is None:
         granularity = "range" if templates_file else "alloc"
     if granularity not in GRANULARITIES:
-        raise typer.BadParameter("must be alloc or range", param_hint="--granularity")
+        raise typer.BadParameter("must be alloc, range or extent", param_hint="--granularity")
     if sum((report, explain_seq is not None, learn_out, plot_file is not None)) > 1:
         raise typer.BadParameter("--report, --explain, --learn and --plot exclude each other", param_hint="--report")
     if plot_file is not None:
@@ -95,8 +96,9 @@ def predict(
         return
     templates = None
     if templates_file is not None:
-        if granularity != "range":
-            raise typer.BadParameter("templates give ranges: use --granularity range", param_hint="--templates")
+        if granularity == "alloc":
+            raise typer.BadParameter("templates give ranges: use --granularity range or extent",
+                                     param_hint="--templates")
         with open_input(templates_file) as reader:
             templates = Templates(reader)
         if not templates:

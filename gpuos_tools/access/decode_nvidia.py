@@ -1,0 +1,541 @@
+"""cuBLAS and cuDNN kernels: extents from their parameter structures.
+
+These layouts are NVIDIA's and undocumented; each was read off recorded launches of known
+shapes (docs/access-prediction.md). A plan decodes only the pattern it was read from: every
+field it relies on is checked against the others (problem sizes against leading dimensions and
+strides, tensor descriptors against their element counts, the launch grid), and anything else
+falls back to range. Pointers the decoder cannot bound (a split-K workspace, an epilogue buffer
+it has not seen used) keep range's behaviour: read and write to the end of the allocation.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gpuos_tools.access.decoded import Decoded, Plan
+from gpuos_tools.access.layouts import args_of, i32, i64, numel, sizeof, u64
+from gpuos_tools.access.proto import split_params
+
+VIA = "nvidia"
+
+_TYPE = re.compile(r"tf32|bf16|f16|f32|f64|e4m3|e5m2|s8|i8|s32|i32")
+_TYPE_SIZES = {"tf32": 4, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "e4m3": 1, "e5m2": 1, "s8": 1, "i8": 1,
+               "s32": 4, "i32": 4}  # fmt: skip
+
+
+# -- cuBLAS: sm*_xmma_gemm_* (one 736-byte parameter) ------------------------------------------
+# A at 0, B at 8, C at 16, an epilogue vector (bias) at 24, D at 48; the problem at 156 (n, m,
+# k as cuBLAS names them: D is n x m here), leading dimensions at 168..192, each operand's
+# (row stride, column stride, batch stride) as int64 at 208 + 24 i; batched at 612, the batch
+# count at 616, 1 at 620 (0 for pointer-array batches, whose A/B/C point to pointer arrays);
+# split-K workspace pointers at 376, 392, 400 (`carved`).
+
+_GEMM = re.compile(r"^sm\d+_xmma_gemm_([a-z0-9]+?)_([a-z0-9]+?)_[a-z0-9]+_[nt][nt]_[nt]_")
+
+
+def plan_xmma_gemm(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    m = _GEMM.match(name)
+    if m is None or sizes != (736,) or not name.endswith("_cublas"):
+        return None
+    ab, cd = _TYPE.findall(m.group(1)), _TYPE.findall(m.group(2))
+    if len(ab) != 2 or len(cd) != 2:
+        return None
+    elem = [_TYPE_SIZES[ab[0]], _TYPE_SIZES[ab[1]], _TYPE_SIZES[cd[0]], _TYPE_SIZES[cd[1]]]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        n, mm, k = i32(b, 156), i32(b, 160), i32(b, 164)
+        batched, batch, single = i32(b, 612), i32(b, 616), i32(b, 620)
+        if min(n, mm, k, batch) < 1 or batched not in (0, 1) or single != 1 or (not batched and batch != 1):
+            return None
+        dims = ((n, k), (k, mm), (n, mm), (n, mm))  # A, B, C, D
+        extents = []
+        for i, (rows, cols) in enumerate(dims):
+            s0, s1, bs = i64(b, 208 + 24 * i), i64(b, 216 + 24 * i), i64(b, 224 + 24 * i)
+            if min(s0, s1, bs) < 0 or i32(b, 168 + 8 * i) not in (s0, s1) or (batched and batch > 1 and not bs):
+                return None
+            extents.append(((rows - 1) * s0 + (cols - 1) * s1 + (batch - 1) * bs + 1) * elem[i])
+        dec = Decoded(VIA, regions={0: [(0, 56)]})
+        dec.read(0, 0, extents[0])
+        dec.read(0, 8, extents[1])
+        dec.read(0, 16, extents[2])  # beta's place is not known: C is taken as read
+        dec.write(0, 48, extents[3])
+        if u64(b, 24):  # a bias vector along either side of D
+            dec.read(0, 24, max(n, mm) * max(elem[2:]))
+        for off in (32, 40):  # never seen set: its role unknown
+            if u64(b, off):
+                dec.read(0, off, None)
+                dec.write(0, off, None)
+        # split-K workspace: partial-result slices (@368 bytes times @356), then two more regions
+        dec.known(0, 368, 408)
+        carved(dec, b, (376, 392, 400), [i64(b, 368) * i32(b, 356), i32(b, 384), i32(b, 388)])
+        return dec
+
+    return plan
+
+
+def carved(dec: Decoded, b: bytes, pointers: tuple[int, ...], sizes: list[int]) -> None:
+    """A library workspace in consecutive regions (split-K partial results, then counters):
+    ``pointers`` are where the regions' addresses are, ``sizes`` the sizes the parameters give.
+    Bounded only when each region starts exactly where the one before ends (the sizes are then
+    what the library carved); otherwise each pointer is read and written to the end."""
+    ws = [u64(b, off) for off in pointers]
+    if not any(ws):
+        return
+    ok = all(ws) and min(sizes) > 0 and all(ws[i + 1] == ws[i] + sizes[i] for i in range(len(ws) - 1))
+    for off, ptr, size in zip(pointers, ws, sizes):
+        if ptr:
+            dec.read(0, off, size if ok else None)
+            dec.write(0, off, size if ok else None)
+
+
+# -- cuDNN: cudnnTensorStruct (104 bytes) ------------------------------------------------------
+# data type at 0, nbDims at 8, the element count at 16 and 24, dims[8] at 32, strides[8] at 64.
+
+_CUDNN_TYPES = {0: 4, 1: 8, 2: 2, 9: 2}  # float, double, half, bfloat16
+TENSOR = 104
+
+
+def tensor(b: bytes, off: int, elem: int) -> tuple[int, list[int]] | None:
+    """(bytes spanned, dims) of the cudnnTensorStruct at ``off``, or None when it is not one or
+    its element type is not ``elem`` bytes wide."""
+    if off + TENSOR > len(b) or _CUDNN_TYPES.get(i32(b, off)) != elem:
+        return None
+    nb = i32(b, off + 8)
+    if not 1 <= nb <= 8:
+        return None
+    dims = [i32(b, off + 32 + 4 * d) for d in range(nb)]
+    strides = [i32(b, off + 64 + 4 * d) for d in range(nb)]
+    if min(dims) < 1 or min(strides) < 0 or i64(b, off + 16) != numel(dims):
+        return None
+    return (sum((d - 1) * s for d, s in zip(dims, strides)) + 1) * elem, dims
+
+
+def _bn_forward(dec: Decoded, xdesc: bytes, ydesc: bytes, ptr: list[tuple[int, int]], elem: int) -> bool:
+    """Batch norm forward (training) on (xDesc, x, yDesc, y, scale, bias, f, f, running mean, running
+    var, save mean, save inv var): ``ptr`` gives (param, offset) of x, y and the six vectors."""
+    x = tensor(xdesc, 0, elem)
+    y = tensor(ydesc, 0, elem)
+    if x is None or y is None or len(x[1]) < 2 or x[1] != y[1]:
+        return False
+    c = x[1][1] * max(4, elem)  # per-channel vectors (1 x C x 1 x 1): float, or double for double
+    dec.read(*ptr[0], x[0])
+    dec.write(*ptr[1], y[0])
+    for p in ptr[2:4]:
+        dec.read(*p, c)
+    for p in ptr[4:6]:  # running statistics: updated
+        dec.read(*p, c)
+        dec.write(*p, c)
+    for p in ptr[6:8]:
+        dec.write(*p, c)
+    return True
+
+
+_BN_FW = ("cudnnTensorStruct, {T} const*, cudnnTensorStruct, {T}*, {T} const*, {T} const*, {T}, {T}, {T}*, {T}*, "
+          "{T}*, {T}*, {T}, {T}")
+_BN_BW = ("{T}, {T}, {T}, {T}, cudnnTensorStruct, {T} const*, cudnnTensorStruct, {T} const*, cudnnTensorStruct, "
+          "{T}*, {T} const*, {T}*, {T}*, {T} const*, {T} const*, {T}")
+
+
+def _signature(name: str, kernel: str, params: str, sizes: tuple[int, ...]) -> int | None:
+    """sizeof(T) when ``name`` is ``kernel<T, ...>`` with exactly these parameters, else None."""
+    if not name.startswith(f"void {kernel}<"):
+        return None
+    targs = args_of(name, kernel)
+    t = targs[0] if targs else None
+    if t is None or sizeof(t) is None:
+        return None
+    expected = [p.strip() for p in params.replace("{T}", t).split(",")]
+    return sizeof(t) if split_params(name) == expected and len(sizes) == len(expected) else None
+
+
+def plan_bn_forward(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    elem = _signature(name, "cudnn::bn_fw_tr_1C11_kernel_NCHW", _BN_FW, sizes)
+    if elem is None:
+        return None
+    ptr = [(1, 0), (3, 0), (4, 0), (5, 0), (8, 0), (9, 0), (10, 0), (11, 0)]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        dec = Decoded(VIA, regions={p: [(0, 8)] for p, _ in ptr} | {0: [(0, TENSOR)], 2: [(0, TENSOR)]})
+        return dec if _bn_forward(dec, raw[0], raw[2], ptr, elem) else None
+
+    return plan
+
+
+def plan_bn_forward_args(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    # the same fields in one struct (x at 104, y at 216, the vectors at 224.. 272), then more
+    if not name.startswith("void cudnn::bn_fw_tr_1C11_singleread<") or len(sizes) != 1 or sizes[0] < 280:
+        return None
+    targs = args_of(name, "cudnn::bn_fw_tr_1C11_singleread")
+    elem = sizeof(targs[0]) if targs else None
+    if elem is None or split_params(name) != [f"cudnn::bn_fw_tr_1C11_args<{targs[0]}>"]:
+        return None
+    ptr = [(0, 104), (0, 216), (0, 224), (0, 232), (0, 248), (0, 256), (0, 264), (0, 272)]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        dec = Decoded(VIA, regions={0: [(0, 280)]})
+        return dec if _bn_forward(dec, raw[0][:TENSOR], raw[0][112 : 112 + TENSOR], ptr, elem) else None
+
+    return plan
+
+
+def plan_bn_backward(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    elem = _signature(name, "cudnn::bn_bw_1C11_kernel_new", _BN_BW, sizes)
+    if elem is None:
+        return None
+    pointers = (5, 7, 9, 10, 11, 12, 13, 14)
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        x, dy, dx = tensor(raw[4], 0, elem), tensor(raw[6], 0, elem), tensor(raw[8], 0, elem)
+        if x is None or dy is None or dx is None or len(x[1]) < 2 or not x[1] == dy[1] == dx[1]:
+            return None
+        c = x[1][1] * max(4, elem)
+        dec = Decoded(VIA, regions={p: [(0, 8)] for p in pointers} | {d: [(0, TENSOR)] for d in (4, 6, 8)})
+        dec.read(5, 0, x[0])
+        dec.read(7, 0, dy[0])
+        dec.write(9, 0, dx[0])
+        if raw[1] != b"\0" * len(raw[1]):  # beta of the data gradient: dx is accumulated into
+            dec.read(9, 0, dx[0])
+        dec.read(10, 0, c)  # scale
+        for p in (11, 12):  # the scale and bias gradients
+            dec.write(p, 0, c)
+            if raw[3] != b"\0" * len(raw[3]):
+                dec.read(p, 0, c)
+        dec.read(13, 0, c)  # saved mean, saved inverse variance
+        dec.read(14, 0, c)
+        return dec
+
+    return plan
+
+
+# -- cuDNN: layout transforms between NCHW and NHWC ------------------------------------------
+# nchw2nhwc_params_t: (n, c, c, n stride, hw, hw, c, n stride, c) for a packed tensor;
+# nhwc2nchw_params_t: (n, c, c, c, n stride, n stride, 1, hw). Only that packed pattern is decoded.
+
+
+def plan_layout_transform(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    for kernel, to_nhwc in (("cudnn::engines_precompiled::nchwToNhwcKernel", True),
+                            ("cudnn::engines_precompiled::nhwcToNchwKernel", False)):  # fmt: skip
+        if name.startswith(f"void {kernel}<"):
+            break
+    else:
+        return None
+    targs = args_of(name, kernel)
+    params = split_params(name)
+    if not targs or not params or len(params) != 3 or sizes[1:] != (8, 8) or sizes[0] < 36:
+        return None
+    elem = max(sizeof(targs[0]) or 0, sizeof(targs[1]) or 0)
+    if not elem or params[1] != f"{targs[0]} const*" or params[2] != f"{targs[1]}*":
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        f = [i32(raw[0], 4 * i) for i in range(9)]
+        n, c = f[0], f[1]
+        if to_nhwc:
+            hw = f[4]
+            ok = f[2] == f[6] == f[8] == c and f[5] == hw and f[3] == f[7] == c * hw
+        else:
+            hw = f[7]
+            ok = f[2] == f[3] == c and f[4] == f[5] == c * hw and f[6] == 1
+        grid = rec.get("grid") or (0, 0, 0)
+        if not ok or min(n, c, hw) < 1 or grid[2] != n:
+            return None
+        size = n * c * hw * elem
+        dec = Decoded(VIA, regions={1: [(0, 8)], 2: [(0, 8)]})
+        dec.read(1, 0, size)
+        dec.write(2, 0, size)
+        return dec
+
+    return plan
+
+
+# -- cuDNN: implicit_convolve_sgemm ----------------------------------------------------------
+# (N*P*Q, K, C*R*S, filter, filter ld, y, x, kernel_conv_params, ...): the params give x's
+# (n, c, h, w) and strides at 0..28, k, r, s at 32..40, y's p, q at 56, 60 and strides at 64..76.
+
+_CONV = "int, int, int, {T} const*, int, {T}*, {T} const*, kernel_conv_params"
+
+
+def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not name.startswith("void implicit_convolve_sgemm<"):
+        return None
+    targs = args_of(name, "implicit_convolve_sgemm")
+    params = split_params(name)
+    elem = sizeof(targs[0]) if targs else None
+    expected = [p.strip() for p in _CONV.replace("{T}", targs[0] if targs else "?").split(",")]
+    if elem is None or not params or params[: len(expected)] != expected or len(sizes) != len(params):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        npq, kk, crs, ld = i32(raw[0], 0), i32(raw[1], 0), i32(raw[2], 0), i32(raw[4], 0)
+        p = raw[7]
+        n, c, h, w = (i32(p, o) for o in (0, 4, 8, 12))
+        k, r, s, pp, q = i32(p, 32), i32(p, 36), i32(p, 40), i32(p, 56), i32(p, 60)
+        xs = [i32(p, o) for o in (16, 20, 24, 28)]
+        ys = [i32(p, o) for o in (64, 68, 72, 76)]
+        if min(n, c, h, w, k, r, s, pp, q) < 1 or min(xs + ys) < 0:
+            return None
+        if npq != n * pp * q or kk != k or crs != c * r * s or ld < crs:
+            return None
+        x = sum((d - 1) * st for d, st in zip((n, c, h, w), xs)) + 1
+        y = sum((d - 1) * st for d, st in zip((n, k, pp, q), ys)) + 1
+        dec = Decoded(VIA, regions={3: [(0, 8)], 5: [(0, 8)], 6: [(0, 8)]})
+        dec.read(3, 0, ((k - 1) * ld + crs) * elem)
+        dec.read(5, 0, y * elem)  # beta's place is not known: y is taken as read
+        dec.write(5, 0, y * elem)
+        dec.read(6, 0, x * elem)
+        return dec
+
+    return plan
+
+
+# -- cuDNN: sm*_xmma_{fprop,dgrad,wgrad}_implicit_gemm_* ----------------------------------------
+# x-side tensor at 0 (fprop, wgrad: read) or written through C at 16 and D at 24 (dgrad), the
+# filter at 8 (wgrad: dy at 8, the filter through C and D); the problem at 56: n, d, h, w, c,
+# t, p, q, k, 1, r, s; five strides per activation at 208 (x) and 228 (y), in memory order
+# (n, c, h, w, d) for nchw and (n, d, h, w, c) for nhwc. Filters are packed (k, c, r, s).
+
+_CONV_KIND = re.compile(r"^sm\d+_xmma_(fprop|dgrad|wgrad)_implicit_gemm_(?:indexed_wo_smem_)?([a-z0-9]+?)_"
+                        r"([a-z0-9]+?)_[a-z0-9]+_(nchw|nhwc)(kcrs|krsc)_(nchw|nhwc)_")
+
+
+def plan_xmma_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    m = _CONV_KIND.match(name)
+    if m is None or len(sizes) != 1 or sizes[0] < 320 or not name.endswith("_cudnn") or m.group(4) != m.group(6):
+        return None
+    kind, nhwc = m.group(1), m.group(4) == "nhwc"
+    ab, cd = _TYPE.findall(m.group(2)), _TYPE.findall(m.group(3))
+    if len(ab) != 2 or len(cd) != 2:
+        return None
+    elem = max(_TYPE_SIZES[t] for t in ab + cd)
+    order = (0, 4, 2, 3, 1) if nhwc else (0, 1, 2, 3, 4)  # stride slot of (n, c, h, w, d)
+
+    def extent(b: bytes, at: int, dims: tuple[int, ...]) -> int | None:
+        strides = [i32(b, at + 4 * i) for i in range(5)]
+        if min(strides) < 0 or strides[0] < 1:
+            return None
+        return (sum((d - 1) * strides[order[i]] for i, d in enumerate(dims)) + 1) * elem
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        n, d, h, w, c, t, p, q, k, _, r, s_ = (i32(b, 56 + 4 * i) for i in range(12))
+        if min(n, h, w, c, p, q, k, r, s_) < 1 or d != 1 or t != 1:
+            return None
+        x = extent(b, 208, (n, c, h, w, 1))
+        y = extent(b, 228, (n, k, p, q, 1))
+        if x is None or y is None:
+            return None
+        filt = k * c * r * s_ * elem
+        src, other, out = {"fprop": (x, filt, y), "dgrad": (y, filt, x), "wgrad": (x, y, filt)}[kind]
+        dec = Decoded(VIA, regions={0: [(0, 32)]})
+        dec.read(0, 0, src)
+        dec.read(0, 8, other)
+        dec.read(0, 16, out)  # C: beta's place is not known
+        dec.write(0, 24, out)
+        if kind == "wgrad" and len(b) >= 360:  # split-K slices (@308 of @320 bytes), then two regions
+            dec.known(0, 308, 360)
+            carved(dec, b, (328, 344, 352), [i32(b, 308) * i64(b, 320), i32(b, 336), i32(b, 340)])
+        return dec
+
+    return plan
+
+
+# -- cuDNN's CUTLASS convolutions: cutlass__5x_cudnn::Kernel<..._dgrad_..._nhwc_...>(Params) ---
+# Params open with CUTLASS's Conv2dProblemSize (N, H, W, C, P, Q, K, R, S, pad, stride,
+# dilation, mode, split_k_slices, groups), the grid's tile shape (m, n, k) at 72; A (dy), B (the
+# filter), C and D (dx) at 184, 240, 312, 384, each after its iterator's parameters, A's packed
+# NHWC strides at 112..120; the split-K semaphore at 448, used only when k > 1.
+
+_CUTLASS_DGRAD = re.compile(r"^void cutlass__5x_cudnn::Kernel<cutlass_tensorop_s\d+dgrad_optimized_tf32_\w+_nhwc_\w+>\(")
+
+
+def plan_cutlass_dgrad(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not _CUTLASS_DGRAD.match(name) or sizes != (464,):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        n, h, w, c, p, q, k, r, s_, ph, pw, sh, sw, dh, dw, _, splits, groups = (i32(b, 4 * i) for i in range(18))
+        if min(n, h, w, c, p, q, k, r, s_, sh, sw, dh, dw) < 1 or min(ph, pw) < 0 or splits != 1 or groups != 1:
+            return None
+        if p != (h + 2 * ph - dh * (r - 1) - 1) // sh + 1 or q != (w + 2 * pw - dw * (s_ - 1) - 1) // sw + 1:
+            return None
+        if (i32(b, 112), i32(b, 116), i32(b, 120)) != (k, q * k, p * q * k):
+            return None  # dy is not a packed NHWC tensor
+        grid = rec.get("grid") or (0, 0, 0)
+        if (i32(b, 72), i32(b, 76)) != (grid[0], grid[1]):
+            return None  # grid_tiled_shape is not where it was read
+        dec = Decoded(VIA, regions={0: [(0, 80), (184, 192), (240, 248), (312, 320), (384, 456)]})
+        if i32(b, 80) != 1 and u64(b, 448):  # the semaphore serialises split-K tiles only
+            dec.read(0, 448, None)
+            dec.write(0, 448, None)
+        dec.read(0, 184, n * p * q * k * 4)
+        dec.read(0, 240, k * r * s_ * c * 4)
+        if i32(b, 396) or u64(b, 408):  # LinearCombination (alpha, beta, alpha_ptr, beta_ptr) at 392
+            dec.read(0, 312, n * h * w * c * 4)  # beta is not zero: C is read
+        dec.write(0, 384, n * h * w * c * 4)
+        return dec
+
+    return plan
+
+
+# -- CUB device reductions -------------------------------------------------------------------
+# DeviceReduceKernel(d_in, d_out, num_items, even_share, op, ...): block b writes d_out[b];
+# DeviceReduceSingleTileKernel(d_in, d_out, num_items, op, init, ...): writes d_out[0];
+# DeviceFixedSizeSegmentedReduceKernel(d_in, d_out, segment_size, num_segments, op, init).
+
+_CUB = re.compile(r"^void cub::(?:CUB_\w+::)?(?:detail::reduce::)?(DeviceReduceKernel|DeviceReduceSingleTileKernel|"
+                  r"DeviceFixedSizeSegmentedReduceKernel)<")
+
+
+def plan_cub_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    m = _CUB.match(name)
+    params = split_params(name) if m else None
+    if m is None or not params or len(params) != len(sizes) or len(params) < 4:
+        return None
+    kind = m.group(1)
+    ins, outs = params[0], params[1]
+    elem_in = sizeof(ins[:-1]) if ins.endswith("*") else None
+    elem_out = sizeof(outs[:-1]) if outs.endswith("*") else None
+    counts = {"int": 4, "unsigned int": 4, "long": 8, "unsigned long": 8}
+    if elem_in is None or elem_out is None or sizes[:2] != (8, 8) or counts.get(params[2]) != sizes[2]:
+        return None
+    if kind == "DeviceFixedSizeSegmentedReduceKernel" and counts.get(params[3]) != sizes[3]:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        count = int.from_bytes(raw[2], "little", signed=params[2] in ("int", "long"))
+        if kind == "DeviceReduceKernel":
+            n_in, n_out = count, (rec.get("grid") or (0,))[0]
+        elif kind == "DeviceReduceSingleTileKernel":
+            n_in, n_out = count, 1
+        else:
+            segments = int.from_bytes(raw[3], "little", signed=True)
+            n_in, n_out = count * segments, segments
+        if n_in < 0 or n_out < 1:
+            return None
+        dec = Decoded(VIA, regions={0: [(0, 8)], 1: [(0, 8)]})
+        dec.read(0, 0, n_in * elem_in)
+        dec.write(1, 0, n_out * elem_out)
+        return dec
+
+    return plan
+
+
+# -- cuBLAS's split-K through CUTLASS: Kernel2 (partial products) and splitKreduce -------------
+# cutlass::Kernel2<cutlass_80_simt_sgemm_*>(Params): n, m, k at 0; the tile grid at 12 (its k:
+# the number of slices); the slice stride in elements at 40; the C and D iterators' row pitch
+# in bytes at 152 and 216; A, B, C, D at 280..304. D holds k slices of an n x m partial
+# product. A, B and C are not decoded (their pitches were not pinned down).
+# splitKreduce_kernel(cublasSplitKParams<T>, workspace, C, D, D2, ...): m, n at 8, the
+# workspace pitch at 16, C's and D's at 20..28, the slice stride at 36, the slices at 40.
+
+_KERNEL2 = re.compile(r"^void cutlass::Kernel2<cutlass_80_simt_sgemm_\w+>\(cutlass_80_simt_sgemm_\w+::Params\)$")
+
+
+def plan_cutlass_split_k(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not _KERNEL2.match(name) or sizes != (360,):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        n, mm, k = i32(b, 0), i32(b, 4), i32(b, 8)
+        slices, stride, pitch = i32(b, 20), i64(b, 40), i64(b, 216)
+        grid = rec.get("grid") or (0, 0, 0)
+        if min(n, mm, k, slices) < 1 or slices != grid[2] or pitch != i64(b, 152) or pitch < mm * 4:
+            return None
+        if slices > 1 and stride < (n - 1) * pitch // 4 + mm:
+            return None  # slices would overlap: not the layout read
+        dec = Decoded(VIA, regions={0: [(304, 312)]})
+        dec.write(0, 304, (slices - 1) * stride * 4 + (n - 1) * pitch + mm * 4)
+        return dec
+
+    return plan
+
+
+def plan_split_k_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not name.startswith("void cublasLt::splitKreduce_kernel<"):
+        return None
+    params = split_params(name)
+    if not params or len(params) != len(sizes) or sizes[0] != 60 or params[0] != "cublasLt::cublasSplitKParams<float>":
+        return None
+    if params[1:5] != ["float const*", "float const*", "float*", "float*"]:
+        return None
+    others = [i for i in range(5, len(params)) if params[i].endswith("*") and sizes[i] == 8]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        mm, n, ws_pitch, stride, slices = i32(b, 8), i32(b, 12), i32(b, 16), i32(b, 36), i32(b, 40)
+        pitch = max(i32(b, 20), i32(b, 24), i32(b, 28))
+        if min(mm, n, slices) < 1 or min(ws_pitch, i32(b, 20), i32(b, 24), i32(b, 28)) < mm:
+            return None
+        if slices > 1 and stride < (n - 1) * ws_pitch + mm:
+            return None
+        out = ((n - 1) * pitch + mm) * 4
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in range(1, 5)})
+        dec.read(1, 0, ((slices - 1) * stride + (n - 1) * ws_pitch + mm) * 4)
+        dec.read(2, 0, out)  # C, read when beta is not zero
+        dec.write(3, 0, out)
+        dec.write(4, 0, out)
+        for i in others:  # epilogue inputs and outputs: never seen set
+            if u64(raw[i], 0):
+                dec.read(i, 0, None)
+                dec.write(i, 0, None)
+        return dec
+
+    return plan
+
+
+# -- cuBLAS: gemmSN_TN_kernel (small-n GEMM) -------------------------------------------------
+# cublasGemmSmallNParams<A, B, C, T>: alpha and beta pointers (host), A, B, C, D each as
+# (pointer, batch stride) at 16..72, alpha and beta at 80, m, n, k at 92, lda, ldb, ldc, ldd at
+# 104, the batch count at 128, a bias vector at 136. A is transposed (TN): k x m with lda.
+
+_GEMM_SN = re.compile(r"^void gemmSN_TN_kernel<(\w[\w ]*), [^(]*\(cublasGemmSmallNParams<cublasGemvTensorStridedBatched<")
+
+
+def plan_gemm_small_n(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    m = _GEMM_SN.match(name)
+    elem = sizeof(m.group(1)) if m else None
+    if elem is None or sizes != (152,):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        mm, n, k = i32(b, 92), i32(b, 96), i32(b, 100)
+        lda, ldb, ldc, ldd, batch = i32(b, 104), i32(b, 108), i32(b, 112), i32(b, 116), i32(b, 128)
+        strides = [i64(b, 24 + 16 * i) for i in range(4)]
+        if min(mm, n, k, batch) < 1 or lda < k or ldb < k or min(ldc, ldd) < mm or min(strides) < 0:
+            return None
+        if batch > 1 and not all(strides):
+            return None
+        last = [(mm - 1) * lda + k, (n - 1) * ldb + k, (n - 1) * ldc + mm, (n - 1) * ldd + mm]
+        dec = Decoded(VIA, regions={0: [(16, 80), (136, 144)]})
+        for i, (off, size) in enumerate(zip((16, 32, 48, 64), last)):
+            extent = ((batch - 1) * strides[i] + size) * elem
+            if i < 3:  # C: beta's place is not certain, so C is taken as read
+                dec.read(0, off, extent)
+            else:
+                dec.write(0, off, extent)
+        if u64(b, 136):
+            dec.read(0, 136, max(mm, n) * elem)  # a bias along either side of D
+        return dec
+
+    return plan
+
+
+PLANNERS = (
+    plan_cub_reduce,
+    plan_gemm_small_n,
+    plan_xmma_gemm,
+    plan_cutlass_split_k,
+    plan_split_k_reduce,
+    plan_xmma_conv,
+    plan_cutlass_dgrad,
+    plan_bn_forward,
+    plan_bn_forward_args,
+    plan_bn_backward,
+    plan_layout_transform,
+    plan_implicit_conv,
+)

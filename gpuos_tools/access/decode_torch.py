@@ -1,0 +1,421 @@
+"""PyTorch's TensorIterator kernels: exact extents from their arguments.
+
+- ``vectorized_elementwise_kernel<vec, F, std::array<char*, K>>(int N, F, data)``: contiguous
+  operands, N elements each; ``data[0]`` is the output (written), the rest inputs (read).
+- ``elementwise_kernel<nt, vt, gpu_kernel_impl_nocast<F>(...)::{lambda(int)#1}>(int N, closure)``:
+  the closure holds an ``OffsetCalculator<K, uint32_t>`` (sizes and byte strides per operand),
+  then ``data[K]``, then F.
+- ``reduce_kernel<nt, vec, ReduceOp<scalar_t, ops_t, unsigned int, out_scalar_t, ...>>(ReduceOp)``:
+  ops, ident, a ReduceConfig, the input and output calculators, src, dst[2], acc_buf, cta_buf,
+  semaphores.
+
+Element sizes come from the functor's template arguments. A lambda's return type is not in its
+name: its output is bounded by the largest PyTorch element (16 bytes, complex<double>), except
+for the few functions known to return their argument's type (``_SAME_TYPE``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpuos_tools.access.decoded import Decoded, Plan
+from gpuos_tools.access.layouts import (
+    args_of,
+    base_name,
+    calculator_size,
+    i32,
+    i64,
+    lambda_params,
+    last_offset,
+    numel,
+    offset_calculator,
+    sizeof,
+    u64,
+)
+from gpuos_tools.access.proto import split_params
+
+VIA = "pytorch"
+#: The largest element of any PyTorch dtype (complex<double>): the bound on an output whose type
+#: the kernel's name does not show.
+MAX_ELEMENT = 16
+
+# functor -> (positions of its template arguments: output, inputs)
+_FUNCTORS = {
+    "at::native::CUDAFunctor_add": (0, (0, 0)),
+    "at::native::CUDAFunctorOnSelf_add": (0, (0,)),
+    "at::native::FillFunctor": (0, ()),
+    "at::native::BinaryFunctor": (2, (0, 1)),
+    "at::native::AUnaryFunctor": (2, (1,)),
+    "at::native::BUnaryFunctor": (2, (0,)),
+}
+
+
+#: Functions whose GPU lambda returns its argument's type (they dispatch on one scalar_t and
+#: compute in it): clamp, clamp_min and clamp_max (ReLU's forward is clamp_min).
+_SAME_TYPE = ("at::native::(anonymous namespace)::launch_clamp_scalar(",)
+
+
+def operands(functor: str) -> tuple[int, list[int]] | None:
+    """(output element size, [input element sizes]) of an elementwise functor type, or None."""
+    params = lambda_params(functor)
+    if params is not None:
+        ins = [sizeof(p) for p in params]
+        if None in ins:
+            return None
+        same = len(set(params)) == 1 and functor.startswith(_SAME_TYPE)
+        return (ins[0] if same else MAX_ELEMENT), ins  # type: ignore[return-value]
+    base = base_name(functor)
+    shape = _FUNCTORS.get(base)
+    targs = args_of(functor, base)
+    if shape is None or targs is None:
+        return None
+    out_at, in_at = shape
+    if max((out_at, *in_at)) >= len(targs):
+        return None
+    out = sizeof(targs[out_at])
+    ins = [sizeof(targs[i]) for i in in_at]
+    if out is None or None in ins:
+        return None
+    return out, ins  # type: ignore[return-value]
+
+
+def _kernel_args(name: str, kernel: str) -> tuple[str, ...] | None:
+    if not name.startswith(f"void {kernel}<"):
+        return None
+    return args_of(name, kernel)
+
+
+# -- vectorized_elementwise_kernel ------------------------------------------------------------
+
+
+def plan_vectorized(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, "at::native::vectorized_elementwise_kernel")
+    if targs is None or len(targs) != 3 or len(sizes) != 3 or sizes[0] != 4:
+        return None
+    array = args_of(targs[2], "std::array")
+    ops = operands(targs[1])
+    if array is None or ops is None or array[0] != "char*":
+        return None
+    k = int(array[1].rstrip("ul") or 0)
+    out, ins = ops
+    if k != len(ins) + 1 or sizes[2] != 8 * k:
+        return None
+    elems = [out, *ins]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n = i32(raw[0], 0)
+        dec = Decoded(VIA, regions={2: [(0, 8 * k)]})
+        for i, size in enumerate(elems):
+            if i == 0:
+                dec.write(2, 0, n * size)
+            else:
+                dec.read(2, 8 * i, n * size)
+        return dec
+
+    return plan
+
+
+# -- elementwise_kernel with an offset calculator ----------------------------------------------
+
+
+def plan_legacy(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, "at::native::elementwise_kernel")
+    if targs is None or len(targs) != 3 or len(sizes) != 2 or sizes[0] != 4:
+        return None
+    closure = targs[2]
+    if not closure.startswith("at::native::gpu_kernel_impl_nocast<") or not closure.endswith("{lambda(int)#1}"):
+        return None
+    inner = args_of(closure, "at::native::gpu_kernel_impl_nocast")
+    ops = operands(inner[0]) if inner and len(inner) == 1 else None
+    if ops is None:
+        return None
+    out, ins = ops
+    k = len(ins) + 1
+    elems = [out, *ins]
+    data_at = (calculator_size(k) + 7) & ~7
+    if sizes[1] < data_at + 8 * k:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n = i32(raw[0], 0)
+        calc = offset_calculator(raw[1], 0, k)
+        if calc is None or numel(calc[0]) != n:
+            return None
+        dims, strides = calc
+        dec = Decoded(VIA, regions={1: [(0, data_at + 8 * k)]})
+        for i, size in enumerate(elems):
+            extent = last_offset(dims, strides[i]) + size if n > 0 else 0
+            if i == 0:
+                dec.write(1, data_at, extent)
+            else:
+                dec.read(1, data_at + 8 * i, extent)
+        return dec
+
+    return plan
+
+
+# -- reduce_kernel --------------------------------------------------------------------------
+
+_CONFIG = 64  #: bytes of ReduceConfig: 14 ints, a bool, output_vec_size
+_IN = calculator_size(1)
+_OUT = calculator_size(2)
+
+
+def plan_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, "at::native::reduce_kernel")
+    if targs is None or len(targs) != 3 or len(sizes) != 1:
+        return None
+    op = args_of(targs[2], "at::native::ReduceOp")
+    if op is None or len(op) < 4 or op[2] != "unsigned int":
+        return None
+    in_size, out_size = sizeof(op[0]), sizeof(op[3])
+    if in_size is None or out_size is None:
+        return None
+    total = sizes[0]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        block = rec.get("block") or (0, 0, 0)
+        # the config follows ops and ident: the first offset where every field checks out
+        for c in range(0, 65, 4):
+            # src, dst[2], acc_buf, cta_buf, semaphores, base_idx, then two bools and noutputs
+            src = (c + _CONFIG + _IN + _OUT + 7) & ~7
+            if src + 64 != total:
+                continue
+            num_inputs, num_outputs = i32(b, c + 4), i32(b, c + 8)
+            if i32(b, c + 44) != block[0] or i32(b, c + 48) != block[1] or num_inputs < 1 or num_outputs < 1:
+                continue
+            incalc = offset_calculator(b, c + _CONFIG, 1)
+            outcalc = offset_calculator(b, c + _CONFIG + _IN, 2)
+            if incalc is None or outcalc is None:
+                continue
+            if numel(incalc[0]) != num_inputs or numel(outcalc[0]) != num_outputs:
+                continue
+            break
+        else:
+            return None
+        if u64(b, src + 16) != 0 or i32(b, src + 60) != 1:
+            return None  # a second output (values and indices): its element type is not in the name
+        out_last = last_offset(outcalc[0], outcalc[1][0]) + out_size
+        in_last = last_offset(outcalc[0], outcalc[1][1]) + last_offset(incalc[0], incalc[1][0]) + in_size
+        dec = Decoded(VIA, regions={0: [(c, total)]})
+        dec.read(0, src, in_last)
+        dec.write(0, src + 8, out_last)
+        if b[src + 56]:  # accumulate: the output is read and combined
+            dec.read(0, src + 8, out_last)
+        for buf in (src + 24, src + 32, src + 40):  # acc_buf, cta_buf, semaphores: sized elsewhere
+            if u64(b, buf):
+                dec.read(0, buf, None)
+                dec.write(0, buf, None)
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_vectorized, plan_legacy, plan_reduce)
+
+
+
+# -- kernels with plain scalar arguments -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Simple:
+    """A kernel whose pointers' extents follow from its scalar arguments. ``params`` is its
+    parameter list as demangled, ``{T}`` standing for its first template argument: another
+    version's signature does not match and is left alone. ``spans`` maps the parameter values
+    (integers; pointers as addresses) and sizeof(T) to (param, "r" | "w" | "rw", bytes)."""
+
+    kernel: str
+    params: str
+    spans: Callable[[list[int], int], list[tuple[int, str, int]]]
+
+
+def _max_pool_forward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+    # (nthreads, bottom, channels, height, width, pooled_h, pooled_w, ..., top, mask): one
+    # thread per output element; each reads a window of its own (n, c) input plane
+    planes = -(-v[0] // max(1, v[5] * v[6]))
+    return [(1, "r", planes * v[3] * v[4] * t), (15, "w", v[0] * t), (16, "w", v[0] * 8)]
+
+
+def _max_pool_backward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+    # (top_diff, top_mask, num, channels, height, width, pooled_h, pooled_w, ..., bottom_diff)
+    planes = v[2] * v[3]
+    return [(0, "r", planes * v[6] * v[7] * t), (1, "r", planes * v[6] * v[7] * 8),
+            (16, "w", planes * v[4] * v[5] * t)]
+
+
+def _nll_forward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+    # (output, total_weight, input, target, weights, size_average, nframe, ndim, n_classes, ignore)
+    return [(0, "w", t), (1, "w", t), (2, "r", v[6] * v[7] * t), (3, "r", v[6] * 8), (4, "r", v[8] * t)]
+
+
+def _nll_backward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+    # (grad_input, grad_output, target, weights, total_weight, size_average, nframe, ndim, ...)
+    return [(0, "w", v[6] * v[7] * t), (1, "r", t), (2, "r", v[6] * 8), (3, "r", v[8] * t), (4, "r", t)]
+
+
+def _softmax_forward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+    # (dst, src, batch_size, stride, element_count, mask, ...): rows of `stride` elements
+    rows = (v[2] - 1) * v[3] + v[4] if v[2] > 0 else 0
+    return [(0, "w", rows * t), (1, "r", rows * t)]
+
+
+def _softmax_backward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+    # (grad_input, grad, output, batch_size, stride, element_count, mask)
+    rows = (v[3] - 1) * v[4] + v[5] if v[3] > 0 else 0
+    return [(0, "w", rows * t), (1, "r", rows * t), (2, "r", rows * t)]
+
+
+_NS = "at::native::(anonymous namespace)::"
+SIMPLE = (
+    Simple(_NS + "max_pool_forward_nchw", "int, {T} const*, long, long, long, " + "int, " * 10 + "{T}*, long*",
+           _max_pool_forward),
+    Simple(_NS + "max_pool_backward_nchw", "{T} const*, long const*, " + "int, " * 14 + "{T}*", _max_pool_backward),
+    Simple(_NS + "nll_loss_forward_reduce_cuda_kernel_2d",
+           "{T}*, {T}*, {T} const*, long const*, {T} const*, bool, long, long, long, long", _nll_forward),
+    Simple(_NS + "nll_loss_backward_reduce_cuda_kernel_2d",
+           "{T}*, {T} const*, long const*, {T} const*, {T} const*, bool, int, int, long, long", _nll_backward),
+    Simple("(anonymous namespace)::softmax_warp_forward", "{T}*, {T} const*, int, int, int, bool const*, int, bool",
+           _softmax_forward),
+    Simple("(anonymous namespace)::softmax_warp_backward", "{T}*, {T} const*, {T} const*, int, int, int, bool const*",
+           _softmax_backward),
+)  # fmt: skip
+
+
+def plan_simple(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    for spec in SIMPLE:
+        if not name.startswith(f"void {spec.kernel}<"):
+            continue
+        targs = args_of(name, spec.kernel)
+        t = sizeof(targs[0]) if targs else None
+        params = split_params(name)
+        expected = [p.strip() for p in spec.params.replace("{T}", targs[0] if targs else "?").split(",")]
+        if t is None or params != expected or len(sizes) != len(expected):
+            return None
+        return _simple_plan(spec, t, sizes)
+    return None
+
+
+def _simple_plan(spec: Simple, t: int, sizes: tuple[int, ...]) -> Plan:
+    pointers = [i for i, p in enumerate(spec.params.split(",")) if p.strip().endswith("*")]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        values = [int.from_bytes(r, "little", signed=True) for r in raw]
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in pointers})
+        for param, how, size in spec.spans(values, t):
+            if size < 0:
+                return None
+            if "r" in how:
+                dec.read(param, 0, size)
+            if "w" in how:
+                dec.write(param, 0, size)
+        return dec
+
+    return plan
+
+
+# -- distribution_elementwise_grid_stride_kernel (random fills) ---------------------------------
+# (numel, PhiloxCudaState, dist_func, store): the one-dimensional store, lambda #1 of
+# distribution_nullary_kernel<scalar_t, ...>, captures the output pointer and its byte stride.
+
+_DIST = "at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel"
+_NULLARY = "at::native::(anonymous namespace)::distribution_nullary_kernel"
+
+
+def plan_distribution(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, _DIST)
+    if targs is None or len(targs) != 4 or len(sizes) != 4 or sizes[0] != 8 or sizes[3] < 12:
+        return None
+    store = targs[3]
+    nullary = args_of(store, _NULLARY)
+    params = lambda_params(store)
+    if not store.startswith(_NULLARY + "<") or nullary is None or params is None or len(params) != 2:
+        return None
+    if not store.endswith("{lambda(" + ", ".join(params) + ")#1}") or params[0] != "int":
+        return None  # #2 is the strided store, through an offset calculator
+    elem = sizeof(nullary[0])
+    if elem is None:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n, stride = i64(raw[0], 0), i32(raw[3], 8)
+        if n < 0:
+            return None
+        dec = Decoded(VIA, regions={3: [(0, 12)]})
+        if n > 0:
+            lo, hi = min(0, (n - 1) * stride), max(0, (n - 1) * stride) + elem
+            dec.spans[(3, 0)] = (None, (lo, hi))
+        return dec
+
+    return plan
+
+
+# -- multi_tensor_apply_kernel (the foreach ops of optimizers) ---------------------------------
+# TensorListMetadata<n>: addresses[n][max tensors], numel_for_tensor[max tensors],
+# block_to_tensor[320] (bytes), block_to_chunk[320], start_tensor_this_launch;
+# TensorListScalarListMetadata<T, n> has scalar_vals[max tensors] after the counts and no start.
+# Block b works on tensor block_to_tensor[b]. The foreach functors
+# (Unary|Binary|Pointwise|Ternary)Op*Functor and ZeroFunctor <T, depth, r_args_depth,
+# res_arg_index> read lists 0 .. r_args_depth - 1 and write list res_arg_index.
+
+_NSA = "at::native::(anonymous namespace)::"
+_MAX_TENSORS = (110, 64, 48, 36, 30)
+_MAX_TENSORS_SCALARLIST = (96, 64, 48, 36, 30)
+_MAX_BLOCKS = 320
+_FOREACH = re.compile(r"^at::native::\(anonymous namespace\)::(?:(?:Unary|Binary|Pointwise|Ternary)Op\w*|Zero)Functor<")
+
+
+def plan_foreach(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, _NSA + "multi_tensor_apply_kernel")
+    if targs is None or len(targs) < 2 or not sizes:
+        return None
+    meta, functor = targs[0], targs[1]
+    plain, scalars = args_of(meta, _NSA + "TensorListMetadata"), args_of(meta, _NSA + "TensorListScalarListMetadata")
+    if plain is not None and meta.startswith(_NSA + "TensorListMetadata<") and len(plain) == 1:
+        depth, scalar, limits = int(plain[0]), 0, _MAX_TENSORS
+    elif scalars is not None and meta.startswith(_NSA + "TensorListScalarListMetadata<") and len(scalars) == 2:
+        depth, scalar, limits = int(scalars[1]), sizeof(scalars[0]) or -1, _MAX_TENSORS_SCALARLIST
+    else:
+        return None
+    if not 1 <= depth <= 5 or scalar < 0:
+        return None
+    max_t = limits[depth - 1]
+    fargs = args_of(functor, base_name(functor)) if _FOREACH.match(functor) else None
+    if fargs is None or len(fargs) != 4 or int(fargs[1]) != depth:
+        return None
+    elem, r_depth, res = sizeof(fargs[0]), int(fargs[2]), int(fargs[3])
+    if elem is None or not 0 <= r_depth <= depth or not 0 <= res < depth:
+        return None
+    numels = 8 * depth * max_t
+    to_tensor = numels + 8 * max_t + scalar * max_t
+    to_chunk = (to_tensor + _MAX_BLOCKS + 3) & ~3
+    end = to_chunk + 4 * _MAX_BLOCKS + (4 if limits is _MAX_TENSORS else 0)  # start_tensor_this_launch
+    if sizes[0] != (end + 7) & ~7:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        blocks = (rec.get("grid") or (0,))[0]
+        if not 1 <= blocks <= _MAX_BLOCKS:
+            return None
+        tensors = set(b[to_tensor : to_tensor + blocks])
+        dec = Decoded(VIA, regions={0: [(0, end)]})
+        for t in tensors:
+            n = i64(b, numels + 8 * t) if t < max_t else -1
+            if n < 0:
+                return None
+            for d in range(depth):
+                if d < r_depth:
+                    dec.read(0, 8 * (d * max_t + t), n * elem)
+                if d == res:
+                    dec.write(0, 8 * (d * max_t + t), n * elem)
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach)
