@@ -64,6 +64,8 @@ def recorded_corpus() -> list[dict[str, Any]]:
     for path in sorted(RECORDED.glob("*.ndjson.zst")):
         with open_input(path) as reader:
             corpus.extend(r for r in reader if r["type"] != "header")
+    if not corpus:
+        raise SystemExit(f"no recorded traces in {RECORDED}")
     return corpus
 
 
