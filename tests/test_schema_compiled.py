@@ -29,6 +29,7 @@ from gpuos_tools.stream.schema import (
     Obj,
     RecordType,
     Str,
+    SHORT_LINE,
     Tuple,
     when_present,
 )
@@ -121,8 +122,11 @@ def test_the_compiled_checkers_refuse_what_the_kinds_checkers_refuse_in_the_same
     cases = refused = 0
     for rec in _good():
         for case in _changed(rec, rng, 40):
-            said = R.INPUT.checkers[case["type"]](case)
+            check = R.INPUT.checkers[case["type"]]
+            said = check(case)
             assert said == explainers[case["type"]](case), case
+            if len(json.dumps(case)) < SHORT_LINE:  # as a reader checks a record from a short line
+                assert check(case, True) == said, case
             cases += 1
             refused += said is not None
     assert cases > 20_000 and refused > cases // 3  # the changes reached the checks
@@ -143,7 +147,7 @@ def test_good_records_never_reach_the_kinds_checkers(monkeypatch: pytest.MonkeyP
 def test_every_record_type_is_compiled_from_its_schema() -> None:
     for name, t in R.INPUT.types.items():
         source = R.INPUT.checkers[name].source
-        assert source.startswith("def check(_top):")
+        assert source.startswith("def check(_top, _short=False):")
         for f in t.fields:  # every field with a check is looked up by its name
             assert repr(f.name) in source or isinstance(f.kind, Anything) and not f.required, f
 
@@ -202,6 +206,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("alloc", {"id": 1, "addr": (1 << 64) - 4, "size": 8},
      "field 'size': runs past the end of the 64-bit address space (addr 0xfffffffffffffffc + 8)"),
     ("memcpy", {"height": 1 << 40, "width": 1 << 20}, "field 'height': the copy spans more than 256 TiB"),
+    ("launch", {"api": "x" * 65537}, "field 'api': must be at most 65536 characters long, not 65537"),
+    ("launch", {"params": [{"offset": 0, "size": 8, "hex": "00"}] * 32769},
+     "field 'params': must have at most 32768 items, not 32769"),
     ("launch", {"seq": DROP}, "field 'seq' is missing"),
 ]
 
@@ -235,6 +242,16 @@ def test_a_bad_value_of_each_kind_is_caught_on_read(
 
 
 # -- how the compiled code is made ------------------------------------------------------------
+
+
+def test_a_record_from_a_short_line_skips_only_the_bounds_the_line_already_keeps() -> None:
+    check = R.INPUT.checkers["exit"]
+    long_name = {"type": "exit", "signal": "S" * 33, "records": {str(i): 1 for i in range(SHORT_LINE)}}
+    said = f"field 'signal': must be string or integer 0..2^16, not '{'S' * 33}'"
+    assert check(long_name, True) == check(long_name) == said
+    too_many = {"type": "exit", "records": {str(i): 1 for i in range(1 << 16 | 1)}}
+    assert check(too_many) == "field 'records': must have at most 65536 keys, not 65537"
+    assert check(too_many, True) is None  # such a record cannot come from a short line
 
 
 def test_a_kind_that_replaces_its_checker_is_called_as_one() -> None:

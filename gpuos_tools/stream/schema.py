@@ -30,7 +30,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 #: None, or (where inside the value, what is wrong)
@@ -114,10 +114,16 @@ class _Source:
         else:
             Kind.emit(kind, self, var, depth)
 
-    def function(self, name: str, good: str = "None", **names: Any) -> Callable[[Any], Any]:
-        """The compiled function of ``_top``: ``good`` for a value the statements accept, else
-        what ``fail`` says; ``names`` are more constants they use."""
-        source = "\n".join(["def check(_top):", *self.lines, f"    return {good}", ""])
+    def longer(self, var: str, most: int) -> str:
+        """The test that ``var`` (a str, list or dict) is longer than ``most``; skipped when the
+        function's ``_short`` says the value came from a line shorter than SHORT_LINE, if that
+        already bounds it."""
+        return f"len({var}) > {most}" if most < SHORT_LINE else f"not _short and len({var}) > {most}"
+
+    def function(self, name: str, good: str = "None", **names: Any) -> Callable[..., Any]:
+        """The compiled function ``check(_top, _short=False)``: ``good`` for a value the statements
+        accept, else what ``fail`` says; ``names`` are more constants they use."""
+        source = "\n".join(["def check(_top, _short=False):", *self.lines, f"    return {good}", ""])
         namespace = {**self.names, **names}
         exec(compile(source, f"<checker of {name}>", "exec"), namespace)  # noqa: S102 (source from schemas)
         check = namespace["check"]
@@ -127,6 +133,11 @@ class _Source:
 
 #: what ``get`` gives for a field the object does not have (None is JSON null)
 _MISSING: Any = object()
+
+#: A value decoded from a JSON line shorter than this many characters is shorter too (a string's
+#: every character, a list's every item, an object's every key takes at least one): a compiled
+#: checker told so skips the length bounds at or above it.
+SHORT_LINE = 1 << 15
 
 
 class Kind:
@@ -281,7 +292,7 @@ class Str(Kind):
         if self.choices:
             bad.append(f"{var} not in {src.const(frozenset(self.choices))}")
         if self.max_len is not None:
-            bad.append(f"len({var}) > {self.max_len}")
+            bad.append(src.longer(var, self.max_len))
         if self.pattern:
             # the strings that matched are remembered: a trace names one module hash many times
             seen = _MATCHED.setdefault(self.pattern, set())
@@ -334,7 +345,7 @@ class Hex(Kind):
         return check
 
     def emit(self, src: _Source, var: str, depth: int) -> None:
-        limit = "" if self.max_bytes is None else f" or len({var}) > {2 * self.max_bytes}"
+        limit = "" if self.max_bytes is None else f" or {src.longer(var, 2 * self.max_bytes)}"
         src.line(depth, f"if {var}.__class__ is not str{limit}: {src.fail}")
         src.line(depth, "try:")  # unhexlify takes only an even number of hex digits (no spaces)
         src.line(depth + 1, f"{src.const(binascii.unhexlify)}({var})")
@@ -384,7 +395,7 @@ class List(Kind):
     def emit(self, src: _Source, var: str, depth: int) -> None:
         bad = [f"{var}.__class__ is not list"]
         if self.length is None or self.length > self.max_len:
-            bad.append(f"len({var}) > {self.max_len}")
+            bad.append(src.longer(var, self.max_len))
         if self.length is not None:
             bad.append(f"len({var}) != {self.length}")
         src.line(depth, f"if {' or '.join(bad)}: {src.fail}")
@@ -468,7 +479,7 @@ class Map(Kind):
         return check
 
     def emit(self, src: _Source, var: str, depth: int) -> None:
-        src.line(depth, f"if {var}.__class__ is not dict or len({var}) > {self.max_len}: {src.fail}")
+        src.line(depth, f"if {var}.__class__ is not dict or {src.longer(var, self.max_len)}: {src.fail}")
         item = src.var()
         src.block(depth, f"for {item} in {var}.values()", lambda d: src.emit(self.value, item, d))
 
@@ -596,6 +607,13 @@ class Obj(Kind):
 CrossCheck = Callable[[dict[str, Any]], Problem]
 
 
+class RecordChecker(Protocol):
+    """None for a good record, else what is wrong; ``short``: it was read from a line shorter
+    than SHORT_LINE characters."""
+
+    def __call__(self, record: dict[str, Any], short: bool = False, /) -> str | None: ...
+
+
 def when_present(*names: str) -> Callable[[CrossCheck], CrossCheck]:
     """Mark a cross-field check as one that only applies to a record with at least one of these
     fields: a record without them all skips it."""
@@ -625,9 +643,10 @@ class RecordType:
     #: text for the man page after the field list
     note: str = ""
 
-    def checker(self) -> Callable[[dict[str, Any]], str | None]:
+    def checker(self) -> RecordChecker:
         """A function that returns None for a good record, else "field 'x': problem": the
-        fields' statements compiled into one function, then the cross-field checks."""
+        fields' statements compiled into one function, then the cross-field checks. Its second
+        argument says the record was read from a line shorter than SHORT_LINE."""
         src = _Source()
         n = len(self.fields)
         if n >= 6:
@@ -640,7 +659,7 @@ class RecordType:
             name, value, check = src.var(), src.var(), src.var()
             src.line(2, f"for {name}, {value} in _top.items():")
             src.line(3, f"{check} = {src.const(plan)}.get({name})")
-            src.line(3, f"if {check} is not None and {check}({value}): {src.fail}")
+            src.line(3, f"if {check} is not None and {check}({value}, _short): {src.fail}")
             src.line(1, "else:")
             _emit_fields(src, self.fields, "_top", 2)
         else:
@@ -682,7 +701,7 @@ class Registry:
             if t.name in self.types:
                 raise ValueError(f"record type {t.name!r} defined twice")
             self.types[t.name] = t
-        self.checkers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+        self.checkers: dict[str, RecordChecker] = {
             name: t.checker() for name, t in self.types.items()
         }
 
