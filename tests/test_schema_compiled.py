@@ -60,8 +60,8 @@ def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
 
 
 def _changed(record: dict[str, Any], rng: random.Random, per_path: int) -> Iterator[dict[str, Any]]:
-    """``record`` with one value replaced by ``per_path`` of VALUES, or removed, wherever it is
-    (changed in place, and back after each)."""
+    """``record`` with one value replaced by ``per_path`` of VALUES, or removed, or under another
+    name, wherever it is (changed in place, and back after each)."""
     for path in _paths(record):
         parent = record
         for key in path[:-1]:
@@ -74,6 +74,9 @@ def _changed(record: dict[str, Any], rng: random.Random, per_path: int) -> Itera
         if isinstance(parent, dict):
             del parent[key]
             yield record
+            parent["other"] = old  # the same number of keys, one of them unknown
+            yield record
+            del parent["other"]
             parent[key] = old
 
 

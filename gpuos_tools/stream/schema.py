@@ -600,7 +600,26 @@ class Obj(Kind):
 
     def emit(self, src: _Source, var: str, depth: int) -> None:
         src.line(depth, f"if {var}.__class__ is not dict: {src.fail}")
-        _emit_fields(src, self.fields, var, depth)
+        if not 1 < len(self.fields) <= 8:
+            _emit_fields(src, self.fields, var, depth)
+            return
+        # An object with as many keys as its kind has fields most likely has those fields (a
+        # launch's parameters all do): they are taken without a lookup each; any other key
+        # sends the object to the checkers.
+        values = [src.var() for _ in self.fields]
+        src.line(depth, f"if len({var}) == {len(self.fields)}:")
+        src.line(depth + 1, "try:")
+        for f, value in zip(self.fields, values):
+            src.line(depth + 2, f"{value} = {var}[{f.name!r}]")
+        src.line(depth + 1, "except KeyError:")
+        src.line(depth + 2, src.fail)
+        for f, value in zip(self.fields, values):
+            if f.null:
+                src.block(depth + 1, f"if {value} is not None", lambda d: src.emit(f.kind, value, d))
+            else:
+                src.emit(f.kind, value, depth + 1)
+        src.line(depth, "else:")
+        _emit_fields(src, self.fields, var, depth + 1)
 
 
 #: A check across fields of one record: None, or (field path, problem).
