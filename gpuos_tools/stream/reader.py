@@ -16,7 +16,7 @@ import zstandard
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.stream.framing import SCHEMA, STDIO, ZSTD_MAGIC, StreamError
 from gpuos_tools.stream.records import INPUT
-from gpuos_tools.stream.schema import _show
+from gpuos_tools.stream.schema import SHORT_LINE, RecordChecker, _show
 
 _CHUNK = 1 << 20
 #: The longest line read: far beyond any record (large payloads go to side files), short of
@@ -202,7 +202,7 @@ class Reader:
                 if kind.__class__ is str and kind and kind != "header":
                     first = False
                     checker = checkers.get(kind)
-                    if checker is None or (problem := checker(record)) is None:
+                    if checker is None or (problem := checker(record, len(line) < SHORT_LINE)) is None:
                         yield record
                         continue
                     problem = f"{kind} record, {problem}"
@@ -250,7 +250,7 @@ class Reader:
             yield record if problem is None else self._bad(lineno, problem)
 
     def _check(
-        self, record: dict[str, Any], kind: Any, checker: Callable[[dict[str, Any]], str | None] | None,
+        self, record: dict[str, Any], kind: Any, checker: RecordChecker | None,
         lineno: int, first: bool,
     ) -> str | None:
         """What is wrong with a record (None: nothing). A bad header is fatal whatever

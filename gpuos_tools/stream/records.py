@@ -36,6 +36,7 @@ from gpuos_tools.stream.schema import (
     Str,
     Tuple,
     _show,
+    when_present,
 )
 from gpuos_tools.units import MAX_BYTES
 
@@ -66,27 +67,51 @@ def _common() -> tuple[Field, ...]:
 
 
 def _ends_in_64_bits(addr: str, size: str) -> Any:
+    end = U64 + 1
+
+    @when_present(addr, size)
     def check(rec: dict[str, Any]) -> Problem:
         a, n = rec.get(addr), rec.get(size)
-        if a is not None and n is not None and a + n > U64 + 1:
+        if a is not None and n is not None and a + n > end:
             return size, f"runs past the end of the 64-bit address space ({addr} {a:#x} + {n})"
         return None
 
     return check
 
 
+@when_present("params", "dptrs")
 def _launch_arguments(rec: dict[str, Any]) -> Problem:
     """No parameter holds more bytes than its size (fewer: the capture was cut short); each
     driver pointer lies inside the bytes of a parameter."""
-    params = rec.get("params")
+    params = rec.get("params") or ()
+    for p in params:  # the common case, without bookkeeping; a problem is found again below
+        hexs = p.get("hex")
+        if hexs is not None and (size := p.get("size")) is not None and len(hexs) > 2 * size:
+            break
+    else:
+        n = len(params)
+        for param, offset, _memtype in rec.get("dptrs") or ():
+            if param >= n:
+                break
+            p = params[param]
+            hexs = p.get("hex")
+            length = len(hexs) // 2 if hexs is not None else p.get("size")
+            if length is None or offset + 8 > length:
+                break
+        else:
+            return None
+    return _launch_arguments_problem(params, rec.get("dptrs") or ())
+
+
+def _launch_arguments_problem(params: Any, dptrs: Any) -> Problem:
     lengths = []
-    for i, p in enumerate(params or ()):
+    for i, p in enumerate(params):
         hexs = p.get("hex")
         size = p.get("size")
         if hexs is not None and size is not None and len(hexs) > 2 * size:
             return f"params[{i}].hex", f"holds {len(hexs) // 2} bytes, but size says {size}"
         lengths.append(len(hexs) // 2 if hexs is not None else size)
-    for k, (param, offset, _memtype) in enumerate(rec.get("dptrs") or ()):
+    for k, (param, offset, _memtype) in enumerate(dptrs):
         if param >= len(lengths):
             return f"dptrs[{k}]", f"names parameter {param}, but the launch has {len(lengths)}"
         if lengths[param] is None or offset + 8 > lengths[param]:
@@ -94,6 +119,7 @@ def _launch_arguments(rec: dict[str, Any]) -> Problem:
     return None
 
 
+@when_present("height")
 def _copy_shape(rec: dict[str, Any]) -> Problem:
     """A 2-D copy spans at most 256 TiB (a zero width or height is a copy of nothing)."""
     width, height = rec.get("width") or 0, rec.get("height") or 0
@@ -103,6 +129,7 @@ def _copy_shape(rec: dict[str, Any]) -> Problem:
     return None
 
 
+@when_present("height")
 def _memset_shape(rec: dict[str, Any]) -> Problem:
     height, pitch = rec.get("height") or 0, rec.get("pitch") or 0
     if height > 1 and (height - 1) * pitch > MAX_BYTES:
@@ -212,30 +239,7 @@ FREE = RecordType(
     ),
 )
 
-class _Param(Obj):
-    """A launch parameter, checked in one function: a launch has several, and a trace has
-    launches by the million."""
-
-    def checker(self) -> Checker:
-        generic = super().checker()
-        hi = 1 << 16
-
-        def check(value: Any) -> Problem:
-            if value.__class__ is dict and len(value) == 3:
-                offset, size, hexs = value.get("offset"), value.get("size"), value.get("hex")
-                if (offset.__class__ is int and size.__class__ is int and hexs.__class__ is str
-                        and 0 <= offset <= hi and 0 <= size <= hi and len(hexs) <= 2 * hi):
-                    try:
-                        if len(bytes.fromhex(hexs)) * 2 == len(hexs):
-                            return None
-                    except ValueError:
-                        pass
-            return generic(value)  # anything else, and every problem, the general way
-
-        return check
-
-
-PARAM = _Param((
+PARAM = Obj((
     Field("offset", PARAM_OFFSET, "where the parameter starts in the argument buffer"),
     Field("size", PARAM_OFFSET, "its bytes"),
     Field("hex", Hex(1 << 16), "its bytes as passed"),
@@ -473,6 +477,8 @@ INPUT = Registry((HEADER, *TRACE_TYPES, ACCESS, ACCESS_TEMPLATE, IO))
 # -- what tools write but no reader checks ---------------------------------------------------------
 
 _OUTPUT: dict[str, Any] = {}
+#: the checker of every type a tool may write: INPUT's and those registered
+_WRITTEN: dict[str, Any] = dict(INPUT.checkers)
 
 
 def register_output(*types: RecordType) -> None:
@@ -482,12 +488,13 @@ def register_output(*types: RecordType) -> None:
         if t.name in INPUT or _OUTPUT.get(t.name, (t,))[0] is not t:
             raise ValueError(f"record type {t.name!r} defined twice")
         _OUTPUT[t.name] = (t, t.checker())
+        _WRITTEN[t.name] = _OUTPUT[t.name][1]
 
 
 def check_written(record: dict[str, Any]) -> str | None:
     """None for a record a tool may write, else what is wrong with it."""
-    problem = INPUT.check(record)
-    if problem is None and record.get("type") not in INPUT:
-        entry = _OUTPUT.get(record.get("type"))
-        return None if entry is None else entry[1](record)
-    return problem
+    kind = record.get("type")
+    if kind.__class__ is not str or not kind:
+        return INPUT.check(record)  # what is wrong with its type
+    checker = _WRITTEN.get(kind)
+    return None if checker is None else checker(record)

@@ -14,16 +14,23 @@ have a largest length, so no single record can make a tool allocate without boun
 
 Checkers return None for a good value and ``(path, problem)`` for a bad one, where ``path`` says
 where inside the value (``[3].hex``); they never raise, whatever JSON they are given.
+
+A record type's checker is compiled: each kind also writes the Python statements that accept its
+good values (``emit``), and a record type's are joined into one function, with no call per field.
+Whatever it does not accept goes to the kinds' checkers, which find and say what is wrong (or
+accept a value of a rarer form, such as an IntEnum being written). The compiled statements only
+ever accept what the checkers accept.
 """
 
 from __future__ import annotations
 
+import binascii
 import math
 import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 #: None, or (where inside the value, what is wrong)
@@ -64,6 +71,75 @@ def _show(value: Any) -> str:
     return type(value).__name__
 
 
+class _Source:
+    """The source of one compiled checker: lines of Python, and the constants they name.
+
+    Statements that ``emit`` writes end in ``self.fail`` for a value they do not accept: by
+    default the function then hands its whole argument to the kinds' checkers.
+    """
+
+    def __init__(self, fail: str = "return _explain(_top)") -> None:
+        self.fail = fail
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {"_M": _MISSING}
+        self._count = 0
+
+    def var(self) -> str:
+        self._count += 1
+        return f"v{self._count}"
+
+    def const(self, value: Any) -> str:
+        name = f"_c{len(self.names)}"
+        self.names[name] = value
+        return name
+
+    def line(self, depth: int, text: str) -> None:
+        self.lines.append("    " * depth + text)
+
+    def block(self, depth: int, head: str, body: Callable[[int], None]) -> None:
+        """``head:`` and what ``body(depth + 1)`` writes under it; nothing when it writes nothing."""
+        start = len(self.lines)
+        self.line(depth, head + ":")
+        body(depth + 1)
+        if len(self.lines) == start + 1:
+            del self.lines[start:]
+
+    def emit(self, kind: Kind, var: str, depth: int) -> None:
+        """Statements that accept the values of ``var`` that ``kind`` accepts. A kind whose
+        ``checker`` a subclass replaced without replacing ``emit`` is called as a function."""
+        cls = type(kind)
+        own = next(c for c in cls.__mro__ if "emit" in c.__dict__)
+        if issubclass(own, next(c for c in cls.__mro__ if "checker" in c.__dict__)):
+            kind.emit(self, var, depth)
+        else:
+            Kind.emit(kind, self, var, depth)
+
+    def longer(self, var: str, most: int) -> str:
+        """The test that ``var`` (a str, list or dict) is longer than ``most``; skipped when the
+        function's ``_short`` says the value came from a line shorter than SHORT_LINE, if that
+        already bounds it."""
+        return f"len({var}) > {most}" if most < SHORT_LINE else f"not _short and len({var}) > {most}"
+
+    def function(self, name: str, good: str = "None", **names: Any) -> Callable[..., Any]:
+        """The compiled function ``check(_top, _short=False)``: ``good`` for a value the statements
+        accept, else what ``fail`` says; ``names`` are more constants they use."""
+        source = "\n".join(["def check(_top, _short=False):", *self.lines, f"    return {good}", ""])
+        namespace = {**self.names, **names}
+        exec(compile(source, f"<checker of {name}>", "exec"), namespace)  # noqa: S102 (source from schemas)
+        check = namespace["check"]
+        check.source = source
+        return check  # type: ignore[no-any-return]
+
+
+#: what ``get`` gives for a field the object does not have (None is JSON null)
+_MISSING: Any = object()
+
+#: A value decoded from a JSON line shorter than this many characters is shorter too (a string's
+#: every character, a list's every item, an object's every key takes at least one): a compiled
+#: checker told so skips the length bounds at or above it.
+SHORT_LINE = 1 << 15
+
+
 class Kind:
     """What a field's value may be. ``text`` describes it in the man pages."""
 
@@ -72,10 +148,19 @@ class Kind:
     def checker(self) -> Checker:
         return lambda value: None
 
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        """Write the statements that accept ``var``'s good values (see _Source); by default, a
+        call of ``checker``."""
+        if type(self).checker is not Kind.checker:
+            src.line(depth, f"if {src.const(self.checker())}({var}) is not None: {src.fail}")
+
 
 @dataclass(frozen=True)
 class Anything(Kind):
     text: str = "any JSON value"
+
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -106,6 +191,13 @@ class Int(Kind):
             return None
 
         return check
+
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        if self.lo == 0 and self.hi >= 0 and self.hi & (self.hi + 1) == 0:  # 0..2^k-1: one shift tests both ends
+            bounds = f"{var} >> {self.hi.bit_length()}"
+        else:
+            bounds = f"{var} < {self.lo} or {var} > {self.hi}"
+        src.line(depth, f"if {var}.__class__ is not int or {bounds}: {src.fail}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +230,13 @@ class Num(Kind):
 
         return check
 
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        # finite bounds: an infinity, NaN and an integer past the largest float all fail them
+        lo = src.const(max(self.lo, -sys.float_info.max))
+        hi = src.const(min(self.hi, sys.float_info.max))
+        src.line(depth, f"if {var}.__class__ is not float and {var}.__class__ is not int "
+                        f"or not {lo} <= {var} <= {hi}: {src.fail}")
+
 
 @dataclass(frozen=True)
 class Bool(Kind):
@@ -148,6 +247,9 @@ class Bool(Kind):
             return None if value is True or value is False else ("", f"must be true or false, not {_show(value)}")
 
         return check
+
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        src.line(depth, f"if {var} is not True and {var} is not False: {src.fail}")
 
 
 @dataclass(frozen=True)
@@ -185,6 +287,37 @@ class Str(Kind):
 
         return check
 
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        bad = [f"{var}.__class__ is not str"]
+        if self.choices:
+            bad.append(f"{var} not in {src.const(frozenset(self.choices))}")
+        if self.max_len is not None:
+            bad.append(src.longer(var, self.max_len))
+        if self.pattern:
+            # the strings that matched are remembered: a trace names one module hash many times
+            seen = _MATCHED.setdefault(self.pattern, set())
+            bad.append(f"{var} not in {src.const(seen)} and {src.const(_matcher(self.pattern, seen))}({var})")
+        src.line(depth, f"if {' or '.join(bad)}: {src.fail}")
+
+
+#: per pattern, strings known to match it all (at most _MATCHED_MAX, none longer than 256)
+_MATCHED: dict[str, set[str]] = {}
+_MATCHED_MAX = 4096
+
+
+def _matcher(pattern: str, seen: set[str]) -> Callable[[str], bool]:
+    """True for a string that ``pattern`` does not match all of; one that it does is added to ``seen``."""
+    match = re.compile(pattern).fullmatch
+
+    def unmatched(value: str) -> bool:
+        if match(value) is None:
+            return True
+        if len(seen) < _MATCHED_MAX and len(value) <= 256:
+            seen.add(value)
+        return False
+
+    return unmatched
+
 
 @dataclass(frozen=True)
 class Hex(Kind):
@@ -210,6 +343,14 @@ class Hex(Kind):
             return None
 
         return check
+
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        limit = "" if self.max_bytes is None else f" or {src.longer(var, 2 * self.max_bytes)}"
+        src.line(depth, f"if {var}.__class__ is not str{limit}: {src.fail}")
+        src.line(depth, "try:")  # unhexlify takes only an even number of hex digits (no spaces)
+        src.line(depth + 1, f"{src.const(binascii.unhexlify)}({var})")
+        src.line(depth, "except ValueError:")
+        src.line(depth + 1, src.fail)
 
 
 @dataclass(frozen=True)
@@ -251,6 +392,28 @@ class List(Kind):
 
         return check
 
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        bad = [f"{var}.__class__ is not list"]
+        if self.length is None or self.length > self.max_len:
+            bad.append(src.longer(var, self.max_len))
+        if self.length is not None:
+            bad.append(f"len({var}) != {self.length}")
+        src.line(depth, f"if {' or '.join(bad)}: {src.fail}")
+        if self.length is not None and self.length <= 4:  # a vector: its items one by one
+            _emit_items(src, [self.item] * self.length, var, depth)
+            return
+        item = src.var()
+        src.block(depth, f"for {item} in {var}", lambda d: src.emit(self.item, item, d))
+
+
+def _emit_items(src: _Source, kinds: list[Kind], var: str, depth: int) -> None:
+    """Statements for the items of ``var``, a list known to have one per kind."""
+    if kinds:
+        names = [src.var() for _ in kinds]
+        src.line(depth, f"{', '.join(names)}, = {var}")
+        for kind, name in zip(kinds, names):
+            src.emit(kind, name, depth)
+
 
 @dataclass(frozen=True)
 class Tuple(Kind):
@@ -283,6 +446,10 @@ class Tuple(Kind):
 
         return check
 
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        src.line(depth, f"if {var}.__class__ is not list or len({var}) != {len(self.items)}: {src.fail}")
+        _emit_items(src, list(self.items), var, depth)
+
 
 @dataclass(frozen=True)
 class Map(Kind):
@@ -310,6 +477,11 @@ class Map(Kind):
             return None
 
         return check
+
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        src.line(depth, f"if {var}.__class__ is not dict or {src.longer(var, self.max_len)}: {src.fail}")
+        item = src.var()
+        src.block(depth, f"for {item} in {var}.values()", lambda d: src.emit(self.value, item, d))
 
 
 @dataclass(frozen=True)
@@ -376,6 +548,38 @@ def _fields_checker(fields: Iterable[Field]) -> Callable[[dict[str, Any]], Probl
     return check
 
 
+def _emit_fields(src: _Source, fields: Iterable[Field], obj: str, depth: int) -> None:
+    """Statements that accept an object (``obj``, known to be a dict) whose fields are good. They
+    look up each field the type lists, as records carry most of their type's fields."""
+    get = src.var()
+    src.line(depth, f"{get} = {obj}.get")
+    for f in fields:
+        value = src.var()
+        start = len(src.lines)
+        src.line(depth, f"{value} = {get}({f.name!r}, _M)")
+        if f.required:
+            src.line(depth, f"if {value} is _M: {src.fail}")
+            if f.null:
+                src.block(depth, f"if {value} is not None", lambda d: src.emit(f.kind, value, d))
+            else:
+                src.emit(f.kind, value, depth)
+            continue
+        present = f"{value} is not _M" + (f" and {value} is not None" if f.null else "")
+        src.block(depth, f"if {present}", lambda d: src.emit(f.kind, value, d))
+        if len(src.lines) == start + 1:  # a field of any value: not even looked up
+            del src.lines[start:]
+
+
+def _field_function(f: Field) -> Callable[[Any], bool] | None:
+    """True for a value of ``f`` that its statements do not accept; None for a field of any value."""
+    src = _Source("return True")
+    if f.null:
+        src.line(1, "if _top is None: return False")
+    start = len(src.lines)
+    src.emit(f.kind, "_top", 1)
+    return None if len(src.lines) == start else src.function(f.name, "False")
+
+
 @dataclass(frozen=True)
 class Obj(Kind):
     """A nested object with known fields (others pass)."""
@@ -394,9 +598,57 @@ class Obj(Kind):
 
         return check
 
+    def emit(self, src: _Source, var: str, depth: int) -> None:
+        src.line(depth, f"if {var}.__class__ is not dict: {src.fail}")
+        if not 1 < len(self.fields) <= 8:
+            _emit_fields(src, self.fields, var, depth)
+            return
+        # An object with as many keys as its kind has fields most likely has those fields (a
+        # launch's parameters all do): they are taken without a lookup each; any other key
+        # sends the object to the checkers.
+        values = [src.var() for _ in self.fields]
+        src.line(depth, f"if len({var}) == {len(self.fields)}:")
+        src.line(depth + 1, "try:")
+        for f, value in zip(self.fields, values):
+            src.line(depth + 2, f"{value} = {var}[{f.name!r}]")
+        src.line(depth + 1, "except KeyError:")
+        src.line(depth + 2, src.fail)
+        for f, value in zip(self.fields, values):
+            if f.null:
+                src.block(depth + 1, f"if {value} is not None", lambda d: src.emit(f.kind, value, d))
+            else:
+                src.emit(f.kind, value, depth + 1)
+        src.line(depth, "else:")
+        _emit_fields(src, self.fields, var, depth + 1)
+
 
 #: A check across fields of one record: None, or (field path, problem).
 CrossCheck = Callable[[dict[str, Any]], Problem]
+
+
+class RecordChecker(Protocol):
+    """None for a good record, else what is wrong; ``short``: it was read from a line shorter
+    than SHORT_LINE characters."""
+
+    def __call__(self, record: dict[str, Any], short: bool = False, /) -> str | None: ...
+
+
+def when_present(*names: str) -> Callable[[CrossCheck], CrossCheck]:
+    """Mark a cross-field check as one that only applies to a record with at least one of these
+    fields: a record without them all skips it."""
+
+    def mark(check: CrossCheck) -> CrossCheck:
+        check.when_present = names  # type: ignore[attr-defined]
+        return check
+
+    return mark
+
+
+def _applies(cross: CrossCheck, fields: Iterable[Field]) -> tuple[str, ...]:
+    """The fields one of which a record must have for ``cross`` to apply; () when it always does."""
+    names: tuple[str, ...] = getattr(cross, "when_present", ())
+    required = {f.name for f in fields if f.required}
+    return () if any(n in required for n in names) else names
 
 
 @dataclass(frozen=True)
@@ -410,15 +662,45 @@ class RecordType:
     #: text for the man page after the field list
     note: str = ""
 
-    def checker(self) -> Callable[[dict[str, Any]], str | None]:
-        """A function that returns None for a good record, else "field 'x': problem"."""
+    def checker(self) -> RecordChecker:
+        """A function that returns None for a good record, else "field 'x': problem": the
+        fields' statements compiled into one function, then the cross-field checks. Its second
+        argument says the record was read from a line shorter than SHORT_LINE."""
+        src = _Source()
+        n = len(self.fields)
+        if n >= 6:
+            # A record with few of its type's fields walks its own keys instead, each a call.
+            plan = {f.name: check for f in self.fields if (check := _field_function(f)) is not None}
+            src.line(1, f"if len(_top) * 3 < {n}:")
+            for f in self.fields:
+                if f.required:
+                    src.line(2, f"if {f.name!r} not in _top: {src.fail}")
+            name, value, check = src.var(), src.var(), src.var()
+            src.line(2, f"for {name}, {value} in _top.items():")
+            src.line(3, f"{check} = {src.const(plan)}.get({name})")
+            src.line(3, f"if {check} is not None and {check}({value}, _short): {src.fail}")
+            src.line(1, "else:")
+            _emit_fields(src, self.fields, "_top", 2)
+        else:
+            _emit_fields(src, self.fields, "_top", 1)
+        for cross in self.checks:
+            gate = " or ".join(f"{n!r} in _top" for n in _applies(cross, self.fields))
+            call = f"{src.const(cross)}(_top) is not None"
+            src.line(1, f"if ({gate}) and {call}: {src.fail}" if gate else f"if {call}: {src.fail}")
+        return src.function(self.name, _explain=self.explainer())
+
+    def explainer(self) -> Callable[[dict[str, Any]], str | None]:
+        """What ``checker`` gives, found field by field with the kinds' checkers: slower, and
+        what says where a record is wrong."""
         fields = _fields_checker(self.fields)
-        checks = self.checks
+        checks = [(cross, _applies(cross, self.fields)) for cross in self.checks]
 
         def check(record: dict[str, Any]) -> str | None:
             p = fields(record)
             if p is None:
-                for cross in checks:
+                for cross, names in checks:
+                    if names and not any(n in record for n in names):
+                        continue
                     p = cross(record)
                     if p is not None:
                         break
@@ -438,7 +720,7 @@ class Registry:
             if t.name in self.types:
                 raise ValueError(f"record type {t.name!r} defined twice")
             self.types[t.name] = t
-        self.checkers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+        self.checkers: dict[str, RecordChecker] = {
             name: t.checker() for name, t in self.types.items()
         }
 
