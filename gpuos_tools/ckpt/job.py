@@ -113,18 +113,13 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
     Raises CkptError when the job could not be checkpointed, every rank left running (or, where
     the driver leaves no choice, in the state the error names)."""
     start = time.monotonic()
-    try:
-        ranks = job_ranks(pid, is_cuda)
-    except GpuosError as e:
-        raise ckpt.fail("checkpoint", pid, f"{e}; nothing was touched", e.code, None, False) from None
-    ranks, states = _with_cuda_state(ckpt, "checkpoint", pid, ranks)
+    ranks, states = _ranks_and_states(ckpt, "checkpoint", pid, is_cuda)
     pids = [r.info.pid for r in ranks]
     usage = {}
     for r in ranks:
-        state = states[r.info.pid]
         gpus, nbytes = usage[r.info.pid] = ckpt.usage(r.info.pid)
-        ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": state, "gpus": gpus, "bytes": nbytes})
-        states[r.info.pid] = state
+        ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": states[r.info.pid], "gpus": gpus,
+                  "bytes": nbytes})
     wrong = {p: s for p, s in states.items() if s != "running"}
     if wrong:
         raise ckpt.fail("checkpoint", pid, "cannot checkpoint the job: " + ", ".join(
@@ -174,11 +169,7 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
     """Restore every checkpointed rank of ``pid``'s job, then unlock every rank; the ``ckpt_job``
     record. Raises CkptError saying what each rank was left in."""
     start = time.monotonic()
-    try:
-        ranks = job_ranks(pid, is_cuda)
-    except GpuosError as e:
-        raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
-    ranks, states = _with_cuda_state(ckpt, "restore", pid, ranks)
+    ranks, states = _ranks_and_states(ckpt, "restore", pid, is_cuda)
     pids = [r.info.pid for r in ranks]
     for r in ranks:
         ckpt.out({"type": "ckpt_process", **r.info.describe(), "state": states[r.info.pid]})
@@ -213,10 +204,15 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
     return result
 
 
-def _with_cuda_state(ckpt: Checkpointer, action: str, pid: int, ranks: list[Rank]) -> tuple[list[Rank], dict]:
-    """The ranks the driver knows a CUDA state for, and those states. A process that maps
-    libcuda without having initialised CUDA (a launcher that imported torch) is no rank; any
-    other error stops the action before anything is touched."""
+def _ranks_and_states(ckpt: Checkpointer, action: str, pid: int,
+                      is_cuda: Callable[[int], bool] | None) -> tuple[list[Rank], dict]:
+    """The ranks of ``pid``'s job the driver knows a CUDA state for, and those states. A process
+    that maps libcuda without having initialised CUDA (a launcher that imported torch) is no
+    rank; any error stops the action before anything is touched."""
+    try:
+        ranks = job_ranks(pid, is_cuda)
+    except GpuosError as e:
+        raise ckpt.fail(action, pid, f"{e}; nothing was touched", e.code, None, False) from None
     kept, states = [], {}
     for r in ranks:
         try:
