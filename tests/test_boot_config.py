@@ -280,6 +280,10 @@ def test_the_engine_switches_and_the_image_key_go_through_the_config(tmp_path):
     agent = make_agent(cfg)
     assert agent.engine_settings == o.engine and agent.image_key == b"k" * 32
     assert make_agent(AgentConfig()).image_key is None
+    bad = json.loads(BootConfig(trace=TraceConfig(fd=3), agent=cfg).to_json())
+    bad["agent"]["engine"]["digest_off_after"] = -1
+    with pytest.raises(ConfigError, match="agent.engine: GPUOS_ENGINE_DIGEST_OFF_AFTER: -1 is negative"):
+        BootConfig.from_json(json.dumps(bad))
 
 
 def test_an_image_key_the_program_could_not_use_is_refused_before_it_starts(tmp_path):

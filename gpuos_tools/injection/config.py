@@ -209,7 +209,10 @@ def _decode(cls: type, data: Any, where: str) -> Any:
                 raise ConfigError(f"{prefix}{name}: missing")
             continue
         values[name] = _value(hints[name], data[name], prefix + name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # the checks of a class from a lower layer (EngineSettings)
+        raise ConfigError(f"{where or 'the config'}: {exc}") from None
 
 
 def _value(tp: Any, v: Any, where: str) -> Any:
