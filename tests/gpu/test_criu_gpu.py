@@ -125,6 +125,10 @@ class Job:
         self.proc = None
         return code
 
+    def ended(self) -> bool:
+        """Whether the job wrote its result (it ran to its end, wherever it was restored)."""
+        return (self.dir / "done.json").exists()
+
     def finish(self, timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
         while not (self.dir / "done.json").exists() or not self._gone():
@@ -320,6 +324,9 @@ def test_kill_9_of_gpu_ckpt_and_gpu_restore_never_strands_the_job(jobs, tmp_path
         if procs.exists(job.pid):  # (a job CRIU ended is our zombie until reaped: not "existing")
             assert driver_state(job.pid) == "running", f"kill {i} at {delay:.2f} s stranded the job: {guard}"
             outcome = "running"
+        elif job.ended():  # killed before the dump began, and the short job ran to its end
+            assert state == "empty", f"kill {i} at {delay:.2f} s: the job ended and left an image"
+            outcome = "ran to the end"
         else:
             assert state == "complete", f"kill {i} at {delay:.2f} s: job gone and no image ({guard})"
             job.reap()
@@ -348,6 +355,10 @@ def test_kill_9_of_gpu_ckpt_and_gpu_restore_never_strands_the_job(jobs, tmp_path
         if procs.exists(job.pid):
             assert driver_state(job.pid) == "running", f"restore kill {i} at {delay:.2f} s stranded it: {guard}"
             outcome = "running"
+        elif job.ended():
+            # restored before the kill and already finished: its pid stays taken while it is a
+            # zombie nobody reaps (a container's init), so it must not be restored again
+            outcome = "restored and ran to the end"
         else:
             assert criu.image_state(image) == "complete", f"restore kill {i}: the image is damaged"
             done, _ = cli("restore", "--image", str(image), env=env)
