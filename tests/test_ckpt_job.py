@@ -69,6 +69,8 @@ class FakeDriver:
         self.fail_checkpoint: set[int] = set()
         self.uninitialised: set[int] = set()  # map libcuda, no CUDA state (a launcher that imported torch)
         self.calls: list[tuple[str, int]] = []
+        self.pairs: dict[int, object] = {}  # the GPU map each restore was given
+        self.refuse_remap: set[int] = set()  # ranks whose restore onto other GPUs the driver refuses
 
     def get_state(self, pid: int) -> tuple[str | None, str | None]:
         if pid in self.uninitialised:
@@ -92,6 +94,9 @@ class FakeDriver:
 
     def restore(self, pid: int, pairs=None) -> str | None:  # noqa: ANN001
         self.calls.append(("restore", pid))
+        self.pairs[pid] = pairs
+        if pid in self.refuse_remap and pairs:
+            return "CUDA_ERROR_INVALID_VALUE"  # what the driver returns for a map it refuses
         self.states[pid] = "locked"
         return None
 
@@ -219,11 +224,80 @@ def test_a_job_not_all_running_is_not_touched(job) -> None:
     assert e.value.code == ExitCode.WRONG_STATE and not driver.calls
 
 
+#: two GPUs of one kind, as the two-H100 machine lists them
+TWO_GPUS = [{"index": i, "uuid": u, "name": "NVIDIA H100 80GB HBM3", "memory_free": 80 << 30}
+            for i, u in enumerate(("GPU-1ab659e8-eaed-158f-2afe-0a6b9ee5628e", "GPU-7c0f2d41-93be-11a2-c4d5-5e6f7a8b9c0d"))]
+
+
+def test_device_map_moves_every_rank_the_same_way(job, monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    ckpt = JobCheckpointer(driver)
+    monkeypatch.setattr(JobCheckpointer, "machine_gpus", lambda self: TWO_GPUS)
+    J.suspend_job(ckpt, launcher.pid, pause_s=0.0)
+    back = J.resume_job(ckpt, launcher.pid, device_map="0=1,1=0")
+    a, b = (g["uuid"] for g in TWO_GPUS)
+    swap = [(a, b), (b, a)]
+    assert back["ok"] and driver.pairs == {k: swap for k in kids}
+    assert back["gpu_map"] == [list(p) for p in swap] and check_written(back) is None
+    assert driver.states == {p: "running" for p in kids}
+
+
+@pytest.mark.parametrize(("device_map", "code", "words"), [
+    ("0=1", ExitCode.BAD_GPU, "permutation"),  # GPU 1 would receive two GPUs
+    ("0=7,7=0", ExitCode.BAD_GPU, "no GPU with index 7"),
+    ("0:1", ExitCode.BAD_GPU, "not OLD=NEW"),
+])
+def test_a_bad_device_map_touches_no_rank(job, monkeypatch: pytest.MonkeyPatch, device_map: str, code: ExitCode,
+                                          words: str) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    ckpt = JobCheckpointer(driver)
+    monkeypatch.setattr(JobCheckpointer, "machine_gpus", lambda self: TWO_GPUS)
+    J.suspend_job(ckpt, launcher.pid, pause_s=0.0)
+    before = list(driver.calls)
+    with pytest.raises(CkptError) as e:
+        J.resume_job(ckpt, launcher.pid, device_map=device_map)
+    assert e.value.code == code and words in str(e.value) and not e.value.touched
+    assert driver.calls == before and driver.states == {p: "checkpointed" for p in kids}
+    assert J.resume_job(ckpt, launcher.pid)["ok"]  # and the job comes back where it was
+
+
+def test_a_job_only_locked_cannot_move(job, monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    ckpt = JobCheckpointer(driver)
+    monkeypatch.setattr(JobCheckpointer, "machine_gpus", lambda self: TWO_GPUS)
+    driver.states = {k: "locked" for k in kids}  # their memory is still on their GPUs
+    with pytest.raises(CkptError) as e:
+        J.resume_job(ckpt, launcher.pid, device_map="0=1,1=0")
+    assert e.value.code == ExitCode.WRONG_STATE and "no process of it is checkpointed" in str(e.value)
+    assert not driver.calls and not e.value.touched
+
+
+def test_a_refused_remap_unlocks_no_rank(job, monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    driver.refuse_remap.add(kids[1])
+    ckpt = JobCheckpointer(driver)
+    monkeypatch.setattr(JobCheckpointer, "machine_gpus", lambda self: TWO_GPUS)
+    J.suspend_job(ckpt, launcher.pid, pause_s=0.0)
+    with pytest.raises(CkptError) as e:
+        J.resume_job(ckpt, launcher.pid, device_map="0=1,1=0")
+    assert e.value.code == ExitCode.BAD_GPU and "refused the GPU remapping" in str(e.value)
+    assert not any(c == "unlock" for c, _ in driver.calls[-2:]) and driver.states[kids[1]] == "checkpointed"
+    assert "--device-map 0=1,1=0` tries again" in str(e.value)  # the same map: no rank left behind
+    driver.refuse_remap.clear()
+    assert J.resume_job(ckpt, launcher.pid, device_map="0=1,1=0")["ok"]
+    assert driver.states == {p: "running" for p in kids}
+
+
 @pytest.mark.parametrize(("command", "args"), [
     ("ckpt", ["--job", "1", "--pid", "2"]),
     ("ckpt", ["--job", "1", "--image", "d"]),
     ("ckpt", ["--job", "1", "--agent", "2", "--image", "d"]),
     ("restore", ["--job", "1", "--device", "0"]),
+    ("restore", ["--job", "1", "--device", "0", "--device-map", "0=1,1=0"]),
     ("restore", ["--job", "1", "--pid", "2"]),
 ])
 def test_job_usage_errors(command: str, args: list[str], tmp_path: Path) -> None:

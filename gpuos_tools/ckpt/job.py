@@ -23,7 +23,7 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
-from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, error_code
+from gpuos_tools.ckpt.driver import MIN_DRIVER_MIGRATION, Checkpointer, CkptError, Record, error_code
 from gpuos_tools.errors import ExitCode, GpuosError
 
 LOCK_TIMEOUT_MS = 10_000  #: per rank and round, when the caller gives none (0 would wait for ever)
@@ -100,9 +100,10 @@ def _step_all(ckpt: Checkpointer, pids: list[int], step: str, before: str,
     return seconds, {p: e for p, e in errors.items() if e}
 
 
-def _code(call: str, failed: dict[int, Any]) -> ExitCode:
+def _code(call: str, failed: dict[int, Any], remapped: bool = False) -> ExitCode:
     """The exit code of a step that failed on some ranks: theirs when they agree."""
-    codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code(call, e) for e in failed.values()}
+    codes = {ExitCode.SOFTWARE if isinstance(e, BaseException) else error_code(call, e, remapped=remapped)
+             for e in failed.values()}
     return codes.pop() if len(codes) == 1 else ExitCode.FAILURE
 
 
@@ -165,9 +166,12 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
     return result
 
 
-def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | None = None) -> Record:
+def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | None = None,
+               device_map: str | None = None) -> Record:
     """Restore every checkpointed rank of ``pid``'s job, then unlock every rank; the ``ckpt_job``
-    record. Raises CkptError saying what each rank was left in."""
+    record. ``device_map`` (``OLD=NEW,...``, the machine's GPUs permuted) moves every rank the
+    same way: a job whose ranks talk to each other needs the whole job moved at once. Raises
+    CkptError saying what each rank was left in."""
     start = time.monotonic()
     ranks, states = _ranks_and_states(ckpt, "restore", pid, is_cuda)
     pids = [r.info.pid for r in ranks]
@@ -177,15 +181,21 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
     if wrong:
         raise ckpt.fail("restore", pid, "cannot restore the job: " + ", ".join(
             f"PID {p} is {s}" for p, s in wrong.items()) + "; nothing was done", ExitCode.WRONG_STATE, None, False)
+    pairs = _job_pairs(ckpt, pid, states, device_map) if device_map else None
     api = ckpt.api
     to_restore = [p for p in pids if states[p] == "checkpointed"]
-    restore_s, failed = _step_all(ckpt, to_restore, "restore", "checkpointed", api.restore)
+    restore_s, failed = _step_all(ckpt, to_restore, "restore", "checkpointed", lambda p: api.restore(p, pairs))
     if failed:
         # the ranks whose memory is back run again only with the others: leave every rank where it is
         left = {p: ckpt._state(p) for p in pids}
         detail = "; ".join(f"PID {p}: {e}" for p, e in failed.items())
-        raise ckpt.fail("restore", pid, f"restore of the job failed ({detail}); no rank was unlocked: "
-                        + _left(left) + f"; `gpu-restore --job {pid}` tries again", _code("restore", failed),
+        why = (" (the driver refused the GPU remapping: each target must be the same chip with enough free "
+               "memory)") if pairs and _code("restore", failed, remapped=True) == ExitCode.BAD_GPU else ""
+        raise ckpt.fail("restore", pid, f"restore of the job failed ({detail}){why}; no rank was unlocked: "
+                        + _left(left) + f"; `gpu-restore --job {pid}"
+                        + (f" --device-map {device_map}" if pairs else "")
+                        + "` tries again (the ranks restored stay where the map put them)" * bool(pairs)
+                        + "` tries again" * (not pairs), _code("restore", failed, bool(pairs)),
                         _common(left), True)
     unlock_s, failed = _step_all(ckpt, pids, "unlock", "locked", api.unlock)
     if failed:
@@ -197,11 +207,33 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
     result: Record = {
         "type": "ckpt_job", "action": "restore", "pid": pid, "ok": True, "state": "running",
         "ranks": [r.describe() for r in ranks], "restore_s": round(restore_s, 6), "unlock_s": round(unlock_s, 6),
-        "duration_s": round(time.monotonic() - start, 6),
-        "message": f"{len(pids)} processes of the job of PID {pid} restored and running",
+        "duration_s": round(time.monotonic() - start, 6), "gpu_map": [list(p) for p in pairs] if pairs else None,
+        "message": f"{len(pids)} processes of the job of PID {pid} restored and running"
+                   + (" on the GPUs --device-map named" if pairs else ""),
     }
     ckpt.out(result)
     return result
+
+
+def _job_pairs(ckpt: Checkpointer, pid: int, states: dict[int, str],
+               device_map: str) -> list[tuple[str, str]] | None:
+    """The driver's (old UUID, new UUID) pairs for ``device_map``, checked before any rank is
+    touched: the map a permutation of same-chip GPUs, the driver new enough to remap, and some
+    rank checkpointed. A rank only locked keeps its memory where it is (after a restore that
+    failed half-way, the ranks restored already sit where the same map put them)."""
+    if "checkpointed" not in states.values():
+        raise ckpt.fail("restore", pid, "cannot move the job: no process of it is checkpointed (a locked "
+                        f"process's memory is still on its GPU); `gpu-restore --job {pid}` without --device-map "
+                        "unlocks the job; nothing was done", ExitCode.WRONG_STATE, None, False)
+    try:
+        pairs, _ = ckpt.gpu_pairs(pid, None, device_map)
+        if pairs and ckpt.api.version < MIN_DRIVER_MIGRATION:
+            raise GpuosError("restoring onto other GPUs needs a driver for CUDA 13.0 or later (release 580); this "
+                             f"one supports CUDA {ckpt.api.info.version_string}", ExitCode.DRIVER_TOO_OLD)
+    except GpuosError as e:
+        raise ckpt.fail("restore", pid, f"{e}; nothing was done, the job stays checkpointed", e.code,
+                        "checkpointed", False) from None
+    return pairs
 
 
 def _ranks_and_states(ckpt: Checkpointer, action: str, pid: int,

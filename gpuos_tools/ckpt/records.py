@@ -82,7 +82,10 @@ CKPT_JOB = RecordType("ckpt_job", "(--job) the processes of a job checkpointed o
                             text="{pid, user, command, starttime, rank}")), "rank order"),
     Field("rounds", COUNT, "rounds of locking every rank at once until all held"),
     Field("lock_s", _SECONDS), Field("checkpoint_s", _SECONDS), Field("restore_s", _SECONDS),
-    Field("unlock_s", _SECONDS), Field("duration_s", _SECONDS), Field("message", Str()),
+    Field("unlock_s", _SECONDS), Field("duration_s", _SECONDS),
+    Field("gpu_map", List(List(Str(), length=2)), "restore --device-map: [old UUID, new UUID] for every GPU",
+          null=True),
+    Field("message", Str()),
 ))
 IMAGE_VERIFY = RecordType("image_verify", "(gpu-restore verify) whether an image and its chain are sound.", (
     Field("image", Str(), required=True), Field("ok", Bool(), required=True),

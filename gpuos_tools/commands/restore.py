@@ -34,7 +34,8 @@ def restore(
     job: Optional[int] = typer.Option(
         None, "--job", metavar="PID",
         help="Restore every CUDA process in the tree of PID that `gpu-ckpt --job PID` checkpointed: all "
-        "their memory back first, then every one unlocked (each on the GPU it was checkpointed on).",
+        "their memory back first, then every one unlocked (each on the GPU it was checkpointed on, or "
+        "moved by --device-map).",
     ),
     device: Optional[str] = typer.Option(
         None, "--device", "-d", metavar="INDEX|UUID",
@@ -43,7 +44,8 @@ def restore(
     ),
     device_map: Optional[str] = typer.Option(
         None, "--device-map", metavar="OLD=NEW,...",
-        help="Restore each GPU OLD onto NEW (indexes or UUIDs), for processes on several GPUs.",
+        help="Restore each GPU OLD onto NEW (indexes or UUIDs), for processes on several GPUs; with "
+        "--job, every process of the job moves the same way (e.g. 0=1,1=0 swaps a two-GPU job).",
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
@@ -115,11 +117,12 @@ def restore(
         _rollback(agent, image, output, timeout, lazy)
         return
     if job is not None:
-        if any(x is not None for x in (pid, image, profile, device, device_map)) or criu_arg:
-            raise GpuosError("--job goes with -o only (each process back on its own GPUs)", ExitCode.USAGE)
+        if any(x is not None for x in (pid, image, profile, device)) or criu_arg:
+            raise GpuosError("--job goes with --device-map and -o only (--device moves one process; a job "
+                             "moves by a map of its GPUs)", ExitCode.USAGE)
         ckpt = Checkpointer()
-        result = run_recorded("-" if output is None else output, PROG, ckpt, lambda: resume_job(ckpt, job),
-                              action="restore", pid=job)
+        result = run_recorded("-" if output is None else output, PROG, ckpt,
+                              lambda: resume_job(ckpt, job, device_map=device_map), action="restore", pid=job)
         if sys.stderr.isatty():
             stderr_console().print(f"{PROG}: {result['message']}", highlight=False)
         return

@@ -1,9 +1,10 @@
 """`gpu-ckpt --job` / `gpu-restore --job` on a real 2-GPU data-parallel job (pytest -m gpu; skipped
 with fewer than two GPUs): torchrun starts workloads/ddp_job.py with NCCL; in the middle of its
 training every rank is checkpointed through the driver, the GPUs are seen released, every rank
-is restored, and the job ends with the same parameters as an uninterrupted run. Where the driver
-refuses a rank (what NCCL maps), the test checks that every rank was left running and the job
-still ends bit-identical, and prints the account: which step, which error, on which rank.
+is restored (on its own GPU, or with the two GPUs swapped), and the job ends with the same
+parameters as an uninterrupted run. Where the driver refuses a rank (what NCCL maps), the test
+checks that every rank was left running (or restorable) and the job still ends bit-identical,
+and prints the account: which step, which error, on which rank.
 """
 
 from __future__ import annotations
@@ -116,6 +117,49 @@ def test_a_job_checkpointed_and_restored_through_the_driver_ends_bit_identical(t
             assert done.returncode in (ExitCode.NOT_CHECKPOINTABLE, ExitCode.LOCK_TIMEOUT, ExitCode.CUDA_ERROR), \
                 done.stderr
             assert result["state"] in ("running", None), result
+        assert finish(proc, out)["digest"] == uninterrupted["digest"]
+    finally:
+        if proc.poll() is None:
+            subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(proc.pid)],
+                           cwd=ROOT, env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
+                           timeout=300, check=False)
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def test_a_job_restored_onto_swapped_gpus_ends_bit_identical(tmp_path, uninterrupted) -> None:
+    proc, progress, out = start_job(tmp_path, "swap")
+    state = tmp_path / "state"
+    try:
+        wait_for_step(progress, STEPS // 3, proc)
+        with nvml_session() as nv:
+            before = nv.processes()
+        done, records = cli("ckpt", "--job", str(proc.pid), "--timeout", "5000", state_dir=state)
+        if done.returncode != 0:
+            pytest.skip(f"the driver did not checkpoint the job (the test above gives the account): {done.stderr}")
+        ranks = [r["pid"] for r in [r for r in records if r["type"] == "ckpt_job"][-1]["ranks"]]
+        back, records = cli("restore", "--job", str(proc.pid), "--device-map", "0=1,1=0", state_dir=state)
+        print(json.dumps({"restore_swapped": records})[-6000:])
+        if back.returncode == 0:
+            rec = [r for r in records if r["type"] == "ckpt_job"][-1]
+            assert rec["ok"] and rec["gpu_map"] and all(a != b for a, b in rec["gpu_map"]), rec
+            with nvml_session() as nv:
+                after = nv.processes()
+            for pid in ranks:  # NVML in a container may list no pid: check those it lists
+                if before.get(pid) and after.get(pid):
+                    assert {g["index"] for g in after[pid]} == {1 - g["index"] for g in before[pid]}, (before, after)
+            moved = "swapped"
+        else:  # the account: what the driver refused, and the job brought back on its own GPUs
+            results = [r for r in records if r["type"] == "ckpt_result"]
+            print(json.dumps({"returncode": back.returncode, "refused": results[-1:], "stderr": back.stderr[-4000:]}))
+            assert results and back.returncode in (ExitCode.BAD_GPU, ExitCode.CUDA_ERROR, ExitCode.WRONG_STATE), \
+                back.stderr
+            # no rank restored yet: the job comes back where it was; else the rest follows the same map
+            again = [] if results[-1]["state"] == "checkpointed" else ["--device-map", "0=1,1=0"]
+            retry, _ = cli("restore", "--job", str(proc.pid), *again, state_dir=state)
+            assert retry.returncode == 0, retry.stderr
+            moved = "refused"
+        print(json.dumps({"moved": moved}))
         assert finish(proc, out)["digest"] == uninterrupted["digest"]
     finally:
         if proc.poll() is None:
