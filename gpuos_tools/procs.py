@@ -108,9 +108,15 @@ def may_control(info: ProcInfo) -> bool:
 
 def maps_libcuda(pid: int) -> bool:
     """Does the process map libcuda.so? Raise PERMISSION when its maps cannot be read."""
+    return maps_library(pid, LIBCUDA)
+
+
+def maps_library(pid: int, name: bytes) -> bool:
+    """Does the process map a file whose path contains ``name`` (e.g. ``b"/libnccl.so"``)? Raise
+    PERMISSION when its maps cannot be read."""
     try:
         with open(f"{PROC}/{pid}/maps", "rb") as f:
-            return LIBCUDA in f.read()
+            return name in f.read()
     except (FileNotFoundError, ProcessLookupError):
         raise GpuosError(f"PID {pid} exited", ExitCode.NO_SUCH_PROCESS) from None
     except PermissionError:

@@ -292,10 +292,45 @@ def test_a_refused_remap_unlocks_no_rank(job, monkeypatch: pytest.MonkeyPatch) -
     assert driver.states == {p: "running" for p in kids}
 
 
+def test_a_job_on_nccl_transports_the_driver_cannot_restore_is_refused_untouched(job) -> None:
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    ckpt = JobCheckpointer(driver)
+    lacks = {kids[1]: ["NCCL_P2P_DISABLE=1"]}
+    with pytest.raises(CkptError) as e:
+        J.suspend_job(ckpt, launcher.pid, pause_s=0.0, unrestorable=lambda p: lacks.get(p, []))
+    assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and not e.value.touched and e.value.state == "running"
+    assert "NCCL_P2P_DISABLE=1" in str(e.value) and "--force" in str(e.value) and not driver.calls
+    result = J.suspend_job(ckpt, launcher.pid, pause_s=0.0, unrestorable=lambda p: lacks.get(p, []), force=True)
+    assert result["ok"] and result["unrestorable"] == [kids[1]] and check_written(result) is None
+    assert J.resume_job(ckpt, launcher.pid)["ok"]
+
+
+def test_the_nccl_check_reads_the_maps_and_the_environment(tmp_path: Path) -> None:
+    """A process that maps a file named like NCCL's library, started with some of the variables."""
+    lib = tmp_path / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\0" * 4096)
+    code = ("import mmap,sys,time; f=open(sys.argv[1],'rb'); m=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ); "
+            "print('ready',flush=True); time.sleep(60)")
+    for env, lacking in (({"NCCL_P2P_DISABLE": "1"}, ["NCCL_SHM_DISABLE=1", "NCCL_CUMEM_ENABLE=0"]),
+                         (J.NCCL_RESTORABLE, [])):
+        proc = subprocess.Popen([sys.executable, "-c", code, str(lib)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, **env})
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            assert J.nccl_unrestorable(proc.pid) == lacking
+        finally:
+            proc.kill()
+            proc.wait()
+    assert J.nccl_unrestorable(os.getpid()) == []  # no NCCL mapped here
+
+
 @pytest.mark.parametrize(("command", "args"), [
     ("ckpt", ["--job", "1", "--pid", "2"]),
     ("ckpt", ["--job", "1", "--image", "d"]),
     ("ckpt", ["--job", "1", "--agent", "2", "--image", "d"]),
+    ("ckpt", ["--pid", "1", "--force"]),
     ("restore", ["--job", "1", "--device", "0"]),
     ("restore", ["--job", "1", "--device", "0", "--device-map", "0=1,1=0"]),
     ("restore", ["--job", "1", "--pid", "2"]),

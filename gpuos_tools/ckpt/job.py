@@ -26,6 +26,12 @@ from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import MIN_DRIVER_MIGRATION, Checkpointer, CkptError, Record, error_code
 from gpuos_tools.errors import ExitCode, GpuosError
 
+#: NCCL's transports that the driver restores (seen on two H100s, driver 580.159.04): with its
+#: default ones (NVLink/PCIe peer memory, shared host memory, cuMem) every rank checkpoints but
+#: its restore fails (CUDA_ERROR_NOT_SUPPORTED; INVALID_VALUE with cuMem off), which leaves the
+#: job unable to run again. With these three set the ranks talk over sockets, and it restores.
+NCCL_RESTORABLE = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0"}
+LIBNCCL = b"/libnccl.so"
 LOCK_TIMEOUT_MS = 10_000  #: per rank and round, when the caller gives none (0 would wait for ever)
 ROUNDS = 3
 PAUSE_S = 0.5  #: between rounds, so that collectives in flight can finish
@@ -60,6 +66,18 @@ def job_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None) -> list[Ra
         raise GpuosError(f"no process in the tree of PID {pid} uses CUDA (none maps libcuda.so)",
                          ExitCode.NOT_CUDA_PROCESS)
     return sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.info.pid))
+
+
+def nccl_unrestorable(pid: int) -> list[str]:
+    """What the process would need set for the driver to restore it: those of ``NCCL_RESTORABLE``
+    its environment lacks, when it maps NCCL (empty when it does not, or has them all)."""
+    try:
+        if not procs.maps_library(pid, LIBNCCL):
+            return []
+    except GpuosError:
+        return []  # exited, or not ours: the checks that follow say so
+    env = procs.environ_values(pid, tuple(NCCL_RESTORABLE))
+    return [f"{k}={v}" for k, v in NCCL_RESTORABLE.items() if env.get(k) != v]
 
 
 def _maps_libcuda(pid: int) -> bool:
@@ -108,14 +126,28 @@ def _code(call: str, failed: dict[int, Any], remapped: bool = False) -> ExitCode
 
 
 def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int = ROUNDS,
-                pause_s: float = PAUSE_S, is_cuda: Callable[[int], bool] | None = None) -> Record:
+                pause_s: float = PAUSE_S, is_cuda: Callable[[int], bool] | None = None, force: bool = False,
+                unrestorable: Callable[[int], list[str]] = nccl_unrestorable) -> Record:
     """Lock every rank of ``pid``'s job, then checkpoint each; the ``ckpt_job`` record.
 
+    A job whose ranks use NCCL transports the driver cannot restore is refused before anything is
+    touched, unless ``force``: its checkpoint would succeed and its restore fail, and the job
+    would never run again. ``unrestorable(pid)`` says what a rank lacks (default: the NCCL check).
     Raises CkptError when the job could not be checkpointed, every rank left running (or, where
     the driver leaves no choice, in the state the error names)."""
     start = time.monotonic()
     ranks, states = _ranks_and_states(ckpt, "checkpoint", pid, is_cuda)
     pids = [r.info.pid for r in ranks]
+    lacking = {p: need for p in pids if (need := unrestorable(p))}
+    if lacking and not force:
+        need = sorted({n for v in lacking.values() for n in v})
+        raise ckpt.fail("checkpoint", pid, "the job uses NCCL over transports the driver cannot restore (peer "
+                        "memory, shared memory or cuMem; seen on driver 580): its checkpoint would succeed and "
+                        "its restore fail, leaving it unable to run again. Start the job with "
+                        + " ".join(need) + " (NCCL then talks over sockets, which the driver restores), or give "
+                        "--force to checkpoint it anyway; PIDs " + ", ".join(str(p) for p in lacking)
+                        + " lack them; nothing was touched", ExitCode.NOT_CHECKPOINTABLE, "running", False)
+
     usage = {}
     for r in ranks:
         gpus, nbytes = usage[r.info.pid] = ckpt.usage(r.info.pid)
@@ -160,8 +192,11 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
         "ranks": [r.describe() for r in ranks], "rounds": tried, "lock_s": round(lock_s or 0.0, 6),
         "checkpoint_s": round(checkpoint_s, 6), "duration_s": round(time.monotonic() - start, 6),
         "message": f"{len(pids)} processes of the job of PID {pid} checkpointed; `gpu-restore --job {pid}` "
-                   "resumes them",
+                   "resumes them" + ("" if not lacking else " if the driver restores their NCCL transports (forced: "
+                                     "it did not when last seen)"),
     }
+    if lacking:
+        result["unrestorable"] = sorted(lacking)
     ckpt.out(result)
     return result
 

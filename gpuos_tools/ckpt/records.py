@@ -85,6 +85,8 @@ CKPT_JOB = RecordType("ckpt_job", "(--job) the processes of a job checkpointed o
     Field("unlock_s", _SECONDS), Field("duration_s", _SECONDS),
     Field("gpu_map", List(List(Str(), length=2)), "restore --device-map: [old UUID, new UUID] for every GPU",
           null=True),
+    Field("unrestorable", List(_PID), "checkpoint --force: the processes using NCCL transports the driver did "
+          "not restore when last seen"),
     Field("message", Str()),
 ))
 IMAGE_VERIFY = RecordType("image_verify", "(gpu-restore verify) whether an image and its chain are sound.", (

@@ -52,6 +52,12 @@ def checkpoint(
         "together: every rank locked at once (retried in rounds while a collective holds one), then each "
         "checkpointed. `gpu-restore --job PID` restores them all before unlocking any.",
     ),
+    force: bool = typer.Option(
+        False, "--force",
+        help="With --job: checkpoint even a job whose ranks use NCCL transports the driver cannot restore "
+        "(peer memory, shared memory, cuMem: refused otherwise, since such a job never runs again; start it "
+        "with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 instead).",
+    ),
     timeout: int = typer.Option(
         0, "--timeout", "-t", min=0, metavar="MS",
         help="How long the lock may wait for the process's CUDA calls and submitted GPU work, in "
@@ -128,6 +134,8 @@ def checkpoint(
 
     if checksum not in chunkio.CHOICES:
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
+    if force and job is None:
+        raise GpuosError("--force goes with --job PID", ExitCode.USAGE)
     if threads is not None and agent is None:
         raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
     if (suspend or partial or max_hold is not None) and agent is None:
@@ -160,10 +168,11 @@ def checkpoint(
         return
     if job is not None:
         if pid is not None or profile is not None or image is not None or leave_running or criu_arg:
-            raise GpuosError("--job goes with --timeout and -o only (images of a job: not yet)", ExitCode.USAGE)
+            raise GpuosError("--job goes with --timeout, --force and -o only (images of a job: not yet)",
+                             ExitCode.USAGE)
         ckpt = Checkpointer()
         result = run_recorded("-" if output is None else output, PROG, ckpt,
-                              lambda: suspend_job(ckpt, job, timeout), action="checkpoint", pid=job)
+                              lambda: suspend_job(ckpt, job, timeout, force=force), action="checkpoint", pid=job)
         _say(result["message"])
         return
     if (pid is None) == (profile is None):

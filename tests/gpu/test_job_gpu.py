@@ -1,10 +1,12 @@
 """`gpu-ckpt --job` / `gpu-restore --job` on a real 2-GPU data-parallel job (pytest -m gpu; skipped
-with fewer than two GPUs): torchrun starts workloads/ddp_job.py with NCCL; in the middle of its
+with fewer than two GPUs): torchrun starts workloads/ddp_job.py with NCCL on the transports the
+driver restores (sockets); in the middle of its
 training every rank is checkpointed through the driver, the GPUs are seen released, every rank
 is restored (on its own GPU, or with the two GPUs swapped), and the job ends with the same
 parameters as an uninterrupted run. Where the driver refuses a rank (what NCCL maps), the test
 checks that every rank was left running (or restorable) and the job still ends bit-identical,
-and prints the account: which step, which error, on which rank.
+and prints the account: which step, which error, on which rank. A job on NCCL's default
+transports (which the driver checkpoints but does not restore) is refused untouched and runs on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuos_tools.ckpt.job import NCCL_RESTORABLE
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode
 
@@ -37,12 +40,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_gpus() < 2, reason="a data-parallel job needs two GPUs")]
 
 
-def start_job(tmp: Path, name: str) -> tuple[subprocess.Popen, Path, Path]:
+def start_job(tmp: Path, name: str, nccl: dict[str, str] = NCCL_RESTORABLE) -> tuple[subprocess.Popen, Path, Path]:
+    """The job, with NCCL on the transports the driver restores unless ``nccl`` says otherwise."""
     progress, out = tmp / f"{name}.progress", tmp / f"{name}.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID", NCCL_DEBUG="WARN",
                MASTER_ADDR="127.0.0.1",
                # NVLink multicast stays off: where GPUs are shared it can put them out of service
-               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **nccl)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + os.getpid() % 1000), str(JOB), "--steps", str(STEPS), "--progress", str(progress), "--out",
            str(out)]
@@ -152,11 +156,15 @@ def test_a_job_restored_onto_swapped_gpus_ends_bit_identical(tmp_path, uninterru
         else:  # the account: what the driver refused, and the job brought back on its own GPUs
             results = [r for r in records if r["type"] == "ckpt_result"]
             print(json.dumps({"returncode": back.returncode, "refused": results[-1:], "stderr": back.stderr[-4000:]}))
-            assert results and back.returncode in (ExitCode.BAD_GPU, ExitCode.CUDA_ERROR, ExitCode.WRONG_STATE), \
-                back.stderr
-            # no rank restored yet: the job comes back where it was; else the rest follows the same map
+            assert results and back.returncode in (ExitCode.BAD_GPU, ExitCode.CUDA_ERROR, ExitCode.WRONG_STATE,
+                                                   ExitCode.NOT_CHECKPOINTABLE), back.stderr
+            # no rank restored yet: the job comes back where it was; else the rest follows the same map,
+            # and where the driver refuses that again, where they were
             again = [] if results[-1]["state"] == "checkpointed" else ["--device-map", "0=1,1=0"]
             retry, _ = cli("restore", "--job", str(proc.pid), *again, state_dir=state)
+            if retry.returncode != 0 and again:
+                print(json.dumps({"retry_with_map": retry.stderr[-2000:]}))
+                retry, _ = cli("restore", "--job", str(proc.pid), state_dir=state)
             assert retry.returncode == 0, retry.stderr
             moved = "refused"
         print(json.dumps({"moved": moved}))
@@ -166,5 +174,24 @@ def test_a_job_restored_onto_swapped_gpus_ends_bit_identical(tmp_path, uninterru
             subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(proc.pid)],
                            cwd=ROOT, env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
                            timeout=300, check=False)
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def test_a_job_on_nccl_default_transports_is_refused_and_runs_on(tmp_path) -> None:
+    proc, progress, out = start_job(tmp_path, "default", nccl={})
+    state = tmp_path / "state"
+    try:
+        wait_for_step(progress, STEPS // 3, proc)
+        done, records = cli("ckpt", "--job", str(proc.pid), "--timeout", "5000", state_dir=state)
+        print(json.dumps({"refused": records[-1:]}))
+        assert done.returncode == ExitCode.NOT_CHECKPOINTABLE, done.stderr
+        result = [r for r in records if r["type"] == "ckpt_result"][-1]
+        assert result["touched"] is False and "NCCL_P2P_DISABLE=1" in result["message"], result
+        assert not [r for r in records if r["type"] == "ckpt_step"], "a driver step was taken"
+        ended = finish(proc, out)  # it ran on, untouched
+        assert ended["ranks_agree"]
+    finally:
+        if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
