@@ -76,6 +76,10 @@ def taken(ids: list[int]) -> list[int]:
     return [i for i in ids if os.path.exists(f"/proc/{i}")]
 
 
+#: Runs CRIU, then writes its exit status to the file named by $0.
+_WRAPPER = 'rc=0; "$@" || rc=$?; echo "$rc" > "$0"; exit "$rc"'
+
+
 def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path,
               out: Path) -> tuple[int, str, BaseException | None]:
     """Run CRIU in a session of its own (a Ctrl-C at the terminal must not reach it) with its
@@ -83,16 +87,22 @@ def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path
     ranks can be brought back only once CRIU has let go of them. (exit status, output, the
     interruption that came meanwhile or None); one ``ckpt_step`` record."""
     t = time.monotonic()
+    rc_file = out.with_suffix(".rc")
+    rc_file.unlink(missing_ok=True)
     with open(out, "wb") as f:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(["/bin/sh", "-c", _WRAPPER, str(rc_file), *cmd], stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     interrupted: BaseException | None = None
     while True:
         try:
-            rc = proc.wait()
+            proc.wait()
             break
         except BaseException as e:  # noqa: BLE001 -- Ctrl-C, SIGTERM: acted on once CRIU has ended
             interrupted = interrupted or e
+    try:  # an interruption can come between the reaping and the status: the wrapper's file says it
+        rc = int(rc_file.read_text())
+    except (OSError, ValueError):
+        rc = proc.returncode if proc.returncode else 1
     try:
         text = out.read_text(errors="replace")
     except OSError:
