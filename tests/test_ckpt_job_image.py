@@ -7,6 +7,7 @@ and that a restore that cannot work touches nothing."""
 from __future__ import annotations
 
 import _thread
+import errno
 import json
 import os
 import subprocess
@@ -208,3 +209,60 @@ def test_job_image_usage_errors(args: list[str], tmp_path: Path) -> None:
                           timeout=60, check=False)
     assert done.returncode == ExitCode.USAGE, done.stderr
     assert done.stdout == "" and done.stderr.strip()
+
+
+#: Sets up an io_uring (as libuv does in torchrun's TCPStore) and says what io_uring_setup gave.
+URING = """import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.syscall(425, 8, ctypes.create_string_buffer(120))
+print(fd if fd >= 0 else -ctypes.get_errno(), os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+def _uring(prefix: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, "-c", URING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env())
+
+
+def test_a_job_holding_io_uring_is_refused_untouched(tmp_path: Path, fake_criu: Path) -> None:
+    proc = _uring([])
+    try:
+        assert proc.stdout is not None
+        fd = int(proc.stdout.readline().split()[0])
+        if fd < 0:
+            pytest.skip(f"io_uring_setup is refused here (errno {-fd}): no process can hold one")
+        assert criu_job.io_uring_holders([proc.pid, os.getpid()]) == [proc.pid]
+        driver = FakeDriver([proc.pid])
+        with pytest.raises(CkptError) as e:
+            criu_job.dump_job(JobCheckpointer(driver), proc.pid, tmp_path / "img")
+        assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and not e.value.touched and e.value.state == "running"
+        assert "gpuos_tools.ckpt.no_io_uring" in str(e.value) and str(proc.pid) in str(e.value)
+        assert not driver.calls and called(fake_criu, "dump") == [] and not (tmp_path / "img").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_no_io_uring_runs_the_command_in_its_place_without_io_uring() -> None:
+    from gpuos_tools.ckpt import no_io_uring
+
+    if os.uname().machine not in no_io_uring.ARCHES:
+        pytest.skip(f"the filter knows no {os.uname().machine}")
+    proc = _uring([sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring"])
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        if not line:
+            proc.kill()
+            err = proc.communicate()[1]
+            pytest.skip(f"the kernel refuses the filter here: {err.strip()}")
+        answer, pid = int(line[0]), int(line[1])
+        assert answer == -errno.ENOSYS and pid == proc.pid  # denied, and the same process (exec)
+        assert criu_job.io_uring_holders([proc.pid]) == []
+    finally:
+        proc.kill()
+        proc.wait()
+    done = subprocess.run([sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", "/no/such/command"],
+                          capture_output=True, text=True, env=child_env(), timeout=60, check=False)
+    assert done.returncode == 127 and "/no/such/command" in done.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from test_ckpt_job import FakeDriver, JobCheckpointer
+from helpers import REPO
 from test_criu_cpu import criu_env  # noqa: F401 -- the fixture: a usable CRIU, else skip
 
 from gpuos_tools import procs
@@ -200,3 +202,85 @@ def test_leave_running_keeps_the_job_and_its_image_cannot_restore_over_it(tmp_pa
         assert f"gpu-restore --job {launcher.pid}" in str(e.value)
         assert not [r for r in ckpt.records[before:] if r["type"] == "ckpt_step"]  # CRIU was not run
         going_on(tmp_path / "job")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(d: Path, name: str, env: dict[str, str], prefix: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+    """workloads/ddp_job.py on gloo (CPU) under torchrun, its output to a file (CRIU restores a file by
+    path; a pipe to this test could not be)."""
+    progress, out = d / f"{name}.progress", d / f"{name}.json"
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(REPO / "workloads" / "ddp_job.py"), "--backend", "gloo", "--steps", "150",
+           "--width", "256", "--batch", "64", "--progress", str(progress), "--out", str(out)]
+    with open(d / f"{name}.log", "w") as f:
+        proc = subprocess.Popen(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**env, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"})
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            if int(progress.read_text()) >= 40:
+                return proc, progress, out
+        assert proc.poll() is None, (d / f"{name}.log").read_text()[-4000:]
+        assert time.monotonic() < deadline, "torchrun's job did not reach step 40"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no PyTorch")
+def test_a_torchrun_job_is_dumped_and_restored_and_ends_bit_identical(tmp_path: Path, criu_env,  # noqa: F811
+                                                                      monkeypatch) -> None:
+    """torchrun and its two gloo ranks: refused untouched while torchrun's store holds an io_uring;
+    started under no_io_uring, dumped at step 40+, ended, restored, and its parameters at the end
+    equal the refused (so uninterrupted) run's. The driver is the fake (its ranks hold no GPU)."""
+    monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
+    env = {**criu_env, "PYTHONPATH": os.pathsep.join([str(REPO), criu_env.get("PYTHONPATH", "")])}
+    with subreaper():
+        plain, _, plain_out = _torchrun(tmp_path, "plain", env, [])
+        tree = procs.descendants(plain.pid)
+        ranks = [p for p in tree if procs.environ_values(p, ("RANK",))]
+        try:
+            if criu_job.io_uring_holders(tree):
+                with pytest.raises(CkptError) as e:
+                    criu_job.dump_job(JobCheckpointer(FakeDriver(ranks)), plain.pid, tmp_path / "refused")
+                assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and not e.value.touched
+            assert plain.wait(timeout=300) == 0
+            expected = json.loads(plain_out.read_text())
+        finally:
+            kill_all(tree)
+
+        job, progress, out = _torchrun(tmp_path, "job", env, [sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring"])
+        tree = procs.descendants(job.pid)
+        try:
+            ranks = [p for p in tree if procs.environ_values(p, ("RANK",))]
+            assert len(ranks) == 2 and not criu_job.io_uring_holders(tree)
+            driver = FakeDriver(ranks)
+            ckpt = JobCheckpointer(driver)
+            monkeypatch.setattr(ckpt, "state", lambda pid, quiet=True: driver.states[pid])  # no libcuda mapped
+            result = criu_job.dump_job(ckpt, job.pid, tmp_path / "image", timeout_ms=100, is_cuda=ranks.__contains__)
+            assert result["state"] == "dumped" and sorted(result["ranks"]) == sorted(ranks)
+            assert job.wait(timeout=60) == -signal.SIGKILL
+            wait_gone(tree)
+            at = int(progress.read_text())
+            back = criu_job.restore_job(ckpt, tmp_path / "image", is_cuda=ranks.__contains__)
+            assert back["pid"] == job.pid and driver.states == {p: "running" for p in ranks}
+            deadline = time.monotonic() + 300
+            status = None
+            while not out.exists() or criu_job.taken(tree):
+                with contextlib.suppress(ChildProcessError):
+                    waited, raw = os.waitpid(job.pid, os.WNOHANG)
+                    if waited == job.pid:
+                        status = os.waitstatus_to_exitcode(raw)
+                assert time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-4000:]
+                time.sleep(0.05)
+            ended = json.loads(out.read_text())
+            assert status in (0, None) and at < ended["steps"], (status, at)
+            assert ended["ranks_agree"] and ended["digest"] == expected["digest"], (ended, expected)
+        finally:
+            kill_all(tree)

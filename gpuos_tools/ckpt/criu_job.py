@@ -13,6 +13,9 @@ which many VMs and containers lack; since every peer is frozen with the tree, th
 for ``--network-lock skip`` unless ``--criu-arg`` names a lock. Connections to peers outside
 the tree are then unprotected between the dump and the kill (the peer may see a reset).
 
+CRIU cannot dump io_uring, which torchrun's TCPStore (libuv) sets up: a job holding one is
+refused untouched, and ``python -m gpuos_tools.ckpt.no_io_uring COMMAND`` starts a job without it.
+
 A SIGKILL of gpu-ckpt during a job dump is not guarded (the single-process dump has a guard
 process): Ctrl-C and SIGTERM are caught, CRIU (in a session of its own) is waited for, and every
 rank is brought back or the finished image kept. After a SIGKILL, ranks left checkpointed are
@@ -68,6 +71,30 @@ def tree_ids(pid: int) -> tuple[list[int], list[int]]:
         except OSError:
             tids.add(p)
     return pids, sorted(tids)
+
+
+def io_uring_holders(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that hold an io_uring instance (a descriptor or a mapping of one)."""
+    out = []
+    for p in pids:
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+            held = any(_link(f"/proc/{p}/fd/{fd}") == "anon_inode:[io_uring]" for fd in fds)
+            if not held:
+                with open(f"/proc/{p}/maps", encoding="utf-8", errors="replace") as f:
+                    held = any(line.rstrip().endswith("[io_uring]") for line in f)
+        except OSError:
+            continue  # gone, or not ours: CRIU says so if it matters
+        if held:
+            out.append(p)
+    return out
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def taken(ids: list[int]) -> list[int]:
@@ -168,6 +195,14 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
         launcher = procs.read_proc(pid)
     except GpuosError as e:
         raise ckpt.fail("dump", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    uring = io_uring_holders(procs.descendants(pid))
+    if uring:
+        raise ckpt.fail("dump", pid, "CRIU cannot dump io_uring, and PIDs " + ", ".join(map(str, uring))
+                        + " of the job hold one (torchrun's TCPStore sets one up through libuv whatever "
+                        "UV_USE_IO_URING and USE_LIBUV say): start the job with `python -m "
+                        "gpuos_tools.ckpt.no_io_uring COMMAND...`, which denies it io_uring (libuv then uses "
+                        "epoll); `gpu-ckpt --job PID` without --image checkpoints its GPU state alone; "
+                        "nothing was touched", ExitCode.NOT_CHECKPOINTABLE, "running", False)
     temp = Path(temp_name(str(image_dir)))
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
