@@ -7,7 +7,8 @@ all locked at once, then each checkpointed), so no process of the tree holds GPU
 before any is unlocked, optionally moved by a device map).
 
 The ranks of a job talk over localhost TCP (torch.distributed's store, NCCL's socket transport),
-so CRIU is given ``--tcp-established``; both ends of each connection are in the tree, and both
+so CRIU is given ``--tcp-established`` (and ``--file-locks``: a dump of a process that holds a file
+lock, such as a compile cache's, fails without it); both ends of each connection are in the tree, and both
 are frozen for the dump. CRIU locks the network during a TCP dump with iptables by default,
 which many VMs and containers lack; since every peer is frozen with the tree, this module asks
 for ``--network-lock skip`` unless ``--criu-arg`` names a lock. Connections to peers outside
@@ -43,7 +44,7 @@ from gpuos_tools.image import temp_name
 #: What ``kind`` says in the metadata of a job's image (a single process's has none).
 KIND = "job"
 #: CRIU options every job dump and restore gets (see the module's text).
-TREE_ARGS = ("--shell-job", "--tcp-established")
+TREE_ARGS = ("--shell-job", "--tcp-established", "--file-locks")
 NO_NETWORK_LOCK = ("--network-lock", "skip")
 
 

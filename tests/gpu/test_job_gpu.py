@@ -11,7 +11,8 @@ transports (which the driver checkpoints but does not restore) is refused untouc
 With CRIU (4 or later, root): the same job dumped whole with `gpu-ckpt --job PID --image DIR` (every
 rank checkpointed on the driver, then one `criu dump` of torchrun's tree), the tree ended, and
 `gpu-restore --image DIR` bringing it back to end bit-identical. Its output goes to files, not pipes
-(CRIU cannot dump a pipe to a process outside the tree).
+(CRIU cannot dump a pipe to a process outside the tree), and it runs under gpuos_tools.ckpt.no_io_uring
+(torchrun's store would otherwise hold an io_uring, which CRIU cannot dump).
 """
 
 from __future__ import annotations
@@ -303,6 +304,8 @@ def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, 
         pytest.skip(f"no usable CRIU: {e}")
     state, image = tmp_path / "state", tmp_path / "image"
     cmd, env, progress, out = job_command(tmp_path, "criu", NCCL_RESTORABLE)
+    # torchrun's TCPStore holds an io_uring (libuv), which CRIU cannot dump: the job runs without
+    cmd = [sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", *cmd]
     env["PYTHONWARNINGS"] = "ignore"  # a warning would grow the job's output file, which CRIU checks at restore
     log = tmp_path / "criu-job.log"  # torchrun's and the ranks' output: a file CRIU restores by path
     tree: list[int] = []
