@@ -222,7 +222,8 @@ def _torchrun(d: Path, name: str, env: dict[str, str], prefix: list[str]) -> tup
     with open(d / f"{name}.log", "w") as f:
         proc = subprocess.Popen(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={**env, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"})
+                                env={**env, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1",
+                                     "PYTHONWARNINGS": "ignore"})
     deadline = time.monotonic() + 120
     while True:
         with contextlib.suppress(OSError, ValueError):

@@ -218,8 +218,8 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
         raise
     except BaseException as e:  # interrupted (or a bug) outside CRIU: the ranks go back to running
         where = _bring_back(ckpt, pid, is_cuda)
-        code = ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else ExitCode.SOFTWARE
-        raise ckpt.fail("dump", pid, f"interrupted ({type(e).__name__}: {e}) during the dump of the job of PID "
+        code = ExitCode.INTERRUPTED if not isinstance(e, Exception) else ExitCode.SOFTWARE
+        raise ckpt.fail("dump", pid, f"stopped by {type(e).__name__} ({e}) during the dump of the job of PID "
                         f"{pid}; no image was written; {where}", code, None, True) from e
     finally:
         shutil.rmtree(temp, ignore_errors=True)  # gone once renamed into place
@@ -265,7 +265,8 @@ def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, ima
         said = _said(text, keep)
         where = _bring_back(ckpt, pid, is_cuda)
         why = f"interrupted ({type(interrupted).__name__}) during " if interrupted else ""
-        code = ExitCode.INTERRUPTED if isinstance(interrupted, KeyboardInterrupt) else ExitCode.CRIU_FAILED
+        signalled = interrupted is not None and not isinstance(interrupted, Exception)
+        code = ExitCode.INTERRUPTED if signalled else ExitCode.CRIU_FAILED
         raise ckpt.fail("dump", pid, f"{why}criu dump of the job of PID {pid} failed (exit {rc}; log {keep}): "
                         f"{said}; no image was written; {where}", code, None, True)
     try:
@@ -276,7 +277,8 @@ def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, ima
                         f"{where}", ExitCode.IO_ERROR, None, True) from e
     if leave_running:
         resume_job(ckpt, pid, is_cuda)
-        state, message = "running", f"the job of PID {pid} ({len(pids)} processes) dumped to {image_dir} and left running"
+        state = "running"
+        message = f"the job of PID {pid} ({len(pids)} processes) dumped to {image_dir} and left running"
     else:
         for r in ranks:
             registry.forget(r["pid"])
