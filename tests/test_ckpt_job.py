@@ -328,7 +328,7 @@ def test_the_nccl_check_reads_the_maps_and_the_environment(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(("command", "args"), [
     ("ckpt", ["--job", "1", "--pid", "2"]),
-    ("ckpt", ["--job", "1", "--image", "d"]),
+    ("ckpt", ["--job", "1", "--profile", "p"]),
     ("ckpt", ["--job", "1", "--agent", "2", "--image", "d"]),
     ("ckpt", ["--pid", "1", "--force"]),
     ("restore", ["--job", "1", "--device", "0"]),

@@ -58,6 +58,7 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("duration_s", _SECONDS, null=True), Field("device", Anything(), "for a move"),
     Field("gpu_map", Anything(), "for a move"),
     Field("image", Anything()),
+    Field("ranks", List(_PID), "(--job --image) the job's processes checkpointed on the GPU"),
 ))
 CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
     Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),

@@ -12,7 +12,7 @@ from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.snapshot import snapshot_to_image
 from gpuos_tools.agent.suspend import request_suspend
-from gpuos_tools.ckpt import criu, periodic as per
+from gpuos_tools.ckpt import criu, criu_job, periodic as per
 from gpuos_tools.ckpt.check import run_checks, table_rows
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
@@ -50,7 +50,8 @@ def checkpoint(
         None, "--job", metavar="PID",
         help="Checkpoint every CUDA process in the tree of PID (a launcher such as torchrun, or any parent) "
         "together: every rank locked at once (retried in rounds while a collective holds one), then each "
-        "checkpointed. `gpu-restore --job PID` restores them all before unlocking any.",
+        "checkpointed. `gpu-restore --job PID` restores them all before unlocking any. With --image DIR, "
+        "then one CRIU dump of the whole tree (launcher, ranks, helpers, their localhost TCP connections).",
     ),
     force: bool = typer.Option(
         False, "--force",
@@ -65,14 +66,18 @@ def checkpoint(
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
-        help="Also dump the whole process with CRIU (>= 4) into DIR, an empty directory. With "
-        "--agent: the checkpoint image to write (it must not exist; it appears only when complete).",
+        help="Also dump the whole process (with --job: the launcher's whole tree) with CRIU (>= 4) into DIR, "
+        "an empty directory. With --agent: the checkpoint image to write (it must not exist; it appears only when complete).",
     ),
     leave_running: bool = typer.Option(
-        False, "--leave-running", help="With --image: resume the process after the dump instead of letting CRIU end it.",
+        False, "--leave-running",
+        help="With --image: resume the process (with --job: every rank) after the dump instead of letting CRIU end it.",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
-        None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu dump` (repeatable).",
+        None, "--criu-arg", metavar="ARG",
+        help="With --image: pass ARG to `criu dump` (repeatable). With --job the dump has --tcp-established and "
+        "--network-lock skip (every peer is in the frozen tree) unless ARG names a network lock, e.g. "
+        "--criu-arg=--network-lock=iptables.",
     ),
     profile: Optional[Path] = typer.Option(
         None, "--profile", metavar="FILE",
@@ -167,10 +172,19 @@ def checkpoint(
              + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
         return
     if job is not None:
-        if pid is not None or profile is not None or image is not None or leave_running or criu_arg:
-            raise GpuosError("--job goes with --timeout, --force and -o only (images of a job: not yet)",
+        if pid is not None or profile is not None:
+            raise GpuosError("--job goes with --image, --leave-running, --criu-arg, --timeout, --force and -o only",
                              ExitCode.USAGE)
+        if image is None and (leave_running or criu_arg):
+            raise GpuosError("--leave-running and --criu-arg go with --image", ExitCode.USAGE)
         ckpt = Checkpointer()
+        if image is not None:
+            result = run_recorded("-" if output is None else output, PROG, ckpt,
+                                  lambda: criu_job.dump_job(ckpt, job, image, timeout, leave_running,
+                                                            criu_arg or [], force=force),
+                                  action="dump", pid=job)
+            _say(_describe(result))
+            return
         result = run_recorded("-" if output is None else output, PROG, ckpt,
                               lambda: suspend_job(ckpt, job, timeout, force=force), action="checkpoint", pid=job)
         _say(result["message"])

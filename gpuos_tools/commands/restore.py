@@ -11,7 +11,7 @@ import typer
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.suspend import request_resume
-from gpuos_tools.ckpt import criu
+from gpuos_tools.ckpt import criu, criu_job
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
@@ -49,7 +49,9 @@ def restore(
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
-        help="Restore the CRIU image gpu-ckpt --image wrote into DIR. With --agent: the agent-path "
+        help="Restore the CRIU image gpu-ckpt --image wrote into DIR (an image of a job, from gpu-ckpt --job PID "
+        "--image: the whole tree, then every rank's GPU state before any is unlocked; --device-map moves every "
+        "rank the same way). With --agent: the agent-path "
         "image (gpu-ckpt --agent) to roll the program back to.",
     ),
     agent: Optional[str] = typer.Option(
@@ -72,7 +74,9 @@ def restore(
         "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it, the most recently touched first.",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
-        None, "--criu-arg", metavar="ARG", help="With --image: pass ARG to `criu restore` (repeatable).",
+        None, "--criu-arg", metavar="ARG",
+        help="With --image: pass ARG to `criu restore` (repeatable; a job's image is restored with the options "
+        "it was dumped with).",
     ),
     profile: Optional[Path] = typer.Option(
         None, "--profile", metavar="FILE", help="Resume the processes that gpu-ckpt --profile FILE suspended.",
@@ -148,7 +152,14 @@ def restore(
                   f"{summary['still_suspended']} still listed in {prof.state_file}")
             raise typer.Exit(int(failures[0].code))
         return
-    if image is not None:
+    if image is not None and criu_job.is_job_image(image):
+        if device is not None:
+            raise GpuosError(f"{image} is the image of a job: it moves by --device-map (every process the same "
+                             "way), not --device", ExitCode.USAGE)
+        result = run_recorded("-" if output is None else output, PROG, ckpt,
+                              lambda: criu_job.restore_job(ckpt, image, device_map, criu_arg or []),
+                              action="restore", image=str(image))
+    elif image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
                               lambda: criu.restore(ckpt, image, device, device_map, criu_arg or []),
                               action="restore", image=str(image))

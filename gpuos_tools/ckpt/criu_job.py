@@ -1,0 +1,365 @@
+"""Full-process CRIU images of a job of several processes: ``gpu-ckpt --job PID --image DIR``.
+
+Every CUDA rank of the launcher's tree is checkpointed through the driver (``job.suspend_job``:
+all locked at once, then each checkpointed), so no process of the tree holds GPU memory; then one
+``criu dump --tree PID`` takes the whole tree, launcher and helpers included. ``gpu-restore
+--image DIR`` runs ``criu restore`` and then ``job.resume_job`` (every rank's GPU state back
+before any is unlocked, optionally moved by a device map).
+
+The ranks of a job talk over localhost TCP (torch.distributed's store, NCCL's socket transport),
+so CRIU is given ``--tcp-established`` (and ``--file-locks``: a dump of a process that holds a file
+lock, such as a compile cache's, fails without it); both ends of each connection are in the tree, and both
+are frozen for the dump. CRIU locks the network during a TCP dump with iptables by default,
+which many VMs and containers lack; since every peer is frozen with the tree, this module asks
+for ``--network-lock skip`` unless ``--criu-arg`` names a lock. Connections to peers outside
+the tree are then unprotected between the dump and the kill (the peer may see a reset).
+
+CRIU cannot dump io_uring, which torchrun's TCPStore (libuv) sets up: a job holding one is
+refused untouched, and ``python -m gpuos_tools.ckpt.no_io_uring COMMAND`` starts a job without it.
+
+A SIGKILL of gpu-ckpt during a job dump is not guarded (the single-process dump has a guard
+process): Ctrl-C and SIGTERM are caught, CRIU (in a session of its own) is waited for, and every
+rank is brought back or the finished image kept. After a SIGKILL, ranks left checkpointed are
+brought back with ``gpu-restore --job PID`` when CRIU had not ended them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gpuos_tools import procs
+from gpuos_tools.ckpt import registry
+from gpuos_tools.ckpt.criu import DUMP_LOG, METADATA, RESTORE_LOG, RESTORED_PID, find_criu, image_state, log_errors
+from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
+from gpuos_tools.ckpt.guard import finalize
+from gpuos_tools.ckpt.job import resume_job, suspend_job
+from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image import temp_name
+
+#: What ``kind`` says in the metadata of a job's image (a single process's has none).
+KIND = "job"
+#: CRIU options every job dump and restore gets (see the module's text).
+TREE_ARGS = ("--shell-job", "--tcp-established", "--file-locks")
+NO_NETWORK_LOCK = ("--network-lock", "skip")
+
+
+def is_job_image(image_dir: Path) -> bool:
+    """Whether ``image_dir`` holds an image written by ``gpu-ckpt --job --image``."""
+    meta = registry.read_json(Path(image_dir) / METADATA)
+    return isinstance(meta, dict) and meta.get("kind") == KIND
+
+
+def network_lock(criu_args: list[str]) -> list[str]:
+    """CRIU's network-lock option for a job, unless the caller chose one."""
+    if any(a == "--network-lock" or a.startswith("--network-lock=") for a in criu_args):
+        return []
+    return list(NO_NETWORK_LOCK)
+
+
+def tree_ids(pid: int) -> tuple[list[int], list[int]]:
+    """The processes of ``pid``'s tree and all their threads (pids and tids, sorted): every one
+    of them must be free again for CRIU to restore the tree under its old ids."""
+    pids = [p for p in procs.descendants(pid) if procs.exists(p)]
+    tids: set[int] = set()
+    for p in pids:
+        try:
+            tids.update(int(t) for t in os.listdir(f"/proc/{p}/task"))
+        except OSError:
+            tids.add(p)
+    return pids, sorted(tids)
+
+
+def io_uring_holders(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that hold an io_uring instance (a descriptor or a mapping of one)."""
+    out = []
+    for p in pids:
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+            held = any(_link(f"/proc/{p}/fd/{fd}") == "anon_inode:[io_uring]" for fd in fds)
+            if not held:
+                with open(f"/proc/{p}/maps", encoding="utf-8", errors="replace") as f:
+                    held = any(line.rstrip().endswith("[io_uring]") for line in f)
+        except OSError:
+            continue  # gone, or not ours: CRIU says so if it matters
+        if held:
+            out.append(p)
+    return out
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def taken(ids: list[int]) -> list[int]:
+    """Those of ``ids`` some process or thread holds now, zombies included (a zombie's pid is
+    not free until it is reaped)."""
+    return [i for i in ids if os.path.exists(f"/proc/{i}")]
+
+
+#: Runs CRIU, then writes its exit status to the file named by $0.
+_WRAPPER = 'rc=0; "$@" || rc=$?; echo "$rc" > "$0"; exit "$rc"'
+
+
+def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path,
+              out: Path) -> tuple[int, str, BaseException | None]:
+    """Run CRIU in a session of its own (a Ctrl-C at the terminal must not reach it) with its
+    output into the file ``out``, and wait for it to end even when this tool is interrupted: the
+    ranks can be brought back only once CRIU has let go of them. (exit status, output, the
+    interruption that came meanwhile or None); one ``ckpt_step`` record."""
+    t = time.monotonic()
+    rc_file = out.with_suffix(".rc")
+    rc_file.unlink(missing_ok=True)
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(["/bin/sh", "-c", _WRAPPER, str(rc_file), *cmd], stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            proc.wait()
+            break
+        except BaseException as e:  # noqa: BLE001 -- Ctrl-C, SIGTERM: acted on once CRIU has ended
+            interrupted = interrupted or e
+    try:  # an interruption can come between the reaping and the status: the wrapper's file says it
+        rc = int(rc_file.read_text())
+    except (OSError, ValueError):
+        rc = proc.returncode if proc.returncode else 1
+    try:
+        text = out.read_text(errors="replace")
+    except OSError:
+        text = ""
+    rec: Record = {"type": "ckpt_step", "pid": pid, "step": step, "ok": rc == 0,
+                   "duration_s": round(time.monotonic() - t, 6), "command": cmd, "log": str(log)}
+    if rc != 0:
+        rec["error"] = f"exit {rc}"
+    ckpt.out(rec)
+    return rc, text, interrupted
+
+
+def _said(text: str, log: Path) -> str:
+    """CRIU's error lines: its log's, else what it printed."""
+    said = log_errors(log)
+    if said.startswith("(") and text.strip():
+        return " | ".join(r.strip() for r in text.strip().splitlines()[-3:])
+    return said
+
+
+def _bring_back(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | None) -> str:
+    """Every rank of ``pid``'s job back to running, whatever state the dump left it in; what
+    each was left in, in words. Never raises."""
+    try:
+        if not procs.exists(pid):
+            return f"the job of PID {pid} is gone"
+        try:
+            resume_job(ckpt, pid, is_cuda)
+            return f"every rank of the job of PID {pid} was brought back to running"
+        except CkptError:
+            pass  # some rank not checkpointed (the dump failed half-way): one by one
+        left = {}
+        for p in procs.descendants(pid):
+            if ckpt._state(p) in ("locked", "checkpointed"):
+                left[p] = ckpt.bring_back(p)
+        bad = {p: s for p, s in left.items() if s != "running"}
+        if not bad:
+            return f"every rank of the job of PID {pid} was brought back to running"
+        return ("left: " + ", ".join(f"PID {p} {s or 'unknown'}" for p, s in bad.items())
+                + f"; `gpu-restore --job {pid}` tries again")
+    except BaseException as e:  # noqa: BLE001 -- the recovery path must not raise
+        return f"bringing the job back failed ({e}); `gpu-restore --job {pid}` brings checkpointed ranks back"
+
+
+def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
+             criu_args: list[str] | None = None, force: bool = False,
+             is_cuda: Callable[[int], bool] | None = None) -> Record:
+    """Every rank of ``pid``'s job checkpointed on the driver, then ``criu dump`` of the whole
+    tree into ``image_dir`` (written in a temp directory beside it, renamed into place when
+    complete). Without ``leave_running`` CRIU ends the tree; with it, the job runs on. If CRIU
+    fails, every rank is brought back and CRIU_FAILED raised with CRIU's error lines; no image
+    is left."""
+    criu_args = list(criu_args or [])
+    try:
+        criu = find_criu()
+    except GpuosError as e:
+        raise ckpt.fail("dump", pid, str(e), e.code, None, False) from None
+    image_dir = Path(image_dir).resolve()
+    if image_state(image_dir) != "empty":
+        raise ckpt.fail("dump", pid, f"{image_dir} is not empty (it holds an image or other files): choose a new "
+                        "or empty directory; nothing was touched", ExitCode.USAGE, None, False)
+    try:
+        launcher = procs.read_proc(pid)
+    except GpuosError as e:
+        raise ckpt.fail("dump", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    uring = io_uring_holders(procs.descendants(pid))
+    if uring:
+        raise ckpt.fail("dump", pid, "CRIU cannot dump io_uring, and PIDs " + ", ".join(map(str, uring))
+                        + " of the job hold one (torchrun's TCPStore sets one up through libuv whatever "
+                        "UV_USE_IO_URING and USE_LIBUV say): start the job with `python -m "
+                        "gpuos_tools.ckpt.no_io_uring COMMAND...`, which denies it io_uring (libuv then uses "
+                        "epoll); `gpu-ckpt --job PID` without --image checkpoints its GPU state alone; "
+                        "nothing was touched", ExitCode.NOT_CHECKPOINTABLE, "running", False)
+    temp = Path(temp_name(str(image_dir)))
+    try:
+        image_dir.parent.mkdir(parents=True, exist_ok=True)
+        temp.mkdir(mode=0o700)
+    except OSError as e:
+        raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
+                        ExitCode.IO_ERROR, None, False) from e
+    try:
+        return _dump(ckpt, criu, pid, launcher, image_dir, temp, timeout_ms, leave_running, criu_args, force,
+                     is_cuda)
+    except CkptError:
+        raise
+    except BaseException as e:  # interrupted (or a bug) outside CRIU: the ranks go back to running
+        where = _bring_back(ckpt, pid, is_cuda)
+        code = ExitCode.INTERRUPTED if not isinstance(e, Exception) else ExitCode.SOFTWARE
+        raise ckpt.fail("dump", pid, f"stopped by {type(e).__name__} ({e}) during the dump of the job of PID "
+                        f"{pid}; no image was written; {where}", code, None, True) from e
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)  # gone once renamed into place
+
+
+def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, image_dir: Path, temp: Path,
+          timeout_ms: int, leave_running: bool, criu_args: list[str], force: bool,
+          is_cuda: Callable[[int], bool] | None) -> Record:
+    job = suspend_job(ckpt, pid, timeout_ms, force=force, is_cuda=is_cuda)  # CkptError: the job left running
+    ranks = []
+    for r in job["ranks"]:
+        entry = registry.lookup(r["pid"]) or {}
+        ranks.append({"pid": r["pid"], "rank": r.get("rank"), "command": r.get("command"),
+                      "gpus": entry.get("gpus", []), "bytes": entry.get("bytes")})
+    pids, tids = tree_ids(pid)
+    lock = network_lock(criu_args)
+    known = [r["bytes"] for r in ranks if r["bytes"] is not None]
+    meta = {
+        "kind": KIND,
+        **registry.entry_for(launcher),
+        "ranks": ranks,
+        "pids": pids,
+        "tids": tids,
+        "bytes": sum(known) if len(known) == len(ranks) else None,
+        "criu": criu.version_text,
+        "criu_args": [*TREE_ARGS, *lock],
+        "leave_running": leave_running,
+        **ckpt.header_fields(),
+    }
+    try:
+        registry.write_json_atomic(temp / METADATA, meta, mode=0o644)
+    except GpuosError as e:
+        raise ckpt.fail("dump", pid, f"{e}; {_bring_back(ckpt, pid, is_cuda)}", e.code, None, True) from None
+    cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(temp), "--log-file", DUMP_LOG, *TREE_ARGS,
+           *lock, *(["--leave-running"] if leave_running else []), *criu_args]
+    rc, text, interrupted = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out")
+    if rc != 0:
+        keep = image_dir.parent / f"{image_dir.name}.{DUMP_LOG}"
+        try:
+            os.replace(temp / DUMP_LOG, keep)
+        except OSError:
+            keep = temp / DUMP_LOG
+        said = _said(text, keep)
+        where = _bring_back(ckpt, pid, is_cuda)
+        why = f"interrupted ({type(interrupted).__name__}) during " if interrupted else ""
+        signalled = interrupted is not None and not isinstance(interrupted, Exception)
+        code = ExitCode.INTERRUPTED if signalled else ExitCode.CRIU_FAILED
+        raise ckpt.fail("dump", pid, f"{why}criu dump of the job of PID {pid} failed (exit {rc}; log {keep}): "
+                        f"{said}; no image was written; {where}", code, None, True)
+    try:
+        finalize(temp, image_dir)
+    except OSError as e:
+        where = _bring_back(ckpt, pid, is_cuda) if procs.exists(pid) else "the job was ended by CRIU"
+        raise ckpt.fail("dump", pid, f"{image_dir}: cannot move the finished dump there ({e.strerror}); "
+                        f"{where}", ExitCode.IO_ERROR, None, True) from e
+    if leave_running:
+        resume_job(ckpt, pid, is_cuda)
+        state = "running"
+        message = f"the job of PID {pid} ({len(pids)} processes) dumped to {image_dir} and left running"
+    else:
+        for r in ranks:
+            registry.forget(r["pid"])
+        state = "dumped"
+        message = (f"the job of PID {pid} ({len(pids)} processes, {len(ranks)} on the GPU) dumped to {image_dir} "
+                   f"and ended by CRIU; `gpu-restore --image {image_dir}` brings it back")
+    if interrupted is not None:
+        raise ckpt.fail("dump", pid, f"interrupted ({type(interrupted).__name__}) during the dump, which CRIU "
+                        f"finished: {message}", ExitCode.INTERRUPTED, state, True, image=str(image_dir))
+    result: Record = {
+        "type": "ckpt_result", "action": "dump", "pid": pid, "ok": True, "state": state, "touched": True, "code": 0,
+        "image": str(image_dir), "ranks": [r["pid"] for r in ranks], "bytes": meta["bytes"],
+        "checkpoint_s": job.get("checkpoint_s"), "message": message,
+    }
+    ckpt.out(result)
+    return result
+
+
+def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = None,
+                criu_args: list[str] | None = None, is_cuda: Callable[[int], bool] | None = None) -> Record:
+    """``criu restore`` of a job's image, then every rank's GPU state back (moved by
+    ``device_map`` if given, every rank the same way) before any rank is unlocked. Refuses,
+    touching nothing, an image whose processes' ids are taken."""
+    criu_args = list(criu_args or [])
+    try:
+        criu = find_criu()
+    except GpuosError as e:
+        raise ckpt.fail("restore", None, str(e), e.code, None, False) from None
+    image_dir = Path(image_dir).resolve()
+    meta = registry.read_json(image_dir / METADATA)
+    if not isinstance(meta, dict) or meta.get("kind") != KIND or "pid" not in meta \
+            or not (image_dir / "inventory.img").exists():
+        raise ckpt.fail("restore", None, f"{image_dir} holds no image written by gpu-ckpt --job --image "
+                        f"(no {METADATA} of a job)", ExitCode.NO_INPUT, None, False)
+    pid = int(meta["pid"])
+    ids = sorted({pid, *(int(p) for p in meta.get("pids") or []), *(int(t) for t in meta.get("tids") or [])})
+    busy = taken(ids)
+    if busy:
+        alive = pid in busy and procs.exists(pid)
+        hint = (f" (is the dumped job still running? then `gpu-restore --job {pid}`)" if alive else
+                " (a zombie holds its pid until its parent reaps it)" if pid in busy else "")
+        raise ckpt.fail("restore", pid, "CRIU restores the job under its old process and thread ids, and "
+                        + ", ".join(str(i) for i in busy[:10]) + (" ..." if len(busy) > 10 else "")
+                        + f" {'is' if len(busy) == 1 else 'are'} taken now{hint}; nothing was touched",
+                        ExitCode.WRONG_STATE, None, False)
+    try:
+        _ = ckpt.api  # the driver must be there before CRIU brings the job back
+    except GpuosError as e:
+        raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    pidfile = image_dir / RESTORED_PID
+    pidfile.unlink(missing_ok=True)
+    dumped_with = [a for a in meta.get("criu_args") or [] if isinstance(a, str)]
+    lock = network_lock(criu_args) if "--network-lock" in dumped_with else []
+    cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, *TREE_ARGS, *lock,
+           "--restore-detached", "--pidfile", str(pidfile), *criu_args]
+    rc, text, interrupted = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG,
+                                      image_dir / "criu-restore.out")
+    if rc != 0:
+        if procs.exists(pid):  # CRIU failed after the tree came back: do not leave it without its GPUs
+            where = _bring_back(ckpt, pid, is_cuda)
+            raise ckpt.fail("restore", pid, f"criu restore reported a failure (exit {rc}; log "
+                            f"{image_dir / RESTORE_LOG}) but PID {pid} is there: {where}", ExitCode.CRIU_FAILED,
+                            None, True)
+        raise ckpt.fail("restore", pid, f"criu restore of the job failed (exit {rc}; log {image_dir / RESTORE_LOG}): "
+                        f"{_said(text, image_dir / RESTORE_LOG)}; nothing was restored, the image is intact",
+                        ExitCode.CRIU_FAILED, None, False)
+    if interrupted is not None:
+        raise ckpt.fail("restore", pid, f"interrupted ({type(interrupted).__name__}) after CRIU restored the job of "
+                        f"PID {pid}: its ranks are still checkpointed; `gpu-restore --job {pid}` brings them back",
+                        ExitCode.INTERRUPTED, "checkpointed", True)
+    try:
+        job = resume_job(ckpt, pid, is_cuda, device_map=device_map)
+    except CkptError as e:
+        raise ckpt.fail("restore", pid, f"CRIU restored the job of PID {pid} from {image_dir}, then: {e}", e.code,
+                        e.state, True, image=str(image_dir)) from None
+    result: Record = {
+        "type": "ckpt_result", "action": "restore", "pid": pid, "ok": True, "state": "running", "touched": True,
+        "code": 0, "image": str(image_dir), "ranks": [r["pid"] for r in job["ranks"]],
+        "restore_s": job.get("restore_s"), "gpu_map": job.get("gpu_map"),
+        "message": f"the job of PID {pid} restored from {image_dir}: {len(job['ranks'])} processes on the GPU, "
+                   "running" + (" on the GPUs --device-map named" if job.get("gpu_map") else ""),
+    }
+    ckpt.out(result)
+    return result
