@@ -14,58 +14,50 @@ The command replaces this process (same pid); nothing else about it changes.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import os
-import platform
 import sys
 
-IO_URING_SETUP = 425  #: the same number on every architecture since Linux 5.1
-#: AUDIT_ARCH_* of the machines the filter knows; elsewhere it lets every call through
-ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_SECCOMP = 22
-_SECCOMP_MODE_FILTER = 2
-_RET_ALLOW = 0x7FFF0000
-_RET_ERRNO = 0x00050000
-_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
-_JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
-_RET_K = 0x06  # BPF_RET | BPF_K
+#: libseccomp's actions (seccomp.h): let a call through, or fail it with an errno
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_ACT_ERRNO = 0x00050000
 
 
-class _Insn(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+def _libseccomp() -> ctypes.CDLL:
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as e:
+        raise OSError(errno.ENOSYS, f"libseccomp is not installed ({e}): install libseccomp2") from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    return lib
 
 
-class _Prog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Insn))]
-
-
-def deny_io_uring() -> bool:
-    """Install the filter in this process (and so in every process it starts); False where the
-    architecture is not one the filter knows. Raises OSError when the kernel refuses it."""
-    arch = ARCHES.get(platform.machine())
-    if arch is None:
-        return False
-    insns = [
-        (_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
-        (_JEQ_K, 0, 3, arch),
-        (_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
-        (_JEQ_K, 0, 1, IO_URING_SETUP),
-        (_RET_K, 0, 0, _RET_ERRNO | errno.ENOSYS),
-        (_RET_K, 0, 0, _RET_ALLOW),
-    ]
-    table = (_Insn * len(insns))(*(_Insn(*i) for i in insns))
-    prog = _Prog(len(insns), table)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.cast(ctypes.pointer(prog), ctypes.c_void_p), 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl(PR_SET_SECCOMP): {os.strerror(e)}")
-    return True
+def deny_io_uring() -> None:
+    """Install, through libseccomp, a filter that fails io_uring_setup with ENOSYS in this process
+    (and so in every process it starts; libseccomp sets no_new_privs, as an unprivileged filter
+    needs). Raises OSError when libseccomp is missing or the kernel refuses the filter."""
+    lib = _libseccomp()
+    nr = lib.seccomp_syscall_resolve_name(b"io_uring_setup")
+    if nr < 0:
+        raise OSError(errno.ENOSYS, "libseccomp does not know io_uring_setup on this architecture")
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise OSError(errno.ENOMEM, "seccomp_init failed")
+    try:
+        for what, rc in (("seccomp_rule_add", lambda: lib.seccomp_rule_add(ctx, _SCMP_ACT_ERRNO | errno.ENOSYS, nr, 0)),
+                         ("seccomp_load", lambda: lib.seccomp_load(ctx))):
+            err = rc()
+            if err < 0:  # libseccomp returns -errno
+                raise OSError(-err, f"{what}: {os.strerror(-err)}")
+    finally:
+        lib.seccomp_release(ctx)
 
 
 def main(argv: list[str]) -> int:
