@@ -142,6 +142,24 @@ def image_state(image_dir: Path) -> str:
     return "other"
 
 
+def usable_criu(ckpt: Checkpointer, action: str, pid: int | None) -> Criu:
+    """``find_criu()``, its refusal recorded as the action's failure (nothing touched)."""
+    try:
+        return find_criu()
+    except GpuosError as e:
+        raise ckpt.fail(action, pid, str(e), e.code, None, False) from None
+
+
+def empty_image_dir(ckpt: Checkpointer, pid: int, image_dir: Path) -> Path:
+    """``image_dir`` resolved, refused (nothing touched) unless it is missing or empty: a dump
+    never writes over anything."""
+    image_dir = Path(image_dir).resolve()
+    if image_state(image_dir) != "empty":
+        raise ckpt.fail("dump", pid, f"{image_dir} is not empty (it holds an image or other files): choose a new "
+                        "or empty directory; nothing was touched", ExitCode.USAGE, None, False)
+    return image_dir
+
+
 def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
          criu_args: list[str] | None = None) -> Record:
     """GPU checkpoint of ``pid``, then ``criu dump`` of it into ``image_dir``.
@@ -156,14 +174,8 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     this process is killed, even by SIGKILL.
     """
 
-    try:
-        criu = find_criu()
-    except GpuosError as e:
-        raise ckpt.fail("dump", pid, str(e), e.code, None, False) from None
-    image_dir = Path(image_dir).resolve()
-    if image_state(image_dir) != "empty":
-        raise ckpt.fail("dump", pid, f"{image_dir} is not empty (it holds an image or other files): choose a new "
-                         "or empty directory; nothing was touched", ExitCode.USAGE, None, False)
+    criu = usable_criu(ckpt, "dump", pid)
+    image_dir = empty_image_dir(ckpt, pid, image_dir)
     temp = Path(temp_name(str(image_dir)))
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -276,10 +288,7 @@ def _keep_log(log: Path, keep: Path) -> Path:
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
             criu_args: list[str] | None = None) -> Record:
     """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock."""
-    try:
-        criu = find_criu()
-    except GpuosError as e:
-        raise ckpt.fail("restore", None, str(e), e.code, None, False) from None
+    criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
     meta = registry.read_json(image_dir / METADATA)
     if not isinstance(meta, dict) or "pid" not in meta or not (image_dir / "inventory.img").exists():

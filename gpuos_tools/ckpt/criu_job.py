@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
-from gpuos_tools.ckpt.criu import DUMP_LOG, METADATA, RESTORE_LOG, RESTORED_PID, find_criu, image_state, log_errors
+from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RESTORE_LOG, RESTORED_PID, empty_image_dir, log_errors,
+                                   usable_criu)
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.ckpt.guard import finalize
 from gpuos_tools.ckpt.job import resume_job, suspend_job
@@ -184,14 +185,8 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
     fails, every rank is brought back and CRIU_FAILED raised with CRIU's error lines; no image
     is left."""
     criu_args = list(criu_args or [])
-    try:
-        criu = find_criu()
-    except GpuosError as e:
-        raise ckpt.fail("dump", pid, str(e), e.code, None, False) from None
-    image_dir = Path(image_dir).resolve()
-    if image_state(image_dir) != "empty":
-        raise ckpt.fail("dump", pid, f"{image_dir} is not empty (it holds an image or other files): choose a new "
-                        "or empty directory; nothing was touched", ExitCode.USAGE, None, False)
+    criu = usable_criu(ckpt, "dump", pid)
+    image_dir = empty_image_dir(ckpt, pid, image_dir)
     try:
         launcher = procs.read_proc(pid)
     except GpuosError as e:
@@ -303,10 +298,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
     ``device_map`` if given, every rank the same way) before any rank is unlocked. Refuses,
     touching nothing, an image whose processes' ids are taken."""
     criu_args = list(criu_args or [])
-    try:
-        criu = find_criu()
-    except GpuosError as e:
-        raise ckpt.fail("restore", None, str(e), e.code, None, False) from None
+    criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
     meta = registry.read_json(image_dir / METADATA)
     if not isinstance(meta, dict) or meta.get("kind") != KIND or "pid" not in meta \

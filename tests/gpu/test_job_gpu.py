@@ -88,6 +88,16 @@ def cli(command: str, *args: str, state_dir: Path) -> tuple[subprocess.Completed
     return done, [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
+def stop(proc: subprocess.Popen, state: Path) -> None:
+    """A job a test left running (it failed): its ranks brought back if checkpointed, then killed."""
+    if proc.poll() is None:
+        subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(proc.pid)],
+                       cwd=ROOT, env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
+                       timeout=300, check=False)
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
 def wait_for_step(progress: Path, step: int, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -141,12 +151,7 @@ def test_a_job_checkpointed_and_restored_through_the_driver_ends_bit_identical(t
             assert result["state"] in ("running", None), result
         assert finish(proc, out)["digest"] == uninterrupted["digest"]
     finally:
-        if proc.poll() is None:
-            subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(proc.pid)],
-                           cwd=ROOT, env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
-                           timeout=300, check=False)
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop(proc, state)
 
 
 def test_a_job_restored_onto_swapped_gpus_ends_bit_identical(tmp_path, uninterrupted) -> None:
@@ -188,12 +193,7 @@ def test_a_job_restored_onto_swapped_gpus_ends_bit_identical(tmp_path, uninterru
         print(json.dumps({"moved": moved}))
         assert finish(proc, out)["digest"] == uninterrupted["digest"]
     finally:
-        if proc.poll() is None:
-            subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(proc.pid)],
-                           cwd=ROOT, env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
-                           timeout=300, check=False)
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop(proc, state)
 
 
 def test_a_job_on_nccl_default_transports_is_refused_and_runs_on(tmp_path) -> None:
