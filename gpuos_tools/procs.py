@@ -273,3 +273,31 @@ def gpu_device_minors(pid: int) -> list[int]:
         if target.startswith("/dev/nvidia") and name[6:].isdigit():
             minors.add(int(name[6:]))
     return sorted(minors)
+
+
+def link_target(path: str) -> str:
+    """Where the symbolic link ``path`` points ("" when it cannot be read)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def largest_deleted_file(pids: list[int]) -> int:
+    """The size in bytes of the largest deleted file any of ``pids`` holds open or mapped (0 if
+    none; processes that are gone or unreadable count as holding none)."""
+    largest = 0
+    for pid in pids:
+        try:
+            fds = [f"{PROC}/{pid}/fd/{fd}" for fd in os.listdir(f"{PROC}/{pid}/fd")]
+            with open(f"{PROC}/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                maps = [f"{PROC}/{pid}/map_files/{line.split(maxsplit=1)[0]}" for line in f
+                        if line.rstrip().endswith(" (deleted)")]
+        except OSError:
+            continue
+        for path in [*(fd for fd in fds if link_target(fd).endswith(" (deleted)")), *maps]:
+            try:
+                largest = max(largest, os.stat(path).st_size)
+            except OSError:
+                continue
+    return largest

@@ -19,6 +19,7 @@ import pytest
 from helpers import child_env
 from test_ckpt_job import FakeDriver, JobCheckpointer, launched_job
 
+from gpuos_tools import procs
 from gpuos_tools.ckpt import criu, criu_job
 from gpuos_tools.ckpt.driver import CkptError
 from gpuos_tools.errors import ExitCode
@@ -268,3 +269,24 @@ def test_no_io_uring_runs_the_command_in_its_place_without_io_uring() -> None:
     done = subprocess.run([sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", "/no/such/command"],
                           capture_output=True, text=True, env=child_env(), timeout=60, check=False)
     assert done.returncode == 127 and "/no/such/command" in done.stderr
+
+
+def test_the_ghost_limit_covers_the_largest_deleted_file_the_tree_holds(tmp_path: Path) -> None:
+    """A deleted file mapped by a process (NCCL's /dev/shm segment) is carried in CRIU's image
+    only below its ghost limit: the dump asks for one large enough, unless the caller chose one."""
+    prog = ("import mmap, os, sys, time\n"
+            "f = open(sys.argv[1], 'w+b'); f.write(b'x' * (3 << 20)); f.flush()\n"
+            "m = mmap.mmap(f.fileno(), 0); f.close(); os.unlink(sys.argv[1])\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", prog, str(tmp_path / "seg")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        assert procs.largest_deleted_file([child.pid]) == 3 << 20
+        assert procs.largest_deleted_file([os.getpid()]) < 1 << 20
+        assert criu.ghost_limit([child.pid], []) == ["--ghost-limit", str(3 << 20)]
+        assert criu.ghost_limit([child.pid], ["--ghost-limit", "64M"]) == []
+        assert criu.ghost_limit([child.pid], ["--ghost-limit=64M"]) == []
+        assert criu.ghost_limit([os.getpid()], []) == []  # CRIU's default suffices
+    finally:
+        child.kill()
+        child.wait()

@@ -1,6 +1,6 @@
 """`gpu-ckpt --job PID --image DIR` and `gpu-restore --image DIR` with the real CRIU on a CPU-only
 job: a launcher and two child "ranks" (each maps a file named libcuda.so.1, so the tree's CUDA
-processes are found as on a GPU; the driver steps go to the fake driver of test_ckpt_job) that
+processes are found as on a GPU, and a 4 MiB file it deleted, as NCCL does; the driver steps go to the fake driver of test_ckpt_job) that
 talk to the launcher over localhost TCP, each reply checked, and make progress. The job is
 dumped, the whole tree ends, and the restore brings every process back with its pid; the TCP
 conversations go on where they stopped. Skipped where no CRIU >= 4 passes `criu check` (the
@@ -43,6 +43,12 @@ if len(sys.argv) > 2:
     rank, port, lib = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     with open(lib, "rb") as f:
         cuda = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    # a mapped file deleted at once and larger than CRIU's default ghost limit, as NCCL's /dev/shm segment
+    with open(f"{d}/shm{rank}", "w+b") as f:
+        f.write(bytes([rank + 1]) * (4 << 20))  # written, not sparse: CRIU counts the blocks
+        shm = mmap.mmap(f.fileno(), 0)
+    shm[-8:] = bytes(8)
+    os.unlink(f"{d}/shm{rank}")
     conn = socket.create_connection(("127.0.0.1", port)).makefile("rw")
     n = 0
     while True:
@@ -52,7 +58,11 @@ if len(sys.argv) > 2:
         if int(r) != rank or int(m) != n + 1:
             put(f"error{rank}", f"sent {rank} {n}, got {r} {m}")
             sys.exit(1)
+        if int.from_bytes(shm[-8:], "little") != n:
+            put(f"error{rank}", f"the deleted file held {int.from_bytes(shm[-8:], 'little')}, not {n}")
+            sys.exit(1)
         n = int(m)
+        shm[-8:] = n.to_bytes(8, "little")
         put(f"rank{rank}", n)
         time.sleep(0.005)
 srv = socket.create_server(("127.0.0.1", 0))

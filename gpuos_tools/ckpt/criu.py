@@ -160,6 +160,20 @@ def empty_image_dir(ckpt: Checkpointer, pid: int, image_dir: Path) -> Path:
     return image_dir
 
 
+#: CRIU carries a deleted file a process still holds (a "ghost") inside the image only up to
+#: this size unless told otherwise (``--ghost-limit``, CRIU's default 1 MiB).
+CRIU_GHOST_LIMIT = 1 << 20
+
+
+def ghost_limit(pids: list[int], criu_args: list[str]) -> list[str]:
+    """``--ghost-limit`` large enough for every deleted file the tree holds, unless the caller
+    chose one or CRIU's default suffices: without it such a dump fails ("Can't dump ghost file")."""
+    if any(a == "--ghost-limit" or a.startswith("--ghost-limit=") for a in criu_args):
+        return []
+    largest = procs.largest_deleted_file(pids)
+    return ["--ghost-limit", str(largest)] if largest > CRIU_GHOST_LIMIT else []
+
+
 def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
          criu_args: list[str] | None = None) -> Record:
     """GPU checkpoint of ``pid``, then ``criu dump`` of it into ``image_dir``.
@@ -224,7 +238,8 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         left = ckpt.bring_back(pid)
         raise ckpt.fail("dump", pid, f"{e}; {left_message(left, pid)}", e.code, left, left != "running") from None
     cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(temp), "--log-file", DUMP_LOG,
-           "--shell-job", *(["--leave-running"] if leave_running else []), *(criu_args or [])]
+           "--shell-job", *ghost_limit(procs.descendants(pid), criu_args or []),
+           *(["--leave-running"] if leave_running else []), *(criu_args or [])]
     guard.phase("criu")
     done = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out", temp / DUMP_RC)
     if done.returncode != 0:

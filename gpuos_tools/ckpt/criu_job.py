@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
-from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RESTORE_LOG, RESTORED_PID, empty_image_dir, log_errors,
-                                   usable_criu)
+from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RESTORE_LOG, RESTORED_PID, empty_image_dir, ghost_limit,
+                                   log_errors, usable_criu)
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.ckpt.guard import finalize
 from gpuos_tools.ckpt.job import resume_job, suspend_job
@@ -81,7 +81,7 @@ def io_uring_holders(pids: list[int]) -> list[int]:
     for p in pids:
         try:
             fds = os.listdir(f"/proc/{p}/fd")
-            held = any(_link(f"/proc/{p}/fd/{fd}") == "anon_inode:[io_uring]" for fd in fds)
+            held = any(procs.link_target(f"/proc/{p}/fd/{fd}") == "anon_inode:[io_uring]" for fd in fds)
             if not held:
                 with open(f"/proc/{p}/maps", encoding="utf-8", errors="replace") as f:
                     held = any(line.rstrip().endswith("[io_uring]") for line in f)
@@ -90,13 +90,6 @@ def io_uring_holders(pids: list[int]) -> list[int]:
         if held:
             out.append(p)
     return out
-
-
-def _link(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
 
 
 def taken(ids: list[int]) -> list[int]:
@@ -249,7 +242,7 @@ def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, ima
     except GpuosError as e:
         raise ckpt.fail("dump", pid, f"{e}; {_bring_back(ckpt, pid, is_cuda)}", e.code, None, True) from None
     cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(temp), "--log-file", DUMP_LOG, *TREE_ARGS,
-           *lock, *(["--leave-running"] if leave_running else []), *criu_args]
+           *lock, *ghost_limit(pids, criu_args), *(["--leave-running"] if leave_running else []), *criu_args]
     rc, text, interrupted = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out")
     if rc != 0:
         keep = image_dir.parent / f"{image_dir.name}.{DUMP_LOG}"
