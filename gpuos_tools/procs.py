@@ -284,8 +284,9 @@ def link_target(path: str) -> str:
 
 
 def largest_deleted_file(pids: list[int]) -> int:
-    """The size in bytes of the largest deleted file any of ``pids`` holds open or mapped (0 if
-    none; processes that are gone or unreadable count as holding none)."""
+    """The size in bytes of the largest deleted file any of ``pids`` holds open or mapped, or the
+    space it takes on disk where that is more (CRIU counts either); 0 if none. Processes that are
+    gone or unreadable count as holding none."""
     largest = 0
     for pid in pids:
         try:
@@ -297,7 +298,8 @@ def largest_deleted_file(pids: list[int]) -> int:
             continue
         for path in [*(fd for fd in fds if link_target(fd).endswith(" (deleted)")), *maps]:
             try:
-                largest = max(largest, os.stat(path).st_size)
+                st = os.stat(path)
             except OSError:
                 continue
+            largest = max(largest, st.st_size, st.st_blocks * 512)  # tmpfs allocates whole pages
     return largest
