@@ -189,10 +189,7 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
         raise ckpt.fail("dump", pid, f"{e}; nothing was touched", e.code, None, False) from None
     uring = io_uring_holders(procs.descendants(pid))
     if uring:
-        raise ckpt.fail("dump", pid, "NCCL maps a deleted shared-memory segment larger than CRIU's default limit for deleted files;
-the dump raises the limit to the largest such file the tree holds (``criu.ghost_limit``).
-
-CRIU cannot dump io_uring, and PIDs " + ", ".join(map(str, uring))
+        raise ckpt.fail("dump", pid, "CRIU cannot dump io_uring, and PIDs " + ", ".join(map(str, uring))
                         + " of the job hold one (torchrun's TCPStore sets one up through libuv whatever "
                         "UV_USE_IO_URING and USE_LIBUV say): start the job with `python -m "
                         "gpuos_tools.ckpt.no_io_uring COMMAND...`, which denies it io_uring (libuv then uses "
