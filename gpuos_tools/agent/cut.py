@@ -197,8 +197,6 @@ def status(agent: Any, wait_s: float = 0.0) -> dict[str, Any]:
 
 def _finish(agent: Any, cut: Cut) -> None:
     """The agent's thread of one cut: wait for T0 (or a disarm), then copy and write the image."""
-    from cuda.bindings import driver as drv
-
     agent.own.add(threading.get_native_id())
     with cut.changed:
         cut.changed.wait_for(lambda: cut.state != "armed")
@@ -206,7 +204,10 @@ def _finish(agent: Any, cut: Cut) -> None:
         agent._discard(cut.prep)
         return
     try:
-        drv.cuCtxSetCurrent(agent.ctx)
+        if agent.ctx is not None:  # the program's context on this thread (none in tests without CUDA)
+            from cuda.bindings import driver as drv
+
+            drv.cuCtxSetCurrent(agent.ctx)
         o = cut.options
         out = agent._finish(cut.taken, digest=False, image=o["image"], parent=None, compress=bool(o.get("compress")),
                             chunk_size=o.get("chunk_size"), checksum=o.get("checksum") or "auto",
@@ -221,7 +222,7 @@ def _finish(agent: Any, cut: Cut) -> None:
     out.pop("allocations", None)
     t0 = cut.t0_stall_ns / 1e9
     out.update(collective=cut.k, t0_stall_s=round(t0, 6), stall_s=round(t0 + out["stall_s"], 6),
-               protect_stall_s=out["stall_s"], gpu=_gpu())
+               protect_stall_s=out["stall_s"], gpu=_gpu() if agent.ctx is not None else None)
     cut.set("done", result=out)
 
 
