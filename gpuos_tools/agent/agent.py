@@ -137,6 +137,7 @@ class Taken:
     written: set[int] | None
     unsettled: int
     t_start: float
+    left_out: list[Allocation] = field(default_factory=list)  #: live at T0, of a kind left out
 
 
 class Agent(ProcessView):
@@ -701,7 +702,8 @@ class Agent(ProcessView):
         if self.engine is not None and not self.engine.settled:  # evicted since the request came
             raise GpuosError(f"buffers are not all back ({_pending(self.engine)}): snapshot after "
                              "they are", ExitCode.WRONG_STATE)
-        buffers = [b for b in self.buffers() if b.kind not in prep.exclude]
+        live = self.buffers()
+        buffers = [b for b in live if b.kind not in prep.exclude]
         total = sum(b.size for b in buffers)
         if total > prep.staging.capacity:
             raise RuntimeError("allocations grew while the snapshot was prepared; try again")
@@ -726,7 +728,7 @@ class Agent(ProcessView):
             self.core.snap_begin([b.id for b in buffers])
         self.snap = snap
         written = self._take_dirty()  # what changed since the last T0, and anew
-        return Taken(snap, prep, written, unsettled, t_start)
+        return Taken(snap, prep, written, unsettled, t_start, [b for b in live if b.kind in prep.exclude])
 
     def _finish(self, taken: Taken, digest: bool = True, image: str | None = None, parent: str | None = None,
                 compress: bool = False, chunk_size: int | None = None, checksum: str = "auto",

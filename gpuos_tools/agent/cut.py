@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from gpuos_tools.cuda.driver import context_facts
 from gpuos_tools.errors import ExitCode, GpuosError
 
 #: NCCL's kernel names begin so (mangled names after their ``_Z<length>``)
@@ -220,6 +221,9 @@ def _finish(agent: Any, cut: Cut) -> None:
         cut.set("failed", error=f"{type(e).__name__}: {e}")
         return
     out.pop("allocations", None)
+    left = getattr(cut.taken, "left_out", [])
+    out["left_out"] = {"allocations": len(left), "bytes": sum(b.size for b in left),
+                       "kinds": sorted({b.kind for b in left})}
     t0 = cut.t0_stall_ns / 1e9
     out.update(collective=cut.k, t0_stall_s=round(t0, 6), stall_s=round(t0 + out["stall_s"], 6),
                protect_stall_s=out["stall_s"], gpu=_gpu() if agent.ctx is not None else None)
@@ -228,7 +232,5 @@ def _finish(agent: Any, cut: Cut) -> None:
 
 def _gpu() -> str | None:
     """The UUID of the program's GPU (the context current on this thread)."""
-    from gpuos_tools.cuda.driver import context_facts
-
     facts = context_facts()
     return facts.get("gpu_uuid")

@@ -256,7 +256,8 @@ def cut_job(pid: int, image: Path, *, margin: int = MARGIN, attempts: int = ATTE
                          "image": r.label, "collective": k, "stall_s": res["stall_s"],
                          "t0_stall_s": res["t0_stall_s"], "protect_stall_s": res["protect_stall_s"],
                          "bytes": res["bytes"], "buffers": res["buffers"], "ops_before": res["ops_before"],
-                         "t0_ns": res["t0_ns"], "seconds": res["seconds"], "image_id": img.get("image_id")})
+                         "t0_ns": res["t0_ns"], "seconds": res["seconds"], "image_id": img.get("image_id"),
+                         "left_out": res.get("left_out")})
         manifest = {"kind": KIND, "version": 1, "host": socket.gethostname(), "boot_id": procs.boot_id(),
                     "launcher": pid, "k": k, "attempts": attempt, "created_ns": time.time_ns(), "ranks": rows}
         atomic.replace(str(tmp / MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode(), fsync=True)

@@ -95,8 +95,9 @@ _CUT_RANK = Obj((
     Field("image", Str()), Field("collective", COUNT), Field("stall_s", _SECONDS), Field("t0_stall_s", _SECONDS),
     Field("protect_stall_s", _SECONDS), Field("bytes", BYTES), Field("buffers", COUNT), Field("ops_before", COUNT),
     Field("t0_ns", COUNT), Field("seconds", _SECONDS), Field("image_id", Str(), null=True),
+    Field("left_out", Anything(), null=True),
 ), text="{pid, starttime, rank, gpu, image, collective, stall_s, t0_stall_s, protect_stall_s, bytes, buffers, "
-        "ops_before, t0_ns, seconds, image_id}")
+        "ops_before, t0_ns, seconds, image_id, left_out: {allocations, bytes, kinds} not in the image (NCCL's)}")
 CKPT_JOB_CUT = RecordType("ckpt_job_cut", "(--job --cut) every rank of a job snapshotted just before the same "
                           "collective, while it ran.", (
     Field("action", Str(("checkpoint",)), required=True), Field("pid", _PID, "the job's launcher", required=True),
