@@ -697,6 +697,8 @@ class Agent(ProcessView):
         being issued (1 on the program's thread, inside an operation's enter)."""
         from cuda.bindings import driver as drv
 
+        if self.snap is not None:  # one snapshot at a time (a cut's and a request's may meet)
+            raise GpuosError("a snapshot is in progress: try again after it", ExitCode.WRONG_STATE)
         t_start = time.perf_counter()
         unsettled = self.settle(own=own)
         if self.engine is not None and not self.engine.settled:  # evicted since the request came
