@@ -199,16 +199,16 @@ def status(agent: Any, wait_s: float = 0.0) -> dict[str, Any]:
 def _finish(agent: Any, cut: Cut) -> None:
     """The agent's thread of one cut: wait for T0 (or a disarm), then copy and write the image."""
     agent.own.add(threading.get_native_id())
+    if agent.ctx is not None:  # the program's context on this thread (none in tests without CUDA)
+        from cuda.bindings import driver as drv
+
+        drv.cuCtxSetCurrent(agent.ctx)
     with cut.changed:
         cut.changed.wait_for(lambda: cut.state != "armed")
     if cut.state != "taken":  # disarmed, or T0 failed: nothing was taken
         agent._discard(cut.prep)
         return
     try:
-        if agent.ctx is not None:  # the program's context on this thread (none in tests without CUDA)
-            from cuda.bindings import driver as drv
-
-            drv.cuCtxSetCurrent(agent.ctx)
         o = cut.options
         out = agent._finish(cut.taken, digest=False, image=o["image"], parent=None, compress=bool(o.get("compress")),
                             chunk_size=o.get("chunk_size"), checksum=o.get("checksum") or "auto",

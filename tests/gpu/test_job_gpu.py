@@ -454,6 +454,13 @@ def test_a_running_job_cut_rolled_back_and_run_on_ends_as_its_twin_stopped_and_r
             assert proc.poll() is None, log.read_text(errors="replace")[-6000:]
             assert time.monotonic() < deadline, "the job did not reach step 30: " + log.read_text(errors="replace")[-3000:]
             time.sleep(0.05)
+        from gpuos_tools.agent.control import request
+        from gpuos_tools.ckpt.agent_job import agent_ranks
+
+        counts = {r.rank: request(r.socket, "collectives") for r in agent_ranks(proc.pid)}
+        cut_figure(what="counts", counts=counts)
+        assert sorted(counts) == [0, 1] and all(c["collectives"] > 0 and c["known"] for c in counts.values()), \
+            f"the agents count no collectives (NCCL's kernel names not seen?): {counts}"
         image = tmp_path / "job.img"
         done, recs = cli("ckpt", "--job", str(proc.pid), "--cut", "--image", str(image), state_dir=state)
         assert done.returncode == 0, done.stderr[-6000:] + log.read_text(errors="replace")[-3000:]
