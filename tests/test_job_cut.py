@@ -455,3 +455,41 @@ def _request(target, op, timeout=None, **fields):  # noqa: ANN001, ANN201
     from gpuos_tools.agent.control import request
 
     return request(target, op, timeout=timeout, **fields)
+
+
+def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"gpuos_tools.commands.{module}", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+@pytest.mark.parametrize("module,args,says", [
+    ("ckpt", ["--cut", "--image", "x"], "--cut and --margin go with --job"),
+    ("ckpt", ["--job", "1", "--cut"], "needs --image"),
+    ("ckpt", ["--job", "1", "--cut", "--image", "x", "--force"], "--job --cut goes with"),
+    ("ckpt", ["--job", "1", "--margin", "9"], "--margin goes with --job PID --cut"),
+    ("restore", ["--job", "1", "--cut"], "--cut goes with --job PID --image DIR"),
+    ("restore", ["--job", "1", "--cut", "--image", "x", "--device-map", "0=1"], "--job --cut goes with"),
+])
+def test_the_cut_options_are_refused_out_of_place(module, args, says):
+    done = _cli(module, *args)
+    assert done.returncode == ExitCode.USAGE and says in done.stderr, done.stderr
+
+
+def test_gpu_ckpt_and_gpu_restore_cut_and_roll_back_a_job_of_fake_agents(ranks, tmp_path):
+    """The commands end to end: records on stdout after a header, the job found from its launcher
+    (a process whose children are the fake ranks' processes)."""
+    fakes = ranks({"count": 3}, {"count": 8})
+    image = tmp_path / "job.img"
+    # the ranks are this test's children; the commands look for them below this process
+    done = _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image), "--margin", "2")
+    assert done.returncode == 0, done.stderr
+    header, rec = (json.loads(line) for line in done.stdout.splitlines())
+    assert header["type"] == "header" and rec["type"] == "ckpt_job_cut" and rec["k"] == rec["ranks"][0]["collective"]
+    assert rec["k"] >= 8 + 2 and [f.ops("arm")[0][1] for f in fakes] == [rec["k"]] * 2
+    done = _cli("restore", "--job", str(os.getpid()), "--cut", "--image", str(image))
+    assert done.returncode == 0, done.stderr
+    rec = json.loads(done.stdout.splitlines()[-1])
+    assert rec["type"] == "ckpt_job_rollback" and [r["rank"] for r in rec["ranks"]] == [0, 1]
+    assert all(f.rolled == [str(image / f"rank-{i}")] for i, f in enumerate(fakes))
+    done = _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image))
+    assert done.returncode == ExitCode.USAGE and "exists" in done.stderr
