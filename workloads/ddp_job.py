@@ -69,7 +69,8 @@ def main() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     if args.resume_from:
-        state = torch.load(os.path.join(args.resume_from, f"rank-{rank}.pt"), map_location=device, weights_only=False)
+        # on the CPU: the generator's state must stay there; the model and the optimizer copy theirs over
+        state = torch.load(os.path.join(args.resume_from, f"rank-{rank}.pt"), map_location="cpu", weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
