@@ -410,8 +410,16 @@ def start_agent_job(tmp: Path, name: str, port: int, extra: list[str]) -> tuple[
     return proc, progress, out, log
 
 
-def ended(proc: subprocess.Popen, out: Path, log: Path) -> dict:
-    assert proc.wait(timeout=600) == 0, log.read_text(errors="replace")[-6000:]
+def ended(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 240) -> dict:
+    """The job's result once it ended; a job still running after ``timeout`` (a collective that
+    never completes after a rollback) is killed and its log shown."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"the job did not end within {timeout} s: " + log.read_text(errors="replace")[-6000:])
+    assert proc.returncode == 0, log.read_text(errors="replace")[-6000:]
     result = json.loads(out.read_text())
     assert result["ranks_agree"] and result["steps"] == CUT_STEPS, result
     return result
@@ -462,7 +470,8 @@ def test_a_running_job_cut_rolled_back_and_run_on_ends_as_its_twin_stopped_and_r
         assert sorted(counts) == [0, 1] and all(c["collectives"] > 0 and c["known"] for c in counts.values()), \
             f"the agents count no collectives (NCCL's kernel names not seen?): {counts}"
         image = tmp_path / "job.img"
-        done, recs = cli("ckpt", "--job", str(proc.pid), "--cut", "--image", str(image), state_dir=state)
+        done, recs = cli("ckpt", "--job", str(proc.pid), "--cut", "--image", str(image), "--timeout", "90000",
+                         state_dir=state)
         assert done.returncode == 0, done.stderr[-6000:] + log.read_text(errors="replace")[-3000:]
         cut = next(r for r in recs if r["type"] == "ckpt_job_cut")
         k = cut["k"]
@@ -481,7 +490,7 @@ def test_a_running_job_cut_rolled_back_and_run_on_ends_as_its_twin_stopped_and_r
         assert proc.poll() is None, "the job stopped"
 
         (sync / "pause").touch()  # the ranks agree to pause at the start of the next step
-        paused = [json.loads(wait_file(sync / f"paused.{rank}", proc, log)) for rank in (0, 1)]
+        paused = [json.loads(wait_file(sync / f"paused.{rank}", proc, log, 120)) for rank in (0, 1)]
         assert paused[0]["step"] == paused[1]["step"] and all(p["collectives"] >= k for p in paused), paused
         done, recs = cli("restore", "--job", str(proc.pid), "--cut", "--image", str(image), state_dir=state)
         assert done.returncode == 0, done.stderr[-6000:] + log.read_text(errors="replace")[-3000:]
@@ -504,7 +513,12 @@ def test_a_running_job_cut_rolled_back_and_run_on_ends_as_its_twin_stopped_and_r
     saved = tmp_path / "twin-state"
     a, _, _, log_a = start_agent_job(tmp_path, "twin-a", base + 1, ["--sync-dir", str(tmp_path / "twin-sync"),
                                                                     "--save-at", str(step), "--state-dir", str(saved)])
-    assert a.wait(timeout=600) == 0, log_a.read_text(errors="replace")[-6000:]
+    try:
+        assert a.wait(timeout=180) == 0, log_a.read_text(errors="replace")[-6000:]
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
     b, _, out_b, log_b = start_agent_job(tmp_path, "twin-b", base + 2,
                                          ["--sync-dir", str(tmp_path / "twin-sync"), "--resume-from", str(saved),
                                           "--start-step", str(step)])
