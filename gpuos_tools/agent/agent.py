@@ -1058,7 +1058,7 @@ class Agent(ProcessView):
                 return {"ok": True, "pid": os.getpid(), "ops": self.ops, **sus.status()}
             if op == "resume":
                 return sus.resume(lazy=bool(request.get("lazy")))
-            if op in ("suspend", "snapshot", "rollback"):
+            if op in ("suspend", "snapshot", "rollback", "arm", "disarm"):
                 raise GpuosError(f"the program is {sus.state}: {op} after `gpu-restore --agent PID --resume`",
                                  ExitCode.WRONG_STATE)
         eng = self.engine
