@@ -283,6 +283,13 @@ def link_target(path: str) -> str:
         return ""
 
 
+def _anonymous_shared(maps_line: str) -> bool:
+    """A mapping /proc/PID/maps shows as deleted that is no file: shared anonymous memory
+    (`/dev/zero (deleted)`) or a System V segment. CRIU dumps them as memory, not as deleted files."""
+    path = maps_line.split(maxsplit=5)[-1].strip()
+    return path == "/dev/zero (deleted)" or path.startswith("/SYSV")
+
+
 def largest_deleted_file(pids: list[int]) -> int:
     """The size in bytes of the largest deleted file any of ``pids`` holds open or mapped, or the
     space it takes on disk where that is more (CRIU counts either); 0 if none. Processes that are
@@ -293,7 +300,7 @@ def largest_deleted_file(pids: list[int]) -> int:
             fds = [f"{PROC}/{pid}/fd/{fd}" for fd in os.listdir(f"{PROC}/{pid}/fd")]
             with open(f"{PROC}/{pid}/maps", encoding="utf-8", errors="replace") as f:
                 maps = [f"{PROC}/{pid}/map_files/{line.split(maxsplit=1)[0]}" for line in f
-                        if line.rstrip().endswith(" (deleted)")]
+                        if line.rstrip().endswith(" (deleted)") and not _anonymous_shared(line)]
         except OSError:
             continue
         for path in [*(fd for fd in fds if link_target(fd).endswith(" (deleted)")), *maps]:

@@ -277,6 +277,8 @@ def test_the_ghost_limit_covers_the_largest_deleted_file_the_tree_holds(tmp_path
     prog = ("import mmap, os, sys, time\n"
             "f = open(sys.argv[1], 'w+b'); f.write(b'x' * ((3 << 20) - 100)); f.flush()\n"
             "m = mmap.mmap(f.fileno(), 0); f.close(); os.unlink(sys.argv[1])\n"
+            # shared anonymous memory shows as '/dev/zero (deleted)': memory to CRIU, no deleted file
+            "a = mmap.mmap(-1, 8 << 20); a[0] = 1\n"
             "print('ready', flush=True); time.sleep(60)\n")
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path  # where NCCL puts it
     child = subprocess.Popen([sys.executable, "-c", prog, str(shm / f"gpuos-test-{os.getpid()}")],

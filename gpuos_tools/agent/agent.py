@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+from gpuos_tools.agent import cut as job_cut
 from gpuos_tools.agent import durable
 from gpuos_tools.agent.control import ControlServer
 from gpuos_tools.agent.hooks import HOOKS, OPERATION_HOOKS, AgentHooks
@@ -112,6 +113,33 @@ class Snap:
     parts_ns: dict[str, int] = field(default_factory=lambda: {"order": 0, "copy": 0, "wait": 0})
 
 
+@dataclass
+class Prep:
+    """What a snapshot made before its T0 (``Agent._prepare``)."""
+
+    staging: Staging
+    cow_budget: int
+    pool: int
+    side: Any
+    spare: list
+    staging_s: float
+    pool_s: float
+    #: allocation kinds left out of the snapshot (a job's cut leaves out NCCL's mappings)
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass
+class Taken:
+    """A snapshot whose T0 is taken (``Agent._t0``)."""
+
+    snap: Snap
+    prep: Prep
+    written: set[int] | None
+    unsettled: int
+    t_start: float
+    left_out: list[Allocation] = field(default_factory=list)  #: live at T0, of a kind left out
+
+
 class Agent(ProcessView):
     """State and operations of the agent; the tracer calls its hooks from callbacks. Other code
     acts on the same path through hooks registered with ``add_hooks`` (gpuos_tools/agent/hooks.py)."""
@@ -168,6 +196,11 @@ class Agent(ProcessView):
         self.issuing = 0
         self._issued = threading.Condition(threading.Lock())
         self.suspension = None  #: gpuos_tools/agent/suspend.py's Suspension, from the first suspend
+        #: a job's cut (gpuos_tools/agent/cut.py), from the first arm; and, on the Python agent,
+        #: the program's collective launches and graph launches (the native core counts its own)
+        self.cut: job_cut.Cut | None = None
+        self.collectives = 0
+        self.graph_launches = 0
         #: gpuos_tools/memory/engine.py's ResidencyEngine, when the program's memory is owned
         self.engine = None
         #: the native core's side of the engine, set by its wiring when it runs (injection/start.py):
@@ -356,6 +389,11 @@ class Agent(ProcessView):
             self.hook_calls += 1
 
     def _before_launch(self, api: str, stream: int, kernel: str, sizes, args) -> None:
+        if self.core is None and job_cut.is_collective(kernel):  # the core counts its own
+            self.collectives += 1
+            cut = self.cut
+            if cut is not None and cut.state == "armed" and cut.k == self.collectives:
+                self.cut_now(cut.k)  # T0 before this launch (and before it counts as an operation)
         self._operation(stream)
         eng = self.engine
         try:
@@ -482,12 +520,18 @@ class Agent(ProcessView):
         if eng is not None and (eng.pending or eng.clean):
             eng.graph(stream)
         if self.core is None:  # the core does this
+            self.graph_launches += 1
             self.dirty = None
             snap = self.snap
             if snap is not None:
                 self._protect(snap, range(len(snap.buffers)), stream)
         if failed is not None:
             raise failed
+
+    def cut_now(self, k: int) -> None:
+        """The program is about to launch its ``k``-th collective with a cut armed there: T0
+        now, on its thread (gpuos_tools/agent/cut.py)."""
+        job_cut.cut_now(self, k)
 
     def protect_native(self, targets: list[int], stream: int) -> None:
         """The core found ``targets`` (buffer indexes of the snapshot in progress) not yet safe
@@ -586,14 +630,29 @@ class Agent(ProcessView):
         ``digest``). With ``image``, write it there (gpuos_tools/image/; ``threads``
         writer threads); with ``parent`` (this agent's last image), an incremental image of what
         was written since."""
+        self.own.add(threading.get_native_id())
+        prep = self._prepare(cow_budget)
+        self.lock.acquire()
+        try:
+            taken = self._t0(prep)
+        except BaseException:
+            self.lock.release()
+            self._discard(prep)
+            raise
+        self.lock.release()
+        return self._finish(taken, digest=digest, image=image, parent=parent, compress=compress,
+                            chunk_size=chunk_size, checksum=checksum, threads=threads)
+
+    def _prepare(self, cow_budget: int | None, exclude: tuple[str, ...] = ()) -> Prep:
+        """What a snapshot needs before its T0, made while the program runs: the pinned staging,
+        the copy-on-write slots' device memory, the side stream, an event per buffer."""
         from cuda.bindings import driver as drv
 
-        self.own.add(threading.get_native_id())
         if self.ctx is None:
             raise RuntimeError("the program has no CUDA allocation yet: nothing to snapshot")
         _ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         with self.lock:
-            total = sum(b.size for b in self.buffers())
+            total = sum(b.size for b in self.buffers() if b.kind not in exclude)
         t_prep = time.perf_counter()
         staging = self.ensure_staging(total, pause=STAGING_PAUSE)
         staging_s = time.perf_counter() - t_prep
@@ -619,66 +678,84 @@ class Agent(ProcessView):
             n_now = len(self.buffers())
         spare = [_ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                  for _ in range(n_now)]
-        self.lock.acquire()
-        try:
-            t_start = time.perf_counter()
-            unsettled = self.settle()
-            if self.engine is not None and not self.engine.settled:  # evicted since the request came
-                raise GpuosError(f"buffers are not all back ({_pending(self.engine)}): snapshot after "
-                                 "they are", ExitCode.WRONG_STATE)
-            buffers = self.buffers()
-            total = sum(b.size for b in buffers)
-            if total > staging.capacity:
-                raise RuntimeError("allocations grew while the snapshot was prepared; try again")
-            offsets, off = [], 0
-            for b in buffers:
-                offsets.append(off)
-                off += b.size
-            events = []
-            for s in sorted(self.streams):
-                ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-                if drv.cuEventRecord(ev, s)[0] != drv.CUresult.CUDA_SUCCESS:
-                    drv.cuEventDestroy(ev)
-                    continue  # a stream the program destroyed
-                _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent(side)")
-                events.append(ev)
-            n = len(buffers)
-            snap = Snap(buffers, offsets, staging, total, side, events, time.time_ns(), self.ops, cow_budget,
-                        pool=pool, state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
-                        index={b.id: i for i, b in enumerate(buffers)}, safe=[None] * n,
-                        spare=spare, created=events + spare)
-            if self.core is not None:
-                self.core.snap_begin([b.id for b in buffers])
-            self.snap = snap
-            written = self._take_dirty()  # what changed since the last T0, and anew
-        except BaseException:
-            self.lock.release()
-            drv.cuStreamDestroy(side)
-            if pool:
-                drv.cuMemFree(pool)
-            for ev in spare:
+        return Prep(staging, cow_budget, pool, side, spare, staging_s, pool_s, exclude)
+
+    def _discard(self, prep: Prep) -> None:
+        """Give back what ``_prepare`` made, for a snapshot that will not be taken."""
+        from cuda.bindings import driver as drv
+
+        drv.cuStreamDestroy(prep.side)
+        if prep.pool:
+            drv.cuMemFree(prep.pool)
+        for ev in prep.spare:
+            drv.cuEventDestroy(ev)
+
+    def _t0(self, prep: Prep, own: int = 0) -> Taken:
+        """T0, with the agent's lock held: every operation issued so far is ordered before the
+        snapshot's copies (an event on every stream the side stream waits for), and from here on
+        the program's writes to its buffers are protected. ``own``: operations of the caller's
+        being issued (1 on the program's thread, inside an operation's enter)."""
+        from cuda.bindings import driver as drv
+
+        if self.snap is not None:  # one snapshot at a time (a cut's and a request's may meet)
+            raise GpuosError("a snapshot is in progress: try again after it", ExitCode.WRONG_STATE)
+        t_start = time.perf_counter()
+        unsettled = self.settle(own=own)
+        if self.engine is not None and not self.engine.settled:  # evicted since the request came
+            raise GpuosError(f"buffers are not all back ({_pending(self.engine)}): snapshot after "
+                             "they are", ExitCode.WRONG_STATE)
+        live = self.buffers()
+        buffers = [b for b in live if b.kind not in prep.exclude]
+        total = sum(b.size for b in buffers)
+        if total > prep.staging.capacity:
+            raise RuntimeError("allocations grew while the snapshot was prepared; try again")
+        offsets, off = [], 0
+        for b in buffers:
+            offsets.append(off)
+            off += b.size
+        events = []
+        for s in sorted(self.streams):
+            ev = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            if drv.cuEventRecord(ev, s)[0] != drv.CUresult.CUDA_SUCCESS:
                 drv.cuEventDestroy(ev)
-            raise
-        self.lock.release()
+                continue  # a stream the program destroyed
+            _ok(drv.cuStreamWaitEvent(prep.side, ev, 0), "cuStreamWaitEvent(side)")
+            events.append(ev)
+        n = len(buffers)
+        snap = Snap(buffers, offsets, prep.staging, total, prep.side, events, time.time_ns(), self.ops,
+                    prep.cow_budget, pool=prep.pool, state=[UNSAVED] * n, event=[None] * n, slot=[0] * n,
+                    index={b.id: i for i, b in enumerate(buffers)}, safe=[None] * n,
+                    spare=prep.spare, created=events + prep.spare)
+        if self.core is not None:
+            self.core.snap_begin([b.id for b in buffers])
+        self.snap = snap
+        written = self._take_dirty()  # what changed since the last T0, and anew
+        return Taken(snap, prep, written, unsettled, t_start, [b for b in live if b.kind in prep.exclude])
+
+    def _finish(self, taken: Taken, digest: bool = True, image: str | None = None, parent: str | None = None,
+                compress: bool = False, chunk_size: int | None = None, checksum: str = "auto",
+                threads: int | None = None, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+        """After T0 (the lock let go): copy every buffer, then the description and the image."""
+        snap, prep = taken.snap, taken.prep
         try:
             self._copy_all(snap)
-            elapsed = time.perf_counter() - t_start
+            elapsed = time.perf_counter() - taken.t_start
             out: dict[str, Any] = {
-                "ok": True, "t0_ns": snap.t0_ns, "ops_before": snap.ops_before, "buffers": len(buffers),
-                "bytes": total, "seconds": round(elapsed, 6),
-                "gbps": round(total / elapsed / 1e9, 3) if elapsed > 0 else None,
+                "ok": True, "t0_ns": snap.t0_ns, "ops_before": snap.ops_before, "buffers": len(snap.buffers),
+                "bytes": snap.total, "seconds": round(elapsed, 6),
+                "gbps": round(snap.total / elapsed / 1e9, 3) if elapsed > 0 else None,
                 "cow": snap.cow, "cow_bytes": snap.cow_bytes, "host_saves": snap.host_saves,
-                "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6), "unsettled": unsettled,
+                "stream_waits": snap.waits, "stall_s": round(snap.stall_ns / 1e9, 6), "unsettled": taken.unsettled,
                 "stall_parts_s": {k: round(v / 1e9, 6) for k, v in snap.parts_ns.items()},
-                "t0_streams": len(events),
-                "staging_s": round(staging_s, 6), "pool_s": round(pool_s, 6), "cow_budget": cow_budget,
-                "allocations": [[b.id, b.addr, b.size, b.kind] for b in buffers],
+                "t0_streams": len(snap.t0_events),
+                "staging_s": round(prep.staging_s, 6), "pool_s": round(prep.pool_s, 6), "cow_budget": prep.cow_budget,
+                "allocations": [[b.id, b.addr, b.size, b.kind] for b in snap.buffers],
             }
             if digest:
                 out["digests"] = self._digests(snap)
             if image is not None:
-                out["image"] = self._write_image(snap, image, parent, written, compress, chunk_size, checksum,
-                                                 threads)
+                out["image"] = self._write_image(snap, image, parent, taken.written, compress, chunk_size, checksum,
+                                                 threads, manifest)
             self.last = out
             return out
         except BaseException:
@@ -749,9 +826,14 @@ class Agent(ProcessView):
 
     # -- rollback (on the control thread) ---------------------------------------------------------
 
-    def rollback(self, image: str, lazy: bool = False) -> dict[str, Any]:
+    def rollback(self, image: str, lazy: bool = False, check: bool = False) -> dict[str, Any]:
         """Write ``image`` (and its parent chain) back into the program's allocations, at the
         same addresses, stop-the-world.
+
+        An image of a job's cut (its manifest's ``cut``) leaves out allocations of some kinds
+        (NCCL's mappings): they are left as they are, and the fit is of the others only.
+        ``check``: every check and the read, nothing written (a job's rollback checks every rank
+        before writing into any).
 
         The image is read and every chunk checked into pinned host memory first, while the
         program runs; nothing is written unless all of it is sound and it fits this process
@@ -777,8 +859,13 @@ class Agent(ProcessView):
         img = open_image(image, key=self.image_key)
         img.chain()  # a broken chain is refused before anything else
         facts = context_facts()
+        excluded = tuple((img.manifest.get("cut") or {}).get("excluded_kinds") or ())
+
+        def live_buffers() -> list[Allocation]:
+            return [b for b in self.buffers() if b.kind not in excluded]
+
         with self.lock:
-            live = self.buffers()
+            live = live_buffers()
         problems = fit_problems(img.manifest, live, facts)
         if problems:
             raise GpuosError(f"{img.path} does not fit process {os.getpid()}: " + "; ".join(problems),
@@ -794,6 +881,9 @@ class Agent(ProcessView):
             img.read(int(b["id"]), view[off : off + int(b["size"])])  # checksums checked, through the chain
             off += int(b["size"])
         read_s = time.perf_counter() - t_read
+        if check:
+            return {"ok": True, "image": img.path, "image_id": img.image_id, "checked": True, "buffers": len(entries),
+                    "bytes": total, "read_s": round(read_s, 6)}
         eng = self.engine
         if lazy:
             if eng is None:  # plain allocations: an engine that only loads (made now, used once settled under the lock)
@@ -804,7 +894,7 @@ class Agent(ProcessView):
             with self.lock:
                 if self.snap is not None:
                     raise GpuosError("a snapshot is in progress; roll back after it", ExitCode.WRONG_STATE)
-                problems = fit_problems(img.manifest, self.buffers(), facts)
+                problems = fit_problems(img.manifest, live_buffers(), facts)
                 if problems:
                     raise GpuosError(f"the program's allocations changed while {img.path} was read: "
                                      + "; ".join(problems), ExitCode.IMAGE_MISMATCH)
@@ -851,7 +941,7 @@ class Agent(ProcessView):
 
     def _write_image(self, snap: Snap, path: str, parent: str | None, written: set[int] | None,
                      compress: bool, chunk_size: int | None, checksum: str,
-                     threads: int | None = None) -> dict[str, Any]:
+                     threads: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write the snapshot's host copies as an image; incremental when ``parent`` is the
         image this agent wrote last and what was written since it is known. Through
         gpuos_tools/agent/durable.py: all buffers queued at once, and handed over to gpu-ckpt
@@ -862,6 +952,7 @@ class Agent(ProcessView):
             "source": "gpuos-agent", "pid": os.getpid(), "argv": sys.argv, "t0_ns": snap.t0_ns,
             "ops_before": snap.ops_before, **context_facts(),
             "allocations": [{"id": b.id, "addr": b.addr, "size": b.size, "kind": b.kind} for b in snap.buffers],
+            **(extra or {}),
         }
         view = snap.staging.view(snap.total)
         entries = [(b.id, b.addr, b.size, view[off : off + b.size]) for b, off in zip(snap.buffers, snap.offsets)
@@ -967,7 +1058,7 @@ class Agent(ProcessView):
                 return {"ok": True, "pid": os.getpid(), "ops": self.ops, **sus.status()}
             if op == "resume":
                 return sus.resume(lazy=bool(request.get("lazy")))
-            if op in ("suspend", "snapshot", "rollback"):
+            if op in ("suspend", "snapshot", "rollback", "arm", "disarm"):
                 raise GpuosError(f"the program is {sus.state}: {op} after `gpu-restore --agent PID --resume`",
                                  ExitCode.WRONG_STATE)
         eng = self.engine
@@ -988,6 +1079,7 @@ class Agent(ProcessView):
                 bufs = self.buffers()
             out = {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams), "state": "running",
+                   "collectives": job_cut.counts(self)["collectives"],
                    "launch_hooks": self._hook_figures()}
             if eng is not None:
                 out["residency"] = eng.stats()
@@ -1002,7 +1094,15 @@ class Agent(ProcessView):
         if op == "rollback":
             if not isinstance(request.get("image"), str):
                 return {"ok": False, "error": "rollback needs 'image': the image's path"}
-            return self.rollback(request["image"], lazy=bool(request.get("lazy")))
+            return self.rollback(request["image"], lazy=bool(request.get("lazy")), check=bool(request.get("check")))
+        if op == "collectives":
+            return job_cut.counts(self)
+        if op == "arm":
+            return job_cut.arm(self, request)
+        if op == "disarm":
+            return job_cut.disarm(self)
+        if op == "cut":
+            return job_cut.status(self, request.get("wait_s") or 0.0)
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def _hook_figures(self) -> dict[str, Any]:

@@ -20,7 +20,10 @@ bytes of copy-on-write slots) answers T0, `ops_before`, bytes, seconds, GB/s, `c
 the program's memory, stop-the-world;
 `suspend` (with `partial`, `image`, `max_hold_s`) releases the program's owned device memory and
 keeps it waiting, `resume` lets it go (gpuos_tools/agent/suspend.py; while suspended `ping`
-answers `state` without the agent's lock). A refusal the user should see (a GpuosError in the
+answers `state` without the agent's lock). A job's cut (gpuos_tools/agent/cut.py): `collectives`
+answers the program's collective launches and whether that count is known, `arm` (with `k` and
+`image`) arms a snapshot at the enter of collective k, `cut` (with `wait_s`) answers its state,
+`disarm` takes it back. A refusal the user should see (a GpuosError in the
 agent) answers its exit status as `code`. An answer may carry file descriptors (SCM_RIGHTS): an
 exiting agent hands an image in flight over as a memfd (gpuos_tools/agent/durable.py).
 """

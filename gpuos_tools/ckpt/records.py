@@ -90,6 +90,34 @@ CKPT_JOB = RecordType("ckpt_job", "(--job) the processes of a job checkpointed o
           "not restore when last seen"),
     Field("message", Str()),
 ))
+_CUT_RANK = Obj((
+    Field("pid", _PID), Field("starttime", COUNT), Field("rank", COUNT, null=True), Field("gpu", Str(), null=True),
+    Field("image", Str()), Field("collective", COUNT), Field("stall_s", _SECONDS), Field("t0_stall_s", _SECONDS),
+    Field("protect_stall_s", _SECONDS), Field("bytes", BYTES), Field("buffers", COUNT), Field("ops_before", COUNT),
+    Field("t0_ns", COUNT), Field("seconds", _SECONDS), Field("image_id", Str(), null=True),
+    Field("left_out", Anything(), null=True),
+), text="{pid, starttime, rank, gpu, image, collective, stall_s, t0_stall_s, protect_stall_s, bytes, buffers, "
+        "ops_before, t0_ns, seconds, image_id, left_out: {allocations, bytes, kinds} not in the image (NCCL's)}")
+CKPT_JOB_CUT = RecordType("ckpt_job_cut", "(--job --cut) every rank of a job snapshotted just before the same "
+                          "collective, while it ran.", (
+    Field("action", Str(("checkpoint",)), required=True), Field("pid", _PID, "the job's launcher", required=True),
+    Field("ok", Bool(), required=True), Field("image", Str(), "the job image (a directory with job.json)"),
+    Field("k", COUNT, "the collective each rank was cut before (1 = its first)"),
+    Field("attempts", COUNT, "attempts until no rank was past K when armed"),
+    Field("ranks", List(_CUT_RANK), "rank order; stall_s: the program's time held (t0_stall_s at the collective, "
+          "protect_stall_s protecting buffers while copied)"),
+    Field("duration_s", _SECONDS), Field("message", Str()),
+), note="The job image's job.json holds the same ranks, with host, boot_id, launcher and k.")
+CKPT_JOB_ROLLBACK = RecordType("ckpt_job_rollback", "(gpu-restore --job --cut) every rank of a job rolled back to "
+                               "its cut.", (
+    Field("action", Str(("restore",)), required=True), Field("pid", _PID, "the job's launcher", required=True),
+    Field("ok", Bool(), required=True), Field("image", Str()), Field("k", COUNT, "the collective of the cut"),
+    Field("ranks", List(Obj((Field("pid", _PID), Field("rank", COUNT, null=True), Field("image", Str()),
+                             Field("stall_s", _SECONDS, null=True), Field("bytes", BYTES, null=True),
+                             Field("read_s", _SECONDS, null=True)),
+                            text="{pid, rank, image, stall_s, bytes, read_s}")), "rank order"),
+    Field("duration_s", _SECONDS), Field("message", Str()),
+))
 IMAGE_VERIFY = RecordType("image_verify", "(gpu-restore verify) whether an image and its chain are sound.", (
     Field("image", Str(), required=True), Field("ok", Bool(), required=True),
     Field("problems", _NAMES, "sentences naming the file", required=True), Field("quick", Bool()),
@@ -146,7 +174,8 @@ CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by t
 ))
 
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.
-TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, CKPT_JOB, IMAGE_VERIFY, IMAGE_DIFF,
+TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, CKPT_JOB, CKPT_JOB_CUT,
+         CKPT_JOB_ROLLBACK, IMAGE_VERIFY, IMAGE_DIFF,
          IMAGE_DIFF_SUMMARY, IMAGE_COMPACT, CKPT_PERIODIC, CKPT_PERIODIC_PLAN, CKPT_CHECK, CKPT_CHECK_SUMMARY,
          CKPT_GUARD)
 register_output(*TYPES)

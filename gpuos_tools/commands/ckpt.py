@@ -12,7 +12,7 @@ from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.snapshot import snapshot_to_image
 from gpuos_tools.agent.suspend import request_suspend
-from gpuos_tools.ckpt import criu, criu_job, periodic as per
+from gpuos_tools.ckpt import agent_job, criu, criu_job, periodic as per
 from gpuos_tools.ckpt.check import run_checks, table_rows
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
@@ -119,6 +119,19 @@ def checkpoint(
         None, "--max-hold", metavar="S", min=0.0,
         help="With --suspend: resume by itself after S seconds if no resume came (default: wait for one).",
     ),
+    cut: bool = typer.Option(
+        False, "--cut",
+        help="With --job PID --image DIR: the agent path, without stopping the job. Every rank (each started "
+        "with `gpu-ckpt run`) is snapshotted just before the same collective launch K (the largest count of any "
+        "rank plus --margin), into one job image: each rank's image and job.json, written last. --timeout bounds "
+        "the wait for every image (default 120000 ms); on failure every rank is disarmed and nothing is kept. "
+        "`gpu-restore --job PID --cut --image DIR` rolls the job back.",
+    ),
+    margin: int = typer.Option(
+        agent_job.MARGIN, "--margin", min=1, metavar="N",
+        help="With --cut: collectives beyond the largest count of any rank at the first attempt (fourfold at "
+        "each retry, when a rank was past K before it was armed).",
+    ),
 ) -> None:
     """Checkpoint the GPU state of a CUDA process, or of every process a profile selects.
 
@@ -141,6 +154,19 @@ def checkpoint(
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
     if force and job is None:
         raise GpuosError("--force goes with --job PID", ExitCode.USAGE)
+    if (cut or margin != agent_job.MARGIN) and job is None:
+        raise GpuosError("--cut and --margin go with --job PID --image DIR", ExitCode.USAGE)
+    if cut:
+        if image is None:
+            raise GpuosError("--job --cut needs --image DIR: where the job image goes", ExitCode.USAGE)
+        if pid is not None or agent is not None or profile is not None or leave_running or criu_arg or force \
+                or parent is not None or suspend or partial or max_hold is not None:
+            raise GpuosError("--job --cut goes with --image, --margin, --timeout, --compress, --checksum, --threads "
+                             "and -o only", ExitCode.USAGE)
+        _cut(job, image, margin, timeout, compress, checksum, threads, output)
+        return
+    if margin != agent_job.MARGIN:
+        raise GpuosError("--margin goes with --job PID --cut", ExitCode.USAGE)
     if threads is not None and agent is None:
         raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
     if (suspend or partial or max_hold is not None) and agent is None:
@@ -221,6 +247,15 @@ def checkpoint(
         result = run_recorded("-" if output is None else output, PROG, ckpt, lambda: ckpt.suspend(pid, timeout),
                               action="checkpoint", pid=pid)
     _say(_describe(result))
+
+
+def _cut(job: int, image: Path, margin: int, timeout_ms: int, compress: bool, checksum: str,
+         threads: Optional[int], output: Optional[str]) -> None:
+    """`gpu-ckpt --job PID --cut --image DIR`: one ckpt_job_cut record (gpuos_tools/ckpt/agent_job.py)."""
+    record = agent_job.cut_job(job, image, margin=margin, wait_s=timeout_ms / 1000 if timeout_ms else agent_job.WAIT_S,
+                               compress=compress, checksum=checksum, threads=threads)
+    _records("-" if output is None else output, PROG, [record], pid=job)
+    _say(record["message"])
 
 
 def _suspend(agent: str, image: Optional[Path], partial: bool, max_hold: Optional[float], compress: bool,

@@ -11,7 +11,7 @@ import typer
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.suspend import request_resume
-from gpuos_tools.ckpt import criu, criu_job
+from gpuos_tools.ckpt import agent_job, criu, criu_job
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
@@ -78,6 +78,12 @@ def restore(
         help="With --image: pass ARG to `criu restore` (repeatable; a job's image is restored with the options "
         "it was dumped with).",
     ),
+    cut: bool = typer.Option(
+        False, "--cut",
+        help="With --job PID --image DIR: roll every rank of the running job back to the job image `gpu-ckpt --job "
+        "PID --cut` wrote (every rank's image checked against its process before any is written; NCCL's own "
+        "memory is left as it is). The ranks must then go on from the point of the cut (see the manual).",
+    ),
     profile: Optional[Path] = typer.Option(
         None, "--profile", metavar="FILE", help="Resume the processes that gpu-ckpt --profile FILE suspended.",
     ),
@@ -99,6 +105,18 @@ def restore(
         if given:
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
+        return
+    if cut:
+        if job is None or image is None:
+            raise GpuosError("--cut goes with --job PID --image DIR (the job image gpu-ckpt --job PID --cut wrote)",
+                             ExitCode.USAGE)
+        if any(x is not None for x in (pid, agent, device, device_map, profile)) or criu_arg or resume or lazy:
+            raise GpuosError("--job --cut goes with --image, --timeout and -o only (the ranks are rolled back on "
+                             "their own GPUs)", ExitCode.USAGE)
+        record = agent_job.rollback_job(job, image, timeout=timeout)
+        _records("-" if output is None else output, PROG, [record])
+        if sys.stderr.isatty():
+            stderr_console().print(f"{PROG}: {record['message']}", highlight=False)
         return
     if resume and agent is None:
         raise GpuosError("--resume goes with --agent PID (the driver path: --pid PID)", ExitCode.USAGE)

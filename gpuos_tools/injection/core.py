@@ -30,7 +30,7 @@ INCLUDE = HERE / "include"
 # flags (gpuos_core.c F_*)
 F_ENGINE, F_EXEC, F_GATE, F_TOUCH, F_SKIP_CAPTURED = 1, 2, 4, 8, 16
 # upcalls (gpuos_core.h UP_*)
-UP_LAUNCH, UP_WRITE, UP_GRAPH, UP_PREDICT, UP_PROTECT, UP_REFERENCE, UP_GATE = range(1, 8)
+UP_LAUNCH, UP_WRITE, UP_GRAPH, UP_PREDICT, UP_PROTECT, UP_REFERENCE, UP_GATE, UP_CUT = range(1, 9)
 NO_ARGS = 0xFFFFFFFF
 PTSZ = 0x80  #: bit of a handler kind: the API is a per-thread-stream variant
 COUNTERS = ("ops", "enters", "upcalls", "enter_ns", "upcall_ns", "memo_misses", "memo_hits", "protects",
@@ -89,6 +89,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "core_counters": (None, [ctypes.POINTER(ctypes.c_uint64)]),
     "core_ops": (ctypes.c_uint64, []),
     "core_context": (ctypes.c_uint64, []),
+    "core_collectives": (None, [ctypes.POINTER(ctypes.c_uint64)]),
+    "core_arm": (ctypes.c_int, [ctypes.c_uint64]),
+    "core_collective_name": (ctypes.c_int, [ctypes.c_char_p]),
     "gpuos_trace_error": (None, [ctypes.c_char_p]),
     # the tracer's side, for tests that drive the core without CUPTI
     "core_enter": (None, [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
@@ -207,6 +210,19 @@ class NativeCore:
 
     def context(self) -> int:
         return int(self.lib.core_context())
+
+    def collectives(self) -> dict[str, int]:
+        """NCCL collective launches counted, graph launches, collectives captured into graphs,
+        the collective an armed cut waits for (0: none), whether any capture began."""
+        out = (ctypes.c_uint64 * 5)()
+        self.lib.core_collectives(out)
+        return {"collectives": int(out[0]), "graphs": int(out[1]), "captured": int(out[2]), "armed": int(out[3]),
+                "capture_begun": int(out[4])}
+
+    def arm(self, k: int) -> bool:
+        """Arm the cut at collective ``k`` (0: disarm), core lock held; False: the program is at
+        or past ``k`` already, nothing armed."""
+        return self.lib.core_arm(k) == 0
 
     # -- what the agent sets ----------------------------------------------------------------------
 

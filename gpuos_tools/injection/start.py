@@ -15,7 +15,7 @@ from gpuos_tools.injection import tracelib, tracer
 from gpuos_tools.injection.config import BootConfig
 from gpuos_tools.injection.core import (
     F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
-    UP_PROTECT, UP_REFERENCE, UP_WRITE, VIEW_DRAIN_BYTES, NativeCore, NativeLock, OwnThreads, apply_view,
+    UP_CUT, UP_PROTECT, UP_REFERENCE, UP_WRITE, VIEW_DRAIN_BYTES, NativeCore, NativeLock, OwnThreads, apply_view,
     launch_args, report,
 )
 from gpuos_tools.memory import owned, threads
@@ -110,6 +110,9 @@ class AgentUpcalls:
                 return 0
             if what == UP_REFERENCE:
                 agent.dump_reference(int(u.n))
+                return 0
+            if what == UP_CUT:
+                agent.cut_now(int(u.n))
                 return 0
             api = self.names.get(u.cbid, "")
             if what == UP_LAUNCH:

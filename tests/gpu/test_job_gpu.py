@@ -383,3 +383,146 @@ def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, 
                 proc.wait(timeout=60)
             with contextlib.suppress(AssertionError):
                 wait_vanished([pid, *tree], 30)
+
+
+# ---------------------------------------------------------------- the agent path's cut
+
+CUT_STEPS = 600
+
+
+def start_agent_job(tmp: Path, name: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """The job with every rank under the agent (torchrun --no-python starts `gpu-ckpt run` as each
+    rank, which starts the rank's Python under the agent), NCCL on its default transports (cuMem,
+    peer memory over NVLink). Its output goes to a file (no pipe to fill while it runs)."""
+    progress, out, log = tmp / f"{name}.progress", tmp / f"{name}.json", tmp / f"{name}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID", NCCL_DEBUG="WARN",
+               MASTER_ADDR="127.0.0.1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    for key in NCCL_RESTORABLE:
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "--no-python", sys.executable, "-m", "gpuos_tools.commands.ckpt", "run", "--no-images", "-o", os.devnull,
+           "--", sys.executable, str(JOB), "--steps", str(CUT_STEPS), "--sleep-ms", "15", "--progress", str(progress),
+           "--out", str(out), *extra]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, progress, out, log
+
+
+def ended(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 240) -> dict:
+    """The job's result once it ended; a job still running after ``timeout`` (a collective that
+    never completes after a rollback) is killed and its log shown."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"the job did not end within {timeout} s: " + log.read_text(errors="replace")[-6000:])
+    assert proc.returncode == 0, log.read_text(errors="replace")[-6000:]
+    result = json.loads(out.read_text())
+    assert result["ranks_agree"] and result["steps"] == CUT_STEPS, result
+    return result
+
+
+def wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended ({proc.returncode}) before {path.name}: " \
+                                    + log.read_text(errors="replace")[-6000:]
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s: " + log.read_text(errors="replace")[-3000:]
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def cut_figure(**fields) -> None:  # noqa: ANN003
+    print(json.dumps({"test": "job_cut", **fields}), flush=True)
+    if FIGURES:
+        with open(FIGURES, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"test": "job_cut", **fields}) + "\n")
+
+
+def test_a_running_job_cut_rolled_back_and_run_on_ends_as_its_twin_stopped_and_resumed_at_that_step(tmp_path):
+    """`gpu-ckpt --job PID --cut` while the job trains (every rank just before the same collective,
+    the job never stopped), then, later, the ranks paused between steps and `gpu-restore --job PID
+    --cut` rolls each back; each rank goes back to the start of the step holding that collective and
+    runs on. Its final parameters equal those of a twin run stopped at that step (its state saved)
+    and resumed from it in new processes. The stall of every rank is reported."""
+    base = 29700 + os.getpid() % 200
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    state = tmp_path / "state"
+    proc, progress, out, log = start_agent_job(tmp_path, "cut", base, ["--sync-dir", str(sync)])
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # past the first steps (DDP rebuilds its buckets; the allocator's segments settle)
+            with contextlib.suppress(OSError, ValueError):
+                if int(progress.read_text()) >= 30:
+                    break
+            assert proc.poll() is None, log.read_text(errors="replace")[-6000:]
+            assert time.monotonic() < deadline, "the job did not reach step 30: " + log.read_text(errors="replace")[-3000:]
+            time.sleep(0.05)
+        from gpuos_tools.agent.control import request
+        from gpuos_tools.ckpt.agent_job import agent_ranks
+
+        counts = {r.rank: request(r.socket, "collectives") for r in agent_ranks(proc.pid)}
+        cut_figure(what="counts", counts=counts)
+        assert sorted(counts) == [0, 1] and all(c["collectives"] > 0 and c["known"] for c in counts.values()), \
+            f"the agents count no collectives (NCCL's kernel names not seen?): {counts}"
+        image = tmp_path / "job.img"
+        done, recs = cli("ckpt", "--job", str(proc.pid), "--cut", "--image", str(image), "--timeout", "90000",
+                         state_dir=state)
+        assert done.returncode == 0, done.stderr[-6000:] + log.read_text(errors="replace")[-3000:]
+        cut = next(r for r in recs if r["type"] == "ckpt_job_cut")
+        k = cut["k"]
+        cut_figure(what="cut", k=k, attempts=cut["attempts"], duration_s=cut["duration_s"],
+                   ranks=[{key: r.get(key) for key in ("rank", "gpu", "stall_s", "t0_stall_s", "protect_stall_s",
+                                                        "bytes", "buffers", "seconds", "left_out")}
+                          for r in cut["ranks"]])
+        for r in cut["ranks"]:
+            print(f"rank {r['rank']}: stall {r['stall_s'] * 1e3:.3f} ms (T0 {r['t0_stall_s'] * 1e3:.3f} ms, "
+                  f"protecting {r['protect_stall_s'] * 1e3:.3f} ms), {r['bytes'] / 2**20:.1f} MiB in "
+                  f"{r['seconds']:.3f} s, left out {r['left_out']}", flush=True)
+        assert sorted(r["rank"] for r in cut["ranks"]) == [0, 1], cut
+        assert len({r["gpu"] for r in cut["ranks"]}) == 2 and all(r["bytes"] > 0 for r in cut["ranks"]), cut
+        manifest = json.loads((image / "job.json").read_text())
+        assert manifest["k"] == k and all((image / r["image"] / "manifest.json").is_file() for r in manifest["ranks"])
+        assert proc.poll() is None, "the job stopped"
+
+        (sync / "pause").touch()  # the ranks agree to pause at the start of the next step
+        paused = [json.loads(wait_file(sync / f"paused.{rank}", proc, log, 120)) for rank in (0, 1)]
+        assert paused[0]["step"] == paused[1]["step"] and all(p["collectives"] >= k for p in paused), paused
+        done, recs = cli("restore", "--job", str(proc.pid), "--cut", "--image", str(image), state_dir=state)
+        assert done.returncode == 0, done.stderr[-6000:] + log.read_text(errors="replace")[-3000:]
+        back = next(r for r in recs if r["type"] == "ckpt_job_rollback")
+        cut_figure(what="rollback", k=back["k"], duration_s=back["duration_s"],
+                   ranks=[{key: r.get(key) for key in ("rank", "stall_s", "bytes", "read_s")} for r in back["ranks"]])
+        (sync / "pause").unlink()
+        tmp = sync / "resume.tmp"
+        tmp.write_text(json.dumps({"collective": k}))
+        tmp.rename(sync / "resume")
+        result = ended(proc, out, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert len(result["rewound"]) == 1 and result["rewound"][0]["collective"] == k, result
+    step = result["rewound"][0]["step"]
+    assert 30 <= step < paused[0]["step"], (step, paused)
+
+    saved = tmp_path / "twin-state"
+    a, _, _, log_a = start_agent_job(tmp_path, "twin-a", base + 1, ["--sync-dir", str(tmp_path / "twin-sync"),
+                                                                    "--save-at", str(step), "--state-dir", str(saved)])
+    try:
+        assert a.wait(timeout=180) == 0, log_a.read_text(errors="replace")[-6000:]
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    b, _, out_b, log_b = start_agent_job(tmp_path, "twin-b", base + 2,
+                                         ["--sync-dir", str(tmp_path / "twin-sync"), "--resume-from", str(saved),
+                                          "--start-step", str(step)])
+    twin = ended(b, out_b, log_b)
+    cut_figure(what="result", step=step, digest=result["digest"], twin_digest=twin["digest"],
+               step_s=result["step_s"], twin_step_s=twin["step_s"])
+    assert result["digest"] == twin["digest"], "the job rolled back and run on did not end as its twin"

@@ -271,6 +271,34 @@ os._exit, runs no exit handler: its image in flight is lost (no partial image is
 --leave-running`, named and retired like the agent's images (chain.length must be 0: every
 full-process image is full)."""
 
+JOB_CUT = """\
+`gpu-ckpt --job PID --cut --image DIR` takes one consistent image of a running data-parallel job
+through its ranks' agents, without stopping it. Every rank must run under the agent, e.g.
+
+    torchrun --nproc-per-node 2 --no-python gpu-ckpt run -o /dev/null -- python3 train.py
+    gpu-ckpt --job $(pgrep -f torch.distributed.run) --cut --image /var/tmp/job.cut
+
+Each rank's agent counts its program's collective launches (NCCL's kernels); gpu-ckpt asks every
+rank for its count, picks K = the largest + `--margin`, and arms every rank with K. At the K-th
+collective launch of each rank, before the launch, its agent takes the snapshot's T0 on the
+program's thread and lets the launch go; the copy and the image follow while the job runs. Every
+image therefore holds its rank's device memory after its collective K-1 and before K. A rank
+already past K when armed makes the attempt fail: every rank is disarmed, what was taken is
+deleted, and the cut is tried again with a fourfold margin. gpu-ckpt waits for every image at most
+`--timeout` (default 120 s); then, or on any failure, every rank is disarmed and no image is kept.
+
+DIR is new: the ranks' images (rank-N, agent-path images) and job.json (host, launcher, K, and
+per rank its pid, rank, GPU, image and stall) go into a temp directory beside it, job.json last,
+renamed to DIR when complete. The `ckpt_job_cut` record reports each rank's stall: the time its
+program was held at collective K (t0_stall_s) plus its time protecting buffers still being copied
+(protect_stall_s).
+
+Refused, untouched: a rank that launched CUDA graphs whose collectives the agent cannot count
+(captured collectives, or graphs built node by node), a rank whose memory is owned
+(GPUOS_AGENT_OWN), a rank of the job not under the agent, and a job with NCCL_CUMEM_ENABLE=0. The
+cut leaves out memory mapped with cuMemMap (NCCL's buffers and its peers', through its cuMem
+allocator): `gpu-restore --job PID --cut --image DIR` leaves it as it is."""
+
 SECTIONS = sections(NOTES, EXAMPLES, "gpu-restore(1), criu(8), chronic(1)",
                             {"PERIODIC CHECKPOINTS": PERIODIC, "SUSPEND THROUGH THE AGENT": SUSPEND,
-                             "DURABLE IMAGES": DURABLE})
+                             "DURABLE IMAGES": DURABLE, "A JOB'S CUT THROUGH THE AGENTS": JOB_CUT})

@@ -161,4 +161,20 @@ sha256 sums are trusted; chunks with equal crc32 sums are read and compared), by
 comparing the bytes otherwise. Like diff(1) it exits 0 when the contents are the
 same and 1 when they differ."""
 
-SECTIONS = sections(NOTES, EXAMPLES, "gpu-ckpt(1), criu(8), chronic(1)")
+JOB_ROLLBACK = """\
+`gpu-restore --job PID --cut --image DIR` rolls every rank of a running job back to the job image
+`gpu-ckpt --job PID --cut` wrote: the ranks must be the processes the cut took (same pids and
+start times). Every rank's image is read and checked against its process first (checksums, the
+GPU, the allocation table); only when all fit is any written, each rank stop-the-world as
+`--agent --image` does. Memory the cut left out (NCCL's cuMemMap mappings) is left as it is.
+
+What it guarantees: afterwards every rank's device memory (what the cut kept) is as it was just
+before its K-th collective launch. Nothing else goes back: the program's host state, its threads,
+NCCL's communicators and buffers are as they are. So the job must be paused where no collective
+is in flight (every rank between steps, its work synchronised) while it is rolled back, and each
+rank must then go on from a host state that matches: for a data-parallel training loop, the start
+of the step whose collectives include K, whose parameters and optimizer state are then on the GPU
+(none is written before the step's last collective); its loop counter, generator states and data
+position are the program's to bring back. workloads/ddp_job.py --sync-dir shows one way."""
+
+SECTIONS = sections(NOTES, EXAMPLES, "gpu-ckpt(1), criu(8), chronic(1)", {"A JOB'S ROLLBACK": JOB_ROLLBACK})

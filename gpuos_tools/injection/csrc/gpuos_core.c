@@ -87,6 +87,7 @@ static uint64_t n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hit
 /* why the epoch moved: allocations, frees, host bytes holding live pointers, writes over stored
    pointers, module unloads, Python (a kernel made conservative) */
 static uint64_t bumps[6];
+static uint64_t coll_gen; /* the collectives cache's generation (below) */
 enum { B_ALLOC, B_FREE, B_WORDS, B_OVER, B_MODULE, B_PYTHON };
 
 static inline uint64_t now_ns(void) {
@@ -397,6 +398,7 @@ void core_after_write(uint64_t dst, const uint8_t *payload, uint64_t n, uint64_t
 
 void core_module_unloading(void) {
     __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED); /* function handles may come back for others */
+    __atomic_add_fetch(&coll_gen, 1, __ATOMIC_RELEASE);
     bumps[B_MODULE]++;
 }
 
@@ -700,6 +702,66 @@ int core_touches(uint64_t *out, int cap) {
     return n;
 }
 
+static int capture_begun;
+
+/* ---- collectives: NCCL's kernel launches, counted for a job's consistent cut
+   (docs/multi-gpu-jobs.md). A kernel is a collective when its name (mangled or not) begins with
+   ncclDevKernel_ or ncclKernel_; the answer is cached per function handle, and the cache is
+   forgotten when a module is unloaded (handles come back for other kernels). */
+#define COLL_SLOTS 4096
+typedef struct { uint64_t func, gen; int8_t coll; } coll_slot_t;
+static coll_slot_t coll_cache[COLL_SLOTS];
+static uint64_t coll_gen = 1;
+/* collectives launched; graph launches; collectives captured into a graph (they run when the
+   graph is launched, uncounted); the collective an armed cut waits for (0: not armed) */
+static uint64_t n_coll, n_graphs, n_coll_captured, arm_k;
+
+int core_collective_name(const char *name) {
+    if (!name) return 0;
+    const char *p = name;
+    if (p[0] == '_' && p[1] == 'Z') { /* a mangled name: _Z<length><name> */
+        p += 2;
+        if (*p < '0' || *p > '9') return 0;
+        while (*p >= '0' && *p <= '9') p++;
+    }
+    return !strncmp(p, "ncclDevKernel_", 14) || !strncmp(p, "ncclKernel_", 11);
+}
+
+static int is_collective(uint64_t func, const char *name) {
+    uint64_t gen = __atomic_load_n(&coll_gen, __ATOMIC_ACQUIRE);
+    if (!func) return core_collective_name(name);
+    size_t h = (size_t)((func * 0x9e3779b97f4a7c15ull) >> 52) % COLL_SLOTS;
+    for (int probe = 0; probe < 8; probe++) {
+        coll_slot_t *s = &coll_cache[(h + probe) % COLL_SLOTS];
+        if (s->gen == gen && s->func == func) return s->coll;
+        if (s->gen != gen) { /* free (or stale): take it */
+            s->func = func;
+            s->coll = (int8_t)core_collective_name(name);
+            s->gen = gen;
+            return s->coll;
+        }
+    }
+    return core_collective_name(name); /* a crowded neighbourhood: not cached */
+}
+
+/* collectives, graph launches, collectives captured, the armed K (0: none), whether any stream
+   began capturing a graph. */
+void core_collectives(uint64_t out[5]) {
+    out[0] = n_coll;
+    out[1] = n_graphs;
+    out[2] = n_coll_captured;
+    out[3] = arm_k;
+    out[4] = (uint64_t)__atomic_load_n(&capture_begun, __ATOMIC_ACQUIRE);
+}
+
+/* Arm the cut at collective k (0: disarm); core lock held. -1: the program is at or past k
+   already (nothing armed). */
+int core_arm(uint64_t k) {
+    if (k && n_coll >= k) return -1;
+    arm_k = k;
+    return 0;
+}
+
 /* ---- references (tests): operation numbers at whose start the state is dumped */
 static uint64_t *refs;
 static uint32_t n_refs, ref_at;
@@ -717,7 +779,6 @@ static memo_t *last_access;
 static int last_known;
 
 /* ---- the enter site */
-static int capture_begun;
 
 void core_capture_begun(void) { __atomic_store_n(&capture_begun, 1, __ATOMIC_RELEASE); }
 
@@ -739,11 +800,29 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
     issuing++;
     pthread_mutex_unlock(&issued_mu);
     n_enters++;
+    int coll = op == OP_LAUNCH && is_collective(func, name);
+    if (coll && __atomic_load_n(&capture_begun, __ATOMIC_ACQUIRE) && capture_query && capture_query(stream)) {
+        n_coll_captured++; /* it runs when its graph is launched: a graph of unknown collectives */
+        coll = 0;
+    }
     if (op != OP_GRAPH && (snap_active || (flags & F_SKIP_CAPTURED)) &&
         __atomic_load_n(&capture_begun, __ATOMIC_ACQUIRE) && (op == OP_LAUNCH || stream) &&
         capture_query && capture_query(stream)) {
         n_ops++; /* only recorded into a graph: it writes nothing now */
         goto out;
+    }
+    if (op == OP_GRAPH) n_graphs++;
+    if (coll && ++n_coll == arm_k) { /* the cut: T0 before this launch, on this thread */
+        arm_k = 0;
+        upcall_t c = {0};
+        c.what = UP_CUT;
+        c.cbid = cbid;
+        c.stream = eff;
+        c.raw_stream = stream;
+        c.func = func;
+        c.name = name;
+        c.n = n_coll;
+        call_up(&c);
     }
     if (op != OP_GRAPH) {
         n_ops++;

@@ -19,6 +19,7 @@ enum {
     UP_PROTECT = 5,   /* a snapshot's buffers must be protected before this operation */
     UP_REFERENCE = 6, /* a reference dump is asked for at this operation */
     UP_GATE = 7,      /* serve: wait for the GPU turn (before the lock) */
+    UP_CUT = 8,       /* an armed cut: this launch is the K-th collective (n: K); take T0 before it */
 };
 
 /* One upcall's data. Python reads it with ctypes; keep the layout in step with core.py. */
