@@ -303,7 +303,7 @@ def _free_handler(unpack, size_of, stream_of):
     return handler
 
 
-SMALL_COPY = 4096  #: bytes of a host-to-device copy kept in its record (as in gpuos_trace.c)
+SMALL_COPY = 4096  #: bytes of a host-to-device copy kept in its record (as in gpuos_record.c)
 
 
 def _host(addr: int) -> bool:
