@@ -171,3 +171,17 @@ def test_the_preload_goes_first_and_leaves_with_the_boot():
     assert intercept.preload({}, "/c/lib.so") == "/c/lib.so"
     assert intercept.unpreload("/c/lib.so /u/a.so", "/c/lib.so") == "/u/a.so"
     assert intercept.unpreload("/c/lib.so", "/c/lib.so") is None
+
+
+def test_a_fatbin_handed_to_a_load_call_lists_its_kernels():
+    """The interposer ships the image a load call was given; a fatbin's kernels are read from its
+    cubins (CUPTI's module callback hands over a cubin)."""
+    from gpuos_tools.cuda import elf
+    from gpuos_tools.model import wire
+    from gpuos_tools.model.decode import Decoder
+
+    data = (TESTS / "data" / "kernels.fatbin").read_bytes()
+    rec = next(Decoder(None).feed([(wire.MODULE, 1, 2, 7, data)]))
+    assert rec["format"] == "fatbin"
+    want = {k for _, cubin in elf.extract_cubins(data) for k in elf.kernels(cubin)}
+    assert want and set(rec["kernels"]) == want
