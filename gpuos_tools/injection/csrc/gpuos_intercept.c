@@ -183,8 +183,18 @@ static const char *const route_names[NROUTES] = {"direct", "dlsym", "getproc"};
     X(EVENT_SYNC, cuEventSynchronize, "cuEventSynchronize", 2000, (CUevent e), (e), NOKERNEL)      \
     X(CAPTURE_BEGIN, cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, (CUstream s, int mode),\
       (s, mode), NOKERNEL)                                                                         \
+    X(CAPTURE_BEGIN_V1, cuStreamBeginCapture, "cuStreamBeginCapture", 10000, (CUstream s), (s),      \
+      NOKERNEL)                                                                                    \
+    X(CAPTURE_BEGIN_TO_GRAPH, cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", 12030,   \
+      (CUstream s, CUgraph g, const void *deps, const void *data, size_t n, int mode),             \
+      (s, g, deps, data, n, mode), NOKERNEL)                                                       \
     X(CAPTURE_END, cuStreamEndCapture, "cuStreamEndCapture", 10000, (CUstream s, CUgraph * g),     \
       (s, g), NOKERNEL)                                                                            \
+    X(INSTANTIATE_V2, cuGraphInstantiate_v2, "cuGraphInstantiate", 11000,                          \
+      (CUgraphExec * e, CUgraph g, void *err_node, char *log, size_t log_size),                    \
+      (e, g, err_node, log, log_size), NOKERNEL)                                                   \
+    X(INSTANTIATE_PARAMS, cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams", 12000,     \
+      (CUgraphExec * e, CUgraph g, void *params), (e, g, params), NOKERNEL)                        \
     X(INSTANTIATE, cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", 11040,              \
       (CUgraphExec * e, CUgraph g, unsigned long long fl), (e, g, fl), NOKERNEL)                   \
     X(MODULE_LOAD, cuModuleLoadData, "cuModuleLoadData", 2000, (CUmodule * m, const void *img),    \
