@@ -104,11 +104,12 @@ def test_interception_sees_the_launches_cupti_sees_and_the_job_ends_bit_identica
     assert not [r for r in recs if r["type"] == "error"], [r for r in recs if r["type"] == "error"][:5]
     mine, theirs = kernels(recs), kernels(runs["cupti"][1])
     assert sum(theirs.values()) > steps
-    diff = {k: (mine.get(k, 0), theirs.get(k, 0)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
-    assert mine == theirs, diff
+    # every launch CUPTI recorded, by name and count (a launch CUPTI gave no name is counted in the total)
+    diff = {k: (mine.get(k, 0), n) for k, n in theirs.items() if k and mine.get(k, 0) != n}
+    assert not diff and sum(mine.values()) == sum(theirs.values()), (diff, sum(mine.values()), sum(theirs.values()))
     launches = [r for r in recs if r["type"] == "launch"]
-    known = [r for r in launches if r["layout"] != "none"]
-    assert len(known) == len(launches), [r["kernel"] for r in launches if r["layout"] == "none"][:5]
+    unknown = sum(1 for r in launches if r["layout"] == "none")
+    assert unknown <= sum(1 for r in runs["cupti"][1] if r["type"] == "launch" and r["layout"] == "none")
     core = recs[-1]["tracer"]["core"]
     assert core["ops"] >= len(launches)
 
