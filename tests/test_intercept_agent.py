@@ -153,6 +153,7 @@ def test_interception_is_the_agents_and_on_its_native_core(monkeypatch):
     monkeypatch.setenv("GPUOS_AGENT_MECHANISM", "intercept")
     assert launcher.agent_mechanism(None, True, "auto") == "intercept"
     assert launcher.agent_mechanism("cupti", True, "auto") == "cupti"  # the option wins
+    assert launcher.agent_mechanism(None, False, "auto") == "cupti"  # the variable is the agent's only
     with pytest.raises(GpuosError, match="--agent"):
         launcher.agent_mechanism("intercept", False, "auto")
     with pytest.raises(GpuosError, match="native core"):

@@ -161,6 +161,8 @@ def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
     interception is the agent's, on its native core."""
     source = "--mechanism"
     if mechanism is None:
+        if not agent:  # the variable is the agent's: the tracer alone runs on CUPTI whatever it says
+            return DEFAULT_MECHANISM
         mechanism = os.environ.get(MECHANISM_ENV) or DEFAULT_MECHANISM
         source = MECHANISM_ENV
     if mechanism not in MECHANISMS:
