@@ -34,7 +34,7 @@ from gpuos_tools.memory.settings import VARIABLES as ENGINE_VARIABLES
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.online import POLICIES
 
-#: how the agent sees the program's driver calls (injection/intercept.py MECHANISMS)
+#: how the agent sees the program's driver calls: CUPTI callbacks, or the interposer (injection/intercept.py)
 MECHANISMS = ("cupti", "intercept")
 #: the one variable the launcher sets for the program (besides PYTHONPATH); the bootstrap names it too
 ENV = "GPUOS_BOOT"

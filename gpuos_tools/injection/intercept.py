@@ -25,8 +25,6 @@ from gpuos_tools.injection import core, tracelib
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_intercept.c"
 STEM = "libgpuos_intercept"
 AGENT_STEM = "libgpuos_icagent"
-#: how the agent sees the program's driver calls (the boot config's agent.mechanism)
-from gpuos_tools.injection.config import MECHANISMS  # noqa: E402,F401  (re-exported)
 PRELOAD = "LD_PRELOAD"
 ROUTES = ("direct", "dlsym", "getproc")
 #: the calls that launch a kernel (each counted per CUfunction too)

@@ -27,7 +27,7 @@ from gpuos_tools.cuda.driver import probe_driver
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection import core, intercept, tracelib
 from gpuos_tools.injection.config import (
-    AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment, overrides_from_environment,
+    MECHANISMS, AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment, overrides_from_environment,
 )
 from gpuos_tools.model import wire
 from gpuos_tools.model.binary import parse_records
@@ -38,7 +38,6 @@ from gpuos_tools.units import parse_size
 BOOT_DIR = Path(gpuos_tools.__file__).resolve().parent / "injection" / "boot"
 PACKAGE_ROOT = Path(gpuos_tools.__file__).resolve().parent.parent
 BACKENDS = ("auto", "native", "python")
-MECHANISMS = intercept.MECHANISMS
 #: the agent's mechanism for commands that have no --mechanism (gpu-ckpt run, gpu-prefetch-sched run)
 MECHANISM_ENV = "GPUOS_AGENT_MECHANISM"
 DEFAULT_MECHANISM = "cupti"
