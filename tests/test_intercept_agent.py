@@ -78,9 +78,14 @@ def both(built, tmp_path_factory) -> dict:
     env = environment(built)
     trace = d / "trace.ndjson"
     state_file = d / "state.json"
+    # a cupti-python the program could import: were the agent's start-up to import it, the
+    # program would find it in sys.modules
+    (d / "site" / "cupti").mkdir(parents=True)
+    (d / "site" / "cupti" / "__init__.py").write_text("cupti = None\n")
     with pytest.MonkeyPatch.context() as mp:
-        for k in ("LD_LIBRARY_PATH", "XDG_CACHE_HOME", "PYTHONPATH"):
+        for k in ("LD_LIBRARY_PATH", "XDG_CACHE_HOME"):
             mp.setenv(k, env[k])
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(d / "site"), env["PYTHONPATH"]]))
         for k in ("LD_PRELOAD", "GPUOS_AGENT_MECHANISM", "GPUOS_AGENT_BACKEND"):
             mp.delenv(k, raising=False)
         # the launcher's look at the GPUs (cuda-python) is all it needs of a real driver
