@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the agent costs a real training loop: the same loop untraced, under the native tracer,
 under the agent on its native core (before and after a first snapshot, when every launch's write
-set is tracked), under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
+set is tracked; and fed by driver-API interception instead of CUPTI callbacks, `agent_intercept`),
+under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 
     bench_native_agent.py [--models resnet50,mlp] [--steps N] [--repeat R] [--json OUT]
 
@@ -31,7 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "workloads" / "train_steps.py"
 CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gpu-prefetch-sched", "run"]}
-CONFIGS = ("plain", "trace", "agent", "agent_after_snapshot", "sched_100", "agent_python", "plain_again")
+CONFIGS = ("plain", "trace", "agent", "agent_intercept", "agent_after_snapshot", "sched_100", "agent_python",
+           "plain_again")
 
 
 def tool(name: str) -> list[str]:
@@ -44,9 +46,11 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         return [sys.executable, *workload], env
     if config == "trace":
         return [*tool("gpu-trace"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
-    if config in ("agent", "agent_after_snapshot", "agent_python"):
+    if config in ("agent", "agent_intercept", "agent_after_snapshot", "agent_python"):
         if config == "agent_python":
             env["GPUOS_AGENT_BACKEND"] = "python"
+        # the agent's mechanism: interception only where asked, CUPTI callbacks otherwise
+        env["GPUOS_AGENT_MECHANISM"] = "intercept" if config == "agent_intercept" else "cupti"
         return [*tool("gpu-ckpt"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
     if config == "sched_100":
         return [*tool("gpu-prefetch-sched"), "run", "--budget", "100%", "-o", str(trace), "--",

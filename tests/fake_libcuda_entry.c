@@ -136,6 +136,49 @@ int cuFuncGetName(const char **name, void *f) {
     return OK;
 }
 
+/* What the agent's front ends ask of the driver: every kernel takes two 8-byte parameters here
+   (cuFuncGetParamInfo answers INVALID_VALUE past the last one, as the driver does); one context;
+   no stream is ever capturing; streams and modules are numbers. */
+int cuFuncGetParamInfo(void *f, size_t index, size_t *offset, size_t *size) {
+    if (!f || !offset || !size) return INVALID_VALUE;
+    if (index >= 2) return INVALID_VALUE;
+    *offset = index * 8;
+    *size = 8;
+    return OK;
+}
+
+int cuCtxGetCurrent(void **ctx) {
+    if (!ctx) return INVALID_VALUE;
+    *ctx = (void *)(uintptr_t)0xC0C0000ull;
+    return OK;
+}
+
+int cuStreamIsCapturing(void *stream, int *status) {
+    (void)stream;
+    if (!status) return INVALID_VALUE;
+    *status = 0;
+    return OK;
+}
+
+static uint64_t next_handle_id = 0x5000;
+
+int cuStreamCreate(void **stream, unsigned flags) {
+    (void)flags;
+    if (!stream) return INVALID_VALUE;
+    *stream = (void *)(uintptr_t)__atomic_add_fetch(&next_handle_id, 0x10, __ATOMIC_RELAXED);
+    return OK;
+}
+
+int cuStreamDestroy_v2(void *stream) { return stream ? OK : INVALID_VALUE; }
+
+int cuModuleLoadData(void **module, const void *image) {
+    if (!module || !image) return INVALID_VALUE;
+    *module = (void *)(uintptr_t)__atomic_add_fetch(&next_handle_id, 0x10, __ATOMIC_RELAXED);
+    return OK;
+}
+
+int cuModuleUnload(void *module) { return module ? OK : INVALID_VALUE; }
+
 /* name, the version that introduced this answer, per-thread-stream variant, the function */
 typedef struct { const char *name; int since, ptds; void *fn; } proc_t;
 static int getproc_v1(const char *, void **, int, uint64_t);
@@ -160,6 +203,7 @@ static const proc_t procs[] = {
     {"cuMemAddressReserve", 10020, 0, (void *)cuMemAddressReserve},
     {"cuMemAddressFree", 10020, 0, (void *)cuMemAddressFree},
     {"cuFuncGetName", 12030, 0, (void *)cuFuncGetName},
+    {"cuStreamDestroy", 4000, 0, (void *)cuStreamDestroy_v2},
     {"cuGetProcAddress", 11030, 0, (void *)getproc_v1},
     {"cuGetProcAddress", 12000, 0, (void *)getproc_v2},
 };

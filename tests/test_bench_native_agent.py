@@ -24,6 +24,11 @@ def test_each_configuration_runs_the_same_loop_under_its_tool(tmp_path):
         assert env.get("GPUOS_AGENT_BACKEND") != "python"
     _, env = bench.command("agent_python", workload, trace)
     assert env["GPUOS_AGENT_BACKEND"] == "python"
+    cmd, env = bench.command("agent_intercept", workload, trace)
+    assert cmd[1].endswith("gpu-ckpt") and env["GPUOS_AGENT_MECHANISM"] == "intercept"
+    assert env.get("GPUOS_AGENT_BACKEND") != "python"
+    assert bench.command("agent", workload, trace)[1]["GPUOS_AGENT_MECHANISM"] == "cupti"
+    assert "agent_intercept" in bench.CONFIGS
     assert "100%" in bench.command("sched_100", workload, trace)[0]
 
 

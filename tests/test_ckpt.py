@@ -119,7 +119,7 @@ def test_new_exit_codes_are_distinct_and_described() -> None:
     ("ckpt", ["--compress", "status"]),
     ("ckpt", ["--checksum", "sha256", "status"]),
     ("restore", ["--timeout", "5", "verify", "img"]),
-    ("restore", ["--agent", "1", "--resume", "--device", "1"]),
+    ("restore", ["--agent", "1", "--resume", "--device", "1", "--pid", "1"]),
 ])
 def test_usage_errors(command: str, args: list[str], state_dir: Path) -> None:
     done, records = run_cmd(command, *args, state_dir=state_dir)

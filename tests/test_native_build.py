@@ -47,7 +47,7 @@ def test_a_record_running_past_its_frame_is_an_error():
 
 
 def test_kind_codes_match_the_c_enum():
-    src = tracelib.SOURCE.read_text()
+    src = tracelib.RECORDER.read_text()
     for name, value in [("K_COPY", binary.KIND_COPY), ("K_SET", binary.KIND_SET),
                         ("K_LIBRARY", binary.KIND_LIBRARY), ("K_COPY2D", binary.KIND_COPY2D)]:
         assert f"{name} = {value}" in src

@@ -277,7 +277,7 @@ def test_refusals_keep_their_exit_status(agent):
     ("ckpt", ["--agent", "5", "--suspend", "--pid", "5"], "--agent --suspend goes with"),
     ("ckpt", ["--agent", "5", "--image", "x", "--partial"], "--agent goes with"),
     ("restore", ["--resume"], "goes with --agent"),
-    ("restore", ["--agent", "5", "--resume", "--device", "1"], "cannot move a program to another GPU"),
+    ("restore", ["--agent", "5", "--resume", "--device", "1", "--device-map", "0=1"], "not both"),
     ("restore", ["--agent", "5", "--resume", "--image", "x"], "--agent --resume goes with"),
     ("restore", ["--pid", "5", "--lazy"], "--lazy goes with --agent"),
 ])

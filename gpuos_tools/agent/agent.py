@@ -164,6 +164,9 @@ class Agent(ProcessView):
         self.snap: Snap | None = None
         self.cow_budget = cow_budget
         self.server = None
+        #: how the program's driver calls reach the agent: "cupti" (callbacks; the driver's checkpoint
+        #: API refuses the process) or "intercept" (the preloaded interposer). Set at start-up.
+        self.mechanism = "cupti"
         self.references: set[int] = set()  #: operation counts at whose start the state is dumped (tests)
         self.reference_out: str | None = None
         #: how long the program's exit waits for an image in flight, and in all (durable.py)
@@ -1055,7 +1058,7 @@ class Agent(ProcessView):
         sus = self.suspension
         if sus is not None and sus.held:  # the holder has the lock: answer without it
             if op == "ping":
-                return {"ok": True, "pid": os.getpid(), "ops": self.ops, **sus.status()}
+                return {"ok": True, "pid": os.getpid(), "ops": self.ops, "mechanism": self.mechanism, **sus.status()}
             if op == "resume":
                 return sus.resume(lazy=bool(request.get("lazy")))
             if op in ("suspend", "snapshot", "rollback", "arm", "disarm"):
@@ -1077,7 +1080,7 @@ class Agent(ProcessView):
         if op == "ping":
             with self.lock:
                 bufs = self.buffers()
-            out = {"ok": True, "pid": os.getpid(), "ops": self.ops, "buffers": len(bufs),
+            out = {"ok": True, "pid": os.getpid(), "ops": self.ops, "mechanism": self.mechanism, "buffers": len(bufs),
                    "bytes": sum(b.size for b in bufs), "streams": len(self.streams), "state": "running",
                    "collectives": job_cut.counts(self)["collectives"],
                    "launch_hooks": self._hook_figures()}

@@ -30,9 +30,11 @@ CUDA context and module images. A suspend of a program
 with such allocations is refused (NOT_OWNED, naming them) unless ``partial`` is asked; then the
 owned memory is suspended and the answer reports what stayed (count, bytes, the largest).
 
-The driver checkpoint API cannot take the remainder under the agent: it refuses to lock a
-process with CUPTI attached (CUDA_ERROR_NOT_SUPPORTED), and the held program is parked inside a
-driver call; see the man page of gpu-ckpt (SUSPEND) for what was measured.
+The driver checkpoint API cannot take the remainder under an agent on CUPTI callbacks: it
+refuses to lock a process with CUPTI attached (CUDA_ERROR_NOT_SUPPORTED); see the man page of
+gpu-ckpt (SUSPEND) for what was measured. Under an agent on interception no CUPTI is loaded and
+the held program waits in the interposer, before the driver: gpuos_tools/ckpt/move.py moves such
+a job to another GPU that way.
 """
 
 from __future__ import annotations

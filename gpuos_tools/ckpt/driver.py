@@ -181,6 +181,21 @@ def uuid_bytes(uuid: str) -> bytes:
     return raw
 
 
+def cupti_hint(pid: int, err: str | None) -> str:
+    """Why the driver refused to lock ``pid`` when it has CUPTI loaded (an agent job on CUPTI
+    callbacks, a profiler): the driver's checkpoint refuses any such process. Empty otherwise."""
+    if not err or "NOT_SUPPORTED" not in err:
+        return ""
+    try:
+        loaded = procs.maps_library(pid, b"/libcupti.so")
+    except GpuosError:
+        return ""
+    if not loaded:
+        return ""
+    return (" (it has CUPTI loaded, which the driver's checkpoint refuses: an agent job on CUPTI callbacks can be "
+            "checkpointed this way when started with --mechanism intercept (GPUOS_AGENT_MECHANISM=intercept))")
+
+
 # What a failing call means, per call: (CUresult name -> exit code). Anything else is CUDA_ERROR.
 _CODES: dict[str, dict[str, ExitCode]] = {
     "state": {
@@ -472,7 +487,7 @@ class Checkpointer:
                         message = (f"PID {pid} could not be locked within {timeout_ms} ms ({err}): it is busy "
                                    f"in a CUDA call or waiting for long GPU work; {left_message(left, pid)}")
                     else:
-                        message = f"cannot lock PID {pid}: {err}; {left_message(left, pid)}"
+                        message = f"cannot lock PID {pid}: {err}{cupti_hint(pid, err)}; {left_message(left, pid)}"
                     raise self.fail("checkpoint", pid, message, code, left, left != "running")
                 locked = True
                 t = time.monotonic()

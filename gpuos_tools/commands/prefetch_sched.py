@@ -423,6 +423,8 @@ def serve_cmd(
     # serve's jobs run the Python agent: the native core's gate (the GPU turn) has not run on a
     # GPU yet, and the executor's hooks see every operation of a served job anyway
     env.setdefault("GPUOS_AGENT_BACKEND", "python")
+    if env["GPUOS_AGENT_BACKEND"] == "python":
+        env["GPUOS_AGENT_MECHANISM"] = "cupti"  # the Python agent sees the calls through CUPTI only
     start = job_starter(size, policy, lookahead, env)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
         result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, start, overlap=switch == "overlap")

@@ -14,6 +14,7 @@ from gpuos_tools.agent.suspend import request_resume
 from gpuos_tools.ckpt import agent_job, criu, criu_job
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
+from gpuos_tools.ckpt.move import check_movable, move_suspended
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
 from gpuos_tools.ckpt.records import run_recorded
 from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
@@ -66,7 +67,9 @@ def restore(
     resume: bool = typer.Option(
         False, "--resume",
         help="With --agent: let a program suspended by `gpu-ckpt --agent PID --suspend` go on (its memory is "
-        "mapped again at the same addresses and reloaded).",
+        "mapped again at the same addresses and reloaded). With --device or --device-map it moves first, through "
+        "the driver's checkpoint: only a job whose agent runs on interception (--mechanism intercept; the driver "
+        "refuses a process with CUPTI loaded).",
     ),
     lazy: bool = typer.Option(
         False, "--lazy",
@@ -123,13 +126,15 @@ def restore(
     if lazy and agent is None:
         raise GpuosError("--lazy goes with --agent PID --resume or --agent PID --image DIR", ExitCode.USAGE)
     if agent is not None and resume:
-        if device is not None or device_map is not None:
-            raise GpuosError("--agent --resume cannot move a program to another GPU: its CUDA context stays on its own, "
-                             "and the driver's checkpoint, which could move it, refuses a process with CUPTI loaded",
-                             ExitCode.USAGE)
         if any(x is not None for x in (pid, job, profile, image)) or criu_arg:
-            raise GpuosError("--agent --resume goes with --lazy, --timeout and -o only", ExitCode.USAGE)
-        _resume(agent, output, timeout, lazy)
+            raise GpuosError("--agent --resume goes with --device, --device-map, --lazy, --timeout and -o only",
+                             ExitCode.USAGE)
+        if device is not None and device_map is not None:
+            raise GpuosError("give --device or --device-map, not both", ExitCode.USAGE)
+        if device is not None or device_map is not None:
+            _move(agent, device, device_map, output, timeout, lazy)
+        else:
+            _resume(agent, output, timeout, lazy)
         return
     if agent is not None:
         if any(x is not None for x in (pid, job, device, device_map, profile)) or criu_arg:
@@ -205,6 +210,22 @@ def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = Fals
             f"{PROG}: resumed: {format_size(answer['bytes'])} in {answer['buffers']} buffers back in "
             f"{answer['resume_s']:.3f} s ({answer['load_gbps']} GB/s); the program waited {answer['held_s']:.2f} s",
             highlight=False)
+
+
+def _move(agent: str, device: Optional[str], device_map: Optional[str], output: Optional[str], timeout: float,
+          lazy: bool) -> None:
+    """`gpu-restore --agent PID --resume --device N`: the suspended job moved through the driver's
+    checkpoint, then resumed by its agent (gpuos_tools/ckpt/move.py); only a job on interception."""
+    target = control.resolve(agent)
+    status = control.request(target, "ping", timeout=timeout)
+    check_movable(status)  # before any record: a job on CUPTI is refused untouched
+    ckpt = Checkpointer()
+    result = run_recorded("-" if output is None else output, PROG, ckpt,
+                          lambda: move_suspended(ckpt, status, device, device_map,
+                                                 lambda: request_resume(target, timeout=timeout, lazy=lazy)),
+                          action="restore", pid=int(status["pid"]))
+    if sys.stderr.isatty():
+        stderr_console().print(f"{PROG}: {result['message']}; resumed by its agent", highlight=False)
 
 
 def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, lazy: bool = False) -> None:

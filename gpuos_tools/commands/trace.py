@@ -89,6 +89,14 @@ def run(
         "allocates, so that no snapshot waits for it (costs as much pinned host memory as the "
         "program has on the GPU).",
     ),
+    mechanism: Optional[str] = typer.Option(
+        None, "--mechanism", metavar="cupti|intercept",
+        help="With --agent: how the agent sees the program's driver calls: cupti (CUPTI callbacks; "
+        "the driver's checkpoint API and CRIU refuse such a process) or intercept (a library "
+        "preloaded between the program and libcuda; CUPTI is never loaded). Default: "
+        "$GPUOS_AGENT_MECHANISM, else cupti (intercept is not yet the default: its GPU tests "
+        "have not run).",
+    ),
     validate_extents: bool = typer.Option(
         True, "--validate-extents/--no-validate-extents",
         help="With --validate: also measure how far past each pointer a kernel reads (bisection; "
@@ -104,7 +112,7 @@ def run(
         program, output=output, images=images, no_images=no_images, flush_ms=flush_ms, unbuffered=unbuffered,
         backend=backend, check_pointers=check_pointers, validate=validate, validate_samples=validate_samples,
         validate_max=validate_max, validate_extents=validate_extents, agent=agent, cow_budget=cow_budget,
-        stage_ahead=stage_ahead, warn=lambda m: warn(PROG, m),
+        stage_ahead=stage_ahead, mechanism=mechanism, warn=lambda m: warn(PROG, m),
     )
     raise typer.Exit(report_run(PROG, summary))
 

@@ -34,6 +34,8 @@ from gpuos_tools.memory.settings import VARIABLES as ENGINE_VARIABLES
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.online import POLICIES
 
+#: how the agent sees the program's driver calls: CUPTI callbacks, or the interposer (injection/intercept.py)
+MECHANISMS = ("cupti", "intercept")
 #: the one variable the launcher sets for the program (besides PYTHONPATH); the bootstrap names it too
 ENV = "GPUOS_BOOT"
 REFERENCE_AT_ENV = "GPUOS_AGENT_REFERENCE_AT"
@@ -127,6 +129,9 @@ class AgentConfig:
     """The agent (`--agent`): snapshots, rollback, suspend, and the scheduler's hooks."""
 
     native: str | None = None  #: the agent's native core library (None: the Python agent)
+    #: how it sees the program's driver calls: "cupti" (callbacks) or "intercept" (``native`` is
+    #: then the interposer, preloaded by the launcher; CUPTI is never loaded)
+    mechanism: str = "cupti"
     cow_budget: int | None = None  #: device bytes for copy-on-write slots (None: chosen per snapshot)
     stage_ahead: bool = False  #: pin host staging in the background as the program allocates
     exit_wait_s: float = EXIT_WAIT_S  #: how long the exit waits for an image in flight (agent/durable.py)
@@ -138,6 +143,10 @@ class AgentConfig:
     image_key: str | None = None  #: the file holding the MAC key of the agent's images (None: unsigned)
 
     def __post_init__(self) -> None:
+        _check(self.mechanism in MECHANISMS, "agent.mechanism",
+               f"{self.mechanism!r} is not one of {', '.join(MECHANISMS)}")
+        _check(self.mechanism == "cupti" or self.native is not None, "agent.mechanism",
+               "intercept needs the native core (the Python agent runs on CUPTI)")
         _check(self.image_key is None or os.path.isabs(self.image_key), "agent.image_key",
                f"{self.image_key!r} is not an absolute path")
         _check(self.cow_budget is None or self.cow_budget >= 0, "agent.cow_budget", f"{self.cow_budget} is negative")

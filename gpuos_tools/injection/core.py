@@ -24,7 +24,7 @@ from gpuos_tools.injection import tracelib
 from gpuos_tools.model import binary, wire
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "csrc" / "gpuos_core.c",)
+SOURCES = (tracelib.RECORDER, HERE / "csrc" / "gpuos_core.c")
 INCLUDE = HERE / "include"
 
 # flags (gpuos_core.c F_*)

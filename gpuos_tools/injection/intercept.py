@@ -1,5 +1,6 @@
 """Driver-API interception without CUPTI (csrc/gpuos_intercept.c): build it, start a program
-under it, read what it counted.
+under it, read what it counted; and the same interposer as the agent's front end (`build_agent`,
+`AgentSession`), which records and feeds the native core as the CUPTI callback does.
 
 The library is preloaded (LD_PRELOAD) into the program; it wraps the driver entry points the
 program reaches directly, through dlsym on a libcuda handle, or through cuGetProcAddress, and
@@ -19,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from gpuos_tools import cbuild
+from gpuos_tools.injection import core, tracelib
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_intercept.c"
 STEM = "libgpuos_intercept"
+AGENT_STEM = "libgpuos_icagent"
+PRELOAD = "LD_PRELOAD"
 ROUTES = ("direct", "dlsym", "getproc")
 #: the calls that launch a kernel (each counted per CUfunction too)
 LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
@@ -30,6 +34,63 @@ LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
 def build(cache: Path | None = None) -> Path:
     """The library, compiled once per version of its source (cbuild.BuildError says why not)."""
     return cbuild.build_library(cache, source=SOURCE, stem=STEM)
+
+
+def build_agent(cache: Path | None = None) -> Path:
+    """The interposer as the agent's front end: the recorder and the native core linked in
+    (-DGPUOS_AGENT), one library that the launcher preloads into the program."""
+    return cbuild.build_library(cache, source=SOURCE, stem=AGENT_STEM, flags=("-O2", "-DGPUOS_AGENT"),
+                                includes=(tracelib.INCLUDE,), sources=core.SOURCES)
+
+
+def preload(env: Mapping[str, str], library: Path | str) -> str:
+    """LD_PRELOAD with ``library`` first, the user's own entries after it."""
+    return " ".join(filter(None, [str(library), env.get(PRELOAD, "")]))
+
+
+def unpreload(value: str | None, library: str) -> str | None:
+    """LD_PRELOAD without ``library`` (programs the traced one starts run plain); None when
+    nothing is left."""
+    parts = [p for p in (value or "").replace(":", " ").split() if p != library]
+    return " ".join(parts) or None
+
+
+def entry_names(library: Path | str) -> list[str]:
+    """The agent build's entries by index: the id of a call in the records is its entry's index."""
+    lib = ctypes.CDLL(str(library))
+    lib.gpuos_intercept_entry_name.restype = ctypes.c_char_p
+    lib.gpuos_intercept_entry_name.argtypes = [ctypes.c_int]
+    return [lib.gpuos_intercept_entry_name(i).decode() for i in range(lib.gpuos_intercept_nentries())]
+
+
+class AgentSession:
+    """The preloaded interposer inside the program, started as the agent's front end (the
+    counterpart of tracelib.NativeSession, which starts the CUPTI callback)."""
+
+    def __init__(self, library: str, fd: int, kinds: dict[int, int], flush_ms: float, check: bool):
+        if cbuild.loaded_library_path(Path(library).name) is None:
+            raise RuntimeError(f"the interposer {library} is not preloaded in this process "
+                               f"({PRELOAD} was dropped on the way, or the program is not the one started)")
+        self.lib = ctypes.CDLL(library)  # the preloaded copy: the loader hands back the loaded object
+        self.lib.gpuos_intercept_start.argtypes = [
+            ctypes.c_int, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ]
+        self.lib.gpuos_intercept_stop.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        pairs = [v for cbid, kind in sorted(kinds.items()) for v in (cbid, kind)]
+        self.kinds = (ctypes.c_uint32 * max(1, len(pairs)))(*pairs)
+        self.args = (fd, self.kinds, len(kinds), max(1, int(flush_ms)), int(check))
+
+    def start(self) -> None:
+        rc = self.lib.gpuos_intercept_start(*self.args)
+        if rc != 0:
+            steps = {-2: "load the driver (libcuda.so.1)", -7: "start the writer thread"}
+            raise RuntimeError(f"interposer: {steps.get(rc, rc)} failed")
+
+    def stop(self) -> dict[str, int]:
+        counters = (ctypes.c_uint64 * 4)()
+        self.lib.gpuos_intercept_stop(counters)
+        return {"callbacks": counters[0], "errors": counters[1], "functions": counters[2],
+                "callback_ns": counters[3]}
 
 
 def call_names(library: Path | str) -> list[str]:

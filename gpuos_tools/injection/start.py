@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from gpuos_tools.injection import tracelib, tracer
+from gpuos_tools.injection import intercept, tracelib, tracer
 from gpuos_tools.injection.config import BootConfig
 from gpuos_tools.injection.core import (
     F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
@@ -32,6 +32,12 @@ def boot(cfg: BootConfig) -> Any:
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = path
+    if cfg.agent is not None and cfg.agent.mechanism == "intercept" and cfg.agent.native:
+        preload = intercept.unpreload(os.environ.get(intercept.PRELOAD), cfg.agent.native)
+        if preload is None:
+            os.environ.pop(intercept.PRELOAD, None)
+        else:
+            os.environ[intercept.PRELOAD] = preload
     return start(cfg)
 
 
@@ -45,7 +51,7 @@ def start(cfg: BootConfig) -> Any:
 def start_native_agent(cfg: BootConfig) -> NativeAgentTracer:
     agent = tracer.make_agent(cfg.agent)
     t = NativeAgentTracer(cfg.trace.fd, cfg.trace.flush_ms / 1000.0, cfg.agent.native, cfg.trace.check_pointers,
-                          agent)
+                          agent, cfg.agent.mechanism)
     threads.set_own_threads(agent.own)  # memory's own-thread marks: the core's table (set by the upcalls)
     # the handle to the running agent that programs under test look up, as for the Python agent
     tracer._tracer = t
@@ -148,17 +154,25 @@ class AgentUpcalls:
 
 
 class NativeAgentTracer(tracer.Tracer):
-    """The agent on the native core: the C callback (tracer and core) does the per-operation work
-    and ships the trace itself; Python answers its upcalls (`AgentUpcalls`)."""
+    """The agent on the native core: the C front end (the CUPTI callback, or the preloaded
+    interposer under ``mechanism`` "intercept", which never loads CUPTI) and the core do the
+    per-operation work and ship the trace; Python answers the core's upcalls (`AgentUpcalls`)."""
 
     backend = "native-agent"
 
-    def __init__(self, fd: int, flush_interval: float, library: str, check_pointers: bool, agent: Any) -> None:
-        super().__init__(fd, flush_interval)
+    def __init__(self, fd: int, flush_interval: float, library: str, check_pointers: bool, agent: Any,
+                 mechanism: str = "cupti") -> None:
+        self.mechanism = mechanism
+        if mechanism == "intercept":
+            super().__init__(fd, flush_interval, table=tracer.named_table(intercept.entry_names(library)))
+        else:
+            super().__init__(fd, flush_interval)
         self.agent = agent
+        agent.mechanism = mechanism
         kinds = {cbid: kind | (PTSZ if name.endswith(("_ptsz", "_ptds")) else 0)
                  for cbid, (name, _, kind) in self.table.items()}
-        self.session = tracelib.NativeSession(library, fd, kinds, flush_interval * 1000, check_pointers)
+        session = intercept.AgentSession if mechanism == "intercept" else tracelib.NativeSession
+        self.session = session(library, fd, kinds, flush_interval * 1000, check_pointers)
         self.core = NativeCore(library)
         self.upcalls = AgentUpcalls(self.core, agent, {cbid: name for cbid, (name, _, _) in self.table.items()})
         self._drainer: threading.Thread | None = None

@@ -9,12 +9,15 @@ from pathlib import Path
 
 from gpuos_tools.cbuild import build_library, loaded_library_path
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gpuos_trace.c"
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "csrc" / "gpuos_trace.c"  #: the CUPTI front end
+RECORDER = HERE / "csrc" / "gpuos_record.c"  #: the records and their shipping, shared with the interposer
+INCLUDE = HERE / "include"
 
 
 def tracer_library(cache: Path | None = None) -> Path:
     """The tracer's library (built on first use)."""
-    return build_library(cache, source=SOURCE, stem="libgpuos_trace")
+    return build_library(cache, source=SOURCE, stem="libgpuos_trace", includes=(INCLUDE,), sources=(RECORDER,))
 
 
 class NativeSession:

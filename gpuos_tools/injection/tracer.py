@@ -303,7 +303,7 @@ def _free_handler(unpack, size_of, stream_of):
     return handler
 
 
-SMALL_COPY = 4096  #: bytes of a host-to-device copy kept in its record (as in gpuos_trace.c)
+SMALL_COPY = 4096  #: bytes of a host-to-device copy kept in its record (as in gpuos_record.c)
 
 
 def _host(addr: int) -> bool:
@@ -507,6 +507,18 @@ def driver_table(cbid_enum) -> dict[int, tuple[str, object, int]]:
     return table
 
 
+def named_table(names: list[str]) -> dict[int, tuple[str, object, int]]:
+    """The same table for a front end whose call ids are positions in ``names`` (the interposer's
+    entries, csrc/gpuos_intercept.c): the traced APIs among them."""
+    table = {}
+    for cbid, name in enumerate(names):
+        base = name.removesuffix("_ptsz").removesuffix("_ptds")
+        if base in _DRIVER_APIS:
+            handler, kind = _DRIVER_APIS[base]
+            table[cbid] = (name, handler, kind)
+    return table
+
+
 # ---------------------------------------------------------------- lifecycle
 
 # ---------------------------------------------------------------- --validate
@@ -684,27 +696,34 @@ class Tracer:
     """The Python path: cupti-python calls ``callback`` for every enabled API, enter and exit."""
 
     backend = "python"
+    mechanism = "cupti"  #: how the driver calls are seen (HELLO, the trace's header)
 
-    def __init__(self, fd: int, flush_interval: float = 0.02, validator=None, agent=None):
-        from cupti import cupti
-
+    def __init__(self, fd: int, flush_interval: float = 0.02, validator=None, agent=None, table=None):
+        """``table``: cbid -> (API name, handler, kind) of a front end that is not CUPTI (then
+        cupti-python is not imported)."""
         self.validator = validator
         self.agent = agent
-        self.cupti = cupti
         self.fd = fd
         self.flush_interval = flush_interval
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.table = driver_table(cupti.driver_api_trace_cbid)
+        if table is None:
+            from cupti import cupti
+
+            self.cupti = cupti
+            self.table = driver_table(cupti.driver_api_trace_cbid)
+        else:
+            self.cupti = None
+            self.table = table
         self.subscriber = None
         self.thread = None
 
     def hello(self) -> tuple:
         return (
-            wire.HELLO, os.getpid(), sys.version.split()[0], _cupti_version(),
+            wire.HELLO, os.getpid(), sys.version.split()[0], _cupti_version() if self.cupti is not None else None,
             {cbid: name for cbid, (name, _, _) in self.table.items()},
             {3: "stream_created", 4: "stream_destroy", 6: "module_loaded", 7: "module_unload"},
-            self.backend,
+            self.backend, self.mechanism,
         )
 
     def start(self) -> None:

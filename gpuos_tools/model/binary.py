@@ -1,4 +1,4 @@
-"""The native tracer's binary records (gpuos_tools/injection/csrc/gpuos_trace.c): the handler kinds
+"""The native tracer's binary records (gpuos_tools/injection/csrc/gpuos_record.c): the handler kinds
 it is told to use for each callback, and the parser that turns one frame of its records into the
 same wire tuples the Python tracer sends, so decoding into stream records is shared.
 """

@@ -126,11 +126,16 @@ class Decoder:
         _, ts, tid, module_id, data = item
         fmt = elf.image_format(data)
         kernels: list[str] = []
-        if fmt == "cubin":
-            try:
+        try:
+            if fmt == "cubin":
                 kernels = elf.kernels(data)
-            except Exception as exc:  # keep the trace going; say what could not be read
-                self.errors.append(f"module {module_id}: cannot list kernels: {exc}")
+            elif fmt == "fatbin":
+                # the interposer ships the image handed to the load call, which may be a fatbin
+                # (CUPTI hands over the cubin the driver chose): its cubins' kernels, every
+                # architecture's (the names are the same); LZ-compressed entries are not read
+                kernels = list(dict.fromkeys(k for _, cubin in elf.extract_cubins(data) for k in elf.kernels(cubin)))
+        except Exception as exc:  # keep the trace going; say what could not be read
+            self.errors.append(f"module {module_id}: cannot list kernels: {exc}")
         rec: dict[str, Any] = {"type": "module", "ts": ts, "tid": tid, "id": module_id,
                                "size": len(data), "format": fmt}
         if data:

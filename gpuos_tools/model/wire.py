@@ -8,7 +8,9 @@ come from the same installed package, so marshal's version coupling is not a con
 
 Tuple layouts (first element is the tag):
 
-HELLO   (0, pid, python, cupti_version, {cbid: api name}, {resource cbid: name}, backend)
+HELLO   (0, pid, python, cupti_version or None, {cbid: api name}, {resource cbid: name}, backend,
+        mechanism): mechanism "cupti" (callbacks) or "intercept" (the preloaded interposer, whose
+        cbids are its entries' indexes)
 LAUNCH  (1, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result, captured[, dptrs])
         captured: the stream was being captured into a graph, so the kernel did not run
         dptrs (only with --check-pointers): ((param index, offset, CUmemorytype), ...)

@@ -201,8 +201,9 @@ HEADER = RecordType(
               "directory, absolute when the stream went to standard output; null without images", null=True),
     ),
     note="Each tool adds fields of its own (the tracer: `driver` (the NVIDIA driver's version), `cuda` (the "
-    "CUDA driver API version), `python`, `cupti`, `backend` (native, python, or native-agent: the agent on its native core), `validate` {samples, "
-    "max_bytes, extents} with `--validate`; other tools their options).",
+    "CUDA driver API version), `python`, `cupti` (null when CUPTI was not loaded), `backend` (native, python, or native-agent: the agent on its native core), "
+    "`mechanism` (how the driver calls were seen: cupti, or intercept: the agent's preloaded interposer), `agent` {socket, mechanism} "
+    "with `--agent`, `validate` {samples, max_bytes, extents} with `--validate`; other tools their options).",
 )
 
 ERROR = RecordType(

@@ -25,9 +25,9 @@ from gpuos_tools import cbuild
 from gpuos_tools.agent.control import socket_path
 from gpuos_tools.cuda.driver import probe_driver
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.injection import core, tracelib
+from gpuos_tools.injection import core, intercept, tracelib
 from gpuos_tools.injection.config import (
-    AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment, overrides_from_environment,
+    MECHANISMS, AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment, overrides_from_environment,
 )
 from gpuos_tools.model import wire
 from gpuos_tools.model.binary import parse_records
@@ -38,6 +38,9 @@ from gpuos_tools.units import parse_size
 BOOT_DIR = Path(gpuos_tools.__file__).resolve().parent / "injection" / "boot"
 PACKAGE_ROOT = Path(gpuos_tools.__file__).resolve().parent.parent
 BACKENDS = ("auto", "native", "python")
+#: the agent's mechanism for commands that have no --mechanism (gpu-ckpt run, gpu-prefetch-sched run)
+MECHANISM_ENV = "GPUOS_AGENT_MECHANISM"
+DEFAULT_MECHANISM = "cupti"
 
 
 def resolve_program(cmd: list[str]) -> str:
@@ -109,14 +112,16 @@ def run_program(
     flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
     validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
     agent: bool = False, cow_budget: str | None = None, stage_ahead: bool = False,
-    online: OnlineConfig | None = None, own: tuple[str, ...] | None = None,
+    online: OnlineConfig | None = None, own: tuple[str, ...] | None = None, mechanism: str | None = None,
     warn: Callable[[str], None] = _silent,
 ) -> RunSummary:
     """`gpu-trace run` with its options (`gpu-ckpt run` is `gpu-trace run --agent`;
     `gpu-prefetch-sched run` adds ``online`` and owns every framework's allocations): check them,
     trace PROGRAM into ``output`` (module images beside it unless ``no_images``), say what the
     caller should know through ``warn``; the summary holds the program's own exit status.
-    ``own``: the frameworks whose allocations are owned (None: as GPUOS_AGENT_OWN says)."""
+    ``own``: the frameworks whose allocations are owned (None: as GPUOS_AGENT_OWN says).
+    ``mechanism``: how the agent sees the driver calls, cupti or intercept (None: as
+    GPUOS_AGENT_MECHANISM says, else cupti)."""
     if backend not in BACKENDS:
         raise GpuosError(f"--backend: must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}", ExitCode.USAGE)
     validation = None
@@ -130,6 +135,7 @@ def run_program(
         except ValueError as exc:
             raise GpuosError(f"--validate-max: {exc}", ExitCode.USAGE) from None
         backend = "python"
+    mechanism = agent_mechanism(mechanism, agent, backend)
     if stage_ahead and not agent:
         raise GpuosError("--stage-ahead is an option of --agent", ExitCode.USAGE)
     if online is not None and not agent:
@@ -145,8 +151,29 @@ def run_program(
         return trace_program(
             program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers, backend=backend,
             warn=warn, output_path=output, validate=validation, agent=agent, cow_budget=budget,
-            stage_ahead=stage_ahead, online=online, own=own,
+            stage_ahead=stage_ahead, online=online, own=own, mechanism=mechanism,
         )
+
+
+def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
+    """The mechanism asked for (the option, else GPUOS_AGENT_MECHANISM, else cupti), checked:
+    interception is the agent's, on its native core."""
+    source = "--mechanism"
+    if mechanism is None:
+        if not agent:  # the variable is the agent's: the tracer alone runs on CUPTI whatever it says
+            return DEFAULT_MECHANISM
+        mechanism = os.environ.get(MECHANISM_ENV) or DEFAULT_MECHANISM
+        source = MECHANISM_ENV
+    if mechanism not in MECHANISMS:
+        raise GpuosError(f"{source}: must be {' or '.join(MECHANISMS)}, not {mechanism!r}", ExitCode.USAGE)
+    if mechanism == "intercept":
+        if not agent:
+            raise GpuosError(f"{source} intercept: interception runs the agent (--agent); the tracer alone uses CUPTI",
+                             ExitCode.USAGE)
+        if backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python":
+            raise GpuosError(f"{source} intercept needs the agent's native core; the Python agent runs on CUPTI",
+                             ExitCode.USAGE)
+    return mechanism
 
 
 def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
@@ -168,9 +195,13 @@ def native_library(backend: str, warn) -> str | None:
     return _built(backend, warn, tracelib.tracer_library, "the native tracer", "tracing")
 
 
-def native_agent_library(backend: str, warn) -> str | None:
-    """The agent's native core (tracer and core in one library) for ``backend``, or None for the
-    Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under ``auto``)."""
+def native_agent_library(backend: str, warn, mechanism: str = DEFAULT_MECHANISM) -> str | None:
+    """The agent's native core (front end, recorder and core in one library) for ``backend``, or
+    None for the Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under
+    ``auto``). Under interception there is no Python agent to fall back to: a failed build is an
+    error."""
+    if mechanism == "intercept":
+        return _built("native", warn, intercept.build_agent, "the agent's interposer", "running it")
     if os.environ.get("GPUOS_AGENT_BACKEND") == "python":
         return None
     return _built(backend, warn, core.build, "the agent's native core", "running it")
@@ -181,11 +212,13 @@ def trace_program(
     backend: str = "auto", warn: Callable[[str], None] = _silent, output_path: str = "-",
     validate: ValidateConfig | None = None, agent: bool = False, cow_budget: int | None = None,
     stage_ahead: bool = False, online: OnlineConfig | None = None, own: tuple[str, ...] | None = None,
+    mechanism: str = DEFAULT_MECHANISM,
 ) -> RunSummary:
     """Run ``cmd`` traced, writing header, records and an exit record to ``writer``.
 
     ``validate``: for --validate. ``agent``: with the agent; ``cow_budget``, ``stage_ahead`` and
-    ``online`` (gpu-prefetch-sched run's scheduler) are its options. ``own``: as in `run_program`.
+    ``online`` (gpu-prefetch-sched run's scheduler) are its options. ``own`` and ``mechanism``: as
+    in `run_program` (checked there).
     """
     exe = resolve_program(cmd)
     overrides = overrides_from_environment(own=own is None)  # a bad value is refused before anything starts
@@ -194,7 +227,8 @@ def trace_program(
     agent_cfg = None
     if agent:
         agent_cfg = AgentConfig(
-            native=native_agent_library(backend, warn), cow_budget=cow_budget, stage_ahead=stage_ahead,
+            native=native_agent_library(backend, warn, mechanism), mechanism=mechanism,
+            cow_budget=cow_budget, stage_ahead=stage_ahead,
             exit_wait_s=overrides.exit_wait_s, exit_max_s=overrides.exit_max_s,
             reference_at=overrides.reference_at, reference_out=overrides.reference_out, online=online,
             engine=overrides.engine, image_key=overrides.image_key)
@@ -213,6 +247,8 @@ def trace_program(
         os.close(write_fd)
         raise
     env = boot_environment(os.environ, config)
+    if agent_cfg is not None and agent_cfg.mechanism == "intercept":
+        env[intercept.PRELOAD] = intercept.preload(env, agent_cfg.native)
 
     decoder = Decoder(images_dir)
     started = time.monotonic()
@@ -234,10 +270,12 @@ def trace_program(
             driver=driver.release, cuda=driver.version,
             python=hello[2] if hello else None, cupti=hello[3] if hello else None,
             backend=hello[6] if hello else None,
+            mechanism=(hello[7] if len(hello) > 7 else "cupti") if hello else None,
             images=_images_ref(images_dir, output_path),
             **({"validate": {"samples": validate.samples, "max_bytes": validate.max_bytes,
                              "extents": validate.extents}} if validate else {}),
-            **({"agent": {"socket": str(socket_path(proc.pid))}} if agent else {}),
+            **({"agent": {"socket": str(socket_path(proc.pid)), "mechanism": agent_cfg.mechanism}}
+               if agent_cfg is not None else {}),
         )
 
     wrote_header = False

@@ -246,7 +246,10 @@ the agent (CUDA_ERROR_NOT_SUPPORTED), even after the agent unsubscribed its CUPT
 called cuptiFinalize; the same program without CUPTI, its memory owned, locks, checkpoints and
 restores. So a suspend does not free the remainder: it stays on the GPU (the CUDA context and
 what is not owned: hundreds of MiB for a CuPy job), and a process that needs it all freed has
-to be run without the agent and checkpointed with `gpu-ckpt --pid`."""
+to be run without the agent and checkpointed with `gpu-ckpt --pid`. A job whose agent runs on
+interception (`--mechanism intercept`, GPUOS_AGENT_MECHANISM=intercept) has no CUPTI: the driver's
+checkpoint takes it, and `gpu-restore --agent PID --resume --device N` moves it, suspended, to
+another GPU (not yet verified on a GPU)."""
 
 DURABLE = """\
 Images at the storage's speed: the agent queues every buffer's chunks at once on the image

@@ -30,6 +30,8 @@ SECTIONS = {
     "ENVIRONMENT": (
         "- `GPUOS_IMAGES`: default directory for module images.\n"
         "- `CC`: the C compiler that builds the native tracer (default `cc`).\n"
+        "- `GPUOS_AGENT_MECHANISM`: `intercept` or `cupti`: how the agent sees the program's driver calls when "
+        "`--mechanism` is not given (`gpu-ckpt run` and `gpu-prefetch-sched run` have no option); default cupti.\n"
         "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy and PyTorch allocations go through the "
         "owned allocator (`cupy` or `torch` for one of them; see OWNED ALLOCATIONS); opt-in, default off.\n"
         "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "

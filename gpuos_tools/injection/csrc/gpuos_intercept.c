@@ -1,5 +1,6 @@
 /*
- * gpuos_intercept: driver-API interception without CUPTI (a prototype that counts).
+ * gpuos_intercept: driver-API interception without CUPTI (counts calls; the agent's front end
+ * when built with -DGPUOS_AGENT).
  *
  * Why: the driver checkpoint API refuses a process that has CUPTI loaded, so an agent built on
  * CUPTI callbacks makes its program impossible to checkpoint with `gpu-ckpt --pid` or CRIU. This
@@ -36,6 +37,11 @@
  * names). No CUDA header is needed: the few types used are declared below.
  *
  * Build: cc -O2 -shared -fPIC -o libgpuos_intercept.so gpuos_intercept.c -ldl -lpthread
+ *
+ * Built with -DGPUOS_AGENT and linked with gpuos_record.c and gpuos_core.c (injection/intercept.py
+ * build_agent), it is also the agent's front end without CUPTI: from gpuos_intercept_start on,
+ * every wrapped call is recorded and handed to the native core at its enter and exit as the CUPTI
+ * callback does (the section "the agent's front end" below says how).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -177,8 +183,18 @@ static const char *const route_names[NROUTES] = {"direct", "dlsym", "getproc"};
     X(EVENT_SYNC, cuEventSynchronize, "cuEventSynchronize", 2000, (CUevent e), (e), NOKERNEL)      \
     X(CAPTURE_BEGIN, cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, (CUstream s, int mode),\
       (s, mode), NOKERNEL)                                                                         \
+    X(CAPTURE_BEGIN_V1, cuStreamBeginCapture, "cuStreamBeginCapture", 10000, (CUstream s), (s),      \
+      NOKERNEL)                                                                                    \
+    X(CAPTURE_BEGIN_TO_GRAPH, cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", 12030,   \
+      (CUstream s, CUgraph g, const void *deps, const void *data, size_t n, int mode),             \
+      (s, g, deps, data, n, mode), NOKERNEL)                                                       \
     X(CAPTURE_END, cuStreamEndCapture, "cuStreamEndCapture", 10000, (CUstream s, CUgraph * g),     \
       (s, g), NOKERNEL)                                                                            \
+    X(INSTANTIATE_V2, cuGraphInstantiate_v2, "cuGraphInstantiate", 11000,                          \
+      (CUgraphExec * e, CUgraph g, void *err_node, char *log, size_t log_size),                    \
+      (e, g, err_node, log, log_size), NOKERNEL)                                                   \
+    X(INSTANTIATE_PARAMS, cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams", 12000,     \
+      (CUgraphExec * e, CUgraph g, void *params), (e, g, params), NOKERNEL)                        \
     X(INSTANTIATE, cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", 11040,              \
       (CUgraphExec * e, CUgraph g, unsigned long long fl), (e, g, fl), NOKERNEL)                   \
     X(MODULE_LOAD, cuModuleLoadData, "cuModuleLoadData", 2000, (CUmodule * m, const void *img),    \
@@ -189,6 +205,10 @@ static const char *const route_names[NROUTES] = {"direct", "dlsym", "getproc"};
       (CUlibrary * l, const void *code, void *jo, void **jv, unsigned nj, void *lo, void **lv,      \
        unsigned nl),                                                                               \
       (l, code, jo, jv, nj, lo, lv, nl), NOKERNEL)                                                \
+    X(MODULE_LOAD_FATBIN, cuModuleLoadFatBinary, "cuModuleLoadFatBinary", 2000,                    \
+      (CUmodule * m, const void *img), (m, img), NOKERNEL)                                         \
+    X(MODULE_UNLOAD, cuModuleUnload, "cuModuleUnload", 2000, (CUmodule m), (m), NOKERNEL)          \
+    X(LIBRARY_UNLOAD, cuLibraryUnload, "cuLibraryUnload", 12000, (CUlibrary l), (l), NOKERNEL)     \
     X(EXPORT_TABLE, cuGetExportTable, "cuGetExportTable", 3000, (const void **t, const void *id),  \
       (t, id), NOKERNEL)
 
@@ -337,23 +357,122 @@ static inline void bump(int call, int route) {
     __atomic_fetch_add(&calls[call][route], 1, __ATOMIC_RELAXED);
 }
 
+/* ---- the agent's front end (built with -DGPUOS_AGENT, linked with gpuos_record.c and gpuos_core.c)
+ *
+ * Every wrapped call goes to the recorder at its enter and its exit, as the CUPTI callback's
+ * driver-API site does (gpuos_record.h): its arguments are laid out as CUPTI's parameter struct
+ * of the call (one 8-byte field per argument, the launch dimensions packed as 32-bit fields), its
+ * id is its entry's index (F_x * NVARIANTS + variant: the names the HELLO frame carries). What
+ * CUPTI's resource callbacks report comes from the calls themselves: a module loaded (the image
+ * handed to the load call), a module or library about to be unloaded, a stream created or
+ * destroyed. A driver call made while the agent is working in this thread (its upcalls into
+ * Python) is the agent's own and is forwarded untouched; so are calls before
+ * gpuos_intercept_start and after gpuos_intercept_stop.
+ */
+#ifdef GPUOS_AGENT
+#include "gpuos_record.h"
+
+#define U64(a) ((uint64_t)(uintptr_t)(a))
+#define EXPAND(...) __VA_ARGS__
+#define NARGS(...) NARGS_(__VA_ARGS__, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define NARGS_(a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, n, ...) n
+#define CAT(a, b) CAT_(a, b)
+#define CAT_(a, b) a##b
+#define PACK_1(q, i, a) q[i] = U64(a);
+#define PACK_2(q, i, a, ...) q[i] = U64(a); PACK_1(q, i + 1, __VA_ARGS__)
+#define PACK_3(q, i, a, ...) q[i] = U64(a); PACK_2(q, i + 1, __VA_ARGS__)
+#define PACK_4(q, i, a, ...) q[i] = U64(a); PACK_3(q, i + 1, __VA_ARGS__)
+#define PACK_5(q, i, a, ...) q[i] = U64(a); PACK_4(q, i + 1, __VA_ARGS__)
+#define PACK_6(q, i, a, ...) q[i] = U64(a); PACK_5(q, i + 1, __VA_ARGS__)
+#define PACK_7(q, i, a, ...) q[i] = U64(a); PACK_6(q, i + 1, __VA_ARGS__)
+#define PACK_8(q, i, a, ...) q[i] = U64(a); PACK_7(q, i + 1, __VA_ARGS__)
+#define PACK_9(q, i, a, ...) q[i] = U64(a); PACK_8(q, i + 1, __VA_ARGS__)
+#define PACK_10(q, i, a, ...) q[i] = U64(a); PACK_9(q, i + 1, __VA_ARGS__)
+#define PACK_11(q, i, a, ...) q[i] = U64(a); PACK_10(q, i + 1, __VA_ARGS__)
+#define PACK_(q, ...) CAT(PACK_, NARGS(__VA_ARGS__))(q, 0, __VA_ARGS__)
+#define PACK(q, A) PACK_(q, EXPAND A)
+
+static int agent_on;             /* between gpuos_intercept_start and _stop */
+static __thread int in_agent;    /* this thread is inside the recorder or the agent */
+static uint64_t next_module_id;  /* CUPTI numbers modules; so do we */
+
+/* CUPTI's parameter struct of the call from one field per argument (q). Only the launches
+   differ: cuLaunchKernel_params and cuLaunchCooperativeKernel_params pack their seven 32-bit
+   dimensions after the function (f, 7 x u32, pad, stream, kernelParams[, extra]). */
+static const void *cupti_params(int call, const uint64_t *q, uint64_t *out) {
+    if (call != F_LAUNCH && call != F_LAUNCH_COOP) return q;
+    uint32_t dims[7];
+    for (int i = 0; i < 7; i++) dims[i] = (uint32_t)q[1 + i];
+    memset(out, 0, 8 * 8);
+    out[0] = q[0];
+    memcpy(out + 1, dims, sizeof dims);
+    out[5] = q[8];
+    out[6] = q[9];
+    out[7] = call == F_LAUNCH ? q[10] : 0;
+    return out;
+}
+
+static void agent_before(int call, uint32_t cbid, const uint64_t *q) {
+    in_agent++;
+    if (call == F_MODULE_UNLOAD || call == F_LIBRARY_UNLOAD) rec_module_unloading();
+    else if (call == F_STREAM_DESTROY) rec_stream(q[0], 1);
+    else if (rec_kind(cbid)) {
+        uint64_t packed[8];
+        rec_call(cbid, REC_ENTER, cupti_params(call, q, packed), 0, 0, NULL);
+    }
+    in_agent--;
+}
+
+static void agent_after(int call, uint32_t cbid, const uint64_t *q, CUresult rc) {
+    in_agent++;
+    if (rc == 0 && (call == F_MODULE_LOAD || call == F_MODULE_LOAD_EX || call == F_LIBRARY_LOAD ||
+                    call == F_MODULE_LOAD_FATBIN)) {
+        const unsigned char *img = (const unsigned char *)(uintptr_t)q[1];
+        uint64_t size = img ? rec_image_size(&img) : 0;
+        rec_module_loaded(__atomic_add_fetch(&next_module_id, 1, __ATOMIC_RELAXED), img, size);
+    } else if (rc == 0 && (call == F_STREAM_CREATE || call == F_STREAM_CREATE_PRIO) && q[0]) {
+        rec_stream(*(const uint64_t *)(uintptr_t)q[0], 0);
+    }
+    if (rec_kind(cbid)) {
+        uint64_t packed[8];
+        rec_call(cbid, REC_EXIT, cupti_params(call, q, packed), (uint32_t)rc, 0, NULL);
+    }
+    in_agent--;
+}
+
+#define AGENT_CALL(id, r, A, variant)                                                              \
+    if (__atomic_load_n(&agent_on, __ATOMIC_RELAXED) && !in_agent) {                               \
+        uint64_t q_[11] = {0};                                                                     \
+        PACK(q_, A)                                                                                \
+        uint32_t cbid_ = (uint32_t)(F_##id * NVARIANTS + (variant));                               \
+        agent_before(F_##id, cbid_, q_);                                                           \
+        CUresult rc_ = ((id##_t)(r))A;                                                             \
+        agent_after(F_##id, cbid_, q_, rc_);                                                       \
+        return rc_;                                                                                \
+    }
+#else
+#define AGENT_CALL(id, r, A, variant)
+#endif
+
 /* ---- wrappers handed out (dlsym, cuGetProcAddress): NSLOT per call kind, one real pointer each */
 #define NSLOT 8
-typedef struct { void *real; int route; } slot_t;
+typedef struct { void *real; int route, variant; } slot_t;
 static slot_t slots[NCALLS][NSLOT];
 static int slots_used[NCALLS];
 
-#define BODY(id, realexpr, route, A, K)                                                            \
+#define BODY(id, realexpr, route, A, K, variant)                                                   \
     {                                                                                              \
         void *k_ = (void *)(K);                                                                    \
         if (k_) note_kernel(k_);                                                                   \
         bump(F_##id, route);                                                                       \
         void *r_ = (realexpr);                                                                     \
         if (__builtin_expect(!r_, 0)) return CUDA_ERROR_NOT_FOUND;                                 \
+        AGENT_CALL(id, r_, A, variant)                                                             \
         return ((id##_t)r_) A;                                                                     \
     }
 #define SLOT(id, P, A, K, n)                                                                       \
-    static CUresult id##_slot##n P BODY(id, slots[F_##id][n].real, slots[F_##id][n].route, A, K)
+    static CUresult id##_slot##n P BODY(id, slots[F_##id][n].real, slots[F_##id][n].route, A, K,       \
+                                        slots[F_##id][n].variant)
 #define SLOTS(id, name, base, since, P, A, K)                                                      \
     SLOT(id, P, A, K, 0) SLOT(id, P, A, K, 1) SLOT(id, P, A, K, 2) SLOT(id, P, A, K, 3)            \
     SLOT(id, P, A, K, 4) SLOT(id, P, A, K, 5) SLOT(id, P, A, K, 6) SLOT(id, P, A, K, 7)
@@ -361,13 +480,13 @@ CALLS(SLOTS)
 
 /* the exported names: the direct route, each bound to libcuda's function of the same name */
 #define EXPORT(id, name, base, since, P, A, K)                                                     \
-    CUresult name P BODY(id, entry_get(F_##id * NVARIANTS), ROUTE_DIRECT, A, K)                    \
-    CUresult name##_ptsz P BODY(id, entry_get(F_##id * NVARIANTS + 1), ROUTE_DIRECT, A, K)         \
-    CUresult name##_ptds P BODY(id, entry_get(F_##id * NVARIANTS + 2), ROUTE_DIRECT, A, K)
+    CUresult name P BODY(id, entry_get(F_##id * NVARIANTS), ROUTE_DIRECT, A, K, 0)                 \
+    CUresult name##_ptsz P BODY(id, entry_get(F_##id * NVARIANTS + 1), ROUTE_DIRECT, A, K, 1)      \
+    CUresult name##_ptds P BODY(id, entry_get(F_##id * NVARIANTS + 2), ROUTE_DIRECT, A, K, 2)
 CALLS(EXPORT)
 
 /* cuGetProcAddress: the real answer, then a wrapper in place of a pointer of ours */
-static void *redirect(const char *sym, void *p, int version);
+static void *redirect(const char *sym, void *p, int version, cuuint64_t flags);
 
 #define GETPROC_BODY(id, realexpr, route, A, st)                                                   \
     {                                                                                              \
@@ -375,7 +494,7 @@ static void *redirect(const char *sym, void *p, int version);
         void *r_ = (realexpr);                                                                     \
         if (__builtin_expect(!r_, 0)) return CUDA_ERROR_NOT_FOUND;                                 \
         CUresult rc_ = ((id##_t)r_) A;                                                             \
-        if (rc_ == 0 && pfn && *pfn && sym) *pfn = redirect(sym, *pfn, ver);                       \
+        if (rc_ == 0 && pfn && *pfn && sym) *pfn = redirect(sym, *pfn, ver, fl);                       \
         return rc_;                                                                                \
     }
 #define GETPROC_SLOT(id, P, A, K, n)                                                               \
@@ -398,7 +517,7 @@ static void *const slot_fns[NCALLS][NSLOT] = {CALLS(SLOT_TABLE) GETPROCS(SLOT_TA
 
 /* The wrapper of kind `call` bound to real pointer `real` for `route` (the real one when all
    slots are taken). */
-static void *wrap(int call, void *real, int route) {
+static void *wrap(int call, void *real, int route, int variant) {
     void *out = NULL;
     pthread_mutex_lock(&lock);
     for (int i = 0; i < slots_used[call] && !out; i++)
@@ -406,6 +525,7 @@ static void *wrap(int call, void *real, int route) {
     if (!out && slots_used[call] < NSLOT) {
         int i = slots_used[call];
         slots[call][i].route = route;
+        slots[call][i].variant = variant;
         __atomic_store_n(&slots[call][i].real, real, __ATOMIC_RELEASE);
         slots_used[call] = i + 1;
         out = slot_fns[call][i];
@@ -442,7 +562,7 @@ static void note_skipped(const char *sym, int version) {
     pthread_mutex_unlock(&lock);
 }
 
-static void *redirect(const char *sym, void *p, int version) {
+static void *redirect(const char *sym, void *p, int version, cuuint64_t flags) {
     if (is_ours(p)) return p;
     int best = -1, ours = 0;
     for (int i = 0; i < NENTRIES; i++) {
@@ -451,7 +571,7 @@ static void *redirect(const char *sym, void *p, int version) {
         requested[entries[i].call] = 1;
         if (entry_get(i) == p) {
             __atomic_fetch_add(&n_getproc_identity, 1, __ATOMIC_RELAXED);
-            return wrap(entries[i].call, p, ROUTE_GETPROC);
+            return wrap(entries[i].call, p, ROUTE_GETPROC, i % NVARIANTS);
         }
         if (entries[i].since <= version && (best < 0 || entries[i].since > entries[best].since))
             best = i;
@@ -462,7 +582,8 @@ static void *redirect(const char *sym, void *p, int version) {
     }
     if (best >= 0 && version <= MAX_GUESSED_VERSION) {
         __atomic_fetch_add(&n_getproc_by_name, 1, __ATOMIC_RELAXED);
-        return wrap(entries[best].call, p, ROUTE_GETPROC);
+        /* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM (2): the per-thread-stream variant */
+        return wrap(entries[best].call, p, ROUTE_GETPROC, (flags & 2) ? 1 : 0);
     }
     note_skipped(sym, version); /* an older signature than ours, or a version we do not know */
     return p;
@@ -487,7 +608,7 @@ static void *on_dlsym(const char *symbol, void *r) {
         if (strcmp(entries[i].name, symbol)) continue;
         if (entry_get(i) != r) return r; /* not libcuda's (our own export, another library) */
         __atomic_fetch_add(&n_dlsym_wrapped, 1, __ATOMIC_RELAXED);
-        return wrap(entries[i].call, r, ROUTE_DLSYM);
+        return wrap(entries[i].call, r, ROUTE_DLSYM, i % NVARIANTS);
     }
     return r;
 }
@@ -643,3 +764,36 @@ __attribute__((destructor)) static void at_exit_dump(void) {
     char path[4096];
     if (any_calls() && out_path(path, sizeof path)) gpuos_intercept_dump(path);
 }
+
+#ifdef GPUOS_AGENT
+/* ---- starting and stopping the agent's front end (injection/start.py) */
+
+int gpuos_intercept_nentries(void) { return NENTRIES; }
+/* the name of entry i: the id of its calls in the records is i */
+const char *gpuos_intercept_entry_name(int i) { return i >= 0 && i < NENTRIES ? entries[i].name : NULL; }
+
+static void *real_lookup(const char *name) {
+    void *h = cuda();
+    void *(*dl)(void *, const char *) = get_real_dlsym();
+    return h && dl ? dl(h, name) : NULL;
+}
+
+static void stop_recording(void) { __atomic_store_n(&agent_on, 0, __ATOMIC_RELEASE); } /* gpu-trace went away */
+
+/* Records to fd from now on, and the agent's core is fed. kinds: n pairs (entry index, kind).
+   0, or -2 when the driver cannot be loaded, -7 when the writer thread cannot start. */
+int gpuos_intercept_start(int fd, const uint32_t *kinds, int n, int flush_ms, int check) {
+    if (!cuda()) return -2;
+    rec_resolve(real_lookup);
+    rec_configure(fd, kinds, n, flush_ms, check);
+    if (rec_start(stop_recording)) return -7;
+    __atomic_store_n(&agent_on, 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Stop recording, ship what is left. counters: as gpuos_trace_stop's. */
+void gpuos_intercept_stop(uint64_t counters[4]) {
+    stop_recording();
+    rec_finish(counters);
+}
+#endif

@@ -1,0 +1,84 @@
+"""Moving a suspended agent job to another GPU (gpuos_tools/ckpt/move.py): refused for a job on
+CUPTI and for one not suspended, before anything is touched; for a job on interception, the
+driver's checkpoint and restore onto the GPU asked, then the agent's resume, in that order."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuos_tools.ckpt.move import check_movable, move_suspended
+from gpuos_tools.errors import ExitCode, GpuosError
+
+
+class FakeCheckpointer:
+    def __init__(self, fail_at: str | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.records: list[dict] = []
+        self.fail_at = fail_at
+
+    def suspend(self, pid: int) -> dict:
+        self.calls.append(("suspend", pid))
+        if self.fail_at == "suspend":
+            raise GpuosError("cannot lock", ExitCode.NOT_CHECKPOINTABLE)
+        return {"type": "ckpt_result"}
+
+    def resume(self, pid: int, device, device_map) -> dict:
+        self.calls.append(("resume", pid, device, device_map))
+        return {"type": "ckpt_result", "message": "restored"}
+
+    def out(self, record: dict) -> None:
+        self.records.append(record)
+
+
+SUSPENDED = {"ok": True, "pid": 42, "state": "suspended", "mechanism": "intercept"}
+
+
+@pytest.mark.parametrize("status,code,words", [
+    ({**SUSPENDED, "mechanism": "cupti"}, ExitCode.NOT_CHECKPOINTABLE, "CUPTI loaded"),
+    ({k: v for k, v in SUSPENDED.items() if k != "mechanism"}, ExitCode.NOT_CHECKPOINTABLE, "--mechanism intercept"),
+    ({**SUSPENDED, "state": "running"}, ExitCode.WRONG_STATE, "not suspended"),
+])
+def test_a_job_that_cannot_move_is_refused_untouched(status, code, words):
+    ckpt = FakeCheckpointer()
+    resumed = []
+    with pytest.raises(GpuosError) as e:
+        move_suspended(ckpt, status, "1", None, lambda: resumed.append(1) or {})
+    assert e.value.code == code and words in str(e.value)
+    assert ckpt.calls == [] and resumed == []
+
+
+def test_a_job_on_interception_moves_through_the_driver_then_resumes():
+    ckpt = FakeCheckpointer()
+    order = []
+
+    def resume():
+        order.append(list(ckpt.calls))
+        return {"bytes": 10, "buffers": 1}
+
+    result = move_suspended(ckpt, SUSPENDED, "1", None, resume)
+    assert ckpt.calls == [("suspend", 42), ("resume", 42, "1", None)]
+    assert order == [ckpt.calls]  # the agent resumes only once the driver has restored and unlocked
+    assert ckpt.records == [{"type": "agent_resume", "agent": "42", "bytes": 10, "buffers": 1}]
+    assert result["message"] == "restored"
+    check_movable(SUSPENDED)
+
+
+def test_a_failed_driver_step_never_resumes_the_agent():
+    ckpt = FakeCheckpointer(fail_at="suspend")
+    with pytest.raises(GpuosError):
+        move_suspended(ckpt, SUSPENDED, None, "0=1", lambda: pytest.fail("resumed"))
+
+
+def test_a_refused_lock_says_when_cupti_is_loaded(tmp_path, monkeypatch):
+    from gpuos_tools import procs
+    from gpuos_tools.ckpt.driver import cupti_hint
+
+    maps = {1: b"7f00-7f10 r-xp 0 0:0 0 /usr/local/cuda/lib64/libcupti.so.13\n", 2: b"7f00-7f10 r-xp 0 0:0 0 /x/libc.so\n"}
+    for pid, text in maps.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "maps").write_bytes(text)
+    monkeypatch.setattr(procs, "PROC", str(tmp_path))
+    assert "CUPTI loaded" in cupti_hint(1, "CUDA_ERROR_NOT_SUPPORTED")
+    assert cupti_hint(2, "CUDA_ERROR_NOT_SUPPORTED") == ""  # refused for another reason
+    assert cupti_hint(1, "CUDA_ERROR_NOT_PERMITTED") == ""
+    assert cupti_hint(3, "CUDA_ERROR_NOT_SUPPORTED") == ""  # gone: no hint rather than a second error
