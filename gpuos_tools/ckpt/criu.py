@@ -95,7 +95,7 @@ def find_criu(timeout: float = 60) -> Criu:
 
 #: Runs CRIU and then writes its exit status to $GPUOS_CRIU_RC (temp file, rename): the guard of a
 #: killed tool is not CRIU's parent, so this is how it learns whether a dump finished.
-_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
+RC_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
             'exit "$rc"')
 
 
@@ -107,7 +107,7 @@ def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], lo
     t = time.monotonic()
     argv, env = cmd, None
     if rc_file is not None:
-        argv = ["/bin/sh", "-c", _WRAPPER, "gpuos-criu", *cmd]
+        argv = ["/bin/sh", "-c", RC_WRAPPER, "gpuos-criu", *cmd]
         env = {**os.environ, "GPUOS_CRIU_RC": str(rc_file)}
     with open(out, "wb") as f:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
