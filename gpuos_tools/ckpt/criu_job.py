@@ -17,10 +17,15 @@ the tree are then unprotected between the dump and the kill (the peer may see a 
 CRIU cannot dump io_uring, which torchrun's TCPStore (libuv) sets up: a job holding one is
 refused untouched, and ``python -m gpuos_tools.ckpt.no_io_uring COMMAND`` starts a job without it.
 
-A SIGKILL of gpu-ckpt during a job dump is not guarded (the single-process dump has a guard
-process): Ctrl-C and SIGTERM are caught, CRIU (in a session of its own) is waited for, and every
-rank is brought back or the finished image kept. After a SIGKILL, ranks left checkpointed are
-brought back with ``gpu-restore --job PID`` when CRIU had not ended them.
+Ctrl-C and SIGTERM are caught: CRIU (in a session of its own) is waited for, and every rank is
+brought back or the finished image kept. Against SIGKILL, which no ``finally`` survives, the dump
+and the restore start the guard process of the single-process path (``guard.py``) and tell it each
+phase: if the tool dies, the guard waits for CRIU, keeps a complete image, and brings every rank
+of a job still there back (``job.bring_back_job``: every rank restored before any is unlocked).
+
+The CRIU runner here is not ``criu.py``'s: this one waits for CRIU through Ctrl-C (the ranks can
+be brought back only once CRIU lets go of the tree), where the single-process dump lets Ctrl-C end
+CRIU and hands the rest to its guard. Both write CRIU's exit status the same way (``RC_WRAPPER``).
 """
 
 from __future__ import annotations
