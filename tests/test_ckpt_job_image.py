@@ -281,14 +281,17 @@ def test_the_ghost_limit_covers_the_largest_deleted_file_the_tree_holds(tmp_path
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path  # where NCCL puts it
     child = subprocess.Popen([sys.executable, "-c", prog, str(shm / f"gpuos-test-{os.getpid()}")],
                              stdout=subprocess.PIPE, text=True)
+    # a process that holds no deleted file (not this one: earlier tests may leave it holding some)
+    plain = subprocess.Popen(["sleep", "60"])
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         assert procs.largest_deleted_file([child.pid]) == 3 << 20  # the pages it takes, not its size
-        assert procs.largest_deleted_file([os.getpid()]) < 1 << 20
+        assert procs.largest_deleted_file([plain.pid]) < 1 << 20
         assert criu.ghost_limit([child.pid], []) == ["--ghost-limit", str(procs.largest_deleted_file([child.pid]))]
         assert criu.ghost_limit([child.pid], ["--ghost-limit", "64M"]) == []
         assert criu.ghost_limit([child.pid], ["--ghost-limit=64M"]) == []
-        assert criu.ghost_limit([os.getpid()], []) == []  # CRIU's default suffices
+        assert criu.ghost_limit([plain.pid], []) == []  # CRIU's default suffices
     finally:
-        child.kill()
-        child.wait()
+        for p in (child, plain):
+            p.kill()
+            p.wait()
