@@ -232,3 +232,29 @@ def test_a_job_half_locked_or_half_restored_comes_back_restores_first(tmp_path: 
         said, states = bring_back_job(JobCheckpointer(fake), launcher.pid)
         assert states == {kids[0]: "locked", kids[1]: "checkpointed"} and f"gpu-restore --job {launcher.pid}" in said
         assert ("unlock", kids[0]) not in fake.calls  # no rank runs while another has no GPU
+
+
+def test_the_guard_of_a_job_restore_follows_the_device_map(tmp_path: Path, monkeypatch) -> None:
+    """A job restore killed after CRIU: its guard moves every rank by the map asked; if the driver
+    refuses it half-way, the ranks already moved are not joined by the others on the old GPUs."""
+    from test_ckpt_job import TWO_GPUS, FakeDriver, JobCheckpointer, launched_job
+
+    from gpuos_tools.ckpt import guard
+
+    monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(guard, "SETTLE_S", 0.05)
+    monkeypatch.setattr(JobCheckpointer, "machine_gpus", lambda self: TWO_GPUS)
+    with launched_job(tmp_path) as (launcher, kids):
+        fake = FakeDriver(kids)
+        fake.states = {k: "checkpointed" for k in kids}
+        outcome: dict = {}
+        state, said = guard._job_back(JobCheckpointer(fake), launcher.pid, outcome, {"device_map": "0=1,1=0"})
+        assert state == "running" and fake.states == {k: "running" for k in kids}, said
+        assert all(fake.pairs[k] for k in kids)  # every rank moved
+        assert sorted(r["pid"] for r in outcome["ranks"]) == sorted(kids)
+
+        fake.states = {k: "checkpointed" for k in kids}
+        fake.refuse_remap.add(kids[1])
+        state, said = guard._job_back(JobCheckpointer(fake), launcher.pid, outcome, {"device_map": "0=1,1=0"})
+        assert state is None and "--device-map 0=1,1=0` tries again" in said
+        assert fake.states == {kids[0]: "locked", kids[1]: "checkpointed"}  # none runs, none went back

@@ -286,6 +286,12 @@ def _job_back(ckpt: Any, pid: int, outcome: dict[str, Any],
         try:
             resume_job(ckpt, pid, device_map=restore["device_map"])
         except CkptError as e:
+            now = {p: ckpt._state(p) for p in pids}
+            if any(states[p] == "checkpointed" and now[p] != "checkpointed" for p in pids):
+                # some ranks sit on the GPUs the map named: the others must follow them, not go back
+                outcome["ranks"] = [{"pid": p, "state": s} for p, s in now.items()]
+                return None, (f"the restore onto the GPUs asked failed half-way ({e}); left as it is: `gpu-restore "
+                              f"--job {pid} --device-map {restore['device_map']}` tries again")
             words = f"the restore onto the GPUs asked failed ({e}); "
     said, states = bring_back_job(ckpt, pid)
     outcome["ranks"] = [{"pid": p, "state": s} for p, s in states.items()]
