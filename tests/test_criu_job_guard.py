@@ -258,3 +258,15 @@ def test_the_guard_of_a_job_restore_follows_the_device_map(tmp_path: Path, monke
         state, said = guard._job_back(JobCheckpointer(fake), launcher.pid, outcome, {"device_map": "0=1,1=0"})
         assert state is None and "--device-map 0=1,1=0` tries again" in said
         assert fake.states == {kids[0]: "locked", kids[1]: "checkpointed"}  # none runs, none went back
+
+
+def test_a_dump_killed_before_its_first_phase_leaves_no_temp_directory(tmp_path: Path) -> None:
+    """The guard starts before the dump's temp directory is made: a tool killed between the two
+    leaves nothing behind (a complete dump there, which cannot be at that phase, would be kept)."""
+    from gpuos_tools.ckpt import guard
+
+    temp = tmp_path / ".image.1.x.tmp"
+    temp.mkdir()
+    out = guard.recover({"action": "dump", "pid": 2**22 + 5, "image": str(tmp_path / "image"), "temp": str(temp),
+                         "job": True}, {"phase": "start"})
+    assert "nothing had been done" in out["message"] and not temp.exists() and out["job"]

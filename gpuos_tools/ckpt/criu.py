@@ -191,13 +191,15 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     criu = usable_criu(ckpt, "dump", pid)
     image_dir = empty_image_dir(ckpt, pid, image_dir)
     temp = Path(temp_name(str(image_dir)))
+    # the guard first: killed at any moment after the temp directory exists, it is there to remove it
+    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running)
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
         temp.mkdir(mode=0o700)
     except OSError as e:
+        guard.done()
         raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
                          ExitCode.IO_ERROR, None, False) from e
-    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running)
     try:
         result = _dump(ckpt, criu, guard, pid, image_dir, temp, timeout_ms, leave_running, criu_args)
     except CkptError:  # the process was left in the state the error names

@@ -177,13 +177,15 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
                         "epoll); `gpu-ckpt --job PID` without --image checkpoints its GPU state alone; "
                         "nothing was touched", ExitCode.NOT_CHECKPOINTABLE, "running", False)
     temp = Path(temp_name(str(image_dir)))
+    # the guard first: killed at any moment after the temp directory exists, it is there to remove it
+    guard = Guard("dump", pid, image_dir, temp, job=True, leave_running=leave_running)
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
         temp.mkdir(mode=0o700)
     except OSError as e:
+        guard.done()
         raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
                         ExitCode.IO_ERROR, None, False) from e
-    guard = Guard("dump", pid, image_dir, temp, job=True, leave_running=leave_running)
     try:
         return _dump(ckpt, criu, guard, pid, launcher, image_dir, temp, timeout_ms, leave_running, criu_args,
                      force, is_cuda)

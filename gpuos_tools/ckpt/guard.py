@@ -8,6 +8,7 @@ signal that kills gpu-ckpt does not reach it) before it touches anything, and te
 phase over a pipe, one JSON line each; at the end it says ``done`` and the guard exits. If the
 pipe closes without ``done``, the tool died, and the guard acts on the last phase:
 
+- before the first phase nothing was touched; a dump's temp directory, if made, is removed.
 - dump, any phase: it waits for a ``criu dump`` of the image still running (CRIU carries on
   when its parent dies; its output goes to a file, not to the dead tool's pipes), lets the
   driver's state settle, then: a complete dump in the temp directory (CRIU exited 0, which the
@@ -206,6 +207,11 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     if job:
         outcome["job"] = True
     if last.get("phase") == "start":
+        temp = Path(first["temp"]) if first.get("temp") else None
+        if action == "dump" and temp is not None and temp.is_dir() and not dump_complete(temp):
+            import shutil
+
+            shutil.rmtree(temp, ignore_errors=True)  # made before the first phase: CRIU never ran
         outcome.update(state="running" if procs.exists(pid) else None, image_ok=False,
                        message=f"nothing had been done to PID {pid}")
         return outcome
