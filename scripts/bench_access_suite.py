@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Accuracy of gpu-predict-access, validated on the GPU: the suite of issue 3.
+"""Accuracy of gpu-predict-access, validated on the GPU: the suite of programs in workloads/suite.
 
 Runs each program of workloads/suite under `gpu-trace run --validate` at two sizes
 (GPUOS_SUITE_SCALE), learns size templates from the first run, and scores the second run's

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The agent's concurrent snapshot against the driver's stop-the-world checkpoint, on the same job:
-program-visible stall, bandwidth to host RAM and the job's throughput meanwhile (issue 6, P1/P2).
+program-visible stall, bandwidth to host RAM and the job's throughput meanwhile (the stall and
+checkpoint-bandwidth targets in DESIGN.md).
 
 Starts a job (--job; workloads/) under `gpu-trace run --agent`:
 

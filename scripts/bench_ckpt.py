@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Driver checkpoint and restore time against GPU memory size (GPU machine): the baseline that the
-concurrent checkpoint path must beat (DESIGN.md, targets P1-P3).
+concurrent checkpoint path must beat (DESIGN.md's targets for the stall, checkpoint and restore
+bandwidth).
 
 For each size, a child (scripts/bench_ckpt_child.py) puts N GiB of pseudo-random data on GPU 0
 and waits; it is suspended (lock + checkpoint) and resumed (restore + unlock) through

@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Benchmarks of gpu-kinfer-bridge; JSON to --json.
 
-- round_trip (CPU, P8): a daemon (`gpu-kinfer-bridge serve --gpu off`, its own process, with
-  the native C loop, at its default waiting unless --spin-us) and one Python producer here;
-  sequential requests of batch 1; p50/p99/p99.9 of the producer's wall time from submit to
-  answer, and of the daemon's part (submit_ns to done_ns); then the same with
-  examples/kinfer_producer.c as the producer. Then the Python producer again with a pause
-  before each request (--gaps, in µs: a sleep from 1 ms up, a busy wait below, as a producer
-  waiting for work would), with the daemon's CPU use over each run, and the daemon's CPU use
-  while idle (--idle-s after the traffic stops, once its spin window has passed).
-  round_trip_python: the same with `--native off` (the CPython loop), for comparison.
+- round_trip (CPU; the round-trip target, <= 5 / <= 20 us from Python): a daemon (`gpu-kinfer-bridge
+  serve --gpu off`, its own process, with the native C loop, at its default waiting unless
+  --spin-us) and one Python producer here; sequential requests of batch 1; p50/p99/p99.9 of the
+  producer's wall time from submit to answer, and of the daemon's part (submit_ns to done_ns); then
+  the same with examples/kinfer_producer.c as the producer. Then the Python producer again with a
+  pause before each request (--gaps, in µs: a sleep from 1 ms up, a busy wait below, as a producer
+  waiting for work would), with the daemon's CPU use over each run, and the daemon's CPU use while
+  idle (--idle-s after the traffic stops, once its spin window has passed). round_trip_python: the
+  same with `--native off` (the CPython loop), for comparison.
 - sweep: median latency of one batch on the CPU (numpy, and the native loop's C forward) and
   the GPU (copy in, run, copy out, synchronise) across batch sizes, and the crossover.
-- gpu_throughput (P9): inferences/s of the LinnOS model at batch >= 1024, end to end (host
-  arrays in and out) and on device arrays only (CUDA events), fused kernel and cuBLAS.
+- gpu_throughput (the throughput target, >= 20 M/s): inferences/s of the LinnOS model at batch >=
+  1024, end to end (host arrays in and out) and on device arrays only (CUDA events), fused kernel
+  and cuBLAS.
 - policy: for each GPU load (none, and a second process running matrix products at a duty
   cycle) and each batch size, the side the policy picks against the side faster on average
   under that load: the mean latency of --truth-n batches per side spread evenly over
@@ -446,8 +447,8 @@ def main() -> int:
     ap.add_argument("--duties", default="0,0.5,1", help="GPU load duty cycles of the second process")
     ap.add_argument("--settle-s", type=float, default=1.0, help="policy: probe on the daemon's schedule this long before picking")
     ap.add_argument("--skip-python-loop", action="store_true", help="round trip: skip the --native off comparison")
-    ap.add_argument("--skip-round-trip", action="store_true", help="skip the CPU round trip (P8) altogether")
-    ap.add_argument("--round-trip-only", action="store_true", help="only the CPU round trip (P8): no sweep, no GPU parts")
+    ap.add_argument("--skip-round-trip", action="store_true", help="skip the CPU round trip altogether")
+    ap.add_argument("--round-trip-only", action="store_true", help="only the CPU round trip: no sweep, no GPU parts")
     ap.add_argument("--truth-n", type=int, default=500, help="policy: batches per side and case for the mean")
     ap.add_argument("--truth-span-s", type=float, default=3.5, help="policy: seconds those batches are spread over")
     args = ap.parse_args()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""`gpu-prefetch-sched run` against all-in-HBM on a CuPy stencil loop (issue 8, P6).
+"""`gpu-prefetch-sched run` against all-in-HBM on a CuPy stencil loop (the 150%-oversubscription
+target in DESIGN.md).
 
 The job is workloads/stencil_job.py: --arrays float32 arrays of --mib MiB; step s reads
 arrays s..s+2 and writes s+3 (mod n), --work fused multiply-adds per element (the arithmetic

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""`gpu-prefetch-sched run` on PyTorch programs against all-in-HBM (issue 8: the LLM-decode and
-CNN workloads).
+"""`gpu-prefetch-sched run` on PyTorch programs against all-in-HBM (the LLM-decode and CNN
+workloads of the oversubscription target in DESIGN.md).
 
 Workloads (workloads/):
 - llm: torch_decode_job.py, a transformers Llama with random bf16 weights (default 16 layers of

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The per-operation cost of `gpu-prefetch-sched run`'s Python path, on the CPU (issue 8): the
+"""The per-operation cost of `gpu-prefetch-sched run`'s Python path, on the CPU: the
 agent's launch hook -- prediction (memoised), the executor (gpuos_tools/sched/executor.py), the
 online policy (gpuos_tools/sched/online.py) and the residency engine's own hook -- replayed over
 launches, with a fake driver whose copies and events complete at once (no GPU, no CUPTI; the

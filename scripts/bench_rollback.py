@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Rollback of a >= 8 GiB CuPy job through the agent, eager against --lazy, same job (issue 7,
-item 3: lazy restore on rollback).
+"""Rollback of a >= 8 GiB CuPy job through the agent, eager against --lazy, same job (lazy
+restore on rollback).
 
 The job is workloads/suspend_job.py (--gib GiB of pseudo-random data in 256 MiB arrays,
 then a small kernel about every millisecond) under `gpu-trace run --agent`, its memory plain

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""`gpu-prefetch-sched serve` against the same jobs run one after another (issue 8, item 3).
+"""`gpu-prefetch-sched serve` against the same jobs run one after another (several jobs
+under one budget).
 
 The jobs are workloads/stencil_job.py loops of different sizes (--jobs: ARRAYSxMIB each,
 --work FMAs per element, --periods repetitions). Side by side:

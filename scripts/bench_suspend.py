@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Suspend and resume of a >= 8 GiB CuPy job through the agent against the driver checkpoint
-path on a CUPTI-free copy of the same job, side by side in one run (issue 7, items 2 and 5).
+path on a CUPTI-free copy of the same job, side by side in one run.
 
 The job is workloads/suspend_job.py (--gib GiB in 256 MiB arrays, then a launch about
 every millisecond).

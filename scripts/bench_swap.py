@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The swap pipeline of the residency engine (issue 8, P7: ">= 90 GB/s both directions on an
-H200"): owned records evicted to the engine's pinned host copies while others are loaded back,
-at the same time, through the engine itself (gpuos_tools/memory/eviction.py: evict_from_operation
--> save on its evict stream, release on its evict thread; prefetch -> make resident + load on
-its prefetch stream), not through bare cudaMemcpy.
+"""The swap pipeline of the residency engine (the swap-pipeline target in DESIGN.md: ">= 90 GB/s
+both directions on an H200"): owned records evicted to the engine's pinned host copies while others
+are loaded back, at the same time, through the engine itself (gpuos_tools/memory/eviction.py:
+evict_from_operation -> save on its evict stream, release on its evict thread; prefetch -> make
+resident + load on its prefetch stream), not through bare cudaMemcpy.
 
 Two sets of owned records (gpuos_tools/memory/owned.py), A and B, --gib GiB each in records of
 --record-mib MiB, filled with a non-zero pattern; the engine's pinned host copies made before

@@ -2,7 +2,7 @@
 """Can the driver checkpoint API (cuCheckpointProcessLock/Checkpoint/Restore/Unlock) take a
 program that runs under the agent (CUPTI subscribed)? And once the agent detached CUPTI
 (unsubscribe + cuptiFinalize)? And while the program is parked in a CUPTI callback, as a
-suspended program is? One JSON report on stdout (issue 7, the "driver remainder").
+suspended program is? One JSON report on stdout.
 
 Cases, each in a fresh child (workloads/driver_probe_child.py under `gpu-trace run --agent`,
 GPUOS_AGENT_OWN=1):

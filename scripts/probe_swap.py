@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Probe (issue 8, P7): why the engine's load direction is slower than bare copies when both
-directions run. Bare D2H of set A (one stream) and H2D of set B (another), records of --record-mib
-MiB, while a second thread works the CUDA virtual-memory API on a third set C of its own
-allocations, in one of these ways:
+"""Probe (the swap-pipeline target in DESIGN.md): why the engine's load direction is slower than
+bare copies when both directions run. Bare D2H of set A (one stream) and H2D of set B (another),
+records of --record-mib MiB, while a second thread works the CUDA virtual-memory API on a third set
+C of its own allocations, in one of these ways:
 
 - none:       nothing (the ceiling);
 - recreate:   per record cuMemUnmap + cuMemRelease, then cuMemCreate + cuMemMap + cuMemSetAccess

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Which device allocations of a PyTorch program stay outside the owned allocator, and which
-library makes them (issue 7). One JSON report on stdout (and --json FILE).
+library makes them. One JSON report on stdout (and --json FILE).
 
 It runs itself (--child) under `gpu-trace run --agent` with GPUOS_AGENT_OWN=1, once for each
 CUBLAS_WORKSPACE_CONFIG given (a size that follows the setting is cuBLAS's workspace). The

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Randomised correctness trials of the agent's concurrent snapshots (issue 6), on the GPU.
+"""Randomised correctness trials of the agent's concurrent snapshots, on the GPU.
 
 Each seed runs a trial program under `gpu-trace run --agent` with snapshots requested at random
 moments while random kernels, memsets and copies run on three streams (--program cupy:

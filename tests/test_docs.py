@@ -1,7 +1,7 @@
 """The documentation stays navigable and in step with the code: every link between the pages
 resolves (file and heading), the architecture page names every package and top-level module,
-and the user-facing pages carry no internal issue or target numbers (the benchmark history keeps
-them, as it was written)."""
+and the user-facing pages, the code and the scripts' help carry no internal issue or target
+numbers (the benchmark history keeps them, as it was written)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,24 @@ def test_no_internal_numbers_in_user_facing_pages(page: Path) -> None:
     # target labels (P1..P9, P2d, P4a, P6s); history anchors in links may carry them
     prose = LINK.sub("", text)
     assert not re.search(r"\bP[1-9][a-z]?\b", prose), page
+
+
+#: The code and the scripts: their docstrings are the commands' and scripts' --help text, and their
+#: comments are read by whoever takes the code over.
+CODE = sorted([*(p for p in (REPO / "gpuos_tools").rglob("*") if p.suffix in (".py", ".c", ".h", ".toml", ".json")),
+               *(p for p in (REPO / "scripts").iterdir() if p.is_file()), *(REPO / "cmd").iterdir(),
+               *(REPO / "workloads").rglob("*.py")])
+
+
+def test_no_internal_numbers_in_code_or_scripts_help() -> None:
+    """No issue numbers or target labels (P1..P9...) in the code, the scripts and their --help:
+    say what is meant (the target's figure, "the swap-pipeline target in DESIGN.md")."""
+    found = []
+    for path in CODE:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if re.search(r"\bissue \d", line, flags=re.I) or re.search(r"\bP[1-9][a-z]?\b", line):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert len(CODE) > 100 and not found, "\n".join(found)
 
 
 def test_benchmark_pages_are_indexed_and_link_their_history() -> None:

@@ -1,4 +1,4 @@
-"""A CNN training loop for `gpu-prefetch-sched run` (issue 8): a small ResNet-like network
+"""A CNN training loop for `gpu-prefetch-sched run`: a small ResNet-like network
 (torch.nn: convolutions, batch norm, residual blocks, a linear head) trained with SGD +
 momentum on synthetic data for a fixed number of steps.
 

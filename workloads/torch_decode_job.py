@@ -1,4 +1,4 @@
-"""LLM decode for `gpu-prefetch-sched run` (issue 8): a transformers Llama built from a
+"""LLM decode for `gpu-prefetch-sched run`: a transformers Llama built from a
 LlamaConfig with random weights (nothing downloaded), bf16 on the GPU, greedy decoding with a
 KV cache for a fixed number of tokens.
 

@@ -95,7 +95,7 @@ def find_criu(timeout: float = 60) -> Criu:
 
 #: Runs CRIU and then writes its exit status to $GPUOS_CRIU_RC (temp file, rename): the guard of a
 #: killed tool is not CRIU's parent, so this is how it learns whether a dump finished.
-_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
+RC_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "$GPUOS_CRIU_RC.tmp" "$GPUOS_CRIU_RC"; '
             'exit "$rc"')
 
 
@@ -107,7 +107,7 @@ def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], lo
     t = time.monotonic()
     argv, env = cmd, None
     if rc_file is not None:
-        argv = ["/bin/sh", "-c", _WRAPPER, "gpuos-criu", *cmd]
+        argv = ["/bin/sh", "-c", RC_WRAPPER, "gpuos-criu", *cmd]
         env = {**os.environ, "GPUOS_CRIU_RC": str(rc_file)}
     with open(out, "wb") as f:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -191,13 +191,15 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     criu = usable_criu(ckpt, "dump", pid)
     image_dir = empty_image_dir(ckpt, pid, image_dir)
     temp = Path(temp_name(str(image_dir)))
+    # the guard first: killed at any moment after the temp directory exists, it is there to remove it
+    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running)
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
         temp.mkdir(mode=0o700)
     except OSError as e:
+        guard.done()
         raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
                          ExitCode.IO_ERROR, None, False) from e
-    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running)
     try:
         result = _dump(ckpt, criu, guard, pid, image_dir, temp, timeout_ms, leave_running, criu_args)
     except CkptError:  # the process was left in the state the error names

@@ -20,10 +20,15 @@ the dump raises the limit to the largest such file the tree holds (``criu.ghost_
 CRIU cannot dump io_uring, which torchrun's TCPStore (libuv) sets up: a job holding one is
 refused untouched, and ``python -m gpuos_tools.ckpt.no_io_uring COMMAND`` starts a job without it.
 
-A SIGKILL of gpu-ckpt during a job dump is not guarded (the single-process dump has a guard
-process): Ctrl-C and SIGTERM are caught, CRIU (in a session of its own) is waited for, and every
-rank is brought back or the finished image kept. After a SIGKILL, ranks left checkpointed are
-brought back with ``gpu-restore --job PID`` when CRIU had not ended them.
+Ctrl-C and SIGTERM are caught: CRIU (in a session of its own) is waited for, and every rank is
+brought back or the finished image kept. Against SIGKILL, which no ``finally`` survives, the dump
+and the restore start the guard process of the single-process path (``guard.py``) and tell it each
+phase: if the tool dies, the guard waits for CRIU, keeps a complete image, and brings every rank
+of a job still there back (``job.bring_back_job``: every rank restored before any is unlocked).
+
+The CRIU runner here is not ``criu.py``'s: this one waits for CRIU through Ctrl-C (the ranks can
+be brought back only once CRIU lets go of the tree), where the single-process dump lets Ctrl-C end
+CRIU and hands the rest to its guard. Both write CRIU's exit status the same way (``RC_WRAPPER``).
 """
 
 from __future__ import annotations
@@ -37,11 +42,11 @@ from typing import Any, Callable
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
-from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RESTORE_LOG, RESTORED_PID, empty_image_dir, ghost_limit,
-                                   log_errors, usable_criu)
+from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RC_WRAPPER, RESTORE_LOG, RESTORED_PID, empty_image_dir,
+                                   ghost_limit, log_errors, usable_criu)
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
-from gpuos_tools.ckpt.guard import finalize
-from gpuos_tools.ckpt.job import resume_job, suspend_job
+from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
+from gpuos_tools.ckpt.job import bring_back_job, resume_job, suspend_job
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import temp_name
 
@@ -101,22 +106,19 @@ def taken(ids: list[int]) -> list[int]:
     return [i for i in ids if os.path.exists(f"/proc/{i}")]
 
 
-#: Runs CRIU, then writes its exit status to the file named by $0.
-_WRAPPER = 'rc=0; "$@" || rc=$?; echo "$rc" > "$0"; exit "$rc"'
-
-
-def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path,
-              out: Path) -> tuple[int, str, BaseException | None]:
+def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path, out: Path,
+              rc_file: Path) -> tuple[int, str, BaseException | None]:
     """Run CRIU in a session of its own (a Ctrl-C at the terminal must not reach it) with its
     output into the file ``out``, and wait for it to end even when this tool is interrupted: the
     ranks can be brought back only once CRIU has let go of them. (exit status, output, the
-    interruption that came meanwhile or None); one ``ckpt_step`` record."""
+    interruption that came meanwhile or None); one ``ckpt_step`` record. CRIU's exit status is
+    also written to ``rc_file`` when it ends: the guard of a killed tool is not CRIU's parent."""
     t = time.monotonic()
-    rc_file = out.with_suffix(".rc")
     rc_file.unlink(missing_ok=True)
     with open(out, "wb") as f:
-        proc = subprocess.Popen(["/bin/sh", "-c", _WRAPPER, str(rc_file), *cmd], stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(["/bin/sh", "-c", RC_WRAPPER, "gpuos-criu", *cmd], stdin=subprocess.DEVNULL,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "GPUOS_CRIU_RC": str(rc_file)})
     interrupted: BaseException | None = None
     while True:
         try:
@@ -151,25 +153,7 @@ def _said(text: str, log: Path) -> str:
 def _bring_back(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | None) -> str:
     """Every rank of ``pid``'s job back to running, whatever state the dump left it in; what
     each was left in, in words. Never raises."""
-    try:
-        if not procs.exists(pid):
-            return f"the job of PID {pid} is gone"
-        try:
-            resume_job(ckpt, pid, is_cuda)
-            return f"every rank of the job of PID {pid} was brought back to running"
-        except CkptError:
-            pass  # some rank not checkpointed (the dump failed half-way): one by one
-        left = {}
-        for p in procs.descendants(pid):
-            if ckpt._state(p) in ("locked", "checkpointed"):
-                left[p] = ckpt.bring_back(p)
-        bad = {p: s for p, s in left.items() if s != "running"}
-        if not bad:
-            return f"every rank of the job of PID {pid} was brought back to running"
-        return ("left: " + ", ".join(f"PID {p} {s or 'unknown'}" for p, s in bad.items())
-                + f"; `gpu-restore --job {pid}` tries again")
-    except BaseException as e:  # noqa: BLE001 -- the recovery path must not raise
-        return f"bringing the job back failed ({e}); `gpu-restore --job {pid}` brings checkpointed ranks back"
+    return bring_back_job(ckpt, pid, is_cuda)[0]
 
 
 def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
@@ -196,15 +180,18 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
                         "epoll); `gpu-ckpt --job PID` without --image checkpoints its GPU state alone; "
                         "nothing was touched", ExitCode.NOT_CHECKPOINTABLE, "running", False)
     temp = Path(temp_name(str(image_dir)))
+    # the guard first: killed at any moment after the temp directory exists, it is there to remove it
+    guard = Guard("dump", pid, image_dir, temp, job=True, leave_running=leave_running)
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
         temp.mkdir(mode=0o700)
     except OSError as e:
+        guard.done()
         raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
                         ExitCode.IO_ERROR, None, False) from e
     try:
-        return _dump(ckpt, criu, pid, launcher, image_dir, temp, timeout_ms, leave_running, criu_args, force,
-                     is_cuda)
+        return _dump(ckpt, criu, guard, pid, launcher, image_dir, temp, timeout_ms, leave_running, criu_args,
+                     force, is_cuda)
     except CkptError:
         raise
     except BaseException as e:  # interrupted (or a bug) outside CRIU: the ranks go back to running
@@ -214,11 +201,13 @@ def dump_job(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0,
                         f"{pid}; no image was written; {where}", code, None, True) from e
     finally:
         shutil.rmtree(temp, ignore_errors=True)  # gone once renamed into place
+        guard.done()  # killed before this line, the guard finishes or undoes what is left
 
 
-def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, image_dir: Path, temp: Path,
-          timeout_ms: int, leave_running: bool, criu_args: list[str], force: bool,
+def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs.ProcInfo, image_dir: Path,
+          temp: Path, timeout_ms: int, leave_running: bool, criu_args: list[str], force: bool,
           is_cuda: Callable[[int], bool] | None) -> Record:
+    guard.phase("gpu")
     job = suspend_job(ckpt, pid, timeout_ms, force=force, is_cuda=is_cuda)  # CkptError: the job left running
     ranks = []
     for r in job["ranks"]:
@@ -246,7 +235,9 @@ def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, ima
         raise ckpt.fail("dump", pid, f"{e}; {_bring_back(ckpt, pid, is_cuda)}", e.code, None, True) from None
     cmd = [criu.path, "dump", "--tree", str(pid), "--images-dir", str(temp), "--log-file", DUMP_LOG, *TREE_ARGS,
            *lock, *ghost_limit(pids, criu_args), *(["--leave-running"] if leave_running else []), *criu_args]
-    rc, text, interrupted = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out")
+    guard.phase("criu")
+    rc, text, interrupted = _run_criu(ckpt, pid, "criu_dump", cmd, image_dir / DUMP_LOG, temp / "criu-dump.out",
+                                      temp / DUMP_RC)
     if rc != 0:
         keep = image_dir.parent / f"{image_dir.name}.{DUMP_LOG}"
         try:
@@ -260,6 +251,7 @@ def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, ima
         code = ExitCode.INTERRUPTED if signalled else ExitCode.CRIU_FAILED
         raise ckpt.fail("dump", pid, f"{why}criu dump of the job of PID {pid} failed (exit {rc}; log {keep}): "
                         f"{said}; no image was written; {where}", code, None, True)
+    guard.phase("finalize")
     try:
         finalize(temp, image_dir)
     except OSError as e:
@@ -267,6 +259,7 @@ def _dump(ckpt: Checkpointer, criu: Any, pid: int, launcher: procs.ProcInfo, ima
         raise ckpt.fail("dump", pid, f"{image_dir}: cannot move the finished dump there ({e.strerror}); "
                         f"{where}", ExitCode.IO_ERROR, None, True) from e
     if leave_running:
+        guard.phase("resume")
         resume_job(ckpt, pid, is_cuda)
         state = "running"
         message = f"the job of PID {pid} ({len(pids)} processes) dumped to {image_dir} and left running"
@@ -322,8 +315,26 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
     lock = network_lock(criu_args) if "--network-lock" in dumped_with else []
     cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, *TREE_ARGS, *lock,
            "--restore-detached", "--pidfile", str(pidfile), *criu_args]
+    guard = Guard("restore", pid, image_dir, job=True, device_map=device_map)
+    try:
+        result = _restore(ckpt, guard, pid, image_dir, cmd, device_map, is_cuda)
+    except CkptError:
+        guard.done()
+        raise
+    except BaseException as e:  # a bug: the guard brings the job back
+        gpid = guard.abandon()
+        raise ckpt.fail("restore", pid, f"stopped by {type(e).__name__} ({e}) during the restore of the job of PID "
+                        f"{pid}; its guard (PID {gpid}) waits for CRIU and brings every rank back (what it did: "
+                        f"{registry.state_dir() / 'guard.log'})", ExitCode.SOFTWARE, None, True) from e
+    guard.done()
+    return result
+
+
+def _restore(ckpt: Checkpointer, guard: Guard, pid: int, image_dir: Path, cmd: list[str], device_map: str | None,
+             is_cuda: Callable[[int], bool] | None) -> Record:
+    guard.phase("criu")
     rc, text, interrupted = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG,
-                                      image_dir / "criu-restore.out")
+                                      image_dir / "criu-restore.out", image_dir / "criu-restore.rc")
     if rc != 0:
         if procs.exists(pid):  # CRIU failed after the tree came back: do not leave it without its GPUs
             where = _bring_back(ckpt, pid, is_cuda)
@@ -337,6 +348,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
         raise ckpt.fail("restore", pid, f"interrupted ({type(interrupted).__name__}) after CRIU restored the job of "
                         f"PID {pid}: its ranks are still checkpointed; `gpu-restore --job {pid}` brings them back",
                         ExitCode.INTERRUPTED, "checkpointed", True)
+    guard.phase("gpu")
     try:
         job = resume_job(ckpt, pid, is_cuda, device_map=device_map)
     except CkptError as e:

@@ -8,6 +8,7 @@ signal that kills gpu-ckpt does not reach it) before it touches anything, and te
 phase over a pipe, one JSON line each; at the end it says ``done`` and the guard exits. If the
 pipe closes without ``done``, the tool died, and the guard acts on the last phase:
 
+- before the first phase nothing was touched; a dump's temp directory, if made, is removed.
 - dump, any phase: it waits for a ``criu dump`` of the image still running (CRIU carries on
   when its parent dies; its output goes to a file, not to the dead tool's pipes), lets the
   driver's state settle, then: a complete dump in the temp directory (CRIU exited 0, which the
@@ -16,6 +17,12 @@ pipe closes without ``done``, the tool died, and the guard acts on the last phas
 - restore: it waits for a ``criu restore`` of the image still running, then a restored process
   in the checkpointed or locked state is restored on the GPU (onto the device asked) and
   unlocked. If CRIU had not restored it, the image is intact and nothing runs.
+
+A job (``gpu-ckpt --job PID --image``, and ``gpu-restore`` of its image) is guarded the same way,
+PID being its launcher: where the dump above brings the process back, and the restore restores
+it, the guard brings every rank of the job back at once (``job.bring_back_job``: each rank's GPU
+state restored before any rank is unlocked, onto the device map asked on a restore), once the
+driver's states of all the ranks have settled.
 
 What it did goes to ``STATE_DIR/guard.log`` (a line per step) and, as a ``ckpt_guard`` record,
 to ``STATE_DIR/guard-OWNER.json``, OWNER being the pid of the tool that died.
@@ -34,8 +41,12 @@ from typing import IO, Any
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
+from gpuos_tools.ckpt.job import bring_back_job, job_ranks, resume_job
+from gpuos_tools.errors import GpuosError
 from gpuos_tools.image import fsync_dir
 
+#: How the guard process is started, after the interpreter (tests start one that fakes the driver).
+COMMAND: tuple[str, ...] = ("-m", "gpuos_tools.ckpt.guard")
 SETTLE_S = 1.0  #: the driver state must read the same this long before the guard acts on it
 SETTLE_MAX_S = 60.0
 CRIU_WAIT_S = 3600.0
@@ -57,7 +68,7 @@ class Guard:
             out = subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuos_tools.ckpt.guard", "--owner", str(os.getpid())],
+                [sys.executable, *COMMAND, "--owner", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True, close_fds=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")]))})
         finally:
@@ -160,12 +171,18 @@ def dump_complete(temp: Path) -> bool:
 def settled_state(ckpt: Any, pid: int) -> str | None:
     """The driver's state of ``pid`` once it reads the same for SETTLE_S (a lock or checkpoint
     the dead tool asked for may still be under way)."""
-    last, since = ckpt._state(pid), time.monotonic()
+    return settled_states(ckpt, [pid])[pid]
+
+
+def settled_states(ckpt: Any, pids: list[int]) -> dict[int, str | None]:
+    """The driver's states of ``pids`` once none has changed for SETTLE_S (the ranks of a job
+    settle together: the dead tool asked each for its lock or checkpoint at the same time)."""
+    last, since = {p: ckpt._state(p) for p in pids}, time.monotonic()
     deadline = since + SETTLE_MAX_S
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        now = ckpt._state(pid)
-        if now != last or now in ("checkpointing", "restoring"):
+        now = {p: ckpt._state(p) for p in pids}
+        if now != last or any(v in ("checkpointing", "restoring") for v in now.values()):
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= SETTLE_S:
             break
@@ -186,7 +203,15 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
                                "phase": last.get("phase"), "steps": []}
     steps = outcome["steps"]
     ckpt = Checkpointer(emit=lambda record: steps.append(record))
+    job = bool(first.get("job"))
+    if job:
+        outcome["job"] = True
     if last.get("phase") == "start":
+        temp = Path(first["temp"]) if first.get("temp") else None
+        if action == "dump" and temp is not None and temp.is_dir() and not dump_complete(temp):
+            import shutil
+
+            shutil.rmtree(temp, ignore_errors=True)  # made before the first phase: CRIU never ran
         outcome.update(state="running" if procs.exists(pid) else None, image_ok=False,
                        message=f"nothing had been done to PID {pid}")
         return outcome
@@ -202,12 +227,18 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
             image_ok = True
         elif image.is_dir() and dump_complete(image):
             image_ok = True  # the tool had finalised it
-        state = None
-        if procs.exists(pid):
+        state, where = None, "the process is gone"
+        if procs.exists(pid) and job:
+            state, words = _job_back(ckpt, pid, outcome, None)
+            where = f"the job of PID {pid}: {words}"
+            _log(where)
+        elif procs.exists(pid):
             state = settled_state(ckpt, pid)
             if state in ("checkpointed", "locked"):
                 state = ckpt.bring_back(pid)
                 _log(f"PID {pid} brought back: {state}")
+            if state:
+                where = f"PID {pid} {state}"
         elif not image_ok:
             _log(f"PID {pid} is gone and no complete image of it is at {image} (temp {temp})")
         if not image_ok and temp.is_dir():
@@ -215,8 +246,7 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
 
             shutil.rmtree(temp, ignore_errors=True)
         outcome.update(state=state, image_ok=image_ok,
-                       message=(f"image {image} complete" if image_ok else "no image")
-                       + (f"; PID {pid} {state}" if state else "; the process is gone"))
+                       message=(f"image {image} complete" if image_ok else "no image") + f"; {where}")
         return outcome
     # restore
     if not wait_criu(str(image), "restore"):
@@ -229,6 +259,10 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     if not procs.exists(pid):
         outcome.update(pid=pid, state=None, message=f"nothing was restored; the image {image} is intact")
         return outcome
+    if job:
+        state, words = _job_back(ckpt, pid, outcome, first)
+        outcome.update(pid=pid, state=state, message=f"the job of PID {pid} restored from {image}: {words}")
+        return outcome
     state = settled_state(ckpt, pid)
     if state in ("checkpointed", "locked"):
         try:
@@ -239,6 +273,36 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
             _log(f"restore of PID {pid} as asked failed ({e}); brought back where it was: {state}")
     outcome.update(pid=pid, state=state, message=f"PID {pid} restored from {image}: {state}")
     return outcome
+
+
+def _job_back(ckpt: Any, pid: int, outcome: dict[str, Any],
+              restore: dict[str, Any] | None) -> tuple[str | None, str]:
+    """Every rank of the job of launcher ``pid`` brought back once the driver's states settle:
+    restored (onto the GPUs of ``restore``'s device map, when it is a restore) before any is
+    unlocked. (the state every rank is in, else None; what was done, in words); each rank's
+    state goes to ``outcome``."""
+    try:
+        pids = [r.info.pid for r in job_ranks(pid)]
+    except GpuosError as e:
+        return None, f"no rank found ({e})"
+    states = settled_states(ckpt, pids)
+    words = ""
+    held = [s in ("locked", "checkpointed") for s in states.values() if s is not None]
+    if restore is not None and restore.get("device_map") and held and all(held):
+        try:
+            resume_job(ckpt, pid, device_map=restore["device_map"])
+        except CkptError as e:
+            now = {p: ckpt._state(p) for p in pids}
+            if any(states[p] == "checkpointed" and now[p] != "checkpointed" for p in pids):
+                # some ranks sit on the GPUs the map named: the others must follow them, not go back
+                outcome["ranks"] = [{"pid": p, "state": s} for p, s in now.items()]
+                return None, (f"the restore onto the GPUs asked failed half-way ({e}); left as it is: `gpu-restore "
+                              f"--job {pid} --device-map {restore['device_map']}` tries again")
+            words = f"the restore onto the GPUs asked failed ({e}); "
+    said, states = bring_back_job(ckpt, pid)
+    outcome["ranks"] = [{"pid": p, "state": s} for p, s in states.items()]
+    values = set(states.values())
+    return (values.pop() if len(values) == 1 else None), words + said
 
 
 def main(argv: list[str]) -> int:

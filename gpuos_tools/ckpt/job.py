@@ -250,6 +250,44 @@ def resume_job(ckpt: Checkpointer, pid: int, is_cuda: Callable[[int], bool] | No
     return result
 
 
+def bring_back_job(ckpt: Checkpointer, pid: int,
+                   is_cuda: Callable[[int], bool] | None = None) -> tuple[str, dict[int, str | None]]:
+    """Every rank of ``pid``'s job back to running from whatever state an interrupted action left
+    it in; (what was done, in words; each rank's state afterwards). Never raises.
+
+    When every rank is held (locked or checkpointed) this is ``resume_job``. Otherwise (a round of
+    locks cut short, a restore that failed half-way) the checkpointed ranks are restored first and
+    only then is any rank unlocked, the same order; while some rank stays checkpointed, none is
+    unlocked (no rank runs while another has no GPU)."""
+    try:
+        if not procs.exists(pid):
+            return f"the job of PID {pid} is gone", {}
+        pids = [r.info.pid for r in job_ranks(pid, is_cuda)]
+        states = {p: ckpt._state(p) for p in pids}
+        held = [s in ("locked", "checkpointed") for s in states.values() if s is not None]
+        if held and all(held):
+            try:
+                resume_job(ckpt, pid, is_cuda)
+            except CkptError:
+                pass  # the restore failed on some rank: rank by rank below
+            states = {p: ckpt._state(p) for p in pids}
+        for p in [p for p in pids if states[p] == "checkpointed"]:
+            t = time.monotonic()
+            err = ckpt.api.restore(p)
+            ckpt._step(p, "restore", "checkpointed", time.monotonic() - t, err, recovery=True)
+        if "checkpointed" not in (ckpt._state(p) for p in pids):  # else none runs: the job's own rule
+            for p in pids:
+                if ckpt._state(p) == "locked":
+                    ckpt.bring_back(p)
+        states = {p: ckpt._state(p) for p in pids}
+        bad = {p: s for p, s in states.items() if s not in ("running", None)}
+        if not bad:
+            return f"every rank of the job of PID {pid} was brought back to running", states
+        return _left(bad) + f"; `gpu-restore --job {pid}` tries again", states
+    except BaseException as e:  # noqa: BLE001 -- the recovery path must not raise
+        return f"bringing the job back failed ({e}); `gpu-restore --job {pid}` brings checkpointed ranks back", {}
+
+
 def _job_pairs(ckpt: Checkpointer, pid: int, states: dict[int, str],
                device_map: str) -> list[tuple[str, str]] | None:
     """The driver's (old UUID, new UUID) pairs for ``device_map``, checked before any rank is

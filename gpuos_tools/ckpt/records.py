@@ -171,6 +171,9 @@ CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by t
     Field("action", Str()), Field("pid", _PID, null=True), Field("image", Str(), null=True),
     Field("phase", Str(), "where the tool died"), Field("state", _STATE, "the process afterwards", null=True),
     Field("image_ok", Bool(), null=True), Field("message", Str()), Field("steps", Anything()),
+    Field("job", Bool(), "true when pid is the launcher of a job (--job)"),
+    Field("ranks", List(Obj((Field("pid", _PID), Field("state", _STATE, null=True)), text="{pid, state}")),
+          "a job's ranks and their states afterwards"),
 ))
 
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.

@@ -605,7 +605,8 @@ def replay(
                "median gap between reads, measured after the replay; added to every LinnOS read (linnos_uncharged: without it)",
     }
     report["model"] = model
-    print(f"gpu-kinfer-bridge: each LinnOS read charged {inference:.1f} us, the median round trip of {len(probe_us)} requests "
+    # the figure the record carries, rounded once: the unrounded one can round the other way
+    print(f"gpu-kinfer-bridge: each LinnOS read charged {report['inference']['charged_us']:.1f} us, the median round trip of {len(probe_us)} requests "
           f"measured here at the trace's pace ({pace_s * 1e6:.0f} us apart; p99 {report['inference']['p99_us']} us)",
           file=sys.stderr)
     with open_output(output) as writer:

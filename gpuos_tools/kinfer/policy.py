@@ -284,7 +284,7 @@ class Speed:
     - ``delay_us()``: mean of measured minus calibrated, for a side that makes every batch wait
       the same extra time whatever its size (a GPU time-sliced with another process: on an
       H100 under a second process's matrix products every batch from 1 to 4096 rows took 2.41 ms,
-      BENCHMARKS.md, P9).
+      docs/benchmarks/gpu-kinfer-bridge.md).
 
     A median would not do: under a duty-cycled load most samples may see an idle GPU while the
     mean, which is what the producer pays, is set by the ones that waited. With no fresh samples
@@ -399,20 +399,19 @@ class CpuSpeed(Speed):
     daemon times (the model's forward pass, as ``calibrate`` times it). No probes: the daemon
     runs CPU batches all the time, and when none ran lately the calibration (0, 1) stands.
 
-    Two things slow the CPU against its curve, and they scale differently. A batch run alone,
-    not back to back as ``calibrate`` runs them, pays a roughly *fixed* extra (on the H100's
-    host: 47 µs at batch 1, 77 at 64, 87 at 128, 98 at 256; BENCHMARKS.md, P9, 2026-11-24 run
-    2), so a ratio learnt at batch 64 (4.4) overstated batch 128 (3.0) and the policy sent it
-    to the GPU. Another process on the cores slows every batch *in proportion*. So: when the
-    window's samples span several batch sizes (coefficient of variation of their calibrated
-    latencies at least ``FIT_MIN_SPREAD``, at least ``FIT_MIN_SAMPLES`` of them), a least-squares
-    line through them, its slope kept between 1 (all fixed) and the ratio of the means (all
-    proportional); a line between those two always passes through the means, so the fit can
-    only move the estimate between the two pure forms. With one size in the window (or too
-    few) the two cannot be told apart and the fixed extra is taken (b = 1): it is what an
-    isolated small batch pays, and it errs low, not high, for larger batches — by as much as
-    half at 4x the size (run 3: 190 µs extra at batch 256, 380 at 1024, and a batch of 1024 kept
-    on the CPU that the GPU ran faster)."""
+    Two things slow the CPU against its curve, and they scale differently. A batch run alone, not
+    back to back as ``calibrate`` runs them, pays a roughly *fixed* extra (on the H100's host: 47 µs
+    at batch 1, 77 at 64, 87 at 128, 98 at 256; docs/benchmarks/gpu-kinfer-bridge.md, 2026-11-24 run
+    2), so a ratio learnt at batch 64 (4.4) overstated batch 128 (3.0) and the policy sent it to the
+    GPU. Another process on the cores slows every batch *in proportion*. So: when the window's
+    samples span several batch sizes (coefficient of variation of their calibrated latencies at
+    least ``FIT_MIN_SPREAD``, at least ``FIT_MIN_SAMPLES`` of them), a least-squares line through
+    them, its slope kept between 1 (all fixed) and the ratio of the means (all proportional); a line
+    between those two always passes through the means, so the fit can only move the estimate between
+    the two pure forms. With one size in the window (or too few) the two cannot be told apart and
+    the fixed extra is taken (b = 1): it is what an isolated small batch pays, and it errs low, not
+    high, for larger batches — by as much as half at 4x the size (run 3: 190 µs extra at batch 256,
+    380 at 1024, and a batch of 1024 kept on the CPU that the GPU ran faster)."""
 
     #: coefficient of variation of the window's calibrated latencies from which a slope is fitted
     FIT_MIN_SPREAD = 0.25
@@ -451,9 +450,9 @@ class GpuSpeed(Speed):
     A probe measures what the next request would pay: one run, timed, as a request's batch is
     run. Dense traffic keeps the window full of real batches (a warm GPU); sparse traffic fills
     it with probes and isolated batches, each paying whatever an idle GPU makes a lone batch pay
-    (on an H100 ~200 µs for batches 7 ms apart, against 30 µs back to back: BENCHMARKS.md, P9,
-    2026-11-24). Either way the window holds the kind of batch the traffic sends, as the CPU's
-    does.
+    (on an H100 ~200 µs for batches 7 ms apart, against 30 µs back to back:
+    docs/benchmarks/gpu-kinfer-bridge.md, 2026-11-24). Either way the window holds the kind of
+    batch the traffic sends, as the CPU's does.
 
     Probe intervals are drawn uniformly from ``PROBE_JITTER`` either side of the nominal period,
     afresh after every measurement, so that probes do not lock onto the phase of a periodic
@@ -462,9 +461,9 @@ class GpuSpeed(Speed):
     interval leaves ``MIN_PROBES_IN_WINDOW`` probes in ``window_ms``: one probe is too few for
     a mean (an idle H100 gave single probes of 41 to 248 µs for batch 64). At idle the default
     period is 60 ms (~16 probes in a 1 s window): with 3 to 5 probes the idle delay came out at
-    125 to 344 µs where isolated batches paid 181 to 215 (BENCHMARKS.md, P9, 2026-11-24 run 2),
-    enough to flip picks near the crossover; an idle probe holds the Python loop ~200 µs, so
-    ~0.3 % of its time. ``rng`` is injectable for tests.
+    125 to 344 µs where isolated batches paid 181 to 215 (docs/benchmarks/gpu-kinfer-bridge.md,
+    2026-11-24 run 2), enough to flip picks near the crossover; an idle probe holds the Python
+    loop ~200 µs, so ~0.3 % of its time. ``rng`` is injectable for tests.
     """
 
     #: probe interval: the nominal period times a factor uniform in [1 - PROBE_JITTER, 1 + PROBE_JITTER]
@@ -709,7 +708,7 @@ def steady_curve(run: Callable[[int], Callable[[], Any]], batches: list[int], re
     seconds of work at the largest batch, and each batch keeps the lowest of its per-pass
     medians. One sweep is not enough on a GPU: measured on an H100, a sweep right after idle time
     gave medians of 329 µs at batch 64 and 395 µs at 2048 where the steady figure was 45 µs, and
-    a policy scaling such a curve picked the wrong side (BENCHMARKS.md, P9)."""
+    a policy scaling such a curve picked the wrong side (docs/benchmarks/gpu-kinfer-bridge.md)."""
     best = [math.inf] * len(batches)
     largest = run(max(batches))
     for p in range(max(1, passes)):

@@ -22,6 +22,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -526,3 +527,84 @@ def test_a_running_job_cut_rolled_back_and_run_on_ends_as_its_twin_stopped_and_r
     cut_figure(what="result", step=step, digest=result["digest"], twin_digest=twin["digest"],
                step_s=result["step_s"], twin_step_s=twin["step_s"])
     assert result["digest"] == twin["digest"], "the job rolled back and run on did not end as its twin"
+
+
+def guard_of(owner: int) -> list[int]:
+    """The guard processes (not zombies) that the tool of pid ``owner`` started."""
+    mark = f"--owner\0{owner}\0".encode()
+    found = []
+    for p in procs.all_pids():
+        with contextlib.suppress(OSError):
+            line = Path(f"/proc/{p}/cmdline").read_bytes()
+            if b"gpuos_tools.ckpt.guard" in line and mark in line + b"\0" and procs.exists(p):
+                found.append(p)
+    return found
+
+
+def test_a_job_dump_killed_at_a_random_moment_leaves_the_job_or_its_image(tmp_path, uninterrupted) -> None:
+    """kill -9 of `gpu-ckpt --job PID --image DIR` at a random moment of the dump (the ranks' driver
+    checkpoint, CRIU or the rename; GPUOS_KILL_SEED picks it): its guard leaves the job running on,
+    or a complete image that `gpu-restore --image` brings back; either way the job ends bit-identical."""
+    try:
+        criu.find_criu()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no usable CRIU: {e}")
+    seed = int(os.environ.get("GPUOS_KILL_SEED") or time.time_ns() % 100_000)
+    delay = random.Random(seed).uniform(0.5, 8.0)
+    state, image = tmp_path / "state", tmp_path / "image"
+    cmd, env, progress, out = job_command(tmp_path, "killed", NCCL_RESTORABLE)
+    cmd = [sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", *cmd]
+    env["PYTHONWARNINGS"] = "ignore"
+    log = tmp_path / "killed-job.log"
+    tree: list[int] = []
+    with adopting():
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        pid = proc.pid
+        try:
+            wait_for_step_file(progress, STEPS // 3, proc, log)
+            tree = procs.descendants(pid)
+            tool = subprocess.Popen([sys.executable, "-m", "gpuos_tools.commands.ckpt", "--job", str(pid), "--image",
+                                     str(image), "--timeout", "5000"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL,
+                                    env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)))
+            time.sleep(delay)
+            tool.send_signal(signal.SIGKILL)
+            tool.wait()
+            deadline = time.monotonic() + 600
+            while guard_of(tool.pid):
+                assert time.monotonic() < deadline, "the guard did not finish"
+                time.sleep(0.1)
+            said = state / f"guard-{tool.pid}.json"
+            guard = json.loads(said.read_text()) if said.exists() else None
+            assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")], "a temp directory was left"
+            if procs.exists(pid):  # the job runs on: every rank back on its GPU
+                outcome = "running"
+                assert criu.image_state(image) in ("empty", "complete"), guard
+                assert proc.wait(timeout=600) == 0, log.read_text(errors="replace")[-6000:]
+            else:
+                outcome = "image"
+                assert criu.image_state(image) == "complete", f"the job is gone and no image: {guard}"
+                wait_vanished([pid, *tree], 120)
+                done, records = cli("restore", "--image", str(image), state_dir=state)
+                assert done.returncode == 0, done.stderr[-4000:]
+                wait_vanished(tree, 600, also=out)
+            ended = json.loads(out.read_text())
+            figure(outcome=f"killed at {delay:.2f} s (seed {seed}): {outcome}", guard=guard,
+                   digest_equal=ended["digest"] == uninterrupted["digest"])
+            assert ended["ranks_agree"] and ended["steps"] == STEPS, ended
+            assert ended["digest"] == uninterrupted["digest"]
+        finally:
+            alive = [p for p in dict.fromkeys([pid, *tree]) if procs.exists(p)]
+            if alive:
+                subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(pid)], cwd=ROOT,
+                               env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
+                               timeout=300, check=False)
+                for p in alive:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p, 9)
+            with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+            with contextlib.suppress(AssertionError):
+                wait_vanished([pid, *tree], 30)

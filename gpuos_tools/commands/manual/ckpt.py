@@ -107,7 +107,8 @@ A guard process started before anything is touched finishes or undoes the dump i
 killed, even with SIGKILL (and likewise the restore if gpu-restore is): it waits for CRIU, makes
 a complete dump the image, and brings a process it finds locked or checkpointed back to
 running; what it did is in STATE_DIR/guard.log and STATE_DIR/guard-PID.json (a ckpt_guard
-record). CRIU restores an open regular file only if its size is what it was at the dump: a job
+record). With --job it does so for the whole job: every rank's GPU state is restored before any
+rank is unlocked. CRIU restores an open regular file only if its size is what it was at the dump: a job
 that keeps a growing log open cannot be restored from a --leave-running image after it wrote
 more."""
 
