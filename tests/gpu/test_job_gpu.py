@@ -298,6 +298,23 @@ def account(step: str, done: subprocess.CompletedProcess, records: list[dict], l
     return said
 
 
+def end_job_tree(pid: int, tree: list[int], proc: subprocess.Popen, state: Path) -> None:
+    """A job test's clean-up: ranks left checkpointed are brought back (so they can be killed), then
+    every process of the tree is killed and waited for."""
+    alive = [p for p in dict.fromkeys([pid, *tree]) if procs.exists(p)]
+    if alive:
+        subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(pid)], cwd=ROOT,
+                       env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
+                       timeout=300, check=False)
+        for p in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, 9)
+    with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+        proc.wait(timeout=60)
+    with contextlib.suppress(AssertionError):
+        wait_vanished([pid, *tree], 30)
+
+
 def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, uninterrupted) -> None:
     try:
         criu.find_criu()
@@ -372,18 +389,7 @@ def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, 
                    digest_equal=ended["digest"] == uninterrupted["digest"])
             assert ended["digest"] == uninterrupted["digest"]
         finally:
-            alive = [p for p in dict.fromkeys([pid, *tree]) if procs.exists(p)]
-            if alive:
-                subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(pid)], cwd=ROOT,
-                               env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
-                               timeout=300, check=False)
-                for p in alive:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p, 9)
-            with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
-                proc.wait(timeout=60)
-            with contextlib.suppress(AssertionError):
-                wait_vanished([pid, *tree], 30)
+            end_job_tree(pid, tree, proc, state)
 
 
 # ---------------------------------------------------------------- the agent path's cut
@@ -596,15 +602,4 @@ def test_a_job_dump_killed_at_a_random_moment_leaves_the_job_or_its_image(tmp_pa
             assert ended["ranks_agree"] and ended["steps"] == STEPS, ended
             assert ended["digest"] == uninterrupted["digest"]
         finally:
-            alive = [p for p in dict.fromkeys([pid, *tree]) if procs.exists(p)]
-            if alive:
-                subprocess.run([sys.executable, "-m", "gpuos_tools.commands.restore", "--job", str(pid)], cwd=ROOT,
-                               env=dict(os.environ, GPUOS_CKPT_STATE_DIR=str(state)), capture_output=True,
-                               timeout=300, check=False)
-                for p in alive:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p, 9)
-            with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
-                proc.wait(timeout=60)
-            with contextlib.suppress(AssertionError):
-                wait_vanished([pid, *tree], 30)
+            end_job_tree(pid, tree, proc, state)
