@@ -7,6 +7,7 @@ and that the records come back with what was last written. The figures come from
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +27,8 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
 MIB = 1 << 20
+#: the owned library and the stand-in driver are built with the C compiler
+needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 
 
 class OwnedOps(FakeOps):
@@ -102,6 +105,7 @@ def test_help_runs_without_a_gpu() -> None:
     assert "--park" in done.stdout and "each a save" in done.stdout
 
 
+@needs_cc
 def test_every_timed_eviction_saves_with_parking_off_and_on_each_trial_swapping_the_sets(env):  # noqa: F811
     lib, _ = env
     n, rec, trials = 4, 4 * MIB, 3
@@ -135,6 +139,7 @@ def test_every_timed_eviction_saves_with_parking_off_and_on_each_trial_swapping_
     eng.close()
 
 
+@needs_cc
 def test_the_check_counts_an_eviction_seen_released_before_the_engine_counted_it(env):  # noqa: F811
     # the evict thread marks a record released, destroys the save's event, then counts the
     # eviction, all under the engine's lock; a reader that polls the state (no lock) and then
