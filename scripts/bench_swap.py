@@ -22,7 +22,9 @@ it on a copy engine in the background, which halves host-to-device copies meanwh
 (scripts/probe_swap.py); parking avoids it. --settle seconds pass after each mode.
 
 Before each eviction phase every record of A is written (a memset, and the engine told as the
-tracer would tell it), so that each eviction is a save. Per phase the wall time from the first
+tracer would tell it), so that each eviction is a save; each run checks that it was: the engine's
+counts (read through its stats, under its lock) grew by exactly 2 x records x trials evictions,
+each a save of the whole record, none released without one. Per phase the wall time from the first
 call to the last record's completion (host clock, loads and releases polled together), and
 GB/s = bytes / time; for "both", each direction's GB/s (bytes / its own last completion) and the
 combined (2 x bytes / the later). Also the raw ceiling on the
@@ -42,6 +44,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +123,85 @@ def dirty(eng: ResidencyEngine, bases: list[int], pattern: int) -> None:
            "cuMemsetD32Async")
         eng.access("cuMemsetD32Async", 0, x)
     ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-    assert not eng.clean.intersection(bases)
+
+
+def release_set(eng: ResidencyEngine, bases: list[int]) -> None:
+    """Evict every record of ``bases`` through the engine and wait until all are released."""
+    t = time.perf_counter()
+    for x in bases:
+        if not eng.evict_from_operation(x):
+            raise RuntimeError(f"the engine refused to evict {x:#x}: {eng.stats()}")
+    wait_all(eng, bases, RELEASED, t)
+
+
+SAVE_KEYS = ("evictions", "evict_saves", "saved_bytes", "unsaved_bytes")
+
+
+def save_counts(eng: ResidencyEngine) -> dict[str, int]:
+    """The engine's eviction counts, through ``stats()``: under the engine's lock, which its evict
+    thread holds from marking a record released until that eviction is counted. Read right after
+    a record was seen released (``state`` takes no lock), ``eng.counts`` may not include it yet."""
+    st = eng.stats()
+    return {k: st[k] for k in SAVE_KEYS}
+
+
+def check_saves(before: dict[str, int], after: dict[str, int], evictions: int, nbytes: int, what: str) -> None:
+    """That the run between the two ``save_counts`` evicted exactly ``evictions`` records, each
+    with a save, ``nbytes`` in all, and released none without one; RuntimeError saying what the
+    engine counted otherwise."""
+    got = {k: after[k] - before[k] for k in SAVE_KEYS}
+    if got != {"evictions": evictions, "evict_saves": evictions, "saved_bytes": nbytes, "unsaved_bytes": 0}:
+        raise RuntimeError(f"{what}: expected {evictions} evictions, each a save ({nbytes} bytes in all), none "
+                           f"released unsaved; the engine counted {got['evictions']} evictions, {got['evict_saves']} "
+                           f"saves, {got['saved_bytes']} bytes saved, {got['unsaved_bytes']} bytes released unsaved")
+
+
+def engine_trials(eng: ResidencyEngine, lib: Any, a: list[int], b: list[int], park: int, trials: int,
+                  write: Callable[[list[int], int], None], settle: float = 0.0,
+                  ) -> tuple[list[dict[str, Any]], list[int], list[int]]:
+    """``trials`` trials of the three phases, from ``a`` resident and ``b`` released, with ``park``
+    bytes of parking in the owned library ``lib`` (0: off); ``write(bases, pattern)`` writes the
+    records and tells the engine (``dirty``). Returns the rows and the sets as they end (A and B
+    swap roles each trial). Checks that every eviction timed was a save (``check_saves``)."""
+    lib.set_park_limit(park)
+    rows: list[dict[str, Any]] = []
+    before = save_counts(eng)
+    total = sum(eng.ops.lookup(x).size for x in a)  # bytes each way per phase: what the engine copies
+
+    def written(bases: list[int], pattern: int) -> None:
+        write(bases, pattern)
+        if eng.clean.intersection(bases):
+            raise RuntimeError("records written, still clean to the engine: their evictions would not save")
+
+    for k in range(trials):
+        row: dict[str, Any] = {}
+        written(a, 2 * k)
+        t = time.perf_counter()
+        for x in a:
+            assert eng.evict_from_operation(x)
+        row["evict_gbps"] = gbps(total, wait_all(eng, a, RELEASED, t))
+        t = time.perf_counter()
+        evs = [eng.prefetch(x) for x in a]
+        t_in, _ = completion(eng, evs, a, [], t)
+        row["load_gbps"] = gbps(total, t_in)
+        assert all(eng.state(x) == RESIDENT for x in a)
+        written(a, 2 * k + 1)
+        t = time.perf_counter()
+        evs = []
+        for x, y in zip(a, b):
+            assert eng.evict_from_operation(x)
+            evs.append(eng.prefetch(y))
+        t_in, t_out = completion(eng, evs, b, a, t)
+        row.update(both_out_gbps=gbps(total, t_out), both_in_gbps=gbps(total, t_in),
+                   both_combined_gbps=gbps(2 * total, max(t_in, t_out)))
+        rows.append(row)
+        print(f"park {park >> 20} MiB, trial {k}: {row}", file=sys.stderr)
+        a, b = b, a
+    check_saves(before, save_counts(eng), 2 * len(a) * trials, 2 * total * trials,
+                f"park {park >> 20} MiB, {trials} trials of {len(a)} records")
+    lib.set_park_limit(0)
+    time.sleep(settle)  # the driver's clearing of released memory runs on after the release
+    return rows, a, b
 
 
 def gbps(n: int, s: float) -> float:
@@ -169,52 +250,16 @@ def main() -> int:
     ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
     total = n * rec
     a, b = sets
-    # B released to start with (untimed)
-    t = time.perf_counter()
-    for x in b:
-        assert eng.evict_from_operation(x)
-    wait_all(eng, b, RELEASED, t)
+    release_set(eng, b)  # B released to start with (untimed)
 
-    def engine_trials(park: int) -> list[dict[str, Any]]:
-        nonlocal a, b
-        lib.set_park_limit(park)
-        trials: list[dict[str, Any]] = []
-        saves0 = eng.counts["evict_saves"]
-        for k in range(args.trials):
-            row: dict[str, Any] = {}
-            dirty(eng, a, 2 * k)
-            t = time.perf_counter()
-            for x in a:
-                assert eng.evict_from_operation(x)
-            row["evict_gbps"] = gbps(total, wait_all(eng, a, RELEASED, t))
-            t = time.perf_counter()
-            evs = [eng.prefetch(x) for x in a]
-            t_in, _ = completion(eng, evs, a, [], t)
-            row["load_gbps"] = gbps(total, t_in)
-            assert all(eng.state(x) == RESIDENT for x in a)
-            dirty(eng, a, 2 * k + 1)
-            t = time.perf_counter()
-            evs = []
-            for x, y in zip(a, b):
-                assert eng.evict_from_operation(x)
-                evs.append(eng.prefetch(y))
-            t_in, t_out = completion(eng, evs, b, a, t)
-            row.update(both_out_gbps=gbps(total, t_out), both_in_gbps=gbps(total, t_in),
-                       both_combined_gbps=gbps(2 * total, max(t_in, t_out)))
-            trials.append(row)
-            print(f"park {park >> 20} MiB, trial {k}: {row}", file=sys.stderr)
-            a, b = b, a
-        # every eviction timed was a save (none released as clean)
-        assert eng.counts["evict_saves"] - saves0 == 2 * n * args.trials, eng.stats()
-        lib.set_park_limit(0)
-        time.sleep(args.settle)  # the driver's clearing of released memory runs on after the release
-        return trials
+    def write(bases: list[int], pattern: int) -> None:
+        dirty(eng, bases, pattern)
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for mode in args.park.split(","):
         # a mode asked again keeps its earlier run: on.2 is the second "on"
         key = next(k for k in (mode, *(f"{mode}.{i}" for i in range(2, 100))) if k not in runs)
-        runs[key] = engine_trials(total if mode == "on" else 0)
+        runs[key], a, b = engine_trials(eng, lib, a, b, total if mode == "on" else 0, args.trials, write, args.settle)
     st = eng.stats()
     assert st.get("evict_errors", 0) == 0, st
 
