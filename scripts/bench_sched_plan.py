@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The online policy's two plans, `count` (the working sets of the next --lookahead launches) and
-`time` (as far ahead as the launches' durations need, with proactive eviction), side by side
-in the simulator's time model, on the CPU: SIMULATED, not measured on a GPU.
+"""The online policy's plans, `count` (the working sets of the next --lookahead launches), `time`
+(as far ahead as the launches' durations need) and `time+proactive` (with proactive eviction),
+side by side in the simulator's time model, on the CPU: SIMULATED, not measured on a GPU.
 
 gpuos_tools/sched/online_sim.py drives OnlinePolicy launch by launch against simulate.py's two
 copy engines (bandwidths --bw), the host at most --host-ahead launches ahead of the GPU.
@@ -75,9 +75,9 @@ def compare(w: Workload, fraction: float, bw: tuple[float, float], lookahead: in
     """Both plans on ``w`` at ``fraction`` of its footprint."""
     cfg = Config(int(w.footprint * fraction), bw[0], bw[1])
     rows = []
-    for plan in ("count", "time"):
+    for plan, proactive in (("count", False), ("time", False), ("time", True)):
         t = time.perf_counter()
-        r = simulate_online(w, cfg, plan=plan, lookahead=lookahead, host_ahead=host_ahead)
+        r = simulate_online(w, cfg, plan=plan, lookahead=lookahead, host_ahead=host_ahead, proactive=proactive)
         r["cpu_s"] = round(time.perf_counter() - t, 3)
         r["fraction"] = fraction
         rows.append(r)
@@ -98,7 +98,7 @@ def main() -> int:
     h2d, d2h = (float(x) for x in args.bw.split(","))
     fractions = [float(b.rstrip("%")) / 100 for b in args.budgets.split(",") if b]
     rows: list[dict[str, Any]] = []
-    print(f"{'workload':<22} {'budget':>6} {'plan':<5} {'stall_s':>8} {'pred_st':>8} {'speed':>6} {'in GB':>7} "
+    print(f"{'workload':<22} {'budget':>6} {'plan':<14} {'stall_s':>8} {'pred_st':>8} {'speed':>6} {'in GB':>7} "
           f"{'Bel in':>7} {'out GB':>7} {'Bel out':>7} {'demand':>6} {'pref':>6} {'proact':>6} {'peak/bud':>8}",
           file=sys.stderr)
     for name, w in workloads([x for x in args.workloads.split(",") if x], args.copies, args.chunk_mib << 20):
@@ -106,7 +106,7 @@ def main() -> int:
             for r in compare(w, frac, (h2d, d2h), args.lookahead, args.host_ahead):
                 r["workload"] = name
                 rows.append(r)
-                print(f"{name:<22} {frac:>6.0%} {r['plan']:<5} {r['stall_s']:>8.4f} {r['stall_predicted_s']:>8.4f} "
+                print(f"{name:<22} {frac:>6.0%} {r['plan']:<14} {r['stall_s']:>8.4f} {r['stall_predicted_s']:>8.4f} "
                       f"{r['speed_vs_in_memory']:>6.3f} {r['bytes_in'] / 1e9:>7.2f} {r['belady_bytes_in'] / 1e9:>7.2f} "
                       f"{r['bytes_out'] / 1e9:>7.2f} {r['belady_bytes_out'] / 1e9:>7.2f} {r['demand_loads']:>6} "
                       f"{r['prefetches']:>6} {r['proactive']:>6} {r['peak_mapped'] / max(r['budget'], 1):>8.3f}",

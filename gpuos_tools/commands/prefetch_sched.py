@@ -255,6 +255,12 @@ def run(
         "right after its last use when the next loads will need its room; --lookahead applies until "
         "durations are measured.",
     ),
+    proactive: bool = typer.Option(
+        False, "--proactive",
+        help="With --plan time: evict the records the next loads will need the room of right after their last "
+        "use, Belady's victims, instead of when the room is needed (experimental: in the CPU simulation it "
+        "moved more bytes).",
+    ),
     plan_bw: str = typer.Option(
         "50.5GB/s", "--plan-bw", metavar="H2D[,D2H]",
         help="The link bandwidths the time plan assumes per direction while both are busy (one value: both).",
@@ -294,6 +300,8 @@ def run(
     bws = [_opt(parse_bandwidth, part, "--plan-bw") for part in plan_bw.split(",")]
     if len(bws) not in (1, 2) or min(bws) <= 0:
         raise typer.BadParameter("one bandwidth above 0, or two: H2D,D2H", param_hint="--plan-bw")
+    if proactive and plan != "time":
+        raise typer.BadParameter("only with --plan time", param_hint="--proactive")
     if plot_file is not None:
         figures.check_path(plot_file)  # before the program runs, not after
     size = fraction = None
@@ -323,7 +331,8 @@ def run(
             timeline_path = os.path.abspath(timeline) if timeline else os.path.join(tmp, "timeline.json")
         online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
                               summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served,
-                              plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None)
+                              plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
+                              proactive=proactive)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
                                       online=online, own=owned.FRAMEWORKS, warn=lambda m: warn(PROG, m))
         code = report_run(PROG, traced)

@@ -112,10 +112,12 @@ class OnlineConfig:
     serve: ServeConfig | None = None
     plan: str = "count"  #: how far ahead to prefetch: "count" (lookahead launches) or "time"
     bw: tuple[float, float] | None = None  #: the time plan's (H2D, D2H) bytes/s (None: the policy's default)
+    proactive: bool = False  #: the time plan evicts Belady's next victims right after their last use
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "online.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
         _check(self.plan in PLANS, "online.plan", f"{self.plan!r} is not one of {', '.join(PLANS)}")
+        _check(not self.proactive or self.plan == "time", "online.proactive", "only with the time plan")
         _check(self.bw is None or (len(self.bw) == 2 and min(self.bw) > 0), "online.bw",
                f"{self.bw!r} is not two bandwidths above 0")
         _check(self.lookahead >= 0, "online.lookahead", f"{self.lookahead} is negative")

@@ -106,7 +106,8 @@ class Executor(AgentHooks):
         self.lib = lib if lib is not None else engine.ops.lib
         self.cfg = cfg
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
-                                   fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"))
+                                   fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"),
+                                   proactive=bool(cfg.get("proactive", False)))
         if cfg.get("bw"):
             self.policy.note_bandwidth(*cfg["bw"])
         #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops
@@ -982,7 +983,7 @@ class Executor(AgentHooks):
         pol = self.policy.stats.as_dict()
         out = {
             "policy": self.policy.policy, "lookahead": self.policy.lookahead, "plan": self.policy.plan,
-            "budget": pol["budget_max"], "fraction": self.cfg.get("fraction"),
+            "proactive": self.policy.proactive, "budget": pol["budget_max"], "fraction": self.cfg.get("fraction"),
             "footprint": self._total, "launches": pol["launches"], "unknown": pol["unknown"],
             "bytes_in": eng.get("loaded_bytes", 0), "bytes_out": eng.get("saved_bytes", 0),
             "loads": eng.get("prefetches", 0) + eng.get("demand_loads", 0), "prefetches": eng.get("prefetches", 0),

@@ -23,8 +23,8 @@ the executor makes it inside a program, and its actions are timed as simulate.py
 Memory is physical: a record counts from its map until its release, so evictions in flight
 hold room. Allocations (first touches) map at once whatever the budget, as a program's do, and
 the next decisions evict down to it: ``peak_mapped`` is the most mapped at a decision's end or
-a load's map from the first time mapped was within the budget after the last allocation (as
-the executor's ``peak_settled``), outside steps whose working set alone exceeds the budget;
+a load's map from the first time mapped was within the budget after the last allocation or
+step whose working set alone exceeds the budget (as the executor's ``peak_settled``);
 ``over_physical`` counts loads that mapped above the budget (no room was coming), outside those
 steps too.
 """
@@ -40,10 +40,10 @@ from gpuos_tools.sched.workload import Chunks, Job, Step, Workload, working_foot
 
 
 def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: int = 2, policy: str = "belady",
-                    host_ahead: int = 1, feed: bool = True) -> dict[str, Any]:
+                    host_ahead: int = 1, feed: bool = True, proactive: bool = False) -> dict[str, Any]:
     """The summary of the online policy with ``plan`` on ``w`` under ``cfg.budget`` bytes."""
     sizes = w.chunks.sizes
-    pol = OnlinePolicy(cfg.budget, policy, lookahead, plan=plan)
+    pol = OnlinePolicy(cfg.budget, policy, lookahead, plan=plan, proactive=proactive)
     pol.note_bandwidth(cfg.h2d_bw, cfg.d2h_bw)
     budget = cfg.budget
     h2d, d2h = cfg.h2d_bw, cfg.d2h_bw
@@ -163,7 +163,9 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
                             host_t = max(host_t, t)
                     if ready[b] > step_ready:
                         step_ready = ready[b]
-        if not over:
+        if over:
+            settled = False  # its working set loaded above the budget: until the evictions after it
+        else:
             if not settled and mapped <= budget:
                 settled = True
             if settled:
@@ -189,7 +191,7 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
     bel = simulate_planned(w, "belady", Config(budget, h2d, d2h, lookahead=None))
     ps = pol.stats
     return {
-        "type": "sched_online_sim", "plan": plan, "policy": policy, "lookahead": lookahead, "budget": budget,
+        "type": "sched_online_sim", "plan": plan + ("+proactive" if proactive else ""), "policy": policy, "lookahead": lookahead, "budget": budget,
         "footprint": w.footprint, "steps": len(w.steps), "compute_s": compute, "est_s": prev_end,
         "stall_s": stall_s, "stall_predicted_s": stall_known, "stalls": stalls, "speed_vs_in_memory": compute / prev_end if prev_end > 0 else 1.0,
         "bytes_in": bytes_in, "bytes_out": bytes_out, "bytes_dropped": dropped,

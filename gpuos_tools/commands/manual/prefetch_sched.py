@@ -112,7 +112,7 @@ SECTIONS = {
         "`park` gives parked bytes, reuses and releases. `GPUOS_ENGINE_NO_PARK=1` turns it off; "
         "serve's jobs do not park.\n\n"
         "The record on standard output at the end, `sched_summary` with `mode` online: policy, "
-        "lookahead, plan (count or time), budget (the largest a decision used), fraction, footprint (owned bytes at the "
+        "lookahead, plan (count or time), proactive, budget (the largest a decision used), fraction, footprint (owned bytes at the "
         "end), launches (operations decided: launches, copies, memsets), unknown, bytes_in, "
         "bytes_out (copied host to device and device to host), loads, prefetches, demand_loads, "
         "evictions, evict_saves, stream_waits (operations made to wait on the GPU for a load), "
