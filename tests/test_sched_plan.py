@@ -38,7 +38,8 @@ def test_time_plan_stalls_less_than_count_plan_on_the_blocked_gemm(gemm: Workloa
     assert count["predicted"] == time_["predicted"] > 0.8 * count["steps"]
     assert time_["stall_predicted_s"] < count["stall_predicted_s"]
     assert time_["stall_s"] < count["stall_s"]
-    assert time_["bytes_in"] <= count["bytes_in"]  # further ahead, not more
+    # further ahead only where the launches ahead are short: a few more bytes at most
+    assert time_["bytes_in"] <= 1.1 * count["bytes_in"]
     assert time_["walk_max"] > 2  # past the count plan's two launches somewhere
     assert early["proactive"] > 0 and time_["proactive"] == count["proactive"] == 0
     assert early["plan"] == "time+proactive"
@@ -84,9 +85,9 @@ def test_time_plan_keeps_working_sets_resident_and_within_budget(compute: float,
         assert eng.used <= budget
         pol.note_duration(pol.last_key, compute)
     assert pol.stats.peak_resident <= budget and pol.stats.prefetches > 0
-    if compute < 1e-3:
-        assert pol.stats.walk_max > 2
-    else:
+    if compute < 1e-3:  # transfer-bound: as far as room allows
+        assert pol.stats.walk_max > 4
+    else:  # a launch covers a record's save and load: the lookahead, and one more at most
         assert pol.stats.walk_max <= 3
 
 

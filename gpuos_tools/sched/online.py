@@ -39,20 +39,23 @@ The time plan. The learned period and each launch key's measured GPU duration
 (``note_duration``: the executor samples them with events; the CPU simulator gives them exactly)
 make a timeline. After the require, the prefetch walks the predicted launches of one period in
 order and places their records as the count plan does (free room, or a Belady victim used later),
-but it stops by time, not by count: at the first launch whose start is far enough ahead that the
-copies this decision queued (loads at the host-to-device bandwidth, the victims' saves at the
-device-to-host one, ``note_bandwidth``) complete before it, one launch of margin included (the
-next decision comes one launch later, and a save is ordered after everything the program has
-enqueued). A transfer-bound loop so walks as far as room allows; a compute-bound one a launch or
-two. Then, with ``proactive``, proactive eviction: the walk goes on, without loading, over one more launch's time
+but it stops by time, not by count: at the first launch t that a later decision can still load
+in time -- the compute between the next decision's launch and t covers the copies this decision
+queued (each direction on its engine) and then t's own, its saves and loads in series (loads at the host-to-device bandwidth, the victims' saves at the
+device-to-host one, ``note_bandwidth``; a save is ordered after everything the program has
+enqueued, so it does not overlap the launch at hand) -- and never before the count plan's
+``lookahead`` launches (the copies queued by earlier decisions are not counted). A
+transfer-bound loop so walks as far as room allows; a compute-bound one until the short
+launches ahead add up to the copies of the next long one. Then, with ``proactive``, proactive eviction: the walk goes on, without loading, over one more launch's time
 (plus the saves it orders, within PROACTIVE_MAX launches), and for each record it would load
 and that does not fit it evicts now the victim Belady would take then (used later than that
 launch; room is booked for the record, which a later decision loads into free room). So a save
 starts right after the victim's last use, while the GPU still computes, instead of when a load
 needs its room, behind everything the program has enqueued; and the victims are the ones the
 count plan would take a launch or two later. Off by default: in the CPU simulation
-(online_sim.py) of a blocked GEMM it moved up to 28% more bytes and stalled more than the time
-plan without it (the room it makes early lets later walks reach further, and evict more).
+(online_sim.py, scripts/bench_sched_plan.py) it moved 30-50% more bytes on a blocked GEMM for
+the same stall, and on the recorded PyTorch step stalled 8-16% less for 6-11% more bytes (the
+room it makes early lets the later walks place more, each with its own victims).
 Keys with no measure yet take the mean of those measured; with none measured, the walk takes
 ``lookahead`` launches, as the count plan does.
 
@@ -643,13 +646,23 @@ class OnlinePolicy:
         can_evict = self.policy == "belady"
         margin = self.duration(self.last_key)  # the current launch runs before any of the walk
         ahead = margin  # compute before launch t starts
+        first = self.duration(kids[0]) if kids else 0.0  # the launch before the next decision's walk
         q_in = q_out = 0.0  # seconds of copies this decision queued, each way
-        biggest = 0.0
+        floor = max(self.lookahead, 1)
         walked = 0
         stopped = False
         for t, kid in enumerate(kids, 1):
-            if t > 1 and ahead >= max(q_in, q_out) + biggest + margin:
-                break  # launch t and later: a later decision loads them in time
+            ws = self._sets[kid]
+            if t > floor and ws is not None:
+                # the copies launch t needs: its missing records in, as many bytes out for room
+                # beyond what is free (their saves come first); a later decision can still issue
+                # them in time when the compute between it and launch t covers them and what
+                # this one queued
+                miss = sum(records[b] for b in ws if b in records and b not in self.resident)
+                out = max(0, self.used + miss - budget)
+                need = miss / self.h2d_bw + out / self.d2h_bw
+                if ahead - margin - first >= max(q_in, q_out) + need:
+                    break
             ws = self._sets[kid]
             if ws is None:  # an unknown launch ahead needs everything: no guess
                 stopped = True
@@ -676,7 +689,6 @@ class OnlinePolicy:
                 self.resident[b] = size
                 self.used += size
                 q_in += size / self.h2d_bw
-                biggest = max(biggest, size / self.h2d_bw)
                 self.stats.prefetches += 1
                 self.stats.prefetched_bytes += size
                 actions.append(("prefetch", b))
