@@ -520,8 +520,10 @@ class Executor(AgentHooks):
         """One operation in SAMPLE_EVERY: a timer event on its stream after the require's waits,
         just before the driver enqueues it; the next operation's ``_sample_end`` closes it.
         Between the two events the stream runs this operation alone, so their interval is its
-        GPU time without the waits for its loads. Two event records per sample (a few µs), none
-        on the other operations beyond a counter."""
+        GPU time without the waits for its loads; where the GPU then waits for the host to
+        enqueue the next operation, the interval includes that wait too: the time until the next
+        operation can start, which is what the plan needs. Two event records per sample (a few
+        µs), none on the other operations beyond a counter."""
         self._ops_n += 1
         if self._ops_n % SAMPLE_EVERY or len(self._samples) >= SAMPLES_MAX:
             return
@@ -541,7 +543,7 @@ class Executor(AgentHooks):
             if self._open is not None:
                 key, s, start = self._open
                 self._open = None
-                if s == stream:
+                if _same_stream(s, stream):
                     end = self._timers.pop() if self._timers else ops.timer()
                     ops.record(end, stream)
                     self._samples.append((key, start, end))
@@ -1080,6 +1082,14 @@ class _LedgerOps:
     def release(self, base: int) -> None:
         self._ops.release(base)
         self._ex._on_unmap(base)
+
+
+def _same_stream(a: Any, b: Any) -> bool:
+    """Two stream handles name the same stream (driver handles compare by their address)."""
+    try:
+        return int(a) == int(b)
+    except (TypeError, ValueError):
+        return a == b
 
 
 def _write_json(path: str, data: Any, what: str, **dump: Any) -> None:
