@@ -11,7 +11,9 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
           to move: the cost of the python-callback agent and the policy on the launch path);
 - each --budgets value (default 66% = 150% oversubscription, 50% = 200%, 33.34% = 300%: the
           default job's 12 arrays make 33% hold 3.96 arrays, less than a step's 4) with each
-          --policies;
+          --policies and each --plans (`run --plan`: count, the default, named <B>-<policy>;
+          time, named <B>-<policy>-time; proactive, `--plan time --proactive`, named
+          <B>-<policy>-proactive; side by side; --plan-bw gives the time plan's link);
 - <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
           check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
           as written is saved), side by side with the same budget's run with it on;
@@ -113,6 +115,8 @@ def main() -> int:
     ap.add_argument("--budgets", default="66%,50%,33.34%")
     ap.add_argument("--policies", default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--plans", default="count", help="run --plan values, each at every budget and policy (count,time,proactive)")
+    ap.add_argument("--plan-bw", default="", help="run --plan-bw for the time plan (empty: the command's default)")
     ap.add_argument("--extra-work", type=int, default=1024,
                     help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
     ap.add_argument("--um", default="100%,66%,50%,33.34%",
@@ -131,6 +135,8 @@ def main() -> int:
                     help="skip the discarded first hbm job (a fresh GPU machine's first job runs slower)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if any(x not in ("count", "time", "proactive") for x in args.plans.split(",") if x):
+        ap.error("--plans: count, time and/or proactive")
 
     rows: list[dict[str, Any]] = []
     works = [int(w) for w in args.work.split(",") if w]
@@ -147,8 +153,10 @@ def main() -> int:
             print(f"hbm run failed (work {work}): {hbm.get('stderr', '')}", file=sys.stderr)
             continue
         look = args.lookahead
+        plans = [x for x in args.plans.split(",") if x]
         configs = [("run100", "100%", "belady", look)] + [
-            (f"{b}-{p}", b, p, look) for b in args.budgets.split(",") if b for p in args.policies.split(",") if p]
+            (f"{b}-{p}" + ("" if plan == "count" else f"-{plan}"), b, p, look)
+            for b in args.budgets.split(",") if b for p in args.policies.split(",") if p for plan in plans]
         if work == args.extra_work:
             configs += [("66%-lru", "66%", "lru", look), ("66%-look1", "66%", "belady", 1)]
         if str(work) in args.nodigest_work.split(","):
@@ -187,14 +195,14 @@ def main() -> int:
                 save(args, rows)
 
     save(args, rows)
-    print(f"{'work':>5} {'config':<15} {'loop_s':>8} {'speed':>6} {'same':>5} {'in MB':>7} {'out MB':>7} "
+    print(f"{'work':>5} {'config':<22} {'loop_s':>8} {'speed':>6} {'same':>5} {'in MB':>7} {'out MB':>7} "
           f"{'pref':>5} {'dem':>4} {'evict':>5} {'skip':>5} {'stall':>5} {'peak MB':>8} {'budget MB':>9} {'floor_s':>7}",
           file=sys.stderr)
     for r in rows:
         if r["config"].startswith("um"):
             continue
         s = r.get("summary") or {}
-        print(f"{r['work']:>5} {r['config']:<15} {r.get('loop_s', float('nan')):>8.4f} {r.get('speed_vs_hbm', 1.0):>6.3f} "
+        print(f"{r['work']:>5} {r['config']:<22} {r.get('loop_s', float('nan')):>8.4f} {r.get('speed_vs_hbm', 1.0):>6.3f} "
               f"{str(r.get('identical', '-')):>5} {s.get('bytes_in', 0) / 1e6:>7.0f} {s.get('bytes_out', 0) / 1e6:>7.0f} "
               f"{s.get('prefetches', 0):>5} {s.get('demand_loads', 0):>4} {s.get('evictions', 0):>5} "
               f"{s.get('digest_skips', 0):>5} "
@@ -217,11 +225,19 @@ def main() -> int:
 def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work: int, name: str, budget: str,
          policy: str, la: int) -> dict[str, Any]:
     """One run under `gpu-prefetch-sched run` (a name ending in -nodigest: with the digest
-    check off; in -nopark: with parking off), compared with ``hbm``."""
+    check off; in -nopark: with parking off; in -time: with the time plan; in -proactive: and its proactive evictions), compared with ``hbm``."""
     extra = ({"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest")
              else {"GPUOS_ENGINE_NO_PARK": "1"} if name.endswith("-nopark") else None)
-    r = run_job(job, ["--budget", budget, "--policy", policy, "--lookahead", str(la)], args.timeout, extra)
+    proactive = name.endswith("-proactive")
+    plan = "time" if name.endswith("-time") or proactive else "count"
+    opts = ["--budget", budget, "--policy", policy, "--lookahead", str(la), "--plan", plan]
+    if proactive:
+        opts.append("--proactive")
+    if plan == "time" and args.plan_bw:
+        opts += ["--plan-bw", args.plan_bw]
+    r = run_job(job, opts, args.timeout, extra)
     row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy, "lookahead": la,
+                           "plan": plan, "proactive": proactive,
                            "digest_check": not name.endswith("-nodigest"), "park": not name.endswith("-nopark"), **r}
     if r.get("ok"):
         row["identical"] = r["digests"] == hbm["digests"]

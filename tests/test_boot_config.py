@@ -45,6 +45,7 @@ FULL = BootConfig(
     BootConfig(trace=TraceConfig(fd=3, native="/cache/libgpuos_trace.so"), own=("torch",)),
     BootConfig(trace=TraceConfig(fd=4), validate=ValidateConfig(samples=3, max_bytes=8 << 30, extents=True)),
     BootConfig(trace=TraceConfig(fd=4), agent=AgentConfig(online=OnlineConfig(fraction=0.66))),
+    BootConfig(trace=TraceConfig(fd=4), agent=AgentConfig(online=OnlineConfig(fraction=0.5, plan="time", bw=(4e10, 3.5e10), proactive=True))),
     FULL,
 ])
 def test_round_trip(cfg):
@@ -57,8 +58,11 @@ def test_the_online_part_is_the_executors_dict():
     """sched/executor.py takes the dict gpu-prefetch-sched run wrote before the config was typed."""
     assert FULL.agent.online.executor_config() == {
         "policy": "lru", "lookahead": 1, "budget": 1 << 28, "summary": "/tmp/s.json", "timeline": "/tmp/t.json",
-        "serve": {"socket": "/tmp/serve.sock", "job": 2, "overlap": True, "ledger": "/tmp/serve.ledger"}}
-    assert OnlineConfig(fraction=0.5).executor_config() == {"policy": "belady", "lookahead": 2, "fraction": 0.5}
+        "serve": {"socket": "/tmp/serve.sock", "job": 2, "overlap": True, "ledger": "/tmp/serve.ledger"},
+        "plan": "count", "proactive": False}
+    assert OnlineConfig(fraction=0.5).executor_config() == {"policy": "belady", "lookahead": 2, "fraction": 0.5,
+                                                           "plan": "count", "proactive": False}
+    assert OnlineConfig(fraction=0.5, plan="time", bw=(4e10, 4e10)).executor_config()["bw"] == (4e10, 4e10)
 
 
 def _edit(path: str, value) -> str:
@@ -95,6 +99,9 @@ def _edit(path: str, value) -> str:
     (_edit("agent.reference_at", [3, "x"]), "agent.reference_at[1]: expected int"),
     (_edit("agent.reference_out", None), "agent.reference_out: needed with reference_at"),
     (_edit("agent.online.policy", "fifo"), "online.policy: 'fifo' is not one of"),
+    (_edit("agent.online.plan", "launches"), "online.plan: 'launches' is not one of"),
+    (_edit("agent.online.bw", [1.0]), "online.bw: (1.0,) is not two bandwidths"),
+    (_edit("agent.online.proactive", True), "online.proactive: only with the time plan"),
     (_edit("agent.online.fraction", 0.5), "online: give one of budget and fraction"),
     (_edit("agent.online.budget", None), "online: give one of budget and fraction"),
     (_edit("agent.online.serve.job", None), "agent.online.serve.job: expected int"),

@@ -37,14 +37,23 @@ class FakeLib:
         return [TableRec(r.base, r.size) for r in self.recs]
 
 
-def setup(n: int, budget: int, policy: str = "belady", lookahead: int = 2):
+class TimedOps(FakeOps):
+    """The fake driver with timer events whose interval is always ``ms``."""
+
+    ms = 4.0
+
+    def elapsed_ms(self, start, end):
+        return self.ms
+
+
+def setup(n: int, budget: int, policy: str = "belady", lookahead: int = 2, **cfg):
     bases = [0x1000_0000 * (i + 1) for i in range(n)]
     recs = [Rec(b, 64 * MIB) for b in bases]
-    ops = FakeOps(recs, auto=True)  # every copy completes at once
+    ops = TimedOps(recs, auto=True)  # every copy completes at once
     agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
     agent.streams = {0}
     eng = ResidencyEngine(agent, ops)
-    ex = Executor(eng, {"budget": budget, "policy": policy, "lookahead": lookahead, "prepin": False},
+    ex = Executor(eng, {"budget": budget, "policy": policy, "lookahead": lookahead, "prepin": False, **cfg},
                   lib=FakeLib(recs))
     return bases, ops, eng, ex
 
@@ -64,12 +73,12 @@ def settle(eng: ResidencyEngine, ex: Executor) -> None:
         time.sleep(0.002)
 
 
-@pytest.mark.parametrize("policy", ["belady", "lru"])
+@pytest.mark.parametrize("policy,plan", [("belady", "count"), ("lru", "count"), ("belady", "time")])
 @pytest.mark.parametrize("frac", [2 / 3, 1 / 2])
-def test_stencil_under_budget_keeps_data_and_memory_in_bounds(policy, frac):
+def test_stencil_under_budget_keeps_data_and_memory_in_bounds(policy, plan, frac):
     n = 9
     budget = int(n * 64 * MIB * frac)
-    bases, ops, eng, ex = setup(n, budget, policy)
+    bases, ops, eng, ex = setup(n, budget, policy, plan=plan, bw=[40e9, 40e9])
     expect = {b: ops.device[b] for b in bases}
     peak, under = 0, False
     for s in range(8 * n):
@@ -96,10 +105,17 @@ def test_stencil_under_budget_keeps_data_and_memory_in_bounds(policy, frac):
     assert under and peak <= budget, (peak, budget)
     st = ex.summary()
     assert st["over_budget"] == 0 and st["evictions"] > 0 and st["loads"] > 0
-    if policy == "belady":
+    assert st["plan"] == plan
+    if plan == "time":  # one operation in 31 timed: the policy has their durations
+        assert st["executor"]["samples"] >= 8 * n // 31 - 1 > 0 and st["executor"]["sample_errors"] == 0
+        assert ex.policy.duration(ex.policy.last_key) == pytest.approx(4e-3)
+        assert ex.policy.h2d_bw == 40e9
+    elif policy == "belady":
         assert st["periods"] and st["periods"][0] == n
         # at 2/3 there is room for the next launch's array beside the current four; at 1/2 none
         assert (st["prefetches"] > 0) == (frac > 0.6)
+    else:
+        assert st["executor"]["samples"] == 0
     for b in bases:  # every array: on the device, or in the engine's host copy
         held = ops.device[b] if ops.recs[b].resident else ops.hostmem[ops.host(b, 64 * MIB)[0][0]]
         assert held == expect[b]

@@ -444,7 +444,10 @@ def _cli(*args: str):
 
 
 @pytest.mark.parametrize("args", [["--budget", "lots"], ["--budget", "0"], ["--budget", "66%", "--policy", "fifo"],
-                                  ["--budget", "66%", "--lookahead", "-1"]])
+                                  ["--budget", "66%", "--lookahead", "-1"], ["--budget", "66%", "--plan", "steps"],
+                                  ["--budget", "66%", "--plan", "time", "--plan-bw", "fast"],
+                                  ["--budget", "66%", "--plan", "time", "--plan-bw", "0GB/s"],
+                                  ["--budget", "66%", "--proactive"]])
 def test_run_refuses_bad_options_before_starting_anything(args, tmp_path):
     marker = tmp_path / "started"
     p = _cli("run", *args, "--", "python3", "-c", f"open({str(marker)!r}, 'w')")

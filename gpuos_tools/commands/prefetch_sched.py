@@ -21,6 +21,7 @@ from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, report_run, run_a
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection.config import OnlineConfig, ServeConfig
 from gpuos_tools.memory import owned
+from gpuos_tools.sched.online import PLANS
 from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
 from gpuos_tools.sched.planner import PLANNERS
 from gpuos_tools.sched.plot import load_timeline, plot_timeline, simulated_timeline
@@ -246,6 +247,24 @@ def run(
         "waits for its victim's save within one launch; from 2 on, saves and loads of different launches "
         "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would).",
     ),
+    plan: str = typer.Option(
+        "count", "--plan", metavar="count|time",
+        help="How far ahead to prefetch. count: the next --lookahead launches. time (experimental, not yet "
+        "measured on a GPU; the default stays count until it is): as far ahead as the launches' GPU times "
+        "(sampled with events) need for the copies to complete before their use, and a record is evicted "
+        "right after its last use when the next loads will need its room; --lookahead applies until "
+        "durations are measured.",
+    ),
+    proactive: bool = typer.Option(
+        False, "--proactive",
+        help="With --plan time: evict the records the next loads will need the room of right after their last "
+        "use, Belady's victims, instead of when the room is needed (experimental: in the CPU simulation it "
+        "moved more bytes).",
+    ),
+    plan_bw: str = typer.Option(
+        "50.5GB/s", "--plan-bw", metavar="H2D[,D2H]",
+        help="The link bandwidths the time plan assumes per direction while both are busy (one value: both).",
+    ),
     output: str | None = typer.Option(
         None, "--output", "-o", metavar="TRACE",
         help="Also write the program's trace stream to TRACE (*.zst compressed); default: none.",
@@ -276,6 +295,13 @@ def run(
     """
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
+    if plan not in PLANS:
+        raise typer.BadParameter(f"must be one of {', '.join(PLANS)}", param_hint="--plan")
+    bws = [_opt(parse_bandwidth, part, "--plan-bw") for part in plan_bw.split(",")]
+    if len(bws) not in (1, 2) or min(bws) <= 0:
+        raise typer.BadParameter("one bandwidth above 0, or two: H2D,D2H", param_hint="--plan-bw")
+    if proactive and plan != "time":
+        raise typer.BadParameter("only with --plan time", param_hint="--proactive")
     if plot_file is not None:
         figures.check_path(plot_file)  # before the program runs, not after
     size = fraction = None
@@ -304,7 +330,9 @@ def run(
         if timeline or plot_file:
             timeline_path = os.path.abspath(timeline) if timeline else os.path.join(tmp, "timeline.json")
         online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
-                              summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served)
+                              summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served,
+                              plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
+                              proactive=proactive)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
                                       online=online, own=owned.FRAMEWORKS, warn=lambda m: warn(PROG, m))
         code = report_run(PROG, traced)

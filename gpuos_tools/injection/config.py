@@ -32,7 +32,7 @@ from gpuos_tools.image.manifest import KEY_ENV, load_key
 from gpuos_tools.memory import owned
 from gpuos_tools.memory.settings import VARIABLES as ENGINE_VARIABLES
 from gpuos_tools.memory.settings import EngineSettings
-from gpuos_tools.sched.online import POLICIES
+from gpuos_tools.sched.online import PLANS, POLICIES
 
 #: how the agent sees the program's driver calls: CUPTI callbacks, or the interposer (injection/intercept.py)
 MECHANISMS = ("cupti", "intercept")
@@ -110,9 +110,16 @@ class OnlineConfig:
     summary: str | None = None  #: where the executor writes its summary at the end (JSON)
     timeline: str | None = None  #: where it writes its event log at the end (JSON)
     serve: ServeConfig | None = None
+    plan: str = "count"  #: how far ahead to prefetch: "count" (lookahead launches) or "time"
+    bw: tuple[float, float] | None = None  #: the time plan's (H2D, D2H) bytes/s (None: the policy's default)
+    proactive: bool = False  #: the time plan evicts Belady's next victims right after their last use
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "online.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
+        _check(self.plan in PLANS, "online.plan", f"{self.plan!r} is not one of {', '.join(PLANS)}")
+        _check(not self.proactive or self.plan == "time", "online.proactive", "only with the time plan")
+        _check(self.bw is None or (len(self.bw) == 2 and min(self.bw) > 0), "online.bw",
+               f"{self.bw!r} is not two bandwidths above 0")
         _check(self.lookahead >= 0, "online.lookahead", f"{self.lookahead} is negative")
         _check((self.budget is None) != (self.fraction is None), "online", "give one of budget and fraction")
         _check(self.budget is None or self.budget > 0, "online.budget", f"{self.budget} is not more than 0 bytes")

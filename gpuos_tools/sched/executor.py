@@ -87,6 +87,10 @@ NEED_WAIT_S = 0.2  #: serving: how long the coordinator's trims may take to show
 INFLIGHT_REFRESH_S = 0.01  #: serving: a waiting job says its bytes in flight again this often
 POLL_S = 50e-6
 KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
+#: the time plan samples the GPU time of one operation in this many: a prime, so that the
+#: sampled phases of a period go round every launch key unless the period is a multiple of it
+SAMPLE_EVERY = 31
+SAMPLES_MAX = 32  #: samples in flight at most (their timer events are reused)
 
 
 class Executor(AgentHooks):
@@ -102,7 +106,17 @@ class Executor(AgentHooks):
         self.lib = lib if lib is not None else engine.ops.lib
         self.cfg = cfg
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
-                                   fraction=cfg.get("fraction"))
+                                   fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"),
+                                   proactive=bool(cfg.get("proactive", False)))
+        if cfg.get("bw"):
+            self.policy.note_bandwidth(*cfg["bw"])
+        #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops
+        #: without timer events)
+        self._timing = self.policy.plan == "time" and hasattr(engine.ops, "timer") and hasattr(engine.ops, "elapsed_ms")
+        self._ops_n = 0
+        self._open: tuple[int, Any, Any] | None = None  #: (key, stream, start event) of the sampled operation
+        self._samples: list[tuple[int, Any, Any]] = []  #: (key, start, end) recorded, not read yet
+        self._timers: list[Any] = []  #: free timer events
         self._records: dict[int, int] = {}
         self._small: set[int] = set()
         self._unpinned: list[int] = []  #: records whose host copy the mover has not pinned yet
@@ -117,7 +131,7 @@ class Executor(AgentHooks):
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
                        "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
                        "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0,
-                       "before_s": 0.0}
+                       "before_s": 0.0, "samples": 0, "sample_errors": 0}
         self._under = False
         self._settled_key: tuple | None = None
         self.error: str | None = None
@@ -461,6 +475,8 @@ class Executor(AgentHooks):
             self.counts["before_s"] += time.perf_counter() - t
 
     def _before(self, kernel: str, addrs, stream: Any) -> None:
+        if self._timing:
+            self._sample_end(stream)
         recs = self.records()
         if self._unpinned and getattr(self.engine.agent, "ctx", None) is not None:
             # the mover pins in the program's context, known once the program has made it current
@@ -493,8 +509,58 @@ class Executor(AgentHooks):
             elif op == "prefetch":
                 self._start_mover()
                 self._moves.put(arg)
+        if self._timing:
+            self._sample_start(stream)
         self._measure(budget, over)
         self._over_pending = False
+
+    # -- the time plan's durations --------------------------------------------------------------
+
+    def _sample_start(self, stream: Any) -> None:
+        """One operation in SAMPLE_EVERY: a timer event on its stream after the require's waits,
+        just before the driver enqueues it; the next operation's ``_sample_end`` closes it.
+        Between the two events the stream runs this operation alone, so their interval is its
+        GPU time without the waits for its loads; where the GPU then waits for the host to
+        enqueue the next operation, the interval includes that wait too: the time until the next
+        operation can start, which is what the plan needs. Two event records per sample (a few
+        µs), none on the other operations beyond a counter."""
+        self._ops_n += 1
+        if self._ops_n % SAMPLE_EVERY or len(self._samples) >= SAMPLES_MAX:
+            return
+        try:
+            ev = self._timers.pop() if self._timers else self.engine.ops.timer()
+            self.engine.ops.record(ev, stream)
+            self._open = (self.policy.last_key, stream, ev)
+        except Exception as exc:  # noqa: BLE001 (no samples: the plan falls back to the lookahead)
+            self._sample_failed(exc)
+
+    def _sample_end(self, stream: Any) -> None:
+        """Before the next operation's require: the end event of the open sample, when this
+        operation is on the same stream (else the interval would not be one operation's); then
+        the samples whose events completed go to the policy."""
+        ops = self.engine.ops
+        try:
+            if self._open is not None:
+                key, s, start = self._open
+                self._open = None
+                if _same_stream(s, stream):
+                    end = self._timers.pop() if self._timers else ops.timer()
+                    ops.record(end, stream)
+                    self._samples.append((key, start, end))
+                else:
+                    self._timers.append(start)
+            while self._samples and ops.done(self._samples[0][2]):
+                key, start, end = self._samples.pop(0)
+                self.policy.note_duration(key, ops.elapsed_ms(start, end) / 1e3)
+                self.counts["samples"] += 1
+                self._timers += (start, end)
+        except Exception as exc:  # noqa: BLE001
+            self._sample_failed(exc)
+
+    def _sample_failed(self, exc: Exception) -> None:
+        self._timing = False
+        self.counts["sample_errors"] += 1
+        self.error = f"duration samples off: {type(exc).__name__}: {exc}"
 
     def _profile(self, kernel: str, bases: list[int] | None, recs: dict[int, int]) -> None:
         k = self.kernels.get(kernel)
@@ -910,7 +976,7 @@ class Executor(AgentHooks):
     def timeline(self) -> dict[str, Any]:
         """The event log (module docstring) with what a picture's title needs."""
         return {"type": "sched_timeline", "version": 1, "policy": self.policy.policy,
-                "lookahead": self.policy.lookahead, "fraction": self.cfg.get("fraction"),
+                "lookahead": self.policy.lookahead, "plan": self.policy.plan, "fraction": self.cfg.get("fraction"),
                 "footprint": self._total, "events": list(self._log or []), "dropped": self._log_dropped,
                 "max_events": self._log_max}
 
@@ -918,8 +984,8 @@ class Executor(AgentHooks):
         eng = self.engine.stats()
         pol = self.policy.stats.as_dict()
         out = {
-            "policy": self.policy.policy, "lookahead": self.policy.lookahead,
-            "budget": pol["budget_max"], "fraction": self.cfg.get("fraction"),
+            "policy": self.policy.policy, "lookahead": self.policy.lookahead, "plan": self.policy.plan,
+            "proactive": self.policy.proactive, "budget": pol["budget_max"], "fraction": self.cfg.get("fraction"),
             "footprint": self._total, "launches": pol["launches"], "unknown": pol["unknown"],
             "bytes_in": eng.get("loaded_bytes", 0), "bytes_out": eng.get("saved_bytes", 0),
             "loads": eng.get("prefetches", 0) + eng.get("demand_loads", 0), "prefetches": eng.get("prefetches", 0),
@@ -1016,6 +1082,14 @@ class _LedgerOps:
     def release(self, base: int) -> None:
         self._ops.release(base)
         self._ex._on_unmap(base)
+
+
+def _same_stream(a: Any, b: Any) -> bool:
+    """Two stream handles name the same stream (driver handles compare by their address)."""
+    try:
+        return int(a) == int(b)
+    except (TypeError, ValueError):
+        return a == b
 
 
 def _write_json(path: str, data: Any, what: str, **dump: Any) -> None:

@@ -46,9 +46,11 @@ def sched_run(tmp: Path, *opts: str) -> tuple[dict, dict]:
     return json.loads(out.read_text()), recs[-1]
 
 
-@pytest.mark.parametrize(("budget", "policy"), [("66%", "belady"), ("50%", "belady"), ("66%", "lru")])
-def test_stencil_over_budget_is_bit_identical_and_stays_within_the_budget(tmp_path, plain, budget, policy):
-    job, s = sched_run(tmp_path, "--budget", budget, "--policy", policy)
+@pytest.mark.parametrize(("budget", "policy", "plan"), [("66%", "belady", "count"), ("50%", "belady", "count"),
+                                                      ("66%", "lru", "count"), ("66%", "belady", "time"),
+                                                      ("50%", "belady", "time")])
+def test_stencil_over_budget_is_bit_identical_and_stays_within_the_budget(tmp_path, plain, budget, policy, plan):
+    job, s = sched_run(tmp_path, "--budget", budget, "--policy", policy, "--plan", plan)
     assert job["digests"] == plain["digests"]
     total = plain["total_bytes"]
     assert s["footprint"] >= total and s["budget"] <= s["footprint"]
@@ -67,6 +69,9 @@ def test_stencil_over_budget_is_bit_identical_and_stays_within_the_budget(tmp_pa
     assert s["park"]["park_reuses"] > 0 and s["park"]["parked_bytes"] <= s["budget"], s["park"]
     if budget == "66%" and policy == "belady":
         assert s["prefetches"] > 0, s
+    assert s["plan"] == plan
+    if plan == "time":  # the operations' GPU times were sampled and reached the policy
+        assert s["executor"]["samples"] > 0 and s["executor"]["sample_errors"] == 0, s["executor"]
 
 
 def test_a_budget_above_the_footprint_moves_nothing(tmp_path, plain):
