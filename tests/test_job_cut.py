@@ -493,3 +493,57 @@ def test_gpu_ckpt_and_gpu_restore_cut_and_roll_back_a_job_of_fake_agents(ranks, 
     assert all(f.rolled == [str(image / f"rank-{i}")] for i, f in enumerate(fakes))
     done = _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image))
     assert done.returncode == ExitCode.USAGE and "exists" in done.stderr
+
+
+def _images(tmp_path: Path) -> dict[str, Path]:
+    """One directory of each kind an image can be, by the file that kind writes."""
+    kinds = {"cut": (agent_job.MANIFEST, {"kind": agent_job.KIND, "k": 3, "ranks": []}),
+             "criu-job": ("gpuos-ckpt.json", {"kind": "job", "pid": 1}),
+             "criu": ("gpuos-ckpt.json", {"pid": 1}),
+             "agent": ("manifest.json", {})}
+    out = {}
+    for kind, (name, content) in kinds.items():
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / name).write_text(json.dumps(content))
+        out[kind] = tmp_path / kind
+    return out
+
+
+def test_each_kind_of_image_is_told_apart(tmp_path):
+    images = _images(tmp_path)
+    assert {kind: agent_job.image_kind(path) for kind, path in images.items()} == {k: k for k in images}
+    (tmp_path / "empty").mkdir()
+    assert agent_job.image_kind(tmp_path / "empty") is None and agent_job.image_kind(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("args,kind,code,says", [
+    (["--image", "{cut}"], "cut", ExitCode.USAGE, "`gpu-restore --job PID --cut --image {cut}` restores it"),
+    (["--image", "{agent}"], "agent", ExitCode.USAGE, "`gpu-restore --agent PID --image {agent}` restores it"),
+    (["--job", "1", "--image", "{cut}"], "cut", ExitCode.USAGE, "add --cut"),
+    (["--job", "1", "--image", "{criu-job}"], "criu-job", ExitCode.USAGE, "`gpu-restore --image {criu-job}` restores"),
+    (["--job", "1", "--cut", "--image", "{criu-job}"], "criu-job", ExitCode.USAGE, "not a job's cut"),
+    (["--job", "1", "--cut", "--image", "{criu}"], "criu", ExitCode.USAGE, "`gpu-restore --image {criu}`"),
+    (["--job", "1", "--cut", "--image", "{agent}"], "agent", ExitCode.USAGE, "--agent PID --image {agent}"),
+    (["--job", "1", "--cut", "--image", "{none}"], None, ExitCode.NO_INPUT, "{none}: no such directory"),
+    (["--agent", "999999", "--image", "{cut}"], "cut", ExitCode.USAGE, "--job PID --cut --image {cut}"),
+    (["--agent", "999999", "--image", "{criu-job}"], "criu-job", ExitCode.USAGE, "not an agent-path image"),
+])
+def test_an_image_given_to_the_wrong_restore_names_the_right_one(tmp_path, args, kind, code, says):
+    images = {k: str(v) for k, v in _images(tmp_path).items()}
+    images["none"] = str(tmp_path / "none")
+    done = _cli("restore", *[a.format(**images) for a in args])
+    assert done.returncode == code, done.stderr
+    assert says.format(**images) in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+
+
+def test_a_cut_of_a_tree_without_agent_or_cuda_says_which_pid_to_give(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        done = _cli("ckpt", "--job", str(other.pid), "--cut", "--image", str(tmp_path / "job.img"))
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == ExitCode.NOT_CUDA_PROCESS and done.stdout == ""
+    assert "launcher (torchrun)" in done.stderr and "gpu-ckpt run" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -26,8 +26,10 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.agent import control
+from gpuos_tools.ckpt import criu, criu_job
 from gpuos_tools.ckpt import job as job_mod
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image.layout import MANIFEST as AGENT_MANIFEST
 from gpuos_tools.stream import atomic
 
 MANIFEST = "job.json"
@@ -68,11 +70,17 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
     def has_agent(p: int) -> bool:
         return socket_of(p).exists()
 
-    ranks = job_mod.job_ranks(pid, lambda p: has_agent(p) or cuda(p))
+    start = "start each rank with `gpu-ckpt run` (e.g. torchrun --no-python ... gpu-ckpt run -- python train.py)"
+    try:
+        ranks = job_mod.job_ranks(pid, lambda p: has_agent(p) or cuda(p))
+    except GpuosError as e:
+        if e.code != ExitCode.NOT_CUDA_PROCESS:
+            raise
+        raise GpuosError(f"no process in the tree of PID {pid} runs under the agent or uses CUDA: give the PID of "
+                         f"the job's launcher (torchrun) or of a rank, and {start}", ExitCode.NOT_CUDA_PROCESS) from None
     under = [r for r in ranks if has_agent(r.info.pid)]
     if not under:
-        raise GpuosError(f"no process in the tree of PID {pid} runs under the agent: start each rank with "
-                         "`gpu-ckpt run` (e.g. torchrun --no-python ... gpu-ckpt run -- python train.py)",
+        raise GpuosError(f"no process in the tree of PID {pid} runs under the agent: {start}",
                          ExitCode.NOT_CHECKPOINTABLE)
     have = [r.rank for r in under]
     twice = sorted({r for r in have if r is not None and have.count(r) > 1})
@@ -276,12 +284,49 @@ def is_cut_image(image: Path) -> bool:
     return (Path(image) / MANIFEST).is_file()
 
 
+#: What each kind of image directory holds, and the command that restores it.
+IMAGE_KINDS = {
+    "cut": ("a job's cut (gpu-ckpt --job PID --cut)", "gpu-restore --job PID --cut --image {image}"),
+    "criu-job": ("a CRIU image of a job (gpu-ckpt --job PID --image)", "gpu-restore --image {image}"),
+    "criu": ("a CRIU image of one process (gpu-ckpt --pid PID --image)", "gpu-restore --image {image}"),
+    "agent": ("an agent-path image of one program (gpu-ckpt --agent PID)", "gpu-restore --agent PID --image {image}"),
+}
+
+
+def image_kind(image: Path) -> str | None:
+    """Which of ``IMAGE_KINDS`` the directory ``image`` holds, from the file each writes (None:
+    none of them)."""
+    image = Path(image)
+    if is_cut_image(image):
+        return "cut"
+    if (image / criu.METADATA).is_file():
+        return "criu-job" if criu_job.is_job_image(image) else "criu"
+    if (image / AGENT_MANIFEST).is_file():
+        return "agent"
+    return None
+
+
+def wrong_image(image: Path, kind: str, wanted: str) -> GpuosError:
+    """The USAGE error for an image of ``kind`` given where ``wanted`` (a description) is taken:
+    what it is, and the command that restores it."""
+    what, how = IMAGE_KINDS[kind]
+    return GpuosError(f"{image} is {what}, not {wanted}: `{how.format(image=image)}` restores it; nothing was touched",
+                      ExitCode.USAGE)
+
+
 def read_manifest(image: Path) -> dict[str, Any]:
     path = Path(image) / MANIFEST
+    if not Path(image).is_dir():
+        raise GpuosError(f"{image}: no such directory (give the job image `gpu-ckpt --job PID --cut --image DIR` "
+                         "wrote)", ExitCode.NO_INPUT)
+    kind = image_kind(image)
+    if kind not in (None, "cut"):
+        raise wrong_image(image, kind, "a job's cut")
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise GpuosError(f"{image} is not a job image of the agent path (no {MANIFEST})", ExitCode.NO_INPUT) from None
+        raise GpuosError(f"{image} is not a job image of the agent path (no {MANIFEST}: give the directory "
+                         "`gpu-ckpt --job PID --cut --image DIR` wrote)", ExitCode.NO_INPUT) from None
     except (OSError, ValueError) as e:
         raise GpuosError(f"{path}: unreadable ({e})", ExitCode.IMAGE_CORRUPT) from None
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND or not isinstance(manifest.get("ranks"), list):

@@ -14,7 +14,7 @@ from gpuos_tools.agent.suspend import request_resume
 from gpuos_tools.ckpt import agent_job, criu, criu_job
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
-from gpuos_tools.ckpt.move import check_movable, move_suspended
+from gpuos_tools.ckpt.move import check_movable, check_target, move_suspended
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
 from gpuos_tools.ckpt.records import run_recorded
 from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
@@ -144,6 +144,14 @@ def restore(
         _rollback(agent, image, output, timeout, lazy)
         return
     if job is not None:
+        if image is not None and pid is None and profile is None:
+            kind = agent_job.image_kind(image)
+            if kind == "cut":
+                raise GpuosError(f"{image} is a job's cut: add --cut to roll the job back to it "
+                                 f"(`{PROG} --job {job} --cut --image {image}`)", ExitCode.USAGE)
+            if kind == "criu-job":
+                raise GpuosError(f"{image} is a CRIU image of a job: `{PROG} --image {image}` restores it (the job's "
+                                 "processes come back under their old PIDs): no --job", ExitCode.USAGE)
         if any(x is not None for x in (pid, image, profile, device)) or criu_arg:
             raise GpuosError("--job goes with --device-map and -o only (--device moves one process; a job "
                              "moves by a map of its GPUs)", ExitCode.USAGE)
@@ -163,6 +171,8 @@ def restore(
     if criu_arg and image is None:
         raise GpuosError("--criu-arg goes with --image", ExitCode.USAGE)
 
+    if image is not None and agent_job.image_kind(image) in ("cut", "agent"):
+        raise agent_job.wrong_image(image, agent_job.image_kind(image), "a CRIU image (gpu-ckpt --image)")
     ckpt = Checkpointer()
     if profile is not None:
         prof = load_profile(profile)
@@ -220,6 +230,7 @@ def _move(agent: str, device: Optional[str], device_map: Optional[str], output: 
     status = control.request(target, "ping", timeout=timeout)
     check_movable(status)  # before any record: a job on CUPTI is refused untouched
     ckpt = Checkpointer()
+    check_target(ckpt, int(status["pid"]), device, device_map)  # and a GPU that is not there
     result = run_recorded("-" if output is None else output, PROG, ckpt,
                           lambda: move_suspended(ckpt, status, device, device_map,
                                                  lambda: request_resume(target, timeout=timeout, lazy=lazy)),
@@ -230,6 +241,9 @@ def _move(agent: str, device: Optional[str], device_map: Optional[str], output: 
 
 def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, lazy: bool = False) -> None:
     """`gpu-restore --agent`: ask the agent to write the image back; one agent_rollback record."""
+    kind = agent_job.image_kind(image)
+    if kind in ("cut", "criu-job", "criu"):
+        raise agent_job.wrong_image(image, kind, "an agent-path image of one program")
     img.open_image(image).chain()  # a missing or broken image is refused here, before the agent is asked
     answer = control.request(control.resolve(agent), "rollback", timeout=timeout, image=str(image.absolute()),
                              **({"lazy": True} if lazy else {}))
