@@ -122,6 +122,12 @@ def run_program(
     ``own``: the frameworks whose allocations are owned (None: as GPUOS_AGENT_OWN says).
     ``mechanism``: how the agent sees the driver calls, cupti or intercept (None: as
     GPUOS_AGENT_MECHANISM says, else cupti)."""
+    if program and program[0].startswith("-") and program[0] != "-":
+        # an option this command does not have: the command line takes it for the program
+        word = program[0].partition("=")[0]
+        hint = (f"; this command has none: set {MECHANISM_ENV}=cupti|intercept instead" if word == "--mechanism"
+                else ": -h lists the options, which go before `-- PROGRAM`")
+        raise GpuosError(f"no such option: {word}{hint}", ExitCode.USAGE)
     if backend not in BACKENDS:
         raise GpuosError(f"--backend: must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}", ExitCode.USAGE)
     validation = None
@@ -159,6 +165,9 @@ def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
     """The mechanism asked for (the option, else GPUOS_AGENT_MECHANISM, else cupti), checked:
     interception is the agent's, on its native core."""
     source = "--mechanism"
+    if mechanism is not None and not agent:
+        raise GpuosError("--mechanism goes with --agent: it says how the agent sees the driver calls (the tracer "
+                         "alone uses CUPTI)", ExitCode.USAGE)
     if mechanism is None:
         if not agent:  # the variable is the agent's: the tracer alone runs on CUPTI whatever it says
             return DEFAULT_MECHANISM
@@ -166,13 +175,9 @@ def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
         source = MECHANISM_ENV
     if mechanism not in MECHANISMS:
         raise GpuosError(f"{source}: must be {' or '.join(MECHANISMS)}, not {mechanism!r}", ExitCode.USAGE)
-    if mechanism == "intercept":
-        if not agent:
-            raise GpuosError(f"{source} intercept: interception runs the agent (--agent); the tracer alone uses CUPTI",
-                             ExitCode.USAGE)
-        if backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python":
-            raise GpuosError(f"{source} intercept needs the agent's native core; the Python agent runs on CUPTI",
-                             ExitCode.USAGE)
+    if mechanism == "intercept" and (backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python"):
+        raise GpuosError(f"{source} intercept needs the agent's native core; the Python agent runs on CUPTI",
+                         ExitCode.USAGE)
     return mechanism
 
 
