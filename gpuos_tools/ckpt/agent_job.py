@@ -35,6 +35,7 @@ from gpuos_tools.stream import atomic
 MANIFEST = "job.json"
 KIND = "gpuos-job-cut"
 MARGIN = 4  #: collectives beyond the largest count, at the first attempt
+MAX_MARGIN = 1_000_000  #: --margin's bound (times 4**(ATTEMPTS-1) at the last attempt, K stays far below 2**64)
 ATTEMPTS = 4  #: the margin grows fourfold at each
 WAIT_S = 120.0  #: how long every rank may take to reach K and write its image
 DISCARD_WAIT_S = 120.0  #: how long an abandoned rank may take to finish an image it began

@@ -62,12 +62,15 @@ def checkpoint(
     timeout: int = typer.Option(
         0, "--timeout", "-t", min=0, metavar="MS",
         help="How long the lock may wait for the process's CUDA calls and submitted GPU work, in "
-        "milliseconds (0: as long as it takes). On timeout the process is left running.",
+        "milliseconds (0: as long as it takes; with --job, each rank's lock in each round, 0: 10000). On timeout "
+        "the process is left running. With --job --cut: how long every rank may take to reach the collective and "
+        "write its image (0: 120000).",
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
         help="Also dump the whole process (with --job: the launcher's whole tree) with CRIU (>= 4) into DIR, "
-        "an empty directory. With --agent: the checkpoint image to write (it must not exist; it appears only when complete).",
+        "an empty directory. With --agent, or --job --cut: the checkpoint image to write (it must not exist; it "
+        "appears only when complete).",
     ),
     leave_running: bool = typer.Option(
         False, "--leave-running",
@@ -121,16 +124,18 @@ def checkpoint(
     ),
     cut: bool = typer.Option(
         False, "--cut",
-        help="With --job PID --image DIR: the agent path, without stopping the job. Every rank (each started "
-        "with `gpu-ckpt run`) is snapshotted just before the same collective launch K (the largest count of any "
+        help="With --job PID --image DIR (DIR must not exist; PID: the launcher, e.g. torchrun, or any parent of "
+        "the ranks): the agent path, without stopping the job. Every rank (each started "
+        "with `gpu-ckpt run`, NCCL on its default cuMem allocator) is snapshotted just before the same collective launch K (the largest count of any "
         "rank plus --margin), into one job image: each rank's image and job.json, written last. --timeout bounds "
         "the wait for every image (default 120000 ms); on failure every rank is disarmed and nothing is kept. "
         "`gpu-restore --job PID --cut --image DIR` rolls the job back.",
     ),
     margin: int = typer.Option(
-        agent_job.MARGIN, "--margin", min=1, metavar="N",
+        agent_job.MARGIN, "--margin", min=1, max=agent_job.MAX_MARGIN, metavar="N",
         help="With --cut: collectives beyond the largest count of any rank at the first attempt (fourfold at "
-        "each retry, when a rank was past K before it was armed).",
+        f"each retry, when a rank was past K before it was armed; {agent_job.ATTEMPTS} attempts). The larger, the "
+        "longer the job runs before the cut.",
     ),
 ) -> None:
     """Checkpoint the GPU state of a CUDA process, or of every process a profile selects.

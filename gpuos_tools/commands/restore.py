@@ -41,7 +41,7 @@ def restore(
     device: Optional[str] = typer.Option(
         None, "--device", "-d", metavar="INDEX|UUID",
         help="Restore onto this GPU (nvidia-smi index, or UUID or a unique prefix of it) instead of "
-        "the one it was checkpointed on.",
+        "the one it was checkpointed on. With --agent PID --resume: move the suspended program there first.",
     ),
     device_map: Optional[str] = typer.Option(
         None, "--device-map", metavar="OLD=NEW,...",
@@ -62,7 +62,8 @@ def restore(
     ),
     timeout: float = typer.Option(
         3600.0, "--timeout", metavar="S", min=1.0,
-        help="With --agent: how long to wait for the agent's answer, in seconds.",
+        help="With --agent, or --job --cut: how long to wait for the answer of the agent (of each rank's), a "
+        "rollback's writing included, in seconds.",
     ),
     resume: bool = typer.Option(
         False, "--resume",
