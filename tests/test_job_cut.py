@@ -446,6 +446,7 @@ def test_a_cuda_rank_without_an_agent_refuses_the_cut(ranks, tmp_path):
             agent_job.cut_job(os.getpid(), tmp_path / "job.img", request=_request,
                               is_cuda=lambda p: p in (fakes[0].pid, other.pid))
         assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and f"1 (PID {other.pid})" in str(e.value)
+        assert "start each rank with `gpu-ckpt run`" in str(e.value)
     finally:
         other.kill()
         other.wait()

@@ -91,7 +91,7 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
     lacking = [r for r in ranks if r not in under and r.rank is not None and r.rank not in have]
     if lacking:
         raise GpuosError("rank(s) " + ", ".join(f"{r.rank} (PID {r.info.pid})" for r in lacking)
-                         + " of the job use CUDA without the agent: every rank must run under it for a cut",
+                         + f" of the job use CUDA without the agent: every rank must run under it for a cut; {start}",
                          ExitCode.NOT_CHECKPOINTABLE)
     return [AgentRank(r.info, r.rank, socket_of(r.info.pid)) for r in under]
 
