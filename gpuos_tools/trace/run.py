@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -72,12 +73,26 @@ def is_python_program(path: str) -> bool:
     return first.startswith(b"#!") and b"python" in first
 
 
-def default_images_dir(output: str) -> Path:
-    """Side directory for module images: beside the output file, or ./gpu-trace-images for stdout."""
+def _not_a_file(output: str) -> bool:
+    """Whether ``output`` is standard output or something other than a regular file (a pipe,
+    a terminal, /dev/stdout), beside which no directory belongs."""
+    if output == "-":
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(output).st_mode)
+    except OSError:
+        return False  # not there yet: a file to be written
+
+
+def default_images_dir(output: str) -> Path | None:
+    """Side directory for module images: beside the output file, or ./gpu-trace-images for stdout
+    (or a pipe, a terminal); None for /dev/null (the trace referring to them is thrown away)."""
     env = os.environ.get("GPUOS_IMAGES")
     if env:
         return Path(env)
-    if output == "-":
+    if output != "-" and os.path.realpath(output) == os.devnull:
+        return None
+    if _not_a_file(output):
         return Path("gpu-trace-images")
     p = Path(output)
     name = p.name
@@ -346,6 +361,6 @@ def _images_ref(images_dir: Path | None, output_path: str) -> str | None:
     """The header's images entry: relative to the trace file's directory when there is one."""
     if images_dir is None:
         return None
-    if output_path == "-":
+    if _not_a_file(output_path):
         return str(images_dir.resolve())
     return os.path.relpath(images_dir.resolve(), Path(output_path).resolve().parent)
