@@ -43,7 +43,8 @@ def run(
     images: Optional[Path] = typer.Option(
         None, "--images", metavar="DIR",
         help="Directory for module images (cubin/PTX, by content hash). Default: FILE's name with "
-        ".images, or ./gpu-trace-images when writing to stdout; $GPUOS_IMAGES overrides.",
+        ".images, ./gpu-trace-images when writing to stdout or a pipe, none with -o /dev/null; "
+        "$GPUOS_IMAGES overrides.",
     ),
     no_images: bool = typer.Option(False, "--no-images", help="Record module hashes but do not store the images."),
     flush_ms: float = typer.Option(20.0, "--flush-ms", min=1.0, metavar="MS", help="How often the tracer ships records (milliseconds)."),
