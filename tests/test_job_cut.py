@@ -388,6 +388,7 @@ def test_a_rank_that_never_reaches_k_times_out_disarms_every_rank_and_leaves_no_
     with pytest.raises(GpuosError) as e:
         agent_job.cut_job(os.getpid(), image, margin=1, wait_s=1.5, request=_request, is_cuda=is_fake(fakes))
     assert e.value.code == ExitCode.LOCK_TIMEOUT and "every image deleted" in str(e.value)
+    assert "not done after 1.5 s" in str(e.value)
     assert all(f.ops("disarm") for f in fakes)
     assert fakes[0].state == "done" and fakes[1].state == "disarmed"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 0's image went with the temporary

@@ -188,7 +188,7 @@ class Cutter:
                 return done, failed
             if time.monotonic() >= deadline:
                 late = [r for r in self.ranks if r.pid not in done]
-                return done, {r.pid: f"not done after {self.wait_s:.0f} s (the job did not reach the collective, "
+                return done, {r.pid: f"not done after {self.wait_s:g} s (the job did not reach the collective, "
                                      "or its image is still being written)" for r in late}
 
 

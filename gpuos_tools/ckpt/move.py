@@ -28,7 +28,7 @@ def check_movable(status: dict[str, Any]) -> None:
             ExitCode.NOT_CHECKPOINTABLE)
     if status.get("state") != SUSPENDED:
         raise GpuosError(f"--agent --resume --device: PID {status.get('pid')} is {status.get('state')}, not "
-                         f"suspended: `gpu-ckpt --agent PID --suspend` first", ExitCode.WRONG_STATE)
+                         f"suspended: `gpu-ckpt --agent {status.get('pid')} --suspend` first", ExitCode.WRONG_STATE)
 
 
 def check_target(ckpt: Any, pid: int, device: str | None, device_map: str | None) -> None:
