@@ -80,7 +80,8 @@ def checkpoint(
         None, "--criu-arg", metavar="ARG",
         help="With --image: pass ARG to `criu dump` (repeatable). With --job the dump has --tcp-established and "
         "--network-lock skip (every peer is in the frozen tree) unless ARG names a network lock, e.g. "
-        "--criu-arg=--network-lock=iptables.",
+        "--criu-arg=--network-lock=iptables. CRIU's --ghost-limit (1 MiB) is raised to the largest deleted file "
+        "the tree still maps (NCCL's shared-memory segment), unless ARG sets one.",
     ),
     profile: Optional[Path] = typer.Option(
         None, "--profile", metavar="FILE",
