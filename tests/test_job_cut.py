@@ -550,3 +550,13 @@ def test_a_cut_of_a_tree_without_agent_or_cuda_says_which_pid_to_give(tmp_path):
     assert done.returncode == ExitCode.NOT_CUDA_PROCESS and done.stdout == ""
     assert "launcher (torchrun)" in done.stderr and "gpu-ckpt run" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+
+def test_a_cut_into_a_directory_it_cannot_write_is_refused_before_any_rank_is_armed(ranks, tmp_path):
+    fakes = ranks({"count": 3}, {"count": 3})
+    where = Path(f"/proc/{os.getpid()}")  # a directory in which no one, root included, makes one
+    with pytest.raises(GpuosError) as e:
+        agent_job.cut_job(os.getpid(), where / "job.img", request=_request, is_cuda=is_fake(fakes))
+    assert e.value.code == ExitCode.IO_ERROR and "cannot write the job image" in str(e.value)
+    assert not any(f.ops("arm") for f in fakes)

@@ -14,6 +14,7 @@ the directory appears under its name only when complete.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -223,7 +224,13 @@ def cut_job(pid: int, image: Path, *, margin: int = MARGIN, attempts: int = ATTE
     cutter = Cutter(ranks, request, wait_s, discard_wait_s)
     options = {"compress": compress, "checksum": checksum, **({"threads": threads} if threads else {})}
     tmp = image.parent / f".{image.name}.cut-{os.getpid()}"
-    tmp.mkdir(mode=0o755)
+    try:
+        tmp.mkdir(mode=0o755)
+    except OSError as e:
+        raise GpuosError(f"{image}: cannot write the job image in {image.parent} ({e.strerror}): choose a directory "
+                         "you can write; nothing was taken",
+                         ExitCode.PERMISSION if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+                         else ExitCode.IO_ERROR) from None
     try:
         for attempt in range(1, attempts + 1):
             counts = cutter.counts()
