@@ -560,3 +560,25 @@ def test_a_cut_into_a_directory_it_cannot_write_is_refused_before_any_rank_is_ar
         agent_job.cut_job(os.getpid(), where / "job.img", request=_request, is_cuda=is_fake(fakes))
     assert e.value.code == ExitCode.IO_ERROR and "cannot write the job image" in str(e.value)
     assert not any(f.ops("arm") for f in fakes)
+
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda m: m.pop("k"), "no collective 'k'"),
+    (lambda m: m.update(ranks=[]), "no ranks"),
+    (lambda m: m["ranks"][1].pop("image"), "rank entry 1 lacks"),
+    (lambda m: m["ranks"][0].update(image="../elsewhere"), "rank entry 0 lacks"),
+    (lambda m: m["ranks"][0].update(pid="12"), "rank entry 0 lacks"),
+    (lambda m: m["ranks"][1].update(image="rank-9"), "the image of rank 1 is missing"),
+])
+def test_a_damaged_job_manifest_is_refused_before_any_rank_is_asked(ranks, tmp_path, change, says):
+    fakes = ranks({"count": 3}, {"count": 3})
+    image = tmp_path / "job.img"
+    agent_job.cut_job(os.getpid(), image, request=_request, is_cuda=is_fake(fakes))
+    manifest = json.loads((image / "job.json").read_text())
+    change(manifest)
+    (image / "job.json").write_text(json.dumps(manifest))
+    with pytest.raises(GpuosError) as e:
+        agent_job.rollback_job(os.getpid(), image, request=_request, is_cuda=is_fake(fakes))
+    assert e.value.code == ExitCode.IMAGE_CORRUPT and says in str(e.value), str(e.value)
+    assert not any(f.ops("rollback") for f in fakes)

@@ -339,6 +339,20 @@ def read_manifest(image: Path) -> dict[str, Any]:
         raise GpuosError(f"{path}: unreadable ({e})", ExitCode.IMAGE_CORRUPT) from None
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND or not isinstance(manifest.get("ranks"), list):
         raise GpuosError(f"{path} is not the manifest of a job's cut", ExitCode.IMAGE_CORRUPT)
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not integer(manifest.get("k")) or not manifest["ranks"]:
+        raise GpuosError(f"{path}: no collective 'k' or no ranks: not a complete job image", ExitCode.IMAGE_CORRUPT)
+    for i, row in enumerate(manifest["ranks"]):
+        name = row.get("image") if isinstance(row, dict) else None
+        if not (isinstance(row, dict) and integer(row.get("pid")) and integer(row.get("starttime"))
+                and isinstance(name, str) and name and "/" not in name and name not in (".", "..")):
+            raise GpuosError(f"{path}: rank entry {i} lacks its pid, start time or image name", ExitCode.IMAGE_CORRUPT)
+        if not (Path(image) / name).is_dir():
+            raise GpuosError(f"{Path(image) / name}: the image of rank {row.get('rank')} is missing",
+                             ExitCode.IMAGE_CORRUPT)
     return manifest
 
 
