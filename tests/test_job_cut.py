@@ -469,6 +469,8 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     ("ckpt", ["--job", "1", "--cut"], "needs --image"),
     ("ckpt", ["--job", "1", "--cut", "--image", "x", "--force"], "--job --cut goes with"),
     ("ckpt", ["--job", "1", "--margin", "9"], "--margin goes with --job PID --cut"),
+    ("ckpt", ["--job", "1", "--margin", str(agent_job.MARGIN)], "--margin goes with --job PID --cut"),
+    ("ckpt", ["--pid", "1", "--margin", str(agent_job.MARGIN)], "--cut and --margin go with --job"),
     ("ckpt", ["--job", "1", "--cut", "--image", "x", "--margin", str(agent_job.MAX_MARGIN + 1)], "--margin"),
     ("restore", ["--job", "1", "--cut"], "--cut goes with --job PID --image DIR"),
     ("restore", ["--job", "1", "--cut", "--image", "x", "--device-map", "0=1"], "--job --cut goes with"),

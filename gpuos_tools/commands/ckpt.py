@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from click.core import ParameterSource
 
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
@@ -160,7 +161,8 @@ def checkpoint(
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
     if force and job is None:
         raise GpuosError("--force goes with --job PID", ExitCode.USAGE)
-    if (cut or margin != agent_job.MARGIN) and job is None:
+    margin_given = ctx.get_parameter_source("margin") not in (None, ParameterSource.DEFAULT)
+    if (cut or margin_given) and job is None:
         raise GpuosError("--cut and --margin go with --job PID --image DIR", ExitCode.USAGE)
     if cut:
         if image is None:
@@ -171,7 +173,7 @@ def checkpoint(
                              "and -o only", ExitCode.USAGE)
         _cut(job, image, margin, timeout, compress, checksum, threads, output)
         return
-    if margin != agent_job.MARGIN:
+    if margin_given:
         raise GpuosError("--margin goes with --job PID --cut", ExitCode.USAGE)
     if threads is not None and agent is None:
         raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
