@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from click.core import ParameterSource
 
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
@@ -110,6 +111,9 @@ def restore(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
+    if ctx.get_parameter_source("timeout") not in (None, ParameterSource.DEFAULT) and agent is None and not cut:
+        raise GpuosError("--timeout goes with --agent PID or --job PID --cut (the driver path waits for the driver)",
+                         ExitCode.USAGE)
     if cut:
         if job is None or image is None:
             raise GpuosError("--cut goes with --job PID --image DIR (the job image gpu-ckpt --job PID --cut wrote)",
