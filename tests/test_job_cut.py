@@ -471,6 +471,8 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     ("ckpt", ["--job", "1", "--margin", "9"], "--margin goes with --job PID --cut"),
     ("ckpt", ["--job", "1", "--margin", str(agent_job.MARGIN)], "--margin goes with --job PID --cut"),
     ("ckpt", ["--pid", "1", "--margin", str(agent_job.MARGIN)], "--cut and --margin go with --job"),
+    ("ckpt", ["--job", "1", "--image", "x", "--compress"], "--compress and --checksum go with --agent PID or --job"),
+    ("ckpt", ["--pid", "1", "--checksum", "auto"], "--compress and --checksum go with --agent PID or --job"),
     ("ckpt", ["--job", "1", "--cut", "--image", "x", "--margin", str(agent_job.MAX_MARGIN + 1)], "--margin"),
     ("restore", ["--job", "1", "--cut"], "--cut goes with --job PID --image DIR"),
     ("restore", ["--job", "1", "--timeout", "10"], "--timeout goes with --agent PID or --job PID --cut"),

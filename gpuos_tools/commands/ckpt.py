@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from click.core import ParameterSource
 
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
@@ -19,7 +18,7 @@ from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
 from gpuos_tools.ckpt.profile import load_profile, suspend_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import error, options_before_subcommand, report_run, run_app, stderr_console, warn
+from gpuos_tools.commands.cli import error, option_given, options_before_subcommand, report_run, run_app, stderr_console, warn
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import chunkio
 from gpuos_tools.stream import make_header, open_output
@@ -161,7 +160,7 @@ def checkpoint(
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
     if force and job is None:
         raise GpuosError("--force goes with --job PID", ExitCode.USAGE)
-    margin_given = ctx.get_parameter_source("margin") not in (None, ParameterSource.DEFAULT)
+    margin_given = option_given(ctx, "margin")
     if (cut or margin_given) and job is None:
         raise GpuosError("--cut and --margin go with --job PID --image DIR", ExitCode.USAGE)
     if cut:
@@ -205,6 +204,9 @@ def checkpoint(
              f"program's path, {answer['cow']} copy-on-write"
              + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
         return
+    if compress or option_given(ctx, "checksum"):
+        raise GpuosError("--compress and --checksum go with --agent PID or --job PID --cut (the agent path's images; "
+                         "a CRIU image is CRIU's)", ExitCode.USAGE)
     if job is not None:
         if pid is not None or profile is not None:
             raise GpuosError("--job goes with --image, --leave-running, --criu-arg, --timeout, --force and -o only",

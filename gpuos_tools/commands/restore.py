@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from click.core import ParameterSource
 
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
@@ -18,7 +17,7 @@ from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.move import check_movable, check_target, move_suspended
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
+from gpuos_tools.commands.cli import error, option_given, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import make_header, open_output
 from gpuos_tools.units import format_size
@@ -111,7 +110,7 @@ def restore(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
-    if ctx.get_parameter_source("timeout") not in (None, ParameterSource.DEFAULT) and agent is None and not cut:
+    if option_given(ctx, "timeout") and agent is None and not cut:
         raise GpuosError("--timeout goes with --agent PID or --job PID --cut (the driver path waits for the driver)",
                          ExitCode.USAGE)
     if cut:
