@@ -332,8 +332,9 @@ def ranks(tmp_path, monkeypatch):
 
     def make(*specs: dict) -> list[FakeRank]:
         for i, spec in enumerate(specs):
+            world = {"WORLD_SIZE": str(spec.pop("world"))} if "world" in spec else {}
             p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                                 env={**os.environ, "RANK": str(i)})
+                                 env={**os.environ, "RANK": str(i), **world})
             procs_.append(p)
             fakes.append(FakeRank(p.pid, **spec))
         return fakes
@@ -588,3 +589,15 @@ def test_a_damaged_job_manifest_is_refused_before_any_rank_is_asked(ranks, tmp_p
         agent_job.rollback_job(os.getpid(), image, request=_request, is_cuda=is_fake(fakes))
     assert e.value.code == ExitCode.IMAGE_CORRUPT and says in str(e.value), str(e.value)
     assert not any(f.ops("rollback") for f in fakes)
+
+
+
+def test_a_tree_holding_only_some_ranks_of_the_job_is_refused(ranks, tmp_path):
+    """A rank's PID given instead of the launcher's: its tree holds that rank alone."""
+    fakes = ranks({"count": 3, "world": 2}, {"count": 3, "world": 2})
+    with pytest.raises(GpuosError) as e:
+        agent_job.cut_job(fakes[1].pid, tmp_path / "job.img", request=_request, is_cuda=is_fake(fakes))
+    assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and "holds 1 of the job's 2 ranks (rank 1)" in str(e.value)
+    assert "launcher" in str(e.value) and not any(f.ops("arm") for f in fakes)
+    rec = agent_job.cut_job(os.getpid(), tmp_path / "job.img", request=_request, is_cuda=is_fake(fakes))
+    assert [r["rank"] for r in rec["ranks"]] == [0, 1]  # the whole job: cut
