@@ -473,6 +473,8 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     ("ckpt", ["--job", "1", "--margin", str(agent_job.MARGIN)], "--margin goes with --job PID --cut"),
     ("ckpt", ["--pid", "1", "--margin", str(agent_job.MARGIN)], "--cut and --margin go with --job"),
     ("ckpt", ["--job", "1", "--image", "x", "--compress"], "--compress and --checksum go with --agent PID or --job"),
+    ("ckpt", ["--job", "1", "--image", "x", "--threads", "2"], "--threads goes with --agent PID --image DIR or --job "
+     "PID --cut"),
     ("ckpt", ["--pid", "1", "--checksum", "auto"], "--compress and --checksum go with --agent PID or --job"),
     ("ckpt", ["--job", "1", "--cut", "--image", "x", "--margin", str(agent_job.MAX_MARGIN + 1)], "--margin"),
     ("restore", ["--job", "1", "--cut"], "--cut goes with --job PID --image DIR"),

@@ -175,7 +175,7 @@ def checkpoint(
     if margin_given:
         raise GpuosError("--margin goes with --job PID --cut", ExitCode.USAGE)
     if threads is not None and agent is None:
-        raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
+        raise GpuosError("--threads goes with --agent PID --image DIR or --job PID --cut --image DIR", ExitCode.USAGE)
     if (suspend or partial or max_hold is not None) and agent is None:
         raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",
                          ExitCode.USAGE)
