@@ -504,7 +504,9 @@ def run(
     standard output, or to FILE with -o; gpu-trace(1) has the options not repeated here. Then
     `gpu-ckpt --agent PID --image DIR` takes images of the running program and
     `gpu-restore --agent PID --image DIR` rolls it back, PID being the program's (the stream's
-    header names it and the agent's socket). Exits with the program's own status.
+    header names it and the agent's socket). Exits with the program's own status. How the agent
+    sees the driver calls is GPUOS_AGENT_MECHANISM's to say (cupti, the default, or intercept;
+    gpu-trace run --agent --mechanism).
     """
     summary = launcher.run_program(program, output=output, no_images=no_images, agent=True, cow_budget=cow_budget,
                                    stage_ahead=stage_ahead, warn=lambda m: warn(PROG, m))

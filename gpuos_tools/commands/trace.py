@@ -94,7 +94,8 @@ def run(
         None, "--mechanism", metavar="cupti|intercept",
         help="With --agent: how the agent sees the program's driver calls: cupti (CUPTI callbacks; "
         "the driver's checkpoint API and CRIU refuse such a process) or intercept (a library "
-        "preloaded between the program and libcuda; CUPTI is never loaded). Default: "
+        "preloaded between the program and libcuda; CUPTI is never loaded; it needs the agent's native core, "
+        "built with the system's C compiler, so not --backend python). Default: "
         "$GPUOS_AGENT_MECHANISM, else cupti (intercept is not yet the default: its GPU tests "
         "have not run).",
     ),
