@@ -107,3 +107,16 @@ def test_a_gpu_that_is_not_there_is_refused_before_the_driver_checkpoint(device,
         move_suspended(ckpt, SUSPENDED, device, device_map, lambda: pytest.fail("resumed"))
     assert e.value.code == ExitCode.BAD_GPU
     assert not [c for c in ckpt.calls if c[0] in ("suspend", "resume")]
+
+
+def test_an_agent_that_does_not_resume_after_the_move_is_said_to_hold_the_program_still():
+    ckpt = FakeCheckpointer()
+
+    def resume():
+        raise GpuosError("no answer from the agent in 5 s", ExitCode.SNAPSHOT_UNAVAILABLE)
+
+    with pytest.raises(GpuosError) as e:
+        move_suspended(ckpt, SUSPENDED, "1", None, resume)
+    assert e.value.code == ExitCode.SNAPSHOT_UNAVAILABLE
+    assert "still suspended; `gpu-restore --agent 42 --resume` resumes it" in str(e.value)
+    assert [c[0] for c in ckpt.calls] == ["resolve_gpu", "suspend", "resume"]

@@ -52,6 +52,10 @@ def move_suspended(ckpt: Any, status: dict[str, Any], device: str | None, device
     check_target(ckpt, pid, device, device_map)
     ckpt.suspend(pid)
     result = ckpt.resume(pid, device, device_map)
-    answer = resume()
+    try:
+        answer = resume()
+    except GpuosError as e:
+        raise GpuosError(f"PID {pid} was moved and unlocked by the driver, but its agent did not resume it ({e}): "
+                         f"it is still suspended; `gpu-restore --agent {pid} --resume` resumes it", e.code) from None
     ckpt.out({"type": "agent_resume", "agent": str(pid), **answer})
     return result
