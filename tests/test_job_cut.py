@@ -507,6 +507,18 @@ def test_gpu_ckpt_and_gpu_restore_cut_and_roll_back_a_job_of_fake_agents(ranks, 
     assert done.returncode == ExitCode.USAGE and "exists" in done.stderr
 
 
+
+def test_an_output_that_cannot_be_written_refuses_the_cut_and_the_rollback_untouched(ranks, tmp_path):
+    fakes = ranks({"count": 3}, {"count": 8})
+    image = tmp_path / "job.img"
+    done = _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image), "-o", str(tmp_path / "no" / "x"))
+    assert done.returncode == ExitCode.IO_ERROR and "cannot create" in done.stderr, done.stderr
+    assert not image.exists() and not any(f.ops("arm") for f in fakes)
+    assert _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image)).returncode == 0
+    done = _cli("restore", "--job", str(os.getpid()), "--cut", "--image", str(image), "-o", str(tmp_path / "no" / "y"))
+    assert done.returncode == ExitCode.IO_ERROR and all(f.rolled == [] for f in fakes)
+
+
 def _images(tmp_path: Path) -> dict[str, Path]:
     """One directory of each kind an image can be, by the file that kind writes."""
     kinds = {"cut": (agent_job.MANIFEST, {"kind": agent_job.KIND, "k": 3, "ranks": []}),

@@ -262,9 +262,13 @@ def checkpoint(
 def _cut(job: int, image: Path, margin: int, timeout_ms: int, compress: bool, checksum: str,
          threads: Optional[int], output: Optional[str]) -> None:
     """`gpu-ckpt --job PID --cut --image DIR`: one ckpt_job_cut record (gpuos_tools/ckpt/agent_job.py)."""
-    record = agent_job.cut_job(job, image, margin=margin, wait_s=timeout_ms / 1000 if timeout_ms else agent_job.WAIT_S,
-                               compress=compress, checksum=checksum, threads=threads)
-    _records("-" if output is None else output, PROG, [record], pid=job)
+    # the output opened first: one that cannot be written refuses the cut before any rank is armed
+    with open_output("-" if output is None else output) as writer:
+        record = agent_job.cut_job(job, image, margin=margin,
+                                   wait_s=timeout_ms / 1000 if timeout_ms else agent_job.WAIT_S,
+                                   compress=compress, checksum=checksum, threads=threads)
+        writer.write(make_header(PROG, pid=job))
+        writer.write(record)
     _say(record["message"])
 
 

@@ -120,8 +120,11 @@ def restore(
         if any(x is not None for x in (pid, agent, device, device_map, profile)) or criu_arg or resume or lazy:
             raise GpuosError("--job --cut goes with --image, --timeout and -o only (the ranks are rolled back on "
                              "their own GPUs)", ExitCode.USAGE)
-        record = agent_job.rollback_job(job, image, timeout=timeout)
-        _records("-" if output is None else output, PROG, [record])
+        # the output opened first: one that cannot be written refuses the rollback before any rank is written
+        with open_output("-" if output is None else output) as writer:
+            record = agent_job.rollback_job(job, image, timeout=timeout)
+            writer.write(make_header(PROG))
+            writer.write(record)
         if sys.stderr.isatty():
             stderr_console().print(f"{PROG}: {record['message']}", highlight=False)
         return
