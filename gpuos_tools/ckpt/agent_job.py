@@ -79,7 +79,8 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
         if e.code != ExitCode.NOT_CUDA_PROCESS:
             raise
         raise GpuosError(f"no process in the tree of PID {pid} runs under the agent or uses CUDA: give the PID of "
-                         f"the job's launcher (torchrun) or of a parent of its ranks, and {start}", ExitCode.NOT_CUDA_PROCESS) from None
+                         f"the job's launcher (torchrun) or of a parent of its ranks, and {start}",
+                         ExitCode.NOT_CUDA_PROCESS) from None
     under = [r for r in ranks if has_agent(r.info.pid)]
     if not under:
         raise GpuosError(f"no process in the tree of PID {pid} runs under the agent: {start}",

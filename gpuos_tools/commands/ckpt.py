@@ -18,7 +18,8 @@ from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
 from gpuos_tools.ckpt.profile import load_profile, suspend_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import error, option_given, options_before_subcommand, report_run, run_app, stderr_console, warn
+from gpuos_tools.commands.cli import (error, option_given, options_before_subcommand, report_run, run_app,
+                                      stderr_console, warn)
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import chunkio
 from gpuos_tools.stream import make_header, open_output
@@ -126,9 +127,10 @@ def checkpoint(
     cut: bool = typer.Option(
         False, "--cut",
         help="With --job PID --image DIR (DIR must not exist; PID: the launcher, e.g. torchrun, or any parent of "
-        "the ranks): the agent path, without stopping the job. Every rank (each started "
-        "with `gpu-ckpt run`, NCCL on its default cuMem allocator) is snapshotted just before the same collective launch K (the largest count of any "
-        "rank plus --margin), into one job image: each rank's image and job.json, written last. --timeout bounds "
+        "the ranks): the agent path, without stopping the job. Every rank (each started with `gpu-ckpt run`, "
+        "NCCL on its default cuMem allocator) is snapshotted just before the same collective launch K (the "
+        "largest count of any rank plus --margin), into one job image: each rank's image and job.json, written "
+        "last. --timeout bounds "
         "the wait for every image (default 120000 ms); on failure every rank is disarmed and nothing is kept. "
         "`gpu-restore --job PID --cut --image DIR` rolls the job back.",
     ),
