@@ -249,6 +249,17 @@ def rank_of(pid: int) -> int | None:
     return next((int(env[k]) for k in RANK_VARIABLES if env.get(k, "").isdigit()), None)
 
 
+#: The number of ranks a launcher tells each rank the job has, in RANK_VARIABLES' order.
+SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def world_size_of(pid: int) -> int | None:
+    """How many ranks the process's launcher said the job has, None when it said nothing or the
+    environment is not ours to read."""
+    env = environ_values(pid, SIZE_VARIABLES)
+    return next((int(env[k]) for k in SIZE_VARIABLES if env.get(k, "").isdigit()), None)
+
+
 def boot_id() -> str:
     try:
         with open(f"{PROC}/sys/kernel/random/boot_id") as f:

@@ -638,6 +638,19 @@ def test_failing_output_neither_undoes_nor_hides_the_work() -> None:
     assert f.value.code == ExitCode.LOCK_TIMEOUT  # the action's own failure wins
 
 
+def test_the_works_own_error_is_raised_as_it_is(tmp_path: Path) -> None:
+    """A GpuosError of the work that is no CkptError (the agent's answer in a move) is the work's,
+    not the output's: raised with its own code, never as 'writing records failed'."""
+    from gpuos_tools.ckpt.records import run_recorded
+
+    def failing() -> dict:
+        raise GpuosError("the agent did not answer", ExitCode.SNAPSHOT_UNAVAILABLE)
+
+    with pytest.raises(GpuosError) as e:
+        run_recorded(str(tmp_path / "out.ndjson"), "gpu-restore", Checkpointer(), failing, pid=1)
+    assert e.value.code == ExitCode.SNAPSHOT_UNAVAILABLE and str(e.value) == "the agent did not answer"
+
+
 def test_man_pages_show_cron_the_profile_and_the_codes() -> None:
     import tomllib
 

@@ -141,7 +141,7 @@ def test_the_ranks_are_the_cuda_processes_of_the_tree_in_rank_order(job) -> None
 def test_a_tree_without_cuda_is_refused(tmp_path: Path) -> None:
     with pytest.raises(GpuosError) as e:
         J.job_ranks(os.getpid(), is_cuda=lambda pid: False)
-    assert e.value.code == ExitCode.NOT_CUDA_PROCESS
+    assert e.value.code == ExitCode.NOT_CUDA_PROCESS and "the job's launcher (torchrun)" in str(e.value)
 
 
 def test_every_rank_is_locked_before_any_is_checkpointed_and_a_stuck_round_is_retried(job) -> None:

@@ -29,6 +29,21 @@ class FakeCheckpointer:
     def out(self, record: dict) -> None:
         self.records.append(record)
 
+    def resolve_gpu(self, spec: str) -> dict:
+        self.calls.append(("resolve_gpu", spec))
+        if spec not in ("0", "1"):
+            raise GpuosError(f"no GPU with index {spec} (this machine has 2)", ExitCode.BAD_GPU)
+        return {"index": int(spec), "uuid": f"GPU-{spec}"}
+
+    def gpu_pairs(self, pid: int, device, device_map) -> tuple:
+        self.calls.append(("gpu_pairs", pid, device, device_map))
+        for item in device_map.split(","):
+            old, sep, new = item.partition("=")
+            if not sep:
+                raise GpuosError(f"--device-map: {item!r} is not OLD=NEW", ExitCode.BAD_GPU)
+            self.resolve_gpu(old), self.resolve_gpu(new)
+        return [("GPU-0", "GPU-1"), ("GPU-1", "GPU-0")], {"uuid": "GPU-1"}
+
 
 SUSPENDED = {"ok": True, "pid": 42, "state": "suspended", "mechanism": "intercept"}
 
@@ -36,7 +51,7 @@ SUSPENDED = {"ok": True, "pid": 42, "state": "suspended", "mechanism": "intercep
 @pytest.mark.parametrize("status,code,words", [
     ({**SUSPENDED, "mechanism": "cupti"}, ExitCode.NOT_CHECKPOINTABLE, "CUPTI loaded"),
     ({k: v for k, v in SUSPENDED.items() if k != "mechanism"}, ExitCode.NOT_CHECKPOINTABLE, "--mechanism intercept"),
-    ({**SUSPENDED, "state": "running"}, ExitCode.WRONG_STATE, "not suspended"),
+    ({**SUSPENDED, "state": "running"}, ExitCode.WRONG_STATE, "not suspended: `gpu-ckpt --agent 42 --suspend` first"),
 ])
 def test_a_job_that_cannot_move_is_refused_untouched(status, code, words):
     ckpt = FakeCheckpointer()
@@ -56,7 +71,7 @@ def test_a_job_on_interception_moves_through_the_driver_then_resumes():
         return {"bytes": 10, "buffers": 1}
 
     result = move_suspended(ckpt, SUSPENDED, "1", None, resume)
-    assert ckpt.calls == [("suspend", 42), ("resume", 42, "1", None)]
+    assert ckpt.calls == [("resolve_gpu", "1"), ("suspend", 42), ("resume", 42, "1", None)]
     assert order == [ckpt.calls]  # the agent resumes only once the driver has restored and unlocked
     assert ckpt.records == [{"type": "agent_resume", "agent": "42", "bytes": 10, "buffers": 1}]
     assert result["message"] == "restored"
@@ -82,3 +97,26 @@ def test_a_refused_lock_says_when_cupti_is_loaded(tmp_path, monkeypatch):
     assert cupti_hint(2, "CUDA_ERROR_NOT_SUPPORTED") == ""  # refused for another reason
     assert cupti_hint(1, "CUDA_ERROR_NOT_PERMITTED") == ""
     assert cupti_hint(3, "CUDA_ERROR_NOT_SUPPORTED") == ""  # gone: no hint rather than a second error
+
+
+@pytest.mark.parametrize("device,device_map", [("7", None), ("GPU-nope", None), (None, "0=7"), (None, "0")])
+def test_a_gpu_that_is_not_there_is_refused_before_the_driver_checkpoint(device, device_map):
+    """Found only at the restore, it would leave the job checkpointed by the driver."""
+    ckpt = FakeCheckpointer()
+    with pytest.raises(GpuosError) as e:
+        move_suspended(ckpt, SUSPENDED, device, device_map, lambda: pytest.fail("resumed"))
+    assert e.value.code == ExitCode.BAD_GPU
+    assert not [c for c in ckpt.calls if c[0] in ("suspend", "resume")]
+
+
+def test_an_agent_that_does_not_resume_after_the_move_is_said_to_hold_the_program_still():
+    ckpt = FakeCheckpointer()
+
+    def resume():
+        raise GpuosError("no answer from the agent in 5 s", ExitCode.SNAPSHOT_UNAVAILABLE)
+
+    with pytest.raises(GpuosError) as e:
+        move_suspended(ckpt, SUSPENDED, "1", None, resume)
+    assert e.value.code == ExitCode.SNAPSHOT_UNAVAILABLE
+    assert "still suspended; `gpu-restore --agent 42 --resume` resumes it" in str(e.value)
+    assert [c[0] for c in ckpt.calls] == ["resolve_gpu", "suspend", "resume"]

@@ -151,3 +151,21 @@ def test_terminated_restores_the_handlers() -> None:
     assert run(cmd, "gpu-term", ["term"]) == 128 + signal.SIGTERM
     assert time.monotonic() - started < 5
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- an option the command does not have, before `--` ---------------------------------------
+
+
+@pytest.mark.parametrize("args,says", [
+    (["gpu-ckpt", "run", "--mechanism", "intercept", "--", "python3", "x.py"],
+     "no such option: --mechanism; this command has none: set GPUOS_AGENT_MECHANISM"),
+    (["gpu-ckpt", "run", "--mechanism=intercept", "--", "python3", "x.py"], "no such option: --mechanism;"),
+    (["gpu-trace", "run", "--no-such", "--", "python3", "x.py"], "no such option: --no-such: -h lists"),
+    (["gpu-trace", "run", "--mechanism", "cupti", "--", "python3", "x.py"], "--mechanism goes with --agent"),
+])
+def test_an_option_out_of_place_before_the_program_is_refused(tmp_path: Path, args: list[str], says: str) -> None:
+    """Such an option was taken for the program to run ('--mechanism: program not found')."""
+    done = subprocess.run([sys.executable, str(REPO / "cmd" / args[0]), *args[1:]], capture_output=True, text=True,
+                          env=child_env(), cwd=tmp_path, timeout=60, check=False)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1 and list(tmp_path.iterdir()) == []

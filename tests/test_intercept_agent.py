@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpuos_tools import cbuild
-from gpuos_tools.errors import GpuosError
+from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection import core as core_mod
 from gpuos_tools.injection import intercept
 from gpuos_tools.injection.config import AgentConfig, BootConfig, ConfigError, TraceConfig
@@ -159,8 +159,10 @@ def test_interception_is_the_agents_and_on_its_native_core(monkeypatch):
     assert launcher.agent_mechanism(None, True, "auto") == "intercept"
     assert launcher.agent_mechanism("cupti", True, "auto") == "cupti"  # the option wins
     assert launcher.agent_mechanism(None, False, "auto") == "cupti"  # the variable is the agent's only
-    with pytest.raises(GpuosError, match="--agent"):
-        launcher.agent_mechanism("intercept", False, "auto")
+    for value in ("intercept", "cupti"):  # either value without --agent is a mistake, not ignored
+        with pytest.raises(GpuosError, match="--mechanism goes with --agent") as e:
+            launcher.agent_mechanism(value, False, "auto")
+        assert e.value.code == ExitCode.USAGE
     with pytest.raises(GpuosError, match="native core"):
         launcher.agent_mechanism("intercept", True, "python")
     monkeypatch.setenv("GPUOS_AGENT_MECHANISM", "ebpf")

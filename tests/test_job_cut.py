@@ -332,8 +332,9 @@ def ranks(tmp_path, monkeypatch):
 
     def make(*specs: dict) -> list[FakeRank]:
         for i, spec in enumerate(specs):
+            world = {"WORLD_SIZE": str(spec.pop("world"))} if "world" in spec else {}
             p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                                 env={**os.environ, "RANK": str(i)})
+                                 env={**os.environ, "RANK": str(i), **world})
             procs_.append(p)
             fakes.append(FakeRank(p.pid, **spec))
         return fakes
@@ -388,6 +389,7 @@ def test_a_rank_that_never_reaches_k_times_out_disarms_every_rank_and_leaves_no_
     with pytest.raises(GpuosError) as e:
         agent_job.cut_job(os.getpid(), image, margin=1, wait_s=1.5, request=_request, is_cuda=is_fake(fakes))
     assert e.value.code == ExitCode.LOCK_TIMEOUT and "every image deleted" in str(e.value)
+    assert "not done after 1.5 s" in str(e.value)
     assert all(f.ops("disarm") for f in fakes)
     assert fakes[0].state == "done" and fakes[1].state == "disarmed"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 0's image went with the temporary
@@ -446,6 +448,7 @@ def test_a_cuda_rank_without_an_agent_refuses_the_cut(ranks, tmp_path):
             agent_job.cut_job(os.getpid(), tmp_path / "job.img", request=_request,
                               is_cuda=lambda p: p in (fakes[0].pid, other.pid))
         assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and f"1 (PID {other.pid})" in str(e.value)
+        assert "start each rank with `gpu-ckpt run`" in str(e.value)
     finally:
         other.kill()
         other.wait()
@@ -467,7 +470,16 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     ("ckpt", ["--job", "1", "--cut"], "needs --image"),
     ("ckpt", ["--job", "1", "--cut", "--image", "x", "--force"], "--job --cut goes with"),
     ("ckpt", ["--job", "1", "--margin", "9"], "--margin goes with --job PID --cut"),
+    ("ckpt", ["--job", "1", "--margin", str(agent_job.MARGIN)], "--margin goes with --job PID --cut"),
+    ("ckpt", ["--pid", "1", "--margin", str(agent_job.MARGIN)], "--cut and --margin go with --job"),
+    ("ckpt", ["--job", "1", "--image", "x", "--compress"], "--compress and --checksum go with --agent PID or --job"),
+    ("ckpt", ["--job", "1", "--image", "x", "--threads", "2"], "--threads goes with --agent PID --image DIR or --job "
+     "PID --cut"),
+    ("ckpt", ["--pid", "1", "--checksum", "auto"], "--compress and --checksum go with --agent PID or --job"),
+    ("ckpt", ["--job", "1", "--cut", "--image", "x", "--margin", str(agent_job.MAX_MARGIN + 1)], "--margin"),
     ("restore", ["--job", "1", "--cut"], "--cut goes with --job PID --image DIR"),
+    ("restore", ["--job", "1", "--timeout", "10"], "--timeout goes with --agent PID or --job PID --cut"),
+    ("restore", ["--pid", "1", "--timeout", "3600"], "--timeout goes with --agent PID or --job PID --cut"),
     ("restore", ["--job", "1", "--cut", "--image", "x", "--device-map", "0=1"], "--job --cut goes with"),
 ])
 def test_the_cut_options_are_refused_out_of_place(module, args, says):
@@ -493,3 +505,113 @@ def test_gpu_ckpt_and_gpu_restore_cut_and_roll_back_a_job_of_fake_agents(ranks, 
     assert all(f.rolled == [str(image / f"rank-{i}")] for i, f in enumerate(fakes))
     done = _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image))
     assert done.returncode == ExitCode.USAGE and "exists" in done.stderr
+
+
+
+def test_an_output_that_cannot_be_written_refuses_the_cut_and_the_rollback_untouched(ranks, tmp_path):
+    fakes = ranks({"count": 3}, {"count": 8})
+    image = tmp_path / "job.img"
+    done = _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image), "-o", str(tmp_path / "no" / "x"))
+    assert done.returncode == ExitCode.IO_ERROR and "cannot create" in done.stderr, done.stderr
+    assert not image.exists() and not any(f.ops("arm") for f in fakes)
+    assert _cli("ckpt", "--job", str(os.getpid()), "--cut", "--image", str(image)).returncode == 0
+    done = _cli("restore", "--job", str(os.getpid()), "--cut", "--image", str(image), "-o", str(tmp_path / "no" / "y"))
+    assert done.returncode == ExitCode.IO_ERROR and all(f.rolled == [] for f in fakes)
+
+
+def _images(tmp_path: Path) -> dict[str, Path]:
+    """One directory of each kind an image can be, by the file that kind writes."""
+    kinds = {"cut": (agent_job.MANIFEST, {"kind": agent_job.KIND, "k": 3, "ranks": []}),
+             "criu-job": ("gpuos-ckpt.json", {"kind": "job", "pid": 1}),
+             "criu": ("gpuos-ckpt.json", {"pid": 1}),
+             "agent": ("manifest.json", {})}
+    out = {}
+    for kind, (name, content) in kinds.items():
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / name).write_text(json.dumps(content))
+        out[kind] = tmp_path / kind
+    return out
+
+
+def test_each_kind_of_image_is_told_apart(tmp_path):
+    images = _images(tmp_path)
+    assert {kind: agent_job.image_kind(path) for kind, path in images.items()} == {k: k for k in images}
+    (tmp_path / "empty").mkdir()
+    assert agent_job.image_kind(tmp_path / "empty") is None and agent_job.image_kind(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("args,kind,code,says", [
+    (["--image", "{cut}"], "cut", ExitCode.USAGE, "`gpu-restore --job PID --cut --image {cut}` restores it"),
+    (["--image", "{agent}"], "agent", ExitCode.USAGE, "`gpu-restore --agent PID --image {agent}` restores it"),
+    (["--job", "1", "--image", "{cut}"], "cut", ExitCode.USAGE, "add --cut"),
+    (["--job", "1", "--image", "{criu-job}"], "criu-job", ExitCode.USAGE, "`gpu-restore --image {criu-job}` restores"),
+    (["--job", "1", "--cut", "--image", "{criu-job}"], "criu-job", ExitCode.USAGE, "not a job's cut"),
+    (["--job", "1", "--cut", "--image", "{criu}"], "criu", ExitCode.USAGE, "`gpu-restore --image {criu}`"),
+    (["--job", "1", "--cut", "--image", "{agent}"], "agent", ExitCode.USAGE, "--agent PID --image {agent}"),
+    (["--job", "1", "--cut", "--image", "{none}"], None, ExitCode.NO_INPUT, "{none}: no such directory"),
+    (["--agent", "999999", "--image", "{cut}"], "cut", ExitCode.USAGE, "--job PID --cut --image {cut}"),
+    (["--agent", "999999", "--image", "{criu-job}"], "criu-job", ExitCode.USAGE, "not an agent-path image"),
+])
+def test_an_image_given_to_the_wrong_restore_names_the_right_one(tmp_path, args, kind, code, says):
+    images = {k: str(v) for k, v in _images(tmp_path).items()}
+    images["none"] = str(tmp_path / "none")
+    done = _cli("restore", *[a.format(**images) for a in args])
+    assert done.returncode == code, done.stderr
+    assert says.format(**images) in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+
+
+def test_a_cut_of_a_tree_without_agent_or_cuda_says_which_pid_to_give(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        done = _cli("ckpt", "--job", str(other.pid), "--cut", "--image", str(tmp_path / "job.img"))
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == ExitCode.NOT_CUDA_PROCESS and done.stdout == ""
+    assert "launcher (torchrun)" in done.stderr and "gpu-ckpt run" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+
+def test_a_cut_into_a_directory_it_cannot_write_is_refused_before_any_rank_is_armed(ranks, tmp_path):
+    fakes = ranks({"count": 3}, {"count": 3})
+    where = Path(f"/proc/{os.getpid()}")  # a directory in which no one, root included, makes one
+    with pytest.raises(GpuosError) as e:
+        agent_job.cut_job(os.getpid(), where / "job.img", request=_request, is_cuda=is_fake(fakes))
+    assert e.value.code == ExitCode.IO_ERROR and "cannot write the job image" in str(e.value)
+    assert not any(f.ops("arm") for f in fakes)
+
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda m: m.pop("k"), "no collective 'k'"),
+    (lambda m: m.update(ranks=[]), "no ranks"),
+    (lambda m: m["ranks"][1].pop("image"), "rank entry 1 lacks"),
+    (lambda m: m["ranks"][0].update(image="../elsewhere"), "rank entry 0 lacks"),
+    (lambda m: m["ranks"][0].update(pid="12"), "rank entry 0 lacks"),
+    (lambda m: m["ranks"][1].update(image="rank-9"), "the image of rank 1 is missing"),
+])
+def test_a_damaged_job_manifest_is_refused_before_any_rank_is_asked(ranks, tmp_path, change, says):
+    fakes = ranks({"count": 3}, {"count": 3})
+    image = tmp_path / "job.img"
+    agent_job.cut_job(os.getpid(), image, request=_request, is_cuda=is_fake(fakes))
+    manifest = json.loads((image / "job.json").read_text())
+    change(manifest)
+    (image / "job.json").write_text(json.dumps(manifest))
+    with pytest.raises(GpuosError) as e:
+        agent_job.rollback_job(os.getpid(), image, request=_request, is_cuda=is_fake(fakes))
+    assert e.value.code == ExitCode.IMAGE_CORRUPT and says in str(e.value), str(e.value)
+    assert not any(f.ops("rollback") for f in fakes)
+
+
+
+def test_a_tree_holding_only_some_ranks_of_the_job_is_refused(ranks, tmp_path):
+    """A rank's PID given instead of the launcher's: its tree holds that rank alone."""
+    fakes = ranks({"count": 3, "world": 2}, {"count": 3, "world": 2})
+    with pytest.raises(GpuosError) as e:
+        agent_job.cut_job(fakes[1].pid, tmp_path / "job.img", request=_request, is_cuda=is_fake(fakes))
+    assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and "holds 1 of the job's 2 ranks (rank 1)" in str(e.value)
+    assert "launcher" in str(e.value) and not any(f.ops("arm") for f in fakes)
+    rec = agent_job.cut_job(os.getpid(), tmp_path / "job.img", request=_request, is_cuda=is_fake(fakes))
+    assert [r["rank"] for r in rec["ranks"]] == [0, 1]  # the whole job: cut

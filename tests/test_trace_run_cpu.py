@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,12 +57,18 @@ def test_python_detection(tmp_path):
     assert not is_python_program(str(shell))
 
 
-def test_default_images_dir(monkeypatch):
+def test_default_images_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("GPUOS_IMAGES", raising=False)
     assert default_images_dir("runs/train.ndjson.zst") == Path("runs/train.images")
     assert default_images_dir("-") == Path("gpu-trace-images")
+    # `-o /dev/null` (each rank of a torchrun job under `gpu-ckpt run`): no /dev/null.images
+    assert default_images_dir("/dev/null") is None
+    fifo = tmp_path / "trace.ndjson"
+    os.mkfifo(fifo)
+    assert default_images_dir(str(fifo)) == Path("gpu-trace-images")  # a pipe, like standard output
     monkeypatch.setenv("GPUOS_IMAGES", "/x")
     assert default_images_dir("a.ndjson") == Path("/x")
+    assert default_images_dir("/dev/null") == Path("/x")  # asked for
 
 
 def test_help_lists_both_commands():

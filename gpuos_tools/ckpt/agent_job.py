@@ -14,6 +14,7 @@ the directory appears under its name only when complete.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,13 +27,16 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.agent import control
+from gpuos_tools.ckpt import criu, criu_job
 from gpuos_tools.ckpt import job as job_mod
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.image.layout import MANIFEST as AGENT_MANIFEST
 from gpuos_tools.stream import atomic
 
 MANIFEST = "job.json"
 KIND = "gpuos-job-cut"
 MARGIN = 4  #: collectives beyond the largest count, at the first attempt
+MAX_MARGIN = 1_000_000  #: --margin's bound (times 4**(ATTEMPTS-1) at the last attempt, K stays far below 2**64)
 ATTEMPTS = 4  #: the margin grows fourfold at each
 WAIT_S = 120.0  #: how long every rank may take to reach K and write its image
 DISCARD_WAIT_S = 120.0  #: how long an abandoned rank may take to finish an image it began
@@ -68,11 +72,18 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
     def has_agent(p: int) -> bool:
         return socket_of(p).exists()
 
-    ranks = job_mod.job_ranks(pid, lambda p: has_agent(p) or cuda(p))
+    start = "start each rank with `gpu-ckpt run` (e.g. torchrun --no-python ... gpu-ckpt run -- python train.py)"
+    try:
+        ranks = job_mod.job_ranks(pid, lambda p: has_agent(p) or cuda(p))
+    except GpuosError as e:
+        if e.code != ExitCode.NOT_CUDA_PROCESS:
+            raise
+        raise GpuosError(f"no process in the tree of PID {pid} runs under the agent or uses CUDA: give the PID of "
+                         f"the job's launcher (torchrun) or of a parent of its ranks, and {start}",
+                         ExitCode.NOT_CUDA_PROCESS) from None
     under = [r for r in ranks if has_agent(r.info.pid)]
     if not under:
-        raise GpuosError(f"no process in the tree of PID {pid} runs under the agent: start each rank with "
-                         "`gpu-ckpt run` (e.g. torchrun --no-python ... gpu-ckpt run -- python train.py)",
+        raise GpuosError(f"no process in the tree of PID {pid} runs under the agent: {start}",
                          ExitCode.NOT_CHECKPOINTABLE)
     have = [r.rank for r in under]
     twice = sorted({r for r in have if r is not None and have.count(r) > 1})
@@ -82,8 +93,14 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
     lacking = [r for r in ranks if r not in under and r.rank is not None and r.rank not in have]
     if lacking:
         raise GpuosError("rank(s) " + ", ".join(f"{r.rank} (PID {r.info.pid})" for r in lacking)
-                         + " of the job use CUDA without the agent: every rank must run under it for a cut",
+                         + f" of the job use CUDA without the agent: every rank must run under it for a cut; {start}",
                          ExitCode.NOT_CHECKPOINTABLE)
+    sizes = {n for r in under if (n := procs.world_size_of(r.info.pid)) is not None}
+    size = max(sizes, default=None)
+    if size is not None and len(under) < size:
+        raise GpuosError(f"the tree of PID {pid} holds {len(under)} of the job's {size} ranks (rank "
+                         + ", ".join(str(r.rank) for r in under) + "): give the PID of the launcher (torchrun) whose "
+                         "tree holds every rank; a job across hosts cannot be cut", ExitCode.NOT_CHECKPOINTABLE)
     return [AgentRank(r.info, r.rank, socket_of(r.info.pid)) for r in under]
 
 
@@ -179,7 +196,7 @@ class Cutter:
                 return done, failed
             if time.monotonic() >= deadline:
                 late = [r for r in self.ranks if r.pid not in done]
-                return done, {r.pid: f"not done after {self.wait_s:.0f} s (the job did not reach the collective, "
+                return done, {r.pid: f"not done after {self.wait_s:g} s (the job did not reach the collective, "
                                      "or its image is still being written)" for r in late}
 
 
@@ -214,7 +231,13 @@ def cut_job(pid: int, image: Path, *, margin: int = MARGIN, attempts: int = ATTE
     cutter = Cutter(ranks, request, wait_s, discard_wait_s)
     options = {"compress": compress, "checksum": checksum, **({"threads": threads} if threads else {})}
     tmp = image.parent / f".{image.name}.cut-{os.getpid()}"
-    tmp.mkdir(mode=0o755)
+    try:
+        tmp.mkdir(mode=0o755)
+    except OSError as e:
+        raise GpuosError(f"{image}: cannot write the job image in {image.parent} ({e.strerror}): choose a directory "
+                         "you can write; nothing was taken",
+                         ExitCode.PERMISSION if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+                         else ExitCode.IO_ERROR) from None
     try:
         for attempt in range(1, attempts + 1):
             counts = cutter.counts()
@@ -276,16 +299,67 @@ def is_cut_image(image: Path) -> bool:
     return (Path(image) / MANIFEST).is_file()
 
 
+#: What each kind of image directory holds, and the command that restores it.
+IMAGE_KINDS = {
+    "cut": ("a job's cut (gpu-ckpt --job PID --cut)", "gpu-restore --job PID --cut --image {image}"),
+    "criu-job": ("a CRIU image of a job (gpu-ckpt --job PID --image)", "gpu-restore --image {image}"),
+    "criu": ("a CRIU image of one process (gpu-ckpt --pid PID --image)", "gpu-restore --image {image}"),
+    "agent": ("an agent-path image of one program (gpu-ckpt --agent PID)", "gpu-restore --agent PID --image {image}"),
+}
+
+
+def image_kind(image: Path) -> str | None:
+    """Which of ``IMAGE_KINDS`` the directory ``image`` holds, from the file each writes (None:
+    none of them)."""
+    image = Path(image)
+    if is_cut_image(image):
+        return "cut"
+    if (image / criu.METADATA).is_file():
+        return "criu-job" if criu_job.is_job_image(image) else "criu"
+    if (image / AGENT_MANIFEST).is_file():
+        return "agent"
+    return None
+
+
+def wrong_image(image: Path, kind: str, wanted: str) -> GpuosError:
+    """The USAGE error for an image of ``kind`` given where ``wanted`` (a description) is taken:
+    what it is, and the command that restores it."""
+    what, how = IMAGE_KINDS[kind]
+    return GpuosError(f"{image} is {what}, not {wanted}: `{how.format(image=image)}` restores it; nothing was touched",
+                      ExitCode.USAGE)
+
+
 def read_manifest(image: Path) -> dict[str, Any]:
     path = Path(image) / MANIFEST
+    if not Path(image).is_dir():
+        raise GpuosError(f"{image}: no such directory (give the job image `gpu-ckpt --job PID --cut --image DIR` "
+                         "wrote)", ExitCode.NO_INPUT)
+    kind = image_kind(image)
+    if kind not in (None, "cut"):
+        raise wrong_image(image, kind, "a job's cut")
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise GpuosError(f"{image} is not a job image of the agent path (no {MANIFEST})", ExitCode.NO_INPUT) from None
+        raise GpuosError(f"{image} is not a job image of the agent path (no {MANIFEST}: give the directory "
+                         "`gpu-ckpt --job PID --cut --image DIR` wrote)", ExitCode.NO_INPUT) from None
     except (OSError, ValueError) as e:
         raise GpuosError(f"{path}: unreadable ({e})", ExitCode.IMAGE_CORRUPT) from None
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND or not isinstance(manifest.get("ranks"), list):
         raise GpuosError(f"{path} is not the manifest of a job's cut", ExitCode.IMAGE_CORRUPT)
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not integer(manifest.get("k")) or not manifest["ranks"]:
+        raise GpuosError(f"{path}: no collective 'k' or no ranks: not a complete job image", ExitCode.IMAGE_CORRUPT)
+    for i, row in enumerate(manifest["ranks"]):
+        name = row.get("image") if isinstance(row, dict) else None
+        if not (isinstance(row, dict) and integer(row.get("pid")) and integer(row.get("starttime"))
+                and isinstance(name, str) and name and "/" not in name and name not in (".", "..")):
+            raise GpuosError(f"{path}: rank entry {i} lacks its pid, start time or image name", ExitCode.IMAGE_CORRUPT)
+        if not (Path(image) / name).is_dir():
+            raise GpuosError(f"{Path(image) / name}: the image of rank {row.get('rank')} is missing",
+                             ExitCode.IMAGE_CORRUPT)
     return manifest
 
 

@@ -63,8 +63,8 @@ def job_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None) -> list[Ra
             continue
         ranks.append(Rank(info, procs.rank_of(p)))
     if not ranks:
-        raise GpuosError(f"no process in the tree of PID {pid} uses CUDA (none maps libcuda.so)",
-                         ExitCode.NOT_CUDA_PROCESS)
+        raise GpuosError(f"no process in the tree of PID {pid} uses CUDA (none maps libcuda.so): give the PID of "
+                         "the job's launcher (torchrun) or of a parent of its ranks", ExitCode.NOT_CUDA_PROCESS)
     return sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.info.pid))
 
 

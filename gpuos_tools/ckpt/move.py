@@ -28,7 +28,17 @@ def check_movable(status: dict[str, Any]) -> None:
             ExitCode.NOT_CHECKPOINTABLE)
     if status.get("state") != SUSPENDED:
         raise GpuosError(f"--agent --resume --device: PID {status.get('pid')} is {status.get('state')}, not "
-                         f"suspended: `gpu-ckpt --agent PID --suspend` first", ExitCode.WRONG_STATE)
+                         f"suspended: `gpu-ckpt --agent {status.get('pid')} --suspend` first", ExitCode.WRONG_STATE)
+
+
+def check_target(ckpt: Any, pid: int, device: str | None, device_map: str | None) -> None:
+    """Refuse (GpuosError, BAD_GPU) a GPU or a map that names no GPU of this machine, or a map that
+    is no permutation of same-chip GPUs, before the driver's checkpoint: found only at the restore,
+    it would leave the job checkpointed. (Which GPU the job is on is known only once checkpointed.)"""
+    if device_map is not None:
+        ckpt.gpu_pairs(pid, None, device_map)
+    elif device is not None:
+        ckpt.resolve_gpu(device)
 
 
 def move_suspended(ckpt: Any, status: dict[str, Any], device: str | None, device_map: str | None,
@@ -39,8 +49,13 @@ def move_suspended(ckpt: Any, status: dict[str, Any], device: str | None, device
     process left as its message says (the agent still holding the program)."""
     check_movable(status)
     pid = int(status["pid"])
+    check_target(ckpt, pid, device, device_map)
     ckpt.suspend(pid)
     result = ckpt.resume(pid, device, device_map)
-    answer = resume()
+    try:
+        answer = resume()
+    except GpuosError as e:
+        raise GpuosError(f"PID {pid} was moved and unlocked by the driver, but its agent did not resume it ({e}): "
+                         f"it is still suspended; `gpu-restore --agent {pid} --resume` resumes it", e.code) from None
     ckpt.out({"type": "agent_resume", "agent": str(pid), **answer})
     return result

@@ -222,7 +222,7 @@ def run_recorded(output: str | None, tool: str, ckpt: Any, work: Callable[[], An
     IO_ERROR that says the action itself succeeded.
     """
     started = False
-    failure: CkptError | None = None
+    failure: GpuosError | None = None
     result: Any = None
     try:
         with record_stream(output, tool, ckpt.header_fields, **fields) as sink:
@@ -230,7 +230,7 @@ def run_recorded(output: str | None, tool: str, ckpt: Any, work: Callable[[], An
             started = True
             try:
                 result = work()
-            except CkptError as e:
+            except GpuosError as e:  # the work's own (a failing sink never raises: ckpt.out keeps it)
                 failure = e
     except (OSError, GpuosError) as e:
         if not started:

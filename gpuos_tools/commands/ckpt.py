@@ -18,7 +18,8 @@ from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
 from gpuos_tools.ckpt.profile import load_profile, suspend_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import error, options_before_subcommand, report_run, run_app, stderr_console, warn
+from gpuos_tools.commands.cli import (error, option_given, options_before_subcommand, report_run, run_app,
+                                      stderr_console, warn)
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import chunkio
 from gpuos_tools.stream import make_header, open_output
@@ -62,12 +63,15 @@ def checkpoint(
     timeout: int = typer.Option(
         0, "--timeout", "-t", min=0, metavar="MS",
         help="How long the lock may wait for the process's CUDA calls and submitted GPU work, in "
-        "milliseconds (0: as long as it takes). On timeout the process is left running.",
+        "milliseconds (0: as long as it takes; with --job, each rank's lock in each round, 0: 10000). On timeout "
+        "the process is left running. With --job --cut: how long every rank may take to reach the collective and "
+        "write its image (0: 120000).",
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
         help="Also dump the whole process (with --job: the launcher's whole tree) with CRIU (>= 4) into DIR, "
-        "an empty directory. With --agent: the checkpoint image to write (it must not exist; it appears only when complete).",
+        "an empty directory. With --agent, or --job --cut: the checkpoint image to write (it must not exist; it "
+        "appears only when complete).",
     ),
     leave_running: bool = typer.Option(
         False, "--leave-running",
@@ -77,7 +81,8 @@ def checkpoint(
         None, "--criu-arg", metavar="ARG",
         help="With --image: pass ARG to `criu dump` (repeatable). With --job the dump has --tcp-established and "
         "--network-lock skip (every peer is in the frozen tree) unless ARG names a network lock, e.g. "
-        "--criu-arg=--network-lock=iptables.",
+        "--criu-arg=--network-lock=iptables. CRIU's --ghost-limit (1 MiB) is raised to the largest deleted file "
+        "the tree still maps (NCCL's shared-memory segment), unless ARG sets one.",
     ),
     profile: Optional[Path] = typer.Option(
         None, "--profile", metavar="FILE",
@@ -121,16 +126,19 @@ def checkpoint(
     ),
     cut: bool = typer.Option(
         False, "--cut",
-        help="With --job PID --image DIR: the agent path, without stopping the job. Every rank (each started "
-        "with `gpu-ckpt run`) is snapshotted just before the same collective launch K (the largest count of any "
-        "rank plus --margin), into one job image: each rank's image and job.json, written last. --timeout bounds "
+        help="With --job PID --image DIR (DIR must not exist; PID: the launcher, e.g. torchrun, or any parent of "
+        "the ranks): the agent path, without stopping the job. Every rank (each started with `gpu-ckpt run`, "
+        "NCCL on its default cuMem allocator) is snapshotted just before the same collective launch K (the "
+        "largest count of any rank plus --margin), into one job image: each rank's image and job.json, written "
+        "last. --timeout bounds "
         "the wait for every image (default 120000 ms); on failure every rank is disarmed and nothing is kept. "
         "`gpu-restore --job PID --cut --image DIR` rolls the job back.",
     ),
     margin: int = typer.Option(
-        agent_job.MARGIN, "--margin", min=1, metavar="N",
+        agent_job.MARGIN, "--margin", min=1, max=agent_job.MAX_MARGIN, metavar="N",
         help="With --cut: collectives beyond the largest count of any rank at the first attempt (fourfold at "
-        "each retry, when a rank was past K before it was armed).",
+        f"each retry, when a rank was past K before it was armed; {agent_job.ATTEMPTS} attempts). The larger, the "
+        "longer the job runs before the cut.",
     ),
 ) -> None:
     """Checkpoint the GPU state of a CUDA process, or of every process a profile selects.
@@ -154,7 +162,8 @@ def checkpoint(
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
     if force and job is None:
         raise GpuosError("--force goes with --job PID", ExitCode.USAGE)
-    if (cut or margin != agent_job.MARGIN) and job is None:
+    margin_given = option_given(ctx, "margin")
+    if (cut or margin_given) and job is None:
         raise GpuosError("--cut and --margin go with --job PID --image DIR", ExitCode.USAGE)
     if cut:
         if image is None:
@@ -165,10 +174,10 @@ def checkpoint(
                              "and -o only", ExitCode.USAGE)
         _cut(job, image, margin, timeout, compress, checksum, threads, output)
         return
-    if margin != agent_job.MARGIN:
+    if margin_given:
         raise GpuosError("--margin goes with --job PID --cut", ExitCode.USAGE)
     if threads is not None and agent is None:
-        raise GpuosError("--threads goes with --agent PID --image DIR", ExitCode.USAGE)
+        raise GpuosError("--threads goes with --agent PID --image DIR or --job PID --cut --image DIR", ExitCode.USAGE)
     if (suspend or partial or max_hold is not None) and agent is None:
         raise GpuosError("--suspend, --partial and --max-hold go with --agent PID (the driver path: --pid PID)",
                          ExitCode.USAGE)
@@ -197,6 +206,9 @@ def checkpoint(
              f"program's path, {answer['cow']} copy-on-write"
              + ("; the program exited meanwhile and handed the image over" if img.get("handover") else ""))
         return
+    if compress or option_given(ctx, "checksum"):
+        raise GpuosError("--compress and --checksum go with --agent PID or --job PID --cut (the agent path's images; "
+                         "a CRIU image is CRIU's)", ExitCode.USAGE)
     if job is not None:
         if pid is not None or profile is not None:
             raise GpuosError("--job goes with --image, --leave-running, --criu-arg, --timeout, --force and -o only",
@@ -252,9 +264,13 @@ def checkpoint(
 def _cut(job: int, image: Path, margin: int, timeout_ms: int, compress: bool, checksum: str,
          threads: Optional[int], output: Optional[str]) -> None:
     """`gpu-ckpt --job PID --cut --image DIR`: one ckpt_job_cut record (gpuos_tools/ckpt/agent_job.py)."""
-    record = agent_job.cut_job(job, image, margin=margin, wait_s=timeout_ms / 1000 if timeout_ms else agent_job.WAIT_S,
-                               compress=compress, checksum=checksum, threads=threads)
-    _records("-" if output is None else output, PROG, [record], pid=job)
+    # the output opened first: one that cannot be written refuses the cut before any rank is armed
+    with open_output("-" if output is None else output) as writer:
+        record = agent_job.cut_job(job, image, margin=margin,
+                                   wait_s=timeout_ms / 1000 if timeout_ms else agent_job.WAIT_S,
+                                   compress=compress, checksum=checksum, threads=threads)
+        writer.write(make_header(PROG, pid=job))
+        writer.write(record)
     _say(record["message"])
 
 
@@ -494,7 +510,9 @@ def run(
     standard output, or to FILE with -o; gpu-trace(1) has the options not repeated here. Then
     `gpu-ckpt --agent PID --image DIR` takes images of the running program and
     `gpu-restore --agent PID --image DIR` rolls it back, PID being the program's (the stream's
-    header names it and the agent's socket). Exits with the program's own status.
+    header names it and the agent's socket). Exits with the program's own status. How the agent
+    sees the driver calls is GPUOS_AGENT_MECHANISM's to say (cupti, the default, or intercept;
+    gpu-trace run --agent --mechanism).
     """
     summary = launcher.run_program(program, output=output, no_images=no_images, agent=True, cow_budget=cow_budget,
                                    stage_ahead=stage_ahead, warn=lambda m: warn(PROG, m))

@@ -167,6 +167,14 @@ def _run(command: Any, prog: str, args: Sequence[str] | None) -> int:
     return ExitCode.OK
 
 
+def option_given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave the option ``name`` (its parameter's name), on the command line or
+    through its environment variable, rather than its default holding."""
+    # by name: typer >= 0.26 carries its own copy of click, with its own ParameterSource enum
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
 def options_before_subcommand(ctx: typer.Context) -> list[str]:
     """The group options the user gave before a subcommand, which the subcommand would ignore.
 

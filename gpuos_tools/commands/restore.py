@@ -14,10 +14,10 @@ from gpuos_tools.agent.suspend import request_resume
 from gpuos_tools.ckpt import agent_job, criu, criu_job
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
-from gpuos_tools.ckpt.move import check_movable, move_suspended
+from gpuos_tools.ckpt.move import check_movable, check_target, move_suspended
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import error, options_before_subcommand, run_app, stderr_console
+from gpuos_tools.commands.cli import error, option_given, options_before_subcommand, run_app, stderr_console
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import make_header, open_output
 from gpuos_tools.units import format_size
@@ -41,7 +41,7 @@ def restore(
     device: Optional[str] = typer.Option(
         None, "--device", "-d", metavar="INDEX|UUID",
         help="Restore onto this GPU (nvidia-smi index, or UUID or a unique prefix of it) instead of "
-        "the one it was checkpointed on.",
+        "the one it was checkpointed on. With --agent PID --resume: move the suspended program there first.",
     ),
     device_map: Optional[str] = typer.Option(
         None, "--device-map", metavar="OLD=NEW,...",
@@ -62,7 +62,8 @@ def restore(
     ),
     timeout: float = typer.Option(
         3600.0, "--timeout", metavar="S", min=1.0,
-        help="With --agent: how long to wait for the agent's answer, in seconds.",
+        help="With --agent, or --job --cut: how long to wait for the answer of the agent (of each rank's), a "
+        "rollback's writing included, in seconds.",
     ),
     resume: bool = typer.Option(
         False, "--resume",
@@ -109,6 +110,9 @@ def restore(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
+    if option_given(ctx, "timeout") and agent is None and not cut:
+        raise GpuosError("--timeout goes with --agent PID or --job PID --cut (the driver path waits for the driver)",
+                         ExitCode.USAGE)
     if cut:
         if job is None or image is None:
             raise GpuosError("--cut goes with --job PID --image DIR (the job image gpu-ckpt --job PID --cut wrote)",
@@ -116,8 +120,11 @@ def restore(
         if any(x is not None for x in (pid, agent, device, device_map, profile)) or criu_arg or resume or lazy:
             raise GpuosError("--job --cut goes with --image, --timeout and -o only (the ranks are rolled back on "
                              "their own GPUs)", ExitCode.USAGE)
-        record = agent_job.rollback_job(job, image, timeout=timeout)
-        _records("-" if output is None else output, PROG, [record])
+        # the output opened first: one that cannot be written refuses the rollback before any rank is written
+        with open_output("-" if output is None else output) as writer:
+            record = agent_job.rollback_job(job, image, timeout=timeout)
+            writer.write(make_header(PROG))
+            writer.write(record)
         if sys.stderr.isatty():
             stderr_console().print(f"{PROG}: {record['message']}", highlight=False)
         return
@@ -144,6 +151,14 @@ def restore(
         _rollback(agent, image, output, timeout, lazy)
         return
     if job is not None:
+        if image is not None and pid is None and profile is None:
+            kind = agent_job.image_kind(image)
+            if kind == "cut":
+                raise GpuosError(f"{image} is a job's cut: add --cut to roll the job back to it "
+                                 f"(`{PROG} --job {job} --cut --image {image}`)", ExitCode.USAGE)
+            if kind == "criu-job":
+                raise GpuosError(f"{image} is a CRIU image of a job: `{PROG} --image {image}` restores it (the job's "
+                                 "processes come back under their old PIDs): no --job", ExitCode.USAGE)
         if any(x is not None for x in (pid, image, profile, device)) or criu_arg:
             raise GpuosError("--job goes with --device-map and -o only (--device moves one process; a job "
                              "moves by a map of its GPUs)", ExitCode.USAGE)
@@ -163,6 +178,8 @@ def restore(
     if criu_arg and image is None:
         raise GpuosError("--criu-arg goes with --image", ExitCode.USAGE)
 
+    if image is not None and agent_job.image_kind(image) in ("cut", "agent"):
+        raise agent_job.wrong_image(image, agent_job.image_kind(image), "a CRIU image (gpu-ckpt --image)")
     ckpt = Checkpointer()
     if profile is not None:
         prof = load_profile(profile)
@@ -220,6 +237,7 @@ def _move(agent: str, device: Optional[str], device_map: Optional[str], output: 
     status = control.request(target, "ping", timeout=timeout)
     check_movable(status)  # before any record: a job on CUPTI is refused untouched
     ckpt = Checkpointer()
+    check_target(ckpt, int(status["pid"]), device, device_map)  # and a GPU that is not there
     result = run_recorded("-" if output is None else output, PROG, ckpt,
                           lambda: move_suspended(ckpt, status, device, device_map,
                                                  lambda: request_resume(target, timeout=timeout, lazy=lazy)),
@@ -230,6 +248,9 @@ def _move(agent: str, device: Optional[str], device_map: Optional[str], output: 
 
 def _rollback(agent: str, image: Path, output: Optional[str], timeout: float, lazy: bool = False) -> None:
     """`gpu-restore --agent`: ask the agent to write the image back; one agent_rollback record."""
+    kind = agent_job.image_kind(image)
+    if kind in ("cut", "criu-job", "criu"):
+        raise agent_job.wrong_image(image, kind, "an agent-path image of one program")
     img.open_image(image).chain()  # a missing or broken image is refused here, before the agent is asked
     answer = control.request(control.resolve(agent), "rollback", timeout=timeout, image=str(image.absolute()),
                              **({"lazy": True} if lazy else {}))

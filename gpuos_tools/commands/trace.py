@@ -43,7 +43,8 @@ def run(
     images: Optional[Path] = typer.Option(
         None, "--images", metavar="DIR",
         help="Directory for module images (cubin/PTX, by content hash). Default: FILE's name with "
-        ".images, or ./gpu-trace-images when writing to stdout; $GPUOS_IMAGES overrides.",
+        ".images, ./gpu-trace-images when writing to stdout or a pipe, none with -o /dev/null; "
+        "$GPUOS_IMAGES overrides.",
     ),
     no_images: bool = typer.Option(False, "--no-images", help="Record module hashes but do not store the images."),
     flush_ms: float = typer.Option(20.0, "--flush-ms", min=1.0, metavar="MS", help="How often the tracer ships records (milliseconds)."),
@@ -93,7 +94,8 @@ def run(
         None, "--mechanism", metavar="cupti|intercept",
         help="With --agent: how the agent sees the program's driver calls: cupti (CUPTI callbacks; "
         "the driver's checkpoint API and CRIU refuse such a process) or intercept (a library "
-        "preloaded between the program and libcuda; CUPTI is never loaded). Default: "
+        "preloaded between the program and libcuda; CUPTI is never loaded; it needs the agent's native core, "
+        "built with the system's C compiler, so not --backend python). Default: "
         "$GPUOS_AGENT_MECHANISM, else cupti (intercept is not yet the default: its GPU tests "
         "have not run).",
     ),

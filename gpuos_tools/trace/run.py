@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -72,12 +73,26 @@ def is_python_program(path: str) -> bool:
     return first.startswith(b"#!") and b"python" in first
 
 
-def default_images_dir(output: str) -> Path:
-    """Side directory for module images: beside the output file, or ./gpu-trace-images for stdout."""
+def _not_a_file(output: str) -> bool:
+    """Whether ``output`` is standard output or something other than a regular file (a pipe,
+    a terminal, /dev/stdout), beside which no directory belongs."""
+    if output == "-":
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(output).st_mode)
+    except OSError:
+        return False  # not there yet: a file to be written
+
+
+def default_images_dir(output: str) -> Path | None:
+    """Side directory for module images: beside the output file, or ./gpu-trace-images for stdout
+    (or a pipe, a terminal); None for /dev/null (the trace referring to them is thrown away)."""
     env = os.environ.get("GPUOS_IMAGES")
     if env:
         return Path(env)
-    if output == "-":
+    if output != "-" and os.path.realpath(output) == os.devnull:
+        return None
+    if _not_a_file(output):
         return Path("gpu-trace-images")
     p = Path(output)
     name = p.name
@@ -122,6 +137,12 @@ def run_program(
     ``own``: the frameworks whose allocations are owned (None: as GPUOS_AGENT_OWN says).
     ``mechanism``: how the agent sees the driver calls, cupti or intercept (None: as
     GPUOS_AGENT_MECHANISM says, else cupti)."""
+    if program and program[0].startswith("-") and program[0] != "-":
+        # an option this command does not have: the command line takes it for the program
+        word = program[0].partition("=")[0]
+        hint = (f"; this command has none: set {MECHANISM_ENV}=cupti|intercept instead" if word == "--mechanism"
+                else ": -h lists the options, which go before `-- PROGRAM`")
+        raise GpuosError(f"no such option: {word}{hint}", ExitCode.USAGE)
     if backend not in BACKENDS:
         raise GpuosError(f"--backend: must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}", ExitCode.USAGE)
     validation = None
@@ -159,6 +180,9 @@ def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
     """The mechanism asked for (the option, else GPUOS_AGENT_MECHANISM, else cupti), checked:
     interception is the agent's, on its native core."""
     source = "--mechanism"
+    if mechanism is not None and not agent:
+        raise GpuosError("--mechanism goes with --agent: it says how the agent sees the driver calls (the tracer "
+                         "alone uses CUPTI)", ExitCode.USAGE)
     if mechanism is None:
         if not agent:  # the variable is the agent's: the tracer alone runs on CUPTI whatever it says
             return DEFAULT_MECHANISM
@@ -166,13 +190,9 @@ def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
         source = MECHANISM_ENV
     if mechanism not in MECHANISMS:
         raise GpuosError(f"{source}: must be {' or '.join(MECHANISMS)}, not {mechanism!r}", ExitCode.USAGE)
-    if mechanism == "intercept":
-        if not agent:
-            raise GpuosError(f"{source} intercept: interception runs the agent (--agent); the tracer alone uses CUPTI",
-                             ExitCode.USAGE)
-        if backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python":
-            raise GpuosError(f"{source} intercept needs the agent's native core; the Python agent runs on CUPTI",
-                             ExitCode.USAGE)
+    if mechanism == "intercept" and (backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python"):
+        raise GpuosError(f"{source} intercept needs the agent's native core; the Python agent runs on CUPTI",
+                         ExitCode.USAGE)
     return mechanism
 
 
@@ -341,6 +361,6 @@ def _images_ref(images_dir: Path | None, output_path: str) -> str | None:
     """The header's images entry: relative to the trace file's directory when there is one."""
     if images_dir is None:
         return None
-    if output_path == "-":
+    if _not_a_file(output_path):
         return str(images_dir.resolve())
     return os.path.relpath(images_dir.resolve(), Path(output_path).resolve().parent)

@@ -280,7 +280,7 @@ JOB_CUT = """\
 through its ranks' agents, without stopping it. Every rank must run under the agent, e.g.
 
     torchrun --nproc-per-node 2 --no-python gpu-ckpt run -o /dev/null -- python3 train.py
-    gpu-ckpt --job $(pgrep -f torch.distributed.run) --cut --image /var/tmp/job.cut
+    gpu-ckpt --job "$(pgrep -of torchrun)" --cut --image /var/tmp/job.cut
 
 Each rank's agent counts its program's collective launches (NCCL's kernels); gpu-ckpt asks every
 rank for its count, picks K = the largest + `--margin`, and arms every rank with K. At the K-th
@@ -296,6 +296,10 @@ per rank its pid, rank, GPU, image and stall) go into a temp directory beside it
 renamed to DIR when complete. The `ckpt_job_cut` record reports each rank's stall: the time its
 program was held at collective K (t0_stall_s) plus its time protecting buffers still being copied
 (protect_stall_s).
+
+PID is the launcher's (or any parent of every rank): a tree holding fewer ranks than the job's
+WORLD_SIZE is refused. `-o /dev/null` drops each rank's trace stream, which the ranks would
+otherwise interleave on torchrun's output.
 
 Refused, untouched: a rank that launched CUDA graphs whose collectives the agent cannot count
 (captured collectives, or graphs built node by node), a rank whose memory is owned

@@ -175,6 +175,11 @@ is in flight (every rank between steps, its work synchronised) while it is rolle
 rank must then go on from a host state that matches: for a data-parallel training loop, the start
 of the step whose collectives include K, whose parameters and optimizer state are then on the GPU
 (none is written before the step's last collective); its loop counter, generator states and data
-position are the program's to bring back. workloads/ddp_job.py --sync-dir shows one way."""
+position are the program's to bring back. workloads/ddp_job.py --sync-dir shows one way.
+
+A job image is taken by this command only: given to `gpu-restore --image` or `--agent PID
+--image` it is refused, and so is a CRIU or agent-path image given to `--cut`; each message
+names the command that takes the image. `--timeout` (seconds, default 3600) bounds each rank's
+answer, its rollback included."""
 
 SECTIONS = sections(NOTES, EXAMPLES, "gpu-ckpt(1), criu(8), chronic(1)", {"A JOB'S ROLLBACK": JOB_ROLLBACK})
