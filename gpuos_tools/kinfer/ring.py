@@ -679,8 +679,8 @@ class RingClient:
 
     def submit(self, x: Any, model_id: int = 0) -> int:
         """Publish one request; return its slot (the ticket for ``wait``)."""
-        if type(x) is np.ndarray and x.dtype == _F32 and x.ndim == 1:
-            data = x.tobytes()  # a copy in C order, strided or not
+        if type(x) is np.ndarray and x.dtype is _F32:  # numpy's own float32 (any other dtype: converted below)
+            data = x.tobytes()  # a copy in C order, strided or not, of any shape: as ravel() orders it
         else:
             data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
         kc = self._kc
@@ -856,7 +856,7 @@ class RingClient:
         kc = self._kc
         if kc is None:
             return self.wait(self.submit(x, model_id), timeout)
-        if type(x) is np.ndarray and x.dtype == _F32 and x.ndim == 1:
+        if type(x) is np.ndarray and x.dtype is _F32:
             data = x.tobytes()
         else:
             data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
