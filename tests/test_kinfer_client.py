@@ -110,7 +110,7 @@ def test_both_paths_give_the_same_answers(ring_name: str, native_loop: str) -> N
             for client in (py, c):
                 t1, t2 = client.submit(rows[2]), client.submit(rows[3])
                 assert t1 != t2 and {t1, t2} <= set(client._slots)
-                late, early = client.wait(t2), client.wait(t1)
+                late, early = client.wait(np.int64(t2)), client.wait(t1)  # a numpy integer is a slot too
                 for got, x in ((late, rows[3]), (early, rows[2])):  # maybe in one batch of 2: its own rounding
                     alone = py.infer(x)
                     assert got.batch in (1, 2) and (got.status, got.decision) == (alone.status, alone.decision)
@@ -139,17 +139,22 @@ def test_timeouts_a_full_lane_and_a_dead_daemon_read_the_same(ring_name: str) ->
             with pytest.raises(ValueError) as v:
                 client.submit(np.zeros(40))
             out.append(str(v.value))
-            for bad in (-1, R.MODEL_ID_LIMIT):
+            for bad in (-1, R.MODEL_ID_LIMIT, 1 << 32, 1 << 40):  # ctypes would pass the low 32 bits of these
                 with pytest.raises(ValueError) as v:
                     client.submit(x, model_id=bad)
                 out.append(str(v.value))
+            with pytest.raises(TypeError):
+                client.infer(x, model_id=1.5)
             with pytest.raises(ValueError) as v:
-                client.wait(client._first + 2)  # not a slot of this lane
+                client.wait(client._first + (1 << 32))  # not a slot of this lane, whatever its low bits
+            out.append(str(v.value))
+            with pytest.raises(ValueError) as v:
+                client.wait(client._first + 2)
             out.append(str(v.value))
             assert list(client.ring.state) == [R.READY, R.READY, R.FREE, R.FREE]  # nothing else was published
     assert said["off"][0].startswith("RING: no answer in time for slot 0 (state READY); no daemon is serving")
     assert "all 2 slots are in flight" in said["off"][2] and "at most 32" in said["off"][3]
-    assert said["off"][4:6] == ["model id -1: 0 to 2147483647", "model id 2147483648: 0 to 2147483647"]
+    assert said["off"][4:8] == [f"model id {v}: 0 to 2147483647" for v in (-1, 1 << 31, 1 << 32, 1 << 40)]
     assert said["off"] == said["on"]
 
     proc = _daemon(ring_name, "--random-model", "1")

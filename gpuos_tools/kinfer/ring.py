@@ -109,6 +109,8 @@ _REQUEST_FULL = struct.Struct("<IIIIQQQII")
 _READ_BACK = struct.Struct("<IQQQIIiIIIQ")
 _F32 = np.dtype(np.float32)
 _FLOATS = {n: struct.Struct(f"<{n}f") for n in range(1, 17)}
+#: The timeout argument of a wait that goes on (its deadline was set when it began).
+_RESUME = ctypes.c_double(0.0)
 #: Model ids a Python producer may send (the header's field is 32 bits; daemons serve a few dozen).
 MODEL_ID_LIMIT = 1 << 31
 
@@ -604,6 +606,7 @@ class RingClient:
         self._out_off = off["outputs"]
         self._max_out = g.max_outputs
         self._max_in = g.max_inputs
+        self._max_bytes = 4 * g.max_inputs
         self._mm = self.ring.mm
         self._hdr_doorbell = HEADER_DTYPE.fields["doorbell"][1]
         self._doorbell = memoryview(self.ring.mm).cast("B")[self._hdr_doorbell : self._hdr_doorbell + 8].cast("I")
@@ -683,20 +686,16 @@ class RingClient:
             data = x.tobytes()  # a copy in C order, strided or not, of any shape: as ravel() orders it
         else:
             data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
+        nbytes = len(data)
+        if model_id.__class__ is not int or model_id >> 31 or nbytes > self._max_bytes:
+            model_id = self._checked(model_id, nbytes)
         kc = self._kc
         if kc is not None:
-            try:
-                slot = self._kc_submit(kc, data, len(data), model_id)
-            except ctypes.ArgumentError:
-                slot = self._kc_submit(kc, data, len(data), self._model_arg(model_id))
+            slot = self._kc_submit(kc, data, nbytes, model_id)
             if slot < 0:
-                raise self._native_error(slot, len(data), model_id)
+                raise self._native_error(slot, nbytes, model_id)
             return slot
-        n = len(data) >> 2
-        if n > self._max_in:
-            raise ValueError(f"{n} inputs, the ring carries at most {self._max_in}")
-        if not 0 <= model_id < MODEL_ID_LIMIT:
-            raise ValueError(f"model id {model_id}: 0 to {MODEL_ID_LIMIT - 1}")
+        n = nbytes >> 2
         slot = self._free_slot()
         st = self._state
         st[slot] = WRITING
@@ -744,15 +743,10 @@ class RingClient:
         """Wait for the answer in ``slot``: spin (adaptively, or ``spin_s``), then sleep on the slot's futex."""
         kc = self._kc
         if kc is not None:
-            td = self._timeouts.get(timeout) or self._timeout_arg(timeout)
-            try:
-                n = self._kc_wait(kc, slot, td, 1)
-            except ctypes.ArgumentError:  # a numpy integer, or a number out of range
-                n = client_native.BAD_SLOT
-            if n == client_native.BAD_SLOT:
+            if slot.__class__ is not int or slot not in self._slots:
                 slot = operator.index(slot)
                 self._check_slot(slot)
-                n = self._kc_wait(kc, slot, td, 1)
+            n = self._kc_wait(kc, slot, self._timeouts.get(timeout) or self._timeout_arg(timeout), 1)
             return self._native_answer(n) if n >= 0 else self._native_rest(n)
         if slot not in self._slots:
             self._check_slot(slot)
@@ -791,7 +785,7 @@ class RingClient:
         """After a C call that returned no answer: go on sleeping slice by slice (signals are
         handled between two slices, as on the Python path), or raise what the error says."""
         while n == client_native.AGAIN:
-            n = self._kc_wait(self._kc, self._native_slot(), self._timeout_arg(0.0), 0)
+            n = self._kc_wait(self._kc, self._native_slot(), _RESUME, 0)
         if n >= 0:
             return self._native_answer(n)
         raise self._native_error(n, nbytes, model_id)
@@ -819,8 +813,11 @@ class RingClient:
         self._timeouts[timeout] = arg
         return arg
 
-    def _model_arg(self, model_id: Any) -> int:
-        """A model id the C call could not take as it came (a numpy integer, or out of range)."""
+    def _checked(self, model_id: Any, nbytes: int) -> int:
+        """Inputs too many for the ring, or a model id that is not an int from 0 to
+        MODEL_ID_LIMIT - 1: refused before anything is written (a numpy integer is taken)."""
+        if nbytes > self._max_bytes:
+            raise ValueError(f"{nbytes >> 2} inputs, the ring carries at most {self._max_in}")
         model_id = operator.index(model_id)
         if not 0 <= model_id < MODEL_ID_LIMIT:
             raise ValueError(f"model id {model_id}: 0 to {MODEL_ID_LIMIT - 1}")
@@ -860,13 +857,13 @@ class RingClient:
             data = x.tobytes()
         else:
             data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
-        td = self._timeouts.get(timeout) or self._timeout_arg(timeout)
-        try:
-            n = self._kc_infer(kc, data, len(data), model_id, td)
-        except ctypes.ArgumentError:
-            n = self._kc_infer(kc, data, len(data), self._model_arg(model_id), td)
+        nbytes = len(data)
+        if model_id.__class__ is not int or model_id >> 31 or nbytes > self._max_bytes:
+            model_id = self._checked(model_id, nbytes)
+        # ctypes passes a Python int as a C int (masked to 32 bits): every int given here is in range
+        n = self._kc_infer(kc, data, nbytes, model_id, self._timeouts.get(timeout) or self._timeout_arg(timeout))
         if n < 0:
-            return self._native_rest(n, len(data), model_id)
+            return self._native_rest(n, nbytes, model_id)
         fmt = self._answers.get(n)
         if fmt is None:
             return self._native_answer(n)
