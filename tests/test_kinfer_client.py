@@ -167,6 +167,19 @@ def test_timeouts_a_full_lane_and_a_dead_daemon_read_the_same(ring_name: str) ->
                 client.infer(np.zeros(31), timeout=0.05)
 
 
+def test_a_numpy_integer_is_a_ticket_even_asleep(ring_name: str, mode: str) -> None:
+    srv = _server(ring_name)
+    try:
+        with R.RingClient(ring_name, native=mode) as client:
+            slot = client.submit(np.arange(31) % 10)
+            helper = threading.Timer(0.05, lambda: srv.serve(max_batches=1))  # after the spin: asleep
+            helper.start()
+            assert client.wait(np.int64(slot), timeout=10).ok
+            helper.join()
+    finally:
+        srv.close()
+
+
 def test_a_quiet_daemon_is_waited_for_asleep(ring_name: str, mode: str) -> None:
     """An answer that takes long is slept for on the slot's futex (meta.waiting set), not spun
     for, and the daemon's wake-up ends the sleep."""

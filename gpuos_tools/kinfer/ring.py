@@ -741,15 +741,13 @@ class RingClient:
 
     def wait(self, slot: int, timeout: float = 5.0) -> Answer:
         """Wait for the answer in ``slot``: spin (adaptively, or ``spin_s``), then sleep on the slot's futex."""
+        if slot.__class__ is not int or slot not in self._slots:
+            slot = operator.index(slot)  # a numpy integer is taken (as a Python int: ctypes takes no other)
+            self._check_slot(slot)
         kc = self._kc
         if kc is not None:
-            if slot.__class__ is not int or slot not in self._slots:
-                slot = operator.index(slot)
-                self._check_slot(slot)
             n = self._kc_wait(kc, slot, self._timeouts.get(timeout) or self._timeout_arg(timeout), 1)
             return self._native_answer(n) if n >= 0 else self._native_rest(n)
-        if slot not in self._slots:
-            self._check_slot(slot)
         st = self._state
         if st[slot] != DONE:
             perf = time.perf_counter
