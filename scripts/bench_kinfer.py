@@ -3,9 +3,11 @@
 
 - round_trip (CPU; the round-trip target, <= 5 / <= 20 us from Python): a daemon (`gpu-kinfer-bridge
   serve --gpu off`, its own process, with the native C loop, at its default waiting unless
-  --spin-us) and one Python producer here; sequential requests of batch 1; p50/p99/p99.9 of the
-  producer's wall time from submit to answer, and of the daemon's part (submit_ns to done_ns); then
-  the same with examples/kinfer_producer.c as the producer. Then the Python producer again with a
+  --spin-us) and one Python producer here (`RingClient` at its defaults: one C call per request
+  where a compiler is found); sequential requests of batch 1; p50/p99/p99.9 of the producer's wall
+  time from submit to answer, and of the daemon's part (submit_ns to done_ns); then the client's
+  two request paths side by side (client_paths: --path-reps alternating runs of `native="on"` and
+  `native="off"`, the CPython path); then the same with examples/kinfer_producer.c as the producer. Then the Python producer again with a
   pause before each request (--gaps, in µs: a sleep from 1 ms up, a busy wait below, as a producer
   waiting for work would), with the daemon's CPU use over each run, and the daemon's CPU use while
   idle (--idle-s after the traffic stops, once its spin window has passed). round_trip_python: the
@@ -135,8 +137,37 @@ def paced(client: R.RingClient, x: np.ndarray, gap_us: float, n: int, daemon: in
             "daemon_cpu": round((cpu_seconds(daemon) - cpu0) / span, 3), "seconds": round(span, 3)}
 
 
+def client_paths(name: str, x: np.ndarray, requests: int, reps: int) -> dict:
+    """The Python producer's two request paths side by side on the same daemon, alternating, reps
+    runs each: ``RingClient(native="on")`` (one C call per request, the default where a compiler
+    is found) and ``native="off"`` (the CPython path, the fallback)."""
+    runs: dict[str, list[dict]] = {"c_path": [], "python_path": []}
+    for _ in range(reps):
+        for key, native in (("c_path", "on"), ("python_path", "off")):
+            try:
+                client = R.RingClient(name, native=native)
+            except R.RingError as e:
+                runs[key].append({"skipped": str(e)})
+                continue
+            with client:
+                for _ in range(2000):
+                    client.infer(x)
+                wall = []
+                for _ in range(requests):
+                    t0 = time.perf_counter_ns()
+                    client.infer(x)
+                    wall.append((time.perf_counter_ns() - t0) / 1e3)
+            runs[key].append(pct(wall))
+    for key, rows in runs.items():
+        p50s = [r["p50"] for r in rows if "p50" in r]
+        if p50s:
+            log(f"  {key}: p50 {min(p50s)}-{max(p50s)} us, p99 {min(r['p99'] for r in rows if 'p99' in r)}-"
+                f"{max(r['p99'] for r in rows if 'p99' in r)} us over {len(p50s)} runs")
+    return runs
+
+
 def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, native: str = "on",
-               gaps: list[float] = (), gap_s: float = 3.0, idle_s: float = 3.0) -> dict:
+               gaps: list[float] = (), gap_s: float = 3.0, idle_s: float = 3.0, path_reps: int = 3) -> dict:
     name = f"kinfer-bench-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     spin = [] if spin_us is None else ["--spin-us", str(spin_us)]
@@ -155,6 +186,7 @@ def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, na
             pin_process(proc.pid, {cores[0]})
             os.sched_setaffinity(0, {cores[1]})
         with R.RingClient(name) as client:
+            client_native = client.native
             x = np.random.default_rng(0).integers(0, 10, 31).astype(np.float32)
             for _ in range(2000):
                 client.infer(x)
@@ -166,6 +198,7 @@ def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, na
                 daemon.append(a.latency_ns / 1e3)
                 batches.append(a.batch)
             counters = client.ring.counter_values()
+            paths = client_paths(name, x, requests, path_reps)
             c_rt = c_round_trip(name, requests)
             gap_runs = []
             for g in gaps:
@@ -183,7 +216,8 @@ def round_trip(requests: int, spin_us: float | None, cores: list[int] | None, na
         proc.terminate()
         proc.wait(timeout=30)
         R.ring_path(name).unlink(missing_ok=True)
-    return {"producer_us": pct(wall), "daemon_us": pct(daemon), "batch_max": int(max(batches)),
+    return {"producer_us": pct(wall), "client_native": client_native, "client_paths": paths, "daemon_us": pct(daemon),
+            "batch_max": int(max(batches)),
             "daemon_sleeps": counters["sleeps"], "requests": requests, "cores": cores, "native": native, "c_producer": c_rt,
             "spin_us": spin_us if spin_us is not None else "adaptive (default)", "gaps": gap_runs, "idle": idle,
             "target": {"p50_us": 5, "p99_us": 20}}
@@ -438,6 +472,8 @@ def main() -> int:
                     help="round trip: pauses before each request (µs) for the paced runs; empty: none")
     ap.add_argument("--gap-s", type=float, default=3.0, help="round trip: about this long per paced run")
     ap.add_argument("--idle-s", type=float, default=3.0, help="round trip: measure the idle daemon's CPU this long")
+    ap.add_argument("--path-reps", type=int, default=3,
+                    help="round trip: runs of each Python request path (C call, CPython), alternating, on the same daemon")
     ap.add_argument("--cores", default="auto",
                     help="DAEMON,PRODUCER cores for the round trip; auto: the last two this process may use; none: no pinning")
     ap.add_argument("--reps", type=int, default=50)
@@ -471,9 +507,10 @@ def main() -> int:
     for key, native in runs:
         log(f"round trip, batch 1, CPU path, --native {native}")
         gaps = [float(v) for v in args.gaps.split(",") if v.strip()] if key == "round_trip" else []
-        result[key] = round_trip(args.requests, args.spin_us, cores, native, gaps, args.gap_s, args.idle_s)
+        result[key] = round_trip(args.requests, args.spin_us, cores, native, gaps, args.gap_s, args.idle_s, args.path_reps)
         rt = result[key]["producer_us"]
-        log(f"{key} (--native {native}): p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20)")
+        log(f"{key} (--native {native}): p50 {rt['p50']} us, p99 {rt['p99']} us (target 5 / 20), "
+            f"the client's {'C' if result[key]['client_native'] else 'CPython'} path")
         crt = result[key]["c_producer"].get("producer_us")
         if crt:
             log(f"  with the C producer: p50 {crt['p50']} us, p99 {crt['p99']} us")

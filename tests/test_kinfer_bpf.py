@@ -277,7 +277,7 @@ def test_client_spins_by_the_same_rule(ring_name: str) -> None:
     srv = S.RingServer.open(ring_name, R.Geometry(2, 2), M.Mlp.random(seed=3), P.Policy(),
                         S.ServeOptions(use_gpu="off", native="off"), recreate=True, log=lambda m: None)
     try:
-        with R.RingClient(ring_name) as c:
+        with R.RingClient(ring_name, native="off") as c:  # the C path's rule: test_kinfer_client.py
             assert c._hold == R.CLIENT_SPIN_MIN_S
             ref = W.Adaptive(R.CLIENT_SPIN_MIN_S, R.CLIENT_SPIN_MAX_S)
             t = 0.0
@@ -295,7 +295,7 @@ def test_client_spins_by_the_same_rule(ring_name: str) -> None:
             assert c.wait(slot).ok
             timer.join()
             assert c._gap > 0
-            fixed = R.RingClient(ring_name, spin_s=50e-6)
+            fixed = R.RingClient(ring_name, spin_s=50e-6, native="off")
             slot = fixed.submit(np.zeros(31, dtype=np.float32))
             srv.serve(max_batches=1)
             assert fixed.wait(slot).ok and fixed._hold == 50e-6

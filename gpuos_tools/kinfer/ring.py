@@ -4,14 +4,21 @@ producer (``RingClient``).
 The header file is the reference; the numpy dtypes below mirror it field by field and a test
 compiles the header and compares every offset. The daemon side reads the ring through numpy
 views (``Ring.state``, ``Ring.meta32`` ...) so a whole batch is gathered and answered with a
-few vectorised operations; the client writes one request with ``struct.pack_into`` and a
-memoryview, which is what costs least per request in CPython.
+few vectorised operations.
+
+The client has two request paths with one behaviour: by default each request is one call into
+C (client_native.py, csrc/kinfer_client.c: write, publish, wait, read back), which saves the
+few µs CPython spends per request; without a C compiler it writes one request with
+``struct.pack_into`` and a memoryview, which is what costs least per request in CPython.
+The module is over 800 lines because the layout, the mapping and that Python path are one
+reading of the header, kept side by side.
 
 Memory order: C producers use the atomics the header asks for. Python has no fences; its
 stores reach memory in program order on x86-64 (TSO), which is what the READY/DONE protocol
 needs. The one thing TSO does not give, a store followed by a load of another word (the
 "is the other side asleep?" check), can miss a wake-up in a window of nanoseconds; every
 futex wait here has a timeout (``WAIT_SLICE_S``), so such a miss costs at most that long.
+The C path uses sequentially consistent atomics and misses none.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import errno
 import fcntl
 import grp
 import mmap
+import operator
 import os
 import platform
 import stat
@@ -34,7 +42,7 @@ from typing import Any, Self
 import numpy as np
 
 from gpuos_tools.errors import ExitCode, GpuosError
-from gpuos_tools.kinfer import guard
+from gpuos_tools.kinfer import client_native, guard
 from gpuos_tools.procs import exists
 
 HEADER_FILE = Path(__file__).resolve().parent / "include" / "gpuos_kinfer.h"
@@ -101,6 +109,10 @@ _REQUEST_FULL = struct.Struct("<IIIIQQQII")
 _READ_BACK = struct.Struct("<IQQQIIiIIIQ")
 _F32 = np.dtype(np.float32)
 _FLOATS = {n: struct.Struct(f"<{n}f") for n in range(1, 17)}
+#: The timeout argument of a wait that goes on (its deadline was set when it began).
+_RESUME = ctypes.c_double(0.0)
+#: Model ids a Python producer may send (the header's field is 32 bits; daemons serve a few dozen).
+MODEL_ID_LIMIT = 1 << 31
 
 #: Longest single futex sleep: bounds the cost of a wake-up lost to store/load reordering.
 WAIT_SLICE_S = 0.002
@@ -570,10 +582,14 @@ class RingClient:
     """
 
     def __init__(self, name: str, *, spin_s: float | None = None, lane: int | None = None,
-                 owner: int | None = None):
+                 owner: int | None = None, native: str = "auto"):
         """``spin_s``: spin this long for an answer before sleeping; None (the default): adaptive.
         ``owner``: a uid besides this user and root whose ring to trust (a daemon of another user
-        that shares its ring on purpose); a ring of any other owner is refused."""
+        that shares its ring on purpose); a ring of any other owner is refused. ``native``: auto
+        (the default: each request is one call into C, csrc/kinfer_client.c, where a C compiler
+        builds it; this Python path otherwise), on (the C path or an error), off (this Python path)."""
+        if native not in ("auto", "on", "off"):
+            raise ValueError(f"native must be auto, on or off, not {native!r}")
         self.ring = Ring.attach(name, owners=None if owner is None else (os.geteuid(), 0, owner))
         self.spin_s = spin_s
         self._hold = CLIENT_SPIN_MIN_S if spin_s is None else spin_s
@@ -590,6 +606,7 @@ class RingClient:
         self._out_off = off["outputs"]
         self._max_out = g.max_outputs
         self._max_in = g.max_inputs
+        self._max_bytes = 4 * g.max_inputs
         self._mm = self.ring.mm
         self._hdr_doorbell = HEADER_DTYPE.fields["doorbell"][1]
         self._doorbell = memoryview(self.ring.mm).cast("B")[self._hdr_doorbell : self._hdr_doorbell + 8].cast("I")
@@ -600,6 +617,40 @@ class RingClient:
         for i in self._slots:
             if self._state[i] == WRITING:
                 self._state[i] = FREE
+        #: the C request path (None: this Python path), and why it is not used when it is not
+        self._kc: ctypes.c_void_p | None = None
+        self.native_why: str | None = "native off" if native == "off" else None
+        if native != "off":
+            try:
+                self._attach_native(spin_s)
+            except client_native.BuildError as e:
+                self.native_why = str(e)
+                if native == "on":
+                    self.close()
+                    raise RingError(f"native on, but the C request path cannot run: {e}", ExitCode.FAILURE) from None
+
+    @property
+    def native(self) -> bool:
+        """Whether requests go through the C path."""
+        return self._kc is not None
+
+    def _attach_native(self, spin_s: float | None) -> None:
+        lib = client_native.library()
+        g, off = self.ring.geometry, self.ring.offsets
+        fixed = -1 if spin_s is None else max(0, int(spin_s * 1e9))
+        handle = lib.kc_create(self.ring.base, self.ring.size, off["state"], off["meta"], off["inputs"], off["outputs"],
+                               g.nslots, g.slots_per_lane, g.max_inputs, g.max_outputs, self.lane, self.pid, fixed,
+                               int(CLIENT_SPIN_MIN_S * 1e9), int(CLIENT_SPIN_MAX_S * 1e9))
+        if not handle:
+            raise client_native.BuildError("the C request path refused this ring's layout")
+        self._lib = lib
+        self._kc = ctypes.c_void_p(handle)
+        self._kc_free = weakref.finalize(self, lib.kc_destroy, handle)
+        head = struct.calcsize(client_native.ANSWER_HEAD)
+        self._out = (ctypes.c_char * (head + 4 * g.max_outputs)).from_address(lib.kc_out(handle))
+        self._answers: dict[int, struct.Struct] = {}
+        self._timeouts: dict[float, ctypes.c_double] = {}
+        self._kc_infer, self._kc_submit, self._kc_wait = lib.kc_infer, lib.kc_submit, lib.kc_wait
 
     def _claim(self, lane: int | None) -> int:
         lanes = range(self.ring.geometry.lanes) if lane is None else [lane]
@@ -614,6 +665,9 @@ class RingClient:
         )
 
     def close(self) -> None:
+        if self._kc is not None:
+            self._kc = None
+            self._kc_free()  # the C side holds pointers into the mapping: gone before it is
         self._state.release()
         self._doorbell.release()
         self.ring.close()
@@ -628,13 +682,20 @@ class RingClient:
 
     def submit(self, x: Any, model_id: int = 0) -> int:
         """Publish one request; return its slot (the ticket for ``wait``)."""
-        if type(x) is np.ndarray and x.dtype == _F32 and x.ndim == 1:
-            data = x.tobytes()  # a copy in C order, strided or not
+        if type(x) is np.ndarray and x.dtype is _F32:  # numpy's own float32 (any other dtype: converted below)
+            data = x.tobytes()  # a copy in C order, strided or not, of any shape: as ravel() orders it
         else:
             data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
-        n = len(data) >> 2
-        if n > self._max_in:
-            raise ValueError(f"{n} inputs, the ring carries at most {self._max_in}")
+        nbytes = len(data)
+        if model_id.__class__ is not int or model_id >> 31 or nbytes > self._max_bytes:
+            model_id = self._checked(model_id, nbytes)
+        kc = self._kc
+        if kc is not None:
+            slot = self._kc_submit(kc, data, nbytes, model_id)
+            if slot < 0:
+                raise self._native_error(slot, nbytes, model_id)
+            return slot
+        n = nbytes >> 2
         slot = self._free_slot()
         st = self._state
         st[slot] = WRITING
@@ -660,10 +721,33 @@ class RingClient:
             if slot not in self._busy and st[slot] in (FREE, DONE):
                 self._next = (slot - self._first + 1) % per
                 return slot
-        raise RingError(f"lane {self.lane}: all {per} slots are in flight; wait for an answer first", ExitCode.FAILURE)
+        raise self._lane_full()
+
+    def _lane_full(self) -> RingError:
+        return RingError(f"lane {self.lane}: all {len(self._slots)} slots are in flight; wait for an answer first",
+                         ExitCode.FAILURE)
+
+    def _no_answer(self, slot: int, state: int) -> RingError:
+        return RingError(
+            f"{self.ring.path}: no answer in time for slot {slot} (state {STATE_NAMES.get(state, state)}); "
+            + self.ring.why_silent(),
+            ExitCode.FAILURE,
+        )
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self._slots:
+            raise ValueError(f"slot {slot} is not one of this producer's (lane {self.lane}: slots "
+                             f"{self._slots.start} to {self._slots.stop - 1})")
 
     def wait(self, slot: int, timeout: float = 5.0) -> Answer:
         """Wait for the answer in ``slot``: spin (adaptively, or ``spin_s``), then sleep on the slot's futex."""
+        if slot.__class__ is not int or slot not in self._slots:
+            slot = operator.index(slot)  # a numpy integer is taken (as a Python int: ctypes takes no other)
+            self._check_slot(slot)
+        kc = self._kc
+        if kc is not None:
+            n = self._kc_wait(kc, slot, self._timeouts.get(timeout) or self._timeout_arg(timeout), 1)
+            return self._native_answer(n) if n >= 0 else self._native_rest(n)
         st = self._state
         if st[slot] != DONE:
             perf = time.perf_counter
@@ -686,6 +770,57 @@ class RingClient:
             values = fmt.unpack_from(mm, self._out_off + slot * 4 * self._max_out)
         return Answer(status, decision, values, batch, where, done_ns - submit_ns)
 
+    # -- the C path's answers and errors --
+
+    def _native_answer(self, n: int) -> Answer:
+        fmt = self._answers.get(n)
+        if fmt is None:
+            fmt = self._answers[n] = struct.Struct(f"{client_native.ANSWER_HEAD}{n}f")
+        t = fmt.unpack_from(self._out)
+        return Answer(t[0], t[1], t[5:], t[2], t[3], t[4])
+
+    def _native_rest(self, n: int, nbytes: int = 0, model_id: Any = 0) -> Answer:
+        """After a C call that returned no answer: go on sleeping slice by slice (signals are
+        handled between two slices, as on the Python path), or raise what the error says."""
+        while n == client_native.AGAIN:
+            n = self._kc_wait(self._kc, self._native_slot(), _RESUME, 0)
+        if n >= 0:
+            return self._native_answer(n)
+        raise self._native_error(n, nbytes, model_id)
+
+    def _native_slot(self) -> int:
+        return struct.unpack_from("<I", self._out, 8)[0]  # struct kc_answer.batch holds the slot
+
+    def _native_error(self, n: int, nbytes: int, model_id: Any) -> Exception:
+        if n == client_native.TIMEOUT:
+            return self._no_answer(self._native_slot(), struct.unpack_from("<I", self._out, 0)[0])
+        if n == client_native.TOO_BIG:
+            return ValueError(f"{nbytes >> 2} inputs, the ring carries at most {self._max_in}")
+        if n == client_native.LANE_FULL:
+            return self._lane_full()
+        if n == client_native.BAD_MODEL_ID:
+            return ValueError(f"model id {model_id}: 0 to {MODEL_ID_LIMIT - 1}")
+        return RingError(f"the C request path returned {n}", ExitCode.FAILURE)
+
+    def _timeout_arg(self, timeout: float) -> ctypes.c_double:
+        """A timeout as the C call takes it (ctypes passes no Python float by itself), kept for
+        the next request with the same timeout."""
+        arg = ctypes.c_double(float(timeout))
+        if len(self._timeouts) >= 16:
+            self._timeouts.clear()
+        self._timeouts[timeout] = arg
+        return arg
+
+    def _checked(self, model_id: Any, nbytes: int) -> int:
+        """Inputs too many for the ring, or a model id that is not an int from 0 to
+        MODEL_ID_LIMIT - 1: refused before anything is written (a numpy integer is taken)."""
+        if nbytes > self._max_bytes:
+            raise ValueError(f"{nbytes >> 2} inputs, the ring carries at most {self._max_in}")
+        model_id = operator.index(model_id)
+        if not 0 <= model_id < MODEL_ID_LIMIT:
+            raise ValueError(f"model id {model_id}: 0 to {MODEL_ID_LIMIT - 1}")
+        return model_id
+
     def _learn(self, waited: float) -> None:
         """wait.Adaptive's rule on the recent waits for an answer: the spin for the next one."""
         waited = min(waited, 2 * CLIENT_SPIN_MAX_S)
@@ -704,11 +839,7 @@ class RingClient:
                 break
             left = deadline - time.perf_counter()
             if left <= 0:
-                raise RingError(
-                    f"{self.ring.path}: no answer in time for slot {slot} (state {STATE_NAMES.get(state, state)}); "
-                    + self.ring.why_silent(),
-                    ExitCode.FAILURE,
-                )
+                raise self._no_answer(slot, state)
             struct.pack_into("<I", mm, waiting_at, 1)
             if st[slot] == DONE:  # re-check after announcing the sleep
                 break
@@ -716,4 +847,23 @@ class RingClient:
         struct.pack_into("<I", mm, waiting_at, 0)
 
     def infer(self, x: Any, model_id: int = 0, timeout: float = 5.0) -> Answer:
-        return self.wait(self.submit(x, model_id), timeout)
+        """Send one request and wait for its answer (``submit`` then ``wait``; on the C path, one call)."""
+        kc = self._kc
+        if kc is None:
+            return self.wait(self.submit(x, model_id), timeout)
+        if type(x) is np.ndarray and x.dtype is _F32:
+            data = x.tobytes()
+        else:
+            data = np.ascontiguousarray(x, dtype=np.float32).ravel().tobytes()
+        nbytes = len(data)
+        if model_id.__class__ is not int or model_id >> 31 or nbytes > self._max_bytes:
+            model_id = self._checked(model_id, nbytes)
+        # ctypes passes a Python int as a C int (masked to 32 bits): every int given here is in range
+        n = self._kc_infer(kc, data, nbytes, model_id, self._timeouts.get(timeout) or self._timeout_arg(timeout))
+        if n < 0:
+            return self._native_rest(n, nbytes, model_id)
+        fmt = self._answers.get(n)
+        if fmt is None:
+            return self._native_answer(n)
+        t = fmt.unpack_from(self._out)
+        return Answer(t[0], t[1], t[5:], t[2], t[3], t[4])

@@ -14,7 +14,7 @@ Slots come in lanes; a producer owns a lane while it holds the POSIX record lock
 
 Bad input never stops the daemon: an entry of another version, of the wrong size, for an unknown model or with non-finite values is answered with that status and counted; a slot left WRITING by a producer that died is freed and counted (`drop_abandoned`); a word in no known state is reset and counted. A daemon that restarts on an existing ring of the same geometry keeps the producers attached: requests the old one had TAKEN are served again (`requeued`). A ring of another geometry is refused unless `--recreate`, which makes a new file (producers of the old one get "daemon gone", never a crash).
 
-Wake-up: the daemon spins on the doorbell while traffic is recent (see WAITING), then announces sleep, re-checks and futex-waits; the Python producer spins for its answer in the same way (200 us to 2 ms, after its recent waits), then sleeps. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up a Python producer can miss (it has no memory fence between publishing and reading the sleep flag; C producers use sequentially consistent atomics and miss none)."""
+Wake-up: the daemon spins on the doorbell while traffic is recent (see WAITING), then announces sleep, re-checks and futex-waits; the Python producer spins for its answer in the same way (200 us to 2 ms, after its recent waits), then sleeps. Every futex wait is bounded (2 ms for producers, 100 ms for the daemon), which also bounds the cost of the rare wake-up the Python client's fallback path can miss (it has no memory fence between publishing and reading the sleep flag; C producers, and the Python client's default C path, use sequentially consistent atomics and miss none)."""
 
 SECTIONS = {
     "RING LAYOUT": _LAYOUT,
@@ -119,7 +119,13 @@ SECTIONS = {
         "that traffic lasts), one sending a request a second pays the wake-up, and an idle daemon "
         "sleeps and uses no CPU. `--spin-us N` sets a fixed spin of N us instead. The Python client "
         "waits for its answer the same way, spinning 200 us to 2 ms after its recent waits, then "
-        "sleeping. The `kinfer_stats` record counts the daemon's sleeps (`sleeps`)."
+        "sleeping. The `kinfer_stats` record counts the daemon's sleeps (`sleeps`).\n\n"
+        "The Python client (`RingClient`) makes each request one call into C where a C compiler "
+        "is found (`gpuos_tools/kinfer/csrc/kinfer_client.c`, built like the native serve loop): "
+        "it writes the entry, publishes it, waits by the rule above and reads the answer back, "
+        "which saves the few microseconds CPython spends per request. Without a compiler, or with "
+        "`RingClient(..., native=\"off\")`, the same protocol runs in Python, with the same answers, "
+        "timeouts and errors; `native=\"on\"` refuses to fall back."
     ),
     "EBPF PRODUCER": (
         "`collect --source ebpf` and `watch` load `linnos_block.bpf.o`, shipped with the package "
@@ -193,6 +199,8 @@ SECTIONS = {
         "- `gpuos_tools/kinfer/include/gpuos_kinfer.h`: the C layout.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_native.c`: the native serve loop; built into "
         "`~/.cache/gpuos-tools/libgpuos_kinfer-HASH.so`.\n"
+        "- `gpuos_tools/kinfer/csrc/kinfer_client.c`: the Python client's request path; built into "
+        "`~/.cache/gpuos-tools/libgpuos_kinfer_client-HASH.so`.\n"
         "- `gpuos_tools/kinfer/csrc/kinfer_guard.c`: the truncation guard (SECURITY); built into "
         "`~/.cache/gpuos-tools/libgpuos_kinfer_guard-HASH.so`.\n"
         "- `gpuos_tools/kinfer/bpf/linnos_block.bpf.o`: the block-layer program (source beside it); "
