@@ -583,28 +583,41 @@ class OnlinePolicy:
 
     def _prefetch(self, future: list[tuple[int, ...] | None], records: Mapping[int, int], budget: int,
                   protected: set[int], actions: list[Action], ahead: int | None = None) -> None:
-        can_evict = self.policy == "belady"
         for t, ws in enumerate(future[: self.lookahead if ahead is None else ahead], 1):
             if ws is None:  # an unknown launch ahead: it will need everything; no guess
                 return
-            live = [b for b in ws if b in records]
-            protected = protected | set(live)
-            for b in live:
-                if b in self.resident:
-                    continue
-                size = records[b]
-                if size > budget:
-                    return
-                while self.used + size > budget:
-                    v = self._victim(protected, t) if can_evict else None
-                    if v is None:
-                        return
-                    self._evict(v, actions)
-                self.resident[b] = size
-                self.used += size
-                self.stats.prefetches += 1
-                self.stats.prefetched_bytes += size
-                actions.append(("prefetch", b))
+            protected, _, _, placed = self._load_set(ws, t, records, budget, protected, actions)
+            if not placed:
+                return
+
+    def _load_set(self, ws: tuple[int, ...], t: int, records: Mapping[int, int], budget: int, protected: set[int],
+                  actions: list[Action]) -> tuple[set[int], int, int, bool]:
+        """Prefetch the live records of ``ws``, the working set of the ``t``-th predicted launch,
+        evicting (Belady) records used after it to make room: (``protected`` with those records,
+        bytes loaded, bytes evicted, whether every one was placed; the walk stops when not)."""
+        can_evict = self.policy == "belady"
+        live = [b for b in ws if b in records]
+        protected = protected | set(live)
+        loaded = evicted = 0
+        for b in live:
+            if b in self.resident:
+                continue
+            size = records[b]
+            if size > budget:
+                return protected, loaded, evicted, False
+            while self.used + size > budget:
+                v = self._victim(protected, t) if can_evict else None
+                if v is None:
+                    return protected, loaded, evicted, False
+                evicted += self.resident[v]
+                self._evict(v, actions)
+            self.resident[b] = size
+            self.used += size
+            loaded += size
+            self.stats.prefetches += 1
+            self.stats.prefetched_bytes += size
+            actions.append(("prefetch", b))
+        return protected, loaded, evicted, True
 
     # -- the time plan (module docstring) -------------------------------------------------------
 
@@ -668,31 +681,11 @@ class OnlinePolicy:
                 stopped = True
                 break
             walked = t
-            live = [b for b in ws if b in records]
-            protected = protected | set(live)
-            for b in live:
-                if b in self.resident:
-                    continue
-                size = records[b]
-                if size > budget:
-                    stopped = True
-                    break
-                while self.used + size > budget:
-                    v = self._victim(protected, t) if can_evict else None
-                    if v is None:
-                        stopped = True
-                        break
-                    q_out += self.resident[v] / self.d2h_bw
-                    self._evict(v, actions)
-                if stopped:
-                    break
-                self.resident[b] = size
-                self.used += size
-                q_in += size / self.h2d_bw
-                self.stats.prefetches += 1
-                self.stats.prefetched_bytes += size
-                actions.append(("prefetch", b))
-            if stopped:
+            protected, loaded, evicted, placed = self._load_set(ws, t, records, budget, protected, actions)
+            q_in += loaded / self.h2d_bw
+            q_out += evicted / self.d2h_bw
+            if not placed:
+                stopped = True
                 break
             ahead += self.duration(kid)
         self.stats.walk_max = max(self.stats.walk_max, walked)
