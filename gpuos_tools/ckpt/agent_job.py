@@ -41,7 +41,6 @@ ATTEMPTS = 4  #: the margin grows fourfold at each
 WAIT_S = 120.0  #: how long every rank may take to reach K and write its image
 DISCARD_WAIT_S = 120.0  #: how long an abandoned rank may take to finish an image it began
 POLL_S = 0.5  #: how long one status request waits on the agent
-LIBNCCL = b"/libnccl.so"
 
 Request = Callable[..., dict[str, Any]]
 
@@ -107,12 +106,8 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
 def nccl_without_cumem(pid: int) -> bool:
     """Whether the process maps NCCL with its cuMem allocator switched off: NCCL's buffers are
     then ordinary allocations that a cut cannot tell from the program's."""
-    try:
-        if not procs.maps_library(pid, LIBNCCL):
-            return False
-    except GpuosError:
-        return False
-    return procs.environ_values(pid, ("NCCL_CUMEM_ENABLE",)).get("NCCL_CUMEM_ENABLE") == "0"
+    env = job_mod.nccl_environ(pid, ("NCCL_CUMEM_ENABLE",))
+    return env is not None and env.get("NCCL_CUMEM_ENABLE") == "0"
 
 
 def _each(ranks: list[AgentRank], fn: Callable[[AgentRank], Any]) -> dict[int, Any]:

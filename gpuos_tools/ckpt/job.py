@@ -68,15 +68,23 @@ def job_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None) -> list[Ra
     return sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.info.pid))
 
 
+def nccl_environ(pid: int, names: tuple[str, ...]) -> dict[str, str] | None:
+    """Those of ``names`` the process's environment sets, when it maps NCCL; None when it does
+    not, or has exited or is not ours (the checks that follow say so)."""
+    try:
+        if not procs.maps_library(pid, LIBNCCL):
+            return None
+    except GpuosError:
+        return None
+    return procs.environ_values(pid, names)
+
+
 def nccl_unrestorable(pid: int) -> list[str]:
     """What the process would need set for the driver to restore it: those of ``NCCL_RESTORABLE``
     its environment lacks, when it maps NCCL (empty when it does not, or has them all)."""
-    try:
-        if not procs.maps_library(pid, LIBNCCL):
-            return []
-    except GpuosError:
-        return []  # exited, or not ours: the checks that follow say so
-    env = procs.environ_values(pid, tuple(NCCL_RESTORABLE))
+    env = nccl_environ(pid, tuple(NCCL_RESTORABLE))
+    if env is None:
+        return []
     return [f"{k}={v}" for k, v in NCCL_RESTORABLE.items() if env.get(k) != v]
 
 
