@@ -298,6 +298,15 @@ def account(step: str, done: subprocess.CompletedProcess, records: list[dict], l
     return said
 
 
+def criu_job_command(tmp: Path, name: str) -> tuple[list[str], dict[str, str], Path, Path]:
+    """``job_command`` for a job CRIU can dump: torchrun's TCPStore holds an io_uring (libuv),
+    which CRIU cannot dump, so the job runs under no_io_uring; and no warnings, which would grow
+    the job's output file, which CRIU checks at restore."""
+    cmd, env, progress, out = job_command(tmp, name, NCCL_RESTORABLE)
+    env["PYTHONWARNINGS"] = "ignore"
+    return [sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", *cmd], env, progress, out
+
+
 def end_job_tree(pid: int, tree: list[int], proc: subprocess.Popen, state: Path) -> None:
     """A job test's clean-up: ranks left checkpointed are brought back (so they can be killed), then
     every process of the tree is killed and waited for."""
@@ -321,10 +330,7 @@ def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, 
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"no usable CRIU: {e}")
     state, image = tmp_path / "state", tmp_path / "image"
-    cmd, env, progress, out = job_command(tmp_path, "criu", NCCL_RESTORABLE)
-    # torchrun's TCPStore holds an io_uring (libuv), which CRIU cannot dump: the job runs without
-    cmd = [sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", *cmd]
-    env["PYTHONWARNINGS"] = "ignore"  # a warning would grow the job's output file, which CRIU checks at restore
+    cmd, env, progress, out = criu_job_command(tmp_path, "criu")
     log = tmp_path / "criu-job.log"  # torchrun's and the ranks' output: a file CRIU restores by path
     tree: list[int] = []
     with adopting() as adopted:
@@ -558,9 +564,7 @@ def test_a_job_dump_killed_at_a_random_moment_leaves_the_job_or_its_image(tmp_pa
     seed = int(os.environ.get("GPUOS_KILL_SEED") or time.time_ns() % 100_000)
     delay = random.Random(seed).uniform(0.5, 8.0)
     state, image = tmp_path / "state", tmp_path / "image"
-    cmd, env, progress, out = job_command(tmp_path, "killed", NCCL_RESTORABLE)
-    cmd = [sys.executable, "-m", "gpuos_tools.ckpt.no_io_uring", *cmd]
-    env["PYTHONWARNINGS"] = "ignore"
+    cmd, env, progress, out = criu_job_command(tmp_path, "killed")
     log = tmp_path / "killed-job.log"
     tree: list[int] = []
     with adopting():
