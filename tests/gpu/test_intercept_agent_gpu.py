@@ -14,11 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from test_suspend_gpu import Job, plain  # noqa: F401 -- the stopped job and its untraced twin
 
 from gpuos_tools.stream import open_input
 from workloads.snapshot_trials import trials
@@ -83,10 +84,10 @@ def test_interception_sees_the_launches_cupti_sees_and_the_job_ends_bit_identica
         pytest.skip(f"needs {module}")
     prog = tmp_path / "prog.py"
     prog.write_text(source)
-    plain = subprocess.run([sys.executable, str(prog), str(steps)], capture_output=True, text=True, timeout=300,
-                           env=env_for())
-    assert plain.returncode == 0, plain.stderr[-4000:]
-    want = json.loads(plain.stdout.splitlines()[-1])
+    untraced = subprocess.run([sys.executable, str(prog), str(steps)], capture_output=True, text=True, timeout=300,
+                              env=env_for())
+    assert untraced.returncode == 0, untraced.stderr[-4000:]
+    want = json.loads(untraced.stdout.splitlines()[-1])
     runs = {}
     for mechanism in ("cupti", "intercept"):
         trace = tmp_path / f"{mechanism}.ndjson"
@@ -122,52 +123,8 @@ def test_agent_snapshots_on_interception_equal_the_twins(tmp_path):
     assert records(tmp_path / "a17.ndjson.zst")[0]["mechanism"] == "intercept"
 
 
-class Job:
-    """owned_prog.py under `gpu-trace run --agent --mechanism M`, stopped half way in its spin loop."""
-
-    def __init__(self, tmp: Path, mechanism: str, own: bool = False) -> None:
-        self.dir = tmp / f"ctl-{mechanism}"
-        self.dir.mkdir()
-        self.out = tmp / f"report-{mechanism}.json"
-        cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--mechanism", mechanism,
-               "--no-images", "-o", str(tmp / f"trace-{mechanism}.ndjson.zst"), "--", sys.executable,
-               str(PROGS / "owned_prog.py")]
-        extra = {"GPUOS_OWNED_OUT": str(self.out), "GPUOS_SUSPEND_DIR": str(self.dir)}
-        if own:
-            extra["GPUOS_AGENT_OWN"] = "1"
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env_for(**extra))
-        deadline = time.monotonic() + 120
-        while not (self.dir / "pid").exists():
-            assert self.proc.poll() is None, self.proc.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the program never reached its spin loop"
-            time.sleep(0.05)
-        self.pid = int((self.dir / "pid").read_text())
-
-    def cli(self, tool: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", f"gpuos_tools.commands.{tool}", *args], cwd=ROOT,
-                              env=env_for(), capture_output=True, text=True, timeout=300)
-
-    def finish(self) -> dict:
-        (self.dir / "go").write_text("")
-        _, err = self.proc.communicate(timeout=300)
-        assert self.proc.returncode == 0, err[-8000:]
-        return json.loads(self.out.read_text())
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> dict:
-    if importlib.util.find_spec("cupy") is None:
-        pytest.skip("needs cupy")
-    out = tmp_path_factory.mktemp("plain") / "plain.json"
-    p = subprocess.run([sys.executable, str(PROGS / "owned_prog.py")], cwd=ROOT, capture_output=True, text=True,
-                       env=env_for(GPUOS_OWNED_OUT=str(out)), timeout=300)
-    assert p.returncode == 0, p.stderr[-8000:]
-    return json.loads(out.read_text())
-
-
-def test_the_driver_checkpoints_a_job_under_the_interposer_agent(tmp_path, plain):
-    job = Job(tmp_path, "intercept")
+def test_the_driver_checkpoints_a_job_under_the_interposer_agent(tmp_path, plain):  # noqa: F811
+    job = Job(tmp_path, own=False, mechanism="intercept")
     try:
         ck = job.cli("ckpt", "--pid", str(job.pid))
         rs = job.cli("restore", "--pid", str(job.pid))
@@ -179,10 +136,10 @@ def test_the_driver_checkpoints_a_job_under_the_interposer_agent(tmp_path, plain
     assert report["digests"] == plain["digests"]  # ended as the untraced run, bit for bit
 
 
-def test_the_driver_refuses_a_job_under_the_cupti_agent_and_says_why(tmp_path, plain):
+def test_the_driver_refuses_a_job_under_the_cupti_agent_and_says_why(tmp_path, plain):  # noqa: F811
     if importlib.util.find_spec("cupti") is None:
         pytest.skip("needs cupti-python")
-    job = Job(tmp_path, "cupti")
+    job = Job(tmp_path, own=False, mechanism="cupti")
     try:
         ck = job.cli("ckpt", "--pid", str(job.pid))
     finally:
@@ -199,10 +156,10 @@ def gpu_count() -> int:
     return sum(1 for line in done.stdout.splitlines() if line.startswith("GPU "))
 
 
-def test_a_suspended_job_on_interception_moves_to_another_gpu(tmp_path, plain):
+def test_a_suspended_job_on_interception_moves_to_another_gpu(tmp_path, plain):  # noqa: F811
     if gpu_count() < 2:
         pytest.skip("needs two GPUs")
-    job = Job(tmp_path, "intercept", own=True)
+    job = Job(tmp_path, own=True, mechanism="intercept")
     try:
         s = job.cli("ckpt", "--agent", str(job.pid), "--suspend", "--partial")
         r = job.cli("restore", "--agent", str(job.pid), "--resume", "--device", "1") if s.returncode == 0 else None

@@ -23,21 +23,24 @@ NOT_OWNED, WRONG_STATE = 93, 79
 def env_for(own: bool, **extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                **extra)
-    env.pop("GPUOS_AGENT_OWN", None)
+    for k in ("GPUOS_AGENT_OWN", "GPUOS_AGENT_MECHANISM", "GPUOS_AGENT_BACKEND", "LD_PRELOAD"):
+        env.pop(k, None)
     if own:
         env["GPUOS_AGENT_OWN"] = "1"
     return env
 
 
 class Job:
-    """owned_prog.py under `gpu-trace run --agent`, stopped half way in its spin loop."""
+    """owned_prog.py under `gpu-trace run --agent [--mechanism M]`, stopped half way in its spin loop."""
 
-    def __init__(self, tmp: Path, own: bool) -> None:
-        self.dir = tmp / "ctl"
+    def __init__(self, tmp: Path, own: bool, mechanism: str | None = None) -> None:
+        name = f"-{mechanism}" if mechanism else ""
+        self.dir = tmp / f"ctl{name}"
         self.dir.mkdir()
-        self.out = tmp / "report.json"
-        cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--no-images", "-o",
-               str(tmp / "trace.ndjson.zst"), "--", sys.executable, str(PROGS / "owned_prog.py")]
+        self.out = tmp / f"report{name}.json"
+        cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent",
+               *(["--mechanism", mechanism] if mechanism else []), "--no-images", "-o",
+               str(tmp / f"trace{name}.ndjson.zst"), "--", sys.executable, str(PROGS / "owned_prog.py")]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env_for(own, GPUOS_OWNED_OUT=str(self.out), GPUOS_SUSPEND_DIR=str(self.dir)))
         deadline = time.monotonic() + 120
