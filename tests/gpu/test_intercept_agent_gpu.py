@@ -99,7 +99,8 @@ def test_interception_sees_the_launches_cupti_sees_and_the_job_ends_bit_identica
     got, recs = runs["intercept"]
     assert got["digest"] == want["digest"]  # bit-identical to the untraced run
     assert runs["cupti"][0]["digest"] == want["digest"]
-    assert got["cupti"] is False and runs["cupti"][0]["cupti"] is True
+    # interception adds no CUPTI: the program maps it only if it loads it itself (PyTorch's profiler does)
+    assert got["cupti"] == want["cupti"] and runs["cupti"][0]["cupti"] is True
     header = recs[0]
     assert header["mechanism"] == "intercept" and header["backend"] == "native-agent" and header["cupti"] is None
     assert not [r for r in recs if r["type"] == "error"], [r for r in recs if r["type"] == "error"][:5]

@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +55,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_gpus() < 2, reason="a data-parallel job needs two GPUs")]
 
 
+def free_port() -> int:
+    """A port no socket holds now: each job gets its own, so no job restores onto the port, or
+    beside the lingering connections, of one that ran before it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def job_command(tmp: Path, name: str, nccl: dict[str, str]) -> tuple[list[str], dict[str, str], Path, Path]:
     progress, out = tmp / f"{name}.progress", tmp / f"{name}.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID", NCCL_DEBUG="WARN",
@@ -61,7 +70,7 @@ def job_command(tmp: Path, name: str, nccl: dict[str, str]) -> tuple[list[str], 
                # NVLink multicast stays off: where GPUs are shared it can put them out of service
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **nccl)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29500 + os.getpid() % 1000), str(JOB), "--steps", str(STEPS), "--progress", str(progress), "--out",
+           str(free_port()), str(JOB), "--steps", str(STEPS), "--progress", str(progress), "--out",
            str(out)]
     return cmd, env, progress, out
 
@@ -291,6 +300,8 @@ def account(step: str, done: subprocess.CompletedProcess, records: list[dict], l
     results = [r for r in records if r["type"] == "ckpt_result"]
     said = {"step": step, "returncode": done.returncode, "failed_steps": failed,
             "result": results[-1] if results else None, "stderr": done.stderr[-4000:]}
+    # the host's TCP sockets at the refusal: which one holds a port CRIU could not bind
+    said["sockets"] = Path("/proc/net/tcp").read_text()[-6000:]
     if log is not None and log.exists():
         said["criu_log_errors"] = criu.log_errors(log, lines=12)
         if FIGURES:
@@ -588,7 +599,9 @@ def test_a_job_dump_killed_at_a_random_moment_leaves_the_job_or_its_image(tmp_pa
                 time.sleep(0.1)
             said = state / f"guard-{tool.pid}.json"
             guard = json.loads(said.read_text()) if said.exists() else None
-            assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")], "a temp directory was left"
+            # the image's temp directory (".image.PID.RAND.tmp"); the job's own progress file has its own
+            assert not [n for n in os.listdir(tmp_path) if n.startswith(f".{image.name}.") and n.endswith(".tmp")], \
+                "a temp directory was left"
             if procs.exists(pid):  # the job runs on: every rank back on its GPU
                 outcome = "running"
                 assert criu.image_state(image) in ("empty", "complete"), guard
