@@ -4,6 +4,7 @@ own threads, and queued (wait=False) buffers."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -158,3 +159,56 @@ def test_a_failing_chunk_aborts_a_queued_image(tmp_path: Path, monkeypatch: pyte
             w.add(1, 0, 4 * CS, rand(4 * CS, 1), wait=False)
             w.commit()
     assert os.listdir(tmp_path) == []  # nothing visible, no temp left
+
+
+def _probe_watching(monkeypatch: pytest.MonkeyPatch, directory: Path) -> tuple[str | None, list[list[str]]]:
+    """Run the O_DIRECT probe in ``directory``, listing the directory at the moment it writes."""
+    seen: list[list[str]] = []
+    write = os.write
+
+    def spy(fd: int, data) -> int:  # noqa: ANN001
+        seen.append(sorted(os.listdir(directory)))
+        return write(fd, data)
+
+    monkeypatch.setattr(chunkio.os, "write", spy)
+    try:
+        return chunkio._probe_direct(str(directory)), seen
+    finally:
+        monkeypatch.setattr(chunkio.os, "write", write)
+
+
+def test_the_direct_probe_leaves_no_name_a_kill_could_strand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's file has no name while it writes (a SIGKILL then leaves nothing behind), and
+    nothing after it."""
+    why, seen = _probe_watching(monkeypatch, tmp_path)
+    assert seen == [[]], seen
+    assert os.listdir(tmp_path) == []
+    if why is not None:  # a filesystem that refuses O_DIRECT says why, in words
+        assert "O_DIRECT" in why
+
+
+def test_without_unnamed_files_the_probe_writes_inside_a_temp_directory_the_cleaner_knows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuos_tools.image.layout import clean_stale_temps
+
+    opened = os.open
+
+    def no_tmpfile(path, flags, *args):  # noqa: ANN001, ANN002
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return opened(path, flags, *args)
+
+    monkeypatch.setattr(chunkio.os, "open", no_tmpfile)
+    why, seen = _probe_watching(monkeypatch, tmp_path)
+    monkeypatch.setattr(chunkio.os, "open", opened)
+    assert len(seen) == 1 and len(seen[0]) == 1, seen
+    holder = seen[0][0]
+    assert holder.startswith(f".gpuos-direct-probe.{os.getpid()}.") and holder.endswith(".tmp")
+    assert os.listdir(tmp_path) == []  # removed after the probe
+    # had the prober died there, the next writer's clean-up would have removed it
+    dead = tmp_path / holder.replace(f".{os.getpid()}.", ".999999999.")
+    dead.mkdir()
+    (dead / "probe").write_bytes(b"x")
+    assert clean_stale_temps(tmp_path) == [str(dead)]
+    if why is not None:
+        assert "O_DIRECT" in why

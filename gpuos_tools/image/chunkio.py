@@ -25,6 +25,7 @@ Why each piece:
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -163,27 +164,53 @@ def _mount_of(path: str) -> tuple[str, str]:
 
 
 def _probe_direct(directory: str) -> str | None:
-    """Write one aligned block with O_DIRECT in ``directory``; None when that works, else why not."""
+    """Write one aligned block with O_DIRECT in ``directory``; None when that works, else why not.
+
+    The block goes to an unnamed file (O_TMPFILE), which the kernel drops when it is closed or
+    the process dies, so a probe killed half-way leaves nothing in the directory. A filesystem
+    without O_TMPFILE gets a named file inside a writer's temp directory (``.NAME.PID.X.tmp``),
+    which ``clean_stale_temps`` removes once this process is gone."""
     if not hasattr(os, "O_DIRECT"):
         return "no O_DIRECT on this system"
-    path = os.path.join(directory, f".gpuos-direct-probe.{os.getpid()}.{threading.get_ident()}")
+    holder, fd = None, -1
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            fd = os.open(directory, os.O_WRONLY | os.O_TMPFILE | os.O_EXCL, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                return f"open a file to probe O_DIRECT: {e.strerror}"
+    if fd < 0:  # no unnamed files here: a named one inside a temp directory of its own
+        holder = os.path.join(directory, f".gpuos-direct-probe.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        try:
+            os.mkdir(holder, 0o700)
+            fd = os.open(os.path.join(holder, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            _remove_probe(holder)
+            return f"open a file to probe O_DIRECT: {e.strerror}"
     block = mmap.mmap(-1, DIRECT_ALIGN)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-    except OSError as e:
-        return f"open with O_DIRECT: {e.strerror}"
-    try:
-        os.write(fd, block)
-    except OSError as e:
-        return f"an aligned O_DIRECT write: {e.strerror}"
+        try:  # Linux lets an open descriptor switch O_DIRECT on
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError as e:
+            return f"open with O_DIRECT: {e.strerror}"
+        try:
+            os.write(fd, block)
+        except OSError as e:
+            return f"an aligned O_DIRECT write: {e.strerror}"
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        if holder is not None:
+            _remove_probe(holder)
         block.close()
     return None
+
+
+def _remove_probe(holder: str) -> None:
+    for path in (os.path.join(holder, "probe"), holder):
+        try:
+            os.unlink(path) if path != holder else os.rmdir(path)
+        except OSError:
+            pass
 
 
 _fs_cache: dict[tuple[str, str], FsInfo] = {}
@@ -257,8 +284,6 @@ def write_chunk_file(path: str, data: Buffer, *, sync: bool, direct: bool) -> bo
                 os.ftruncate(fd, 0)
                 done = 0
             os.set_blocking(fd, True)
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             os.lseek(fd, done, os.SEEK_SET)
         _write_all(fd, view[done:])
