@@ -5,6 +5,7 @@ Blocks marked ```bash (installing, the GPU recipes) are not run here."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -51,6 +52,10 @@ def _run_tour(work: Path, env: dict[str, str]) -> subprocess.CompletedProcess[st
     # otherwise hold the output pipes open until the timeout
     script = "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + "\n".join(
         blocks((REPO / "README.md").read_text(), "sh"))
+    # the ring's name is the README's, one per machine: tours of several checkouts (or of the
+    # checkout and the wheel) run one at a time
+    lock = open("/tmp/gpuos-readme-tour.lock", "a")  # noqa: SIM115 (held until the tour ends)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     ring_was_there = RING.exists()
     proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -63,6 +68,7 @@ def _run_tour(work: Path, env: dict[str, str]) -> subprocess.CompletedProcess[st
             pass
         if not ring_was_there:
             RING.unlink(missing_ok=True)
+        lock.close()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
