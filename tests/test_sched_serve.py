@@ -144,12 +144,13 @@ def test_a_job_dying_mid_turn_does_not_hang_the_others(tmp_path):
         assert b.quiet(0.1)  # a holds the turn for its (long) slice
         a.sock.close()  # killed while holding the turn: its memory is gone with it
         t = time.perf_counter()
-        g = b.recv(2.0)
-        assert g["op"] == "grant" and g["budget"] == 1000 - 100 and time.perf_counter() - t < 1.0
+        # granted long before a's 10 s slice would have ended (a loaded machine may take seconds)
+        g = b.recv(5.0)
+        assert g["op"] == "grant" and g["budget"] == 1000 - 100 and time.perf_counter() - t < 5.0
         with s.lock:
             assert s.coord.jobs[0].state == "gone" and s.coord.job_stats(0)["left_holding"]
         b.sock.close()  # b too, with c waiting behind it
-        assert c.recv(2.0) == {"op": "grant", "budget": 1000, "others": 0}
+        assert c.recv(5.0) == {"op": "grant", "budget": 1000, "others": 0}
         assert c.quiet(0.1)  # alone now: no yield
     finally:
         s.stop()
