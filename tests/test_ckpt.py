@@ -560,10 +560,12 @@ def test_device_maps(sleeper) -> None:
     assert pairs == sorted([(UUIDS[0], UUIDS[2]), (UUIDS[1], UUIDS[3]), (UUIDS[2], UUIDS[0]), (UUIDS[3], UUIDS[1])])
     pairs, _ = ckpt.gpu_pairs(sleeper.pid, None, f"0=1,{UUIDS[1]}=0")
     assert (UUIDS[2], UUIDS[2]) in pairs and (UUIDS[0], UUIDS[1]) in pairs
-    for bad, message in (("0=1", "permutation"), ("0-1", "not OLD=NEW"), ("0=1,0=2", "twice")):
+    for bad, message, code in (("0=1", "permutation", ExitCode.BAD_GPU), ("0=9", "index 9", ExitCode.BAD_GPU),
+                               ("0-1", "not OLD=NEW", ExitCode.USAGE), ("0=", "not OLD=NEW", ExitCode.USAGE),
+                               ("0=1,0=2", "twice", ExitCode.USAGE)):
         with pytest.raises(GpuosError) as e:
             ckpt.gpu_pairs(sleeper.pid, None, bad)
-        assert e.value.code == ExitCode.BAD_GPU and message in str(e.value)
+        assert e.value.code == code and message in str(e.value), (bad, e.value)
 
 
 def test_uuid_bytes() -> None:

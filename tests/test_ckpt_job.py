@@ -246,7 +246,7 @@ def test_device_map_moves_every_rank_the_same_way(job, monkeypatch: pytest.Monke
 @pytest.mark.parametrize(("device_map", "code", "words"), [
     ("0=1", ExitCode.BAD_GPU, "permutation"),  # GPU 1 would receive two GPUs
     ("0=7,7=0", ExitCode.BAD_GPU, "no GPU with index 7"),
-    ("0:1", ExitCode.BAD_GPU, "not OLD=NEW"),
+    ("0:1", ExitCode.USAGE, "not OLD=NEW"),
 ])
 def test_a_bad_device_map_touches_no_rank(job, monkeypatch: pytest.MonkeyPatch, device_map: str, code: ExitCode,
                                           words: str) -> None:

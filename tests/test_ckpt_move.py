@@ -40,7 +40,7 @@ class FakeCheckpointer:
         for item in device_map.split(","):
             old, sep, new = item.partition("=")
             if not sep:
-                raise GpuosError(f"--device-map: {item!r} is not OLD=NEW", ExitCode.BAD_GPU)
+                raise GpuosError(f"--device-map: {item!r} is not OLD=NEW", ExitCode.USAGE)
             self.resolve_gpu(old), self.resolve_gpu(new)
         return [("GPU-0", "GPU-1"), ("GPU-1", "GPU-0")], {"uuid": "GPU-1"}
 
@@ -99,13 +99,14 @@ def test_a_refused_lock_says_when_cupti_is_loaded(tmp_path, monkeypatch):
     assert cupti_hint(3, "CUDA_ERROR_NOT_SUPPORTED") == ""  # gone: no hint rather than a second error
 
 
-@pytest.mark.parametrize("device,device_map", [("7", None), ("GPU-nope", None), (None, "0=7"), (None, "0")])
-def test_a_gpu_that_is_not_there_is_refused_before_the_driver_checkpoint(device, device_map):
+@pytest.mark.parametrize("device,device_map,code", [("7", None, ExitCode.BAD_GPU), ("GPU-nope", None, ExitCode.BAD_GPU),
+                                                     (None, "0=7", ExitCode.BAD_GPU), (None, "0", ExitCode.USAGE)])
+def test_a_gpu_that_is_not_there_is_refused_before_the_driver_checkpoint(device, device_map, code):
     """Found only at the restore, it would leave the job checkpointed by the driver."""
     ckpt = FakeCheckpointer()
     with pytest.raises(GpuosError) as e:
         move_suspended(ckpt, SUSPENDED, device, device_map, lambda: pytest.fail("resumed"))
-    assert e.value.code == ExitCode.BAD_GPU
+    assert e.value.code == code
     assert not [c for c in ckpt.calls if c[0] in ("suspend", "resume")]
 
 

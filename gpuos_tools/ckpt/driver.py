@@ -657,11 +657,11 @@ class Checkpointer:
         if device_map:
             for item in device_map.split(","):
                 old, sep, new = item.partition("=")
-                if not sep:
-                    raise GpuosError(f"--device-map: {item!r} is not OLD=NEW", ExitCode.BAD_GPU)
+                if not sep or not old.strip() or not new.strip():  # how it is written: a usage error
+                    raise GpuosError(f"--device-map: {item!r} is not OLD=NEW (e.g. 0=1,1=0)", ExitCode.USAGE)
                 a, b = self.resolve_gpu(old), self.resolve_gpu(new)
                 if a["uuid"] in mapping:
-                    raise GpuosError(f"--device-map maps {a['uuid']} twice", ExitCode.BAD_GPU)
+                    raise GpuosError(f"--device-map maps {a['uuid']} twice", ExitCode.USAGE)
                 mapping[a["uuid"]] = b["uuid"]
             for g in gpus:
                 mapping.setdefault(g["uuid"], g["uuid"])
