@@ -55,6 +55,25 @@ def test_the_commands_job_is_run_with_its_serve_spec():
     assert cmd[cmd.index("--lookahead") + 1] == "3" and cmd[cmd.index("--") + 1:] == ["python3", "job.py", "--x"]
 
 
+def test_the_commands_job_plans_as_serve_was_told():
+    serve = {"socket": "/tmp/s.sock", "job": 0}
+    cmd = prefetch_sched.job_command(serve, ["job.py"], 1 << 30, "belady", 2)
+    assert cmd[cmd.index("--plan") + 1] == "count" and "--plan-bw" not in cmd
+    cmd = prefetch_sched.job_command(serve, ["job.py"], 1 << 30, "belady", 2, "time", "20GB/s,10GB/s")
+    assert cmd[cmd.index("--plan") + 1] == "time" and cmd[cmd.index("--plan-bw") + 1] == "20GB/s,10GB/s"
+    assert cmd.index("--plan") < cmd.index("--")  # options of run, not of the job
+
+
+def test_serve_refuses_a_plan_it_cannot_pass_on_before_any_job_starts(monkeypatch):
+    started = []
+    monkeypatch.setattr(prefetch_sched, "serve_jobs", lambda *a, **k: started.append(a))
+    app = typer.main.get_command(prefetch_sched.app)
+    for bad in (["--plan", "soon"], ["--plan", "time", "--plan-bw", "0GB/s"], ["--plan-bw", "1GB/s,2GB/s,3GB/s"]):
+        code = cli.run(app, "gpu-prefetch-sched", ["serve", "--budget", "1GiB", *bad, "--job", "true"])
+        assert code == 2, bad
+    assert not started
+
+
 def test_run_makes_the_serve_spec_part_of_the_boot_config(monkeypatch, tmp_path):
     """`run --serve SPEC` hands the launcher an online config whose serve part is SPEC, the
     program's allocations all owned."""

@@ -358,18 +358,21 @@ def run(
     raise typer.Exit(code)
 
 
-def job_command(serve: dict, argv: list[str], budget: int, policy: str, lookahead: int) -> list[str]:
+def job_command(serve: dict, argv: list[str], budget: int, policy: str, lookahead: int,
+                plan: str = "count", plan_bw: str | None = None) -> list[str]:
     """A job of `serve`: `gpu-prefetch-sched run` with ``serve`` (the coordinator's address and
     the job's number, sched/serve.py `serve_jobs`) as its hidden --serve option."""
+    planning = ["--plan", plan, *(["--plan-bw", plan_bw] if plan == "time" and plan_bw else [])]
     return [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", "--budget", str(budget),
-            "--policy", policy, "--lookahead", str(lookahead), "--serve", json.dumps(serve), "--", *argv]
+            "--policy", policy, "--lookahead", str(lookahead), *planning, "--serve", json.dumps(serve), "--", *argv]
 
 
-def job_starter(budget: int, policy: str, lookahead: int, env: dict[str, str]) -> Callable[..., subprocess.Popen]:
+def job_starter(budget: int, policy: str, lookahead: int, env: dict[str, str], plan: str = "count",
+                plan_bw: str | None = None) -> Callable[..., subprocess.Popen]:
     """What `serve_jobs` starts each job with: its `job_command` in ``env``."""
     def start(serve: dict, argv: list[str], stdout: IO[bytes], stderr: IO[bytes]) -> subprocess.Popen:
-        return subprocess.Popen(job_command(serve, argv, budget, policy, lookahead), stdout=stdout, stderr=stderr,
-                                stdin=subprocess.DEVNULL, env=env)
+        return subprocess.Popen(job_command(serve, argv, budget, policy, lookahead, plan, plan_bw), stdout=stdout,
+                                stderr=stderr, stdin=subprocess.DEVNULL, env=env)
 
     return start
 
@@ -392,6 +395,10 @@ def serve_cmd(
                                help="Each job's victim choice, in its own launches and at its switches."),
     lookahead: int = typer.Option(2, "--lookahead", min=0, metavar="N",
                                   help="Launches ahead whose working sets each job prefetches while it runs."),
+    plan: str = typer.Option("count", "--plan", metavar="count|time",
+                             help="How far ahead each job prefetches, as `run --plan` (time: experimental)."),
+    plan_bw: str = typer.Option("50.5GB/s", "--plan-bw", metavar="H2D[,D2H]",
+                                help="With --plan time: the link bandwidths each job's plan assumes, as `run --plan-bw`."),
     switch: str = typer.Option("serial", "--switch", metavar="serial|overlap",
                                help="serial (the default): the incoming job is granted once the outgoing job's evictions "
                                "have completed; overlap (experimental): granted "
@@ -423,6 +430,11 @@ def serve_cmd(
         raise typer.BadParameter(f"must be one of {', '.join(ONLINE_POLICIES)}", param_hint="--policy")
     if switch not in ("overlap", "serial"):
         raise typer.BadParameter("must be overlap or serial", param_hint="--switch")
+    if plan not in PLANS:
+        raise typer.BadParameter(f"must be one of {', '.join(PLANS)}", param_hint="--plan")
+    bws = [_opt(parse_bandwidth, part, "--plan-bw") for part in plan_bw.split(",")]
+    if len(bws) not in (1, 2) or min(bws) <= 0:  # here, not by each job once the others have started
+        raise typer.BadParameter("one bandwidth above 0, or two: H2D,D2H", param_hint="--plan-bw")
     try:
         size, percent = parse_budget_spec(budget)
         if percent is not None:
@@ -453,7 +465,7 @@ def serve_cmd(
     env.setdefault("GPUOS_AGENT_BACKEND", "python")
     if env["GPUOS_AGENT_BACKEND"] == "python":
         env["GPUOS_AGENT_MECHANISM"] = "cupti"  # the Python agent sees the calls through CUPTI only
-    start = job_starter(size, policy, lookahead, env)
+    start = job_starter(size, policy, lookahead, env, plan, plan_bw)
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-serve-") as tmp:
         result = serve_jobs(argvs, size, slice_s, policy, lookahead, tmp, start, overlap=switch == "overlap")
     if json_file:
@@ -465,7 +477,8 @@ def serve_cmd(
             raise GpuosError(f"{json_file}: {e}", ExitCode.IO_ERROR) from e
     with open_output("-") as writer:
         writer.write(make_header(PROG, mode="serve", jobs=[r["argv"] for r in result["jobs"]],
-                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead, switch=switch))
+                                 budget=size, slice_s=slice_s, policy=policy, lookahead=lookahead, switch=switch,
+                                 plan=plan))
         for r in result["jobs"]:
             writer.write({"type": "serve_job", **{k: v for k, v in r.items() if k not in ("summary", "stderr_tail")},
                           "summary": r["summary"]})

@@ -48,13 +48,14 @@ def plain(tmp_path_factory) -> list[dict]:
     return out
 
 
-def serve(tmp: Path, *opts: str) -> tuple[dict, list[dict]]:
+def serve(tmp: Path, *opts: str, backend: str = "python") -> tuple[dict, list[dict]]:
     report = tmp / "serve.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "serve", "--budget", f"{BUDGET}B",
            *opts, "--json", str(report)]
     for j in JOBS:
         cmd += ["--job", " ".join([sys.executable, str(JOB), *args(j)])]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=400)
+    p = subprocess.run(cmd, cwd=ROOT, env={**env(), "GPUOS_AGENT_BACKEND": backend}, capture_output=True, text=True,
+                       timeout=400)
     assert p.returncode == 0, p.stderr[-8000:]
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
     assert recs[0]["type"] == "header" and recs[-1]["type"] == "serve_summary", recs
@@ -64,9 +65,15 @@ def serve(tmp: Path, *opts: str) -> tuple[dict, list[dict]]:
     return result, result["jobs"]
 
 
-@pytest.mark.parametrize("policy,switch", [("belady", "overlap"), ("lru", "overlap"), ("belady", "serial")])
-def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within_it(tmp_path, plain, policy, switch):
-    result, jobs = serve(tmp_path, "--slice", "50ms", "--policy", policy, "--switch", switch)
+@pytest.mark.parametrize("policy,switch,backend,plan", [
+    ("belady", "overlap", "python", "count"), ("lru", "overlap", "python", "count"),
+    ("belady", "serial", "python", "count"),
+    ("belady", "serial", "native", "time"),  # the jobs' agents on the native core (its GPU-turn gate), planning by time
+])
+def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within_it(tmp_path, plain, policy, switch,
+                                                                                    backend, plan):
+    result, jobs = serve(tmp_path, "--slice", "50ms", "--policy", policy, "--switch", switch, "--plan", plan,
+                         backend=backend)
     footprint = sum(p["total_bytes"] for p in plain)
     assert 1.5 * BUDGET <= footprint <= 2.0 * BUDGET, footprint / BUDGET
     for r, ref in zip(jobs, plain):
@@ -77,6 +84,7 @@ def test_three_jobs_over_the_budget_served_together_are_bit_identical_and_within
         s = r["summary"]
         assert s["footprint"] >= ref["total_bytes"], s
         assert s["unknown"] == 0 and "error" not in s, s
+        assert s["plan"] == plan, s["plan"]
         assert s["engine"].get("evict_errors", 0) == 0, (s["engine"].get("evict_errors"), s["engine"].get("evict_error"))
         assert s["executor"]["mover_errors"] == 0, s["executor"]
         sv = s["serve"]
