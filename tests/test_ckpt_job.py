@@ -375,3 +375,20 @@ def test_a_process_that_never_initialised_cuda_is_no_rank(job) -> None:
     with pytest.raises(CkptError) as e:
         J.resume_job(ckpt, launcher.pid)
     assert e.value.code == ExitCode.NOT_CUDA_PROCESS and not e.value.touched
+
+
+def test_one_rank_of_a_job_alone_is_refused_untouched_unless_forced(job) -> None:
+    """A rank's PID instead of the launcher's: its tree holds one of WORLD_SIZE=2 ranks, and a
+    checkpoint of it alone would leave the other rank waiting in its collectives."""
+    launcher, kids = job
+    driver = FakeDriver(kids)
+    ckpt = JobCheckpointer(driver)
+    with pytest.raises(CkptError) as e:
+        J.suspend_job(ckpt, kids[0], pause_s=0.0)
+    assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and not e.value.touched
+    assert "holds 1 of the job's 2 ranks" in str(e.value) and "--force" in str(e.value)
+    assert driver.calls == [] and driver.states == {p: "running" for p in kids}
+    result = J.suspend_job(ckpt, kids[0], pause_s=0.0, force=True)
+    assert result["ok"] and driver.states[kids[0]] == "checkpointed" and driver.states[kids[1]] == "running"
+    assert J.resume_job(ckpt, kids[0])["ok"]
+    assert J.suspend_job(ckpt, launcher.pid, pause_s=0.0)["ok"]  # the whole job: no question asked

@@ -94,12 +94,9 @@ def agent_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None,
         raise GpuosError("rank(s) " + ", ".join(f"{r.rank} (PID {r.info.pid})" for r in lacking)
                          + f" of the job use CUDA without the agent: every rank must run under it for a cut; {start}",
                          ExitCode.NOT_CHECKPOINTABLE)
-    sizes = {n for r in under if (n := procs.world_size_of(r.info.pid)) is not None}
-    size = max(sizes, default=None)
-    if size is not None and len(under) < size:
-        raise GpuosError(f"the tree of PID {pid} holds {len(under)} of the job's {size} ranks (rank "
-                         + ", ".join(str(r.rank) for r in under) + "): give the PID of the launcher (torchrun) whose "
-                         "tree holds every rank; a job across hosts cannot be cut", ExitCode.NOT_CHECKPOINTABLE)
+    partial = job_mod.missing_ranks(pid)
+    if partial:
+        raise GpuosError(f"{partial}; a job across hosts cannot be cut", ExitCode.NOT_CHECKPOINTABLE)
     return [AgentRank(r.info, r.rank, socket_of(r.info.pid)) for r in under]
 
 

@@ -68,6 +68,29 @@ def job_ranks(pid: int, is_cuda: Callable[[int], bool] | None = None) -> list[Ra
     return sorted(ranks, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.info.pid))
 
 
+def missing_ranks(pid: int) -> str | None:
+    """Why ``pid``'s tree is not the whole job, when the launcher told its processes the job has
+    more ranks (WORLD_SIZE or the like) than the tree holds; None when it is, or nothing says.
+    Processes that carry a rank count whether or not they use CUDA (a rank may keep its state on
+    the CPU). A part of a job checkpointed or cut alone leaves the others waiting in its
+    collectives."""
+    ranks: dict[int, int | None] = {}
+    sizes = set()
+    for p in procs.descendants(pid):
+        rank = procs.rank_of(p)
+        if rank is None:
+            continue
+        ranks[p] = rank
+        if (n := procs.world_size_of(p)) is not None:
+            sizes.add(n)
+    size = max(sizes, default=None)
+    if size is None or len(set(ranks.values())) >= size:
+        return None
+    return (f"the tree of PID {pid} holds {len(set(ranks.values()))} of the job's {size} ranks (rank "
+            + ", ".join(str(r) for r in sorted(set(ranks.values()))) + "): give the PID of the launcher "
+            "(torchrun) whose tree holds every rank")
+
+
 def nccl_environ(pid: int, names: tuple[str, ...]) -> dict[str, str] | None:
     """Those of ``names`` the process's environment sets, when it maps NCCL; None when it does
     not, or has exited or is not ours (the checks that follow say so)."""
@@ -145,6 +168,11 @@ def suspend_job(ckpt: Checkpointer, pid: int, timeout_ms: int = 0, rounds: int =
     the driver leaves no choice, in the state the error names)."""
     start = time.monotonic()
     ranks, states = _ranks_and_states(ckpt, "checkpoint", pid, is_cuda)
+    partial = missing_ranks(pid)
+    if partial and not force:
+        raise ckpt.fail("checkpoint", pid, f"{partial}, or --force to checkpoint these alone (the others would "
+                        "wait in their collectives); nothing was touched", ExitCode.NOT_CHECKPOINTABLE, "running",
+                        False)
     pids = [r.info.pid for r in ranks]
     lacking = {p: need for p in pids if (need := unrestorable(p))}
     if lacking and not force:
