@@ -58,7 +58,8 @@ def checkpoint(
         False, "--force",
         help="With --job: checkpoint even a job whose ranks use NCCL transports the driver cannot restore "
         "(peer memory, shared memory, cuMem: refused otherwise, since such a job never runs again; start it "
-        "with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 instead).",
+        "with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 instead), or the ranks of a tree "
+        "holding fewer than the job's WORLD_SIZE (a rank's PID instead of the launcher's) alone.",
     ),
     timeout: int = typer.Option(
         0, "--timeout", "-t", min=0, metavar="MS",
