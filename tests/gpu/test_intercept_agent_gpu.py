@@ -110,12 +110,16 @@ print(json.dumps({"digest": h.hexdigest(), "cupti": "libcupti" in open("/proc/se
 
 # Triton: torch.compile (Inductor, default mode: no CUDA graphs) of a small MLP with a layer norm
 # and GELU, trained; the matmuls stay cuBLAS's, the rest is Triton kernels Inductor generated.
-# The test gives every run one cache directory and TORCHINDUCTOR_DETERMINISTIC=1, so that the
-# traced runs load what the untraced one compiled and nothing is benchmarked while traced.
+# Nothing is benchmarked (a benchmark's launches depend on timing): deterministic algorithms make
+# Inductor pick its configurations without timing them (pointwise ones too). The test also gives
+# every run one cache directory, so that the traced runs load what the untraced one compiled.
 TRITON_PROG = """
-import hashlib, json, sys, torch
+import hashlib, json, os, sys
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
 import torch._inductor.config as inductor
 inductor.compile_threads = 1  # no compile workers: in-process, the same every run
+torch.use_deterministic_algorithms(True, warn_only=True)
 torch.manual_seed(0)
 class Net(torch.nn.Module):
     def __init__(self):
