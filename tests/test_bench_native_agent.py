@@ -49,7 +49,8 @@ def test_the_interception_variants_run_their_tools_on_interception_and_the_other
     workload = ["loop.py", "--model", "mlp"]
     trace = tmp_path / "t.ndjson"
     want = {"agent": ("gpu-ckpt", "cupti"), "agent_after_snapshot": ("gpu-ckpt", "cupti"),
-            "agent_intercept": ("gpu-ckpt", "intercept"), "agent_intercept_after_snapshot": ("gpu-ckpt", "intercept"),
+            "agent_intercept": ("gpu-ckpt", "intercept"),
+            "agent_intercept_after_snapshot": ("gpu-ckpt", "intercept"),
             "sched_100": ("gpu-prefetch-sched", "cupti"), "sched_100_intercept": ("gpu-prefetch-sched", "intercept")}
     for config, (tool, mechanism) in want.items():
         cmd, env = bench.command(config, workload, trace)
@@ -62,8 +63,8 @@ def test_the_interception_variants_run_their_tools_on_interception_and_the_other
 
 
 def test_an_unknown_configuration_is_refused_before_anything_runs(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_native_agent.py"), "--configs", "plain,agent_cuda",
-                           "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_native_agent.py"),
+                           "--configs", "plain,agent_cuda", "--json", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "unknown agent_cuda" in done.stderr and "sched_100_intercept" in done.stderr
     assert not (tmp_path / "x.json").exists()

@@ -31,7 +31,8 @@ def run(monkeypatch, capsys, env: dict[str, str]) -> tuple[int, dict, list[dict]
         return SimpleNamespace(code=0, errors=[])
 
     monkeypatch.setattr(launcher, "run_program", fake)
-    code = cli.run(typer.main.get_command(prefetch_sched.app), "gpu-prefetch-sched", ["run", "--budget", "66%", *PROGRAM])
+    code = cli.run(typer.main.get_command(prefetch_sched.app), "gpu-prefetch-sched",
+                   ["run", "--budget", "66%", *PROGRAM])
     out, err = capsys.readouterr()
     return code, seen, [json.loads(line) for line in out.splitlines() if line.strip()], err
 

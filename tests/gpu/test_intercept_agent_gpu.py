@@ -3,8 +3,8 @@
 count; where they differ, which driver call CUPTI saw launch what was missed) in a CuPy job, a
 PyTorch training job, a ResNet-18 trained on cuDNN, a torch.compile'd model (Triton kernels), bf16
 and fp16 matmuls with bias and GELU epilogues (cuBLASLt), and CuPy's cuFFT, cuSOLVER, cuSPARSE and
-cuRAND calls; each ends bit-identical to its untraced run and loads no CUPTI; the agent's snapshots of a job on interception equal a stop-the-world twin's; the
-driver's checkpoint (`gpu-ckpt --pid`, `gpu-restore --pid`) takes a job under the interposer agent
+cuRAND calls; each ends bit-identical to its untraced run and loads no CUPTI; the agent's
+snapshots of a job on interception equal a stop-the-world twin's; the driver's checkpoint (`gpu-ckpt --pid`, `gpu-restore --pid`) takes a job under the interposer agent
 and the job ends bit-identical, while under the CUPTI agent it is refused and told why; and a
 suspended job on interception moves to another GPU (`gpu-restore --agent PID --resume --device
 1`, skipped on one GPU)."""
