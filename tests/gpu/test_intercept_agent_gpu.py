@@ -231,8 +231,10 @@ def kernels(recs: list[dict]) -> Counter:
 def missed_launches(mine: list[dict], theirs: list[dict]) -> dict:
     """Where the interposer's records (``mine``) differ from CUPTI's (``theirs``): per kernel
     whose count differs, both counts and the driver calls CUPTI saw launch it (cuLaunchKernelEx,
-    a per-thread-stream variant...); the same for kernels captured into graphs, and graph
-    launches per executable graph. Empty when they agree."""
+    a per-thread-stream variant...); the same for kernels captured into graphs; graph launches
+    by driver call; the totals. Empty when they agree. Launches CUPTI gave no name are only
+    counted: the interposer may name them (cuFuncGetName), so they are held against its
+    kernels CUPTI does not know through the totals."""
     def per_kernel(recs: list[dict], captured: bool) -> dict[str, Counter]:
         out: dict[str, Counter] = {}
         for r in recs:
@@ -245,6 +247,8 @@ def missed_launches(mine: list[dict], theirs: list[dict]) -> dict:
         a, b = per_kernel(mine, captured), per_kernel(theirs, captured)
         for k in sorted(set(a) | set(b)):
             n, m = sum(a.get(k, Counter()).values()), sum(b.get(k, Counter()).values())
+            if not k or (not m and "" in b):  # CUPTI's unnamed launches: only in the totals
+                continue
             if n != m:
                 diff.setdefault("captured" if captured else "launched", {})[k or "(no name)"] = {
                     "intercept": n, "cupti": m, "cupti_calls": dict(b.get(k, {})),
@@ -252,6 +256,9 @@ def missed_launches(mine: list[dict], theirs: list[dict]) -> dict:
     graphs = [Counter(r.get("api") for r in recs if r["type"] == "graph_launch") for recs in (mine, theirs)]
     if graphs[0] != graphs[1]:
         diff["graph_launch"] = {"intercept": dict(graphs[0]), "cupti": dict(graphs[1])}
+    totals = [sum(1 for r in recs if r["type"] == "launch") for recs in (mine, theirs)]
+    if totals[0] != totals[1]:
+        diff["launches"] = {"intercept": totals[0], "cupti": totals[1]}
     return diff
 
 
