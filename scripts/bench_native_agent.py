@@ -4,7 +4,12 @@ under the agent on its native core (before and after a first snapshot, when ever
 set is tracked; and fed by driver-API interception instead of CUPTI callbacks, `agent_intercept`),
 under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 
-    bench_native_agent.py [--models resnet50,mlp] [--steps N] [--repeat R] [--json OUT]
+    bench_native_agent.py [--models resnet50,mlp] [--configs A,B,...] [--steps N] [--repeat R] [--json OUT]
+
+--configs picks from those (all of them by default) and two more, asked for by name so that the
+default keeps its running time: the agent on interception after a first snapshot
+(`agent_intercept_after_snapshot`) and the scheduler at --budget 100% on interception
+(`sched_100_intercept`).
 
 Runs workloads/train_steps.py (timm ResNet-50 bf16 batch 64, ~900 launches a step; a
 small MLP with Adam(foreach=True), ~35) once per configuration, one after another on the same
@@ -34,6 +39,16 @@ WORKLOAD = ROOT / "workloads" / "train_steps.py"
 CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gpu-prefetch-sched", "run"]}
 CONFIGS = ("plain", "trace", "agent", "agent_intercept", "agent_after_snapshot", "sched_100", "agent_python",
            "plain_again")
+OPTIONAL = ("agent_intercept_after_snapshot", "sched_100_intercept")
+AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python")
+AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_intercept_after_snapshot")
+SCHED = ("sched_100", "sched_100_intercept")
+
+
+def mechanism(config: str) -> str:
+    """How the agent of ``config`` sees the driver calls: interception only where its name says so,
+    CUPTI callbacks otherwise (set either way: the caller's GPUOS_AGENT_MECHANISM does not leak in)."""
+    return "intercept" if "intercept" in config.split("_") else "cupti"
 
 
 def tool(name: str) -> list[str]:
@@ -46,13 +61,13 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         return [sys.executable, *workload], env
     if config == "trace":
         return [*tool("gpu-trace"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
-    if config in ("agent", "agent_intercept", "agent_after_snapshot", "agent_python"):
+    if config in AGENT:
         if config == "agent_python":
             env["GPUOS_AGENT_BACKEND"] = "python"
-        # the agent's mechanism: interception only where asked, CUPTI callbacks otherwise
-        env["GPUOS_AGENT_MECHANISM"] = "intercept" if config == "agent_intercept" else "cupti"
+        env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         return [*tool("gpu-ckpt"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
-    if config == "sched_100":
+    if config in SCHED:
+        env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         return [*tool("gpu-prefetch-sched"), "run", "--budget", "100%", "-o", str(trace), "--",
                 sys.executable, *workload], env
     raise ValueError(config)
@@ -83,14 +98,14 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
     pause = tmp / f"{model}-{config}.pause"
     n = steps if config != "agent_python" else max(5, steps // 3)
     workload = [str(WORKLOAD), "--model", model, "--steps", str(n), "--warmup", str(warmup), "--json", str(out)]
-    if config == "agent_after_snapshot":
+    if config in AFTER_SNAPSHOT:
         workload += ["--pause", str(pause)]
     cmd, env = command(config, workload, trace)
     started = time.monotonic()
     res: dict[str, Any] = {"config": config, "model": model}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        if config == "agent_after_snapshot":
+        if config in AFTER_SNAPSHOT:
             ready = Path(f"{pause}.ready")
             while not ready.exists() and proc.poll() is None and time.monotonic() - started < timeout:
                 time.sleep(0.05)
@@ -150,16 +165,20 @@ def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="resnet50,mlp")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, from {', '.join(CONFIGS + OPTIONAL)} (default: {', '.join(CONFIGS)})")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every configuration, interleaved (default 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS + OPTIONAL]
+    if unknown or not configs:
+        ap.error(f"--configs: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(CONFIGS + OPTIONAL)}")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
-        configs = args.configs.split(",")
         for model in args.models.split(","):
             for round_ in range(args.repeat):
                 k = round_ % len(configs)  # rotated: no configuration always runs first or last
@@ -184,16 +203,16 @@ def main() -> int:
                        for (m, c), v in summary.items()]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    print(f"{'model':10} {'config':22} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8}", file=sys.stderr)
+    print(f"{'model':10} {'config':30} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8}", file=sys.stderr)
     for r in results:
         med = r.get("median_s")
-        print(f"{r['model']:10} {r['config']:22} {med * 1e3 if med else float('nan'):10.2f} "
+        print(f"{r['model']:10} {r['config']:30} {med * 1e3 if med else float('nan'):10.2f} "
               f"{r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
               f"{r.get('upcalls', ''):>8}", file=sys.stderr)
     if args.repeat > 1:
-        print(f"{'model':10} {'config':22} {'median of medians ms':>21} {'min..max ms':>16} {'ratio':>7}", file=sys.stderr)
+        print(f"{'model':10} {'config':30} {'median of medians ms':>21} {'min..max ms':>16} {'ratio':>7}", file=sys.stderr)
         for row in out["summary"]:
-            print(f"{row['model']:10} {row['config']:22} {row['median_s'] * 1e3:21.2f} "
+            print(f"{row['model']:10} {row['config']:30} {row['median_s'] * 1e3:21.2f} "
                   f"{row['min_s'] * 1e3:7.2f}..{row['max_s'] * 1e3:<7.2f} {row['ratio'] or float('nan'):7.3f}",
                   file=sys.stderr)
     return 0 if all(r.get("rc") == 0 for r in results) else 1

@@ -4,6 +4,8 @@ summary of interleaved rounds (the GPU run itself is the device's)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,3 +41,30 @@ def test_rounds_are_summarised_per_configuration_with_the_untraced_runs_pooled()
     s = bench.summarize(runs)
     assert s[("m", "plain")] == {"median_s": 1.1, "min_s": 1.0, "max_s": 1.2, "runs": 2}
     assert s[("m", "agent")] == {"median_s": 1.1, "min_s": 1.05, "max_s": 1.3, "runs": 3}
+
+
+def test_the_interception_variants_run_their_tools_on_interception_and_the_others_on_cupti(tmp_path):
+    """Each configuration sets the mechanism itself (the caller's GPUOS_AGENT_MECHANISM does not
+    leak in); the after-snapshot variants pause for the snapshot, the scheduler's run at 100%."""
+    workload = ["loop.py", "--model", "mlp"]
+    trace = tmp_path / "t.ndjson"
+    want = {"agent": ("gpu-ckpt", "cupti"), "agent_after_snapshot": ("gpu-ckpt", "cupti"),
+            "agent_intercept": ("gpu-ckpt", "intercept"),
+            "agent_intercept_after_snapshot": ("gpu-ckpt", "intercept"),
+            "sched_100": ("gpu-prefetch-sched", "cupti"), "sched_100_intercept": ("gpu-prefetch-sched", "intercept")}
+    for config, (tool, mechanism) in want.items():
+        cmd, env = bench.command(config, workload, trace)
+        assert cmd[1].endswith(tool) and cmd[-len(workload):] == workload, (config, cmd)
+        assert env["GPUOS_AGENT_MECHANISM"] == mechanism, config
+        assert env.get("GPUOS_AGENT_BACKEND") != "python"
+    assert "100%" in bench.command("sched_100_intercept", workload, trace)[0]
+    assert set(bench.AFTER_SNAPSHOT) == {"agent_after_snapshot", "agent_intercept_after_snapshot"}
+    assert set(bench.OPTIONAL).isdisjoint(bench.CONFIGS) and set(want) <= set(bench.CONFIGS + bench.OPTIONAL)
+
+
+def test_an_unknown_configuration_is_refused_before_anything_runs(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_native_agent.py"),
+                           "--configs", "plain,agent_cuda", "--json", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and "unknown agent_cuda" in done.stderr and "sched_100_intercept" in done.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -160,6 +160,8 @@ def test_terminated_restores_the_handlers() -> None:
     (["gpu-ckpt", "run", "--mechanism", "intercept", "--", "python3", "x.py"],
      "no such option: --mechanism; this command has none: set GPUOS_AGENT_MECHANISM"),
     (["gpu-ckpt", "run", "--mechanism=intercept", "--", "python3", "x.py"], "no such option: --mechanism;"),
+    (["gpu-prefetch-sched", "run", "--budget", "66%", "--mechanism", "intercept", "--", "python3", "x.py"],
+     "no such option: --mechanism; this command has none: set GPUOS_AGENT_MECHANISM"),
     (["gpu-trace", "run", "--no-such", "--", "python3", "x.py"], "no such option: --no-such: -h lists"),
     (["gpu-trace", "run", "--mechanism", "cupti", "--", "python3", "x.py"], "--mechanism goes with --agent"),
 ])

@@ -292,6 +292,9 @@ def run(
     furthest ahead, and prefetches the next launches' sets on a separate stream; see ONLINE
     EXECUTION. At the end, one `sched_summary` record (after a header) on standard output; the
     program's own output is its own. Exits with the program's status.
+
+    The agent sees the driver calls through CUPTI callbacks, or with GPUOS_AGENT_MECHANISM=intercept
+    through its preloaded interposer (no CUPTI in the program); the header's `mechanism` says which.
     """
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
@@ -325,6 +328,8 @@ def run(
             raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
         if fraction is not None:
             raise typer.BadParameter("a job served takes a budget in bytes", param_hint="--budget")
+    # refused before the program starts, and named in the header: the option is gpu-trace run's only
+    mechanism = launcher.agent_mechanism(None, True, "auto")
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
         timeline_path = None
         if timeline or plot_file:
@@ -334,7 +339,8 @@ def run(
                               plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
                               proactive=proactive)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
-                                      online=online, own=owned.FRAMEWORKS, warn=lambda m: warn(PROG, m))
+                                      online=online, own=owned.FRAMEWORKS, mechanism=mechanism,
+                                      warn=lambda m: warn(PROG, m))
         code = report_run(PROG, traced)
         try:
             with open(online.summary) as f:
@@ -349,7 +355,8 @@ def run(
             f"the program (exit {code}) ended without the policy's summary: it made no owned allocation "
             "(neither CuPy nor PyTorch allocated device memory?), or it was killed", ExitCode.FAILURE)
     with open_output("-") as writer:
-        writer.write(make_header(PROG, mode="run", argv=list(program), budget_spec=budget))
+        writer.write(make_header(PROG, mode="run", argv=list(program), budget_spec=budget,
+                                 mechanism=mechanism))
         writer.write({"type": "sched_summary", "mode": "online", "exit": code, **summary})
     if events is not None:  # after the summary: a picture that fails loses no figures
         drawn = plot_timeline(events, plot_file)

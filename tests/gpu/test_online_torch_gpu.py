@@ -3,7 +3,8 @@ Llama's greedy decode with a KV cache (random weights) and a CNN's training step
 budget of 66% of its owned memory (150% oversubscription), produce the same output as the same
 program run alone with torch's own allocator -- the same token ids, the same final parameters
 bit for bit -- while records are evicted and loaded again (workloads/torch_decode_job.py,
-torch_cnn_job.py; gpuos_tools/sched/executor.py)."""
+torch_cnn_job.py; gpuos_tools/sched/executor.py); so does the CNN with the agent on driver-API
+interception (GPUOS_AGENT_MECHANISM=intercept)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from gpuos_tools.stream import open_input
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +31,8 @@ JOBS = {
 }
 
 
-def env() -> dict:
-    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+def env(**extra: str) -> dict:
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra)
     e.pop("GPUOS_AGENT_OWN", None)
     return e
 
@@ -43,15 +46,19 @@ def plain_run(name: str, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def sched_run(name: str, tmp: Path, *opts: str) -> tuple[dict, dict]:
+def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None) -> tuple[dict, dict]:
+    """The job under `gpu-prefetch-sched run OPTS`; ``mechanism``: GPUOS_AGENT_MECHANISM for it
+    (None: as this process's environment says), checked against the header."""
     job, args = JOBS[name]
     out = tmp / "job.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *opts, "--",
            sys.executable, str(job), *args, "--out", str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    extra = {} if mechanism is None else {"GPUOS_AGENT_MECHANISM": mechanism}
+    p = subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-6000:]
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
     assert recs[0]["type"] == "header" and recs[-1]["type"] == "sched_summary", recs
+    assert mechanism is None or recs[0]["mechanism"] == mechanism, recs[0]
     s = recs[-1]
     k = s["kernels"]
     print(f"{name}: {s['launches']} operations, {k['names']} kernels, unknown {k['unknown']} "
@@ -75,6 +82,24 @@ def test_torch_job_over_budget_is_bit_identical_to_the_job_alone(tmp_path, name)
     loop = job["sched_loop"]  # the executor's counts inside the job's timed loop
     assert loop is not None and loop["launches"] > 0, job
     assert plain["sched_loop"] is None
+
+
+def test_the_cnn_over_budget_on_interception_is_bit_identical_to_the_job_alone(tmp_path):
+    """The same, with the agent fed by its driver-API interposer (GPUOS_AGENT_MECHANISM=intercept)
+    instead of CUPTI callbacks: no CUPTI is loaded, the policy sees every operation, records are
+    evicted and loaded again, and the parameters end as the job's alone."""
+    plain = plain_run("cnn", tmp_path)
+    trace = tmp_path / "trace.ndjson"
+    job, s = sched_run("cnn", tmp_path, "--budget", "66%", "-o", str(trace), mechanism="intercept")
+    with open_input(str(trace)) as r:
+        header = next(iter(r))
+    assert header["mechanism"] == "intercept" and header["cupti"] is None, header
+    assert job["digest"] == plain["digest"], (job, plain)
+    assert s["footprint"] > 0 and s["budget"] < s["footprint"], s
+    assert s["evictions"] > 0 and s["bytes_in"] > 0 and s["bytes_out"] > 0, s
+    assert "error" not in s and s["executor"]["mover_errors"] == 0, s
+    assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
+    assert s["kernels"]["operations"] == s["launches"], s["kernels"]
 
 
 def test_the_cnn_learns_its_step_period_and_belady_moves_less_than_lru(tmp_path):
