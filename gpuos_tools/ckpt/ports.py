@@ -145,7 +145,7 @@ def socket_inodes(pid: int) -> set[int]:
 def listeners(pids: Iterable[int]) -> list[dict[str, Any]]:
     """The listening TCP sockets the processes ``pids`` hold, each read from its own network
     namespace: ``[{family, address, port, pid}]`` (LISTENER), one per socket, sorted. Processes
-    gone or not ours to read hold none."""
+    gone or not ours to read hold none; never raises (a dump calls it with the GPUs checkpointed)."""
     by_net: dict[str, list[TcpSocket]] = {}
     found: dict[tuple[str, str, int], dict[str, Any]] = {}
     for pid in pids:
@@ -157,7 +157,10 @@ def listeners(pids: Iterable[int]) -> list[dict[str, Any]]:
         except OSError:
             net = f"pid {pid}"
         if net not in by_net:
-            by_net[net] = read_sockets(f"{PROC}/{pid}/net")
+            try:
+                by_net[net] = read_sockets(f"{PROC}/{pid}/net")
+            except OSError:  # gone meanwhile, or not ours: it holds none we can see
+                by_net[net] = []
         for s in by_net[net]:
             if s.state == "LISTEN" and s.inode in inodes:
                 found.setdefault((s.family, s.address, s.port),
