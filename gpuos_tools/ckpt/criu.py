@@ -7,6 +7,10 @@ Process checkpointing is not re-implemented here.
 
 CRIU is checked before anything is touched: it must be on PATH, version 4 or later (3.x, e.g.
 Debian 12's 3.17, fails on recent kernels) and ``criu check`` must pass (which needs root).
+
+The dump records the tree's listening TCP sockets in the manifest; before ``criu restore`` runs,
+the restore waits for the process's own closed connections in TIME_WAIT to free their ports
+(``ports.py`` says why), or refuses a port a live socket holds.
 """
 
 from __future__ import annotations
