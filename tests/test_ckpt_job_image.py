@@ -10,6 +10,7 @@ import _thread
 import errno
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -182,6 +183,49 @@ def test_a_restore_that_criu_refuses_leaves_the_image(tmp_path: Path, fake_criu:
     (restore,) = called(fake_criu, "restore")
     assert "--tcp-established" in restore and restore[restore.index("--network-lock") + 1] == "skip"
     assert "--restore-detached" in restore and criu.image_state(image) == "complete"
+
+
+def test_a_restore_whose_listeners_port_a_live_socket_holds_is_refused_untouched(tmp_path: Path,
+                                                                                  fake_criu: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    image = _job_image(tmp_path / "img", gone.pid, [gone.pid])
+    with socket.socket() as taker:  # someone else listening on the port the job's listener had
+        taker.bind(("127.0.0.1", 0))
+        taker.listen()
+        port = taker.getsockname()[1]
+        meta = json.loads((image / criu.METADATA).read_text())
+        meta["listeners"] = [{"family": "ipv4", "address": "0.0.0.0", "port": port, "pid": gone.pid}]
+        (image / criu.METADATA).write_text(json.dumps(meta))
+        ckpt = JobCheckpointer(FakeDriver([]))
+        with pytest.raises(CkptError) as e:
+            criu_job.restore_job(ckpt, image, port_wait_s=30)
+    assert e.value.code == ExitCode.WRONG_STATE and not e.value.touched
+    assert f"port {port}" in str(e.value) and f"PID {os.getpid()}" in str(e.value)
+    assert called(fake_criu, "restore") == [] and criu.image_state(image) == "complete"
+    assert ckpt.records[-1]["type"] == "ckpt_result" and ckpt.records[-1]["ok"] is False
+
+
+def test_an_image_whose_listeners_ports_are_free_goes_to_criu_and_a_bad_listeners_field_does_not(
+        tmp_path: Path, fake_criu: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    image = _job_image(tmp_path / "img", gone.pid, [gone.pid])
+    meta = json.loads((image / criu.METADATA).read_text())
+    with socket.socket() as probe:  # a port nothing holds
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    meta["listeners"] = [{"family": "ipv4", "address": "127.0.0.1", "port": port}]
+    (image / criu.METADATA).write_text(json.dumps(meta))
+    with pytest.raises(CkptError) as e:  # the stand-in CRIU fails the restore itself, after the wait
+        criu_job.restore_job(JobCheckpointer(FakeDriver([])), image)
+    assert e.value.code == ExitCode.CRIU_FAILED and len(called(fake_criu, "restore")) == 1
+    meta["listeners"][0]["port"] = 0
+    (image / criu.METADATA).write_text(json.dumps(meta))
+    with pytest.raises(CkptError) as e:
+        criu_job.restore_job(JobCheckpointer(FakeDriver([])), image)
+    assert e.value.code == ExitCode.IMAGE_CORRUPT and "listeners[0].port" in str(e.value)
+    assert len(called(fake_criu, "restore")) == 1
 
 
 def test_a_single_process_image_is_not_a_job_image(tmp_path: Path, fake_criu: Path) -> None:

@@ -7,9 +7,12 @@ process running or a complete image that restores. Skipped where no CRIU >= 4 pa
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, child_env
 
-from gpuos_tools.ckpt import criu, driver
+from gpuos_tools.ckpt import criu, driver, ports
 from gpuos_tools import procs
 
 BUNDLE = REPO.parent / "shared" / "criu" / "path"
@@ -40,8 +43,8 @@ class Fake(driver.Checkpointer):
     api = property(lambda self: None)
     def suspend(self, pid, timeout_ms=0):
         return {"bytes": 0, "checkpoint_s": 0.0}
-    def resume(self, pid, device=None, device_map=None, source_gpus=None):
-        return {"type": "ckpt_result", "action": "restore", "pid": pid, "state": "running"}
+    def resume(self, pid, device=None, device_map=None, source_gpus=None, result_fields=None):
+        return {"type": "ckpt_result", "action": "restore", "pid": pid, "state": "running", **(result_fields or {})}
     def bring_back(self, pid, restore=True):
         return "running"
     def _state(self, pid):
@@ -182,3 +185,78 @@ def test_sigkill_of_the_dumping_tool_leaves_the_job_or_a_whole_image(tmp_path: P
             job.wait()
     print("outcomes:", sorted(seen))
     assert seen  # both outcomes are fine; which ones came depends on the moments drawn
+
+
+#: A server that listens without SO_REUSEADDR (as NCCL's bootstrap listener) and closes each
+#: connection it accepts first, so the connection lingers in TIME_WAIT on the listener's port.
+SERVER = """import os, socket
+d = os.environ["JOB_DIR"]
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen()
+with open(d + "/.p", "w") as f:
+    f.write(str(srv.getsockname()[1]))
+os.replace(d + "/.p", d + "/port")
+while True:
+    conn, _ = srv.accept()
+    conn.sendall(b"ok")
+    conn.close()
+"""
+
+
+def talk(port: int) -> bytes:
+    """What the server says to one connection, read until it closes (it closes first)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        said = b""
+        while chunk := c.recv(16):
+            said += chunk
+    return said
+
+
+def test_a_server_restored_at_once_waits_for_its_own_closed_connection_in_time_wait(
+        tmp_path: Path, criu_env, monkeypatch) -> None:
+    """Dumped just after it closed a connection, the server's image cannot be restored by CRIU
+    alone (its listener's bind fails on the TIME_WAIT the connection left); the restore waits for
+    it to go, says so once, and the server accepts again."""
+    monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
+    d = tmp_path / "server"
+    d.mkdir()
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**criu_env, "JOB_DIR": str(d)}, cwd=d)
+    image = tmp_path / "image"
+    try:
+        deadline = time.monotonic() + 30
+        while not (d / "port").exists():
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.01)
+        port = int((d / "port").read_text())
+        assert talk(port) == b"ok"
+        deadline = time.monotonic() + 10
+        while not [s for s in ports.read_sockets() if s.port == port and s.state == "TIME_WAIT"]:
+            assert time.monotonic() < deadline, "no TIME_WAIT on the server's port"
+            time.sleep(0.01)
+        criu.dump(Fake(), server.pid, image)
+        assert server.wait(timeout=30) == -signal.SIGKILL
+        # CRIU alone, on a copy of the image, fails as it does on a job's image
+        plain = tmp_path / "plain"
+        shutil.copytree(image, plain)
+        done = subprocess.run([criu.find_criu().path, "restore", "--images-dir", str(plain), "--log-file",
+                               "restore.log", "--shell-job", "--restore-detached"], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=120, env=criu_env, check=False)
+        assert done.returncode != 0 and "Address already in use" in (plain / "restore.log").read_text(), \
+            criu.log_errors(plain / "restore.log")
+        deadline = time.monotonic() + 30  # CRIU killed what it brought back; its pid is free once reaped
+        while os.path.exists(f"/proc/{server.pid}"):
+            assert time.monotonic() < deadline, f"CRIU failed and left PID {server.pid}"
+            time.sleep(0.05)
+        said: list[str] = []
+        t = time.monotonic()
+        back = criu.restore(Fake(), image, warn=said.append)
+        assert back["pid"] == server.pid and procs.exists(server.pid)
+        assert 0 < back["port_wait_s"] <= ports.TIME_WAIT_S + 5 and time.monotonic() - t >= back["port_wait_s"]
+        assert len(said) == 1 and f"port {port}" in said[0] and "TIME_WAIT" in said[0]
+        assert talk(port) == b"ok"  # its listener is back
+        meta = json.loads((image / criu.METADATA).read_text())
+        assert meta["listeners"] == [{"family": "ipv4", "address": "127.0.0.1", "port": port, "pid": server.pid}]
+    finally:
+        kill(server.pid)

@@ -173,6 +173,9 @@ def test_a_job_dumped_and_restored_talks_on_over_tcp(tmp_path: Path, criu_env, m
         assert meta["pid"] == launcher.pid and sorted(r["rank"] for r in meta["ranks"]) == [0, 1]
         assert set(meta["pids"]) == {launcher.pid, *ranks}
         assert "--tcp-established" in meta["criu_args"]
+        # the launcher's listener, which the restore binds again
+        assert [(x["family"], x["address"], x["pid"]) for x in meta["listeners"]] == [("ipv4", "127.0.0.1",
+                                                                                      launcher.pid)]
         assert driver.states == {p: "checkpointed" for p in ranks}  # the tree went down without its GPUs
         assert launcher.wait(timeout=30) == -signal.SIGKILL  # CRIU ended the launcher...
         wait_gone([launcher.pid, *ranks])  # ...and the ranks
@@ -182,6 +185,7 @@ def test_a_job_dumped_and_restored_talks_on_over_tcp(tmp_path: Path, criu_env, m
 
         back = criu_job.restore_job(ckpt, image)
         assert back["ok"] and back["pid"] == launcher.pid and sorted(back["ranks"]) == sorted(ranks), back
+        assert back["port_wait_s"] == 0.0  # its connections were dumped open: none closed, nothing to wait for
         assert driver.states == {p: "running" for p in ranks}
         assert all(procs.exists(p) for p in [launcher.pid, *ranks])
         assert all(procs.parent_of(r) == launcher.pid for r in ranks)  # the tree as it was

@@ -478,8 +478,8 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     ("ckpt", ["--pid", "1", "--checksum", "auto"], "--compress and --checksum go with --agent PID or --job"),
     ("ckpt", ["--job", "1", "--cut", "--image", "x", "--margin", str(agent_job.MAX_MARGIN + 1)], "--margin"),
     ("restore", ["--job", "1", "--cut"], "--cut goes with --job PID --image DIR"),
-    ("restore", ["--job", "1", "--timeout", "10"], "--timeout goes with --agent PID or --job PID --cut"),
-    ("restore", ["--pid", "1", "--timeout", "3600"], "--timeout goes with --agent PID or --job PID --cut"),
+    ("restore", ["--job", "1", "--timeout", "10"], "--timeout goes with --agent PID, --job PID --cut or --image DIR"),
+    ("restore", ["--pid", "1", "--timeout", "3600"], "--timeout goes with --agent PID, --job PID --cut or --image"),
     ("restore", ["--job", "1", "--cut", "--image", "x", "--device-map", "0=1"], "--job --cut goes with"),
 ])
 def test_the_cut_options_are_refused_out_of_place(module, args, says):

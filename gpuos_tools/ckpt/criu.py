@@ -7,6 +7,10 @@ Process checkpointing is not re-implemented here.
 
 CRIU is checked before anything is touched: it must be on PATH, version 4 or later (3.x, e.g.
 Debian 12's 3.17, fails on recent kernels) and ``criu check`` must pass (which needs root).
+
+The dump records the tree's listening TCP sockets in the manifest; before ``criu restore`` runs,
+the restore waits for the process's own closed connections in TIME_WAIT to free their ports
+(``ports.py`` says why), or refuses a port a live socket holds.
 """
 
 from __future__ import annotations
@@ -18,18 +22,44 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gpuos_tools import procs
-from gpuos_tools.ckpt import registry
+from gpuos_tools.ckpt import ports, registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, left_message
 from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import temp_name
+from gpuos_tools.stream.records import BYTES, COUNT
+from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Obj, RecordType, Str
 
 MIN_VERSION = (4, 0)
-#: What gpu-ckpt writes beside CRIU's images: the process, its GPUs and bytes.
+#: What gpu-ckpt writes beside CRIU's images: the process, its GPUs and bytes (``IMAGE_META``).
 METADATA = "gpuos-ckpt.json"
+
+_PID = Int(1, (1 << 31) - 1, "pid")
+#: The manifest of a CRIU image, as data: the restore checks an image's against it.
+IMAGE_META = RecordType(METADATA, "what gpu-ckpt --image writes beside CRIU's image files.", (
+    Field("pid", _PID, "the dumped process (of a job: its launcher); CRIU restores it under this pid",
+          required=True),
+    Field("kind", Str(("job",)), "`job`: the whole tree of a job (gpu-ckpt --job PID --image); absent: one "
+          "process"),
+    Field("starttime", COUNT, "clock ticks after boot"), Field("boot_id", Str()), Field("user", Str()),
+    Field("command", Str(), null=True), Field("checkpointed_at", Str()),
+    Field("gpus", List(Anything()), "GPUs {index, uuid, name, memory}"),
+    Field("bytes", BYTES, "GPU memory checkpointed; null: unknown", null=True),
+    Field("criu", Str(), "the version of CRIU that dumped it"),
+    Field("criu_args", List(Str()), "(job) CRIU options of the dump that the restore repeats"),
+    Field("leave_running", Bool(), "the dumped process ran on"),
+    Field("ranks", List(Obj((Field("pid", _PID), Field("rank", COUNT, null=True), Field("command", Str(), null=True),
+                             Field("gpus", List(Anything())), Field("bytes", BYTES, null=True)),
+                            text="{pid, rank, command, gpus, bytes}")), "(job) the processes on the GPU"),
+    Field("pids", List(_PID), "(job) the processes of the tree"), Field("tids", List(_PID), "(job) their threads"),
+    Field("driver", Anything(), "{cuda, release}"),
+    Field("listeners", ports.LISTENERS, "the tree's listening TCP sockets: before CRIU runs, the restore "
+          "waits until no closing connection holds their ports (absent: not recorded, not waited for)"),
+), note="Every other key is the writer's, kept as given.")
+_check_meta = IMAGE_META.checker()
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 RESTORED_PID = "restored.pid"
@@ -232,6 +262,7 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         "bytes": gpu.get("bytes"),
         "criu": criu.version_text,
         "leave_running": leave_running,
+        "listeners": ports.listeners(procs.descendants(pid)),
         **ckpt.header_fields(),
     }
     try:
@@ -302,15 +333,45 @@ def _keep_log(log: Path, keep: Path) -> Path:
         return log
 
 
+def checked_meta(ckpt: Checkpointer, image_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` (an image's METADATA), refused as IMAGE_CORRUPT, nothing touched, unless it is
+    what IMAGE_META says."""
+    problem = _check_meta(meta)
+    if problem is not None:
+        pid = meta.get("pid") if isinstance(meta.get("pid"), int) and meta["pid"] > 0 else None
+        raise ckpt.fail("restore", pid, f"{image_dir / METADATA}: {problem}; nothing was touched",
+                        ExitCode.IMAGE_CORRUPT, None, False)
+    return meta
+
+
+def wait_for_listeners(ckpt: Checkpointer, pid: int, meta: dict[str, Any], wait_s: float,
+                       warn: Callable[[str], None] | None) -> float | None:
+    """Before CRIU restores the image: wait, at most ``wait_s`` seconds, until no closing connection
+    holds a port of the listening sockets its manifest records (CRIU's bind of one without
+    SO_REUSEADDR fails on it); the seconds waited, None for an image that records none. A port a
+    live socket holds, or one still held after ``wait_s``, is refused: nothing touched."""
+    wanted = meta.get("listeners")
+    if wanted is None:
+        return None
+    try:
+        return ports.wait_for_ports(wanted, wait_s, warn)
+    except GpuosError as e:
+        raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+
+
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
-            criu_args: list[str] | None = None) -> Record:
-    """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock."""
+            criu_args: list[str] | None = None, port_wait_s: float = ports.WAIT_S,
+            warn: Callable[[str], None] | None = None) -> Record:
+    """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock.
+    First, up to ``port_wait_s`` seconds for the ports of its listeners (``wait_for_listeners``;
+    ``warn`` says once that it waits)."""
     criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
     meta = registry.read_json(image_dir / METADATA)
     if not isinstance(meta, dict) or "pid" not in meta or not (image_dir / "inventory.img").exists():
         raise ckpt.fail("restore", None, f"{image_dir} holds no image written by gpu-ckpt --image "
                          f"(no {METADATA})", ExitCode.NO_INPUT, None, False)
+    meta = checked_meta(ckpt, image_dir, meta)
     pid = int(meta["pid"])
     if procs.exists(pid):
         raise ckpt.fail("restore", pid, f"PID {pid} is taken by a running process, and CRIU restores the "
@@ -320,6 +381,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         _ = ckpt.api  # the driver must be there before CRIU brings the process back
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn)
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
     sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
@@ -344,7 +406,8 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         except (OSError, ValueError):
             pass
         guard.phase("gpu", pid=pid)
-        result = ckpt.resume(pid, device, device_map, source_gpus=sources or None)
+        result = ckpt.resume(pid, device, device_map, source_gpus=sources or None,
+                             result_fields=None if waited is None else {"port_wait_s": waited})
     except CkptError:
         guard.done()
         raise

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuos_tools import procs
-from gpuos_tools.ckpt import registry
-from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RC_WRAPPER, RESTORE_LOG, RESTORED_PID, empty_image_dir,
-                                   ghost_limit, log_errors, usable_criu)
+from gpuos_tools.ckpt import ports, registry
+from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RC_WRAPPER, RESTORE_LOG, RESTORED_PID, checked_meta,
+                                   empty_image_dir, ghost_limit, log_errors, usable_criu, wait_for_listeners)
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.ckpt.job import bring_back_job, resume_job, suspend_job
@@ -227,6 +227,7 @@ def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs
         "criu": criu.version_text,
         "criu_args": [*TREE_ARGS, *lock],
         "leave_running": leave_running,
+        "listeners": ports.listeners(pids),
         **ckpt.header_fields(),
     }
     try:
@@ -282,10 +283,12 @@ def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs
 
 
 def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = None,
-                criu_args: list[str] | None = None, is_cuda: Callable[[int], bool] | None = None) -> Record:
+                criu_args: list[str] | None = None, is_cuda: Callable[[int], bool] | None = None,
+                port_wait_s: float = ports.WAIT_S, warn: Callable[[str], None] | None = None) -> Record:
     """``criu restore`` of a job's image, then every rank's GPU state back (moved by
     ``device_map`` if given, every rank the same way) before any rank is unlocked. Refuses,
-    touching nothing, an image whose processes' ids are taken."""
+    touching nothing, an image whose processes' ids are taken. Before CRIU runs, waits up to
+    ``port_wait_s`` seconds for the ports of the job's listeners (``criu.wait_for_listeners``)."""
     criu_args = list(criu_args or [])
     criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
@@ -294,6 +297,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
             or not (image_dir / "inventory.img").exists():
         raise ckpt.fail("restore", None, f"{image_dir} holds no image written by gpu-ckpt --job --image "
                         f"(no {METADATA} of a job)", ExitCode.NO_INPUT, None, False)
+    meta = checked_meta(ckpt, image_dir, meta)
     pid = int(meta["pid"])
     ids = sorted({pid, *(int(p) for p in meta.get("pids") or []), *(int(t) for t in meta.get("tids") or [])})
     busy = taken(ids)
@@ -309,6 +313,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
         _ = ckpt.api  # the driver must be there before CRIU brings the job back
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
+    waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn)
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
     dumped_with = [a for a in meta.get("criu_args") or [] if isinstance(a, str)]
@@ -317,7 +322,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
            "--restore-detached", "--pidfile", str(pidfile), *criu_args]
     guard = Guard("restore", pid, image_dir, job=True, device_map=device_map)
     try:
-        result = _restore(ckpt, guard, pid, image_dir, cmd, device_map, is_cuda)
+        result = _restore(ckpt, guard, pid, image_dir, cmd, device_map, is_cuda, waited)
     except CkptError:
         guard.done()
         raise
@@ -331,7 +336,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
 
 
 def _restore(ckpt: Checkpointer, guard: Guard, pid: int, image_dir: Path, cmd: list[str], device_map: str | None,
-             is_cuda: Callable[[int], bool] | None) -> Record:
+             is_cuda: Callable[[int], bool] | None, port_wait_s: float | None) -> Record:
     guard.phase("criu")
     rc, text, interrupted = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG,
                                       image_dir / "criu-restore.out", image_dir / "criu-restore.rc")
@@ -358,6 +363,7 @@ def _restore(ckpt: Checkpointer, guard: Guard, pid: int, image_dir: Path, cmd: l
         "type": "ckpt_result", "action": "restore", "pid": pid, "ok": True, "state": "running", "touched": True,
         "code": 0, "image": str(image_dir), "ranks": [r["pid"] for r in job["ranks"]],
         "restore_s": job.get("restore_s"), "gpu_map": job.get("gpu_map"),
+        **({} if port_wait_s is None else {"port_wait_s": port_wait_s}),
         "message": f"the job of PID {pid} restored from {image_dir}: {len(job['ranks'])} processes on the GPU, "
                    "running" + (" on the GPUs --device-map named" if job.get("gpu_map") else ""),
     }

@@ -531,12 +531,13 @@ class Checkpointer:
         return result
 
     def resume(self, pid: int, device: str | None = None, device_map: str | None = None,
-               source_gpus: list[str] | None = None) -> Record:
+               source_gpus: list[str] | None = None, result_fields: Record | None = None) -> Record:
         """Restore ``pid`` (onto GPU ``device``, or by ``device_map``) and unlock it.
 
         ``source_gpus`` (UUIDs) says which GPUs the process was checkpointed on when gpu-ckpt's
-        registry does not know (a CRIU image carries them). Returns the ``ckpt_result`` record;
-        raises CkptError saying what the process was left in.
+        registry does not know (a CRIU image carries them); ``result_fields`` go into the result
+        (what the caller did before, such as a CRIU restore's wait). Returns the ``ckpt_result``
+        record; raises CkptError saying what the process was left in.
         """
         start = time.monotonic()
         info, state = self._prepare("restore", pid)
@@ -615,6 +616,7 @@ class Checkpointer:
             "device": target["uuid"] if target else None,
             "message": f"PID {pid} restored and running" + (f" on {target['uuid']}" if target else "")
                        + ("" if state == "checkpointed" else " (it was locked, not checkpointed: unlocked)"),
+            **(result_fields or {}),
         }
         self.out(result)
         return result

@@ -59,6 +59,8 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("gpu_map", Anything(), "for a move"),
     Field("image", Anything()),
     Field("ranks", List(_PID), "(--job --image) the job's processes checkpointed on the GPU"),
+    Field("port_wait_s", _SECONDS, "(restore --image) how long the restore waited, before CRIU ran, for closing "
+          "connections to free the ports of the image's listening sockets"),
 ))
 CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
     Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),

@@ -11,13 +11,13 @@ import typer
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.suspend import request_resume
-from gpuos_tools.ckpt import agent_job, criu, criu_job
+from gpuos_tools.ckpt import agent_job, criu, criu_job, ports
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.move import check_movable, check_target, move_suspended
 from gpuos_tools.ckpt.profile import load_profile, resume_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import error, option_given, options_before_subcommand, run_app, stderr_console
+from gpuos_tools.commands.cli import error, option_given, options_before_subcommand, run_app, stderr_console, warn
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import make_header, open_output
 from gpuos_tools.units import format_size
@@ -61,9 +61,11 @@ def restore(
         "device memory is written back at the same addresses (stop-the-world, while it waits).",
     ),
     timeout: float = typer.Option(
-        3600.0, "--timeout", metavar="S", min=1.0,
+        3600.0, "--timeout", metavar="S", min=1.0, show_default=False,
         help="With --agent, or --job --cut: how long to wait for the answer of the agent (of each rank's), a "
-        "rollback's writing included, in seconds.",
+        "rollback's writing included, in seconds (default 3600). With a CRIU image (--image DIR): how long to "
+        "wait before CRIU runs for closed connections (TIME_WAIT) to free the ports of the image's listening "
+        f"sockets (default {ports.WAIT_S:.0f}).",
     ),
     resume: bool = typer.Option(
         False, "--resume",
@@ -110,9 +112,10 @@ def restore(
             raise GpuosError(f"{', '.join(given)}: options go after the command: "
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
-    if option_given(ctx, "timeout") and agent is None and not cut:
-        raise GpuosError("--timeout goes with --agent PID or --job PID --cut (the driver path waits for the driver)",
-                         ExitCode.USAGE)
+    if option_given(ctx, "timeout") and agent is None and not cut and (image is None or job is not None):
+        raise GpuosError("--timeout goes with --agent PID, --job PID --cut or --image DIR (the driver path waits for "
+                         "the driver)", ExitCode.USAGE)
+    port_wait_s = timeout if option_given(ctx, "timeout") else ports.WAIT_S
     if cut:
         if job is None or image is None:
             raise GpuosError("--cut goes with --job PID --image DIR (the job image gpu-ckpt --job PID --cut wrote)",
@@ -197,11 +200,13 @@ def restore(
             raise GpuosError(f"{image} is the image of a job: it moves by --device-map (every process the same "
                              "way), not --device", ExitCode.USAGE)
         result = run_recorded("-" if output is None else output, PROG, ckpt,
-                              lambda: criu_job.restore_job(ckpt, image, device_map, criu_arg or []),
+                              lambda: criu_job.restore_job(ckpt, image, device_map, criu_arg or [],
+                                                           port_wait_s=port_wait_s, warn=lambda m: warn(PROG, m)),
                               action="restore", image=str(image))
     elif image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
-                              lambda: criu.restore(ckpt, image, device, device_map, criu_arg or []),
+                              lambda: criu.restore(ckpt, image, device, device_map, criu_arg or [],
+                                                   port_wait_s=port_wait_s, warn=lambda m: warn(PROG, m)),
                               action="restore", image=str(image))
     else:
         assert pid is not None

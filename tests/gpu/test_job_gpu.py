@@ -402,7 +402,7 @@ def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, 
             ended = json.loads(out.read_text())
             assert ended["ranks_agree"] and ended["steps"] == STEPS, ended
             figure(outcome="restored", dump_s=round(dump_s, 3), restore_s=round(restore_s, 3), step=step_at,
-                   processes=len(tree), ranks=len(result["ranks"]),
+                   port_wait_s=result.get("port_wait_s"), processes=len(tree), ranks=len(result["ranks"]),
                    digest_equal=ended["digest"] == uninterrupted["digest"])
             assert ended["digest"] == uninterrupted["digest"]
         finally:

@@ -68,7 +68,11 @@ if the unlock fails after a restore, it is left locked and `gpu-restore --pid PI
 
 `--image DIR` runs `criu restore` (CRIU 4 or later, checked first) on an image written by
 `gpu-ckpt --image`, then restores the GPU state and unlocks. CRIU restores the process under
-its old PID, which must be free.
+its old PID, which must be free. Before CRIU runs, it waits for closed connections in TIME_WAIT
+(the process's own, kept 60 s by the kernel) to free the ports of the listening sockets the image
+records, since CRIU's bind of a listener without SO_REUSEADDR fails on them: said once on
+stderr, at most `--timeout` seconds (default 90), the wait reported as `port_wait_s`. A port a
+live process holds is refused, nothing touched.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
