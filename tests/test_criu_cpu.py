@@ -130,13 +130,23 @@ def kill(pid: int) -> None:
         pass
 
 
+class OnAMachine(Fake):  # noqa: F821 (defined by exec above)
+    """The driver probed: the header names the machine's GPUs, which are not the process's."""
+    def header_fields(self):
+        return {"driver": {"cuda": "13.0", "release": "580.159.04"},
+                "gpus": [{"index": i, "uuid": f"GPU-{i}", "name": "H200", "memory": 1} for i in range(2)]}
+
+
 def test_dump_and_restore_a_process_with_criu(tmp_path: Path, criu_env, monkeypatch) -> None:
     monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
     job = start_job(tmp_path / "job", criu_env)
     image = tmp_path / "image"
     try:
-        result = criu.dump(Fake(), job.pid, image)
+        result = criu.dump(OnAMachine(), job.pid, image)
         assert result["state"] == "dumped" and criu.image_state(image) == "complete"
+        meta = json.loads((image / criu.METADATA).read_text())
+        # the process's GPUs (none here), which the restore maps from, not the machine's
+        assert meta["gpus"] == [] and meta["driver"]["release"] == "580.159.04"
         assert job.wait(timeout=30) == -signal.SIGKILL  # CRIU ended it
         assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
         with pytest.raises(driver.CkptError, match="not empty"):

@@ -257,13 +257,13 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
     gpu = ckpt.suspend(pid, timeout_ms)  # raises CkptError, the process left running
     entry = registry.lookup(pid) or {}
     meta = {
+        **ckpt.header_fields(),  # the driver; its list of the machine's GPUs gives way to the process's below
         **(registry.entry_for(info) if info else {"pid": pid}),
-        "gpus": entry.get("gpus", []),
+        "gpus": entry.get("gpus", []),  # what the restore maps from (source GPUs)
         "bytes": gpu.get("bytes"),
         "criu": criu.version_text,
         "leave_running": leave_running,
         "listeners": ports.listeners(procs.descendants(pid)),
-        **ckpt.header_fields(),
     }
     try:
         registry.write_json_atomic(temp / METADATA, meta, mode=0o644)
