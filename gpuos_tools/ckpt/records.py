@@ -174,6 +174,9 @@ CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by t
     Field("job", Bool(), "true when pid is the launcher of a job (--job)"),
     Field("ranks", List(Obj((Field("pid", _PID), Field("state", _STATE, null=True)), text="{pid, state}")),
           "a job's ranks and their states afterwards"),
+    Field("agent", Obj((Field("socket", Str()), Field("resumed", Bool()), Field("error", Str())),
+                       text="{socket, resumed, error}"),
+          "when the program's agent had suspended it for the dump or was to resume it after the restore"),
 ))
 
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.

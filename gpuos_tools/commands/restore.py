@@ -11,7 +11,7 @@ import typer
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.suspend import request_resume
-from gpuos_tools.ckpt import agent_job, criu, criu_job
+from gpuos_tools.ckpt import agent_criu, agent_job, criu_job
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.move import check_movable, check_target, move_suspended
@@ -75,7 +75,9 @@ def restore(
     lazy: bool = typer.Option(
         False, "--lazy",
         help="With --agent --resume or --agent --image: let the program go on at once; each launch, copy or memset "
-        "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it, the most recently touched first.",
+        "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it, the most recently "
+        "touched first. With --image DIR of a program whose agent the dump suspended: its agent's resume, after "
+        "the restore, is lazy so.",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG",
@@ -130,8 +132,9 @@ def restore(
         return
     if resume and agent is None:
         raise GpuosError("--resume goes with --agent PID (the driver path: --pid PID)", ExitCode.USAGE)
-    if lazy and agent is None:
-        raise GpuosError("--lazy goes with --agent PID --resume or --agent PID --image DIR", ExitCode.USAGE)
+    if lazy and agent is None and (image is None or any(x is not None for x in (pid, job, profile))):
+        raise GpuosError("--lazy goes with --agent PID --resume, --agent PID --image DIR, or --image DIR (a "
+                         "full-process image whose dump suspended the program's agent)", ExitCode.USAGE)
     if agent is not None and resume:
         if any(x is not None for x in (pid, job, profile, image)) or criu_arg:
             raise GpuosError("--agent --resume goes with --device, --device-map, --lazy, --timeout and -o only",
@@ -193,6 +196,9 @@ def restore(
             raise typer.Exit(int(failures[0].code))
         return
     if image is not None and criu_job.is_job_image(image):
+        if lazy:
+            raise GpuosError(f"{image} is the image of a job: --lazy goes with the image of one program whose "
+                             "agent the dump suspended", ExitCode.USAGE)
         if device is not None:
             raise GpuosError(f"{image} is the image of a job: it moves by --device-map (every process the same "
                              "way), not --device", ExitCode.USAGE)
@@ -201,7 +207,7 @@ def restore(
                               action="restore", image=str(image))
     elif image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
-                              lambda: criu.restore(ckpt, image, device, device_map, criu_arg or []),
+                              lambda: agent_criu.restore(ckpt, image, device, device_map, criu_arg or [], lazy=lazy),
                               action="restore", image=str(image))
     else:
         assert pid is not None
