@@ -258,8 +258,9 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         hooks.pass_fds = (null,)
     if agent.get("state") == "suspended":  # suspended before the dump, by someone else: left so
         def held(guard: Any, result: Record) -> None:
-            result["message"] += (f"; its agent holds it suspended, as before the dump: `gpu-restore --agent "
-                                  f"{result.get('pid')} --resume` resumes it")
+            result["message"] = result.get("message", "") + (
+                f"; its agent holds it suspended, as before the dump: `gpu-restore --agent {result.get('pid')} "
+                "--resume` resumes it")
 
         hooks.after = held
     if ours:
@@ -276,11 +277,12 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
                 raise ckpt.fail("restore", rpid, f"PID {rpid} restored from {image_dir} and running on the driver's "
                                 f"side, but {still_held(rpid, e)}", e.code, "running", True) from None
             if answer is None:
-                result["message"] += "; its agent did not hold it (resumed already)"
-                return
-            ckpt.out({"type": "agent_resume", "agent": str(rpid), **answer})
-            result["message"] += ("; its agent resumed it, its buffers loading behind it" if answer.get("lazy")
-                                  else "; its agent resumed it")
+                words = "; its agent did not hold it (resumed already)"
+            else:
+                ckpt.out({"type": "agent_resume", "agent": str(rpid), **answer})
+                words = ("; its agent resumed it, its buffers loading behind it" if answer.get("lazy")
+                         else "; its agent resumed it")
+            result["message"] = result.get("message", "") + words
 
         hooks.after = after
     try:
