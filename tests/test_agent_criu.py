@@ -26,7 +26,7 @@ from file_driver import FileCheckpointer, FileDriver, guard_command
 from helpers import REPO, child_env
 
 from gpuos_tools import procs
-from gpuos_tools.ckpt import agent_criu, criu, guard
+from gpuos_tools.ckpt import agent_criu, agent_hold, criu, guard
 from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
 from gpuos_tools.ckpt.driver import CkptError
 from gpuos_tools.errors import ExitCode, GpuosError
@@ -297,7 +297,7 @@ def test_an_agent_that_does_not_answer_the_resume_after_a_restore(world: World, 
     data["pid"] = 2**22 + 5
     (image / criu.METADATA).write_text(json.dumps(data))
     monkeypatch.setenv("FAKE_CRIU_RESTORED", str(pid))
-    monkeypatch.setattr(agent_criu, "RESUME_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(agent_hold, "RESUME_TIMEOUT_S", 1.0)
     with pytest.raises(CkptError) as e:
         agent_criu.restore(world.ckpt(), image)
     assert e.value.state == "running" and "did not answer" in str(e.value)

@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 from helpers import child_env
 from test_criu_cpu import Fake, criu_env  # noqa: F401 -- the fixture: a usable CRIU, else skip
 

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.agent import control
 from gpuos_tools.ckpt import criu, registry
+from gpuos_tools.ckpt.agent_hold import PING_TIMEOUT_S, resume_held, still_held
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.errors import ExitCode, GpuosError
 
@@ -53,10 +53,7 @@ TRACE_PIPE = "trace_pipe"
 #: The launcher's boot configuration in the program's environment (gpuos_tools/injection/config.py,
 #: a layer above this one, names it ENV); its ``trace.fd`` is the pipe's write end.
 BOOT_ENV = "GPUOS_BOOT"
-PING_TIMEOUT_S = 10.0
 SUSPEND_TIMEOUT_S = 600.0
-RESUME_TIMEOUT_S = 600.0
-SETTLE_S = 60.0  #: how long a suspend or resume under way may take before the program's state is read
 
 
 def agent_status(pid: int) -> tuple[Path | None, dict[str, Any] | None, str | None]:
@@ -91,29 +88,6 @@ def refuse_cupti(ckpt: Checkpointer, pid: int, socket: Path) -> CkptError:
         "started with --mechanism intercept (GPUOS_AGENT_MECHANISM=intercept) can be dumped; this one can be "
         f"snapshotted through its agent: `gpu-ckpt --agent {pid} --image DIR`", ExitCode.NOT_CHECKPOINTABLE,
         "running", False)
-
-
-def resume_held(socket: str | Path, lazy: bool = False, timeout: float | None = None) -> dict[str, Any] | None:
-    """Have the agent at ``socket`` resume its program if it holds it (a suspend or resume under
-    way is waited for): the resume's answer, or None when it was not held. GpuosError when the
-    agent does not answer or refuses."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        state = control.request(Path(socket), "ping", timeout=PING_TIMEOUT_S).get("state")
-        if state not in ("suspending", "resuming") or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    if state != "suspended":
-        return None
-    answer = control.request(Path(socket), "resume", timeout=timeout or RESUME_TIMEOUT_S,
-                             **({"lazy": True} if lazy else {}))
-    answer.pop("ok", None)
-    return answer
-
-
-def still_held(pid: int, e: Exception) -> str:
-    return (f"its agent did not resume it ({e}): the program is still held by its agent; "
-            f"`gpu-restore --agent {pid} --resume` resumes it")
 
 
 class _Suspended:

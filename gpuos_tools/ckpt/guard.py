@@ -46,6 +46,7 @@ from typing import IO, Any
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
+from gpuos_tools.ckpt.agent_hold import resume_held, still_held
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
 from gpuos_tools.ckpt.job import bring_back_job, job_ranks, resume_job
 from gpuos_tools.errors import GpuosError
@@ -287,8 +288,6 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
 def _agent_back(first: dict[str, Any], pid: int, outcome: dict[str, Any]) -> str:
     """The program's agent (its socket: ``first["agent"]``) resumes it if it holds it; words for
     the message, what was done into ``outcome["agent"]``."""
-    from gpuos_tools.ckpt.agent_criu import resume_held, still_held
-
     try:
         answer = resume_held(first["agent"], lazy=bool(first.get("lazy")))
     except GpuosError as e:
