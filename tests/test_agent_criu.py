@@ -438,3 +438,70 @@ def test_the_guard_says_an_agent_that_does_not_resume_still_holds_the_program(wo
     assert rec["agent"]["resumed"] is False and "could not map" in rec["agent"]["error"]
     assert f"`gpu-restore --agent {pid} --resume` resumes it" in rec["message"]
     assert world.driver.get_state(pid)[0] == "running"
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+
+def tool(name: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[dict], str]:
+    from gpuos_tools.commands.cli import command
+    from gpuos_tools.commands.cli import run as run_command
+    from gpuos_tools.commands.registry import BY_PROG
+
+    code = run_command(command(BY_PROG[name].app, name), name, args)
+    out, err = capsys.readouterr()
+    return code, [json.loads(line) for line in out.splitlines() if line.strip()], err
+
+
+@pytest.fixture
+def file_driver(world: World, monkeypatch):
+    """The commands' own Checkpointer on the world's fake driver."""
+    from gpuos_tools.ckpt import driver
+
+    monkeypatch.setattr(driver.Checkpointer, "api", property(lambda self: FileDriver(world.states)))
+    monkeypatch.setattr(driver.Checkpointer, "usage", FileCheckpointer.usage)
+    monkeypatch.setattr(driver.Checkpointer, "header_fields", FileCheckpointer.header_fields)
+    return world
+
+
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_gpu_ckpt_and_gpu_restore_take_the_agent_path_unless_told_not_to(file_driver: World, capsys,
+                                                                         opt_out: bool) -> None:
+    world = file_driver
+    pid = world.program()
+    image = world.tmp / "image"
+    code, recs, err = tool("gpu-ckpt", ["--pid", str(pid), "--image", str(image),
+                                        *(["--no-agent-suspend"] if opt_out else [])], capsys)
+    assert code == 0, err
+    assert recs[0]["type"] == "header" and recs[-1]["type"] == "ckpt_result" and recs[-1]["state"] == "dumped"
+    assert ("agent_suspend" in [r["type"] for r in recs]) is not opt_out
+    assert world.calls() == ([] if opt_out else ["agent_suspend"]) + ["lock", "checkpoint", "criu_dump"]
+    world.driver.set(pid, "checkpointed")
+    data = meta(image)
+    data["pid"] = 2**22 + 11
+    (image / criu.METADATA).write_text(json.dumps(data))
+    os.environ["FAKE_CRIU_RESTORED"] = str(pid)
+    try:
+        code, recs, err = tool("gpu-restore", ["--image", str(image), "--lazy"], capsys)
+        if opt_out:  # no agent resume to make lazy: refused before CRIU runs
+            assert code == ExitCode.USAGE and "did not suspend its program's agent" in err
+            assert world.calls()[-1] == "criu_dump"
+            code, recs, err = tool("gpu-restore", ["--image", str(image)], capsys)
+    finally:
+        del os.environ["FAKE_CRIU_RESTORED"]
+    assert code == 0, err
+    assert world.calls()[-3:] == (["criu_restore", "restore", "unlock"] if opt_out
+                                  else ["restore", "unlock", "agent_resume_lazy"])
+    assert (recs[-1]["type"] == "agent_resume") is not opt_out
+
+
+@pytest.mark.parametrize("name,args,words", [
+    ("gpu-ckpt", ["--pid", "1", "--no-agent-suspend"], "--no-agent-suspend goes with --pid PID --image DIR"),
+    ("gpu-ckpt", ["--job", "1", "--image", "x", "--no-agent-suspend"], "--no-agent-suspend goes with --pid PID"),
+    ("gpu-ckpt", ["--agent", "1", "--image", "x", "--no-agent-suspend"], "--no-agent-suspend goes with --pid PID"),
+    ("gpu-restore", ["--pid", "1", "--lazy"], "--lazy goes with"),
+    ("gpu-restore", ["--job", "1", "--image", "x", "--lazy"], "--lazy goes with"),
+])
+def test_the_new_options_are_refused_where_they_mean_nothing(name: str, args: list[str], words: str, capsys) -> None:
+    code, _, err = tool(name, args, capsys)
+    assert code == ExitCode.USAGE and words in err, err
