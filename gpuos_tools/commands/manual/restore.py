@@ -68,7 +68,13 @@ if the unlock fails after a restore, it is left locked and `gpu-restore --pid PI
 
 `--image DIR` runs `criu restore` (CRIU 4 or later, checked first) on an image written by
 `gpu-ckpt --image`, then restores the GPU state and unlocks. CRIU restores the process under
-its old PID, which must be free.
+its old PID, which must be free. When the dump had the program's agent suspend it (a program
+under the agent on interception, see gpu-ckpt(1)), the restored agent is then asked to resume it
+(an agent_resume record); with `--lazy` the program goes on at once and its buffers load behind
+it. If the agent does not resume it, the program runs on the driver's side but is held by its
+agent, and the message names `gpu-restore --agent PID --resume`; a guard does the resume if
+gpu-restore is killed. The pipe to the dumped program's launcher is replaced by /dev/null
+(CRIU's --inherit-fd): the restored tracer and agent go on, without a stream.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
