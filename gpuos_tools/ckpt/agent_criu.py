@@ -63,9 +63,12 @@ def agent_status(pid: int) -> tuple[Path | None, dict[str, Any] | None, str | No
     if not path.exists():
         return None, None, None
     try:
-        return path, control.request(path, "ping", timeout=PING_TIMEOUT_S), None
+        status = control.request(path, "ping", timeout=PING_TIMEOUT_S)
     except GpuosError as e:
         return path, None, str(e)
+    if status.get("pid", pid) != pid:
+        return path, None, f"the agent at {path} is PID {status.get('pid')}'s, not PID {pid}'s"
+    return path, status, None
 
 
 def trace_pipe(pid: int) -> dict[str, Any] | None:
@@ -118,14 +121,14 @@ class _Suspended:
                         "buffers": answer.get("buffers"), "suspend_s": answer.get("suspend_s"),
                         "not_owned": answer.get("not_owned")}}
 
-    def _undo(self, lazy: bool = False) -> str:
+    def _undo(self) -> str:
         """Resume the program through its agent if it holds it: what was done, in words ('' when
         it was not held)."""
         self.resumed = True
         try:
-            answer = resume_held(self.socket, lazy=lazy)
+            answer = resume_held(self.socket)
         except GpuosError as e:
-            return still_held(self.pid, e)
+            return still_held(self.pid, e) if procs.exists(self.pid) else "the program is gone"
         if answer is None:
             return ""
         self.ckpt.out({"type": "agent_resume", "agent": str(self.pid), **answer})
@@ -209,7 +212,7 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
 def image_agent(image_dir: Path) -> dict[str, Any]:
     """What the dump of the image did with its program's agent ({} when nothing)."""
     meta = registry.read_json(Path(image_dir) / criu.METADATA)
-    return meta.get(AGENT) or {} if isinstance(meta, dict) else {}
+    return (meta.get(AGENT) or {}) if isinstance(meta, dict) else {}
 
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
