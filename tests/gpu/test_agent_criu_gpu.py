@@ -58,6 +58,14 @@ def env_for(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+#: The program: criu_job.py with its standard output and error on a file of its own. The launcher's
+#: (which the program inherits) would grow when the launcher ends with the dumped program and says
+#: so, and CRIU restores an open regular file only at the size it had at the dump.
+OWN_STDERR = ("import os, runpy, sys; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644); "
+              "os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd); sys.argv = sys.argv[2:]; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 class AgentJob:
     """tests/gpu/progs/criu_job.py under `gpu-trace run --agent --mechanism intercept`, its
     allocations owned; its pid is the program's (not the launcher's)."""
@@ -67,8 +75,9 @@ class AgentJob:
         self.dir.mkdir()
         cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--agent", "--mechanism", "intercept",
                "--no-images", "-o", str(self.dir / "trace.ndjson.zst"), "--",
-               sys.executable, str(PROGS / "criu_job.py"), "--dir", str(self.dir), *JOB]
-        with open(self.dir / "stdout", "w") as out, open(self.dir / "stderr", "w") as err:
+               sys.executable, "-c", OWN_STDERR, str(self.dir / "stderr"), str(PROGS / "criu_job.py"),
+               "--dir", str(self.dir), *JOB]
+        with open(self.dir / "launcher.out", "w") as out, open(self.dir / "launcher.err", "w") as err:
             self.launcher: subprocess.Popen | None = subprocess.Popen(
                 cmd, cwd=self.dir, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                 env=env_for(tmp, GPUOS_AGENT_OWN="1"))
@@ -80,8 +89,9 @@ class AgentJob:
         self.pid = int(json.loads((self.dir / "ready.json").read_text())["pid"])
 
     def fail(self, what: str) -> None:
-        err = (self.dir / "stderr").read_text(errors="replace")[-4000:]
-        pytest.fail(f"agent job {self.dir.name}: {what}\n{err}")
+        said = {n: (self.dir / n).read_text(errors="replace")[-3000:] for n in ("stderr", "launcher.err")
+                if (self.dir / n).exists()}
+        pytest.fail(f"agent job {self.dir.name}: {what}\n{said}")
 
     def wait_iter(self, n: int, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
