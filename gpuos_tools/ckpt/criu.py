@@ -347,9 +347,9 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
     sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
-    cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
-           "--restore-detached", "--pidfile", str(pidfile), *(hooks.criu_args if hooks else []), *(criu_args or [])]
     hooks = hooks or Hooks()
+    cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
+           "--restore-detached", "--pidfile", str(pidfile), *hooks.criu_args, *(criu_args or [])]
     guard = Guard("restore", pid, image_dir, device=device, device_map=device_map, source_gpus=sources or None,
                   **hooks.guard)
     try:
