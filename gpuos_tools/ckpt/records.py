@@ -59,6 +59,7 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("gpu_map", Anything(), "for a move"),
     Field("image", Anything()),
     Field("ranks", List(_PID), "(--job --image) the job's processes checkpointed on the GPU"),
+    Field("agent_suspended", Bool(), "(--pid --image) the program's agent suspended it for the dump"),
 ))
 CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
     Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),
