@@ -48,6 +48,16 @@ def need_criu_and_cupy() -> None:
         pytest.skip(f"no usable CRIU: {e}")
 
 
+@pytest.fixture(autouse=True)
+def keep_guard_log(tmp_path: Path, request):
+    """What the guards did goes beside the figures (the device run brings it back), pass or fail."""
+    yield
+    log = tmp_path / "state" / "guard.log"
+    if FIGURES and log.exists():
+        with open(FIGURES + ".guard.log", "a", encoding="utf-8") as f:
+            f.write(f"== {request.node.name}\n" + log.read_text(errors="replace"))
+
+
 def env_for(tmp: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                GPUOS_CKPT_STATE_DIR=str(tmp / "state"), CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1",
@@ -161,7 +171,7 @@ def dump_and_restore(tmp: Path, name: str, *dump_args: str) -> dict:
         job.wait_iter(300)
         image = tmp / f"image-{name}"
         done, records, dump_s = cli(tmp, "ckpt", "--pid", str(job.pid), "--image", str(image), *dump_args)
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, (done.stderr, records[-3:])
         result = [r for r in records if r["type"] == "ckpt_result"][-1]
         assert result["action"] == "dump" and result["state"] == "dumped", result
         assert criu.image_state(image) == "complete"
@@ -172,7 +182,7 @@ def dump_and_restore(tmp: Path, name: str, *dump_args: str) -> dict:
             time.sleep(0.05)
         meta = json.loads((image / criu.METADATA).read_text())
         done, back, restore_s = cli(tmp, "restore", "--image", str(image))
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, (done.stderr, back[-3:])
         finished = job.finish()
         return {"records": records, "back": back, "meta": meta, "finished": finished,
                 **figures(records), "dump_s": round(dump_s, 3), "restore_s": round(restore_s, 3)}
