@@ -70,7 +70,8 @@ def checkpoint(
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
         help="Also dump the whole process (with --job: the launcher's whole tree) with CRIU (>= 4) into DIR, "
-        "an empty directory. With --agent, or --job --cut: the checkpoint image to write (it must not exist; it "
+        "an empty directory; a program under the agent on interception with owned memory is suspended by its "
+        "agent first (see --no-agent-suspend). With --agent, or --job --cut: the checkpoint image to write (it must not exist; it "
         "appears only when complete).",
     ),
     leave_running: bool = typer.Option(

@@ -50,7 +50,8 @@ def restore(
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
-        help="Restore the CRIU image gpu-ckpt --image wrote into DIR (an image of a job, from gpu-ckpt --job PID "
+        help="Restore the CRIU image gpu-ckpt --image wrote into DIR, then, when the dump had the program's agent "
+        "suspend it, have the agent resume it (an image of a job, from gpu-ckpt --job PID "
         "--image: the whole tree, then every rank's GPU state before any is unlocked; --device-map moves every "
         "rank the same way). With --agent: the agent-path "
         "image (gpu-ckpt --agent) to roll the program back to.",
