@@ -94,8 +94,9 @@ class World:
         d = self.tmp / f"prog-{len(self.procs)}"
         d.mkdir()
         (d / "calls").symlink_to(self.states / "calls")
-        p = subprocess.Popen([sys.executable, str(FAKE_AGENT), str(d)], stdin=subprocess.DEVNULL,
-                             stderr=open(d / "stderr", "w"), env=child_env(XDG_RUNTIME_DIR=str(self.run), **env))
+        with open(d / "stderr", "w") as err:
+            p = subprocess.Popen([sys.executable, str(FAKE_AGENT), str(d)], stdin=subprocess.DEVNULL, stderr=err,
+                                 env=child_env(XDG_RUNTIME_DIR=str(self.run), **env))
         self.procs.append(p)
         deadline = time.monotonic() + 30
         while not (d / "agent-ready").exists():
@@ -380,9 +381,9 @@ else:
 def killed_at(world: World, phase: str, *args: str) -> dict:
     """Run the tool until it tells its guard ``phase``, SIGKILL it, wait for its guard: the guard's outcome."""
     (world.states / "guard.pid").unlink(missing_ok=True)
-    log = open(world.tmp / "tool.log", "ab")
-    tool = subprocess.Popen([sys.executable, "-c", TOOL, args[0], str(world.states), *args[1:]], env=os.environ.copy(),
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    with open(world.tmp / "tool.log", "ab") as log:
+        tool = subprocess.Popen([sys.executable, "-c", TOOL, args[0], str(world.states), *args[1:]],
+                                env=os.environ.copy(), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     deadline = time.monotonic() + 60
     while not (world.states / f"at-{phase}").exists():
         assert tool.poll() is None, (world.tmp / "tool.log").read_text()[-3000:]
