@@ -20,7 +20,7 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +58,10 @@ IMAGE_META = RecordType(METADATA, "what gpu-ckpt --image writes beside CRIU's im
     Field("driver", Anything(), "{cuda, release}"),
     Field("listeners", ports.LISTENERS, "the tree's listening TCP sockets: before CRIU runs, the restore "
           "waits until no closing connection holds their ports (absent: not recorded, not waited for)"),
+    Field("agent", Anything(), "(a program under the agent) its agent's control socket and mechanism, and "
+          "whether the dump had it suspend the program (the restore then has it resume)"),
+    Field("trace_pipe", Anything(), "(a program under the agent) the pipe its tracer wrote to, which the "
+          "restore replaces by /dev/null"),
 ), note="Every other key is the writer's, kept as given.")
 _check_meta = IMAGE_META.checker()
 DUMP_LOG = "dump.log"
@@ -70,6 +74,23 @@ class Criu:
     path: str
     version: tuple[int, int]
     version_text: str
+
+
+@dataclass
+class Hooks:
+    """What a caller adds to a dump or a restore (gpuos_tools/ckpt/agent_criu.py: the program's
+    agent). Each callable runs while the guard still watches, so that a tool killed in it is
+    recovered as the guard's fields say."""
+
+    meta: dict[str, Any] = field(default_factory=dict)  #: more metadata (dump)
+    guard: dict[str, Any] = field(default_factory=dict)  #: more fields of the guard's first message
+    #: dump: after the guard started, before the driver's checkpoint; what it returns joins the metadata
+    before_gpu: Callable[[Any], dict[str, Any] | None] | None = None
+    #: dump: the result record before it is written (the image in place, with --leave-running the
+    #: process resumed); restore: the driver's restore record, once the process runs
+    after: Callable[[Any, Record], None] | None = None
+    criu_args: list[str] = field(default_factory=list)  #: more arguments of `criu restore`
+    pass_fds: tuple[int, ...] = ()  #: descriptors `criu restore` inherits (for --inherit-fd)
 
 
 def _tail(text: str, lines: int = 5) -> str:
@@ -130,7 +151,7 @@ RC_WRAPPER = ('rc=0; "$@" || rc=$?; echo "$rc" > "$GPUOS_CRIU_RC.tmp" && mv -f "
 
 
 def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], log: Path,
-              out: Path, rc_file: Path | None = None) -> subprocess.CompletedProcess:
+              out: Path, rc_file: Path | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess:
     """Run CRIU with its output into the file ``out``, not into pipes of ours: if this tool is
     killed, CRIU must carry on (a write to a dead reader's pipe would end it). With ``rc_file``,
     its exit status is written there when it ends, whoever waits for it."""
@@ -141,7 +162,7 @@ def _run_criu(ckpt: Checkpointer, pid: int | None, step: str, cmd: list[str], lo
         env = {**os.environ, "GPUOS_CRIU_RC": str(rc_file)}
     with open(out, "wb") as f:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-                              check=False)
+                              pass_fds=pass_fds, check=False)
     try:
         text = out.read_text(errors="replace")
     except OSError:
@@ -205,7 +226,7 @@ def ghost_limit(pids: list[int], criu_args: list[str]) -> list[str]:
 
 
 def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, leave_running: bool = False,
-         criu_args: list[str] | None = None) -> Record:
+         criu_args: list[str] | None = None, hooks: Hooks | None = None) -> Record:
     """GPU checkpoint of ``pid``, then ``criu dump`` of it into ``image_dir``.
 
     Without ``leave_running`` CRIU ends the process after the dump (the image is its restorable
@@ -222,7 +243,8 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     image_dir = empty_image_dir(ckpt, pid, image_dir)
     temp = Path(temp_name(str(image_dir)))
     # the guard first: killed at any moment after the temp directory exists, it is there to remove it
-    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running)
+    hooks = hooks or Hooks()
+    guard = Guard("dump", pid, image_dir, temp, leave_running=leave_running, **hooks.guard)
     try:
         image_dir.parent.mkdir(parents=True, exist_ok=True)
         temp.mkdir(mode=0o700)
@@ -231,7 +253,7 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
         raise ckpt.fail("dump", pid, f"{temp}: cannot create: {e.strerror}; nothing was touched",
                          ExitCode.IO_ERROR, None, False) from e
     try:
-        result = _dump(ckpt, criu, guard, pid, image_dir, temp, timeout_ms, leave_running, criu_args)
+        result = _dump(ckpt, criu, guard, pid, image_dir, temp, timeout_ms, leave_running, criu_args, hooks)
     except CkptError:  # the process was left in the state the error names
         guard.done()
         shutil.rmtree(temp, ignore_errors=True)
@@ -251,8 +273,11 @@ def _handed_to_guard(ckpt: Checkpointer, guard: Any, action: str, pid: int, e: B
 
 
 def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path, temp: Path, timeout_ms: int,
-          leave_running: bool, criu_args: list[str] | None) -> Record:
+          leave_running: bool, criu_args: list[str] | None, hooks: Hooks) -> Record:
     info = procs.read_proc(pid) if procs.exists(pid) else None
+    extra = dict(hooks.meta)
+    if hooks.before_gpu is not None:
+        extra.update(hooks.before_gpu(guard) or {})
     guard.phase("gpu")
     gpu = ckpt.suspend(pid, timeout_ms)  # raises CkptError, the process left running
     entry = registry.lookup(pid) or {}
@@ -264,6 +289,7 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         "criu": criu.version_text,
         "leave_running": leave_running,
         "listeners": ports.listeners(procs.descendants(pid)),
+        **extra,
     }
     try:
         registry.write_json_atomic(temp / METADATA, meta, mode=0o644)
@@ -315,6 +341,8 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         "checkpoint_s": gpu.get("checkpoint_s"),
         "message": message,
     }
+    if hooks.after is not None:
+        hooks.after(guard, result)
     ckpt.out(result)
     return result
 
@@ -360,11 +388,11 @@ def wait_for_listeners(ckpt: Checkpointer, pid: int, meta: dict[str, Any], wait_
 
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
-            criu_args: list[str] | None = None, port_wait_s: float = ports.WAIT_S,
+            criu_args: list[str] | None = None, hooks: Hooks | None = None, port_wait_s: float = ports.WAIT_S,
             warn: Callable[[str], None] | None = None) -> Record:
     """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock.
     First, up to ``port_wait_s`` seconds for the ports of its listeners (``wait_for_listeners``;
-    ``warn`` says once that it waits)."""
+    ``warn`` says once that it waits); ``hooks`` add to the command line, the guard and the end."""
     criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
     meta = registry.read_json(image_dir / METADATA)
@@ -385,12 +413,15 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
     sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
+    hooks = hooks or Hooks()
     cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
-           "--restore-detached", "--pidfile", str(pidfile), *(criu_args or [])]
-    guard = Guard("restore", pid, image_dir, device=device, device_map=device_map, source_gpus=sources or None)
+           "--restore-detached", "--pidfile", str(pidfile), *hooks.criu_args, *(criu_args or [])]
+    guard = Guard("restore", pid, image_dir, device=device, device_map=device_map, source_gpus=sources or None,
+                  **hooks.guard)
     try:
         guard.phase("criu")
-        done = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG, image_dir / "criu-restore.out")
+        done = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG, image_dir / "criu-restore.out",
+                         pass_fds=hooks.pass_fds)
         if done.returncode != 0:
             if procs.exists(pid):  # CRIU failed after the process came back: do not leave it without its GPU
                 left = ckpt.bring_back(pid)
@@ -408,6 +439,8 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         guard.phase("gpu", pid=pid)
         result = ckpt.resume(pid, device, device_map, source_gpus=sources or None,
                              result_fields=None if waited is None else {"port_wait_s": waited})
+        if hooks.after is not None:
+            hooks.after(guard, result)
     except CkptError:
         guard.done()
         raise

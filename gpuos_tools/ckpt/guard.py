@@ -18,6 +18,12 @@ pipe closes without ``done``, the tool died, and the guard acts on the last phas
   in the checkpointed or locked state is restored on the GPU (onto the device asked) and
   unlocked. If CRIU had not restored it, the image is intact and nothing runs.
 
+The dump of a program whose agent suspended it first (gpuos_tools/ckpt/agent_criu.py) names
+the agent's socket (``agent``): once the process runs again on the driver's side, the guard has
+the agent resume it (after a dump: whatever phase the tool died in, a suspend under way waited
+for; after a restore: with ``lazy`` as asked). An agent that does not answer is said in the
+outcome, with the command that resumes it.
+
 A job (``gpu-ckpt --job PID --image``, and ``gpu-restore`` of its image) is guarded the same way,
 PID being its launcher: where the dump above brings the process back, and the restore restores
 it, the guard brings every rank of the job back at once (``job.bring_back_job``: each rank's GPU
@@ -40,6 +46,7 @@ from typing import IO, Any
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import registry
+from gpuos_tools.ckpt.agent_hold import resume_held, still_held
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
 from gpuos_tools.ckpt.job import bring_back_job, job_ranks, resume_job
 from gpuos_tools.errors import GpuosError
@@ -239,6 +246,8 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
                 _log(f"PID {pid} brought back: {state}")
             if state:
                 where = f"PID {pid} {state}"
+            if state == "running" and first.get("agent"):
+                where += _agent_back(first, pid, outcome)
         elif not image_ok:
             _log(f"PID {pid} is gone and no complete image of it is at {image} (temp {temp})")
         if not image_ok and temp.is_dir():
@@ -271,8 +280,25 @@ def recover(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
         except CkptError as e:
             state = ckpt.bring_back(pid)
             _log(f"restore of PID {pid} as asked failed ({e}); brought back where it was: {state}")
-    outcome.update(pid=pid, state=state, message=f"PID {pid} restored from {image}: {state}")
+    words = _agent_back(first, pid, outcome) if state == "running" and first.get("agent") else ""
+    outcome.update(pid=pid, state=state, message=f"PID {pid} restored from {image}: {state}{words}")
     return outcome
+
+
+def _agent_back(first: dict[str, Any], pid: int, outcome: dict[str, Any]) -> str:
+    """The program's agent (its socket: ``first["agent"]``) resumes it if it holds it; words for
+    the message, what was done into ``outcome["agent"]``."""
+    try:
+        answer = resume_held(first["agent"], lazy=bool(first.get("lazy")))
+    except GpuosError as e:
+        outcome["agent"] = {"socket": first["agent"], "resumed": False, "error": str(e)}
+        _log(f"PID {pid}: {still_held(pid, e)}")
+        return f"; {still_held(pid, e)}"
+    outcome["agent"] = {"socket": first["agent"], "resumed": answer is not None}
+    if answer is None:
+        return "; its agent did not hold it"
+    _log(f"PID {pid} resumed by its agent")
+    return "; its agent resumed it"
 
 
 def _job_back(ckpt: Any, pid: int, outcome: dict[str, Any],

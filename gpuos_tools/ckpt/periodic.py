@@ -61,7 +61,7 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.agent.snapshot import periodic_snapshot
-from gpuos_tools.ckpt import criu
+from gpuos_tools.ckpt import agent_criu
 from gpuos_tools.ckpt.criu import METADATA, image_state
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.profile import PATH, _bad, read_tables
@@ -415,12 +415,14 @@ def agent_snapshot(prof: PeriodicProfile) -> SnapshotFn:
 
 def process_snapshot(prof: PeriodicProfile) -> SnapshotFn:
     """The snapshot function of a full-process profile: a CRIU dump of the [process] that leaves
-    it running (gpuos_tools/ckpt/criu.py ``dump``), into the image's path."""
+    it running (gpuos_tools/ckpt/criu.py ``dump``; a program under the agent on interception is
+    suspended by its agent around it, gpuos_tools/ckpt/agent_criu.py), into the image's path."""
     pid = find_process(prof.process)
 
     def snapshot(path: str, parent: str | None) -> dict[str, Any]:
         assert parent is None  # every full-process image is full
-        rec = criu.dump(Checkpointer(), pid, Path(path), int(prof.process.get("timeout_ms", 0)), leave_running=True)
+        rec = agent_criu.dump(Checkpointer(), pid, Path(path), int(prof.process.get("timeout_ms", 0)),
+                              leave_running=True)
         return {k: rec[k] for k in ("pid", "state", "bytes", "checkpoint_s", "message") if k in rec}
 
     return snapshot

@@ -61,6 +61,7 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("ranks", List(_PID), "(--job --image) the job's processes checkpointed on the GPU"),
     Field("port_wait_s", _SECONDS, "(restore --image) how long the restore waited, before CRIU ran, for closing "
           "connections to free the ports of the image's listening sockets"),
+    Field("agent_suspended", Bool(), "(--pid --image) the program's agent suspended it for the dump"),
 ))
 CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
     Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),
@@ -176,6 +177,9 @@ CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by t
     Field("job", Bool(), "true when pid is the launcher of a job (--job)"),
     Field("ranks", List(Obj((Field("pid", _PID), Field("state", _STATE, null=True)), text="{pid, state}")),
           "a job's ranks and their states afterwards"),
+    Field("agent", Obj((Field("socket", Str()), Field("resumed", Bool()), Field("error", Str())),
+                       text="{socket, resumed, error}"),
+          "when the program's agent had suspended it for the dump or was to resume it after the restore"),
 ))
 
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.

@@ -12,7 +12,7 @@ from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.snapshot import snapshot_to_image
 from gpuos_tools.agent.suspend import request_suspend
-from gpuos_tools.ckpt import agent_job, criu, criu_job, periodic as per
+from gpuos_tools.ckpt import agent_criu, agent_job, criu_job, periodic as per
 from gpuos_tools.ckpt.check import run_checks, table_rows
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
@@ -71,12 +71,19 @@ def checkpoint(
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
         help="Also dump the whole process (with --job: the launcher's whole tree) with CRIU (>= 4) into DIR, "
-        "an empty directory. With --agent, or --job --cut: the checkpoint image to write (it must not exist; it "
+        "an empty directory; a program under the agent on interception with owned memory is suspended by its "
+        "agent first (see --no-agent-suspend). With --agent, or --job --cut: the checkpoint image to write (it must not exist; it "
         "appears only when complete).",
     ),
     leave_running: bool = typer.Option(
         False, "--leave-running",
         help="With --image: resume the process (with --job: every rank) after the dump instead of letting CRIU end it.",
+    ),
+    no_agent_suspend: bool = typer.Option(
+        False, "--no-agent-suspend",
+        help="With --pid PID --image DIR: dump a program under the agent on interception with owned memory "
+        "(GPUOS_AGENT_OWN=1) the plain way, all its device memory through the driver's checkpoint (~2 GB/s), "
+        "instead of having its agent suspend it first (owned memory off the GPU at link speed; the default).",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG",
@@ -159,6 +166,8 @@ def checkpoint(
                              f"{PROG} {ctx.invoked_subcommand} [OPTIONS]", ExitCode.USAGE)
         return
 
+    if no_agent_suspend and (pid is None or image is None):
+        raise GpuosError("--no-agent-suspend goes with --pid PID --image DIR", ExitCode.USAGE)
     if checksum not in chunkio.CHOICES:
         raise GpuosError(f"--checksum must be one of {', '.join(chunkio.CHOICES)}, not {checksum!r}", ExitCode.USAGE)
     if force and job is None:
@@ -254,7 +263,8 @@ def checkpoint(
     assert pid is not None
     if image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
-                              lambda: criu.dump(ckpt, pid, image, timeout, leave_running, criu_arg or []),
+                              lambda: agent_criu.dump(ckpt, pid, image, timeout, leave_running, criu_arg or [],
+                                                      agent_suspend=not no_agent_suspend),
                               action="dump", pid=pid)
     else:
         result = run_recorded("-" if output is None else output, PROG, ckpt, lambda: ckpt.suspend(pid, timeout),

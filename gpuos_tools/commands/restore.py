@@ -11,7 +11,7 @@ import typer
 from gpuos_tools import image as img
 from gpuos_tools.agent import control
 from gpuos_tools.agent.suspend import request_resume
-from gpuos_tools.ckpt import agent_job, criu, criu_job, ports
+from gpuos_tools.ckpt import agent_criu, agent_job, criu_job, ports
 from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import resume_job
 from gpuos_tools.ckpt.move import check_movable, check_target, move_suspended
@@ -50,7 +50,8 @@ def restore(
     ),
     image: Optional[Path] = typer.Option(
         None, "--image", metavar="DIR",
-        help="Restore the CRIU image gpu-ckpt --image wrote into DIR (an image of a job, from gpu-ckpt --job PID "
+        help="Restore the CRIU image gpu-ckpt --image wrote into DIR, then, when the dump had the program's agent "
+        "suspend it, have the agent resume it (an image of a job, from gpu-ckpt --job PID "
         "--image: the whole tree, then every rank's GPU state before any is unlocked; --device-map moves every "
         "rank the same way). With --agent: the agent-path "
         "image (gpu-ckpt --agent) to roll the program back to.",
@@ -77,7 +78,9 @@ def restore(
     lazy: bool = typer.Option(
         False, "--lazy",
         help="With --agent --resume or --agent --image: let the program go on at once; each launch, copy or memset "
-        "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it, the most recently touched first.",
+        "waits on the GPU for the buffers it touches (unknown: all), the rest load behind it, the most recently "
+        "touched first. With --image DIR of a program whose agent the dump suspended: its agent's resume, after "
+        "the restore, is lazy so.",
     ),
     criu_arg: Optional[list[str]] = typer.Option(
         None, "--criu-arg", metavar="ARG",
@@ -133,8 +136,9 @@ def restore(
         return
     if resume and agent is None:
         raise GpuosError("--resume goes with --agent PID (the driver path: --pid PID)", ExitCode.USAGE)
-    if lazy and agent is None:
-        raise GpuosError("--lazy goes with --agent PID --resume or --agent PID --image DIR", ExitCode.USAGE)
+    if lazy and agent is None and (image is None or any(x is not None for x in (pid, job, profile))):
+        raise GpuosError("--lazy goes with --agent PID --resume, --agent PID --image DIR, or --image DIR (a "
+                         "full-process image whose dump suspended the program's agent)", ExitCode.USAGE)
     if agent is not None and resume:
         if any(x is not None for x in (pid, job, profile, image)) or criu_arg:
             raise GpuosError("--agent --resume goes with --device, --device-map, --lazy, --timeout and -o only",
@@ -196,6 +200,9 @@ def restore(
             raise typer.Exit(int(failures[0].code))
         return
     if image is not None and criu_job.is_job_image(image):
+        if lazy:
+            raise GpuosError(f"{image} is the image of a job: --lazy goes with the image of one program whose "
+                             "agent the dump suspended", ExitCode.USAGE)
         if device is not None:
             raise GpuosError(f"{image} is the image of a job: it moves by --device-map (every process the same "
                              "way), not --device", ExitCode.USAGE)
@@ -205,8 +212,9 @@ def restore(
                               action="restore", image=str(image))
     elif image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
-                              lambda: criu.restore(ckpt, image, device, device_map, criu_arg or [],
-                                                   port_wait_s=port_wait_s, warn=lambda m: warn(PROG, m)),
+                              lambda: agent_criu.restore(ckpt, image, device, device_map, criu_arg or [], lazy=lazy,
+                                                         port_wait_s=port_wait_s,
+                                                         warn=lambda m: warn(PROG, m)),
                               action="restore", image=str(image))
     else:
         assert pid is not None

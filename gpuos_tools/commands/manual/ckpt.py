@@ -110,7 +110,25 @@ running; what it did is in STATE_DIR/guard.log and STATE_DIR/guard-PID.json (a c
 record). With --job it does so for the whole job: every rank's GPU state is restored before any
 rank is unlocked. CRIU restores an open regular file only if its size is what it was at the dump: a job
 that keeps a growing log open cannot be restored from a --leave-running image after it wrote
-more."""
+more.
+
+A program under the agent on interception (`gpu-ckpt run` or `gpu-trace run --agent` with
+--mechanism intercept) whose memory the agent owns (GPUOS_AGENT_OWN=1) is dumped through its
+agent first: the agent suspends it (an agent_suspend record; the owned memory goes to pinned
+host memory at link speed and off the GPU), the driver's checkpoint then copies only what is
+left (the context, memory not owned), and CRIU writes the process, staging included. The image's
+metadata says so (agent.suspended_by_dump), and `gpu-restore --image DIR` has the restored agent
+resume it (an agent_resume record). With --leave-running the agent resumes it after the dump.
+--no-agent-suspend dumps it the plain way. A program whose agent owns nothing, or that was
+suspended before (it stays so after the restore), is dumped the plain way; one under the agent
+on CUPTI callbacks is refused (84, NOT_CHECKPOINTABLE), nothing touched, since the driver refuses
+a process with CUPTI loaded. If the dump fails or is refused after the suspend, the agent resumes
+the program and the error says so; the guard does the same if gpu-ckpt is killed. An agent that
+does not answer leaves the program held, and the message names the command that resumes it
+(`gpu-restore --agent PID --resume`). The trace stream of such a program goes to its launcher
+through a pipe that cannot outlive it: the restored program's tracer writes to /dev/null instead
+(the agent goes on; the stream of the restored run is not recorded). `gpu-ckpt periodic`'s
+full-process images take the same path."""
 
 PERIODIC = """\
 `gpu-ckpt periodic --profile FILE` takes one image of an agent process per run, for cron. The

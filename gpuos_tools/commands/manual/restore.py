@@ -72,7 +72,13 @@ its old PID, which must be free. Before CRIU runs, it waits for closed connectio
 (the process's own, kept 60 s by the kernel) to free the ports of the listening sockets the image
 records, since CRIU's bind of a listener without SO_REUSEADDR fails on them: said once on
 stderr, at most `--timeout` seconds (default 90), the wait reported as `port_wait_s`. A port a
-live process holds is refused, nothing touched.
+live process holds is refused, nothing touched. When the dump had the program's agent suspend it (a program
+under the agent on interception, see gpu-ckpt(1)), the restored agent is then asked to resume it
+(an agent_resume record); with `--lazy` the program goes on at once and its buffers load behind
+it. If the agent does not resume it, the program runs on the driver's side but is held by its
+agent, and the message names `gpu-restore --agent PID --resume`; a guard does the resume if
+gpu-restore is killed. The pipe to the dumped program's launcher is replaced by /dev/null
+(CRIU's --inherit-fd): the restored tracer and agent go on, without a stream.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
