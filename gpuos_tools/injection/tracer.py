@@ -121,6 +121,28 @@ def _nvinfo_layout(name: str) -> tuple | None:
     return None
 
 
+_image_cache: dict[str, tuple[int, bytes | None]] = {}
+
+
+def _image_for(name: str) -> bytes | None:
+    """The latest loaded module image (cubin) that defines kernel ``name``, for the validator."""
+    from gpuos_tools.cuda import elf
+
+    hit = _image_cache.get(name)
+    if hit is not None and hit[0] == len(_cubins):
+        return hit[1]
+    found = None
+    for image in reversed(_cubins):
+        try:
+            if name in elf.kernels(image):
+                found = image
+                break
+        except Exception:  # a malformed image must not break the program
+            continue
+    _image_cache[name] = (len(_cubins), found)
+    return found
+
+
 def _learn(func: int, cbdata) -> tuple | None:
     name = cbdata.symbol_name or ""
     layout, source = _param_info(func)
@@ -528,24 +550,35 @@ def _validating_handlers(validator, table: dict) -> dict:
     from gpuos_tools.agent.validate import CudaFailure  # numpy: imported under --validate only
 
     handlers = {}
+    reported_off: list[str] = []
 
     def make(name: str, base):
         def handler(cbid: int, cbdata) -> None:
             site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
             tid = _tid()
             if site == _ENTER:
+                not_replayed = None  # why the launch cannot be recreated by cuLaunchKernel elsewhere
                 if name.startswith("cuLaunchKernelEx"):
                     cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
-                    stream = _LAUNCH_CONFIG(_MEM, cfg)[7]
+                    shape = _LAUNCH_CONFIG(_MEM, cfg)
+                    stream = shape[7]
                     raw = (cfg, f, kp, extra)
+                    if _U32(_MEM, cfg + 40)[0]:  # CUlaunchConfig.numAttrs
+                        not_replayed = "launch attributes (clusters, priorities) are not replayed"
                 elif name.startswith("cuLaunchCooperativeKernel"):
                     raw = _LAUNCH_COOP(_MEM, pp)
                     f, stream, kp, extra = raw[0], raw[8], raw[9], 0
+                    shape = raw[1:9]
+                    not_replayed = "cooperative launches are not replayed"
                 else:
                     raw = _LAUNCH(_MEM, pp)
                     f, stream, kp, extra = raw[0], raw[8], raw[9], raw[10]
+                    shape = raw[1:9]
                 if not validator.wants(f) or _capturing(stream):
                     return
+                if not stream and name.endswith("_ptsz"):
+                    stream = 2  # CU_STREAM_PER_THREAD: the handle the default stream stands for here
+                geometry = (shape[0:3], shape[3:6], shape[6], not_replayed, stream)
                 entry = _layouts.get(f, False)
                 if entry is False:
                     entry = _learn(f, cbdata)
@@ -553,7 +586,7 @@ def _validating_handlers(validator, table: dict) -> dict:
                 validator.busy_tid = tid
                 try:
                     validator.enter(tid, name, (name, raw), f, cbdata.symbol_name or "", sizes,
-                                    _args(entry, kp, extra))
+                                    _args(entry, kp, extra), geometry)
                 except CudaFailure as exc:
                     _append((wire.ERROR, _now(), f"validation of {cbdata.symbol_name}: {exc}"))
                 finally:
@@ -568,6 +601,10 @@ def _validating_handlers(validator, table: dict) -> dict:
                         validator.busy_tid = 0
                     if body is not None:
                         _append((wire.VALID, _now(), tid, body))
+                    off = getattr(validator, "switched_off", None)
+                    if off and not reported_off:
+                        reported_off.append(off)
+                        _append((wire.ERROR, _now(), off))
 
         return handler
 
@@ -829,6 +866,8 @@ class Tracer:
     def shutdown(self) -> None:
         """At interpreter exit (our atexit handler runs after the frameworks' own)."""
         self.stop.set()
+        if self.validator is not None and hasattr(self.validator, "close"):
+            self.validator.close()  # the validator process and its staging directory
         if self.agent is not None:
             self.agent.stop_background()
             if self.agent.server is not None:
@@ -934,7 +973,13 @@ def start(cfg: BootConfig) -> Tracer:
         from gpuos_tools.agent.validate import Validator  # numpy: imported under --validate only
 
         v = cfg.validate
-        _tracer = Tracer(trace.fd, flush_s, Validator(v.samples, v.max_bytes, v.extents))
+        if v.where == "validator":
+            from gpuos_tools.agent.offload import OffloadValidator
+
+            checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s)
+        else:
+            checker = Validator(v.samples, v.max_bytes, v.extents)
+        _tracer = Tracer(trace.fd, flush_s, checker)
     elif native:
         _tracer = NativeTracer(trace.fd, flush_s, trace.native, trace.check_pointers)
     else:
