@@ -1,0 +1,183 @@
+"""The program's side of out-of-process validation (gpuos_tools/agent/offload.py): what it copies,
+what it sends, and that a validator that hangs, crashes or answers garbage never reaches the
+program. The validator here is tests/fake_validator.py (the real replay on a fake device)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpuos_tools.agent.offload import Link, OffloadValidator, regions_of, validator_command
+from gpuos_tools.agent.validate import CudaFailure
+
+HERE = Path(__file__).resolve().parent
+X, Y, Z = 0x7F0000000000, 0x7F0000010000, 0x7F0000020000
+N = 100
+COPY = "_Z4copyIfEvPKT_PS0_i"  # void copy<float>(const float*, float*, int)
+
+
+class FakeCopier:
+    """The program's memory as numpy buffers; copies recorded."""
+
+    def __init__(self, fail: bool = False):
+        self.mem = {X: np.arange(N, dtype=np.float32).view(np.uint8).copy(),
+                    Y: np.zeros(4 * N, np.uint8), Z: np.zeros(4 * N, np.uint8)}
+        self.copies: list[tuple[int, list]] = []
+        self.fail = fail
+        self.registered: list[int] = []
+
+    def register(self, addr: int, size: int) -> bool:
+        self.registered.append(addr)
+        return True
+
+    def unregister(self, addr: int) -> None:
+        self.registered.remove(addr)
+
+    def copy(self, stream: int, copies) -> None:
+        if self.fail:
+            raise CudaFailure("cuMemcpyDtoHAsync: CUDA_ERROR_ILLEGAL_ADDRESS")
+        self.copies.append((stream, list(copies)))
+        for host, dev, n in copies:
+            base = max(a for a in self.mem if a <= dev)
+            src = self.mem[base][dev - base : dev - base + n]
+            ctypes.memmove(host, src.ctypes.data, n)
+
+    @staticmethod
+    def bus_id() -> str:
+        return "0000:00:00.0"
+
+
+def make(mode: str = "ok", timeout_s: float = 20.0, fail: bool = False, kernel: str = COPY,
+         image: bytes | None = b"cubin") -> OffloadValidator:
+    copier = FakeCopier(fail)
+    v = OffloadValidator(samples=3, image_for=lambda name: image, timeout_s=timeout_s, copier=copier)
+    v._command = [sys.executable, str(HERE / "fake_validator.py"), str(v.dir), mode]
+    for addr in (X, Y, Z):
+        v.on_alloc(addr, 4 * N, "device")
+    return v
+
+
+GEOMETRY = ((1, 1, 1), (32, 1, 1), 0, None, 7)
+
+
+def launch(v: OffloadValidator, kernel: str = COPY, geometry=GEOMETRY, tid: int = 1) -> dict | None:
+    args = struct.pack("<QQi", X, Y, N)
+    v.enter(tid, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, kernel, (8, 8, 4), args, geometry)
+    return v.exit(tid, 0)
+
+
+@pytest.fixture
+def validator():
+    made: list[OffloadValidator] = []
+
+    def factory(*a, **kw):
+        made.append(make(*a, **kw))
+        return made[-1]
+
+    yield factory
+    for v in made:
+        v.close()
+        assert not v.dir.exists()
+
+
+def test_regions_merge_reads_and_writes_with_their_modes():
+    assert regions_of([[0, 10], [100, 10]], [[5, 10], [200, 4]]) == [(0, 15, "rw"), (100, 10, "r"), (200, 4, "w")]
+
+
+def test_a_sampled_launch_is_copied_out_replayed_and_validated(validator):
+    v = validator()
+    rec = launch(v)
+    stream, copies = v.copier.copies[0]
+    assert stream == 7  # ordered after the launch's own stream
+    assert sorted((dev, n) for _, dev, n in copies) == [(X, 4 * N), (Y, 4 * N)]  # only the predicted buffers
+    assert v.copier.registered == [v.staging.addr]  # the staging file is pinned
+    assert rec["mode"] == "validator" and "seq" not in rec and "restart" not in rec
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    assert rec["written"] == [[Y, 4 * N + (-4 * N) % 128]]
+    assert rec["ms"] >= 0
+    assert len(list(v.dir.glob("*.image"))) == 1
+    launch(v, tid=2)
+    assert len(list(v.dir.glob("*.image"))) == 1 and v.link.starts == 1  # one image file, one validator
+
+
+def test_a_kernel_the_image_lacks_is_unvalidated(validator):
+    v = validator()
+    rec = launch(v, kernel="_Z7unknownPKfPfi")  # void unknown(const float*, float*, int)
+    assert rec["checked"] is False and "CUDA_ERROR_NOT_FOUND" in rec["why"]
+
+
+def test_a_validator_that_hangs_is_killed_and_the_launch_unvalidated(validator):
+    v = validator("hang", timeout_s=0.5)
+    t0 = time.monotonic()
+    rec = launch(v)
+    assert time.monotonic() - t0 < 10
+    assert rec["checked"] is False and "did not answer within 0.5 s" in rec["why"]
+    assert v.link.proc is None  # killed
+
+
+def test_a_validator_that_keeps_failing_switches_validation_off(validator):
+    v = validator("crash")
+    whys = [launch(v, tid=t)["why"] for t in range(1, 4)]
+    assert all("exited (status 7)" in w for w in whys[:2]), whys
+    assert "switched off" in whys[2] and v.switched_off == v.link.off
+    assert v.link.starts == 3
+    assert not v.wants(1)  # nothing more is sampled
+
+
+def test_garbage_from_the_validator_is_a_failure_not_a_crash(validator):
+    v = validator("garbage")
+    rec = launch(v)
+    assert rec["checked"] is False and "garbage" in rec["why"]
+
+
+def test_a_validator_that_cannot_start_says_why(validator):
+    v = validator("refuse")
+    rec = launch(v)
+    assert rec["checked"] is False and "CUDA_ERROR_NO_DEVICE" in rec["why"]
+
+
+def test_a_failed_copy_never_reaches_the_program(validator):
+    v = validator(fail=True)
+    rec = launch(v)
+    assert rec["checked"] is False and "copying the inputs out failed" in rec["why"]
+    assert v.link is None  # no validator was started for it
+
+
+@pytest.mark.parametrize("geometry, image, why", [
+    (None, b"cubin", "geometry is unknown"),
+    (((1, 1, 1), (1, 1, 1), 0, "cooperative launches are not replayed", 0), b"cubin", "cooperative"),
+    (GEOMETRY, None, "no module image"),
+])
+def test_launches_that_cannot_be_recreated_are_unvalidated(validator, geometry, image, why):
+    v = validator(image=image)
+    rec = launch(v, geometry=geometry)
+    assert rec["checked"] is False and why in rec["why"] and rec["mode"] == "validator"
+    assert v.link is None
+
+
+def test_the_validator_runs_untraced_with_this_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUOS_BOOT", "{}")
+    monkeypatch.setenv("CUDA_INJECTION64_PATH", "/x.so")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    cmd, env = validator_command(tmp_path, "0000:17:00.0")
+    assert cmd[1:3] == ["-m", "gpuos_tools.agent.replay"] and cmd[-4:] == ["--device", "0000:17:00.0", "--dir", str(tmp_path)]
+    assert "GPUOS_BOOT" not in env and "CUDA_INJECTION64_PATH" not in env
+    assert env["PYTHONPATH"].split(":")[0] == str(HERE.parent) and env["PYTHONPATH"].endswith("/somewhere")
+
+
+def test_a_restart_after_a_lost_context_is_not_a_failure(tmp_path):
+    script = ("import sys; sys.path.insert(0, %r); from gpuos_tools.agent import replay as r; "
+              "o = sys.stdout.buffer; r.write_frame(o, {'ready': True}); q = r.read_frame(sys.stdin.buffer); "
+              "r.write_frame(o, {'seq': q['seq'], 'checked': True, 'restart': True}); sys.exit(3)") % str(HERE.parent)
+    link = Link([sys.executable, "-c", script], {}, timeout_s=20)
+    for seq in (1, 2, 3, 4):
+        assert link.request({"seq": seq}) == {}
+        rep = link.answer()
+        assert rep == {"seq": seq, "checked": True}
+    assert link.failures == 0 and link.off is None and link.starts == 4
