@@ -181,3 +181,18 @@ def test_a_restart_after_a_lost_context_is_not_a_failure(tmp_path):
         rep = link.answer()
         assert rep == {"seq": seq, "checked": True}
     assert link.failures == 0 and link.off is None and link.starts == 4
+
+
+def test_the_image_of_a_kernel_is_the_latest_loaded_module_defining_it(monkeypatch):
+    from gpuos_tools.cuda import elf
+    from gpuos_tools.injection import tracer
+
+    cubin = (HERE / "data" / "kernels.sm_90.cubin").read_bytes()
+    name = elf.kernels(cubin)[0]
+    newer = cubin + b"\0" * 8  # the same module loaded again: the later copy is the one live
+    monkeypatch.setattr(tracer, "_cubins", [cubin, b"not an ELF"])
+    monkeypatch.setattr(tracer, "_kernel_sets", [])
+    assert tracer._image_for(name) is cubin
+    assert tracer._image_for("no_such_kernel") is None
+    tracer._cubins.append(newer)
+    assert tracer._image_for(name) is newer

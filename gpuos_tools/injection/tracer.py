@@ -121,26 +121,22 @@ def _nvinfo_layout(name: str) -> tuple | None:
     return None
 
 
-_image_cache: dict[str, tuple[int, bytes | None]] = {}
+_kernel_sets: list[frozenset[str]] = []  # the kernels of _cubins[i], read when first asked
 
 
 def _image_for(name: str) -> bytes | None:
     """The latest loaded module image (cubin) that defines kernel ``name``, for the validator."""
     from gpuos_tools.cuda import elf
 
-    hit = _image_cache.get(name)
-    if hit is not None and hit[0] == len(_cubins):
-        return hit[1]
-    found = None
-    for image in reversed(_cubins):
+    for i in range(len(_kernel_sets), len(_cubins)):
         try:
-            if name in elf.kernels(image):
-                found = image
-                break
+            _kernel_sets.append(frozenset(elf.kernels(_cubins[i])))
         except Exception:  # a malformed image must not break the program
-            continue
-    _image_cache[name] = (len(_cubins), found)
-    return found
+            _kernel_sets.append(frozenset())
+    for i in range(len(_kernel_sets) - 1, -1, -1):
+        if name in _kernel_sets[i]:
+            return _cubins[i]
+    return None
 
 
 def _learn(func: int, cbdata) -> tuple | None:
