@@ -196,3 +196,22 @@ def test_the_image_of_a_kernel_is_the_latest_loaded_module_defining_it(monkeypat
     assert tracer._image_for("no_such_kernel") is None
     tracer._cubins.append(newer)
     assert tracer._image_for(name) is newer
+
+
+def test_a_second_thread_is_not_sampled_while_a_launch_is_out(validator):
+    v = validator()
+    args = struct.pack("<QQi", X, Y, N)
+    assert v.wants(1)
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, COPY, (8, 8, 4), args, GEOMETRY)
+    assert not v.wants(2)  # a first launch of another kernel, on another thread
+    assert v.exit(1, 0)["checked"]
+    assert v.wants(3)
+
+
+def test_the_programs_own_failed_launch_is_not_judged(validator):
+    v = validator()
+    args = struct.pack("<QQi", X, Y, N)
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, COPY, (8, 8, 4), args, GEOMETRY)
+    rec = v.exit(1, 700)
+    assert rec["checked"] is False and "CUresult 700" in rec["why"]
+    assert launch(v, tid=2)["checked"]  # the validator's answer was consumed: the next one lines up

@@ -289,7 +289,10 @@ class OffloadValidator(Validator):
     def wants(self, func: int) -> bool:
         if self.link is not None and self.link.off is not None:
             return False
-        return super().wants(func)
+        sampled = super().wants(func)  # (counts the launch either way)
+        # one launch at a time in the validator: a launch of another thread while one is out is
+        # not sampled (its verdict could be read in place of the other's)
+        return sampled and not any("seq" in s for s in self.pending.values())
 
     def _image_key(self, image: bytes) -> str:
         key = self.images.get(image)
@@ -336,7 +339,10 @@ class OffloadValidator(Validator):
                "params": (args or b"").hex(), "sizes": list(sizes or ()), "grid": [gx, gy, gz],
                "block": [bx, by, bz], "shared": shared, "staging": self.staging.path.name,
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
-        sent = self._link().request(req)
+        try:
+            sent = self._link().request(req)
+        except CudaFailure as exc:  # the program's device could not be named
+            sent = f"the validator could not start: {exc}"
         if isinstance(sent, str):
             self._note_off()
             self.pending[tid] = {"skip": self._skipped(state, [f"unvalidated: {sent}"])}
