@@ -215,3 +215,26 @@ def test_the_programs_own_failed_launch_is_not_judged(validator):
     rec = v.exit(1, 700)
     assert rec["checked"] is False and "CUresult 700" in rec["why"]
     assert launch(v, tid=2)["checked"]  # the validator's answer was consumed: the next one lines up
+
+
+def test_validate_in_is_checked_before_anything_runs():
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.trace.run import run_program
+
+    for kw, words in (({"validate": True, "validate_in": "gpu"}, "--validate-in: must be process or validator"),
+                      ({"validate_in": "validator"}, "--validate-in is an option of --validate")):
+        with pytest.raises(GpuosError) as err:
+            run_program(["true"], **kw)
+        assert err.value.code == ExitCode.USAGE and words in str(err.value)
+
+
+def test_the_boot_config_carries_where_validation_runs():
+    from gpuos_tools.injection.config import BootConfig, ConfigError, TraceConfig, ValidateConfig
+
+    cfg = BootConfig(TraceConfig(3), validate=ValidateConfig(2, 1 << 30, False, "validator", 5.0))
+    assert BootConfig.from_json(cfg.to_json()) == cfg
+    # a config written before the field existed still reads, as the in-process validator
+    old = cfg.to_json().replace(',"where":"validator","timeout_s":5.0', "")
+    assert BootConfig.from_json(old).validate.where == "process"
+    with pytest.raises(ConfigError, match="validate.where"):
+        ValidateConfig(2, 1 << 30, False, "elsewhere")
