@@ -23,6 +23,7 @@ if mode == "hang":
     time.sleep(3600)
 elif mode == "crash":
     replay.read_frame(sys.stdin.buffer)
+    print("Segmentation fault (pretend)", file=sys.stderr)
     sys.exit(7)
 elif mode == "garbage":
     replay.read_frame(sys.stdin.buffer)

@@ -160,10 +160,22 @@ class Link:
         except (OSError, ValueError) as exc:
             return self._failed(f"the validator answered garbage ({exc}): killed")
         if rep is None or not isinstance(rep, dict):
-            status = proc.wait(timeout=5) if rep is None else None
-            return self._failed(f"the validator exited (status {status})" if rep is None
-                                else "the validator answered garbage: killed")
+            if rep is not None:
+                return self._failed("the validator answered garbage: killed")
+            try:
+                status = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = None
+            return self._failed(f"the validator exited (status {status}){self._last_words()}")
         return rep
+
+    def _last_words(self) -> str:
+        """The end of the validator's stderr, for the record that says it died."""
+        try:
+            tail = self.stderr.read_bytes()[-300:].decode(errors="replace").strip() if self.stderr else ""
+        except OSError:
+            return ""
+        return f": {tail}" if tail else ""
 
     def _failed(self, why: str) -> str:
         self.kill()

@@ -559,7 +559,7 @@ def _validating_handlers(validator, table: dict) -> dict:
                     shape = _LAUNCH_CONFIG(_MEM, cfg)
                     stream = shape[7]
                     raw = (cfg, f, kp, extra)
-                    if _U32(_MEM, cfg + 40)[0]:  # CUlaunchConfig.numAttrs
+                    if _U32(_MEM, cfg + 48)[0]:  # CUlaunchConfig.numAttrs (after hStream and attrs)
                         not_replayed = "launch attributes (clusters, priorities) are not replayed"
                 elif name.startswith("cuLaunchCooperativeKernel"):
                     raw = _LAUNCH_COOP(_MEM, pp)

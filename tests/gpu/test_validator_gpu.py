@@ -114,7 +114,7 @@ def test_the_program_runs_as_it_does_plainly(mode, tmp_root):
 
 def test_a_right_prediction_is_checked_and_passes(tmp_root):
     r = runs("kernels", tmp_root)
-    v = by_kernel(r["records"], "copy")[0]
+    v = by_kernel(r["records"], "_Z4copyIf")[0]  # copy<float>, its first launch
     assert v["checked"], v
     assert v["reads"] == "ok" and v["missed_writes"] == [], v
     y, n = r["validated"]["report"]["bufs"]["y"][0], 10000
