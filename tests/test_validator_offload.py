@@ -238,3 +238,60 @@ def test_the_boot_config_carries_where_validation_runs():
     assert BootConfig.from_json(old).validate.where == "process"
     with pytest.raises(ConfigError, match="validate.where"):
         ValidateConfig(2, 1 << 30, False, "elsewhere")
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig as cuda.h lays it out (the tracer reads it by offsets)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class _Recorder:
+    """A validator that only records what the tracer's launch handler hands it."""
+
+    def __init__(self):
+        self.calls = []
+        self.pending: dict = {}
+        self.busy_tid = 0
+
+    def wants(self, func):
+        return True
+
+    def enter(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("api, num_attrs", [("cuLaunchKernel", 0), ("cuLaunchKernel_ptsz", 0),
+                                            ("cuLaunchKernelEx", 0), ("cuLaunchKernelEx", 1)])
+def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch, api, num_attrs):
+    from types import SimpleNamespace
+
+    from gpuos_tools.injection import tracer
+
+    monkeypatch.setattr(tracer, "_layouts", {})
+    monkeypatch.setattr(tracer, "_append", lambda item: None)
+    monkeypatch.setattr(tracer, "_capture_begun", False)
+    monkeypatch.setattr(tracer, "_param_info", lambda func: (((0, 8), (8, 4)), "cuFuncGetParamInfo"))
+    keep = []
+    a, b = ctypes.create_string_buffer(struct.pack("<Q", X), 8), ctypes.create_string_buffer(struct.pack("<i", 5), 4)
+    kp = (ctypes.c_uint64 * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    func, stream = 0x5000, 0 if api.endswith("_ptsz") else 0x9000
+    if api.startswith("cuLaunchKernelEx"):
+        cfg = _LaunchConfig((3, 2, 1), (128, 1, 1), 4096, stream, 0, num_attrs)
+        params = struct.pack("<QQQQ", ctypes.addressof(cfg), func, ctypes.addressof(kp), 0)
+        keep.append(cfg)
+    else:
+        params = struct.pack("<Q7I4xQQQ", func, 3, 2, 1, 128, 1, 1, 4096, stream, ctypes.addressof(kp), 0)
+    pbuf = ctypes.create_string_buffer(params, len(params))
+    cb = ctypes.create_string_buffer(struct.pack("<I4xQQQ", 0, 0, ctypes.addressof(pbuf), 0), 32)
+    rec = _Recorder()
+    handlers = tracer._validating_handlers(rec, {1: (api, None, 0)})
+    handlers[1](1, SimpleNamespace(ptr=ctypes.addressof(cb), symbol_name="k"))
+    (tid, name, raw, f, kernel, sizes, args, geometry), = rec.calls
+    assert (name, f, kernel, sizes) == (api, func, "k", (8, 4))
+    assert args == struct.pack("<Qi", X, 5)
+    grid, block, shared, not_replayed, on = geometry
+    assert (tuple(grid), tuple(block), shared) == ((3, 2, 1), (128, 1, 1), 4096)
+    assert on == (2 if api.endswith("_ptsz") else stream)  # the per-thread default stream's handle
+    assert (not_replayed is not None) == bool(num_attrs)
