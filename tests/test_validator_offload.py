@@ -295,3 +295,11 @@ def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch,
     assert (tuple(grid), tuple(block), shared) == ((3, 2, 1), (128, 1, 1), 4096)
     assert on == (2 if api.endswith("_ptsz") else stream)  # the per-thread default stream's handle
     assert (not_replayed is not None) == bool(num_attrs)
+
+
+def test_a_launch_naming_no_device_memory_is_not_sent(validator):
+    v = validator()
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, "_Z4tickv", (), b"", GEOMETRY)  # void tick()
+    rec = v.exit(1, 0)
+    assert rec["checked"] is False and "names no device memory" in rec["why"]
+    assert v.link is None and v.copier.copies == []

@@ -329,6 +329,8 @@ class OffloadValidator(Validator):
             why = "unvalidated: no module image seen holds the kernel"
         regions = regions_of(state["reads"], state["writes"])
         total = sum(n for _, n, _ in regions)
+        if why is None and not regions:
+            why = "unvalidated: the prediction names no device memory"
         if why is None and total > self.max_bytes:
             why = f"unvalidated: the prediction names {total} B, more than the validation limit {self.max_bytes} B"
         if why is not None:

@@ -71,7 +71,8 @@ def run(
     validate_max: str = typer.Option(
         "8GiB", "--validate-max", metavar="SIZE",
         help="With --validate: skip launches while more device memory than this is live (the "
-        "snapshot needs as much again).",
+        "snapshot needs as much again); with --validate-in validator, launches whose prediction names more "
+        "than this.",
     ),
     agent: bool = typer.Option(
         False, "--agent",
