@@ -28,7 +28,7 @@ class FakeDevice:
         self.maps: dict[int, np.ndarray] = {}  # start -> bytes
         self.ro: set[int] = set()
         self.launches = 0
-        self.loaded: list[str] = []
+        self.loaded: list[bytes] = []  # modules loaded now
         self.state = 0  # a counter kernels may use to be nondeterministic
 
     # -- Device
@@ -62,13 +62,16 @@ class FakeDevice:
         buf, pos = self._at(addr, size)
         return buf[pos : pos + size].copy()
 
-    def function(self, image: bytes, key: str, name: str):
+    def load(self, image: bytes, name: str):
         if name not in self.kernels:
             from gpuos_tools.agent.replay import ReplayError
 
             raise ReplayError("cuModuleGetFunction", "CUDA_ERROR_NOT_FOUND")
-        self.loaded.append(key)
-        return name
+        self.loaded.append(image)
+        return image, name
+
+    def unload(self, module) -> None:
+        self.loaded.remove(module)
 
     def launch(self, fn, grid, block, shared, params):
         self.launches += 1
@@ -87,7 +90,7 @@ class FakeDevice:
                 return buf, addr - start
         raise Fault(f"{addr:#x}+{size}")
 
-    def load(self, addr: int, size: int) -> bytes:
+    def fetch(self, addr: int, size: int) -> bytes:
         buf, pos = self._at(addr, size)
         return buf[pos : pos + size].tobytes()
 
@@ -111,7 +114,7 @@ def i32(p: bytes) -> int:
 def copy(dev: FakeDevice, params) -> None:
     """y[i] = x[i] for i < n."""
     x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
-    dev.store(y, dev.load(x, 4 * n))
+    dev.store(y, dev.fetch(x, 4 * n))
 
 
 def copy_and_spill(dev: FakeDevice, params) -> None:
@@ -124,14 +127,14 @@ def copy_and_spill(dev: FakeDevice, params) -> None:
 def sum_past(dev: FakeDevice, params) -> None:
     """y[0] = sum of x[0 .. 2n): reads twice what a prediction of n floats says."""
     x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
-    vals = np.frombuffer(dev.load(x, 8 * n), np.float32)
+    vals = np.frombuffer(dev.fetch(x, 8 * n), np.float32)
     dev.store(y, struct.pack("<f", float(vals.sum())))
 
 
 def far_read(dev: FakeDevice, params) -> None:
     """copy, but from x + 1 MiB: far outside any granule of x."""
     x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
-    dev.store(y, dev.load(x + (1 << 20), 4 * n))
+    dev.store(y, dev.fetch(x + (1 << 20), 4 * n))
 
 
 def scribble_input(dev: FakeDevice, params) -> None:

@@ -37,7 +37,7 @@ def plain(kernel: str, dev: FakeDevice | None = None, **kw) -> tuple[dict, FakeD
 
 
 def no_leaks(dev: FakeDevice) -> None:
-    assert dev.maps == {} and dev.reserved == {}
+    assert dev.maps == {} and dev.reserved == {} and dev.loaded == []
 
 
 def test_spans_round_out_to_granules_and_merge():

@@ -104,7 +104,8 @@ class Device(Protocol):
     def protect(self, addr: int, size: int, read_only: bool) -> bool: ...
     def upload(self, addr: int, data: np.ndarray) -> None: ...
     def download(self, addr: int, size: int) -> np.ndarray: ...
-    def function(self, image: bytes, key: str, name: str) -> Any: ...
+    def load(self, image: bytes, name: str) -> tuple[Any, Any]: ...
+    def unload(self, module: Any) -> None: ...
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None: ...
 
 
@@ -127,7 +128,6 @@ class CudaDevice:
         self.granularity = int(self._ok(drv.cuMemGetAllocationGranularity(
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"))
         self.handles: dict[int, Any] = {}
-        self.modules: dict[str, Any] = {}
 
     def _ok(self, result: tuple, what: str) -> Any:
         err = result[0]
@@ -181,12 +181,18 @@ class CudaDevice:
         self._ok(self.drv.cuMemcpyDtoH(out.ctypes.data, addr, size), "cuMemcpyDtoH")
         return out
 
-    def function(self, image: bytes, key: str, name: str) -> Any:
-        mod = self.modules.get(key)
-        if mod is None:
-            mod = self._ok(self.drv.cuModuleLoadData(image), "cuModuleLoadData")
-            self.modules[key] = mod
-        return self._ok(self.drv.cuModuleGetFunction(mod, name.encode()), "cuModuleGetFunction")
+    def load(self, image: bytes, name: str) -> tuple[Any, Any]:
+        """(module, function). Loaded per replay, after the reservations, and unloaded after it:
+        a module's own device memory must not sit where a later launch's buffers need to go."""
+        mod = self._ok(self.drv.cuModuleLoadData(image), "cuModuleLoadData")
+        err, fn = self.drv.cuModuleGetFunction(mod, name.encode())
+        if err != self.drv.CUresult.CUDA_SUCCESS:
+            self.drv.cuModuleUnload(mod)
+            raise ReplayError("cuModuleGetFunction", getattr(err, "name", str(err)))
+        return mod, fn
+
+    def unload(self, module: Any) -> None:
+        self.drv.cuModuleUnload(module)
 
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None:
         """Launch and synchronise: None, or the error's name (the launch's or the kernel's)."""
@@ -253,6 +259,7 @@ class Replayer:
         dev = self.device
         reserved: list[tuple[int, int]] = []
         mapped: list[tuple[int, int]] = []
+        module = None
         try:
             for start, size, _ in spans:
                 got = dev.reserve(start, size)
@@ -263,7 +270,7 @@ class Replayer:
             for start, size, _ in spans:
                 dev.map(start, size)
                 mapped.append((start, size))
-            fn = dev.function(image, req["image"], req["function"])
+            module, fn = dev.load(image, req["function"])
             params = _split(bytes.fromhex(req["params"]), req["sizes"])
             total = sum(s for _, s, _ in spans)
             predicted = self._predicted_mask(spans, regions, total)
@@ -294,6 +301,8 @@ class Replayer:
             return dict(base, checked=False, why=f"unvalidated: {exc}")
         finally:
             if not self.lost:
+                if module is not None:
+                    dev.unload(module)
                 for start, size in mapped:
                     dev.unmap(start, size)
                 for start, size in reserved:
