@@ -175,3 +175,19 @@ def test_torn_and_oversized_frames_are_errors():
         replay.read_frame(io.BytesIO(b"\x05\x00\x00\x00{}"))
     with pytest.raises(ValueError):
         replay.read_frame(io.BytesIO(struct.pack("<I", replay.MAX_FRAME + 1)))
+
+
+def test_a_fault_scores_as_a_missed_read_with_writes_unchecked():
+    from gpuos_tools.access.report import Row
+    from gpuos_tools.access.score import score
+    from gpuos_tools.model.allocs import Allocation
+
+    rec, _ = plain("far_read")
+    by_id = {1: Allocation(1, X, 4 * N), 2: Allocation(2, Y, 4 * N)}
+    access = {"reads": [{"alloc": 1, "offset": 0, "size": 4 * N}],
+              "writes": [{"alloc": 2, "offset": 0, "size": 4 * N}], "unknown": False}
+    v = score(access, rec, by_id)
+    assert v["reads"] == "missed" and v["writes"] == "unchecked" and v["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    row = Row("launch", "far_read")
+    row.add_score(v)
+    assert row.missed_read_launches == 1 and row.missed_write_launches == 0 and row.validated == 1
