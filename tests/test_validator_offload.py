@@ -303,3 +303,24 @@ def test_a_launch_naming_no_device_memory_is_not_sent(validator):
     rec = v.exit(1, 0)
     assert rec["checked"] is False and "names no device memory" in rec["why"]
     assert v.link is None and v.copier.copies == []
+
+
+def test_a_module_handed_as_ptx_text_is_found_by_its_entries(monkeypatch):
+    from gpuos_tools.injection import tracer
+
+    ptx = (HERE / "data" / "kernels.ptx").read_bytes()
+    monkeypatch.setattr(tracer, "_cubins", [])
+    monkeypatch.setattr(tracer, "_kernel_sets", [])
+    monkeypatch.setattr(tracer, "_ptx", [])
+    monkeypatch.setattr(tracer, "_append", lambda item: None)
+    desc = ctypes.create_string_buffer(struct.pack("<I4xQQ", 1, len(ptx), 0), 24)
+    data = ctypes.create_string_buffer(ptx, len(ptx))
+    struct.pack_into("<Q", desc, 16, ctypes.addressof(data))
+    cb = ctypes.create_string_buffer(struct.pack("<QQQ", 0, 0, ctypes.addressof(desc)), 24)
+    from types import SimpleNamespace
+
+    tracer._resource(6, SimpleNamespace(ptr=ctypes.addressof(cb)))  # MODULE_LOADED
+    (entries, text), = tracer._ptx
+    assert text == ptx and entries
+    name = sorted(entries)[0]
+    assert tracer._image_for(name) == ptx

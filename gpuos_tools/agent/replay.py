@@ -184,6 +184,8 @@ class CudaDevice:
     def load(self, image: bytes, name: str) -> tuple[Any, Any]:
         """(module, function). Loaded per replay, after the reservations, and unloaded after it:
         a module's own device memory must not sit where a later launch's buffers need to go."""
+        if image[:4] != b"\x7fELF" and b".version" in image[:4096] and not image.endswith(b"\0"):
+            image += b"\0"  # PTX text: the driver reads it up to a NUL
         mod = self._ok(self.drv.cuModuleLoadData(image), "cuModuleLoadData")
         err, fn = self.drv.cuModuleGetFunction(mod, name.encode())
         if err != self.drv.CUresult.CUDA_SUCCESS:

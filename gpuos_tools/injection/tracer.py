@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import struct
 import sys
 import threading
@@ -122,6 +123,8 @@ def _nvinfo_layout(name: str) -> tuple | None:
 
 
 _kernel_sets: list[frozenset[str]] = []  # the kernels of _cubins[i], read when first asked
+_ptx: list[tuple[frozenset[str], bytes]] = []  # modules CUPTI handed as PTX text: (entries, text)
+_PTX_ENTRY = re.compile(rb"\.entry\s+([A-Za-z_$][\w$]*)")
 
 
 def _image_for(name: str) -> bytes | None:
@@ -136,6 +139,9 @@ def _image_for(name: str) -> bytes | None:
     for i in range(len(_kernel_sets) - 1, -1, -1):
         if name in _kernel_sets[i]:
             return _cubins[i]
+    for entries, text in reversed(_ptx):
+        if name in entries:
+            return text
     return None
 
 
@@ -429,6 +435,8 @@ def _resource(cbid: int, cbdata) -> None:
         data = bytes(_MEM[image : image + size]) if image and size else b""
         if data[:4] == b"\x7fELF":
             _cubins.append(data)
+        elif b".version" in data[:4096]:  # a module JIT-compiled from PTX, handed as its text
+            _ptx.append((frozenset(m.decode() for m in _PTX_ENTRY.findall(data)), data))
         _append((wire.MODULE, _now(), _tid(), module_id, data))
     elif cbid == 7:  # MODULE_UNLOAD_STARTING: its functions' handles may come back for others
         _layouts.clear()
