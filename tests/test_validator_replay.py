@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 
 import numpy as np
@@ -191,3 +192,33 @@ def test_a_fault_scores_as_a_missed_read_with_writes_unchecked():
     row = Row("launch", "far_read")
     row.add_score(v)
     assert row.missed_read_launches == 1 and row.missed_write_launches == 0 and row.validated == 1
+
+
+def test_a_validator_whose_program_died_ends_even_mid_replay(tmp_path):
+    """The program (here a shell that starts the validator in the background and exits) is gone
+    while the validator is stuck: the watch ends it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pidfile = tmp_path / "pid"
+    code = ("import os, sys, time; sys.path.insert(0, %r); from gpuos_tools.agent import replay; "
+            "open(%r, 'w').write(str(os.getpid())); replay._orphan_watch(os.getppid(), 0.05); time.sleep(60)"
+            % (str(root), str(pidfile)))
+    subprocess.run(["bash", "-c", f'{sys.executable} -c "{code}" & sleep 0.5'], check=True, timeout=30)
+    deadline = time.monotonic() + 20
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie its new parent has not reaped yet
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the orphaned validator kept running")

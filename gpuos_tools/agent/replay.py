@@ -36,6 +36,8 @@ import mmap
 import os
 import struct
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
@@ -46,6 +48,8 @@ from gpuos_tools.model.allocs import Allocation
 
 #: the exit status after a sticky error: the program's side restarts the validator, quietly
 EXIT_CONTEXT_LOST = 3
+#: the exit status when the program went away
+EXIT_ORPHANED = 4
 #: driver errors that mean the kernel touched an address with no mapping (or wrote a read-only one)
 ACCESS_FAULTS = ("CUDA_ERROR_ILLEGAL_ADDRESS",)
 #: errors after which the context is unusable
@@ -427,11 +431,23 @@ def _answer(replayer: Replayer, req: dict[str, Any], directory: str) -> dict[str
             return replayer.replay(req, memoryview(m), image)
 
 
+def _orphan_watch(parent: int, interval: float = 1.0) -> None:
+    """End this process when the program that started it is gone, even in the middle of a replay
+    that hangs (the end of its input is only seen between requests)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="gpuos-validator-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpuos-validator", description="Replay sampled launches (see module doc).")
     ap.add_argument("--device", required=True, help="the PCI bus id of the program's GPU")
     ap.add_argument("--dir", required=True, help="the program's private staging directory")
     args = ap.parse_args(argv)
+    _orphan_watch(os.getppid())
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the pipe
     try:
