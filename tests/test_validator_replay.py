@@ -222,3 +222,14 @@ def test_a_validator_whose_program_died_ends_even_mid_replay(tmp_path):
     else:
         os.kill(pid, 9)
         pytest.fail("the orphaned validator kept running")
+
+
+@pytest.mark.parametrize("kernel", ["copy", "copy_and_spill", "sum_past", "far_read", "stamp", "asserting"])
+def test_every_verdict_is_a_valid_validation_record(kernel):
+    from gpuos_tools.stream.records import check_written
+
+    rec, _ = plain(kernel)
+    rec["ms"] = 1.5
+    assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **rec}) is None
+    skipped, _ = plain("copy", taken=(X,))
+    assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **skipped}) is None
