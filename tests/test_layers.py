@@ -167,6 +167,8 @@ def test_no_circle_between_modules() -> None:
 INNER_ALLOWED = {
     ("injection/boot/sitecustomize.py", "gpuos_tools.injection"): "nothing is imported unless GPUOS_BOOT is set",
     ("injection/tracer.py", "gpuos_tools.agent.validate"): "numpy, in the traced program, under --validate only",
+    ("injection/tracer.py", "gpuos_tools.agent.offload"): "numpy, in the traced program, under --validate-in "
+    "validator only",
     ("injection/tracer.py", "gpuos_tools.cuda"): "pyelftools, in the traced program, when a layout is read",
     ("commands/kinfer.py", "gpuos_tools.kinfer"): "numpy, not for --help",
     ("commands/predict_access.py", "gpuos_tools.access.plot"): "matplotlib, for --plot only",

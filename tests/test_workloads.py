@@ -144,12 +144,12 @@ def test_programs_compile_and_import_nothing_from_tests(program: Path) -> None:
     assert not edits, f"edits sys.path (line {edits}): the repository root is on PYTHONPATH (scripts/README.md)"
 
 
-def test_the_device_scripts_three_parts_hold_every_gpu_test_file_once() -> None:
-    """scripts/device-test's GPU_PART=a/b/c: three device calls run the whole GPU suite, so a new
+def test_the_device_scripts_parts_hold_every_gpu_test_file_once() -> None:
+    """scripts/device-test's GPU_PART=a/b/c/d: four device calls run the whole GPU suite, so a new
     file of tests/gpu must join one part (and a removed one leave it)."""
     text = (REPO / "scripts" / "device-test").read_text()
-    parts = {k: v.split() for k, v in re.findall(r'^(GPU_PART_[ABC])="([^"]*)"$', text, re.M)}
-    assert sorted(parts) == ["GPU_PART_A", "GPU_PART_B", "GPU_PART_C"]
+    parts = {k: v.split() for k, v in re.findall(r'^(GPU_PART_[A-Z])="([^"]*)"$', text, re.M)}
+    assert sorted(parts) == ["GPU_PART_A", "GPU_PART_B", "GPU_PART_C", "GPU_PART_D"]
     named = [f"test_{n}_gpu.py" for names in parts.values() for n in names]
     files = sorted(p.name for p in (REPO / "tests" / "gpu").glob("test_*.py"))
     assert sorted(named) == files, (sorted(set(files) - set(named)), sorted(set(named) - set(files)),

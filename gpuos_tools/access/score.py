@@ -12,6 +12,10 @@ read and wrote (`extents`). Any prediction of that launch — another granularit
   whose poison trial changed the output missed a read even where no extent says how much;
 - extra read bytes: predicted read bytes outside the measured read extents.
 
+A replay in the validator process that faulted (`fault`: an access outside every granule the
+prediction named) missed an access without saying which: it counts as a missed read, and its
+writes as unchecked.
+
 Chunks are aligned to 128 bytes in absolute addresses (device allocations are at least
 256-byte aligned), so a predicted range that ends inside a chunk covers that chunk.
 """
@@ -77,6 +81,9 @@ def score(access: dict[str, Any], val: dict[str, Any], by_id: dict[int, Allocati
     written = _merge([(s, s + n) for s, n in val.get("written", ())])
     unknown = bool(access.get("unknown"))
     out: dict[str, Any] = {}
+    if val.get("fault"):
+        return {"fault": val["fault"], "writes": "unchecked", "missed_write_bytes": 0, "written_bytes": 0,
+                "reads": "unknown" if unknown else "missed"}
     if unknown:
         # "may touch everything": nothing can be missed, and extra bytes are not meaningful
         out.update(writes="unknown", missed_write_bytes=0, written_bytes=_size(written))

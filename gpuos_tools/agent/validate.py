@@ -335,8 +335,9 @@ class Validator(ProcessView):
     # -- the check ----------------------------------------------------------------------------
 
     def enter(self, tid: int, api: str, raw: tuple, func: int, kernel: str, sizes: tuple | None,
-              args: bytes | None) -> None:
-        """At a sampled launch's API enter: trials under poison, then let the real launch run."""
+              args: bytes | None, geometry: tuple | None = None) -> None:
+        """At a sampled launch's API enter: trials under poison, then let the real launch run
+        (``geometry``, what the validator process needs, goes unused here)."""
         from cuda.bindings import driver as drv
 
         t0 = time.perf_counter()

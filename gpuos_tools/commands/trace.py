@@ -71,7 +71,8 @@ def run(
     validate_max: str = typer.Option(
         "8GiB", "--validate-max", metavar="SIZE",
         help="With --validate: skip launches while more device memory than this is live (the "
-        "snapshot needs as much again).",
+        "snapshot needs as much again); with --validate-in validator, launches whose prediction names more "
+        "than this.",
     ),
     agent: bool = typer.Option(
         False, "--agent",
@@ -99,6 +100,13 @@ def run(
         "$GPUOS_AGENT_MECHANISM, else cupti (intercept is not yet the default: its GPU tests "
         "have not run).",
     ),
+    validate_in: str = typer.Option(
+        "process", "--validate-in", metavar="process|validator",
+        help="With --validate: where a sampled launch is replayed. process: again in the program's own "
+        "context (a fault there is the program's); validator: in a separate validator process on the same GPU, "
+        "fed with copies of the launch's predicted inputs, so nothing it does can reach the program (no "
+        "extents measured).",
+    ),
     validate_extents: bool = typer.Option(
         True, "--validate-extents/--no-validate-extents",
         help="With --validate: also measure how far past each pointer a kernel reads (bisection; "
@@ -113,7 +121,8 @@ def run(
     summary = launcher.run_program(
         program, output=output, images=images, no_images=no_images, flush_ms=flush_ms, unbuffered=unbuffered,
         backend=backend, check_pointers=check_pointers, validate=validate, validate_samples=validate_samples,
-        validate_max=validate_max, validate_extents=validate_extents, agent=agent, cow_budget=cow_budget,
+        validate_max=validate_max, validate_extents=validate_extents, validate_in=validate_in, agent=agent,
+        cow_budget=cow_budget,
         stage_ahead=stage_ahead, mechanism=mechanism, warn=lambda m: warn(PROG, m),
     )
     raise typer.Exit(report_run(PROG, summary))

@@ -72,6 +72,10 @@ class TraceConfig:
         _check(0 < self.fail_code < 256, "trace.fail_code", f"{self.fail_code} is not an exit status (1-255)")
 
 
+#: where `--validate` replays a sampled launch (gpu-trace run --validate-in)
+VALIDATE_IN = ("process", "validator")
+
+
 @dataclass(frozen=True)
 class ValidateConfig:
     """`gpu-trace run --validate`: which launches the validator checks."""
@@ -79,10 +83,15 @@ class ValidateConfig:
     samples: int  #: the first N launches of each kernel, then its 2^k-th ones
     max_bytes: int  #: skip launches while more device memory than this is live
     extents: bool  #: also measure how far past each pointer a kernel reads
+    #: where the sampled launch is replayed: in the program's own context, or in a validator process
+    where: str = "process"
+    timeout_s: float = 60.0  #: with the validator: the longest the program waits for one verdict
 
     def __post_init__(self) -> None:
         _check(self.samples >= 1, "validate.samples", f"{self.samples} is not 1 or more")
         _check(self.max_bytes >= 0, "validate.max_bytes", f"{self.max_bytes} is negative")
+        _check(self.where in VALIDATE_IN, "validate.where", f"{self.where!r}: expected {' or '.join(VALIDATE_IN)}")
+        _check(self.timeout_s > 0, "validate.timeout_s", f"{self.timeout_s} is not more than 0")
 
 
 @dataclass(frozen=True)

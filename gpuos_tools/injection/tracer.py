@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import struct
 import sys
 import threading
@@ -118,6 +119,29 @@ def _nvinfo_layout(name: str) -> tuple | None:
                 return tuple((off, size) for _, off, size in elf.param_layout(image, name))
         except Exception:  # a malformed image must not break the program
             continue
+    return None
+
+
+_kernel_sets: list[frozenset[str]] = []  # the kernels of _cubins[i], read when first asked
+_ptx: list[tuple[frozenset[str], bytes]] = []  # modules CUPTI handed as PTX text: (entries, text)
+_PTX_ENTRY = re.compile(rb"\.entry\s+([A-Za-z_$][\w$]*)")
+
+
+def _image_for(name: str) -> bytes | None:
+    """The latest loaded module image (cubin) that defines kernel ``name``, for the validator."""
+    from gpuos_tools.cuda import elf
+
+    for i in range(len(_kernel_sets), len(_cubins)):
+        try:
+            _kernel_sets.append(frozenset(elf.kernels(_cubins[i])))
+        except Exception:  # a malformed image must not break the program
+            _kernel_sets.append(frozenset())
+    for i in range(len(_kernel_sets) - 1, -1, -1):
+        if name in _kernel_sets[i]:
+            return _cubins[i]
+    for entries, text in reversed(_ptx):
+        if name in entries:
+            return text
     return None
 
 
@@ -411,6 +435,8 @@ def _resource(cbid: int, cbdata) -> None:
         data = bytes(_MEM[image : image + size]) if image and size else b""
         if data[:4] == b"\x7fELF":
             _cubins.append(data)
+        elif b".version" in data[:4096]:  # a module JIT-compiled from PTX, handed as its text
+            _ptx.append((frozenset(m.decode() for m in _PTX_ENTRY.findall(data)), data))
         _append((wire.MODULE, _now(), _tid(), module_id, data))
     elif cbid == 7:  # MODULE_UNLOAD_STARTING: its functions' handles may come back for others
         _layouts.clear()
@@ -528,24 +554,35 @@ def _validating_handlers(validator, table: dict) -> dict:
     from gpuos_tools.agent.validate import CudaFailure  # numpy: imported under --validate only
 
     handlers = {}
+    reported_off: list[str] = []
 
     def make(name: str, base):
         def handler(cbid: int, cbdata) -> None:
             site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
             tid = _tid()
             if site == _ENTER:
+                not_replayed = None  # why the launch cannot be recreated by cuLaunchKernel elsewhere
                 if name.startswith("cuLaunchKernelEx"):
                     cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
-                    stream = _LAUNCH_CONFIG(_MEM, cfg)[7]
+                    shape = _LAUNCH_CONFIG(_MEM, cfg)
+                    stream = shape[7]
                     raw = (cfg, f, kp, extra)
+                    if _U32(_MEM, cfg + 48)[0]:  # CUlaunchConfig.numAttrs (after hStream and attrs)
+                        not_replayed = "launch attributes (clusters, priorities) are not replayed"
                 elif name.startswith("cuLaunchCooperativeKernel"):
                     raw = _LAUNCH_COOP(_MEM, pp)
                     f, stream, kp, extra = raw[0], raw[8], raw[9], 0
+                    shape = raw[1:9]
+                    not_replayed = "cooperative launches are not replayed"
                 else:
                     raw = _LAUNCH(_MEM, pp)
                     f, stream, kp, extra = raw[0], raw[8], raw[9], raw[10]
+                    shape = raw[1:9]
                 if not validator.wants(f) or _capturing(stream):
                     return
+                if not stream and name.endswith("_ptsz"):
+                    stream = 2  # CU_STREAM_PER_THREAD: the handle the default stream stands for here
+                geometry = (shape[0:3], shape[3:6], shape[6], not_replayed, stream)
                 entry = _layouts.get(f, False)
                 if entry is False:
                     entry = _learn(f, cbdata)
@@ -553,7 +590,7 @@ def _validating_handlers(validator, table: dict) -> dict:
                 validator.busy_tid = tid
                 try:
                     validator.enter(tid, name, (name, raw), f, cbdata.symbol_name or "", sizes,
-                                    _args(entry, kp, extra))
+                                    _args(entry, kp, extra), geometry)
                 except CudaFailure as exc:
                     _append((wire.ERROR, _now(), f"validation of {cbdata.symbol_name}: {exc}"))
                 finally:
@@ -568,6 +605,10 @@ def _validating_handlers(validator, table: dict) -> dict:
                         validator.busy_tid = 0
                     if body is not None:
                         _append((wire.VALID, _now(), tid, body))
+                    off = getattr(validator, "switched_off", None)
+                    if off and not reported_off:
+                        reported_off.append(off)
+                        _append((wire.ERROR, _now(), off))
 
         return handler
 
@@ -829,6 +870,8 @@ class Tracer:
     def shutdown(self) -> None:
         """At interpreter exit (our atexit handler runs after the frameworks' own)."""
         self.stop.set()
+        if self.validator is not None and hasattr(self.validator, "close"):
+            self.validator.close()  # the validator process and its staging directory
         if self.agent is not None:
             self.agent.stop_background()
             if self.agent.server is not None:
@@ -934,7 +977,13 @@ def start(cfg: BootConfig) -> Tracer:
         from gpuos_tools.agent.validate import Validator  # numpy: imported under --validate only
 
         v = cfg.validate
-        _tracer = Tracer(trace.fd, flush_s, Validator(v.samples, v.max_bytes, v.extents))
+        if v.where == "validator":
+            from gpuos_tools.agent.offload import OffloadValidator
+
+            checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s)
+        else:
+            checker = Validator(v.samples, v.max_bytes, v.extents)
+        _tracer = Tracer(trace.fd, flush_s, checker)
     elif native:
         _tracer = NativeTracer(trace.fd, flush_s, trace.native, trace.check_pointers)
     else:

@@ -203,7 +203,7 @@ HEADER = RecordType(
     note="Each tool adds fields of its own (the tracer: `driver` (the NVIDIA driver's version), `cuda` (the "
     "CUDA driver API version), `python`, `cupti` (null when CUPTI was not loaded), `backend` (native, python, or native-agent: the agent on its native core), "
     "`mechanism` (how the driver calls were seen: cupti, or intercept: the agent's preloaded interposer), `agent` {socket, mechanism} "
-    "with `--agent`, `validate` {samples, max_bytes, extents} with `--validate`; other tools their options).",
+    "with `--agent`, `validate` {samples, max_bytes, extents, in} with `--validate`; other tools their options).",
 )
 
 ERROR = RecordType(
@@ -388,6 +388,12 @@ VALIDATION = RecordType(
         Field("checked_bytes", BYTES),
         Field("written", RANGES, "the chunks whose contents changed"),
         Field("missed_writes", RANGES, "written outside the predicted writes"),
+        Field("mode", Str(("process", "validator")), "where the launch was replayed (absent: in the program, "
+              "`--validate-in process`)"),
+        Field("fault", Str(max_len=200), "the error the replay ended with (an illegal address: an access "
+              "outside every mapped granule of the prediction)"),
+        Field("read_only", Str(("enforced", "refused")), "whether the driver mapped the granules holding only "
+              "predicted reads read-only for the replay (refused: a write to them shows as a changed chunk)"),
         Field("reads", Str(("ok", "missed", "nondeterministic", "skipped"))),
         Field("read_effects", RANGES, "output that changed when memory outside the predicted reads was poisoned"),
         Field("extents", List(EXTENT), "bytes past each pointer read and written"),

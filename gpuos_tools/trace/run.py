@@ -28,7 +28,8 @@ from gpuos_tools.cuda.driver import probe_driver
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection import core, intercept, tracelib
 from gpuos_tools.injection.config import (
-    MECHANISMS, AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment, overrides_from_environment,
+    MECHANISMS, VALIDATE_IN, AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment,
+    overrides_from_environment,
 )
 from gpuos_tools.model import wire
 from gpuos_tools.model.binary import parse_records
@@ -126,7 +127,7 @@ def run_program(
     program: list[str], *, output: str = "-", images: Path | None = None, no_images: bool = False,
     flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
     validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
-    agent: bool = False, cow_budget: str | None = None, stage_ahead: bool = False,
+    validate_in: str = "process", agent: bool = False, cow_budget: str | None = None, stage_ahead: bool = False,
     online: OnlineConfig | None = None, own: tuple[str, ...] | None = None, mechanism: str | None = None,
     warn: Callable[[str], None] = _silent,
 ) -> RunSummary:
@@ -151,10 +152,15 @@ def run_program(
             raise GpuosError("--backend native: --validate runs in the python backend", ExitCode.USAGE)
         if agent:
             raise GpuosError("--agent and --validate exclude each other", ExitCode.USAGE)
+        if validate_in not in VALIDATE_IN:
+            raise GpuosError(f"--validate-in: must be {' or '.join(VALIDATE_IN)}, not {validate_in!r}", ExitCode.USAGE)
         try:
-            validation = ValidateConfig(validate_samples, parse_size(validate_max), validate_extents)
+            validation = ValidateConfig(validate_samples, parse_size(validate_max),
+                                        validate_extents and validate_in == "process", validate_in)
         except ValueError as exc:
             raise GpuosError(f"--validate-max: {exc}", ExitCode.USAGE) from None
+    elif validate_in != "process":
+        raise GpuosError("--validate-in is an option of --validate", ExitCode.USAGE)
         backend = "python"
     mechanism = agent_mechanism(mechanism, agent, backend)
     if stage_ahead and not agent:
@@ -293,7 +299,7 @@ def trace_program(
             mechanism=(hello[7] if len(hello) > 7 else "cupti") if hello else None,
             images=_images_ref(images_dir, output_path),
             **({"validate": {"samples": validate.samples, "max_bytes": validate.max_bytes,
-                             "extents": validate.extents}} if validate else {}),
+                             "extents": validate.extents, "in": validate.where}} if validate else {}),
             **({"agent": {"socket": str(socket_path(proc.pid)), "mechanism": agent_cfg.mechanism}}
                if agent_cfg is not None else {}),
         )

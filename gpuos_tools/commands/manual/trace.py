@@ -50,7 +50,9 @@ SECTIONS = {
     "VALIDATION": _validate_doc.split("\n\n", 1)[1].strip("\n")
     + "\n\n`--validate` runs in the python backend; with its trials a validated launch takes "
     "milliseconds (tens with extents), so sample few launches in big programs "
-    "(`--validate-samples`).",
+    "(`--validate-samples`). With `--validate-in validator` the replay runs in a validator process on the "
+    "same GPU instead, fed with copies of the launch's predicted inputs, so that a replay that faults or "
+    "asserts cannot harm the program (docs/access-prediction.md, \"Where validation runs\").",
     "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
     + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
     "OWNED ALLOCATIONS": _owned_doc.split("\n\n", 1)[1].strip("\n"),

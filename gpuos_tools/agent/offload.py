@@ -1,0 +1,418 @@
+"""The program's side of out-of-process validation (`gpu-trace run --validate --validate-in validator`).
+
+At a sampled launch's API enter the program only copies: the bytes the range prediction names are
+copied device-to-host on a side stream of its own (ordered after the launch's stream by an event,
+like a snapshot) into a staging file in a private directory, registered as pinned memory when the
+driver takes it; the kernel's module image goes beside it once, named by its content hash. A
+request (the kernel's name, its parameter bytes, grid, block and shared memory, the staged
+regions) goes down a pipe to the validator process (gpuos_tools/agent/replay.py), which replays
+the launch in its own context while the program's launch runs. At the API exit the program waits
+for the verdict, at most ``timeout_s``.
+
+Nothing the validator does reaches the program: it is a child process on its own session; a
+validator that crashes, answers garbage or does not answer in time is killed and the launch is
+reported unvalidated; after ``max_failures`` such failures in a row validation is switched off,
+which the trace says in an `error` record. A validator that lost its context to a fault it was
+asked to find exits after answering; the next sampled launch starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gpuos_tools.agent import replay
+from gpuos_tools.agent.validate import CudaFailure, Validator, _ok
+from gpuos_tools.agent.view import launch_record
+
+#: how long the program waits for one verdict by default
+TIMEOUT_S = 60.0
+#: how long a fresh validator may take to create its context
+START_TIMEOUT_S = 120.0
+
+
+class Staging:
+    """A file in a private directory, mapped here and read by the validator; grows on demand."""
+
+    def __init__(self, directory: Path, register: Callable[[int, int], bool] | None = None,
+                 unregister: Callable[[int], None] | None = None):
+        self.dir = directory
+        self.register, self.unregister = register, unregister
+        self.size = 0
+        self.generation = 0
+        self.path: Path | None = None
+        self.map: mmap.mmap | None = None
+        self._anchor: Any = None
+        self.addr = 0
+        self.pinned = False
+
+    def ensure(self, size: int) -> None:
+        if size <= self.size:
+            return
+        self.close()
+        size = max(size, 1 << 20, 2 * self.size)
+        self.generation += 1
+        self.path = self.dir / f"staging-{self.generation}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.addr = ctypes.addressof(self._anchor)
+        self.size = size
+        self.pinned = bool(self.register and self.register(self.addr, size))
+
+    def close(self) -> None:
+        if self.map is None:
+            return
+        if self.pinned and self.unregister:
+            self.unregister(self.addr)
+        self._anchor = None
+        self.map.close()
+        self.map = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        self.size, self.addr, self.pinned = 0, 0, False
+
+
+class Link:
+    """The pipe to one validator process at a time: started lazily, restarted, or given up on."""
+
+    def __init__(self, command: list[str], env: dict[str, str], timeout_s: float = TIMEOUT_S,
+                 start_timeout_s: float = START_TIMEOUT_S, max_failures: int = 3, stderr: Path | None = None):
+        self.command, self.env = command, env
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.max_failures = max_failures
+        self.stderr = stderr
+        self.proc: subprocess.Popen | None = None
+        self.failures = 0
+        self.off: str | None = None  #: why validation was switched off
+        self.starts = 0
+
+    def _start(self) -> str | None:
+        err = open(self.stderr, "ab") if self.stderr is not None else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         env=self.env, close_fds=True, start_new_session=True)
+        except OSError as exc:
+            return self._failed(f"the validator could not start: {exc}")
+        finally:
+            if err is not subprocess.DEVNULL:
+                err.close()
+        self.starts += 1
+        hello = self._reply(self.start_timeout_s)
+        if isinstance(hello, str):
+            return hello
+        if not hello.get("ready"):
+            return self._failed(f"the validator could not start: {hello.get('why', 'no reason given')}")
+        return None
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any] | str:
+        """Send a request; the reply frame, or why there is none."""
+        if self.off is not None:
+            return self.off
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            why = self._start()
+            if why is not None:
+                return why
+        try:
+            replay.write_frame(self.proc.stdin, req)
+        except OSError as exc:
+            return self._failed(f"the validator went away ({exc})")
+        return {}
+
+    def answer(self) -> dict[str, Any] | str:
+        """The reply to the last request, or why there is none (the validator is then killed)."""
+        rep = self._reply(self.timeout_s)
+        if isinstance(rep, dict):
+            self.failures = 0
+            if rep.pop("restart", False):
+                self.kill()  # it lost its context to the fault it found, as asked: not a failure
+        return rep
+
+    def _reply(self, timeout: float) -> dict[str, Any] | str:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        fd = proc.stdout.fileno()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self._failed(f"the validator did not answer within {timeout:g} s: killed")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                break
+        try:
+            rep = replay.read_frame(proc.stdout)  # a frame arrives whole (the writer flushes once)
+        except (OSError, ValueError) as exc:
+            return self._failed(f"the validator answered garbage ({exc}): killed")
+        if rep is None or not isinstance(rep, dict):
+            if rep is not None:
+                return self._failed("the validator answered garbage: killed")
+            try:
+                status = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = None
+            return self._failed(f"the validator exited (status {status}){self._last_words()}")
+        return rep
+
+    def _last_words(self) -> str:
+        """The end of the validator's stderr, for the record that says it died."""
+        try:
+            tail = self.stderr.read_bytes()[-300:].decode(errors="replace").strip() if self.stderr else ""
+        except OSError:
+            return ""
+        return f": {tail}" if tail else ""
+
+    def _failed(self, why: str) -> str:
+        self.kill()
+        self.failures += 1
+        if self.failures >= self.max_failures:
+            self.off = f"validation switched off after {self.failures} validator failures in a row (last: {why})"
+            return self.off
+        return why
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (proc.stdin, proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+
+class DriverCopier:
+    """The program-side driver calls: pinning the staging file and copying a launch's inputs out."""
+
+    def __init__(self) -> None:
+        self.side: dict[int, tuple[int, int]] = {}  # context -> (side stream, event)
+
+    @staticmethod
+    def register(addr: int, size: int) -> bool:
+        from cuda.bindings import driver as drv
+
+        return drv.cuMemHostRegister(addr, size, 0)[0] == drv.CUresult.CUDA_SUCCESS
+
+    @staticmethod
+    def unregister(addr: int) -> None:
+        from cuda.bindings import driver as drv
+
+        drv.cuMemHostUnregister(addr)
+
+    def copy(self, stream: int, copies: list[tuple[int, int, int]]) -> None:
+        """Copy (host, device, bytes) after the work already queued on ``stream``, and wait for it."""
+        from cuda.bindings import driver as drv
+
+        ctx = int(_ok(drv.cuCtxGetCurrent(), "cuCtxGetCurrent"))
+        side = self.side.get(ctx)
+        if side is None:
+            s = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            e = _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            side = self.side[ctx] = (s, e)
+        s, e = side
+        _ok(drv.cuEventRecord(e, stream), "cuEventRecord")
+        _ok(drv.cuStreamWaitEvent(s, e, 0), "cuStreamWaitEvent")
+        for host, dev, n in copies:
+            _ok(drv.cuMemcpyDtoHAsync(host, dev, n, s), "cuMemcpyDtoHAsync")
+        _ok(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+
+    @staticmethod
+    def bus_id() -> str:
+        from cuda.bindings import driver as drv
+
+        dev = _ok(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+        raw = _ok(drv.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
+        return (raw if isinstance(raw, bytes) else bytes(raw)).split(b"\0", 1)[0].decode()
+
+
+def regions_of(reads: list[list[int]], writes: list[list[int]]) -> list[tuple[int, int, str]]:
+    """(addr, size, mode) of the union of the predicted reads and writes: each merged range is "r"
+    when no predicted write touches it, "w" when no predicted read does, else "rw"."""
+    marks = sorted([(s, s + n, "r") for s, n in reads if n > 0] + [(s, s + n, "w") for s, n in writes if n > 0])
+    out: list[list[Any]] = []
+    for s, e, kind in marks:
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+            out[-1][2].add(kind)
+        else:
+            out.append([s, e, {kind}])
+    return [(s, e - s, "rw" if len(k) == 2 else next(iter(k))) for s, e, k in out]
+
+
+def validator_command(directory: Path, bus_id: str) -> tuple[list[str], dict[str, str]]:
+    """The validator's command line and environment: this interpreter, this package, untraced."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUOS_BOOT", "CUDA_INJECTION64_PATH", "LD_PRELOAD")}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    return [sys.executable, "-m", "gpuos_tools.agent.replay", "--device", bus_id, "--dir", str(directory)], env
+
+
+class OffloadValidator(Validator):
+    """Sampled launches are copied out and replayed by the validator process (module docstring).
+
+    The sampling and the range prediction are the in-process validator's; ``image_for`` maps a
+    kernel's name to the module image (cubin) holding it, or None."""
+
+    def __init__(self, samples: int = 3, max_bytes: int = 8 << 30, image_for: Callable[[str], bytes | None] = None,
+                 timeout_s: float = TIMEOUT_S, copier: Any = None, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(samples, max_bytes, extents=False)
+        self.image_for = image_for or (lambda name: None)
+        self.copier = copier or DriverCopier()
+        self.dir = Path(tempfile.mkdtemp(prefix="gpuos-validator-"))  # 0700
+        self.staging = Staging(self.dir, self.copier.register, self.copier.unregister)
+        self.images: dict[bytes, str] = {}  # image -> content hash written
+        self._command, self._env, self.timeout_s = command, env, timeout_s
+        self.link: Link | None = None
+        self.switched_off: str | None = None  #: set once; the tracer turns it into an error record
+
+    def _link(self) -> Link:
+        if self.link is None:
+            if self._command is None:
+                self._command, env = validator_command(self.dir, self.copier.bus_id())
+                self._env = self._env or env
+            self.link = Link(self._command, self._env or dict(os.environ), self.timeout_s,
+                             stderr=self.dir / "validator.log")
+        return self.link
+
+    def wants(self, func: int) -> bool:
+        if self.link is not None and self.link.off is not None:
+            return False
+        sampled = super().wants(func)  # (counts the launch either way)
+        # one launch at a time in the validator: a launch of another thread while one is out is
+        # not sampled (its verdict could be read in place of the other's)
+        return sampled and not any("seq" in s for s in self.pending.values())
+
+    def _image_key(self, image: bytes) -> str:
+        key = self.images.get(image)
+        if key is None:
+            key = hashlib.sha256(image).hexdigest()
+            tmp = self.dir / f"{key}.tmp"
+            tmp.write_bytes(image)
+            tmp.replace(self.dir / f"{key}.image")
+            self.images[image] = key
+        return key
+
+    def enter(self, tid: int, api: str, raw: tuple, func: int, kernel: str, sizes: tuple | None,
+              args: bytes | None, geometry: tuple | None = None) -> None:
+        """Copy the launch's predicted inputs out and hand them to the validator."""
+        t0 = time.perf_counter()
+        acc, _info, _found = self.pred.launch(launch_record(kernel, sizes, args))
+        state: dict[str, Any] = {"kernel": kernel, "t0": t0, "reads": self._absolute(acc["reads"]),
+                                 "writes": self._absolute(acc["writes"]), "unknown": acc["unknown"]}
+        why = self._refusal(state, sizes, args, geometry)
+        image = self.image_for(kernel) if why is None else None
+        if why is None and image is None:
+            why = "unvalidated: no module image seen holds the kernel"
+        regions = regions_of(state["reads"], state["writes"])
+        total = sum(n for _, n, _ in regions)
+        if why is None and not regions:
+            why = "unvalidated: the prediction names no device memory"
+        if why is None and total > self.max_bytes:
+            why = f"unvalidated: the prediction names {total} B, more than the validation limit {self.max_bytes} B"
+        if why is not None:
+            self.pending[tid] = {"skip": self._skipped(state, [why])}
+            return
+        self.validated += 1
+        try:
+            self.staging.ensure(total)
+            staged, copies, off = [], [], 0
+            for addr, n, mode in regions:
+                staged.append([addr, n, off, mode])
+                copies.append((self.staging.addr + off, addr, n))
+                off += n
+            self.copier.copy(geometry[4], copies)
+        except (CudaFailure, OSError) as exc:
+            self.pending[tid] = {"skip": self._skipped(state, [f"unvalidated: copying the inputs out failed: {exc}"])}
+            return
+        (gx, gy, gz), (bx, by, bz), shared = geometry[0], geometry[1], geometry[2]
+        req = {"seq": self.validated, "kernel": kernel, "function": kernel, "image": self._image_key(image),
+               "params": (args or b"").hex(), "sizes": list(sizes or ()), "grid": [gx, gy, gz],
+               "block": [bx, by, bz], "shared": shared, "staging": self.staging.path.name,
+               "regions": staged, "reads": state["reads"], "writes": state["writes"]}
+        try:
+            sent = self._link().request(req)
+        except CudaFailure as exc:  # the program's device could not be named
+            sent = f"the validator could not start: {exc}"
+        if isinstance(sent, str):
+            self._note_off()
+            self.pending[tid] = {"skip": self._skipped(state, [f"unvalidated: {sent}"])}
+            return
+        state["seq"] = req["seq"]
+        self.pending[tid] = state
+
+    def _refusal(self, state: dict[str, Any], sizes, args, geometry) -> str | None:
+        if state["unknown"]:
+            return "unvalidated: unknown launch (the validator maps only what the prediction names)"
+        if sizes is None or args is None:
+            return "unvalidated: the parameter layout is unknown"
+        if geometry is None:
+            return "unvalidated: the launch's geometry is unknown"
+        if geometry[3]:
+            return f"unvalidated: {geometry[3]}"
+        return None
+
+    def exit(self, tid: int, result: int) -> dict[str, Any] | None:
+        """Wait for the verdict (bounded) and return the validation record's body."""
+        state = self.pending.pop(tid, None)
+        if state is None:
+            return None
+        if "skip" in state:
+            return state["skip"]
+        rep = self.link.answer()
+        if isinstance(rep, str):
+            self._note_off()
+            return self._skipped(state, [f"unvalidated: {rep}"])
+        if rep.pop("seq", None) != state["seq"]:
+            self.link.kill()
+            return self._skipped(state, ["unvalidated: the validator answered another launch: restarted"])
+        if result:
+            return {"kernel": state["kernel"], "checked": False, "mode": "validator",
+                    "why": f"the launch failed (CUresult {result})"}
+        rep["ms"] = round((time.perf_counter() - state["t0"]) * 1000, 3)
+        return rep
+
+    def _note_off(self) -> None:
+        if self.link is not None and self.link.off is not None and self.switched_off is None:
+            self.switched_off = self.link.off
+
+    @staticmethod
+    def _skipped(state: dict[str, Any], why: list[str]) -> dict[str, Any]:
+        return dict(Validator._skipped(state, why), mode="validator")
+
+    def close(self) -> None:
+        """End the validator (its input closes) and remove the private directory."""
+        if self.link is not None:
+            proc = self.link.proc
+            if proc is not None and proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                    proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            self.link.kill()
+        self.staging.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,463 @@
+"""The validator process: replays a sampled launch in its own CUDA context, never in the program's.
+
+`gpu-trace run --validate --validate-in validator` starts one of these per traced program (lazily,
+at the first sampled launch; gpuos_tools/agent/offload.py is the program's side). The program
+copies the launch's inputs (the bytes the prediction names) into a shared staging file and sends
+a request; this process recreates the launch:
+
+1. it reserves the program's virtual addresses with the VMM API, the address passed as the fixed
+   hint, rounded out to the allocation granularity; when the driver gives another address the
+   launch is ``unvalidated: address unavailable`` (never replayed elsewhere: pointers stored in
+   the buffers would be wrong);
+2. it maps physical memory there, only for the granules the prediction names, fills the bytes the
+   prediction names with their launch-time contents and the rest of each granule with a poison
+   value, maps the granules holding only predicted reads read-only where the driver takes it;
+3. it loads the kernel's module from its image, launches it with the program's parameter bytes and
+   geometry, synchronises, and reads the granules back; twice, poisoned with 0x00 then 0xFF.
+
+Verdicts (the `validation` record, gpuos_tools/stream/records.py): an illegal address is an access
+outside every mapped granule, a missed access (which buffer is not bisected); chunks that changed
+are the writes, those outside the predicted writes missed writes; predicted bytes that differ
+between the two poisons were computed from unpredicted memory, a missed read (a third run under
+the first poison tells that from a kernel that is not deterministic). After a sticky error the
+context is gone: the process answers, then exits, and the program's side starts a fresh one.
+
+Limits: reads of unpredicted bytes inside a mapped granule whose value does not change the output
+are invisible (as with in-process poisoning); module globals hold their initial values, not the
+program's; launch attributes (clusters, priorities) are not replayed; no read extents are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+
+from gpuos_tools.agent.validate import CHUNK, Layout
+from gpuos_tools.model.allocs import Allocation
+
+#: the exit status after a sticky error: the program's side restarts the validator, quietly
+EXIT_CONTEXT_LOST = 3
+#: the exit status when the program went away
+EXIT_ORPHANED = 4
+#: driver errors that mean the kernel touched an address with no mapping (or wrote a read-only one)
+ACCESS_FAULTS = ("CUDA_ERROR_ILLEGAL_ADDRESS",)
+#: errors after which the context is unusable
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_FAILED",
+          "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_LAUNCH_TIMEOUT")
+POISONS = (0x00, 0xFF)
+
+_LEN = struct.Struct("<I")
+MAX_FRAME = 64 << 20
+
+
+# ------------------------------------------------------------------ framing (both sides)
+
+def write_frame(f: BinaryIO, obj: Any) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    f.write(_LEN.pack(len(data)) + data)
+    f.flush()
+
+
+def read_frame(f: BinaryIO) -> Any | None:
+    """The next frame, None at a clean end of file; ValueError for a torn or oversized one."""
+    head = f.read(_LEN.size)
+    if not head:
+        return None
+    if len(head) < _LEN.size:
+        raise ValueError("truncated frame header")
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes")
+    data = f.read(n)
+    if len(data) < n:
+        raise ValueError("truncated frame")
+    return json.loads(data)
+
+
+# ------------------------------------------------------------------ the device
+
+class ReplayError(Exception):
+    """A driver call failed; ``code`` is the CUresult's name."""
+
+    def __init__(self, what: str, code: str):
+        super().__init__(f"{what}: {code}")
+        self.code = code
+
+
+class Device(Protocol):
+    """What the replay needs of the GPU (CudaDevice; unit tests pass a fake)."""
+
+    granularity: int
+
+    def reserve(self, addr: int, size: int) -> int: ...
+    def free_address(self, addr: int, size: int) -> None: ...
+    def map(self, addr: int, size: int) -> None: ...
+    def unmap(self, addr: int, size: int) -> None: ...
+    def protect(self, addr: int, size: int, read_only: bool) -> bool: ...
+    def upload(self, addr: int, data: np.ndarray) -> None: ...
+    def download(self, addr: int, size: int) -> np.ndarray: ...
+    def load(self, image: bytes, name: str) -> tuple[Any, Any]: ...
+    def unload(self, module: Any) -> None: ...
+    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None: ...
+
+
+class CudaDevice:
+    """The validator's own context on the program's GPU, through cuda-python's driver bindings."""
+
+    def __init__(self, bus_id: str):
+        from cuda.bindings import driver as drv
+
+        self.drv = drv
+        self._ok(drv.cuInit(0), "cuInit")
+        self.dev = self._ok(drv.cuDeviceGetByPCIBusId(bus_id.encode()), "cuDeviceGetByPCIBusId")
+        self.ctx = self._ok(drv.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        self._ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = int(self.dev)
+        self.prop = prop
+        self.granularity = int(self._ok(drv.cuMemGetAllocationGranularity(
+            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"))
+        self.handles: dict[int, Any] = {}
+
+    def _ok(self, result: tuple, what: str) -> Any:
+        err = result[0]
+        if err != self.drv.CUresult.CUDA_SUCCESS:
+            raise ReplayError(what, getattr(err, "name", str(err)))
+        return result[1] if len(result) == 2 else None
+
+    def reserve(self, addr: int, size: int) -> int:
+        return int(self._ok(self.drv.cuMemAddressReserve(size, self.granularity, addr, 0), "cuMemAddressReserve"))
+
+    def free_address(self, addr: int, size: int) -> None:
+        self.drv.cuMemAddressFree(addr, size)
+
+    def map(self, addr: int, size: int) -> None:
+        drv = self.drv
+        handle = self._ok(drv.cuMemCreate(size, self.prop, 0), "cuMemCreate")
+        err = drv.cuMemMap(addr, size, 0, handle, 0)[0]
+        if err != drv.CUresult.CUDA_SUCCESS:
+            drv.cuMemRelease(handle)
+            raise ReplayError("cuMemMap", getattr(err, "name", str(err)))
+        self.handles[addr] = handle
+        self._access(addr, size, drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+
+    def _access(self, addr: int, size: int, flags) -> None:
+        desc = self.drv.CUmemAccessDesc()
+        desc.location.type = self.drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = int(self.dev)
+        desc.flags = flags
+        self._ok(self.drv.cuMemSetAccess(addr, size, [desc], 1), "cuMemSetAccess")
+
+    def unmap(self, addr: int, size: int) -> None:
+        self.drv.cuMemUnmap(addr, size)
+        handle = self.handles.pop(addr, None)
+        if handle is not None:
+            self.drv.cuMemRelease(handle)
+
+    def protect(self, addr: int, size: int, read_only: bool) -> bool:
+        flags = self.drv.CUmemAccess_flags
+        try:
+            self._access(addr, size, flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
+                         else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        except ReplayError:
+            return False
+        return True
+
+    def upload(self, addr: int, data: np.ndarray) -> None:
+        self._ok(self.drv.cuMemcpyHtoD(addr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+
+    def download(self, addr: int, size: int) -> np.ndarray:
+        out = np.empty(size, dtype=np.uint8)
+        self._ok(self.drv.cuMemcpyDtoH(out.ctypes.data, addr, size), "cuMemcpyDtoH")
+        return out
+
+    def load(self, image: bytes, name: str) -> tuple[Any, Any]:
+        """(module, function). Loaded per replay, after the reservations, and unloaded after it:
+        a module's own device memory must not sit where a later launch's buffers need to go."""
+        if image[:4] != b"\x7fELF" and b".version" in image[:4096] and not image.endswith(b"\0"):
+            image += b"\0"  # PTX text: the driver reads it up to a NUL
+        mod = self._ok(self.drv.cuModuleLoadData(image), "cuModuleLoadData")
+        err, fn = self.drv.cuModuleGetFunction(mod, name.encode())
+        if err != self.drv.CUresult.CUDA_SUCCESS:
+            self.drv.cuModuleUnload(mod)
+            raise ReplayError("cuModuleGetFunction", getattr(err, "name", str(err)))
+        return mod, fn
+
+    def unload(self, module: Any) -> None:
+        self.drv.cuModuleUnload(module)
+
+    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None:
+        """Launch and synchronise: None, or the error's name (the launch's or the kernel's)."""
+        drv = self.drv
+        if shared > 48 << 10:
+            drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                   shared)
+        bufs = [ctypes.create_string_buffer(p, max(len(p), 8)) for p in params]
+        ptrs = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.addressof(b) for b in bufs])
+        for err in (drv.cuLaunchKernel(fn, *grid, *block, shared, 0, ctypes.addressof(ptrs), 0)[0],
+                    drv.cuCtxSynchronize()[0]):
+            if err != drv.CUresult.CUDA_SUCCESS:
+                return getattr(err, "name", str(err))
+        return None
+
+
+# ------------------------------------------------------------------ the replay
+
+@dataclass
+class Region:
+    """Bytes the prediction names, as staged: [addr, addr + size) at ``offset`` in the staging file."""
+
+    addr: int
+    size: int
+    offset: int
+    mode: str  #: "r", "w" or "rw"
+
+
+def spans_of(regions: list[Region], granularity: int) -> list[tuple[int, int, bool]]:
+    """(start, size, read only) of the granule-aligned spans covering the regions, merged."""
+    out: list[list[Any]] = []
+    for r in sorted(regions, key=lambda r: r.addr):
+        lo = r.addr // granularity * granularity
+        hi = -(-(r.addr + r.size) // granularity) * granularity
+        ro = r.mode == "r"
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+            out[-1][2] = out[-1][2] and ro
+        else:
+            out.append([lo, hi, ro])
+    return [(lo, hi - lo, ro) for lo, hi, ro in out]
+
+
+def _chunks(byte_mask: np.ndarray) -> np.ndarray:
+    return byte_mask.reshape(-1, CHUNK).any(axis=1)
+
+
+class Replayer:
+    """Replays requests on a Device and turns what it saw into validation record bodies."""
+
+    def __init__(self, device: Device):
+        if device.granularity % CHUNK:
+            raise ValueError(f"granularity {device.granularity} is not a multiple of {CHUNK}")
+        self.device = device
+        self.lost = False  #: a sticky error ended the context: answer, then exit
+
+    def replay(self, req: dict[str, Any], staging: memoryview | bytes, image: bytes) -> dict[str, Any]:
+        base = {"kernel": req["kernel"], "mode": "validator",
+                "predicted": {"reads": req["reads"], "writes": req["writes"], "unknown": False}}
+        regions = [Region(*r) for r in req["regions"]]
+        if not regions:
+            return dict(base, checked=False, why="unvalidated: the prediction names no device memory")
+        spans = spans_of(regions, self.device.granularity)
+        dev = self.device
+        reserved: list[tuple[int, int]] = []
+        mapped: list[tuple[int, int]] = []
+        module = None
+        try:
+            for start, size, _ in spans:
+                got = dev.reserve(start, size)
+                if got != start:
+                    dev.free_address(got, size)
+                    return dict(base, checked=False, why=f"unvalidated: address unavailable ({start:#x})")
+                reserved.append((start, size))
+            for start, size, _ in spans:
+                dev.map(start, size)
+                mapped.append((start, size))
+            module, fn = dev.load(image, req["function"])
+            params = _split(bytes.fromhex(req["params"]), req["sizes"])
+            total = sum(s for _, s, _ in spans)
+            predicted = self._predicted_mask(spans, regions, total)
+            runs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            ro_taken: list[bool] = []
+            for fill in POISONS:
+                init = self._image(spans, regions, staging, fill, total)
+                err = self._run(spans, init, fn, req, params, ro_taken)
+                if err is not None:
+                    return self._failed(base, err, total)
+                runs[fill] = (init, self._read(spans, total))
+            rec = self._judge(base, spans, req, predicted, runs)
+            if rec["reads"] == "missed":
+                init = runs[POISONS[0]][0]
+                err = self._run(spans, init, fn, req, params, ro_taken)
+                if err is not None:
+                    return self._failed(base, err, total)
+                again = self._read(spans, total)
+                if np.any((again != runs[POISONS[0]][1]) & predicted):
+                    rec["reads"] = "nondeterministic"
+                    rec["nondeterministic"] = rec.pop("read_effects")
+            if any(ro for _, _, ro in spans):
+                rec["read_only"] = "enforced" if all(ro_taken) else "refused"
+            return rec
+        except ReplayError as exc:
+            if exc.code in STICKY:
+                self.lost = True
+            return dict(base, checked=False, why=f"unvalidated: {exc}")
+        finally:
+            if not self.lost:
+                if module is not None:
+                    dev.unload(module)
+                for start, size in mapped:
+                    dev.unmap(start, size)
+                for start, size in reserved:
+                    dev.free_address(start, size)
+
+    @staticmethod
+    def _predicted_mask(spans, regions: list[Region], total: int) -> np.ndarray:
+        mask = np.zeros(total, dtype=bool)
+        for r in regions:
+            pos = _position(spans, r.addr)
+            mask[pos : pos + r.size] = True
+        return mask
+
+    @staticmethod
+    def _image(spans, regions: list[Region], staging, fill: int, total: int) -> np.ndarray:
+        """The spans' contents at the launch: staged bytes where predicted, ``fill`` elsewhere."""
+        init = np.full(total, fill, dtype=np.uint8)
+        for r in regions:
+            pos = _position(spans, r.addr)
+            init[pos : pos + r.size] = np.frombuffer(staging, np.uint8, r.size, r.offset)
+        return init
+
+    def _run(self, spans, init: np.ndarray, fn, req, params, ro_taken: list[bool]) -> str | None:
+        dev = self.device
+        pos = 0
+        for start, size, ro in spans:
+            if ro:
+                dev.protect(start, size, False)
+            dev.upload(start, init[pos : pos + size])
+            if ro:
+                ro_taken.append(dev.protect(start, size, True))
+            pos += size
+        return dev.launch(fn, req["grid"], req["block"], req["shared"], params)
+
+    def _read(self, spans, total: int) -> np.ndarray:
+        out = np.empty(total, dtype=np.uint8)
+        pos = 0
+        for start, size, _ in spans:
+            out[pos : pos + size] = self.device.download(start, size)
+            pos += size
+        return out
+
+    def _failed(self, base: dict[str, Any], err: str, total: int) -> dict[str, Any]:
+        if err in STICKY:
+            self.lost = True
+        if err in ACCESS_FAULTS:
+            return dict(base, checked=True, chunk=CHUNK, checked_bytes=total, written=[], missed_writes=[],
+                        reads="missed", fault=err,
+                        why="the replay faulted: the kernel touched memory outside the prediction "
+                            "(or wrote memory it said it only reads)")
+        return dict(base, checked=False, fault=err, why=f"unvalidated: the replay failed ({err})")
+
+    @staticmethod
+    def _judge(base, spans, req, predicted: np.ndarray, runs) -> dict[str, Any]:
+        layout = Layout([Allocation(0, s, n, "vmm") for s, n, _ in spans])
+        written_b = np.zeros(len(predicted), dtype=bool)
+        for init, after in runs.values():
+            written_b |= init != after
+        written = _chunks(written_b)
+        wmask = layout.mask([(s, s + n) for s, n in req["writes"]])
+        (a_init, a), (b_init, b) = runs[POISONS[0]], runs[POISONS[1]]
+        effects = _chunks((a != b) & predicted)
+        rec = dict(base, checked=True, chunk=CHUNK, checked_bytes=int(len(predicted)),
+                   written=layout.ranges(written), missed_writes=layout.ranges(written & ~wmask),
+                   reads="missed" if effects.any() else "ok")
+        if effects.any():
+            rec["read_effects"] = layout.ranges(effects)
+        return rec
+
+
+def _position(spans, addr: int) -> int:
+    pos = 0
+    for start, size, _ in spans:
+        if start <= addr < start + size:
+            return pos + addr - start
+        pos += size
+    raise ValueError(f"{addr:#x} is in no span")
+
+
+def _split(data: bytes, sizes: list[int]) -> list[bytes]:
+    out, pos = [], 0
+    for n in sizes:
+        out.append(data[pos : pos + n])
+        pos += n
+    if pos != len(data):
+        raise ValueError(f"{len(data)} parameter bytes for sizes adding up to {pos}")
+    return out
+
+
+# ------------------------------------------------------------------ the process
+
+def serve(replayer: Replayer, inp: BinaryIO, out: BinaryIO, directory: str) -> int:
+    """Answer requests until end of input (0) or a lost context (EXIT_CONTEXT_LOST)."""
+    while True:
+        req = read_frame(inp)
+        if req is None:
+            return 0
+        try:
+            rec = _answer(replayer, req, directory)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            rec = {"kernel": req.get("kernel", ""), "checked": False, "mode": "validator",
+                   "why": f"unvalidated: bad request ({type(exc).__name__}: {exc})"}
+        rec["seq"] = req.get("seq")
+        if replayer.lost:
+            rec["restart"] = True  # this process exits: the program's side starts another
+        write_frame(out, rec)
+        if replayer.lost:
+            return EXIT_CONTEXT_LOST
+
+
+def _answer(replayer: Replayer, req: dict[str, Any], directory: str) -> dict[str, Any]:
+    name = os.path.basename(req["staging"])  # only files of the program's private directory
+    with open(os.path.join(directory, os.path.basename(req["image"]) + ".image"), "rb") as f:
+        image = f.read()
+    with open(os.path.join(directory, name), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return replayer.replay(req, b"", image)
+        with mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+            return replayer.replay(req, memoryview(m), image)
+
+
+def _orphan_watch(parent: int, interval: float = 1.0) -> None:
+    """End this process when the program that started it is gone, even in the middle of a replay
+    that hangs (the end of its input is only seen between requests)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="gpuos-validator-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpuos-validator", description="Replay sampled launches (see module doc).")
+    ap.add_argument("--device", required=True, help="the PCI bus id of the program's GPU")
+    ap.add_argument("--dir", required=True, help="the program's private staging directory")
+    args = ap.parse_args(argv)
+    _orphan_watch(os.getppid())
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames on the pipe
+    try:
+        replayer = Replayer(CudaDevice(args.device))
+    except ReplayError as exc:
+        write_frame(out, {"ready": False, "why": str(exc)})
+        return 1
+    write_frame(out, {"ready": True, "granularity": replayer.device.granularity})
+    return serve(replayer, inp, out, args.dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

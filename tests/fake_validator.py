@@ -1,0 +1,34 @@
+"""A stand-in validator process for the program side's unit tests (tests/test_validator_offload.py).
+
+``fake_validator.py DIR MODE``: MODE ok serves requests with gpuos_tools.agent.replay on the fake
+VMM device of tests/fake_vmm.py; hang answers ready, then never again; crash exits after ready;
+garbage writes a frame of nonsense; refuse says it could not start."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fake_vmm import KERNELS, FakeDevice  # noqa: E402
+from gpuos_tools.agent import replay  # noqa: E402
+
+directory, mode = sys.argv[1], sys.argv[2]
+out = sys.stdout.buffer
+if mode == "refuse":
+    replay.write_frame(out, {"ready": False, "why": "cuInit: CUDA_ERROR_NO_DEVICE"})
+    sys.exit(1)
+replay.write_frame(out, {"ready": True, "granularity": 4096})
+if mode == "hang":
+    time.sleep(3600)
+elif mode == "crash":
+    replay.read_frame(sys.stdin.buffer)
+    print("Segmentation fault (pretend)", file=sys.stderr)
+    sys.exit(7)
+elif mode == "garbage":
+    replay.read_frame(sys.stdin.buffer)
+    out.write(b"\x03\x00\x00\x00abc")
+    out.flush()
+    time.sleep(3600)
+else:
+    sys.exit(replay.serve(replay.Replayer(FakeDevice(KERNELS, 4096)), sys.stdin.buffer, out, directory))

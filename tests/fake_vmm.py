@@ -1,0 +1,158 @@
+"""A fake GPU for the validator process's unit tests: a VMM address space in host memory.
+
+It implements gpuos_tools.agent.replay's Device: reservations (``taken`` addresses come back
+elsewhere, as a driver does with a hint it cannot honour), mappings, read-only protection (refused
+when ``read_only=False``, as a driver without it would), copies, and "kernels": Python functions
+of (device, parameter byte strings) that load and store through the mappings, so that an access
+outside them faults like an illegal address. Every call is counted so tests see leaks."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+
+class Fault(Exception):
+    pass
+
+
+class FakeDevice:
+    def __init__(self, kernels: dict, granularity: int = 4096, taken: tuple[int, ...] = (),
+                 read_only: bool = True):
+        self.kernels = kernels
+        self.granularity = granularity
+        self.taken = set(taken)
+        self.read_only = read_only
+        self.reserved: dict[int, int] = {}
+        self.maps: dict[int, np.ndarray] = {}  # start -> bytes
+        self.ro: set[int] = set()
+        self.launches = 0
+        self.loaded: list[bytes] = []  # modules loaded now
+        self.state = 0  # a counter kernels may use to be nondeterministic
+
+    # -- Device
+    def reserve(self, addr: int, size: int) -> int:
+        got = addr if addr not in self.taken else addr + (1 << 40)
+        self.reserved[got] = size
+        return got
+
+    def free_address(self, addr: int, size: int) -> None:
+        assert self.reserved.pop(addr) == size
+
+    def map(self, addr: int, size: int) -> None:
+        assert self.reserved.get(addr) == size
+        self.maps[addr] = np.zeros(size, np.uint8)
+
+    def unmap(self, addr: int, size: int) -> None:
+        assert len(self.maps.pop(addr)) == size
+        self.ro.discard(addr)
+
+    def protect(self, addr: int, size: int, read_only: bool) -> bool:
+        if read_only and not self.read_only:
+            return False
+        (self.ro.add if read_only else self.ro.discard)(addr)
+        return True
+
+    def upload(self, addr: int, data: np.ndarray) -> None:
+        buf, pos = self._at(addr, len(data))
+        buf[pos : pos + len(data)] = data
+
+    def download(self, addr: int, size: int) -> np.ndarray:
+        buf, pos = self._at(addr, size)
+        return buf[pos : pos + size].copy()
+
+    def load(self, image: bytes, name: str):
+        if name not in self.kernels:
+            from gpuos_tools.agent.replay import ReplayError
+
+            raise ReplayError("cuModuleGetFunction", "CUDA_ERROR_NOT_FOUND")
+        self.loaded.append(image)
+        return image, name
+
+    def unload(self, module) -> None:
+        self.loaded.remove(module)
+
+    def launch(self, fn, grid, block, shared, params):
+        self.launches += 1
+        try:
+            self.kernels[fn](self, params)
+        except Fault:
+            return "CUDA_ERROR_ILLEGAL_ADDRESS"
+        except AssertionError:
+            return "CUDA_ERROR_ASSERT"
+        return None
+
+    # -- what kernels use
+    def _at(self, addr: int, size: int) -> tuple[np.ndarray, int]:
+        for start, buf in self.maps.items():
+            if start <= addr and addr + size <= start + len(buf):
+                return buf, addr - start
+        raise Fault(f"{addr:#x}+{size}")
+
+    def fetch(self, addr: int, size: int) -> bytes:
+        buf, pos = self._at(addr, size)
+        return buf[pos : pos + size].tobytes()
+
+    def store(self, addr: int, data: bytes) -> None:
+        buf, pos = self._at(addr, len(data))
+        start = addr - pos
+        if start in self.ro:
+            raise Fault(f"write to read-only {addr:#x}")
+        buf[pos : pos + len(data)] = np.frombuffer(data, np.uint8)
+
+
+def ptr(p: bytes) -> int:
+    return struct.unpack("<Q", p[:8])[0]
+
+
+def i32(p: bytes) -> int:
+    return struct.unpack("<i", p[:4])[0]
+
+
+# kernels of (x, y, n) parameters, on float32 elements
+def copy(dev: FakeDevice, params) -> None:
+    """y[i] = x[i] for i < n."""
+    x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    dev.store(y, dev.fetch(x, 4 * n))
+
+
+def copy_and_spill(dev: FakeDevice, params) -> None:
+    """copy, and also y[n + 32] = 1.0: a chunk past what a prediction of n floats says."""
+    copy(dev, params)
+    y, n = ptr(params[1]), i32(params[2])
+    dev.store(y + 4 * (n + 32), struct.pack("<f", 1.0))
+
+
+def sum_past(dev: FakeDevice, params) -> None:
+    """y[0] = sum of x[0 .. 2n): reads twice what a prediction of n floats says."""
+    x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    vals = np.frombuffer(dev.fetch(x, 8 * n), np.float32)
+    dev.store(y, struct.pack("<f", float(vals.sum())))
+
+
+def far_read(dev: FakeDevice, params) -> None:
+    """copy, but from x + 1 MiB: far outside any granule of x."""
+    x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    dev.store(y, dev.fetch(x + (1 << 20), 4 * n))
+
+
+def scribble_input(dev: FakeDevice, params) -> None:
+    """copy, then x[0] = -1: a write to memory predicted read-only."""
+    copy(dev, params)
+    dev.store(ptr(params[0]), struct.pack("<f", -1.0))
+
+
+def stamp(dev: FakeDevice, params) -> None:
+    """y[0] = a counter that changes at every launch (like clock64)."""
+    dev.state += 1
+    dev.store(ptr(params[1]), struct.pack("<i", dev.state))
+
+
+def asserting(dev: FakeDevice, params) -> None:
+    """A device-side assert on every launch."""
+    raise AssertionError("device-side assert")
+
+
+KERNELS = {f.__name__: f for f in (copy, copy_and_spill, sum_past, far_read, scribble_input, stamp, asserting)}
+KERNELS["_Z4copyIfEvPKT_PS0_i"] = copy  # void copy<float>(const float*, float*, int), as a program names it

@@ -1,0 +1,151 @@
+"""Programs for `gpu-trace run --validate --validate-in validator` (tests/gpu/test_validator_gpu.py).
+
+``validator_prog.py MODE``; every mode writes {"digest": {name: sha256 of a result}, "bufs": {...}}
+to $GPUOS_TEST_REPORT, so that a plain run and a validated one can be compared byte for byte.
+
+- kernels: CuPy raw kernels whose true accesses are known: copy (a right prediction), follow_write
+  (through a pointer table copied from the host: followed), hidden_read and hidden_write (through a
+  pointer the program stored on the GPU into a table: no prediction sees them; the target is a big
+  buffer of its own, far from what the prediction names), oob_read (reads past the end of the array
+  it is given, inside the same allocation); copy again on 16 MiB arrays (a buffer only read, in
+  granules of its own: the validator maps it read-only if the driver lets it);
+- solve: cuSOLVER (getrf/getrs through cupy.linalg.solve, potrf through cholesky) and cuBLAS trsm;
+- fft: cuFFT, complex 1-D and real 2-D;
+- torch: PyTorch kernels with device-side asserts on their indices (EmbeddingBag, index_select,
+  gather) and scatter_add (on integers held in floats, so that atomics add exactly).
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+
+def digest(a) -> str:
+    if hasattr(a, "detach"):
+        a = a.detach().cpu().numpy()
+    elif hasattr(a, "get"):
+        a = a.get()
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def kernels():
+    import cupy as cp
+
+    src = r"""
+    extern "C" __global__ void set_table(unsigned long long* table, unsigned long long p) { table[0] = p; }
+    extern "C" __global__ void hidden_read(const unsigned long long* table, float* out, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) out[i] = ((const float*)table[0])[i] + 1.0f;
+    }
+    extern "C" __global__ void hidden_write(const unsigned long long* table, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) ((float*)table[0])[i] = 2.0f * i;
+    }
+    extern "C" __global__ void follow_write(const unsigned long long* table, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) ((float*)table[0])[i] = 3.0f * i;
+    }
+    extern "C" __global__ void oob_read(const float* x, float* out, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) out[i] = x[i + n];
+    }
+    template <typename T> __global__ void copy(const T* x, T* y, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) y[i] = x[i];
+    }
+    """
+    mod = cp.RawModule(code=src, options=("-std=c++17",), name_expressions=("copy<float>",))
+    n = 10000
+    x = cp.arange(3 * n, dtype=cp.float32)
+    y = cp.zeros(3 * n, dtype=cp.float32)
+    far = cp.arange(8 << 20, dtype=cp.float32)  # 32 MiB of its own, reached only through `table`
+    table = cp.zeros(1, dtype=cp.uint64)
+    followed = cp.zeros(n, dtype=cp.float32)
+    host_table = cp.array([followed.data.ptr], dtype=cp.uint64)
+    out = cp.zeros(n, dtype=cp.float32)
+    wide = cp.arange(2 * n, dtype=cp.float32)
+    oob = cp.zeros(n, dtype=cp.float32)
+    big_x = cp.arange(4 << 20, dtype=cp.float32)  # 16 MiB: granules of its own, only read
+    big_y = cp.zeros(4 << 20, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    blocks = ((n + 255) // 256,)
+    mod.get_function("copy<float>")(blocks, (256,), (x, y, cp.int32(n)))
+    mod.get_function("set_table")((1,), (1,), (table, cp.uint64(far.data.ptr)))
+    mod.get_function("hidden_read")(blocks, (256,), (table, out, cp.int32(n)))
+    mod.get_function("hidden_write")(blocks, (256,), (table, cp.int32(n)))
+    mod.get_function("follow_write")(blocks, (256,), (host_table, cp.int32(n)))
+    mod.get_function("oob_read")(blocks, (256,), (wide[:n], oob, cp.int32(n)))
+    mod.get_function("copy<float>")((big_x.size // 256,), (256,), (big_x, big_y, cp.int32(big_x.size)))
+    cp.cuda.Device().synchronize()
+    assert float(y[n - 1]) == n - 1 and float(big_y[-1]) == big_x.size - 1
+    assert float(out[3]) == 4.0 and float(far[3]) == 6.0
+    assert float(followed[3]) == 9.0 and float(oob[0]) == n
+    bufs = {"x": x, "y": y, "big_x": big_x, "big_y": big_y, "far": far, "table": table, "followed": followed,
+            "out": out, "oob": oob, "wide": wide}
+    return ({k: digest(v) for k, v in bufs.items()},
+            {k: [v.data.ptr, v.nbytes] for k, v in bufs.items()})
+
+
+def solve():
+    import cupy as cp
+    import cupyx.scipy.linalg as cla
+
+    rng = cp.random.RandomState(1)
+    n = 256
+    a = rng.standard_normal((n, n), dtype=cp.float64) + n * cp.eye(n)
+    b = rng.standard_normal((n, 4), dtype=cp.float64)
+    spd = a @ a.T
+    low = cp.tril(a)
+    res = {
+        "solve": cp.linalg.solve(a, b),
+        "cholesky": cp.linalg.cholesky(spd),
+        "trsm": cla.solve_triangular(low, b, lower=True),
+        "trsv": cla.solve_triangular(low, b[:, 0], lower=True),
+    }
+    cp.cuda.Device().synchronize()
+    return {k: digest(v) for k, v in res.items()}, {}
+
+
+def fft():
+    import cupy as cp
+
+    rng = cp.random.RandomState(2)
+    z = (rng.standard_normal(1 << 16) + 1j * rng.standard_normal(1 << 16)).astype(cp.complex64)
+    r = rng.standard_normal((512, 512), dtype=cp.float32)
+    res = {"fft": cp.fft.fft(z), "ifft": cp.fft.ifft(z), "rfft2": cp.fft.rfft2(r)}
+    cp.cuda.Device().synchronize()
+    return {k: digest(v) for k, v in res.items()}, {}
+
+
+def torch_kernels():
+    import torch
+
+    torch.manual_seed(3)
+    dev = "cuda"
+    bag = torch.nn.EmbeddingBag(1000, 64, mode="sum").to(dev)
+    with torch.no_grad():
+        bag.weight.copy_(torch.randint(-8, 8, (1000, 64), device=dev).float())
+    idx = torch.randint(0, 1000, (4096,), device=dev)
+    offsets = torch.arange(0, 4096, 16, device=dev)
+    table = torch.randint(-8, 8, (1000, 32), device=dev).float()
+    with torch.no_grad():
+        res = {
+            "embedding_bag": bag(idx, offsets),
+            "index_select": table.index_select(0, idx),
+            "gather": table.gather(0, idx[:1024].view(32, 32)),
+            "scatter_add": torch.zeros(1000, 32, device=dev).scatter_add_(
+                0, idx[:512].view(512, 1).expand(512, 32), table[:512]),
+        }
+    torch.cuda.synchronize()
+    return {k: digest(v) for k, v in res.items()}, {}
+
+
+MODES = {"kernels": kernels, "solve": solve, "fft": fft, "torch": torch_kernels}
+
+if __name__ == "__main__":
+    digests, bufs = MODES[sys.argv[1]]()
+    report = os.environ.get("GPUOS_TEST_REPORT")
+    if report:
+        with open(report, "w") as f:
+            json.dump({"digest": digests, "bufs": bufs}, f)

@@ -1,0 +1,153 @@
+"""`gpu-trace run --validate --validate-in validator`: the replay runs in a validator process, so that
+nothing it does (a fault, a device-side assert) reaches the program (pytest -m gpu).
+
+Each program of progs/validator_prog.py runs twice, plainly and validated; its results must be
+identical byte for byte, and its exit status 0 both times. With GPUOS_KEEP_TRACES set, the traces
+and a summary of the verdicts (validator-summary-MODE.json: checked, faults, why unvalidated,
+whether read-only mappings were taken) are kept there."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gpuos_tools.stream import open_input
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+PROG = Path(__file__).resolve().parent / "progs" / "validator_prog.py"
+NEEDS = {"kernels": "cupy", "solve": "cupy", "fft": "cupy", "torch": "torch"}
+_runs: dict[str, dict] = {}
+
+
+def summary(records: list[dict]) -> dict:
+    vals = [r for r in records if r["type"] == "validation"]
+    return {
+        "validations": len(vals),
+        "checked": sum(bool(v["checked"]) for v in vals),
+        "reads": dict(Counter(v.get("reads", "-") for v in vals if v["checked"])),
+        "missed_write_launches": sum(bool(v.get("missed_writes")) for v in vals),
+        "faults": dict(Counter(v["fault"] for v in vals if "fault" in v)),
+        "read_only": dict(Counter(v["read_only"] for v in vals if "read_only" in v)),
+        "unvalidated": dict(Counter(v.get("why", "")[:100] for v in vals if not v["checked"])),
+        "ms": sorted(v["ms"] for v in vals if "ms" in v),
+        "errors": [r.get("message", r) for r in records if r["type"] == "error"][:20],
+    }
+
+
+def runs(mode: str, tmp_root: Path) -> dict:
+    """The plain and the validated run of ``mode`` (once per session)."""
+    if mode in _runs:
+        return _runs[mode]
+    if importlib.util.find_spec(NEEDS[mode]) is None:
+        pytest.skip(f"{NEEDS[mode]} is not installed")
+    tmp = tmp_root / mode
+    tmp.mkdir()
+    out = {}
+    for tag in ("plain", "validated"):
+        report = tmp / f"{tag}.json"
+        trace = tmp / f"{tag}.ndjson"
+        env = dict(os.environ, GPUOS_TEST_REPORT=str(report))
+        cmd = [sys.executable, str(PROG), mode]
+        if tag == "validated":
+            cmd = [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--validate", "--validate-in",
+                   "validator", "--validate-samples", "1", "--no-images", "-o", str(trace), "--", *cmd]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+        out[tag] = {"rc": proc.returncode, "stderr": proc.stderr[-4000:],
+                    "report": json.loads(report.read_text()) if report.exists() else None}
+        if tag == "validated" and trace.exists():
+            with open_input(str(trace)) as reader:
+                out["records"] = list(reader)
+    records = out.get("records", [])
+    out["summary"] = summary(records)
+    keep = os.environ.get("GPUOS_KEEP_TRACES")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"validator-summary-{mode}.json").write_text(json.dumps(out["summary"], indent=1))
+        if (tmp / "validated.ndjson").exists():
+            (Path(keep) / f"validator-{mode}.ndjson").write_bytes((tmp / "validated.ndjson").read_bytes())
+    print(f"\nvalidator {mode}: {json.dumps(out['summary'])}", file=sys.stderr)
+    _runs[mode] = out
+    return out
+
+
+@pytest.fixture(scope="session")
+def tmp_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("validator")
+
+
+def by_kernel(records: list[dict], name: str) -> list[dict]:
+    vals = [r for r in records if r["type"] == "validation" and name in r.get("kernel", "")]
+    assert vals, (name, sorted({r.get("kernel") for r in records if r["type"] == "validation"}))
+    return vals
+
+
+def covers(ranges, start, size):
+    """True when [start, start + size) lies inside the union of [addr, size] ranges."""
+    pos = start
+    for a, n in sorted(ranges):
+        if a <= pos < a + n:
+            pos = a + n
+    return pos >= start + size
+
+
+@pytest.mark.parametrize("mode", list(NEEDS))
+def test_the_program_runs_as_it_does_plainly(mode, tmp_root):
+    r = runs(mode, tmp_root)
+    assert r["plain"]["rc"] == 0, r["plain"]["stderr"]
+    assert r["validated"]["rc"] == 0, r["validated"]["stderr"]
+    assert r["validated"]["report"]["digest"] == r["plain"]["report"]["digest"]
+    s = r["summary"]
+    assert s["validations"] > 0, s
+    assert all(v.get("mode") == "validator" for v in r["records"] if v["type"] == "validation")
+    # no exception escaped the tracer's callbacks, and the validator was never switched off
+    assert not [e for e in s["errors"] if "callback" in str(e) or "switched off" in str(e)], s["errors"]
+
+
+def test_a_right_prediction_is_checked_and_passes(tmp_root):
+    r = runs("kernels", tmp_root)
+    v = by_kernel(r["records"], "_Z4copyIf")[0]  # copy<float>, its first launch
+    assert v["checked"], v
+    assert v["reads"] == "ok" and v["missed_writes"] == [], v
+    y, n = r["validated"]["report"]["bufs"]["y"][0], 10000
+    assert covers(v["written"], y, 4 * n - 128), v
+    assert sum(size for _, size in v["written"]) < 4 * n + 128
+
+
+def test_a_pointer_table_copied_from_the_host_is_followed_and_passes(tmp_root):
+    r = runs("kernels", tmp_root)
+    v = by_kernel(r["records"], "follow_write")[0]
+    assert v["checked"] and v["missed_writes"] == [] and v["reads"] == "ok", v
+
+
+def test_a_read_through_a_pointer_stored_on_the_gpu_is_caught(tmp_root):
+    r = runs("kernels", tmp_root)
+    v = by_kernel(r["records"], "hidden_read")[0]
+    assert v["checked"] and v["reads"] == "missed", v
+
+
+def test_a_deliberately_wrong_prediction_is_caught(tmp_root):
+    """hidden_write writes a 32 MiB buffer of its own that its prediction does not name: the replay
+    faults (nothing is mapped there) or, were it in a mapped granule, shows changed chunks."""
+    r = runs("kernels", tmp_root)
+    v = by_kernel(r["records"], "hidden_write")[0]
+    assert v["checked"], v
+    assert v.get("fault") == "CUDA_ERROR_ILLEGAL_ADDRESS" or v["missed_writes"], v
+
+
+def test_read_only_mappings_are_measured(tmp_root):
+    """Where the prediction says a granule is only read, the validator asks for a read-only mapping;
+    whether the driver took it is in the record (refused: a write to it shows as a changed chunk)."""
+    r = runs("kernels", tmp_root)
+    seen = [v["read_only"] for v in r["records"] if v["type"] == "validation" and "read_only" in v]
+    print(f"\nread-only mappings: {dict(Counter(seen))}", file=sys.stderr)
+    assert seen, "no launch with a read-only granule was checked"
+    assert set(seen) <= {"enforced", "refused"}

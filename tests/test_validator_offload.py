@@ -1,0 +1,326 @@
+"""The program's side of out-of-process validation (gpuos_tools/agent/offload.py): what it copies,
+what it sends, and that a validator that hangs, crashes or answers garbage never reaches the
+program. The validator here is tests/fake_validator.py (the real replay on a fake device)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpuos_tools.agent.offload import Link, OffloadValidator, regions_of, validator_command
+from gpuos_tools.agent.validate import CudaFailure
+
+HERE = Path(__file__).resolve().parent
+X, Y, Z = 0x7F0000000000, 0x7F0000010000, 0x7F0000020000
+N = 100
+COPY = "_Z4copyIfEvPKT_PS0_i"  # void copy<float>(const float*, float*, int)
+
+
+class FakeCopier:
+    """The program's memory as numpy buffers; copies recorded."""
+
+    def __init__(self, fail: bool = False):
+        self.mem = {X: np.arange(N, dtype=np.float32).view(np.uint8).copy(),
+                    Y: np.zeros(4 * N, np.uint8), Z: np.zeros(4 * N, np.uint8)}
+        self.copies: list[tuple[int, list]] = []
+        self.fail = fail
+        self.registered: list[int] = []
+
+    def register(self, addr: int, size: int) -> bool:
+        self.registered.append(addr)
+        return True
+
+    def unregister(self, addr: int) -> None:
+        self.registered.remove(addr)
+
+    def copy(self, stream: int, copies) -> None:
+        if self.fail:
+            raise CudaFailure("cuMemcpyDtoHAsync: CUDA_ERROR_ILLEGAL_ADDRESS")
+        self.copies.append((stream, list(copies)))
+        for host, dev, n in copies:
+            base = max(a for a in self.mem if a <= dev)
+            src = self.mem[base][dev - base : dev - base + n]
+            ctypes.memmove(host, src.ctypes.data, n)
+
+    @staticmethod
+    def bus_id() -> str:
+        return "0000:00:00.0"
+
+
+def make(mode: str = "ok", timeout_s: float = 20.0, fail: bool = False, kernel: str = COPY,
+         image: bytes | None = b"cubin") -> OffloadValidator:
+    copier = FakeCopier(fail)
+    v = OffloadValidator(samples=3, image_for=lambda name: image, timeout_s=timeout_s, copier=copier)
+    v._command = [sys.executable, str(HERE / "fake_validator.py"), str(v.dir), mode]
+    for addr in (X, Y, Z):
+        v.on_alloc(addr, 4 * N, "device")
+    return v
+
+
+GEOMETRY = ((1, 1, 1), (32, 1, 1), 0, None, 7)
+
+
+def launch(v: OffloadValidator, kernel: str = COPY, geometry=GEOMETRY, tid: int = 1) -> dict | None:
+    args = struct.pack("<QQi", X, Y, N)
+    v.enter(tid, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, kernel, (8, 8, 4), args, geometry)
+    return v.exit(tid, 0)
+
+
+@pytest.fixture
+def validator():
+    made: list[OffloadValidator] = []
+
+    def factory(*a, **kw):
+        made.append(make(*a, **kw))
+        return made[-1]
+
+    yield factory
+    for v in made:
+        v.close()
+        assert not v.dir.exists()
+
+
+def test_regions_merge_reads_and_writes_with_their_modes():
+    assert regions_of([[0, 10], [100, 10]], [[5, 10], [200, 4]]) == [(0, 15, "rw"), (100, 10, "r"), (200, 4, "w")]
+
+
+def test_a_sampled_launch_is_copied_out_replayed_and_validated(validator):
+    v = validator()
+    rec = launch(v)
+    stream, copies = v.copier.copies[0]
+    assert stream == 7  # ordered after the launch's own stream
+    assert sorted((dev, n) for _, dev, n in copies) == [(X, 4 * N), (Y, 4 * N)]  # only the predicted buffers
+    assert v.copier.registered == [v.staging.addr]  # the staging file is pinned
+    assert rec["mode"] == "validator" and "seq" not in rec and "restart" not in rec
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    assert rec["written"] == [[Y, 4 * N + (-4 * N) % 128]]
+    assert rec["ms"] >= 0
+    assert len(list(v.dir.glob("*.image"))) == 1
+    launch(v, tid=2)
+    assert len(list(v.dir.glob("*.image"))) == 1 and v.link.starts == 1  # one image file, one validator
+
+
+def test_a_kernel_the_image_lacks_is_unvalidated(validator):
+    v = validator()
+    rec = launch(v, kernel="_Z7unknownPKfPfi")  # void unknown(const float*, float*, int)
+    assert rec["checked"] is False and "CUDA_ERROR_NOT_FOUND" in rec["why"]
+
+
+def test_a_validator_that_hangs_is_killed_and_the_launch_unvalidated(validator):
+    v = validator("hang", timeout_s=0.5)
+    t0 = time.monotonic()
+    rec = launch(v)
+    assert time.monotonic() - t0 < 10
+    assert rec["checked"] is False and "did not answer within 0.5 s" in rec["why"]
+    assert v.link.proc is None  # killed
+
+
+def test_a_validator_that_keeps_failing_switches_validation_off(validator):
+    v = validator("crash")
+    whys = [launch(v, tid=t)["why"] for t in range(1, 4)]
+    assert all("exited (status 7): Segmentation fault (pretend)" in w for w in whys[:2]), whys
+    assert "switched off" in whys[2] and v.switched_off == v.link.off
+    assert v.link.starts == 3
+    assert not v.wants(1)  # nothing more is sampled
+
+
+def test_garbage_from_the_validator_is_a_failure_not_a_crash(validator):
+    v = validator("garbage")
+    rec = launch(v)
+    assert rec["checked"] is False and "garbage" in rec["why"]
+
+
+def test_a_validator_that_cannot_start_says_why(validator):
+    v = validator("refuse")
+    rec = launch(v)
+    assert rec["checked"] is False and "CUDA_ERROR_NO_DEVICE" in rec["why"]
+
+
+def test_a_failed_copy_never_reaches_the_program(validator):
+    v = validator(fail=True)
+    rec = launch(v)
+    assert rec["checked"] is False and "copying the inputs out failed" in rec["why"]
+    assert v.link is None  # no validator was started for it
+
+
+@pytest.mark.parametrize("geometry, image, why", [
+    (None, b"cubin", "geometry is unknown"),
+    (((1, 1, 1), (1, 1, 1), 0, "cooperative launches are not replayed", 0), b"cubin", "cooperative"),
+    (GEOMETRY, None, "no module image"),
+])
+def test_launches_that_cannot_be_recreated_are_unvalidated(validator, geometry, image, why):
+    v = validator(image=image)
+    rec = launch(v, geometry=geometry)
+    assert rec["checked"] is False and why in rec["why"] and rec["mode"] == "validator"
+    assert v.link is None
+
+
+def test_the_validator_runs_untraced_with_this_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUOS_BOOT", "{}")
+    monkeypatch.setenv("CUDA_INJECTION64_PATH", "/x.so")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    cmd, env = validator_command(tmp_path, "0000:17:00.0")
+    assert cmd[1:3] == ["-m", "gpuos_tools.agent.replay"] and cmd[-4:] == ["--device", "0000:17:00.0", "--dir", str(tmp_path)]
+    assert "GPUOS_BOOT" not in env and "CUDA_INJECTION64_PATH" not in env
+    assert env["PYTHONPATH"].split(":")[0] == str(HERE.parent) and env["PYTHONPATH"].endswith("/somewhere")
+
+
+def test_a_restart_after_a_lost_context_is_not_a_failure(tmp_path):
+    script = ("import sys; sys.path.insert(0, %r); from gpuos_tools.agent import replay as r; "
+              "o = sys.stdout.buffer; r.write_frame(o, {'ready': True}); q = r.read_frame(sys.stdin.buffer); "
+              "r.write_frame(o, {'seq': q['seq'], 'checked': True, 'restart': True}); sys.exit(3)") % str(HERE.parent)
+    link = Link([sys.executable, "-c", script], {}, timeout_s=20)
+    for seq in (1, 2, 3, 4):
+        assert link.request({"seq": seq}) == {}
+        rep = link.answer()
+        assert rep == {"seq": seq, "checked": True}
+    assert link.failures == 0 and link.off is None and link.starts == 4
+
+
+def test_the_image_of_a_kernel_is_the_latest_loaded_module_defining_it(monkeypatch):
+    from gpuos_tools.cuda import elf
+    from gpuos_tools.injection import tracer
+
+    cubin = (HERE / "data" / "kernels.sm_90.cubin").read_bytes()
+    name = elf.kernels(cubin)[0]
+    newer = cubin + b"\0" * 8  # the same module loaded again: the later copy is the one live
+    monkeypatch.setattr(tracer, "_cubins", [cubin, b"not an ELF"])
+    monkeypatch.setattr(tracer, "_kernel_sets", [])
+    assert tracer._image_for(name) is cubin
+    assert tracer._image_for("no_such_kernel") is None
+    tracer._cubins.append(newer)
+    assert tracer._image_for(name) is newer
+
+
+def test_a_second_thread_is_not_sampled_while_a_launch_is_out(validator):
+    v = validator()
+    args = struct.pack("<QQi", X, Y, N)
+    assert v.wants(1)
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, COPY, (8, 8, 4), args, GEOMETRY)
+    assert not v.wants(2)  # a first launch of another kernel, on another thread
+    assert v.exit(1, 0)["checked"]
+    assert v.wants(3)
+
+
+def test_the_programs_own_failed_launch_is_not_judged(validator):
+    v = validator()
+    args = struct.pack("<QQi", X, Y, N)
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, COPY, (8, 8, 4), args, GEOMETRY)
+    rec = v.exit(1, 700)
+    assert rec["checked"] is False and "CUresult 700" in rec["why"]
+    assert launch(v, tid=2)["checked"]  # the validator's answer was consumed: the next one lines up
+
+
+def test_validate_in_is_checked_before_anything_runs():
+    from gpuos_tools.errors import ExitCode, GpuosError
+    from gpuos_tools.trace.run import run_program
+
+    for kw, words in (({"validate": True, "validate_in": "gpu"}, "--validate-in: must be process or validator"),
+                      ({"validate_in": "validator"}, "--validate-in is an option of --validate")):
+        with pytest.raises(GpuosError) as err:
+            run_program(["true"], **kw)
+        assert err.value.code == ExitCode.USAGE and words in str(err.value)
+
+
+def test_the_boot_config_carries_where_validation_runs():
+    from gpuos_tools.injection.config import BootConfig, ConfigError, TraceConfig, ValidateConfig
+
+    cfg = BootConfig(TraceConfig(3), validate=ValidateConfig(2, 1 << 30, False, "validator", 5.0))
+    assert BootConfig.from_json(cfg.to_json()) == cfg
+    # a config written before the field existed still reads, as the in-process validator
+    old = cfg.to_json().replace(',"where":"validator","timeout_s":5.0', "")
+    assert BootConfig.from_json(old).validate.where == "process"
+    with pytest.raises(ConfigError, match="validate.where"):
+        ValidateConfig(2, 1 << 30, False, "elsewhere")
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig as cuda.h lays it out (the tracer reads it by offsets)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class _Recorder:
+    """A validator that only records what the tracer's launch handler hands it."""
+
+    def __init__(self):
+        self.calls = []
+        self.pending: dict = {}
+        self.busy_tid = 0
+
+    def wants(self, func):
+        return True
+
+    def enter(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("api, num_attrs", [("cuLaunchKernel", 0), ("cuLaunchKernel_ptsz", 0),
+                                            ("cuLaunchKernelEx", 0), ("cuLaunchKernelEx", 1)])
+def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch, api, num_attrs):
+    from types import SimpleNamespace
+
+    from gpuos_tools.injection import tracer
+
+    monkeypatch.setattr(tracer, "_layouts", {})
+    monkeypatch.setattr(tracer, "_append", lambda item: None)
+    monkeypatch.setattr(tracer, "_capture_begun", False)
+    monkeypatch.setattr(tracer, "_param_info", lambda func: (((0, 8), (8, 4)), "cuFuncGetParamInfo"))
+    keep = []
+    a, b = ctypes.create_string_buffer(struct.pack("<Q", X), 8), ctypes.create_string_buffer(struct.pack("<i", 5), 4)
+    kp = (ctypes.c_uint64 * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    func, stream = 0x5000, 0 if api.endswith("_ptsz") else 0x9000
+    if api.startswith("cuLaunchKernelEx"):
+        cfg = _LaunchConfig((3, 2, 1), (128, 1, 1), 4096, stream, 0, num_attrs)
+        params = struct.pack("<QQQQ", ctypes.addressof(cfg), func, ctypes.addressof(kp), 0)
+        keep.append(cfg)
+    else:
+        params = struct.pack("<Q7I4xQQQ", func, 3, 2, 1, 128, 1, 1, 4096, stream, ctypes.addressof(kp), 0)
+    pbuf = ctypes.create_string_buffer(params, len(params))
+    cb = ctypes.create_string_buffer(struct.pack("<I4xQQQ", 0, 0, ctypes.addressof(pbuf), 0), 32)
+    rec = _Recorder()
+    handlers = tracer._validating_handlers(rec, {1: (api, None, 0)})
+    handlers[1](1, SimpleNamespace(ptr=ctypes.addressof(cb), symbol_name="k"))
+    (tid, name, raw, f, kernel, sizes, args, geometry), = rec.calls
+    assert (name, f, kernel, sizes) == (api, func, "k", (8, 4))
+    assert args == struct.pack("<Qi", X, 5)
+    grid, block, shared, not_replayed, on = geometry
+    assert (tuple(grid), tuple(block), shared) == ((3, 2, 1), (128, 1, 1), 4096)
+    assert on == (2 if api.endswith("_ptsz") else stream)  # the per-thread default stream's handle
+    assert (not_replayed is not None) == bool(num_attrs)
+
+
+def test_a_launch_naming_no_device_memory_is_not_sent(validator):
+    v = validator()
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, "_Z4tickv", (), b"", GEOMETRY)  # void tick()
+    rec = v.exit(1, 0)
+    assert rec["checked"] is False and "names no device memory" in rec["why"]
+    assert v.link is None and v.copier.copies == []
+
+
+def test_a_module_handed_as_ptx_text_is_found_by_its_entries(monkeypatch):
+    from gpuos_tools.injection import tracer
+
+    ptx = (HERE / "data" / "kernels.ptx").read_bytes()
+    monkeypatch.setattr(tracer, "_cubins", [])
+    monkeypatch.setattr(tracer, "_kernel_sets", [])
+    monkeypatch.setattr(tracer, "_ptx", [])
+    monkeypatch.setattr(tracer, "_append", lambda item: None)
+    desc = ctypes.create_string_buffer(struct.pack("<I4xQQ", 1, len(ptx), 0), 24)
+    data = ctypes.create_string_buffer(ptx, len(ptx))
+    struct.pack_into("<Q", desc, 16, ctypes.addressof(data))
+    cb = ctypes.create_string_buffer(struct.pack("<QQQ", 0, 0, ctypes.addressof(desc)), 24)
+    from types import SimpleNamespace
+
+    tracer._resource(6, SimpleNamespace(ptr=ctypes.addressof(cb)))  # MODULE_LOADED
+    (entries, text), = tracer._ptx
+    assert text == ptx and entries
+    name = sorted(entries)[0]
+    assert tracer._image_for(name) == ptx

@@ -1,0 +1,235 @@
+"""The validator process's replay and verdicts (gpuos_tools/agent/replay.py), on a fake GPU."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from fake_vmm import KERNELS, FakeDevice
+from gpuos_tools.agent import replay
+from gpuos_tools.agent.replay import EXIT_CONTEXT_LOST, Replayer, spans_of, Region
+
+X, Y = 0x7F0000000000, 0x7F0000010000  # two buffers, far enough apart to sit in separate granules
+N = 100  # floats the kernels are told to copy
+G = 4096
+
+
+def staged(x: np.ndarray, y: np.ndarray) -> bytes:
+    return x.tobytes() + y.tobytes()
+
+
+def request(kernel: str, reads, writes, regions, n=N) -> dict:
+    return {"kernel": kernel, "function": kernel, "image": "0" * 64, "params": struct.pack("<QQi", X, Y, n).hex(),
+            "sizes": [8, 8, 4], "grid": [1, 1, 1], "block": [32, 1, 1], "shared": 0,
+            "regions": regions, "reads": reads, "writes": writes}
+
+
+def plain(kernel: str, dev: FakeDevice | None = None, **kw) -> tuple[dict, FakeDevice]:
+    """Replay ``kernel`` under the prediction "reads x[0:N], writes y[0:N]" with x = 0..N-1, y = 0."""
+    dev = dev or FakeDevice(KERNELS, G, **kw)
+    x = np.arange(N, dtype=np.float32)
+    y = np.zeros(N, dtype=np.float32)
+    req = request(kernel, [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    return Replayer(dev).replay(req, staged(x, y), b"image"), dev
+
+
+def no_leaks(dev: FakeDevice) -> None:
+    assert dev.maps == {} and dev.reserved == {} and dev.loaded == []
+
+
+def test_spans_round_out_to_granules_and_merge():
+    regions = [Region(0x1010, 16, 0, "r"), Region(0x1ff0, 32, 16, "w"), Region(0x9000, 8, 48, "r")]
+    assert spans_of(regions, 0x1000) == [(0x1000, 0x2000, False), (0x9000, 0x1000, True)]
+
+
+def test_a_right_prediction_validates_and_leaves_nothing_mapped():
+    rec, dev = plain("copy")
+    assert rec["checked"] and rec["mode"] == "validator"
+    assert rec["reads"] == "ok" and rec["missed_writes"] == []
+    # y's first N floats changed (not the zeros: x[0] = 0 copies a zero), chunk-rounded
+    assert rec["written"] == [[Y, 4 * N + (-4 * N) % 128]]
+    assert rec["read_only"] == "enforced"
+    assert dev.launches == 2  # one run per poison, no third when nothing differs
+    no_leaks(dev)
+
+
+def test_a_write_past_the_prediction_is_a_missed_write():
+    rec, dev = plain("copy_and_spill")
+    assert rec["checked"]
+    # y[N + 32] lies in the chunk after the last one the prediction touches (a partly predicted
+    # chunk counts as predicted: writes are judged at chunk granularity)
+    assert rec["missed_writes"] == [[Y + 512, 128]]
+    no_leaks(dev)
+
+
+def test_a_read_past_the_prediction_inside_the_granule_is_a_missed_read():
+    rec, dev = plain("sum_past")
+    assert rec["reads"] == "missed"
+    assert rec["read_effects"] == [[Y, 128]]  # the output the poison changed
+    assert dev.launches == 3  # the third run tells it from a nondeterministic kernel
+    no_leaks(dev)
+
+
+def test_an_access_outside_every_granule_faults_in_the_validator_and_is_a_missed_access():
+    rec, dev = plain("far_read")
+    assert rec["checked"] and rec["reads"] == "missed"
+    assert rec["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    replayer = Replayer(dev)
+    replayer.replay(request("far_read", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]]),
+                    bytes(8 * N), b"image")
+    assert replayer.lost  # the context is gone: the process answers, then exits
+
+
+def test_a_write_to_memory_predicted_read_only_faults_where_the_driver_maps_read_only():
+    rec, _ = plain("scribble_input")
+    assert rec["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS" and rec["reads"] == "missed"
+
+
+def test_without_read_only_mappings_the_write_shows_as_a_changed_chunk():
+    rec, dev = plain("scribble_input", read_only=False)
+    assert rec["checked"] and "fault" not in rec
+    assert rec["read_only"] == "refused"
+    assert rec["missed_writes"] == [[X, 128]]
+    no_leaks(dev)
+
+
+def test_a_nondeterministic_kernel_is_not_called_a_missed_read():
+    rec, _ = plain("stamp")
+    assert rec["reads"] == "nondeterministic"
+    assert rec["nondeterministic"] == [[Y, 128]] and "read_effects" not in rec
+
+
+def test_an_address_the_driver_will_not_give_is_unvalidated_never_guessed():
+    rec, dev = plain("copy", taken=(Y,))
+    assert rec["checked"] is False
+    assert rec["why"].startswith("unvalidated: address unavailable")
+    assert dev.launches == 0
+    no_leaks(dev)  # X's reservation, made first, was given back too
+
+
+def test_a_device_side_assert_is_reported_not_judged():
+    rec, dev = plain("asserting")
+    assert rec["checked"] is False and rec["fault"] == "CUDA_ERROR_ASSERT"
+    assert "replay failed" in rec["why"]
+
+
+def test_a_kernel_missing_from_the_image_is_unvalidated():
+    rec, dev = plain("no_such_kernel")
+    assert rec["checked"] is False and "CUDA_ERROR_NOT_FOUND" in rec["why"]
+    no_leaks(dev)
+
+
+def test_a_granularity_the_chunks_do_not_divide_is_refused():
+    with pytest.raises(ValueError):
+        Replayer(FakeDevice(KERNELS, granularity=100))
+
+
+def frames(*objs) -> io.BytesIO:
+    buf = io.BytesIO()
+    for o in objs:
+        replay.write_frame(buf, o)
+    buf.seek(0)
+    return buf
+
+
+def test_serve_answers_each_request_and_stops_after_a_lost_context(tmp_path):
+    (tmp_path / ("0" * 64 + ".image")).write_bytes(b"image")
+    x = np.arange(N, dtype=np.float32)
+    (tmp_path / "staging-1").write_bytes(staged(x, np.zeros(N, np.float32)))
+    regions = [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]]
+    good = dict(request("copy", [[X, 4 * N]], [[Y, 4 * N]], regions), seq=1, staging="staging-1")
+    bad = dict(good, seq=2, staging="no-such-file")
+    fault = dict(good, seq=3, kernel="far_read", function="far_read")
+    never = dict(good, seq=4)
+    out = io.BytesIO()
+    status = replay.serve(Replayer(FakeDevice(KERNELS, G)), frames(good, bad, fault, never), out, str(tmp_path))
+    assert status == EXIT_CONTEXT_LOST
+    out.seek(0)
+    answers = [replay.read_frame(out), replay.read_frame(out), replay.read_frame(out)]
+    assert replay.read_frame(out) is None  # the fourth request was never answered
+    assert [a["seq"] for a in answers] == [1, 2, 3]
+    assert answers[0]["reads"] == "ok"
+    assert answers[1]["checked"] is False and "bad request" in answers[1]["why"]
+    assert answers[2]["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS" and answers[2]["restart"] is True
+
+
+def test_serve_reads_only_files_of_its_own_directory(tmp_path):
+    (tmp_path / ("0" * 64 + ".image")).write_bytes(b"image")
+    outside = tmp_path.parent / "outside-staging"
+    outside.write_bytes(bytes(8 * N))
+    req = dict(request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]]),
+               seq=1, staging=str(outside))
+    out = io.BytesIO()
+    replay.serve(Replayer(FakeDevice(KERNELS, G)), frames(req), out, str(tmp_path))
+    out.seek(0)
+    assert "bad request" in replay.read_frame(out)["why"]
+
+
+def test_torn_and_oversized_frames_are_errors():
+    with pytest.raises(ValueError):
+        replay.read_frame(io.BytesIO(b"\x05\x00"))
+    with pytest.raises(ValueError):
+        replay.read_frame(io.BytesIO(b"\x05\x00\x00\x00{}"))
+    with pytest.raises(ValueError):
+        replay.read_frame(io.BytesIO(struct.pack("<I", replay.MAX_FRAME + 1)))
+
+
+def test_a_fault_scores_as_a_missed_read_with_writes_unchecked():
+    from gpuos_tools.access.report import Row
+    from gpuos_tools.access.score import score
+    from gpuos_tools.model.allocs import Allocation
+
+    rec, _ = plain("far_read")
+    by_id = {1: Allocation(1, X, 4 * N), 2: Allocation(2, Y, 4 * N)}
+    access = {"reads": [{"alloc": 1, "offset": 0, "size": 4 * N}],
+              "writes": [{"alloc": 2, "offset": 0, "size": 4 * N}], "unknown": False}
+    v = score(access, rec, by_id)
+    assert v["reads"] == "missed" and v["writes"] == "unchecked" and v["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    row = Row("launch", "far_read")
+    row.add_score(v)
+    assert row.missed_read_launches == 1 and row.missed_write_launches == 0 and row.validated == 1
+
+
+def test_a_validator_whose_program_died_ends_even_mid_replay(tmp_path):
+    """The program (here a shell that starts the validator in the background and exits) is gone
+    while the validator is stuck: the watch ends it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pidfile = tmp_path / "pid"
+    code = ("import os, sys, time; sys.path.insert(0, %r); from gpuos_tools.agent import replay; "
+            "open(%r, 'w').write(str(os.getpid())); replay._orphan_watch(os.getppid(), 0.05); time.sleep(60)"
+            % (str(root), str(pidfile)))
+    subprocess.run(["bash", "-c", f'{sys.executable} -c "{code}" & sleep 0.5'], check=True, timeout=30)
+    deadline = time.monotonic() + 20
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie its new parent has not reaped yet
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the orphaned validator kept running")
+
+
+@pytest.mark.parametrize("kernel", ["copy", "copy_and_spill", "sum_past", "far_read", "stamp", "asserting"])
+def test_every_verdict_is_a_valid_validation_record(kernel):
+    from gpuos_tools.stream.records import check_written
+
+    rec, _ = plain(kernel)
+    rec["ms"] = 1.5
+    assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **rec}) is None
+    skipped, _ = plain("copy", taken=(X,))
+    assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **skipped}) is None
