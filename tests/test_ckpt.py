@@ -613,6 +613,28 @@ def test_ckpt_error_carries_the_state() -> None:
     assert seen == [err.record] and err.record["error"] == "LOCK_TIMEOUT" and err.record["code"] == 80
 
 
+
+def test_a_failure_note_extends_failures_only_while_in_force() -> None:
+    ckpt = Checkpointer()
+    seen: list = []
+    ckpt.emit = seen.append
+    asked: list = []
+
+    def note(pid: int | None, state: str | None) -> str:
+        asked.append((pid, state))
+        return "its agent resumed it" if pid == 7 else ""
+
+    with ckpt.failure_note(note):
+        err = ckpt.fail("dump", 7, "criu dump failed; left running", ExitCode.CRIU_FAILED, "running", False)
+        other = ckpt.fail("dump", 8, "refused; nothing was touched", ExitCode.USAGE, None, False)
+    after = ckpt.fail("dump", 7, "refused; nothing was touched", ExitCode.USAGE, None, False)
+    assert asked == [(7, "running"), (8, None)]  # asked in force, never after
+    assert str(err) == "criu dump failed; left running; its agent resumed it" and err.touched
+    assert err.record["message"] == str(err) and err.record["touched"] is True
+    assert str(other) == "refused; nothing was touched" and not other.touched
+    assert str(after) == "refused; nothing was touched" and not after.touched
+    assert seen == [err.record, other.record, after.record]
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
 def test_failing_output_neither_undoes_nor_hides_the_work() -> None:
     from gpuos_tools.ckpt.records import run_recorded

@@ -195,19 +195,12 @@ def dump(ckpt: Checkpointer, pid: int, image_dir: Path, timeout_ms: int = 0, lea
     agent = _Suspended(ckpt, pid, socket, mechanism)
     hooks.guard = {"agent": str(socket)}
     hooks.before_gpu, hooks.after = agent.before_gpu, agent.after
-    real_fail = ckpt.fail
 
-    def fail(action: str, fpid: int | None, message: str, code: ExitCode, state: str | None, touched: bool,
-             quiet: bool = False, **fields: Any) -> CkptError:
-        words = agent.failed(state) if fpid == pid else ""
-        return real_fail(action, fpid, f"{message}; {words}" if words else message, code, state,
-                         touched or bool(words), quiet, **fields)
+    def note(fpid: int | None, state: str | None) -> str:  # every failure after the suspend says what the agent did
+        return agent.failed(state) if fpid == pid else ""
 
-    ckpt.fail = fail  # type: ignore[method-assign]  # every failure after the suspend says what the agent did
-    try:
+    with ckpt.failure_note(note):
         return criu.dump(ckpt, pid, image_dir, timeout_ms, leave_running, criu_args, hooks)
-    finally:
-        del ckpt.fail
 
 
 def image_agent(image_dir: Path) -> dict[str, Any]:

@@ -286,6 +286,11 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, previous)
 
 
+#: What a caller adds to a failure's message, given the process and the state the driver left
+#: it in ('' for nothing); see Checkpointer.failure_note.
+FailureNote = Callable[[int | None, str | None], str]
+
+
 class Checkpointer:
     """Suspend, resume and inspect CUDA processes; every step's record goes to ``emit``."""
 
@@ -298,6 +303,7 @@ class Checkpointer:
         self.unreadable = 0
         #: the first error writing records (a closed pipe...); records stop, the action goes on
         self.output_error: BaseException | None = None
+        self._failure_notes: list[FailureNote] = []
 
     def out(self, record: Record) -> None:
         """Hand a record to ``emit``. A failing output (``| head``, a full disk) must neither
@@ -385,9 +391,27 @@ class Checkpointer:
         self.out(rec)
         return rec
 
+    @contextmanager
+    def failure_note(self, note: FailureNote) -> Iterator[None]:
+        """While inside, every failure (``fail``) asks ``note(pid, state)`` what else was done to
+        the process on the way out, for a caller that holds it by other means than the driver (its
+        agent, in gpuos_tools/ckpt/agent_criu.py). Failures raised deep inside ``suspend`` or a
+        CRIU step then name it too, in the same record and error: words it answers are added to
+        the message, and the process counts as touched."""
+        self._failure_notes.append(note)
+        try:
+            yield
+        finally:
+            self._failure_notes.remove(note)
+
     def fail(self, action: str, pid: int | None, message: str, code: ExitCode, state: str | None,
              touched: bool, quiet: bool = False, **fields: Any) -> CkptError:
-        """The final record of a failed action (emitted unless ``quiet``) and the error to raise."""
+        """The final record of a failed action (emitted unless ``quiet``) and the error to raise,
+        its message extended by any ``failure_note`` in force."""
+        for note in self._failure_notes:
+            words = note(pid, state)
+            if words:
+                message, touched = f"{message}; {words}", True
         err = CkptError(message, code, pid=pid, state=state, touched=touched)
         err.record = {
             "type": "ckpt_result",
