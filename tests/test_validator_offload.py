@@ -5,13 +5,19 @@ program. The validator here is tests/fake_validator.py (the real replay on a fak
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
+import stat
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO, child_env
 
 from gpuos_tools.agent.offload import Link, OffloadValidator, regions_of, validator_command
 from gpuos_tools.agent.validate import CudaFailure
@@ -324,3 +330,73 @@ def test_a_module_handed_as_ptx_text_is_found_by_its_entries(monkeypatch):
     assert text == ptx and entries
     name = sorted(entries)[0]
     assert tracer._image_for(name) == ptx
+
+
+PROGRAM = r"""
+import sys, time
+from gpuos_tools.agent.offload import OffloadValidator
+
+class Copier:  # the program's side without a GPU: the staging is a plain file
+    register = unregister = None
+
+v = OffloadValidator(copier=Copier())
+v.staging.ensure(1 << 20)
+print(v.dir, flush=True)
+time.sleep(600)
+"""
+
+
+def start_program(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    child = subprocess.Popen([sys.executable, "-c", PROGRAM], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                             env=child_env(TMPDIR=str(tmp_path)))
+    assert child.stdout is not None
+    return child, Path(child.stdout.readline().strip())
+
+
+def test_the_private_directory_of_a_killed_program_goes_at_the_next_start(tmp_path: Path, monkeypatch):
+    """SIGKILL leaves the program's private directory behind; the next validator started as this
+    user removes it, and keeps a running program's and another user's."""
+    killed, dead_dir = start_program(tmp_path)
+    live, live_dir = start_program(tmp_path)
+    try:
+        assert dead_dir.parent == tmp_path and dead_dir.name.startswith(f".gpuos-validator.{killed.pid}.")
+        assert live_dir.name.startswith(f".gpuos-validator.{live.pid}.")
+        assert stat.S_IMODE(dead_dir.stat().st_mode) == 0o700 and (dead_dir / "staging-1").exists()
+        killed.kill()  # SIGKILL: nothing of the program runs to remove it
+        assert killed.wait(timeout=30) == -signal.SIGKILL and dead_dir.exists()
+        # the same leftovers, another user's; and a file of another program named like ours
+        theirs = tmp_path / f".gpuos-validator.{2**22 + 7}.ab.tmp"  # above any pid_max: never running
+        theirs.mkdir(mode=0o700)
+        other_uid = os.getuid() + 1
+        if os.getuid() == 0:
+            os.chown(theirs, other_uid, other_uid)
+        not_ours = tmp_path / f".gpuos-validator-x.{killed.pid}.ab.tmp"
+        not_ours.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        v = make()
+        try:
+            assert v.dir.parent == tmp_path and v.dir.name.startswith(f".gpuos-validator.{os.getpid()}.")
+            assert not dead_dir.exists()
+            assert live_dir.exists() and (live_dir / "staging-1").exists()
+            assert not_ours.exists()
+            assert theirs.exists() == (os.getuid() == 0)  # not root: the directory is this user's after all
+        finally:
+            v.close()
+        assert not v.dir.exists()
+    finally:
+        for child in (killed, live):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def test_the_cleaner_keeps_other_users_directories(tmp_path: Path):
+    from gpuos_tools.image import clean_stale_temps
+
+    gone = tmp_path / f".gpuos-validator.{2**22 + 7}.ab.tmp"
+    gone.mkdir()
+    (tmp_path / f".gpuos-validator.{2**22 + 7}.cd.tmp").symlink_to(gone)
+    assert clean_stale_temps(tmp_path, "gpuos-validator", uid=os.getuid() + 1) == []
+    assert clean_stale_temps(tmp_path, "another-name", uid=os.getuid()) == []
+    assert clean_stale_temps(tmp_path, "gpuos-validator", uid=os.getuid()) == [str(gone)]
+    assert os.listdir(tmp_path) == [f".gpuos-validator.{2**22 + 7}.cd.tmp"]  # a link is never followed

@@ -14,6 +14,9 @@ validator that crashes, answers garbage or does not answer in time is killed and
 reported unvalidated; after ``max_failures`` such failures in a row validation is switched off,
 which the trace says in an `error` record. A validator that lost its context to a fault it was
 asked to find exits after answering; the next sampled launch starts a fresh one.
+
+The private directory is removed when validation ends; one a program killed outright (SIGKILL)
+leaves behind names its pid, and the next program of the same user to validate removes it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, Callable
 from gpuos_tools.agent import replay
 from gpuos_tools.agent.validate import CudaFailure, Validator, _ok
 from gpuos_tools.agent.view import launch_record
+from gpuos_tools.image import clean_stale_temps, temp_name
 
 #: how long the program waits for one verdict by default
 TIMEOUT_S = 60.0
@@ -261,6 +265,31 @@ def regions_of(reads: list[list[int]], writes: list[list[int]]) -> list[tuple[in
     return [(s, e - s, "rw" if len(k) == 2 else next(iter(k))) for s, e, k in out]
 
 
+#: The private directories' name: each is ``$TMPDIR/.gpuos-validator.PID.RANDOM.tmp``
+#: (gpuos_tools/image/layout.py temp_name), PID the program's, so that the directory of a
+#: program killed before it could remove it is known as stale once that PID is gone.
+PRIVATE_NAME = "gpuos-validator"
+
+
+def private_dir(parent: str | None = None) -> Path:
+    """A new private (0700) directory in ``parent`` ($TMPDIR by default), after removing this
+    user's directories of programs that are gone (SIGKILL leaves them); another user's, or a
+    running program's, are never touched."""
+    parent = parent or tempfile.gettempdir()
+    try:
+        clean_stale_temps(parent, PRIVATE_NAME, uid=os.getuid())
+    except OSError:  # best effort: a leftover must not stop validation
+        pass
+    for _ in range(100):  # the name's random part makes a clash unlikely; mkdtemp tries as often
+        path = temp_name(os.path.join(parent, PRIVATE_NAME))
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return Path(path)
+    raise FileExistsError(f"no free name for a private directory in {parent}")
+
+
 def validator_command(directory: Path, bus_id: str) -> tuple[list[str], dict[str, str]]:
     """The validator's command line and environment: this interpreter, this package, untraced."""
     env = {k: v for k, v in os.environ.items() if k not in ("GPUOS_BOOT", "CUDA_INJECTION64_PATH", "LD_PRELOAD")}
@@ -282,7 +311,7 @@ class OffloadValidator(Validator):
         super().__init__(samples, max_bytes, extents=False)
         self.image_for = image_for or (lambda name: None)
         self.copier = copier or DriverCopier()
-        self.dir = Path(tempfile.mkdtemp(prefix="gpuos-validator-"))  # 0700
+        self.dir = private_dir()
         self.staging = Staging(self.dir, self.copier.register, self.copier.unregister)
         self.images: dict[bytes, str] = {}  # image -> content hash written
         self._command, self._env, self.timeout_s = command, env, timeout_s

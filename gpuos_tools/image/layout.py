@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -142,9 +143,13 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def clean_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
-    """Remove the temp directories of image writers that died (``.NAME.PID.X.tmp`` whose PID
-    is not running). Returns the paths removed."""
+def clean_stale_temps(directory: str | os.PathLike[str], final: str | None = None, *,
+                      uid: int | None = None) -> list[str]:
+    """Remove the temp directories of writers that died (``.NAME.PID.X.tmp``, ``temp_name``'s
+    form, whose PID is not running). Returns the paths removed.
+
+    ``final``: only the temps of that final name (NAME), for a directory others use too ($TMPDIR);
+    ``uid``: only directories that user owns. A link is never followed."""
     removed = []
     directory = os.fspath(directory)
     try:
@@ -155,10 +160,16 @@ def clean_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
         if not (name.startswith(".") and name.endswith(".tmp")):
             continue
         parts = name[1:-4].rsplit(".", 2)
-        if len(parts) != 3 or not parts[1].isdigit():
+        if len(parts) != 3 or not parts[1].isdigit() or final is not None and parts[0] != final:
             continue
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and not _pid_alive(int(parts[1])):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or uid is not None and st.st_uid != uid:
+            continue
+        if not _pid_alive(int(parts[1])):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
