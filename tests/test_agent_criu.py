@@ -177,6 +177,7 @@ def test_the_restore_runs_criu_then_the_driver_then_the_agents_resume(world: Wor
     assert world.calls()[4:] == ["criu_restore", "restore", "unlock", resume]
     assert "its agent resumed it" in result["message"] and ping(pid)["state"] == "running"
     assert types(ckpt)[-1] == "agent_resume" and ckpt.records[-1]["agent"] == str(pid)
+    assert all(check_written(r) is None for r in ckpt.records)
     assert world.driver.get_state(pid)[0] == "running"
 
 

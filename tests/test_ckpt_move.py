@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
 from gpuos_tools.ckpt.move import check_movable, move_suspended
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream.records import check_written
 
 
 class FakeCheckpointer:
@@ -68,12 +70,13 @@ def test_a_job_on_interception_moves_through_the_driver_then_resumes():
 
     def resume():
         order.append(list(ckpt.calls))
-        return {"bytes": 10, "buffers": 1}
+        return {"state": "running", "bytes": 10, "buffers": 1}
 
     result = move_suspended(ckpt, SUSPENDED, "1", None, resume)
     assert ckpt.calls == [("resolve_gpu", "1"), ("suspend", 42), ("resume", 42, "1", None)]
     assert order == [ckpt.calls]  # the agent resumes only once the driver has restored and unlocked
-    assert ckpt.records == [{"type": "agent_resume", "agent": "42", "bytes": 10, "buffers": 1}]
+    assert ckpt.records == [{"type": "agent_resume", "agent": "42", "state": "running", "bytes": 10, "buffers": 1}]
+    assert check_written(ckpt.records[0]) is None
     assert result["message"] == "restored"
     check_movable(SUSPENDED)
 

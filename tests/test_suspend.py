@@ -23,8 +23,10 @@ from gpuos_tools.agent.agent import Agent
 from gpuos_tools.agent.suspend import (SUSPENDED, Span, Suspension, image_buffers, layout, named, refusal, split,
                                        summary)
 from gpuos_tools.agent.view import ProcessView
+from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.model.allocs import Allocation
+from gpuos_tools.stream.records import check_written
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -192,17 +194,30 @@ def test_gpu_ckpt_agent_suspend_and_gpu_restore_agent_resume_write_records(agent
     assert s.returncode == 0, s.stderr
     lines = [json.loads(x) for x in s.stdout.splitlines()]
     assert lines[0]["type"] == "header" and lines[1]["type"] == "agent_suspend"
+    assert all(check_written(rec) is None for rec in lines), lines
     assert lines[1]["not_owned"]["count"] == 1 and lines[1]["agent"] == str(srv.path)
     assert requests[-1] == {"op": "suspend", "partial": True, "compress": False, "checksum": "auto",
                             "image": str(Path(ROOT, "img")), "max_hold_s": 30.0}
     r = cli("restore", "--agent", str(srv.path), "--resume")
     assert r.returncode == 0, r.stderr
     rec_ = [json.loads(x) for x in r.stdout.splitlines()][-1]
-    assert rec_["type"] == "agent_resume" and rec_["held_s"] == 2.5
+    assert rec_["type"] == "agent_resume" and rec_["held_s"] == 2.5 and check_written(rec_) is None
     assert requests[-1] == {"op": "resume"}
     r = cli("restore", "--agent", str(srv.path), "--resume", "--lazy")
     assert r.returncode == 0, r.stderr
     assert requests[-1] == {"op": "resume", "lazy": True}
+    assert all(check_written(json.loads(x)) is None for x in r.stdout.splitlines())
+
+
+def test_the_records_of_a_suspend_and_a_resume_have_schemas():
+    """agent_suspend and agent_resume are checked (a record of them can be wrong), and the
+    agent's answers, as the tools write them, are right."""
+    assert check_written({"type": "agent_suspend", "agent": "1"}) == "field 'state' is missing"
+    assert "field 'agent'" in check_written({"type": "agent_resume", "state": "running", "buffers": 1, "bytes": 1})
+    suspended = {"type": "agent_suspend", "agent": "1", **{k: v for k, v in SUSPENDED_ANSWER.items() if k != "ok"}}
+    assert check_written(suspended) is None
+    assert "not_owned.largest" in check_written({**suspended, "not_owned": {"count": 1, "largest": [{"size": -1}]}})
+    assert "field 'state'" in check_written({**suspended, "state": "running"})
 
 
 def test_lazy_resume_hands_every_released_record_to_the_engine_with_its_staging_pieces():
@@ -235,6 +250,7 @@ def test_lazy_resume_hands_every_released_record_to_the_engine_with_its_staging_
     sus._held_since = time.perf_counter()
     out = sus._resume_locked(lazy=True)
     assert out["lazy"] and out["buffers"] == 2 and out["bytes"] == 8 * MIB and out["freed_meanwhile"] == 1
+    assert out.pop("ok") is True and check_written({"type": "agent_resume", "agent": "1", **out}) is None
     assert a.engine.started == 1 and sus._spans == []
     (b1, s1, p1), (b2, s2, p2) = a.engine.adopted
     assert (b1, s1, p1) == (0x1000, 6 * MIB, [(0x10_0000, 4 * MIB), (0x10_0000 + 4 * MIB, 2 * MIB)])

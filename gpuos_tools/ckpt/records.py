@@ -15,7 +15,7 @@ from typing import Any
 from gpuos_tools.ckpt.driver import CkptError
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import Writer, make_header, open_output
-from gpuos_tools.stream.records import BYTES, COUNT, register_output
+from gpuos_tools.stream.records import ADDR, BYTES, COUNT, register_output
 from gpuos_tools.stream.schema import Anything, Bool, Field, Int, List, Map, Num, Obj, RecordType, Str
 
 _PID = Int(1, (1 << 31) - 1, "pid")
@@ -182,11 +182,60 @@ CKPT_GUARD = RecordType("ckpt_guard", "(STATE_DIR/guard-OWNER.json, written by t
           "when the program's agent had suspended it for the dump or was to resume it after the restore"),
 ))
 
+# The agent's answers to a suspend and a resume (gpuos_tools/agent/suspend.py), as gpu-ckpt and
+# gpu-restore write them: its "ok" taken off, "agent" added.
+_AGENT = Field("agent", Str(), "the agent asked: --agent's PID or socket as given, or the program's PID (--pid "
+               "--image, --agent --resume --device, a restore)", required=True)
+_ALLOCATION = Obj((Field("addr", ADDR), Field("size", BYTES), Field("kind", Str())), text="{addr, size, kind}")
+_AGENT_IMAGE = Obj((
+    Field("path", Str()), Field("image_id", Str()), Field("bytes", BYTES), Field("stored_bytes", BYTES),
+    Field("chunks", COUNT), Field("buffers", COUNT), Field("seconds", _SECONDS), Field("incremental", Bool()),
+), text="{path, image_id, bytes, stored_bytes, chunks, buffers, seconds, incremental}")
+AGENT_SUSPEND = RecordType("agent_suspend", "(--agent --suspend, and --pid --image of a program under the agent on "
+                           "interception) the program held by its agent, its owned buffers copied to the agent's "
+                           "pinned host memory and their GPU memory given back.", (
+    _AGENT, Field("state", Str(("suspended",)), required=True), Field("pid", _PID, "the program"),
+    Field("ops_before", COUNT, "the program's operations before it was held"),
+    Field("buffers", COUNT, "owned buffers released", required=True),
+    Field("released_bytes", BYTES, "GPU memory given back", required=True),
+    Field("saved_bytes", BYTES, "copied to host memory: the owned buffers and, with --image, the allocations not "
+          "owned"),
+    Field("owned_allocations", COUNT, "the program's allocations inside owned memory"),
+    Field("not_owned", Obj((Field("count", COUNT), Field("bytes", BYTES), Field("largest", List(_ALLOCATION))),
+                           text="{count, bytes, largest}"),
+          "(--partial) what stays on the GPU, the largest first"),
+    Field("staging_s", _SECONDS, "pinning host memory for it, before the program was held"),
+    Field("lock_s", _SECONDS, "until the program was held"), Field("settle_s", _SECONDS),
+    Field("sync_s", _SECONDS, "until the GPU finished the program's work"), Field("enqueue_s", _SECONDS),
+    Field("save_s", _SECONDS, "the copies to host memory"), Field("save_gbps", Num(0), null=True),
+    Field("suspend_s", _SECONDS, "from the request to the last buffer released"),
+    Field("held_to_freed_s", _SECONDS, "from the program held to the last buffer released"),
+    Field("device_free_after", BYTES, "the GPU's free memory afterwards"),
+    Field("process_gpu_memory_before", BYTES, "the process's GPU memory as NVML shows it; null: unknown", null=True),
+    Field("process_gpu_memory_after", BYTES, "the same, afterwards", null=True),
+    Field("image", _AGENT_IMAGE, "(--image) the image written"), Field("image_s", _SECONDS, "(--image)"),
+))
+AGENT_RESUME = RecordType("agent_resume", "(--agent --resume, and the restore of an image whose dump suspended the "
+                          "program, a move of a suspended program, or a dump that failed after the suspend) the "
+                          "program let go by its agent, its owned buffers back at the same addresses.", (
+    _AGENT, Field("state", Str(("running",)), required=True),
+    Field("lazy", Bool(), "(--lazy) the program went on at once, its buffers loading behind it"),
+    Field("buffers", COUNT, "owned buffers brought back (lazy: handed to the loader)", required=True),
+    Field("bytes", BYTES, "their bytes", required=True),
+    Field("freed_meanwhile", COUNT, "buffers the program freed while it was held: nothing to bring back"),
+    Field("map_s", _SECONDS, "mapping GPU memory again"),
+    Field("resume_s", _SECONDS, "from the resume to the program let go"),
+    Field("load_gbps", Num(0), "null when lazy", null=True),
+    Field("held_s", _SECONDS, "how long the program was held"),
+    Field("why", Str(("resume", "max_hold", "shutdown")), "what resumed it: a resume request, --max-hold, the "
+          "program's exit"),
+))
+
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.
 TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, CKPT_JOB, CKPT_JOB_CUT,
          CKPT_JOB_ROLLBACK, IMAGE_VERIFY, IMAGE_DIFF,
          IMAGE_DIFF_SUMMARY, IMAGE_COMPACT, CKPT_PERIODIC, CKPT_PERIODIC_PLAN, CKPT_CHECK, CKPT_CHECK_SUMMARY,
-         CKPT_GUARD)
+         CKPT_GUARD, AGENT_SUSPEND, AGENT_RESUME)
 register_output(*TYPES)
 
 

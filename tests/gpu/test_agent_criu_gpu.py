@@ -27,7 +27,9 @@ import pytest
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import criu
+from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError
+from gpuos_tools.stream.records import check_written
 
 pytestmark = pytest.mark.gpu
 
@@ -206,6 +208,8 @@ def test_an_agent_job_dumped_through_its_agent_and_criu_ends_bit_identical(tmp_p
     assert agent["meta"]["agent"]["suspended_by_dump"] is True and agent["meta"]["agent"]["mechanism"] == "intercept"
     assert agent["meta"]["trace_pipe"]["pipe"].startswith("pipe:[")
     assert agent["agent_released_bytes"] >= 1 << 30  # the job's GiB went through the agent
+    answers = [r for r in agent["records"] + agent["back"] if r["type"] in ("agent_suspend", "agent_resume")]
+    assert all(check_written(r) is None for r in answers), answers  # the agent's real answers
     resumed = [r for r in agent["back"] if r["type"] == "agent_resume"]
     assert resumed and resumed[-1]["bytes"] == agent["agent_released_bytes"], agent["back"]
     assert agent["finished"]["digest"] == expected["digest"] and agent["finished"]["iters"] == expected["iters"]

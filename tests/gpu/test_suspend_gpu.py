@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
+from gpuos_tools.stream.records import check_written
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +120,7 @@ def test_suspend_frees_owned_memory_and_resume_is_bit_identical(tmp_path, plain)
     assert ops0["state"] == "suspended" and ops0["ops"] == ops1["ops"]
     assert again.returncode == WRONG_STATE and "suspended" in again.stderr
     assert back["type"] == "agent_resume" and back["buffers"] == rec["buffers"] and back["bytes"] == rec["released_bytes"]
+    assert check_written(rec) is None and check_written(back) is None, (rec, back)  # the agent's real answers
     # the physical memory went back to the driver (NVML charges the process that much less)
     if before is not None and during is not None:
         assert before - during >= 0.9 * rec["released_bytes"], (before, during, rec["released_bytes"])
@@ -173,6 +177,7 @@ def test_lazy_resume_goes_on_at_once_and_ends_bit_identical(tmp_path, plain):
     res = report.get("residency") or {}
     print(json.dumps({"suspend": rec, "resume": back, "residency": res}))
     assert back["type"] == "agent_resume" and back["lazy"] is True
+    assert check_written(rec) is None and check_written(back) is None, (rec, back)
     assert back["buffers"] == rec["buffers"] and back["bytes"] == rec["released_bytes"]
     assert report["residency_settled"] and res["pending"] == {}
     lazy = res["lazy"]
