@@ -247,13 +247,10 @@ def native_library(backend: str, warn) -> str | None:
     return _built(backend, warn, tracelib.tracer_library, "the native tracer", "tracing")
 
 
-def native_agent_library(backend: str, warn, mechanism: str = "cupti") -> str | None:
-    """The agent's native core (front end, recorder and core in one library) for ``backend``, or
-    None for the Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under
-    ``auto``). Under interception there is no Python agent to fall back to: a failed build is an
-    error."""
-    if mechanism == "intercept":
-        return _built("native", warn, intercept.build_agent, "the agent's interposer", "running it")
+def native_agent_library(backend: str, warn) -> str | None:
+    """The agent's native core on CUPTI (front end, recorder and core in one library) for
+    ``backend``, or None for the Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no
+    compiler under ``auto``). Interception's library: `interposer_library`."""
     if os.environ.get(BACKEND_ENV) == "python":
         return None
     return _built(backend, warn, core.build, "the agent's native core", "running it")
@@ -288,7 +285,7 @@ def agent_front_end(choice: Mechanism, backend: str, warn) -> tuple[str, str | N
     interception unavailable gives way to CUPTI, with one warning that says why and how to choose;
     should the native core not build either, that warning says the Python agent runs instead."""
     if choice.name != "intercept":
-        return choice.name, native_agent_library(backend, warn, choice.name)
+        return choice.name, native_agent_library(backend, warn)
     try:
         return "intercept", interposer_library(backend)
     except InterceptUnavailable as exc:
@@ -297,7 +294,7 @@ def agent_front_end(choice: Mechanism, backend: str, warn) -> tuple[str, str | N
                              f"(cupti)", ExitCode.FAILURE) from exc
         why = str(exc)
     also: list[str] = []
-    library = native_agent_library(backend, also.append, "cupti")
+    library = native_agent_library(backend, also.append)
     how = "the native core" if library else "the Python agent" + (" (its native core is unavailable too)"
                                                                   if also else "")
     warn(f"the default mechanism, intercept, cannot run here: {why}; the agent sees the driver calls through "
