@@ -44,8 +44,8 @@ FULL = BootConfig(
     BootConfig(trace=TraceConfig(fd=3)),
     BootConfig(trace=TraceConfig(fd=3, native="/cache/libgpuos_trace.so"), own=("torch",)),
     BootConfig(trace=TraceConfig(fd=4), validate=ValidateConfig(samples=3, max_bytes=8 << 30, extents=True)),
-    BootConfig(trace=TraceConfig(fd=4), agent=AgentConfig(online=OnlineConfig(fraction=0.66))),
-    BootConfig(trace=TraceConfig(fd=4), agent=AgentConfig(online=OnlineConfig(fraction=0.5, plan="time", bw=(4e10, 3.5e10), proactive=True))),
+    BootConfig(trace=TraceConfig(fd=4), agent=AgentConfig(mechanism="cupti", online=OnlineConfig(fraction=0.66))),
+    BootConfig(trace=TraceConfig(fd=4), agent=AgentConfig(mechanism="cupti", online=OnlineConfig(fraction=0.5, plan="time", bw=(4e10, 3.5e10), proactive=True))),
     FULL,
 ])
 def test_round_trip(cfg):
@@ -210,7 +210,8 @@ def test_the_launcher_passes_one_variable_and_the_bootstrap_starts_with_it(spied
     monkeypatch.setenv("GPUOS_AGENT_EXIT_WAIT", "5")
     before = dict(os.environ)
     summary = launcher.run_program([sys.executable, "-c", "pass"], output=str(spied / "t.ndjson"), no_images=True,
-                                   backend="python", agent=True, cow_budget="1MiB", stage_ahead=True)
+                                   backend="python", agent=True, cow_budget="1MiB", stage_ahead=True,
+                                   mechanism="cupti")
     assert summary.code == 0 and not summary.complete  # the stand-in started no tracer
 
     launched = json.loads((spied / "spy.launched").read_text())
@@ -225,7 +226,7 @@ def test_the_launcher_passes_one_variable_and_the_bootstrap_starts_with_it(spied
     sent = BootConfig.from_json(launched[config.ENV])
     booted = json.loads((spied / "spy.booted").read_text())
     assert BootConfig.from_json(booted["config"]) == sent  # parsed once, handed on as it came
-    assert sent.agent == AgentConfig(native=None, cow_budget=1 << 20, stage_ahead=True, exit_wait_s=5.0)
+    assert sent.agent == AgentConfig(native=None, mechanism="cupti", cow_budget=1 << 20, stage_ahead=True, exit_wait_s=5.0)
     assert sent.own == ("cupy",) and sent.validate is None
     assert sent.trace.native is None and sent.trace.fail_code == ExitCode.NO_CUPTI and sent.trace.fd > 2
     # at boot: the variable gone, PYTHONPATH the user's again, so that children run plain
@@ -282,11 +283,12 @@ def test_the_engine_switches_and_the_image_key_go_through_the_config(tmp_path):
     assert o.image_key == str(key)
     assert config.overrides_from_environment({}).engine == EngineSettings() and \
         config.overrides_from_environment({}).image_key is None
-    cfg = AgentConfig(engine=o.engine, image_key=o.image_key)
+    # the Python agent (no native core): on CUPTI, whatever the default mechanism
+    cfg = AgentConfig(mechanism="cupti", engine=o.engine, image_key=o.image_key)
     assert BootConfig.from_json(BootConfig(trace=TraceConfig(fd=3), agent=cfg).to_json()).agent == cfg
     agent = make_agent(cfg)
     assert agent.engine_settings == o.engine and agent.image_key == b"k" * 32
-    assert make_agent(AgentConfig()).image_key is None
+    assert make_agent(AgentConfig(mechanism="cupti")).image_key is None
     bad = json.loads(BootConfig(trace=TraceConfig(fd=3), agent=cfg).to_json())
     bad["agent"]["engine"]["digest_off_after"] = -1
     with pytest.raises(ConfigError, match="agent.engine: GPUOS_ENGINE_DIGEST_OFF_AFTER: -1 is negative"):
@@ -302,4 +304,4 @@ def test_an_image_key_the_program_could_not_use_is_refused_before_it_starts(tmp_
     with pytest.raises(GpuosError, match="cannot read the image key"):
         config.overrides_from_environment({"GPUOS_IMAGE_KEY": str(tmp_path / "missing.key")})
     with pytest.raises(ConfigError, match="agent.image_key: 'rel.key' is not an absolute path"):
-        AgentConfig(image_key="rel.key")
+        AgentConfig(mechanism="cupti", image_key="rel.key")

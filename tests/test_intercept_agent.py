@@ -154,11 +154,10 @@ def test_nothing_of_cupti_is_in_the_program(both):
 def test_interception_is_the_agents_and_on_its_native_core(monkeypatch):
     monkeypatch.delenv("GPUOS_AGENT_MECHANISM", raising=False)
     monkeypatch.delenv("GPUOS_AGENT_BACKEND", raising=False)
-    assert launcher.agent_mechanism(None, True, "auto") == "cupti"  # the default until run on a GPU
     monkeypatch.setenv("GPUOS_AGENT_MECHANISM", "intercept")
-    assert launcher.agent_mechanism(None, True, "auto") == "intercept"
-    assert launcher.agent_mechanism("cupti", True, "auto") == "cupti"  # the option wins
-    assert launcher.agent_mechanism(None, False, "auto") == "cupti"  # the variable is the agent's only
+    assert launcher.agent_mechanism(None, True, "auto").name == "intercept"
+    assert launcher.agent_mechanism("cupti", True, "auto").name == "cupti"  # the option wins
+    assert launcher.agent_mechanism(None, False, "auto").name == "cupti"  # the variable is the agent's only
     for value in ("intercept", "cupti"):  # either value without --agent is a mistake, not ignored
         with pytest.raises(GpuosError, match="--mechanism goes with --agent") as e:
             launcher.agent_mechanism(value, False, "auto")

@@ -1,6 +1,7 @@
 """`gpu-prefetch-sched run` without a GPU: how the agent sees the driver calls is
-GPUOS_AGENT_MECHANISM's to say, as for `gpu-ckpt run`; the command hands it to the launcher and
-names it in its header, and a value the agent cannot run on is refused before the program starts."""
+GPUOS_AGENT_MECHANISM's to say, as for `gpu-ckpt run`; the launcher reads it, the command's header
+names the mechanism the agent ran on, and a value the agent cannot run on is refused before the
+program starts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import typer
 
 from gpuos_tools.commands import cli, prefetch_sched
 from gpuos_tools.errors import ExitCode
+from gpuos_tools.injection import config
 from gpuos_tools.trace import run as launcher
 
 PROGRAM = ["--", "python3", "job.py"]
@@ -28,7 +30,10 @@ def run(monkeypatch, capsys, env: dict[str, str]) -> tuple[int, dict, list[dict]
         seen.update(kw, program=program)
         with open(kw["online"].summary, "w") as f:
             json.dump({"bytes_in": 0}, f)
-        return SimpleNamespace(code=0, errors=[])
+        # what the launcher ran the agent on: its choice (a default that gives way is tested
+        # with the launcher itself, tests/test_mechanism_default.py)
+        ran = launcher.agent_mechanism(kw.get("mechanism"), True, "auto").name
+        return SimpleNamespace(code=0, errors=[], mechanism=ran)
 
     monkeypatch.setattr(launcher, "run_program", fake)
     code = cli.run(typer.main.get_command(prefetch_sched.app), "gpu-prefetch-sched",
@@ -37,11 +42,15 @@ def run(monkeypatch, capsys, env: dict[str, str]) -> tuple[int, dict, list[dict]
     return code, seen, [json.loads(line) for line in out.splitlines() if line.strip()], err
 
 
-@pytest.mark.parametrize("value,want", [(None, "cupti"), ("cupti", "cupti"), ("intercept", "intercept")])
-def test_the_mechanism_is_the_variables_passed_on_and_named_in_the_header(monkeypatch, capsys, value, want):
+@pytest.mark.parametrize("default", ["cupti", "intercept"])
+@pytest.mark.parametrize("value", [None, "cupti", "intercept"])
+def test_the_mechanism_is_the_variables_and_named_in_the_header(monkeypatch, capsys, value, default):
+    monkeypatch.setattr(config, "DEFAULT_MECHANISM", default)
     code, seen, recs, _ = run(monkeypatch, capsys, {} if value is None else {"GPUOS_AGENT_MECHANISM": value})
+    want = value or default
     assert code == 0
-    assert seen["mechanism"] == want and seen["agent"] is True and seen["program"] == PROGRAM[1:]
+    assert "mechanism" not in seen  # the launcher reads the variable (and the default) itself
+    assert seen["agent"] is True and seen["program"] == PROGRAM[1:]
     assert recs[0]["type"] == "header" and recs[0]["mechanism"] == want
     assert recs[-1]["type"] == "sched_summary"
 

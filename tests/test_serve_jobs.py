@@ -83,7 +83,7 @@ def test_run_makes_the_serve_spec_part_of_the_boot_config(monkeypatch, tmp_path)
         seen.update(kw)
         with open(kw["online"].summary, "w") as f:
             json.dump({"bytes_in": 0}, f)
-        return SimpleNamespace(code=0, errors=[])
+        return SimpleNamespace(code=0, errors=[], mechanism="cupti")  # the launcher's summary names it
 
     monkeypatch.setattr(launcher, "run_program", fake)
     spec = {"socket": str(tmp_path / "s.sock"), "job": 3, "overlap": False, "ledger": None}

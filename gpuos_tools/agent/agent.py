@@ -165,7 +165,8 @@ class Agent(ProcessView):
         self.cow_budget = cow_budget
         self.server = None
         #: how the program's driver calls reach the agent: "cupti" (callbacks; the driver's checkpoint
-        #: API refuses the process) or "intercept" (the preloaded interposer). Set at start-up.
+        #: API refuses the process) or "intercept" (the preloaded interposer). The Python agent runs on
+        #: CUPTI only; the agent on the native core is given the boot config's at start-up.
         self.mechanism = "cupti"
         self.references: set[int] = set()  #: operation counts at whose start the state is dumped (tests)
         self.reference_out: str | None = None

@@ -18,7 +18,7 @@ from gpuos_tools.ckpt.driver import Checkpointer
 from gpuos_tools.ckpt.job import suspend_job
 from gpuos_tools.ckpt.profile import load_profile, suspend_profile
 from gpuos_tools.ckpt.records import run_recorded
-from gpuos_tools.commands.cli import (error, option_given, options_before_subcommand, report_run, run_app,
+from gpuos_tools.commands.cli import (MECHANISM_DEFAULT, doc_format, error, option_given, options_before_subcommand, report_run, run_app,
                                       stderr_console, warn)
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import chunkio
@@ -499,6 +499,7 @@ def _damaged(damaged: list[dict[str, str]]) -> None:
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     no_args_is_help=True,
 )
+@doc_format(mechanism_default=MECHANISM_DEFAULT)
 def run(
     program: list[str] = typer.Argument(..., metavar="-- PROGRAM [ARGS]...", help="The Python program and its arguments."),
     output: str = typer.Option(
@@ -522,8 +523,8 @@ def run(
     `gpu-ckpt --agent PID --image DIR` takes images of the running program and
     `gpu-restore --agent PID --image DIR` rolls it back, PID being the program's (the stream's
     header names it and the agent's socket). Exits with the program's own status. How the agent
-    sees the driver calls is GPUOS_AGENT_MECHANISM's to say (cupti, the default, or intercept;
-    gpu-trace run --agent --mechanism).
+    sees the driver calls is GPUOS_AGENT_MECHANISM's to say (cupti or intercept; gpu-trace run
+    --agent --mechanism); without it, {mechanism_default}.
     """
     summary = launcher.run_program(program, output=output, no_images=no_images, agent=True, cow_budget=cow_budget,
                                    stage_ahead=stage_ahead, warn=lambda m: warn(PROG, m))

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Annotated, Any, NoReturn, Self, TypeVar
@@ -34,8 +34,17 @@ from rich.progress import Progress
 
 import gpuos_tools
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.injection.config import DEFAULT_MECHANISM
 
 T = TypeVar("T")
+
+#: what every help text and man page says of the agent's default mechanism, from the constant
+#: that decides it
+MECHANISM_DEFAULT = (
+    f"the default is {DEFAULT_MECHANISM}. A default of intercept that cannot run here (no C compiler, the "
+    "interposer not built or not loadable, the Python agent asked for) gives way to cupti with a warning; "
+    "intercept asked for is refused instead. The trace's header names the mechanism the agent ran on"
+)
 
 #: Environment variables every command honours; each man page lists them.
 ENVIRONMENT = {
@@ -165,6 +174,17 @@ def _run(command: Any, prog: str, args: Sequence[str] | None) -> int:
     if isinstance(result, int) and not isinstance(result, bool):
         return result
     return ExitCode.OK
+
+
+def doc_format(**values: str) -> Callable[[T], T]:
+    """Fill ``{name}`` fields of a command's docstring (its help and man page) from code, so that
+    what it states (a default) is what the code does."""
+
+    def fill(fn: T) -> T:
+        fn.__doc__ = (fn.__doc__ or "").format(**values)
+        return fn
+
+    return fill
 
 
 def option_given(ctx: typer.Context, name: str) -> bool:

@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 
 from gpuos_tools import figures
-from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, report_run, run_app, stderr_console, warn, with_progress
+from gpuos_tools.commands.cli import MECHANISM_DEFAULT, OutputOpt, UnbufferedOpt, doc_format, report_run, run_app, stderr_console, warn, with_progress
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection.config import OnlineConfig, ServeConfig
 from gpuos_tools.memory import owned
@@ -233,6 +233,7 @@ def sched(
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     no_args_is_help=True,
 )
+@doc_format(mechanism_default=MECHANISM_DEFAULT)
 def run(
     program: list[str] = typer.Argument(..., metavar="-- PROGRAM [ARGS]...", help="The Python program (CuPy or PyTorch) and its arguments."),
     budget: str = typer.Option(
@@ -293,8 +294,9 @@ def run(
     EXECUTION. At the end, one `sched_summary` record (after a header) on standard output; the
     program's own output is its own. Exits with the program's status.
 
-    The agent sees the driver calls through CUPTI callbacks, or with GPUOS_AGENT_MECHANISM=intercept
-    through its preloaded interposer (no CUPTI in the program); the header's `mechanism` says which.
+    The agent sees the driver calls through CUPTI callbacks (GPUOS_AGENT_MECHANISM=cupti) or through its
+    preloaded interposer (GPUOS_AGENT_MECHANISM=intercept; no CUPTI in the program); without the
+    variable, {mechanism_default}.
     """
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")
@@ -328,8 +330,9 @@ def run(
             raise typer.BadParameter(f"not a serve spec: {e}", param_hint="--serve") from e
         if fraction is not None:
             raise typer.BadParameter("a job served takes a budget in bytes", param_hint="--budget")
-    # refused before the program starts, and named in the header: the option is gpu-trace run's only
-    mechanism = launcher.agent_mechanism(None, True, "auto")
+    # a value the agent cannot run on is refused before the program starts (the option is gpu-trace
+    # run's only); the launcher reads the variable itself and says what the agent ran on
+    launcher.agent_mechanism(None, True, "auto")
     with tempfile.TemporaryDirectory(prefix="gpu-prefetch-sched-") as tmp:
         timeline_path = None
         if timeline or plot_file:
@@ -339,7 +342,7 @@ def run(
                               plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
                               proactive=proactive)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
-                                      online=online, own=owned.FRAMEWORKS, mechanism=mechanism,
+                                      online=online, own=owned.FRAMEWORKS,
                                       warn=lambda m: warn(PROG, m))
         code = report_run(PROG, traced)
         try:
@@ -356,7 +359,7 @@ def run(
             "(neither CuPy nor PyTorch allocated device memory?), or it was killed", ExitCode.FAILURE)
     with open_output("-") as writer:
         writer.write(make_header(PROG, mode="run", argv=list(program), budget_spec=budget,
-                                 mechanism=mechanism))
+                                 mechanism=traced.mechanism))
         writer.write({"type": "sched_summary", "mode": "online", "exit": code, **summary})
     if events is not None:  # after the summary: a picture that fails loses no figures
         drawn = plot_timeline(events, plot_file)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from gpuos_tools.commands.cli import report_run, run_app, warn, with_progress
+from gpuos_tools.commands.cli import MECHANISM_DEFAULT, report_run, run_app, warn, with_progress
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import make_header, open_input, open_output
 from gpuos_tools.trace import run as launcher
@@ -96,9 +96,8 @@ def run(
         help="With --agent: how the agent sees the program's driver calls: cupti (CUPTI callbacks; "
         "the driver's checkpoint API and CRIU refuse such a process) or intercept (a library "
         "preloaded between the program and libcuda; CUPTI is never loaded; it needs the agent's native core, "
-        "built with the system's C compiler, so not --backend python). Default: "
-        "$GPUOS_AGENT_MECHANISM, else cupti (intercept is not yet the default: its GPU tests "
-        "have not run).",
+        "built with the system's C compiler, so not --backend python). Without it: "
+        f"$GPUOS_AGENT_MECHANISM; without that, {MECHANISM_DEFAULT}.",
     ),
     validate_in: str = typer.Option(
         "process", "--validate-in", metavar="process|validator",

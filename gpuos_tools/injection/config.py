@@ -36,6 +36,10 @@ from gpuos_tools.sched.online import PLANS, POLICIES
 
 #: how the agent sees the program's driver calls: CUPTI callbacks, or the interposer (injection/intercept.py)
 MECHANISMS = ("cupti", "intercept")
+#: the agent's mechanism when neither --mechanism nor GPUOS_AGENT_MECHANISM names one: the one place
+#: that decides it (the launcher, the config's field and the help texts read it from here). A
+#: default of "intercept" gives way to "cupti" where interception cannot run (trace/run.py).
+DEFAULT_MECHANISM = "cupti"
 #: the one variable the launcher sets for the program (besides PYTHONPATH); the bootstrap names it too
 ENV = "GPUOS_BOOT"
 REFERENCE_AT_ENV = "GPUOS_AGENT_REFERENCE_AT"
@@ -146,8 +150,9 @@ class AgentConfig:
 
     native: str | None = None  #: the agent's native core library (None: the Python agent)
     #: how it sees the program's driver calls: "cupti" (callbacks) or "intercept" (``native`` is
-    #: then the interposer, preloaded by the launcher; CUPTI is never loaded)
-    mechanism: str = "cupti"
+    #: then the interposer, preloaded by the launcher; CUPTI is never loaded). The launcher always
+    #: writes the one it chose; this default is for a config made without it
+    mechanism: str = DEFAULT_MECHANISM
     cow_budget: int | None = None  #: device bytes for copy-on-write slots (None: chosen per snapshot)
     stage_ahead: bool = False  #: pin host staging in the background as the program allocates
     exit_wait_s: float = EXIT_WAIT_S  #: how long the exit waits for an image in flight (agent/durable.py)

@@ -161,7 +161,7 @@ class NativeAgentTracer(tracer.Tracer):
     backend = "native-agent"
 
     def __init__(self, fd: int, flush_interval: float, library: str, check_pointers: bool, agent: Any,
-                 mechanism: str = "cupti") -> None:
+                 mechanism: str) -> None:
         self.mechanism = mechanism
         if mechanism == "intercept":
             super().__init__(fd, flush_interval, table=tracer.named_table(intercept.entry_names(library)))

@@ -737,7 +737,9 @@ class Tracer:
     """The Python path: cupti-python calls ``callback`` for every enabled API, enter and exit."""
 
     backend = "python"
-    mechanism = "cupti"  #: how the driver calls are seen (HELLO, the trace's header)
+    #: how the driver calls are seen (HELLO, the trace's header): the Python tracer and agent only
+    #: through CUPTI; the agent on the native core says its own (start.py)
+    mechanism = "cupti"
 
     def __init__(self, fd: int, flush_interval: float = 0.02, validator=None, agent=None, table=None):
         """``table``: cbid -> (API name, handler, kind) of a front end that is not CUPTI (then

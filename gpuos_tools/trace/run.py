@@ -26,6 +26,7 @@ from gpuos_tools import cbuild
 from gpuos_tools.agent.control import socket_path
 from gpuos_tools.cuda.driver import probe_driver
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.injection import config as boot_config
 from gpuos_tools.injection import core, intercept, tracelib
 from gpuos_tools.injection.config import (
     MECHANISMS, VALIDATE_IN, AgentConfig, BootConfig, OnlineConfig, TraceConfig, ValidateConfig, boot_environment,
@@ -40,9 +41,25 @@ from gpuos_tools.units import parse_size
 BOOT_DIR = Path(gpuos_tools.__file__).resolve().parent / "injection" / "boot"
 PACKAGE_ROOT = Path(gpuos_tools.__file__).resolve().parent.parent
 BACKENDS = ("auto", "native", "python")
-#: the agent's mechanism for commands that have no --mechanism (gpu-ckpt run, gpu-prefetch-sched run)
+#: the agent's mechanism for commands that have no --mechanism (gpu-ckpt run, gpu-prefetch-sched run);
+#: without it and the option, injection/config.py's DEFAULT_MECHANISM
 MECHANISM_ENV = "GPUOS_AGENT_MECHANISM"
-DEFAULT_MECHANISM = "cupti"
+BACKEND_ENV = "GPUOS_AGENT_BACKEND"
+TRACER_MECHANISM = "cupti"  #: the tracer alone (no --agent) sees the driver calls through CUPTI only
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """How the agent is to see the driver calls: ``name`` (cupti or intercept) and ``source``, the
+    option or variable that asked for it; None when it is the default, which gives way to CUPTI
+    where interception cannot run (`agent_front_end`), where one asked for is refused instead."""
+
+    name: str
+    source: str | None = None
+
+    @property
+    def explicit(self) -> bool:
+        return self.source is not None
 
 
 def resolve_program(cmd: list[str]) -> str:
@@ -110,6 +127,7 @@ class RunSummary:
     records: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    mechanism: str | None = None  #: the agent's mechanism as it ran (None: no agent)
 
     def describe(self) -> str:
         """One line for stderr on a terminal."""
@@ -137,7 +155,7 @@ def run_program(
     caller should know through ``warn``; the summary holds the program's own exit status.
     ``own``: the frameworks whose allocations are owned (None: as GPUOS_AGENT_OWN says).
     ``mechanism``: how the agent sees the driver calls, cupti or intercept (None: as
-    GPUOS_AGENT_MECHANISM says, else cupti)."""
+    GPUOS_AGENT_MECHANISM says, else the default, `agent_mechanism`); the summary says which ran."""
     if program and program[0].startswith("-") and program[0] != "-":
         # an option this command does not have: the command line takes it for the program
         word = program[0].partition("=")[0]
@@ -162,7 +180,7 @@ def run_program(
     elif validate_in != "process":
         raise GpuosError("--validate-in is an option of --validate", ExitCode.USAGE)
         backend = "python"
-    mechanism = agent_mechanism(mechanism, agent, backend)
+    choice = agent_mechanism(mechanism, agent, backend)
     if stage_ahead and not agent:
         raise GpuosError("--stage-ahead is an option of --agent", ExitCode.USAGE)
     if online is not None and not agent:
@@ -178,28 +196,36 @@ def run_program(
         return trace_program(
             program, writer, images_dir, flush_ms=flush_ms, check_pointers=check_pointers, backend=backend,
             warn=warn, output_path=output, validate=validation, agent=agent, cow_budget=budget,
-            stage_ahead=stage_ahead, online=online, own=own, mechanism=mechanism,
+            stage_ahead=stage_ahead, online=online, own=own, mechanism=choice,
         )
 
 
-def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> str:
-    """The mechanism asked for (the option, else GPUOS_AGENT_MECHANISM, else cupti), checked:
-    interception is the agent's, on its native core."""
-    source = "--mechanism"
+def agent_mechanism(mechanism: str | None, agent: bool, backend: str) -> Mechanism:
+    """The mechanism asked for (the option, else GPUOS_AGENT_MECHANISM, else the default), checked:
+    interception is the agent's, on its native core, so asking for it with the Python backend is
+    refused; the default is not refused here (`agent_front_end` decides what it can run on)."""
     if mechanism is not None and not agent:
         raise GpuosError("--mechanism goes with --agent: it says how the agent sees the driver calls (the tracer "
                          "alone uses CUPTI)", ExitCode.USAGE)
-    if mechanism is None:
-        if not agent:  # the variable is the agent's: the tracer alone runs on CUPTI whatever it says
-            return DEFAULT_MECHANISM
-        mechanism = os.environ.get(MECHANISM_ENV) or DEFAULT_MECHANISM
-        source = MECHANISM_ENV
+    if not agent:  # the variable is the agent's: the tracer alone runs on CUPTI whatever it says
+        return Mechanism(TRACER_MECHANISM)
+    if mechanism is not None:
+        source = "--mechanism"
+    elif os.environ.get(MECHANISM_ENV):
+        mechanism, source = os.environ[MECHANISM_ENV], MECHANISM_ENV
+    else:
+        return Mechanism(boot_config.DEFAULT_MECHANISM)
     if mechanism not in MECHANISMS:
         raise GpuosError(f"{source}: must be {' or '.join(MECHANISMS)}, not {mechanism!r}", ExitCode.USAGE)
-    if mechanism == "intercept" and (backend == "python" or os.environ.get("GPUOS_AGENT_BACKEND") == "python"):
+    if mechanism == "intercept" and python_agent(backend):
         raise GpuosError(f"{source} intercept needs the agent's native core; the Python agent runs on CUPTI",
                          ExitCode.USAGE)
-    return mechanism
+    return Mechanism(mechanism, source)
+
+
+def python_agent(backend: str) -> bool:
+    """Whether the Python agent is asked for: --backend python or GPUOS_AGENT_BACKEND=python."""
+    return backend == "python" or os.environ.get(BACKEND_ENV) == "python"
 
 
 def _built(backend: str, warn, build, what: str, fallback: str) -> str | None:
@@ -221,16 +247,60 @@ def native_library(backend: str, warn) -> str | None:
     return _built(backend, warn, tracelib.tracer_library, "the native tracer", "tracing")
 
 
-def native_agent_library(backend: str, warn, mechanism: str = DEFAULT_MECHANISM) -> str | None:
-    """The agent's native core (front end, recorder and core in one library) for ``backend``, or
-    None for the Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no compiler under
-    ``auto``). Under interception there is no Python agent to fall back to: a failed build is an
-    error."""
-    if mechanism == "intercept":
-        return _built("native", warn, intercept.build_agent, "the agent's interposer", "running it")
-    if os.environ.get("GPUOS_AGENT_BACKEND") == "python":
+def native_agent_library(backend: str, warn) -> str | None:
+    """The agent's native core on CUPTI (front end, recorder and core in one library) for
+    ``backend``, or None for the Python agent (``python``, GPUOS_AGENT_BACKEND=python, or no
+    compiler under ``auto``). Interception's library: `interposer_library`."""
+    if os.environ.get(BACKEND_ENV) == "python":
         return None
     return _built(backend, warn, core.build, "the agent's native core", "running it")
+
+
+class InterceptUnavailable(Exception):
+    """Interception cannot run here; the message says why."""
+
+
+def interposer_library(backend: str) -> str:
+    """The agent's interposer, built and loadable, for ``backend``: InterceptUnavailable when the
+    Python agent is asked for, or the library cannot be built (no C compiler, a failed build) or
+    loaded."""
+    if python_agent(backend):
+        why = "--backend python" if backend == "python" else f"{BACKEND_ENV}=python"
+        raise InterceptUnavailable(f"{why} asks for the Python agent, which runs on CUPTI only")
+    try:
+        library = intercept.build_agent()
+    except (cbuild.BuildError, OSError) as exc:
+        raise InterceptUnavailable(f"the agent's interposer cannot be built: {exc}") from exc
+    try:
+        intercept.entry_names(library)  # loaded here without being interposed (RTLD_LOCAL)
+    except (OSError, AttributeError) as exc:
+        raise InterceptUnavailable(f"the agent's interposer cannot be loaded: {exc}") from exc
+    return str(library)
+
+
+def agent_front_end(choice: Mechanism, backend: str, warn) -> tuple[str, str | None]:
+    """The mechanism the agent runs on and its library (None: the Python agent), for ``choice``.
+
+    Interception asked for (option or variable) and unavailable is an error. The default
+    interception unavailable gives way to CUPTI, with one warning that says why and how to choose;
+    should the native core not build either, that warning says the Python agent runs instead."""
+    if choice.name != "intercept":
+        return choice.name, native_agent_library(backend, warn)
+    try:
+        return "intercept", interposer_library(backend)
+    except InterceptUnavailable as exc:
+        if choice.explicit:
+            raise GpuosError(f"{choice.source} intercept: {exc}; the agent can run on CUPTI callbacks instead "
+                             f"(cupti)", ExitCode.FAILURE) from exc
+        why = str(exc)
+    also: list[str] = []
+    library = native_agent_library(backend, also.append)
+    how = "the native core" if library else "the Python agent" + (" (its native core is unavailable too)"
+                                                                  if also else "")
+    warn(f"the default mechanism, intercept, cannot run here: {why}; the agent sees the driver calls through "
+         f"CUPTI callbacks instead, on {how} (the driver's checkpoint API and CRIU refuse such a job). "
+         f"Choose explicitly with {MECHANISM_ENV}=cupti|intercept (or gpu-trace run --agent --mechanism)")
+    return "cupti", library
 
 
 def trace_program(
@@ -238,13 +308,13 @@ def trace_program(
     backend: str = "auto", warn: Callable[[str], None] = _silent, output_path: str = "-",
     validate: ValidateConfig | None = None, agent: bool = False, cow_budget: int | None = None,
     stage_ahead: bool = False, online: OnlineConfig | None = None, own: tuple[str, ...] | None = None,
-    mechanism: str = DEFAULT_MECHANISM,
+    mechanism: Mechanism | None = None,
 ) -> RunSummary:
     """Run ``cmd`` traced, writing header, records and an exit record to ``writer``.
 
     ``validate``: for --validate. ``agent``: with the agent; ``cow_budget``, ``stage_ahead`` and
-    ``online`` (gpu-prefetch-sched run's scheduler) are its options. ``own`` and ``mechanism``: as
-    in `run_program` (checked there).
+    ``online`` (gpu-prefetch-sched run's scheduler) are its options. ``own``: as in `run_program`;
+    ``mechanism``: `agent_mechanism`'s choice (None: the default), run on as `agent_front_end` says.
     """
     exe = resolve_program(cmd)
     overrides = overrides_from_environment(own=own is None)  # a bad value is refused before anything starts
@@ -252,8 +322,9 @@ def trace_program(
     library = native_library(backend, warn)
     agent_cfg = None
     if agent:
+        used, agent_library = agent_front_end(mechanism or agent_mechanism(None, True, backend), backend, warn)
         agent_cfg = AgentConfig(
-            native=native_agent_library(backend, warn, mechanism), mechanism=mechanism,
+            native=agent_library, mechanism=used,
             cow_budget=cow_budget, stage_ahead=stage_ahead,
             exit_wait_s=overrides.exit_wait_s, exit_max_s=overrides.exit_max_s,
             reference_at=overrides.reference_at, reference_out=overrides.reference_out, online=online,
@@ -350,6 +421,7 @@ def trace_program(
         records=dict(decoder.counts),
         wall_s=round(time.monotonic() - started, 6),
         errors=decoder.errors + ([f"tracer pipe: {truncated}"] if truncated else []),
+        mechanism=agent_cfg.mechanism if agent_cfg is not None else None,
     )
     exit_rec = {"type": "exit", "ts": time.monotonic_ns(), "code": rc if rc >= 0 else None,
                 "complete": summary.complete, "records": summary.records, "wall_s": summary.wall_s}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpuos_tools.agent.agent import __doc__ as _agent_doc
 from gpuos_tools.agent.control import __doc__ as _control_doc
 from gpuos_tools.agent.validate import __doc__ as _validate_doc
+from gpuos_tools.commands.cli import MECHANISM_DEFAULT
 from gpuos_tools.memory.owned import __doc__ as _owned_doc
 from gpuos_tools.stream.records import HEADER, TRACE_TYPES
 from gpuos_tools.stream.schema import render
@@ -31,7 +32,8 @@ SECTIONS = {
         "- `GPUOS_IMAGES`: default directory for module images.\n"
         "- `CC`: the C compiler that builds the native tracer (default `cc`).\n"
         "- `GPUOS_AGENT_MECHANISM`: `intercept` or `cupti`: how the agent sees the program's driver calls when "
-        "`--mechanism` is not given (`gpu-ckpt run` and `gpu-prefetch-sched run` have no option); default cupti.\n"
+        "`--mechanism` is not given (`gpu-ckpt run` and `gpu-prefetch-sched run` have no option); without it, "
+        f"{MECHANISM_DEFAULT}.\n"
         "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy and PyTorch allocations go through the "
         "owned allocator (`cupy` or `torch` for one of them; see OWNED ALLOCATIONS); opt-in, default off.\n"
         "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "
