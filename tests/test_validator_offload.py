@@ -400,3 +400,20 @@ def test_the_cleaner_keeps_other_users_directories(tmp_path: Path):
     assert clean_stale_temps(tmp_path, "another-name", uid=os.getuid()) == []
     assert clean_stale_temps(tmp_path, "gpuos-validator", uid=os.getuid()) == [str(gone)]
     assert os.listdir(tmp_path) == [f".gpuos-validator.{2**22 + 7}.cd.tmp"]  # a link is never followed
+
+
+@pytest.mark.parametrize("where", ["process", "validator"])
+def test_validation_runs_the_python_tracer_whatever_backend_was_left_to_choose(monkeypatch, where):
+    """The validating launch handler is the Python tracer's: --validate with the backend left to
+    choose (auto) runs it, in either place validation happens."""
+    from gpuos_tools.trace import run as launcher
+
+    seen = {}
+
+    def fake(program, writer, images_dir, **kw):
+        seen.update(kw)
+        return "traced"
+
+    monkeypatch.setattr(launcher, "trace_program", fake)
+    assert launcher.run_program(["true"], output=os.devnull, validate=True, validate_in=where) == "traced"
+    assert seen["backend"] == "python" and seen["validate"].where == where

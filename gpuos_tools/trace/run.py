@@ -177,9 +177,9 @@ def run_program(
                                         validate_extents and validate_in == "process", validate_in)
         except ValueError as exc:
             raise GpuosError(f"--validate-max: {exc}", ExitCode.USAGE) from None
+        backend = "python"  # the validating launch handler is the Python tracer's
     elif validate_in != "process":
         raise GpuosError("--validate-in is an option of --validate", ExitCode.USAGE)
-        backend = "python"
     choice = agent_mechanism(mechanism, agent, backend)
     if stage_ahead and not agent:
         raise GpuosError("--stage-ahead is an option of --agent", ExitCode.USAGE)
