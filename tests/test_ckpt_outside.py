@@ -183,3 +183,41 @@ def test_the_manifest_schema_checks_the_field() -> None:
     assert check({"pid": 7, outside.KEY: [{"pipe": "pipe:[12]", "kind": "pipe", "end": "sideways",
                                            "fds": [{"pid": 7, "fd": 1}]}]}) is not None
     assert check({"pid": 7, outside.KEY: [{"pipe": "pipe:[12]", "kind": "pipe", "end": "write"}]}) is not None
+
+
+def test_gpu_restore_passes_output_to_through(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`gpu-restore --image DIR --output-to FILE` hands FILE to the restore (the restore itself is
+    faked here: the real one, with CRIU, is test_criu_outside_cpu.py's)."""
+    from test_agent_criu import tool
+
+    from gpuos_tools.ckpt import agent_criu
+
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / criu.METADATA).write_text('{"pid": 5}')
+    (image / "inventory.img").write_bytes(b"")
+    seen = {}
+
+    def restore(ckpt, image_dir, *args, **kw):
+        seen.update(kw)
+        rec = {"type": "ckpt_result", "action": "restore", "pid": 5, "ok": True, "state": "running", "touched": True,
+               "code": 0, "message": "restored"}
+        ckpt.out(rec)
+        return rec
+
+    monkeypatch.setattr(agent_criu, "restore", restore)
+    code, recs, err = tool("gpu-restore", ["--image", str(image), "--output-to", str(tmp_path / "out.log")], capsys)
+    assert code == 0, err
+    assert seen["output_to"] == str(tmp_path / "out.log") and recs[-1]["type"] == "ckpt_result"
+
+
+def test_the_result_field_is_in_the_record_schema(tmp_path: Path) -> None:
+    from gpuos_tools.ckpt.records import CKPT_RESULT
+
+    check = CKPT_RESULT.checker()
+    plan = outside.plan(tmp_path / "image", meta_for([{"pipe": "pipe:[1]", "kind": "pipe", "end": "read",
+                                                      "fds": [{"pid": 5, "fd": 0}]}]), same_boot=False)
+    plan.close()
+    rec = {"type": "ckpt_result", "action": "restore", "ok": True, "outside": plan.done}
+    assert plan.done[0]["how"] == "null" and check(rec) is None
+    assert check({**rec, "outside": [{**plan.done[0], "how": "elsewhere"}]}) is not None

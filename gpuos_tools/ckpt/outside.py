@@ -35,14 +35,18 @@ KEY = "outside_pipes"
 _FD = Obj((Field("pid", Int(1, (1 << 31) - 1, "pid"), required=True), Field("fd", Int(0, (1 << 31) - 1),
                                                                                     required=True)),
           text="{pid, fd}")
-#: One entry of the metadata's list, as data.
-ENTRY = Obj((
+_ENTRY = (
     Field("pipe", Str(), "`pipe:[INODE]` (what CRIU's --inherit-fd names), or the FIFO's path", required=True),
     Field("kind", Str(("pipe", "fifo")), required=True),
     Field("end", Str(("read", "write")), "the end the tree holds", required=True),
     Field("fds", List(_FD), "the tree's descriptors of it", required=True),
-), text="{pipe, kind, end, fds}")
-ENTRIES = List(ENTRY)
+)
+#: The metadata's list, as data.
+ENTRIES = List(Obj(_ENTRY, text="{pipe, kind, end, fds}"))
+#: The restore's result field ``outside``: each entry and what it got.
+DONE = List(Obj((*_ENTRY, Field("how", Str(("reconnected", "file", "null")), required=True),
+                 Field("to", Str(), "the other end's /proc/PID/fd/N, the file, or /dev/null", required=True)),
+                text="{pipe, kind, end, fds, how, to}"))
 
 
 def inherit_args(fd: int, target: str) -> list[str]:
