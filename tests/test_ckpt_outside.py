@@ -221,3 +221,25 @@ def test_the_result_field_is_in_the_record_schema(tmp_path: Path) -> None:
     rec = {"type": "ckpt_result", "action": "restore", "ok": True, "outside": plan.done}
     assert plan.done[0]["how"] == "null" and check(rec) is None
     assert check({**rec, "outside": [{**plan.done[0], "how": "elsewhere"}]}) is not None
+
+
+def test_discard_removes_only_the_empty_files_the_plan_made(tmp_path: Path, child) -> None:
+    p, in_w, out_r = child
+    os.close(out_r)
+    entries = [e for e in outside.scan([p.pid]) if e["fds"][0]["fd"] == 1]
+    made = outside.plan(tmp_path / "image", meta_for(entries))  # a restore that then failed, untouched
+    made.close()
+    log = tmp_path / f"image.restored-{p.pid}-fd1.log"
+    assert made.created == [log] and log.exists()
+    made.discard()
+    assert not log.exists()
+    log.write_bytes(b"earlier\n")  # a file that was there is the user's: kept, appended to
+    kept = outside.plan(tmp_path / "image", meta_for(entries))
+    kept.close()
+    kept.discard()
+    assert kept.created == [] and log.read_bytes() == b"earlier\n"
+    written = outside.plan(tmp_path / "image2", meta_for(entries))
+    os.write(written.pass_fds[0], b"x\n")
+    written.close()
+    written.discard()  # not empty: the program wrote into it
+    assert (tmp_path / f"image2.restored-{p.pid}-fd1.log").read_bytes() == b"x\n"

@@ -445,6 +445,10 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
     try:
         return _restore(ckpt, criu, image_dir, meta, pid, device, device_map, criu_args, hooks or Hooks(), waited,
                         plan)
+    except CkptError as e:
+        if not e.touched:
+            plan.discard()
+        raise
     finally:
         plan.close()
 

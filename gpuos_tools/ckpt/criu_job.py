@@ -328,8 +328,10 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
     guard = Guard("restore", pid, image_dir, job=True, device_map=device_map)
     try:
         result = _restore(ckpt, guard, pid, image_dir, cmd, device_map, is_cuda, waited, plan)
-    except CkptError:
+    except CkptError as e:
         guard.done()
+        if not e.touched:
+            plan.discard()
         raise
     except BaseException as e:  # a bug: the guard brings the job back
         gpid = guard.abandon()

@@ -150,6 +150,7 @@ class Plan:
     pass_fds: tuple[int, ...] = ()
     done: list[dict[str, Any]] = field(default_factory=list)  #: {pipe, end, fds, to, how}
     notes: list[str] = field(default_factory=list)  #: one line each, for stderr
+    created: list[Path] = field(default_factory=list)  #: files the plan made (``discard``)
 
     def close(self) -> None:
         for fd in self.pass_fds:
@@ -159,11 +160,36 @@ class Plan:
                 pass
         self.pass_fds = ()
 
+    def discard(self) -> None:
+        """Remove the files the plan made that are still empty: a restore that failed touching nothing
+        leaves nothing behind."""
+        for path in self.created:
+            try:
+                if path.stat().st_size == 0:
+                    path.unlink()
+            except OSError:
+                pass
 
-def _open_output(path: Path, chosen: bool) -> int:
-    """Our descriptor of the file a write end appends to; a default file is never a symbolic link."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | (0 if chosen else os.O_NOFOLLOW)
-    return os.open(path, flags, 0o644)
+
+def _open_output(path: Path, chosen: bool, created: list[Path]) -> int:
+    """Our descriptor of the file a write end appends to (added to ``created`` if this made it); a
+    default file is never a symbolic link."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | (0 if chosen else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return os.open(path, flags)
+    created.append(path)
+    return fd
+
+
+def _reopen(path: str, end: str) -> int:
+    """Our descriptor of the pipe another process holds at ``path`` (/proc/PID/fd/N), the end the
+    tree held; -1 when it cannot be opened (gone meanwhile, another user's)."""
+    try:
+        return os.open(path, (os.O_WRONLY if end == "write" else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def plan(image_dir: Path, meta: dict[str, Any], output_to: str | None = None, same_boot: bool = True) -> Plan:
@@ -182,28 +208,30 @@ def plan(image_dir: Path, meta: dict[str, Any], output_to: str | None = None, sa
                 continue
             reader = "reader" if e["end"] == "write" else "writer"
             alive = other_end(e["pipe"], e["end"]) if same_boot and not (output_to and e["end"] == "write") else None
-            if alive is not None:
-                fd = os.open(alive, (os.O_WRONLY if e["end"] == "write" else os.O_RDONLY) | os.O_CLOEXEC)
-                how, to = "reconnected", alive
+            fd = _reopen(alive, e["end"]) if alive is not None else -1
+            why = (f"its {reader} ({alive}) is alive but its pipe cannot be reopened from here" if alive is not None
+                   else f"its {reader} is gone")
+            if fd >= 0:
+                how, to = "reconnected", str(alive)
+                note = f"its {reader} ({to}) is still there: the restored program uses the same pipe"
             elif e["end"] == "read":
                 fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
                 how, to = "null", os.devnull
+                note = f"read from a pipe; {why}: it now reads {to}"
             else:
                 target = Path(output_to) if output_to else default_file(image_dir, e)
-                fd = _open_output(target, output_to is not None)
+                fd = _open_output(target, output_to is not None, p.created)
                 how, to = "file", str(target)
+                note = (f"wrote to a pipe; its output now goes to {to}, as --output-to asked" if output_to else
+                        f"wrote to a pipe; {why}: its output is now appended to {to}")
             fds.append(fd)
             p.criu_args += inherit_args(fd, e["pipe"])
             p.done.append({**e, "to": to, "how": how})
-            if how == "reconnected":
-                p.notes.append(f"{where}: its {reader} ({to}) is still there: the restored program uses the same pipe")
-            elif how == "null":
-                p.notes.append(f"{where}: read from a pipe whose writer is gone; it now reads {os.devnull}")
-            else:
-                p.notes.append(f"{where}: wrote to a pipe whose reader is gone; its output is now appended to {to}")
+            p.notes.append(f"{where}: {note}")
     except OSError:
         for fd in fds:
             os.close(fd)
+        p.discard()
         raise
     p.pass_fds = tuple(fds)
     return p
