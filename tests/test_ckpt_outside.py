@@ -183,6 +183,9 @@ def test_the_manifest_schema_checks_the_field() -> None:
     assert check({"pid": 7, outside.KEY: [{"pipe": "pipe:[12]", "kind": "pipe", "end": "sideways",
                                            "fds": [{"pid": 7, "fd": 1}]}]}) is not None
     assert check({"pid": 7, outside.KEY: [{"pipe": "pipe:[12]", "kind": "pipe", "end": "write"}]}) is not None
+    # what goes to CRIU's command line is a pipe's name, nothing else
+    assert check({"pid": 7, outside.KEY: [{**good[outside.KEY][0], "pipe": "pipe:[12] --action-script x"}]}) \
+        is not None
 
 
 def test_gpu_restore_passes_output_to_through(tmp_path: Path, capsys, monkeypatch) -> None:

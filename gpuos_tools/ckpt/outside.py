@@ -36,7 +36,8 @@ _FD = Obj((Field("pid", Int(1, (1 << 31) - 1, "pid"), required=True), Field("fd"
                                                                                     required=True)),
           text="{pid, fd}")
 _ENTRY = (
-    Field("pipe", Str(), "`pipe:[INODE]` (what CRIU's --inherit-fd names), or the FIFO's path", required=True),
+    Field("pipe", Str(pattern=r"pipe:\[[0-9]+\]|/.*", form="pipe:[INODE]|/PATH"),
+          "`pipe:[INODE]` (what CRIU's --inherit-fd names), or the FIFO's path", required=True),
     Field("kind", Str(("pipe", "fifo")), required=True),
     Field("end", Str(("read", "write")), "the end the tree holds", required=True),
     Field("fds", List(_FD), "the tree's descriptors of it", required=True),
