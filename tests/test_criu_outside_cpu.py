@@ -20,16 +20,15 @@ from gpuos_tools import procs
 from gpuos_tools.ckpt import criu, outside
 
 #: Prints 1, 2, 3... one line a write, and its last number into a file (so the test sees it go on
-#: without its output).
+#: without its output), written in place: a file it held open and a restored copy renamed away would
+#: not be there for the next restore of the same image.
 PRINTER = """import os, sys, time
-d = os.environ["JOB_DIR"]
+progress = os.open(os.environ["JOB_DIR"] + "/progress", os.O_RDWR | os.O_CREAT, 0o644)
 i = 0
 while True:
     i += 1
     print(i, flush=True)
-    with open(d + "/.p", "w") as f:
-        f.write(str(i))
-    os.replace(d + "/.p", d + "/progress")
+    os.pwrite(progress, b"%012d" % i, 0)
     time.sleep(0.005)
 """
 
@@ -42,7 +41,7 @@ def start_printer(d: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
                          stderr=subprocess.DEVNULL, env={**env, "JOB_DIR": str(d)}, cwd=d)
     os.close(w)
     deadline = time.monotonic() + 30
-    while not (d / "progress").exists():
+    while not (d / "progress").exists() or not (d / "progress").read_bytes():
         assert time.monotonic() < deadline and p.poll() is None
         time.sleep(0.01)
     return p, r
