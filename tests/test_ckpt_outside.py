@@ -209,7 +209,8 @@ def test_gpu_restore_passes_output_to_through(tmp_path: Path, capsys, monkeypatc
         return rec
 
     monkeypatch.setattr(agent_criu, "restore", restore)
-    code, recs, err = tool("gpu-restore", ["--image", str(image), "--output-to", str(tmp_path / "out.log")], capsys)
+    monkeypatch.chdir(tmp_path)
+    code, recs, err = tool("gpu-restore", ["--image", str(image), "--output-to", "out.log"], capsys)
     assert code == 0, err
     assert seen["output_to"] == str(tmp_path / "out.log") and recs[-1]["type"] == "ckpt_result"
 

@@ -128,7 +128,7 @@ def restore(
     port_wait_s = timeout if option_given(ctx, "timeout") else ports.WAIT_S
     if output_to is not None and (image is None or agent is not None or cut or job is not None or pid is not None):
         raise GpuosError("--output-to goes with --image DIR (a CRIU image of gpu-ckpt --image) only", ExitCode.USAGE)
-    to = None if output_to is None else str(output_to)
+    to = None if output_to is None else str(output_to.absolute())  # the record names the file wherever read
     if cut:
         if job is None or image is None:
             raise GpuosError("--cut goes with --job PID --image DIR (the job image gpu-ckpt --job PID --cut wrote)",
