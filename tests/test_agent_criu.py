@@ -503,6 +503,9 @@ def test_gpu_ckpt_and_gpu_restore_take_the_agent_path_unless_told_not_to(file_dr
     ("gpu-ckpt", ["--agent", "1", "--image", "x", "--no-agent-suspend"], "--no-agent-suspend goes with --pid PID"),
     ("gpu-restore", ["--pid", "1", "--lazy"], "--lazy goes with"),
     ("gpu-restore", ["--job", "1", "--image", "x", "--lazy"], "--lazy goes with"),
+    ("gpu-restore", ["--pid", "1", "--output-to", "f"], "--output-to goes with --image DIR"),
+    ("gpu-restore", ["--agent", "1", "--image", "x", "--output-to", "f"], "--output-to goes with --image DIR"),
+    ("gpu-restore", ["--job", "1", "--image", "x", "--cut", "--output-to", "f"], "--output-to goes with --image"),
 ])
 def test_the_new_options_are_refused_where_they_mean_nothing(name: str, args: list[str], words: str, capsys) -> None:
     code, _, err = tool(name, args, capsys)

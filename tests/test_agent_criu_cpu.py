@@ -7,6 +7,7 @@ and the agent with it, go on. Skipped where no CRIU >= 4 passes `criu check` (it
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -75,6 +76,8 @@ def test_a_program_under_the_agent_through_real_criu(tmp_path: Path, criu_env, m
         assert control.request(str(pid), "ping", timeout=10)["state"] == "running"
         assert goes_on(d) and not (d / "trace-error").exists()
         assert os.readlink(f"/proc/{pid}/fd/{criu_trace_fd(image)}") == os.devnull
+        # the trace pipe is the agent's to replace, not also an outside pipe of the plain path
+        assert json.loads((image / criu.METADATA).read_text())["outside_pipes"] == [] and "outside" not in back
         assert (d / "calls").read_text().split() == ["agent_suspend", str(pid), "agent_resume", str(pid)]
     finally:
         if read >= 0:

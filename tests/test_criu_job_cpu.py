@@ -136,12 +136,14 @@ def going_on(d: Path, names: tuple[str, ...] = ("rank0", "rank1", "launcher")) -
 
 
 @contextlib.contextmanager
-def tcp_job(d: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+def tcp_job(d: Path, env: dict[str, str], stdout: int = subprocess.DEVNULL) -> Iterator[tuple[subprocess.Popen,
+                                                                                              list[int]]]:
+    """The job, its launcher's stdout to ``stdout``."""
     d.mkdir(parents=True)
     (d / "job.py").write_text(JOB)
     (d / "libcuda.so.1").write_bytes(b"\0" * 4096)
     launcher = subprocess.Popen([sys.executable, "-c", JOB, str(d)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=d)
+                                stdout=stdout, stderr=subprocess.DEVNULL, env=env, cwd=d)
     pids = [launcher.pid]
     try:
         deadline = time.monotonic() + 30
@@ -161,7 +163,9 @@ def tcp_job(d: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, li
 def test_a_job_dumped_and_restored_talks_on_over_tcp(tmp_path: Path, criu_env, monkeypatch) -> None:  # noqa: F811
     monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
     image = tmp_path / "image"
-    with subreaper(), tcp_job(tmp_path / "job", criu_env) as (launcher, ranks):
+    out_r, out_w = os.pipe()  # the launcher's stdout goes to a reader outside the tree (this test)
+    with subreaper(), tcp_job(tmp_path / "job", criu_env, out_w) as (launcher, ranks):
+        os.close(out_w)
         d = tmp_path / "job"
         driver = FakeDriver(ranks)
         ckpt = JobCheckpointer(driver)
@@ -173,6 +177,7 @@ def test_a_job_dumped_and_restored_talks_on_over_tcp(tmp_path: Path, criu_env, m
         assert meta["pid"] == launcher.pid and sorted(r["rank"] for r in meta["ranks"]) == [0, 1]
         assert set(meta["pids"]) == {launcher.pid, *ranks}
         assert "--tcp-established" in meta["criu_args"]
+        assert [(e["end"], e["fds"]) for e in meta["outside_pipes"]] == [("write", [{"pid": launcher.pid, "fd": 1}])]
         # the launcher's listener, which the restore binds again
         assert [(x["family"], x["address"], x["pid"]) for x in meta["listeners"]] == [("ipv4", "127.0.0.1",
                                                                                       launcher.pid)]
@@ -183,8 +188,12 @@ def test_a_job_dumped_and_restored_talks_on_over_tcp(tmp_path: Path, criu_env, m
         for rec in ckpt.records:
             assert check_written(rec) is None, rec
 
+        os.close(out_r)  # the reader is gone: the restored launcher's stdout becomes a file beside the image
         back = criu_job.restore_job(ckpt, image)
         assert back["ok"] and back["pid"] == launcher.pid and sorted(back["ranks"]) == sorted(ranks), back
+        log = tmp_path / f"image.restored-{launcher.pid}-fd1.log"
+        assert [(e["how"], e["to"]) for e in back["outside"]] == [("file", str(log))]
+        assert os.readlink(f"/proc/{launcher.pid}/fd/1") == str(log)
         assert back["port_wait_s"] == 0.0  # its connections were dumped open: none closed, nothing to wait for
         assert driver.states == {p: "running" for p in ranks}
         assert all(procs.exists(p) for p in [launcher.pid, *ranks])

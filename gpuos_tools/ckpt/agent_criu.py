@@ -29,7 +29,8 @@ resumes it.
 The program's trace stream goes to its launcher (`gpu-trace run`) through a pipe, which CRIU
 cannot carry across: restored, the pipe would have no reader, the tracer would stop at its first
 write and the agent with it. The dump records the pipe; the restore hands the restored program
-/dev/null in its place (CRIU's ``--inherit-fd``), so its agent goes on, without a stream.
+/dev/null in its place (CRIU's ``--inherit-fd``), so its agent goes on, without a stream. The
+program's other pipes to processes outside the image are the plain path's (``outside.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any
 
 from gpuos_tools import procs
 from gpuos_tools.agent import control
-from gpuos_tools.ckpt import criu, ports, registry
+from gpuos_tools.ckpt import criu, outside, ports, registry
 from gpuos_tools.ckpt.agent_hold import PING_TIMEOUT_S, resume_held, still_held
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.errors import ExitCode, GpuosError
@@ -211,8 +212,8 @@ def image_agent(image_dir: Path) -> dict[str, Any]:
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
             criu_args: list[str] | None = None, lazy: bool = False, port_wait_s: float = ports.WAIT_S,
-            warn: Callable[[str], None] | None = None) -> Record:
-    """`gpu-restore --image DIR`: criu.restore (``port_wait_s`` and ``warn`` as there), then, when
+            warn: Callable[[str], None] | None = None, output_to: str | None = None) -> Record:
+    """`gpu-restore --image DIR`: criu.restore (``port_wait_s``, ``warn`` and ``output_to`` as there), then, when
     the dump suspended the program's agent, the agent's resume (``lazy``: at once, the buffers
     loading behind the program)."""
     meta = registry.read_json(Path(image_dir) / criu.METADATA)
@@ -227,7 +228,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
     null = -1
     if isinstance(pipe, dict) and str(pipe.get("pipe", "")).startswith("pipe:["):
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        hooks.criu_args = ["--inherit-fd", f"fd[{null}]:{pipe['pipe']}"]
+        hooks.criu_args = outside.inherit_args(null, pipe["pipe"])
         hooks.pass_fds = (null,)
     if agent.get("state") == "suspended":  # suspended before the dump, by someone else: left so
         def held(guard: Any, result: Record) -> None:
@@ -259,7 +260,8 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
 
         hooks.after = after
     try:
-        return criu.restore(ckpt, image_dir, device, device_map, criu_args, hooks, port_wait_s=port_wait_s, warn=warn)
+        return criu.restore(ckpt, image_dir, device, device_map, criu_args, hooks, port_wait_s=port_wait_s, warn=warn,
+                            output_to=output_to)
     finally:
         if null >= 0:
             os.close(null)

@@ -8,6 +8,10 @@ Process checkpointing is not re-implemented here.
 CRIU is checked before anything is touched: it must be on PATH, version 4 or later (3.x, e.g.
 Debian 12's 3.17, fails on recent kernels) and ``criu check`` must pass (which needs root).
 
+The dump also records the pipes of which the tree holds one end only (``outside.py``: a
+``| tee`` reading its output, a launcher that captured it); the restore gives each one the
+original pipe if its other end is still alive, else a file or /dev/null, so the program goes on.
+
 The dump records the tree's listening TCP sockets in the manifest; before ``criu restore`` runs,
 the restore waits for the process's own closed connections in TIME_WAIT to free their ports
 (``ports.py`` says why), or refuses a port a live socket holds.
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuos_tools import procs
-from gpuos_tools.ckpt import ports, registry
+from gpuos_tools.ckpt import outside, ports, registry
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record, left_message
 from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.errors import ExitCode, GpuosError
@@ -62,6 +66,9 @@ IMAGE_META = RecordType(METADATA, "what gpu-ckpt --image writes beside CRIU's im
           "whether the dump had it suspend the program (the restore then has it resume)"),
     Field("trace_pipe", Anything(), "(a program under the agent) the pipe its tracer wrote to, which the "
           "restore replaces by /dev/null"),
+    Field(outside.KEY, outside.ENTRIES, "the tree's pipes and FIFOs whose other end was outside it (the trace "
+          "pipe excepted): the restore reconnects each to the original pipe where its other end is alive, else "
+          "gives a write end a file and a read end /dev/null (absent: not recorded, restored as CRIU does)"),
 ), note="Every other key is the writer's, kept as given.")
 _check_meta = IMAGE_META.checker()
 DUMP_LOG = "dump.log"
@@ -289,6 +296,7 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         "criu": criu.version_text,
         "leave_running": leave_running,
         "listeners": ports.listeners(procs.descendants(pid)),
+        outside.KEY: outside.scan(procs.descendants(pid), skip=trace_pipe_of(extra)),
         **extra,
     }
     try:
@@ -347,6 +355,27 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
     return result
 
 
+def trace_pipe_of(meta: dict[str, Any]) -> set[str]:
+    """The agent's trace pipe named in ``meta`` (its restore handles it): not scanned as outside."""
+    pipe = meta.get("trace_pipe")
+    return {str(pipe["pipe"])} if isinstance(pipe, dict) and "pipe" in pipe else set()
+
+
+def outside_plan(ckpt: Checkpointer, pid: int, image_dir: Path, meta: dict[str, Any], output_to: str | None,
+                 warn: Callable[[str], None] | None) -> outside.Plan:
+    """``outside.plan`` for an image, its notes said through ``warn``; a file that cannot be opened
+    is refused, nothing touched."""
+    try:
+        plan = outside.plan(image_dir, meta, output_to, same_boot=meta.get("boot_id") == procs.boot_id())
+    except OSError as e:
+        raise ckpt.fail("restore", pid, f"{e.filename}: cannot open for the restored program's output "
+                        f"({e.strerror}); nothing was touched", ExitCode.IO_ERROR, None, False) from None
+    for note in plan.notes:
+        if warn is not None:
+            warn(note)
+    return plan
+
+
 def _said(stdout: str, log: Path) -> str:
     """What CRIU printed, else the error lines of its log."""
     return _tail(stdout) if stdout.strip() else log_errors(log)
@@ -389,10 +418,12 @@ def wait_for_listeners(ckpt: Checkpointer, pid: int, meta: dict[str, Any], wait_
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
             criu_args: list[str] | None = None, hooks: Hooks | None = None, port_wait_s: float = ports.WAIT_S,
-            warn: Callable[[str], None] | None = None) -> Record:
+            warn: Callable[[str], None] | None = None, output_to: str | None = None) -> Record:
     """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock.
     First, up to ``port_wait_s`` seconds for the ports of its listeners (``wait_for_listeners``;
-    ``warn`` says once that it waits); ``hooks`` add to the command line, the guard and the end."""
+    ``warn`` says once that it waits); ``hooks`` add to the command line, the guard and the end.
+    Pipes whose other end was outside the image get what ``outside.plan`` gives them (``output_to``:
+    the file their output goes to), said through ``warn`` and in the result's ``outside``."""
     criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
     meta = registry.read_json(image_dir / METADATA)
@@ -410,18 +441,35 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
     waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn)
+    plan = outside_plan(ckpt, pid, image_dir, meta, output_to, warn)
+    try:
+        return _restore(ckpt, criu, image_dir, meta, pid, device, device_map, criu_args, hooks or Hooks(), waited,
+                        plan)
+    except CkptError as e:
+        if not e.touched:
+            plan.discard()
+        raise
+    finally:
+        plan.close()
+
+
+def _restore(ckpt: Checkpointer, criu: Criu, image_dir: Path, meta: dict[str, Any], pid: int, device: str | None,
+             device_map: str | None, criu_args: list[str] | None, hooks: Hooks, waited: float | None,
+             plan: outside.Plan) -> Record:
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
     sources = [g["uuid"] for g in meta.get("gpus") or [] if isinstance(g, dict) and "uuid" in g]
-    hooks = hooks or Hooks()
     cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, "--shell-job",
-           "--restore-detached", "--pidfile", str(pidfile), *hooks.criu_args, *(criu_args or [])]
+           "--restore-detached", "--pidfile", str(pidfile), *hooks.criu_args, *plan.criu_args, *(criu_args or [])]
+    fields: Record = {} if waited is None else {"port_wait_s": waited}
+    if plan.done:
+        fields["outside"] = plan.done
     guard = Guard("restore", pid, image_dir, device=device, device_map=device_map, source_gpus=sources or None,
                   **hooks.guard)
     try:
         guard.phase("criu")
         done = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG, image_dir / "criu-restore.out",
-                         pass_fds=hooks.pass_fds)
+                         pass_fds=(*hooks.pass_fds, *plan.pass_fds))
         if done.returncode != 0:
             if procs.exists(pid):  # CRIU failed after the process came back: do not leave it without its GPU
                 left = ckpt.bring_back(pid)
@@ -438,7 +486,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
             pass
         guard.phase("gpu", pid=pid)
         result = ckpt.resume(pid, device, device_map, source_gpus=sources or None,
-                             result_fields=None if waited is None else {"port_wait_s": waited})
+                             result_fields=fields or None)
         if hooks.after is not None:
             hooks.after(guard, result)
     except CkptError:

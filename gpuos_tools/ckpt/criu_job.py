@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuos_tools import procs
-from gpuos_tools.ckpt import ports, registry
+from gpuos_tools.ckpt import outside, ports, registry
 from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RC_WRAPPER, RESTORE_LOG, RESTORED_PID, checked_meta,
-                                   empty_image_dir, ghost_limit, log_errors, usable_criu, wait_for_listeners)
+                                   empty_image_dir, ghost_limit, log_errors, outside_plan, usable_criu,
+                                   wait_for_listeners)
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.ckpt.job import bring_back_job, resume_job, suspend_job
@@ -107,7 +108,7 @@ def taken(ids: list[int]) -> list[int]:
 
 
 def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path, out: Path,
-              rc_file: Path) -> tuple[int, str, BaseException | None]:
+              rc_file: Path, pass_fds: tuple[int, ...] = ()) -> tuple[int, str, BaseException | None]:
     """Run CRIU in a session of its own (a Ctrl-C at the terminal must not reach it) with its
     output into the file ``out``, and wait for it to end even when this tool is interrupted: the
     ranks can be brought back only once CRIU has let go of them. (exit status, output, the
@@ -117,7 +118,7 @@ def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path
     rc_file.unlink(missing_ok=True)
     with open(out, "wb") as f:
         proc = subprocess.Popen(["/bin/sh", "-c", RC_WRAPPER, "gpuos-criu", *cmd], stdin=subprocess.DEVNULL,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
                                 env={**os.environ, "GPUOS_CRIU_RC": str(rc_file)})
     interrupted: BaseException | None = None
     while True:
@@ -228,6 +229,7 @@ def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs
         "criu_args": [*TREE_ARGS, *lock],
         "leave_running": leave_running,
         "listeners": ports.listeners(pids),
+        outside.KEY: outside.scan(pids),
         **ckpt.header_fields(),
     }
     try:
@@ -284,11 +286,13 @@ def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs
 
 def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = None,
                 criu_args: list[str] | None = None, is_cuda: Callable[[int], bool] | None = None,
-                port_wait_s: float = ports.WAIT_S, warn: Callable[[str], None] | None = None) -> Record:
+                port_wait_s: float = ports.WAIT_S, warn: Callable[[str], None] | None = None,
+                output_to: str | None = None) -> Record:
     """``criu restore`` of a job's image, then every rank's GPU state back (moved by
     ``device_map`` if given, every rank the same way) before any rank is unlocked. Refuses,
     touching nothing, an image whose processes' ids are taken. Before CRIU runs, waits up to
-    ``port_wait_s`` seconds for the ports of the job's listeners (``criu.wait_for_listeners``)."""
+    ``port_wait_s`` seconds for the ports of the job's listeners (``criu.wait_for_listeners``).
+    The tree's pipes to processes outside it are handled as ``criu.restore`` does (``output_to``)."""
     criu_args = list(criu_args or [])
     criu = usable_criu(ckpt, "restore", None)
     image_dir = Path(image_dir).resolve()
@@ -314,17 +318,20 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
     waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn)
+    plan = outside_plan(ckpt, pid, image_dir, meta, output_to, warn)
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)
     dumped_with = [a for a in meta.get("criu_args") or [] if isinstance(a, str)]
     lock = network_lock(criu_args) if "--network-lock" in dumped_with else []
     cmd = [criu.path, "restore", "--images-dir", str(image_dir), "--log-file", RESTORE_LOG, *TREE_ARGS, *lock,
-           "--restore-detached", "--pidfile", str(pidfile), *criu_args]
+           "--restore-detached", "--pidfile", str(pidfile), *plan.criu_args, *criu_args]
     guard = Guard("restore", pid, image_dir, job=True, device_map=device_map)
     try:
-        result = _restore(ckpt, guard, pid, image_dir, cmd, device_map, is_cuda, waited)
-    except CkptError:
+        result = _restore(ckpt, guard, pid, image_dir, cmd, device_map, is_cuda, waited, plan)
+    except CkptError as e:
         guard.done()
+        if not e.touched:
+            plan.discard()
         raise
     except BaseException as e:  # a bug: the guard brings the job back
         gpid = guard.abandon()
@@ -336,10 +343,14 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
 
 
 def _restore(ckpt: Checkpointer, guard: Guard, pid: int, image_dir: Path, cmd: list[str], device_map: str | None,
-             is_cuda: Callable[[int], bool] | None, port_wait_s: float | None) -> Record:
+             is_cuda: Callable[[int], bool] | None, port_wait_s: float | None, plan: outside.Plan) -> Record:
     guard.phase("criu")
-    rc, text, interrupted = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG,
-                                      image_dir / "criu-restore.out", image_dir / "criu-restore.rc")
+    try:
+        rc, text, interrupted = _run_criu(ckpt, pid, "criu_restore", cmd, image_dir / RESTORE_LOG,
+                                          image_dir / "criu-restore.out", image_dir / "criu-restore.rc",
+                                          pass_fds=plan.pass_fds)
+    finally:
+        plan.close()
     if rc != 0:
         if procs.exists(pid):  # CRIU failed after the tree came back: do not leave it without its GPUs
             where = _bring_back(ckpt, pid, is_cuda)
@@ -364,6 +375,7 @@ def _restore(ckpt: Checkpointer, guard: Guard, pid: int, image_dir: Path, cmd: l
         "code": 0, "image": str(image_dir), "ranks": [r["pid"] for r in job["ranks"]],
         "restore_s": job.get("restore_s"), "gpu_map": job.get("gpu_map"),
         **({} if port_wait_s is None else {"port_wait_s": port_wait_s}),
+        **({"outside": plan.done} if plan.done else {}),
         "message": f"the job of PID {pid} restored from {image_dir}: {len(job['ranks'])} processes on the GPU, "
                    "running" + (" on the GPUs --device-map named" if job.get("gpu_map") else ""),
     }

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gpuos_tools.ckpt import outside
 from gpuos_tools.ckpt.driver import CkptError
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import Writer, make_header, open_output
@@ -62,6 +63,8 @@ CKPT_RESULT = RecordType("ckpt_result", "how an action ended; the last of a stre
     Field("port_wait_s", _SECONDS, "(restore --image) how long the restore waited, before CRIU ran, for closing "
           "connections to free the ports of the image's listening sockets"),
     Field("agent_suspended", Bool(), "(--pid --image) the program's agent suspended it for the dump"),
+    Field("outside", outside.DONE, "(restore --image) the pipes whose other end was outside the image, and what "
+          "each got: the same pipe (its other end alive), a file, or /dev/null"),
 ))
 CKPT_STATUS = RecordType("ckpt_status", "(gpu-ckpt status) one CUDA process.", (
     Field("pid", _PID, required=True), Field("user", Str()), Field("command", Str()),

@@ -96,6 +96,13 @@ def restore(
     profile: Optional[Path] = typer.Option(
         None, "--profile", metavar="FILE", help="Resume the processes that gpu-ckpt --profile FILE suspended.",
     ),
+    output_to: Optional[Path] = typer.Option(
+        None, "--output-to", metavar="FILE",
+        help="With --image DIR: append to FILE what the restored program writes to a pipe whose reader was outside "
+        "the image (`prog | tee log`), even where that reader is still alive (/dev/null: discard it). Default: the "
+        "pipe itself while its reader is alive, else DIR.restored-PID-fdN.log beside the image; said on stderr "
+        "and in the record's `outside`.",
+    ),
     output: Optional[str] = typer.Option(
         None, "--output", "-o", metavar="FILE",
         help="Records to FILE ('-': stdout; *.zst compressed). Default: stdout, none with --profile.",
@@ -119,6 +126,9 @@ def restore(
         raise GpuosError("--timeout goes with --agent PID, --job PID --cut or --image DIR (the driver path waits for "
                          "the driver)", ExitCode.USAGE)
     port_wait_s = timeout if option_given(ctx, "timeout") else ports.WAIT_S
+    if output_to is not None and (image is None or agent is not None or cut or job is not None or pid is not None):
+        raise GpuosError("--output-to goes with --image DIR (a CRIU image of gpu-ckpt --image) only", ExitCode.USAGE)
+    to = None if output_to is None else str(output_to.absolute())  # the record names the file wherever read
     if cut:
         if job is None or image is None:
             raise GpuosError("--cut goes with --job PID --image DIR (the job image gpu-ckpt --job PID --cut wrote)",
@@ -208,12 +218,13 @@ def restore(
                              "way), not --device", ExitCode.USAGE)
         result = run_recorded("-" if output is None else output, PROG, ckpt,
                               lambda: criu_job.restore_job(ckpt, image, device_map, criu_arg or [],
-                                                           port_wait_s=port_wait_s, warn=lambda m: warn(PROG, m)),
+                                                           port_wait_s=port_wait_s, warn=lambda m: warn(PROG, m),
+                                                           output_to=to),
                               action="restore", image=str(image))
     elif image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
                               lambda: agent_criu.restore(ckpt, image, device, device_map, criu_arg or [], lazy=lazy,
-                                                         port_wait_s=port_wait_s,
+                                                         port_wait_s=port_wait_s, output_to=to,
                                                          warn=lambda m: warn(PROG, m)),
                               action="restore", image=str(image))
     else:

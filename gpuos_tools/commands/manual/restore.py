@@ -29,6 +29,11 @@ A full-process image written by `gpu-ckpt --pid 4242 --image /var/tmp/job.img` (
 
     gpu-restore --image /var/tmp/job.img
 
+The same image of a job that ran as `python train.py | tee train.log` (tee gone since), its
+output from now on appended to train.log itself:
+
+    gpu-restore --image /var/tmp/job.img --output-to train.log
+
 Roll a program started with `gpu-trace run --agent` back to an image `gpu-ckpt --agent` took
 of it (say, the last one before its loss went NaN), then let it go on:
 
@@ -79,6 +84,17 @@ it. If the agent does not resume it, the program runs on the driver's side but i
 agent, and the message names `gpu-restore --agent PID --resume`; a guard does the resume if
 gpu-restore is killed. The pipe to the dumped program's launcher is replaced by /dev/null
 (CRIU's --inherit-fd): the restored tracer and agent go on, without a stream.
+
+A pipe whose other end was outside the image (`prog | tee log`, a launcher reading the job's
+output), which CRIU alone would restore with nobody at the other end (the program then dies of
+SIGPIPE at its next write), is recorded by the dump and given, through CRIU's --inherit-fd: the
+same pipe while a process still holds its other end (so that reader reads on); else, for the
+program's output, a file appended to beside the image, `DIR.restored-PID-fdN.log`, and for its
+input, /dev/null. `--output-to FILE` sends every such output to FILE instead, even where the
+reader is alive (`/dev/null` discards it). Each choice is said on stderr and listed in the
+record's `outside` (pipe, end, fds, how, to). FIFOs are reopened by CRIU by their path, not
+replaced; sockets are not handled this way. Images written before this was recorded restore as
+before.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
 `gpu-ckpt --profile`, removes them from it (the file goes when it is empty), and keeps those
