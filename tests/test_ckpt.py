@@ -50,12 +50,18 @@ def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "state"
 
 
+SLEEP = f"1000.{os.getpid()}"  #: the sleeper's argument: sleep takes a fraction
+SLEEP_RE = SLEEP.replace(".", "\\.")
+
+
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen(["sleep", "1000"])
+    # a duration of its own, so that profiles selecting it by command line meet no other test's
+    # (or another checkout's) sleeper on a shared machine
+    proc = subprocess.Popen(["sleep", SLEEP])
     try:
         deadline = time.monotonic() + 10
-        while procs.read_proc(proc.pid).cmdline != ["sleep", "1000"] and time.monotonic() < deadline:
+        while procs.read_proc(proc.pid).cmdline != ["sleep", SLEEP] and time.monotonic() < deadline:
             time.sleep(0.01)  # until exec has replaced the forked Python
         yield proc
     finally:
@@ -408,16 +414,16 @@ def test_profile_selects_real_processes(sleeper, tmp_path: Path) -> None:
         prof = load_profile(write_profile(tmp_path / "p.toml", text + "\n[state]\nfile = 's.json'\n"))
         return [i.pid for i in select(prof, everyone)]
 
-    assert chosen("[select]\ncommand = '^sleep 1000$'") == [sleeper.pid]
-    assert chosen(f"[select]\nusers = [{me.uid}]\ncommand = '^sleep 1000$'") == [sleeper.pid]
-    assert chosen(f"[select]\nusers = [{me.uid + 4242}]\ncommand = '^sleep 1000$'") == []
+    assert chosen(f"[select]\ncommand = '^sleep {SLEEP_RE}$'") == [sleeper.pid]
+    assert chosen(f"[select]\nusers = [{me.uid}]\ncommand = '^sleep {SLEEP_RE}$'") == [sleeper.pid]
+    assert chosen(f"[select]\nusers = [{me.uid + 4242}]\ncommand = '^sleep {SLEEP_RE}$'") == []
     assert sleeper.pid in chosen(f"[select]\nusers = ['{me.user}']")
-    assert chosen("[select]\ncommand = '^sleep 1000$'\nexclude_command = '1000'") == []
+    assert chosen(f"[select]\ncommand = '^sleep {SLEEP_RE}$'\nexclude_command = '{SLEEP_RE}'") == []
     assert len(chosen("[select]\nall = true")) == len(everyone)
 
 
 def test_profile_run_with_no_cuda_match_is_quiet(sleeper, tmp_path: Path, state_dir: Path) -> None:
-    prof = write_profile(tmp_path / "p.toml", "[select]\ncommand = '^sleep 1000$'\n[state]\nfile = 'run.json'\n")
+    prof = write_profile(tmp_path / "p.toml", f"[select]\ncommand = '^sleep {SLEEP_RE}$'\n[state]\nfile = 'run.json'\n")
     done, records = run_cmd("ckpt", "--profile", str(prof), state_dir=state_dir)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
     assert not (tmp_path / "run.json").exists()
