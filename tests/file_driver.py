@@ -115,3 +115,25 @@ _GUARD = ("import sys; from file_driver import install; install(sys.argv[1]); "
 def guard_command(directory: str | os.PathLike[str]) -> tuple[str, ...]:
     """What ``guard.COMMAND`` is set to in a tool whose guard must use the FileDriver of ``directory``."""
     return ("-c", _GUARD, str(directory))
+
+
+def stop_at_phase(directory: str | os.PathLike[str], phase: str) -> None:
+    """In a tool a test will SIGKILL: its guard runs on the FileDriver of ``directory`` and writes
+    its pid to ``directory/guard.pid``; when the tool tells its guard ``phase``, it writes
+    ``directory/at-PHASE`` and stops there (for the test to kill it)."""
+    from gpuos_tools.ckpt import guard
+
+    guard.COMMAND = guard_command(directory)
+    started, told = guard.Guard.__init__, guard.Guard.phase
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        started(self, *args, **kwargs)
+        Path(directory, "guard.pid").write_text(str(self.proc.pid))
+
+    def tell(self, name: str, **fields: Any) -> None:
+        told(self, name, **fields)
+        if name == phase:
+            Path(directory, "at-" + name).write_text("")
+            time.sleep(600)
+
+    guard.Guard.__init__, guard.Guard.phase = init, tell  # type: ignore[method-assign]

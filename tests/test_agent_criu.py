@@ -353,28 +353,19 @@ def test_the_boot_variable_is_the_launchers() -> None:
 
 #: The killed tool: ``dump STATES PID IMAGE PHASE [leave]`` or ``restore STATES IMAGE PHASE``; it
 #: stops (for the test to kill it) when it tells its guard PHASE.
-TOOL = """import sys, time
+TOOL = """import sys
 from pathlib import Path
-from file_driver import FileCheckpointer, FileDriver, guard_command
-from gpuos_tools.ckpt import agent_criu, guard
+from file_driver import FileCheckpointer, FileDriver, stop_at_phase
+from gpuos_tools.ckpt import agent_criu
 what, states, *rest = sys.argv[1:]
-guard.COMMAND = guard_command(states)
-started, told = guard.Guard.__init__, guard.Guard.phase
-def init(self, *args, **kwargs):
-    started(self, *args, **kwargs)
-    Path(states, "guard.pid").write_text(str(self.proc.pid))
-def tell(self, name, **fields):
-    told(self, name, **fields)
-    if name == phase:
-        Path(states, "at-" + name).write_text("")
-        time.sleep(600)
-guard.Guard.__init__, guard.Guard.phase = init, tell
 ckpt = FileCheckpointer(FileDriver(states))
 if what == "dump":
     pid, image, phase, *leave = rest
+    stop_at_phase(states, phase)
     agent_criu.dump(ckpt, int(pid), Path(image), leave_running=bool(leave))
 else:
     image, phase = rest
+    stop_at_phase(states, phase)
     agent_criu.restore(ckpt, Path(image))
 """
 

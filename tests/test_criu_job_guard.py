@@ -36,26 +36,16 @@ TESTS = Path(__file__).resolve().parent
 
 #: The killed tool: ``dump STATES LAUNCHER IMAGE`` or ``restore STATES IMAGE``, then the phase to
 #: stop at ("" for none), the driver step to stop in ("" for none), and CRIU's extra arguments.
-TOOL = """import os, sys, time
+TOOL = """import sys
 from pathlib import Path
-from file_driver import FileCheckpointer, FileDriver, guard_command
-from gpuos_tools.ckpt import criu_job, guard
+from file_driver import FileCheckpointer, FileDriver, stop_at_phase
+from gpuos_tools.ckpt import criu_job
 what, states, *rest = sys.argv[1:]
 if what == "dump":
     launcher, image, phase, step, *criu_args = rest
 else:
     image, phase, step, *criu_args = rest
-guard.COMMAND = guard_command(states)
-started, told = guard.Guard.__init__, guard.Guard.phase
-def init(self, *args, **kwargs):
-    started(self, *args, **kwargs)
-    Path(states, "guard.pid").write_text(str(self.proc.pid))
-def tell(self, name, **fields):
-    told(self, name, **fields)
-    if name == phase:
-        Path(states, "at-" + name).write_text("")
-        time.sleep(600)
-guard.Guard.__init__, guard.Guard.phase = init, tell
+stop_at_phase(states, phase)
 ckpt = FileCheckpointer(FileDriver(states, pause=step or None))
 if what == "dump":
     criu_job.dump_job(ckpt, int(launcher), Path(image), timeout_ms=100, criu_args=criu_args)
