@@ -6,11 +6,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+BRIDGE = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -69,3 +71,20 @@ def image_dir_problems(directory: str | os.PathLike[str]) -> list[str]:
         elif not (path.name.startswith(".") and path.name.endswith(".tmp")):
             problems.append(f"{path}: neither an image nor a writer's temp directory")
     return problems
+
+
+def kinfer_daemon(name: str, *args: str, env: dict[str, str] | None = None,
+                  stdout: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    """`gpu-kinfer-bridge serve --ring NAME --gpu off ARGS`, returned once it serves the ring."""
+    from gpuos_tools.kinfer import ring
+
+    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", *args], env=env or child_env(),
+                            stdout=stdout, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+        if ring.served_by(name, proc.pid):
+            return proc
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("daemon did not start")

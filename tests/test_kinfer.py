@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, child_env
+from helpers import BRIDGE, REPO, child_env, kinfer_daemon
 
 from gpuos_tools.kinfer import features as F
 from gpuos_tools.kinfer import linnos
@@ -31,7 +31,6 @@ from gpuos_tools.kinfer import server as S
 from gpuos_tools.kinfer import traces as T
 
 CC = shutil.which("cc") or shutil.which("gcc")
-BRIDGE = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
 INCLUDE = R.HEADER_FILE.parent
 
 
@@ -52,16 +51,7 @@ def _server(name: str, model: M.Mlp | None = None, geometry: R.Geometry = R.Geom
 
 
 def _daemon(name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", *args], env=env or child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        if R.served_by(name, proc.pid):
-            return proc
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError("daemon did not start")
+    return kinfer_daemon(name, *args, env=env, stdout=subprocess.PIPE)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import REPO, child_env
+from helpers import BRIDGE, REPO, child_env, kinfer_daemon
 
 from gpuos_tools.kinfer import bpf as B
 from gpuos_tools.kinfer import linnos
@@ -34,7 +34,6 @@ from gpuos_tools.kinfer import wait as W
 from gpuos_tools.kinfer.bpf import build as BB
 from gpuos_tools.kinfer.bpf import collect as BC
 
-BRIDGE = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
 PAGE = 4096
 
 
@@ -347,16 +346,7 @@ def _disk_dir(tmp_path: Path) -> Path:
 
 
 def _daemon(name: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", "--random-model", "0", "-o", os.devnull],
-                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        if R.served_by(name, proc.pid):
-            return proc
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError("daemon did not start")
+    return kinfer_daemon(name, "--random-model", "0", "-o", os.devnull)
 
 
 def _digits(v: int, width: int) -> list[int]:

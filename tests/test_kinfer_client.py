@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, child_env
+from helpers import child_env, kinfer_daemon
 
 from gpuos_tools.kinfer import client_native as CN
 from gpuos_tools.kinfer import model as M
@@ -26,7 +26,6 @@ from gpuos_tools.kinfer import ring as R
 from gpuos_tools.kinfer import server as S
 from gpuos_tools.kinfer import wait as W
 
-BRIDGE = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
 
 
 def _native_or_skip() -> None:
@@ -51,16 +50,7 @@ def ring_name() -> Iterator[str]:
 
 
 def _daemon(name: str, *args: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", "--recreate", *args],
-                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        if R.served_by(name, proc.pid):
-            return proc
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError("daemon did not start")
+    return kinfer_daemon(name, "--recreate", *args)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
