@@ -268,18 +268,26 @@ def boot_id() -> str:
         return ""
 
 
-def gpu_device_minors(pid: int) -> list[int]:
-    """Minor numbers of the /dev/nvidiaN nodes the process has open (empty when unreadable)."""
-    minors: set[int] = set()
+def fd_targets(pid: int) -> dict[int, str]:
+    """What each open descriptor of the process is (``/proc/PID/fd/N``'s link: a path,
+    ``pipe:[INODE]``, ``socket:[INODE]``...); empty when the process is gone or not ours to read,
+    and without descriptors closed while it is read."""
     try:
         fds = os.listdir(f"{PROC}/{pid}/fd")
     except OSError:
-        return []
+        return {}
+    out = {}
     for fd in fds:
-        try:
-            target = os.readlink(f"{PROC}/{pid}/fd/{fd}")
-        except OSError:
-            continue
+        target = link_target(f"{PROC}/{pid}/fd/{fd}")
+        if target:
+            out[int(fd)] = target
+    return out
+
+
+def gpu_device_minors(pid: int) -> list[int]:
+    """Minor numbers of the /dev/nvidiaN nodes the process has open (empty when unreadable)."""
+    minors: set[int] = set()
+    for target in fd_targets(pid).values():
         name = target.rsplit("/", 1)[-1]
         if target.startswith("/dev/nvidia") and name[6:].isdigit():
             minors.add(int(name[6:]))

@@ -71,13 +71,9 @@ def _access(pid: int, fd: str) -> int | None:
 def _pipe_fds(pid: int) -> list[tuple[int, str, str, int]]:
     """(fd, key, kind, access) of each pipe or FIFO ``pid`` holds; [] for a process gone or unreadable.
     A FIFO's key is its device and inode (its path may have changed), its path kept for the message."""
-    try:
-        names = os.listdir(f"{procs.PROC}/{pid}/fd")
-    except OSError:
-        return []
     found = []
-    for name in names:
-        link = procs.link_target(f"{procs.PROC}/{pid}/fd/{name}")
+    for fd, link in procs.fd_targets(pid).items():
+        name = str(fd)
         if link.startswith("pipe:["):
             kind, key = "pipe", link
         elif link.startswith("/"):
@@ -125,14 +121,9 @@ def other_end(pipe: str, end: str, exclude: set[int] | frozenset[int] = frozense
     for pid in procs.all_pids():
         if pid in exclude:
             continue
-        try:
-            names = os.listdir(f"{procs.PROC}/{pid}/fd")
-        except OSError:
-            continue
-        for name in names:
-            path = f"{procs.PROC}/{pid}/fd/{name}"
-            if procs.link_target(path) == pipe and _access(pid, name) in want:
-                return path
+        for fd, link in procs.fd_targets(pid).items():
+            if link == pipe and _access(pid, str(fd)) in want:
+                return f"{procs.PROC}/{pid}/fd/{fd}"
     return None
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuos_tools import procs
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream.schema import Field, Int, List, Obj, Str
 
@@ -127,19 +128,7 @@ def read_sockets(net: str = f"{PROC}/net") -> list[TcpSocket]:
 
 def socket_inodes(pid: int) -> set[int]:
     """The inodes of the sockets ``pid`` holds descriptors of (empty when it is gone or not ours)."""
-    try:
-        fds = os.listdir(f"{PROC}/{pid}/fd")
-    except OSError:
-        return set()
-    out = set()
-    for fd in fds:
-        try:
-            target = os.readlink(f"{PROC}/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target.endswith("]"):
-            out.add(int(target[8:-1]))
-    return out
+    return {int(t[8:-1]) for t in procs.fd_targets(pid).values() if t.startswith("socket:[") and t.endswith("]")}
 
 
 def listeners(pids: Iterable[int]) -> list[dict[str, Any]]:
@@ -191,11 +180,9 @@ def owners(inodes: set[int]) -> dict[int, int]:
     out: dict[int, int] = {}
     if not inodes:
         return out
-    for name in os.listdir(PROC):
-        if not name.isdigit():
-            continue
-        for inode in socket_inodes(int(name)) & inodes:
-            out.setdefault(inode, int(name))
+    for pid in procs.all_pids():
+        for inode in socket_inodes(pid) & inodes:
+            out.setdefault(inode, pid)
         if len(out) == len(inodes):
             break
     return out
