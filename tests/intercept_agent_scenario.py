@@ -59,6 +59,7 @@ def scenario(api: Api, agent: Any, core: Any) -> dict[str, Any]:
     module = C.c_void_p()
     image = C.create_string_buffer(PTX)
     _ok(api.fn("cuModuleLoadData", "direct")(C.pointer(module), image), "cuModuleLoadData")
+    before_alloc = core.context()  # owned memory makes no allocation the core sees
     a, b = C.c_uint64(), C.c_uint64()
     _ok(api.fn("cuMemAlloc_v2", "dlsym")(C.pointer(a), 1 << 20), "cuMemAlloc_v2")
     _ok(api.fn("cuMemAlloc_v2", "direct")(C.pointer(b), 4096), "cuMemAlloc_v2")
@@ -112,4 +113,4 @@ def scenario(api: Api, agent: Any, core: Any) -> dict[str, Any]:
         counters.pop(timing)
     return {"addresses": [a.value, b.value, s], "first_launch_access": first, "dirty": sorted(dirty or []),
             "dirty_known": dirty is not None, "protects": protects, "live": live, "counters": counters,
-            "context": core.context(), "streams": sorted(core.streams())}
+            "context": core.context(), "context_before_alloc": before_alloc, "streams": sorted(core.streams())}

@@ -137,6 +137,7 @@ def test_the_core_ends_in_the_same_state_under_both_front_ends(both):
     state = both["state"]
     assert state["counters"]["ops"] >= 7 and state["counters"]["allocations"] == 1  # b was freed
     assert state["first_launch_access"] is not None
+    assert state["context_before_alloc"] and state["context_before_alloc"] == state["context"]
     assert state["dirty_known"] and state["dirty"]  # the launches and memset wrote something
     # the snapshot: the memset into b protected it on its stream, the second one found it safe,
     # the launch on stream 0 protected what it may write there

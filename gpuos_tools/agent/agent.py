@@ -232,8 +232,8 @@ class Agent(ProcessView):
 
     @property
     def ctx(self) -> Any:
-        """The program's context, which the agent's threads make current (None: no allocation
-        yet). On the native core: the context of the first allocation the core saw."""
+        """The program's context, which the agent's threads make current (None: no CUDA call
+        yet). On the native core: the context of the first call the core saw."""
         if self._ctx is None and self.core is not None:
             handle = self.core.context()
             if handle:

@@ -407,14 +407,15 @@ void core_bump_epoch(void) { /* any thread */
     bumps[B_PYTHON]++;
 }
 
-/* the program's context: the agent's threads make it current (the first one an allocation used) */
+/* the program's context: the agent's threads make it current (the first one a call ran in) */
 static uint64_t first_ctx;
 
 void core_saw_context(uint64_t ctx) {
-    if (!first_ctx && ctx) first_ctx = ctx;
+    uint64_t none = 0;
+    if (ctx) __atomic_compare_exchange_n(&first_ctx, &none, ctx, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
 }
 
-uint64_t core_context(void) { return first_ctx; }
+uint64_t core_context(void) { return __atomic_load_n(&first_ctx, __ATOMIC_ACQUIRE); }
 
 size_t core_view_len(void) { return vlen; }
 

@@ -604,15 +604,15 @@ void rec_call(uint32_t cbid, int site, const void *params, uint32_t result, uint
         return;
     }
     if (acting(kind)) core_issued(); /* enqueued: before any lock (the agent may hold it, waiting) */
-    int core = updates_core(kind);
-    if (core) {
-        core_lock_program();
-        if (kind >= K_ALLOC && kind <= K_MAP) {
-            void *current = NULL;
-            if (!ctx && p_ctx_current && p_ctx_current(&current) == 0) ctx = (uint64_t)(uintptr_t)current;
-            core_saw_context(ctx);
-        }
+    /* the program's context, from its first recorded call: a program whose memory all comes
+     * from an allocator of the agent's own (owned memory) makes no allocation the core sees */
+    if (!core_context()) {
+        void *current = NULL;
+        if (!ctx && p_ctx_current && p_ctx_current(&current) == 0) ctx = (uint64_t)(uintptr_t)current;
+        core_saw_context(ctx);
     }
+    int core = updates_core(kind);
+    if (core) core_lock_program();
 #else
     (void)ctx;
     if (site == REC_ENTER) return;

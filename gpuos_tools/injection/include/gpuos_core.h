@@ -65,7 +65,8 @@ void core_after_free(uint64_t addr);
 void core_after_write(uint64_t dst, const uint8_t *payload, uint64_t n, uint64_t stream, int is_set);
 void core_stream_event(uint64_t stream, int destroyed); /* resource callback: no core lock */
 void core_module_unloading(void);
-void core_saw_context(uint64_t ctx);   /* the context of an allocation (the first is kept) */
+void core_saw_context(uint64_t ctx);   /* the context a recorded call ran in (the first is kept) */
+uint64_t core_context(void);            /* that context; 0 before the first */
 
 /* Whether a stream is capturing a graph: the front end that calls the core (the CUPTI tracer,
    an interposer) registers how to ask, before the first operation. */
