@@ -39,7 +39,7 @@ MECHANISMS = ("cupti", "intercept")
 #: the agent's mechanism when neither --mechanism nor GPUOS_AGENT_MECHANISM names one: the one place
 #: that decides it (the launcher, the config's field and the help texts read it from here). A
 #: default of "intercept" gives way to "cupti" where interception cannot run (trace/run.py).
-DEFAULT_MECHANISM = "cupti"
+DEFAULT_MECHANISM = "intercept"
 #: the one variable the launcher sets for the program (besides PYTHONPATH); the bootstrap names it too
 ENV = "GPUOS_BOOT"
 REFERENCE_AT_ENV = "GPUOS_AGENT_REFERENCE_AT"

@@ -3,8 +3,8 @@ Llama's greedy decode with a KV cache (random weights) and a CNN's training step
 budget of 66% of its owned memory (150% oversubscription), produce the same output as the same
 program run alone with torch's own allocator -- the same token ids, the same final parameters
 bit for bit -- while records are evicted and loaded again (workloads/torch_decode_job.py,
-torch_cnn_job.py; gpuos_tools/sched/executor.py); so does the CNN with the agent on driver-API
-interception (GPUOS_AGENT_MECHANISM=intercept)."""
+torch_cnn_job.py; gpuos_tools/sched/executor.py); so does the CNN with the agent on CUPTI callbacks
+(GPUOS_AGENT_MECHANISM=cupti) instead of the default, driver-API interception."""
 
 from __future__ import annotations
 
@@ -84,16 +84,16 @@ def test_torch_job_over_budget_is_bit_identical_to_the_job_alone(tmp_path, name)
     assert plain["sched_loop"] is None
 
 
-def test_the_cnn_over_budget_on_interception_is_bit_identical_to_the_job_alone(tmp_path):
-    """The same, with the agent fed by its driver-API interposer (GPUOS_AGENT_MECHANISM=intercept)
-    instead of CUPTI callbacks: no CUPTI is loaded, the policy sees every operation, records are
-    evicted and loaded again, and the parameters end as the job's alone."""
+def test_the_cnn_over_budget_on_cupti_is_bit_identical_to_the_job_alone(tmp_path):
+    """The same, with the agent fed by CUPTI callbacks (GPUOS_AGENT_MECHANISM=cupti) instead of
+    the default driver-API interposer: the policy sees every operation, records are evicted and
+    loaded again, and the parameters end as the job's alone."""
     plain = plain_run("cnn", tmp_path)
     trace = tmp_path / "trace.ndjson"
-    job, s = sched_run("cnn", tmp_path, "--budget", "66%", "-o", str(trace), mechanism="intercept")
+    job, s = sched_run("cnn", tmp_path, "--budget", "66%", "-o", str(trace), mechanism="cupti")
     with open_input(str(trace)) as r:
         header = next(iter(r))
-    assert header["mechanism"] == "intercept" and header["cupti"] is None, header
+    assert header["mechanism"] == "cupti" and header["cupti"], header
     assert job["digest"] == plain["digest"], (job, plain)
     assert s["footprint"] > 0 and s["budget"] < s["footprint"], s
     assert s["evictions"] > 0 and s["bytes_in"] > 0 and s["bytes_out"] > 0, s
