@@ -9,6 +9,10 @@ import typer
 from gpuos_tools.commands.cli import OutputOpt, run_app
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.stream import open_output
+from gpuos_tools.stream.records import register_output
+from gpuos_tools.stream.schema import RecordType
+
+register_output(RecordType("n", "flood --records: one line"))
 
 app = typer.Typer(add_completion=False, help="Commands that misbehave on purpose.")
 

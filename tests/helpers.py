@@ -15,6 +15,21 @@ REPO = Path(__file__).resolve().parent.parent
 BRIDGE = [sys.executable, str(REPO / "cmd" / "gpu-kinfer-bridge")]
 
 
+#: The made-up record types the stream's own tests write, as a tool writing them would: each with
+#: a schema (of no fields), since the writer refuses a type without one. ``REGISTER_TEST_TYPES``
+#: is the same as code, for a child process.
+TEST_TYPES = ("a", "b", "c", "tick", "note", "old", "new", "late", "x", "mystery", "odd")
+REGISTER_TEST_TYPES = (
+    "from gpuos_tools.stream.records import register_output, registered\n"
+    "from gpuos_tools.stream.schema import RecordType\n"
+    f"register_output(*(RecordType(n, 'a test record') for n in {TEST_TYPES!r} if registered(n) is None))\n"
+)
+
+
+def register_test_types() -> None:
+    exec(REGISTER_TEST_TYPES, {})
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

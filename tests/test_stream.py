@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import pytest
 import zstandard
-from helpers import child_env, python
+from helpers import REGISTER_TEST_TYPES, child_env, python, register_test_types
 
 import gpuos_tools
 from gpuos_tools.errors import ExitCode
@@ -30,6 +30,8 @@ from gpuos_tools.stream import (
     store_blob,
 )
 
+
+register_test_types()  # the made-up types these tests write
 
 def compact(record: dict[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), ensure_ascii=False)
@@ -117,7 +119,7 @@ def test_stdin_round_trip(records: list[dict[str, Any]], compress: bool) -> None
 
 def test_stdout_round_trip_through_a_pipe(records: list[dict[str, Any]]) -> None:
     code = (
-        "import json, sys; from gpuos_tools.stream import open_output\n"
+        REGISTER_TEST_TYPES + "import json, sys; from gpuos_tools.stream import open_output\n"
         "with open_output('-') as w: w.write_many(json.loads(sys.stdin.read()))"
     )
     done = python(code, input=json.dumps(records).encode())
@@ -480,7 +482,7 @@ def test_pipe_consumer_sees_each_record_while_the_writer_is_open(tmp_path: Path,
         consumer.wait()
 
 
-WRITER = """
+WRITER = REGISTER_TEST_TYPES + """
 import sys
 from gpuos_tools.stream import open_output
 with open_output("-") as writer:
@@ -535,6 +537,8 @@ def test_store_blob(tmp_path: Path) -> None:
 def test_a_value_json_cannot_carry_is_refused_naming_its_field(tmp_path: Path, bad: float) -> None:
     """NaN and infinities are not JSON: written, the line would be refused by every reader. The
     writer refuses the record as the tool's bug (SOFTWARE), saying which record and field."""
+    import gpuos_tools.sched.records  # noqa: F401 -- the schema of sched_summary
+
     path = tmp_path / "out.ndjson"
     header = make_header("test")
     with pytest.raises(StreamError) as e:

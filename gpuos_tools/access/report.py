@@ -14,6 +14,8 @@ from rich.table import Table
 from gpuos_tools.access.predict import BASIS_TEXT, Predictor
 from gpuos_tools.access.score import score
 from gpuos_tools.names import short_names
+from gpuos_tools.stream.records import COUNT, register_output
+from gpuos_tools.stream.schema import Anything, Field, List, Map, Num, RecordType, Str
 from gpuos_tools.units import format_size
 
 
@@ -101,6 +103,26 @@ def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc"
     kernels = sorted((r for r in rows.values() if r.of == "launch"), key=lambda r: (-r.launches, r.name))
     others = [rows[(of, of)] for of in ("memcpy", "memset", "graph_launch") if (of, of) in rows]
     return kernels + others
+
+
+#: The records of ``--report`` and ``--explain``, as data (gpuos_tools.stream.schema).
+ACCESS_REPORT = RecordType("access_report", "(--report) one kernel's predictions summed, or all memcpys, memsets or "
+                           "graph launches.", (
+    Field("of", Str(("launch", "memcpy", "memset", "graph_launch")), required=True),
+    Field("kernel", Str(max_len=1 << 20), "launches: the mangled name"), Field("name", Str(max_len=1 << 20)),
+    Field("granularity", Str()), Field("launches", COUNT, required=True), Field("captured", COUNT),
+    Field("reads_per_launch", Num(0)), Field("writes_per_launch", Num(0)),
+    Field("bytes_read", Num(0, unit="bytes")), Field("bytes_written", Num(0, unit="bytes")),
+    Field("unknown", COUNT, "launches that may touch any memory"), Field("why", Map(COUNT), "what made them unknown"),
+    Field("validation", Map(), "on a --validate trace: missed and extra bytes against what the GPU did"),
+))
+ACCESS_EXPLAIN = RecordType("access_explain", "(--explain SEQ) how one launch's prediction was made, word by word.", (
+    Field("seq", COUNT, null=True, required=True), Field("kernel", Str(max_len=1 << 20)),
+    Field("name", Str(max_len=1 << 20)), Field("layout", Str(), null=True), Field("source", Str()),
+    Field("prototype", Anything()), Field("params", List(Map())), Field("words", List(Map())),
+    Field("access", Map(), "the `access` record predicted"),
+))
+register_output(ACCESS_REPORT, ACCESS_EXPLAIN)
 
 
 def report_records(rows: list[Row], granularity: str) -> Iterable[dict[str, Any]]:

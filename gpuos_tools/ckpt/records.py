@@ -234,11 +234,53 @@ AGENT_RESUME = RecordType("agent_resume", "(--agent --resume, and the restore of
           "program's exit"),
 ))
 
+AGENT_SNAPSHOT = RecordType("agent_snapshot", "(--agent --image) the agent's consistent snapshot of the program, "
+                            "taken while it ran, written as an image of the agent path.", (
+    Field("agent", Str(), "the agent asked: --agent's PID or socket as given"),
+    Field("t0_ns", COUNT, "T0, the snapshot's instant (CLOCK_MONOTONIC, in the program)", required=True),
+    Field("ops_before", COUNT, "the program's operations before T0"),
+    Field("buffers", COUNT, "allocations in the snapshot", required=True),
+    Field("bytes", BYTES, "their bytes", required=True),
+    Field("seconds", _SECONDS, "from the request to the last buffer copied"),
+    Field("gbps", Num(0), null=True),
+    Field("cow", COUNT, "buffers copied on the GPU first because a launch was about to write them"),
+    Field("cow_bytes", BYTES), Field("host_saves", COUNT, "copy-on-writes past the budget, saved to the host at once"),
+    Field("stream_waits", COUNT, "operations made to wait for a buffer's copy"),
+    Field("stall_s", _SECONDS, "time spent on the program's path", required=True),
+    Field("stall_parts_s", Map(Num(0, unit="s")), "stall_s split: ordering streams after T0, enqueueing "
+          "copy-on-writes, stream waits"),
+    Field("unsettled", COUNT, "operations still being issued when the lock was taken"),
+    Field("t0_streams", COUNT, "streams ordered after T0"),
+    Field("staging_s", _SECONDS, "pinning host staging before T0"), Field("pool_s", _SECONDS, "allocating the "
+                                                                                               "copy-on-write slots"),
+    Field("cow_budget", BYTES, "device memory for copy-on-write slots"),
+    Field("digests", Anything(), "per-buffer digests, when asked for"),
+    Field("image", _AGENT_IMAGE, "the image written (`handover`: written here after the program ended)"),
+))
+AGENT_ROLLBACK = RecordType("agent_rollback", "(gpu-restore --agent --image) the image written back into the "
+                            "program's allocations, at the same addresses.", (
+    Field("agent", Str(), "the agent asked: --agent's PID or socket as given", required=True),
+    Field("image", Str(), "its path", required=True), Field("image_id", Str()),
+    Field("chain", COUNT, "images read: the image and its parents"),
+    Field("checked", Bool(), "true: the image was only read and checked, nothing written back"),
+    Field("buffers", COUNT, required=True), Field("bytes", BYTES, required=True),
+    Field("read_s", _SECONDS, "reading the image (and checking every chunk) into pinned host memory"),
+    Field("stall_s", _SECONDS, "how long the program was held"),
+    Field("gbps", Num(0), "null when lazy", null=True),
+    Field("ops_before", COUNT, "the program's operations when it was held"),
+    Field("t0_image_ns", COUNT, "the image's T0", null=True),
+    Field("hold_at", Num(0, unit="s"), "when the program was held (CLOCK_MONOTONIC seconds)"),
+    Field("go_at", Num(0, unit="s"), "when it was let go"),
+    Field("lazy", Bool(), "(--lazy) the program went on at once, its buffers written back behind it"),
+    Field("owned", Bool(), "(--lazy) the agent owns the program's memory"),
+    Field("order_predicted", Anything(), "(--lazy) how the write-back order was chosen"),
+))
+
 #: Every record type gpu-ckpt and gpu-restore write (besides the header), as data.
 TYPES = (CKPT_PROCESS, CKPT_STEP, CKPT_RESULT, CKPT_STATUS, CKPT_PROFILE, CKPT_JOB, CKPT_JOB_CUT,
          CKPT_JOB_ROLLBACK, IMAGE_VERIFY, IMAGE_DIFF,
          IMAGE_DIFF_SUMMARY, IMAGE_COMPACT, CKPT_PERIODIC, CKPT_PERIODIC_PLAN, CKPT_CHECK, CKPT_CHECK_SUMMARY,
-         CKPT_GUARD, AGENT_SUSPEND, AGENT_RESUME)
+         CKPT_GUARD, AGENT_SUSPEND, AGENT_RESUME, AGENT_SNAPSHOT, AGENT_ROLLBACK)
 register_output(*TYPES)
 
 

@@ -20,6 +20,7 @@ import typer
 
 from gpuos_tools.commands.cli import OutputOpt, UnbufferedOpt, run_app
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.kinfer import records as _schemas  # noqa: F401 -- registers the schemas of what it writes
 from gpuos_tools.kinfer.bpf import OBJECT
 from gpuos_tools.stream import make_header, open_input, open_output
 from gpuos_tools.units import parse_duration

@@ -24,6 +24,7 @@ from gpuos_tools.memory import owned
 from gpuos_tools.sched.online import PLANS
 from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
 from gpuos_tools.sched.planner import PLANNERS
+from gpuos_tools.sched import records as _schemas  # noqa: F401 -- registers the schemas of what it writes
 from gpuos_tools.sched.plot import load_timeline, plot_timeline, simulated_timeline
 from gpuos_tools.sched.report import render_summaries
 from gpuos_tools.sched.schedule import write_schedule

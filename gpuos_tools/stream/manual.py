@@ -112,7 +112,8 @@ always has the same name.
 # ENVIRONMENT
 - `GPUOS_CHECK_RECORDS`: when `1`, every record a command writes is checked against its type's
   schema as it is written, and one that readers would refuse is an internal error (status
-  $SOFTWARE). The test suite sets it, so that every stream the tests make is checked.
+  $SOFTWARE); so is a record of a type that has no schema, unless the command read it from its
+  input (pass-through). The test suite sets it, so that every stream the tests make is checked.
 
 # EXAMPLES
 Count the kernel launches in a compressed trace:

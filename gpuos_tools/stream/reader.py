@@ -15,7 +15,7 @@ import zstandard
 
 from gpuos_tools.errors import ExitCode
 from gpuos_tools.stream.framing import SCHEMA, STDIO, ZSTD_MAGIC, StreamError
-from gpuos_tools.stream.records import INPUT
+from gpuos_tools.stream.records import INPUT, Passed
 from gpuos_tools.stream.schema import SHORT_LINE, RecordChecker, _show
 
 _CHUNK = 1 << 20
@@ -162,6 +162,7 @@ class Reader:
         scan = _scan
         slow = self._slow
         checkers = self._checkers
+        known = INPUT.types  # a record of any other type is another tool's: marked Passed
         lineno = 0
         first = True  # the next non-blank line is the stream's first (where a header may be)
         partial: list[bytes] = []
@@ -202,7 +203,10 @@ class Reader:
                 if kind.__class__ is str and kind and kind != "header":
                     first = False
                     checker = checkers.get(kind)
-                    if checker is None or (problem := checker(record, len(line) < SHORT_LINE)) is None:
+                    if checker is None:
+                        yield record if kind in known else Passed(record)
+                        continue
+                    if (problem := checker(record, len(line) < SHORT_LINE)) is None:
                         yield record
                         continue
                     problem = f"{kind} record, {problem}"
@@ -211,7 +215,7 @@ class Reader:
                                           lineno, first)
                     first = False
                 if problem is None:
-                    yield record
+                    yield _passed(record, kind)
                 else:
                     yield self._bad(lineno, problem)
         if self._frame_open:
@@ -247,7 +251,7 @@ class Reader:
                 return
             kind = record.get("type")
             problem = self._check(record, kind, checkers.get(kind) if kind.__class__ is str else None, lineno, first)
-            yield record if problem is None else self._bad(lineno, problem)
+            yield _passed(record, kind) if problem is None else self._bad(lineno, problem)
 
     def _check(
         self, record: dict[str, Any], kind: Any, checker: RecordChecker | None,
@@ -322,6 +326,11 @@ class Reader:
         if self.on_error == "emit":
             return {"type": "error", "line": lineno, "message": message, "source": self.name}
         raise StreamError(f"{self.name}:{lineno}: {message}", ExitCode.BAD_INPUT, path=self.name, line=lineno)
+
+
+def _passed(record: dict[str, Any], kind: Any) -> dict[str, Any]:
+    """``record``, marked as another tool's when its type has no schema here."""
+    return record if kind == "header" or kind in INPUT.types else Passed(record)
 
 
 def _json_name(value: Any) -> str:

@@ -488,9 +488,18 @@ _OUTPUT: dict[str, Any] = {}
 _WRITTEN: dict[str, Any] = dict(INPUT.checkers)
 
 
+class Passed(dict):  # type: ignore[type-arg]
+    """A record of a type with no schema in INPUT, as a reader read it (another tool's, or a newer
+    version's): a tool may write it on unchanged (pass-through). A record a tool makes itself is a
+    plain dict, and its type must have a schema."""
+
+    __slots__ = ()
+
+
 def register_output(*types: RecordType) -> None:
-    """Add the schemas of record types a higher layer writes (its man page lists them): with
-    GPUOS_CHECK_RECORDS=1 every record of them written is checked too."""
+    """Add the schemas of record types a higher layer writes (its man page lists them): a tool
+    may write no record of a type without one, and with GPUOS_CHECK_RECORDS=1 every record
+    written is checked against it."""
     for t in types:
         if t.name in INPUT or _OUTPUT.get(t.name, (t,))[0] is not t:
             raise ValueError(f"record type {t.name!r} defined twice")
@@ -498,10 +507,25 @@ def register_output(*types: RecordType) -> None:
         _WRITTEN[t.name] = _OUTPUT[t.name][1]
 
 
+def registered(name: str) -> RecordType | None:
+    """The schema of record type ``name``, if any layer imported so far registered one."""
+    if name in INPUT:
+        return INPUT[name]
+    entry = _OUTPUT.get(name)
+    return None if entry is None else entry[0]
+
+
 def check_written(record: dict[str, Any]) -> str | None:
-    """None for a record a tool may write, else what is wrong with it."""
+    """None for a record a tool may write, else what is wrong with it: a record of a registered
+    type must pass its schema; one of a type without a schema only when a reader read it as it is
+    (a ``Passed`` record: pass-through)."""
     kind = record.get("type")
     if kind.__class__ is not str or not kind:
         return INPUT.check(record)  # what is wrong with its type
     checker = _WRITTEN.get(kind)
-    return None if checker is None else checker(record)
+    if checker is not None:
+        return checker(record)
+    if record.__class__ is Passed:
+        return None
+    return (f"type {kind!r} has no schema (register one with gpuos_tools.stream.records.register_output "
+            "in the layer that writes it)")

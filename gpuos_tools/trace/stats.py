@@ -26,6 +26,8 @@ from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.model.allocs import AllocTable
 from gpuos_tools.model.records import pointer_words
 from gpuos_tools.names import short_names
+from gpuos_tools.stream.records import BYTES, COUNT, register_output
+from gpuos_tools.stream.schema import Anything, Field, List, Map, Num, RecordType, Str
 from gpuos_tools.units import format_size
 
 #: How far outside the allocations seen so far a word may lie and still count as an address.
@@ -331,6 +333,33 @@ _HANDLERS = {
 
 
 # --- output --------------------------------------------------------------------------------------
+
+_N = Num(0)
+#: The records `gpu-trace stats --json` writes, as data (gpuos_tools.stream.schema).
+STATS_SUMMARY = RecordType("stats_summary", "what the trace holds, in all.", (
+    Field("schema", Str(), "the trace's schema", null=True), Field("tool", Str(), "who wrote it", null=True),
+    Field("argv", Anything(), "the traced command", null=True), Field("records", COUNT, required=True),
+    Field("types", Map(COUNT), "records per type"), Field("duration_ns", COUNT, null=True),
+    Field("launches", COUNT, required=True), Field("kernels", COUNT, "distinct kernels"),
+    Field("unknown_ptrs", COUNT, "argument words that look like device addresses but lie in no live allocation"),
+    Field("peak_bytes", BYTES), Field("live_bytes", BYTES), Field("exit", Anything(), "the `exit` record's code "
+                                                                                         "and signal", null=True),
+))
+STATS_KERNEL = RecordType("stats_kernel", "one kernel, most launched first.", (
+    Field("name", Str(), required=True), Field("mangled", Str(), null=True), Field("launches", COUNT, required=True),
+    Field("share", Num(0, 1), "of all launches"), Field("layout_none", COUNT, "launches without a parameter layout"),
+    Field("unknown_ptrs", COUNT), Field("unknown_ptr_launches", COUNT),
+    Field("unknown_ptr_example", Anything(), "one such word: {param, offset, value}", null=True),
+))
+STATS_COPY = RecordType("stats_copy", "the copies of one direction, most bytes first.", (
+    Field("dir", Str(), required=True), Field("count", COUNT, required=True), Field("bytes", _N, required=True),
+))
+STATS_ALLOC_TIMELINE = RecordType("stats_alloc_timeline", "live allocated bytes over time, downsampled.", (
+    Field("points", List(List(_N, length=2)), "[ts, bytes]", required=True),
+))
+STATS_TYPES = (STATS_SUMMARY, STATS_KERNEL, STATS_COPY, STATS_ALLOC_TIMELINE)
+register_output(*STATS_TYPES)
+
 
 
 def stats_records(stats: Stats) -> Iterator[dict[str, Any]]:
