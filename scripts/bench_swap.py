@@ -138,9 +138,9 @@ SAVE_KEYS = ("evictions", "evict_saves", "saved_bytes", "unsaved_bytes")
 
 
 def save_counts(eng: ResidencyEngine) -> dict[str, int]:
-    """The engine's eviction counts, through ``stats()``: under the engine's lock, which its evict
-    thread holds from marking a record released until that eviction is counted. Read right after
-    a record was seen released (``state`` takes no lock), ``eng.counts`` may not include it yet."""
+    """The engine's eviction counts, through ``stats()``, under the engine's lock: a consistent
+    view of all of them (the evict thread counts an eviction before its record reads RELEASED,
+    but a reader of ``eng.counts`` without the lock could see one count moved and not the next)."""
     st = eng.stats()
     return {k: st[k] for k in SAVE_KEYS}
 

@@ -650,3 +650,60 @@ def test_the_evict_thread_makes_the_context_current_once_the_agent_knows_it():
     assert eng.evict_from_operation(BASES[1], own=0) and released(BASES[1])
     assert entered == [None, "ctx"], entered
     eng.close()
+
+
+class CountingOps(FakeOps):
+    """FakeOps that, at every call, checks what a reader of ``counts`` without the engine's lock
+    would see then: every record released so far counted as an eviction, with its save."""
+
+    engine: ResidencyEngine | None = None
+
+    def __init__(self, records: list[Rec], auto: bool = False) -> None:
+        super().__init__(records, auto)
+        self.problems: list[str] = []  # kept, not raised: the evict thread would swallow an assertion
+
+    def check(self, where: str) -> None:
+        eng = self.engine
+        if eng is None:
+            return
+        released = sum(1 for e in list(eng.pending.values()) if e.state == RELEASED)
+        c = dict(eng.counts)
+        if released > c["evictions"] or released > c["evict_saves"]:
+            self.problems.append(f"at {where}: {released} records released, {c['evictions']} evictions and "
+                                 f"{c['evict_saves']} saves counted")
+
+    def release(self, base):
+        self.check("release")
+        super().release(base)
+
+    def destroy(self, ev):
+        self.check("destroy")
+
+    def record(self, ev, stream):
+        self.check("record")
+        super().record(ev, stream)
+
+    def synchronize(self, ev):
+        self.check("synchronize")
+        super().synchronize(ev)
+
+
+def test_a_released_record_is_already_counted_with_its_save_when_its_state_says_so():
+    """The evict thread counts an eviction and its save before the record's state says RELEASED,
+    so ``state`` (no lock) and ``counts`` read together never disagree; every driver call the
+    thread makes around the change checks it."""
+    recs = [Rec(b, 64 * MIB) for b in BASES[:3]]
+    ops = CountingOps(recs, auto=True)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(BASES[:3])})
+    eng = ResidencyEngine(agent, ops)
+    ops.engine = eng
+    for b in BASES[:3]:
+        assert eng.evict(b)
+    deadline = time.monotonic() + 10
+    while any(eng.state(b) != RELEASED for b in BASES[:3]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all(eng.state(b) == RELEASED for b in BASES[:3])
+    assert ops.problems == []
+    assert eng.counts["evictions"] == eng.counts["evict_saves"] == 3  # the lock-free read the bench made
+    assert eng.stats()["saved_bytes"] == 3 * 64 * MIB and len(ops.calls("release")) == 3
+    eng.close()

@@ -218,9 +218,9 @@ class Eviction:
                 ops.destroy(ev)
                 return
             ops.release(base)
-            e.state, e.event = RELEASED, None
-            ops.destroy(ev)
             self.clean.discard(base)
+            # counted before the state says RELEASED, nothing between: a reader of ``counts``
+            # without the lock (``state`` takes none) never sees a released record uncounted
             c = self.counts
             c["evictions"] += 1
             c["evict_saves"] += int(save)
@@ -230,3 +230,5 @@ class Eviction:
                 c["digest_skips"] += 1
                 c["digest_skipped_bytes"] += e.size
                 self._backoff.pop(base, None)
+            e.state, e.event = RELEASED, None
+            ops.destroy(ev)
