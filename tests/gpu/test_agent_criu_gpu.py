@@ -17,25 +17,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from gpu_jobs import FIGURES, end_process, keep_guard_log, skip_without_criu
 
 from gpuos_tools import procs
 from gpuos_tools.ckpt import criu
 from gpuos_tools.ckpt import records as _schemas  # noqa: F401 -- registers the schemas check_written uses
-from gpuos_tools.ckpt.driver import Checkpointer, CkptError
 from gpuos_tools.stream.records import check_written
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGS = Path(__file__).resolve().parent / "progs"
-FIGURES = os.environ.get("GPUOS_TEST_FIGURES")  # a JSON-lines file the device run brings back
 #: long enough that the job is still mid-run when the dump comes (the tool starts in a second or two)
 JOB = ("--framework", "cupy", "--gib", "1.0", "--iters", "4000")
 
@@ -44,20 +42,13 @@ JOB = ("--framework", "cupy", "--gib", "1.0", "--iters", "4000")
 def need_criu_and_cupy() -> None:
     if importlib.util.find_spec("cupy") is None:
         pytest.skip("needs cupy")
-    try:
-        criu.find_criu()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no usable CRIU: {e}")
+    skip_without_criu()
 
 
 @pytest.fixture(autouse=True)
-def keep_guard_log(tmp_path: Path, request):
-    """What the guards did goes beside the figures (the device run brings it back), pass or fail."""
+def guard_log(tmp_path: Path, request):
     yield
-    log = tmp_path / "state" / "guard.log"
-    if FIGURES and log.exists():
-        with open(FIGURES + ".guard.log", "a", encoding="utf-8") as f:
-            f.write(f"== {request.node.name}\n" + log.read_text(errors="replace"))
+    keep_guard_log(tmp_path / "state", request.node.name)
 
 
 def env_for(tmp: Path, **extra: str) -> dict[str, str]:
@@ -135,18 +126,7 @@ class AgentJob:
         return json.loads((self.dir / "done.json").read_text())
 
     def kill(self) -> None:
-        if procs.exists(self.pid):
-            try:
-                if Checkpointer().state(self.pid) in ("checkpointed", "locked"):
-                    Checkpointer().resume(self.pid)
-            except CkptError:
-                pass
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.launcher is not None:
-            self.launcher.wait(timeout=60)
+        end_process(self.pid, self.launcher)
 
 
 def cli(tmp: Path, command: str, *args: str) -> tuple[subprocess.CompletedProcess, list[dict], float]:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_jobs import kill_group
 
 from workloads.snapshot_trials import trials
 
@@ -69,7 +70,7 @@ def test_stage_ahead_pins_the_staging_before_the_first_snapshot(tmp_path):
         try:
             proc.wait(timeout=60)
         finally:
-            _kill_group(proc)
+            kill_group(proc)
 
 
 def test_snapshot_images_full_then_incremental(tmp_path):
@@ -77,7 +78,6 @@ def test_snapshot_images_full_then_incremental(tmp_path):
     through the incremental chain) equals the snapshot's own digest; the chain verifies and
     compacts into an equal full image."""
     import hashlib
-    import signal
     import time
 
     from gpuos_tools.agent.control import request, socket_path
@@ -116,10 +116,7 @@ def test_snapshot_images_full_then_incremental(tmp_path):
         (tmp_path / "stop").touch()
         assert proc.wait(timeout=120) == 0
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)
 
 
 def start_job(tmp: Path, gib: str = "0.5", extra: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
@@ -139,20 +136,10 @@ def start_job(tmp: Path, gib: str = "0.5", extra: list[str] | None = None) -> tu
     deadline = time.time() + 120
     while not (tmp / "ready").exists():
         if proc.poll() is not None or time.time() > deadline:
-            _kill_group(proc)
+            kill_group(proc)
             raise AssertionError("the job did not start")
         time.sleep(0.1)
     return proc, socket_path(int((tmp / "ready").read_text()))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
 
 
 def _wait_for(cond, timeout: float, what: str) -> None:
@@ -215,7 +202,7 @@ def test_kill9_of_the_job_while_it_writes_an_image_leaves_no_loadable_corrupt_im
             assert not errors, f"point {point}: a snapshot failed before the kill: {errors}"
             time.sleep(delay)
         finally:
-            _kill_group(proc)
+            kill_group(proc)
         job = int((tmp_path / f"job{point}" / "ready").read_text())
         _wait_for(lambda: not _pid_alive(job), 120, f"point {point}: the killed job {job} is still there")
         thread.join(timeout=60)
@@ -286,4 +273,4 @@ def test_kill9_of_gpu_ckpt_leaves_the_agent_serving_and_no_corrupt_image(tmp_pat
         assert proc.wait(timeout=120) == 0
         shutil.rmtree(images)  # 0.5 GiB an image: keep the disk free
     finally:
-        _kill_group(proc)
+        kill_group(proc)

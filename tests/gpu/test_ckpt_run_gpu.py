@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from gpu_jobs import kill_group
 
 from gpuos_tools.stream import open_input
 
@@ -60,9 +60,7 @@ def test_gpu_ckpt_run_job_takes_an_agent_image(tmp_path):
         assert job.wait(timeout=120) == 0, err.read_text()[-4000:]
         assert out.read_text() == ""  # the trace went to -o, not to stdout
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(timeout=60)
+        kill_group(job)
     with open_input(str(trace)) as reader:
         stream = list(reader)
     assert stream[0]["type"] == "header" and stream[0]["tool"] == "gpu-trace"

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gpu_jobs import FIGURES, end_process, keep_guard_log, skip_without_criu
 
 from gpuos_tools.ckpt import criu
 from gpuos_tools import procs
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGS = Path(__file__).resolve().parent / "progs"
-FIGURES = os.environ.get("GPUOS_TEST_FIGURES")  # a JSON-lines file the device run brings back
 
 CUPY = ("--framework", "cupy", "--gib", "0.5", "--iters", "1200")
 TORCH = ("--framework", "torch", "--gib", "0.5", "--iters", "900")
@@ -41,20 +41,13 @@ SMALL = ("--framework", "cupy", "--gib", "0.25", "--iters", "800")
 
 @pytest.fixture(autouse=True)
 def need_criu() -> None:
-    try:
-        criu.find_criu()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no usable CRIU: {e}")
+    skip_without_criu()
 
 
 @pytest.fixture(autouse=True)
-def keep_guard_log(tmp_path: Path, request):
-    """What the guards did goes beside the figures (the device run brings it back), pass or fail."""
+def guard_log(tmp_path: Path, request):
     yield
-    log = tmp_path / "state" / "guard.log"
-    if FIGURES and log.exists():
-        with open(FIGURES + ".guard.log", "a", encoding="utf-8") as f:
-            f.write(f"== {request.node.name}\n" + log.read_text(errors="replace"))
+    keep_guard_log(tmp_path / "state", request.node.name)
 
 
 @pytest.fixture
@@ -145,18 +138,7 @@ class Job:
         return json.loads((self.dir / "done.json").read_text())
 
     def kill(self) -> None:
-        if procs.exists(self.pid):
-            try:
-                if Checkpointer().state(self.pid) in ("checkpointed", "locked"):
-                    Checkpointer().resume(self.pid)
-            except CkptError:
-                pass
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc is not None:
-            self.proc.wait(timeout=60)
+        end_process(self.pid, self.proc)
 
 
 @pytest.fixture

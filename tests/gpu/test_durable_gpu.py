@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from gpu_jobs import kill_group
 
 from gpuos_tools.image import open_image, verify
 
@@ -47,18 +47,10 @@ def start(tmp: Path, gib: float, **env: str) -> tuple[subprocess.Popen, dict]:
     deadline = time.monotonic() + 300
     while not (tmp / "ready.json").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
+            kill_group(proc)
             pytest.fail("the job did not start:\n" + (tmp / "job.stderr").read_text()[-3000:])
         time.sleep(0.1)
     return proc, json.loads((tmp / "ready.json").read_text())
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
 
 
 def image_holds(image: Path, arrays: list) -> None:
@@ -113,7 +105,7 @@ def test_the_program_ends_during_the_write_and_the_image_is_whole(tmp_path: Path
                total_s=round(time.monotonic() - t0, 3), handover=bool(summary.get("handover")),
                copy_s=summary.get("copy_s"))
     finally:
-        stop(proc)
+        kill_group(proc)
 
 
 def test_gpu_ckpt_check_reports_the_driver_and_criu_usable(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from gpu_jobs import TORCH_MLP
 
 from test_suspend_gpu import Job, plain  # noqa: F401 -- the stopped job and its untraced twin
 
@@ -44,22 +45,6 @@ a = x[: 512 * 512].reshape(512, 512)
 b = a @ a.T
 h = hashlib.sha256(x.get().tobytes() + b.get().tobytes() + total.get().tobytes()).hexdigest()
 print(json.dumps({"digest": h, "cupti": "libcupti" in open("/proc/self/maps").read()}))
-"""
-
-TORCH_PROG = """
-import hashlib, json, sys, torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
-opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-x = torch.randn(128, 256, device="cuda"); y = torch.randint(0, 10, (128,), device="cuda")
-for _ in range(int(sys.argv[1])):
-    opt.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-h = hashlib.sha256()
-for p in model.parameters():
-    h.update(p.detach().float().cpu().numpy().tobytes())
-print(json.dumps({"digest": h.hexdigest(), "cupti": "libcupti" in open("/proc/self/maps").read()}))
 """
 
 # cuDNN: a ResNet-18 with random weights (torchvision's, else timm's, else a small conv net) trained
@@ -202,7 +187,7 @@ print(json.dumps({"digest": h.hexdigest(), "cupti": "libcupti" in open("/proc/se
 #: name: (source, steps, modules it needs, what CUPTI's launches must show it exercised)
 PROGRAMS = {
     "cupy": (CUPY_PROG, 40, ("cupy",), None),
-    "torch": (TORCH_PROG, 30, ("torch",), None),
+    "torch": (TORCH_MLP, 30, ("torch",), None),
     "cudnn": (CUDNN_PROG, 4, ("torch",), None),
     "triton": (TRITON_PROG, 6, ("torch", "triton"), "triton_"),
     "cublaslt": (CUBLASLT_PROG, 10, ("torch",), None),

@@ -108,17 +108,23 @@ def stop(proc: subprocess.Popen, state: Path) -> None:
         proc.wait()
 
 
-def wait_for_step(progress: Path, step: int, proc: subprocess.Popen) -> None:
+def wait_for_step(progress: Path, step: int, proc: subprocess.Popen, log: Path | None = None) -> None:
+    """Until the job's progress file says ``step``; its stderr pipe, or its ``log`` file, tells why not."""
+    def said(n: int) -> str:
+        if log is not None:
+            return log.read_text(errors="replace")[-n:]
+        return proc.stderr.read()[-n:] if proc.stderr else ""
+
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()[-6000:] if proc.stderr else "the job ended"
+        assert proc.poll() is None, f"the job ended: {said(6000)}"
         try:
             if int(progress.read_text()) >= step:
                 return
         except (OSError, ValueError):
             pass
         time.sleep(0.05)
-    raise AssertionError(f"the job did not reach step {step}")
+    raise AssertionError(f"the job did not reach step {step}" + (f": {said(3000)}" if log is not None else ""))
 
 
 @pytest.fixture(scope="module")
@@ -271,19 +277,6 @@ def wait_vanished(pids: list[int], timeout: float, also: Path | None = None) -> 
         time.sleep(0.1)
 
 
-def wait_for_step_file(progress: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the job ended: {log.read_text(errors='replace')[-6000:]}"
-        try:
-            if int(progress.read_text()) >= step:
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"the job did not reach step {step}: {log.read_text(errors='replace')[-3000:]}")
-
-
 def figure(**fields) -> None:  # noqa: ANN003
     print(json.dumps({"test": "job_criu", **fields}))
     if FIGURES:
@@ -350,7 +343,7 @@ def test_a_job_dumped_whole_with_criu_and_restored_ends_bit_identical(tmp_path, 
                                     stderr=subprocess.STDOUT, start_new_session=True)
         pid = proc.pid
         try:
-            wait_for_step_file(progress, STEPS // 3, proc, log)
+            wait_for_step(progress, STEPS // 3, proc, log)
             tree = procs.descendants(pid)
             t = time.monotonic()
             done, records = cli("ckpt", "--job", str(pid), "--image", str(image), "--timeout", "5000", state_dir=state)
@@ -584,7 +577,7 @@ def test_a_job_dump_killed_at_a_random_moment_leaves_the_job_or_its_image(tmp_pa
                                     stderr=subprocess.STDOUT, start_new_session=True)
         pid = proc.pid
         try:
-            wait_for_step_file(progress, STEPS // 3, proc, log)
+            wait_for_step(progress, STEPS // 3, proc, log)
             tree = procs.descendants(pid)
             tool = subprocess.Popen([sys.executable, "-m", "gpuos_tools.commands.ckpt", "--job", str(pid), "--image",
                                      str(image), "--timeout", "5000"], cwd=ROOT, stdout=subprocess.DEVNULL,

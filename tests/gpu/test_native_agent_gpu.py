@@ -5,7 +5,6 @@ stop-the-world reference taken at the same operation, as on the Python path."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gpu_jobs import TORCH_MLP
 
 from gpuos_tools.stream import open_input
 
@@ -21,22 +21,6 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOAD = ROOT / "workloads" / "train_steps.py"
-
-PROGRAM = """
-import hashlib, sys, torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
-opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-x = torch.randn(128, 256, device="cuda"); y = torch.randint(0, 10, (128,), device="cuda")
-for _ in range(int(sys.argv[1])):
-    opt.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-h = hashlib.sha256()
-for p in model.parameters():
-    h.update(p.detach().float().cpu().numpy().tobytes())
-print(h.hexdigest())
-"""
 
 
 def records(path: Path) -> list[dict]:
@@ -46,14 +30,14 @@ def records(path: Path) -> list[dict]:
 
 def test_a_training_loop_under_gpu_ckpt_run_uses_the_native_core_and_ends_bit_identical(tmp_path):
     prog = tmp_path / "train.py"
-    prog.write_text(PROGRAM)
+    prog.write_text(TORCH_MLP)
     plain = subprocess.run([sys.executable, str(prog), "50"], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr
     trace = tmp_path / "t.ndjson"
     run = subprocess.run([sys.executable, str(ROOT / "cmd" / "gpu-ckpt"), "run", "--no-images", "-o", str(trace),
                           "--", sys.executable, str(prog), "50"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == plain.stdout.strip()  # the same weights, bit for bit
+    assert json.loads(run.stdout)["digest"] == json.loads(plain.stdout)["digest"]  # the same weights, bit for bit
     recs = records(trace)
     assert recs[0]["backend"] == "native-agent", recs[0]
     launches = [r for r in recs if r["type"] == "launch"]

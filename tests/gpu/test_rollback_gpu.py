@@ -9,13 +9,13 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from gpu_jobs import kill_group
 
 pytestmark = pytest.mark.gpu
 
@@ -119,10 +119,7 @@ def test_rollback_then_continue_equals_an_uninterrupted_run(tmp_path):
         got = json.loads(out.splitlines()[-1])["digest"]
         assert got == want, "the rolled-back job did not end where the uninterrupted one did"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)
 
 
 def twin_digest(tmp_path: Path) -> str:
@@ -173,10 +170,7 @@ def test_lazy_rollback_then_continue_equals_an_uninterrupted_run(tmp_path, owned
         got = json.loads(out.splitlines()[-1])["digest"]
         assert got == want, "the lazily rolled-back job did not end where the uninterrupted one did"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)
 
 
 def test_lazy_rollback_refuses_snapshots_until_written_back_and_then_holds_the_image(tmp_path):
@@ -217,7 +211,4 @@ def test_lazy_rollback_refuses_snapshots_until_written_back_and_then_holds_the_i
         proc.communicate(timeout=300)
         assert proc.returncode == 0
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)
