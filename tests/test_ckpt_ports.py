@@ -146,10 +146,16 @@ def test_the_wait_ends_when_time_wait_goes_and_is_said_once() -> None:
     lst = {"family": "ipv4", "address": "192.0.2.2", "port": 50327}
     tables = iter([[sock("192.0.2.2", 50327)]] * 8 + [[sock("10.0.0.1", 50327)]])
     said: list[str] = []
+    seen: list[float | None] = []
     waited = ports.wait_for_ports([lst], 90, said.append, read=lambda: next(tables), clock=clock,
-                                  sleep=clock.sleep)
+                                  sleep=clock.sleep, waiting=seen.append)
     assert waited == pytest.approx(8 * ports.POLL_S)
-    assert len(said) == 1 and "port 50327" in said[0] and "about 42 s" in said[0] and "at most 90 s" in said[0]
+    assert len(said) == 1 and "\n" not in said[0]  # one line, when the wait starts
+    assert said[0].startswith("waiting up to 90 s for port 50327, held in TIME_WAIT by a closed connection "
+                              "(192.0.2.2:50327 -> 192.0.2.9:40000 TIME_WAIT)")
+    assert "free in about 42 s" in said[0] and "a restore started 60 s or more after the dump does not wait" in said[0]
+    # the seconds so far at each look, then None: the wait is over
+    assert seen[:-1] == pytest.approx([i * ports.POLL_S for i in range(8)]) and seen[-1] is None
 
 
 def test_no_wait_no_message_when_nothing_holds_the_ports_and_none_for_no_listeners() -> None:
@@ -175,6 +181,48 @@ def test_the_wait_is_bounded() -> None:
         ports.wait_for_ports([{"family": "ipv4", "address": "127.0.0.1", "port": 8080}], 5, None,
                              read=lambda: [sock("127.0.0.1", 8080)], clock=clock, sleep=clock.sleep)
     assert e.value.code == ExitCode.WRONG_STATE and clock.now == pytest.approx(105.0)
+
+
+def test_a_wait_that_gives_up_still_ends_its_display_and_two_connections_are_counted() -> None:
+    clock = Clock()
+    said: list[str] = []
+    seen: list[float | None] = []
+    with pytest.raises(GpuosError):
+        ports.wait_for_ports([{"family": "ipv4", "address": "0.0.0.0", "port": 8080}], 2, said.append,
+                             read=lambda: [sock("127.0.0.1", 8080), sock("127.0.0.2", 8080, "FIN_WAIT2")],
+                             clock=clock, sleep=clock.sleep, waiting=seen.append)
+    assert seen[-1] is None and all(x is not None for x in seen[:-1]) and len(seen) > 2
+    assert len(said) == 1 and said[0].startswith("waiting up to 2 s for port 8080, held in FIN_WAIT2/TIME_WAIT by "
+                                                 "2 closed connections")
+
+
+def test_gpu_restore_counts_the_wait_on_a_terminal_only(monkeypatch, capsys) -> None:
+    """gpu-restore's display of the wait: on a terminal a line counting the seconds, removed when the
+    wait ends; otherwise nothing beyond the one line ``warn`` printed."""
+    import io
+
+    from rich.console import Console
+
+    from gpuos_tools.commands import restore
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    quiet = restore.PortWait()
+    quiet(0.0)
+    quiet(3.0)
+    quiet(None)
+    assert capsys.readouterr().err == ""
+
+    screen = io.StringIO()
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    monkeypatch.setattr(restore, "stderr_console",
+                        lambda: Console(file=screen, force_terminal=True, width=100, no_color=True))
+    shown = restore.PortWait()
+    shown(0.0)
+    shown(12.4)
+    assert shown._status is not None
+    shown(None)
+    assert shown._status is None
+    assert "gpu-restore: waiting for the ports:" in screen.getvalue()
 
 
 def test_the_manifest_field_is_checked_and_an_older_image_is_not_waited_for(tmp_path: Path) -> None:

@@ -212,8 +212,9 @@ def image_agent(image_dir: Path) -> dict[str, Any]:
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
             criu_args: list[str] | None = None, lazy: bool = False, port_wait_s: float = ports.WAIT_S,
-            warn: Callable[[str], None] | None = None, output_to: str | None = None) -> Record:
-    """`gpu-restore --image DIR`: criu.restore (``port_wait_s``, ``warn`` and ``output_to`` as there), then, when
+            warn: Callable[[str], None] | None = None, output_to: str | None = None,
+            waiting: Callable[[float | None], None] | None = None) -> Record:
+    """`gpu-restore --image DIR`: criu.restore (``port_wait_s``, ``warn``, ``waiting`` and ``output_to`` as there), then, when
     the dump suspended the program's agent, the agent's resume (``lazy``: at once, the buffers
     loading behind the program)."""
     meta = registry.read_json(Path(image_dir) / criu.METADATA)
@@ -261,7 +262,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         hooks.after = after
     try:
         return criu.restore(ckpt, image_dir, device, device_map, criu_args, hooks, port_wait_s=port_wait_s, warn=warn,
-                            output_to=output_to)
+                            output_to=output_to, waiting=waiting)
     finally:
         if null >= 0:
             os.close(null)

@@ -402,26 +402,29 @@ def checked_meta(ckpt: Checkpointer, image_dir: Path, meta: dict[str, Any]) -> d
 
 
 def wait_for_listeners(ckpt: Checkpointer, pid: int, meta: dict[str, Any], wait_s: float,
-                       warn: Callable[[str], None] | None) -> float | None:
+                       warn: Callable[[str], None] | None,
+                       waiting: Callable[[float | None], None] | None = None) -> float | None:
     """Before CRIU restores the image: wait, at most ``wait_s`` seconds, until no closing connection
     holds a port of the listening sockets its manifest records (CRIU's bind of one without
     SO_REUSEADDR fails on it); the seconds waited, None for an image that records none. A port a
-    live socket holds, or one still held after ``wait_s``, is refused: nothing touched."""
+    live socket holds, or one still held after ``wait_s``, is refused: nothing touched. ``warn`` and
+    ``waiting`` hear of the wait as ``ports.wait_for_ports`` says."""
     wanted = meta.get("listeners")
     if wanted is None:
         return None
     try:
-        return ports.wait_for_ports(wanted, wait_s, warn)
+        return ports.wait_for_ports(wanted, wait_s, warn, waiting=waiting)
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
 
 
 def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, device_map: str | None = None,
             criu_args: list[str] | None = None, hooks: Hooks | None = None, port_wait_s: float = ports.WAIT_S,
-            warn: Callable[[str], None] | None = None, output_to: str | None = None) -> Record:
+            warn: Callable[[str], None] | None = None, output_to: str | None = None,
+            waiting: Callable[[float | None], None] | None = None) -> Record:
     """``criu restore`` of the image in ``image_dir``, then GPU restore (onto ``device``) and unlock.
     First, up to ``port_wait_s`` seconds for the ports of its listeners (``wait_for_listeners``;
-    ``warn`` says once that it waits); ``hooks`` add to the command line, the guard and the end.
+    ``warn`` says once that it waits, ``waiting`` hears how long so far); ``hooks`` add to the command line, the guard and the end.
     Pipes whose other end was outside the image get what ``outside.plan`` gives them (``output_to``:
     the file their output goes to), said through ``warn`` and in the result's ``outside``."""
     criu = usable_criu(ckpt, "restore", None)
@@ -440,7 +443,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         _ = ckpt.api  # the driver must be there before CRIU brings the process back
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
-    waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn)
+    waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn, waiting)
     plan = outside_plan(ckpt, pid, image_dir, meta, output_to, warn)
     try:
         return _restore(ckpt, criu, image_dir, meta, pid, device, device_map, criu_args, hooks or Hooks(), waited,

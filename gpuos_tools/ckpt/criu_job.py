@@ -287,11 +287,12 @@ def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs
 def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = None,
                 criu_args: list[str] | None = None, is_cuda: Callable[[int], bool] | None = None,
                 port_wait_s: float = ports.WAIT_S, warn: Callable[[str], None] | None = None,
-                output_to: str | None = None) -> Record:
+                output_to: str | None = None, waiting: Callable[[float | None], None] | None = None) -> Record:
     """``criu restore`` of a job's image, then every rank's GPU state back (moved by
     ``device_map`` if given, every rank the same way) before any rank is unlocked. Refuses,
     touching nothing, an image whose processes' ids are taken. Before CRIU runs, waits up to
-    ``port_wait_s`` seconds for the ports of the job's listeners (``criu.wait_for_listeners``).
+    ``port_wait_s`` seconds for the ports of the job's listeners (``criu.wait_for_listeners``: ``warn``
+    and ``waiting`` hear of it).
     The tree's pipes to processes outside it are handled as ``criu.restore`` does (``output_to``)."""
     criu_args = list(criu_args or [])
     criu = usable_criu(ckpt, "restore", None)
@@ -317,7 +318,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
         _ = ckpt.api  # the driver must be there before CRIU brings the job back
     except GpuosError as e:
         raise ckpt.fail("restore", pid, f"{e}; nothing was touched", e.code, None, False) from None
-    waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn)
+    waited = wait_for_listeners(ckpt, pid, meta, port_wait_s, warn, waiting)
     plan = outside_plan(ckpt, pid, image_dir, meta, output_to, warn)
     pidfile = image_dir / RESTORED_PID
     pidfile.unlink(missing_ok=True)

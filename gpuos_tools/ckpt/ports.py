@@ -241,36 +241,51 @@ def live_message(live: list[tuple[dict[str, Any], TcpSocket]]) -> str:
 def wait_for_ports(wanted: list[dict[str, Any]], bound_s: float, warn: Callable[[str], None] | None = None,
                    read: Callable[[], list[TcpSocket]] = read_sockets,
                    clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], None] = time.sleep) -> float:
+                   sleep: Callable[[float], None] = time.sleep,
+                   waiting: Callable[[float | None], None] | None = None) -> float:
     """Wait until no socket of this network namespace holds a port the listeners ``wanted`` must
     bind, at most ``bound_s`` seconds; the seconds waited. While only closing sockets hold them it
-    waits, saying so once through ``warn`` (the ports and the expected wait); raises WRONG_STATE
-    when a live socket holds one, or when the closing ones are still there after ``bound_s``."""
+    waits, saying so once through ``warn`` (``wait_message``) and telling ``waiting`` the seconds
+    waited at each look (None once the wait is over, however it ended); raises WRONG_STATE when a
+    live socket holds one, or when the closing ones are still there after ``bound_s``."""
     if not wanted:
         return 0.0
     start = clock()
-    waiting = False
-    while True:
-        found = blocking(wanted, read())
-        if found.live:
-            raise GpuosError("a port the image's listening sockets must bind again is taken: "
-                             + live_message(found.live), ExitCode.WRONG_STATE)
-        if not found.closing:
-            return round(clock() - start, 3) if waiting else 0.0
-        waited = clock() - start
-        if waited >= bound_s:
-            raise GpuosError(
-                f"port {_ports(found.closing)} is still held after {waited:.0f} s by closing connections "
-                f"({', '.join(s.describe() for _, s in found.closing[:3])}), which the image's listening "
-                f"sockets must bind again; they go on their own within {TIME_WAIT_S:.0f} s of closing: try "
-                "again later, or allow a longer wait (--timeout)", ExitCode.WRONG_STATE)
-        if not waiting and warn is not None:
-            left = max((s.timer_s for _, s in found.closing if s.timer_s is not None), default=TIME_WAIT_S)
-            n = len(found.closing)
-            states = "/".join(sorted({s.state for _, s in found.closing}))
-            warn(f"port {_ports(found.closing)}, which the image's listening sockets must bind again, is held by "
-                 f"{n} closed connection{'s' if n != 1 else ''} in {states} (the kernel keeps a closed connection "
-                 f"in TIME_WAIT for {TIME_WAIT_S:.0f} s): waiting about {min(left, bound_s):.0f} s (at most "
-                 f"{bound_s:.0f} s) before CRIU restores")
-        waiting = True
-        sleep(min(POLL_S, max(0.0, bound_s - waited)))
+    waited_once = False
+    try:
+        while True:
+            found = blocking(wanted, read())
+            if found.live:
+                raise GpuosError("a port the image's listening sockets must bind again is taken: "
+                                 + live_message(found.live), ExitCode.WRONG_STATE)
+            if not found.closing:
+                return round(clock() - start, 3) if waited_once else 0.0
+            waited = clock() - start
+            if waited >= bound_s:
+                raise GpuosError(
+                    f"port {_ports(found.closing)} is still held after {waited:.0f} s by closing connections "
+                    f"({', '.join(s.describe() for _, s in found.closing[:3])}), which the image's listening "
+                    f"sockets must bind again; they go on their own within {TIME_WAIT_S:.0f} s of closing: try "
+                    "again later, or allow a longer wait (--timeout)", ExitCode.WRONG_STATE)
+            if not waited_once and warn is not None:
+                warn(wait_message(found.closing, bound_s))
+            waited_once = True
+            if waiting is not None:
+                waiting(waited)
+            sleep(min(POLL_S, max(0.0, bound_s - waited)))
+    finally:
+        if waited_once and waiting is not None:
+            waiting(None)
+
+
+def wait_message(closing: list[tuple[dict[str, Any], TcpSocket]], bound_s: float) -> str:
+    """What a restore says once when it starts waiting for ports that closing connections hold."""
+    left = max((s.timer_s for _, s in closing if s.timer_s is not None), default=TIME_WAIT_S)
+    n = len(closing)
+    states = "/".join(sorted({s.state for _, s in closing}))
+    shown = ", ".join(s.describe() for _, s in closing[:2]) + (", ..." if n > 2 else "")
+    return (f"waiting up to {bound_s:.0f} s for port {_ports(closing)}, held in {states} by "
+            f"{'a closed connection' if n == 1 else f'{n} closed connections'} ({shown}): the image's listening "
+            f"sockets must bind it again before CRIU restores, and the kernel keeps a closed connection "
+            f"{TIME_WAIT_S:.0f} s, so it is free in about {min(left, bound_s):.0f} s (a restore started "
+            f"{TIME_WAIT_S:.0f} s or more after the dump does not wait)")

@@ -219,13 +219,13 @@ def restore(
         result = run_recorded("-" if output is None else output, PROG, ckpt,
                               lambda: criu_job.restore_job(ckpt, image, device_map, criu_arg or [],
                                                            port_wait_s=port_wait_s, warn=lambda m: warn(PROG, m),
-                                                           output_to=to),
+                                                           output_to=to, waiting=PortWait()),
                               action="restore", image=str(image))
     elif image is not None:
         result = run_recorded("-" if output is None else output, PROG, ckpt,
                               lambda: agent_criu.restore(ckpt, image, device, device_map, criu_arg or [], lazy=lazy,
                                                          port_wait_s=port_wait_s, output_to=to,
-                                                         warn=lambda m: warn(PROG, m)),
+                                                         warn=lambda m: warn(PROG, m), waiting=PortWait()),
                               action="restore", image=str(image))
     else:
         assert pid is not None
@@ -235,7 +235,33 @@ def restore(
         text = result["message"]
         if result.get("restore_s") is not None:
             text += f" (restore {result['restore_s']:.2f} s)"
+        if result.get("port_wait_s"):
+            text += f"; first waited {result['port_wait_s']:.1f} s for the ports of its listening sockets"
         stderr_console().print(f"{PROG}: {text}", highlight=False)
+
+
+class PortWait:
+    """While a CRIU restore waits for ports that closed connections hold (``ports.wait_for_ports``
+    said why, once, on stderr): on a terminal, a line below that counts the seconds, gone when the
+    wait ends; elsewhere nothing more (that one line is the message)."""
+
+    def __init__(self) -> None:
+        self._status: Any = None
+
+    def __call__(self, waited: float | None) -> None:
+        if waited is None:
+            if self._status is not None:
+                self._status.stop()
+                self._status = None
+            return
+        if not sys.stderr.isatty():
+            return
+        text = f"{PROG}: waiting for the ports: {waited:.0f} s"
+        if self._status is None:
+            self._status = stderr_console().status(text)
+            self._status.start()
+        else:
+            self._status.update(text)
 
 
 def _resume(agent: str, output: Optional[str], timeout: float, lazy: bool = False) -> None:

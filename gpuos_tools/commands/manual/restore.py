@@ -75,8 +75,11 @@ if the unlock fails after a restore, it is left locked and `gpu-restore --pid PI
 `gpu-ckpt --image`, then restores the GPU state and unlocks. CRIU restores the process under
 its old PID, which must be free. Before CRIU runs, it waits for closed connections in TIME_WAIT
 (the process's own, kept 60 s by the kernel) to free the ports of the listening sockets the image
-records, since CRIU's bind of a listener without SO_REUSEADDR fails on them: said once on
-stderr, at most `--timeout` seconds (default 90), the wait reported as `port_wait_s`. A port a
+records, since CRIU's bind of a listener without SO_REUSEADDR fails on them: said in one line on
+stderr when the wait starts (on a terminal a second line counts the seconds), at most `--timeout`
+seconds (default 90), the wait reported as `port_wait_s`. Such a connection goes 60 s after it
+closed, at the latest when the dump ended the process: a restore started 60 s or more after the
+dump does not wait. A port a
 live process holds is refused, nothing touched. When the dump had the program's agent suspend it (a program
 under the agent on interception, see gpu-ckpt(1)), the restored agent is then asked to resume it
 (an agent_resume record); with `--lazy` the program goes on at once and its buffers load behind
