@@ -348,7 +348,8 @@ def _json_record(rec: dict[str, Any]) -> dict[str, Any]:
     answer after the record says the daemon refused it (bad_value)."""
     x = rec.get("x")
     if isinstance(x, list) and any(isinstance(v, float) and not math.isfinite(v) for v in x):
-        return {**rec, "x": [_json_number(v) if isinstance(v, float) else v for v in x]}
+        # the same class: a record of another tool's type stays one passed through (stream.records.Passed)
+        return type(rec)({**rec, "x": [_json_number(v) if isinstance(v, float) else v for v in x]})
     return rec
 
 
