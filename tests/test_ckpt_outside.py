@@ -168,11 +168,45 @@ def test_a_default_file_that_is_a_symlink_is_refused_and_nothing_stays_open(tmp_
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_old_images_and_fifos_get_no_inherited_descriptor(tmp_path: Path) -> None:
+def test_old_images_get_no_inherited_descriptor(tmp_path: Path) -> None:
     assert outside.plan(tmp_path / "image", {"pid": 1}).criu_args == []
-    plan = outside.plan(tmp_path / "image", meta_for([{"pipe": "/tmp/f", "kind": "fifo", "end": "write",
-                                                      "fds": [{"pid": 5, "fd": 1}]}]))
-    assert plan.criu_args == [] and plan.done == [] and "FIFO /tmp/f" in plan.notes[0]
+
+
+def test_a_fifo_gets_its_live_other_end_or_a_file_or_dev_null_under_crius_name(tmp_path: Path) -> None:
+    """A FIFO is handed over as a pipe is, under the name CRIU gives a file: its path without the
+    leading slash. Its reader alive: the same FIFO; gone: the file; a read end whose writer is gone:
+    /dev/null."""
+    out_fifo, in_fifo = tmp_path / "out.fifo", tmp_path / "in.fifo"
+    os.mkfifo(out_fifo)
+    os.mkfifo(in_fifo)
+    entries = [{"pipe": str(out_fifo), "kind": "fifo", "end": "write", "fds": [{"pid": 5, "fd": 1}]},
+               {"pipe": str(in_fifo), "kind": "fifo", "end": "read", "fds": [{"pid": 5, "fd": 0}]}]
+    end = os.open(out_fifo, os.O_RDONLY | os.O_NONBLOCK)
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=end)
+    os.close(end)  # the child holds the read end, this test none
+    try:
+        plan = outside.plan(tmp_path / "image", meta_for(entries))
+        try:
+            done = {e["end"]: e for e in plan.done}
+            assert done["write"]["how"] == "reconnected" and done["write"]["to"].startswith(f"/proc/{reader.pid}/fd/")
+            assert done["read"]["how"] == "null" and done["read"]["to"] == os.devnull
+            assert plan.criu_args[1] == f"fd[{plan.pass_fds[0]}]:{str(out_fifo).lstrip('/')}"
+            assert plan.criu_args[3] == f"fd[{plan.pass_fds[1]}]:{str(in_fifo).lstrip('/')}"
+            assert os.stat(f"/proc/self/fd/{plan.pass_fds[0]}").st_ino == os.stat(out_fifo).st_ino
+            assert os.get_blocking(plan.pass_fds[0])
+            assert any(f"the FIFO {in_fifo}" in n and "/dev/null" in n for n in plan.notes)
+        finally:
+            plan.close()
+    finally:
+        reader.kill()
+        reader.wait()
+    plan = outside.plan(tmp_path / "image", meta_for(entries))  # its reader gone: the file beside the image
+    try:
+        log = tmp_path / "image.restored-5-fd1.log"
+        assert {e["end"]: e["how"] for e in plan.done} == {"write": "file", "read": "null"}
+        assert log.exists() and any(f"wrote to the FIFO {out_fifo}; its reader is gone" in n for n in plan.notes)
+    finally:
+        plan.close()
 
 
 def test_the_manifest_schema_checks_the_field() -> None:

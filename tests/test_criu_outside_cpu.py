@@ -153,3 +153,46 @@ def test_a_reader_still_alive_keeps_reading_the_restored_program(tmp_path: Path,
     finally:
         os.close(r)
         kill(p.pid)
+
+
+def test_a_program_writing_to_a_fifo_whose_reader_is_gone_goes_on_into_a_file(
+        tmp_path: Path, criu_env, monkeypatch) -> None:
+    """`prog > FIFO` with `cat FIFO` outside: the dump ends the writer, so cat reads end-of-file and
+    ends too. The restore hands the FIFO's write end a file beside the image, as for a pipe, and the
+    numbers count on across the reader's output and the file."""
+    monkeypatch.setenv("GPUOS_CKPT_STATE_DIR", str(tmp_path / "state"))
+    d = tmp_path / "job"
+    d.mkdir()
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    with open(tmp_path / "cat.out", "wb") as sink:
+        reader = subprocess.Popen(["cat", str(fifo)], stdin=subprocess.DEVNULL, stdout=sink)
+    with open(fifo, "wb", buffering=0) as w:  # opened once the reader is there
+        p = subprocess.Popen([sys.executable, "-c", PRINTER], stdin=subprocess.DEVNULL, stdout=w,
+                             stderr=subprocess.DEVNULL, env={**criu_env, "JOB_DIR": str(d)}, cwd=d)
+    image = tmp_path / "image"
+    try:
+        deadline = time.monotonic() + 30
+        while not (d / "progress").exists() or not (d / "progress").read_bytes():
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.01)
+        criu.dump(Fake(), p.pid, image)
+        assert p.wait(timeout=30) == -signal.SIGKILL
+        assert reader.wait(timeout=30) == 0  # end-of-file: its only writer is gone
+        meta = json.loads((image / criu.METADATA).read_text())
+        assert [(e["kind"], e["pipe"], e["end"]) for e in meta[outside.KEY]] == [("fifo", str(fifo), "write")]
+        gone(p.pid)
+        said: list[str] = []
+        back = criu.restore(Fake(), image, warn=said.append)
+        assert back["pid"] == p.pid and goes_on(d, p.pid)
+        log = tmp_path / f"image.restored-{p.pid}-fd1.log"
+        assert [(e["kind"], e["how"], e["to"]) for e in back["outside"]] == [("fifo", "file", str(log))]
+        assert len(said) == 1 and f"the FIFO {fifo}" in said[0] and str(log) in said[0]
+        kill(p.pid)
+        gone(p.pid)
+        got = numbers((tmp_path / "cat.out").read_bytes()) + numbers(log.read_bytes())
+        assert got[:1] == [1] and got == list(range(1, len(got) + 1)), got[-20:]
+    finally:
+        reader.kill()
+        reader.wait()
+        kill(p.pid)

@@ -13,8 +13,13 @@ CRIU's ``--inherit-fd fd[N]:pipe:[INODE]`` (``Plan``):
 - otherwise a write end appends to a file: by default ``DIR.restored-PID-fdN.log`` beside the
   image, or the file the user names (``/dev/null`` allowed); a read end reads ``/dev/null``.
 
-FIFOs (named pipes) with one end outside are recorded as well; CRIU reopens them by path and
-they are not replaced (the restore says so). Sockets are not scanned: CRIU refuses a single
+FIFOs (named pipes) with one end outside get the same: a dump ends the writer, so a reader such
+as ``cat FIFO`` reads end-of-file and is gone by the restore, and CRIU, reopening the FIFO by its
+path, would leave the restored writer with no reader (SIGPIPE at its next write) or block-free
+reads of nothing. A FIFO's other end found alive is reopened (through /proc, wherever the path
+now leads); otherwise a write end appends to the file, a read end reads /dev/null, handed over
+with ``--inherit-fd`` under the FIFO's path as CRIU names it (relative to the root). Sockets are
+not scanned: CRIU refuses a single
 process's established TCP connection, and a job's connections to peers outside its tree (or a
 connected Unix socket's) are restored without their peer.
 """
@@ -52,8 +57,14 @@ DONE = List(Obj((*_ENTRY, Field("how", Str(("reconnected", "file", "null")), req
 
 def inherit_args(fd: int, target: str) -> list[str]:
     """CRIU's options that give the restored tree our descriptor ``fd`` wherever it held ``target``
-    (``pipe:[INODE]``)."""
+    (``pipe:[INODE]``, or a FIFO's path as CRIU names a file: relative to the root)."""
     return ["--inherit-fd", f"fd[{fd}]:{target}"]
+
+
+def criu_name(entry: dict[str, Any]) -> str:
+    """What CRIU's --inherit-fd calls the recorded pipe or FIFO: ``pipe:[INODE]``, or the FIFO's path
+    without its leading slash."""
+    return entry["pipe"] if entry.get("kind") == "pipe" else entry["pipe"].lstrip("/")
 
 
 def _access(pid: int, fd: str) -> int | None:
@@ -176,12 +187,15 @@ def _open_output(path: Path, chosen: bool, created: list[Path]) -> int:
 
 
 def _reopen(path: str, end: str) -> int:
-    """Our descriptor of the pipe another process holds at ``path`` (/proc/PID/fd/N), the end the
-    tree held; -1 when it cannot be opened (gone meanwhile, another user's)."""
+    """Our descriptor of the pipe or FIFO another process holds at ``path`` (/proc/PID/fd/N), the end
+    the tree held; -1 when it cannot be opened (gone meanwhile, another user's). Opened without
+    waiting: a FIFO's write end whose reader went meanwhile fails (ENXIO) instead of blocking."""
     try:
-        return os.open(path, (os.O_WRONLY if end == "write" else os.O_RDONLY) | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_WRONLY if end == "write" else os.O_RDONLY) | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return -1
+    os.set_blocking(fd, True)  # the restored program's descriptor blocks, as its own did
+    return fd
 
 
 def plan(image_dir: Path, meta: dict[str, Any], output_to: str | None = None, same_boot: bool = True) -> Plan:
@@ -194,10 +208,8 @@ def plan(image_dir: Path, meta: dict[str, Any], output_to: str | None = None, sa
     try:
         for e in entries:
             where = ", ".join(f"PID {d['pid']} fd {d['fd']}" for d in e["fds"])
-            if e.get("kind") != "pipe":
-                p.notes.append(f"{where}: the FIFO {e['pipe']} had its other end outside the image; CRIU reopens it "
-                               "by its path, not replaced")
-                continue
+            fifo = e.get("kind") == "fifo"
+            what = f"the FIFO {e['pipe']}" if fifo else "a pipe"
             reader = "reader" if e["end"] == "write" else "writer"
             alive = other_end(e["pipe"], e["end"]) if same_boot and not (output_to and e["end"] == "write") else None
             fd = _reopen(alive, e["end"]) if alive is not None else -1
@@ -205,19 +217,19 @@ def plan(image_dir: Path, meta: dict[str, Any], output_to: str | None = None, sa
                    else f"its {reader} is gone")
             if fd >= 0:
                 how, to = "reconnected", str(alive)
-                note = f"its {reader} ({to}) is still there: the restored program uses the same pipe"
+                note = f"its {reader} ({to}) is still there: the restored program uses the same {'FIFO' if fifo else 'pipe'}"
             elif e["end"] == "read":
                 fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
                 how, to = "null", os.devnull
-                note = f"read from a pipe; {why}: it now reads {to}"
+                note = f"read from {what}; {why}: it now reads {to}"
             else:
                 target = Path(output_to) if output_to else default_file(image_dir, e)
                 fd = _open_output(target, output_to is not None, p.created)
                 how, to = "file", str(target)
-                note = (f"wrote to a pipe; its output now goes to {to}, as --output-to asked" if output_to else
-                        f"wrote to a pipe; {why}: its output is now appended to {to}")
+                note = (f"wrote to {what}; its output now goes to {to}, as --output-to asked" if output_to else
+                        f"wrote to {what}; {why}: its output is now appended to {to}")
             fds.append(fd)
-            p.criu_args += inherit_args(fd, e["pipe"])
+            p.criu_args += inherit_args(fd, criu_name(e))
             p.done.append({**e, "to": to, "how": how})
             p.notes.append(f"{where}: {note}")
     except OSError:

@@ -95,8 +95,10 @@ same pipe while a process still holds its other end (so that reader reads on); e
 program's output, a file appended to beside the image, `DIR.restored-PID-fdN.log`, and for its
 input, /dev/null. `--output-to FILE` sends every such output to FILE instead, even where the
 reader is alive (`/dev/null` discards it). Each choice is said on stderr and listed in the
-record's `outside` (pipe, end, fds, how, to). FIFOs are reopened by CRIU by their path, not
-replaced; sockets are not handled this way. Images written before this was recorded restore as
+record's `outside` (pipe, end, fds, how, to). A FIFO (named pipe) with its other end outside
+gets the same (`prog > FIFO` read by `cat FIFO`: the dump ended the writer, so cat read
+end-of-file and is gone, and the restored program's output goes to the file); sockets are not
+handled this way. Images written before this was recorded restore as
 before.
 
 `--profile FILE` resumes exactly the processes listed in the profile's state file by
