@@ -88,14 +88,21 @@ def test_the_programs_windows_are_its_allocations_and_the_mappings_around_them()
         (0x7F3000010000, 512),  # in a library's mapping (not the driver's room): 2 MiB around it
         (0x7F4000300000, 3 * MiB),  # in nothing: rounded out to 2 MiB
     ]
-    assert program_windows(allocs, maps) == [
+    assert program_windows(allocs, maps, room=(0, 0)) == [
         [0x7F0000000000, 0x40200000],
         [0x7F0100000000, 2 * MiB],
         [0x7F3000000000, 2 * MiB],
         [0x7F4000200000, 4 * MiB],
     ]
     assert program_windows([], maps) == []
-    assert program_windows(allocs[:1]) == [[0x7F0000000000, 2 * MiB]]
+    assert program_windows(allocs[:1], room=(0, 0)) == [[0x7F0000000000, 2 * MiB]]
+    # by default, room around them all: below the lowest allocation (the driver's heap grows down
+    # as mmap does) and above the highest
+    lo, hi = 0x7F0000000000 - vaspace.ROOM_BELOW, 0x7F4000600000 + vaspace.ROOM_ABOVE
+    assert program_windows(allocs, maps) == [[lo, hi - lo]]
+    # allocations scattered too far apart for room: their own windows only
+    far = [(0x100000000000, 4096), (0x7F0000000000, 4096)]
+    assert program_windows(far) == [[0x100000000000, 2 * MiB], [0x7F0000000000, 2 * MiB]]
 
 
 ENTRY = r"""

@@ -11,8 +11,9 @@ memory behind them, backed by a named memfd so that they are told apart from any
 lifted just before the driver is asked for that range and put back where the driver gave it back.
 
 The program's side (offload.py) says which windows to hold: each live allocation rounded out to
-2 MiB, and the whole mapping of its own address space around it (where its driver reserved room
-for the allocations still to come).
+2 MiB, the whole mapping of its own address space around it, and room around them all (where its
+driver will place the allocations still to come); placeholders cost no memory, only addresses, of
+which there are 128 TiB.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ PAGE = mmap.PAGESIZE
 WINDOW_ALIGN = 2 << 20
 #: a mapping of the program's larger than this is not held whole (only its allocations are)
 MAX_WINDOW = 64 << 30
+#: the room held around the program's allocations (where its driver will place the next ones:
+#: drivers grow their heap downwards from the first allocations, as mmap does), below and above
+ROOM_BELOW = 64 << 30
+ROOM_ABOVE = 4 << 30
+#: no room is held when it would be larger than this (allocations scattered over the address space)
+MAX_ROOM = 1 << 40
 #: the memfd name the placeholders carry in /proc/self/maps
 CLAIM_NAME = "gpuos-validator-claim"
 
@@ -88,13 +95,21 @@ def _windowable(m: Mapping) -> bool:
     return (not m.path or m.path.startswith("/dev/nvidia") or m.path.startswith("[anon")) and m.end - m.start <= MAX_WINDOW
 
 
-def program_windows(allocs: Iterable[tuple[int, int]], maps: list[Mapping] | None = None) -> list[list[int]]:
+def program_windows(allocs: Iterable[tuple[int, int]], maps: list[Mapping] | None = None,
+                    room: tuple[int, int] = (ROOM_BELOW, ROOM_ABOVE)) -> list[list[int]]:
     """[addr, size] of the windows a validator should hold for a program whose live allocations
-    are ``allocs`` ((addr, size) pairs), given the program's own ``maps``."""
+    are ``allocs`` ((addr, size) pairs), given the program's own ``maps``: each allocation rounded
+    out to 2 MiB, the program's mapping around it, and ``room`` (bytes below the lowest, above the
+    highest) around them all, where the program's later allocations are likely to land; the
+    validator holds only what is free in it, and its own mappings go elsewhere."""
     allocs = [(a, a + n) for a, n in allocs if n > 0]
     if not allocs:
         return []
     windows = [round_out(s, e, WINDOW_ALIGN) for s, e in allocs]
+    lo = max(PAGE, min(s for s, _ in windows) - room[0])
+    hi = max(e for _, e in windows) + room[1]
+    if hi - lo <= MAX_ROOM and room != (0, 0):
+        windows.append((lo, hi))
     if maps:
         starts = [m.start for m in maps]
         for s, _ in allocs:
