@@ -1,13 +1,18 @@
 """The program's side of out-of-process validation (`gpu-trace run --validate --validate-in validator`).
 
-At a sampled launch's API enter the program only copies: the bytes the range prediction names are
-copied device-to-host on a side stream of its own (ordered after the launch's stream by an event,
-like a snapshot) into a staging file in a private directory, registered as pinned memory when the
-driver takes it; the kernel's module image goes beside it once, named by its content hash. A
-request (the kernel's name, its parameter bytes, grid, block and shared memory, the staged
-regions) goes down a pipe to the validator process (gpuos_tools/agent/replay.py), which replays
-the launch in its own context while the program's launch runs. At the API exit the program waits
-for the verdict, at most ``timeout_s``.
+At a sampled launch's API enter the program only copies: the bytes the range prediction names
+inside live allocations are copied device-to-host, one allocation per copy, on a side stream of
+its own (ordered after the launch's stream by an event, like a snapshot) into a staging file in a
+private directory, registered as pinned memory when the driver takes it; the kernel's module image
+goes beside it once, named by its content hash. A request (the kernel's name, its parameter bytes,
+grid, block and shared memory, the staged regions, and the program's address windows that the
+validator must keep free: vaspace.py) goes down a pipe to the validator process
+(gpuos_tools/agent/replay.py), which replays the launch in its own context while the program's
+launch runs; a starting validator reads the windows from a file of the private directory before
+it loads the driver. At the API exit the program waits for the verdict, at most ``timeout_s``.
+
+In the program's process this allocates no device memory of its own: a stream and an event (once
+per context), the staging file's mapping registered as pinned host memory, and the child process.
 
 Nothing the validator does reaches the program: it is a child process on its own session; a
 validator that crashes, answers garbage or does not answer in time is killed and the launch is
