@@ -1,7 +1,7 @@
 """A fake GPU for the validator process's unit tests: a VMM address space in host memory.
 
-It implements gpuos_tools.agent.replay's Device: reservations (``taken`` addresses come back
-elsewhere, as a driver does with a hint it cannot honour), mappings, read-only protection (refused
+It implements gpuos_tools.agent.replay's Device: reservations (``taken`` addresses, and addresses
+the validator's FakeSpace holds, come back elsewhere, as a driver does with a hint it cannot honour), mappings, read-only protection (refused
 when ``read_only=False``, as a driver without it would), copies, and "kernels": Python functions
 of (device, parameter byte strings) that load and store through the mappings, so that an access
 outside them faults like an illegal address. Every call is counted so tests see leaks."""
@@ -17,12 +17,50 @@ class Fault(Exception):
     pass
 
 
+class FakeSpace:
+    """The validator's placeholders over the program's windows (vaspace.AddressClaims): what it
+    holds, as [start, end) ranges; ``others`` are addresses something else of the process holds."""
+
+    def __init__(self, others: tuple[tuple[int, int], ...] = ()):
+        self.held: list[tuple[int, int]] = []
+        self.others = list(others)
+        self.released: list[tuple[int, int]] = []
+
+    def claim(self, windows):
+        from gpuos_tools.agent.vaspace import free_gaps, merge
+
+        busy = [_Range(s, e) for s, e in self.others]
+        for addr, size in windows:
+            self.held = merge(self.held + free_gaps(addr, addr + size, busy))
+        return []
+
+    def release(self, addr, size):
+        self.released.append((addr, addr + size))
+        keep = []
+        for s, e in self.held:
+            keep += [(s, min(e, addr))] if s < addr else []
+            keep += [(max(s, addr + size), e)] if e > addr + size else []
+        self.held = [(s, e) for s, e in keep if s < e]
+
+    def holds(self, addr, size) -> bool:
+        return any(s < addr + size and addr < e for s, e in self.held + self.others)
+
+    def holder(self, addr, size):
+        return f"the validator holds {addr:#x}"
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
 class FakeDevice:
     def __init__(self, kernels: dict, granularity: int = 4096, taken: tuple[int, ...] = (),
-                 read_only: bool = True):
+                 read_only: bool = True, space: FakeSpace | None = None):
         self.kernels = kernels
         self.granularity = granularity
         self.taken = set(taken)
+        self.space = space  # a reservation over anything the space holds lands elsewhere, as under UVA
         self.read_only = read_only
         self.reserved: dict[int, int] = {}
         self.maps: dict[int, np.ndarray] = {}  # start -> bytes
@@ -33,7 +71,9 @@ class FakeDevice:
 
     # -- Device
     def reserve(self, addr: int, size: int) -> int:
-        got = addr if addr not in self.taken else addr + (1 << 40)
+        refused = addr in self.taken or (self.space is not None and self.space.holds(addr, size))
+        refused = refused or any(s < addr + size and addr < s + n for s, n in self.reserved.items())
+        got = addr if not refused else addr + (1 << 40)
         self.reserved[got] = size
         return got
 
@@ -41,7 +81,8 @@ class FakeDevice:
         assert self.reserved.pop(addr) == size
 
     def map(self, addr: int, size: int) -> None:
-        assert self.reserved.get(addr) == size
+        assert any(s <= addr and addr + size <= s + n for s, n in self.reserved.items()), "map outside a reservation"
+        assert all(a + len(b) <= addr or addr + size <= a for a, b in self.maps.items()), "mapped twice"
         self.maps[addr] = np.zeros(size, np.uint8)
 
     def unmap(self, addr: int, size: int) -> None:

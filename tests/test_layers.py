@@ -170,6 +170,8 @@ INNER_ALLOWED = {
     ("injection/tracer.py", "gpuos_tools.agent.offload"): "numpy, in the traced program, under --validate-in "
     "validator only",
     ("injection/tracer.py", "gpuos_tools.cuda"): "pyelftools, in the traced program, when a layout is read",
+    ("agent/validator.py", "gpuos_tools.agent"): "numpy and the CUDA driver, only once the validator process "
+    "holds the program's addresses",
     ("commands/kinfer.py", "gpuos_tools.kinfer"): "numpy, not for --help",
     ("commands/predict_access.py", "gpuos_tools.access.plot"): "matplotlib, for --plot only",
 }

@@ -5,6 +5,7 @@ program. The validator here is tests/fake_validator.py (the real replay on a fak
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import stat
@@ -48,6 +49,10 @@ class FakeCopier:
     def copy(self, stream: int, copies) -> None:
         if self.fail:
             raise CudaFailure("cuMemcpyDtoHAsync: CUDA_ERROR_ILLEGAL_ADDRESS")
+        for host, dev, n in copies:  # as the driver: one copy stays inside one allocation
+            base = max((a for a in self.mem if a <= dev), default=None)
+            if base is None or dev + n > base + len(self.mem[base]):
+                raise CudaFailure("cuMemcpyDtoHAsync: CUDA_ERROR_INVALID_VALUE")
         self.copies.append((stream, list(copies)))
         for host, dev, n in copies:
             base = max(a for a in self.mem if a <= dev)
@@ -94,6 +99,46 @@ def validator():
 
 def test_regions_merge_reads_and_writes_with_their_modes():
     assert regions_of([[0, 10], [100, 10]], [[5, 10], [200, 4]]) == [(0, 15, "rw"), (100, 10, "r"), (200, 4, "w")]
+
+
+def test_regions_keep_to_live_allocations_and_never_cross_from_one_to_the_next():
+    live = [(0, 64), (64, 128), (256, 320)]  # two allocations end to end, and one further on
+    reads, writes = [[0, 64], [64, 64], [300, 40]], [[64, 64], [128, 16]]
+    assert regions_of(reads, writes) == [(0, 144, "rw"), (300, 40, "r")]
+    # [128, 144) and [320, 340) lie in no allocation: not copied; [0, 64) and [64, 128) stay apart
+    assert regions_of(reads, writes, live) == [(0, 64, "r"), (64, 64, "rw"), (300, 20, "r")]
+    assert regions_of([[130, 8]], [], live) == []
+
+
+def test_inputs_in_allocations_that_sit_end_to_end_are_copied_one_allocation_at_a_time(validator):
+    """The driver refuses one copy across two allocations even where they touch (the first GPU run
+    saw copy<float> of two 120320-byte CuPy arrays end to end fail so)."""
+    v = validator()
+    a, b = X + (4 << 20), X + (4 << 20) + 4 * N
+    v.copier.mem.update({a: np.arange(N, dtype=np.float32).view(np.uint8).copy(), b: np.zeros(4 * N, np.uint8)})
+    v.on_alloc(a, 4 * N, "device")
+    v.on_alloc(b, 4 * N, "device")
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, COPY, (8, 8, 4), struct.pack("<QQi", a, b, N), GEOMETRY)
+    rec = v.exit(1, 0)
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    _, copies = v.copier.copies[0]
+    assert sorted((dev, n) for _, dev, n in copies) == [(a, 4 * N), (b, 4 * N)]
+
+
+def test_the_validator_is_told_the_programs_address_windows_before_it_starts_and_with_each_launch(validator):
+    v = validator()
+    sent = []
+    link = v._link()
+    request = link.request
+    link.request = lambda req: sent.append(req) or request(req)
+    assert launch(v)["checked"]
+    windows = json.loads((v.dir / "claims.json").read_text())
+    assert windows == v.windows() == sent[0]["claims"]
+    for addr in (X, Y, Z):  # every allocation lies in a window (2 MiB-rounded, or its mapping)
+        assert any(s <= addr and addr + 4 * N <= s + n for s, n in windows), (hex(addr), windows)
+    v.on_alloc(X + (64 << 20), 4 * N, "device")  # a new allocation: the next launch names it
+    launch(v, tid=2)
+    assert any(s <= X + (64 << 20) < s + n for s, n in sent[1]["claims"])
 
 
 def test_a_sampled_launch_is_copied_out_replayed_and_validated(validator):
@@ -172,7 +217,8 @@ def test_the_validator_runs_untraced_with_this_package(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_INJECTION64_PATH", "/x.so")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     cmd, env = validator_command(tmp_path, "0000:17:00.0")
-    assert cmd[1:3] == ["-m", "gpuos_tools.agent.replay"] and cmd[-4:] == ["--device", "0000:17:00.0", "--dir", str(tmp_path)]
+    assert cmd[1:3] == ["-m", "gpuos_tools.agent.validator"]
+    assert cmd[3:] == ["--device", "0000:17:00.0", "--dir", str(tmp_path), "--claims", str(tmp_path / "claims.json")]
     assert "GPUOS_BOOT" not in env and "CUDA_INJECTION64_PATH" not in env
     assert env["PYTHONPATH"].split(":")[0] == str(HERE.parent) and env["PYTHONPATH"].endswith("/somewhere")
 

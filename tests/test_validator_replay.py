@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from fake_vmm import KERNELS, FakeDevice
+from fake_vmm import KERNELS, FakeDevice, FakeSpace
 from gpuos_tools.agent import replay
 from gpuos_tools.agent.replay import EXIT_CONTEXT_LOST, Replayer, spans_of, Region
 
@@ -38,7 +38,10 @@ def plain(kernel: str, dev: FakeDevice | None = None, **kw) -> tuple[dict, FakeD
 
 
 def no_leaks(dev: FakeDevice) -> None:
-    assert dev.maps == {} and dev.reserved == {} and dev.loaded == []
+    """Nothing mapped or loaded after a replay; reservations only at the program's addresses (kept
+    for the next launch)."""
+    assert dev.maps == {} and dev.loaded == []
+    assert set(dev.reserved) <= {X, Y}, sorted(map(hex, dev.reserved))
 
 
 def test_spans_round_out_to_granules_and_merge():
@@ -78,7 +81,7 @@ def test_an_access_outside_every_granule_faults_in_the_validator_and_is_a_missed
     rec, dev = plain("far_read")
     assert rec["checked"] and rec["reads"] == "missed"
     assert rec["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
-    replayer = Replayer(dev)
+    replayer = Replayer(FakeDevice(KERNELS, G))
     replayer.replay(request("far_read", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]]),
                     bytes(8 * N), b"image")
     assert replayer.lost  # the context is gone: the process answers, then exits
@@ -106,9 +109,62 @@ def test_a_nondeterministic_kernel_is_not_called_a_missed_read():
 def test_an_address_the_driver_will_not_give_is_unvalidated_never_guessed():
     rec, dev = plain("copy", taken=(Y,))
     assert rec["checked"] is False
-    assert rec["why"].startswith("unvalidated: address unavailable")
+    assert rec["why"].startswith(f"unvalidated: address unavailable ({Y:#x}: ")
     assert dev.launches == 0
-    no_leaks(dev)  # X's reservation, made first, was given back too
+    no_leaks(dev)  # the address the driver gave instead was given back
+    assert dev.reserved == {X: G}  # X's, made first, is kept for later launches
+
+
+def test_reservations_are_kept_and_reused_by_later_launches():
+    dev = FakeDevice(KERNELS, G)
+    replayer = Replayer(dev)
+    reserve = dev.reserve
+    calls = []
+    dev.reserve = lambda addr, size: calls.append(addr) or reserve(addr, size)
+    x = np.arange(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    for _ in range(2):
+        assert replayer.replay(req, staged(x, np.zeros(N, np.float32)), b"image")["reads"] == "ok"
+    assert calls == [X, Y]  # reserved by the first replay only
+    # a later launch whose span grows past a kept reservation gets one reservation over both
+    wide = request("copy", [[X, 4 * N]], [[X + G, 4 * N]], [[X, 4 * N, 0, "r"], [X + G, 4 * N, 4 * N, "w"]])
+    wide["params"] = struct.pack("<QQi", X, X + G, N).hex()
+    assert replayer.replay(wide, staged(x, np.zeros(N, np.float32)), b"image")["reads"] == "ok"
+    assert replayer.reserved == {X: 2 * G, Y: G} and dev.reserved == {X: 2 * G, Y: G}
+    replayer.close()
+    assert dev.reserved == {}
+
+
+def test_the_programs_windows_are_held_and_lifted_only_to_reserve():
+    """The validator holds the program's windows with placeholders; a reservation over a
+    placeholder would be refused (under UVA the host mapping is in the way), so the replay lifts
+    the placeholder of just the span it reserves."""
+    space = FakeSpace()
+    dev = FakeDevice(KERNELS, G, space=space)
+    replayer = Replayer(dev, space)
+    replayer.hold([[X, Y - X], [Y, 16 * G]])
+    x = np.arange(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    rec = replayer.replay(req, staged(x, np.zeros(N, np.float32)), b"image")
+    assert rec["checked"] and rec["reads"] == "ok", rec
+    assert space.released == [(X, X + G), (Y, Y + G)]
+    assert space.held == [(X + G, Y), (Y + G, Y + 16 * G)]  # the rest still held
+    replayer.hold([[X, Y - X], [Y, 16 * G]])  # the next request names the windows again
+    assert space.held == [(X + G, Y), (Y + G, Y + 16 * G)]  # never over the reservations kept
+
+
+def test_an_address_something_else_holds_says_what():
+    space = FakeSpace(others=((Y, Y + G),))
+    dev = FakeDevice(KERNELS, G, space=space)
+    replayer = Replayer(dev, space)
+    replayer.hold([[X, 2 * G], [Y, 2 * G]])
+    x = np.arange(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    rec = replayer.replay(req, staged(x, np.zeros(N, np.float32)), b"image")
+    assert rec["checked"] is False
+    assert rec["why"] == f"unvalidated: address unavailable ({Y:#x}: the validator holds {Y:#x})"
+    assert dev.reserved == {X: G} and dev.launches == 0
+    assert (Y + G, Y + 2 * G) in space.held  # what was lifted for the attempt is held again
 
 
 def test_a_device_side_assert_is_reported_not_judged():

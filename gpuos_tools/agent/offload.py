@@ -1,13 +1,18 @@
 """The program's side of out-of-process validation (`gpu-trace run --validate --validate-in validator`).
 
-At a sampled launch's API enter the program only copies: the bytes the range prediction names are
-copied device-to-host on a side stream of its own (ordered after the launch's stream by an event,
-like a snapshot) into a staging file in a private directory, registered as pinned memory when the
-driver takes it; the kernel's module image goes beside it once, named by its content hash. A
-request (the kernel's name, its parameter bytes, grid, block and shared memory, the staged
-regions) goes down a pipe to the validator process (gpuos_tools/agent/replay.py), which replays
-the launch in its own context while the program's launch runs. At the API exit the program waits
-for the verdict, at most ``timeout_s``.
+At a sampled launch's API enter the program only copies: the bytes the range prediction names
+inside live allocations are copied device-to-host, one allocation per copy, on a side stream of
+its own (ordered after the launch's stream by an event, like a snapshot) into a staging file in a
+private directory, registered as pinned memory when the driver takes it; the kernel's module image
+goes beside it once, named by its content hash. A request (the kernel's name, its parameter bytes,
+grid, block and shared memory, the staged regions, and the program's address windows that the
+validator must keep free: vaspace.py) goes down a pipe to the validator process
+(gpuos_tools/agent/replay.py), which replays the launch in its own context while the program's
+launch runs; a starting validator reads the windows from a file of the private directory before
+it loads the driver. At the API exit the program waits for the verdict, at most ``timeout_s``.
+
+In the program's process this allocates no device memory of its own: a stream and an event (once
+per context), the staging file's mapping registered as pinned host memory, and the child process.
 
 Nothing the validator does reaches the program: it is a child process on its own session; a
 validator that crashes, answers garbage or does not answer in time is killed and the launch is
@@ -21,8 +26,10 @@ leaves behind names its pid, and the next program of the same user to validate r
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hashlib
+import json
 import mmap
 import os
 import select
@@ -34,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuos_tools.agent import replay
+from gpuos_tools.agent import replay, vaspace
 from gpuos_tools.agent.validate import CudaFailure, Validator, _ok
 from gpuos_tools.agent.view import launch_record
 from gpuos_tools.image import clean_stale_temps, temp_name
@@ -95,8 +102,10 @@ class Link:
     """The pipe to one validator process at a time: started lazily, restarted, or given up on."""
 
     def __init__(self, command: list[str], env: dict[str, str], timeout_s: float = TIMEOUT_S,
-                 start_timeout_s: float = START_TIMEOUT_S, max_failures: int = 3, stderr: Path | None = None):
+                 start_timeout_s: float = START_TIMEOUT_S, max_failures: int = 3, stderr: Path | None = None,
+                 before_start: Callable[[], None] | None = None):
         self.command, self.env = command, env
+        self.before_start = before_start  #: called before each start (writes what the validator reads first)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.max_failures = max_failures
         self.stderr = stderr
@@ -106,6 +115,11 @@ class Link:
         self.starts = 0
 
     def _start(self) -> str | None:
+        if self.before_start is not None:
+            try:
+                self.before_start()
+            except OSError as exc:
+                return self._failed(f"the validator could not start: {exc}")
         err = open(self.stderr, "ab") if self.stderr is not None else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
@@ -251,18 +265,38 @@ class DriverCopier:
         return (raw if isinstance(raw, bytes) else bytes(raw)).split(b"\0", 1)[0].decode()
 
 
-def regions_of(reads: list[list[int]], writes: list[list[int]]) -> list[tuple[int, int, str]]:
+def regions_of(reads: list[list[int]], writes: list[list[int]],
+               live: list[tuple[int, int]] | None = None) -> list[tuple[int, int, str]]:
     """(addr, size, mode) of the union of the predicted reads and writes: each merged range is "r"
-    when no predicted write touches it, "w" when no predicted read does, else "rw"."""
-    marks = sorted([(s, s + n, "r") for s, n in reads if n > 0] + [(s, s + n, "w") for s, n in writes if n > 0])
+    when no predicted write touches it, "w" when no predicted read does, else "rw".
+
+    With ``live`` (the [start, end) of the live allocations, sorted, disjoint), only bytes inside
+    them are kept and no range crosses from one allocation into the next: the driver refuses a
+    copy that does (CUDA_ERROR_INVALID_VALUE), even between two allocations that sit end to end."""
+    marks = [(s, s + n, "r") for s, n in reads if n > 0] + [(s, s + n, "w") for s, n in writes if n > 0]
+    if live is not None:
+        marks = [(max(s, a), min(e, b), kind, a) for s, e, kind in marks for a, b in _overlapping(live, s, e)]
+    else:
+        marks = [(s, e, kind, 0) for s, e, kind in marks]
     out: list[list[Any]] = []
-    for s, e, kind in marks:
-        if out and s <= out[-1][1]:
+    for s, e, kind, owner in sorted(marks):
+        if out and s <= out[-1][1] and owner == out[-1][3]:
             out[-1][1] = max(out[-1][1], e)
             out[-1][2].add(kind)
         else:
-            out.append([s, e, {kind}])
-    return [(s, e - s, "rw" if len(k) == 2 else next(iter(k))) for s, e, k in out]
+            out.append([s, e, {kind}, owner])
+    return [(s, e - s, "rw" if len(k) == 2 else next(iter(k))) for s, e, k, _ in out]
+
+
+def _overlapping(live: list[tuple[int, int]], s: int, e: int) -> list[tuple[int, int]]:
+    """The live [start, end) intervals that overlap [s, e)."""
+    i = max(0, bisect.bisect_right(live, (s, float("inf"))) - 1)
+    out = []
+    while i < len(live) and live[i][0] < e:
+        if live[i][1] > s:
+            out.append(live[i])
+        i += 1
+    return out
 
 
 #: The private directories' name: each is ``$TMPDIR/.gpuos-validator.PID.RANDOM.tmp``
@@ -290,13 +324,18 @@ def private_dir(parent: str | None = None) -> Path:
     raise FileExistsError(f"no free name for a private directory in {parent}")
 
 
+#: the file of the private directory that names the program's address windows to a starting validator
+CLAIMS = "claims.json"
+
+
 def validator_command(directory: Path, bus_id: str) -> tuple[list[str], dict[str, str]]:
     """The validator's command line and environment: this interpreter, this package, untraced."""
     env = {k: v for k, v in os.environ.items() if k not in ("GPUOS_BOOT", "CUDA_INJECTION64_PATH", "LD_PRELOAD")}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
-    return [sys.executable, "-m", "gpuos_tools.agent.replay", "--device", bus_id, "--dir", str(directory)], env
+    return [sys.executable, "-m", "gpuos_tools.agent.validator", "--device", bus_id, "--dir", str(directory),
+            "--claims", str(directory / CLAIMS)], env
 
 
 class OffloadValidator(Validator):
@@ -317,6 +356,7 @@ class OffloadValidator(Validator):
         self._command, self._env, self.timeout_s = command, env, timeout_s
         self.link: Link | None = None
         self.switched_off: str | None = None  #: set once; the tracer turns it into an error record
+        self._windows: tuple[int, list[list[int]]] = (-1, [])  #: (allocation count, windows)
 
     def _link(self) -> Link:
         if self.link is None:
@@ -324,8 +364,31 @@ class OffloadValidator(Validator):
                 self._command, env = validator_command(self.dir, self.copier.bus_id())
                 self._env = self._env or env
             self.link = Link(self._command, self._env or dict(os.environ), self.timeout_s,
-                             stderr=self.dir / "validator.log")
+                             stderr=self.dir / "validator.log", before_start=self._write_claims)
         return self.link
+
+    def live(self) -> list[tuple[int, int]]:
+        """[start, end) of every live allocation the program made, by address."""
+        allocs = self.pred.allocs
+        return [(allocs._live[s].addr, allocs._live[s].end) for s in allocs._starts]
+
+    def windows(self) -> list[list[int]]:
+        """The address windows the validator must keep free for this program (vaspace.py), worked
+        out again only when an allocation was made since."""
+        if self._windows[0] != self.next_id:
+            try:
+                maps = vaspace.mappings()
+            except OSError:
+                maps = []
+            self._windows = (self.next_id, vaspace.program_windows(
+                [(s, e - s) for s, e in self.live()], maps))
+        return self._windows[1]
+
+    def _write_claims(self) -> None:
+        """Before a validator starts: the windows it holds before it loads the driver."""
+        tmp = self.dir / f"{CLAIMS}.tmp"
+        tmp.write_text(json.dumps(self.windows()))
+        tmp.replace(self.dir / CLAIMS)
 
     def wants(self, func: int) -> bool:
         if self.link is not None and self.link.off is not None:
@@ -356,10 +419,11 @@ class OffloadValidator(Validator):
         image = self.image_for(kernel) if why is None else None
         if why is None and image is None:
             why = "unvalidated: no module image seen holds the kernel"
-        regions = regions_of(state["reads"], state["writes"])
+        regions = regions_of(state["reads"], state["writes"], self.live())
         total = sum(n for _, n, _ in regions)
         if why is None and not regions:
-            why = "unvalidated: the prediction names no device memory"
+            why = ("unvalidated: the prediction names no device memory" if not state["reads"] + state["writes"]
+                   else "unvalidated: the prediction names no byte inside a live allocation")
         if why is None and total > self.max_bytes:
             why = f"unvalidated: the prediction names {total} B, more than the validation limit {self.max_bytes} B"
         if why is not None:
@@ -383,7 +447,9 @@ class OffloadValidator(Validator):
                "block": [bx, by, bz], "shared": shared, "staging": self.staging.path.name,
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
         try:
-            sent = self._link().request(req)
+            link = self._link()
+            req["claims"] = self.windows()
+            sent = link.request(req)
         except CudaFailure as exc:  # the program's device could not be named
             sent = f"the validator could not start: {exc}"
         if isinstance(sent, str):

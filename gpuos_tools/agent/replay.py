@@ -7,8 +7,12 @@ a request; this process recreates the launch:
 
 1. it reserves the program's virtual addresses with the VMM API, the address passed as the fixed
    hint, rounded out to the allocation granularity; when the driver gives another address the
-   launch is ``unvalidated: address unavailable`` (never replayed elsewhere: pointers stored in
-   the buffers would be wrong);
+   launch is ``unvalidated: address unavailable`` with what holds the address (never replayed
+   elsewhere: pointers stored in the buffers would be wrong). The driver treats the address as a
+   hint only, and under unified addressing anything of this process's own at that address (its
+   driver's context memory, module code, the staging file) makes it refuse; so the program's
+   address windows are covered by placeholders before the driver is loaded (vaspace.py), lifted
+   only to reserve, and the reservations are kept for later launches;
 2. it maps physical memory there, only for the granules the prediction names, fills the bytes the
    prediction names with their launch-time contents and the rest of each granule with a poison
    value, maps the granules holding only predicted reads read-only where the driver takes it;
@@ -94,6 +98,14 @@ class ReplayError(Exception):
     def __init__(self, what: str, code: str):
         super().__init__(f"{what}: {code}")
         self.code = code
+
+
+class Space(Protocol):
+    """This process's hold on the program's addresses (vaspace.AddressClaims; tests pass a fake)."""
+
+    def claim(self, windows: list[tuple[int, int]]) -> list[tuple[int, int]]: ...
+    def release(self, addr: int, size: int) -> None: ...
+    def holder(self, addr: int, size: int) -> str: ...
 
 
 class Device(Protocol):
@@ -249,11 +261,68 @@ def _chunks(byte_mask: np.ndarray) -> np.ndarray:
 class Replayer:
     """Replays requests on a Device and turns what it saw into validation record bodies."""
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, space: Space | None = None):
         if device.granularity % CHUNK:
             raise ValueError(f"granularity {device.granularity} is not a multiple of {CHUNK}")
         self.device = device
+        self.space = space
+        self.reserved: dict[int, int] = {}  #: start -> size of the reservations held at the program's addresses
         self.lost = False  #: a sticky error ended the context: answer, then exit
+
+    def hold(self, windows: list[list[int]]) -> None:
+        """Keep the program's [addr, size] windows free of anything of this process's own (a
+        request names them before this process maps its staging or loads a module)."""
+        if self.space is not None and windows:
+            self._claim([(int(a), int(n)) for a, n in windows])
+
+    def _claim(self, windows: list[tuple[int, int]]) -> None:
+        """Hold the windows, less what this process has reserved there already."""
+        held = sorted((s, s + n) for s, n in self.reserved.items())
+        parts = []
+        for a, n in windows:
+            pos, end = a, a + n
+            for s, e in held:
+                if e <= pos or s >= end:
+                    continue
+                if s > pos:
+                    parts.append((pos, s - pos))
+                pos = max(pos, e)
+            if pos < end:
+                parts.append((pos, end - pos))
+        self.space.claim(parts)
+
+    def _reserve(self, start: int, size: int) -> str | None:
+        """Make [start, start + size) part of a reservation at exactly that address: None, or why
+        it cannot be had. A reservation it overlaps is grown into one covering both."""
+        dev, end = self.device, start + size
+        if any(s <= start and end <= s + n for s, n in self.reserved.items()):
+            return None
+        overlap = [(s, n) for s, n in self.reserved.items() if s < end and start < s + n]
+        lo = min([start] + [s for s, _ in overlap])
+        hi = max([end] + [s + n for s, n in overlap])
+        for s, n in overlap:
+            dev.free_address(s, n)
+            del self.reserved[s]
+        if self.space is not None:
+            self.space.release(lo, hi - lo)
+        got = dev.reserve(lo, hi - lo)
+        if got == lo:
+            self.reserved[lo] = hi - lo
+            return None
+        dev.free_address(got, hi - lo)
+        held = self.space.holder(start, size) if self.space is not None else "the driver gave another address"
+        for s, n in overlap:  # what was ours a moment ago
+            if dev.reserve(s, n) == s:
+                self.reserved[s] = n
+        if self.space is not None:
+            self._claim([(lo, hi - lo)])
+        return f"unvalidated: address unavailable ({start:#x}: {held})"
+
+    def close(self) -> None:
+        """Give back every reservation (at the end of the input)."""
+        for s, n in self.reserved.items():
+            self.device.free_address(s, n)
+        self.reserved.clear()
 
     def replay(self, req: dict[str, Any], staging: memoryview | bytes, image: bytes) -> dict[str, Any]:
         base = {"kernel": req["kernel"], "mode": "validator",
@@ -263,16 +332,13 @@ class Replayer:
             return dict(base, checked=False, why="unvalidated: the prediction names no device memory")
         spans = spans_of(regions, self.device.granularity)
         dev = self.device
-        reserved: list[tuple[int, int]] = []
         mapped: list[tuple[int, int]] = []
         module = None
         try:
             for start, size, _ in spans:
-                got = dev.reserve(start, size)
-                if got != start:
-                    dev.free_address(got, size)
-                    return dict(base, checked=False, why=f"unvalidated: address unavailable ({start:#x})")
-                reserved.append((start, size))
+                why = self._reserve(start, size)
+                if why is not None:
+                    return dict(base, checked=False, why=why)
             for start, size, _ in spans:
                 dev.map(start, size)
                 mapped.append((start, size))
@@ -311,8 +377,6 @@ class Replayer:
                     dev.unload(module)
                 for start, size in mapped:
                     dev.unmap(start, size)
-                for start, size in reserved:
-                    dev.free_address(start, size)
 
     @staticmethod
     def _predicted_mask(spans, regions: list[Region], total: int) -> np.ndarray:
@@ -405,6 +469,7 @@ def serve(replayer: Replayer, inp: BinaryIO, out: BinaryIO, directory: str) -> i
     while True:
         req = read_frame(inp)
         if req is None:
+            replayer.close()
             return 0
         try:
             rec = _answer(replayer, req, directory)
@@ -420,6 +485,7 @@ def serve(replayer: Replayer, inp: BinaryIO, out: BinaryIO, directory: str) -> i
 
 
 def _answer(replayer: Replayer, req: dict[str, Any], directory: str) -> dict[str, Any]:
+    replayer.hold(req.get("claims") or [])  # first: the staging's mapping must not land there
     name = os.path.basename(req["staging"])  # only files of the program's private directory
     with open(os.path.join(directory, os.path.basename(req["image"]) + ".image"), "rb") as f:
         image = f.read()
@@ -442,19 +508,37 @@ def _orphan_watch(parent: int, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="gpuos-validator-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpuos-validator", description="Replay sampled launches (see module doc).")
     ap.add_argument("--device", required=True, help="the PCI bus id of the program's GPU")
     ap.add_argument("--dir", required=True, help="the program's private staging directory")
-    args = ap.parse_args(argv)
+    ap.add_argument("--claims", help="a JSON list of the program's [addr, size] address windows, held before "
+                                     "the driver is loaded (python -m gpuos_tools.agent.validator does that)")
+    return ap
+
+
+def main(argv: list[str] | None = None, space: Space | None = None) -> int:
+    """Serve requests on stdin/stdout. ``space`` holds the program's windows already (the entry
+    point gpuos_tools/agent/validator.py claims them before this module, numpy and the driver load)."""
+    args = parser().parse_args(argv)
     _orphan_watch(os.getppid())
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the pipe
     try:
-        replayer = Replayer(CudaDevice(args.device))
+        device = CudaDevice(args.device)
     except ReplayError as exc:
-        write_frame(out, {"ready": False, "why": str(exc)})
-        return 1
+        if space is None or not hasattr(space, "release_all"):
+            write_frame(out, {"ready": False, "why": str(exc)})
+            return 1
+        # the driver may have wanted a held window for itself: try once more without the placeholders
+        print(f"gpuos-validator: {exc} with the program's windows held; again without them", file=sys.stderr)
+        space.release_all()
+        try:
+            device = CudaDevice(args.device)
+        except ReplayError as again:
+            write_frame(out, {"ready": False, "why": str(again)})
+            return 1
+    replayer = Replayer(device, space)
     write_frame(out, {"ready": True, "granularity": replayer.device.granularity})
     return serve(replayer, inp, out, args.dir)
 

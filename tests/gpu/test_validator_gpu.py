@@ -37,7 +37,7 @@ def summary(records: list[dict]) -> dict:
         "missed_write_launches": sum(bool(v.get("missed_writes")) for v in vals),
         "faults": dict(Counter(v["fault"] for v in vals if "fault" in v)),
         "read_only": dict(Counter(v["read_only"] for v in vals if "read_only" in v)),
-        "unvalidated": dict(Counter(v.get("why", "")[:100] for v in vals if not v["checked"])),
+        "unvalidated": dict(Counter(v.get("why", "")[:200] for v in vals if not v["checked"])),
         "ms": sorted(v["ms"] for v in vals if "ms" in v),
         "errors": [r.get("message", r) for r in records if r["type"] == "error"][:20],
     }
@@ -151,3 +151,5 @@ def test_read_only_mappings_are_measured(tmp_root):
     print(f"\nread-only mappings: {dict(Counter(seen))}", file=sys.stderr)
     assert seen, "no launch with a read-only granule was checked"
     assert set(seen) <= {"enforced", "refused"}
+    v = by_kernel(r["records"], "twice")[0]  # reads 16 MiB of granules of its own, writes others
+    assert v["checked"] and v["reads"] == "ok" and v["missed_writes"] == [] and "read_only" in v, v

@@ -7,8 +7,11 @@ to $GPUOS_TEST_REPORT, so that a plain run and a validated one can be compared b
   (through a pointer table copied from the host: followed), hidden_read and hidden_write (through a
   pointer the program stored on the GPU into a table: no prediction sees them; the target is a big
   buffer of its own, far from what the prediction names), oob_read (reads past the end of the array
-  it is given, inside the same allocation); copy again on 16 MiB arrays (a buffer only read, in
-  granules of its own: the validator maps it read-only if the driver lets it);
+  it is given, inside the same allocation); copy again, and twice, on 16 MiB arrays (a buffer
+  only read, in granules of its own: the validator maps it read-only if the driver lets it; C++
+  kernels, as the prediction reads const-ness from the mangled name).
+  ``table`` holds a device address, which may differ from one run to the next: it is reported as
+  whether it points at ``far`` (whose contents are digested), not digested itself;
 - solve: cuSOLVER (getrf/getrs through cupy.linalg.solve, potrf through cholesky) and cuBLAS trsm;
 - fft: cuFFT, complex 1-D and real 2-D;
 - torch: PyTorch kernels with device-side asserts on their indices (EmbeddingBag, index_select,
@@ -50,12 +53,16 @@ def kernels():
         int i = blockIdx.x * blockDim.x + threadIdx.x;
         if (i < n) out[i] = x[i + n];
     }
+    template <typename T> __global__ void twice(const T* x, T* y, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) y[i] = x[i] + x[i];
+    }
     template <typename T> __global__ void copy(const T* x, T* y, int n) {
         int i = blockIdx.x * blockDim.x + threadIdx.x;
         if (i < n) y[i] = x[i];
     }
     """
-    mod = cp.RawModule(code=src, options=("-std=c++17",), name_expressions=("copy<float>",))
+    mod = cp.RawModule(code=src, options=("-std=c++17",), name_expressions=("copy<float>", "twice<float>"))
     n = 10000
     x = cp.arange(3 * n, dtype=cp.float32)
     y = cp.zeros(3 * n, dtype=cp.float32)
@@ -68,6 +75,7 @@ def kernels():
     oob = cp.zeros(n, dtype=cp.float32)
     big_x = cp.arange(4 << 20, dtype=cp.float32)  # 16 MiB: granules of its own, only read
     big_y = cp.zeros(4 << 20, dtype=cp.float32)
+    big_z = cp.zeros(4 << 20, dtype=cp.float32)
     cp.cuda.Device().synchronize()
     blocks = ((n + 255) // 256,)
     mod.get_function("copy<float>")(blocks, (256,), (x, y, cp.int32(n)))
@@ -79,12 +87,16 @@ def kernels():
     mod.get_function("copy<float>")((big_x.size // 256,), (256,), (big_x, big_y, cp.int32(big_x.size)))
     cp.cuda.Device().synchronize()
     assert float(y[n - 1]) == n - 1 and float(big_y[-1]) == big_x.size - 1
+    mod.get_function("twice<float>")((big_x.size // 256,), (256,), (big_x, big_z, cp.int32(big_x.size)))
+    cp.cuda.Device().synchronize()
+    assert float(big_z[-1]) == 2 * (big_x.size - 1)
     assert float(out[3]) == 4.0 and float(far[3]) == 6.0
     assert float(followed[3]) == 9.0 and float(oob[0]) == n
-    bufs = {"x": x, "y": y, "big_x": big_x, "big_y": big_y, "far": far, "table": table, "followed": followed,
-            "out": out, "oob": oob, "wide": wide}
-    return ({k: digest(v) for k, v in bufs.items()},
-            {k: [v.data.ptr, v.nbytes] for k, v in bufs.items()})
+    bufs = {"x": x, "y": y, "big_x": big_x, "big_y": big_y, "big_z": big_z, "far": far, "table": table,
+            "followed": followed, "out": out, "oob": oob, "wide": wide}
+    digests = {k: digest(v) for k, v in bufs.items() if k != "table"}
+    digests["table"] = "points at far" if int(table.get()[0]) == far.data.ptr else "does not point at far"
+    return digests, {k: [v.data.ptr, v.nbytes] for k, v in bufs.items()}
 
 
 def solve():
