@@ -433,7 +433,7 @@ class Replayer:
             written_b |= init != after
         written = _chunks(written_b)
         wmask = layout.mask([(s, s + n) for s, n in req["writes"]])
-        (a_init, a), (b_init, b) = runs[POISONS[0]], runs[POISONS[1]]
+        (_, a), (_, b) = runs[POISONS[0]], runs[POISONS[1]]
         effects = _chunks((a != b) & predicted)
         rec = dict(base, checked=True, chunk=CHUNK, checked_bytes=int(len(predicted)),
                    written=layout.ranges(written), missed_writes=layout.ranges(written & ~wmask),
