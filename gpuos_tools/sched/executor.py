@@ -191,6 +191,8 @@ class Executor(AgentHooks):
         self._core: Any = None
         self._fast_flag = 0  #: the core's flag that turns it on (``use_core``)
         self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
+        #: (records, sorted bases, small segments, version) at the last allowance: the replay's
+        self._fast_books: tuple | None = None
         self.fast_off: str | None = None  #: why the fast path went off, if it did
         self._api_of: Any = lambda cbid: ""
         self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0})
@@ -429,12 +431,7 @@ class Executor(AgentHooks):
 
     def bases_of(self, addrs) -> list[int]:
         """The records holding any of ``addrs`` (others: not owned, nothing to do)."""
-        out = []
-        for a in addrs:
-            i = bisect_right(self._bases, a) - 1
-            if i >= 0 and a < self._bases[i] + self._records[self._bases[i]]:
-                out.append(self._bases[i])
-        return out
+        return _bases_in(addrs, self._bases, self._records)
 
     def physical(self) -> int:
         """Bytes of physical memory the owned records hold now: all but the released ones are
@@ -487,19 +484,26 @@ class Executor(AgentHooks):
         self._api_of = api_of
         self._fast_flag = flag
 
-    def fast_replay(self, entries: list[tuple]) -> None:
+    def fast_replay(self, entries: list[tuple], act: bool = True) -> None:
         """The operations the core let go by, in order (core.py ``parse_fast``), into the books
         as if each had been decided when it ran: the policy's decision (the period, recency,
         counts), the kernel profile, the engine's launch order and recency (agent's lock held,
         before this operation's own decision). An action one of them yields (the plan changed
-        meanwhile: a key off the period) is carried out now, late, and counted."""
+        meanwhile: a key off the period) is carried out now, late, and counted (with ``act``
+        False, at the program's end, only counted)."""
         if not entries:
             return
         t = time.perf_counter()
         eng = self.engine
         agent = eng.agent
         by_id = agent.by_id
-        recs = self.records()
+        # the records as they were when these operations went by: no allocation came or went
+        # between the allowance and them (the core calls at the first operation after one)
+        books = self._fast_books
+        if books is None:
+            self.records()
+            books = (self._records, self._bases, self._small, self._key)
+        recs, bases_list, small, version = books
         late = 0
         for e in entries:
             if e[0] == "launch":
@@ -513,17 +517,17 @@ class Executor(AgentHooks):
                 if not kernel.startswith(("cuMemcpy", "cuMemset")):
                     continue
                 addrs = [a for a in (e[4], e[5]) if a]
-            bases = self.bases_of(addrs)
+            bases = _bases_in(addrs, bases_list, recs)
             self._profile(kernel, bases, recs)
             with self._load_lock:
-                key = None if not self._small else [b for b in bases if b not in self._small]
-                actions = self.policy.before(kernel, bases, recs, key, self._key)
+                key = None if not small else [b for b in bases if b not in small]
+                actions = self.policy.before(kernel, bases, recs, key, version)
                 self._budget = self.policy.last_budget
                 for op, arg in actions:
-                    if op == "evict":
+                    if op == "evict" and act:
                         self._evict(arg)
             for op, arg in actions:
-                if op == "prefetch":
+                if op == "prefetch" and act:
                     self._start_mover()
                     self._moves.put(arg)
             late += any(op != "require" for op, _ in actions)
@@ -541,6 +545,7 @@ class Executor(AgentHooks):
         if core is None:
             return
         recs = self.records()
+        self._fast_books = (self._records, self._bases, self._small, self._key)  # what the next replay uses
         if self._key != self._fast_checked:
             # the core marks allocations: an owned record it did not see mapped (its map not
             # through the interposer or CUPTI) could never lose a mark it does not have, and an
@@ -605,7 +610,7 @@ class Executor(AgentHooks):
             return
         agent = self.engine.agent
         with agent.lock:
-            self.fast_replay(core.fast_take())
+            self.fast_replay(core.fast_take(), act=False)
 
     # -- per operation (program thread, agent's lock held) ----------------------------------
 
@@ -1239,6 +1244,16 @@ class _LedgerOps:
     def release(self, base: int) -> None:
         self._ops.release(base)
         self._ex._on_unmap(base)
+
+
+def _bases_in(addrs, bases: list[int], records: dict[int, int]) -> list[int]:
+    """The records (``bases`` sorted, ``records`` base -> bytes) holding any of ``addrs``."""
+    out = []
+    for a in addrs:
+        i = bisect_right(bases, a) - 1
+        if i >= 0 and a < bases[i] + records[bases[i]]:
+            out.append(bases[i])
+    return out
 
 
 def _same_stream(a: Any, b: Any) -> bool:
