@@ -256,9 +256,10 @@ def test_an_owned_record_the_core_did_not_see_mapped_turns_the_fast_path_off(lib
 
 def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(library, tmp_path):
     """The core's rule without the executor: no mark, no allowance, an allocation since the last
-    allowance, or a copy of an API always sent to Python: a call. Marked, allowed: queued, with
-    the launch's ids and name, and the allowance counted down; an unmark from another thread while
-    the lock is held elsewhere drops every mark."""
+    allowance, a write to an allocation marked only readable, or a copy of an API always sent to
+    Python: a call. Marked, allowed: queued, with the launch's ids and name, and the allowance
+    counted down; dropping every mark at once (an unmark from a thread that cannot take the lock)
+    makes the next operation call."""
     core = fresh(library, tmp_path)
     calls: list[int] = []
 
@@ -293,15 +294,20 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     core.fast_allow(3)
     launch()
     assert calls[1:] == [core_mod.UP_PREDICT, core_mod.UP_LAUNCH]  # allowed, but nothing marked
-    core.fast_mark([0x10000], True)
+    core.fast_mark([0x10000], 2)
     core.fast_allow(3)
     launch()
     assert calls[-1] == core_mod.UP_LAUNCH  # one of its two allocations marked
-    core.fast_mark([0x20000], True)
+    core.fast_mark([0x20000], 1)  # readable only (a record whose host copy is current)
     n = len(calls)
-    launch()
+    launch()  # writes the first, reads the second
+    assert len(calls) == n
+    write(1)  # writes the second: the engine must see it
+    assert calls[-1] == core_mod.UP_WRITE and len(calls) == n + 1
+    core.fast_mark([0x20000], 2)
     write(1)
-    assert len(calls) == n and core.fast_counts() == {"fast": 2, "left": 1, "queued": 2}
+    assert len(calls) == n + 1 and core.fast_counts() == {"fast": 2, "left": 1, "queued": 2}
+    n = len(calls)
     core.fast_slow_cbid(3)
     write(3)  # an API whose addresses the core does not read
     assert calls[-1] == core_mod.UP_WRITE and len(calls) == n + 1
@@ -309,8 +315,8 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     assert core.fast_counts()["left"] == 0
     launch()  # the allowance is spent
     assert calls[-1] == core_mod.UP_LAUNCH and len(calls) == n + 2
-    assert core.fast_take() == [("launch", 4, 0, 5, "k", (1,), (1, 2)), ("write", 5, 1, 5, 0x20000, 0x90000),
-                                ("launch", 7, 0, 5, "k", (1,), (1, 2))]
+    assert core.fast_take() == [("launch", 4, 0, 5, "k", (1,), (1, 2)), ("write", 6, 1, 5, 0x20000, 0x90000),
+                                ("launch", 8, 0, 5, "k", (1,), (1, 2))]
     assert core.fast_take() == []
     core.fast_allow(5)
     lib.core_lock_program()
@@ -322,7 +328,7 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     core.fast_unready(0x20000, 0x1000)  # a record's state changes: its allocation loses its mark
     write(1)
     assert calls[-1] == core_mod.UP_WRITE
-    core.fast_mark([0x20000], True)
+    core.fast_mark([0x20000], 2)
     n = len(calls)
     write(1)
     assert len(calls) == n

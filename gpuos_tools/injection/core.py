@@ -336,11 +336,12 @@ class NativeCore:
         """The next ``left`` decisions may go on without a call (0: every one calls)."""
         self.lib.core_fast_allow(max(0, int(left)))
 
-    def fast_mark(self, addrs, on: bool) -> None:
-        """The allocations holding ``addrs`` are ready (nothing to do on them) or not."""
+    def fast_mark(self, addrs, level: int) -> None:
+        """The allocations holding ``addrs``: 2, an operation may write or read them without a
+        call; 1, only read them; 0, neither."""
         a = list(addrs)
         if a:
-            self.lib.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(on))
+            self.lib.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
 
     def fast_unready(self, base: int, size: int) -> None:
         self.lib.core_fast_unready(base, size)

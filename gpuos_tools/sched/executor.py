@@ -507,10 +507,16 @@ class Executor(AgentHooks):
         late = 0
         for e in entries:
             if e[0] == "launch":
-                kernel, touched = e[4], e[6]
+                kernel, writes, touched = e[4], e[5], e[6]
                 eng._launched(kernel)
                 for i in touched:
                     eng._touched(i)
+                if eng.clean:  # the predicted readers of clean records, as the engine's hook keeps them
+                    for i in touched:
+                        if i not in writes:
+                            b = eng._id_base(i)
+                            if b in eng.clean:
+                                eng._read_while_clean(b, kernel)
                 addrs = [by_id[i].addr for i in touched if i in by_id]
             else:
                 kernel = self._api_of(e[2])
@@ -559,19 +565,19 @@ class Executor(AgentHooks):
                 core.set_flag(self._fast_flag, False)
                 return
         eng = self.engine
-        ready, not_ready = [], []
+        levels: tuple[list[int], list[int], list[int]] = ([], [], [])
         with eng.lock:  # the engine's threads change pending and clean under it
             for a in addrs:
                 b = self.bases_of((a,))
                 if not b:  # not owned: nothing to do on it
-                    ready.append(a)
-                elif (b[0] not in eng.pending and b[0] not in eng.clean and b[0] in self.policy.resident
-                      and b[0] in recs):
-                    ready.append(a)
+                    levels[2].append(a)
+                elif b[0] not in eng.pending and b[0] in self.policy.resident:
+                    # a write to a clean record must reach the engine (its host copy goes stale)
+                    levels[1 if b[0] in eng.clean else 2].append(a)
                 else:
-                    not_ready.append(a)
-            core.fast_mark(ready, True)
-            core.fast_mark(not_ready, False)
+                    levels[0].append(a)
+            for level, at in enumerate(levels):
+                core.fast_mark(at, level)
         n = self._fast_horizon()
         self.counts["fast_allowed"] += n
         core.fast_allow(n)

@@ -235,9 +235,10 @@ typedef struct {
     uint32_t snap;    /* index in the snapshot in progress + 1; 0: not in it */
     uint8_t dirty;    /* written since the last snapshot's T0 */
     uint8_t pad[3];
-    /* the fast path: nothing for the executor or the engine to do on it while this equals
-       ready_gen (Python marks it; 0: not ready) */
-    uint32_t ready;
+    /* the fast path: nothing for the executor or the engine to do on an operation that writes
+       it while `ready` equals ready_gen, on one that only reads it while `readable` does
+       (Python marks them; 0: not) */
+    uint32_t ready, readable;
 } alloc_t;
 static alloc_t *allocs;
 static size_t n_allocs, cap_allocs;
@@ -790,14 +791,15 @@ static int last_known;
 
 /* ---- the scheduler's fast path (docs/native-core.md, "The fast path").
    With F_FAST, an operation that would call the agent's hooks (F_ENGINE or F_EXEC) goes on
-   without entering Python when Python has nothing to do for it: every allocation it touches is
-   marked ready (owned records resident, loaded, not clean, resident in the policy's books; other
-   allocations), the policy allowed more operations (fast_left: its plan has no action before
-   then), no allocation came or went since, and its access set is known. It is queued instead
-   (fq): Python replays the queue into the policy's books at its next upcall, in order, before
-   anything else. Python clears a record's mark before anything makes it not ready (an eviction,
-   a load, a host copy that makes it clean), with the core lock held, so an operation that
-   touches it from then on takes the upcall. */
+   without entering Python when Python has nothing to do for it: every allocation it writes is
+   marked ready and every one it reads readable (owned records resident, loaded, resident in the
+   policy's books, and for a write not clean; other allocations), the policy allowed more
+   operations (fast_left: its plan has no action before then), no allocation came or went since,
+   and its access set is known. It is queued instead (fq): Python replays the queue into the
+   policy's books at its next upcall, in order, before anything else. Python clears a record's
+   marks before an eviction or a load of it is enqueued, with the core lock held (or, from a
+   thread that cannot take it at once, every mark: ready_gen), so an operation that touches it
+   from then on takes the upcall. */
 enum { FQ_LAUNCH = 1, FQ_WRITE = 2 };
 static int64_t fast_left;
 static uint64_t n_fast;
@@ -831,11 +833,17 @@ void core_fast_allow(int64_t left) {
     fast_moved = 0;
 }
 
-/* Mark the allocations holding each of addrs ready (on) or not. */
-void core_fast_mark(const uint64_t *addrs, uint32_t n, int on) {
+/* Mark the allocations holding each of addrs: level 2, an operation may read and write it
+   without a call; 1, only read it (a record whose host copy is current: a write must reach the
+   engine); 0, neither. */
+void core_fast_mark(const uint64_t *addrs, uint32_t n, int level) {
+    uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
     for (uint32_t k = 0; k < n; k++) {
         alloc_t *a = find(addrs[k]);
-        if (a) a->ready = on ? __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE) : 0;
+        if (a) {
+            a->ready = level >= 2 ? g : 0;
+            a->readable = level >= 1 ? g : 0;
+        }
     }
 }
 
@@ -858,7 +866,7 @@ void core_fast_unready(uint64_t base, uint64_t size) {
     size_t i = upper(base);
     if (i) i--;
     for (; i < n_allocs && allocs[i].start < end; i++)
-        if (allocs[i].end > base) allocs[i].ready = 0;
+        if (allocs[i].end > base) allocs[i].ready = allocs[i].readable = 0;
     pthread_mutex_unlock(&core_mu);
 }
 
@@ -908,8 +916,10 @@ static void fq_header(char *p, uint32_t kind, uint32_t bytes, uint32_t cbid, uin
 static int fast_launch(memo_t *m, uint32_t cbid, uint64_t stream, const char *name) {
     if (!fast_allowed() || !m || m->unknown) return 0;
     uint32_t n = m->nw + m->nt, g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
-    for (uint32_t k = 0; k < n; k++)
+    for (uint32_t k = 0; k < m->nw; k++) /* written */
         if (allocs[m->idx[k]].ready != g) return 0;
+    for (uint32_t k = m->nw; k < n; k++) /* touched (the written ones again: checked above) */
+        if (allocs[m->idx[k]].readable != g) return 0;
     size_t nlen = name ? strnlen(name, 4096) : 0;
     size_t bytes = 40 + (size_t)n * 8 + nlen;
     char *p = fq_put(bytes);
@@ -931,7 +941,7 @@ static int fast_write(uint32_t op, uint32_t cbid, uint64_t stream, uint64_t dst,
     if (cbid < sizeof slow_cbid * 8 && (slow_cbid[cbid >> 3] >> (cbid & 7) & 1)) return 0;
     alloc_t *d = find(dst), *s = find(src);
     uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
-    if ((d && d->ready != g) || (s && s->ready != g)) return 0;
+    if ((d && d->ready != g) || (s && s->readable != g)) return 0;
     if (op == OP_FREE) {
         n_fast++;
         return 1;
