@@ -6,10 +6,14 @@ under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 
     bench_native_agent.py [--models resnet50,mlp] [--configs A,B,...] [--steps N] [--repeat R] [--json OUT]
 
---configs picks from those (all of them by default) and two more, asked for by name so that the
+--configs picks from those (all of them by default) and more, asked for by name so that the
 default keeps its running time: the agent on interception after a first snapshot
-(`agent_intercept_after_snapshot`) and the scheduler at --budget 100% on interception
-(`sched_100_intercept`).
+(`agent_intercept_after_snapshot`), the scheduler at --budget 100% on interception
+(`sched_100_intercept`), and the scheduler below the footprint, at --budget 66%, with every
+operation through Python (`sched_66`) and with the native core's fast path (`sched_66_fast`,
+GPUOS_SCHED_FAST=1), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
+The scheduler's runs keep their `sched_summary` (evictions, loads, the fast path's counts): a 66%
+run that evicted nothing measured no oversubscription, and the table says so.
 
 Runs workloads/train_steps.py (timm ResNet-50 bf16 batch 64, ~900 launches a step; a
 small MLP with Adam(foreach=True), ~35) once per configuration, one after another on the same
@@ -39,10 +43,14 @@ WORKLOAD = ROOT / "workloads" / "train_steps.py"
 CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gpu-prefetch-sched", "run"]}
 CONFIGS = ("plain", "trace", "agent", "agent_intercept", "agent_after_snapshot", "sched_100", "agent_python",
            "plain_again")
-OPTIONAL = ("agent_intercept_after_snapshot", "sched_100_intercept")
+OPTIONAL = ("agent_intercept_after_snapshot", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept",
+            "sched_66_fast_intercept")
 AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python")
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_intercept_after_snapshot")
-SCHED = ("sched_100", "sched_100_intercept")
+SCHED = ("sched_100", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept")
+#: what a scheduler run's summary says, kept in its result
+SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "evictions", "loads", "prefetches", "demand_loads",
+                "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "fast", "dormant", "agent")
 
 
 def mechanism(config: str) -> str:
@@ -68,7 +76,11 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         return [*tool("gpu-ckpt"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
     if config in SCHED:
         env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
-        return [*tool("gpu-prefetch-sched"), "run", "--budget", "100%", "-o", str(trace), "--",
+        parts = config.split("_")
+        env.pop("GPUOS_SCHED_FAST", None)
+        if "fast" in parts:
+            env["GPUOS_SCHED_FAST"] = "1"
+        return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", "-o", str(trace), "--",
                 sys.executable, *workload], env
     raise ValueError(config)
 
@@ -103,7 +115,9 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
     cmd, env = command(config, workload, trace)
     started = time.monotonic()
     res: dict[str, Any] = {"config": config, "model": model}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stdout = subprocess.PIPE if config in SCHED else subprocess.DEVNULL  # the scheduler's summary
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    out_text = ""
     try:
         if config in AFTER_SNAPSHOT:
             ready = Path(f"{pause}.ready")
@@ -119,11 +133,18 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
                 except Exception as exc:  # noqa: BLE001
                     res["snapshot_error"] = f"{type(exc).__name__}: {exc}"
                 Path(f"{pause}.go").write_text("go")
-        _, err = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - started)))
+        out_text, err = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
         proc.kill()
-        _, err = proc.communicate()
+        out_text, err = proc.communicate()
         res["error"] = f"timed out after {timeout} s"
+    for line in (out_text or "").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("type") == "sched_summary":
+            res["sched"] = {k: rec.get(k) for k in SUMMARY_KEYS if k in rec}
     res["rc"] = proc.returncode
     res["wall_s"] = round(time.monotonic() - started, 3)
     if proc.returncode != 0:
@@ -203,12 +224,19 @@ def main() -> int:
                        for (m, c), v in summary.items()]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    print(f"{'model':10} {'config':30} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8}", file=sys.stderr)
+    print(f"{'model':10} {'config':30} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8} "
+          f"{'evictions':>9} {'loads':>7} {'fast ops':>9}", file=sys.stderr)
     for r in results:
         med = r.get("median_s")
+        sched = r.get("sched") or {}
+        fast = sched.get("fast") or {}
+        note = ""
+        if r["config"] in SCHED and "100" not in r["config"] and sched and not sched.get("evictions"):
+            note = "  (nothing evicted: the budget did not bind)"
         print(f"{r['model']:10} {r['config']:30} {med * 1e3 if med else float('nan'):10.2f} "
               f"{r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
-              f"{r.get('upcalls', ''):>8}", file=sys.stderr)
+              f"{r.get('upcalls', ''):>8} {sched.get('evictions', ''):>9} {sched.get('loads', ''):>7} "
+              f"{fast.get('operations', ''):>9}{note}", file=sys.stderr)
     if args.repeat > 1:
         print(f"{'model':10} {'config':30} {'median of medians ms':>21} {'min..max ms':>16} {'ratio':>7}", file=sys.stderr)
         for row in out["summary"]:

@@ -214,6 +214,9 @@ class Agent(ProcessView):
         self.engine_busy: Callable[[], None] | None = None
         self.predictions_changed: Callable[[], None] | None = None
         self.native_touches: Callable[[], list[tuple[int, int, int]]] | None = None
+        #: the core's fast path, when on: the engine calls ``fast_unready(base, size)`` before a
+        #: record stops being simply resident (docs/native-core.md, "The fast path")
+        self.fast_unready: Callable[[int, int], None] | None = None
         #: the registered hooks (``add_hooks``), and per hook name the callables they offered
         self.hooks: list[AgentHooks] = []
         self._on: dict[str, tuple[Callable[..., None], ...]] = {name: () for name in HOOKS}

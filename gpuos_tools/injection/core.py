@@ -28,14 +28,14 @@ SOURCES = (tracelib.RECORDER, HERE / "csrc" / "gpuos_core.c")
 INCLUDE = HERE / "include"
 
 # flags (gpuos_core.c F_*)
-F_ENGINE, F_EXEC, F_GATE, F_TOUCH, F_SKIP_CAPTURED = 1, 2, 4, 8, 16
+F_ENGINE, F_EXEC, F_GATE, F_TOUCH, F_SKIP_CAPTURED, F_FAST = 1, 2, 4, 8, 16, 32
 # upcalls (gpuos_core.h UP_*)
 UP_LAUNCH, UP_WRITE, UP_GRAPH, UP_PREDICT, UP_PROTECT, UP_REFERENCE, UP_GATE, UP_CUT = range(1, 9)
 NO_ARGS = 0xFFFFFFFF
 PTSZ = 0x80  #: bit of a handler kind: the API is a per-thread-stream variant
 COUNTERS = ("ops", "enters", "upcalls", "enter_ns", "upcall_ns", "memo_misses", "memo_hits", "protects",
             "epoch", "allocations", "memo_entries", "gil_aware", "epoch_allocs", "epoch_frees",
-            "epoch_pointer_copies", "epoch_writes_over_pointers", "epoch_module_unloads", "epoch_python")
+            "epoch_pointer_copies", "epoch_writes_over_pointers", "epoch_module_unloads", "epoch_python", "fast")
 VIEW_DRAIN_BYTES = 1 << 20  #: the background drain takes the view queue past this size
 
 
@@ -105,9 +105,21 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "core_after_free": (None, [ctypes.c_uint64]),
     "core_after_write": (None, [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]),
     "core_stream_event": (None, [ctypes.c_uint64, ctypes.c_int]),
+    # the scheduler's fast path
+    "core_fast_allow": (None, [ctypes.c_int64]),
+    "core_fast_mark": (None, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint32, ctypes.c_int]),
+    "core_fast_unready": (None, [ctypes.c_uint64, ctypes.c_uint64]),
+    "core_fast_unready_all": (None, []),
+    "core_fast_slow_cbid": (None, [ctypes.c_uint32]),
+    "core_fast_uncovered": (ctypes.c_uint32, [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                              ctypes.c_uint32]),
+    "core_fast_take": (ctypes.c_void_p, [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint32)]),
+    "core_fast_counts": (None, [ctypes.POINTER(ctypes.c_uint64)]),
 }
 
 _V_HDR = struct.Struct("<II")
+_F_HDR = struct.Struct("<IIQIIQ")  #: fast queue entry: kind, bytes, operation, cbid, name length, stream
+_F_LAUNCH, _F_WRITE = 1, 2
 _V_ALLOC = struct.Struct("<4Q")
 _V_WRITE = struct.Struct("<3Q")
 
@@ -133,6 +145,31 @@ def parse_view(data: bytes) -> list[tuple]:
             out.append(("copy" if tag == 3 else "set", dst, n, payload))
         else:
             raise ValueError(f"unknown view record tag {tag} at byte {pos}")
+        pos += length
+    return out
+
+
+def parse_fast(data: bytes) -> list[tuple]:
+    """The fast path's queue (gpuos_core.c core_fast_take) -> ("launch", op, cbid, stream, name,
+    written ids, touched ids) / ("write", op, cbid, stream, dst, src), in the program's order."""
+    out: list[tuple] = []
+    pos, end = 0, len(data)
+    while pos < end:
+        kind, length, n, cbid, nlen, stream = _F_HDR.unpack_from(data, pos)
+        if length < 32 or pos + length > end:
+            raise ValueError(f"fast queue entry at byte {pos} runs past its buffer")
+        body = pos + 32
+        if kind == _F_LAUNCH:
+            nw, nt = struct.unpack_from("<II", data, body)
+            ids = struct.unpack_from(f"<{nw + nt}Q", data, body + 8)
+            at = body + 8 + 8 * (nw + nt)
+            name = bytes(data[at : at + nlen]).decode(errors="replace")
+            out.append(("launch", n, cbid, stream, name, ids[:nw], ids[nw:]))
+        elif kind == _F_WRITE:
+            dst, src = struct.unpack_from("<QQ", data, body)
+            out.append(("write", n, cbid, stream, dst, src))
+        else:
+            raise ValueError(f"unknown fast queue entry kind {kind} at byte {pos}")
         pos += length
     return out
 
@@ -292,6 +329,56 @@ class NativeCore:
             raise OverflowError("more ids than the buffer holds")
         ids = [int(buf[i]) for i in range(nw.value + nt.value)]
         return bool(rc), tuple(ids[: nw.value]), tuple(ids[nw.value :])
+
+    # -- the scheduler's fast path (gpuos_core.c, "the scheduler's fast path"; core lock held) --
+
+    def fast_allow(self, left: int) -> None:
+        """The next ``left`` decisions may go on without a call (0: every one calls)."""
+        self.lib.core_fast_allow(max(0, int(left)))
+
+    def fast_mark(self, addrs, level: int) -> None:
+        """The allocations holding ``addrs``: 2, an operation may write or read them without a
+        call; 1, only read them; 0, neither."""
+        a = list(addrs)
+        if a:
+            self.lib.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
+
+    def fast_unready(self, base: int, size: int) -> None:
+        self.lib.core_fast_unready(base, size)
+
+    def fast_unready_all(self) -> None:
+        self.lib.core_fast_unready_all()
+
+    def fast_slow_cbid(self, cbid: int) -> None:
+        """Copies of this API always go to Python (their addresses are not the core's to read)."""
+        self.lib.core_fast_slow_cbid(cbid)
+
+    def fast_uncovered(self, records: dict[int, int]) -> int:
+        """How many of ``records`` (base -> bytes) no allocation of the core holds whole."""
+        if not records:
+            return 0
+        n = len(records)
+        bases = (ctypes.c_uint64 * n)(*records.keys())
+        sizes = (ctypes.c_uint64 * n)(*records.values())
+        return int(self.lib.core_fast_uncovered(bases, sizes, n))
+
+    def fast_take(self) -> list[tuple]:
+        """The operations that went without a call since the last take (``parse_fast``)."""
+        n = ctypes.c_size_t()
+        k = ctypes.c_uint32()
+        ptr = self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k))
+        if not ptr:
+            return []
+        try:
+            data = ctypes.string_at(ptr, n.value)
+        finally:
+            self.lib.core_free(ptr)
+        return parse_fast(data)
+
+    def fast_counts(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * 3)()
+        self.lib.core_fast_counts(out)
+        return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2])}
 
     def set_upcall(self, fn: Callable[[Any], int]) -> None:
         self._upcall = UPCALL_FN(fn)

@@ -14,11 +14,12 @@ from typing import Any
 from gpuos_tools.injection import intercept, tracelib, tracer
 from gpuos_tools.injection.config import BootConfig
 from gpuos_tools.injection.core import (
-    F_ENGINE, F_EXEC, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
+    F_ENGINE, F_EXEC, F_FAST, F_GATE, F_SKIP_CAPTURED, F_TOUCH, PTSZ, UP_GATE, UP_GRAPH, UP_LAUNCH, UP_PREDICT,
     UP_CUT, UP_PROTECT, UP_REFERENCE, UP_WRITE, VIEW_DRAIN_BYTES, NativeCore, NativeLock, OwnThreads, apply_view,
     launch_args, report,
 )
 from gpuos_tools.memory import owned, threads
+from gpuos_tools.memory.engine import opaque_copy
 from gpuos_tools.model import wire
 
 DRAIN_S = 0.5  #: how often the background thread looks at the view queue's size
@@ -82,6 +83,8 @@ class AgentUpcalls:
             core.set_references(sorted(agent.references))
         core.set_flag(F_SKIP_CAPTURED, bool(agent.skip_captured))
         self._seen: set[str] = set()
+        #: the hooks that run the core's fast path (the scheduler's executor), once the engine starts
+        self.fast: Any = None
         core.set_upcall(self.dispatch)
 
     def drain(self) -> None:
@@ -121,15 +124,29 @@ class AgentUpcalls:
                 agent.cut_now(int(u.n))
                 return 0
             api = self.names.get(u.cbid, "")
+            fast = self.fast
+            if fast is not None:  # the operations the core let go by come first, in order
+                fast.fast_replay(self.core.fast_take())
             if what == UP_LAUNCH:
                 sizes, args = launch_args(u)
-                agent.before_launch(api, u.raw_stream, (u.name or b"").decode(errors="replace"), sizes, args)
+                kernel = (u.name or b"").decode(errors="replace")
+                agent.before_launch(api, u.raw_stream, kernel, sizes, args)
+                if fast is not None:
+                    unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
+                    by_id = agent.by_id
+                    fast.fast_after(() if unknown else [by_id[i].addr for i in touched if i in by_id])
             elif what == UP_WRITE:
                 agent.before_write(api, u.dst, u.raw_stream, u.src)
+                if fast is not None:
+                    fast.fast_after([a for a in (u.dst, u.src) if a])
             elif what == UP_GRAPH:
                 agent.before_graph(u.raw_stream)
+                if fast is not None:
+                    fast.fast_after(())
             self.sync_flags()
         except Exception as exc:  # never let the agent break the program
+            if self.fast is not None:
+                self.core.fast_allow(0)  # every next decision through Python again
             report(exc, self.core, self._seen, f"upcall {what}")
             return 1
         return 0
@@ -150,7 +167,27 @@ class AgentUpcalls:
         core.set_flag(F_TOUCH, True)
         core.set_flag(F_EXEC, agent.hooks_see_every_operation)
         core.set_flag(F_GATE, agent.gate is not None)
+        self.start_fast()
         self.sync_flags()
+
+    def start_fast(self) -> None:
+        """The scheduler's fast path, when its executor has it on (GPUOS_SCHED_FAST=1): the
+        engine clears a record's mark in the core before it stops being simply resident, copies
+        whose addresses the core does not read always call, and the core lets operations go by
+        from the executor's first decision on (docs/native-core.md, "The fast path")."""
+        core, agent = self.core, self.agent
+        fast = next((h for h in agent.hooks if getattr(h, "fast", False) and hasattr(h, "use_core")), None)
+        if fast is None:
+            return
+        names = self.names
+        fast.use_core(core, lambda cbid: names.get(cbid, ""), F_FAST)
+        for cbid, name in names.items():
+            if opaque_copy(name):
+                core.fast_slow_cbid(cbid)
+        agent.fast_unready = core.fast_unready
+        core.fast_allow(0)
+        core.set_flag(F_FAST, True)
+        self.fast = fast
 
 
 class NativeAgentTracer(tracer.Tracer):

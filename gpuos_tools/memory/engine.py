@@ -98,6 +98,11 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
 
     def _put(self, e: Entry) -> None:
         self._busy()
+        # the native core's fast path lets no operation on it go by without the hooks from now on
+        # (before the eviction's save or the load is enqueued: the caller holds the agent's lock)
+        unready = getattr(self.agent, "fast_unready", None)
+        if unready is not None:
+            unready(e.base, e.size)
         if e.base not in self.pending:
             self._bases.insert(bisect_right(self._bases, e.base), e.base)
         self.pending[e.base] = e

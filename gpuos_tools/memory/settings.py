@@ -16,8 +16,10 @@ NO_CONSERVE_ENV = "GPUOS_ENGINE_NO_CONSERVE"  #: 1: mismatches reported, not act
 DIGEST_OFF_AFTER_ENV = "GPUOS_ENGINE_DIGEST_OFF_AFTER"  #: N: the digest check goes off after the Nth mismatch
 NO_YIELD_ENV = "GPUOS_ENGINE_NO_YIELD"  #: 1: the background loader does not pause for demand loads
 NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
+#: 1: under `gpu-prefetch-sched run` on the native core, operations with nothing to do skip Python
+FAST_ENV = "GPUOS_SCHED_FAST"
 #: every variable above: the launcher reads them and leaves them out of the program's environment
-VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV)
+VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, FAST_ENV)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class EngineSettings:
     digest_off_after: int = 0  #: turn the digest check off after this many mismatches (0: never)
     yield_to_demand: bool = True  #: the background loader pauses while a demand load is in flight
     park: bool = True  #: keep released physical memory parked for reuse (`gpu-prefetch-sched run`)
+    #: the scheduler's fast path on the native core (docs/native-core.md, "The fast path"): an
+    #: operation whose records are all resident and settled, and for which the policy's plan has
+    #: no action, goes on without entering Python; its bookkeeping is replayed in batches
+    fast: bool = False
 
     def __post_init__(self) -> None:
         if self.digest_off_after < 0:
@@ -53,4 +59,4 @@ class EngineSettings:
         if off_after < 0:
             raise ValueError(f"{DIGEST_OFF_AFTER_ENV}={text!r}: expected a number of mismatches, 0 or more")
         return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
-                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV))
+                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV), fast=flag(FAST_ENV))

@@ -91,6 +91,7 @@ KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 #: sampled phases of a period go round every launch key unless the period is a multiple of it
 SAMPLE_EVERY = 31
 SAMPLES_MAX = 32  #: samples in flight at most (their timer events are reused)
+FAST_MAX = 4096  #: decisions the core's fast path may let go by at most before Python looks again
 
 
 class Executor(AgentHooks):
@@ -183,6 +184,18 @@ class Executor(AgentHooks):
         self.dormant = self.serve is None and fraction is not None and float(fraction) >= 1.0
         self.every_operation = not self.dormant
         settings = getattr(engine, "settings", None)  # (GPUOS_ENGINE_NO_PARK=1 turns parking off)
+        #: the native core's fast path (``use_core``; GPUOS_SCHED_FAST=1): under `run` only (serve's
+        #: gate and ledger act on every operation)
+        self.fast = (self.serve is None and not self.dormant
+                     and bool(cfg.get("fast", getattr(settings, "fast", False))))
+        self._core: Any = None
+        self._fast_flag = 0  #: the core's flag that turns it on (``use_core``)
+        self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
+        #: (records, sorted bases, small segments, version) at the last allowance: the replay's
+        self._fast_books: tuple | None = None
+        self.fast_off: str | None = None  #: why the fast path went off, if it did
+        self._api_of: Any = lambda cbid: ""
+        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0})
         self._park = (self.serve is None and (settings is None or settings.park)
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
@@ -220,6 +233,7 @@ class Executor(AgentHooks):
     def at_exit(self, agent: Any) -> None:
         """The program ends: the mover stops, and the timeline and summary are written where the
         config says."""
+        self.fast_drain()
         self.close()
         tl = self.cfg.get("timeline")
         if tl:
@@ -417,12 +431,7 @@ class Executor(AgentHooks):
 
     def bases_of(self, addrs) -> list[int]:
         """The records holding any of ``addrs`` (others: not owned, nothing to do)."""
-        out = []
-        for a in addrs:
-            i = bisect_right(self._bases, a) - 1
-            if i >= 0 and a < self._bases[i] + self._records[self._bases[i]]:
-                out.append(self._bases[i])
-        return out
+        return _bases_in(addrs, self._bases, self._records)
 
     def physical(self) -> int:
         """Bytes of physical memory the owned records hold now: all but the released ones are
@@ -463,6 +472,151 @@ class Executor(AgentHooks):
             self.counts["park_trims"] += 1
             return self.physical() + need <= budget
         return False
+
+    # -- the native core's fast path (docs/native-core.md, "The fast path") ---------------------
+
+    def use_core(self, core: Any, api_of: Any, flag: int) -> None:
+        """Run the fast path on ``core`` (injection/core.py NativeCore; the agent's lock is its
+        lock; ``api_of``: cbid -> API name; ``flag``: the core's flag that turns it on): from the
+        next decision on, the core lets the operations go by whose records are marked ready
+        while the policy allows (``fast_after``), and queues them for ``fast_replay``."""
+        self._core = core if self.fast else None
+        self._api_of = api_of
+        self._fast_flag = flag
+
+    def fast_replay(self, entries: list[tuple], act: bool = True) -> None:
+        """The operations the core let go by, in order (core.py ``parse_fast``), into the books
+        as if each had been decided when it ran: the policy's decision (the period, recency,
+        counts), the kernel profile, the engine's launch order and recency (agent's lock held,
+        before this operation's own decision). An action one of them yields (the plan changed
+        meanwhile: a key off the period) is carried out now, late, and counted (with ``act``
+        False, at the program's end, only counted)."""
+        if not entries:
+            return
+        t = time.perf_counter()
+        eng = self.engine
+        agent = eng.agent
+        by_id = agent.by_id
+        # the records as they were when these operations went by: no allocation came or went
+        # between the allowance and them (the core calls at the first operation after one)
+        books = self._fast_books
+        if books is None:
+            self.records()
+            books = (self._records, self._bases, self._small, self._key)
+        recs, bases_list, small, version = books
+        late = 0
+        for e in entries:
+            if e[0] == "launch":
+                kernel, writes, touched = e[4], e[5], e[6]
+                eng._launched(kernel)
+                for i in touched:
+                    eng._touched(i)
+                if eng.clean:  # the predicted readers of clean records, as the engine's hook keeps them
+                    for i in touched:
+                        if i not in writes:
+                            b = eng._id_base(i)
+                            if b in eng.clean:
+                                eng._read_while_clean(b, kernel)
+                addrs = [by_id[i].addr for i in touched if i in by_id]
+            else:
+                kernel = self._api_of(e[2])
+                if not kernel.startswith(("cuMemcpy", "cuMemset")):
+                    continue
+                addrs = [a for a in (e[4], e[5]) if a]
+            bases = _bases_in(addrs, bases_list, recs)
+            self._profile(kernel, bases, recs)
+            with self._load_lock:
+                key = None if not small else [b for b in bases if b not in small]
+                actions = self.policy.before(kernel, bases, recs, key, version)
+                self._budget = self.policy.last_budget
+                for op, arg in actions:
+                    if op == "evict" and act:
+                        self._evict(arg)
+            for op, arg in actions:
+                if op == "prefetch" and act:
+                    self._start_mover()
+                    self._moves.put(arg)
+            late += any(op != "require" for op, _ in actions)
+        c = self.counts
+        c["fast_replayed"] += len(entries)
+        c["fast_late"] += late
+        c["fast_replay_s"] += time.perf_counter() - t
+        self._measure(self._budget, False)
+
+    def fast_after(self, addrs) -> None:
+        """After an operation's decision and the engine's hook (agent's lock held): the
+        allocations at ``addrs`` (its records and others) marked ready or not, and the number of
+        next decisions the core may let go by (``_fast_horizon``)."""
+        core = self._core
+        if core is None:
+            return
+        recs = self.records()
+        self._fast_books = (self._records, self._bases, self._small, self._key)  # what the next replay uses
+        if self._key != self._fast_checked:
+            # the core marks allocations: an owned record it did not see mapped (its map not
+            # through the interposer or CUPTI) could never lose a mark it does not have, and an
+            # operation on it would look like one on host memory: no fast path then
+            self._fast_checked = self._key
+            missing = core.fast_uncovered(recs)
+            if missing:
+                self.fast_off = f"{missing} owned records not seen by the native core"
+                self._core = None
+                core.fast_allow(0)
+                core.set_flag(self._fast_flag, False)
+                return
+        eng = self.engine
+        levels: tuple[list[int], list[int], list[int]] = ([], [], [])
+        with eng.lock:  # the engine's threads change pending and clean under it
+            for a in addrs:
+                b = self.bases_of((a,))
+                if not b:  # not owned: nothing to do on it
+                    levels[2].append(a)
+                elif b[0] not in eng.pending and b[0] in self.policy.resident:
+                    # a write to a clean record must reach the engine (its host copy goes stale)
+                    levels[1 if b[0] in eng.clean else 2].append(a)
+                else:
+                    levels[0].append(a)
+            for level, at in enumerate(levels):
+                core.fast_mark(at, level)
+        n = self._fast_horizon()
+        self.counts["fast_allowed"] += n
+        core.fast_allow(n)
+
+    def _fast_horizon(self) -> int:
+        """How many next decisions have no action, if the learned period holds: under the count
+        plan, the decision of a launch prefetches the working sets of the ``lookahead`` launches
+        after it and evicts only for a record not resident (or over the budget); so, with d the
+        first predicted launch whose working set is unknown or not all resident, the d - 1 -
+        lookahead launches before the one that prefetches for it. 0 (every decision calls) under
+        the time plan (its walk reaches a whole period) or proactive eviction, while digests of
+        conservative kernels are kept (their launches must drop them), without a period, or above
+        the budget. A launch off the period is caught by ``fast_replay`` (a late action)."""
+        pol, eng = self.policy, self.engine
+        if pol.plan != "count" or pol.proactive or (eng.conservative and eng.digests):
+            return 0
+        per = pol.period
+        p = per.known
+        if p is None or pol.used > pol.last_budget:
+            return 0
+        ahead = pol.lookahead
+        res, sets = pol.resident, pol._sets
+        kids = per.predict(min(p, FAST_MAX) + ahead)
+        d = len(kids) + 1
+        for j, kid in enumerate(kids, 1):
+            ws = sets[kid]
+            if ws is None or any(b not in res for b in ws):
+                d = j
+                break
+        return max(0, min(FAST_MAX, d - 1 - ahead))
+
+    def fast_drain(self) -> None:
+        """The core's queue replayed now (at the program's end: the summary counts everything)."""
+        core = self._core
+        if core is None:
+            return
+        agent = self.engine.agent
+        with agent.lock:
+            self.fast_replay(core.fast_take(), act=False)
 
     # -- per operation (program thread, agent's lock held) ----------------------------------
 
@@ -597,6 +751,8 @@ class Executor(AgentHooks):
     def _evict(self, base: int, own: int = 1) -> None:
         """``own``: operations of this thread being issued (1 inside an operation's callback; 0
         at serve's gate, before the operation's callback)."""
+        if self._core is not None:  # no operation on it goes by the hooks from now on
+            self._core.fast_unready(base, self._records.get(base, 1))
         try:
             ok = self.engine.evict_from_operation(base, own)
         except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
@@ -973,6 +1129,16 @@ class Executor(AgentHooks):
         if self.ledger is not None:  # its bytes stay booked until the coordinator reaps the process
             self.turns["ledger"] = {k: self.ledger.snapshot()[k] for k in ("peak", "peak_loads", "forced_loads")}
 
+    def _fast_summary(self) -> dict[str, Any]:
+        c = self.counts
+        out: dict[str, Any] = {"on": self._core is not None, "replayed": c["fast_replayed"], "late": c["fast_late"],
+                               "replay_s": round(c["fast_replay_s"], 6)}
+        if self.fast_off:
+            out["off"] = self.fast_off
+        if self._core is not None:
+            out["operations"] = self._core.fast_counts()["fast"]
+        return out
+
     def timeline(self) -> dict[str, Any]:
         """The event log (module docstring) with what a picture's title needs."""
         return {"type": "sched_timeline", "version": 1, "policy": self.policy.policy,
@@ -1003,6 +1169,8 @@ class Executor(AgentHooks):
             "wall_s": round(time.perf_counter() - self.t0, 6),
             # nothing to decide at this budget: the native core ran the program without the hooks
             "dormant": self.dormant,
+            # the native core's fast path: on, and the operations it let go by without the hooks
+            "fast": self._fast_summary(),
             "executor": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
             "policy_stats": pol, "engine": eng, "kernels": self.kernel_profile(),
         }
@@ -1082,6 +1250,16 @@ class _LedgerOps:
     def release(self, base: int) -> None:
         self._ops.release(base)
         self._ex._on_unmap(base)
+
+
+def _bases_in(addrs, bases: list[int], records: dict[int, int]) -> list[int]:
+    """The records (``bases`` sorted, ``records`` base -> bytes) holding any of ``addrs``."""
+    out = []
+    for a in addrs:
+        i = bisect_right(bases, a) - 1
+        if i >= 0 and a < bases[i] + records[bases[i]]:
+            out.append(bases[i])
+    return out
 
 
 def _same_stream(a: Any, b: Any) -> bool:

@@ -37,8 +37,9 @@ def env(**extra: str) -> dict:
     return e
 
 
-def plain_run(name: str, tmp: Path) -> dict:
-    job, args = JOBS[name]
+def plain_run(name: str, tmp: Path, args: list[str] | None = None) -> dict:
+    job, default = JOBS[name]
+    args = default if args is None else args
     out = tmp / "plain.json"
     p = subprocess.run([sys.executable, str(job), *args, "--out", str(out)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=300)
@@ -46,14 +47,19 @@ def plain_run(name: str, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None) -> tuple[dict, dict]:
+def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None, fast: bool = False,
+              args: list[str] | None = None) -> tuple[dict, dict]:
     """The job under `gpu-prefetch-sched run OPTS`; ``mechanism``: GPUOS_AGENT_MECHANISM for it
-    (None: as this process's environment says), checked against the header."""
-    job, args = JOBS[name]
+    (None: as this process's environment says), checked against the header; ``fast``: with
+    GPUOS_SCHED_FAST=1; ``args``: the job's arguments instead of its defaults."""
+    job, default = JOBS[name]
+    args = default if args is None else args
     out = tmp / "job.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *opts, "--",
            sys.executable, str(job), *args, "--out", str(out)]
     extra = {} if mechanism is None else {"GPUOS_AGENT_MECHANISM": mechanism}
+    if fast:
+        extra["GPUOS_SCHED_FAST"] = "1"
     p = subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-6000:]
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
@@ -128,3 +134,30 @@ def test_the_cnn_learns_its_step_period_and_belady_moves_less_than_lru(tmp_path)
     assert max(b["periods"]) >= steps // 2, b["periods"]  # a step (or two: the data cycles), not a local repeat
     assert b["predicted"] >= b["launches"] // 2, (b["predicted"], b["launches"])
     assert b["bytes_in"] < lru["bytes_in"], (b["bytes_in"], lru["bytes_in"])
+
+
+@pytest.mark.parametrize("name", ["cnn", "llm"])
+def test_torch_job_over_budget_on_the_fast_path_is_bit_identical_to_the_job_alone(tmp_path, name):
+    """GPUOS_SCHED_FAST=1: the native core lets the operations go by whose records are resident
+    and settled while the policy's plan has no action, and an operation on a record being evicted
+    or loaded still goes through the executor. The job over budget ends as it does alone, records
+    are evicted and loaded again, and the summary says how many operations went by without Python."""
+    job_path, args = JOBS[name]
+    if name == "cnn":  # steps enough for the period to be learned and then used
+        args = [*args[:-2], "--steps", "10"]
+    plain = plain_run(name, tmp_path, args)
+    job, s = sched_run(name, tmp_path, "--budget", "66%", fast=True, args=args)
+    assert job["digest"] == plain["digest"], (job, plain)
+    if name == "llm":
+        assert job["tokens"] == plain["tokens"]
+    assert s["footprint"] > 0 and s["budget"] < s["footprint"], s
+    assert s["evictions"] > 0 and s["loads"] > 0 and s["bytes_in"] > 0 and s["bytes_out"] > 0, s
+    assert "error" not in s and s["executor"]["mover_errors"] == 0, s
+    assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
+    fast = s["fast"]
+    assert fast["on"] and "off" not in fast, fast  # the core saw every owned record mapped
+    assert fast["replayed"] <= fast["operations"] and s["kernels"]["operations"] == s["launches"], (fast, s["kernels"])
+    print(f"{name} fast path: {fast['operations']} of {s['launches']} operations went by without Python "
+          f"({fast['operations'] / max(1, s['launches']):.1%}), {fast['late']} replayed late, replay "
+          f"{fast['replay_s']} s; {s['evictions']} evictions, {s['loads']} loads, periods {s['periods']}",
+          file=sys.stderr)

@@ -30,7 +30,7 @@
 #include "gpuos_core.h"
 
 /* ---- flags Python sets (core.py F_*) */
-enum { F_ENGINE = 1, F_EXEC = 2, F_GATE = 4, F_TOUCH = 8, F_SKIP_CAPTURED = 16 };
+enum { F_ENGINE = 1, F_EXEC = 2, F_GATE = 4, F_TOUCH = 8, F_SKIP_CAPTURED = 16, F_FAST = 32 };
 static volatile uint32_t flags;
 static upcall_fn upcall;
 
@@ -235,9 +235,16 @@ typedef struct {
     uint32_t snap;    /* index in the snapshot in progress + 1; 0: not in it */
     uint8_t dirty;    /* written since the last snapshot's T0 */
     uint8_t pad[3];
+    /* the fast path: nothing for the executor or the engine to do on an operation that writes
+       it while `ready` equals ready_gen, on one that only reads it while `readable` does
+       (Python marks them; 0: not) */
+    uint32_t ready, readable;
 } alloc_t;
 static alloc_t *allocs;
 static size_t n_allocs, cap_allocs;
+/* the fast path (below): an allocation came or went since Python last allowed operations */
+static int fast_moved = 1;
+static uint32_t ready_gen = 1; /* moved: every mark is gone at once (from any thread) */
 static uint64_t hull_lo = ~0ull, hull_hi, next_id = 1, touch_seq;
 static int dirty_all = 1; /* what was written is not known (no snapshot yet, or unknown since) */
 
@@ -331,6 +338,7 @@ void core_after_alloc(uint64_t addr, uint64_t size, uint32_t kind) {
             }
     epoch++;
     bumps[B_ALLOC]++;
+    fast_moved = 1;
     uint64_t *v = (uint64_t *)vput(V_ALLOC, 32);
     if (v) { v[0] = a->id; v[1] = addr; v[2] = size; v[3] = kind; }
 }
@@ -344,6 +352,7 @@ void core_after_free(uint64_t addr) {
         evict_at(i - 1);
         epoch++;
         bumps[B_FREE]++;
+        fast_moved = 1;
     }
 }
 
@@ -779,6 +788,180 @@ void core_set_references(const uint64_t *ns, uint32_t n) {
 static memo_t *last_access;
 static int last_known;
 
+
+/* ---- the scheduler's fast path (docs/native-core.md, "The fast path").
+   With F_FAST, an operation that would call the agent's hooks (F_ENGINE or F_EXEC) goes on
+   without entering Python when Python has nothing to do for it: every allocation it writes is
+   marked ready and every one it reads readable (owned records resident, loaded, resident in the
+   policy's books, and for a write not clean; other allocations), the policy allowed more
+   operations (fast_left: its plan has no action before then), no allocation came or went since,
+   and its access set is known. It is queued instead (fq): Python replays the queue into the
+   policy's books at its next upcall, in order, before anything else. Python clears a record's
+   marks before an eviction or a load of it is enqueued, with the core lock held (or, from a
+   thread that cannot take it at once, every mark: ready_gen), so an operation that touches it
+   from then on takes the upcall. */
+enum { FQ_LAUNCH = 1, FQ_WRITE = 2 };
+static int64_t fast_left;
+static uint64_t n_fast;
+static char *fq;
+static size_t fq_len, fq_cap;
+static uint32_t fq_entries;
+#define FQ_MAX_BYTES (8u << 20)
+static uint8_t slow_cbid[8192]; /* bit per cbid: its writes always go to Python (opaque copies) */
+
+static char *fq_put(size_t body) {
+    size_t need = (body + 7) & ~(size_t)7;
+    if (fq_len + need > fq_cap) {
+        size_t cap = fq_cap ? fq_cap : 65536;
+        while (cap < fq_len + need) cap *= 2;
+        char *b = realloc(fq, cap);
+        if (!b) return NULL;
+        fq = b;
+        fq_cap = cap;
+    }
+    char *p = fq + fq_len;
+    memset(p, 0, need);
+    fq_len += need;
+    fq_entries++;
+    return p;
+}
+
+/* Python: the next `left` decisions need no call (core lock held); an allocation change since
+   is forgotten (Python has read the records). */
+void core_fast_allow(int64_t left) {
+    fast_left = left;
+    fast_moved = 0;
+}
+
+/* Mark the allocations holding each of addrs: level 2, an operation may read and write it
+   without a call; 1, only read it (a record whose host copy is current: a write must reach the
+   engine); 0, neither. */
+void core_fast_mark(const uint64_t *addrs, uint32_t n, int level) {
+    uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
+    for (uint32_t k = 0; k < n; k++) {
+        alloc_t *a = find(addrs[k]);
+        if (a) {
+            a->ready = level >= 2 ? g : 0;
+            a->readable = level >= 1 ? g : 0;
+        }
+    }
+}
+
+/* Every mark is gone (any thread, no lock needed). */
+void core_fast_unready_all(void) {
+    uint32_t g = __atomic_add_fetch(&ready_gen, 1, __ATOMIC_ACQ_REL);
+    if (!g) __atomic_add_fetch(&ready_gen, 1, __ATOMIC_ACQ_REL); /* 0 means "not ready" */
+}
+
+/* Every allocation that overlaps [base, base + size) is not ready (a record's state changes).
+   From any thread: with the core lock held or free, those allocations alone; while another
+   thread holds it (the table may be changing), every mark. */
+void core_fast_unready(uint64_t base, uint64_t size) {
+    pthread_once(&core_once, init_lock);
+    if (pthread_mutex_trylock(&core_mu) != 0) {
+        core_fast_unready_all();
+        return;
+    }
+    uint64_t end = base + (size ? size : 1);
+    size_t i = upper(base);
+    if (i) i--;
+    for (; i < n_allocs && allocs[i].start < end; i++)
+        if (allocs[i].end > base) allocs[i].ready = allocs[i].readable = 0;
+    pthread_mutex_unlock(&core_mu);
+}
+
+/* How many of the n ranges [bases[k], bases[k] + sizes[k]) no live allocation of the core holds
+   whole (owned records the core did not see mapped: the fast path cannot mark them). */
+uint32_t core_fast_uncovered(const uint64_t *bases, const uint64_t *sizes, uint32_t n) {
+    uint32_t missing = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        alloc_t *a = find(bases[k]);
+        if (!a || a->end < bases[k] + sizes[k]) missing++;
+    }
+    return missing;
+}
+
+void core_fast_slow_cbid(uint32_t cbid) {
+    if (cbid < sizeof slow_cbid * 8) slow_cbid[cbid >> 3] |= (uint8_t)(1u << (cbid & 7));
+}
+
+/* The queue of operations that went without a call, handed to Python (core lock held; the
+   caller frees it with core_free): per entry u32 kind, u32 bytes, u64 operation number, u32
+   cbid, u32 name length, u64 stream, then a launch's u32 writes, u32 touched, the ids, the name;
+   a write's u64 dst, src. */
+char *core_fast_take(size_t *len, uint32_t *entries) {
+    char *b = fq;
+    *len = fq_len;
+    *entries = fq_entries;
+    fq = NULL;
+    fq_len = fq_cap = 0;
+    fq_entries = 0;
+    return b;
+}
+
+static inline int fast_allowed(void) {
+    return (flags & F_FAST) && fast_left > 0 && !fast_moved && fq_len < FQ_MAX_BYTES;
+}
+
+static void fq_header(char *p, uint32_t kind, uint32_t bytes, uint32_t cbid, uint32_t nlen, uint64_t stream) {
+    uint32_t h[2] = {kind, bytes};
+    memcpy(p, h, 8);
+    memcpy(p + 8, &n_ops, 8);
+    uint32_t c[2] = {cbid, nlen};
+    memcpy(p + 16, c, 8);
+    memcpy(p + 24, &stream, 8);
+}
+
+/* A launch with memo entry m goes on without a call: 1 (queued), 0 (Python must see it). */
+static int fast_launch(memo_t *m, uint32_t cbid, uint64_t stream, const char *name) {
+    if (!fast_allowed() || !m || m->unknown) return 0;
+    uint32_t n = m->nw + m->nt, g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
+    for (uint32_t k = 0; k < m->nw; k++) /* written */
+        if (allocs[m->idx[k]].ready != g) return 0;
+    for (uint32_t k = m->nw; k < n; k++) /* touched (the written ones again: checked above) */
+        if (allocs[m->idx[k]].readable != g) return 0;
+    size_t nlen = name ? strnlen(name, 4096) : 0;
+    size_t bytes = 40 + (size_t)n * 8 + nlen;
+    char *p = fq_put(bytes);
+    if (!p) return 0;
+    fq_header(p, FQ_LAUNCH, (uint32_t)((bytes + 7) & ~(size_t)7), cbid, (uint32_t)nlen, stream);
+    uint32_t c[2] = {m->nw, m->nt};
+    memcpy(p + 32, c, 8);
+    for (uint32_t k = 0; k < n; k++) memcpy(p + 40 + 8 * k, &allocs[m->idx[k]].id, 8);
+    if (nlen) memcpy(p + 40 + (size_t)n * 8, name, nlen);
+    fast_left--;
+    n_fast++;
+    return 1;
+}
+
+/* A copy or memset (dst, src: 0 when none) without a call: as fast_launch. A free is no
+   decision of the policy: it goes on when what it frees is ready (or is not device memory). */
+static int fast_write(uint32_t op, uint32_t cbid, uint64_t stream, uint64_t dst, uint64_t src) {
+    if (!fast_allowed()) return 0;
+    if (cbid < sizeof slow_cbid * 8 && (slow_cbid[cbid >> 3] >> (cbid & 7) & 1)) return 0;
+    alloc_t *d = find(dst), *s = find(src);
+    uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
+    if ((d && d->ready != g) || (s && s->readable != g)) return 0;
+    if (op == OP_FREE) {
+        n_fast++;
+        return 1;
+    }
+    char *p = fq_put(48);
+    if (!p) return 0;
+    fq_header(p, FQ_WRITE, 48, cbid, 0, stream);
+    memcpy(p + 32, &dst, 8);
+    memcpy(p + 40, &src, 8);
+    fast_left--;
+    n_fast++;
+    return 1;
+}
+
+void core_fast_counts(uint64_t out[3]) {
+    out[0] = n_fast;
+    out[1] = (uint64_t)(fast_left > 0 ? fast_left : 0);
+    out[2] = fq_entries;
+}
+
 /* ---- the enter site */
 
 void core_capture_begun(void) { __atomic_store_n(&capture_begun, 1, __ATOMIC_RELEASE); }
@@ -836,7 +1019,19 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
             call_up(&r);
         }
     }
-    if (flags & (F_ENGINE | F_EXEC)) { /* the engine or the scheduler has work: the agent's hook */
+    memo_t *pre = NULL; /* the fast path looks the launch's access set up before the hook */
+    uint64_t pre_epoch = 0;
+    int fast = 0;
+    if ((flags & (F_ENGINE | F_EXEC)) && fast_allowed()) {
+        if (op == OP_LAUNCH) {
+            pre = access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
+            pre_epoch = epoch;
+            fast = pre && fast_launch(pre, cbid, eff, name);
+        } else if (op == OP_WRITE || op == OP_FREE) {
+            fast = fast_write(op, cbid, eff, dst, src);
+        }
+    }
+    if ((flags & (F_ENGINE | F_EXEC)) && !fast) { /* the engine or the scheduler has work: the agent's hook */
         upcall_t u = {0};
         u.what = op == OP_LAUNCH ? UP_LAUNCH : op == OP_GRAPH ? UP_GRAPH : UP_WRITE;
         u.cbid = cbid;
@@ -868,7 +1063,8 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
             }
             goto out;
         }
-        memo_t *m = access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
+        /* the fast path's lookup stands unless the hook moved the epoch (its entry is gone then) */
+        memo_t *m = pre && pre_epoch == epoch ? pre : access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
         last_access = m;
         last_known = 1;
         int unknown = !m || m->unknown;
@@ -939,12 +1135,13 @@ void core_set_upcall(upcall_fn fn) {
 }
 
 /* operations, enters, upcalls, ns in enters, ns in upcalls, memo misses, memo hits, protect
-   upcalls, epoch, live allocations, memo entries, whether the GIL is let go while waiting, then
-   the epoch's moves by cause (bumps) */
-void core_counters(uint64_t out[18]) {
-    uint64_t v[18] = {n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects,
+   upcalls, epoch, live allocations, memo entries, whether the GIL is let go while waiting, the
+   epoch's moves by cause (bumps), then the operations the fast path let go without a call */
+void core_counters(uint64_t out[19]) {
+    uint64_t v[19] = {n_ops, n_enters, n_upcalls, ns_enter, ns_upcall, n_misses, n_hits, n_protects,
                       epoch, n_allocs, n_memo, p_gil_check != NULL,
-                      bumps[B_ALLOC], bumps[B_FREE], bumps[B_WORDS], bumps[B_OVER], bumps[B_MODULE], bumps[B_PYTHON]};
+                      bumps[B_ALLOC], bumps[B_FREE], bumps[B_WORDS], bumps[B_OVER], bumps[B_MODULE], bumps[B_PYTHON],
+                      n_fast};
     memcpy(out, v, sizeof v);
 }
 

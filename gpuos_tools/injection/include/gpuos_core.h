@@ -6,6 +6,7 @@
 #ifndef GPUOS_CORE_H
 #define GPUOS_CORE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define CORE_NO_ARGS 0xffffffffu
@@ -67,6 +68,16 @@ void core_stream_event(uint64_t stream, int destroyed); /* resource callback: no
 void core_module_unloading(void);
 void core_saw_context(uint64_t ctx);   /* the context a recorded call ran in (the first is kept) */
 uint64_t core_context(void);            /* that context; 0 before the first */
+
+/* ---- the scheduler's fast path (Python, core lock held): gpuos_core.c, "the scheduler's fast path" */
+void core_fast_allow(int64_t left);
+void core_fast_mark(const uint64_t *addrs, uint32_t n, int on);
+void core_fast_unready(uint64_t base, uint64_t size);
+void core_fast_unready_all(void);
+void core_fast_slow_cbid(uint32_t cbid);
+uint32_t core_fast_uncovered(const uint64_t *bases, const uint64_t *sizes, uint32_t n);
+char *core_fast_take(size_t *len, uint32_t *entries);
+void core_fast_counts(uint64_t out[3]);
 
 /* Whether a stream is capturing a graph: the front end that calls the core (the CUPTI tracer,
    an interposer) registers how to ask, before the first operation. */

@@ -1,0 +1,338 @@
+"""The scheduler's fast path on the native core (docs/native-core.md, "The fast path"): the core
+lets an operation go by without entering Python when every allocation it touches is marked ready
+and the policy allows, and Python replays what went by into the policy's books.
+
+The workload is the PyTorch training step recorded on the GPU (tests/data/recorded/torch.ndjson.zst),
+its launches, copies and memsets fed to the core again and again as the loop's steps (the recorded
+arguments, predicted by the agent's predictor through the core's memo), its device allocations the
+owned records of the engine's fake driver (tests/test_engine.py), under a budget below the
+footprint. The same run with the fast path off is the reference."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from test_engine import FakeOps, Rec
+from test_native_core import KIND_CODE, OP_LAUNCH, OP_WRITE, launch_args, records
+from test_sched_executor import FakeLib, settle
+
+from gpuos_tools.agent import agent as agent_mod
+from gpuos_tools.agent.agent import Agent
+from gpuos_tools.injection import core as core_mod
+from gpuos_tools.injection.core import F_FAST, NativeCore
+from gpuos_tools.injection.start import AgentUpcalls
+from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.sched import executor as executor_mod
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+
+TRACE = Path(__file__).parent / "data" / "recorded" / "torch.ndjson.zst"  #: the workload (a test may set another)
+NAMES = {1: "cuMemcpyAsync", 2: "cuMemsetD32Async", 3: "cuMemcpy3DAsync_v2"}
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Path:
+    return core_mod.build(tmp_path_factory.mktemp("build"))
+
+
+def fresh(library: Path, tmp: Path) -> NativeCore:
+    """A core of its own (the library copied to its own path: its state is its own)."""
+    path = tmp / "libcore.so"
+    shutil.copy(library, path)
+    return NativeCore(path)
+
+
+class Job:
+    """The recorded step on the core, the agent, the executor and the engine on the fake driver."""
+
+    def __init__(self, library: Path, tmp: Path, monkeypatch, fast: bool, fraction: float = 0.66,
+                 lookahead: int = 2, unseen: list[Rec] = ()) -> None:
+        self.trace = records(TRACE)
+        self.core = fresh(library, tmp)
+        self.recs = [Rec(r["addr"], r["size"]) for r in self.trace if r["type"] == "alloc" and r.get("kind") == "device"]
+        self.recs += unseen  # owned records whose maps the core does not see
+        self.ops = FakeOps(self.recs, auto=True)  # copies complete at once
+        self.ops.lib = FakeLib(self.recs)
+        monkeypatch.setattr(agent_mod, "ResidencyEngine", lambda agent: ResidencyEngine(agent, self.ops))
+        monkeypatch.setattr(executor_mod, "_current", None)
+        self.agent = agent = Agent(0)
+        executor_mod.attach(agent, {"fraction": fraction, "prepin": False, "fast": fast, "lookahead": lookahead})
+        self.upcalls = AgentUpcalls(self.core, agent, dict(NAMES))
+        lib = self.core.lib
+        for r in self.trace:  # the program's allocations first (the core sees the owned records' maps)
+            if r["type"] == "alloc":
+                lib.core_lock_program()
+                lib.core_after_alloc(r["addr"], r["size"], KIND_CODE.get(r.get("kind"), 0))
+                lib.core_unlock()
+        agent.start_engine()
+        self.upcalls.engine_started()
+        self.ex: executor_mod.Executor = executor_mod._current
+        self.eng: ResidencyEngine = agent.engine
+        #: every decision of the policy, in order: (kernel, bases, its actions but the require)
+        self.decisions: list[tuple] = []
+        before = self.ex.policy.before
+
+        def logged(kernel, bases, recs, key=None, version=None):
+            actions = before(kernel, bases, recs, key, version)
+            self.decisions.append((kernel, None if bases is None else tuple(sorted(set(bases))),
+                                   tuple(a for a in actions if a[0] != "require")))
+            return actions
+
+        self.ex.policy.before = logged
+        self.ops_fast: list[bool] = []  #: per operation: it went by without a call
+
+    def base_of(self, addr: int) -> int | None:
+        for r in self.recs:
+            if r.base <= addr < r.base + r.size:
+                return r.base
+        return None
+
+    def touched(self, rec: dict) -> list[int]:
+        """The records a launch touches, by the agent's predictor (the core's memo holds the same)."""
+        sizes, args = launch_args(rec)
+        unknown, touched, _ = self.agent.launch_touches(rec.get("kernel") or "", sizes, args)
+        assert not unknown
+        by_id = self.agent.by_id
+        return sorted({b for b in (self.base_of(by_id[i].addr) for i in touched if i in by_id) if b is not None})
+
+    def operation(self, op: int, cbid: int, func: int, name: bytes | None, sizes, args, dst: int, src: int) -> bool:
+        """One operation through the core's enter and exit; whether it went by without a call."""
+        before = self.core.counters()["fast"]
+        if sizes is None:
+            arr, n, buf, args_len = None, 0, None, core_mod.NO_ARGS
+        else:
+            arr = (ctypes.c_uint32 * max(1, len(sizes)))(*sizes)
+            n, buf, args_len = len(sizes), args, len(args)
+        self.core.lib.core_enter(op, cbid, 0, 0, 0, func, name, arr, n, buf, args_len, dst, src, 0)
+        self.core.lib.core_issued()
+        went = self.core.counters()["fast"] > before
+        self.ops_fast.append(went)
+        return went
+
+    def launch(self, rec: dict) -> bool:
+        sizes, args = launch_args(rec)
+        went = self.operation(OP_LAUNCH, 0, rec["func"], (rec.get("kernel") or "").encode(), sizes, args, 0, 0)
+        with self.agent.lock:
+            for b in self.touched(rec):  # issued now: each record mapped, nothing on its way out
+                state = self.eng.state(b)
+                assert self.ops.recs[b].resident and state in ("resident", "loading"), (hex(b), state)
+                assert not went or state == "resident", "a launch went by on a record not settled"
+        return went
+
+    def write(self, rec: dict) -> bool:
+        cbid = 2 if rec["type"] == "memset" else 1
+        src = 0 if rec["type"] == "memset" else rec.get("src", 0)
+        went = self.operation(OP_WRITE, cbid, 0, None, None, None, rec["dst"], src)
+        lib = self.core.lib
+        data = bytes.fromhex(rec["data"]) if rec.get("data") else None
+        lib.core_lock_program()
+        lib.core_after_write(rec["dst"], data, len(data) if data else rec["bytes"], 0, int(rec["type"] == "memset"))
+        lib.core_unlock()
+        return went
+
+    def step(self) -> None:
+        for r in self.trace:
+            if r["type"] == "launch":
+                self.launch(r)
+            elif r["type"] in ("memcpy", "memset"):
+                self.write(r)
+            else:
+                continue
+            settle(self.eng, self.ex)
+
+    def end(self) -> dict:
+        self.ex.fast_drain()
+        out = self.ex.summary()
+        self.ex.close()
+        self.eng.close()
+        return out
+
+    def hook_upcalls(self) -> int:
+        """Upcalls for the hooks (predictions of launches not memoised left out)."""
+        c = self.core.counters()
+        return c["upcalls"] - c["memo_misses"]
+
+
+def policy_state(ex: executor_mod.Executor) -> dict:
+    pol = ex.policy
+    return {"stats": pol.stats.as_dict(), "resident": list(pol.resident.items()), "used": pol.used,
+            "period": (pol.period.known, pol.period.n, pol.period.broken, pol.period.learned),
+            "keys": dict(pol._ids), "kernels": {k: list(v) for k, v in ex.kernels.items()}}
+
+
+STEPS = 8
+RECORDED = Path(__file__).parent / "data" / "recorded"
+
+
+@pytest.mark.parametrize("trace", ["torch.ndjson.zst", "suite-cupy_suite.s1.ndjson.zst"])
+def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_path, monkeypatch, trace):
+    """The same recorded steps with the fast path off and on: the same decisions in the same order
+    (evictions and prefetches), the same books at the end, the same moves by the engine. The
+    PyTorch step's working set fits the budget once its start-up buffers are out: its steady steps
+    go by with a few calls each; the CuPy suite's does not: evictions and prefetches every step,
+    and a call for each decision that has one and for the first touch of what it loaded."""
+    runs = {}
+    for fast in (False, True):
+        d = tmp_path / f"fast{int(fast)}"
+        d.mkdir()
+        monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / trace)
+        job = Job(library, d, monkeypatch, fast)
+        assert bool(job.core.flags() & F_FAST) == fast
+        per_step = []
+        for _ in range(STEPS):
+            n = len(job.ops_fast)
+            job.step()
+            per_step.append(job.ops_fast[n:])
+        summary = job.end()
+        runs[fast] = (job, summary, per_step)
+    (slow, s0, _), (fast, s1, steps) = runs[False], runs[True]
+    assert s1["fast"]["on"] and not s0["fast"]["on"]
+    assert fast.decisions == slow.decisions
+    assert policy_state(fast.ex) == policy_state(slow.ex)
+    for k in ("evictions", "loads", "prefetches", "demand_loads", "bytes_in", "bytes_out", "launches", "unknown"):
+        assert s1[k] == s0[k], k
+    assert s0["evictions"] > 0
+    assert s1["fast"]["late"] == 0  # every action was taken at its own operation
+    went = sum(fast.ops_fast)
+    assert s1["fast"]["operations"] == went == s1["fast"]["replayed"] > 0
+    assert not any(slow.ops_fast)
+    assert fast.hook_upcalls() == len(fast.ops_fast) - went < slow.hook_upcalls() == len(slow.ops_fast)
+    ops = len(steps[0])
+    acting = [sum(1 for d in fast.decisions[i * ops:(i + 1) * ops] if d[2]) for i in range(STEPS)]
+    if trace.startswith("torch"):  # the period learned, what it uses resident: a call or two a step
+        assert sum(acting[3:]) == 0
+        assert all(step.count(False) <= 2 for step in steps[3:]), [s.count(False) for s in steps]
+    else:  # moves every step: about one call per action, and one per first touch of a load
+        assert s0["prefetches"] > 0 and min(acting[3:]) > 0
+        assert all(step.count(False) <= 3 * a for step, a in zip(steps[3:], acting[3:]))
+        assert sum(s.count(True) for s in steps[3:]) > 0
+
+
+def test_an_operation_on_a_record_being_evicted_always_calls(library, tmp_path, monkeypatch):
+    """Once the loop runs fast, a record the policy evicts (and one the engine's own eviction
+    takes) loses its mark before its save is enqueued: the next launch that touches it calls,
+    finds it mapped again, and the eviction is cancelled or the record loaded."""
+    job = Job(library, tmp_path, monkeypatch, fast=True, fraction=0.95)
+    for _ in range(4):
+        job.step()
+    launches = [r for r in job.trace if r["type"] == "launch"]
+    rec = next(r for r in launches if job.touched(r))
+    victim = job.touched(rec)[0]
+    assert job.launch(rec)  # everything settled: it goes by
+    settle(job.eng, job.ex)
+    with job.agent.lock:  # as a decision's eviction does (the program's thread, the lock held)
+        job.ex.policy.forget(victim)
+        job.ex._evict(victim)
+    settle(job.eng, job.ex)
+    assert job.eng.state(victim) == "released"
+    assert not job.launch(rec)  # it calls, and the require loads it
+    settle(job.eng, job.ex)
+    assert job.ops.recs[victim].resident
+    # the engine's own eviction (its evict thread, under the agent's lock): the mark goes with it
+    assert job.launch(rec) or job.launch(rec)  # marked ready again after a call
+    with job.agent.lock:
+        assert job.eng.evict_from_operation(victim, 1)
+        assert job.eng.state(victim) in ("evicting", "released")
+        assert not job.launch(rec)
+    job.end()
+
+
+def test_an_owned_record_the_core_did_not_see_mapped_turns_the_fast_path_off(library, tmp_path, monkeypatch):
+    """The core marks its own allocations: a record of the owned allocator it has none for could
+    not lose a mark, and an operation on it would pass for one on host memory; the executor sees it
+    at its first decision and every operation calls from then on."""
+    job = Job(library, tmp_path, monkeypatch, fast=True, unseen=[Rec(0x7F00_0000_0000, 2 << 20)])
+    for _ in range(3):
+        job.step()
+    out = job.end()
+    assert not any(job.ops_fast) and not out["fast"]["on"]
+    assert out["fast"]["off"] == "1 owned records not seen by the native core"
+    assert not job.core.flags() & F_FAST
+
+
+def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(library, tmp_path):
+    """The core's rule without the executor: no mark, no allowance, an allocation since the last
+    allowance, a write to an allocation marked only readable, or a copy of an API always sent to
+    Python: a call. Marked, allowed: queued, with the launch's ids and name, and the allowance
+    counted down; dropping every mark at once (an unmark from a thread that cannot take the lock)
+    makes the next operation call."""
+    core = fresh(library, tmp_path)
+    calls: list[int] = []
+
+    def up(ptr):
+        u = ptr.contents
+        calls.append(u.what)
+        if u.what == core_mod.UP_PREDICT:
+            u.nw, u.nt, u.unknown = 1, 2, 0
+            u.ids[0], u.ids[1], u.ids[2] = 1, 1, 2
+        return 0
+
+    core.set_upcall(up)
+    lib = core.lib
+    for addr in (0x10000, 0x20000):
+        lib.core_lock_program()
+        lib.core_after_alloc(addr, 0x1000, 0)
+        lib.core_unlock()
+    core.set_flag(core_mod.F_EXEC | F_FAST, True)
+    sizes = (ctypes.c_uint32 * 2)(8, 8)
+    args = (0x10000).to_bytes(8, "little") + (0x20010).to_bytes(8, "little")
+
+    def launch() -> None:
+        lib.core_enter(OP_LAUNCH, 0, 0, 0, 5, 0xF00, b"k", sizes, 2, args, 16, 0, 0, 0)
+        lib.core_issued()
+
+    def write(cbid: int) -> None:
+        lib.core_enter(OP_WRITE, cbid, 0, 0, 5, 0, None, None, 0, None, core_mod.NO_ARGS, 0x20000, 0x90000, 0)
+        lib.core_issued()
+
+    launch()
+    assert calls == [core_mod.UP_LAUNCH]  # nothing allowed yet (no lookup either: no snapshot)
+    core.fast_allow(3)
+    launch()
+    assert calls[1:] == [core_mod.UP_PREDICT, core_mod.UP_LAUNCH]  # allowed, but nothing marked
+    core.fast_mark([0x10000], 2)
+    core.fast_allow(3)
+    launch()
+    assert calls[-1] == core_mod.UP_LAUNCH  # one of its two allocations marked
+    core.fast_mark([0x20000], 1)  # readable only (a record whose host copy is current)
+    n = len(calls)
+    launch()  # writes the first, reads the second
+    assert len(calls) == n
+    write(1)  # writes the second: the engine must see it
+    assert calls[-1] == core_mod.UP_WRITE and len(calls) == n + 1
+    core.fast_mark([0x20000], 2)
+    write(1)
+    assert len(calls) == n + 1 and core.fast_counts() == {"fast": 2, "left": 1, "queued": 2}
+    n = len(calls)
+    core.fast_slow_cbid(3)
+    write(3)  # an API whose addresses the core does not read
+    assert calls[-1] == core_mod.UP_WRITE and len(calls) == n + 1
+    launch()
+    assert core.fast_counts()["left"] == 0
+    launch()  # the allowance is spent
+    assert calls[-1] == core_mod.UP_LAUNCH and len(calls) == n + 2
+    assert core.fast_take() == [("launch", 4, 0, 5, "k", (1,), (1, 2)), ("write", 6, 1, 5, 0x20000, 0x90000),
+                                ("launch", 8, 0, 5, "k", (1,), (1, 2))]
+    assert core.fast_take() == []
+    core.fast_allow(5)
+    lib.core_lock_program()
+    lib.core_after_alloc(0x30000, 0x1000, 0)  # an allocation: the policy must see the records first
+    lib.core_unlock()
+    write(1)
+    assert calls[-1] == core_mod.UP_WRITE
+    core.fast_allow(5)
+    core.fast_unready(0x20000, 0x1000)  # a record's state changes: its allocation loses its mark
+    write(1)
+    assert calls[-1] == core_mod.UP_WRITE
+    core.fast_mark([0x20000], 2)
+    n = len(calls)
+    write(1)
+    assert len(calls) == n
+    core.fast_unready_all()
+    write(1)
+    assert len(calls) == n + 1
+    assert core.counters()["fast"] == 4
