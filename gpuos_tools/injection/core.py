@@ -301,17 +301,19 @@ class NativeCore:
 
     # -- the view queue -------------------------------------------------------------------------
 
+    def _taken(self, ptr: Any, n: ctypes.c_size_t) -> bytes:
+        """The bytes of a queue the core handed over (``ptr``, ``n`` long), freed."""
+        if not ptr:
+            return b""
+        try:
+            return ctypes.string_at(ptr, n.value)
+        finally:
+            self.lib.core_free(ptr)
+
     def take_view(self) -> list[tuple]:
         """The view events queued since the last take (core lock held)."""
         n = ctypes.c_size_t()
-        ptr = self.lib.core_view_take(ctypes.byref(n))
-        if not ptr:
-            return []
-        try:
-            data = ctypes.string_at(ptr, n.value)
-        finally:
-            self.lib.core_free(ptr)
-        return parse_view(data)
+        return parse_view(self._taken(self.lib.core_view_take(ctypes.byref(n)), n))
 
     def view_pending(self) -> int:
         return int(self.lib.core_view_len())
@@ -366,14 +368,7 @@ class NativeCore:
         """The operations that went without a call since the last take (``parse_fast``)."""
         n = ctypes.c_size_t()
         k = ctypes.c_uint32()
-        ptr = self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k))
-        if not ptr:
-            return []
-        try:
-            data = ctypes.string_at(ptr, n.value)
-        finally:
-            self.lib.core_free(ptr)
-        return parse_fast(data)
+        return parse_fast(self._taken(self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n))
 
     def fast_counts(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 3)()

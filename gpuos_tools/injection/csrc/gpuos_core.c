@@ -271,16 +271,21 @@ enum { V_ALLOC = 1, V_FREE = 2, V_COPY = 3, V_SET = 4 };
 static char *vbuf;
 static size_t vlen, vcap;
 
+/* room for `need` more bytes in a queue buffer that doubles from 64 KiB: 0, or -1 (no memory) */
+static int grow(char **buf, size_t len, size_t *cap, size_t need) {
+    if (len + need <= *cap) return 0;
+    size_t c = *cap ? *cap : 65536;
+    while (c < len + need) c *= 2;
+    char *b = realloc(*buf, c);
+    if (!b) return -1;
+    *buf = b;
+    *cap = c;
+    return 0;
+}
+
 static char *vput(uint32_t tag, size_t body) {
     size_t need = 8 + ((body + 7) & ~(size_t)7);
-    if (vlen + need > vcap) {
-        size_t cap = vcap ? vcap : 65536;
-        while (cap < vlen + need) cap *= 2;
-        char *b = realloc(vbuf, cap);
-        if (!b) return NULL;
-        vbuf = b;
-        vcap = cap;
-    }
+    if (grow(&vbuf, vlen, &vcap, need)) return NULL;
     char *p = vbuf + vlen;
     uint32_t h[2] = {tag, (uint32_t)need};
     memcpy(p, h, 8);
@@ -811,14 +816,7 @@ static uint8_t slow_cbid[8192]; /* bit per cbid: its writes always go to Python 
 
 static char *fq_put(size_t body) {
     size_t need = (body + 7) & ~(size_t)7;
-    if (fq_len + need > fq_cap) {
-        size_t cap = fq_cap ? fq_cap : 65536;
-        while (cap < fq_len + need) cap *= 2;
-        char *b = realloc(fq, cap);
-        if (!b) return NULL;
-        fq = b;
-        fq_cap = cap;
-    }
+    if (grow(&fq, fq_len, &fq_cap, need)) return NULL;
     char *p = fq + fq_len;
     memset(p, 0, need);
     fq_len += need;
