@@ -236,7 +236,7 @@ def test_a_program_under_the_cupti_agent_is_refused_untouched(world: World) -> N
     with pytest.raises(CkptError) as e:
         agent_criu.dump(ckpt, pid, world.tmp / "image")
     assert e.value.code == ExitCode.NOT_CHECKPOINTABLE and not e.value.touched
-    assert "CUPTI loaded" in str(e.value) and "--mechanism intercept" in str(e.value)
+    assert "CUPTI loaded" in str(e.value) and "GPUOS_AGENT_MECHANISM=cupti" in str(e.value)
     assert world.calls() == [] and not (world.tmp / "image").exists()
     assert ckpt.records[-1]["type"] == "ckpt_result" and ckpt.records[-1]["touched"] is False
 

@@ -52,7 +52,7 @@ SUSPENDED = {"ok": True, "pid": 42, "state": "suspended", "mechanism": "intercep
 
 @pytest.mark.parametrize("status,code,words", [
     ({**SUSPENDED, "mechanism": "cupti"}, ExitCode.NOT_CHECKPOINTABLE, "CUPTI loaded"),
-    ({k: v for k, v in SUSPENDED.items() if k != "mechanism"}, ExitCode.NOT_CHECKPOINTABLE, "--mechanism intercept"),
+    ({k: v for k, v in SUSPENDED.items() if k != "mechanism"}, ExitCode.NOT_CHECKPOINTABLE, "runs on interception (the default"),
     ({**SUSPENDED, "state": "running"}, ExitCode.WRONG_STATE, "not suspended: `gpu-ckpt --agent 42 --suspend` first"),
 ])
 def test_a_job_that_cannot_move_is_refused_untouched(status, code, words):

@@ -90,7 +90,7 @@ def refuse_cupti(ckpt: Checkpointer, pid: int, socket: Path) -> CkptError:
     return ckpt.fail(
         "dump", pid, f"PID {pid} runs under the agent on CUPTI callbacks ({socket}), and the driver's checkpoint, "
         "which a full-process image needs, refuses a process with CUPTI loaded; nothing was touched. A program "
-        "started with --mechanism intercept (GPUOS_AGENT_MECHANISM=intercept) can be dumped; this one can be "
+        "on interception (the default; not --mechanism cupti or GPUOS_AGENT_MECHANISM=cupti) can be dumped; this one can be "
         f"snapshotted through its agent: `gpu-ckpt --agent {pid} --image DIR`", ExitCode.NOT_CHECKPOINTABLE,
         "running", False)
 

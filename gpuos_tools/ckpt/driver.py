@@ -193,7 +193,7 @@ def cupti_hint(pid: int, err: str | None) -> str:
     if not loaded:
         return ""
     return (" (it has CUPTI loaded, which the driver's checkpoint refuses: an agent job on CUPTI callbacks can be "
-            "checkpointed this way when started with --mechanism intercept (GPUOS_AGENT_MECHANISM=intercept))")
+            "checkpointed this way when it runs on interception, the default (not GPUOS_AGENT_MECHANISM=cupti))")
 
 
 # What a failing call means, per call: (CUresult name -> exit code). Anything else is CUDA_ERROR.

@@ -24,7 +24,7 @@ def check_movable(status: dict[str, Any]) -> None:
         raise GpuosError(
             f"--agent --resume --device: the agent of PID {status.get('pid')} sees the program's driver calls "
             "through CUPTI, and the driver's checkpoint, which moves a program to another GPU, refuses a process "
-            "with CUPTI loaded; a job started with --mechanism intercept (GPUOS_AGENT_MECHANISM=intercept) can move",
+            "with CUPTI loaded; a job whose agent runs on interception (the default; not GPUOS_AGENT_MECHANISM=cupti) can move",
             ExitCode.NOT_CHECKPOINTABLE)
     if status.get("state") != SUSPENDED:
         raise GpuosError(f"--agent --resume --device: PID {status.get('pid')} is {status.get('state')}, not "
