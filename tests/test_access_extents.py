@@ -184,13 +184,39 @@ def test_cublas_split_k_through_its_workspace(cupy2):
 
 def test_cupy_arrays_and_random_numbers(cupy2):
     n = 200006  # 100003 x 2
-    pred, rec, acc = launch_with(cupy2, 4)  # z = x * y
+    pred, rec, acc = launch_with(cupy2, 4)  # z = x * y: a ufunc, inputs read, its output written
     s = spans(pred, rec)
-    assert set(s) == {(0, 0), (1, 0), (2, 0)}
-    assert all(r == w == (0, n * 4) for r, w in s.values())  # extern "C": direction unknown
+    assert s == {(0, 0): ((0, n * 4), None), (1, 0): ((0, n * 4), None), (2, 0): (None, (0, n * 4))}
+    pred, rec, acc = launch_with(cupy2, 5)  # x + 1.0: the scalar has no pointer
+    assert spans(pred, rec) == {(0, 0): ((0, n * 4), None), (2, 0): (None, (0, n * 4))}
+    # allclose on 6144 floats: isclose, an ElementwiseKernel, not a ufunc; the arrays before its
+    # scalars are inputs, the bool output after them may be read by the kernel's code too
+    pred, rec, acc = launch_with(cupy2, 37)
+    assert spans(pred, rec) == {(0, 0): ((0, 24576), None), (1, 0): ((0, 24576), None), (5, 0): ((0, 6144), (0, 6144))}
     pred, rec, _ = launch_with(cupy2, 2)  # standard_normal(n) into a fresh array
     s = spans(pred, rec)
     assert s[(2, 0)] == (None, (0, n * 4)) and s[(0, 0)] == ((0, n * 48), (0, n * 48))
+
+
+def test_cupy_directions_only_where_its_conventions_say():
+    """A kernel named like a ufunc but with another arity, or a user's ElementwiseKernel
+    without scalars, keeps every array read and written."""
+    import struct
+
+    from gpuos_tools.access.decode_cupy import plan_elementwise
+
+    arr = struct.pack("<4q", 0x7000_0000_0000, 10, 10, 4)  # CArray<float, 1>: 10 floats
+    index = struct.pack("<3q", 10, 10, 0)  # CIndexer<1>
+
+    def directions(name: str, nparams: int) -> dict:
+        plan = plan_elementwise(name, (32,) * nparams + (24,))
+        assert plan is not None
+        return plan([arr] * nparams + [index], {}).spans
+
+    both = ((0, 40), (0, 40))
+    assert directions("cupy_multiply__float32_float32_float32_float32", 4) == {(i, 0): both for i in range(4)}
+    assert directions("cupy_my_kernel__float32_float32", 2) == {(0, 0): both, (1, 0): both}
+    assert directions("cupy_sin__float32_float32", 2) == {(0, 0): ((0, 40), None), (1, 0): (None, (0, 40))}
 
 
 def test_a_launch_whose_bytes_do_not_check_out_falls_back_to_range(torch2):
