@@ -219,6 +219,44 @@ def test_cupy_directions_only_where_its_conventions_say():
     assert directions("cupy_sin__float32_float32", 2) == {(0, 0): ((0, 40), None), (1, 0): (None, (0, 40))}
 
 
+def with_bytes(rec: dict, param: int, offset: int, data: bytes) -> dict:
+    """The launch with ``data`` written over bytes of one parameter."""
+    raw = bytearray.fromhex(rec["params"][param]["hex"])
+    raw[offset : offset + len(data)] = data
+    params = list(rec["params"])
+    params[param] = {**params[param], "hex": raw.hex()}
+    return {**rec, "params": params}
+
+
+ONE = bytes.fromhex("0000803f")  # 1.0f
+
+
+@pytest.mark.parametrize(
+    ("seq", "param", "beta_at", "c", "size"),
+    [
+        (3, 11, 0, (5, 0), B * 16 * 32 * 32 * 4),  # implicit_convolve_sgemm: conv1 forward, y
+        (8, 0, 132, (0, 16), B * 32 * 32 * 32 * 4),  # xmma fprop: conv2 forward, C
+        (8, 0, 504, (0, 16), B * 32 * 32 * 32 * 4),  # the second copy of beta
+        (8, 0, 136, (0, 16), B * 32 * 32 * 32 * 4),  # a word after beta (a scalar's pointer) set
+        (21, 0, 476, (0, 16), B * 8192 * 4),  # xmma GEMM: the linear layer's input gradient
+        (21, 0, 532, (0, 16), B * 8192 * 4),
+    ],
+)
+def test_cudnn_and_cublas_outputs_are_read_only_when_beta_is_not_zero(torch2, seq, param, beta_at, c, size):
+    pred, rec, _ = launch_with(torch2, seq)
+    assert spans(pred, rec).get(c, (None, (0, size)))[0] is None  # beta 0: written, not read
+    assert spans(pred, with_bytes(rec, param, beta_at, ONE))[c][0] == (0, size)
+
+
+def test_xmma_scalars_that_are_not_the_pattern_read_off_keep_the_output_read(torch2):
+    pred, rec, _ = launch_with(torch2, 8)  # xmma fprop, alpha 1.0 at 128 and 500
+    out = B * 32 * 32 * 32 * 4
+    two = bytes.fromhex("00000040")  # 2.0f
+    assert spans(pred, with_bytes(rec, 0, 128, two))[(0, 16)][0] == (0, out)  # the copies differ
+    zero_alpha = with_bytes(with_bytes(rec, 0, 128, bytes(4)), 0, 500, bytes(4))
+    assert spans(pred, zero_alpha)[(0, 16)][0] == (0, out)
+
+
 def test_a_launch_whose_bytes_do_not_check_out_falls_back_to_range(torch2):
     pred, rec, _ = launch_with(torch2, 4)
     raw = bytearray.fromhex(rec["params"][1]["hex"])

@@ -10,7 +10,9 @@ it has not seen used) keep range's behaviour: read and write to the end of the a
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from typing import Any
 
 from gpuos_tools.access.decoded import Decoded, Plan
@@ -24,12 +26,32 @@ _TYPE_SIZES = {"tf32": 4, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "e4m3": 1, "e
                "s32": 4, "i32": 4}  # fmt: skip
 
 
+def beta_is_zero(b: bytes, places: tuple[int, ...], unset: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the epilogue's scalars read as (alpha, beta) float pairs at ``places``, the same
+    finite non-zero alpha in each and beta's four bytes all zero, with the words in ``unset``
+    (where the scalars' device pointers would go) zero: C is then not read. Only the pattern
+    every recorded launch shows is trusted; anything else keeps C read."""
+    if max(places) + 8 > len(b) or max(e for _, e in unset) > len(b):
+        return False
+    alpha = {b[o : o + 4] for o in places}
+    if len(alpha) != 1:
+        return False
+    value = struct.unpack("<f", alpha.pop())[0]
+    if value == 0 or not math.isfinite(value):
+        return False
+    return all(b[o + 4 : o + 8] == b"\0" * 4 for o in places) and not any(any(b[s:e]) for s, e in unset)
+
+
 # -- cuBLAS: sm*_xmma_gemm_* (one 736-byte parameter) ------------------------------------------
 # A at 0, B at 8, C at 16, an epilogue vector (bias) at 24, D at 48; the problem at 156 (n, m,
 # k as cuBLAS names them: D is n x m here), leading dimensions at 168..192, each operand's
 # (row stride, column stride, batch stride) as int64 at 208 + 24 i; batched at 612, the batch
 # count at 616, 1 at 620 (0 for pointer-array batches, whose A/B/C point to pointer arrays);
-# split-K workspace pointers at 376, 392, 400 (`carved`).
+# split-K workspace pointers at 376, 392, 400 (`carved`). Two copies of the (alpha, beta) float
+# pair at 472 and 528, the words after each zero (`beta_is_zero`); no recorded launch had beta
+# other than zero, so its place is inferred from alpha's and C is written only when it matches.
+
+_GEMM_SCALARS = ((472, 528), ((476, 512), (532, 552)))
 
 _GEMM = re.compile(r"^sm\d+_xmma_gemm_([a-z0-9]+?)_([a-z0-9]+?)_[a-z0-9]+_[nt][nt]_[nt]_")
 
@@ -59,7 +81,8 @@ def plan_xmma_gemm(name: str, sizes: tuple[int, ...]) -> Plan | None:
         dec = Decoded(VIA, regions={0: [(0, 56)]})
         dec.read(0, 0, extents[0])
         dec.read(0, 8, extents[1])
-        dec.read(0, 16, extents[2])  # beta's place is not known: C is taken as read
+        if not beta_is_zero(b, *_GEMM_SCALARS):
+            dec.read(0, 16, extents[2])  # C
         dec.write(0, 48, extents[3])
         if u64(b, 24):  # a bias vector along either side of D
             dec.read(0, 24, max(n, mm) * max(elem[2:]))
@@ -255,6 +278,9 @@ def plan_layout_transform(name: str, sizes: tuple[int, ...]) -> Plan | None:
 # (n, c, h, w) and strides at 0..28, k, r, s at 32..40, y's p, q at 56, 60 and strides at 64..76.
 
 _CONV = "int, int, int, {T} const*, int, {T}*, {T} const*, kernel_conv_params"
+# then (unsigned long long, int, float, float, ...): alpha and beta are the two floats, in
+# cuDNN's order (alpha first), matched on the exact prototype recorded
+_CONV_SCALARS = ["unsigned long long", "int", "float", "float"]
 
 
 def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
@@ -266,6 +292,7 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
     expected = [p.strip() for p in _CONV.replace("{T}", targs[0] if targs else "?").split(",")]
     if elem is None or not params or params[: len(expected)] != expected or len(sizes) != len(params):
         return None
+    beta = len(expected) + 3 if params[len(expected) : len(expected) + 4] == _CONV_SCALARS else None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         npq, kk, crs, ld = i32(raw[0], 0), i32(raw[1], 0), i32(raw[2], 0), i32(raw[4], 0)
@@ -282,7 +309,8 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
         y = sum((d - 1) * st for d, st in zip((n, k, pp, q), ys)) + 1
         dec = Decoded(VIA, regions={3: [(0, 8)], 5: [(0, 8)], 6: [(0, 8)]})
         dec.read(3, 0, ((k - 1) * ld + crs) * elem)
-        dec.read(5, 0, y * elem)  # beta's place is not known: y is taken as read
+        if beta is None or any(raw[beta]):  # y read unless beta is zero
+            dec.read(5, 0, y * elem)
         dec.write(5, 0, y * elem)
         dec.read(6, 0, x * elem)
         return dec
@@ -295,6 +323,9 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
 # filter at 8 (wgrad: dy at 8, the filter through C and D); the problem at 56: n, d, h, w, c,
 # t, p, q, k, 1, r, s; five strides per activation at 208 (x) and 228 (y), in memory order
 # (n, c, h, w, d) for nchw and (n, d, h, w, c) for nhwc. Filters are packed (k, c, r, s).
+# The (alpha, beta) pair twice, at 128 and 500, as in the GEMMs (all three kinds show it).
+
+_CONV_SCALARS_XMMA = ((128, 500), ((132, 176), (504, 544)))
 
 _CONV_KIND = re.compile(r"^sm\d+_xmma_(fprop|dgrad|wgrad)_implicit_gemm_(?:indexed_wo_smem_)?([a-z0-9]+?)_"
                         r"([a-z0-9]+?)_[a-z0-9]+_(nchw|nhwc)(kcrs|krsc)_(nchw|nhwc)_")
@@ -331,7 +362,8 @@ def plan_xmma_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
         dec = Decoded(VIA, regions={0: [(0, 32)]})
         dec.read(0, 0, src)
         dec.read(0, 8, other)
-        dec.read(0, 16, out)  # C: beta's place is not known
+        if not beta_is_zero(b, *_CONV_SCALARS_XMMA):
+            dec.read(0, 16, out)  # C
         dec.write(0, 24, out)
         if kind == "wgrad" and len(b) >= 360:  # split-K slices (@308 of @320 bytes), then two regions
             dec.known(0, 308, 360)
