@@ -257,6 +257,29 @@ def test_xmma_scalars_that_are_not_the_pattern_read_off_keep_the_output_read(tor
     assert spans(pred, zero_alpha)[(0, 16)][0] == (0, out)
 
 
+def test_cublas_serial_split_k_steps(cupy2):
+    # A @ B of 512x384 by 384x256 split along k into 4 slices of 512x256 partial products
+    a, b, slices, d = 512 * 384 * 4, 384 * 256 * 4, 4 * 512 * 256 * 4, 512 * 256 * 4
+    pred, rec, _ = launch_with(cupy2, 13)  # execute_kernel on a grid 4 deep: the partials
+    s = spans(pred, rec)
+    assert s == {(0, 0): ((0, a), None), (0, 8): ((0, b), None), (0, 376): (None, (0, slices))}
+    pred, rec, _ = launch_with(cupy2, 14)  # execute_split_k_kernel: their sum into D
+    assert spans(pred, rec) == {(0, 376): ((0, slices), None), (0, 48): (None, (0, d))}
+    # on a grid that is not the one recorded, every step may use A, B, D and the workspace
+    s = spans(pred, {**rec, "grid": [16, 8, 2]})
+    assert s[(0, 0)][0] == (0, a) and s[(0, 48)][1] == (0, d) and s[(0, 376)] == ((0, slices), (0, slices))
+
+
+def test_cudnn_weight_gradients(torch2):
+    pred, rec, _ = launch_with(torch2, 39)  # wgrad_alg0_engine: conv1's 16x3x3x3 filter
+    x, dw = B * 3 * 32 * 32 * 4, 16 * 27 * 4
+    assert spans(pred, rec) == {(3, 0): ((0, None), None), (5, 0): ((0, dw), (0, dw)), (6, 0): ((0, x), None)}
+    pred, rec, _ = launch_with(torch2, 34)  # xmma wgrad split along k into 90 slices
+    s = spans(pred, rec)
+    assert s[(0, 328)] == (None, (0, 89 * 24576))  # partial products, summed by the same launch
+    assert s[(0, 344)] == ((0, 2136), (0, 2136))  # its counters
+
+
 def test_a_launch_whose_bytes_do_not_check_out_falls_back_to_range(torch2):
     pred, rec, _ = launch_with(torch2, 4)
     raw = bytearray.fromhex(rec["params"][1]["hex"])
