@@ -21,10 +21,10 @@ DATA = Path(__file__).resolve().parent / "data" / "recorded"
 #: (program, scale) -> the most extra bytes extent granularity may predict, in percent of the
 #: bytes the GPU showed written and read (validated launches). Range predicted 556-1315 %.
 BOUNDS = {
-    ("torch_cnn", 1): (1, 27),
-    ("torch_cnn", 2): (11, 35),
-    ("cupy_suite", 1): (14, 23),
-    ("cupy_suite", 2): (20, 26),
+    ("torch_cnn", 1): (1, 9),
+    ("torch_cnn", 2): (10, 17),
+    ("cupy_suite", 1): (3, 5),
+    ("cupy_suite", 2): (4, 4),
 }
 
 
