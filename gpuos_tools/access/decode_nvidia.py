@@ -47,9 +47,10 @@ def beta_is_zero(b: bytes, places: tuple[int, ...], unset: tuple[tuple[int, int]
 # k as cuBLAS names them: D is n x m here), leading dimensions at 168..192, each operand's
 # (row stride, column stride, batch stride) as int64 at 208 + 24 i; batched at 612, the batch
 # count at 616, 1 at 620 (0 for pointer-array batches, whose A/B/C point to pointer arrays);
-# split-K workspace pointers at 376, 392, 400 (`carved`, `_serial_split_k`). Two copies of the (alpha, beta) float
-# pair at 472 and 528, the words after each zero (`beta_is_zero`); no recorded launch had beta
-# other than zero, so its place is inferred from alpha's and C is written only when it matches.
+# split-K workspace pointers at 376, 392, 400 (`carved`, `_serial_split_k`). Two copies of the
+# (alpha, beta) float pair at 472 and 528, the words after each zero (`beta_is_zero`); no
+# recorded launch had beta other than zero, so its place is inferred from alpha's and C is
+# written only when it matches.
 
 _GEMM_SCALARS = ((472, 528), ((476, 512), (532, 552)))
 
