@@ -21,10 +21,10 @@ DATA = Path(__file__).resolve().parent / "data" / "recorded"
 #: (program, scale) -> the most extra bytes extent granularity may predict, in percent of the
 #: bytes the GPU showed written and read (validated launches). Range predicted 556-1315 %.
 BOUNDS = {
-    ("torch_cnn", 1): (1, 27),
-    ("torch_cnn", 2): (11, 35),
-    ("cupy_suite", 1): (14, 23),
-    ("cupy_suite", 2): (20, 26),
+    ("torch_cnn", 1): (1, 9),
+    ("torch_cnn", 2): (10, 17),
+    ("cupy_suite", 1): (3, 5),
+    ("cupy_suite", 2): (4, 4),
 }
 
 
@@ -184,13 +184,100 @@ def test_cublas_split_k_through_its_workspace(cupy2):
 
 def test_cupy_arrays_and_random_numbers(cupy2):
     n = 200006  # 100003 x 2
-    pred, rec, acc = launch_with(cupy2, 4)  # z = x * y
+    pred, rec, acc = launch_with(cupy2, 4)  # z = x * y: a ufunc, inputs read, its output written
     s = spans(pred, rec)
-    assert set(s) == {(0, 0), (1, 0), (2, 0)}
-    assert all(r == w == (0, n * 4) for r, w in s.values())  # extern "C": direction unknown
+    assert s == {(0, 0): ((0, n * 4), None), (1, 0): ((0, n * 4), None), (2, 0): (None, (0, n * 4))}
+    pred, rec, acc = launch_with(cupy2, 5)  # x + 1.0: the scalar has no pointer
+    assert spans(pred, rec) == {(0, 0): ((0, n * 4), None), (2, 0): (None, (0, n * 4))}
+    # allclose on 6144 floats: isclose, an ElementwiseKernel, not a ufunc; the arrays before its
+    # scalars are inputs, the bool output after them may be read by the kernel's code too
+    pred, rec, acc = launch_with(cupy2, 37)
+    assert spans(pred, rec) == {(0, 0): ((0, 24576), None), (1, 0): ((0, 24576), None), (5, 0): ((0, 6144), (0, 6144))}
     pred, rec, _ = launch_with(cupy2, 2)  # standard_normal(n) into a fresh array
     s = spans(pred, rec)
     assert s[(2, 0)] == (None, (0, n * 4)) and s[(0, 0)] == ((0, n * 48), (0, n * 48))
+
+
+def test_cupy_directions_only_where_its_conventions_say():
+    """A kernel named like a ufunc but with another arity, or a user's ElementwiseKernel
+    without scalars, keeps every array read and written."""
+    import struct
+
+    from gpuos_tools.access.decode_cupy import plan_elementwise
+
+    arr = struct.pack("<4q", 0x7000_0000_0000, 10, 10, 4)  # CArray<float, 1>: 10 floats
+    index = struct.pack("<3q", 10, 10, 0)  # CIndexer<1>
+
+    def directions(name: str, nparams: int) -> dict:
+        plan = plan_elementwise(name, (32,) * nparams + (24,))
+        assert plan is not None
+        return plan([arr] * nparams + [index], {}).spans
+
+    both = ((0, 40), (0, 40))
+    assert directions("cupy_multiply__float32_float32_float32_float32", 4) == {(i, 0): both for i in range(4)}
+    assert directions("cupy_my_kernel__float32_float32", 2) == {(0, 0): both, (1, 0): both}
+    assert directions("cupy_sin__float32_float32", 2) == {(0, 0): ((0, 40), None), (1, 0): (None, (0, 40))}
+
+
+def with_bytes(rec: dict, param: int, offset: int, data: bytes) -> dict:
+    """The launch with ``data`` written over bytes of one parameter."""
+    raw = bytearray.fromhex(rec["params"][param]["hex"])
+    raw[offset : offset + len(data)] = data
+    params = list(rec["params"])
+    params[param] = {**params[param], "hex": raw.hex()}
+    return {**rec, "params": params}
+
+
+ONE = bytes.fromhex("0000803f")  # 1.0f
+
+
+@pytest.mark.parametrize(
+    ("seq", "param", "beta_at", "c", "size"),
+    [
+        (3, 11, 0, (5, 0), B * 16 * 32 * 32 * 4),  # implicit_convolve_sgemm: conv1 forward, y
+        (8, 0, 132, (0, 16), B * 32 * 32 * 32 * 4),  # xmma fprop: conv2 forward, C
+        (8, 0, 504, (0, 16), B * 32 * 32 * 32 * 4),  # the second copy of beta
+        (8, 0, 136, (0, 16), B * 32 * 32 * 32 * 4),  # a word after beta (a scalar's pointer) set
+        (21, 0, 476, (0, 16), B * 8192 * 4),  # xmma GEMM: the linear layer's input gradient
+        (21, 0, 532, (0, 16), B * 8192 * 4),
+    ],
+)
+def test_cudnn_and_cublas_outputs_are_read_only_when_beta_is_not_zero(torch2, seq, param, beta_at, c, size):
+    pred, rec, _ = launch_with(torch2, seq)
+    assert spans(pred, rec).get(c, (None, (0, size)))[0] is None  # beta 0: written, not read
+    assert spans(pred, with_bytes(rec, param, beta_at, ONE))[c][0] == (0, size)
+
+
+def test_xmma_scalars_that_are_not_the_pattern_read_off_keep_the_output_read(torch2):
+    pred, rec, _ = launch_with(torch2, 8)  # xmma fprop, alpha 1.0 at 128 and 500
+    out = B * 32 * 32 * 32 * 4
+    two = bytes.fromhex("00000040")  # 2.0f
+    assert spans(pred, with_bytes(rec, 0, 128, two))[(0, 16)][0] == (0, out)  # the copies differ
+    zero_alpha = with_bytes(with_bytes(rec, 0, 128, bytes(4)), 0, 500, bytes(4))
+    assert spans(pred, zero_alpha)[(0, 16)][0] == (0, out)
+
+
+def test_cublas_serial_split_k_steps(cupy2):
+    # A @ B of 512x384 by 384x256 split along k into 4 slices of 512x256 partial products
+    a, b, slices, d = 512 * 384 * 4, 384 * 256 * 4, 4 * 512 * 256 * 4, 512 * 256 * 4
+    pred, rec, _ = launch_with(cupy2, 13)  # execute_kernel on a grid 4 deep: the partials
+    s = spans(pred, rec)
+    assert s == {(0, 0): ((0, a), None), (0, 8): ((0, b), None), (0, 376): (None, (0, slices))}
+    pred, rec, _ = launch_with(cupy2, 14)  # execute_split_k_kernel: their sum into D
+    assert spans(pred, rec) == {(0, 376): ((0, slices), None), (0, 48): (None, (0, d))}
+    # on a grid that is not the one recorded, every step may use A, B, D and the workspace
+    s = spans(pred, {**rec, "grid": [16, 8, 2]})
+    assert s[(0, 0)][0] == (0, a) and s[(0, 48)][1] == (0, d) and s[(0, 376)] == ((0, slices), (0, slices))
+
+
+def test_cudnn_weight_gradients(torch2):
+    pred, rec, _ = launch_with(torch2, 39)  # wgrad_alg0_engine: conv1's 16x3x3x3 filter
+    x, dw = B * 3 * 32 * 32 * 4, 16 * 27 * 4
+    assert spans(pred, rec) == {(3, 0): ((0, None), None), (5, 0): ((0, dw), (0, dw)), (6, 0): ((0, x), None)}
+    pred, rec, _ = launch_with(torch2, 34)  # xmma wgrad split along k into 90 slices
+    s = spans(pred, rec)
+    assert s[(0, 328)] == (None, (0, 89 * 24576))  # partial products, summed by the same launch
+    assert s[(0, 344)] == ((0, 2136), (0, 2136))  # its counters
 
 
 def test_a_launch_whose_bytes_do_not_check_out_falls_back_to_range(torch2):

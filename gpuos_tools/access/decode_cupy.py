@@ -4,8 +4,14 @@
   each array is a ``CArray<T, ndim>`` passed by value (data pointer, size, shape[ndim] and byte
   strides[ndim], 8 bytes each); the last parameter is a ``CIndexer`` (size, shape, index). An
   array is only ever indexed inside its own shape, so its extent is the span of its strides;
-  negative strides reach below the pointer. The kernels are extern "C": which arrays are
-  written is not known, so each is read and written.
+  negative strides reach below the pointer. The kernels are extern "C", so the names say
+  which arrays are written only through CuPy's conventions: a kernel's parameters are its
+  inputs, then its outputs (cupy/_core/_kernel.pyx), and an output is always an array, so an
+  array before a scalar parameter is an input (read only). A ufunc (``cupy_add``,
+  ``cupy_sin``: NumPy's ufunc of the same name, with as many parameters as its inputs and
+  outputs) assigns its outputs without reading them: its last ``nout`` arrays are written
+  only. Any other array may be an output that the kernel's code also reads (``z += x``): it
+  is read and written.
 - Random numbers (``execute_dist<F, State, R>(state, states, out, size)`` and
   ``init_curand<State>(state, seed, size)``, cupy/random/cupy_distributions.cu): thread ``id <
   size`` uses generator state ``id`` and writes ``out[id]``.
@@ -14,6 +20,8 @@
 from __future__ import annotations
 
 from typing import Any
+
+import numpy
 
 from gpuos_tools.access.decoded import Decoded, Plan
 from gpuos_tools.access.layouts import NUMPY_SIZES, args_of, i64, numel, sizeof
@@ -40,6 +48,15 @@ def carray(raw: bytes, itemsize: int) -> tuple[int, int] | None:
     return lo, hi + itemsize
 
 
+def _ufunc_outputs(base: str, nparams: int) -> int:
+    """How many trailing parameters of the kernel ``cupy_NAME`` are a ufunc's outputs, written
+    and never read: NumPy's ufunc ``NAME``'s ``nout`` when its arity matches, else 0."""
+    ufunc = getattr(numpy, base.removeprefix("cupy_"), None)
+    if isinstance(ufunc, numpy.ufunc) and ufunc.nin + ufunc.nout == nparams:
+        return ufunc.nout
+    return 0
+
+
 def plan_elementwise(name: str, sizes: tuple[int, ...]) -> Plan | None:
     base, sep, types = name.rpartition("__")
     if not sep or not base.startswith("cupy_") or len(sizes) < 2:
@@ -48,13 +65,21 @@ def plan_elementwise(name: str, sizes: tuple[int, ...]) -> Plan | None:
     if len(tokens) != len(sizes) - 1 or (sizes[-1] - 8) % 16 or sizes[-1] < 8:
         return None
     arrays = []  # (param, itemsize)
+    last_scalar = -1
     for i, (token, size) in enumerate(zip(tokens, sizes)):
         if size >= 16 and (size - 16) % 16 == 0 and token in NUMPY_SIZES:
             arrays.append((i, NUMPY_SIZES[token]))
         elif size > 8:
             return None  # a struct that is not an array of a known type
+        else:
+            last_scalar = i
     if not arrays:
         return None
+    nout = _ufunc_outputs(base, len(tokens))
+    if nout:  # param -> (read, written): a ufunc's inputs are read, its outputs written
+        directions = {i: (i < len(tokens) - nout, i >= len(tokens) - nout) for i, _ in arrays}
+    else:  # an array before a scalar is an input; any other may be an output read too
+        directions = {i: (True, i > last_scalar) for i, _ in arrays}
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         index = raw[-1]
@@ -67,7 +92,8 @@ def plan_elementwise(name: str, sizes: tuple[int, ...]) -> Plan | None:
             if span is None:
                 return None
             if span[1] > span[0]:
-                dec.spans[(i, 0)] = (span, span)
+                reads, writes = directions[i]
+                dec.spans[(i, 0)] = (span if reads else None, span if writes else None)
         return dec
 
     return plan

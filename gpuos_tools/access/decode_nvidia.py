@@ -10,7 +10,9 @@ it has not seen used) keep range's behaviour: read and write to the end of the a
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from typing import Any
 
 from gpuos_tools.access.decoded import Decoded, Plan
@@ -24,12 +26,33 @@ _TYPE_SIZES = {"tf32": 4, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "e4m3": 1, "e
                "s32": 4, "i32": 4}  # fmt: skip
 
 
+def beta_is_zero(b: bytes, places: tuple[int, ...], unset: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the epilogue's scalars read as (alpha, beta) float pairs at ``places``, the same
+    finite non-zero alpha in each and beta's four bytes all zero, with the words in ``unset``
+    (where the scalars' device pointers would go) zero: C is then not read. Only the pattern
+    every recorded launch shows is trusted; anything else keeps C read."""
+    if max(places) + 8 > len(b) or max(e for _, e in unset) > len(b):
+        return False
+    alpha = {b[o : o + 4] for o in places}
+    if len(alpha) != 1:
+        return False
+    value = struct.unpack("<f", alpha.pop())[0]
+    if value == 0 or not math.isfinite(value):
+        return False
+    return all(b[o + 4 : o + 8] == b"\0" * 4 for o in places) and not any(any(b[s:e]) for s, e in unset)
+
+
 # -- cuBLAS: sm*_xmma_gemm_* (one 736-byte parameter) ------------------------------------------
 # A at 0, B at 8, C at 16, an epilogue vector (bias) at 24, D at 48; the problem at 156 (n, m,
 # k as cuBLAS names them: D is n x m here), leading dimensions at 168..192, each operand's
 # (row stride, column stride, batch stride) as int64 at 208 + 24 i; batched at 612, the batch
 # count at 616, 1 at 620 (0 for pointer-array batches, whose A/B/C point to pointer arrays);
-# split-K workspace pointers at 376, 392, 400 (`carved`).
+# split-K workspace pointers at 376, 392, 400 (`carved`, `_serial_split_k`). Two copies of the
+# (alpha, beta) float pair at 472 and 528, the words after each zero (`beta_is_zero`); no
+# recorded launch had beta other than zero, so its place is inferred from alpha's and C is
+# written only when it matches.
+
+_GEMM_SCALARS = ((472, 528), ((476, 512), (532, 552)))
 
 _GEMM = re.compile(r"^sm\d+_xmma_gemm_([a-z0-9]+?)_([a-z0-9]+?)_[a-z0-9]+_[nt][nt]_[nt]_")
 
@@ -42,6 +65,7 @@ def plan_xmma_gemm(name: str, sizes: tuple[int, ...]) -> Plan | None:
     if len(ab) != 2 or len(cd) != 2:
         return None
     elem = [_TYPE_SIZES[ab[0]], _TYPE_SIZES[ab[1]], _TYPE_SIZES[cd[0]], _TYPE_SIZES[cd[1]]]
+    step = "reduce" if "_execute_split_k_kernel_" in name else "gemm" if "_execute_kernel_" in name else None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         b = raw[0]
@@ -57,36 +81,71 @@ def plan_xmma_gemm(name: str, sizes: tuple[int, ...]) -> Plan | None:
                 return None
             extents.append(((rows - 1) * s0 + (cols - 1) * s1 + (batch - 1) * bs + 1) * elem[i])
         dec = Decoded(VIA, regions={0: [(0, 56)]})
-        dec.read(0, 0, extents[0])
-        dec.read(0, 8, extents[1])
-        dec.read(0, 16, extents[2])  # beta's place is not known: C is taken as read
-        dec.write(0, 48, extents[3])
+        c_read = not beta_is_zero(b, *_GEMM_SCALARS)
+        dec.known(0, 368, 408)
+        workspace = ((376, 392, 400), [i64(b, 368) * i32(b, 356), i32(b, 384), i32(b, 388)])
+        serial = _serial_split_k(b, rec, step, n * mm * elem[3], workspace)
+        if serial == "gemm":  # k slices of partial products into the workspace, D untouched
+            dec.read(0, 0, extents[0])
+            dec.read(0, 8, extents[1])
+            dec.write(0, 376, workspace[1][0])
+        elif serial == "reduce":  # the slices summed into D
+            dec.read(0, 376, workspace[1][0])
+            dec.write(0, 48, extents[3])
+        else:
+            dec.read(0, 0, extents[0])
+            dec.read(0, 8, extents[1])
+            dec.write(0, 48, extents[3])
+            carved(dec, b, *workspace)  # any step may use the split-K workspace
+        if c_read:
+            dec.read(0, 16, extents[2])  # C
         if u64(b, 24):  # a bias vector along either side of D
             dec.read(0, 24, max(n, mm) * max(elem[2:]))
         for off in (32, 40):  # never seen set: its role unknown
             if u64(b, off):
                 dec.read(0, off, None)
                 dec.write(0, off, None)
-        # split-K workspace: partial-result slices (@368 bytes times @356), then two more regions
-        dec.known(0, 368, 408)
-        carved(dec, b, (376, 392, 400), [i64(b, 368) * i32(b, 356), i32(b, 384), i32(b, 388)])
         return dec
 
     return plan
 
 
-def carved(dec: Decoded, b: bytes, pointers: tuple[int, ...], sizes: list[int]) -> None:
+def _serial_split_k(b: bytes, rec: dict[str, Any], step: str | None, slice_bytes: int,
+                    workspace: tuple[tuple[int, ...], list[int]]) -> str | None:
+    """The step of a serial split-K GEMM, or None where the launch is not one as recorded.
+
+    cuBLAS splits k into S slices (S at 352 and 356, 2 at 360): ``execute_kernel`` on a grid
+    S deep writes each slice's n x m partial product (the slice stride at 368) into the
+    workspace's first region and nothing else; ``execute_split_k_kernel``, on a grid one deep,
+    reads them and writes D. A, B and the workspace's counters are left alone by the step that
+    does not name them."""
+    slices, grid = i32(b, 356), rec.get("grid") or (0, 0, 0)
+    if step is None or slices < 2 or i32(b, 352) != slices or i32(b, 360) != 2 or i64(b, 368) != slice_bytes:
+        return None
+    pointers, sizes = workspace
+    ws = [u64(b, off) for off in pointers]
+    if not all(ws) or any(ws[i + 1] != ws[i] + sizes[i] for i in range(len(ws) - 1)):
+        return None
+    if len(grid) != 3 or grid[2] != (slices if step == "gemm" else 1):
+        return None
+    return step
+
+
+def carved(dec: Decoded, b: bytes, pointers: tuple[int, ...], sizes: list[int], partials_read: bool = True) -> None:
     """A library workspace in consecutive regions (split-K partial results, then counters):
     ``pointers`` are where the regions' addresses are, ``sizes`` the sizes the parameters give.
     Bounded only when each region starts exactly where the one before ends (the sizes are then
-    what the library carved); otherwise each pointer is read and written to the end."""
+    what the library carved); otherwise each pointer is read and written to the end.
+    ``partials_read`` False: the kernel reads a partial result only after writing it itself (its
+    last slice sums them), so the first region's earlier contents are not read."""
     ws = [u64(b, off) for off in pointers]
     if not any(ws):
         return
     ok = all(ws) and min(sizes) > 0 and all(ws[i + 1] == ws[i] + sizes[i] for i in range(len(ws) - 1))
-    for off, ptr, size in zip(pointers, ws, sizes):
+    for i, (off, ptr, size) in enumerate(zip(pointers, ws, sizes)):
         if ptr:
-            dec.read(0, off, size if ok else None)
+            if i or partials_read or not ok:
+                dec.read(0, off, size if ok else None)
             dec.write(0, off, size if ok else None)
 
 
@@ -255,6 +314,9 @@ def plan_layout_transform(name: str, sizes: tuple[int, ...]) -> Plan | None:
 # (n, c, h, w) and strides at 0..28, k, r, s at 32..40, y's p, q at 56, 60 and strides at 64..76.
 
 _CONV = "int, int, int, {T} const*, int, {T}*, {T} const*, kernel_conv_params"
+# then (unsigned long long, int, float, float, ...): alpha and beta are the two floats, in
+# cuDNN's order (alpha first), matched on the exact prototype recorded
+_CONV_SCALARS = ["unsigned long long", "int", "float", "float"]
 
 
 def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
@@ -266,6 +328,7 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
     expected = [p.strip() for p in _CONV.replace("{T}", targs[0] if targs else "?").split(",")]
     if elem is None or not params or params[: len(expected)] != expected or len(sizes) != len(params):
         return None
+    beta = len(expected) + 3 if params[len(expected) : len(expected) + 4] == _CONV_SCALARS else None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         npq, kk, crs, ld = i32(raw[0], 0), i32(raw[1], 0), i32(raw[2], 0), i32(raw[4], 0)
@@ -282,8 +345,46 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
         y = sum((d - 1) * st for d, st in zip((n, k, pp, q), ys)) + 1
         dec = Decoded(VIA, regions={3: [(0, 8)], 5: [(0, 8)], 6: [(0, 8)]})
         dec.read(3, 0, ((k - 1) * ld + crs) * elem)
-        dec.read(5, 0, y * elem)  # beta's place is not known: y is taken as read
+        if beta is None or any(raw[beta]):  # y read unless beta is zero
+            dec.read(5, 0, y * elem)
         dec.write(5, 0, y * elem)
+        dec.read(6, 0, x * elem)
+        return dec
+
+    return plan
+
+
+# wgrad_alg0_engine<T, ...>(C·R·S, K, P·Q, dy, dy's leading dimension, dw, x,
+# kernel_grad_params, ...): the parameters open like kernel_conv_params ((n, c, h, w), x's
+# strides, k, r, s). dw is K x C·R·S packed; the engine may accumulate into it, so it is read
+# and written. dy's layout in the parameters was not pinned down: it keeps range.
+
+_WGRAD0 = "int, int, int, {T} const*, int, {T}*, {T} const*, kernel_grad_params"
+
+
+def plan_wgrad_alg0(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    if not name.startswith("void wgrad_alg0_engine<"):
+        return None
+    targs = args_of(name, "wgrad_alg0_engine")
+    params = split_params(name)
+    elem = sizeof(targs[0]) if targs else None
+    expected = [p.strip() for p in _WGRAD0.replace("{T}", targs[0] if targs else "?").split(",")]
+    if elem is None or not params or params[: len(expected)] != expected or len(sizes) != len(params):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        crs, kk, pq, ld = i32(raw[0], 0), i32(raw[1], 0), i32(raw[2], 0), i32(raw[4], 0)
+        p = raw[7]
+        n, c, h, w = (i32(p, o) for o in (0, 4, 8, 12))
+        k, r, s = i32(p, 32), i32(p, 36), i32(p, 40)
+        xs = [i32(p, o) for o in (16, 20, 24, 28)]
+        if min(n, c, h, w, k, r, s, pq) < 1 or min(xs) < 0 or kk != k or crs != c * r * s or ld < pq:
+            return None
+        x = sum((d - 1) * st for d, st in zip((n, c, h, w), xs)) + 1
+        dec = Decoded(VIA, regions={3: [(0, 8)], 5: [(0, 8)], 6: [(0, 8)]})
+        dec.read(3, 0, None)  # dy
+        dec.read(5, 0, k * crs * elem)
+        dec.write(5, 0, k * crs * elem)
         dec.read(6, 0, x * elem)
         return dec
 
@@ -295,6 +396,9 @@ def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
 # filter at 8 (wgrad: dy at 8, the filter through C and D); the problem at 56: n, d, h, w, c,
 # t, p, q, k, 1, r, s; five strides per activation at 208 (x) and 228 (y), in memory order
 # (n, c, h, w, d) for nchw and (n, d, h, w, c) for nhwc. Filters are packed (k, c, r, s).
+# The (alpha, beta) pair twice, at 128 and 500, as in the GEMMs (all three kinds show it).
+
+_CONV_SCALARS_XMMA = ((128, 500), ((132, 176), (504, 544)))
 
 _CONV_KIND = re.compile(r"^sm\d+_xmma_(fprop|dgrad|wgrad)_implicit_gemm_(?:indexed_wo_smem_)?([a-z0-9]+?)_"
                         r"([a-z0-9]+?)_[a-z0-9]+_(nchw|nhwc)(kcrs|krsc)_(nchw|nhwc)_")
@@ -331,11 +435,13 @@ def plan_xmma_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
         dec = Decoded(VIA, regions={0: [(0, 32)]})
         dec.read(0, 0, src)
         dec.read(0, 8, other)
-        dec.read(0, 16, out)  # C: beta's place is not known
+        if not beta_is_zero(b, *_CONV_SCALARS_XMMA):
+            dec.read(0, 16, out)  # C
         dec.write(0, 24, out)
         if kind == "wgrad" and len(b) >= 360:  # split-K slices (@308 of @320 bytes), then two regions
             dec.known(0, 308, 360)
-            carved(dec, b, (328, 344, 352), [i32(b, 308) * i64(b, 320), i32(b, 336), i32(b, 340)])
+            # the slices' partial products are written and then summed by the same launch
+            carved(dec, b, (328, 344, 352), [i32(b, 308) * i64(b, 320), i32(b, 336), i32(b, 340)], False)
         return dec
 
     return plan
@@ -538,4 +644,5 @@ PLANNERS = (
     plan_bn_backward,
     plan_layout_transform,
     plan_implicit_conv,
+    plan_wgrad_alg0,
 )
