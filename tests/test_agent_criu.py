@@ -70,6 +70,7 @@ class World:
 
     def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch):
         self.tmp = tmp
+        self._mp = monkeypatch
         self.states = tmp / "states"
         self.states.mkdir()
         self.run = Path(tempfile.mkdtemp(prefix="gac", dir="/tmp"))  # a socket path has at most 107 bytes
@@ -88,6 +89,15 @@ class World:
         monkeypatch.setattr(guard, "SETTLE_S", 0.05)
         self.driver = FileDriver(self.states)
         self.procs: list[subprocess.Popen] = []
+
+    def dumped_and_gone(self, pid: int, image: Path, gone: int) -> None:
+        """As after a real dump: the driver holds ``pid`` checkpointed, the image names a PID that
+        is gone (``gone``), and the stand-in CRIU's restore brings back ``pid`` in its place."""
+        self.driver.set(pid, "checkpointed")
+        data = meta(image)
+        data["pid"] = gone
+        (image / criu.METADATA).write_text(json.dumps(data))
+        self._mp.setenv("FAKE_CRIU_RESTORED", str(pid))
 
     def program(self, **env: str) -> int:
         """A program under the fake agent, running as far as the fake driver knows; its pid."""
@@ -162,17 +172,9 @@ def test_the_restore_runs_criu_then_the_driver_then_the_agents_resume(world: Wor
     pid = world.program()
     image = world.tmp / "image"
     agent_criu.dump(world.ckpt(), pid, image)
-    world.driver.set(pid, "checkpointed")  # as CRIU restores it
-    # the restore brings it back under its old pid (here: the stand-in says the program is it)
-    data = meta(image)
-    data["pid"] = 2**22 + 3
-    (image / criu.METADATA).write_text(json.dumps(data))
-    os.environ["FAKE_CRIU_RESTORED"] = str(pid)
+    world.dumped_and_gone(pid, image, 2**22 + 3)
     ckpt = world.ckpt()
-    try:
-        result = agent_criu.restore(ckpt, image, lazy=lazy)
-    finally:
-        del os.environ["FAKE_CRIU_RESTORED"]
+    result = agent_criu.restore(ckpt, image, lazy=lazy)
     resume = "agent_resume_lazy" if lazy else "agent_resume"
     assert world.calls()[4:] == ["criu_restore", "restore", "unlock", resume]
     assert "its agent resumed it" in result["message"] and ping(pid)["state"] == "running"
@@ -294,11 +296,7 @@ def test_an_agent_that_does_not_answer_the_resume_after_a_restore(world: World, 
     pid = world.program(FAKE_AGENT_RESUME="hang")
     image = world.tmp / "image"
     agent_criu.dump(world.ckpt(), pid, image)
-    world.driver.set(pid, "checkpointed")
-    data = meta(image)
-    data["pid"] = 2**22 + 5
-    (image / criu.METADATA).write_text(json.dumps(data))
-    monkeypatch.setenv("FAKE_CRIU_RESTORED", str(pid))
+    world.dumped_and_gone(pid, image, 2**22 + 5)
     monkeypatch.setattr(agent_hold, "RESUME_TIMEOUT_S", 1.0)
     with pytest.raises(CkptError) as e:
         agent_criu.restore(world.ckpt(), image)
@@ -326,15 +324,8 @@ def test_the_trace_pipe_is_recorded_and_the_restore_hands_dev_null_in_its_place(
         image = world.tmp / "image"
         agent_criu.dump(world.ckpt(), p.pid, image)
         assert meta(image)["trace_pipe"] == {"fd": write, "pipe": f"pipe:[{ino}]"}
-        world.driver.set(p.pid, "checkpointed")
-        data = meta(image)
-        data["pid"] = 2**22 + 7
-        (image / criu.METADATA).write_text(json.dumps(data))
-        os.environ["FAKE_CRIU_RESTORED"] = str(p.pid)
-        try:
-            agent_criu.restore(world.ckpt(), image)
-        finally:
-            del os.environ["FAKE_CRIU_RESTORED"]
+        world.dumped_and_gone(p.pid, image, 2**22 + 7)
+        agent_criu.restore(world.ckpt(), image)
         restore_args = world.args.read_text().splitlines()[-1].split()
         i = restore_args.index("--inherit-fd")
         assert restore_args[i + 1].startswith("fd[") and restore_args[i + 1].endswith(f"]:pipe:[{ino}]")
@@ -411,15 +402,11 @@ def test_the_guard_resumes_the_agent_when_the_dump_is_killed(world: World, phase
     assert (criu.image_state(image) == "complete") == (phase == "agent_resume")
 
 
-def test_the_guard_resumes_the_agent_when_the_restore_is_killed(world: World, monkeypatch) -> None:
+def test_the_guard_resumes_the_agent_when_the_restore_is_killed(world: World) -> None:
     pid = world.program()
     image = world.tmp / "image"
     agent_criu.dump(world.ckpt(), pid, image)
-    world.driver.set(pid, "checkpointed")
-    data = meta(image)
-    data["pid"] = 2**22 + 9
-    (image / criu.METADATA).write_text(json.dumps(data))
-    monkeypatch.setenv("FAKE_CRIU_RESTORED", str(pid))
+    world.dumped_and_gone(pid, image, 2**22 + 9)
     rec = killed_at(world, "agent_resume", "restore", str(image), "agent_resume")
     assert world.calls()[4:] == ["criu_restore", "restore", "unlock", "agent_resume"]
     assert rec["agent"]["resumed"] is True and rec["state"] == "running" and ping(pid)["state"] == "running"
@@ -469,19 +456,12 @@ def test_gpu_ckpt_and_gpu_restore_take_the_agent_path_unless_told_not_to(file_dr
     assert recs[0]["type"] == "header" and recs[-1]["type"] == "ckpt_result" and recs[-1]["state"] == "dumped"
     assert ("agent_suspend" in [r["type"] for r in recs]) is not opt_out
     assert world.calls() == ([] if opt_out else ["agent_suspend"]) + ["lock", "checkpoint", "criu_dump"]
-    world.driver.set(pid, "checkpointed")
-    data = meta(image)
-    data["pid"] = 2**22 + 11
-    (image / criu.METADATA).write_text(json.dumps(data))
-    os.environ["FAKE_CRIU_RESTORED"] = str(pid)
-    try:
-        code, recs, err = tool("gpu-restore", ["--image", str(image), "--lazy"], capsys)
-        if opt_out:  # no agent resume to make lazy: refused before CRIU runs
-            assert code == ExitCode.USAGE and "did not suspend its program's agent" in err
-            assert world.calls()[-1] == "criu_dump"
-            code, recs, err = tool("gpu-restore", ["--image", str(image)], capsys)
-    finally:
-        del os.environ["FAKE_CRIU_RESTORED"]
+    world.dumped_and_gone(pid, image, 2**22 + 11)
+    code, recs, err = tool("gpu-restore", ["--image", str(image), "--lazy"], capsys)
+    if opt_out:  # no agent resume to make lazy: refused before CRIU runs
+        assert code == ExitCode.USAGE and "did not suspend its program's agent" in err
+        assert world.calls()[-1] == "criu_dump"
+        code, recs, err = tool("gpu-restore", ["--image", str(image)], capsys)
     assert code == 0, err
     assert world.calls()[-3:] == (["criu_restore", "restore", "unlock"] if opt_out
                                   else ["restore", "unlock", "agent_resume_lazy"])
