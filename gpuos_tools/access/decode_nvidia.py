@@ -197,8 +197,9 @@ _BN_BW = ("{T}, {T}, {T}, {T}, cudnnTensorStruct, {T} const*, cudnnTensorStruct,
           "{T}*, {T} const*, {T}*, {T}*, {T} const*, {T} const*, {T}")
 
 
-def _signature(name: str, kernel: str, params: str, sizes: tuple[int, ...]) -> int | None:
-    """sizeof(T) when ``name`` is ``kernel<T, ...>`` with exactly these parameters, else None."""
+def _signature(name: str, kernel: str, params: str, sizes: tuple[int, ...], prefix: bool = False) -> int | None:
+    """sizeof(T) when ``name`` is ``kernel<T, ...>`` with exactly these parameters (``prefix``:
+    opening with them), one size recorded per parameter, else None."""
     if not name.startswith(f"void {kernel}<"):
         return None
     targs = args_of(name, kernel)
@@ -206,7 +207,9 @@ def _signature(name: str, kernel: str, params: str, sizes: tuple[int, ...]) -> i
     if t is None or sizeof(t) is None:
         return None
     expected = [p.strip() for p in params.replace("{T}", t).split(",")]
-    return sizeof(t) if split_params(name) == expected and len(sizes) == len(expected) else None
+    got = split_params(name)
+    opens = got[: len(expected)] == expected if prefix else got == expected
+    return sizeof(t) if opens and len(sizes) == len(got) else None
 
 
 def plan_bn_forward(name: str, sizes: tuple[int, ...]) -> Plan | None:
@@ -320,15 +323,11 @@ _CONV_SCALARS = ["unsigned long long", "int", "float", "float"]
 
 
 def plan_implicit_conv(name: str, sizes: tuple[int, ...]) -> Plan | None:
-    if not name.startswith("void implicit_convolve_sgemm<"):
+    elem = _signature(name, "implicit_convolve_sgemm", _CONV, sizes, prefix=True)
+    if elem is None:
         return None
-    targs = args_of(name, "implicit_convolve_sgemm")
-    params = split_params(name)
-    elem = sizeof(targs[0]) if targs else None
-    expected = [p.strip() for p in _CONV.replace("{T}", targs[0] if targs else "?").split(",")]
-    if elem is None or not params or params[: len(expected)] != expected or len(sizes) != len(params):
-        return None
-    beta = len(expected) + 3 if params[len(expected) : len(expected) + 4] == _CONV_SCALARS else None
+    params, n_conv = split_params(name), _CONV.count(",") + 1
+    beta = n_conv + 3 if params[n_conv : n_conv + 4] == _CONV_SCALARS else None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         npq, kk, crs, ld = i32(raw[0], 0), i32(raw[1], 0), i32(raw[2], 0), i32(raw[4], 0)
@@ -363,13 +362,8 @@ _WGRAD0 = "int, int, int, {T} const*, int, {T}*, {T} const*, kernel_grad_params"
 
 
 def plan_wgrad_alg0(name: str, sizes: tuple[int, ...]) -> Plan | None:
-    if not name.startswith("void wgrad_alg0_engine<"):
-        return None
-    targs = args_of(name, "wgrad_alg0_engine")
-    params = split_params(name)
-    elem = sizeof(targs[0]) if targs else None
-    expected = [p.strip() for p in _WGRAD0.replace("{T}", targs[0] if targs else "?").split(",")]
-    if elem is None or not params or params[: len(expected)] != expected or len(sizes) != len(params):
+    elem = _signature(name, "wgrad_alg0_engine", _WGRAD0, sizes, prefix=True)
+    if elem is None:
         return None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
