@@ -10,8 +10,8 @@ under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 default keeps its running time: the agent on interception after a first snapshot
 (`agent_intercept_after_snapshot`), the scheduler at --budget 100% on interception
 (`sched_100_intercept`), and the scheduler below the footprint, at --budget 66%, with every
-operation through Python (`sched_66`) and with the native core's fast path (`sched_66_fast`,
-GPUOS_SCHED_FAST=1), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
+operation through Python (`sched_66`, GPUOS_SCHED_FAST=0) and with the native core's fast path,
+the default (`sched_66_fast`), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
 The scheduler's runs keep their `sched_summary` (evictions, loads, the fast path's counts): a 66%
 run that evicted nothing measured no oversubscription, and the table says so.
 
@@ -77,9 +77,8 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
     if config in SCHED:
         env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         parts = config.split("_")
-        env.pop("GPUOS_SCHED_FAST", None)
-        if "fast" in parts:
-            env["GPUOS_SCHED_FAST"] = "1"
+        # the fast path is on by default: the runs without "fast" in their name turn it off
+        env["GPUOS_SCHED_FAST"] = "1" if "fast" in parts else "0"
         return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", "-o", str(trace), "--",
                 sys.executable, *workload], env
     raise ValueError(config)

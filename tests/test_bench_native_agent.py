@@ -72,14 +72,15 @@ def test_an_unknown_configuration_is_refused_before_anything_runs(tmp_path):
 
 def test_the_scheduler_below_the_footprint_runs_with_and_without_the_fast_path(tmp_path, monkeypatch):
     """sched_66 and sched_66_fast (and their interception variants) run the scheduler at 66%, the
-    fast ones with GPUOS_SCHED_FAST=1 and the others without it, whatever the caller's environment."""
+    fast ones with GPUOS_SCHED_FAST=1 and the others with it 0 (the default is on), whatever the
+    caller's environment."""
     workload = ["loop.py", "--model", "mlp"]
     trace = tmp_path / "t.ndjson"
-    monkeypatch.setenv("GPUOS_SCHED_FAST", "1")
-    for config in ("sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept"):
-        cmd, env = bench.command(config, workload, trace)
-        assert cmd[1].endswith("gpu-prefetch-sched") and cmd[cmd.index("--budget") + 1] == "66%", config
-        assert (env.get("GPUOS_SCHED_FAST") == "1") == ("fast" in config), config
-        assert env["GPUOS_AGENT_MECHANISM"] == ("intercept" if "intercept" in config else "cupti"), config
-    assert "GPUOS_SCHED_FAST" not in bench.command("sched_100", workload, trace)[1]
+    for caller in ("1", "0"):
+        monkeypatch.setenv("GPUOS_SCHED_FAST", caller)
+        for config in ("sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept"):
+            cmd, env = bench.command(config, workload, trace)
+            assert cmd[1].endswith("gpu-prefetch-sched") and cmd[cmd.index("--budget") + 1] == "66%", config
+            assert env["GPUOS_SCHED_FAST"] == ("1" if "fast" in config else "0"), config
+            assert env["GPUOS_AGENT_MECHANISM"] == ("intercept" if "intercept" in config else "cupti"), config
     assert {"sched_66", "sched_66_fast"} <= set(bench.OPTIONAL)

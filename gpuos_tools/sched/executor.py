@@ -76,6 +76,7 @@ from gpuos_tools.agent.agent import Agent
 from gpuos_tools.agent.hooks import AgentHooks
 from gpuos_tools.errors import GpuosError
 from gpuos_tools.memory.engine import opaque_copy
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.ledger import Ledger
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
@@ -184,10 +185,10 @@ class Executor(AgentHooks):
         self.dormant = self.serve is None and fraction is not None and float(fraction) >= 1.0
         self.every_operation = not self.dormant
         settings = getattr(engine, "settings", None)  # (GPUOS_ENGINE_NO_PARK=1 turns parking off)
-        #: the native core's fast path (``use_core``; GPUOS_SCHED_FAST=1): under `run` only (serve's
-        #: gate and ledger act on every operation)
+        #: the native core's fast path (``use_core``; on unless GPUOS_SCHED_FAST=0): under `run`
+        #: only (serve's gate and ledger act on every operation)
         self.fast = (self.serve is None and not self.dormant
-                     and bool(cfg.get("fast", getattr(settings, "fast", False))))
+                     and bool(cfg.get("fast", getattr(settings, "fast", EngineSettings.fast))))
         self._core: Any = None
         self._fast_flag = 0  #: the core's flag that turns it on (``use_core``)
         self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
