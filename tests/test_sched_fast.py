@@ -241,6 +241,51 @@ def test_an_operation_on_a_record_being_evicted_always_calls(library, tmp_path, 
     job.end()
 
 
+def test_a_launch_upcall_predicts_its_records_once_for_the_decision_and_the_marks(library, tmp_path, monkeypatch):
+    """On the fast path, a launch's upcall decides (the executor's hook) and then marks what it
+    touched (``fast_after``): both use one prediction, the hook's, not one each. The engine's own
+    hook (it predicts for its loads) is left out of the count."""
+    job = Job(library, tmp_path, monkeypatch, fast=True)
+    agent, ex = job.agent, job.ex
+    calls = {"predict": 0, "hook": 0, "marks": 0}
+    in_engine = [False]
+    predict, hook, marks, launch = agent.launch_touches, ex.before_launch, ex.fast_after, job.eng.launch
+
+    def counted_predict(*a):
+        calls["predict"] += not in_engine[0]
+        return predict(*a)
+
+    def counted_hook(*a):
+        calls["hook"] += 1
+        return hook(*a)
+
+    def counted_marks(addrs):
+        calls["marks"] += 1
+        return marks(addrs)
+
+    def engine_launch(*a):
+        in_engine[0] = True
+        try:
+            return launch(*a)
+        finally:
+            in_engine[0] = False
+
+    monkeypatch.setattr(agent, "launch_touches", counted_predict)
+    monkeypatch.setattr(ex, "before_launch", counted_hook)
+    monkeypatch.setattr(ex, "fast_after", counted_marks)
+    monkeypatch.setattr(job.eng, "launch", engine_launch)
+    agent._launch_hooks = tuple(counted_hook if h == hook else h for h in agent._launch_hooks)
+    for _ in range(3):
+        for r in job.trace:
+            if r["type"] == "launch":
+                sizes, args = launch_args(r)
+                job.operation(OP_LAUNCH, 0, r["func"], (r.get("kernel") or "").encode(), sizes, args, 0, 0)
+                settle(job.eng, job.ex)
+    assert calls["hook"] > 0 and calls["marks"] >= calls["hook"]
+    assert calls["predict"] == calls["hook"], calls
+    job.end()
+
+
 def test_an_owned_record_the_core_did_not_see_mapped_turns_the_fast_path_off(library, tmp_path, monkeypatch):
     """The core marks its own allocations: a record of the owned allocator it has none for could
     not lose a mark, and an operation on it would pass for one on host memory; the executor sees it

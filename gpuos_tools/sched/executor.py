@@ -194,6 +194,8 @@ class Executor(AgentHooks):
         self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
         #: (records, sorted bases, small segments, version) at the last allowance: the replay's
         self._fast_books: tuple | None = None
+        #: (kernel, sizes, args, addresses) of the launch ``before_launch`` last decided, for ``launch_addrs``
+        self._launch: tuple | None = None
         self.fast_off: str | None = None  #: why the fast path went off, if it did
         self._api_of: Any = lambda cbid: ""
         self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0})
@@ -217,9 +219,26 @@ class Executor(AgentHooks):
 
     def before_launch(self, agent: Any, api: str, stream: int, kernel: str, sizes: Any, args: Any) -> None:
         """The records the launch reads or writes, by the agent's prediction (None: unknown)."""
+        self._launch = None
         unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
         by_id = agent.by_id
-        self.before(kernel, None if unknown else [by_id[i].addr for i in touched if i in by_id], stream)
+        addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+        if self._core is not None:  # the fast path's marks after this call use the same (``launch_addrs``)
+            self._launch = (kernel, sizes, args, addrs)
+        self.before(kernel, addrs, stream)
+
+    def launch_addrs(self, agent: Any, kernel: str, sizes: Any, args: Any) -> tuple | list:
+        """The addresses of the allocations a launch touches, for ``fast_after`` (empty when
+        unknown): the ones this launch's ``before_launch`` found when it ran in this upcall (the
+        same objects: a prediction per upcall, not two), else the agent's prediction now."""
+        last, self._launch = self._launch, None
+        if last is not None and last[0] is kernel and last[1] is sizes and last[2] is args:
+            addrs = last[3]
+        else:
+            unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
+            by_id = agent.by_id
+            addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+        return () if addrs is None else addrs
 
     def before_write(self, agent: Any, api: str, addr: int, stream: int, src: int) -> None:
         """Copies and memsets (a free is no decision). 3D copies and copies through CUDA arrays:
