@@ -381,3 +381,46 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     write(1)
     assert len(calls) == n + 1
     assert core.counters()["fast"] == 4
+
+
+def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):
+    """The queue the core hands over, taken twice with the same launch queued in it: the entries
+    are the ones a parse without the memo gives, and every entry of the launch shares its name
+    and id tuples with the first (decoded once; the replay keys on them)."""
+    core = fresh(library, tmp_path)
+
+    def up(ptr):
+        u = ptr.contents
+        if u.what == core_mod.UP_PREDICT:
+            u.nw, u.nt, u.unknown = 1, 2, 0
+            u.ids[0], u.ids[1], u.ids[2] = 1, 1, 2
+        return 0
+
+    core.set_upcall(up)
+    lib = core.lib
+    for addr in (0x10000, 0x20000):
+        lib.core_lock_program()
+        lib.core_after_alloc(addr, 0x1000, 0)
+        lib.core_unlock()
+    core.set_flag(core_mod.F_EXEC | F_FAST, True)
+    sizes = (ctypes.c_uint32 * 2)(8, 8)
+    args = (0x10000).to_bytes(8, "little") + (0x20010).to_bytes(8, "little")
+    core.fast_mark([0x10000, 0x20000], 2)
+    taken = []
+    for _ in range(2):
+        core.fast_allow(3)
+        for _ in range(3):
+            lib.core_enter(OP_LAUNCH, 0, 0, 0, 5, 0xF00, b"k", sizes, 2, args, 16, 0, 0, 0)
+            lib.core_issued()
+        n, k = ctypes.c_size_t(), ctypes.c_uint32()
+        data = core._taken(lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n)
+        got = core_mod.parse_fast(data, core._fast_memo)
+        assert got == core_mod.parse_fast(data), got
+        assert [e[0] for e in got] == ["launch"] * 3 and got[0][4:] == ("k", (1,), (1, 2)), got
+        assert len(core._fast_memo) == 1
+        taken += got
+    assert len(taken) == 6 and len({e[1] for e in taken}) == 6  # each its own operation number
+    first = taken[0]
+    assert all(e[4] is first[4] and e[5] is first[5] and e[6] is first[6] for e in taken)
+    with pytest.raises(ValueError, match="runs past its buffer"):
+        core_mod.parse_fast(data[:-1], {})

@@ -120,6 +120,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 _V_HDR = struct.Struct("<II")
 _F_HDR = struct.Struct("<IIQIIQ")  #: fast queue entry: kind, bytes, operation, cbid, name length, stream
 _F_LAUNCH, _F_WRITE = 1, 2
+_F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
+_F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
 _V_ALLOC = struct.Struct("<4Q")
 _V_WRITE = struct.Struct("<3Q")
 
@@ -149,25 +151,44 @@ def parse_view(data: bytes) -> list[tuple]:
     return out
 
 
-def parse_fast(data: bytes) -> list[tuple]:
+#: launch bodies kept by ``parse_fast``'s memo at most (then it starts again)
+FAST_MEMO_MAX = 65536
+
+
+def parse_fast(data: bytes, memo: dict[bytes, tuple] | None = None) -> list[tuple]:
     """The fast path's queue (gpuos_core.c core_fast_take) -> ("launch", op, cbid, stream, name,
-    written ids, touched ids) / ("write", op, cbid, stream, dst, src), in the program's order."""
+    written ids, touched ids) / ("write", op, cbid, stream, dst, src), in the program's order.
+
+    ``memo`` (the caller's, kept between takes): a launch's name and ids by the bytes that hold
+    them. A loop queues the same launches every step, so each is decoded once, and the entries
+    of one launch share their name and id tuples (the replay keys on them)."""
     out: list[tuple] = []
+    append = out.append
+    unpack = _F_HDR.unpack_from
     pos, end = 0, len(data)
     while pos < end:
-        kind, length, n, cbid, nlen, stream = _F_HDR.unpack_from(data, pos)
+        kind, length, n, cbid, nlen, stream = unpack(data, pos)
         if length < 32 or pos + length > end:
             raise ValueError(f"fast queue entry at byte {pos} runs past its buffer")
         body = pos + 32
         if kind == _F_LAUNCH:
-            nw, nt = struct.unpack_from("<II", data, body)
-            ids = struct.unpack_from(f"<{nw + nt}Q", data, body + 8)
+            nw, nt = _F_COUNTS.unpack_from(data, body)
             at = body + 8 + 8 * (nw + nt)
-            name = bytes(data[at : at + nlen]).decode(errors="replace")
-            out.append(("launch", n, cbid, stream, name, ids[:nw], ids[nw:]))
+            if at + nlen > pos + length:
+                raise ValueError(f"fast queue entry at byte {pos} runs past its buffer")
+            key = data[body : at + nlen] if memo is not None else None
+            hit = memo.get(key) if memo is not None else None
+            if hit is None:
+                ids = struct.unpack_from(f"<{nw + nt}Q", data, body + 8)
+                hit = (bytes(data[at : at + nlen]).decode(errors="replace"), ids[:nw], ids[nw:])
+                if memo is not None:
+                    if len(memo) >= FAST_MEMO_MAX:
+                        memo.clear()
+                    memo[key] = hit
+            append(("launch", n, cbid, stream, *hit))
         elif kind == _F_WRITE:
-            dst, src = struct.unpack_from("<QQ", data, body)
-            out.append(("write", n, cbid, stream, dst, src))
+            dst, src = _F_PAIR.unpack_from(data, body)
+            append(("write", n, cbid, stream, dst, src))
         else:
             raise ValueError(f"unknown fast queue entry kind {kind} at byte {pos}")
         pos += length
@@ -198,6 +219,7 @@ class NativeCore:
     def __init__(self, library: str | Path) -> None:
         self.path = str(library)
         self.lib = ctypes.CDLL(self.path)
+        self._fast_memo: dict[bytes, tuple] = {}  #: ``parse_fast``'s
         for name, (res, args) in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.restype = res
@@ -368,7 +390,7 @@ class NativeCore:
         """The operations that went without a call since the last take (``parse_fast``)."""
         n = ctypes.c_size_t()
         k = ctypes.c_uint32()
-        return parse_fast(self._taken(self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n))
+        return parse_fast(self._taken(self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n), self._fast_memo)
 
     def fast_counts(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 3)()

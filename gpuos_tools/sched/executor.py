@@ -194,6 +194,10 @@ class Executor(AgentHooks):
         self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
         #: (records, sorted bases, small segments, version) at the last allowance: the replay's
         self._fast_books: tuple | None = None
+        #: a queued operation's key -> what it gives the replay (``_replay_entry``), valid for
+        #: ``_replay_for`` (the records' version, the predictor's epoch)
+        self._replay_memo: dict[tuple, tuple | bool] = {}
+        self._replay_for: tuple | None = None
         #: (kernel, sizes, args, addresses) of the launch ``before_launch`` last decided, for ``launch_addrs``
         self._launch: tuple | None = None
         self.fast_off: str | None = None  #: why the fast path went off, if it did
@@ -510,58 +514,97 @@ class Executor(AgentHooks):
         counts), the kernel profile, the engine's launch order and recency (agent's lock held,
         before this operation's own decision). An action one of them yields (the plan changed
         meanwhile: a key off the period) is carried out now, late, and counted (with ``act``
-        False, at the program's end, only counted)."""
+        False, at the program's end, only counted).
+
+        The loop repeats its operations, so what an operation's ids or addresses give (its
+        records, the launch key's records, their bytes) is kept per operation key until the
+        records or the predictor's allocations change (``_replay_entry``); the mover's lock is
+        taken once for the batch, not once per operation."""
         if not entries:
             return
         t = time.perf_counter()
         eng = self.engine
-        agent = eng.agent
-        by_id = agent.by_id
         # the records as they were when these operations went by: no allocation came or went
         # between the allowance and them (the core calls at the first operation after one)
         books = self._fast_books
         if books is None:
             self.records()
             books = (self._records, self._bases, self._small, self._key)
-        recs, bases_list, small, version = books
+        recs, _, _, version = books
+        memo_for = (version, eng.agent.pred.epoch)
+        if self._replay_for != memo_for:
+            self._replay_memo.clear()
+            self._replay_for = memo_for
+        memo = self._replay_memo
+        before = self.policy.before
+        kernels = self.kernels
+        launched, touched_now = eng._launched, eng._touched
         late = 0
-        for e in entries:
-            if e[0] == "launch":
-                kernel, writes, touched = e[4], e[5], e[6]
-                eng._launched(kernel)
-                for i in touched:
-                    eng._touched(i)
-                if eng.clean:  # the predicted readers of clean records, as the engine's hook keeps them
+        with self._load_lock:
+            for e in entries:
+                if e[0] == "launch":
+                    kernel, touched = e[4], e[6]
+                    launched(kernel)
                     for i in touched:
-                        if i not in writes:
-                            b = eng._id_base(i)
-                            if b in eng.clean:
-                                eng._read_while_clean(b, kernel)
-                addrs = [by_id[i].addr for i in touched if i in by_id]
-            else:
-                kernel = self._api_of(e[2])
-                if not kernel.startswith(("cuMemcpy", "cuMemset")):
+                        touched_now(i)
+                    if eng.clean:  # the predicted readers of clean records, as the engine's hook keeps them
+                        writes = e[5]
+                        for i in touched:
+                            if i not in writes:
+                                b = eng._id_base(i)
+                                if b in eng.clean:
+                                    eng._read_while_clean(b, kernel)
+                    mk = (kernel, touched)
+                else:
+                    mk = (e[2], e[4], e[5])
+                hit = memo.get(mk)
+                if hit is None:
+                    hit = memo[mk] = self._replay_entry(e, books)
+                if hit is False:  # a write that is no decision (not a copy or memset)
                     continue
-                addrs = [a for a in (e[4], e[5]) if a]
-            bases = _bases_in(addrs, bases_list, recs)
-            self._profile(kernel, bases, recs)
-            with self._load_lock:
-                key = None if not small else [b for b in bases if b not in small]
-                actions = self.policy.before(kernel, bases, recs, key, version)
-                self._budget = self.policy.last_budget
-                for op, arg in actions:
-                    if op == "evict" and act:
-                        self._evict(arg)
-            for op, arg in actions:
-                if op == "prefetch" and act:
-                    self._start_mover()
-                    self._moves.put(arg)
-            late += any(op != "require" for op, _ in actions)
+                kernel, bases, key, nbytes = hit
+                row = kernels.get(kernel)
+                if row is None:
+                    self._profile(kernel, bases, recs)
+                else:  # ``_profile``'s counts, its bytes kept
+                    row[0] += 1
+                    row[2] += nbytes
+                    row[3] += not bases
+                actions = before(kernel, bases, recs, key, version)
+                if (len(actions) != 1 or actions[0][0] != "require") and any(op != "require" for op, _ in actions):
+                    late += 1  # an action besides the require: carried out late
+                    if act:
+                        for op, arg in actions:
+                            if op == "evict":
+                                self._evict(arg)
+                        for op, arg in actions:
+                            if op == "prefetch":
+                                self._start_mover()
+                                self._moves.put(arg)
+            self._budget = self.policy.last_budget
         c = self.counts
         c["fast_replayed"] += len(entries)
         c["fast_late"] += late
         c["fast_replay_s"] += time.perf_counter() - t
         self._measure(self._budget, False)
+
+    def _replay_entry(self, e: tuple, books: tuple) -> tuple | bool:
+        """What a queued operation gives the replay: (its kernel or API name, the records it
+        touches, those that key it, their bytes for the profile); False for a write that is not
+        a copy or memset (no decision)."""
+        recs, bases_list, small, _ = books
+        if e[0] == "launch":
+            kernel = e[4]
+            by_id = self.engine.agent.by_id
+            addrs = [by_id[i].addr for i in e[6] if i in by_id]
+        else:
+            kernel = self._api_of(e[2])
+            if not kernel.startswith(("cuMemcpy", "cuMemset")):
+                return False
+            addrs = [a for a in (e[4], e[5]) if a]
+        bases = _bases_in(addrs, bases_list, recs)
+        key = None if not small else [b for b in bases if b not in small]
+        return kernel, bases, key, sum(recs.get(b, 0) for b in set(bases))
 
     def fast_after(self, addrs) -> None:
         """After an operation's decision and the engine's hook (agent's lock held): the
