@@ -12,6 +12,12 @@ default keeps its running time: the agent on interception after a first snapshot
 (`sched_100_intercept`), and the scheduler below the footprint, at --budget 66%, with every
 operation through Python (`sched_66`, GPUOS_SCHED_FAST=0) and with the native core's fast path,
 the default (`sched_66_fast`), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
+Two more take `--budget 100%` apart, where the scheduler does nothing but the program's memory is
+owned (torch through the owned allocator's pluggable allocator and its cache): `plain_owned`, the
+untraced loop with only that allocator installed (no agent: what owned memory alone costs the
+loop), and `agent_owned`, `gpu-ckpt run` with GPUOS_AGENT_OWN=torch (the agent and the residency
+engine on owned memory, no scheduler). `plain_owned` keeps the cache's counts (`owned`: hits,
+misses, cached blocks, events, ...).
 The scheduler's runs keep their `sched_summary` (evictions, loads, the fast path's counts): a 66%
 run that evicted nothing measured no oversubscription, and the table says so.
 
@@ -44,8 +50,24 @@ CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gp
 CONFIGS = ("plain", "trace", "agent", "agent_intercept", "agent_after_snapshot", "sched_100", "agent_python",
            "plain_again")
 OPTIONAL = ("agent_intercept_after_snapshot", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept",
-            "sched_66_fast_intercept")
-AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python")
+            "sched_66_fast_intercept", "plain_owned", "agent_owned")
+AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python",
+         "agent_owned")
+#: the configurations whose program allocates through the owned allocator without the scheduler
+OWNED = ("plain_owned", "agent_owned")
+#: stderr line prefix of the owned cache's counts (``OWNED_WRAPPER``, gpuos_tools/memory/owned.py torch_stats)
+OWNED_STATS = "gpuos-bench-owned-stats: "
+#: `plain_owned`: the loop untraced, torch's allocations through the owned allocator (installed
+#: before the loop's first CUDA allocation, as the agent's boot does), the cache's counts at exit
+OWNED_WRAPPER = (
+    "import atexit, json, runpy, sys\n"
+    "from gpuos_tools.memory import owned\n"
+    "owned.install_torch()\n"
+    "atexit.register(lambda: print('" + OWNED_STATS + "' + json.dumps(owned.OwnedLibrary.load().torch_stats()),"
+    " file=sys.stderr, flush=True))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_intercept_after_snapshot")
 SCHED = ("sched_100", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept")
 #: what a scheduler run's summary says, kept in its result
@@ -67,11 +89,18 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
     env = dict(os.environ)
     if config in ("plain", "plain_again"):  # the second run, last, shows the run-to-run noise
         return [sys.executable, *workload], env
+    if config == "plain_owned":
+        env.pop("GPUOS_AGENT_OWN", None)
+        return [sys.executable, "-c", OWNED_WRAPPER, *workload], env
     if config == "trace":
         return [*tool("gpu-trace"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
     if config in AGENT:
         if config == "agent_python":
             env["GPUOS_AGENT_BACKEND"] = "python"
+        if config == "agent_owned":
+            env["GPUOS_AGENT_OWN"] = "torch"
+        else:
+            env.pop("GPUOS_AGENT_OWN", None)
         env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         return [*tool("gpu-ckpt"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
     if config in SCHED:
@@ -144,6 +173,12 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
             continue
         if isinstance(rec, dict) and rec.get("type") == "sched_summary":
             res["sched"] = {k: rec.get(k) for k in SUMMARY_KEYS if k in rec}
+    for line in (err or "").splitlines():  # plain_owned: the owned cache's counts at the program's exit
+        if line.startswith(OWNED_STATS):
+            try:
+                res["owned"] = json.loads(line[len(OWNED_STATS):])
+            except ValueError:
+                pass
     res["rc"] = proc.returncode
     res["wall_s"] = round(time.monotonic() - started, 3)
     if proc.returncode != 0:

@@ -84,3 +84,22 @@ def test_the_scheduler_below_the_footprint_runs_with_and_without_the_fast_path(t
             assert env["GPUOS_SCHED_FAST"] == ("1" if "fast" in config else "0"), config
             assert env["GPUOS_AGENT_MECHANISM"] == ("intercept" if "intercept" in config else "cupti"), config
     assert {"sched_66", "sched_66_fast"} <= set(bench.OPTIONAL)
+
+
+def test_owned_memory_without_the_scheduler_has_its_own_configurations(tmp_path, monkeypatch):
+    """plain_owned runs the loop itself, untraced, with torch allocating through the owned
+    allocator (a wrapper that installs it, then runs the loop as __main__, and prints the cache's
+    counts at exit); agent_owned runs it under gpu-ckpt run with GPUOS_AGENT_OWN=torch. The other
+    agent runs own nothing, whatever the caller's environment says."""
+    workload = ["loop.py", "--model", "mlp"]
+    trace = tmp_path / "t.ndjson"
+    monkeypatch.setenv("GPUOS_AGENT_OWN", "1")
+    cmd, env = bench.command("plain_owned", workload, trace)
+    assert cmd[:2] == [sys.executable, "-c"] and cmd[3:] == workload and "GPUOS_AGENT_OWN" not in env
+    code = compile(cmd[2], "<wrapper>", "exec")
+    assert "install_torch" in code.co_names and "run_path" in code.co_names and bench.OWNED_STATS in cmd[2]
+    cmd, env = bench.command("agent_owned", workload, trace)
+    assert cmd[1].endswith("gpu-ckpt") and cmd[-len(workload):] == workload and env["GPUOS_AGENT_OWN"] == "torch"
+    for config in ("agent", "agent_intercept"):
+        assert "GPUOS_AGENT_OWN" not in bench.command(config, workload, trace)[1], config
+    assert {"plain_owned", "agent_owned"} <= set(bench.OPTIONAL)
