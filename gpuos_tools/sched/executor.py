@@ -50,7 +50,8 @@ the memory to the next job). GPUOS_ENGINE_NO_PARK=1 turns it off.
 Timeline. With the config's ``timeline`` (a path), the executor also keeps a bounded log of
 events ``[t_s, kind, value]`` (seconds from its start) and writes it there at the end (JSON:
 `sched_timeline`, read by gpuos_tools/sched/plot.py): ``mapped`` (owned bytes mapped, measured
-after each decision and each prefetch), ``budget`` (when the budget a decision uses changes),
+after each decision and each prefetch; once per replay for the decisions of the operations the
+fast path let go by: nothing moved for them), ``budget`` (when the budget a decision uses changes),
 ``evict`` (a record's bytes, at the eviction's issue), ``load`` (bytes a launch's require
 loads, at its issue), ``prefetch`` (a record's bytes, at the mover's issue), ``wait`` (a host
 wait for room: value = seconds, t = its start). Past ``timeline_max`` events (default 200000)
