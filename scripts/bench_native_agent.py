@@ -28,7 +28,9 @@ loop differ by up to ~10 % on an H100, so --repeat R runs the whole list of conf
 interleaved (config order rotated each round), and reports per configuration the median of its
 runs' medians and their spread; ratios are against the untraced runs of the same model in the
 same call. The agent's own time per operation comes from the core's
-counters in the trace's exit record. JSON to --json, a table on stderr.
+counters in the trace's exit record; the host's time to issue a step (`enqueue_median_s`, the
+table's "issue ms") says whether the loop waited for the GPU (well below the step) or the GPU for
+the host (near it). JSON to --json, a table on stderr.
 """
 
 from __future__ import annotations
@@ -184,9 +186,12 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
     if proc.returncode != 0:
         res["stderr"] = (err or "")[-2000:]
     if out.exists():
-        times = json.loads(out.read_text())["steps"]
+        data = json.loads(out.read_text())
+        times = data["steps"]
         res["steps"] = len(times)
         res["median_s"] = statistics.median(times)
+        if data.get("enqueue"):  # the host's time to issue a step: near median_s, host-bound
+            res["enqueue_median_s"] = statistics.median(data["enqueue"])
     if trace.exists():
         ex = exit_record(trace)
         if ex:
@@ -207,14 +212,21 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
 
 def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (model, configuration): the median of its runs' medians, their min and max, and how many
-    runs. The untraced runs ("plain" and "plain_again") are pooled as "plain"."""
+    runs; where the runs said it, the median of their host times to issue a step
+    (``enqueue_median_s``). The untraced runs ("plain" and "plain_again") are pooled as "plain"."""
     by: dict[tuple[str, str], list[float]] = {}
+    enq: dict[tuple[str, str], list[float]] = {}
     for r in results:
         if r.get("median_s"):
             config = "plain" if r["config"] == "plain_again" else r["config"]
             by.setdefault((r["model"], config), []).append(r["median_s"])
-    return {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
-            for key, v in by.items()}
+            if r.get("enqueue_median_s"):
+                enq.setdefault((r["model"], config), []).append(r["enqueue_median_s"])
+    out = {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
+           for key, v in by.items()}
+    for key, v in enq.items():
+        out[key]["enqueue_median_s"] = statistics.median(v)
+    return out
 
 
 def main() -> int:
@@ -258,8 +270,8 @@ def main() -> int:
                        for (m, c), v in summary.items()]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    print(f"{'model':10} {'config':30} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8} "
-          f"{'evictions':>9} {'loads':>7} {'fast ops':>9}", file=sys.stderr)
+    print(f"{'model':10} {'config':30} {'median ms':>10} {'issue ms':>9} {'ratio':>7} {'agent us/op':>12} "
+          f"{'upcalls':>8} {'evictions':>9} {'loads':>7} {'fast ops':>9}", file=sys.stderr)
     for r in results:
         med = r.get("median_s")
         sched = r.get("sched") or {}
@@ -267,8 +279,9 @@ def main() -> int:
         note = ""
         if r["config"] in SCHED and "100" not in r["config"] and sched and not sched.get("evictions"):
             note = "  (nothing evicted: the budget did not bind)"
+        issue = r.get("enqueue_median_s")
         print(f"{r['model']:10} {r['config']:30} {med * 1e3 if med else float('nan'):10.2f} "
-              f"{r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
+              f"{issue * 1e3 if issue else float('nan'):9.2f} {r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
               f"{r.get('upcalls', ''):>8} {sched.get('evictions', ''):>9} {sched.get('loads', ''):>7} "
               f"{fast.get('operations', ''):>9}{note}", file=sys.stderr)
     if args.repeat > 1:

@@ -41,6 +41,10 @@ def test_rounds_are_summarised_per_configuration_with_the_untraced_runs_pooled()
     s = bench.summarize(runs)
     assert s[("m", "plain")] == {"median_s": 1.1, "min_s": 1.0, "max_s": 1.2, "runs": 2}
     assert s[("m", "agent")] == {"median_s": 1.1, "min_s": 1.05, "max_s": 1.3, "runs": 3}
+    runs = [{"model": "m", "config": "plain_owned", "median_s": 1.0, "enqueue_median_s": 0.4},
+            {"model": "m", "config": "plain_owned", "median_s": 1.2, "enqueue_median_s": 0.9},
+            {"model": "m", "config": "plain_owned", "median_s": 1.1, "enqueue_median_s": 0.6}]
+    assert bench.summarize(runs)[("m", "plain_owned")]["enqueue_median_s"] == 0.6
 
 
 def test_the_interception_variants_run_their_tools_on_interception_and_the_others_on_cupti(tmp_path):
