@@ -286,6 +286,44 @@ def test_a_launch_upcall_predicts_its_records_once_for_the_decision_and_the_mark
     job.end()
 
 
+@pytest.mark.parametrize("trace", ["torch.ndjson.zst", "suite-cupy_suite.s1.ndjson.zst"])
+def test_the_allowance_is_the_walk_over_the_predicted_launches(library, tmp_path, monkeypatch, trace):
+    """``_fast_horizon`` keeps one period's keys and rotates them instead of predicting at every
+    call: at every call of the recorded steps it gives what the plain walk over ``predict`` gives
+    (the first predicted launch with a record not resident, less the lookahead)."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / trace)
+    job = Job(library, tmp_path, monkeypatch, fast=True)
+    ex = job.ex
+    horizon = ex._fast_horizon
+    seen = []
+
+    def reference() -> int:
+        pol = ex.policy
+        p = pol.period.known
+        if p is None or pol.used > pol.last_budget or pol.plan != "count":
+            return 0
+        kids = pol.period.predict(min(p, executor_mod.FAST_MAX) + pol.lookahead)
+        d = len(kids) + 1
+        for j, kid in enumerate(kids, 1):
+            ws = pol._sets[kid]
+            if ws is None or any(b not in pol.resident for b in ws):
+                d = j
+                break
+        return max(0, min(executor_mod.FAST_MAX, d - 1 - pol.lookahead))
+
+    def checked() -> int:
+        got = horizon()
+        seen.append((got, reference()))
+        return got
+
+    monkeypatch.setattr(ex, "_fast_horizon", checked)
+    for _ in range(STEPS):
+        job.step()
+    job.end()
+    assert seen and all(got == want for got, want in seen), [x for x in seen if x[0] != x[1]][:5]
+    assert any(got > 0 for got, _ in seen) and any(got == 0 for got, _ in seen)
+
+
 def test_an_owned_record_the_core_did_not_see_mapped_turns_the_fast_path_off(library, tmp_path, monkeypatch):
     """The core marks its own allocations: a record of the owned allocator it has none for could
     not lose a mark, and an operation on it would pass for one on host memory; the executor sees it

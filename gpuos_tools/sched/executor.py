@@ -195,6 +195,8 @@ class Executor(AgentHooks):
         self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
         #: (records, sorted bases, small segments, version) at the last allowance: the replay's
         self._fast_books: tuple | None = None
+        #: ((periods learned, p), the launch index it was taken at, one period's keys): ``_fast_horizon``'s
+        self._cycle: tuple | None = None
         #: a queued operation's key -> what it gives the replay (``_replay_entry``), valid for
         #: ``_replay_for`` (the records' version, the predictor's epoch)
         self._replay_memo: dict[tuple, tuple | bool] = {}
@@ -664,12 +666,21 @@ class Executor(AgentHooks):
             return 0
         ahead = pol.lookahead
         res, sets = pol.resident, pol._sets
-        kids = per.predict(min(p, FAST_MAX) + ahead)
-        d = len(kids) + 1
-        for j, kid in enumerate(kids, 1):
-            ws = sets[kid]
+        # the predicted keys without predicting: while a period holds, the key of launch i is
+        # the key of launch i - p, so one period's keys, taken once per period learned (as the
+        # policy's phase table is), rotated by the launches since give every prediction; the
+        # walk then costs what it looks at (predicting up to 4096 keys at every call cost more
+        # than the decisions it saved)
+        cyc = self._cycle
+        if cyc is None or cyc[0] != (per.learned, p):
+            cyc = self._cycle = ((per.learned, p), per.n, per.predict(p))
+        keys, rot = cyc[2], (per.n - cyc[1]) % p
+        limit = min(p, FAST_MAX) + ahead
+        d = limit + 1
+        for j in range(limit):
+            ws = sets[keys[(rot + j) % p]]
             if ws is None or any(b not in res for b in ws):
-                d = j
+                d = j + 1
                 break
         return max(0, min(FAST_MAX, d - 1 - ahead))
 
