@@ -120,6 +120,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 _V_HDR = struct.Struct("<II")
 _F_HDR = struct.Struct("<IIQIIQ")  #: fast queue entry: kind, bytes, operation, cbid, name length, stream
 _F_LAUNCH, _F_WRITE = 1, 2
+#: functions that return at once and take no lock, called on the program's thread in every upcall
+#: of the fast path: through CDLL each call lets the GIL go and takes it back (a few µs each, and a
+#: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
+HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts", "core_free")
 _F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
 _F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
 _V_ALLOC = struct.Struct("<4Q")
@@ -224,6 +228,12 @@ class NativeCore:
             fn = getattr(self.lib, name)
             fn.restype = res
             fn.argtypes = args
+        #: the same library (dlopen gives the same handle) with the GIL held across the call, for
+        #: the fast path's calls of every upcall (``HOLD_GIL``)
+        self._held = ctypes.PyDLL(self.path)
+        for name in HOLD_GIL:
+            fn = getattr(self._held, name)
+            fn.restype, fn.argtypes = _SIGNATURES[name]
         self._upcall: Any = None  # the ctypes callback, kept alive
 
     # -- state the agent reads ------------------------------------------------------------------
@@ -330,7 +340,7 @@ class NativeCore:
         try:
             return ctypes.string_at(ptr, n.value)
         finally:
-            self.lib.core_free(ptr)
+            self._held.core_free(ptr)
 
     def take_view(self) -> list[tuple]:
         """The view events queued since the last take (core lock held)."""
@@ -358,14 +368,14 @@ class NativeCore:
 
     def fast_allow(self, left: int) -> None:
         """The next ``left`` decisions may go on without a call (0: every one calls)."""
-        self.lib.core_fast_allow(max(0, int(left)))
+        self._held.core_fast_allow(max(0, int(left)))
 
     def fast_mark(self, addrs, level: int) -> None:
         """The allocations holding ``addrs``: 2, an operation may write or read them without a
         call; 1, only read them; 0, neither."""
         a = list(addrs)
         if a:
-            self.lib.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
+            self._held.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
 
     def fast_unready(self, base: int, size: int) -> None:
         self.lib.core_fast_unready(base, size)
@@ -390,11 +400,11 @@ class NativeCore:
         """The operations that went without a call since the last take (``parse_fast``)."""
         n = ctypes.c_size_t()
         k = ctypes.c_uint32()
-        return parse_fast(self._taken(self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n), self._fast_memo)
+        return parse_fast(self._taken(self._held.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n), self._fast_memo)
 
     def fast_counts(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 3)()
-        self.lib.core_fast_counts(out)
+        self._held.core_fast_counts(out)
         return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2])}
 
     def set_upcall(self, fn: Callable[[Any], int]) -> None:
