@@ -197,6 +197,7 @@ def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_p
         assert s1[k] == s0[k], k
     assert s0["evictions"] > 0
     assert s1["fast"]["late"] == 0  # every action was taken at its own operation
+    assert s1["fast"]["after_s"] > 0 and s0["fast"]["after_s"] == 0 == s0["fast"]["replay_s"]
     went = sum(fast.ops_fast)
     assert s1["fast"]["operations"] == went == s1["fast"]["replayed"] > 0
     assert not any(slow.ops_fast)

@@ -205,7 +205,8 @@ class Executor(AgentHooks):
         self._launch: tuple | None = None
         self.fast_off: str | None = None  #: why the fast path went off, if it did
         self._api_of: Any = lambda cbid: ""
-        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0})
+        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0,
+                            "fast_after_s": 0.0})
         self._park = (self.serve is None and (settings is None or settings.park)
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
@@ -616,6 +617,13 @@ class Executor(AgentHooks):
         core = self._core
         if core is None:
             return
+        t = time.perf_counter()
+        try:
+            self._fast_after(core, addrs)
+        finally:
+            self.counts["fast_after_s"] += time.perf_counter() - t
+
+    def _fast_after(self, core: Any, addrs) -> None:
         recs = self.records()
         self._fast_books = (self._records, self._bases, self._small, self._key)  # what the next replay uses
         if self._key != self._fast_checked:
@@ -1207,7 +1215,7 @@ class Executor(AgentHooks):
     def _fast_summary(self) -> dict[str, Any]:
         c = self.counts
         out: dict[str, Any] = {"on": self._core is not None, "replayed": c["fast_replayed"], "late": c["fast_late"],
-                               "replay_s": round(c["fast_replay_s"], 6)}
+                               "replay_s": round(c["fast_replay_s"], 6), "after_s": round(c["fast_after_s"], 6)}
         if self.fast_off:
             out["off"] = self.fast_off
         if self._core is not None:

@@ -166,5 +166,5 @@ def test_torch_job_over_budget_on_the_fast_path_is_bit_identical_to_the_job_alon
     assert fast["replayed"] <= fast["operations"] and s["kernels"]["operations"] == s["launches"], (fast, s["kernels"])
     print(f"{name} fast path: {fast['operations']} of {s['launches']} operations went by without Python "
           f"({fast['operations'] / max(1, s['launches']):.1%}), {fast['late']} replayed late, replay "
-          f"{fast['replay_s']} s; {s['evictions']} evictions, {s['loads']} loads, periods {s['periods']}",
+          f"{fast['replay_s']} s, marks and allowances {fast.get('after_s')} s; {s['evictions']} evictions, {s['loads']} loads, periods {s['periods']}",
           file=sys.stderr)
