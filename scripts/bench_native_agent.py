@@ -10,8 +10,14 @@ under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 default keeps its running time: the agent on interception after a first snapshot
 (`agent_intercept_after_snapshot`), the scheduler at --budget 100% on interception
 (`sched_100_intercept`), and the scheduler below the footprint, at --budget 66%, with every
-operation through Python (`sched_66`) and with the native core's fast path (`sched_66_fast`,
-GPUOS_SCHED_FAST=1), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
+operation through Python (`sched_66`, GPUOS_SCHED_FAST=0) and with the native core's fast path,
+the default (`sched_66_fast`), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
+Two more take `--budget 100%` apart, where the scheduler does nothing but the program's memory is
+owned (torch through the owned allocator's pluggable allocator and its cache): `plain_owned`, the
+untraced loop with only that allocator installed (no agent: what owned memory alone costs the
+loop), and `agent_owned`, `gpu-ckpt run` with GPUOS_AGENT_OWN=torch (the agent and the residency
+engine on owned memory, no scheduler). `plain_owned` keeps the cache's counts (`owned`: hits,
+misses, cached blocks, events, ...).
 The scheduler's runs keep their `sched_summary` (evictions, loads, the fast path's counts): a 66%
 run that evicted nothing measured no oversubscription, and the table says so.
 
@@ -22,7 +28,9 @@ loop differ by up to ~10 % on an H100, so --repeat R runs the whole list of conf
 interleaved (config order rotated each round), and reports per configuration the median of its
 runs' medians and their spread; ratios are against the untraced runs of the same model in the
 same call. The agent's own time per operation comes from the core's
-counters in the trace's exit record. JSON to --json, a table on stderr.
+counters in the trace's exit record; the host's time to issue a step (`enqueue_median_s`, the
+table's "issue ms") says whether the loop waited for the GPU (well below the step) or the GPU for
+the host (near it). JSON to --json, a table on stderr.
 """
 
 from __future__ import annotations
@@ -44,8 +52,24 @@ CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gp
 CONFIGS = ("plain", "trace", "agent", "agent_intercept", "agent_after_snapshot", "sched_100", "agent_python",
            "plain_again")
 OPTIONAL = ("agent_intercept_after_snapshot", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept",
-            "sched_66_fast_intercept")
-AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python")
+            "sched_66_fast_intercept", "plain_owned", "agent_owned")
+AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python",
+         "agent_owned")
+#: the configurations whose program allocates through the owned allocator without the scheduler
+OWNED = ("plain_owned", "agent_owned")
+#: stderr line prefix of the owned cache's counts (``OWNED_WRAPPER``, gpuos_tools/memory/owned.py torch_stats)
+OWNED_STATS = "gpuos-bench-owned-stats: "
+#: `plain_owned`: the loop untraced, torch's allocations through the owned allocator (installed
+#: before the loop's first CUDA allocation, as the agent's boot does), the cache's counts at exit
+OWNED_WRAPPER = (
+    "import atexit, json, runpy, sys\n"
+    "from gpuos_tools.memory import owned\n"
+    "owned.install_torch()\n"
+    "atexit.register(lambda: print('" + OWNED_STATS + "' + json.dumps(owned.OwnedLibrary.load().torch_stats()),"
+    " file=sys.stderr, flush=True))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_intercept_after_snapshot")
 SCHED = ("sched_100", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept")
 #: what a scheduler run's summary says, kept in its result
@@ -67,19 +91,25 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
     env = dict(os.environ)
     if config in ("plain", "plain_again"):  # the second run, last, shows the run-to-run noise
         return [sys.executable, *workload], env
+    if config == "plain_owned":
+        env.pop("GPUOS_AGENT_OWN", None)
+        return [sys.executable, "-c", OWNED_WRAPPER, *workload], env
     if config == "trace":
         return [*tool("gpu-trace"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
     if config in AGENT:
         if config == "agent_python":
             env["GPUOS_AGENT_BACKEND"] = "python"
+        if config == "agent_owned":
+            env["GPUOS_AGENT_OWN"] = "torch"
+        else:
+            env.pop("GPUOS_AGENT_OWN", None)
         env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         return [*tool("gpu-ckpt"), "run", "-o", str(trace), "--no-images", "--", sys.executable, *workload], env
     if config in SCHED:
         env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         parts = config.split("_")
-        env.pop("GPUOS_SCHED_FAST", None)
-        if "fast" in parts:
-            env["GPUOS_SCHED_FAST"] = "1"
+        # the fast path is on by default: the runs without "fast" in their name turn it off
+        env["GPUOS_SCHED_FAST"] = "1" if "fast" in parts else "0"
         return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", "-o", str(trace), "--",
                 sys.executable, *workload], env
     raise ValueError(config)
@@ -145,14 +175,23 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
             continue
         if isinstance(rec, dict) and rec.get("type") == "sched_summary":
             res["sched"] = {k: rec.get(k) for k in SUMMARY_KEYS if k in rec}
+    for line in (err or "").splitlines():  # plain_owned: the owned cache's counts at the program's exit
+        if line.startswith(OWNED_STATS):
+            try:
+                res["owned"] = json.loads(line[len(OWNED_STATS):])
+            except ValueError:
+                pass
     res["rc"] = proc.returncode
     res["wall_s"] = round(time.monotonic() - started, 3)
     if proc.returncode != 0:
         res["stderr"] = (err or "")[-2000:]
     if out.exists():
-        times = json.loads(out.read_text())["steps"]
+        data = json.loads(out.read_text())
+        times = data["steps"]
         res["steps"] = len(times)
         res["median_s"] = statistics.median(times)
+        if data.get("enqueue"):  # the host's time to issue a step: near median_s, host-bound
+            res["enqueue_median_s"] = statistics.median(data["enqueue"])
     if trace.exists():
         ex = exit_record(trace)
         if ex:
@@ -173,14 +212,21 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
 
 def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (model, configuration): the median of its runs' medians, their min and max, and how many
-    runs. The untraced runs ("plain" and "plain_again") are pooled as "plain"."""
+    runs; where the runs said it, the median of their host times to issue a step
+    (``enqueue_median_s``). The untraced runs ("plain" and "plain_again") are pooled as "plain"."""
     by: dict[tuple[str, str], list[float]] = {}
+    enq: dict[tuple[str, str], list[float]] = {}
     for r in results:
         if r.get("median_s"):
             config = "plain" if r["config"] == "plain_again" else r["config"]
             by.setdefault((r["model"], config), []).append(r["median_s"])
-    return {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
-            for key, v in by.items()}
+            if r.get("enqueue_median_s"):
+                enq.setdefault((r["model"], config), []).append(r["enqueue_median_s"])
+    out = {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
+           for key, v in by.items()}
+    for key, v in enq.items():
+        out[key]["enqueue_median_s"] = statistics.median(v)
+    return out
 
 
 def main() -> int:
@@ -224,8 +270,8 @@ def main() -> int:
                        for (m, c), v in summary.items()]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    print(f"{'model':10} {'config':30} {'median ms':>10} {'ratio':>7} {'agent us/op':>12} {'upcalls':>8} "
-          f"{'evictions':>9} {'loads':>7} {'fast ops':>9}", file=sys.stderr)
+    print(f"{'model':10} {'config':30} {'median ms':>10} {'issue ms':>9} {'ratio':>7} {'agent us/op':>12} "
+          f"{'upcalls':>8} {'evictions':>9} {'loads':>7} {'fast ops':>9}", file=sys.stderr)
     for r in results:
         med = r.get("median_s")
         sched = r.get("sched") or {}
@@ -233,8 +279,9 @@ def main() -> int:
         note = ""
         if r["config"] in SCHED and "100" not in r["config"] and sched and not sched.get("evictions"):
             note = "  (nothing evicted: the budget did not bind)"
+        issue = r.get("enqueue_median_s")
         print(f"{r['model']:10} {r['config']:30} {med * 1e3 if med else float('nan'):10.2f} "
-              f"{r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
+              f"{issue * 1e3 if issue else float('nan'):9.2f} {r.get('ratio', float('nan')):7.3f} {r.get('agent_us_per_op', float('nan')):12.2f} "
               f"{r.get('upcalls', ''):>8} {sched.get('evictions', ''):>9} {sched.get('loads', ''):>7} "
               f"{fast.get('operations', ''):>9}{note}", file=sys.stderr)
     if args.repeat > 1:

@@ -41,6 +41,10 @@ def test_rounds_are_summarised_per_configuration_with_the_untraced_runs_pooled()
     s = bench.summarize(runs)
     assert s[("m", "plain")] == {"median_s": 1.1, "min_s": 1.0, "max_s": 1.2, "runs": 2}
     assert s[("m", "agent")] == {"median_s": 1.1, "min_s": 1.05, "max_s": 1.3, "runs": 3}
+    runs = [{"model": "m", "config": "plain_owned", "median_s": 1.0, "enqueue_median_s": 0.4},
+            {"model": "m", "config": "plain_owned", "median_s": 1.2, "enqueue_median_s": 0.9},
+            {"model": "m", "config": "plain_owned", "median_s": 1.1, "enqueue_median_s": 0.6}]
+    assert bench.summarize(runs)[("m", "plain_owned")]["enqueue_median_s"] == 0.6
 
 
 def test_the_interception_variants_run_their_tools_on_interception_and_the_others_on_cupti(tmp_path):
@@ -72,14 +76,34 @@ def test_an_unknown_configuration_is_refused_before_anything_runs(tmp_path):
 
 def test_the_scheduler_below_the_footprint_runs_with_and_without_the_fast_path(tmp_path, monkeypatch):
     """sched_66 and sched_66_fast (and their interception variants) run the scheduler at 66%, the
-    fast ones with GPUOS_SCHED_FAST=1 and the others without it, whatever the caller's environment."""
+    fast ones with GPUOS_SCHED_FAST=1 and the others with it 0 (the default is on), whatever the
+    caller's environment."""
     workload = ["loop.py", "--model", "mlp"]
     trace = tmp_path / "t.ndjson"
-    monkeypatch.setenv("GPUOS_SCHED_FAST", "1")
-    for config in ("sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept"):
-        cmd, env = bench.command(config, workload, trace)
-        assert cmd[1].endswith("gpu-prefetch-sched") and cmd[cmd.index("--budget") + 1] == "66%", config
-        assert (env.get("GPUOS_SCHED_FAST") == "1") == ("fast" in config), config
-        assert env["GPUOS_AGENT_MECHANISM"] == ("intercept" if "intercept" in config else "cupti"), config
-    assert "GPUOS_SCHED_FAST" not in bench.command("sched_100", workload, trace)[1]
+    for caller in ("1", "0"):
+        monkeypatch.setenv("GPUOS_SCHED_FAST", caller)
+        for config in ("sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept"):
+            cmd, env = bench.command(config, workload, trace)
+            assert cmd[1].endswith("gpu-prefetch-sched") and cmd[cmd.index("--budget") + 1] == "66%", config
+            assert env["GPUOS_SCHED_FAST"] == ("1" if "fast" in config else "0"), config
+            assert env["GPUOS_AGENT_MECHANISM"] == ("intercept" if "intercept" in config else "cupti"), config
     assert {"sched_66", "sched_66_fast"} <= set(bench.OPTIONAL)
+
+
+def test_owned_memory_without_the_scheduler_has_its_own_configurations(tmp_path, monkeypatch):
+    """plain_owned runs the loop itself, untraced, with torch allocating through the owned
+    allocator (a wrapper that installs it, then runs the loop as __main__, and prints the cache's
+    counts at exit); agent_owned runs it under gpu-ckpt run with GPUOS_AGENT_OWN=torch. The other
+    agent runs own nothing, whatever the caller's environment says."""
+    workload = ["loop.py", "--model", "mlp"]
+    trace = tmp_path / "t.ndjson"
+    monkeypatch.setenv("GPUOS_AGENT_OWN", "1")
+    cmd, env = bench.command("plain_owned", workload, trace)
+    assert cmd[:2] == [sys.executable, "-c"] and cmd[3:] == workload and "GPUOS_AGENT_OWN" not in env
+    code = compile(cmd[2], "<wrapper>", "exec")
+    assert "install_torch" in code.co_names and "run_path" in code.co_names and bench.OWNED_STATS in cmd[2]
+    cmd, env = bench.command("agent_owned", workload, trace)
+    assert cmd[1].endswith("gpu-ckpt") and cmd[-len(workload):] == workload and env["GPUOS_AGENT_OWN"] == "torch"
+    for config in ("agent", "agent_intercept"):
+        assert "GPUOS_AGENT_OWN" not in bench.command(config, workload, trace)[1], config
+    assert {"plain_owned", "agent_owned"} <= set(bench.OPTIONAL)

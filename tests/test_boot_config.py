@@ -136,6 +136,7 @@ def test_overrides_are_read_from_the_launchers_environment():
     ({"GPUOS_AGENT_EXIT_MAX": "inf"}, "GPUOS_AGENT_EXIT_MAX='inf'"),
     ({"GPUOS_AGENT_REFERENCE_AT": "1,x"}, "GPUOS_AGENT_REFERENCE_AT='1,x'"),
     ({"GPUOS_ENGINE_NO_DIGEST": "yes"}, "GPUOS_ENGINE_NO_DIGEST='yes': expected 1"),
+    ({"GPUOS_SCHED_FAST": "on"}, "GPUOS_SCHED_FAST='on': expected 1"),
     ({"GPUOS_ENGINE_DIGEST_OFF_AFTER": "-2"}, "GPUOS_ENGINE_DIGEST_OFF_AFTER='-2'"),
     ({"GPUOS_ENGINE_DIGEST_OFF_AFTER": "one"}, "GPUOS_ENGINE_DIGEST_OFF_AFTER='one'"),
 ])
@@ -283,6 +284,10 @@ def test_the_engine_switches_and_the_image_key_go_through_the_config(tmp_path):
     assert o.image_key == str(key)
     assert config.overrides_from_environment({}).engine == EngineSettings() and \
         config.overrides_from_environment({}).image_key is None
+    # the scheduler's fast path is the one switch on by default: 0 turns it off
+    assert config.overrides_from_environment({}).engine.fast and EngineSettings().fast
+    assert config.overrides_from_environment({"GPUOS_SCHED_FAST": "1"}).engine.fast
+    assert not config.overrides_from_environment({"GPUOS_SCHED_FAST": "0"}).engine.fast
     # the Python agent (no native core): on CUPTI, whatever the default mechanism
     cfg = AgentConfig(mechanism="cupti", engine=o.engine, image_key=o.image_key)
     assert BootConfig.from_json(BootConfig(trace=TraceConfig(fd=3), agent=cfg).to_json()).agent == cfg

@@ -197,6 +197,7 @@ def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_p
         assert s1[k] == s0[k], k
     assert s0["evictions"] > 0
     assert s1["fast"]["late"] == 0  # every action was taken at its own operation
+    assert s1["fast"]["after_s"] > 0 and s0["fast"]["after_s"] == 0 == s0["fast"]["replay_s"]
     went = sum(fast.ops_fast)
     assert s1["fast"]["operations"] == went == s1["fast"]["replayed"] > 0
     assert not any(slow.ops_fast)
@@ -239,6 +240,89 @@ def test_an_operation_on_a_record_being_evicted_always_calls(library, tmp_path, 
         assert job.eng.state(victim) in ("evicting", "released")
         assert not job.launch(rec)
     job.end()
+
+
+def test_a_launch_upcall_predicts_its_records_once_for_the_decision_and_the_marks(library, tmp_path, monkeypatch):
+    """On the fast path, a launch's upcall decides (the executor's hook) and then marks what it
+    touched (``fast_after``): both use one prediction, the hook's, not one each. The engine's own
+    hook (it predicts for its loads) is left out of the count."""
+    job = Job(library, tmp_path, monkeypatch, fast=True)
+    agent, ex = job.agent, job.ex
+    calls = {"predict": 0, "hook": 0, "marks": 0}
+    in_engine = [False]
+    predict, hook, marks, launch = agent.launch_touches, ex.before_launch, ex.fast_after, job.eng.launch
+
+    def counted_predict(*a):
+        calls["predict"] += not in_engine[0]
+        return predict(*a)
+
+    def counted_hook(*a):
+        calls["hook"] += 1
+        return hook(*a)
+
+    def counted_marks(addrs):
+        calls["marks"] += 1
+        return marks(addrs)
+
+    def engine_launch(*a):
+        in_engine[0] = True
+        try:
+            return launch(*a)
+        finally:
+            in_engine[0] = False
+
+    monkeypatch.setattr(agent, "launch_touches", counted_predict)
+    monkeypatch.setattr(ex, "before_launch", counted_hook)
+    monkeypatch.setattr(ex, "fast_after", counted_marks)
+    monkeypatch.setattr(job.eng, "launch", engine_launch)
+    agent._launch_hooks = tuple(counted_hook if h == hook else h for h in agent._launch_hooks)
+    for _ in range(3):
+        for r in job.trace:
+            if r["type"] == "launch":
+                sizes, args = launch_args(r)
+                job.operation(OP_LAUNCH, 0, r["func"], (r.get("kernel") or "").encode(), sizes, args, 0, 0)
+                settle(job.eng, job.ex)
+    assert calls["hook"] > 0 and calls["marks"] >= calls["hook"]
+    assert calls["predict"] == calls["hook"], calls
+    job.end()
+
+
+@pytest.mark.parametrize("trace", ["torch.ndjson.zst", "suite-cupy_suite.s1.ndjson.zst"])
+def test_the_allowance_is_the_walk_over_the_predicted_launches(library, tmp_path, monkeypatch, trace):
+    """``_fast_horizon`` keeps one period's keys and rotates them instead of predicting at every
+    call: at every call of the recorded steps it gives what the plain walk over ``predict`` gives
+    (the first predicted launch with a record not resident, less the lookahead)."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / trace)
+    job = Job(library, tmp_path, monkeypatch, fast=True)
+    ex = job.ex
+    horizon = ex._fast_horizon
+    seen = []
+
+    def reference() -> int:
+        pol = ex.policy
+        p = pol.period.known
+        if p is None or pol.used > pol.last_budget or pol.plan != "count":
+            return 0
+        kids = pol.period.predict(min(p, executor_mod.FAST_MAX) + pol.lookahead)
+        d = len(kids) + 1
+        for j, kid in enumerate(kids, 1):
+            ws = pol._sets[kid]
+            if ws is None or any(b not in pol.resident for b in ws):
+                d = j
+                break
+        return max(0, min(executor_mod.FAST_MAX, d - 1 - pol.lookahead))
+
+    def checked() -> int:
+        got = horizon()
+        seen.append((got, reference()))
+        return got
+
+    monkeypatch.setattr(ex, "_fast_horizon", checked)
+    for _ in range(STEPS):
+        job.step()
+    job.end()
+    assert seen and all(got == want for got, want in seen), [x for x in seen if x[0] != x[1]][:5]
+    assert any(got > 0 for got, _ in seen) and any(got == 0 for got, _ in seen)
 
 
 def test_an_owned_record_the_core_did_not_see_mapped_turns_the_fast_path_off(library, tmp_path, monkeypatch):
@@ -336,3 +420,46 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     write(1)
     assert len(calls) == n + 1
     assert core.counters()["fast"] == 4
+
+
+def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):
+    """The queue the core hands over, taken twice with the same launch queued in it: the entries
+    are the ones a parse without the memo gives, and every entry of the launch shares its name
+    and id tuples with the first (decoded once; the replay keys on them)."""
+    core = fresh(library, tmp_path)
+
+    def up(ptr):
+        u = ptr.contents
+        if u.what == core_mod.UP_PREDICT:
+            u.nw, u.nt, u.unknown = 1, 2, 0
+            u.ids[0], u.ids[1], u.ids[2] = 1, 1, 2
+        return 0
+
+    core.set_upcall(up)
+    lib = core.lib
+    for addr in (0x10000, 0x20000):
+        lib.core_lock_program()
+        lib.core_after_alloc(addr, 0x1000, 0)
+        lib.core_unlock()
+    core.set_flag(core_mod.F_EXEC | F_FAST, True)
+    sizes = (ctypes.c_uint32 * 2)(8, 8)
+    args = (0x10000).to_bytes(8, "little") + (0x20010).to_bytes(8, "little")
+    core.fast_mark([0x10000, 0x20000], 2)
+    taken = []
+    for _ in range(2):
+        core.fast_allow(3)
+        for _ in range(3):
+            lib.core_enter(OP_LAUNCH, 0, 0, 0, 5, 0xF00, b"k", sizes, 2, args, 16, 0, 0, 0)
+            lib.core_issued()
+        n, k = ctypes.c_size_t(), ctypes.c_uint32()
+        data = core._taken(lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n)
+        got = core_mod.parse_fast(data, core._fast_memo)
+        assert got == core_mod.parse_fast(data), got
+        assert [e[0] for e in got] == ["launch"] * 3 and got[0][4:] == ("k", (1,), (1, 2)), got
+        assert len(core._fast_memo) == 1
+        taken += got
+    assert len(taken) == 6 and len({e[1] for e in taken}) == 6  # each its own operation number
+    first = taken[0]
+    assert all(e[4] is first[4] and e[5] is first[5] and e[6] is first[6] for e in taken)
+    with pytest.raises(ValueError, match="runs past its buffer"):
+        core_mod.parse_fast(data[:-1], {})

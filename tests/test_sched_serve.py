@@ -17,6 +17,7 @@ from test_engine import FakeAgent, FakeOps, Rec
 from test_sched_executor import FakeLib
 
 from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.executor import Executor
 from gpuos_tools.sched.serve import Coordinator, Lines, job_output, throughput
 
@@ -325,6 +326,10 @@ def test_without_serve_the_gate_is_not_installed_and_costs_nothing():
     eng = ResidencyEngine(FakeAgent({1: bases[0]}), FakeOps(recs, auto=True))
     ex = Executor(eng, {"budget": 1 << 30, "prepin": False}, lib=FakeLib(recs))
     assert ex.serve is None
+    assert ex.fast  # the fast path is `run`'s default (it runs once the native core offers it)
+    off = ResidencyEngine(FakeAgent({1: bases[0]}), FakeOps(recs, auto=True), settings=EngineSettings(fast=False))
+    assert not Executor(off, {"budget": 1 << 30, "prepin": False}, lib=FakeLib(recs)).fast  # GPUOS_SCHED_FAST=0
+    off.close()
     ex.gate()  # a no-op
     assert "serve" not in ex.summary()
     assert "gate" not in ex.offered() and "before_launch" in ex.offered()
@@ -352,6 +357,7 @@ def test_serving_the_executor_registers_its_gate_on_the_agent(monkeypatch):
     recs = [Rec(0x1000_0000, 64 * MIB)]
     eng = ResidencyEngine(FakeAgent({1: recs[0].base}), FakeOps(recs, auto=True))
     ex = Executor(eng, {"budget": 1 << 30, "prepin": False, "serve": {"socket": "s", "job": 0}}, lib=FakeLib(recs))
+    assert eng.settings.fast and not ex.fast  # serve's gate and ledger act on every operation: never the fast path
     agent = Agent()
     ex.attach(agent)
     assert agent.gate == ex.gate and agent.skip_captured

@@ -7,6 +7,9 @@ resnet50: timm's ResNet-50 (random weights), bf16 autocast, batch 64 of 224x224,
 momentum (~900 launches a step). mlp: a 4-layer MLP, batch 256, torch.optim.Adam(foreach=True)
 (~35 launches a step). Each step ends with a synchronize; OUT gets the step times in seconds
 (after the warm-up) and the launches per step are not counted here (the tools count them).
+OUT's `enqueue` holds, per step, the host's time to issue it (until the step function returns,
+before the synchronize): near the step time, the loop is bound by the host (the framework, the
+allocator, the agent), well below it, by the GPU.
 With --pause FILE, after the warm-up it writes FILE.ready and waits (at most 120 s) for FILE.go,
 so that a benchmark can act (take a snapshot) before the timed steps.
 """
@@ -77,13 +80,14 @@ def main() -> int:
         deadline = time.monotonic() + 120
         while not Path(f"{args.pause}.go").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-    times = []
+    times, enqueue = [], []
     for _ in range(args.steps):
         t = time.perf_counter()
         step()
+        enqueue.append(time.perf_counter() - t)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    args.json.write_text(json.dumps({"model": args.model, "steps": times}))
+    args.json.write_text(json.dumps({"model": args.model, "steps": times, "enqueue": enqueue}))
     return 0
 
 

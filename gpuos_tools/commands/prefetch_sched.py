@@ -299,10 +299,10 @@ def run(
     preloaded interposer (GPUOS_AGENT_MECHANISM=intercept; no CUPTI in the program); without the
     variable, {mechanism_default}.
 
-    GPUOS_SCHED_FAST=1 (opt-in, on the agent's native core): an operation whose records are all
-    resident and settled, at a point where the policy's plan has no action, goes on without entering
-    Python; its bookkeeping is replayed at the next call. Decisions and results are the same; the
-    summary's `fast` says how many operations went by.
+    The fast path (on the agent's native core; on by default, GPUOS_SCHED_FAST=0 turns it off): an
+    operation whose records are all resident and settled, at a point where the policy's plan has no
+    action, goes on without entering Python; its bookkeeping is replayed at the next call. Decisions
+    and results are the same; the summary's `fast` says how many operations went by.
     """
     if policy not in POLICIES:
         raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--policy")

@@ -120,6 +120,14 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 _V_HDR = struct.Struct("<II")
 _F_HDR = struct.Struct("<IIQIIQ")  #: fast queue entry: kind, bytes, operation, cbid, name length, stream
 _F_LAUNCH, _F_WRITE = 1, 2
+#: functions that return at once and take no lock, called on the program's thread in every upcall
+#: (the view's take and the flags) and in every one of the fast path: through CDLL each call lets
+#: the GIL go and takes it back (a few µs each, and a wait when another Python thread, the mover or
+#: the engine's, took it meanwhile); PyDLL keeps it
+HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts", "core_free", "core_view_take",
+            "core_set_flags", "core_flags")
+_F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
+_F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
 _V_ALLOC = struct.Struct("<4Q")
 _V_WRITE = struct.Struct("<3Q")
 
@@ -149,25 +157,44 @@ def parse_view(data: bytes) -> list[tuple]:
     return out
 
 
-def parse_fast(data: bytes) -> list[tuple]:
+#: launch bodies kept by ``parse_fast``'s memo at most (then it starts again)
+FAST_MEMO_MAX = 65536
+
+
+def parse_fast(data: bytes, memo: dict[bytes, tuple] | None = None) -> list[tuple]:
     """The fast path's queue (gpuos_core.c core_fast_take) -> ("launch", op, cbid, stream, name,
-    written ids, touched ids) / ("write", op, cbid, stream, dst, src), in the program's order."""
+    written ids, touched ids) / ("write", op, cbid, stream, dst, src), in the program's order.
+
+    ``memo`` (the caller's, kept between takes): a launch's name and ids by the bytes that hold
+    them. A loop queues the same launches every step, so each is decoded once, and the entries
+    of one launch share their name and id tuples (the replay keys on them)."""
     out: list[tuple] = []
+    append = out.append
+    unpack = _F_HDR.unpack_from
     pos, end = 0, len(data)
     while pos < end:
-        kind, length, n, cbid, nlen, stream = _F_HDR.unpack_from(data, pos)
+        kind, length, n, cbid, nlen, stream = unpack(data, pos)
         if length < 32 or pos + length > end:
             raise ValueError(f"fast queue entry at byte {pos} runs past its buffer")
         body = pos + 32
         if kind == _F_LAUNCH:
-            nw, nt = struct.unpack_from("<II", data, body)
-            ids = struct.unpack_from(f"<{nw + nt}Q", data, body + 8)
+            nw, nt = _F_COUNTS.unpack_from(data, body)
             at = body + 8 + 8 * (nw + nt)
-            name = bytes(data[at : at + nlen]).decode(errors="replace")
-            out.append(("launch", n, cbid, stream, name, ids[:nw], ids[nw:]))
+            if at + nlen > pos + length:
+                raise ValueError(f"fast queue entry at byte {pos} runs past its buffer")
+            key = data[body : at + nlen] if memo is not None else None
+            hit = memo.get(key) if memo is not None else None
+            if hit is None:
+                ids = struct.unpack_from(f"<{nw + nt}Q", data, body + 8)
+                hit = (bytes(data[at : at + nlen]).decode(errors="replace"), ids[:nw], ids[nw:])
+                if memo is not None:
+                    if len(memo) >= FAST_MEMO_MAX:
+                        memo.clear()
+                    memo[key] = hit
+            append(("launch", n, cbid, stream, *hit))
         elif kind == _F_WRITE:
-            dst, src = struct.unpack_from("<QQ", data, body)
-            out.append(("write", n, cbid, stream, dst, src))
+            dst, src = _F_PAIR.unpack_from(data, body)
+            append(("write", n, cbid, stream, dst, src))
         else:
             raise ValueError(f"unknown fast queue entry kind {kind} at byte {pos}")
         pos += length
@@ -198,10 +225,17 @@ class NativeCore:
     def __init__(self, library: str | Path) -> None:
         self.path = str(library)
         self.lib = ctypes.CDLL(self.path)
+        self._fast_memo: dict[bytes, tuple] = {}  #: ``parse_fast``'s
         for name, (res, args) in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.restype = res
             fn.argtypes = args
+        #: the same library (dlopen gives the same handle) with the GIL held across the call, for
+        #: the calls of every upcall (``HOLD_GIL``)
+        self._held = ctypes.PyDLL(self.path)
+        for name in HOLD_GIL:
+            fn = getattr(self._held, name)
+            fn.restype, fn.argtypes = _SIGNATURES[name]
         self._upcall: Any = None  # the ctypes callback, kept alive
 
     # -- state the agent reads ------------------------------------------------------------------
@@ -264,10 +298,10 @@ class NativeCore:
     # -- what the agent sets ----------------------------------------------------------------------
 
     def set_flag(self, flag: int, on: bool) -> None:
-        self.lib.core_set_flags(flag, flag if on else 0)
+        self._held.core_set_flags(flag, flag if on else 0)
 
     def flags(self) -> int:
-        return int(self.lib.core_flags())
+        return int(self._held.core_flags())
 
     def bump_epoch(self) -> None:
         self.lib.core_bump_epoch()
@@ -308,12 +342,12 @@ class NativeCore:
         try:
             return ctypes.string_at(ptr, n.value)
         finally:
-            self.lib.core_free(ptr)
+            self._held.core_free(ptr)
 
     def take_view(self) -> list[tuple]:
         """The view events queued since the last take (core lock held)."""
         n = ctypes.c_size_t()
-        return parse_view(self._taken(self.lib.core_view_take(ctypes.byref(n)), n))
+        return parse_view(self._taken(self._held.core_view_take(ctypes.byref(n)), n))
 
     def view_pending(self) -> int:
         return int(self.lib.core_view_len())
@@ -336,14 +370,14 @@ class NativeCore:
 
     def fast_allow(self, left: int) -> None:
         """The next ``left`` decisions may go on without a call (0: every one calls)."""
-        self.lib.core_fast_allow(max(0, int(left)))
+        self._held.core_fast_allow(max(0, int(left)))
 
     def fast_mark(self, addrs, level: int) -> None:
         """The allocations holding ``addrs``: 2, an operation may write or read them without a
         call; 1, only read them; 0, neither."""
         a = list(addrs)
         if a:
-            self.lib.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
+            self._held.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
 
     def fast_unready(self, base: int, size: int) -> None:
         self.lib.core_fast_unready(base, size)
@@ -368,11 +402,11 @@ class NativeCore:
         """The operations that went without a call since the last take (``parse_fast``)."""
         n = ctypes.c_size_t()
         k = ctypes.c_uint32()
-        return parse_fast(self._taken(self.lib.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n))
+        return parse_fast(self._taken(self._held.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n), self._fast_memo)
 
     def fast_counts(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 3)()
-        self.lib.core_fast_counts(out)
+        self._held.core_fast_counts(out)
         return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2])}
 
     def set_upcall(self, fn: Callable[[Any], int]) -> None:

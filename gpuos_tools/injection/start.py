@@ -131,10 +131,8 @@ class AgentUpcalls:
                 sizes, args = launch_args(u)
                 kernel = (u.name or b"").decode(errors="replace")
                 agent.before_launch(api, u.raw_stream, kernel, sizes, args)
-                if fast is not None:
-                    unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
-                    by_id = agent.by_id
-                    fast.fast_after(() if unknown else [by_id[i].addr for i in touched if i in by_id])
+                if fast is not None:  # the addresses its hook found for this launch
+                    fast.fast_after(fast.launch_addrs(agent, kernel, sizes, args))
             elif what == UP_WRITE:
                 agent.before_write(api, u.dst, u.raw_stream, u.src)
                 if fast is not None:

@@ -16,7 +16,8 @@ NO_CONSERVE_ENV = "GPUOS_ENGINE_NO_CONSERVE"  #: 1: mismatches reported, not act
 DIGEST_OFF_AFTER_ENV = "GPUOS_ENGINE_DIGEST_OFF_AFTER"  #: N: the digest check goes off after the Nth mismatch
 NO_YIELD_ENV = "GPUOS_ENGINE_NO_YIELD"  #: 1: the background loader does not pause for demand loads
 NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
-#: 1: under `gpu-prefetch-sched run` on the native core, operations with nothing to do skip Python
+#: 0: under `gpu-prefetch-sched run` on the native core, every operation enters Python (the fast
+#: path, on by default there, lets operations with nothing to do skip it)
 FAST_ENV = "GPUOS_SCHED_FAST"
 #: every variable above: the launcher reads them and leaves them out of the program's environment
 VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, FAST_ENV)
@@ -33,8 +34,10 @@ class EngineSettings:
     park: bool = True  #: keep released physical memory parked for reuse (`gpu-prefetch-sched run`)
     #: the scheduler's fast path on the native core (docs/native-core.md, "The fast path"): an
     #: operation whose records are all resident and settled, and for which the policy's plan has
-    #: no action, goes on without entering Python; its bookkeeping is replayed in batches
-    fast: bool = False
+    #: no action, goes on without entering Python; its bookkeeping is replayed in batches. On by
+    #: default: its decisions are the ones every call would give, and on the GPU the jobs' results
+    #: were bit-identical to the job alone (serve's jobs never take it)
+    fast: bool = True
 
     def __post_init__(self) -> None:
         if self.digest_off_after < 0:
@@ -45,11 +48,11 @@ class EngineSettings:
         """The switches the variables above set in ``environ``; ValueError naming the variable
         for a value that is not one it takes."""
 
-        def flag(name: str) -> bool:  # "1": the switch is set; unset, empty or "0": not
+        def flag(name: str, default: bool = False) -> bool:  # "1": set; "0": not; unset or empty: the default
             value = environ.get(name, "").strip()
             if value not in ("", "0", "1"):
                 raise ValueError(f"{name}={value!r}: expected 1 (or 0, or unset)")
-            return value == "1"
+            return default if value == "" else value == "1"
 
         text = environ.get(DIGEST_OFF_AFTER_ENV, "").strip()
         try:
@@ -59,4 +62,4 @@ class EngineSettings:
         if off_after < 0:
             raise ValueError(f"{DIGEST_OFF_AFTER_ENV}={text!r}: expected a number of mismatches, 0 or more")
         return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
-                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV), fast=flag(FAST_ENV))
+                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV), fast=flag(FAST_ENV, default=True))

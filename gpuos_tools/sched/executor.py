@@ -50,7 +50,8 @@ the memory to the next job). GPUOS_ENGINE_NO_PARK=1 turns it off.
 Timeline. With the config's ``timeline`` (a path), the executor also keeps a bounded log of
 events ``[t_s, kind, value]`` (seconds from its start) and writes it there at the end (JSON:
 `sched_timeline`, read by gpuos_tools/sched/plot.py): ``mapped`` (owned bytes mapped, measured
-after each decision and each prefetch), ``budget`` (when the budget a decision uses changes),
+after each decision and each prefetch; once per replay for the decisions of the operations the
+fast path let go by: nothing moved for them), ``budget`` (when the budget a decision uses changes),
 ``evict`` (a record's bytes, at the eviction's issue), ``load`` (bytes a launch's require
 loads, at its issue), ``prefetch`` (a record's bytes, at the mover's issue), ``wait`` (a host
 wait for room: value = seconds, t = its start). Past ``timeline_max`` events (default 200000)
@@ -76,6 +77,7 @@ from gpuos_tools.agent.agent import Agent
 from gpuos_tools.agent.hooks import AgentHooks
 from gpuos_tools.errors import GpuosError
 from gpuos_tools.memory.engine import opaque_copy
+from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.ledger import Ledger
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
@@ -184,18 +186,27 @@ class Executor(AgentHooks):
         self.dormant = self.serve is None and fraction is not None and float(fraction) >= 1.0
         self.every_operation = not self.dormant
         settings = getattr(engine, "settings", None)  # (GPUOS_ENGINE_NO_PARK=1 turns parking off)
-        #: the native core's fast path (``use_core``; GPUOS_SCHED_FAST=1): under `run` only (serve's
-        #: gate and ledger act on every operation)
+        #: the native core's fast path (``use_core``; on unless GPUOS_SCHED_FAST=0): under `run`
+        #: only (serve's gate and ledger act on every operation)
         self.fast = (self.serve is None and not self.dormant
-                     and bool(cfg.get("fast", getattr(settings, "fast", False))))
+                     and bool(cfg.get("fast", getattr(settings, "fast", EngineSettings.fast))))
         self._core: Any = None
         self._fast_flag = 0  #: the core's flag that turns it on (``use_core``)
         self._fast_checked: tuple | None = None  #: the records' key when the core's cover was checked
         #: (records, sorted bases, small segments, version) at the last allowance: the replay's
         self._fast_books: tuple | None = None
+        #: ((periods learned, p), the launch index it was taken at, one period's keys): ``_fast_horizon``'s
+        self._cycle: tuple | None = None
+        #: a queued operation's key -> what it gives the replay (``_replay_entry``), valid for
+        #: ``_replay_for`` (the records' version, the predictor's epoch)
+        self._replay_memo: dict[tuple, tuple | bool] = {}
+        self._replay_for: tuple | None = None
+        #: (kernel, sizes, args, addresses) of the launch ``before_launch`` last decided, for ``launch_addrs``
+        self._launch: tuple | None = None
         self.fast_off: str | None = None  #: why the fast path went off, if it did
         self._api_of: Any = lambda cbid: ""
-        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0})
+        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0,
+                            "fast_after_s": 0.0})
         self._park = (self.serve is None and (settings is None or settings.park)
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
@@ -216,9 +227,26 @@ class Executor(AgentHooks):
 
     def before_launch(self, agent: Any, api: str, stream: int, kernel: str, sizes: Any, args: Any) -> None:
         """The records the launch reads or writes, by the agent's prediction (None: unknown)."""
+        self._launch = None
         unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
         by_id = agent.by_id
-        self.before(kernel, None if unknown else [by_id[i].addr for i in touched if i in by_id], stream)
+        addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+        if self._core is not None:  # the fast path's marks after this call use the same (``launch_addrs``)
+            self._launch = (kernel, sizes, args, addrs)
+        self.before(kernel, addrs, stream)
+
+    def launch_addrs(self, agent: Any, kernel: str, sizes: Any, args: Any) -> tuple | list:
+        """The addresses of the allocations a launch touches, for ``fast_after`` (empty when
+        unknown): the ones this launch's ``before_launch`` found when it ran in this upcall (the
+        same objects: a prediction per upcall, not two), else the agent's prediction now."""
+        last, self._launch = self._launch, None
+        if last is not None and last[0] is kernel and last[1] is sizes and last[2] is args:
+            addrs = last[3]
+        else:
+            unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
+            by_id = agent.by_id
+            addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+        return () if addrs is None else addrs
 
     def before_write(self, agent: Any, api: str, addr: int, stream: int, src: int) -> None:
         """Copies and memsets (a free is no decision). 3D copies and copies through CUDA arrays:
@@ -490,58 +518,97 @@ class Executor(AgentHooks):
         counts), the kernel profile, the engine's launch order and recency (agent's lock held,
         before this operation's own decision). An action one of them yields (the plan changed
         meanwhile: a key off the period) is carried out now, late, and counted (with ``act``
-        False, at the program's end, only counted)."""
+        False, at the program's end, only counted).
+
+        The loop repeats its operations, so what an operation's ids or addresses give (its
+        records, the launch key's records, their bytes) is kept per operation key until the
+        records or the predictor's allocations change (``_replay_entry``); the mover's lock is
+        taken once for the batch, not once per operation."""
         if not entries:
             return
         t = time.perf_counter()
         eng = self.engine
-        agent = eng.agent
-        by_id = agent.by_id
         # the records as they were when these operations went by: no allocation came or went
         # between the allowance and them (the core calls at the first operation after one)
         books = self._fast_books
         if books is None:
             self.records()
             books = (self._records, self._bases, self._small, self._key)
-        recs, bases_list, small, version = books
+        recs, _, _, version = books
+        memo_for = (version, eng.agent.pred.epoch)
+        if self._replay_for != memo_for:
+            self._replay_memo.clear()
+            self._replay_for = memo_for
+        memo = self._replay_memo
+        before = self.policy.before
+        kernels = self.kernels
+        launched, touched_now = eng._launched, eng._touched
         late = 0
-        for e in entries:
-            if e[0] == "launch":
-                kernel, writes, touched = e[4], e[5], e[6]
-                eng._launched(kernel)
-                for i in touched:
-                    eng._touched(i)
-                if eng.clean:  # the predicted readers of clean records, as the engine's hook keeps them
+        with self._load_lock:
+            for e in entries:
+                if e[0] == "launch":
+                    kernel, touched = e[4], e[6]
+                    launched(kernel)
                     for i in touched:
-                        if i not in writes:
-                            b = eng._id_base(i)
-                            if b in eng.clean:
-                                eng._read_while_clean(b, kernel)
-                addrs = [by_id[i].addr for i in touched if i in by_id]
-            else:
-                kernel = self._api_of(e[2])
-                if not kernel.startswith(("cuMemcpy", "cuMemset")):
+                        touched_now(i)
+                    if eng.clean:  # the predicted readers of clean records, as the engine's hook keeps them
+                        writes = e[5]
+                        for i in touched:
+                            if i not in writes:
+                                b = eng._id_base(i)
+                                if b in eng.clean:
+                                    eng._read_while_clean(b, kernel)
+                    mk = (kernel, touched)
+                else:
+                    mk = (e[2], e[4], e[5])
+                hit = memo.get(mk)
+                if hit is None:
+                    hit = memo[mk] = self._replay_entry(e, books)
+                if hit is False:  # a write that is no decision (not a copy or memset)
                     continue
-                addrs = [a for a in (e[4], e[5]) if a]
-            bases = _bases_in(addrs, bases_list, recs)
-            self._profile(kernel, bases, recs)
-            with self._load_lock:
-                key = None if not small else [b for b in bases if b not in small]
-                actions = self.policy.before(kernel, bases, recs, key, version)
-                self._budget = self.policy.last_budget
-                for op, arg in actions:
-                    if op == "evict" and act:
-                        self._evict(arg)
-            for op, arg in actions:
-                if op == "prefetch" and act:
-                    self._start_mover()
-                    self._moves.put(arg)
-            late += any(op != "require" for op, _ in actions)
+                kernel, bases, key, nbytes = hit
+                row = kernels.get(kernel)
+                if row is None:
+                    self._profile(kernel, bases, recs)
+                else:  # ``_profile``'s counts, its bytes kept
+                    row[0] += 1
+                    row[2] += nbytes
+                    row[3] += not bases
+                actions = before(kernel, bases, recs, key, version)
+                if (len(actions) != 1 or actions[0][0] != "require") and any(op != "require" for op, _ in actions):
+                    late += 1  # an action besides the require: carried out late
+                    if act:
+                        for op, arg in actions:
+                            if op == "evict":
+                                self._evict(arg)
+                        for op, arg in actions:
+                            if op == "prefetch":
+                                self._start_mover()
+                                self._moves.put(arg)
+            self._budget = self.policy.last_budget
         c = self.counts
         c["fast_replayed"] += len(entries)
         c["fast_late"] += late
         c["fast_replay_s"] += time.perf_counter() - t
         self._measure(self._budget, False)
+
+    def _replay_entry(self, e: tuple, books: tuple) -> tuple | bool:
+        """What a queued operation gives the replay: (its kernel or API name, the records it
+        touches, those that key it, their bytes for the profile); False for a write that is not
+        a copy or memset (no decision)."""
+        recs, bases_list, small, _ = books
+        if e[0] == "launch":
+            kernel = e[4]
+            by_id = self.engine.agent.by_id
+            addrs = [by_id[i].addr for i in e[6] if i in by_id]
+        else:
+            kernel = self._api_of(e[2])
+            if not kernel.startswith(("cuMemcpy", "cuMemset")):
+                return False
+            addrs = [a for a in (e[4], e[5]) if a]
+        bases = _bases_in(addrs, bases_list, recs)
+        key = None if not small else [b for b in bases if b not in small]
+        return kernel, bases, key, sum(recs.get(b, 0) for b in set(bases))
 
     def fast_after(self, addrs) -> None:
         """After an operation's decision and the engine's hook (agent's lock held): the
@@ -550,6 +617,13 @@ class Executor(AgentHooks):
         core = self._core
         if core is None:
             return
+        t = time.perf_counter()
+        try:
+            self._fast_after(core, addrs)
+        finally:
+            self.counts["fast_after_s"] += time.perf_counter() - t
+
+    def _fast_after(self, core: Any, addrs) -> None:
         recs = self.records()
         self._fast_books = (self._records, self._bases, self._small, self._key)  # what the next replay uses
         if self._key != self._fast_checked:
@@ -600,12 +674,21 @@ class Executor(AgentHooks):
             return 0
         ahead = pol.lookahead
         res, sets = pol.resident, pol._sets
-        kids = per.predict(min(p, FAST_MAX) + ahead)
-        d = len(kids) + 1
-        for j, kid in enumerate(kids, 1):
-            ws = sets[kid]
+        # the predicted keys without predicting: while a period holds, the key of launch i is
+        # the key of launch i - p, so one period's keys, taken once per period learned (as the
+        # policy's phase table is), rotated by the launches since give every prediction; the
+        # walk then costs what it looks at (predicting up to 4096 keys at every call cost more
+        # than the decisions it saved)
+        cyc = self._cycle
+        if cyc is None or cyc[0] != (per.learned, p):
+            cyc = self._cycle = ((per.learned, p), per.n, per.predict(p))
+        keys, rot = cyc[2], (per.n - cyc[1]) % p
+        limit = min(p, FAST_MAX) + ahead
+        d = limit + 1
+        for j in range(limit):
+            ws = sets[keys[(rot + j) % p]]
             if ws is None or any(b not in res for b in ws):
-                d = j
+                d = j + 1
                 break
         return max(0, min(FAST_MAX, d - 1 - ahead))
 
@@ -1132,7 +1215,7 @@ class Executor(AgentHooks):
     def _fast_summary(self) -> dict[str, Any]:
         c = self.counts
         out: dict[str, Any] = {"on": self._core is not None, "replayed": c["fast_replayed"], "late": c["fast_late"],
-                               "replay_s": round(c["fast_replay_s"], 6)}
+                               "replay_s": round(c["fast_replay_s"], 6), "after_s": round(c["fast_after_s"], 6)}
         if self.fast_off:
             out["off"] = self.fast_off
         if self._core is not None:

@@ -90,7 +90,8 @@ def test_the_timeline_is_recorded_and_matches_the_summary(tmp_path, plain):
     assert kinds.count("evict") == s["evictions"] > 0, (kinds.count("evict"), s["evictions"])
     moved = sum(e[2] for e in data["events"] if e[1] in ("load", "prefetch"))
     assert moved == s["bytes_in"], (moved, s["bytes_in"])
-    assert kinds.count("mapped") >= s["launches"]
+    # a measure after each decision, but one per replay for those the fast path let go by
+    assert kinds.count("mapped") >= s["launches"] - s["fast"]["replayed"], (kinds.count("mapped"), s["fast"])
 
 
 def test_the_managed_memory_baseline_faults_back_what_it_pushed_out(tmp_path, plain):

@@ -47,20 +47,24 @@ def plain_run(name: str, tmp: Path, args: list[str] | None = None) -> dict:
     return json.loads(out.read_text())
 
 
-def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None, fast: bool = False,
+def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None, fast: bool | None = None,
               args: list[str] | None = None) -> tuple[dict, dict]:
     """The job under `gpu-prefetch-sched run OPTS`; ``mechanism``: GPUOS_AGENT_MECHANISM for it
     (None: as this process's environment says), checked against the header; ``fast``: with
-    GPUOS_SCHED_FAST=1; ``args``: the job's arguments instead of its defaults."""
+    GPUOS_SCHED_FAST=1 or 0 (None: unset, the default, whatever this process's environment says);
+    ``args``: the job's arguments instead of its defaults."""
     job, default = JOBS[name]
     args = default if args is None else args
     out = tmp / "job.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *opts, "--",
            sys.executable, str(job), *args, "--out", str(out)]
     extra = {} if mechanism is None else {"GPUOS_AGENT_MECHANISM": mechanism}
-    if fast:
-        extra["GPUOS_SCHED_FAST"] = "1"
-    p = subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=300)
+    if fast is not None:
+        extra["GPUOS_SCHED_FAST"] = "1" if fast else "0"
+    environ = env(**extra)
+    if fast is None:
+        environ.pop("GPUOS_SCHED_FAST", None)
+    p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-6000:]
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
     assert recs[0]["type"] == "header" and recs[-1]["type"] == "sched_summary", recs
@@ -75,8 +79,10 @@ def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None, fa
 
 @pytest.mark.parametrize("name", ["llm", "cnn"])
 def test_torch_job_over_budget_is_bit_identical_to_the_job_alone(tmp_path, name):
+    """Every operation through the executor (GPUOS_SCHED_FAST=0; the fast path, the default, is
+    the test below): the job over budget ends as it does alone."""
     plain = plain_run(name, tmp_path)
-    job, s = sched_run(name, tmp_path, "--budget", "66%")
+    job, s = sched_run(name, tmp_path, "--budget", "66%", fast=False)
     assert job["digest"] == plain["digest"], (job, plain)
     if name == "llm":
         assert job["tokens"] == plain["tokens"]
@@ -85,6 +91,7 @@ def test_torch_job_over_budget_is_bit_identical_to_the_job_alone(tmp_path, name)
     assert "error" not in s and s["executor"]["mover_errors"] == 0, s
     assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
     assert s["kernels"]["operations"] == s["launches"], s["kernels"]
+    assert not s["fast"]["on"] and s["fast"].get("operations", 0) == 0, s["fast"]
     loop = job["sched_loop"]  # the executor's counts inside the job's timed loop
     assert loop is not None and loop["launches"] > 0, job
     assert plain["sched_loop"] is None
@@ -138,15 +145,15 @@ def test_the_cnn_learns_its_step_period_and_belady_moves_less_than_lru(tmp_path)
 
 @pytest.mark.parametrize("name", ["cnn", "llm"])
 def test_torch_job_over_budget_on_the_fast_path_is_bit_identical_to_the_job_alone(tmp_path, name):
-    """GPUOS_SCHED_FAST=1: the native core lets the operations go by whose records are resident
-    and settled while the policy's plan has no action, and an operation on a record being evicted
+    """The fast path, the default (no GPUOS_SCHED_FAST): the native core lets the operations go by
+    whose records are resident and settled while the policy's plan has no action, and an operation on a record being evicted
     or loaded still goes through the executor. The job over budget ends as it does alone, records
     are evicted and loaded again, and the summary says how many operations went by without Python."""
     job_path, args = JOBS[name]
     if name == "cnn":  # steps enough for the period to be learned and then used
         args = [*args[:-2], "--steps", "10"]
     plain = plain_run(name, tmp_path, args)
-    job, s = sched_run(name, tmp_path, "--budget", "66%", fast=True, args=args)
+    job, s = sched_run(name, tmp_path, "--budget", "66%", args=args)
     assert job["digest"] == plain["digest"], (job, plain)
     if name == "llm":
         assert job["tokens"] == plain["tokens"]
@@ -159,5 +166,5 @@ def test_torch_job_over_budget_on_the_fast_path_is_bit_identical_to_the_job_alon
     assert fast["replayed"] <= fast["operations"] and s["kernels"]["operations"] == s["launches"], (fast, s["kernels"])
     print(f"{name} fast path: {fast['operations']} of {s['launches']} operations went by without Python "
           f"({fast['operations'] / max(1, s['launches']):.1%}), {fast['late']} replayed late, replay "
-          f"{fast['replay_s']} s; {s['evictions']} evictions, {s['loads']} loads, periods {s['periods']}",
+          f"{fast['replay_s']} s, marks and allowances {fast.get('after_s')} s; {s['evictions']} evictions, {s['loads']} loads, periods {s['periods']}",
           file=sys.stderr)
