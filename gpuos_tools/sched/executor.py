@@ -1151,7 +1151,11 @@ class Executor(AgentHooks):
         pol = self.policy.stats.as_dict()
         out = {
             "policy": self.policy.policy, "lookahead": self.policy.lookahead, "plan": self.policy.plan,
-            "proactive": self.policy.proactive, "budget": pol["budget_max"], "fraction": self.cfg.get("fraction"),
+            "proactive": self.policy.proactive, "fraction": self.cfg.get("fraction"),
+            # a percentage: of the steady working set once a period is learned (online.py), and
+            # the bytes it became at the last decision; bytes: the largest budget a decision had
+            "budget": self.policy.last_budget if self.policy.fraction is not None else pol["budget_max"],
+            "budget_of": self.policy.budget_of(), "steady_bytes": pol["steady_bytes"],
             "footprint": self._total, "launches": pol["launches"], "unknown": pol["unknown"],
             "bytes_in": eng.get("loaded_bytes", 0), "bytes_out": eng.get("saved_bytes", 0),
             "loads": eng.get("prefetches", 0) + eng.get("demand_loads", 0), "prefetches": eng.get("prefetches", 0),

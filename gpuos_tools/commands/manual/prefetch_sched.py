@@ -66,8 +66,9 @@ SECTIONS = {
         "(`gpu-trace run --agent`, python callback path) with its CuPy and PyTorch allocations owned "
         "(`GPUOS_AGENT_OWN=1`: every buffer, or segment of small ones, is a record at a fixed "
         "address whose physical memory can be saved, released and mapped again). The unit of "
-        "residency is the record. A percentage budget is that share of the program's owned memory "
-        "at each decision.\n\n"
+        "residency is the record. A percentage budget is that share of the program's steady working "
+        "set once its launch sequence is learned (below), of all its owned memory until then; the "
+        "summary's `budget_of`, `steady_bytes` and `budget` say which and what it became.\n\n"
         + _online_doc.split("\n\n", 1)[1].split("\n\nWhy not", 1)[0].strip("\n")
         + "\n\nThe moves go through the agent's residency engine: an eviction's save is ordered "
         "on the GPU after everything the program has enqueued and runs on the engine's evict "
