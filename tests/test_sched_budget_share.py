@@ -83,6 +83,9 @@ def test_a_percentage_budget_is_of_the_steady_working_set_and_moves_keep_the_con
     assert s["budget"] == int(0.66 * s["steady_bytes"])
     assert min(moves[3:]) > 0, moves  # every steady step moves records
     assert s["evictions"] > 0 and s["loads"] > 0 and s["bytes_in"] > 0
+    # the budget shrank when the period was learned: once the evictions brought the mapped
+    # memory under it, it stayed there
+    assert s["executor"]["settled"] >= 1 and s["peak_settled"] <= s["budget"] and s["over_physical"] == 0, s
     for r in job.recs:
         assert job.held(r.base) == job.expect[r.base], f"{r.base:#x} lost a write"
 

@@ -169,6 +169,12 @@ STEPS = 8
 RECORDED = Path(__file__).parent / "data" / "recorded"
 
 
+def allocated(share: float) -> int:
+    """``share`` of the device bytes the workload allocates, as bytes: a budget that holds its
+    steady step whole (a percentage is of the steady working set, which then moves every step)."""
+    return int(share * sum(r["size"] for r in records(TRACE) if r["type"] == "alloc" and r.get("kind") == "device"))
+
+
 @pytest.mark.parametrize("trace", ["torch.ndjson.zst", "suite-cupy_suite.s1.ndjson.zst"])
 def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_path, monkeypatch, trace):
     """The same recorded steps with the fast path off and on: the same decisions in the same order
@@ -184,8 +190,7 @@ def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_p
         monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / trace)
         # the PyTorch step at two thirds of every byte it allocates: its steady working set fits
         # (a percentage would be of that working set, and move records every step)
-        live = sum(r["size"] for r in records(RECORDED / trace) if r["type"] == "alloc" and r.get("kind") == "device")
-        job = Job(library, d, monkeypatch, fast, budget=int(0.66 * live) if trace.startswith("torch") else None)
+        job = Job(library, d, monkeypatch, fast, budget=allocated(0.66) if trace.startswith("torch") else None)
         assert bool(job.core.flags() & F_FAST) == fast
         per_step = []
         for _ in range(STEPS):
@@ -221,7 +226,7 @@ def test_an_operation_on_a_record_being_evicted_always_calls(library, tmp_path, 
     """Once the loop runs fast, a record the policy evicts (and one the engine's own eviction
     takes) loses its mark before its save is enqueued: the next launch that touches it calls,
     finds it mapped again, and the eviction is cancelled or the record loaded."""
-    job = Job(library, tmp_path, monkeypatch, fast=True, fraction=0.95)
+    job = Job(library, tmp_path, monkeypatch, fast=True, budget=allocated(0.95))  # the step fits
     for _ in range(4):
         job.step()
     launches = [r for r in job.trace if r["type"] == "launch"]

@@ -138,6 +138,7 @@ class Executor(AgentHooks):
         self.error: str | None = None
         self._closing = False
         self._over_pending = False
+        self._measured_budget = 0  #: the budget ``_measure`` saw last
         self.t0 = time.perf_counter()
         self._log: list[list] | None = [] if cfg.get("timeline") else None
         self._log_max = int(cfg.get("timeline_max", 200_000))
@@ -771,9 +772,12 @@ class Executor(AgentHooks):
         self._event("mapped", now)
         c = self.counts
         c["peak_resident"] = max(c["peak_resident"], now)
-        if self._key != self._settled_key or over_budget or self._over_pending:
-            # the program allocated (its new memory is mapped at once), or a launch needed more
-            # than the budget: above it until the evictions that follow complete
+        cut = budget < self._measured_budget and self.policy.fraction is not None
+        self._measured_budget = budget
+        if self._key != self._settled_key or over_budget or self._over_pending or cut:
+            # the program allocated (its new memory is mapped at once), a launch needed more
+            # than the budget, or a percentage budget shrank (a period learned: online.py):
+            # above it until the evictions that follow complete
             self._under = False
             self._settled_key = self._key
         if not self._under and now <= budget:

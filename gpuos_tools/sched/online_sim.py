@@ -136,6 +136,8 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
                 settled = False
         known_before = pol.period.known is not None
         actions = pol.before(st.kernel or st.of, list(st.ws), live, version=version)
+        if pol.last_budget < budget:  # a percentage budget shrank (a period learned): settle anew
+            settled = False
         budget = pol.last_budget
         known = pol.period.known is not None
         resident = tuple(pol.resident) if events is not None and any(op == "evict" for op, _ in actions) else ()
