@@ -1174,6 +1174,8 @@ class Executor(AgentHooks):
             "peak_resident": self.counts["peak_resident"], "peak_settled": self.counts["peak_settled"],
             "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],
             "periods": pol["periods"], "period_use": pol["period_use"], "predicted": pol["predicted"],
+            # why the learned period broke (online.py's Stats.breaks: the first few)
+            "period_breaks": pol["period_breaks"], "breaks": pol["breaks"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             # nothing to decide at this budget: the native core ran the program without the hooks
             "dormant": self.dormant,

@@ -91,6 +91,7 @@ DURATION_WEIGHT = 0.25  #: weight of a new measure in a key's duration (exponent
 MATCH_CHECK = 64  #: launches compared when a repeated key suggests a period
 OCCURRENCES = 8  #: earlier positions of a key kept to try as period candidates
 HISTORY = 1 << 16  #: keys kept (a period longer than half of this is never learned)
+BREAKS_KEPT = 16  #: breaks of a known period described in the stats
 
 Action = tuple[str, Any]
 
@@ -310,6 +311,9 @@ class Stats:
     #: learned may be short ones of a program's ending, after its loop)
     period_use: dict[int, int] = field(default_factory=dict)
     period_breaks: int = 0  #: known periods a launch contradicted
+    #: the first BREAKS_KEPT breaks: the launch (1-based), the period, the kernel the period
+    #: predicted and the one that came, and whether the kernel or only its records differed
+    breaks: list[dict[str, Any]] = field(default_factory=list)
     #: distinct launch keys so far: about one period's worth when the program repeats, growing
     #: with every iteration when the records its launches touch do not repeat
     keys: int = 0
@@ -318,6 +322,7 @@ class Stats:
         d = dict(self.__dict__)
         d["periods"] = list(self.periods[-8:])
         d["period_use"] = sorted(([p, n] for p, n in self.period_use.items()), key=lambda x: -x[1])[:8]
+        d["breaks"] = [dict(b) for b in self.breaks]
         return d
 
 
@@ -507,17 +512,35 @@ class OnlinePolicy:
             self._sets[kid] = ws
         self.last_key = kid
         before = self.period.known
+        expected = -1
         if before is not None:
             self.stats.predicted += 1
             self.stats.period_use[before] = self.stats.period_use.get(before, 0) + 1
+            expected = self.period.predict(1)[0]
+        broken = self.period.broken
         self.period.push(kid)
         p = self.period.known
         if p is not None and p != before:
             self.stats.periods.append(p)
         self.stats.period_breaks = self.period.broken
+        if self.period.broken != broken and len(self.stats.breaks) < BREAKS_KEPT:
+            self._log_break(before, expected, key)
         if p is None:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
+
+    def _log_break(self, p: int | None, expected: int, key: tuple) -> None:
+        """One break of a known period ``p`` in ``Stats.breaks``: where, and what differed from
+        the launch the period predicted (``expected``'s key): the kernel, or its records."""
+        want = next(k for k, v in self._ids.items() if v == expected)  # once per break: a scan is fine
+        kernel, ws = key
+        same = want[0] == kernel
+        entry: dict[str, Any] = {"launch": self.stats.launches, "period": p, "expected": want[0],
+                                 "got": kernel, "differs": "records" if same else "kernel"}
+        if same and ws is not None and want[1] is not None:
+            entry["records_new"] = len(set(ws) - set(want[1]))
+            entry["records_gone"] = len(set(want[1]) - set(ws))
+        self.stats.breaks.append(entry)
 
     def _table(self) -> tuple[int, int, dict[int, list[int]], int]:
         """(p, the next launch's phase, base -> its sorted phases in the period, launches to
