@@ -774,6 +774,8 @@ class Executor(AgentHooks):
         c["peak_resident"] = max(c["peak_resident"], now)
         cut = budget < self._measured_budget and self.policy.fraction is not None
         self._measured_budget = budget
+        if cut:  # the settled peak is the one under the budget the run ends with
+            c["peak_settled"] = 0
         if self._key != self._settled_key or over_budget or self._over_pending or cut:
             # the program allocated (its new memory is mapped at once), a launch needed more
             # than the budget, or a percentage budget shrank (a period learned: online.py):
