@@ -73,8 +73,9 @@ OWNED_WRAPPER = (
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_intercept_after_snapshot")
 SCHED = ("sched_100", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept")
 #: what a scheduler run's summary says, kept in its result
-SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "evictions", "loads", "prefetches", "demand_loads",
-                "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "fast", "dormant", "agent")
+SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
+                "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
+                "period_breaks", "breaks", "fast", "dormant", "agent")
 
 
 def mechanism(config: str) -> str:

@@ -509,3 +509,31 @@ def test_period_use_names_the_period_that_governed_the_run_not_the_last_learned(
     assert d["periods"][0] == 4 and d["periods"][-1] == 1
     assert d["period_use"][0][0] == 4 and d["period_use"][0][1] >= 70
     assert sum(n for _, n in d["period_use"]) == d["predicted"]
+
+
+def test_each_break_of_the_period_says_what_differed():
+    """A loop of three launches learned; then the second launch comes with another record (a
+    break on its records), later a kernel the period did not have (a break on the kernel)."""
+    records = {0x1000 * (i + 1): MiB for i in range(5)}
+    a, b, c, d, e = sorted(records)
+    pol = OnlinePolicy(1 << 40)
+    loop = [("k0", [a]), ("k1", [b]), ("k2", [c])]
+    for _ in range(4):
+        for kernel, ws in loop:
+            pol.before(kernel, ws, records)
+    pol.before("k0", [a], records)
+    pol.before("k1", [d], records)  # the period expected k1 on b
+    for _ in range(4):
+        for kernel, ws in loop:
+            pol.before(kernel, ws, records)
+    pol.before("other", [e], records)
+    st = pol.stats
+    assert st.period_breaks == len(st.breaks) >= 2
+    first = st.breaks[0]
+    assert first["period"] == 3 and first["expected"] == first["got"] == "k1"
+    assert first["differs"] == "records" and first["records_new"] == first["records_gone"] == 1
+    assert first["launch"] == 14
+    last = st.breaks[-1]
+    assert last["differs"] == "kernel" and last["got"] == "other" and last["expected"] == "k0"
+    assert st.as_dict()["breaks"] == st.breaks
+

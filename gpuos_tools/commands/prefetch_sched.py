@@ -240,7 +240,10 @@ def run(
     budget: str = typer.Option(
         ..., "--budget", metavar="SIZE|N%",
         help="Most owned device memory mapped at once: bytes with a unit (8GiB, 500MB), or N% of the program's "
-        "owned memory at each decision (66% = 150% oversubscription).",
+        "steady working set (66% = 150% oversubscription): the bytes of the records its repeating launch "
+        "sequence touches, once that sequence is learned (until then, N% of all its owned memory). Start-up "
+        "buffers and cached blocks the loop does not touch do not count. The summary's budget_of, steady_bytes "
+        "and budget say what it was of and the bytes it became; 100% or more moves nothing.",
     ),
     policy: str = typer.Option("belady", "--policy", metavar="belady|lru", help="Victim choice: the record used furthest ahead in the learned period (LRU until one is learned), or always the least recently used."),
     lookahead: int = typer.Option(

@@ -140,6 +140,7 @@ class Executor(AgentHooks):
         self.error: str | None = None
         self._closing = False
         self._over_pending = False
+        self._measured_budget = 0  #: the budget ``_measure`` saw last
         self.t0 = time.perf_counter()
         self._log: list[list] | None = [] if cfg.get("timeline") else None
         self._log_max = int(cfg.get("timeline_max", 200_000))
@@ -854,9 +855,14 @@ class Executor(AgentHooks):
         self._event("mapped", now)
         c = self.counts
         c["peak_resident"] = max(c["peak_resident"], now)
-        if self._key != self._settled_key or over_budget or self._over_pending:
-            # the program allocated (its new memory is mapped at once), or a launch needed more
-            # than the budget: above it until the evictions that follow complete
+        cut = budget < self._measured_budget and self.policy.fraction is not None
+        self._measured_budget = budget
+        if cut:  # the settled peak is the one under the budget the run ends with
+            c["peak_settled"] = 0
+        if self._key != self._settled_key or over_budget or self._over_pending or cut:
+            # the program allocated (its new memory is mapped at once), a launch needed more
+            # than the budget, or a percentage budget shrank (a period learned: online.py):
+            # above it until the evictions that follow complete
             self._under = False
             self._settled_key = self._key
         if not self._under and now <= budget:
@@ -1234,7 +1240,11 @@ class Executor(AgentHooks):
         pol = self.policy.stats.as_dict()
         out = {
             "policy": self.policy.policy, "lookahead": self.policy.lookahead, "plan": self.policy.plan,
-            "proactive": self.policy.proactive, "budget": pol["budget_max"], "fraction": self.cfg.get("fraction"),
+            "proactive": self.policy.proactive, "fraction": self.cfg.get("fraction"),
+            # a percentage: of the steady working set once a period is learned (online.py), and
+            # the bytes it became at the last decision; bytes: the largest budget a decision had
+            "budget": self.policy.last_budget if self.policy.fraction is not None else pol["budget_max"],
+            "budget_of": self.policy.budget_of(), "steady_bytes": pol["steady_bytes"],
             "footprint": self._total, "launches": pol["launches"], "unknown": pol["unknown"],
             "bytes_in": eng.get("loaded_bytes", 0), "bytes_out": eng.get("saved_bytes", 0),
             "loads": eng.get("prefetches", 0) + eng.get("demand_loads", 0), "prefetches": eng.get("prefetches", 0),
@@ -1249,6 +1259,8 @@ class Executor(AgentHooks):
             "peak_resident": self.counts["peak_resident"], "peak_settled": self.counts["peak_settled"],
             "over_physical": self.counts["over_physical"], "peak_planned": pol["peak_resident"],
             "periods": pol["periods"], "period_use": pol["period_use"], "predicted": pol["predicted"],
+            # why the learned period broke (online.py's Stats.breaks: the first few)
+            "period_breaks": pol["period_breaks"], "breaks": pol["breaks"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             # nothing to decide at this budget: the native core ran the program without the hooks
             "dormant": self.dormant,

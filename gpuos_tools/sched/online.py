@@ -32,8 +32,13 @@ their sizes; it answers a list of actions in the order they must be applied to t
   launches by the launches' measured durations.
 - A working set larger than the budget cannot fit: everything else is evicted, the launch is
   counted in ``over_budget`` and runs anyway, above the budget.
-- A record that appears (an allocation) is resident: the allocator maps it. A percentage
-  budget is a share of the live owned bytes at the time of each decision.
+- A record that appears (an allocation) is resident: the allocator maps it.
+- A percentage budget is a share of the steady working set: the live bytes of the records the
+  learned period's launches touch (every live record if one of them is unknown), taken when a
+  period is learned (again at each period learned); until the first period is learned it is a
+  share of all the live owned bytes. What a program allocates and leaves (start-up buffers, a
+  model built in fp32 before its cast, blocks a framework's cache keeps) is not what a user means
+  by its memory: 66% of the live bytes could leave the loop's whole working set resident.
 
 The time plan. The learned period and each launch key's measured GPU duration
 (``note_duration``: the executor samples them with events; the CPU simulator gives them exactly)
@@ -86,6 +91,7 @@ DURATION_WEIGHT = 0.25  #: weight of a new measure in a key's duration (exponent
 MATCH_CHECK = 64  #: launches compared when a repeated key suggests a period
 OCCURRENCES = 8  #: earlier positions of a key kept to try as period candidates
 HISTORY = 1 << 16  #: keys kept (a period longer than half of this is never learned)
+BREAKS_KEPT = 16  #: breaks of a known period described in the stats
 
 Action = tuple[str, Any]
 
@@ -295,6 +301,9 @@ class Stats:
     predicted: int = 0  #: launches with a period known before them
     peak_resident: int = 0  #: the most bytes resident by the policy's books, after a decision
     budget_max: int = 0  #: the largest budget a decision used (percentage budgets grow)
+    #: a percentage budget's base once a period is known: the live bytes of the records the
+    #: learned period touches (0: none learned yet, or a budget in bytes)
+    steady_bytes: int = 0
     proactive: int = 0  #: evictions the time plan made right after a last use (not for room now)
     walk_max: int = 0  #: the most launches one decision's prefetch walked ahead (time plan)
     periods: list[int] = field(default_factory=list)  #: each period learned, in order
@@ -302,6 +311,9 @@ class Stats:
     #: learned may be short ones of a program's ending, after its loop)
     period_use: dict[int, int] = field(default_factory=dict)
     period_breaks: int = 0  #: known periods a launch contradicted
+    #: the first BREAKS_KEPT breaks: the launch (1-based), the period, the kernel the period
+    #: predicted and the one that came, and whether the kernel or only its records differed
+    breaks: list[dict[str, Any]] = field(default_factory=list)
     #: distinct launch keys so far: about one period's worth when the program repeats, growing
     #: with every iteration when the records its launches touch do not repeat
     keys: int = 0
@@ -310,12 +322,14 @@ class Stats:
         d = dict(self.__dict__)
         d["periods"] = list(self.periods[-8:])
         d["period_use"] = sorted(([p, n] for p, n in self.period_use.items()), key=lambda x: -x[1])[:8]
+        d["breaks"] = [dict(b) for b in self.breaks]
         return d
 
 
 class OnlinePolicy:
     """Decisions per launch (module docstring). ``budget`` is bytes, or with ``fraction`` set, a
-    share of the live owned bytes at each decision (``budget`` is then ignored)."""
+    share of the steady working set once a period is learned, of the live owned bytes before
+    (``budget`` is then ignored)."""
 
     def __init__(self, budget: int | None, policy: str = "belady", lookahead: int = 2,
                  fraction: float | None = None, plan: str = "count", proactive: bool = False) -> None:
@@ -350,15 +364,58 @@ class OnlinePolicy:
         self._version: Any = object()  #: the caller's version of the records last synced
         self._total = 0  #: their bytes
         self.last_budget = 0  #: the budget of the last decision
+        #: the records the learned period touches (None: no period learned yet; ``_steady_all``:
+        #: one of its launches is unknown, so every live record), and their live bytes (-1: to count)
+        self._steady: frozenset[int] | None = None
+        self._steady_all = False
+        self._steady_bytes = -1
+        self._steady_for: tuple[int, int] | None = None  #: (periods learned, p) of _steady
         self.stats = Stats()
 
     # -- the budget ---------------------------------------------------------------------------
 
     def budget(self, records: Mapping[int, int]) -> int:
         if self.fraction is not None:
-            return int(sum(records.values()) * self.fraction)
+            return int(self._base(records, sum(records.values())) * self.fraction)
         assert self.fixed is not None
         return self.fixed
+
+    def budget_of(self) -> str:
+        """What the budget is: ``bytes``, or for a percentage what it is a share of so far."""
+        if self.fraction is None:
+            return "bytes"
+        return "live owned bytes" if self._steady is None or self._steady_all else "steady working set"
+
+    def _base(self, records: Mapping[int, int], total: int) -> int:
+        """What a percentage budget is a share of (module docstring): the live bytes of the
+        steady working set once a period is learned, else ``total`` (all live bytes)."""
+        if self._steady is None:
+            return total
+        if self._steady_all:
+            self.stats.steady_bytes = total
+            return total
+        if self._steady_bytes < 0:
+            self._steady_bytes = sum(records[b] for b in self._steady if b in records)
+            self.stats.steady_bytes = self._steady_bytes
+        return self._steady_bytes
+
+    def _learn_steady(self) -> None:
+        """With a period known, the records its launches touch (once per period learned): the
+        steady working set a percentage budget is of."""
+        per = self.period
+        p = per.known
+        if p is None or self.fraction is None or self._steady_for == (per.learned, p):
+            return
+        self._steady_for = (per.learned, p)
+        bases: set[int] = set()
+        every = False
+        for k in set(per.predict(p)):
+            ws = self._sets[k]
+            if ws is None:
+                every = True
+                break
+            bases.update(ws)
+        self._steady, self._steady_all, self._steady_bytes = frozenset(bases), every, -1
 
     # -- per launch ---------------------------------------------------------------------------
 
@@ -375,9 +432,7 @@ class OnlinePolicy:
             self._sync(records)
             self._total = sum(records.values())
             self._version = version
-        budget = int(self._total * self.fraction) if self.fraction is not None else self.budget(records)
-        self.last_budget = budget
-        st.budget_max = max(st.budget_max, budget)
+            self._steady_bytes = -1
         if bases is None:
             st.unknown += 1
             ws = tuple(sorted(records))
@@ -386,6 +441,13 @@ class OnlinePolicy:
             ws = tuple(sorted({b for b in bases if b in records}))
             key_ws = ws if key_bases is None else tuple(sorted({b for b in key_bases if b in records}))
         future = self._advance(kernel, key_ws, None if bases is None else ws)
+        if self.fraction is not None:
+            self._learn_steady()
+            budget = int(self._base(records, self._total) * self.fraction)
+        else:
+            budget = self.budget(records)
+        self.last_budget = budget
+        st.budget_max = max(st.budget_max, budget)
         actions: list[Action] = []
         protected = set(ws)
         size = sum(records[b] for b in ws)
@@ -450,17 +512,35 @@ class OnlinePolicy:
             self._sets[kid] = ws
         self.last_key = kid
         before = self.period.known
+        expected = -1
         if before is not None:
             self.stats.predicted += 1
             self.stats.period_use[before] = self.stats.period_use.get(before, 0) + 1
+            expected = self.period.predict(1)[0]
+        broken = self.period.broken
         self.period.push(kid)
         p = self.period.known
         if p is not None and p != before:
             self.stats.periods.append(p)
         self.stats.period_breaks = self.period.broken
+        if self.period.broken != broken and len(self.stats.breaks) < BREAKS_KEPT:
+            self._log_break(before, expected, key)
         if p is None:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
+
+    def _log_break(self, p: int | None, expected: int, key: tuple) -> None:
+        """One break of a known period ``p`` in ``Stats.breaks``: where, and what differed from
+        the launch the period predicted (``expected``'s key): the kernel, or its records."""
+        want = next(k for k, v in self._ids.items() if v == expected)  # once per break: a scan is fine
+        kernel, ws = key
+        same = want[0] == kernel
+        entry: dict[str, Any] = {"launch": self.stats.launches, "period": p, "expected": want[0],
+                                 "got": kernel, "differs": "records" if same else "kernel"}
+        if same and ws is not None and want[1] is not None:
+            entry["records_new"] = len(set(ws) - set(want[1]))
+            entry["records_gone"] = len(set(want[1]) - set(ws))
+        self.stats.breaks.append(entry)
 
     def _table(self) -> tuple[int, int, dict[int, list[int]], int]:
         """(p, the next launch's phase, base -> its sorted phases in the period, launches to

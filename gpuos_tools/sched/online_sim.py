@@ -40,10 +40,17 @@ from gpuos_tools.sched.workload import Chunks, Job, Step, Workload, working_foot
 
 
 def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: int = 2, policy: str = "belady",
-                    host_ahead: int = 1, feed: bool = True, proactive: bool = False) -> dict[str, Any]:
-    """The summary of the online policy with ``plan`` on ``w`` under ``cfg.budget`` bytes."""
+                    host_ahead: int = 1, feed: bool = True, proactive: bool = False,
+                    events: list[tuple] | None = None, fraction: float | None = None) -> dict[str, Any]:
+    """The summary of the online policy with ``plan`` on ``w`` under ``cfg.budget`` bytes (or,
+    with ``fraction``, a percentage budget as `run --budget N%` takes it: the policy's own).
+
+    ``events``, when given, gets one tuple per move, for accounting (gpuos_tools/sched/moves.py):
+    ``("load", step, record, bytes copied, demand, period known at the decision)`` and
+    ``("evict", step, record, bytes saved, period known, resident records at the decision)``."""
     sizes = w.chunks.sizes
-    pol = OnlinePolicy(cfg.budget, policy, lookahead, plan=plan, proactive=proactive)
+    pol = OnlinePolicy(None if fraction is not None else cfg.budget, policy, lookahead, plan=plan,
+                       proactive=proactive, fraction=fraction)
     pol.note_bandwidth(cfg.h2d_bw, cfg.d2h_bw)
     budget = cfg.budget
     h2d, d2h = cfg.h2d_bw, cfg.d2h_bw
@@ -129,6 +136,11 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
                 settled = False
         known_before = pol.period.known is not None
         actions = pol.before(st.kernel or st.of, list(st.ws), live, version=version)
+        if pol.last_budget < budget:  # a percentage budget shrank (a period learned): settle anew
+            settled = False
+        budget = pol.last_budget
+        known = pol.period.known is not None
+        resident = tuple(pol.resident) if events is not None and any(op == "evict" for op, _ in actions) else ()
         kid = pol.last_key
         enqueued = prev_end  # everything the program enqueued before this step ends then
         step_ready = dec
@@ -138,23 +150,30 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
                 b = arg
                 size = live[b]
                 t = max(dec, enqueued, ready.get(b, 0.0), last_end.get(b, 0.0))
-                if b in dirty:
+                saved = b in dirty
+                if saved:
                     s = t if t > d2h_free else d2h_free
                     d2h_free = s + size / d2h
                     bytes_out += size
                     t = d2h_free
                 else:
                     dropped += size
+                if events is not None:
+                    events.append(("evict", i, b, size if saved else 0, known, resident))
                 mapped_now.discard(b)
                 heapq.heappush(releases, (t, size))
                 evictions += 1
             elif op == "prefetch":
                 if arg not in mapped_now:
+                    if events is not None:
+                        events.append(("load", i, arg, live[arg] if arg in populated else 0, False, known))
                     load(arg, dec)
                     prefetch += 1
             else:  # require
                 for b in st.ws:
                     if b not in mapped_now:
+                        if events is not None:
+                            events.append(("load", i, b, live[b] if b in populated else 0, True, known))
                         t, done = load(b, dec, bool(over))
                         demand += 1
                         if t > dec:  # the program's thread waited for room

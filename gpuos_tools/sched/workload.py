@@ -59,6 +59,9 @@ class Step:
     compute: float = 0.0  #: estimated run time in seconds
     unknown: bool = False  #: the access was unknown: ws is all of the job's live memory
     kernel: str | None = None
+    #: chunks it overwrites whole without reading them: every byte inside a predicted write
+    #: range and no predicted read range touching it (what it finds there is dead)
+    covers: tuple[int, ...] = ()
 
     def label(self) -> dict[str, Any]:
         """How a schedule record names this step: job, of, seq or index."""
@@ -210,6 +213,7 @@ def load_job(
             else:
                 ws_list: dict[int, None] = {}
                 wr_list: dict[int, None] = {}
+                spans: dict[int, list[tuple[int, int]]] = {}  # chunk -> the write ranges in it
                 for target, entries in ((ws_list, rec.get("reads") or ()), (wr_list, rec.get("writes") or ())):
                     for e in entries:
                         got = live.by_id.get(e.get("alloc"))
@@ -229,19 +233,35 @@ def load_job(
                             lo = hi = 0
                         for c in range(first + lo, first + hi + 1):
                             target[c] = None
+                            if target is wr_list:
+                                spans.setdefault(c, []).append((off, off + size))
+                covers = tuple(c for c in wr_list if c not in ws_list and _covered(chunks, c, spans[c]))
                 for c in wr_list:
                     ws_list[c] = None
                 ws = tuple(ws_list)
                 writes = tuple(wr_list)
                 unknown = False
             job.steps.append(
-                Step(index, of, ref, ws, writes, tuple(pending_frees), 0.0, unknown, rec.get("kernel"))
+                Step(index, of, ref, ws, writes, tuple(pending_frees), 0.0, unknown, rec.get("kernel"),
+                     () if unknown else covers)
             )
             pending_frees = []
             stamps.append(rec.get("ts", last_ts))  # access records carry their own ts
     job.peak_bytes = live.peak
     _estimate_compute(job.steps, stamps, kernel_time, gap_cap)
     return job
+
+
+def _covered(chunks: Chunks, c: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether the byte ranges ``spans`` (offsets in the allocation) cover chunk ``c`` whole."""
+    at, end = chunks.offset[c], chunks.offset[c] + chunks.sizes[c]
+    for a, b in sorted(spans):
+        if a > at:
+            return False
+        at = max(at, b)
+        if at >= end:
+            return True
+    return False
 
 
 def _estimate_compute(steps: list[Step], stamps: list[int | None], kernel_time: str | float, gap_cap: float) -> None:
