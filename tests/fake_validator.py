@@ -5,7 +5,8 @@ gpuos_tools.agent.replay on the fake VMM device of tests/fake_vmm.py; hang answe
 again; crash exits after ready; garbage writes a frame of nonsense; refuse says it could not start.
 ``areas:S1,S2`` serves as ok, but its driver honours address hints only when the address strategy
 is one of S1, S2 (with the others the program's addresses lie outside its own areas); ``held``
-serves with everything of the program's held by something else of the validator's."""
+serves with everything of the program's held by something else of the validator's;
+``refuse:S1,S2`` says it could not start under those strategies and serves as ok under others."""
 
 import sys
 import time
@@ -19,7 +20,7 @@ from gpuos_tools.agent import replay  # noqa: E402
 directory, mode = sys.argv[1], sys.argv[2]
 strategy = sys.argv[sys.argv.index("--strategy") + 1] if "--strategy" in sys.argv else None
 out = sys.stdout.buffer
-if mode == "refuse":
+if mode == "refuse" or mode.startswith("refuse:") and strategy in mode.split(":", 1)[1].split(","):
     replay.write_frame(out, {"ready": False, "why": "cuInit: CUDA_ERROR_NO_DEVICE"})
     sys.exit(1)
 replay.write_frame(out, {"ready": True, "granularity": 4096})

@@ -274,6 +274,17 @@ def test_when_no_strategy_gets_the_addresses_the_launch_is_unvalidated_and_the_l
     assert v.addresses() == {"strategy": "plain", "kept": False, "lost": {"steer": 1, "hold": 1, "plain": 2}}
 
 
+def test_a_strategy_under_which_the_validator_cannot_start_gives_way_to_the_next(validator):
+    """(A driver that will not initialise in a filled address space.)"""
+    v = validator("refuse:steer")
+    rec = launch(v)
+    assert rec["checked"] and rec["addresses"] == "hold", rec
+    assert [f["strategy"] for f in rec["address_fallback"]] == ["steer"]
+    assert "could not start" in rec["address_fallback"][0]["why"]
+    assert v.addresses()["strategy"] == "hold" and v.addresses()["kept"]
+    assert launch(v, tid=2)["checked"] and v.link.starts == 2
+
+
 def test_an_address_the_validator_itself_holds_is_not_a_reason_to_change_strategy(validator):
     v = validator("held")
     rec = launch(v)

@@ -112,9 +112,11 @@ class Link:
         self.proc: subprocess.Popen | None = None
         self.failures = 0
         self.off: str | None = None  #: why validation was switched off
+        self.refused = False  #: the last validator started said it could not start
         self.starts = 0
 
     def _start(self) -> str | None:
+        self.refused = False
         if self.before_start is not None:
             try:
                 self.before_start()
@@ -134,6 +136,7 @@ class Link:
         if isinstance(hello, str):
             return hello
         if not hello.get("ready"):
+            self.refused = True
             return self._failed(f"the validator could not start: {hello.get('why', 'no reason given')}")
         return None
 
@@ -474,18 +477,40 @@ class OffloadValidator(Validator):
                "block": [bx, by, bz], "shared": shared, "staging": self.staging.path.name,
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
         try:
-            link = self._link()
+            self._link()
             req["claims"] = self.windows()
-            sent = link.request(req)
+            sent = self._send(req, state.setdefault("fallback", []))
         except CudaFailure as exc:  # the program's device could not be named
             sent = f"the validator could not start: {exc}"
         if isinstance(sent, str):
             self._note_off()
-            self.pending[tid] = {"skip": self._skipped(state, [f"unvalidated: {sent}"])}
+            skip = self._skipped(state, [f"unvalidated: {sent}"])
+            if state.get("fallback"):
+                skip["address_fallback"] = state["fallback"]
+            self.pending[tid] = {"skip": skip}
             return
         state["seq"] = req["seq"]
         state["req"] = req
         self.pending[tid] = state
+
+    def _next_strategy(self) -> None:
+        self.strategy += 1
+        self.link.kill()
+        self.link.command = self._with_strategy()
+
+    def _send(self, req: dict[str, Any], fallback: list[dict[str, str]] | None = None) -> dict[str, Any] | str:
+        """Send a request, starting a validator if none runs; one that could not start under its
+        strategy (its driver would not initialise with the address space so arranged) gives way
+        to the next strategy's, unless a strategy was kept already."""
+        link = self.link
+        sent = link.request(req)
+        while (isinstance(sent, str) and link.refused and link.off is None and not self.kept
+               and self.strategy + 1 < len(self.strategies)):
+            if fallback is not None:
+                fallback.append({"strategy": self.strategies[self.strategy], "why": f"unvalidated: {sent}"})
+            self._next_strategy()
+            sent = link.request(req)
+        return sent
 
     def _refusal(self, state: dict[str, Any], sizes, args, geometry) -> str | None:
         if state["unknown"]:
@@ -505,7 +530,7 @@ class OffloadValidator(Validator):
             return None
         if "skip" in state:
             return state["skip"]
-        fallback: list[dict[str, str]] = []
+        fallback: list[dict[str, str]] = state.get("fallback", [])
         while True:
             rep = self.link.answer()
             if isinstance(rep, str):
@@ -527,10 +552,8 @@ class OffloadValidator(Validator):
                 break
             # the driver would not give addresses that were free: the next strategy, same launch
             fallback.append({"strategy": name, "why": rep["why"]})
-            self.strategy += 1
-            self.link.kill()
-            self.link.command = self._with_strategy()
-            sent = self.link.request(state["req"])
+            self._next_strategy()
+            sent = self._send(state["req"], fallback)
             if isinstance(sent, str):
                 self._note_off()
                 return dict(self._skipped(state, [f"unvalidated: {sent}"]), address_fallback=fallback)
