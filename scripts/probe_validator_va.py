@@ -15,8 +15,9 @@ granted and the maps around both (an exact grant is mapped with one granule to b
 - plain: context first, then the hints;
 - hold: the program's windows held with placeholders before the driver loads, lifted to reserve;
 - late: context first, then the windows held, lifted to reserve;
-- steer, steer-nospare: every other free part of the address space filled before cuInit, so that
-  the driver's own areas can land only on the program's windows and driver areas;
+- steer, steer-nospare, steer-windows: every free part of the address space but the program's
+  driver areas (steer-windows: its windows) filled before cuInit, so that the driver's own areas
+  can land only there (steer-nospare: with no room left for the driver's small mappings);
 - align: plain, with the alignment equal to the window (the size rounded up to a power of two);
 - whole: plain, reserving each of the program's driver areas whole at its start;
 - far: a hint at a never-used address (0x600000000000); where a hint of 0 lands; hints just inside,
@@ -40,7 +41,7 @@ from pathlib import Path
 from gpuos_tools.agent import vaspace
 
 MiB, GiB = 1 << 20, 1 << 30
-WAYS = ("plain", "hold", "late", "steer", "steer-nospare", "align", "whole", "far")
+WAYS = ("plain", "hold", "late", "steer", "steer-nospare", "steer-windows", "align", "whole", "far")
 CHILD_TIMEOUT_S = 12.0
 TOTAL_S = 55.0
 FAR = 0x600000000000
@@ -186,7 +187,7 @@ def program() -> None:
         "allocs": allocs, "new_at_init": new_since(m0, m1), "new_at_context": new_since(m1, m2),
         "new_at_allocs": new_since(m2, m3), "nvidia": nvidia(m3),
         "windows": vaspace.program_windows(pairs, m3), "areas": vaspace.driver_areas(pairs, m3),
-        "mappings": len(m3),
+        "mappings": len(m3), "maps": [str(m) for m in m3][:1500],
     }
     targets = {"allocs": [[a["addr"], a["size"], a["how"]] for a in allocs],
                "windows": report["windows"], "areas": report["areas"]}
@@ -211,8 +212,9 @@ def validator_way(way: str, targets: dict) -> dict:
     areas = [(a, n) for a, n in targets["areas"]]
     out: dict = {"way": way, "tries": []}
     strategy = None
-    if way in ("hold", "steer", "steer-nospare"):
-        strategy = vaspace.AddressStrategy("hold" if way == "hold" else "steer", windows, areas,
+    if way in ("hold", "steer", "steer-nospare", "steer-windows"):
+        strategy = vaspace.AddressStrategy("hold" if way == "hold" else "steer", windows,
+                                           [] if way == "steer-windows" else areas,
                                            spare=0 if way == "steer-nospare" else vaspace.SPARE)
         strategy.start()
     elif way == "late":
@@ -222,6 +224,9 @@ def validator_way(way: str, targets: dict) -> dict:
     if strategy is not None:
         strategy.before_init()
     m0 = maps_text()
+    if strategy is not None and strategy.fill is not None:  # what the filling left free
+        gaps = vaspace.free_gaps(vaspace.STEER_LOW, vaspace.STEER_HIGH, m0)
+        out["left_free"] = [f"{a:#x}-{b:#x} ({(b - a) >> 20} MiB)" for a, b in gaps][:30]
     ok(d.cuInit(0), "cuInit")
     m1 = maps_text()
     dev = context()

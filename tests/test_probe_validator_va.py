@@ -42,11 +42,13 @@ def test_the_probe_reports_every_way_and_steering_gets_the_programs_addresses(tm
     assert prog["areas"] and prog["windows"] and prog["new_at_init"]
     for a in prog["allocs"]:  # each allocation lies in one of the program's driver areas
         assert any(s <= a["addr"] and a["addr"] + a["size"] <= s + n for s, n in prog["areas"]), a
-    assert set(r["ways"]) == {"plain", "hold", "late", "steer", "steer-nospare", "align", "whole", "far", "zygote"}
+    assert set(r["ways"]) == {"plain", "hold", "late", "steer", "steer-nospare", "steer-windows", "align", "whole",
+                              "far", "zygote"}
     assert not [w for w, v in r["ways"].items() if "error" in v], r["ways"]
     for way in ("steer", "steer-nospare", "zygote"):
         assert exact(r["ways"][way]) == [True] * 5, r["ways"][way]
         assert all(t["map"] == "CUDA_SUCCESS" for t in r["ways"][way]["tries"])
+    assert r["ways"]["steer"]["left_free"]  # what the filling left free is shown
     far = {t["what"]: t for t in r["ways"]["far"]["tries"]}
     assert far["far"]["exact"] is (hints == "any")  # a free address outside the driver's own area
     assert any(w.startswith("just inside") and t["exact"] for w, t in far.items())
