@@ -52,6 +52,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from gpuos_tools.agent.validate import CHUNK, Layout
+from gpuos_tools.agent.vaspace import STRATEGIES
 from gpuos_tools.model.allocs import Allocation
 
 #: the exit status after a sticky error: the program's side restarts the validator, quietly
@@ -517,8 +518,6 @@ def _orphan_watch(parent: int, interval: float = 1.0) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from gpuos_tools.agent.vaspace import STRATEGIES
-
     ap = argparse.ArgumentParser(prog="gpuos-validator", description="Replay sampled launches (see module doc).")
     ap.add_argument("--device", required=True, help="the PCI bus id of the program's GPU")
     ap.add_argument("--dir", required=True, help="the program's private staging directory")
