@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -193,8 +194,10 @@ def program() -> None:
                "windows": report["windows"], "areas": report["areas"]}
     with os.fdopen(zw, "w") as f:
         f.write(json.dumps(targets) + "\n")
-    with os.fdopen(rr) as f:
-        text = f.read()
+    text = _read_all(rr, CHILD_TIMEOUT_S)
+    if text is None:
+        os.kill(zygote, 9)
+        text = json.dumps({"error": f"timed out after {CHILD_TIMEOUT_S:g} s"})
     os.waitpid(zygote, 0)
     try:
         report["zygote"] = json.loads(text) if text else {"error": "no report"}
@@ -202,6 +205,21 @@ def program() -> None:
         report["zygote"] = {"error": text[:500]}
     print(json.dumps({"report": report, "targets": targets}), flush=True)
     sys.stdin.readline()  # the parent says when the validators are done
+
+
+def _read_all(fd: int, timeout: float) -> str | None:
+    """Everything from ``fd`` up to its end, or None when it does not end in time."""
+    deadline, parts = time.monotonic() + timeout, []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            os.close(fd)
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            os.close(fd)
+            return b"".join(parts).decode()
+        parts.append(chunk)
 
 
 # ------------------------------------------------------------------ a validator
@@ -278,6 +296,11 @@ def main(out_path: str) -> int:
     result: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ways": {}}
     prog = subprocess.Popen([*me, "--program"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
+        # the program (and its zygote) must report in time: a hung driver call must not hang the probe
+        if not select.select([prog.stdout], [], [], 2 * CHILD_TIMEOUT_S)[0]:
+            prog.kill()
+            result["error"] = f"the program did not report within {2 * CHILD_TIMEOUT_S:g} s"
+            return _write(out_path, result, 1)
         line = prog.stdout.readline()
         if not line:
             result["error"] = f"the program ended (status {prog.wait(timeout=10)})"
