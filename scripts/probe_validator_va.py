@@ -147,8 +147,11 @@ def program() -> None:
                 rep = validator_way("zygote", json.loads(line))
         except Exception as exc:  # noqa: BLE001 - a probe reports whatever went wrong
             rep = {"error": repr(exc)}
-        with os.fdopen(rw, "w") as f:
-            f.write(json.dumps(rep))
+        try:
+            with os.fdopen(rw, "w") as f:
+                f.write(json.dumps(rep))
+        except BrokenPipeError:  # the program is gone
+            pass
         os._exit(0)
     os.close(zr)
     os.close(rw)
