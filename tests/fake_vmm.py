@@ -1,7 +1,8 @@
 """A fake GPU for the validator process's unit tests: a VMM address space in host memory.
 
-It implements gpuos_tools.agent.replay's Device: reservations (``taken`` addresses, and addresses
-the validator's FakeSpace holds, come back elsewhere, as a driver does with a hint it cannot honour), mappings, read-only protection (refused
+It implements gpuos_tools.agent.replay's Device: reservations (``taken`` addresses, addresses
+the validator's FakeSpace holds, and with ``hints=False`` every address, come back elsewhere, as a
+driver does with a hint it cannot honour), mappings, read-only protection (refused
 when ``read_only=False``, as a driver without it would), copies, and "kernels": Python functions
 of (device, parameter byte strings) that load and store through the mappings, so that an access
 outside them faults like an illegal address. Every call is counted so tests see leaks."""
@@ -48,6 +49,9 @@ class FakeSpace:
     def holder(self, addr, size):
         return f"the validator holds {addr:#x}"
 
+    def by_driver(self, addr, size) -> bool:
+        return not self.holds(addr, size)
+
 
 class _Range:
     def __init__(self, start, end):
@@ -56,12 +60,13 @@ class _Range:
 
 class FakeDevice:
     def __init__(self, kernels: dict, granularity: int = 4096, taken: tuple[int, ...] = (),
-                 read_only: bool = True, space: FakeSpace | None = None):
+                 read_only: bool = True, space: FakeSpace | None = None, hints: bool = True):
         self.kernels = kernels
         self.granularity = granularity
         self.taken = set(taken)
         self.space = space  # a reservation over anything the space holds lands elsewhere, as under UVA
         self.read_only = read_only
+        self.hints = hints  # False: the program's addresses lie outside this driver's own areas
         self.reserved: dict[int, int] = {}
         self.maps: dict[int, np.ndarray] = {}  # start -> bytes
         self.ro: set[int] = set()
@@ -71,7 +76,7 @@ class FakeDevice:
 
     # -- Device
     def reserve(self, addr: int, size: int) -> int:
-        refused = addr in self.taken or (self.space is not None and self.space.holds(addr, size))
+        refused = not self.hints or addr in self.taken or (self.space is not None and self.space.holds(addr, size))
         refused = refused or any(s < addr + size and addr < s + n for s, n in self.reserved.items())
         got = addr if not refused else addr + (1 << 40)
         self.reserved[got] = size

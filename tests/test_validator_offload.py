@@ -132,8 +132,10 @@ def test_the_validator_is_told_the_programs_address_windows_before_it_starts_and
     request = link.request
     link.request = lambda req: sent.append(req) or request(req)
     assert launch(v)["checked"]
-    windows = json.loads((v.dir / "claims.json").read_text())
+    claims = json.loads((v.dir / "claims.json").read_text())
+    windows = claims["windows"]
     assert windows == v.windows() == sent[0]["claims"]
+    assert claims["areas"] == v.claims()["areas"]
     for addr in (X, Y, Z):  # every allocation lies in a window (2 MiB-rounded, or its mapping)
         assert any(s <= addr and addr + 4 * N <= s + n for s, n in windows), (hex(addr), windows)
     v.on_alloc(X + (64 << 20), 4 * N, "device")  # a new allocation: the next launch names it
@@ -219,8 +221,94 @@ def test_the_validator_runs_untraced_with_this_package(monkeypatch, tmp_path):
     cmd, env = validator_command(tmp_path, "0000:17:00.0")
     assert cmd[1:3] == ["-m", "gpuos_tools.agent.validator"]
     assert cmd[3:] == ["--device", "0000:17:00.0", "--dir", str(tmp_path), "--claims", str(tmp_path / "claims.json")]
+    v = OffloadValidator(copier=FakeCopier())
+    try:
+        v._command = cmd
+        assert v._with_strategy() == [*cmd, "--strategy", "steer"]  # the first strategy, until it fails
+    finally:
+        v.close()
     assert "GPUOS_BOOT" not in env and "CUDA_INJECTION64_PATH" not in env
     assert env["PYTHONPATH"].split(":")[0] == str(HERE.parent) and env["PYTHONPATH"].endswith("/somewhere")
+
+
+def test_a_driver_that_grants_hints_only_inside_its_own_areas_moves_the_run_to_the_next_strategy(validator):
+    """The first strategy's driver puts its areas elsewhere (every hint comes back at another
+    address, nothing of the validator's there): the same launch goes to a validator of the next
+    strategy, which gets the addresses; that strategy is kept for the rest of the run."""
+    v = validator("areas:hold")
+    starts = []
+    first = launch(v)
+    starts.append(v.link.starts)
+    assert first["checked"] and first["reads"] == "ok", first
+    assert first["addresses"] == "hold"
+    assert [f["strategy"] for f in first["address_fallback"]] == ["steer"]
+    assert first["address_fallback"][0]["why"].startswith("unvalidated: address unavailable")
+    assert "refused_by" not in first
+    second = launch(v, tid=2)
+    assert second["checked"] and second["addresses"] == "hold" and "address_fallback" not in second
+    assert v.link.starts == starts[0] == 2  # the steer validator, then one hold validator for both
+    assert v.link.command[-2:] == ["--strategy", "hold"]
+    assert v.addresses() == {"strategy": "hold", "kept": True, "lost": {"steer": 1}}
+    from gpuos_tools.stream.records import check_written
+
+    assert check_written({"type": "validation", "ts": 1, "tid": 1, "seq": 1, **first}) is None
+
+
+def test_a_driver_that_grants_any_free_hint_keeps_the_first_strategy(validator):
+    v = validator("areas:steer,hold,plain")
+    recs = [launch(v, tid=t) for t in (1, 2)]
+    assert all(r["checked"] and r["addresses"] == "steer" and "address_fallback" not in r for r in recs), recs
+    assert v.link.starts == 1
+    assert v.addresses() == {"strategy": "steer", "kept": True, "lost": {}}
+
+
+def test_when_no_strategy_gets_the_addresses_the_launch_is_unvalidated_and_the_last_one_stays(validator):
+    v = validator("areas:none")
+    rec = launch(v)
+    assert rec["checked"] is False and rec["why"].startswith("unvalidated: address unavailable"), rec
+    assert rec["refused_by"] == "driver" and rec["addresses"] == "plain"
+    assert [f["strategy"] for f in rec["address_fallback"]] == ["steer", "hold"]
+    again = launch(v, tid=2)  # no strategy is left to try: no more restarts
+    assert again["checked"] is False and again["addresses"] == "plain" and "address_fallback" not in again
+    assert v.link.starts == 3
+    assert v.addresses() == {"strategy": "plain", "kept": False, "lost": {"steer": 1, "hold": 1, "plain": 2}}
+
+
+def test_a_strategy_under_which_the_validator_cannot_start_gives_way_to_the_next(validator):
+    """(A driver that will not initialise in a filled address space.)"""
+    v = validator("refuse:steer")
+    rec = launch(v)
+    assert rec["checked"] and rec["addresses"] == "hold", rec
+    assert [f["strategy"] for f in rec["address_fallback"]] == ["steer"]
+    assert "could not start" in rec["address_fallback"][0]["why"]
+    assert v.addresses()["strategy"] == "hold" and v.addresses()["kept"]
+    assert launch(v, tid=2)["checked"] and v.link.starts == 2
+
+
+def test_an_address_the_validator_itself_holds_is_not_a_reason_to_change_strategy(validator):
+    v = validator("held")
+    rec = launch(v)
+    assert rec["checked"] is False and rec["refused_by"] == "validator" and rec["addresses"] == "steer", rec
+    assert "address_fallback" not in rec and v.link.starts == 1
+    assert v.addresses() == {"strategy": "steer", "kept": False, "lost": {"steer": 1}}
+
+
+def test_a_kept_strategy_is_not_given_up_when_a_later_launch_is_refused(validator):
+    v = validator("areas:steer")
+    assert launch(v)["addresses"] == "steer"
+    v.copier.mem[X + (1 << 30)] = np.zeros(4 * N, np.uint8)
+    v.on_alloc(X + (1 << 30), 4 * N, "device")
+    link = v.link
+    answer = link.answer
+    def refused():  # as the kept strategy's driver would answer for an address outside its areas
+        rep = answer()
+        if isinstance(rep, dict):
+            rep.update(checked=False, why="unvalidated: address unavailable (0x1: ...)", refused_by="driver")
+        return rep
+    link.answer = refused
+    rec = launch(v, tid=2)
+    assert rec["checked"] is False and rec["addresses"] == "steer" and "address_fallback" not in rec
+    assert link.starts == 1 and v.addresses() == {"strategy": "steer", "kept": True, "lost": {"steer": 1}}
 
 
 def test_a_restart_after_a_lost_context_is_not_a_failure(tmp_path):

@@ -109,9 +109,10 @@ ENTRY = r"""
 import json, sys, types
 seen = {}
 fake = types.ModuleType("gpuos_tools.agent.replay")
-def main(argv, space):
+def main(argv, strategy):
     seen["numpy"] = "numpy" in sys.modules
-    seen["held"] = space.held() if space is not None else None
+    seen["held"] = strategy.space.held()
+    seen["strategy"] = strategy.name
     seen["argv"] = argv
     return 0
 fake.main = main
@@ -137,8 +138,111 @@ def test_the_validator_holds_the_windows_before_numpy_or_the_driver_loads(tmp_pa
     # the child's address space is its own (a range free here may be taken there): what it holds
     # lies inside the window
     assert seen["held"] and all(a <= s < e <= a + 8 * MiB for s, e in seen["held"]), seen
+    assert seen["strategy"] == "steer"  # the first strategy unless told
+    # the claims file as the program's side writes it, and a strategy that holds nothing before
+    # the driver starts
+    claims.write_text(json.dumps({"windows": [[a, 8 * MiB]], "areas": []}))
+    for strategy, held in (("plain", False), ("hold", True)):
+        out = subprocess.run([sys.executable, "-c", ENTRY, *argv, "--strategy", strategy], cwd=REPO,
+                             env=child_env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        seen = json.loads(out.stdout)
+        assert seen["strategy"] == strategy and bool(seen["held"]) is held, seen
+    out = subprocess.run([sys.executable, "-m", "gpuos_tools.agent.validator", *argv, "--strategy", "guess"],
+                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown address strategy 'guess'" in out.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
     out = subprocess.run([sys.executable, "-c", ENTRY, "--claims", str(bad)], cwd=REPO, env=child_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "were not held" in out.stderr
+
+
+def test_the_programs_driver_areas_are_the_runs_of_its_drivers_mappings_around_its_allocations():
+    maps = parse_maps("""\
+7f0000000000-7f0040000000 ---p 00000000 00:00 0
+7f0040000000-7f0040200000 rw-s 00000000 00:05 17 /dev/nvidia-uvm
+7f0040200000-7f0100000000 ---p 00000000 00:00 0
+7f0100000000-7f0100100000 rw-p 00000000 00:00 0
+7f0200000000-7f0200200000 ---p 00000000 00:00 0
+""")
+    allocs = [(0x7F0000100000, 4096), (0x7F0040300000, 4096),  # one run of three touching mappings
+              (0x7F0100000000, 4096),  # in the heap of an allocator of the host (readable): none
+              (0x7F0300000000, 4096)]  # in nothing: none
+    assert vaspace.driver_areas(allocs, maps) == [[0x7F0000000000, 0x100000000]]
+    assert vaspace.driver_areas([(0x7F0200000000, 4096)], maps) == [[0x7F0200000000, 2 * MiB]]
+
+
+def test_steering_fills_everything_free_but_the_kept_areas_and_room_for_stack_heap_and_small_mappings():
+    GiB = 1 << 30
+    maps = parse_maps("""\
+555555554000-555555600000 r-xp 00000000 08:01 131 /usr/bin/python3.12
+555555600000-555555800000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000100000 r-xp 00000000 08:01 999 /usr/lib/libc.so.6
+7ffff0000000-7ffff0100000 rw-p 00000000 00:00 0 [stack]
+""")
+    keep = [(0x7E0000000000, 4 * GiB)]
+    fill = vaspace.steer_fill(keep, maps, spare=GiB)
+    got = vaspace.merge([(a, a + n) for a, n in fill])
+    holes = vaspace.free_gaps(vaspace.STEER_LOW, vaspace.STEER_HIGH,
+                              maps + [Mapping(s, e, "", "") for s, e in got])
+    assert holes == [
+        (0x555555800000, 0x555555800000 + vaspace.HEAP_ROOM),  # the heap grows
+        (0x7E0000000000, 0x7E0000000000 + 4 * GiB),  # kept for the validator's driver
+        (0x7F0000000000 - GiB, 0x7F0000000000),  # the spare, just below the lowest library
+        (0x7FFFF0000000 - vaspace.STACK_ROOM, 0x7FFFF0000000),  # the stack grows
+    ]
+    assert not any(s < 0x7F0000100000 and 0x7F0000000000 < s + n for s, n in fill)  # never over a mapping
+    assert vaspace.free_gaps(vaspace.STEER_LOW, 1 << 40, [Mapping(s, e, "", "") for s, e in got]) == []
+
+
+class WatchedClaims:
+    """vaspace.AddressClaims' interface over a set of held ranges (no mappings)."""
+
+    def __init__(self, log, name):
+        self.log, self.name, self.ranges = log, name, []
+
+    def claim(self, windows):
+        self.log.append((self.name, "claim", list(windows)))
+        self.ranges += list(windows)
+        return []
+
+    def release(self, addr, size):
+        self.log.append((self.name, "release", (addr, size)))
+
+    def release_all(self):
+        self.log.append((self.name, "release_all"))
+
+    def close(self):
+        self.log.append((self.name, "close"))
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("steer", [("claims", "claim", [(0x100000, 0x1000)]),  # start: the windows, before any import
+               ("fill", "claim", "FILL"),  # before cuInit: everything but the program's driver areas
+               ("claims", "release", (0x200000, 0x1000)),  # ... whose placeholders are lifted
+               ("fill", "close"),  # after the context: the filling goes
+               ("claims", "claim", [(0x100000, 0x1000)])]),  # and what is free of the windows is held
+    ("hold", [("claims", "claim", [(0x100000, 0x1000)])]),
+    ("plain", [("claims", "claim", [(0x100000, 0x1000)])]),  # only once the context exists
+])
+def test_each_address_strategy_holds_and_lifts_in_its_own_order(name, expected):
+    log = []
+    maps = lambda: parse_maps(MAPS)  # noqa: E731
+    s = vaspace.AddressStrategy(name, [(0x100000, 0x1000)], [(0x200000, 0x1000)],
+                                space=WatchedClaims(log, "claims"), filler=lambda: WatchedClaims(log, "fill"),
+                                maps=maps)
+    s.start()
+    s.before_init()
+    s.after_init()
+    want = [("fill", "claim", vaspace.steer_fill([(0x200000, 0x1000)], maps())) if e[2:] == ("FILL",) else e
+            for e in expected]
+    assert log == want
+    if name == "plain":
+        log.clear()
+        fresh = vaspace.AddressStrategy(name, [(0x100000, 0x1000)], space=WatchedClaims(log, "claims"))
+        fresh.start()
+        fresh.before_init()
+        assert log == []  # nothing is held before the driver starts
+    with pytest.raises(ValueError):
+        vaspace.AddressStrategy("guess", [])

@@ -112,9 +112,11 @@ class Link:
         self.proc: subprocess.Popen | None = None
         self.failures = 0
         self.off: str | None = None  #: why validation was switched off
+        self.refused = False  #: the last validator started said it could not start
         self.starts = 0
 
     def _start(self) -> str | None:
+        self.refused = False
         if self.before_start is not None:
             try:
                 self.before_start()
@@ -134,6 +136,7 @@ class Link:
         if isinstance(hello, str):
             return hello
         if not hello.get("ready"):
+            self.refused = True
             return self._failed(f"the validator could not start: {hello.get('why', 'no reason given')}")
         return None
 
@@ -326,10 +329,13 @@ def private_dir(parent: str | None = None) -> Path:
 
 #: the file of the private directory that names the program's address windows to a starting validator
 CLAIMS = "claims.json"
+#: how a verdict that could not get the launch's addresses begins (replay.py)
+ADDRESS_UNAVAILABLE = "unvalidated: address unavailable"
 
 
 def validator_command(directory: Path, bus_id: str) -> tuple[list[str], dict[str, str]]:
-    """The validator's command line and environment: this interpreter, this package, untraced."""
+    """The validator's command line (less its ``--strategy``) and environment: this interpreter,
+    this package, untraced."""
     env = {k: v for k, v in os.environ.items() if k not in ("GPUOS_BOOT", "CUDA_INJECTION64_PATH", "LD_PRELOAD")}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -342,11 +348,18 @@ class OffloadValidator(Validator):
     """Sampled launches are copied out and replayed by the validator process (module docstring).
 
     The sampling and the range prediction are the in-process validator's; ``image_for`` maps a
-    kernel's name to the module image (cubin) holding it, or None."""
+    kernel's name to the module image (cubin) holding it, or None.
+
+    The validator's address strategy (vaspace.py) is the first of ``strategies`` at first. When
+    the validator answers that its driver would not give a launch's addresses although nothing of
+    the validator's sat there, the next strategy's validator replaces it and the same launch is
+    sent again, until one gets the addresses; that one is kept for the rest of the run. Each
+    validation record names the strategy that answered (``addresses``) and those that failed
+    it first (``address_fallback``); ``addresses()`` sums it up for the run."""
 
     def __init__(self, samples: int = 3, max_bytes: int = 8 << 30, image_for: Callable[[str], bytes | None] = None,
                  timeout_s: float = TIMEOUT_S, copier: Any = None, command: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, strategies: list[str] | None = None) -> None:
         super().__init__(samples, max_bytes, extents=False)
         self.image_for = image_for or (lambda name: None)
         self.copier = copier or DriverCopier()
@@ -356,38 +369,55 @@ class OffloadValidator(Validator):
         self._command, self._env, self.timeout_s = command, env, timeout_s
         self.link: Link | None = None
         self.switched_off: str | None = None  #: set once; the tracer turns it into an error record
-        self._windows: tuple[int, list[list[int]]] = (-1, [])  #: (allocation count, windows)
+        self._windows: tuple[int, dict[str, list[list[int]]]] = (-1, {})  #: (allocation count, claims)
+        self.strategies = list(strategies or vaspace.STRATEGIES)
+        self.strategy = 0  #: the index of the address strategy of the validators started now
+        self.kept = False  #: a validator of this strategy got a launch's addresses: no more fallback
+        self.lost: dict[str, int] = {}  #: launches each strategy could not get the addresses of
 
     def _link(self) -> Link:
         if self.link is None:
             if self._command is None:
                 self._command, env = validator_command(self.dir, self.copier.bus_id())
                 self._env = self._env or env
-            self.link = Link(self._command, self._env or dict(os.environ), self.timeout_s,
+            self.link = Link(self._with_strategy(), self._env or dict(os.environ), self.timeout_s,
                              stderr=self.dir / "validator.log", before_start=self._write_claims)
         return self.link
+
+    def _with_strategy(self) -> list[str]:
+        return [*self._command, "--strategy", self.strategies[self.strategy]]
+
+    def addresses(self) -> dict[str, Any]:
+        """The run's address strategy so far: the one in use, whether it was kept (it got a
+        launch's addresses), and how many launches each strategy lost."""
+        return {"strategy": self.strategies[self.strategy], "kept": self.kept, "lost": dict(self.lost)}
 
     def live(self) -> list[tuple[int, int]]:
         """[start, end) of every live allocation the program made, by address."""
         allocs = self.pred.allocs
         return [(allocs._live[s].addr, allocs._live[s].end) for s in allocs._starts]
 
-    def windows(self) -> list[list[int]]:
-        """The address windows the validator must keep free for this program (vaspace.py), worked
-        out again only when an allocation was made since."""
+    def claims(self) -> dict[str, list[list[int]]]:
+        """The address windows the validator must keep free for this program and the program's
+        driver areas around its allocations (vaspace.py), worked out again only when an
+        allocation was made since."""
         if self._windows[0] != self.next_id:
             try:
                 maps = vaspace.mappings()
             except OSError:
                 maps = []
-            self._windows = (self.next_id, vaspace.program_windows(
-                [(s, e - s) for s, e in self.live()], maps))
+            allocs = [(s, e - s) for s, e in self.live()]
+            self._windows = (self.next_id, {"windows": vaspace.program_windows(allocs, maps),
+                                            "areas": vaspace.driver_areas(allocs, maps)})
         return self._windows[1]
+
+    def windows(self) -> list[list[int]]:
+        return self.claims()["windows"]
 
     def _write_claims(self) -> None:
         """Before a validator starts: the windows it holds before it loads the driver."""
         tmp = self.dir / f"{CLAIMS}.tmp"
-        tmp.write_text(json.dumps(self.windows()))
+        tmp.write_text(json.dumps(self.claims()))
         tmp.replace(self.dir / CLAIMS)
 
     def wants(self, func: int) -> bool:
@@ -447,17 +477,40 @@ class OffloadValidator(Validator):
                "block": [bx, by, bz], "shared": shared, "staging": self.staging.path.name,
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
         try:
-            link = self._link()
+            self._link()
             req["claims"] = self.windows()
-            sent = link.request(req)
+            sent = self._send(req, state.setdefault("fallback", []))
         except CudaFailure as exc:  # the program's device could not be named
             sent = f"the validator could not start: {exc}"
         if isinstance(sent, str):
             self._note_off()
-            self.pending[tid] = {"skip": self._skipped(state, [f"unvalidated: {sent}"])}
+            skip = self._skipped(state, [f"unvalidated: {sent}"])
+            if state.get("fallback"):
+                skip["address_fallback"] = state["fallback"]
+            self.pending[tid] = {"skip": skip}
             return
         state["seq"] = req["seq"]
+        state["req"] = req
         self.pending[tid] = state
+
+    def _next_strategy(self) -> None:
+        self.strategy += 1
+        self.link.kill()
+        self.link.command = self._with_strategy()
+
+    def _send(self, req: dict[str, Any], fallback: list[dict[str, str]] | None = None) -> dict[str, Any] | str:
+        """Send a request, starting a validator if none runs; one that could not start under its
+        strategy (its driver would not initialise with the address space so arranged) gives way
+        to the next strategy's, unless a strategy was kept already."""
+        link = self.link
+        sent = link.request(req)
+        while (isinstance(sent, str) and link.refused and link.off is None and not self.kept
+               and self.strategy + 1 < len(self.strategies)):
+            if fallback is not None:
+                fallback.append({"strategy": self.strategies[self.strategy], "why": f"unvalidated: {sent}"})
+            self._next_strategy()
+            sent = link.request(req)
+        return sent
 
     def _refusal(self, state: dict[str, Any], sizes, args, geometry) -> str | None:
         if state["unknown"]:
@@ -477,13 +530,33 @@ class OffloadValidator(Validator):
             return None
         if "skip" in state:
             return state["skip"]
-        rep = self.link.answer()
-        if isinstance(rep, str):
-            self._note_off()
-            return self._skipped(state, [f"unvalidated: {rep}"])
-        if rep.pop("seq", None) != state["seq"]:
-            self.link.kill()
-            return self._skipped(state, ["unvalidated: the validator answered another launch: restarted"])
+        fallback: list[dict[str, str]] = state.get("fallback", [])
+        while True:
+            rep = self.link.answer()
+            if isinstance(rep, str):
+                self._note_off()
+                return self._skipped(state, [f"unvalidated: {rep}"])
+            if rep.pop("seq", None) != state["seq"]:
+                self.link.kill()
+                return self._skipped(state, ["unvalidated: the validator answered another launch: restarted"])
+            name = self.strategies[self.strategy]
+            rep["addresses"] = name
+            if fallback:
+                rep["address_fallback"] = fallback
+            if not str(rep.get("why", "")).startswith(ADDRESS_UNAVAILABLE):
+                if rep.get("checked") or "fault" in rep:  # it got the addresses: keep it
+                    self.kept = True
+                break
+            self.lost[name] = self.lost.get(name, 0) + 1
+            if self.kept or rep.get("refused_by") != "driver" or self.strategy + 1 >= len(self.strategies):
+                break
+            # the driver would not give addresses that were free: the next strategy, same launch
+            fallback.append({"strategy": name, "why": rep["why"]})
+            self._next_strategy()
+            sent = self._send(state["req"], fallback)
+            if isinstance(sent, str):
+                self._note_off()
+                return dict(self._skipped(state, [f"unvalidated: {sent}"]), address_fallback=fallback)
         if result:
             return {"kernel": state["kernel"], "checked": False, "mode": "validator",
                     "why": f"the launch failed (CUresult {result})"}

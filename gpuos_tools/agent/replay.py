@@ -12,7 +12,11 @@ a request; this process recreates the launch:
    hint only, and under unified addressing anything of this process's own at that address (its
    driver's context memory, module code, the staging file) makes it refuse; so the program's
    address windows are covered by placeholders before the driver is loaded (vaspace.py), lifted
-   only to reserve, and the reservations are kept for later launches;
+   only to reserve, and the reservations are kept for later launches. A driver that honours the
+   hint only inside the areas it reserved for itself needs those areas over the program's: how
+   this process goes about it is its address strategy (vaspace.AddressStrategy, ``--strategy``);
+   a refusal says whether anything but the driver's own sat at the address (``refused_by``), so
+   that the program's side can try the next strategy;
 2. it maps physical memory there, only for the granules the prediction names, fills the bytes the
    prediction names with their launch-time contents and the rest of each granule with a poison
    value, maps the granules holding only predicted reads read-only where the driver takes it;
@@ -48,6 +52,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from gpuos_tools.agent.validate import CHUNK, Layout
+from gpuos_tools.agent.vaspace import STRATEGIES
 from gpuos_tools.model.allocs import Allocation
 
 #: the exit status after a sticky error: the program's side restarts the validator, quietly
@@ -106,6 +111,7 @@ class Space(Protocol):
     def claim(self, windows: list[tuple[int, int]]) -> list[tuple[int, int]]: ...
     def release(self, addr: int, size: int) -> None: ...
     def holder(self, addr: int, size: int) -> str: ...
+    def by_driver(self, addr: int, size: int) -> bool: ...
 
 
 class Device(Protocol):
@@ -291,9 +297,11 @@ class Replayer:
                 parts.append((pos, end - pos))
         self.space.claim(parts)
 
-    def _reserve(self, start: int, size: int) -> str | None:
+    def _reserve(self, start: int, size: int) -> tuple[str, str] | None:
         """Make [start, start + size) part of a reservation at exactly that address: None, or why
-        it cannot be had. A reservation it overlaps is grown into one covering both."""
+        it cannot be had and who refused it ("driver": nothing of this process's but the driver's
+        sits there; "validator": something else of this process's does). A reservation it
+        overlaps is grown into one covering both."""
         dev, end = self.device, start + size
         if any(s <= start and end <= s + n for s, n in self.reserved.items()):
             return None
@@ -311,12 +319,13 @@ class Replayer:
             return None
         dev.free_address(got, hi - lo)
         held = self.space.holder(start, size) if self.space is not None else "the driver gave another address"
+        by = "driver" if self.space is None or self.space.by_driver(start, size) else "validator"
         for s, n in overlap:  # what was ours a moment ago
             if dev.reserve(s, n) == s:
                 self.reserved[s] = n
         if self.space is not None:
             self._claim([(lo, hi - lo)])
-        return f"unvalidated: address unavailable ({start:#x}: {held})"
+        return f"unvalidated: address unavailable ({start:#x}: {held})", by
 
     def close(self) -> None:
         """Give back every reservation (at the end of the input)."""
@@ -336,9 +345,9 @@ class Replayer:
         module = None
         try:
             for start, size, _ in spans:
-                why = self._reserve(start, size)
-                if why is not None:
-                    return dict(base, checked=False, why=why)
+                refused = self._reserve(start, size)
+                if refused is not None:
+                    return dict(base, checked=False, why=refused[0], refused_by=refused[1])
             for start, size, _ in spans:
                 dev.map(start, size)
                 mapped.append((start, size))
@@ -512,34 +521,53 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpuos-validator", description="Replay sampled launches (see module doc).")
     ap.add_argument("--device", required=True, help="the PCI bus id of the program's GPU")
     ap.add_argument("--dir", required=True, help="the program's private staging directory")
-    ap.add_argument("--claims", help="a JSON list of the program's [addr, size] address windows, held before "
-                                     "the driver is loaded (python -m gpuos_tools.agent.validator does that)")
+    ap.add_argument("--claims", help="a JSON file naming the program's address windows and driver areas, held "
+                                     "before the driver is loaded (python -m gpuos_tools.agent.validator does that)")
+    ap.add_argument("--strategy", choices=STRATEGIES, default=STRATEGIES[0],
+                    help="how to get the program's addresses (gpuos_tools/agent/vaspace.py)")
     return ap
 
 
-def main(argv: list[str] | None = None, space: Space | None = None) -> int:
-    """Serve requests on stdin/stdout. ``space`` holds the program's windows already (the entry
-    point gpuos_tools/agent/validator.py claims them before this module, numpy and the driver load)."""
+def open_device(bus_id: str, strategy: Any = None) -> CudaDevice:
+    """The validator's context, made the way the address strategy says (vaspace.AddressStrategy):
+    the driver's library loaded first, so that its code is mapped before ``steer`` fills the
+    address space; if the driver will not start with the placeholders in place, once more
+    without them."""
+    if strategy is None:
+        return CudaDevice(bus_id)
+    try:
+        from cuda.bindings import driver as drv
+
+        drv.cuDriverGetVersion()  # loads libcuda without initialising it
+        strategy.before_init()
+        device = CudaDevice(bus_id)
+    except ReplayError as exc:
+        print(f"gpuos-validator: {exc} with the program's windows held ({strategy.name}); again without them",
+              file=sys.stderr)
+        strategy.abandon()
+        return CudaDevice(bus_id)
+    strategy.after_init()
+    for note in strategy.notes:
+        print(f"gpuos-validator: {note}", file=sys.stderr)
+    return device
+
+
+def main(argv: list[str] | None = None, strategy: Any = None) -> int:
+    """Serve requests on stdin/stdout. ``strategy`` (vaspace.AddressStrategy) holds the program's
+    windows already: the entry point gpuos_tools/agent/validator.py starts it before this module,
+    numpy and the driver load."""
     args = parser().parse_args(argv)
     _orphan_watch(os.getppid())
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the pipe
     try:
-        device = CudaDevice(args.device)
+        device = open_device(args.device, strategy)
     except ReplayError as exc:
-        if space is None or not hasattr(space, "release_all"):
-            write_frame(out, {"ready": False, "why": str(exc)})
-            return 1
-        # the driver may have wanted a held window for itself: try once more without the placeholders
-        print(f"gpuos-validator: {exc} with the program's windows held; again without them", file=sys.stderr)
-        space.release_all()
-        try:
-            device = CudaDevice(args.device)
-        except ReplayError as again:
-            write_frame(out, {"ready": False, "why": str(again)})
-            return 1
-    replayer = Replayer(device, space)
-    write_frame(out, {"ready": True, "granularity": replayer.device.granularity})
+        write_frame(out, {"ready": False, "why": str(exc)})
+        return 1
+    replayer = Replayer(device, strategy.space if strategy is not None else None)
+    write_frame(out, {"ready": True, "granularity": replayer.device.granularity,
+                      "strategy": strategy.name if strategy is not None else None})
     return serve(replayer, inp, out, args.dir)
 
 

@@ -14,6 +14,20 @@ The program's side (offload.py) says which windows to hold: each live allocation
 2 MiB, the whole mapping of its own address space around it, and room around them all (where its
 driver will place the allocations still to come); placeholders cost no memory, only addresses, of
 which there are 128 TiB.
+
+A driver may honour the hint only inside the areas it reserved for itself when it started, so that
+keeping the windows free is not always enough: the validator's driver must also have put its own
+areas over them. How the validator goes about it is its address strategy (``STRATEGIES``, tried in
+that order by the program's side until one gets the addresses):
+
+- ``steer``: hold the windows from the start; just before the driver initialises, fill every free
+  part of the address space but the program's driver areas (the windows when they are not known)
+  with placeholders, leaving room for the stack, the heap and the driver's small mappings, and lift
+  the windows' placeholders over those areas, so that the only room left for the driver's own
+  areas is where the program's driver put its own; once the context exists, lift the filling and
+  hold what is still free of the windows;
+- ``hold``: hold the windows from the start, lift a part only to reserve it;
+- ``plain``: create the context first, then hold what is free of the windows.
 """
 
 from __future__ import annotations
@@ -38,6 +52,22 @@ ROOM_ABOVE = 4 << 30
 MAX_ROOM = 1 << 40
 #: the memfd name the placeholders carry in /proc/self/maps
 CLAIM_NAME = "gpuos-validator-claim"
+#: the memfd name of the ``steer`` strategy's filling (told apart from the claims)
+STEER_NAME = "gpuos-validator-steer"
+#: the address strategies, in the order the program's side tries them (module docstring)
+STRATEGIES = ("steer", "hold", "plain")
+#: a driver area of the program's larger than this is not left free whole by ``steer``
+MAX_AREA = 1 << 40
+#: ``steer`` fills nothing below this (the executable, its heap, 32-bit addresses)
+STEER_LOW = 1 << 32
+#: the top of the address space a process maps by default (47 bits)
+STEER_HIGH = (1 << 47) - PAGE
+#: room ``steer`` leaves free below the main stack and above the heap, so that both can grow
+STACK_ROOM = 256 << 20
+HEAP_ROOM = 1 << 30
+#: room ``steer`` leaves free at the top of the free space below the libraries, for what the
+#: driver maps that is not its device address area (thread stacks, small mappings of its files)
+SPARE = 1 << 30
 
 _PROT_NONE = 0
 _MAP_SHARED = 0x01
@@ -119,6 +149,55 @@ def program_windows(allocs: Iterable[tuple[int, int]], maps: list[Mapping] | Non
     return [[s, e - s] for s, e in merge(windows)]
 
 
+def driver_areas(allocs: Iterable[tuple[int, int]], maps: list[Mapping]) -> list[list[int]]:
+    """[addr, size] of the program's driver areas that hold its allocations: around each
+    allocation, the run of touching mappings that are the driver's (of /dev/nvidia*, or anonymous
+    without access: its reservations), whatever their size up to ``MAX_AREA``, merged. ``steer``
+    leaves these free for the validator's driver."""
+    maps = sorted(maps, key=lambda m: m.start)
+    starts = [m.start for m in maps]
+    out = []
+    for a, n in allocs:
+        i = bisect.bisect_right(starts, a) - 1
+        if n <= 0 or i < 0 or not (maps[i].start <= a < maps[i].end) or not _drivers(maps[i]):
+            continue
+        lo, hi = i, i
+        while lo > 0 and maps[lo - 1].end == maps[lo].start and _drivers(maps[lo - 1]):
+            lo -= 1
+        while hi + 1 < len(maps) and maps[hi + 1].start == maps[hi].end and _drivers(maps[hi + 1]):
+            hi += 1
+        s, e = maps[lo].start, maps[hi].end
+        if e - s > MAX_AREA:  # the part around the allocation only
+            s, e = round_out(max(s, a - MAX_AREA // 2), min(e, a + MAX_AREA // 2), WINDOW_ALIGN)
+        out.append((s, e))
+    return [[s, e - s] for s, e in merge(out)]
+
+
+def _drivers(m: Mapping) -> bool:
+    return m.path.startswith("/dev/nvidia") or (not m.path or m.path.startswith("[anon")) and m.perms.startswith("---")
+
+
+def steer_fill(keep: Iterable[tuple[int, int]], maps: list[Mapping], spare: int = SPARE) -> list[tuple[int, int]]:
+    """[addr, size] of what ``steer`` fills: every free part of [STEER_LOW, STEER_HIGH) but the
+    [addr, size] ranges of ``keep``, room below the main stack and above the heap, and ``spare``
+    bytes at the top of the highest free gap below the lowest shared library (where mappings
+    of the driver's that are too small to be its device address areas land first)."""
+    skip = [(a, a + n) for a, n in keep]
+    for m in maps:
+        if m.path == "[stack]":
+            skip.append((m.start - STACK_ROOM, m.start))
+        elif m.path == "[heap]":
+            skip.append((m.end, m.end + HEAP_ROOM))
+    libs = [m.start for m in maps if ".so" in m.path and m.start >= STEER_LOW]
+    if spare and libs:
+        below = [(s, e) for s, e in free_gaps(STEER_LOW, min(libs), maps) if e - s >= 2 * spare]
+        if below:
+            s, e = below[-1]
+            skip.append((e - spare, e))
+    fill = free_gaps(STEER_LOW, STEER_HIGH, maps + [Mapping(s, e, "", "") for s, e in merge(skip)])
+    return [(s, e - s) for s, e in fill]
+
+
 def free_gaps(lo: int, hi: int, maps: list[Mapping]) -> list[tuple[int, int]]:
     """The parts of [lo, hi) no mapping covers."""
     out, pos = [], lo
@@ -138,11 +217,13 @@ def free_gaps(lo: int, hi: int, maps: list[Mapping]) -> list[tuple[int, int]]:
 class AddressClaims:
     """Placeholder mappings over address windows of this process (see the module docstring).
 
-    ``maps`` reads this process's mappings (a parameter so that tests can watch it)."""
+    ``maps`` reads this process's mappings (a parameter so that tests can watch it); ``name`` is
+    the memfd name the placeholders carry."""
 
-    def __init__(self, maps: Callable[[], list[Mapping]] = mappings) -> None:
+    def __init__(self, maps: Callable[[], list[Mapping]] = mappings, name: str = CLAIM_NAME) -> None:
         self._maps = maps
-        self.fd = os.memfd_create(CLAIM_NAME, os.MFD_CLOEXEC)
+        self.name = name
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         libc = ctypes.CDLL(None, use_errno=True)
         self._mmap = libc.mmap
         self._mmap.restype = ctypes.c_void_p
@@ -151,9 +232,8 @@ class AddressClaims:
         self._munmap.restype = ctypes.c_int
         self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-    @staticmethod
-    def ours(m: Mapping) -> bool:
-        return CLAIM_NAME in m.path
+    def ours(self, m: Mapping) -> bool:
+        return self.name in m.path
 
     def held(self) -> list[tuple[int, int]]:
         """[start, end) of the placeholders in place now."""
@@ -196,6 +276,74 @@ class AddressClaims:
             return "nothing of the validator's is mapped there: the driver kept it for itself"
         return "the validator holds " + "; ".join(str(m) for m in found[:3]) + (" ..." if len(found) > 3 else "")
 
+    def by_driver(self, addr: int, size: int) -> bool:
+        """True when nothing but the driver's own (its files, anonymous reservations without
+        access) sits in [addr, addr + size): a refusal there is the driver's, not the validator's."""
+        return all(_drivers(m) for m in self._maps() if m.start < addr + size and addr < m.end)
+
     def close(self) -> None:
         self.release_all()
         os.close(self.fd)
+
+
+class AddressStrategy:
+    """How a validator process gets the program's addresses (the module docstring's strategies).
+
+    ``windows`` and ``areas`` are the program's ([addr, size]: program_windows, driver_areas);
+    ``space`` holds the windows (an AddressClaims; tests pass one watching fake maps), ``filler``
+    makes the placeholders of ``steer``. The validator calls ``start`` before it imports anything
+    that maps memory, ``before_init`` with the driver's library loaded but not initialised, and
+    ``after_init`` once its context exists."""
+
+    def __init__(self, name: str, windows: list[tuple[int, int]], areas: list[tuple[int, int]] = (),
+                 space: AddressClaims | None = None, filler: Callable[[], AddressClaims] | None = None,
+                 maps: Callable[[], list[Mapping]] = mappings, spare: int = SPARE) -> None:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown address strategy {name!r} (known: {', '.join(STRATEGIES)})")
+        self.name = name
+        self.windows = [(int(a), int(n)) for a, n in windows]
+        self.areas = [(int(a), int(n)) for a, n in areas]
+        self._space = space
+        self._filler = filler or (lambda: AddressClaims(maps, STEER_NAME))
+        self._maps = maps
+        self.spare = spare
+        self.fill: AddressClaims | None = None
+        self.notes: list[str] = []  #: what did not go as meant (for the validator's log)
+
+    @property
+    def space(self) -> AddressClaims:
+        if self._space is None:
+            self._space = AddressClaims(self._maps)
+        return self._space
+
+    def start(self) -> None:
+        if self.name in ("steer", "hold") and self.windows:
+            self.space.claim(self.windows)
+
+    def before_init(self) -> None:
+        if self.name != "steer" or not (self.windows or self.areas):
+            return
+        # where the program's driver put its areas (or, not knowing them, the windows): the
+        # validator's driver, asking for areas of the same size, gets the same places
+        keep = [(s, e - s) for s, e in merge([(a, a + n) for a, n in self.areas or self.windows])]
+        self.fill = self._filler()
+        self.fill.claim(steer_fill(keep, self._maps(), self.spare))
+        for a, n in keep:  # the driver's areas can go nowhere else now
+            self.space.release(a, n)
+
+    def after_init(self) -> None:
+        if self.fill is not None:
+            self.fill.close()
+            self.fill = None
+        if self.name in ("steer", "plain") and self.windows:
+            taken = self.space.claim(self.windows)
+            if taken:
+                self.notes.append(f"{len(taken)} parts of the program's windows were taken at the start")
+
+    def abandon(self) -> None:
+        """Lift every placeholder (the driver would not start with them in place)."""
+        if self.fill is not None:
+            self.fill.close()
+            self.fill = None
+        if self._space is not None:
+            self._space.release_all()

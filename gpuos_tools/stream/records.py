@@ -401,6 +401,15 @@ VALIDATION = RecordType(
         Field("nondeterministic", List(Anything())),
         Field("why", Str()),
         Field("ms", Num(0, unit="ms"), "time the check took"),
+        Field("addresses", Str(max_len=32), "`--validate-in validator`: the address strategy of the validator that "
+              "answered (how it got the program's addresses)"),
+        Field("refused_by", Str(("driver", "validator")), "address unavailable: the validator's driver gave "
+              "another address where nothing else of the validator's sat, or something of the validator's "
+              "sat there"),
+        Field("address_fallback", List(Obj((Field("strategy", Str(max_len=32), required=True),
+                                            Field("why", Str(), required=True)), text="{strategy, why}")),
+              "address strategies that could not get this launch's addresses before the one named by "
+              "`addresses`, and why"),
     ),
 )
 

@@ -4,7 +4,8 @@ nothing it does (a fault, a device-side assert) reaches the program (pytest -m g
 Each program of progs/validator_prog.py runs twice, plainly and validated; its results must be
 identical byte for byte, and its exit status 0 both times. With GPUOS_KEEP_TRACES set, the traces
 and a summary of the verdicts (validator-summary-MODE.json: checked, faults, why unvalidated,
-whether read-only mappings were taken) are kept there."""
+whether read-only mappings were taken, the address strategy used and the launches each strategy
+lost) are kept there."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def summary(records: list[dict]) -> dict:
         "read_only": dict(Counter(v["read_only"] for v in vals if "read_only" in v)),
         "unvalidated": dict(Counter(v.get("why", "")[:200] for v in vals if not v["checked"])),
         "ms": sorted(v["ms"] for v in vals if "ms" in v),
+        # the address strategy that answered, and the launches each strategy could not get the
+        # addresses of (those it passed on to the next, and those left unvalidated)
+        "addresses": dict(Counter(v["addresses"] for v in vals if "addresses" in v)),
+        "address_lost": dict(Counter([f["strategy"] for v in vals for f in v.get("address_fallback", [])]
+                                     + [v["addresses"] for v in vals if "addresses" in v and not v["checked"]
+                                        and v.get("why", "").startswith("unvalidated: address unavailable")])),
         "errors": [r.get("message", r) for r in records if r["type"] == "error"][:20],
     }
 
@@ -153,3 +160,17 @@ def test_read_only_mappings_are_measured(tmp_root):
     assert set(seen) <= {"enforced", "refused"}
     v = by_kernel(r["records"], "twice")[0]  # reads 16 MiB of granules of its own, writes others
     assert v["checked"] and v["reads"] == "ok" and v["missed_writes"] == [] and "read_only" in v, v
+
+
+@pytest.mark.parametrize("mode", list(NEEDS))
+def test_the_programs_addresses_are_had_and_one_strategy_is_kept(mode, tmp_root):
+    """Some launch of every program gets its addresses in the validator, and from the first that
+    does, every answer comes from a validator of that same address strategy."""
+    r = runs(mode, tmp_root)
+    vals = [v for v in r.get("records", []) if v["type"] == "validation" and "addresses" in v]
+    assert vals, r["summary"]
+    got = [i for i, v in enumerate(vals) if v["checked"] or "fault" in v]
+    assert got, r["summary"]
+    kept = vals[got[0]]["addresses"]
+    print(f"\nvalidator {mode}: addresses by {kept}, lost {r['summary']['address_lost']}", file=sys.stderr)
+    assert {v["addresses"] for v in vals[got[0]:]} == {kept}, r["summary"]
