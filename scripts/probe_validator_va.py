@@ -29,7 +29,6 @@ granted and the maps around both (an exact grant is mapped with one granule to b
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
