@@ -532,7 +532,9 @@ class OnlinePolicy:
     def _log_break(self, p: int | None, expected: int, key: tuple) -> None:
         """One break of a known period ``p`` in ``Stats.breaks``: where, and what differed from
         the launch the period predicted (``expected``'s key): the kernel, or its records."""
-        want = next(k for k, v in self._ids.items() if v == expected)  # once per break: a scan is fine
+        want = next((k for k, v in self._ids.items() if v == expected), None)  # once per break: a scan is fine
+        if want is None:
+            return
         kernel, ws = key
         same = want[0] == kernel
         entry: dict[str, Any] = {"launch": self.stats.launches, "period": p, "expected": want[0],
