@@ -36,12 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.access import Predictor
 from gpuos_tools.sched.moves import belady_min, classify
 from gpuos_tools.sched.online_sim import simulate_online
 from gpuos_tools.sched.simulate import DEFAULT_BW, Config
-from gpuos_tools.sched.workload import Chunks, Workload, load_job, working_footprint
-from gpuos_tools.stream import open_input
+from gpuos_tools.sched.workload import Workload, trace_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "tests" / "data" / "recorded"
@@ -50,12 +48,7 @@ DEFAULT = "torch,suite-torch_cnn.s1,suite-torch_cnn.s2,suite-cupy_suite.s1,suite
 
 def recorded(name: str, copies: int, chunk: int | None) -> Workload:
     path = Path(name) if "/" in name or name.endswith((".ndjson", ".zst")) else RECORDED / f"{name}.ndjson.zst"
-    with open_input(path) as reader:
-        access = list(Predictor("range").annotate(list(reader)))
-    chunks = Chunks(chunk)
-    job = load_job(access, chunks, 0, name)
-    job.steps = job.steps * copies
-    return Workload(chunks, [job], job.steps, [], working_footprint(job.steps, chunks.sizes))
+    return trace_workload(path, name, copies, chunk)
 
 
 def measure(w: Workload, period: int, fraction: float, plan: str, lookahead: int) -> dict[str, Any]:

@@ -33,11 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.access import Predictor
 from gpuos_tools.sched.online_sim import blocked_gemm, simulate_online
 from gpuos_tools.sched.simulate import DEFAULT_BW, Config
-from gpuos_tools.sched.workload import Chunks, Workload, load_job, working_footprint
-from gpuos_tools.stream import open_input
+from gpuos_tools.sched.workload import Workload, trace_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "tests" / "data" / "recorded"
@@ -49,12 +47,7 @@ def recorded(name: str, copies: int, chunk: int) -> Workload:
     `gpu-prefetch-sched --simulate` does by default: its allocations are a framework's cached
     segments, whole ones would make every working set most of the memory), its steps repeated
     ``copies`` times (a loop repeating its step; a trace that frees memory repeats its frees)."""
-    with open_input(RECORDED / f"{name}.ndjson.zst") as reader:
-        access = list(Predictor("range").annotate(list(reader)))
-    chunks = Chunks(chunk)
-    job = load_job(access, chunks, 0, name)
-    job.steps = job.steps * copies
-    return Workload(chunks, [job], job.steps, [], working_footprint(job.steps, chunks.sizes))
+    return trace_workload(RECORDED / f"{name}.ndjson.zst", name, copies, chunk)
 
 
 def workloads(names: list[str], copies: int, chunk: int) -> list[tuple[str, Workload]]:

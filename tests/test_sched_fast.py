@@ -348,14 +348,11 @@ def test_an_owned_record_the_core_did_not_see_mapped_turns_the_fast_path_off(lib
     assert not job.core.flags() & F_FAST
 
 
-def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(library, tmp_path):
-    """The core's rule without the executor: no mark, no allowance, an allocation since the last
-    allowance, a write to an allocation marked only readable, or a copy of an API always sent to
-    Python: a call. Marked, allowed: queued, with the launch's ids and name, and the allowance
-    counted down; dropping every mark at once (an unmark from a thread that cannot take the lock)
-    makes the next operation call."""
+def two_allocation_core(library, tmp_path, calls: list[int]):
+    """A fresh core on the fast path with two 4 KiB allocations (0x10000, 0x20000) and an upcall
+    that notes each call in ``calls`` and predicts a launch writing the first and reading both;
+    (core, its library, the launch's argument sizes, its arguments: a pointer into each)."""
     core = fresh(library, tmp_path)
-    calls: list[int] = []
 
     def up(ptr):
         u = ptr.contents
@@ -374,6 +371,17 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     core.set_flag(core_mod.F_EXEC | F_FAST, True)
     sizes = (ctypes.c_uint32 * 2)(8, 8)
     args = (0x10000).to_bytes(8, "little") + (0x20010).to_bytes(8, "little")
+    return core, lib, sizes, args
+
+
+def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(library, tmp_path):
+    """The core's rule without the executor: no mark, no allowance, an allocation since the last
+    allowance, a write to an allocation marked only readable, or a copy of an API always sent to
+    Python: a call. Marked, allowed: queued, with the launch's ids and name, and the allowance
+    counted down; dropping every mark at once (an unmark from a thread that cannot take the lock)
+    makes the next operation call."""
+    calls: list[int] = []
+    core, lib, sizes, args = two_allocation_core(library, tmp_path, calls)
 
     def launch() -> None:
         lib.core_enter(OP_LAUNCH, 0, 0, 0, 5, 0xF00, b"k", sizes, 2, args, 16, 0, 0, 0)
@@ -436,24 +444,7 @@ def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):
     """The queue the core hands over, taken twice with the same launch queued in it: the entries
     are the ones a parse without the memo gives, and every entry of the launch shares its name
     and id tuples with the first (decoded once; the replay keys on them)."""
-    core = fresh(library, tmp_path)
-
-    def up(ptr):
-        u = ptr.contents
-        if u.what == core_mod.UP_PREDICT:
-            u.nw, u.nt, u.unknown = 1, 2, 0
-            u.ids[0], u.ids[1], u.ids[2] = 1, 1, 2
-        return 0
-
-    core.set_upcall(up)
-    lib = core.lib
-    for addr in (0x10000, 0x20000):
-        lib.core_lock_program()
-        lib.core_after_alloc(addr, 0x1000, 0)
-        lib.core_unlock()
-    core.set_flag(core_mod.F_EXEC | F_FAST, True)
-    sizes = (ctypes.c_uint32 * 2)(8, 8)
-    args = (0x10000).to_bytes(8, "little") + (0x20010).to_bytes(8, "little")
+    core, lib, sizes, args = two_allocation_core(library, tmp_path, [])
     core.fast_mark([0x10000, 0x20000], 2)
     taken = []
     for _ in range(2):

@@ -12,23 +12,16 @@ from pathlib import Path
 import pytest
 from helpers import REPO, child_env
 
-from gpuos_tools.access import Predictor
 from gpuos_tools.sched.moves import LOAD_CLASSES, SAVE_CLASSES, Future, belady_min, classify
 from gpuos_tools.sched.online_sim import simulate_online
 from gpuos_tools.sched.simulate import Config
-from gpuos_tools.sched.workload import Chunks, Workload, load_job, working_footprint
-from gpuos_tools.stream import open_input
+from gpuos_tools.sched.workload import Workload, trace_workload
 
 RECORDED = Path(__file__).parent / "data" / "recorded"
 
 
 def _recorded(name: str, copies: int, chunk: int | None) -> Workload:
-    with open_input(RECORDED / f"{name}.ndjson.zst") as reader:
-        access = list(Predictor("range").annotate(list(reader)))
-    chunks = Chunks(chunk)
-    job = load_job(access, chunks, 0, name)
-    job.steps = job.steps * copies
-    return Workload(chunks, [job], job.steps, [], working_footprint(job.steps, chunks.sizes))
+    return trace_workload(RECORDED / f"{name}.ndjson.zst", name, copies, chunk)
 
 
 @pytest.mark.parametrize("name", ["torch", "suite-torch_cnn.s1", "suite-cupy_suite.s2"])

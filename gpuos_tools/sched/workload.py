@@ -36,7 +36,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuos_tools.access import Predictor
 from gpuos_tools.errors import ExitCode, GpuosError
+from gpuos_tools.stream import open_input
 
 #: The record types that become steps.
 STEP_OPS = ("launch", "memcpy", "memset", "graph_launch")
@@ -343,3 +345,15 @@ def interleave(chunks: Chunks, jobs: list[Job], time_slice: float) -> Workload:
             if used >= time_slice:
                 break
     return Workload(chunks, jobs, steps, switches, working_footprint(steps, chunks.sizes))
+
+
+def trace_workload(path: Any, name: str, copies: int = 1, chunk: int | None = None) -> Workload:
+    """A recorded trace as one job: predicted at range granularity, cut into ``chunk``-byte records
+    (None: whole allocations), its steps repeated ``copies`` times (a loop repeating its step; a
+    trace that frees memory repeats its frees)."""
+    with open_input(path) as reader:
+        access = list(Predictor("range").annotate(list(reader)))
+    chunks = Chunks(chunk)
+    job = load_job(access, chunks, 0, name)
+    job.steps = job.steps * copies
+    return Workload(chunks, [job], job.steps, [], working_footprint(job.steps, chunks.sizes))
