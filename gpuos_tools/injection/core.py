@@ -120,12 +120,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 _V_HDR = struct.Struct("<II")
 _F_HDR = struct.Struct("<IIQIIQ")  #: fast queue entry: kind, bytes, operation, cbid, name length, stream
 _F_LAUNCH, _F_WRITE = 1, 2
-#: functions that return at once and take no lock, called on the program's thread in every upcall
-#: (the view's take and the flags) and in every one of the fast path: through CDLL each call lets
-#: the GIL go and takes it back (a few µs each, and a wait when another Python thread, the mover or
-#: the engine's, took it meanwhile); PyDLL keeps it
-HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts", "core_free", "core_view_take",
-            "core_set_flags", "core_flags")
+#: the fast path's calls, made on the program's thread in each of its upcalls: they return at once
+#: and take no lock; through CDLL each call lets the GIL go and takes it back (a few µs each, and a
+#: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
+HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts")
 _F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
 _F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
 _V_ALLOC = struct.Struct("<4Q")
@@ -231,7 +229,7 @@ class NativeCore:
             fn.restype = res
             fn.argtypes = args
         #: the same library (dlopen gives the same handle) with the GIL held across the call, for
-        #: the calls of every upcall (``HOLD_GIL``)
+        #: the fast path's calls (``HOLD_GIL``)
         self._held = ctypes.PyDLL(self.path)
         for name in HOLD_GIL:
             fn = getattr(self._held, name)
@@ -298,10 +296,10 @@ class NativeCore:
     # -- what the agent sets ----------------------------------------------------------------------
 
     def set_flag(self, flag: int, on: bool) -> None:
-        self._held.core_set_flags(flag, flag if on else 0)
+        self.lib.core_set_flags(flag, flag if on else 0)
 
     def flags(self) -> int:
-        return int(self._held.core_flags())
+        return int(self.lib.core_flags())
 
     def bump_epoch(self) -> None:
         self.lib.core_bump_epoch()
@@ -342,12 +340,12 @@ class NativeCore:
         try:
             return ctypes.string_at(ptr, n.value)
         finally:
-            self._held.core_free(ptr)
+            self.lib.core_free(ptr)
 
     def take_view(self) -> list[tuple]:
         """The view events queued since the last take (core lock held)."""
         n = ctypes.c_size_t()
-        return parse_view(self._taken(self._held.core_view_take(ctypes.byref(n)), n))
+        return parse_view(self._taken(self.lib.core_view_take(ctypes.byref(n)), n))
 
     def view_pending(self) -> int:
         return int(self.lib.core_view_len())
