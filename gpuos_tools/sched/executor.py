@@ -542,7 +542,7 @@ class Executor(AgentHooks):
             self._replay_for = memo_for
         memo = self._replay_memo
         before = self.policy.before
-        kernels = self.kernels
+        profile = self._profile
         launched, touched_now = eng._launched, eng._touched
         late = 0
         with self._load_lock:
@@ -568,13 +568,7 @@ class Executor(AgentHooks):
                 if hit is False:  # a write that is no decision (not a copy or memset)
                     continue
                 kernel, bases, key, nbytes = hit
-                row = kernels.get(kernel)
-                if row is None:
-                    self._profile(kernel, bases, recs)
-                else:  # ``_profile``'s counts, its bytes kept
-                    row[0] += 1
-                    row[2] += nbytes
-                    row[3] += not bases
+                profile(kernel, bases, recs, nbytes)
                 actions = before(kernel, bases, recs, key, version)
                 if (len(actions) != 1 or actions[0][0] != "require") and any(op != "require" for op, _ in actions):
                     late += 1  # an action besides the require: carried out late
@@ -800,7 +794,8 @@ class Executor(AgentHooks):
         self.counts["sample_errors"] += 1
         self.error = f"duration samples off: {type(exc).__name__}: {exc}"
 
-    def _profile(self, kernel: str, bases: list[int] | None, recs: dict[int, int]) -> None:
+    def _profile(self, kernel: str, bases: list[int] | None, recs: dict[int, int], nbytes: int | None = None) -> None:
+        """One launch in the kernel profile; ``nbytes``: its records' bytes, where the caller kept them."""
         k = self.kernels.get(kernel)
         if k is None:
             if len(self.kernels) >= KERNELS_MAX:
@@ -812,7 +807,7 @@ class Executor(AgentHooks):
         if bases is None:
             k[1] += 1
         else:
-            k[2] += sum(recs.get(b, 0) for b in set(bases))
+            k[2] += sum(recs.get(b, 0) for b in set(bases)) if nbytes is None else nbytes
             k[3] += not bases
 
     def kernel_profile(self, top: int = 40) -> dict[str, Any]:
