@@ -24,7 +24,8 @@ strategy = AddressStrategy(name, targets["windows"], targets["areas"])
 strategy.start()
 from gpuos_tools.agent import replay
 device = replay.open_device("0000:00:00.0", strategy)
-r = replay.Replayer(device, strategy.space)
+r = replay.Replayer(device, strategy.space, whole=name == "whole")
+r.take_areas(strategy.areas)
 out = []
 for addr, size, _ in targets["allocs"]:
     r.hold(targets["windows"])
@@ -66,7 +67,7 @@ def test_steer_gets_the_programs_addresses_whether_or_not_the_driver_honours_hin
 
 def test_a_driver_that_honours_hints_only_inside_its_area_refuses_the_others_as_the_drivers_refusal(program):
     hints, targets = program
-    for name in ("hold", "plain"):
+    for name in ("hold", "plain", "whole"):
         got = reserve(hints, name, targets)
         if hints == "any":
             assert got == [None] * len(targets["allocs"]), name

@@ -64,10 +64,15 @@ class FakeCopier:
         return "0000:00:00.0"
 
 
+#: the fallback's tests run three strategies in this order (the fake validator grants by name)
+ORDER = ["steer", "hold", "plain"]
+
+
 def make(mode: str = "ok", timeout_s: float = 20.0, fail: bool = False, kernel: str = COPY,
          image: bytes | None = b"cubin") -> OffloadValidator:
     copier = FakeCopier(fail)
-    v = OffloadValidator(samples=3, image_for=lambda name: image, timeout_s=timeout_s, copier=copier)
+    v = OffloadValidator(samples=3, image_for=lambda name: image, timeout_s=timeout_s, copier=copier,
+                         strategies=ORDER)
     v._command = [sys.executable, str(HERE / "fake_validator.py"), str(v.dir), mode]
     for addr in (X, Y, Z):
         v.on_alloc(addr, 4 * N, "device")
@@ -224,7 +229,7 @@ def test_the_validator_runs_untraced_with_this_package(monkeypatch, tmp_path):
     v = OffloadValidator(copier=FakeCopier())
     try:
         v._command = cmd
-        assert v._with_strategy() == [*cmd, "--strategy", "steer"]  # the first strategy, until it fails
+        assert v._with_strategy() == [*cmd, "--strategy", "whole"]  # the first strategy, until it fails
     finally:
         v.close()
     assert "GPUOS_BOOT" not in env and "CUDA_INJECTION64_PATH" not in env

@@ -289,3 +289,39 @@ def test_every_verdict_is_a_valid_validation_record(kernel):
     assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **rec}) is None
     skipped, _ = plain("copy", taken=(X,))
     assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **skipped}) is None
+
+
+def test_under_whole_an_area_reserved_whole_gives_addresses_the_driver_refuses_one_by_one():
+    """A driver that will not place a reservation at X by itself (its own bookkeeping sits there)
+    but grants the program's whole driver area around X and Y: the launch is checked, with the
+    area's one reservation and none of its own."""
+    one_by_one, _ = plain("copy", taken=(X,))
+    assert one_by_one["checked"] is False and "address unavailable" in one_by_one["why"]
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    r = Replayer(dev, whole=True)
+    area = [X - G, 32 * G]
+    r.take_areas([area])
+    assert dev.reserved == {X - G: 32 * G} and r.area_counts() == {"held": 1}
+    x, y = np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    rec = r.replay(req, staged(x, y), b"image")
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    assert dev.reserved == {X - G: 32 * G} and dev.maps == {}
+    r.close()
+    assert dev.reserved == {}
+
+
+def test_under_whole_a_refused_area_is_asked_for_once_and_plain_reservations_go_on():
+    dev = FakeDevice(KERNELS, G, taken=(X - G,))
+    asked = []
+    reserve = dev.reserve
+    dev.reserve = lambda a, n: asked.append(a) or reserve(a, n)
+    r = Replayer(dev, whole=True)
+    for _ in range(2):
+        r.take_areas([[X - G, 32 * G]])
+    assert asked == [X - G] and r.area_counts() == {"refused_by_driver": 1}
+    rec, _ = plain("copy", dev)  # the allocations one by one, as under plain
+    assert rec["checked"], rec
+    other = FakeDevice(KERNELS, G)
+    Replayer(other).take_areas([[X, G]])  # not under whole: nothing asked
+    assert other.reserved == {}

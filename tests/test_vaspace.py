@@ -130,19 +130,22 @@ def test_the_validator_holds_the_windows_before_numpy_or_the_driver_loads(tmp_pa
     claims = tmp_path / "claims.json"
     claims.write_text(json.dumps([[a, 8 * MiB]]))
     argv = ["--device", "0000:00:00.0", "--dir", str(tmp_path), "--claims", str(claims)]
-    out = subprocess.run([sys.executable, "-c", ENTRY, *argv], cwd=REPO, env=child_env(), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", ENTRY, *argv, "--strategy", "hold"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
-    assert seen["numpy"] is False and seen["argv"] == argv
+    assert seen["numpy"] is False and seen["argv"] == [*argv, "--strategy", "hold"]
     # the child's address space is its own (a range free here may be taken there): what it holds
     # lies inside the window
     assert seen["held"] and all(a <= s < e <= a + 8 * MiB for s, e in seen["held"]), seen
-    assert seen["strategy"] == "steer"  # the first strategy unless told
-    # the claims file as the program's side writes it, and a strategy that holds nothing before
+    out = subprocess.run([sys.executable, "-c", ENTRY, *argv], cwd=REPO, env=child_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["strategy"] == "whole"  # the first strategy unless told
+    # the claims file as the program's side writes it, and strategies that hold nothing before
     # the driver starts
     claims.write_text(json.dumps({"windows": [[a, 8 * MiB]], "areas": []}))
-    for strategy, held in (("plain", False), ("hold", True)):
+    for strategy, held in (("plain", False), ("whole", False), ("hold", True)):
         out = subprocess.run([sys.executable, "-c", ENTRY, *argv, "--strategy", strategy], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr

@@ -114,6 +114,7 @@ class Link:
         self.off: str | None = None  #: why validation was switched off
         self.refused = False  #: the last validator started said it could not start
         self.starts = 0
+        self.hello: dict[str, Any] = {}  #: the running validator's ready frame
 
     def _start(self) -> str | None:
         self.refused = False
@@ -138,6 +139,7 @@ class Link:
         if not hello.get("ready"):
             self.refused = True
             return self._failed(f"the validator could not start: {hello.get('why', 'no reason given')}")
+        self.hello = hello
         return None
 
     def request(self, req: dict[str, Any]) -> dict[str, Any] | str:
@@ -390,7 +392,11 @@ class OffloadValidator(Validator):
     def addresses(self) -> dict[str, Any]:
         """The run's address strategy so far: the one in use, whether it was kept (it got a
         launch's addresses), and how many launches each strategy lost."""
-        return {"strategy": self.strategies[self.strategy], "kept": self.kept, "lost": dict(self.lost)}
+        out = {"strategy": self.strategies[self.strategy], "kept": self.kept, "lost": dict(self.lost)}
+        areas = self.link.hello.get("areas") if self.link is not None else None
+        if areas:  # under ``whole``: the program's driver areas the validator held whole, or not
+            out["areas"] = areas
+        return out
 
     def live(self) -> list[tuple[int, int]]:
         """[start, end) of every live allocation the program made, by address."""
@@ -478,7 +484,8 @@ class OffloadValidator(Validator):
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
         try:
             self._link()
-            req["claims"] = self.windows()
+            claims = self.claims()
+            req["claims"], req["areas"] = claims["windows"], claims["areas"]
             sent = self._send(req, state.setdefault("fallback", []))
         except CudaFailure as exc:  # the program's device could not be named
             sent = f"the validator could not start: {exc}"

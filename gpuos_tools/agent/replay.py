@@ -267,13 +267,37 @@ def _chunks(byte_mask: np.ndarray) -> np.ndarray:
 class Replayer:
     """Replays requests on a Device and turns what it saw into validation record bodies."""
 
-    def __init__(self, device: Device, space: Space | None = None):
+    def __init__(self, device: Device, space: Space | None = None, whole: bool = False):
         if device.granularity % CHUNK:
             raise ValueError(f"granularity {device.granularity} is not a multiple of {CHUNK}")
         self.device = device
         self.space = space
         self.reserved: dict[int, int] = {}  #: start -> size of the reservations held at the program's addresses
         self.lost = False  #: a sticky error ended the context: answer, then exit
+        self.whole = whole  #: the ``whole`` address strategy: the program's driver areas reserved whole
+        self.areas: dict[tuple[int, int], str | None] = {}  #: each area tried: None (held) or who refused it
+
+    def take_areas(self, areas: list[list[int]] | list[tuple[int, int]]) -> None:
+        """Under ``whole``: reserve each of the program's driver areas ([addr, size]) whole at
+        its address, once; an area refused is not asked for again (its allocations are then
+        reserved one by one, as under ``plain``)."""
+        if not self.whole:
+            return
+        g = self.device.granularity
+        for a, n in areas:
+            lo, hi = int(a) - int(a) % g, -(-(int(a) + int(n)) // g) * g
+            if (lo, hi) in self.areas or hi <= lo:
+                continue
+            got = self._reserve(lo, hi - lo)
+            self.areas[(lo, hi)] = None if got is None else got[1]
+
+    def area_counts(self) -> dict[str, int]:
+        """Areas held whole, and refused by the driver or by something of this process's."""
+        out: dict[str, int] = {}
+        for v in self.areas.values():
+            k = "held" if v is None else f"refused_by_{v}"
+            out[k] = out.get(k, 0) + 1
+        return out
 
     def hold(self, windows: list[list[int]]) -> None:
         """Keep the program's [addr, size] windows free of anything of this process's own (a
@@ -494,6 +518,7 @@ def serve(replayer: Replayer, inp: BinaryIO, out: BinaryIO, directory: str) -> i
 
 
 def _answer(replayer: Replayer, req: dict[str, Any], directory: str) -> dict[str, Any]:
+    replayer.take_areas(req.get("areas") or [])  # areas the program's driver added since
     replayer.hold(req.get("claims") or [])  # first: the staging's mapping must not land there
     name = os.path.basename(req["staging"])  # only files of the program's private directory
     with open(os.path.join(directory, os.path.basename(req["image"]) + ".image"), "rb") as f:
@@ -565,9 +590,15 @@ def main(argv: list[str] | None = None, strategy: Any = None) -> int:
     except ReplayError as exc:
         write_frame(out, {"ready": False, "why": str(exc)})
         return 1
-    replayer = Replayer(device, strategy.space if strategy is not None else None)
-    write_frame(out, {"ready": True, "granularity": replayer.device.granularity,
-                      "strategy": strategy.name if strategy is not None else None})
+    whole = strategy is not None and strategy.name == "whole"
+    replayer = Replayer(device, strategy.space if strategy is not None else None, whole=whole)
+    if whole:
+        replayer.take_areas(strategy.areas)
+    ready = {"ready": True, "granularity": replayer.device.granularity,
+             "strategy": strategy.name if strategy is not None else None}
+    if whole:
+        ready["areas"] = replayer.area_counts()
+    write_frame(out, ready)
     return serve(replayer, inp, out, args.dir)
 
 

@@ -20,14 +20,20 @@ keeping the windows free is not always enough: the validator's driver must also 
 areas over them. How the validator goes about it is its address strategy (``STRATEGIES``, tried in
 that order by the program's side until one gets the addresses):
 
+- ``whole``: create the context first, then reserve each of the program's driver areas whole, at
+  its address, and hold what is free of the windows; an allocation inside an area reserved so is
+  mapped into that reservation, with no reservation of its own. A driver that places a small
+  reservation only where its own bookkeeping allows often grants a whole free area at its hint (on
+  the H100s, driver 580: every area whole, where allocations of 2 MiB were refused one by one);
+- ``plain``: create the context first, then hold what is free of the windows;
+- ``hold``: hold the windows from the start, lift a part only to reserve it;
 - ``steer``: hold the windows from the start; just before the driver initialises, fill every free
   part of the address space but the program's driver areas (the windows when they are not known)
   with placeholders, leaving room for the stack, the heap and the driver's small mappings, and lift
   the windows' placeholders over those areas, so that the only room left for the driver's own
   areas is where the program's driver put its own; once the context exists, lift the filling and
-  hold what is still free of the windows;
-- ``hold``: hold the windows from the start, lift a part only to reserve it;
-- ``plain``: create the context first, then hold what is free of the windows.
+  hold what is still free of the windows (on the H100s, driver 580, cuInit fails with so little
+  room: it is tried last).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ CLAIM_NAME = "gpuos-validator-claim"
 #: the memfd name of the ``steer`` strategy's filling (told apart from the claims)
 STEER_NAME = "gpuos-validator-steer"
 #: the address strategies, in the order the program's side tries them (module docstring)
-STRATEGIES = ("steer", "hold", "plain")
+STRATEGIES = ("whole", "plain", "hold", "steer")
 #: a driver area of the program's larger than this is not left free whole by ``steer``
 MAX_AREA = 1 << 40
 #: ``steer`` fills nothing below this (the executable, its heap, 32-bit addresses)
@@ -335,7 +341,7 @@ class AddressStrategy:
         if self.fill is not None:
             self.fill.close()
             self.fill = None
-        if self.name in ("steer", "plain") and self.windows:
+        if self.name in ("steer", "plain", "whole") and self.windows:
             taken = self.space.claim(self.windows)
             if taken:
                 self.notes.append(f"{len(taken)} parts of the program's windows were taken at the start")
