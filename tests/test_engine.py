@@ -707,3 +707,29 @@ def test_a_released_record_is_already_counted_with_its_save_when_its_state_says_
     assert eng.counts["evictions"] == eng.counts["evict_saves"] == 3  # the lock-free read the bench made
     assert eng.stats()["saved_bytes"] == 3 * 64 * MIB and len(ops.calls("release")) == 3
     eng.close()
+
+
+def test_no_eviction_starts_while_a_stream_of_the_program_captures_a_graph():
+    """An event recorded on a capturing stream would be a node of the graph, and the evict
+    stream's wait on it would invalidate the program's capture: the record stays resident, and
+    the eviction goes ahead once the capture has ended."""
+    recs = [Rec(BASES[0], 64 * MIB), Rec(BASES[1], 64 * MIB)]
+    ops = FakeOps(recs, auto=True)
+    capturing = {7}
+    ops.capturing = lambda s: s in capturing
+    agent = FakeAgent({1: BASES[0], 2: BASES[1]})
+    eng = ResidencyEngine(agent, ops)
+    assert not eng.evict_from_operation(BASES[0], own=0)
+    assert eng.evict(BASES[1])  # handed to the evict thread, which finds the capture
+    deadline = time.time() + 5
+    while eng.counts.get("evict_capturing", 0) < 2 and time.time() < deadline:
+        time.sleep(0.005)
+    assert eng.counts["evict_capturing"] == 2
+    assert not ops.calls("copy_out") and not any(c[0] == "record" and c[2] == 7 for c in ops.log)
+    assert eng.state(BASES[0]) == eng.state(BASES[1]) == "resident"
+    capturing.clear()
+    assert eng.evict_from_operation(BASES[0], own=0)
+    while eng.state(BASES[0]) != RELEASED and time.time() < deadline:
+        time.sleep(0.005)
+    assert eng.state(BASES[0]) == RELEASED
+    eng.close()

@@ -56,6 +56,7 @@ from gpuos_tools.agent.suspend import Suspension
 from gpuos_tools.agent.view import ProcessView, launch_record
 from gpuos_tools.cuda.driver import context_facts
 from gpuos_tools.cuda.driver import ok as _ok
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import open_image
 from gpuos_tools.memory.engine import ResidencyEngine
@@ -794,6 +795,7 @@ class Agent(ProcessView):
         def loop() -> None:
             from cuda.bindings import driver as drv
 
+            relax_capture()  # its copies must not break a graph the program captures meanwhile
             self.own.add(threading.get_native_id())
             while not self._ahead_stop.wait(interval):
                 if self.ctx is None:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.errors import ExitCode, GpuosError
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -206,6 +207,7 @@ class ControlServer:
 
     def _dispatch(self) -> None:
         """Run the handler for each request, one at a time, on this one thread."""
+        relax_capture()  # a handler's driver calls must not break a graph the program captures meanwhile
         while True:
             item = self._work.get()
             if item is None:

@@ -28,6 +28,7 @@ from functools import lru_cache
 from typing import Any
 
 from gpuos_tools.cuda.driver import context_facts
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.errors import ExitCode, GpuosError
 
 #: NCCL's kernel names begin so (mangled names after their ``_Z<length>``)
@@ -199,6 +200,7 @@ def status(agent: Any, wait_s: float = 0.0) -> dict[str, Any]:
 def _finish(agent: Any, cut: Cut) -> None:
     """The agent's thread of one cut: wait for T0 (or a disarm), then copy and write the image."""
     agent.own.add(threading.get_native_id())
+    relax_capture()  # its copies must not break a graph the program captures meanwhile
     if agent.ctx is not None:  # the program's context on this thread (none in tests without CUDA)
         from cuda.bindings import driver as drv
 

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from gpuos_tools.agent import control
 from gpuos_tools.cuda.driver import context_facts
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.cuda.nvml import nvml_session
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import DEFAULT_CHUNK_SIZE, ImageWriter
@@ -305,6 +306,7 @@ class Suspension:
     def _hold(self, opts: dict[str, Any]) -> None:
         from cuda.bindings import driver as drv
 
+        relax_capture()  # not an error for a graph the program captures meanwhile
         agent = self.agent
         me = threading.get_native_id()
         agent.own.add(me)

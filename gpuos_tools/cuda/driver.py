@@ -19,6 +19,36 @@ def ok(result: tuple, what: str) -> Any:
     return result[1] if len(result) == 2 else (result[1:] or None)
 
 
+def relax_capture() -> bool:
+    """Let this thread's driver calls through while another thread of the process captures a CUDA
+    graph in the global capture mode (PyTorch's default), where a "potentially unsafe" call (an
+    event query or synchronise, a pinned allocation, ...) from any other thread is an error that
+    invalidates the program's capture. For the agent's own threads, which never capture: the mode
+    is the thread's and stays. False where there is no driver to ask."""
+    try:
+        from cuda.bindings import driver as drv
+
+        err, _ = drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:  # noqa: BLE001 (no cuda-python, no libcuda: nothing to relax)
+        return False
+    return err == drv.CUresult.CUDA_SUCCESS
+
+
+def capturing(stream: Any) -> bool:
+    """Whether ``stream`` is capturing into a graph (or a capture on it was invalidated): work
+    ordered on it now becomes a node of the graph, and an event recorded there cannot be waited
+    on from outside. A query refused because another stream's capture forbids touching this one
+    (the legacy stream beside a capturing blocking stream) counts as capturing."""
+    from cuda.bindings import driver as drv
+
+    err, status = drv.cuStreamIsCapturing(stream)
+    if err == drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+        return True
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return False  # (a stream gone: the caller's own error path sees it)
+    return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 def context_facts() -> dict[str, Any]:
     """The GPU (name, UUID) and CUDA driver version of the current context, for an image's
     manifest; a fact the driver does not give is left out."""

@@ -8,6 +8,7 @@ import ctypes
 import threading
 from typing import Any, Protocol
 
+from gpuos_tools.cuda.driver import capturing as _capturing
 from gpuos_tools.cuda.driver import ok as _ok
 from gpuos_tools.memory import owned as owned_lib
 from gpuos_tools.memory.digest_kernel import (
@@ -37,6 +38,8 @@ class Ops(Protocol):
     def elapsed_ms(self, start: Any, end: Any) -> float: ...  # between two completed timers
     def sync_all(self) -> None: ...  # the context's work has completed
     def enter(self) -> None: ...  # make the program's context current on this thread
+    # optional (DriverOps has it; without it no stream is ever capturing):
+    # capturing(stream) -> bool: the stream is capturing a CUDA graph
     # optional (DriverOps has them; without them the engine takes no digests):
     # digest_prepare() -> None: start building the digest kernel (no context needed)
     # digest_init() -> str | None: load it (the program's context current); None, or why not
@@ -219,3 +222,6 @@ class DriverOps:
         from cuda.bindings import driver as drv
 
         _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def capturing(self, stream: Any) -> bool:
+        return _capturing(stream)

@@ -11,6 +11,7 @@ import threading
 from contextlib import nullcontext
 from typing import Any
 
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.memory.states import EVICTING, LOADING, RELEASED, Entry
 
 #: how long an eviction from inside an operation waits for other threads' operations to reach the driver
@@ -70,6 +71,8 @@ class Eviction:
         if settle is not None and settle(OTHERS_SETTLE_S, own=own):
             self.counts["evict_unsettled"] += 1
             return False
+        if self._capturing():
+            return False
         with self.lock, self._own():
             if self.digest_mode is None:
                 self._digest_ready()
@@ -87,6 +90,7 @@ class Eviction:
         return True
 
     def _evict_loop(self) -> None:
+        relax_capture()  # its event waits must not break a graph the program captures meanwhile
         with self._own():
             self.ops.enter()
             entered = getattr(self.agent, "ctx", None) is not None
@@ -123,6 +127,19 @@ class Eviction:
                 agent.settle()
             self._after_program(stream)
 
+    def _capturing(self) -> bool:
+        """Whether a stream the program has used is capturing a CUDA graph: an eviction cannot be
+        ordered after its work then (an event recorded there would be a node of the graph, and
+        waiting on it from the evict stream invalidates the capture), so none starts; counted."""
+        query = getattr(self.ops, "capturing", None)
+        if query is None:
+            return False
+        streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
+        if any(query(s) for s in streams):
+            self.counts["evict_capturing"] = self.counts.get("evict_capturing", 0) + 1
+            return True
+        return False
+
     def _after_program(self, stream: Any) -> None:
         """``stream`` waits on the GPU for what the program has enqueued so far, on every stream
         it has used (the device, when one of them is gone without our seeing it)."""
@@ -152,6 +169,8 @@ class Eviction:
         with lock if lock is not None else nullcontext():  # no operation starts until it is EVICTING
             if getattr(self.agent, "snap", None) is not None:  # a snapshot began since evict() was asked
                 self.counts["evictions_refused"] = self.counts.get("evictions_refused", 0) + 1
+                return
+            if self._capturing():
                 return
             self._last_use(side)
             with self.lock:

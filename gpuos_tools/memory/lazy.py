@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.memory.states import LOADING, RELEASED, Entry, Pieces
 
 AHEAD = 512 << 20  #: bytes the background loader keeps enqueued ahead of completion (at most; or one record)
@@ -140,6 +141,7 @@ class LazyLoader:
             lazy["yield_s"] = round(lazy.get("yield_s", 0.0) + time.perf_counter() - t, 6)
 
     def _load_all(self, order: Sequence[int]) -> None:
+        relax_capture()  # the loader's calls must not break a graph the program captures meanwhile
         lazy = self.lazy
         in_flight: list[tuple[Any, int]] = []
         t_end = None

@@ -75,6 +75,7 @@ from typing import Any
 
 from gpuos_tools.agent.agent import Agent
 from gpuos_tools.agent.hooks import AgentHooks
+from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.errors import GpuosError
 from gpuos_tools.memory.engine import opaque_copy
 from gpuos_tools.memory.settings import EngineSettings
@@ -961,6 +962,7 @@ class Executor(AgentHooks):
             self._mover.start()
 
     def _move_loop(self) -> None:
+        relax_capture()  # its pinning and loads must not break a graph the program captures meanwhile
         eng = self.engine
         while True:
             base = self._moves.get()
