@@ -537,3 +537,27 @@ def test_each_break_of_the_period_says_what_differed():
     assert last["differs"] == "kernel" and last["got"] == "other" and last["expected"] == "k0"
     assert st.as_dict()["breaks"] == st.breaks
 
+
+
+def test_a_percentage_is_of_the_loops_working_set_not_of_a_short_repeat_inside_it():
+    """A step of 40 launches over 8 records, learned; then the tail repeats one launch (periods of
+    1 learned): the budget stays a share of the step's records. A loop of 4 launches (shorter than
+    STEADY_MIN) is a share of every live byte."""
+    from gpuos_tools.sched.online import STEADY_MIN
+
+    recs = {0x1000 * (i + 1): MiB for i in range(10)}  # two records the loop never touches
+    bases = sorted(recs)[:8]
+    pol = OnlinePolicy(None, "belady", 2, fraction=0.5)
+    assert 40 >= STEADY_MIN
+    for s in range(40 * 6):
+        pol.before(f"k{s % 40}", [bases[s % 8]], recs)
+    assert pol.budget_of() == "steady working set" and pol.last_budget == 4 * MiB
+    for _ in range(20):
+        pol.before("tail", [bases[0]], recs)
+    assert pol.stats.as_dict()["periods"][-1] == 1
+    assert pol.last_budget == 4 * MiB, pol.last_budget
+    short = OnlinePolicy(None, "belady", 2, fraction=0.5)
+    for s in range(4 * 30):
+        short.before(f"k{s % 4}", [bases[s % 4]], recs)
+    assert short.stats.as_dict()["periods"] == [4]
+    assert short.budget_of() == "live owned bytes" and short.last_budget == 5 * MiB

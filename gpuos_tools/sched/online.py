@@ -34,9 +34,11 @@ their sizes; it answers a list of actions in the order they must be applied to t
   counted in ``over_budget`` and runs anyway, above the budget.
 - A record that appears (an allocation) is resident: the allocator maps it.
 - A percentage budget is a share of the steady working set: the live bytes of the records the
-  learned period's launches touch (every live record if one of them is unknown), taken when a
-  period is learned (again at each period learned); until the first period is learned it is a
-  share of all the live owned bytes. What a program allocates and leaves (start-up buffers, a
+  learned period's launches touch (every live record if one of them is unknown), taken from the
+  longest period learned so far of at least ``STEADY_MIN`` launches; until one is learned it is a
+  share of all the live owned bytes. A short repeat inside a step (a kernel launched twice in a
+  row, a few layers alike: periods of 1 or 7 on a CNN) is not the loop, and a budget of its few
+  records would leave no room for the step. What a program allocates and leaves (start-up buffers, a
   model built in fp32 before its cast, blocks a framework's cache keeps) is not what a user means
   by its memory: 66% of the live bytes could leave the loop's whole working set resident.
 
@@ -92,6 +94,9 @@ MATCH_CHECK = 64  #: launches compared when a repeated key suggests a period
 OCCURRENCES = 8  #: earlier positions of a key kept to try as period candidates
 HISTORY = 1 << 16  #: keys kept (a period longer than half of this is never learned)
 BREAKS_KEPT = 16  #: breaks of a known period described in the stats
+#: launches a learned period needs before a percentage budget is taken of its working set (a
+#: training step of a small MLP with a foreach optimizer is about 35)
+STEADY_MIN = 32
 
 Action = tuple[str, Any]
 
@@ -370,6 +375,7 @@ class OnlinePolicy:
         self._steady_all = False
         self._steady_bytes = -1
         self._steady_for: tuple[int, int] | None = None  #: (periods learned, p) of _steady
+        self._steady_p = 0  #: the period _steady was taken from
         self.stats = Stats()
 
     # -- the budget ---------------------------------------------------------------------------
@@ -407,6 +413,9 @@ class OnlinePolicy:
         if p is None or self.fraction is None or self._steady_for == (per.learned, p):
             return
         self._steady_for = (per.learned, p)
+        if p < max(STEADY_MIN, self._steady_p):  # a repeat inside the loop, not the loop
+            return
+        self._steady_p = p
         bases: set[int] = set()
         every = False
         for k in set(per.predict(p)):
