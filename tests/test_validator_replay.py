@@ -325,3 +325,17 @@ def test_under_whole_a_refused_area_is_asked_for_once_and_plain_reservations_go_
     other = FakeDevice(KERNELS, G)
     Replayer(other).take_areas([[X, G]])  # not under whole: nothing asked
     assert other.reserved == {}
+
+
+def test_under_whole_a_refusal_says_what_became_of_the_area_around_it():
+    dev = FakeDevice(KERNELS, G, taken=(X - G, X))
+    r = Replayer(dev, whole=True)
+    r.take_areas([[X - G, 2 * G]])
+    x, y = np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    rec = r.replay(req, staged(x, y), b"image")
+    assert rec["checked"] is False and rec["why"].endswith(
+        f"its driver area [{X - G:#x}, {X + G:#x}) was refused by the driver whole"), rec["why"]
+    r2 = Replayer(FakeDevice(KERNELS, G, taken=(X,)), whole=True)
+    rec = r2.replay(req, staged(x, y), b"image")
+    assert rec["why"].endswith("no driver area of the program's was named around it (0 named)"), rec["why"]

@@ -291,6 +291,17 @@ class Replayer:
             got = self._reserve(lo, hi - lo)
             self.areas[(lo, hi)] = None if got is None else got[1]
 
+    def _area_note(self, addr: int) -> str:
+        """Under ``whole``, for a refused address: the state of the program's driver area around
+        it (held whole, refused whole and by whom, or none known), so that a run says why."""
+        if not self.whole:
+            return ""
+        for (lo, hi), by in self.areas.items():
+            if lo <= addr < hi:
+                state = "held" if by is None else f"refused by the {by}"
+                return f"; its driver area [{lo:#x}, {hi:#x}) was {state} whole"
+        return f"; no driver area of the program's was named around it ({len(self.areas)} named)"
+
     def area_counts(self) -> dict[str, int]:
         """Areas held whole, and refused by the driver or by something of this process's."""
         out: dict[str, int] = {}
@@ -371,7 +382,7 @@ class Replayer:
             for start, size, _ in spans:
                 refused = self._reserve(start, size)
                 if refused is not None:
-                    return dict(base, checked=False, why=refused[0], refused_by=refused[1])
+                    return dict(base, checked=False, why=refused[0] + self._area_note(start), refused_by=refused[1])
             for start, size, _ in spans:
                 dev.map(start, size)
                 mapped.append((start, size))
