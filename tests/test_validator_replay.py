@@ -299,9 +299,8 @@ def test_under_whole_an_area_reserved_whole_gives_addresses_the_driver_refuses_o
     assert one_by_one["checked"] is False and "address unavailable" in one_by_one["why"]
     dev = FakeDevice(KERNELS, G, taken=(X,))
     r = Replayer(dev, whole=True)
-    area = [X - G, 32 * G]
-    r.take_areas([area])
-    assert dev.reserved == {X - G: 32 * G} and r.area_counts() == {"held": 1}
+    r.take_areas([[X - G, 32 * G]])
+    assert dev.reserved == {X - G: 32 * G} and r.area_counts() == {"held": 1, "held_in_part": 0, "refused_bytes": 0}
     x, y = np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)
     req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
     rec = r.replay(req, staged(x, y), b"image")
@@ -311,31 +310,52 @@ def test_under_whole_an_area_reserved_whole_gives_addresses_the_driver_refuses_o
     assert dev.reserved == {}
 
 
-def test_under_whole_a_refused_area_is_asked_for_once_and_plain_reservations_go_on():
-    dev = FakeDevice(KERNELS, G, taken=(X - G,))
-    asked = []
-    reserve = dev.reserve
-    dev.reserve = lambda a, n: asked.append(a) or reserve(a, n)
+class PartlyUsed(FakeDevice):
+    """A driver whose own allocations sit on the granules ``used``: a reservation over any of
+    them lands elsewhere."""
+
+    def __init__(self, used, **kw):
+        super().__init__(KERNELS, G, **kw)
+        self.used, self.asked = set(used), 0
+
+    def reserve(self, addr, size):
+        self.asked += 1
+        if any(addr <= u < addr + size for u in self.used):
+            got = addr + (1 << 40)
+            self.reserved[got] = size
+            return got
+        return super().reserve(addr, size)
+
+
+def test_under_whole_an_area_the_driver_uses_in_part_is_held_around_what_it_uses():
+    """The area [X - 4G, X + 28G) with the validator driver's own allocation on the granule
+    X - 2G: everything else of it is held (Y included), the launch on X and Y is checked, and
+    a launch on the used granule says what became of it."""
+    used = X - 2 * G
+    dev = PartlyUsed([used])
     r = Replayer(dev, whole=True)
-    for _ in range(2):
-        r.take_areas([[X - G, 32 * G]])
-    assert asked == [X - G] and r.area_counts() == {"refused_by_driver": 1}
-    rec, _ = plain("copy", dev)  # the allocations one by one, as under plain
+    r.take_areas([[X - 4 * G, 32 * G]])
+    assert r.area_counts() == {"held": 0, "held_in_part": 1, "refused_bytes": G}
+    held = sorted((s, s + n) for s, n in dev.reserved.items())
+    assert sum(e - s for s, e in held) == 31 * G and all(not (s <= used < e) for s, e in held)
+    assert dev.asked <= 2 * 5 + 1  # halves down to the granule: about two tries a level
+    rec = r.replay(request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]]),
+                   staged(np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)), b"image")
     assert rec["checked"], rec
+    bad = r.replay(request("copy", [[used, 4 * N]], [[Y, 4 * N]], [[used, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]]),
+                   staged(np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)), b"image")
+    assert bad["checked"] is False and f"was held but for [{used:#x}, {used + G:#x}), refused by the driver" in bad["why"]
+    before = dev.asked
+    r.take_areas([[X - 4 * G, 32 * G]])  # asked for once
+    assert dev.asked == before
+
+
+def test_under_whole_a_refusal_outside_every_named_area_says_so():
+    x, y = np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    r = Replayer(FakeDevice(KERNELS, G, taken=(X,)), whole=True)
+    rec = r.replay(req, staged(x, y), b"image")
+    assert rec["why"].endswith("no driver area of the program's was named around it (0 named)"), rec["why"]
     other = FakeDevice(KERNELS, G)
     Replayer(other).take_areas([[X, G]])  # not under whole: nothing asked
     assert other.reserved == {}
-
-
-def test_under_whole_a_refusal_says_what_became_of_the_area_around_it():
-    dev = FakeDevice(KERNELS, G, taken=(X - G, X))
-    r = Replayer(dev, whole=True)
-    r.take_areas([[X - G, 2 * G]])
-    x, y = np.arange(N, dtype=np.float32), np.zeros(N, dtype=np.float32)
-    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
-    rec = r.replay(req, staged(x, y), b"image")
-    assert rec["checked"] is False and rec["why"].endswith(
-        f"its driver area [{X - G:#x}, {X + G:#x}) was refused by the driver whole"), rec["why"]
-    r2 = Replayer(FakeDevice(KERNELS, G, taken=(X,)), whole=True)
-    rec = r2.replay(req, staged(x, y), b"image")
-    assert rec["why"].endswith("no driver area of the program's was named around it (0 named)"), rec["why"]

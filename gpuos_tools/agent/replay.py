@@ -66,6 +66,8 @@ STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_
           "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_PC",
           "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_LAUNCH_TIMEOUT")
 POISONS = (0x00, 0xFF)
+#: reservations tried in one driver area of the program's refused whole (halves, then quarters...)
+AREA_TRIES = 512
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 64 << 20
@@ -275,12 +277,15 @@ class Replayer:
         self.reserved: dict[int, int] = {}  #: start -> size of the reservations held at the program's addresses
         self.lost = False  #: a sticky error ended the context: answer, then exit
         self.whole = whole  #: the ``whole`` address strategy: the program's driver areas reserved whole
-        self.areas: dict[tuple[int, int], str | None] = {}  #: each area tried: None (held) or who refused it
+        #: each area tried -> the runs of it that could not be had: [start, end, by, why]
+        self.areas: dict[tuple[int, int], list[tuple[int, int, str, str]]] = {}
 
     def take_areas(self, areas: list[list[int]] | list[tuple[int, int]]) -> None:
-        """Under ``whole``: reserve each of the program's driver areas ([addr, size]) whole at
-        its address, once; an area refused is not asked for again (its allocations are then
-        reserved one by one, as under ``plain``)."""
+        """Under ``whole``: reserve each of the program's driver areas ([addr, size]) at its
+        address, once. An area refused whole is taken in halves, and so on down to single
+        granules (at most ``AREA_TRIES`` reservations an area): what this process's own driver
+        already uses in it stays refused, everything around that is held, so that neither its
+        later module loads nor its own allocations can land on the program's addresses."""
         if not self.whole:
             return
         g = self.device.granularity
@@ -288,26 +293,54 @@ class Replayer:
             lo, hi = int(a) - int(a) % g, -(-(int(a) + int(n)) // g) * g
             if (lo, hi) in self.areas or hi <= lo:
                 continue
-            got = self._reserve(lo, hi - lo)
-            self.areas[(lo, hi)] = None if got is None else got[1]
+            refused: list[tuple[int, int, str, str]] = []
+            self._take(lo, hi, refused, [AREA_TRIES])
+            merged: list[tuple[int, int, str, str]] = []
+            for r in refused:  # adjacent runs refused by the same holder, as one
+                if merged and merged[-1][1] == r[0] and merged[-1][2] == r[2]:
+                    merged[-1] = (merged[-1][0], r[1], r[2], merged[-1][3])
+                else:
+                    merged.append(r)
+            self.areas[(lo, hi)] = merged
+
+    def _take(self, lo: int, hi: int, refused: list, tries: list[int]) -> None:
+        g = self.device.granularity
+        if tries[0] <= 0:
+            refused.append((lo, hi, "untried", "not asked for (too many refusals in the area)"))
+            return
+        tries[0] -= 1
+        got = self._reserve(lo, hi - lo)
+        if got is None:
+            return
+        if hi - lo <= g:
+            refused.append((lo, hi, got[1], got[0]))
+            return
+        mid = lo + (hi - lo) // 2 // g * g or lo + g
+        self._take(lo, mid, refused, tries)
+        self._take(mid, hi, refused, tries)
 
     def _area_note(self, addr: int) -> str:
-        """Under ``whole``, for a refused address: the state of the program's driver area around
-        it (held whole, refused whole and by whom, or none known), so that a run says why."""
+        """Under ``whole``, for a refused address: what became of the program's driver area
+        around it (held whole, or all but the runs refused, and the refusal at this address), so
+        that a run says why."""
         if not self.whole:
             return ""
-        for (lo, hi), by in self.areas.items():
+        for (lo, hi), refused in self.areas.items():
             if lo <= addr < hi:
-                state = "held" if by is None else f"refused by the {by}"
-                return f"; its driver area [{lo:#x}, {hi:#x}) was {state} whole"
+                head = f"; its driver area [{lo:#x}, {hi:#x})"
+                for s, e, by, why in refused:
+                    if s <= addr < e:
+                        return f"{head} was held but for [{s:#x}, {e:#x}), refused by the {by}: {why}"
+                lost = sum(e - s for s, e, _, _ in refused)
+                return f"{head} was held" + (f" but for {lost} bytes elsewhere in it" if lost else " whole")
         return f"; no driver area of the program's was named around it ({len(self.areas)} named)"
 
     def area_counts(self) -> dict[str, int]:
-        """Areas held whole, and refused by the driver or by something of this process's."""
-        out: dict[str, int] = {}
-        for v in self.areas.values():
-            k = "held" if v is None else f"refused_by_{v}"
-            out[k] = out.get(k, 0) + 1
+        """Areas held whole, held but for some runs, and the bytes of those runs."""
+        out = {"held": 0, "held_in_part": 0, "refused_bytes": 0}
+        for refused in self.areas.values():
+            out["held_in_part" if refused else "held"] += 1
+            out["refused_bytes"] += sum(e - s for s, e, _, _ in refused)
         return out
 
     def hold(self, windows: list[list[int]]) -> None:
