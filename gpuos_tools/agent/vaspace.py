@@ -20,13 +20,11 @@ keeping the windows free is not always enough: the validator's driver must also 
 areas over them. How the validator goes about it is its address strategy (``STRATEGIES``, tried in
 that order by the program's side until one gets the addresses):
 
-- ``whole``: hold the windows and the program's driver areas from the start, so that the
-  validator's own driver puts its areas elsewhere; once the context exists, reserve each area
-  whole at its address (lifting its placeholder); an allocation inside an area reserved so is
-  mapped into that reservation, with no reservation of its own. On the H100s (driver 580) a hint
-  inside one of the driver's own areas is not honoured, one in free address space is: a fresh
-  validator's driver put its areas over the program's (the same placement), and a whole area of
-  the program's in free space was granted at its address;
+- ``whole``: create the context first, then reserve each of the program's driver areas whole, at
+  its address, and hold what is free of the windows; an allocation inside an area reserved so is
+  mapped into that reservation, with no reservation of its own. A driver that places a small
+  reservation only where its own bookkeeping allows often grants a whole free area at its hint (on
+  the H100s, driver 580: every area whole, where allocations of 2 MiB were refused one by one);
 - ``plain``: create the context first, then hold what is free of the windows;
 - ``hold``: hold the windows from the start, lift a part only to reserve it;
 - ``steer``: hold the windows from the start; just before the driver initialises, fill every free
@@ -327,10 +325,6 @@ class AddressStrategy:
     def start(self) -> None:
         if self.name in ("steer", "hold") and self.windows:
             self.space.claim(self.windows)
-        elif self.name == "whole" and (self.windows or self.areas):
-            # the program's driver areas too: the validator's own driver, which would put its
-            # areas where the program's driver put its, must put them elsewhere
-            self.space.claim([(s, e - s) for s, e in merge([(a, a + n) for a, n in self.windows + self.areas])])
 
     def before_init(self) -> None:
         if self.name != "steer" or not (self.windows or self.areas):
@@ -347,7 +341,7 @@ class AddressStrategy:
         if self.fill is not None:
             self.fill.close()
             self.fill = None
-        if self.name in ("steer", "plain") and self.windows:
+        if self.name in ("steer", "plain", "whole") and self.windows:
             taken = self.space.claim(self.windows)
             if taken:
                 self.notes.append(f"{len(taken)} parts of the program's windows were taken at the start")
