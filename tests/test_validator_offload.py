@@ -267,16 +267,17 @@ def test_a_driver_that_grants_any_free_hint_keeps_the_first_strategy(validator):
     assert v.addresses() == {"strategy": "steer", "kept": True, "lost": {}}
 
 
-def test_when_no_strategy_gets_the_addresses_the_launch_is_unvalidated_and_the_last_one_stays(validator):
+def test_when_no_strategy_gets_a_launchs_addresses_the_first_one_answers_the_next_launches(validator):
     v = validator("areas:none")
     rec = launch(v)
     assert rec["checked"] is False and rec["why"].startswith("unvalidated: address unavailable"), rec
     assert rec["refused_by"] == "driver" and rec["addresses"] == "plain"
     assert [f["strategy"] for f in rec["address_fallback"]] == ["steer", "hold"]
-    again = launch(v, tid=2)  # no strategy is left to try: no more restarts
-    assert again["checked"] is False and again["addresses"] == "plain" and "address_fallback" not in again
-    assert v.link.starts == 3
-    assert v.addresses() == {"strategy": "plain", "kept": False, "lost": {"steer": 1, "hold": 1, "plain": 2}}
+    again = launch(v, tid=2)  # back to the first strategy, and no more fallback
+    assert again["checked"] is False and again["addresses"] == "steer" and "address_fallback" not in again
+    assert launch(v, tid=3)["addresses"] == "steer"
+    assert v.link.starts == 4
+    assert v.addresses() == {"strategy": "steer", "kept": True, "lost": {"steer": 3, "hold": 1, "plain": 1}}
 
 
 def test_a_strategy_under_which_the_validator_cannot_start_gives_way_to_the_next(validator):

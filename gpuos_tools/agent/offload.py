@@ -500,8 +500,8 @@ class OffloadValidator(Validator):
         state["req"] = req
         self.pending[tid] = state
 
-    def _next_strategy(self) -> None:
-        self.strategy += 1
+    def _next_strategy(self, to: int | None = None) -> None:
+        self.strategy = self.strategy + 1 if to is None else to
         self.link.kill()
         self.link.command = self._with_strategy()
 
@@ -555,7 +555,14 @@ class OffloadValidator(Validator):
                     self.kept = True
                 break
             self.lost[name] = self.lost.get(name, 0) + 1
-            if self.kept or rep.get("refused_by") != "driver" or self.strategy + 1 >= len(self.strategies):
+            if self.kept or rep.get("refused_by") != "driver":
+                break
+            if self.strategy + 1 >= len(self.strategies):
+                if fallback and self.strategy:
+                    # every strategy lost this launch: the first (the one that gets most where
+                    # any does) answers the next launches, with no more fallback
+                    self._next_strategy(0)
+                    self.kept = True
                 break
             # the driver would not give addresses that were free: the next strategy, same launch
             fallback.append({"strategy": name, "why": rep["why"]})

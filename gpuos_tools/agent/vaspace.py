@@ -20,11 +20,14 @@ keeping the windows free is not always enough: the validator's driver must also 
 areas over them. How the validator goes about it is its address strategy (``STRATEGIES``, tried in
 that order by the program's side until one gets the addresses):
 
-- ``whole``: create the context first, then reserve each of the program's driver areas whole, at
-  its address, and hold what is free of the windows; an allocation inside an area reserved so is
-  mapped into that reservation, with no reservation of its own. A driver that places a small
-  reservation only where its own bookkeeping allows often grants a whole free area at its hint (on
-  the H100s, driver 580: every area whole, where allocations of 2 MiB were refused one by one);
+- ``whole``: create the context first, then reserve each of the program's driver areas at its
+  address, whole where it can be had, else in halves down to single granules
+  (replay.Replayer.take_areas), and hold what is free of the windows; an allocation inside a part
+  reserved so is mapped into that reservation, with no reservation of its own. On the H100s
+  (driver 580) a hint is honoured only inside the driver's own areas, and a fresh validator's
+  driver puts its areas over the program's (the same placement): the program's addresses are
+  then had except where the validator's own context allocated, and taking every other part at
+  once keeps the validator's later module loads off them;
 - ``plain``: create the context first, then hold what is free of the windows;
 - ``hold``: hold the windows from the start, lift a part only to reserve it;
 - ``steer``: hold the windows from the start; just before the driver initialises, fill every free
