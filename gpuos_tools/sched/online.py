@@ -35,7 +35,7 @@ their sizes; it answers a list of actions in the order they must be applied to t
 - A record that appears (an allocation) is resident: the allocator maps it.
 - A percentage budget is a share of the steady working set: the live bytes of the records the
   learned period's launches touch (every live record if one of them is unknown), taken from the
-  longest period learned so far of at least ``STEADY_MIN`` launches; until one is learned it is a
+  longest period learned so far of at least 32 launches (``STEADY_MIN``); until one is learned it is a
   share of all the live owned bytes. A short repeat inside a step (a kernel launched twice in a
   row, a few layers alike: periods of 1 or 7 on a CNN) is not the loop, and a budget of its few
   records would leave no room for the step. What a program allocates and leaves (start-up buffers, a
