@@ -6,6 +6,7 @@ what the lead reads, and that ``steer`` gets the program's addresses from such a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,16 +19,22 @@ SCRIPT = REPO / "scripts" / "probe_validator_va.py"
 FAKE = REPO / "tests" / "fake_cuda"
 
 
-def probe(tmp_path, hints: str) -> dict:
+def run_probe(tmp_path, hints: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE), env.get("PYTHONPATH", str(REPO))])
     env["FAKE_CUDA_HINTS"] = hints
     out = tmp_path / f"{hints}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args, str(out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "steer" in proc.stderr  # the table
-    return json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def probe(tmp_path, hints: str) -> dict:
+    proc, report = run_probe(tmp_path, hints)
+    for way in report["ways"]:  # the table: one line a way
+        assert [ln for ln in proc.stderr.splitlines() if ln.split()[:1] == [way]], (way, proc.stderr)
+    return report
 
 
 def exact(way: dict) -> list[bool]:
@@ -42,12 +49,13 @@ def test_the_probe_reports_every_way_and_steering_gets_the_programs_addresses(tm
     assert prog["areas"] and prog["windows"] and prog["new_at_init"]
     for a in prog["allocs"]:  # each allocation lies in one of the program's driver areas
         assert any(s <= a["addr"] and a["addr"] + a["size"] <= s + n for s, n in prog["areas"]), a
-    assert set(r["ways"]) == {"plain", "hold", "late", "steer", "steer-nospare", "steer-windows", "align", "whole",
-                              "far", "zygote"}
+    assert r["kind"] == "simple" and set(prog["phases_s"]) == {"import", "first_call", "context", "allocs", "zygotes"}
+    assert set(r["ways"]) == {"areas", "inside-own", "plain", "hold", "late", "steer", "steer-nospare",
+                              "steer-windows", "align", "whole", "far", "zygote", "zygote-late"}
     # steer-nospare leaves the validator no room of its own after the filling: whether its Python
     # still finds some depends on where ASLR put things, so it may end in an error (a finding)
     assert not [w for w, v in r["ways"].items() if "error" in v and w != "steer-nospare"], r["ways"]
-    for way in ("steer", "steer-nospare", "zygote"):
+    for way in ("steer", "steer-nospare", "zygote", "zygote-late"):
         if way == "steer-nospare" and "error" in r["ways"][way]:
             continue
         assert exact(r["ways"][way]) == [True] * 5, r["ways"][way]
@@ -62,3 +70,40 @@ def test_the_probe_reports_every_way_and_steering_gets_the_programs_addresses(tm
         refused = [t for t in r["ways"]["plain"]["tries"] if not t["exact"]]
         assert all(t["maps_granted"] for t in refused)
     assert r["wall_s"] < 60
+
+
+@pytest.mark.parametrize("hints", ["own", "any"])
+def test_areas_and_inside_own_say_where_the_driver_honours_a_hint(tmp_path, hints):
+    r = probe(tmp_path, hints)
+    prog = r["program"]
+    areas = r["ways"]["areas"]
+    [area] = areas["areas"]  # the stand-in has one area, holding every allocation
+    lo, n = prog["areas"][0]
+    assert area["area"].startswith(f"{lo:#x}-{lo + n:#x}")
+    assert area["own_mappings"] == []  # the validator's own area lies elsewhere
+    assert [a["addr"] for a in areas["allocs"]] == [a["addr_hex"] for a in prog["allocs"]]
+    if hints == "any":  # any free address is had: the area is held whole
+        assert area["held_bytes"] == n and area["refused_runs"] == 0
+        assert [a["held"] for a in areas["allocs"]] == [True] * 5
+        assert areas["summary"].startswith("5/5 allocations in held runs")
+    else:  # a hint outside its own area is never honoured: refused, halves and granules too
+        assert area["held_bytes"] == 0 and area["refused_bytes"] == n
+        assert area["refused"][0]["by"] == "driver"
+        assert all(not a["held"] and a["refused"] for a in areas["allocs"])
+        assert areas["reserve_calls"] > 1  # halves were tried
+        assert areas["summary"].startswith("0/5 allocations in held runs")
+    # its own area (the stand-in's, 4 GiB) is found, and a hint anywhere in it is honoured
+    inside = r["ways"]["inside-own"]
+    assert [t["area"][1] for t in inside["tries"]] == [4 << 30] * 5
+    assert [t["what"].split()[0] for t in inside["tries"]] == ["start", "1/4", "1/2", "3/4", "end"]
+    assert all(t["exact"] and t["map"] == "CUDA_SUCCESS" for t in inside["tries"]), inside
+    starts = [int(t["requested"], 16) - t["area"][0] for t in inside["tries"]]
+    assert starts == [0, 1 << 30, 2 << 30, 3 << 30, (4 << 30) - (2 << 20)]
+    assert inside["summary"].startswith("5/5 exact")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is here: the probe would run it")
+def test_a_kind_whose_framework_is_missing_is_skipped_and_said_so(tmp_path):
+    proc, r = run_probe(tmp_path, "own", "--program-kind", "torch")
+    assert r["kind"] == "torch" and "torch" in r["skipped"] and "not importable" in r["skipped"]
+    assert "skipped" in proc.stderr and not r["ways"]
