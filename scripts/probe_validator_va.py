@@ -650,7 +650,7 @@ def parser() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--program"]:  # the children
-        program(sys.argv[2])
+        program(sys.argv[2] if len(sys.argv) > 2 else "simple")
     elif sys.argv[1:2] == ["--validator"]:
         try:
             rep = validator_way(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))

@@ -80,26 +80,34 @@ def test_areas_and_inside_own_say_where_the_driver_honours_a_hint(tmp_path, hint
     [area] = areas["areas"]  # the stand-in has one area, holding every allocation
     lo, n = prog["areas"][0]
     assert area["area"].startswith(f"{lo:#x}-{lo + n:#x}")
-    assert area["own_mappings"] == []  # the validator's own area lies elsewhere
     assert [a["addr"] for a in areas["allocs"]] == [a["addr_hex"] for a in prog["allocs"]]
-    if hints == "any":  # any free address is had: the area is held whole
+    for a in areas["allocs"]:  # held, or else the refused run it lies in is named
+        assert a["held"] != bool(a["refused"]), a
+    # the validator's own mappings over the area are listed, and when each came (under address
+    # space randomisation one of its libraries may, rarely, land there)
+    mine = area["own_mappings"]
+    assert all(m.endswith(("[before cuInit]", "[new at cuInit]", "[new at the context]")) for m in mine)
+    if hints == "any" and not mine:  # any free address is had: the area is held whole
         assert area["held_bytes"] == n and area["refused_runs"] == 0
-        assert [a["held"] for a in areas["allocs"]] == [True] * 5
         assert areas["summary"].startswith("5/5 allocations in held runs")
-    else:  # a hint outside its own area is never honoured: refused, halves and granules too
+    elif hints == "own" and not any(m.endswith("[new at cuInit]") for m in mine):
+        # outside its own area a hint is never honoured: refused whole, in halves and in granules
         assert area["held_bytes"] == 0 and area["refused_bytes"] == n
         assert area["refused"][0]["by"] == "driver"
-        assert all(not a["held"] and a["refused"] for a in areas["allocs"])
+        assert not any(a["held"] for a in areas["allocs"])
         assert areas["reserve_calls"] > 1  # halves were tried
         assert areas["summary"].startswith("0/5 allocations in held runs")
     # its own area (the stand-in's, 4 GiB) is found, and a hint anywhere in it is honoured
     inside = r["ways"]["inside-own"]
-    assert [t["area"][1] for t in inside["tries"]] == [4 << 30] * 5
-    assert [t["what"].split()[0] for t in inside["tries"]] == ["start", "1/4", "1/2", "3/4", "end"]
-    assert all(t["exact"] and t["map"] == "CUDA_SUCCESS" for t in inside["tries"]), inside
-    starts = [int(t["requested"], 16) - t["area"][0] for t in inside["tries"]]
-    assert starts == [0, 1 << 30, 2 << 30, 3 << 30, (4 << 30) - (2 << 20)]
-    assert inside["summary"].startswith("5/5 exact")
+    tries = inside["tries"][:5]  # the largest area first
+    assert tries[0]["area"][1] >= 4 << 30 and len({tuple(t["area"]) for t in tries}) == 1
+    assert [t["what"].split()[0] for t in tries] == ["start", "1/4", "1/2", "3/4", "end"]
+    assert all(t["exact"] and t["map"] == "CUDA_SUCCESS" for t in tries), inside
+    a, n = tries[0]["area"]
+    g = 2 << 20
+    lo, hi = -(-a // g) * g, (a + n) // g * g
+    assert [int(t["requested"], 16) for t in tries] == [(lo + (hi - lo) * k // 4) // g * g for k in range(4)] + [hi - g]
+    assert f"{n / (1 << 20):g} MiB: +start +1/4 +1/2 +3/4 +end]" in inside["summary"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is here: the probe would run it")
