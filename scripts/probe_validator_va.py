@@ -50,10 +50,11 @@ sure it is usable):
   differs from zygote only by their import).
 
 A framework's block may start inside a granule: its hint is the granule-rounded range around it.
-Time: ``simple`` about 20 s on an H100; ``torch`` and ``cupy`` add the framework's import and
-start to the program (a few seconds; ``phases_s`` in the report and the table's first line give
-them). The ways run while the whole stays under TOTAL_S (55 s); one that would not start in time
-is reported skipped.
+Time: ``simple`` took about 20 s on an H100 before areas, inside-own and zygote-late were added
+(each way is a fresh process and context, a second or two more); ``torch`` and ``cupy`` add the
+framework's import and start to the program, not yet measured (``phases_s`` in the report and the
+table's first line give them). The ways run while the whole stays under TOTAL_S (55 s); one that
+would not start in time is reported skipped, and they run in the order of WAYS.
 """
 
 from __future__ import annotations
