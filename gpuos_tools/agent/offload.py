@@ -355,7 +355,8 @@ class OffloadValidator(Validator):
     The validator's address strategy (vaspace.py) is the first of ``strategies`` at first. When
     the validator answers that its driver would not give a launch's addresses although nothing of
     the validator's sat there, the next strategy's validator replaces it and the same launch is
-    sent again, until one gets the addresses; that one is kept for the rest of the run. Each
+    sent again, until one gets the addresses; that one is kept for the rest of the run (when
+    every strategy lost the same launch, the first is kept). Each
     validation record names the strategy that answered (``addresses``) and those that failed
     it first (``address_fallback``); ``addresses()`` sums it up for the run."""
 

@@ -127,6 +127,11 @@ class Eviction:
                 agent.settle()
             self._after_program(stream)
 
+    def _program_streams(self) -> set[Any]:
+        """Every stream the program has used (the per-thread stream as the legacy one, which
+        orders after it from another thread)."""
+        return {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
+
     def _capturing(self) -> bool:
         """Whether a stream the program has used is capturing a CUDA graph: an eviction cannot be
         ordered after its work then (an event recorded there would be a node of the graph, and
@@ -134,8 +139,7 @@ class Eviction:
         query = getattr(self.ops, "capturing", None)
         if query is None:
             return False
-        streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
-        if any(query(s) for s in streams):
+        if any(query(s) for s in self._program_streams()):
             self.counts["evict_capturing"] = self.counts.get("evict_capturing", 0) + 1
             return True
         return False
@@ -144,8 +148,7 @@ class Eviction:
         """``stream`` waits on the GPU for what the program has enqueued so far, on every stream
         it has used (the device, when one of them is gone without our seeing it)."""
         ops = self.ops
-        streams = {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
-        for s in sorted(streams):
+        for s in sorted(self._program_streams()):
             ev = ops.event()
             try:
                 ops.record(ev, s)

@@ -230,9 +230,7 @@ class Executor(AgentHooks):
     def before_launch(self, agent: Any, api: str, stream: int, kernel: str, sizes: Any, args: Any) -> None:
         """The records the launch reads or writes, by the agent's prediction (None: unknown)."""
         self._launch = None
-        unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
-        by_id = agent.by_id
-        addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+        addrs = _touched_addrs(agent, kernel, sizes, args)
         if self._core is not None:  # the fast path's marks after this call use the same (``launch_addrs``)
             self._launch = (kernel, sizes, args, addrs)
         self.before(kernel, addrs, stream)
@@ -245,9 +243,7 @@ class Executor(AgentHooks):
         if last is not None and last[0] is kernel and last[1] is sizes and last[2] is args:
             addrs = last[3]
         else:
-            unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
-            by_id = agent.by_id
-            addrs = None if unknown else [by_id[i].addr for i in touched if i in by_id]
+            addrs = _touched_addrs(agent, kernel, sizes, args)
         return () if addrs is None else addrs
 
     def before_write(self, agent: Any, api: str, addr: int, stream: int, src: int) -> None:
@@ -1342,6 +1338,13 @@ class _LedgerOps:
     def release(self, base: int) -> None:
         self._ops.release(base)
         self._ex._on_unmap(base)
+
+
+def _touched_addrs(agent: Any, kernel: str, sizes: Any, args: Any) -> list[int] | None:
+    """The addresses of the allocations a launch touches, by the agent's prediction (None: unknown)."""
+    unknown, touched, _ = agent.launch_touches(kernel, sizes, args)
+    by_id = agent.by_id
+    return None if unknown else [by_id[i].addr for i in touched if i in by_id]
 
 
 def _bases_in(addrs, bases: list[int], records: dict[int, int]) -> list[int]:
