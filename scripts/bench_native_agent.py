@@ -1,36 +1,38 @@
 #!/usr/bin/env python3
 """What the agent costs a real training loop: the same loop untraced, under the native tracer,
 under the agent on its native core (before and after a first snapshot, when every launch's write
-set is tracked; and fed by driver-API interception instead of CUPTI callbacks, `agent_intercept`),
-under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
+set is tracked), under `gpu-prefetch-sched run --budget 100%`, and under the Python agent.
 
     bench_native_agent.py [--models resnet50,mlp] [--configs A,B,...] [--steps N] [--repeat R] [--json OUT]
 
---configs picks from those (all of them by default) and more, asked for by name so that the
-default keeps its running time: the agent on interception after a first snapshot
-(`agent_intercept_after_snapshot`), the scheduler at --budget 100% on interception
-(`sched_100_intercept`), and the scheduler below the footprint, at --budget 66%, with every
-operation through Python (`sched_66`, GPUOS_SCHED_FAST=0) and with the native core's fast path,
-the default (`sched_66_fast`), each also on interception (`sched_66_intercept`, `sched_66_fast_intercept`).
-Two more take `--budget 100%` apart, where the scheduler does nothing but the program's memory is
-owned (torch through the owned allocator's pluggable allocator and its cache): `plain_owned`, the
-untraced loop with only that allocator installed (no agent: what owned memory alone costs the
-loop), and `agent_owned`, `gpu-ckpt run` with GPUOS_AGENT_OWN=torch (the agent and the residency
-engine on owned memory, no scheduler). `plain_owned` keeps the cache's counts (`owned`: hits,
-misses, cached blocks, events, ...).
+A configuration's name says what differs from the tools' defaults, and nothing else: `agent` and
+`sched_100` run as a user's `gpu-ckpt run` and `gpu-prefetch-sched run --budget 100%` do (the
+agent on driver-API interception, the scheduler's fast path on); `_cupti` puts the agent on CUPTI
+callbacks instead, `_intercept` on interception whatever the default, `_slow` turns the scheduler's
+fast path off (GPUOS_SCHED_FAST=0). The caller's GPUOS_AGENT_MECHANISM and GPUOS_SCHED_FAST never
+leak in. --configs picks from the default list and more, asked for by name so that the default keeps
+its running time: `agent_cupti_after_snapshot`, `sched_100_cupti`, `sched_100_slow`, and the
+scheduler below the footprint, at --budget 66% (`sched_66`, `sched_66_slow`, `sched_66_cupti`,
+`sched_66_slow_cupti`; `sched_66_time` plans by time, --plan time). Two more take `--budget 100%` apart, where the scheduler does nothing but
+the program's memory is owned (torch through the owned allocator's pluggable allocator and its
+cache): `plain_owned`, the untraced loop with only that allocator installed (no agent: what owned
+memory alone costs the loop), and `agent_owned`, `gpu-ckpt run` with GPUOS_AGENT_OWN=torch (the
+agent and the residency engine on owned memory, no scheduler). `plain_owned` keeps the cache's
+counts (`owned`: hits, misses, cached blocks, events, ...).
 The scheduler's runs keep their `sched_summary` (evictions, loads, the fast path's counts): a 66%
 run that evicted nothing measured no oversubscription, and the table says so.
 
 Runs workloads/train_steps.py (timm ResNet-50 bf16 batch 64, ~900 launches a step; a
 small MLP with Adam(foreach=True), ~35) once per configuration, one after another on the same
 GPU; each run reports its own median step (after its warm-up). Successive processes of the same
-loop differ by up to ~10 % on an H100, so --repeat R runs the whole list of configurations R times,
-interleaved (config order rotated each round), and reports per configuration the median of its
-runs' medians and their spread; ratios are against the untraced runs of the same model in the
-same call. The agent's own time per operation comes from the core's
-counters in the trace's exit record; the host's time to issue a step (`enqueue_median_s`, the
-table's "issue ms") says whether the loop waited for the GPU (well below the step) or the GPU for
-the host (near it). JSON to --json, a table on stderr.
+loop differ by up to ~10 % on an H100 (a host-bound loop by more), so --repeat R runs the whole list
+of configurations R times, interleaved (config order rotated each round), and reports per
+configuration the median of its runs' medians and their spread; ratios are against the untraced
+runs of the same model in the same call. --cpus LIST pins every run to those CPUs (taskset's
+list syntax): a host-bound loop's step depends on which core the scheduler put it on. The agent's
+own time per operation comes from the core's counters in the trace's exit record; the host's time
+to issue a step (`enqueue_median_s`, the table's "issue ms") says whether the loop waited for the
+GPU (well below the step) or the GPU for the host (near it). JSON to --json, a table on stderr.
 """
 
 from __future__ import annotations
@@ -46,15 +48,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuos_tools.injection.config import DEFAULT_MECHANISM
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "workloads" / "train_steps.py"
 CMD = {"trace": ["gpu-trace", "run"], "ckpt": ["gpu-ckpt", "run"], "sched": ["gpu-prefetch-sched", "run"]}
-CONFIGS = ("plain", "trace", "agent", "agent_intercept", "agent_after_snapshot", "sched_100", "agent_python",
+CONFIGS = ("plain", "trace", "agent", "agent_cupti", "agent_after_snapshot", "sched_100", "agent_python",
            "plain_again")
-OPTIONAL = ("agent_intercept_after_snapshot", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept",
-            "sched_66_fast_intercept", "plain_owned", "agent_owned")
-AGENT = ("agent", "agent_intercept", "agent_after_snapshot", "agent_intercept_after_snapshot", "agent_python",
-         "agent_owned")
+OPTIONAL = ("agent_intercept", "agent_cupti_after_snapshot", "sched_100_cupti", "sched_100_slow", "sched_66",
+            "sched_66_slow", "sched_66_cupti", "sched_66_slow_cupti", "sched_66_time", "plain_owned", "agent_owned")
+AGENT = ("agent", "agent_cupti", "agent_intercept", "agent_after_snapshot", "agent_cupti_after_snapshot",
+         "agent_python", "agent_owned")
 #: the configurations whose program allocates through the owned allocator without the scheduler
 OWNED = ("plain_owned", "agent_owned")
 #: stderr line prefix of the owned cache's counts (``OWNED_WRAPPER``, gpuos_tools/memory/owned.py torch_stats)
@@ -70,8 +74,9 @@ OWNED_WRAPPER = (
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
-AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_intercept_after_snapshot")
-SCHED = ("sched_100", "sched_100_intercept", "sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept")
+AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_cupti_after_snapshot")
+SCHED = ("sched_100", "sched_100_cupti", "sched_100_slow", "sched_66", "sched_66_slow", "sched_66_cupti",
+         "sched_66_slow_cupti", "sched_66_time")
 #: what a scheduler run's summary says, kept in its result
 SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
                 "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
@@ -79,9 +84,10 @@ SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", 
 
 
 def mechanism(config: str) -> str:
-    """How the agent of ``config`` sees the driver calls: interception only where its name says so,
-    CUPTI callbacks otherwise (set either way: the caller's GPUOS_AGENT_MECHANISM does not leak in)."""
-    return "intercept" if "intercept" in config.split("_") else "cupti"
+    """How the agent of ``config`` sees the driver calls: as its name says, else the tools'
+    default (set either way: the caller's GPUOS_AGENT_MECHANISM does not leak in)."""
+    parts = config.split("_")
+    return "cupti" if "cupti" in parts else "intercept" if "intercept" in parts else DEFAULT_MECHANISM
 
 
 def tool(name: str) -> list[str]:
@@ -109,9 +115,10 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
     if config in SCHED:
         env["GPUOS_AGENT_MECHANISM"] = mechanism(config)
         parts = config.split("_")
-        # the fast path is on by default: the runs without "fast" in their name turn it off
-        env["GPUOS_SCHED_FAST"] = "1" if "fast" in parts else "0"
-        return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", "-o", str(trace), "--",
+        # the fast path is on by default: only the runs with "slow" in their name turn it off
+        env["GPUOS_SCHED_FAST"] = "0" if "slow" in parts else "1"
+        plan = ["--plan", "time"] if "time" in parts else []
+        return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", *plan, "-o", str(trace), "--",
                 sys.executable, *workload], env
     raise ValueError(config)
 
@@ -211,6 +218,20 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
     return res
 
 
+def cpu_list(text: str) -> set[int]:
+    """taskset's list syntax ("2-5,8") as a set of CPUs; ValueError for anything else."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r} is not a CPU or a range of CPUs")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError("no CPU named")
+    return cpus
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (model, configuration): the median of its runs' medians, their min and max, and how many
     runs; where the runs said it, the median of their host times to issue a step
@@ -239,8 +260,14 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every configuration, interleaved (default 1)")
+    ap.add_argument("--cpus", help="pin every run to these CPUs (taskset's list syntax, e.g. 2-5)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, cpu_list(args.cpus))  # the runs inherit it
+        except (ValueError, OSError) as exc:
+            ap.error(f"--cpus {args.cpus}: {exc}")
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGS + OPTIONAL]
     if unknown or not configs:
@@ -266,7 +293,7 @@ def main() -> int:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     out = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup,
-           "repeat": args.repeat, "results": results,
+           "repeat": args.repeat, "cpus": args.cpus, "results": results,
            "summary": [{"model": m, "config": c, **v, "ratio": round(v["median_s"] / base[m], 4) if base.get(m) else None}
                        for (m, c), v in summary.items()]}
     if args.json:

@@ -26,11 +26,11 @@ def test_each_configuration_runs_the_same_loop_under_its_tool(tmp_path):
         assert env.get("GPUOS_AGENT_BACKEND") != "python"
     _, env = bench.command("agent_python", workload, trace)
     assert env["GPUOS_AGENT_BACKEND"] == "python"
-    cmd, env = bench.command("agent_intercept", workload, trace)
-    assert cmd[1].endswith("gpu-ckpt") and env["GPUOS_AGENT_MECHANISM"] == "intercept"
+    cmd, env = bench.command("agent_cupti", workload, trace)
+    assert cmd[1].endswith("gpu-ckpt") and env["GPUOS_AGENT_MECHANISM"] == "cupti"
     assert env.get("GPUOS_AGENT_BACKEND") != "python"
-    assert bench.command("agent", workload, trace)[1]["GPUOS_AGENT_MECHANISM"] == "cupti"
-    assert "agent_intercept" in bench.CONFIGS
+    assert bench.command("agent", workload, trace)[1]["GPUOS_AGENT_MECHANISM"] == bench.DEFAULT_MECHANISM
+    assert "agent_cupti" in bench.CONFIGS
     assert "100%" in bench.command("sched_100", workload, trace)[0]
 
 
@@ -47,47 +47,70 @@ def test_rounds_are_summarised_per_configuration_with_the_untraced_runs_pooled()
     assert bench.summarize(runs)[("m", "plain_owned")]["enqueue_median_s"] == 0.6
 
 
-def test_the_interception_variants_run_their_tools_on_interception_and_the_others_on_cupti(tmp_path):
-    """Each configuration sets the mechanism itself (the caller's GPUOS_AGENT_MECHANISM does not
-    leak in); the after-snapshot variants pause for the snapshot, the scheduler's run at 100%."""
+def test_unqualified_configurations_run_the_tools_defaults_and_a_suffix_says_what_differs(tmp_path, monkeypatch):
+    """`agent` and `sched_100` are what a user gets (the default mechanism, the fast path on);
+    _cupti, _intercept and _slow change one thing each, whatever the caller's environment says;
+    the after-snapshot variants pause for the snapshot."""
+    from gpuos_tools.injection.config import DEFAULT_MECHANISM
+
     workload = ["loop.py", "--model", "mlp"]
     trace = tmp_path / "t.ndjson"
-    want = {"agent": ("gpu-ckpt", "cupti"), "agent_after_snapshot": ("gpu-ckpt", "cupti"),
-            "agent_intercept": ("gpu-ckpt", "intercept"),
-            "agent_intercept_after_snapshot": ("gpu-ckpt", "intercept"),
-            "sched_100": ("gpu-prefetch-sched", "cupti"), "sched_100_intercept": ("gpu-prefetch-sched", "intercept")}
-    for config, (tool, mechanism) in want.items():
-        cmd, env = bench.command(config, workload, trace)
-        assert cmd[1].endswith(tool) and cmd[-len(workload):] == workload, (config, cmd)
-        assert env["GPUOS_AGENT_MECHANISM"] == mechanism, config
-        assert env.get("GPUOS_AGENT_BACKEND") != "python"
-    assert "100%" in bench.command("sched_100_intercept", workload, trace)[0]
-    assert set(bench.AFTER_SNAPSHOT) == {"agent_after_snapshot", "agent_intercept_after_snapshot"}
+    want = {"agent": ("gpu-ckpt", DEFAULT_MECHANISM, None), "agent_after_snapshot": ("gpu-ckpt", DEFAULT_MECHANISM, None),
+            "agent_cupti": ("gpu-ckpt", "cupti", None), "agent_intercept": ("gpu-ckpt", "intercept", None),
+            "agent_cupti_after_snapshot": ("gpu-ckpt", "cupti", None),
+            "sched_100": ("gpu-prefetch-sched", DEFAULT_MECHANISM, "1"),
+            "sched_100_cupti": ("gpu-prefetch-sched", "cupti", "1"),
+            "sched_100_slow": ("gpu-prefetch-sched", DEFAULT_MECHANISM, "0")}
+    for caller_mechanism, caller_fast in (("cupti", "0"), ("intercept", "1")):
+        monkeypatch.setenv("GPUOS_AGENT_MECHANISM", caller_mechanism)
+        monkeypatch.setenv("GPUOS_SCHED_FAST", caller_fast)
+        for config, (tool, mechanism, fast) in want.items():
+            cmd, env = bench.command(config, workload, trace)
+            assert cmd[1].endswith(tool) and cmd[-len(workload):] == workload, (config, cmd)
+            assert env["GPUOS_AGENT_MECHANISM"] == mechanism, config
+            assert env.get("GPUOS_AGENT_BACKEND") != "python"
+            if fast is not None:
+                assert env["GPUOS_SCHED_FAST"] == fast, config
+    assert "100%" in bench.command("sched_100_cupti", workload, trace)[0]
+    assert set(bench.AFTER_SNAPSHOT) == {"agent_after_snapshot", "agent_cupti_after_snapshot"}
     assert set(bench.OPTIONAL).isdisjoint(bench.CONFIGS) and set(want) <= set(bench.CONFIGS + bench.OPTIONAL)
+
+
+def test_cpus_are_read_in_tasksets_list_syntax():
+    assert bench.cpu_list("2-5,8") == {2, 3, 4, 5, 8}
+    assert bench.cpu_list("3") == {3}
+    for bad in ("", "5-2", "a", "-1"):
+        try:
+            bench.cpu_list(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was taken")
 
 
 def test_an_unknown_configuration_is_refused_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_native_agent.py"),
                            "--configs", "plain,agent_cuda", "--json", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 2 and "unknown agent_cuda" in done.stderr and "sched_100_intercept" in done.stderr
+    assert done.returncode == 2 and "unknown agent_cuda" in done.stderr and "sched_100_cupti" in done.stderr
     assert not (tmp_path / "x.json").exists()
 
 
 def test_the_scheduler_below_the_footprint_runs_with_and_without_the_fast_path(tmp_path, monkeypatch):
-    """sched_66 and sched_66_fast (and their interception variants) run the scheduler at 66%, the
-    fast ones with GPUOS_SCHED_FAST=1 and the others with it 0 (the default is on), whatever the
-    caller's environment."""
+    """sched_66 and sched_66_slow (and their CUPTI variants) run the scheduler at 66%, the slow
+    ones with GPUOS_SCHED_FAST=0 and the others with it 1 (the default), whatever the caller's
+    environment."""
+    from gpuos_tools.injection.config import DEFAULT_MECHANISM
+
     workload = ["loop.py", "--model", "mlp"]
     trace = tmp_path / "t.ndjson"
     for caller in ("1", "0"):
         monkeypatch.setenv("GPUOS_SCHED_FAST", caller)
-        for config in ("sched_66", "sched_66_fast", "sched_66_intercept", "sched_66_fast_intercept"):
+        for config in ("sched_66", "sched_66_slow", "sched_66_cupti", "sched_66_slow_cupti"):
             cmd, env = bench.command(config, workload, trace)
             assert cmd[1].endswith("gpu-prefetch-sched") and cmd[cmd.index("--budget") + 1] == "66%", config
-            assert env["GPUOS_SCHED_FAST"] == ("1" if "fast" in config else "0"), config
-            assert env["GPUOS_AGENT_MECHANISM"] == ("intercept" if "intercept" in config else "cupti"), config
-    assert {"sched_66", "sched_66_fast"} <= set(bench.OPTIONAL)
+            assert env["GPUOS_SCHED_FAST"] == ("0" if "slow" in config else "1"), config
+            assert env["GPUOS_AGENT_MECHANISM"] == ("cupti" if "cupti" in config else DEFAULT_MECHANISM), config
+    assert {"sched_66", "sched_66_slow"} <= set(bench.OPTIONAL)
 
 
 def test_owned_memory_without_the_scheduler_has_its_own_configurations(tmp_path, monkeypatch):
@@ -104,6 +127,6 @@ def test_owned_memory_without_the_scheduler_has_its_own_configurations(tmp_path,
     assert "install_torch" in code.co_names and "run_path" in code.co_names and bench.OWNED_STATS in cmd[2]
     cmd, env = bench.command("agent_owned", workload, trace)
     assert cmd[1].endswith("gpu-ckpt") and cmd[-len(workload):] == workload and env["GPUOS_AGENT_OWN"] == "torch"
-    for config in ("agent", "agent_intercept"):
+    for config in ("agent", "agent_cupti"):
         assert "GPUOS_AGENT_OWN" not in bench.command(config, workload, trace)[1], config
     assert {"plain_owned", "agent_owned"} <= set(bench.OPTIONAL)
