@@ -47,7 +47,12 @@ sure it is usable):
   so with the program's layout then), initialised only after the program allocated;
 - zygote-late: the same, forked after the framework's import and before its first CUDA call,
   where a real tool could fork it (for ``simple`` the framework is the driver bindings, so it
-  differs from zygote only by their import).
+  differs from zygote only by their import);
+- zygote-fill: a zygote-late that keeps what it gets, and where the hint is not honoured (an
+  address inside one of its driver's own areas) fills the area from where the driver hands out
+  next (a reservation with no hint, given back) down to the target's end, then asks for the
+  target: whether the driver's allocator inside an area is a first fit from the top, so that
+  filling steers it. It first records where three reservations with no hint land (the order).
 
 A framework's block may start inside a granule: its hint is the granule-rounded range around it.
 Time: ``simple`` took about 20 s on an H100 before areas, inside-own and zygote-late were added
@@ -325,6 +330,7 @@ def program(kind: str) -> None:
     phase("import")
     m_import = maps_text()
     late = Zygote("zygote-late")  # after the framework's import, before its first CUDA call
+    fill = Zygote("zygote-fill")
     d = drv()
     m0 = maps_text()
     first_call(kind, fw)
@@ -363,6 +369,7 @@ def program(kind: str) -> None:
                "windows": report["windows"], "areas": report["areas"]}
     report["zygote"] = zygote.run(targets)
     report["zygote-late"] = late.run(targets)
+    report["zygote-fill"] = fill.run(targets)
     phase("zygotes")
     report["phases_s"] = phases
     print(json.dumps({"report": report, "targets": targets}), flush=True)
@@ -545,6 +552,10 @@ def validator_way(way: str, targets: dict) -> dict:
     if way == "inside-own":
         out["tries"], out["summary"] = inside_own(dev, gran, m0, m2)
         return out
+    if way == "zygote-fill":
+        out["order"], out["tries"] = fill_take(dev, gran, targets)
+        out["exact"] = f"{sum(bool(t.get('exact')) for t in out['tries'])}/{len(out['tries'])} exact"
+        return out
     if way == "whole":
         for a, n in areas:
             out["tries"].append(try_reserve(dev, a, n, what="area"))
@@ -572,6 +583,60 @@ def validator_way(way: str, targets: dict) -> dict:
             out["tries"].append(try_reserve(dev, lo, hi - lo, align, what=f"{how} {size}"))
     out["exact"] = f"{sum(bool(t.get('exact')) for t in out['tries'])}/{len(out['tries'])} exact"
     return out
+
+
+def fill_take(dev, gran: int, targets: dict) -> tuple[list[str], list[dict]]:
+    """zygote-fill's tries (module docstring): each target kept once got; the order of three
+    reservations with no hint first."""
+    d = drv()
+
+    def reserve(size: int, hint: int) -> int:
+        err, got = d.cuMemAddressReserve(size, gran, hint, 0)
+        return int(got) if err == d.CUresult.CUDA_SUCCESS else -1
+
+    order = [reserve(gran, 0) for _ in range(3)]
+    for a in order:
+        if a >= 0:
+            d.cuMemAddressFree(a, gran)
+    held: list[tuple[int, int]] = []
+    tries: list[dict] = []
+    for addr, size, how in targets["allocs"]:
+        lo, hi = vaspace.round_out(addr, addr + size, gran)
+        t: dict = {"what": f"{how} {size}", "requested": hex(lo), "size": hi - lo}
+        tries.append(t)
+        if any(a <= lo and hi <= a + n for a, n in held):
+            t.update(exact=True, how="held already")
+            continue
+        got = reserve(hi - lo, lo)
+        if got == lo:
+            t.update(exact=True, how="hint")
+            held.append((lo, hi - lo))
+            continue
+        if got >= 0:
+            d.cuMemAddressFree(got, hi - lo)
+        t["hint_got"] = hex(got) if got >= 0 else "refused"
+        nxt = reserve(gran, 0)  # where the driver hands out next
+        if nxt >= 0:
+            d.cuMemAddressFree(nxt, gran)
+        t["next"] = hex(nxt)
+        top = nxt + gran
+        if nxt < 0 or top < hi:
+            t.update(exact=False, how="the target lies above where the driver hands out next")
+            continue
+        filler = top - hi
+        f = reserve(filler, hi) if filler else hi
+        t["filler"] = f"{filler >> 20} MiB at {f:#x}" if filler else "none"
+        got = reserve(hi - lo, lo)
+        t.update(granted=hex(got) if got >= 0 else "refused", exact=got == lo, how="fill")
+        if filler and f >= 0:
+            d.cuMemAddressFree(f, filler)
+        if got == lo:
+            held.append((lo, hi - lo))
+        elif got >= 0:
+            d.cuMemAddressFree(got, hi - lo)
+    for a, n in held:
+        d.cuMemAddressFree(a, n)
+    return [hex(a) for a in order], tries
 
 
 # ------------------------------------------------------------------ the parent
@@ -623,7 +688,7 @@ def main(out_path: str, kind: str = "simple") -> int:
             prog.wait(timeout=15)
         except (OSError, subprocess.TimeoutExpired):
             prog.kill()
-    for way in ("zygote", "zygote-late"):
+    for way in ("zygote", "zygote-late", "zygote-fill"):
         result["ways"][way] = result.get("program", {}).pop(way, {"error": "no report"})
     result["wall_s"] = round(time.monotonic() - t0, 2)
     print(f"{kind}: program {result['program'].get('phases_s')}, {result['wall_s']} s in all", file=sys.stderr)
