@@ -51,7 +51,7 @@ def test_the_probe_reports_every_way_and_steering_gets_the_programs_addresses(tm
         assert any(s <= a["addr"] and a["addr"] + a["size"] <= s + n for s, n in prog["areas"]), a
     assert r["kind"] == "simple" and set(prog["phases_s"]) == {"import", "first_call", "context", "allocs", "zygotes"}
     assert set(r["ways"]) == {"areas", "inside-own", "plain", "hold", "late", "steer", "steer-nospare",
-                              "steer-windows", "align", "whole", "far", "zygote", "zygote-late"}
+                              "steer-windows", "align", "whole", "far", "zygote", "zygote-late", "zygote-fill"}
     # steer-nospare leaves the validator no room of its own after the filling: whether its Python
     # still finds some depends on where ASLR put things, so it may end in an error (a finding)
     assert not [w for w, v in r["ways"].items() if "error" in v and w != "steer-nospare"], r["ways"]
@@ -61,6 +61,9 @@ def test_the_probe_reports_every_way_and_steering_gets_the_programs_addresses(tm
         assert exact(r["ways"][way]) == [True] * 5, r["ways"][way]
         assert all(t["map"] == "CUDA_SUCCESS" for t in r["ways"][way]["tries"])
     assert r["ways"]["steer"]["left_free"]  # what the filling left free is shown
+    fill = r["ways"]["zygote-fill"]  # the stand-in honours hints in its area: each had by its hint
+    assert exact(fill) == [True] * 5 and {t["how"] for t in fill["tries"]} <= {"hint", "held already"}, fill
+    assert len(fill["order"]) == 3 and all(int(a, 16) > 0 for a in fill["order"])
     far = {t["what"]: t for t in r["ways"]["far"]["tries"]}
     assert far["far"]["exact"] is (hints == "any")  # a free address outside the driver's own area
     assert any(w.startswith("just inside") and t["exact"] for w, t in far.items())
