@@ -304,3 +304,30 @@ def test_count_files_are_checked_and_summed():
     env = intercept.environment("/x/lib.so", "/o-%p.json", {"LD_PRELOAD": "/y.so"}, libcuda="/d/libcuda.so.1")
     assert env == {"LD_PRELOAD": "/x/lib.so /y.so", "GPUOS_INTERCEPT_OUT": "/o-%p.json",
                    "GPUOS_INTERCEPT_LIBCUDA": "/d/libcuda.so.1"}
+
+
+def test_a_hook_registered_before_the_driver_starts_runs_once_in_the_first_cuinit_before_the_driver(built, tmp_path):
+    """gpuos_intercept_before_init (the validators' zygote forks there, agent/zygote.py): called
+    in the first cuInit, whatever route it came by, before the driver's own cuInit runs, and
+    never again; cuInit's own result comes back untouched."""
+    script = textwrap.dedent("""
+        import ctypes, json, sys
+        lib = ctypes.CDLL(sys.argv[1])
+        cuda = ctypes.CDLL("libcuda.so.1")
+        counts = (ctypes.c_int64 * 16)()
+        seen = []
+        def hook():
+            cuda.fake_entry_counts(counts, 16)
+            seen.append(sum(counts))  # what the driver had received by then
+        HOOK = ctypes.CFUNCTYPE(None)
+        cb = HOOK(hook)
+        lib.gpuos_intercept_before_init.argtypes = [HOOK]
+        lib.gpuos_intercept_before_init(cb)
+        results = [cuda.cuInit(0), cuda.cuInit(1), cuda.cuInit(0)]
+        print(json.dumps({"seen": seen, "results": results}))
+    """)
+    done, (c,) = run(built, [sys.executable, "-c", script, str(built["lib"])], tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["seen"] == [0] and out["results"] == [0, 1, 0]  # INVALID_VALUE is 1 in the fake
+    assert c.calls["cuInit"] == {"direct": 0, "dlsym": 3, "getproc": 0}

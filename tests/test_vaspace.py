@@ -228,6 +228,7 @@ class WatchedClaims:
                ("claims", "claim", [(0x100000, 0x1000)])]),  # and what is free of the windows is held
     ("hold", [("claims", "claim", [(0x100000, 0x1000)])]),
     ("plain", [("claims", "claim", [(0x100000, 0x1000)])]),  # only once the context exists
+    ("bare", []),  # the zygote's validators: the program's layout already, nothing held
 ])
 def test_each_address_strategy_holds_and_lifts_in_its_own_order(name, expected):
     log = []

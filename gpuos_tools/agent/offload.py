@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuos_tools.agent import replay, vaspace
+from gpuos_tools.agent import replay, vaspace, zygote
 from gpuos_tools.agent.validate import CudaFailure, Validator, _ok
 from gpuos_tools.agent.view import launch_record
 from gpuos_tools.image import clean_stale_temps, temp_name
@@ -103,8 +103,12 @@ class Link:
 
     def __init__(self, command: list[str], env: dict[str, str], timeout_s: float = TIMEOUT_S,
                  start_timeout_s: float = START_TIMEOUT_S, max_failures: int = 3, stderr: Path | None = None,
-                 before_start: Callable[[], None] | None = None):
+                 before_start: Callable[[], None] | None = None,
+                 spawn: Callable[[list[str], Path | None], Any] | None = None):
         self.command, self.env = command, env
+        #: starts a validator from its command and stderr file instead of a fresh process (the
+        #: zygote's, zygote.py); None: subprocess.Popen
+        self.spawn = spawn
         self.before_start = before_start  #: called before each start (writes what the validator reads first)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.max_failures = max_failures
@@ -123,15 +127,22 @@ class Link:
                 self.before_start()
             except OSError as exc:
                 return self._failed(f"the validator could not start: {exc}")
-        err = open(self.stderr, "ab") if self.stderr is not None else subprocess.DEVNULL
-        try:
-            self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env=self.env, close_fds=True, start_new_session=True)
-        except OSError as exc:
-            return self._failed(f"the validator could not start: {exc}")
-        finally:
-            if err is not subprocess.DEVNULL:
-                err.close()
+        if self.spawn is not None:
+            try:
+                self.proc = self.spawn(self.command, self.stderr)
+            except (OSError, ValueError) as exc:
+                self.refused = True  # the next strategy's validator may start where this one cannot
+                return self._failed(f"the validator could not start: {exc}")
+        else:
+            err = open(self.stderr, "ab") if self.stderr is not None else subprocess.DEVNULL
+            try:
+                self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                             env=self.env, close_fds=True, start_new_session=True)
+            except OSError as exc:
+                return self._failed(f"the validator could not start: {exc}")
+            finally:
+                if err is not subprocess.DEVNULL:
+                    err.close()
         self.starts += 1
         hello = self._reply(self.start_timeout_s)
         if isinstance(hello, str):
@@ -329,6 +340,8 @@ def private_dir(parent: str | None = None) -> Path:
     raise FileExistsError(f"no free name for a private directory in {parent}")
 
 
+#: the address strategy of the validators the zygote forks (zygote.py): first, when there is one
+ZYGOTE = "zygote"
 #: the file of the private directory that names the program's address windows to a starting validator
 CLAIMS = "claims.json"
 #: how a verdict that could not get the launch's addresses begins (replay.py)
@@ -362,7 +375,8 @@ class OffloadValidator(Validator):
 
     def __init__(self, samples: int = 3, max_bytes: int = 8 << 30, image_for: Callable[[str], bytes | None] = None,
                  timeout_s: float = TIMEOUT_S, copier: Any = None, command: list[str] | None = None,
-                 env: dict[str, str] | None = None, strategies: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, strategies: list[str] | None = None,
+                 zygote_ok: bool = True) -> None:
         super().__init__(samples, max_bytes, extents=False)
         self.image_for = image_for or (lambda name: None)
         self.copier = copier or DriverCopier()
@@ -373,6 +387,10 @@ class OffloadValidator(Validator):
         self.link: Link | None = None
         self.switched_off: str | None = None  #: set once; the tracer turns it into an error record
         self._windows: tuple[int, dict[str, list[list[int]]]] = (-1, {})  #: (allocation count, claims)
+        #: the validators' zygote (zygote.py), forked in the program's first cuInit (after this
+        #: object): from the first validator on, its validators come first, as strategy ``zygote``
+        self.zygote: zygote.Zygote | None = None
+        self._zygote_ok = zygote_ok and strategies is None
         self.strategies = list(strategies or vaspace.STRATEGIES)
         self.strategy = 0  #: the index of the address strategy of the validators started now
         self.kept = False  #: a validator of this strategy got a launch's addresses: no more fallback
@@ -380,20 +398,36 @@ class OffloadValidator(Validator):
 
     def _link(self) -> Link:
         if self.link is None:
+            forked = zygote.current() if self._zygote_ok and self.strategy == 0 else None
+            if forked is not None and ZYGOTE not in self.strategies:
+                self.zygote = forked
+                self.strategies.insert(0, ZYGOTE)
             if self._command is None:
                 self._command, env = validator_command(self.dir, self.copier.bus_id())
                 self._env = self._env or env
             self.link = Link(self._with_strategy(), self._env or dict(os.environ), self.timeout_s,
-                             stderr=self.dir / "validator.log", before_start=self._write_claims)
+                             stderr=self.dir / "validator.log", before_start=self._write_claims,
+                             spawn=self._spawn())
         return self.link
 
     def _with_strategy(self) -> list[str]:
-        return [*self._command, "--strategy", self.strategies[self.strategy]]
+        name = self.strategies[self.strategy]
+        # the zygote's validator has the program's layout: it holds nothing, it asks as it goes
+        return [*self._command, "--strategy", "bare" if name == ZYGOTE else name]
+
+    def _spawn(self) -> Callable[[list[str], Path | None], Any] | None:
+        if self.strategies[self.strategy] == ZYGOTE and self.zygote is not None:
+            return self.zygote.spawn
+        return None
 
     def addresses(self) -> dict[str, Any]:
         """The run's address strategy so far: the one in use, whether it was kept (it got a
         launch's addresses), and how many launches each strategy lost."""
         out = {"strategy": self.strategies[self.strategy], "kept": self.kept, "lost": dict(self.lost)}
+        if self.zygote is not None:  # what the zygote's layout held when it was forked
+            out["zygote"] = {"frameworks": self.zygote.frameworks}
+        elif zygote.why_not():
+            out["zygote"] = {"error": zygote.why_not()}
         areas = self.link.hello.get("areas") if self.link is not None else None
         if areas:  # under ``whole``: the program's driver areas the validator held whole, or not
             out["areas"] = areas
@@ -505,6 +539,7 @@ class OffloadValidator(Validator):
         self.strategy = self.strategy + 1 if to is None else to
         self.link.kill()
         self.link.command = self._with_strategy()
+        self.link.spawn = self._spawn()
 
     def _send(self, req: dict[str, Any], fallback: list[dict[str, str]] | None = None) -> dict[str, Any] | str:
         """Send a request, starting a validator if none runs; one that could not start under its
@@ -512,13 +547,17 @@ class OffloadValidator(Validator):
         to the next strategy's, unless a strategy was kept already."""
         link = self.link
         sent = link.request(req)
-        while (isinstance(sent, str) and link.refused and link.off is None and not self.kept
-               and self.strategy + 1 < len(self.strategies)):
+        while (isinstance(sent, str) and link.refused and link.off is None
+               and (not self.kept or self._zygote_gone()) and self.strategy + 1 < len(self.strategies)):
             if fallback is not None:
                 fallback.append({"strategy": self.strategies[self.strategy], "why": f"unvalidated: {sent}"})
+            self.kept = False  # (a zygote that is gone starts no more validators, kept or not)
             self._next_strategy()
             sent = link.request(req)
         return sent
+
+    def _zygote_gone(self) -> bool:
+        return (self.strategies[self.strategy] == ZYGOTE and self.zygote is not None and self.zygote.closed)
 
     def _refusal(self, state: dict[str, Any], sizes, args, geometry) -> str | None:
         if state["unknown"]:
@@ -566,7 +605,10 @@ class OffloadValidator(Validator):
                     self.kept = True
                 break
             # the driver would not give addresses that were free: the next strategy, same launch
-            fallback.append({"strategy": name, "why": rep["why"]})
+            why = rep["why"]
+            if name == ZYGOTE and self.zygote is not None:
+                why += f" (the zygote was forked with {', '.join(self.zygote.frameworks) or 'no framework'} loaded)"
+            fallback.append({"strategy": name, "why": why})
             self._next_strategy()
             sent = self._send(state["req"], fallback)
             if isinstance(sent, str):
@@ -597,5 +639,7 @@ class OffloadValidator(Validator):
                 except (OSError, subprocess.TimeoutExpired):
                     pass
             self.link.kill()
+        if self.zygote is not None:
+            self.zygote.close()  # it ends with its socket
         self.staging.close()
         shutil.rmtree(self.dir, ignore_errors=True)

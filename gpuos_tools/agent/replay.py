@@ -52,7 +52,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from gpuos_tools.agent.validate import CHUNK, Layout
-from gpuos_tools.agent.vaspace import STRATEGIES
+from gpuos_tools.agent.vaspace import KNOWN_STRATEGIES, STRATEGIES
 from gpuos_tools.model.allocs import Allocation
 
 #: the exit status after a sticky error: the program's side restarts the validator, quietly
@@ -393,7 +393,7 @@ class Replayer:
                 self.reserved[s] = n
         if self.space is not None:
             self._claim([(lo, hi - lo)])
-        return f"unvalidated: address unavailable ({start:#x}: {held})", by
+        return f"unvalidated: address unavailable ({start:#x}: {held}; the driver offered {got:#x})", by
 
     def close(self) -> None:
         """Give back every reservation (at the end of the input)."""
@@ -592,7 +592,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", required=True, help="the program's private staging directory")
     ap.add_argument("--claims", help="a JSON file naming the program's address windows and driver areas, held "
                                      "before the driver is loaded (python -m gpuos_tools.agent.validator does that)")
-    ap.add_argument("--strategy", choices=STRATEGIES, default=STRATEGIES[0],
+    ap.add_argument("--strategy", choices=KNOWN_STRATEGIES, default=STRATEGIES[0],
                     help="how to get the program's addresses (gpuos_tools/agent/vaspace.py)")
     return ap
 

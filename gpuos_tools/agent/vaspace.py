@@ -36,7 +36,9 @@ that order by the program's side until one gets the addresses):
   the windows' placeholders over those areas, so that the only room left for the driver's own
   areas is where the program's driver put its own; once the context exists, lift the filling and
   hold what is still free of the windows (on the H100s, driver 580, cuInit fails with so little
-  room: it is tried last).
+  room: it is tried last);
+- ``bare``: create the context and hold nothing: for the validators the zygote forks from the
+  program (zygote.py), whose layout is the program's already; not one of the fresh validators'.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ CLAIM_NAME = "gpuos-validator-claim"
 STEER_NAME = "gpuos-validator-steer"
 #: the address strategies, in the order the program's side tries them (module docstring)
 STRATEGIES = ("whole", "plain", "hold", "steer")
+#: every strategy a validator takes: those, and ``bare`` (the zygote's validators)
+KNOWN_STRATEGIES = STRATEGIES + ("bare",)
 #: a driver area of the program's larger than this is not left free whole by ``steer``
 MAX_AREA = 1 << 40
 #: ``steer`` fills nothing below this (the executable, its heap, 32-bit addresses)
@@ -307,8 +311,8 @@ class AddressStrategy:
     def __init__(self, name: str, windows: list[tuple[int, int]], areas: list[tuple[int, int]] = (),
                  space: AddressClaims | None = None, filler: Callable[[], AddressClaims] | None = None,
                  maps: Callable[[], list[Mapping]] = mappings, spare: int = SPARE) -> None:
-        if name not in STRATEGIES:
-            raise ValueError(f"unknown address strategy {name!r} (known: {', '.join(STRATEGIES)})")
+        if name not in KNOWN_STRATEGIES:
+            raise ValueError(f"unknown address strategy {name!r} (known: {', '.join(KNOWN_STRATEGIES)})")
         self.name = name
         self.windows = [(int(a), int(n)) for a, n in windows]
         self.areas = [(int(a), int(n)) for a, n in areas]

@@ -90,6 +90,9 @@ class ValidateConfig:
     #: where the sampled launch is replayed: in the program's own context, or in a validator process
     where: str = "process"
     timeout_s: float = 60.0  #: with the validator: the longest the program waits for one verdict
+    #: with the validator: the preloaded interposer whose hook forks the validators' zygote in the
+    #: program's first cuInit (agent/zygote.py); None: every validator starts as a fresh process
+    zygote: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.samples >= 1, "validate.samples", f"{self.samples} is not 1 or more")

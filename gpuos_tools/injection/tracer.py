@@ -31,8 +31,9 @@ import threading
 import time
 from collections import deque
 
+from gpuos_tools.agent import zygote
 from gpuos_tools.agent.agent import Agent
-from gpuos_tools.injection import tracelib
+from gpuos_tools.injection import intercept, tracelib
 from gpuos_tools.image.manifest import load_key
 from gpuos_tools.injection.config import AgentConfig, BootConfig
 from gpuos_tools.memory import owned, threads
@@ -962,6 +963,25 @@ def make_agent(cfg: AgentConfig) -> Agent:
     return agent
 
 
+def _arm_zygote(library: str) -> None:
+    """Have the validators' zygote forked in the program's first cuInit (agent/zygote.py); the
+    interposer that does it leaves LD_PRELOAD here, so the programs this one starts run plain."""
+    rest = intercept.unpreload(os.environ.get(intercept.PRELOAD), library)
+    os.environ.pop(intercept.PRELOAD, None)
+    if rest:
+        os.environ[intercept.PRELOAD] = rest
+    try:
+        lib = ctypes.CDLL(library)
+    except OSError:
+        return  # not loaded: validators start fresh
+
+    def in_zygote() -> None:  # its validators' driver calls are not the program's
+        if _tracer is not None and _tracer.subscriber is not None:
+            _tracer.cupti.unsubscribe(_tracer.subscriber)
+
+    zygote.arm(in_zygote, lib)
+
+
 def start(cfg: BootConfig) -> Tracer:
     """Start tracing as the launcher's config says: the Python tracer alone, with the validator or
     the Python agent, or the native tracer (the agent on the native core: injection/start.py)."""
@@ -983,6 +1003,8 @@ def start(cfg: BootConfig) -> Tracer:
             from gpuos_tools.agent.offload import OffloadValidator
 
             checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s)
+            if v.zygote is not None and os.environ.get(zygote.ENV) != "0":
+                _arm_zygote(v.zygote)
         else:
             checker = Validator(v.samples, v.max_bytes, v.extents)
         _tracer = Tracer(trace.fd, flush_s, checker)

@@ -18,7 +18,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gpuos_tools
@@ -178,6 +178,8 @@ def run_program(
         except ValueError as exc:
             raise GpuosError(f"--validate-max: {exc}", ExitCode.USAGE) from None
         backend = "python"  # the validating launch handler is the Python tracer's
+        if validate_in == "validator":
+            validation = replace(validation, zygote=validator_zygote(warn))
     elif validate_in != "process":
         raise GpuosError("--validate-in is an option of --validate", ExitCode.USAGE)
     choice = agent_mechanism(mechanism, agent, backend)
@@ -303,6 +305,18 @@ def agent_front_end(choice: Mechanism, backend: str, warn) -> tuple[str, str | N
     return "cupti", library
 
 
+def validator_zygote(warn: Callable[[str], None]) -> str | None:
+    """The interposer that forks the validators' zygote in the program's first cuInit
+    (agent/zygote.py), or None, said through ``warn``, when it cannot be built: each validator
+    then starts as a fresh process, which gets fewer of the program's addresses."""
+    try:
+        return str(intercept.build())
+    except (cbuild.BuildError, OSError) as exc:
+        warn(f"the validators start as fresh processes, which get fewer of the program's addresses: "
+             f"the interposer that forks them from the program could not be built ({exc})")
+        return None
+
+
 def trace_program(
     cmd: list[str], writer, images_dir: Path | None, flush_ms: float = 20.0, check_pointers: bool = False,
     backend: str = "auto", warn: Callable[[str], None] = _silent, output_path: str = "-",
@@ -346,6 +360,8 @@ def trace_program(
     env = boot_environment(os.environ, config)
     if agent_cfg is not None and agent_cfg.mechanism == "intercept":
         env[intercept.PRELOAD] = intercept.preload(env, agent_cfg.native)
+    if validate is not None and validate.zygote is not None:
+        env[intercept.PRELOAD] = intercept.preload(env, validate.zygote)
 
     decoder = Decoder(images_dir)
     started = time.monotonic()

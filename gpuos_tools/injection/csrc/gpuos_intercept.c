@@ -210,7 +210,8 @@ static const char *const route_names[NROUTES] = {"direct", "dlsym", "getproc"};
     X(MODULE_UNLOAD, cuModuleUnload, "cuModuleUnload", 2000, (CUmodule m), (m), NOKERNEL)          \
     X(LIBRARY_UNLOAD, cuLibraryUnload, "cuLibraryUnload", 12000, (CUlibrary l), (l), NOKERNEL)     \
     X(EXPORT_TABLE, cuGetExportTable, "cuGetExportTable", 3000, (const void **t, const void *id),  \
-      (t, id), NOKERNEL)
+      (t, id), NOKERNEL)                                                                           \
+    X(INIT, cuInit, "cuInit", 2000, (unsigned fl), (fl), NOKERNEL)
 
 /* the two signatures of cuGetProcAddress: wrapped too, their answers rewritten */
 #define GETPROCS(X)                                                                                \
@@ -454,6 +455,19 @@ static void agent_after(int call, uint32_t cbid, const uint64_t *q, CUresult rc)
 #define AGENT_CALL(id, r, A, variant)
 #endif
 
+/* ---- before the driver starts: gpuos_intercept_before_init(fn) has fn called once, in the
+ * first cuInit after it, before the real one runs (the program's libraries are loaded and its
+ * driver has no state yet: a process forked there can still start its own driver, with the
+ * program's address-space layout; the out-of-process validator's zygote, agent/zygote.py). */
+static void (*init_hook)(void);
+
+void gpuos_intercept_before_init(void (*fn)(void)) { __atomic_store_n(&init_hook, fn, __ATOMIC_RELEASE); }
+
+static void before_init(void) {
+    void (*fn)(void) = __atomic_exchange_n(&init_hook, (void (*)(void))0, __ATOMIC_ACQ_REL);
+    if (fn) fn();
+}
+
 /* ---- wrappers handed out (dlsym, cuGetProcAddress): NSLOT per call kind, one real pointer each */
 #define NSLOT 8
 typedef struct { void *real; int route, variant; } slot_t;
@@ -465,6 +479,7 @@ static int slots_used[NCALLS];
         void *k_ = (void *)(K);                                                                    \
         if (k_) note_kernel(k_);                                                                   \
         bump(F_##id, route);                                                                       \
+        if (F_##id == F_INIT) before_init();                                                       \
         void *r_ = (realexpr);                                                                     \
         if (__builtin_expect(!r_, 0)) return CUDA_ERROR_NOT_FOUND;                                 \
         AGENT_CALL(id, r_, A, variant)                                                             \
