@@ -36,6 +36,8 @@ SECTIONS = {
         f"{MECHANISM_DEFAULT}.\n"
         "- `GPUOS_AGENT_OWN`: `1` makes the program's CuPy and PyTorch allocations go through the "
         "owned allocator (`cupy` or `torch` for one of them; see OWNED ALLOCATIONS); opt-in, default off.\n"
+        "- `GPUOS_VALIDATOR_ZYGOTE`: `0` starts every validator of `--validate-in validator` as a fresh "
+        "process instead of forking the first from the program before its driver starts (see VALIDATION).\n"
         "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "
         "`$XDG_CACHE_HOME/gpuos-tools` (default `~/.cache/gpuos-tools`)."
     ),
@@ -54,7 +56,10 @@ SECTIONS = {
     "milliseconds (tens with extents), so sample few launches in big programs "
     "(`--validate-samples`). With `--validate-in validator` the replay runs in a validator process on the "
     "same GPU instead, fed with copies of the launch's predicted inputs, so that a replay that faults or "
-    "asserts cannot harm the program (docs/access-prediction.md, \"Where validation runs\").",
+    "asserts cannot harm the program (docs/access-prediction.md, \"Where validation runs\"). The "
+    "validator replays at the program's own addresses; to get them, the first validators are forked "
+    "from a copy of the program made just before its driver started (the interposer, built with the "
+    "C compiler, is preloaded for that), and fresh processes take over where they cannot.",
     "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
     + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
     "OWNED ALLOCATIONS": _owned_doc.split("\n\n", 1)[1].strip("\n"),
