@@ -135,6 +135,26 @@ def test_arm_registers_a_hook_that_forks_the_zygote_when_the_driver_starts(monke
     assert not zygote.arm(None, object())  # no interposer loaded: nothing armed
 
 
+def test_a_child_the_program_forks_before_the_driver_starts_is_disarmed(monkeypatch):
+    """The hook stays the program's: in a child it forks, the registration is cleared (a NULL hook)."""
+    monkeypatch.setattr(zygote, "_current", None)
+    lib = FakeInterposer()
+    assert zygote.arm(None, lib)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports what its registration holds now
+        os.close(r)
+        os.write(w, b"null" if not lib.hooks[-1] else b"armed")
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 16) == b"null"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert lib.hooks[-1]  # this process is still armed
+
+
 def test_the_link_starts_its_validators_from_the_zygote(forked, tmp_path):
     z = forked()
     link = Link([sys.executable, str(FAKE), str(tmp_path), "crash"], dict(os.environ), timeout_s=10,

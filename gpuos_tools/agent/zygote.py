@@ -76,6 +76,8 @@ def arm(on_child: Callable[[], None] | None = None, library: Any = None) -> bool
     cb = HOOK(hook)
     _hooks.append(cb)
     register(cb)
+    # a child the program forks before its first cuInit is not the program: no zygote of its own
+    os.register_at_fork(after_in_child=lambda: register(HOOK()))
     return True
 
 
