@@ -29,6 +29,7 @@ class ProcInfo:
     #: clock ticks after boot at which the process started: with the pid, names it uniquely
     starttime: int = 0
     state: str = "?"  #: one letter of /proc/PID/stat (R, S, D, T, Z...)
+    ppid: int = 0  #: the parent's pid
 
     @property
     def command(self) -> str:
@@ -59,6 +60,16 @@ def exists(pid: int) -> bool:
         return read_proc(pid).state != "Z"
     except GpuosError:
         return False
+
+
+def unreaped(pid: int) -> ProcInfo | None:
+    """The process with this pid when it has ended and its parent has not reaped it yet (a
+    zombie: it still holds the pid), else None."""
+    try:
+        info = read_proc(pid)
+    except GpuosError:
+        return None
+    return info if info.state == "Z" else None
 
 
 def read_proc(pid: int) -> ProcInfo:
@@ -97,6 +108,7 @@ def read_proc(pid: int) -> ProcInfo:
         cmdline=cmdline,
         starttime=int(fields[19]),
         state=fields[0],
+        ppid=int(fields[1]),
     )
 
 

@@ -183,6 +183,32 @@ def test_the_restore_runs_criu_then_the_driver_then_the_agents_resume(world: Wor
     assert world.driver.get_state(pid)[0] == "running"
 
 
+def test_a_restore_onto_a_pid_an_ended_unreaped_process_holds_is_refused_untouched(world: World) -> None:
+    """A program dumped with --leave-running that has since ended, but that its parent has not
+    reaped, still holds its pid: CRIU could not restore under it, and the tool says why."""
+    pid = world.program()
+    image = world.tmp / "image"
+    agent_criu.dump(world.ckpt(), pid, image)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while procs.unreaped(ended.pid) is None:  # ended, not reaped: a zombie of this test
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        data = meta(image)
+        data["pid"] = ended.pid
+        (image / criu.METADATA).write_text(json.dumps(data))
+        before = world.calls()
+        with pytest.raises(CkptError) as e:
+            criu.restore(world.ckpt(), image)
+        assert e.value.code == ExitCode.WRONG_STATE and not e.value.touched
+        assert f"parent (PID {os.getpid()}) has not reaped" in str(e.value) and "nothing was touched" in str(e.value)
+        assert world.calls() == before  # neither CRIU nor the driver was asked anything
+    finally:
+        ended.wait()
+    assert procs.unreaped(ended.pid) is None
+
+
 def test_leave_running_has_the_agent_resume_after_the_dump(world: World) -> None:
     pid = world.program()
     ckpt = world.ckpt()

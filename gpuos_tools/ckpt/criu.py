@@ -439,6 +439,11 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         raise ckpt.fail("restore", pid, f"PID {pid} is taken by a running process, and CRIU restores the "
                          f"image under its old PID (is the dumped process still running? then "
                          f"`gpu-restore --pid {pid}`); nothing was touched", ExitCode.WRONG_STATE, None, False)
+    if (ended := procs.unreaped(pid)) is not None:
+        raise ckpt.fail("restore", pid, f"PID {pid} is still held by a process that has ended ({ended.comm}) and "
+                         f"that its parent (PID {ended.ppid}) has not reaped, and CRIU restores the image under "
+                         f"its old PID: try again once the parent has reaped it or ended; nothing was touched",
+                         ExitCode.WRONG_STATE, None, False)
     try:
         _ = ckpt.api  # the driver must be there before CRIU brings the process back
     except GpuosError as e:
