@@ -79,6 +79,26 @@ def test_suite_range_and_alloc_predictions_miss_nothing(program):
             assert sum(r.missed_write_launches + r.missed_read_launches for r in rows) == 0
 
 
+def test_the_validator_run_of_cufft_scores_a_missed_read_on_every_cufft_launch():
+    """Replayed in the validator, every cuFFT launch faulted: it reads a table through a module
+    variable the program set from the host (8 bytes into device memory no allocation holds),
+    which no prediction follows yet; everything else was checked and missed nothing."""
+    records = load("validator-fft.ndjson.zst")
+    allocs = {r["addr"]: r for r in records if r["type"] == "alloc"}
+    stored = [r for r in records if r["type"] == "memcpy" and r.get("data") and len(r["data"]) == 16]
+    assert len(stored) == 4 and all(r["dst"] not in allocs for r in stored)
+    table = {int.from_bytes(bytes.fromhex(r["data"]), "little") for r in stored}
+    assert len(table) == 1 and allocs[table.pop()]["size"] == 6967984  # the twiddle table
+    for granularity in ("alloc", "range", "extent"):
+        rows = compute_report(records, granularity)
+        missed = {r.kernel.split("I", 1)[0]: r.missed_read_launches for r in rows if r.missed_read_launches}
+        assert missed == {"_Z18regular_fft_factor": 4, "_Z14vector_fft_r2c": 1, "_Z11regular_fft": 1}, granularity
+        assert sum(r.validated for r in rows) == 14
+        assert sum(r.missed_write_launches for r in rows) == 0
+        copies = next(r for r in rows if r.of == "memcpy")
+        assert copies.unknown == 4  # the copies into the module variables
+
+
 def test_pointer_array_batched_gemm_is_followed():
     records = load("suite-cupy_suite.s1.ndjson.zst")
     accs = [r for r in Predictor("alloc").annotate(records) if r["type"] == "access" and r["of"] == "launch"]
