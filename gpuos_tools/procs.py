@@ -29,7 +29,6 @@ class ProcInfo:
     #: clock ticks after boot at which the process started: with the pid, names it uniquely
     starttime: int = 0
     state: str = "?"  #: one letter of /proc/PID/stat (R, S, D, T, Z...)
-    ppid: int = 0  #: the parent's pid
 
     @property
     def command(self) -> str:
@@ -60,16 +59,6 @@ def exists(pid: int) -> bool:
         return read_proc(pid).state != "Z"
     except GpuosError:
         return False
-
-
-def unreaped(pid: int) -> ProcInfo | None:
-    """The process with this pid when it has ended and its parent has not reaped it yet (a
-    zombie: it still holds the pid), else None."""
-    try:
-        info = read_proc(pid)
-    except GpuosError:
-        return None
-    return info if info.state == "Z" else None
 
 
 def read_proc(pid: int) -> ProcInfo:
@@ -108,7 +97,6 @@ def read_proc(pid: int) -> ProcInfo:
         cmdline=cmdline,
         starttime=int(fields[19]),
         state=fields[0],
-        ppid=int(fields[1]),
     )
 
 
@@ -214,6 +202,34 @@ def parent_of(pid: int) -> int | None:
         return int(stat[stat.rindex(")") + 2 :].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def unreaped(pid: int) -> bool:
+    """Whether the process with this pid has ended and its parent has not reaped it yet (a
+    zombie: it still holds the pid)."""
+    try:
+        return read_proc(pid).state == "Z"
+    except GpuosError:
+        return False
+
+
+def taken(ids: list[int]) -> list[int]:
+    """Those of ``ids`` some process or thread holds now, zombies included (a zombie's pid is
+    not free until it is reaped)."""
+    return [i for i in ids if os.path.exists(f"{PROC}/{i}")]
+
+
+def tree_ids(pid: int) -> tuple[list[int], list[int]]:
+    """The processes of ``pid``'s tree and all their threads (pids and tids, sorted): every one
+    of them must be free again for CRIU to restore the tree under its old ids."""
+    pids = [p for p in descendants(pid) if exists(p)]
+    tids: set[int] = set()
+    for p in pids:
+        try:
+            tids.update(int(t) for t in os.listdir(f"{PROC}/{p}/task"))
+        except OSError:
+            tids.add(p)
+    return pids, sorted(tids)
 
 
 def descendants(pid: int) -> list[int]:

@@ -95,7 +95,7 @@ class World:
         is gone (``gone``), and the stand-in CRIU's restore brings back ``pid`` in its place."""
         self.driver.set(pid, "checkpointed")
         data = meta(image)
-        data["pid"] = gone
+        data.update(pid=gone, pids=[gone], tids=[gone])  # the dumped tree's ids, free after it ended
         (image / criu.METADATA).write_text(json.dumps(data))
         self._mp.setenv("FAKE_CRIU_RESTORED", str(pid))
 
@@ -183,30 +183,34 @@ def test_the_restore_runs_criu_then_the_driver_then_the_agents_resume(world: Wor
     assert world.driver.get_state(pid)[0] == "running"
 
 
-def test_a_restore_onto_a_pid_an_ended_unreaped_process_holds_is_refused_untouched(world: World) -> None:
-    """A program dumped with --leave-running that has since ended, but that its parent has not
-    reaped, still holds its pid: CRIU could not restore under it, and the tool says why."""
+def test_a_restore_while_an_id_of_the_image_is_taken_is_refused_untouched(world: World) -> None:
+    """CRIU restores the tree under its old process and thread ids: a program dumped with
+    --leave-running that has since ended, but that its parent has not reaped, still holds its
+    pid; any other process can hold one of its thread ids. Either way the tool says which and
+    touches nothing."""
     pid = world.program()
     image = world.tmp / "image"
     agent_criu.dump(world.ckpt(), pid, image)
+    data = meta(image)
+    assert pid in data["pids"] and pid in data["tids"] and len(data["tids"]) >= len(data["pids"])
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
-    while procs.unreaped(ended.pid) is None:  # ended, not reaped: a zombie of this test
+    while not procs.unreaped(ended.pid):  # ended, not reaped: a zombie of this test
         assert time.monotonic() < deadline
         time.sleep(0.01)
     try:
-        data = meta(image)
-        data["pid"] = ended.pid
-        (image / criu.METADATA).write_text(json.dumps(data))
         before = world.calls()
-        with pytest.raises(CkptError) as e:
-            criu.restore(world.ckpt(), image)
-        assert e.value.code == ExitCode.WRONG_STATE and not e.value.touched
-        assert f"parent (PID {os.getpid()}) has not reaped" in str(e.value) and "nothing was touched" in str(e.value)
+        for tids, says in (([], f"{ended.pid} has ended, and its parent (PID {os.getpid()}) has not reaped it"),
+                           ([os.getpid()], ", ".join(map(str, sorted([ended.pid, os.getpid()]))) + " are taken now")):
+            (image / criu.METADATA).write_text(json.dumps(dict(data, pid=ended.pid, pids=[ended.pid], tids=tids)))
+            with pytest.raises(CkptError) as e:
+                criu.restore(world.ckpt(), image)
+            assert e.value.code == ExitCode.WRONG_STATE and not e.value.touched
+            assert says in str(e.value) and "nothing was touched" in str(e.value)
         assert world.calls() == before  # neither CRIU nor the driver was asked anything
     finally:
         ended.wait()
-    assert procs.unreaped(ended.pid) is None
+    assert not procs.unreaped(ended.pid)
 
 
 def test_leave_running_has_the_agent_resume_after_the_dump(world: World) -> None:

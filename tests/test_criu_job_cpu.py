@@ -105,9 +105,9 @@ def wait_gone(pids: list[int], timeout: float = 30) -> None:
         for p in pids:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(p, os.WNOHANG)
-        if not criu_job.taken(pids):
+        if not procs.taken(pids):
             return
-        assert time.monotonic() < deadline, f"still there: {criu_job.taken(pids)}"
+        assert time.monotonic() < deadline, f"still there: {procs.taken(pids)}"
         time.sleep(0.02)
 
 
@@ -296,7 +296,7 @@ def test_a_torchrun_job_is_dumped_and_restored_and_ends_bit_identical(tmp_path: 
             assert back["pid"] == job.pid and driver.states == {p: "running" for p in ranks}
             deadline = time.monotonic() + 300
             status = None
-            while not out.exists() or criu_job.taken(tree):
+            while not out.exists() or procs.taken(tree):
                 with contextlib.suppress(ChildProcessError):
                     waited, raw = os.waitpid(job.pid, os.WNOHANG)
                     if waited == job.pid:

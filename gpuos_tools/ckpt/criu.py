@@ -58,7 +58,9 @@ IMAGE_META = RecordType(METADATA, "what gpu-ckpt --image writes beside CRIU's im
     Field("ranks", List(Obj((Field("pid", _PID), Field("rank", COUNT, null=True), Field("command", Str(), null=True),
                              Field("gpus", List(Anything())), Field("bytes", BYTES, null=True)),
                             text="{pid, rank, command, gpus, bytes}")), "(job) the processes on the GPU"),
-    Field("pids", List(_PID), "(job) the processes of the tree"), Field("tids", List(_PID), "(job) their threads"),
+    Field("pids", List(_PID), "the processes of the dumped tree"),
+    Field("tids", List(_PID), "their threads: the restore is refused while any of these ids is taken (absent: "
+          "only pid is checked)"),
     Field("driver", Anything(), "{cuda, release}"),
     Field("listeners", ports.LISTENERS, "the tree's listening TCP sockets: before CRIU runs, the restore "
           "waits until no closing connection holds their ports (absent: not recorded, not waited for)"),
@@ -296,6 +298,7 @@ def _dump(ckpt: Checkpointer, criu: Criu, guard: Any, pid: int, image_dir: Path,
         "criu": criu.version_text,
         "leave_running": leave_running,
         "listeners": ports.listeners(procs.descendants(pid)),
+        **dict(zip(("pids", "tids"), procs.tree_ids(pid))),  # each must be free for the restore
         outside.KEY: outside.scan(procs.descendants(pid), skip=trace_pipe_of(extra)),
         **extra,
     }
@@ -401,6 +404,24 @@ def checked_meta(ckpt: Checkpointer, image_dir: Path, meta: dict[str, Any]) -> d
     return meta
 
 
+def refuse_taken_ids(ckpt: Checkpointer, pid: int, meta: dict[str, Any], what: str, running_hint: str) -> None:
+    """Refused, nothing touched, while a process or thread id of the image (``pid``, its
+    manifest's ``pids`` and ``tids``; older images name only ``pid``) is taken, a zombie's
+    included: CRIU restores the tree under its old ids. ``running_hint`` is said when ``pid``
+    itself still runs."""
+    ids = sorted({pid, *(int(p) for p in meta.get("pids") or []), *(int(t) for t in meta.get("tids") or [])})
+    busy = procs.taken(ids)
+    if not busy:
+        return
+    hint = (f" ({running_hint})" if running_hint and pid in busy and procs.exists(pid) else
+            f" ({pid} has ended, and its parent (PID {procs.parent_of(pid)}) has not reaped it)"
+            if pid in busy and procs.unreaped(pid) else "")
+    raise ckpt.fail("restore", pid, f"CRIU restores the {what} under its old process and thread ids, and "
+                    + ", ".join(str(i) for i in busy[:10]) + (" ..." if len(busy) > 10 else "")
+                    + f" {'is' if len(busy) == 1 else 'are'} taken now{hint}; nothing was touched",
+                    ExitCode.WRONG_STATE, None, False)
+
+
 def wait_for_listeners(ckpt: Checkpointer, pid: int, meta: dict[str, Any], wait_s: float,
                        warn: Callable[[str], None] | None,
                        waiting: Callable[[float | None], None] | None = None) -> float | None:
@@ -439,11 +460,7 @@ def restore(ckpt: Checkpointer, image_dir: Path, device: str | None = None, devi
         raise ckpt.fail("restore", pid, f"PID {pid} is taken by a running process, and CRIU restores the "
                          f"image under its old PID (is the dumped process still running? then "
                          f"`gpu-restore --pid {pid}`); nothing was touched", ExitCode.WRONG_STATE, None, False)
-    if (ended := procs.unreaped(pid)) is not None:
-        raise ckpt.fail("restore", pid, f"PID {pid} is still held by a process that has ended ({ended.comm}) and "
-                         f"that its parent (PID {ended.ppid}) has not reaped, and CRIU restores the image under "
-                         f"its old PID: try again once the parent has reaped it or ended; nothing was touched",
-                         ExitCode.WRONG_STATE, None, False)
+    refuse_taken_ids(ckpt, pid, meta, "process", "")
     try:
         _ = ckpt.api  # the driver must be there before CRIU brings the process back
     except GpuosError as e:

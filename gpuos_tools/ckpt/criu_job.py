@@ -43,8 +43,8 @@ from typing import Any, Callable
 from gpuos_tools import procs
 from gpuos_tools.ckpt import outside, ports, registry
 from gpuos_tools.ckpt.criu import (DUMP_LOG, METADATA, RC_WRAPPER, RESTORE_LOG, RESTORED_PID, checked_meta,
-                                   empty_image_dir, ghost_limit, log_errors, outside_plan, usable_criu,
-                                   wait_for_listeners)
+                                   empty_image_dir, ghost_limit, log_errors, outside_plan, refuse_taken_ids,
+                                   usable_criu, wait_for_listeners)
 from gpuos_tools.ckpt.driver import Checkpointer, CkptError, Record
 from gpuos_tools.ckpt.guard import DUMP_RC, Guard, finalize
 from gpuos_tools.ckpt.job import bring_back_job, resume_job, suspend_job
@@ -71,19 +71,6 @@ def network_lock(criu_args: list[str]) -> list[str]:
     return list(NO_NETWORK_LOCK)
 
 
-def tree_ids(pid: int) -> tuple[list[int], list[int]]:
-    """The processes of ``pid``'s tree and all their threads (pids and tids, sorted): every one
-    of them must be free again for CRIU to restore the tree under its old ids."""
-    pids = [p for p in procs.descendants(pid) if procs.exists(p)]
-    tids: set[int] = set()
-    for p in pids:
-        try:
-            tids.update(int(t) for t in os.listdir(f"/proc/{p}/task"))
-        except OSError:
-            tids.add(p)
-    return pids, sorted(tids)
-
-
 def io_uring_holders(pids: list[int]) -> list[int]:
     """Those of ``pids`` that hold an io_uring instance (a descriptor or a mapping of one)."""
     out = []
@@ -99,12 +86,6 @@ def io_uring_holders(pids: list[int]) -> list[int]:
         if held:
             out.append(p)
     return out
-
-
-def taken(ids: list[int]) -> list[int]:
-    """Those of ``ids`` some process or thread holds now, zombies included (a zombie's pid is
-    not free until it is reaped)."""
-    return [i for i in ids if os.path.exists(f"/proc/{i}")]
 
 
 def _run_criu(ckpt: Checkpointer, pid: int, step: str, cmd: list[str], log: Path, out: Path,
@@ -215,7 +196,7 @@ def _dump(ckpt: Checkpointer, criu: Any, guard: Guard, pid: int, launcher: procs
         entry = registry.lookup(r["pid"]) or {}
         ranks.append({"pid": r["pid"], "rank": r.get("rank"), "command": r.get("command"),
                       "gpus": entry.get("gpus", []), "bytes": entry.get("bytes")})
-    pids, tids = tree_ids(pid)
+    pids, tids = procs.tree_ids(pid)
     lock = network_lock(criu_args)
     known = [r["bytes"] for r in ranks if r["bytes"] is not None]
     meta = {
@@ -304,16 +285,7 @@ def restore_job(ckpt: Checkpointer, image_dir: Path, device_map: str | None = No
                         f"(no {METADATA} of a job)", ExitCode.NO_INPUT, None, False)
     meta = checked_meta(ckpt, image_dir, meta)
     pid = int(meta["pid"])
-    ids = sorted({pid, *(int(p) for p in meta.get("pids") or []), *(int(t) for t in meta.get("tids") or [])})
-    busy = taken(ids)
-    if busy:
-        alive = pid in busy and procs.exists(pid)
-        hint = (f" (is the dumped job still running? then `gpu-restore --job {pid}`)" if alive else
-                " (a zombie holds its pid until its parent reaps it)" if pid in busy else "")
-        raise ckpt.fail("restore", pid, "CRIU restores the job under its old process and thread ids, and "
-                        + ", ".join(str(i) for i in busy[:10]) + (" ..." if len(busy) > 10 else "")
-                        + f" {'is' if len(busy) == 1 else 'are'} taken now{hint}; nothing was touched",
-                        ExitCode.WRONG_STATE, None, False)
+    refuse_taken_ids(ckpt, pid, meta, "job", f"is the dumped job still running? then `gpu-restore --job {pid}`")
     try:
         _ = ckpt.api  # the driver must be there before CRIU brings the job back
     except GpuosError as e:

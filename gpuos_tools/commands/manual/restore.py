@@ -72,8 +72,10 @@ If the restore fails, the process is left checkpointed (restorable) and the mess
 if the unlock fails after a restore, it is left locked and `gpu-restore --pid PID` unlocks it.
 
 `--image DIR` runs `criu restore` (CRIU 4 or later, checked first) on an image written by
-`gpu-ckpt --image`, then restores the GPU state and unlocks. CRIU restores the process under
-its old PID, which must be free. Before CRIU runs, it waits for closed connections in TIME_WAIT
+`gpu-ckpt --image`, then restores the GPU state and unlocks. CRIU restores the process tree under
+its old process and thread ids, which must be free: while one is taken (the dumped process still
+running, a zombie its parent has not reaped, another process), the restore is refused and says
+which, nothing touched. Before CRIU runs, it waits for closed connections in TIME_WAIT
 (the process's own, kept 60 s by the kernel) to free the ports of the listening sockets the image
 records, since CRIU's bind of a listener without SO_REUSEADDR fails on them: said in one line on
 stderr when the wait starts (on a terminal a second line counts the seconds), at most `--timeout`
