@@ -145,11 +145,11 @@ def test_programs_compile_and_import_nothing_from_tests(program: Path) -> None:
 
 
 def test_the_device_scripts_parts_hold_every_gpu_test_file_once() -> None:
-    """scripts/device-test's GPU_PART=a/b/c/d: four device calls run the whole GPU suite, so a new
+    """scripts/device-test's GPU_PART=a/b/c/d/e: five device calls run the whole GPU suite, so a new
     file of tests/gpu must join one part (and a removed one leave it)."""
     text = (REPO / "scripts" / "device-test").read_text()
     parts = {k: v.split() for k, v in re.findall(r'^(GPU_PART_[A-Z])="([^"]*)"$', text, re.M)}
-    assert sorted(parts) == ["GPU_PART_A", "GPU_PART_B", "GPU_PART_C", "GPU_PART_D"]
+    assert sorted(parts) == ["GPU_PART_A", "GPU_PART_B", "GPU_PART_C", "GPU_PART_D", "GPU_PART_E"]
     named = [f"test_{n}_gpu.py" for names in parts.values() for n in names]
     files = sorted(p.name for p in (REPO / "tests" / "gpu").glob("test_*.py"))
     assert sorted(named) == files, (sorted(set(files) - set(named)), sorted(set(named) - set(files)),
