@@ -6,7 +6,9 @@ again; crash exits after ready; garbage writes a frame of nonsense; refuse says 
 ``areas:S1,S2`` serves as ok, but its driver honours address hints only when the address strategy
 is one of S1, S2 (with the others the program's addresses lie outside its own areas); ``held``
 serves with everything of the program's held by something else of the validator's;
-``refuse:S1,S2`` says it could not start under those strategies and serves as ok under others."""
+``refuse:S1,S2`` says it could not start under those strategies and serves as ok under others;
+``taken:S1=A1,S2=A2`` serves as ok, but under strategy S1 its driver will not give the address A1
+(hexadecimal; as its own context's memory there would), and so on."""
 
 import sys
 import time
@@ -38,6 +40,10 @@ elif mode == "garbage":
 elif mode.startswith("areas:"):
     device = FakeDevice(KERNELS, 4096, hints=strategy in mode.split(":", 1)[1].split(","))
     sys.exit(replay.serve(replay.Replayer(device), sys.stdin.buffer, out, directory))
+elif mode.startswith("taken:"):
+    pairs = dict(kv.split("=", 1) for kv in mode.split(":", 1)[1].split(","))
+    taken = (int(pairs[strategy], 16),) if strategy in pairs else ()
+    sys.exit(replay.serve(replay.Replayer(FakeDevice(KERNELS, 4096, taken=taken)), sys.stdin.buffer, out, directory))
 elif mode == "held":
     space = FakeSpace(others=((0, 1 << 48),))
     sys.exit(replay.serve(replay.Replayer(FakeDevice(KERNELS, 4096, space=space), space), sys.stdin.buffer, out,

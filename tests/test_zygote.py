@@ -194,6 +194,45 @@ def test_the_programs_side_puts_the_zygotes_validators_first_and_falls_back_to_f
         v.close()
 
 
+def test_a_launch_the_kept_strategy_loses_is_tried_by_the_zygotes_validator(monkeypatch, forked):
+    """As on an H100: the zygote's validator cannot have the program's first allocation (its
+    own driver sits there), so ``whole`` gets the first launch and is kept; a later launch
+    ``whole`` loses goes to the zygote's validator, which gets it; ``whole`` answers the next."""
+    import struct
+
+    import test_validator_offload as t
+
+    z = forked()
+    monkeypatch.setattr(zygote, "_current", z)
+    w = t.X + (1 << 30)
+    v = t.OffloadValidator(samples=3, image_for=lambda name: b"cubin", timeout_s=20, copier=t.FakeCopier())
+    try:
+        v._command = [sys.executable, str(FAKE), str(v.dir), f"taken:bare={t.X:x},whole={w:x}"]
+        for addr in (t.X, t.Y, t.Z, w):
+            v.on_alloc(addr, 4 * t.N, "device")
+        v.copier.mem[w] = v.copier.mem[t.X].copy()
+
+        def copy(src: int, tid: int) -> dict:
+            v.enter(tid, "cuLaunchKernel", ("cuLaunchKernel", ()), 1, t.COPY, (8, 8, 4),
+                    struct.pack("<QQi", src, t.Y, t.N), t.GEOMETRY)
+            return v.exit(tid, 0)
+
+        first = copy(t.X, 1)
+        assert first["checked"] and first["addresses"] == "whole", first
+        assert [f["strategy"] for f in first["address_fallback"]] == [ZYGOTE]
+        lost = copy(w, 2)
+        assert lost["checked"] and lost["reads"] == "ok" and lost["addresses"] == ZYGOTE, lost
+        assert [f["strategy"] for f in lost["address_fallback"]] == ["whole"]
+        assert lost["address_fallback"][0]["why"].startswith("unvalidated: address unavailable")
+        again = copy(t.X, 3)
+        assert again["checked"] and again["addresses"] == "whole" and "address_fallback" not in again, again
+        assert v.link.command[-2:] == ["--strategy", "whole"]
+        assert v.addresses() == {"strategy": "whole", "kept": True, "lost": {ZYGOTE: 1, "whole": 1}, "retried": 1,
+                                 "zygote": {"frameworks": z.frameworks}}
+    finally:
+        v.close()
+
+
 def test_a_zygote_that_died_is_said_to_be_gone(forked):
     z = forked()
     os.kill(z.pid, signal.SIGKILL)

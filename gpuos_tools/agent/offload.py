@@ -50,6 +50,9 @@ from gpuos_tools.image import clean_stale_temps, temp_name
 TIMEOUT_S = 60.0
 #: how long a fresh validator may take to create its context
 START_TIMEOUT_S = 120.0
+#: launches a run whose addresses the kept strategy's driver would not give, that the other
+#: strategies' validators try (each try starts a validator: the program waits for it)
+RETRIES = 16
 
 
 class Staging:
@@ -369,7 +372,8 @@ class OffloadValidator(Validator):
     the validator answers that its driver would not give a launch's addresses although nothing of
     the validator's sat there, the next strategy's validator replaces it and the same launch is
     sent again, until one gets the addresses; that one is kept for the rest of the run (when
-    every strategy lost the same launch, the first is kept). Each
+    every strategy lost the same launch, the first is kept), and a later launch it loses so is
+    tried by the others that may get it (``_elsewhere``). Each
     validation record names the strategy that answered (``addresses``) and those that failed
     it first (``address_fallback``); ``addresses()`` sums it up for the run."""
 
@@ -395,6 +399,8 @@ class OffloadValidator(Validator):
         self.strategy = 0  #: the index of the address strategy of the validators started now
         self.kept = False  #: a validator of this strategy got a launch's addresses: no more fallback
         self.lost: dict[str, int] = {}  #: launches each strategy could not get the addresses of
+        self.had: set[str] = set()  #: strategies whose validator got a launch's addresses in this run
+        self.retried = 0  #: launches the kept strategy lost that the others tried
 
     def _link(self) -> Link:
         if self.link is None:
@@ -424,6 +430,8 @@ class OffloadValidator(Validator):
         """The run's address strategy so far: the one in use, whether it was kept (it got a
         launch's addresses), and how many launches each strategy lost."""
         out = {"strategy": self.strategies[self.strategy], "kept": self.kept, "lost": dict(self.lost)}
+        if self.retried:
+            out["retried"] = self.retried
         if self.zygote is not None:  # what the zygote's layout held when it was forked
             out["zygote"] = {"frameworks": self.zygote.frameworks}
         elif zygote.why_not():
@@ -593,9 +601,13 @@ class OffloadValidator(Validator):
             if not str(rep.get("why", "")).startswith(ADDRESS_UNAVAILABLE):
                 if rep.get("checked") or "fault" in rep:  # it got the addresses: keep it
                     self.kept = True
+                    self.had.add(name)
                 break
             self.lost[name] = self.lost.get(name, 0) + 1
-            if self.kept or rep.get("refused_by") != "driver":
+            if rep.get("refused_by") != "driver":
+                break
+            if self.kept:
+                rep = self._elsewhere(state, rep, fallback)
                 break
             if self.strategy + 1 >= len(self.strategies):
                 if fallback and self.strategy:
@@ -619,6 +631,58 @@ class OffloadValidator(Validator):
                     "why": f"the launch failed (CUresult {result})"}
         rep["ms"] = round((time.perf_counter() - state["t0"]) * 1000, 3)
         return rep
+
+    def _elsewhere(self, state: dict[str, Any], rep: dict[str, Any], fallback: list[dict[str, str]]) -> dict[str, Any]:
+        """The kept strategy's driver would not give this launch's addresses (each strategy
+        loses some: the zygote's the area of the program's first allocations, ``whole`` the
+        parts its own context took): the zygote's validator while the zygote is there, the
+        strategy after the zygote's when that is the one kept, and those that got a launch's
+        addresses in this run try this launch in turn, at most ``RETRIES`` launches a run (none
+        when no strategy but the kept one ever got addresses: every one lost the first launch).
+        The first that gets the addresses answers; else the kept one's verdict stands. The kept
+        strategy's validator answers the next launch."""
+        kept = self.strategy
+        zygote_kept = self.strategies[kept] == ZYGOTE
+        others = [i for i, s in enumerate(self.strategies) if i != kept and (
+            s in self.had or (s == ZYGOTE and self.zygote is not None and not self.zygote.closed)
+            or (zygote_kept and i == kept + 1))]
+        if not others or self.retried >= RETRIES:
+            return rep
+        self.retried += 1
+        link = self.link
+        failures = link.failures
+        tries: list[dict[str, str]] = [{"strategy": self.strategies[kept], "why": rep["why"]}]
+        answer = rep
+        for i in others:
+            name = self.strategies[i]
+            self._next_strategy(i)
+            sent = link.request(state["req"])
+            got = sent if isinstance(sent, str) else link.answer()
+            if isinstance(got, str):
+                tries.append({"strategy": name, "why": f"unvalidated: {got}"})
+                if link.off is not None:
+                    break
+                continue
+            if got.pop("seq", None) != state["seq"]:
+                link.kill()
+                tries.append({"strategy": name, "why": "unvalidated: the validator answered another launch"})
+                continue
+            if str(got.get("why", "")).startswith(ADDRESS_UNAVAILABLE):
+                self.lost[name] = self.lost.get(name, 0) + 1
+                tries.append({"strategy": name, "why": got["why"]})
+                continue
+            got["addresses"] = name
+            if got.get("checked") or "fault" in got:
+                self.had.add(name)
+            answer = got
+            break
+        if link.off is None:
+            link.failures = failures  # a try under another strategy is no failure of the kept one's
+        self._next_strategy(kept)
+        out = fallback + (tries if answer is not rep else tries[1:])
+        if out:
+            answer["address_fallback"] = out
+        return answer
 
     def _note_off(self) -> None:
         if self.link is not None and self.link.off is not None and self.switched_off is None:

@@ -59,7 +59,8 @@ SECTIONS = {
     "asserts cannot harm the program (docs/access-prediction.md, \"Where validation runs\"). The "
     "validator replays at the program's own addresses; to get them, the first validators are forked "
     "from a copy of the program made just before its driver started (the interposer, built with the "
-    "C compiler, is preloaded for that), and fresh processes take over where they cannot.",
+    "C compiler, is preloaded for that), fresh processes take over where they cannot, and a launch "
+    "the fresh ones cannot have goes back to a validator forked from the copy.",
     "AGENT": _agent_doc.split("\n\n", 1)[1].strip("\n")
     + "\n\n" + _control_doc.split("\n\n", 1)[1].strip("\n"),
     "OWNED ALLOCATIONS": _owned_doc.split("\n\n", 1)[1].strip("\n"),
