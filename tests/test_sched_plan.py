@@ -134,6 +134,38 @@ def test_both_plans_on_the_recorded_torch_step_load_within_the_budget() -> None:
         assert rows["time"]["bytes_in"] <= 1.1 * rows["count"]["bytes_in"]
 
 
+def test_the_walk_reads_the_period_as_it_goes_and_decides_as_the_whole_list_did(monkeypatch, gemm: Workload) -> None:
+    """The time plan's walk reads the predicted keys lazily (``Period.ahead``): the keys are
+    ``predict``'s, and on the recorded CNN step and the blocked GEMM every decision is the one
+    the walk over the whole predicted list made (the same summaries, moves included)."""
+    from gpuos_tools.sched.online import Period
+
+    per = Period()
+    for k in [1, 2, 3, 4, 5] * 8:
+        per.push(k)
+    assert per.known == 5
+    for k in (0, 1, 3, 7, 12):
+        view = per.ahead(k)
+        assert list(view) == per.predict(k) and len(view) == k and [view[i] for i in range(k)] == per.predict(k)
+    with pytest.raises(IndexError):
+        per.ahead(3)[3]
+    assert list(Period().ahead(4)) == []
+
+    def runs() -> list[dict]:
+        out = []
+        for w, fractions in ((_recorded("suite-torch_cnn.s2", 4), (0.66, 0.5)), (gemm, (0.66,))):
+            for fraction in fractions:
+                for proactive in (False, True):
+                    r = simulate_online(w, Config(int(w.footprint * fraction)), plan="time", proactive=proactive)
+                    out.append({k: v for k, v in r.items() if k != "cpu_s"})
+        return out
+
+    lazy = runs()
+    monkeypatch.setattr(Period, "ahead", lambda self, k: self.predict(k))  # the whole list, as before
+    assert runs() == lazy
+    assert any(r["walk_max"] > 2 for r in lazy) and any(r["prefetches"] for r in lazy)
+
+
 def test_bench_sched_plan_script_writes_both_plans() -> None:
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_sched_plan.py"), "--workloads", "gemm",
                           "--budgets", "66%", "--json", "/dev/stdout"], capture_output=True, text=True,

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,11 +278,41 @@ class Period:
         keys, base = self._keys, self.n - p - self._off
         return [keys[base + (t % p)] for t in range(k)]
 
+    def ahead(self, k: int) -> Ahead:
+        """``predict(k)`` read as it is walked: the same keys, each computed when it is looked
+        at, so that a walk that stops after a few launches does not pay for the whole period."""
+        p = self.known
+        if p is None or k <= 0:
+            return Ahead(self._keys, 0, 1, 0)
+        return Ahead(self._keys, self.n - p - self._off, p, k)
+
     def phase_uses(self) -> tuple[int, list[int]]:
         """(period, the keys of one period starting at the next launch)."""
         p = self.known
         assert p is not None
         return p, self.predict(p)
+
+
+class Ahead(Sequence[int]):
+    """The next keys of a known period (``Period.ahead``): valid until the next ``push``."""
+
+    __slots__ = ("_keys", "_base", "_p", "_k")
+
+    def __init__(self, keys: list[int], base: int, p: int, k: int) -> None:
+        self._keys, self._base, self._p, self._k = keys, base, p, k
+
+    def __len__(self) -> int:
+        return self._k
+
+    def __getitem__(self, t):  # noqa: ANN001 - an int (slices are not needed by the walks)
+        if not 0 <= t < self._k:
+            raise IndexError(t)
+        return self._keys[self._base + t % self._p]
+
+    def __iter__(self) -> Iterator[int]:
+        keys, base, p = self._keys, self._base, self._p
+        for t in range(self._k):
+            yield keys[base + t % p]
 
 
 _MOD = (1 << 61) - 1
@@ -746,7 +776,7 @@ class OnlinePolicy:
         per = self.period
         p = per.known
         assert p is not None
-        kids = per.predict(min(p, WALK_MAX))
+        kids = per.ahead(min(p, WALK_MAX))  # read as far as the walk goes (most stop after a few)
         can_evict = self.policy == "belady"
         margin = self.duration(self.last_key)  # the current launch runs before any of the walk
         ahead = margin  # compute before launch t starts
@@ -783,7 +813,7 @@ class OnlinePolicy:
         if can_evict and self.proactive and not stopped:
             self._proactive(kids, walked, ahead, margin, records, budget, protected, actions)
 
-    def _proactive(self, kids: list[int], walked: int, ahead: float, margin: float, records: Mapping[int, int],
+    def _proactive(self, kids: Sequence[int], walked: int, ahead: float, margin: float, records: Mapping[int, int],
                    budget: int, protected: set[int], actions: list[Action]) -> None:
         """Evict now the victims the next decisions' loads will need (module docstring): the
         walk goes on past the launches loaded, without loading, over one more launch's time
