@@ -50,7 +50,7 @@ class Job:
     """The recorded step on the core, the agent, the executor and the engine on the fake driver."""
 
     def __init__(self, library: Path, tmp: Path, monkeypatch, fast: bool, fraction: float = 0.66,
-                 lookahead: int = 2, unseen: list[Rec] = (), budget: int | None = None) -> None:
+                 lookahead: int = 2, unseen: list[Rec] = (), budget: int | None = None, plan: str = "count") -> None:
         self.trace = records(TRACE)
         self.core = fresh(library, tmp)
         self.recs = [Rec(r["addr"], r["size"]) for r in self.trace if r["type"] == "alloc" and r.get("kind") == "device"]
@@ -61,7 +61,7 @@ class Job:
         monkeypatch.setattr(executor_mod, "_current", None)
         self.agent = agent = Agent(0)
         share = {"fraction": fraction} if budget is None else {"budget": budget}  # budget: bytes instead
-        executor_mod.attach(agent, {**share, "prepin": False, "fast": fast, "lookahead": lookahead})
+        executor_mod.attach(agent, {**share, "prepin": False, "fast": fast, "lookahead": lookahead, "plan": plan})
         self.upcalls = AgentUpcalls(self.core, agent, dict(NAMES))
         lib = self.core.lib
         for r in self.trace:  # the program's allocations first (the core sees the owned records' maps)
@@ -221,6 +221,54 @@ def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_p
         assert s0["prefetches"] > 0 and min(acting[3:]) > 0
         assert all(step.count(False) <= 3 * a for step, a in zip(steps[3:], acting[3:]))
         assert sum(s.count(True) for s in steps[3:]) > 0
+
+
+def test_under_the_time_plan_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_path, monkeypatch):
+    """The CuPy suite's recorded step under the time plan, every sampled operation taking the same
+    GPU time (so that which operations are sampled changes no duration): the same decisions with
+    the fast path off and on, none of them late, and far fewer calls; every duration sample
+    closed at the operation after it (none spans operations that went by)."""
+    from test_engine import FakeOps
+
+    monkeypatch.setattr(FakeOps, "elapsed_ms", lambda self, start, end: 1e-4)  # 0.1 µs: no copy hides behind it
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    runs = {}
+    for fast in (False, True):
+        d = tmp_path / f"fast{int(fast)}"
+        d.mkdir()
+        job = Job(library, d, monkeypatch, fast, plan="time")
+        ex = job.ex
+        sample_end = ex._sample_end
+        spans: list[int] = []
+
+        def closing(stream, ex=ex, job=job, spans=spans, sample_end=sample_end):
+            if ex._open is not None:
+                spans.append(len(job.ops_fast))  # the operation that closes it
+            sample_end(stream)
+
+        monkeypatch.setattr(ex, "_sample_end", closing)
+        opened: list[int] = []
+        sample_start = ex._sample_start
+
+        def opening(stream, ex=ex, job=job, opened=opened, sample_start=sample_start):
+            sample_start(stream)
+            if ex._open is not None:
+                opened.append(len(job.ops_fast))
+
+        monkeypatch.setattr(ex, "_sample_start", opening)
+        for _ in range(STEPS):
+            job.step()
+        runs[fast] = (job, job.end(), opened, spans)
+    (slow, s0, _, _), (fast, s1, opened, closed) = runs[False], runs[True]
+    assert s0["plan"] == s1["plan"] == "time" and s1["fast"]["on"]
+    assert fast.ex.policy._dur_n > 0 and fast.ex.counts["samples"] > 0  # the walk ran on measured durations
+    assert fast.decisions == slow.decisions
+    assert policy_state(fast.ex) == policy_state(slow.ex)
+    assert s1["fast"]["late"] == 0
+    assert s1["prefetches"] > 0 and s0["prefetches"] == s1["prefetches"]
+    assert 0 < sum(fast.ops_fast) and fast.hook_upcalls() < slow.hook_upcalls()
+    # a sample opened at operation i (counted before it ran) is closed by the next operation
+    assert all(c == o + 1 for o, c in zip(opened, closed)), list(zip(opened, closed))[:10]
 
 
 def test_an_operation_on_a_record_being_evicted_always_calls(library, tmp_path, monkeypatch):

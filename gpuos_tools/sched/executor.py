@@ -653,18 +653,24 @@ class Executor(AgentHooks):
         plan, the decision of a launch prefetches the working sets of the ``lookahead`` launches
         after it and evicts only for a record not resident (or over the budget); so, with d the
         first predicted launch whose working set is unknown or not all resident, the d - 1 -
-        lookahead launches before the one that prefetches for it. 0 (every decision calls) under
-        the time plan (its walk reaches a whole period) or proactive eviction, while digests of
-        conservative kernels are kept (their launches must drop them), without a period, or above
-        the budget. A launch off the period is caught by ``fast_replay`` (a late action)."""
+        lookahead launches before the one that prefetches for it. Under the time plan a decision
+        walks its first max(lookahead, 1) launches and stops at the first launch after them that
+        needs nothing (nothing queued, nothing missing: its copies take no time), so one launch
+        more than the count plan's must be resident; and while a duration sample is open, 0 (the
+        next operation closes it: ``_sample_end``). 0 (every decision calls) under proactive
+        eviction, while digests of conservative kernels are kept (their launches must drop them),
+        without a period, or above the budget. A launch off the period is caught by
+        ``fast_replay`` (a late action)."""
         pol, eng = self.policy, self.engine
-        if pol.plan != "count" or pol.proactive or (eng.conservative and eng.digests):
+        if pol.proactive or (eng.conservative and eng.digests):
+            return 0
+        if pol.plan == "time" and self._open is not None:
             return 0
         per = pol.period
         p = per.known
         if p is None or pol.used > pol.last_budget:
             return 0
-        ahead = pol.lookahead
+        ahead = pol.lookahead if pol.plan == "count" else max(pol.lookahead, 1) + 1
         res, sets = pol.resident, pol._sets
         # the predicted keys without predicting: while a period holds, the key of launch i is
         # the key of launch i - p, so one period's keys, taken once per period learned (as the
