@@ -171,13 +171,39 @@ int cuStreamCreate(void **stream, unsigned flags) {
 
 int cuStreamDestroy_v2(void *stream) { return stream ? OK : INVALID_VALUE; }
 
+static void *last_module;
+
 int cuModuleLoadData(void **module, const void *image) {
     if (!module || !image) return INVALID_VALUE;
     *module = (void *)(uintptr_t)__atomic_add_fetch(&next_handle_id, 0x10, __ATOMIC_RELAXED);
+    __atomic_store_n(&last_module, *module, __ATOMIC_RELAXED);
     return OK;
 }
 
 int cuModuleUnload(void *module) { return module ? OK : INVALID_VALUE; }
+
+/* a module's function fake_kernel_<hex> is the handle <hex>; every module has one 8-byte
+   variable of any name, at an address that depends on the module */
+int cuModuleGetFunction(void **f, void *module, const char *name) {
+    if (!f || !module || !name || strncmp(name, "fake_kernel_", 12)) return INVALID_VALUE;
+    *f = (void *)(uintptr_t)strtoull(name + 12, NULL, 16);
+    return OK;
+}
+
+/* the handle 0x100010 is a kernel of the last module loaded (a library's, handed out unseen, as
+   cuFFT's are); of the others the driver cannot say */
+int cuFuncGetModule(void **module, void *f) {
+    if (!module || (uintptr_t)f != 0x100010 || !last_module) return INVALID_VALUE;
+    *module = __atomic_load_n(&last_module, __ATOMIC_RELAXED);
+    return OK;
+}
+
+int cuModuleGetGlobal_v2(uint64_t *dptr, size_t *bytes, void *module, const char *name) {
+    if (!module || !name) return INVALID_VALUE;
+    if (dptr) *dptr = 0x7e0000000000ull + 0x10 * (uint64_t)(uintptr_t)module;
+    if (bytes) *bytes = 8;
+    return OK;
+}
 
 /* name, the version that introduced this answer, per-thread-stream variant, the function */
 typedef struct { const char *name; int since, ptds; void *fn; } proc_t;
@@ -203,6 +229,9 @@ static const proc_t procs[] = {
     {"cuMemAddressReserve", 10020, 0, (void *)cuMemAddressReserve},
     {"cuMemAddressFree", 10020, 0, (void *)cuMemAddressFree},
     {"cuFuncGetName", 12030, 0, (void *)cuFuncGetName},
+    {"cuModuleGetFunction", 2000, 0, (void *)cuModuleGetFunction},
+    {"cuFuncGetModule", 11000, 0, (void *)cuFuncGetModule},
+    {"cuModuleGetGlobal", 3020, 0, (void *)cuModuleGetGlobal_v2},
     {"cuStreamDestroy", 4000, 0, (void *)cuStreamDestroy_v2},
     {"cuGetProcAddress", 11030, 0, (void *)getproc_v1},
     {"cuGetProcAddress", 12000, 0, (void *)getproc_v2},

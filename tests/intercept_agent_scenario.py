@@ -19,6 +19,8 @@ C = ctypes
 PROTOS = {
     "cuStreamCreate": (C.POINTER(C.c_void_p), C.c_uint),
     "cuModuleLoadData": (C.POINTER(C.c_void_p), C.c_void_p),
+    "cuModuleGetFunction": (C.POINTER(C.c_void_p), C.c_void_p, C.c_char_p),
+    "cuModuleGetGlobal_v2": (C.POINTER(C.c_uint64), C.c_void_p, C.c_void_p, C.c_char_p),
     "cuMemAlloc_v2": (C.POINTER(C.c_uint64), C.c_size_t),
     "cuMemcpyHtoD_v2": (C.c_uint64, C.c_void_p, C.c_size_t),
     "cuLaunchKernel": (C.c_void_p, C.c_uint, C.c_uint, C.c_uint, C.c_uint, C.c_uint, C.c_uint, C.c_uint,
@@ -59,6 +61,15 @@ def scenario(api: Api, agent: Any, core: Any) -> dict[str, Any]:
     module = C.c_void_p()
     image = C.create_string_buffer(PTX)
     _ok(api.fn("cuModuleLoadData", "direct")(C.pointer(module), image), "cuModuleLoadData")
+    # where one of the module's kernels and its variable are (the variable's size not asked, as
+    # cuFFT does); the other kernel the tracer finds the module of by asking the driver
+    func = C.c_void_p()
+    _ok(api.fn("cuModuleGetFunction", "direct")(C.pointer(func), module, C.create_string_buffer(b"fake_kernel_100020")),
+        "cuModuleGetFunction")
+    assert func.value == F2
+    variable = C.c_uint64()
+    _ok(api.fn("cuModuleGetGlobal_v2", "getproc")(C.pointer(variable), None, module, C.create_string_buffer(b"table")),
+        "cuModuleGetGlobal_v2")
     before_alloc = core.context()  # owned memory makes no allocation the core sees
     a, b = C.c_uint64(), C.c_uint64()
     _ok(api.fn("cuMemAlloc_v2", "dlsym")(C.pointer(a), 1 << 20), "cuMemAlloc_v2")
@@ -67,6 +78,8 @@ def scenario(api: Api, agent: Any, core: Any) -> dict[str, Any]:
         agent._take_dirty()
     table = C.create_string_buffer(a.value.to_bytes(8, "little") + (a.value + 4096).to_bytes(8, "little"), 16)
     _ok(api.fn("cuMemcpyHtoD_v2", "getproc")(b.value, table, 16), "cuMemcpyHtoD_v2")  # a pointer array
+    stored = C.create_string_buffer(a.value.to_bytes(8, "little"), 8)
+    _ok(api.fn("cuMemcpyHtoD_v2", "dlsym")(variable.value, stored, 8), "cuMemcpyHtoD_v2")  # a's address, into it
     s = stream.value
     launch(api, "cuLaunchKernel", "direct", F1, s, [a.value, b.value])
     launch(api, "cuLaunchKernel", "getproc", F2, 0, [b.value, 7])
@@ -111,6 +124,6 @@ def scenario(api: Api, agent: Any, core: Any) -> dict[str, Any]:
     counters = core.counters()
     for timing in ("enter_ns", "upcall_ns", "gil_aware"):
         counters.pop(timing)
-    return {"addresses": [a.value, b.value, s], "first_launch_access": first, "dirty": sorted(dirty or []),
+    return {"addresses": [a.value, b.value, s], "variable": variable.value, "first_launch_access": first, "dirty": sorted(dirty or []),
             "dirty_known": dirty is not None, "protects": protects, "live": live, "counters": counters,
             "context": core.context(), "context_before_alloc": before_alloc, "streams": sorted(core.streams())}

@@ -50,6 +50,8 @@ def params(*fields):
 PARAMS = {
     "cuStreamCreate": params(U64, U32),
     "cuModuleLoadData": params(U64, U64),
+    "cuModuleGetFunction": params(U64, U64, U64),
+    "cuModuleGetGlobal_v2": params(U64, U64, U64, U64),
     "cuMemAlloc_v2": params(U64, C.c_size_t),
     "cuMemcpyHtoD_v2": params(U64, U64, C.c_size_t),
     "cuLaunchKernel": params(U64, U32, U32, U32, U32, U32, U32, U32, U64, U64, U64),

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpuos_tools import cbuild
+from gpuos_tools.access.predict import Predictor
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection import core as core_mod
 from gpuos_tools.injection import intercept
@@ -127,6 +128,34 @@ def test_the_interposer_agent_ships_the_records_the_cupti_agent_does(both):
     assert copy["dir"] == "HtoD" and bytes.fromhex(copy["data"])[:8] == a.to_bytes(8, "little")
     module = next(r for r in got if r["type"] == "module")
     assert module["format"] == "ptx" and module["size"] > 0
+
+
+def test_module_variables_are_traced_and_their_pointers_followed(both):
+    """The scenario locates one kernel of its module and a variable (without its size), and
+    stores a's address in the variable; the driver says which module the other kernel, launched
+    first, came from. Each kernel of the module reads a through the variable."""
+    got = [strip(r) for r in both["records"][1:-1]]
+    symbols = [r for r in got if r["type"] == "symbol"]
+    parent = symbols[0]["parent"]
+    assert symbols == [
+        {"type": "symbol", "api": "cuModuleGetFunction", "of": "function", "name": "fake_kernel_100020",
+         "parent": parent, "func": 0x100020},
+        {"type": "symbol", "api": "cuModuleGetGlobal_v2", "of": "variable", "name": "table", "parent": parent,
+         "addr": both["state"]["variable"]},
+        {"type": "symbol", "api": "cuFuncGetModule", "of": "function", "name": "fake_kernel_100010",
+         "parent": parent, "func": 0x100010},
+    ]
+    a, b, _ = both["state"]["addresses"]
+    pred = Predictor("range")
+    accesses = [acc for r in both["records"] if (acc := pred.feed(r)) is not None]
+    copy_into = next(acc for acc in accesses if acc["of"] == "memcpy" and not acc["writes"])
+    assert not copy_into["unknown"]  # the driver's memory, known by name
+    launches = [acc for acc in accesses if acc["of"] == "launch"]
+    ids = {r["addr"]: r["id"] for r in both["records"] if r["type"] == "alloc"}
+    ptsz = launches[2]  # fake_kernel_100010 on a + 64: only the variable reaches a's start
+    assert {"alloc": ids[a], "offset": 0, "size": 1 << 20, "how": "scan:untyped,variable:table"} in ptsz["reads"]
+    other = launches[1]  # fake_kernel_100020 on b
+    assert {"alloc": ids[a], "offset": 0, "size": 1 << 20, "how": "stored,variable:table"} in other["reads"]
 
 
 def test_the_core_ends_in_the_same_state_under_both_front_ends(both):

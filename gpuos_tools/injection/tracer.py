@@ -111,6 +111,18 @@ def _param_info(func: int) -> tuple[tuple | None, str]:
     return None, "none"
 
 
+def _module_of(func: int) -> int:
+    """The module holding a function, asked of the driver (0 when it cannot tell: a library's
+    kernel handle)."""
+    try:
+        from cuda.bindings import driver as drv
+
+        err, module = drv.cuFuncGetModule(drv.CUfunction(func))
+    except Exception:  # noqa: BLE001 - never lose the launch over it
+        return 0
+    return int(module) if err == drv.CUresult.CUDA_SUCCESS else 0
+
+
 def _nvinfo_layout(name: str) -> tuple | None:
     from gpuos_tools.cuda import elf  # pyelftools: loaded into the program only when a layout is read
 
@@ -153,6 +165,9 @@ def _learn(func: int, cbdata) -> tuple | None:
         layout = _nvinfo_layout(name)
         source = "nv.info" if layout is not None else "none"
     _append((wire.FUNC, func, name, source, layout))
+    module = _module_of(func)
+    if module:  # which module's variables the function reads (libraries hand out functions unseen)
+        _append((wire.SYMBOL, _now(), _tid(), wire.ASKED, "function", func, module, 0, -1, name))
     if layout is None:
         entry = None
     else:
@@ -428,6 +443,30 @@ def _library_load(cbid: int, cbdata) -> None:
     _append((wire.LIBRARY, _now(), _tid(), cbid, fmt, size, ptx))
 
 
+def _symbol_handler(variable: bool):
+    """cuModuleGetGlobal/cuLibraryGetGlobal (variable: dptr*, bytes*, parent, name) and
+    cuModuleGetFunction/cuLibraryGetKernel (handle*, parent, name), at their exit."""
+    def handler(cbid: int, cbdata) -> None:
+        site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
+        if site == _ENTER or _result(rp):
+            return
+        if variable:
+            dptr_p, size_p, parent, name_p = _Q4(_MEM, pp)
+            addr = _U64(_MEM, dptr_p)[0] if dptr_p else 0
+            size = _U64(_MEM, size_p)[0] if size_p else -1
+            _append((wire.SYMBOL, _now(), _tid(), cbid, "variable", 0, parent, addr, size, _cstring(name_p)))
+        else:
+            handle_p, parent, name_p = _Q3(_MEM, pp)
+            handle = _U64(_MEM, handle_p)[0] if handle_p else 0
+            _append((wire.SYMBOL, _now(), _tid(), cbid, "function", handle, parent, 0, -1, _cstring(name_p)))
+
+    return handler
+
+
+def _cstring(addr: int) -> str:
+    return ctypes.string_at(addr).decode(errors="replace") if addr else ""
+
+
 def _resource(cbid: int, cbdata) -> None:
     ptr = cbdata.ptr
     if cbid == 6:  # MODULE_LOADED
@@ -519,6 +558,10 @@ _DRIVER_APIS: dict[str, tuple[object, int]] = {
     "cuModuleLoadData": (_library_load, binary.KIND_LIBRARY),
     "cuModuleLoadDataEx": (_library_load, binary.KIND_LIBRARY),
     "cuLibraryLoadData": (_library_load, binary.KIND_LIBRARY),
+    "cuModuleGetGlobal_v2": (_symbol_handler(True), binary.KIND_VARIABLE),
+    "cuLibraryGetGlobal": (_symbol_handler(True), binary.KIND_VARIABLE),
+    "cuModuleGetFunction": (_symbol_handler(False), binary.KIND_FUNCTION),
+    "cuLibraryGetKernel": (_symbol_handler(False), binary.KIND_FUNCTION),
 }
 _VARIANTS = ("", "_ptsz", "_ptds")
 

@@ -15,9 +15,11 @@ KIND_ALLOC, KIND_MAP = 10, 16
 KIND_FREE, KIND_FREE_ASYNC, KIND_FREE_HOST, KIND_UNMAP = 20, 21, 22, 23
 KIND_COPY, KIND_COPY2D, KIND_COPY2D_ASYNC = 32, 56, 57
 KIND_SET, KIND_LIBRARY = 64, 80
+KIND_VARIABLE, KIND_FUNCTION = 84, 85
 KIND_CAPTURE_BEGIN, KIND_CAPTURE_END, KIND_INSTANTIATE = 90, 91, 92
 GRAPH_OPS = ("capture_begin", "capture_end", "instantiate")
 
+SYMBOLS = ("variable", "function")
 ALLOC_KINDS = ("device", "pitch", "managed", "async", "pool", "host", "vmm")
 COPY_DIRS = ("default", "HtoD", "DtoH", "DtoD", "peer", "HtoH")
 _DIR_CODE = {name: i for i, name in enumerate(COPY_DIRS)}
@@ -99,6 +101,11 @@ def parse_records(data: bytes, check_pointers: bool = False) -> list[tuple]:
             append((wire.GRAPHOP, ts, tid, cbid, GRAPH_OPS[op], a, b))
         elif tag == 15:
             append((wire.ERROR, ts, data[body : pos + length].decode(errors="replace")))
+        elif tag == 16:
+            what, handle, parent, addr, size, name_len = _U64[6].unpack_from(data, body)
+            name = data[body + 48 : body + 48 + name_len].decode(errors="replace")
+            append((wire.SYMBOL, ts, tid, cbid, SYMBOLS[what], handle, parent, addr,
+                    -1 if size == _ALL_ONES else size, name))
         elif tag == 12:
             fmt, size, ptx_len = _U64[3].unpack_from(data, body)
             ptx = data[body + 24 : body + 24 + ptx_len] if ptx_len else None

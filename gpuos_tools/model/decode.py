@@ -190,6 +190,19 @@ class Decoder:
         _, ts, tid, body = item
         return {"type": "validation", "ts": ts, "tid": tid, "seq": self.seq, **body}
 
+    def _symbol(self, item: tuple) -> dict[str, Any]:
+        _, ts, tid, cbid, what, handle, parent, addr, size, name = item
+        api = wire.ASKED_API if cbid == wire.ASKED else self.api(cbid)
+        rec: dict[str, Any] = {"type": "symbol", "ts": ts, "tid": tid, "api": api, "of": what,
+                               "name": name, "parent": parent}
+        if what == "variable":
+            rec["addr"] = addr
+            if size >= 0:
+                rec["bytes"] = size
+        else:
+            rec["func"] = handle
+        return rec
+
     def _end(self, item: tuple) -> None:
         self.end = dict(item[2])
 
@@ -212,4 +225,5 @@ _HANDLERS = {
     wire.END: Decoder._end,
     wire.VALID: Decoder._valid,
     wire.GRAPHOP: Decoder._graphop,
+    wire.SYMBOL: Decoder._symbol,
 }

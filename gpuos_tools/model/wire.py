@@ -30,6 +30,10 @@ LIBRARY (12, ts, tid, cbid, image bytes or None)
 VALID   (13, ts, tid, {validation record body}) right after the LAUNCH it checked (--validate)
 GRAPHOP (14, ts, tid, cbid, op, a, b): op "capture_begin" (a = stream), "capture_end" (a = stream,
         b = graph), "instantiate" (a = graph, b = executable graph)
+SYMBOL  (15, ts, tid, cbid, what, handle, parent, addr, size or -1, name): a module's (or library's)
+        variable (what "variable": addr, size; -1 when the caller did not ask for it) or function
+        ("function": handle, what launches name) looked up by name in ``parent``; cbid ASKED: the
+        tracer asked the driver which module holds a function it saw launched (cuFuncGetModule)
 
 ``args`` is every parameter's bytes concatenated in ordinal order (sizes from the FUNC layout);
 ``stream`` is the raw CUstream handle (0: legacy default stream, 2: per-thread default).
@@ -42,7 +46,11 @@ import os
 import struct
 from collections.abc import Iterator
 
-HELLO, LAUNCH, FUNC, ALLOC, FREE, COPY, SET, MODULE, STREAM, GRAPH, ERROR, END, LIBRARY, VALID, GRAPHOP = range(15)
+HELLO, LAUNCH, FUNC, ALLOC, FREE, COPY, SET, MODULE, STREAM, GRAPH, ERROR, END, LIBRARY, VALID, GRAPHOP, SYMBOL = range(16)
+
+#: the cbid of a record of what the tracer asked the driver itself, not a call of the program's
+ASKED = 0xFFFFFFFF
+ASKED_API = "cuFuncGetModule"
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 1 << 31

@@ -334,6 +334,20 @@ LIBRARY = RecordType(
     ),
 )
 
+SYMBOL = RecordType(
+    "symbol", "the program looked up a module's (or library's) variable or function by name; a "
+    "kernel reads its module's variables, which is how pointers stored in them are followed.",
+    (
+        *_common(),
+        Field("of", Str(("variable", "function")), required=True),
+        Field("name", NAME, required=True),
+        Field("parent", HANDLE, "the module or library it was looked up in", required=True),
+        Field("addr", ADDR, "variable: its device address"),
+        Field("bytes", BYTES, "variable: its size, when the program asked for it"),
+        Field("func", HANDLE, "function: the handle launches name"),
+    ),
+)
+
 STREAM = RecordType(
     "stream", "a stream created or destroyed.",
     (
@@ -483,7 +497,7 @@ IO = RecordType(
     ),
 )
 
-TRACE_TYPES = (ALLOC, FREE, LAUNCH, MEMCPY, MEMSET, MODULE, LIBRARY, STREAM, GRAPH_LAUNCH, GRAPH, VALIDATION,
+TRACE_TYPES = (ALLOC, FREE, LAUNCH, MEMCPY, MEMSET, MODULE, LIBRARY, SYMBOL, STREAM, GRAPH_LAUNCH, GRAPH, VALIDATION,
                ERROR, EXIT)
 
 #: Every type a reader checks.

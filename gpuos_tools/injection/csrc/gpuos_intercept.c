@@ -209,6 +209,14 @@ static const char *const route_names[NROUTES] = {"direct", "dlsym", "getproc"};
       (CUmodule * m, const void *img), (m, img), NOKERNEL)                                         \
     X(MODULE_UNLOAD, cuModuleUnload, "cuModuleUnload", 2000, (CUmodule m), (m), NOKERNEL)          \
     X(LIBRARY_UNLOAD, cuLibraryUnload, "cuLibraryUnload", 12000, (CUlibrary l), (l), NOKERNEL)     \
+    X(MODULE_GET_GLOBAL, cuModuleGetGlobal_v2, "cuModuleGetGlobal", 3020,                         \
+      (CUdeviceptr * p, size_t * n, CUmodule m, const char *name), (p, n, m, name), NOKERNEL)      \
+    X(MODULE_GET_FUNCTION, cuModuleGetFunction, "cuModuleGetFunction", 2000,                       \
+      (CUfunction * f, CUmodule m, const char *name), (f, m, name), NOKERNEL)                      \
+    X(LIBRARY_GET_GLOBAL, cuLibraryGetGlobal, "cuLibraryGetGlobal", 12000,                         \
+      (CUdeviceptr * p, size_t * n, CUlibrary l, const char *name), (p, n, l, name), NOKERNEL)     \
+    X(LIBRARY_GET_KERNEL, cuLibraryGetKernel, "cuLibraryGetKernel", 12000,                         \
+      (void **k, CUlibrary l, const char *name), (k, l, name), NOKERNEL)                           \
     X(EXPORT_TABLE, cuGetExportTable, "cuGetExportTable", 3000, (const void **t, const void *id),  \
       (t, id), NOKERNEL)                                                                           \
     X(INIT, cuInit, "cuInit", 2000, (unsigned fl), (fl), NOKERNEL)

@@ -35,6 +35,7 @@ typedef int (*pointer_attr_t)(void *, int, uint64_t);
 typedef int (*is_capturing_t)(void *, int *);
 typedef int (*name_of_t)(const char **, void *);
 typedef int (*ctx_current_t)(void **);
+typedef int (*func_module_t)(void **, void *);
 
 /* ---- handler kinds (tracer.py KIND_* constants) */
 enum {
@@ -46,12 +47,13 @@ enum {
     K_COPY2D = 56, K_COPY2D_ASYNC = 57,
     K_SET = 64, /* | elem code << 2 | 2d << 1 | stream; elem code 0:1 1:2 2:4 bytes */
     K_LIBRARY = 80,
+    K_VARIABLE = 84, K_FUNCTION = 85, /* a module's variable or function looked up by name */
     K_CAPTURE_BEGIN = 90, K_CAPTURE_END = 91, K_INSTANTIATE = 92,
 };
 
 /* ---- record tags (parse_records in native.py) */
 enum { R_LAUNCH = 1, R_FUNC = 2, R_ALLOC = 3, R_FREE = 4, R_COPY = 5, R_SET = 6, R_MODULE = 7,
-       R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12, R_GRAPHOP = 14, R_ERROR = 15 };
+       R_STREAM = 8, R_GRAPH = 9, R_LIBRARY = 12, R_GRAPHOP = 14, R_ERROR = 15, R_SYMBOL = 16 };
 
 #define MAX_CBID 4096
 #define SMALL_COPY 4096 /* bytes of a host-to-device copy kept in its record */
@@ -62,6 +64,7 @@ static pointer_attr_t p_pointer_attr;
 static is_capturing_t p_is_capturing;
 static name_of_t p_func_name, p_kernel_name;
 static ctx_current_t p_ctx_current;
+static func_module_t p_func_module;
 static int out_fd = -1, check_pointers, flush_us = 20000, running;
 static void (*on_gone)(void);
 static pthread_t writer_thread;
@@ -176,6 +179,17 @@ static layout_t *learn(void *func, const char *name) {
             memcpy(p + 28 + i * 8, &l->sizes[i], 4);
         }
         memcpy(p + 24 + (size_t)l->n * 8, name, name_len);
+    }
+    /* the module holding it (whose variables it reads): a SYMBOL of what we asked the driver
+       (cbid all ones); a library's kernel handle has none */
+    void *module = NULL;
+    if (p_func_module && p_func_module(&module, func) == 0 && module) {
+        char *q = begin(R_SYMBOL, 0xFFFFFFFFu, 48 + name_len);
+        if (q) {
+            uint64_t v[6] = {1, (uint64_t)(uintptr_t)func, (uint64_t)(uintptr_t)module, 0, ~0ull, name_len};
+            memcpy(q, v, 48);
+            memcpy(q + 48, name, name_len);
+        }
     }
     uint32_t b = (uint32_t)(((uintptr_t)func >> 4) % NBUCKETS);
     l->next = buckets[b];
@@ -340,6 +354,26 @@ static void on_driver(uint32_t cbid, const void *params, uint32_t result, const 
         return;
     }
     if (result) return; /* failed calls allocate, free or copy nothing */
+    if (kind == K_VARIABLE || kind == K_FUNCTION) {
+        /* SYMBOL: u64 what (0 variable 1 function), handle, parent (module or library), addr,
+           size (all ones: not asked for), name length, then the name. The calls' parameters:
+           variable (CUdeviceptr *, size_t *, parent, name), function (handle *, parent, name) */
+        int var = kind == K_VARIABLE;
+        const char *name = (const char *)(uintptr_t)q[var ? 3 : 2];
+        uint64_t v[6] = {var ? 0 : 1, 0, q[var ? 2 : 1], 0, ~0ull, 0};
+        if (var) {
+            if (q[0]) v[3] = *(const uint64_t *)(uintptr_t)q[0];
+            if (q[1]) v[4] = *(const uint64_t *)(uintptr_t)q[1];
+        } else if (q[0]) {
+            v[1] = *(const uint64_t *)(uintptr_t)q[0];
+        }
+        v[5] = name ? strnlen(name, 4096) : 0;
+        char *p = begin(R_SYMBOL, cbid, 48 + v[5]);
+        if (!p) return;
+        memcpy(p, v, 48);
+        if (v[5]) memcpy(p + 48, name, v[5]);
+        return;
+    }
     if (kind == K_GRAPH) { uint64_t v[2] = {q[0], q[1]}; put_u64s(R_GRAPH, cbid, v, 2); return; }
     /* GRAPHOP: u64 op (0 capture begin, 1 capture end, 2 instantiate), a, b:
        begin (stream, 0); end (stream, graph); instantiate (graph, exec) */
@@ -693,6 +727,7 @@ void rec_resolve(rec_lookup_fn lookup) {
     p_func_name = (name_of_t)lookup("cuFuncGetName");
     p_kernel_name = (name_of_t)lookup("cuKernelGetName");
     p_ctx_current = (ctx_current_t)lookup("cuCtxGetCurrent");
+    p_func_module = (func_module_t)lookup("cuFuncGetModule");
 #ifdef GPUOS_AGENT
     core_set_capture_query(trace_is_capturing);
 #endif
