@@ -73,6 +73,7 @@ class FakeDevice:
         self.launches = 0
         self.loaded: list[bytes] = []  # modules loaded now
         self.state = 0  # a counter kernels may use to be nondeterministic
+        self.variables: dict[str, bytes] = {}  # the loaded module's variables, as set
 
     # -- Device
     def reserve(self, addr: int, size: int) -> int:
@@ -118,6 +119,11 @@ class FakeDevice:
 
     def unload(self, module) -> None:
         self.loaded.remove(module)
+        self.variables.clear()
+
+    def set_variable(self, module, name: str, data: bytes) -> None:
+        assert module in self.loaded
+        self.variables[name] = bytes(data)
 
     def launch(self, fn, grid, block, shared, params):
         self.launches += 1
@@ -200,5 +206,14 @@ def asserting(dev: FakeDevice, params) -> None:
     raise AssertionError("device-side assert")
 
 
+def lut_copy(dev: FakeDevice, params) -> None:
+    """y[i] = table[i] for i < n, the table's address read from the module variable ``lut`` (zero,
+    as a module starts, unless set): params (y, n)."""
+    table = ptr(dev.variables.get("lut", bytes(8)))
+    y, n = ptr(params[0]), i32(params[1])
+    dev.store(y, dev.fetch(table, 4 * n))
+
+
 KERNELS = {f.__name__: f for f in (copy, copy_and_spill, sum_past, far_read, scribble_input, stamp, asserting)}
+KERNELS["_Z8lut_copyPfi"] = lut_copy  # void lut_copy(float*, int)
 KERNELS["_Z4copyIfEvPKT_PS0_i"] = copy  # void copy<float>(const float*, float*, int), as a program names it

@@ -22,6 +22,7 @@ from helpers import REPO, child_env
 
 from gpuos_tools.agent.offload import Link, OffloadValidator, regions_of, validator_command
 from gpuos_tools.agent.validate import CudaFailure
+from gpuos_tools.model import wire
 
 HERE = Path(__file__).resolve().parent
 X, Y, Z = 0x7F0000000000, 0x7F0000010000, 0x7F0000020000
@@ -162,6 +163,36 @@ def test_a_sampled_launch_is_copied_out_replayed_and_validated(validator):
     assert len(list(v.dir.glob("*.image"))) == 1
     launch(v, tid=2)
     assert len(list(v.dir.glob("*.image"))) == 1 and v.link.starts == 1  # one image file, one validator
+
+
+LUT_COPY, LUT_VAR, MODULE, FUNC = "_Z8lut_copyPfi", 0x7F0000100000, 0x5A000, 0x5A010
+
+
+@pytest.mark.parametrize("size_known", [True, False])
+def test_a_pointer_the_program_stored_in_a_module_variable_is_followed_and_the_variable_staged(validator, size_known):
+    """As cuFFT does: the program locates its module's variable (maybe without its size) and
+    stores a table's address (X) there; the kernel's only parameters are its output and a count.
+    The prediction reads X through the variable, and the validator's module gets the variable's
+    bytes: without either, the replay faults."""
+    v = validator()
+    v.copier.mem[LUT_VAR] = np.frombuffer(X.to_bytes(8, "little"), np.uint8).copy()
+    v.copier.variable_size = lambda api, parent, name: 8 if (api, parent, name) == ("cuModuleGetGlobal_v2", MODULE, "lut") else None
+    v.observe((wire.HELLO, 0, "3.12", None, {5: "cuModuleGetGlobal_v2", 6: "cuMemcpyHtoD_v2"}, {}, "python", "cupti"))
+    v.observe((wire.SYMBOL, 0, 1, 5, "variable", 0, MODULE, LUT_VAR, 8 if size_known else -1, "lut"))
+    v.observe((wire.SYMBOL, 0, 1, wire.ASKED, "function", FUNC, MODULE, 0, -1, LUT_COPY))
+    v.observe((wire.COPY, 0, 1, 6, "HtoD", LUT_VAR, 0, 8, 0, False, None, X.to_bytes(8, "little")))
+    v.enter(1, "cuLaunchKernel", ("cuLaunchKernel", ()), FUNC, LUT_COPY, (8, 4), struct.pack("<Qi", Y, N), GEOMETRY)
+    rec = v.exit(1, 0)
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    assert [X, 4 * N] in rec["predicted"]["reads"]
+    copied = {dev: n for _, dev, n in v.copier.copies[0][1]}
+    assert copied[LUT_VAR] == 8  # the variable, staged with the launch's inputs
+
+    # another function of another module: the variable is not its, nothing reaches X
+    v.enter(2, "cuLaunchKernel", ("cuLaunchKernel", ()), FUNC + 0x10, LUT_COPY, (8, 4), struct.pack("<Qi", Z, N),
+            GEOMETRY)
+    rec = v.exit(2, 0)
+    assert rec["checked"] and rec["reads"] == "missed" and rec["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS", rec
 
 
 def test_a_kernel_the_image_lacks_is_unvalidated(validator):

@@ -20,6 +20,7 @@ from gpuos_tools.access.extents import Decoders
 from gpuos_tools.access.proto import CONST, POINTERS, STRUCT, VALUE, prototype
 from gpuos_tools.access.score import score
 from gpuos_tools.access.templates import Templates
+from gpuos_tools.access.variables import ModuleVariables
 from gpuos_tools.cuda.elf import demangle
 from gpuos_tools.model.allocs import Allocation, AllocTable
 
@@ -33,6 +34,10 @@ UNTYPED = "untyped"
 #: small host-to-device copy, the `data` of a memcpy record).
 STORED = "stored"
 
+#: Basis of a pointer held in a variable of the launched kernel's own module (contents known from
+#: a host-to-device copy into the variable the program located by name).
+VARIABLE = "variable"
+
 #: What each basis means for the memory behind a pointer found in that parameter.
 BASIS_TEXT = {
     CONST: "a pointer to const: read only",
@@ -43,6 +48,7 @@ BASIS_TEXT = {
     "reference": "a reference: direction unknown, read and write assumed",
     UNTYPED: "no parameter types (see the kernel's note): read and write assumed",
     STORED: "stored in device memory an argument points to (copied from the host): read and write assumed",
+    VARIABLE: "stored in a variable of the kernel's module (copied from the host): read and write assumed",
 }
 
 GRAPH_WHY = "the graph's contents were not seen (built without stream capture, or captured before tracing)"
@@ -145,6 +151,8 @@ class Predictor:
         #: allocation id -> [(offset, bytes)]: device memory whose contents came from the host
         self.contents: dict[int, list[tuple[int, bytes]]] = {}
         self.by_id: dict[int, Allocation] = {}  #: live allocations by id (for scoring)
+        #: module variables the program located, and what it wrote into them
+        self.variables = ModuleVariables()
         # A launch's prediction depends only on its kernel and argument bytes while the
         # allocation table and the known pointer arrays stay as they are; training loops repeat
         # the same launches, so predictions are memoized and the memo is dropped on any change.
@@ -192,6 +200,9 @@ class Predictor:
             return self._graph_launch(rec)
         elif kind == "graph":
             self._graph_event(rec)
+        elif kind == "symbol":
+            self.variables.symbol(rec)
+            self.invalidate()
         return None
 
     # -- CUDA graphs: a graph_launch runs the launches captured into its graph ---------------
@@ -428,6 +439,8 @@ class Predictor:
                rec.get("result"), rec.get("layout"), "dptrs" in rec)
         if self.decoders is not None:  # a decoder may check the launch's shape
             key += (tuple(rec.get("grid") or ()), tuple(rec.get("block") or ()))
+        if self.variables and self.variables.of_function(rec.get("func")):
+            key += (rec.get("func"),)  # the same kernel in two loaded modules: two sets of variables
         hit = self._memo.get(key)
         if hit is None:
             hit = self.launch(rec)[0]
@@ -498,6 +511,8 @@ class Predictor:
             _merge(reads, alloc.id, offset, size, how)
             if basis != CONST:
                 _merge(writes, alloc.id, offset, size, how)
+        if self.variables:
+            self._variable_pointers(rec.get("func"), reads, writes, whole)
         out: dict[str, Any] = {"type": "access", "of": "launch", "seq": rec.get("seq"), "kernel": info.kernel}
         if rec.get("captured"):
             out["captured"] = True
@@ -516,11 +531,28 @@ class Predictor:
             out["why"] = "; ".join(why)
         return out, info, found
 
+    def _variable_pointers(self, func: int | None, reads: dict[int, list], writes: dict[int, list],
+                           whole: bool) -> None:
+        """Pointers the host stored in the launched function's module variables."""
+        find = self.allocs.find
+        for var in self.variables.of_function(func):
+            how = f"{VARIABLE}:{var.name}"
+            for word in var.words():
+                alloc = find(word)
+                if alloc is None:
+                    continue
+                offset = 0 if whole else word - alloc.addr
+                size = alloc.size - offset
+                _merge(reads, alloc.id, offset, size, how)
+                _merge(writes, alloc.id, offset, size, how)
+
     # -- copies and memsets -------------------------------------------------------------------
 
     def _range(self, addr: int, extent: int, how: str, into: dict[int, list], why: list[str], device: bool) -> None:
         alloc = self.allocs.find(addr)
         if alloc is None:
+            if device and addr and self.variables.find(addr) is not None:
+                return  # a module variable: the driver's memory, known by name (no allocation's)
             if device and addr:
                 why.append(f"device address {addr:#x} ({how}) in no traced allocation")
             return
@@ -548,9 +580,12 @@ class Predictor:
         if n:
             self._range(rec.get("src") or 0, src_extent, "copy source", reads, why, direction in ("DtoH", "DtoD"))
             self._range(rec.get("dst") or 0, dst_extent, "copy destination", writes, why, direction in ("HtoD", "DtoD"))
+            data = rec.get("data")
             if writes or self.contents:
-                data = rec.get("data")
                 self._known(rec.get("dst") or 0, dst_extent, bytes.fromhex(data) if data else None)
+            if not writes and self.variables and direction != "DtoH":
+                if self.variables.write(rec.get("dst") or 0, dst_extent, bytes.fromhex(data) if data else None):
+                    self.invalidate()
         out = {"type": "access", "of": "memcpy", "index": self._counts["memcpy"],
                "reads": _entries(reads), "writes": _entries(writes), "unknown": bool(why)}  # fmt: skip
         if why:
@@ -570,6 +605,8 @@ class Predictor:
             self._range(rec.get("dst") or 0, extent, "memset", writes, why, True)
             if self.contents:
                 self._known(rec.get("dst") or 0, extent, None)
+            if not writes and self.variables and self.variables.write(rec.get("dst") or 0, extent, None):
+                self.invalidate()
         out = {"type": "access", "of": "memset", "index": self._counts["memset"],
                "reads": [], "writes": _entries(writes), "unknown": bool(why)}  # fmt: skip
         if why:

@@ -276,6 +276,17 @@ class DriverCopier:
         _ok(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
 
     @staticmethod
+    def variable_size(api: str, parent: int, name: str) -> int | None:
+        """The size of a module (or library) variable the program located without asking it."""
+        from cuda.bindings import driver as drv
+
+        if api.startswith("cuLibraryGetGlobal"):
+            err, _, size = drv.cuLibraryGetGlobal(drv.CUlibrary(parent), name.encode())
+        else:
+            err, _, size = drv.cuModuleGetGlobal(drv.CUmodule(parent), name.encode())
+        return int(size) if err == drv.CUresult.CUDA_SUCCESS else None
+
+    @staticmethod
     def bus_id() -> str:
         from cuda.bindings import driver as drv
 
@@ -401,6 +412,7 @@ class OffloadValidator(Validator):
         self.lost: dict[str, int] = {}  #: launches each strategy could not get the addresses of
         self.had: set[str] = set()  #: strategies whose validator got a launch's addresses in this run
         self.retried = 0  #: launches the kept strategy lost that the others tried
+        self._var_sizes: dict[tuple[int, str], int | None] = {}  #: variables' sizes asked of the driver
 
     def _link(self) -> Link:
         if self.link is None:
@@ -491,7 +503,7 @@ class OffloadValidator(Validator):
               args: bytes | None, geometry: tuple | None = None) -> None:
         """Copy the launch's predicted inputs out and hand them to the validator."""
         t0 = time.perf_counter()
-        acc, _info, _found = self.pred.launch(launch_record(kernel, sizes, args))
+        acc, _info, _found = self.pred.launch(launch_record(kernel, sizes, args, func))
         state: dict[str, Any] = {"kernel": kernel, "t0": t0, "reads": self._absolute(acc["reads"]),
                                  "writes": self._absolute(acc["writes"]), "unknown": acc["unknown"]}
         why = self._refusal(state, sizes, args, geometry)
@@ -500,6 +512,7 @@ class OffloadValidator(Validator):
             why = "unvalidated: no module image seen holds the kernel"
         regions = regions_of(state["reads"], state["writes"], self.live())
         total = sum(n for _, n, _ in regions)
+        variables = self._variables(func) if why is None else []
         if why is None and not regions:
             why = ("unvalidated: the prediction names no device memory" if not state["reads"] + state["writes"]
                    else "unvalidated: the prediction names no byte inside a live allocation")
@@ -510,10 +523,15 @@ class OffloadValidator(Validator):
             return
         self.validated += 1
         try:
-            self.staging.ensure(total)
+            self.staging.ensure(total + sum(n for _, _, n in variables))
             staged, copies, off = [], [], 0
             for addr, n, mode in regions:
                 staged.append([addr, n, off, mode])
+                copies.append((self.staging.addr + off, addr, n))
+                off += n
+            staged_vars = []
+            for name, addr, n in variables:  # the module's variables, as they are at the launch
+                staged_vars.append([name, off, n])
                 copies.append((self.staging.addr + off, addr, n))
                 off += n
             self.copier.copy(geometry[4], copies)
@@ -525,6 +543,8 @@ class OffloadValidator(Validator):
                "params": (args or b"").hex(), "sizes": list(sizes or ()), "grid": [gx, gy, gz],
                "block": [bx, by, bz], "shared": shared, "staging": self.staging.path.name,
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
+        if staged_vars:
+            req["variables"] = staged_vars
         try:
             self._link()
             claims = self.claims()
@@ -542,6 +562,25 @@ class OffloadValidator(Validator):
         state["seq"] = req["seq"]
         state["req"] = req
         self.pending[tid] = state
+
+    def _variables(self, func: int) -> list[tuple[str, int, int]]:
+        """(name, address, size) of the located variables of ``func``'s module: the validator's
+        copy of the module starts with its initial values, the program's may hold what the
+        program stored there since (a pointer to a table, a flag)."""
+        out = []
+        for var in self.pred.variables.of_function(func):
+            size = var.size
+            if size is None:
+                key = (var.parent, var.name)
+                if key not in self._var_sizes:
+                    try:
+                        self._var_sizes[key] = self.copier.variable_size(var.api, var.parent, var.name)
+                    except Exception:  # noqa: BLE001 - the driver no longer knows the handle: not staged
+                        self._var_sizes[key] = None
+                size = self._var_sizes[key]
+            if size:
+                out.append((var.name, var.addr, size))
+        return out
 
     def _next_strategy(self, to: int | None = None) -> None:
         self.strategy = self.strategy + 1 if to is None else to

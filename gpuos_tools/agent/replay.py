@@ -130,6 +130,7 @@ class Device(Protocol):
     def download(self, addr: int, size: int) -> np.ndarray: ...
     def load(self, image: bytes, name: str) -> tuple[Any, Any]: ...
     def unload(self, module: Any) -> None: ...
+    def set_variable(self, module: Any, name: str, data: bytes) -> None: ...
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None: ...
 
 
@@ -219,6 +220,14 @@ class CudaDevice:
 
     def unload(self, module: Any) -> None:
         self.drv.cuModuleUnload(module)
+
+    def set_variable(self, module: Any, name: str, data: bytes) -> None:
+        """Write the program's bytes of a module variable into this module's copy of it."""
+        err, addr, size = self.drv.cuModuleGetGlobal(module, name.encode())
+        self._ok((err,), f"cuModuleGetGlobal {name}")
+        n = min(int(size), len(data))
+        if n:
+            self._ok(self.drv.cuMemcpyHtoD(addr, data, n), f"cuMemcpyHtoD {name}")
 
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None:
         """Launch and synchronise: None, or the error's name (the launch's or the kernel's)."""
@@ -425,8 +434,11 @@ class Replayer:
             predicted = self._predicted_mask(spans, regions, total)
             runs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             ro_taken: list[bool] = []
+            variables = [(name, bytes(staging[off : off + n])) for name, off, n in req.get("variables", ())]
             for fill in POISONS:
                 init = self._image(spans, regions, staging, fill, total)
+                for name, data in variables:  # as the program's were at its launch, every run
+                    dev.set_variable(module, name, data)
                 err = self._run(spans, init, fn, req, params, ro_taken)
                 if err is not None:
                     return self._failed(base, err, total)
@@ -434,6 +446,8 @@ class Replayer:
             rec = self._judge(base, spans, req, predicted, runs)
             if rec["reads"] == "missed":
                 init = runs[POISONS[0]][0]
+                for name, data in variables:
+                    dev.set_variable(module, name, data)
                 err = self._run(spans, init, fn, req, params, ro_taken)
                 if err is not None:
                     return self._failed(base, err, total)

@@ -341,7 +341,7 @@ class Validator(ProcessView):
         from cuda.bindings import driver as drv
 
         t0 = time.perf_counter()
-        acc, _info, found = self.pred.launch(launch_record(kernel, sizes, args))
+        acc, _info, found = self.pred.launch(launch_record(kernel, sizes, args, func))
         state: dict[str, Any] = {"kernel": kernel, "func": func, "t0": t0}
         state["reads"] = self._absolute(acc["reads"])
         state["writes"] = self._absolute(acc["writes"])

@@ -14,10 +14,13 @@ from gpuos_tools.model.allocs import Allocation
 DEVICE_KINDS = ("device", "pitch", "managed", "async", "pool", "vmm")
 
 
-def launch_record(kernel: str, sizes: tuple | None, args: bytes | None) -> dict[str, Any]:
+def launch_record(kernel: str, sizes: tuple | None, args: bytes | None, func: int | None = None) -> dict[str, Any]:
     """A launch as gpu-predict-access reads it, from the tracer's parameter sizes and argument
-    bytes (layout none when either is unknown)."""
+    bytes (layout none when either is unknown), and the function handle (which module's
+    variables it reads) when given."""
     rec: dict[str, Any] = {"kernel": kernel, "params": []}
+    if func is not None:
+        rec["func"] = func
     if sizes is None or args is None:
         rec["layout"] = "none"
         return rec
@@ -36,6 +39,7 @@ class ProcessView:
         self.by_id: dict[int, Allocation] = {}
         self.next_id = 1
         self.streams: set[int] = {0}
+        self.apis: dict[int, str] = {}  #: call id -> driver API name (the tracer's HELLO)
 
     def observe(self, item: tuple) -> None:
         """Apply one wire tuple (gpuos_tools/model/wire.py) the tracer is about to ship."""
@@ -62,6 +66,13 @@ class ProcessView:
             self.streams.add(item[8])
         elif tag == wire.STREAM:
             (self.streams.add if item[4] == "create" else self.streams.discard)(item[3])
+        elif tag == wire.SYMBOL:
+            _, _, _, cbid, what, handle, parent, addr, size, name = item
+            api = wire.ASKED_API if cbid == wire.ASKED else self.apis.get(cbid, "")
+            self.pred.feed({"type": "symbol", "api": api, "of": what, "func": handle,
+                            "parent": parent, "addr": addr, "bytes": size if size >= 0 else None, "name": name})
+        elif tag == wire.HELLO:
+            self.apis = dict(item[4])
 
     def on_alloc(self, addr: int, size: int, kind: str) -> None:
         a = self.pred.allocs.add({"id": self.next_id, "addr": addr, "size": size, "kind": kind})

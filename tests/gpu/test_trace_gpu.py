@@ -32,13 +32,13 @@ def gpu_trace(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 BACKENDS = pytest.mark.parametrize("backend", ["native", "python"])
 
 
-def traced(tmp_path: Path, prog: Path, name: str, backend: str, keep_images: bool = False):
+def traced(tmp_path: Path, prog: Path, name: str, backend: str, keep_images: bool = False, args: tuple = ()):
     out = tmp_path / f"{name}.ndjson.zst"
     report = tmp_path / f"{name}.report.json"
     env = os.environ.copy()
     env["GPUOS_TEST_REPORT"] = str(report)
     proc = gpu_trace("run", "--backend", backend, "--check-pointers", "-o", str(out), "--",
-                     sys.executable, str(prog), env=env)
+                     sys.executable, str(prog), *args, env=env)
     assert proc.returncode == 0, proc.stderr
     if backend == "python":  # the recorded fixtures come from the default (native) path
         name += "-python"
@@ -298,3 +298,26 @@ def test_numba_program(tmp_path, backend):
             for i, off, _ in saxpy["dptrs"]}
     assert set(report["pointers"].values()) <= seen
     assert any(r["type"] == "memcpy" and r["dir"] == "HtoD" for r in records)
+
+
+@BACKENDS
+def test_cufft_module_variables_are_traced_and_followed(tmp_path, backend):
+    """cuFFT stores its twiddle table's address in a variable of each JIT-linked module it loads
+    and reads the table through it; it gets its kernels through no public call, so the tracer
+    asks the driver which module holds each kernel it sees launched. The prediction of every
+    cuFFT launch then reads the table through the variable."""
+    pytest.importorskip("cupy")
+    records, _, _ = traced(tmp_path, PROGS / "validator_prog.py", "fft", backend, args=("fft",))
+    from gpuos_tools.access.predict import Predictor
+
+    variables = {r["addr"]: r for r in records if r["type"] == "symbol" and r["of"] == "variable"}
+    assert "lut_sp" in {v["name"] for v in variables.values()}, sorted({r["type"] for r in records})
+    modules = {r["func"]: r["parent"] for r in records if r["type"] == "symbol" and r["of"] == "function"}
+    fft = [r for r in records if r["type"] == "launch" and "fft" in r["kernel"]]
+    assert fft and all(r["func"] in modules for r in fft)
+    stored = [r for r in records if r["type"] == "memcpy" and r["dst"] in variables]
+    assert stored and all(r.get("data") for r in stored)
+    pred = Predictor("range")
+    accs = {acc["seq"]: acc for r in records if (acc := pred.feed(r)) is not None and acc["of"] == "launch"}
+    for r in fft:
+        assert any("variable:lut_sp" in e["how"] for e in accs[r["seq"]]["reads"]), r["kernel"]
