@@ -72,7 +72,7 @@ ORDER = ["steer", "hold", "plain"]
 def make(mode: str = "ok", timeout_s: float = 20.0, fail: bool = False, kernel: str = COPY,
          image: bytes | None = b"cubin") -> OffloadValidator:
     copier = FakeCopier(fail)
-    v = OffloadValidator(samples=3, image_for=lambda name: image, timeout_s=timeout_s, copier=copier,
+    v = OffloadValidator(samples=3, image_for=lambda name, sizes: image, timeout_s=timeout_s, copier=copier,
                          strategies=ORDER)
     v._command = [sys.executable, str(HERE / "fake_validator.py"), str(v.dir), mode]
     for addr in (X, Y, Z):
@@ -373,6 +373,28 @@ def test_the_image_of_a_kernel_is_the_latest_loaded_module_defining_it(monkeypat
     assert tracer._image_for("no_such_kernel") is None
     tracer._cubins.append(newer)
     assert tracer._image_for(name) is newer
+
+
+def test_the_image_of_a_kernel_is_the_one_whose_parameters_match_the_launch(monkeypatch):
+    """CuPy compiles a kernel once per array rank, in modules of their own, under one name: a
+    launch of the 2-D copy after the 1-D one was loaded must get the 2-D module (its array
+    structs are 48 bytes, the 1-D one's 32), or the replay misreads its arguments."""
+    from gpuos_tools.cuda import elf
+    from gpuos_tools.injection import tracer
+
+    cubin = (HERE / "data" / "kernels.sm_90.cubin").read_bytes()
+    name = elf.kernels(cubin)[0]
+    two_d, one_d = cubin, cubin + b"\0" * 8  # the same kernels; their layouts told apart below
+    real = elf.param_layout
+    monkeypatch.setattr(elf, "param_layout", lambda image, kernel: (
+        [(0, 0, 48), (1, 48, 48), (2, 96, 40)] if image is two_d else [(0, 0, 32), (1, 32, 32), (2, 64, 24)])
+        if kernel == name else real(image, kernel))
+    monkeypatch.setattr(tracer, "_cubins", [two_d, one_d])
+    monkeypatch.setattr(tracer, "_kernel_sets", [])
+    assert tracer._image_for(name, (48, 48, 40)) is two_d
+    assert tracer._image_for(name, (32, 32, 24)) is one_d
+    assert tracer._image_for(name) is one_d  # no sizes: the latest
+    assert tracer._image_for(name, (8,)) is None  # no module with that layout
 
 
 def test_a_second_thread_is_not_sampled_while_a_launch_is_out(validator):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+from gpuos_tools.cuda import elf
 from gpuos_tools.model import wire
 from gpuos_tools.model.decode import Decoder
 
@@ -69,3 +71,18 @@ def test_module_images_are_stored_once_by_hash(tmp_path):
     assert a["hash"] == b["hash"] and a["hash"].startswith("sha256:")
     assert (tmp_path / a["file"]).read_bytes() == ptx
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_launch_names_the_module_its_function_came_from_not_a_later_one_of_the_same_name(tmp_path):
+    """CuPy loads one module per array rank, each defining a kernel of the same name: a launch of
+    the 2-D kernel after the 1-D module was loaded still names the 2-D module."""
+    cubin = (Path(__file__).resolve().parent / "data" / "kernels.sm_90.cubin").read_bytes()
+    name = elf.kernels(cubin)[0]
+    dec = Decoder(None)
+    launch = (wire.LAUNCH, 3, 1, 307, 0xF2, 1, 1, 1, 1, 1, 1, 0, 0, None, 0, False)
+    out = list(dec.feed([(wire.MODULE, 1, 1, 1, cubin), (wire.FUNC, 0xF2, name, "none", None), launch,
+                         (wire.MODULE, 2, 1, 2, cubin + b"\0" * 8), (wire.FUNC, 0xF1, name, "none", None),
+                         launch, launch[:4] + (0xF1,) + launch[5:]]))
+    two_d, one_d = out[0]["hash"], out[2]["hash"]
+    assert two_d != one_d
+    assert [r["module"] for r in out if r["type"] == "launch"] == [two_d, two_d, one_d]

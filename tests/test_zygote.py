@@ -174,7 +174,7 @@ def test_the_programs_side_puts_the_zygotes_validators_first_and_falls_back_to_f
 
     z = forked()
     monkeypatch.setattr(zygote, "_current", z)
-    v = t.OffloadValidator(samples=3, image_for=lambda name: b"cubin", timeout_s=20, copier=t.FakeCopier())
+    v = t.OffloadValidator(samples=3, image_for=lambda name, sizes: b"cubin", timeout_s=20, copier=t.FakeCopier())
     try:
         v._command = [sys.executable, str(FAKE), str(v.dir), "ok"]
         for addr in (t.X, t.Y, t.Z):
@@ -205,7 +205,7 @@ def test_a_launch_the_kept_strategy_loses_is_tried_by_the_zygotes_validator(monk
     z = forked()
     monkeypatch.setattr(zygote, "_current", z)
     w = t.X + (1 << 30)
-    v = t.OffloadValidator(samples=3, image_for=lambda name: b"cubin", timeout_s=20, copier=t.FakeCopier())
+    v = t.OffloadValidator(samples=3, image_for=lambda name, sizes: b"cubin", timeout_s=20, copier=t.FakeCopier())
     try:
         v._command = [sys.executable, str(FAKE), str(v.dir), f"taken:bare={t.X:x},whole={w:x}"]
         for addr in (t.X, t.Y, t.Z, w):

@@ -377,7 +377,7 @@ class OffloadValidator(Validator):
     """Sampled launches are copied out and replayed by the validator process (module docstring).
 
     The sampling and the range prediction are the in-process validator's; ``image_for`` maps a
-    kernel's name to the module image (cubin) holding it, or None.
+    kernel's name and parameter sizes to the module image (cubin) holding it, or None.
 
     The validator's address strategy (vaspace.py) is the first of ``strategies`` at first. When
     the validator answers that its driver would not give a launch's addresses although nothing of
@@ -388,12 +388,13 @@ class OffloadValidator(Validator):
     validation record names the strategy that answered (``addresses``) and those that failed
     it first (``address_fallback``); ``addresses()`` sums it up for the run."""
 
-    def __init__(self, samples: int = 3, max_bytes: int = 8 << 30, image_for: Callable[[str], bytes | None] = None,
+    def __init__(self, samples: int = 3, max_bytes: int = 8 << 30,
+                 image_for: Callable[[str, tuple | None], bytes | None] = None,
                  timeout_s: float = TIMEOUT_S, copier: Any = None, command: list[str] | None = None,
                  env: dict[str, str] | None = None, strategies: list[str] | None = None,
                  zygote_ok: bool = True) -> None:
         super().__init__(samples, max_bytes, extents=False)
-        self.image_for = image_for or (lambda name: None)
+        self.image_for = image_for or (lambda name, sizes: None)
         self.copier = copier or DriverCopier()
         self.dir = private_dir()
         self.staging = Staging(self.dir, self.copier.register, self.copier.unregister)
@@ -507,7 +508,7 @@ class OffloadValidator(Validator):
         state: dict[str, Any] = {"kernel": kernel, "t0": t0, "reads": self._absolute(acc["reads"]),
                                  "writes": self._absolute(acc["writes"]), "unknown": acc["unknown"]}
         why = self._refusal(state, sizes, args, geometry)
-        image = self.image_for(kernel) if why is None else None
+        image = self.image_for(kernel, sizes) if why is None else None
         if why is None and image is None:
             why = "unvalidated: no module image seen holds the kernel"
         regions = regions_of(state["reads"], state["writes"], self.live())

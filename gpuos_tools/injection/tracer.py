@@ -140,8 +140,11 @@ _ptx: list[tuple[frozenset[str], bytes]] = []  # modules CUPTI handed as PTX tex
 _PTX_ENTRY = re.compile(rb"\.entry\s+([A-Za-z_$][\w$]*)")
 
 
-def _image_for(name: str) -> bytes | None:
-    """The latest loaded module image (cubin) that defines kernel ``name``, for the validator."""
+def _image_for(name: str, sizes: tuple | None = None) -> bytes | None:
+    """The latest loaded module image (cubin) that defines kernel ``name`` with parameters of
+    ``sizes`` (when given), for the validator. CuPy compiles one module per array rank, each
+    defining a kernel of the same name whose arrays' structs differ in size: the latest module
+    that defines the name may be another rank's."""
     from gpuos_tools.cuda import elf
 
     for i in range(len(_kernel_sets), len(_cubins)):
@@ -151,6 +154,12 @@ def _image_for(name: str) -> bytes | None:
             _kernel_sets.append(frozenset())
     for i in range(len(_kernel_sets) - 1, -1, -1):
         if name in _kernel_sets[i]:
+            if sizes is not None:
+                try:
+                    if tuple(size for _, _, size in elf.param_layout(_cubins[i], name)) != tuple(sizes):
+                        continue
+                except Exception:  # noqa: BLE001 - no layout to compare: take it as it is
+                    pass
             return _cubins[i]
     for entries, text in reversed(_ptx):
         if name in entries:

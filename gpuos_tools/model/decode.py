@@ -54,7 +54,11 @@ class Decoder:
 
     def _func(self, item: tuple) -> None:
         _, func, name, source, layout = item
-        self.funcs[func] = {"name": name, "source": source, "layout": layout}
+        # a function is first seen at its first launch, just after its module was loaded: the
+        # latest module defining its name then is its own (CuPy loads one module per array rank
+        # under the same kernel names, so a later one may define the name too)
+        self.funcs[func] = {"name": name, "source": source, "layout": layout,
+                            "module": self.kernel_module.get(name)}
 
     def _launch(self, item: tuple) -> dict[str, Any]:
         _, ts, tid, cbid, func, gx, gy, gz, bx, by, bz, smem, stream, args, result, captured = item[:16]
@@ -74,7 +78,7 @@ class Decoder:
             "grid": [gx, gy, gz], "block": [bx, by, bz], "smem": smem, "stream": stream,
             "layout": info["source"] if args is not None else "none", "params": params,
         }
-        module = self.kernel_module.get(name)
+        module = info.get("module") or self.kernel_module.get(name)
         if module:
             rec["module"] = module
         if result:
