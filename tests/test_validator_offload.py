@@ -461,9 +461,13 @@ class _Recorder:
         self.calls.append(args)
 
 
-@pytest.mark.parametrize("api, num_attrs", [("cuLaunchKernel", 0), ("cuLaunchKernel_ptsz", 0),
-                                            ("cuLaunchKernelEx", 0), ("cuLaunchKernelEx", 1)])
-def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch, api, num_attrs):
+@pytest.mark.parametrize("api, attrs", [("cuLaunchKernel", ()), ("cuLaunchKernel_ptsz", ()),
+                                        ("cuLaunchKernelEx", ()), ("cuLaunchKernelEx", (4,)),
+                                        ("cuLaunchKernelEx", (6, 8)), ("cuLaunchKernelEx", (6, 2))])
+def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch, api, attrs):
+    """... and whether the replay may drop its launch attributes: programmatic stream
+    serialization (6) and a priority (8) change no result; a cluster (4) or a cooperative launch
+    (2) may."""
     from types import SimpleNamespace
 
     from gpuos_tools.injection import tracer
@@ -477,7 +481,9 @@ def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch,
     kp = (ctypes.c_uint64 * 2)(ctypes.addressof(a), ctypes.addressof(b))
     func, stream = 0x5000, 0 if api.endswith("_ptsz") else 0x9000
     if api.startswith("cuLaunchKernelEx"):
-        cfg = _LaunchConfig((3, 2, 1), (128, 1, 1), 4096, stream, 0, num_attrs)
+        table = ctypes.create_string_buffer(b"".join(struct.pack("<I68x", i) for i in attrs) or b"\0", 72 * len(attrs) or 1)
+        keep.append(table)
+        cfg = _LaunchConfig((3, 2, 1), (128, 1, 1), 4096, stream, ctypes.addressof(table) if attrs else 0, len(attrs))
         params = struct.pack("<QQQQ", ctypes.addressof(cfg), func, ctypes.addressof(kp), 0)
         keep.append(cfg)
     else:
@@ -493,7 +499,9 @@ def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch,
     grid, block, shared, not_replayed, on = geometry
     assert (tuple(grid), tuple(block), shared) == ((3, 2, 1), (128, 1, 1), 4096)
     assert on == (2 if api.endswith("_ptsz") else stream)  # the per-thread default stream's handle
-    assert (not_replayed is not None) == bool(num_attrs)
+    assert (not_replayed is not None) == bool({4, 2} & set(attrs))
+    if not_replayed:
+        assert not_replayed.startswith(f"launch attributes {','.join(str(i) for i in sorted({4, 2} & set(attrs)))} ")
 
 
 def test_a_launch_naming_no_device_memory_is_not_sent(validator):

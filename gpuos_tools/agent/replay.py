@@ -31,8 +31,10 @@ the first poison tells that from a kernel that is not deterministic). After a st
 context is gone: the process answers, then exits, and the program's side starts a fresh one.
 
 Limits: reads of unpredicted bytes inside a mapped granule whose value does not change the output
-are invisible (as with in-process poisoning); module globals hold their initial values, not the
-program's; launch attributes (clusters, priorities) are not replayed; no read extents are measured.
+are invisible (as with in-process poisoning); module variables hold their initial values except those the program located by name (their bytes
+are staged with the launch); of the launch attributes only those that change no result are
+dropped (``DROPPED_ATTRIBUTES``), a launch with any other is not replayed; no read extents are
+measured.
 """
 
 from __future__ import annotations
@@ -74,6 +76,24 @@ MAX_FRAME = 64 << 20
 
 
 # ------------------------------------------------------------------ framing (both sides)
+
+#: CUlaunchAttributeID values a replay may drop: they change when or how fast a grid runs, never
+#: what it computes (an L2 access-policy window, programmatic stream serialization, which a
+#: kernel's grid-dependency wait then meets at once, the event it triggers, a priority, memory
+#: synchronization domains). Clusters and cooperative launches change what a kernel may do.
+DROPPED_ATTRIBUTES = {0: "ignore", 1: "access policy window", 6: "programmatic stream serialization",
+                      7: "programmatic event", 8: "priority", 9: "memory sync domain map", 10: "memory sync domain"}
+#: the size of a CUlaunchAttribute: a 4-byte id, 4 of padding, a 64-byte value
+LAUNCH_ATTRIBUTE_SIZE = 72
+
+
+def attributes_refusal(ids: list[int]) -> str | None:
+    """Why a launch with these launch attribute ids cannot be replayed without them, or None."""
+    kept = sorted({i for i in ids if i not in DROPPED_ATTRIBUTES})
+    if not kept:
+        return None
+    return f"launch attributes {', '.join(map(str, kept))} (clusters, cooperative, ...) are not replayed"
+
 
 def write_frame(f: BinaryIO, obj: Any) -> None:
     data = json.dumps(obj, separators=(",", ":")).encode()

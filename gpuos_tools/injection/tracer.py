@@ -604,6 +604,7 @@ def named_table(names: list[str]) -> dict[int, tuple[str, object, int]]:
 
 def _validating_handlers(validator, table: dict) -> dict:
     """Launch handlers that check sampled launches on the GPU around the program's own launch."""
+    from gpuos_tools.agent.replay import LAUNCH_ATTRIBUTE_SIZE, attributes_refusal
     from gpuos_tools.agent.validate import CudaFailure  # numpy: imported under --validate only
 
     handlers = {}
@@ -620,8 +621,11 @@ def _validating_handlers(validator, table: dict) -> dict:
                     shape = _LAUNCH_CONFIG(_MEM, cfg)
                     stream = shape[7]
                     raw = (cfg, f, kp, extra)
-                    if _U32(_MEM, cfg + 48)[0]:  # CUlaunchConfig.numAttrs (after hStream and attrs)
-                        not_replayed = "launch attributes (clusters, priorities) are not replayed"
+                    n_attrs = _U32(_MEM, cfg + 48)[0]  # CUlaunchConfig.numAttrs (after hStream and attrs)
+                    if n_attrs:
+                        attrs = _U64(_MEM, cfg + 40)[0]
+                        ids = [_U32(_MEM, attrs + i * LAUNCH_ATTRIBUTE_SIZE)[0] for i in range(n_attrs)] if attrs else [-1]
+                        not_replayed = attributes_refusal(ids)
                 elif name.startswith("cuLaunchCooperativeKernel"):
                     raw = _LAUNCH_COOP(_MEM, pp)
                     f, stream, kp, extra = raw[0], raw[8], raw[9], 0

@@ -25,7 +25,10 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = Path(__file__).resolve().parent / "progs" / "validator_prog.py"
-NEEDS = {"kernels": "cupy", "solve": "cupy", "fft": "cupy", "torch": "torch"}
+NEEDS = {"kernels": "cupy", "solve": "cupy", "fft": "cupy", "torch": "torch", "sparse": "cupy", "compiled": "triton",
+         "timm": "timm"}
+#: the programs of library kernels only (no deliberate miss among them)
+LIBRARIES = ("solve", "fft", "torch", "sparse", "compiled", "timm")
 _runs: dict[str, dict] = {}
 
 
@@ -174,3 +177,13 @@ def test_the_programs_addresses_are_had_and_one_strategy_is_kept(mode, tmp_root)
     kept = vals[got[0]]["addresses"]
     print(f"\nvalidator {mode}: addresses by {kept}, lost {r['summary']['address_lost']}", file=sys.stderr)
     assert {v["addresses"] for v in vals[got[0]:]} == {kept}, r["summary"]
+
+
+@pytest.mark.parametrize("mode", LIBRARIES)
+def test_library_kernels_miss_no_read_and_no_write(mode, tmp_root):
+    """cuSOLVER, cuBLAS, cuFFT, cuSPARSE, PyTorch's indexing kernels, Triton's and cuDNN's: every
+    launch the validator checked read and wrote only what its prediction named."""
+    r = runs(mode, tmp_root)
+    s = r["summary"]
+    assert s["checked"] > 0, s
+    assert s["missed_write_launches"] == 0 and "missed" not in s["reads"], s

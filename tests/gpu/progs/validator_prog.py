@@ -15,7 +15,10 @@ to $GPUOS_TEST_REPORT, so that a plain run and a validated one can be compared b
 - solve: cuSOLVER (getrf/getrs through cupy.linalg.solve, potrf through cholesky) and cuBLAS trsm;
 - fft: cuFFT, complex 1-D and real 2-D;
 - torch: PyTorch kernels with device-side asserts on their indices (EmbeddingBag, index_select,
-  gather) and scatter_add (on integers held in floats, so that atomics add exactly).
+  gather) and scatter_add (on integers held in floats, so that atomics add exactly);
+- sparse: cuSPARSE through CuPy (CSR SpMV, SpMM, a transpose, a column sum);
+- compiled: a torch.compile'd MLP's forward and backward (Triton kernels);
+- timm: one SGD step of a timm ResNet-18 with random weights (cuDNN deterministic).
 """
 
 import hashlib
@@ -153,7 +156,55 @@ def torch_kernels():
     return {k: digest(v) for k, v in res.items()}, {}
 
 
-MODES = {"kernels": kernels, "solve": solve, "fft": fft, "torch": torch_kernels}
+def sparse():
+    import cupy as cp
+    import cupyx.scipy.sparse as sp
+
+    rng = cp.random.RandomState(4)
+    a = sp.random(2048, 1024, density=0.01, format="csr", dtype=cp.float32, random_state=rng)
+    x = rng.standard_normal(1024, dtype=cp.float32)
+    b = rng.standard_normal((1024, 8), dtype=cp.float32)
+    res = {"spmv": a @ x, "spmm": a @ b, "transpose": a.T.tocsr().data, "sum": a.sum(axis=0)}
+    cp.cuda.Device().synchronize()
+    return {k: digest(cp.asarray(v)) for k, v in res.items()}, {}
+
+
+def compiled():
+    import torch
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
+                                torch.nn.Linear(512, 64)).cuda()
+    step = torch.compile(lambda x: model(x).square().mean())
+    x = torch.randn(128, 256, device="cuda")
+    loss = step(x)
+    loss.backward()
+    torch.cuda.synchronize()
+    res = {"loss": loss.detach(), **{f"grad{i}": p.grad for i, p in enumerate(model.parameters())}}
+    return {k: digest(v) for k, v in res.items()}, {}
+
+
+def timm_step():
+    import timm
+    import torch
+
+    torch.manual_seed(6)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    y = torch.randint(0, 10, (8,), device="cuda")
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    res = {"loss": loss.detach(), "fc": model.fc.weight.detach(), "conv1": model.conv1.weight.detach()}
+    return {k: digest(v) for k, v in res.items()}, {}
+
+
+MODES = {"kernels": kernels, "solve": solve, "fft": fft, "torch": torch_kernels, "sparse": sparse,
+         "compiled": compiled, "timm": timm_step}
 
 if __name__ == "__main__":
     digests, bufs = MODES[sys.argv[1]]()
