@@ -125,8 +125,9 @@ class FakeDevice:
         assert module in self.loaded
         self.variables[name] = bytes(data)
 
-    def launch(self, fn, grid, block, shared, params):
+    def launch(self, fn, grid, block, shared, params, attributes=()):
         self.launches += 1
+        self.attributes = list(attributes)
         try:
             self.kernels[fn](self, params)
         except Fault:

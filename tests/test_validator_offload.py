@@ -463,11 +463,11 @@ class _Recorder:
 
 @pytest.mark.parametrize("api, attrs", [("cuLaunchKernel", ()), ("cuLaunchKernel_ptsz", ()),
                                         ("cuLaunchKernelEx", ()), ("cuLaunchKernelEx", (4,)),
-                                        ("cuLaunchKernelEx", (6, 8)), ("cuLaunchKernelEx", (6, 2))])
+                                        ("cuLaunchKernelEx", (6, 8)), ("cuLaunchKernelEx", (6, 3, 4))])
 def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch, api, attrs):
-    """... and whether the replay may drop its launch attributes: programmatic stream
-    serialization (6) and a priority (8) change no result; a cluster (4) or a cooperative launch
-    (2) may."""
+    """... and its launch attributes: programmatic stream serialization (6) and a priority (8)
+    change no result and are dropped; a cluster's shape (4) is replayed with its value; any other
+    (3, a synchronization policy) leaves the launch unreplayed."""
     from types import SimpleNamespace
 
     from gpuos_tools.injection import tracer
@@ -481,7 +481,8 @@ def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch,
     kp = (ctypes.c_uint64 * 2)(ctypes.addressof(a), ctypes.addressof(b))
     func, stream = 0x5000, 0 if api.endswith("_ptsz") else 0x9000
     if api.startswith("cuLaunchKernelEx"):
-        table = ctypes.create_string_buffer(b"".join(struct.pack("<I68x", i) for i in attrs) or b"\0", 72 * len(attrs) or 1)
+        table = ctypes.create_string_buffer(b"".join(struct.pack("<I4x3I52x", i, 2, 1, 1) for i in attrs) or b"\0",
+                                            72 * len(attrs) or 1)
         keep.append(table)
         cfg = _LaunchConfig((3, 2, 1), (128, 1, 1), 4096, stream, ctypes.addressof(table) if attrs else 0, len(attrs))
         params = struct.pack("<QQQQ", ctypes.addressof(cfg), func, ctypes.addressof(kp), 0)
@@ -496,12 +497,13 @@ def test_the_launch_handler_hands_the_validator_the_launch_geometry(monkeypatch,
     (tid, name, raw, f, kernel, sizes, args, geometry), = rec.calls
     assert (name, f, kernel, sizes) == (api, func, "k", (8, 4))
     assert args == struct.pack("<Qi", X, 5)
-    grid, block, shared, not_replayed, on = geometry
+    grid, block, shared, not_replayed, on, replayed = geometry
     assert (tuple(grid), tuple(block), shared) == ((3, 2, 1), (128, 1, 1), 4096)
     assert on == (2 if api.endswith("_ptsz") else stream)  # the per-thread default stream's handle
-    assert (not_replayed is not None) == bool({4, 2} & set(attrs))
+    assert (not_replayed is not None) == (3 in attrs)
     if not_replayed:
-        assert not_replayed.startswith(f"launch attributes {','.join(str(i) for i in sorted({4, 2} & set(attrs)))} ")
+        assert not_replayed == "launch attributes 3 are not replayed"
+    assert replayed == ([[4, struct.pack("<3I52x", 2, 1, 1).hex()]] if 4 in attrs else [])
 
 
 def test_a_launch_naming_no_device_memory_is_not_sent(validator):
@@ -618,3 +620,13 @@ def test_validation_runs_the_python_tracer_whatever_backend_was_left_to_choose(m
     monkeypatch.setattr(launcher, "trace_program", fake)
     assert launcher.run_program(["true"], output=os.devnull, validate=True, validate_in=where) == "traced"
     assert seen["backend"] == "python" and seen["validate"].where == where
+
+
+def test_a_clusters_shape_goes_to_the_validator_with_the_launch(validator):
+    v = validator()
+    cluster = [[4, struct.pack("<3I52x", 2, 1, 1).hex()]]
+    v.enter(1, "cuLaunchKernelEx", ("cuLaunchKernelEx", ()), 1, COPY, (8, 8, 4), struct.pack("<QQi", X, Y, N),
+            GEOMETRY + (cluster,))
+    assert v.pending[1]["req"]["attributes"] == cluster
+    rec = v.exit(1, 0)
+    assert rec["checked"] and rec["reads"] == "ok" and rec["attributes"] == [4], rec

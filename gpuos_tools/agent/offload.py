@@ -546,6 +546,8 @@ class OffloadValidator(Validator):
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
         if staged_vars:
             req["variables"] = staged_vars
+        if len(geometry) > 5 and geometry[5]:  # launch attributes the replay sets (a cluster's shape)
+            req["attributes"] = geometry[5]
         try:
             self._link()
             claims = self.claims()

@@ -87,12 +87,17 @@ DROPPED_ATTRIBUTES = {0: "ignore", 1: "access policy window", 6: "programmatic s
 LAUNCH_ATTRIBUTE_SIZE = 72
 
 
+#: CUlaunchAttributeID values the replay launches with, as the program did (cuLaunchKernelEx):
+#: a kernel may rely on its cluster (distributed shared memory) or on all its blocks being resident
+REPLAYED_ATTRIBUTES = {2: "cooperative", 4: "cluster dimension", 5: "cluster scheduling policy preference"}
+
+
 def attributes_refusal(ids: list[int]) -> str | None:
-    """Why a launch with these launch attribute ids cannot be replayed without them, or None."""
-    kept = sorted({i for i in ids if i not in DROPPED_ATTRIBUTES})
+    """Why a launch with these launch attribute ids cannot be replayed, or None."""
+    kept = sorted({i for i in ids if i not in DROPPED_ATTRIBUTES and i not in REPLAYED_ATTRIBUTES})
     if not kept:
         return None
-    return f"launch attributes {', '.join(map(str, kept))} (clusters, cooperative, ...) are not replayed"
+    return f"launch attributes {', '.join(map(str, kept))} are not replayed"
 
 
 def write_frame(f: BinaryIO, obj: Any) -> None:
@@ -151,7 +156,8 @@ class Device(Protocol):
     def load(self, image: bytes, name: str) -> tuple[Any, Any]: ...
     def unload(self, module: Any) -> None: ...
     def set_variable(self, module: Any, name: str, data: bytes) -> None: ...
-    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None: ...
+    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes],
+               attributes: list[tuple[int, bytes]] = ()) -> str | None: ...
 
 
 class CudaDevice:
@@ -249,19 +255,47 @@ class CudaDevice:
         if n:
             self._ok(self.drv.cuMemcpyHtoD(addr, data, n), f"cuMemcpyHtoD {name}")
 
-    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes]) -> str | None:
-        """Launch and synchronise: None, or the error's name (the launch's or the kernel's)."""
+    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes],
+               attributes: list[tuple[int, bytes]] = ()) -> str | None:
+        """Launch and synchronise: None, or the error's name (the launch's or the kernel's).
+        ``attributes``: (CUlaunchAttributeID, the value's bytes) of REPLAYED_ATTRIBUTES."""
         drv = self.drv
         if shared > 48 << 10:
             drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                    shared)
         bufs = [ctypes.create_string_buffer(p, max(len(p), 8)) for p in params]
         ptrs = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.addressof(b) for b in bufs])
-        for err in (drv.cuLaunchKernel(fn, *grid, *block, shared, 0, ctypes.addressof(ptrs), 0)[0],
-                    drv.cuCtxSynchronize()[0]):
+        if attributes:
+            launched = drv.cuLaunchKernelEx(self._config(grid, block, shared, attributes), fn,
+                                            ctypes.addressof(ptrs), 0)[0]
+        else:
+            launched = drv.cuLaunchKernel(fn, *grid, *block, shared, 0, ctypes.addressof(ptrs), 0)[0]
+        for err in (launched, drv.cuCtxSynchronize()[0]):
             if err != drv.CUresult.CUDA_SUCCESS:
                 return getattr(err, "name", str(err))
         return None
+
+
+    def _config(self, grid: list[int], block: list[int], shared: int, attributes: list[tuple[int, bytes]]) -> Any:
+        drv = self.drv
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = shared
+        attrs = []
+        for ident, value in attributes:
+            a = drv.CUlaunchAttribute()
+            a.id = drv.CUlaunchAttributeID(ident)
+            if ident == 4:
+                a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = struct.unpack_from("<3I", value)
+            elif ident == 5:
+                a.value.clusterSchedulingPolicyPreference = drv.CUclusterSchedulingPolicy(struct.unpack_from("<I", value)[0])
+            elif ident == 2:
+                a.value.cooperative = struct.unpack_from("<i", value)[0]
+            attrs.append(a)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        return cfg
 
 
 # ------------------------------------------------------------------ the replay
@@ -433,6 +467,8 @@ class Replayer:
     def replay(self, req: dict[str, Any], staging: memoryview | bytes, image: bytes) -> dict[str, Any]:
         base = {"kernel": req["kernel"], "mode": "validator",
                 "predicted": {"reads": req["reads"], "writes": req["writes"], "unknown": False}}
+        if req.get("attributes"):
+            base["attributes"] = sorted({ident for ident, _ in req["attributes"]})
         regions = [Region(*r) for r in req["regions"]]
         if not regions:
             return dict(base, checked=False, why="unvalidated: the prediction names no device memory")
@@ -516,7 +552,8 @@ class Replayer:
             if ro:
                 ro_taken.append(dev.protect(start, size, True))
             pos += size
-        return dev.launch(fn, req["grid"], req["block"], req["shared"], params)
+        attributes = [(ident, bytes.fromhex(value)) for ident, value in req.get("attributes", ())]
+        return dev.launch(fn, req["grid"], req["block"], req["shared"], params, attributes)
 
     def _read(self, spans, total: int) -> np.ndarray:
         out = np.empty(total, dtype=np.uint8)

@@ -604,7 +604,7 @@ def named_table(names: list[str]) -> dict[int, tuple[str, object, int]]:
 
 def _validating_handlers(validator, table: dict) -> dict:
     """Launch handlers that check sampled launches on the GPU around the program's own launch."""
-    from gpuos_tools.agent.replay import LAUNCH_ATTRIBUTE_SIZE, attributes_refusal
+    from gpuos_tools.agent.replay import LAUNCH_ATTRIBUTE_SIZE, REPLAYED_ATTRIBUTES, attributes_refusal
     from gpuos_tools.agent.validate import CudaFailure  # numpy: imported under --validate only
 
     handlers = {}
@@ -615,7 +615,8 @@ def _validating_handlers(validator, table: dict) -> dict:
             site, _, pp, rp = _CBDATA(_MEM, cbdata.ptr)
             tid = _tid()
             if site == _ENTER:
-                not_replayed = None  # why the launch cannot be recreated by cuLaunchKernel elsewhere
+                not_replayed = None  # why the launch cannot be recreated elsewhere
+                attributes: list = []  # (id, value hex) of the launch attributes the replay sets too
                 if name.startswith("cuLaunchKernelEx"):
                     cfg, f, kp, extra = _LAUNCH_EX(_MEM, pp)
                     shape = _LAUNCH_CONFIG(_MEM, cfg)
@@ -624,8 +625,11 @@ def _validating_handlers(validator, table: dict) -> dict:
                     n_attrs = _U32(_MEM, cfg + 48)[0]  # CUlaunchConfig.numAttrs (after hStream and attrs)
                     if n_attrs:
                         attrs = _U64(_MEM, cfg + 40)[0]
-                        ids = [_U32(_MEM, attrs + i * LAUNCH_ATTRIBUTE_SIZE)[0] for i in range(n_attrs)] if attrs else [-1]
+                        at = [attrs + i * LAUNCH_ATTRIBUTE_SIZE for i in range(n_attrs)] if attrs else []
+                        ids = [_U32(_MEM, a)[0] for a in at] if attrs else [-1]
                         not_replayed = attributes_refusal(ids)
+                        attributes = [[i, bytes(_MEM[a + 8 : a + LAUNCH_ATTRIBUTE_SIZE]).hex()]
+                                      for i, a in zip(ids, at) if i in REPLAYED_ATTRIBUTES]
                 elif name.startswith("cuLaunchCooperativeKernel"):
                     raw = _LAUNCH_COOP(_MEM, pp)
                     f, stream, kp, extra = raw[0], raw[8], raw[9], 0
@@ -639,7 +643,7 @@ def _validating_handlers(validator, table: dict) -> dict:
                     return
                 if not stream and name.endswith("_ptsz"):
                     stream = 2  # CU_STREAM_PER_THREAD: the handle the default stream stands for here
-                geometry = (shape[0:3], shape[3:6], shape[6], not_replayed, stream)
+                geometry = (shape[0:3], shape[3:6], shape[6], not_replayed, stream, attributes)
                 entry = _layouts.get(f, False)
                 if entry is False:
                     entry = _learn(f, cbdata)

@@ -417,6 +417,8 @@ VALIDATION = RecordType(
         Field("ms", Num(0, unit="ms"), "time the check took"),
         Field("addresses", Str(max_len=32), "`--validate-in validator`: the address strategy of the validator that "
               "answered (how it got the program's addresses)"),
+        Field("attributes", List(Int(0, 1 << 31)), "`--validate-in validator`: the launch attributes the replay "
+              "launched with, as the program did (CUlaunchAttributeID: 4 a cluster's shape)"),
         Field("refused_by", Str(("driver", "validator")), "address unavailable: the validator's driver gave "
               "another address where nothing else of the validator's sat, or something of the validator's "
               "sat there"),

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 PROG = Path(__file__).resolve().parent / "progs" / "validator_prog.py"
 NEEDS = {"kernels": "cupy", "solve": "cupy", "fft": "cupy", "torch": "torch", "sparse": "cupy", "compiled": "triton",
-         "timm": "timm"}
+         "timm": "timm", "gemm": "cupy"}
 #: the programs of library kernels only (no deliberate miss among them)
-LIBRARIES = ("solve", "fft", "torch", "sparse", "compiled", "timm")
+LIBRARIES = ("solve", "fft", "torch", "sparse", "compiled", "timm", "gemm")
 _runs: dict[str, dict] = {}
 
 
@@ -41,6 +41,7 @@ def summary(records: list[dict]) -> dict:
         "missed_write_launches": sum(bool(v.get("missed_writes")) for v in vals),
         "faults": dict(Counter(v["fault"] for v in vals if "fault" in v)),
         "read_only": dict(Counter(v["read_only"] for v in vals if "read_only" in v)),
+        "with_attributes": dict(Counter(str(v["attributes"]) for v in vals if v["checked"] and "attributes" in v)),
         "unvalidated": dict(Counter(v.get("why", "")[:200] for v in vals if not v["checked"])),
         "ms": sorted(v["ms"] for v in vals if "ms" in v),
         # the address strategy that answered, and the launches each strategy could not get the

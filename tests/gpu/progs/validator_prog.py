@@ -16,9 +16,12 @@ to $GPUOS_TEST_REPORT, so that a plain run and a validated one can be compared b
 - fft: cuFFT, complex 1-D and real 2-D;
 - torch: PyTorch kernels with device-side asserts on their indices (EmbeddingBag, index_select,
   gather) and scatter_add (on integers held in floats, so that atomics add exactly);
-- sparse: cuSPARSE through CuPy (CSR SpMV, SpMM, a transpose, a column sum);
+- sparse: cuSPARSE through CuPy (CSR SpMV, SpMM, a transpose, a column sum), on small integers
+  held in floats (the column sum adds with atomics);
 - compiled: a torch.compile'd MLP's forward and backward (Triton kernels);
-- timm: one SGD step of a timm ResNet-18 with random weights (cuDNN deterministic).
+- timm: one SGD step of a timm ResNet-18 with random weights (cuDNN deterministic);
+- gemm: cuBLAS GEMMs of 2048 x 2048 in half and single precision (Hopper kernels launched with a
+  cluster shape).
 """
 
 import hashlib
@@ -162,8 +165,11 @@ def sparse():
 
     rng = cp.random.RandomState(4)
     a = sp.random(2048, 1024, density=0.01, format="csr", dtype=cp.float32, random_state=rng)
-    x = rng.standard_normal(1024, dtype=cp.float32)
-    b = rng.standard_normal((1024, 8), dtype=cp.float32)
+    # small integers held in floats: the sums come out exact in any order (the column sum adds
+    # with atomics), so that a plain run and a validated one agree byte for byte
+    a.data = cp.floor(a.data * 16)
+    x = rng.randint(-8, 8, 1024).astype(cp.float32)
+    b = rng.randint(-8, 8, (1024, 8)).astype(cp.float32)
     res = {"spmv": a @ x, "spmm": a @ b, "transpose": a.T.tocsr().data, "sum": a.sum(axis=0)}
     cp.cuda.Device().synchronize()
     return {k: digest(cp.asarray(v)) for k, v in res.items()}, {}
@@ -203,8 +209,19 @@ def timm_step():
     return {k: digest(v) for k, v in res.items()}, {}
 
 
+def gemm():
+    import cupy as cp
+
+    rng = cp.random.RandomState(7)
+    a = rng.standard_normal((2048, 2048), dtype=cp.float32)
+    b = rng.standard_normal((2048, 2048), dtype=cp.float32)
+    res = {"half": a.astype(cp.float16) @ b.astype(cp.float16), "single": a @ b}
+    cp.cuda.Device().synchronize()
+    return {k: digest(v) for k, v in res.items()}, {}
+
+
 MODES = {"kernels": kernels, "solve": solve, "fft": fft, "torch": torch_kernels, "sparse": sparse,
-         "compiled": compiled, "timm": timm_step}
+         "compiled": compiled, "timm": timm_step, "gemm": gemm}
 
 if __name__ == "__main__":
     digests, bufs = MODES[sys.argv[1]]()
