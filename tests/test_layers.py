@@ -167,6 +167,7 @@ def test_no_circle_between_modules() -> None:
 INNER_ALLOWED = {
     ("injection/boot/sitecustomize.py", "gpuos_tools.injection"): "nothing is imported unless GPUOS_BOOT is set",
     ("injection/tracer.py", "gpuos_tools.agent.validate"): "numpy, in the traced program, under --validate only",
+    ("injection/tracer.py", "gpuos_tools.agent.replay"): "numpy, in the traced program, under --validate only",
     ("injection/tracer.py", "gpuos_tools.agent.offload"): "numpy, in the traced program, under --validate-in "
     "validator only",
     ("injection/tracer.py", "gpuos_tools.cuda"): "pyelftools, in the traced program, when a layout is read",
