@@ -29,7 +29,8 @@ memory that an argument points to, where that memory's contents are known becaus
 copied from the host (`data` of a memcpy record; how batched GEMM's pointer arrays arrive):
 read and write assumed. A buffer found through the launched kernel's module is
 `variable:NAME`: a pointer the host copied into a `__device__` variable of the kernel's own
-module, which the program located by name (`symbol` records): read and write assumed. At extent granularity a decoded pointer's `how` is `dptr:DECODER` or
+module, which the program located by name (`symbol` records): read and write assumed. At
+extent granularity a decoded pointer's `how` is `dptr:DECODER` or
 `scan:DECODER` (`pytorch`, `cupy`, `nvidia`); a word inside a decoded structure that the
 structure says is not a pointer (padding, a size) is not listed. For copies: `copy source`,
 `copy destination`; for memsets: `memset`.
@@ -45,8 +46,9 @@ attributed to its launches). A kernel that
 rewrites a pointer array on the GPU is not seen: the contents last copied from the host are
 used (`gpu-trace run --validate` reports the pointers it finds in device memory). A copy or
 memset is unknown when a device address in it lies in no traced allocation (nor in a module
-variable the program located) or it runs past its allocation's end. Host addresses that are not traced allocations are not listed; pinned
-host memory from `cuMemHostAlloc` is a traced allocation (kind `host`) and is listed.
+variable the program located) or it runs past its allocation's end. Host addresses that are
+not traced allocations are not listed; pinned host memory from `cuMemHostAlloc` is a traced
+allocation (kind `host`) and is listed.
 
 Directions come from prototypes (and, at extent granularity, from the decoded structures),
 not from the kernels' code: `gpu-trace run --validate` checks them on the GPU.

@@ -31,10 +31,11 @@ the first poison tells that from a kernel that is not deterministic). After a st
 context is gone: the process answers, then exits, and the program's side starts a fresh one.
 
 Limits: reads of unpredicted bytes inside a mapped granule whose value does not change the output
-are invisible (as with in-process poisoning); module variables hold their initial values except those the program located by name (their bytes
-are staged with the launch); of the launch attributes only those that change no result are
-dropped (``DROPPED_ATTRIBUTES``), a launch with any other is not replayed; no read extents are
-measured.
+are invisible (as with in-process poisoning); module variables hold their initial values except
+those the program located by name (their bytes are staged with the launch); launch attributes
+that change no result are dropped (``DROPPED_ATTRIBUTES``), clusters and cooperative launches are
+replayed with theirs (``REPLAYED_ATTRIBUTES``), a launch with any other is not replayed; no read
+extents are measured.
 """
 
 from __future__ import annotations
@@ -289,7 +290,8 @@ class CudaDevice:
             if ident == 4:
                 a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = struct.unpack_from("<3I", value)
             elif ident == 5:
-                a.value.clusterSchedulingPolicyPreference = drv.CUclusterSchedulingPolicy(struct.unpack_from("<I", value)[0])
+                policy = struct.unpack_from("<I", value)[0]
+                a.value.clusterSchedulingPolicyPreference = drv.CUclusterSchedulingPolicy(policy)
             elif ident == 2:
                 a.value.cooperative = struct.unpack_from("<i", value)[0]
             attrs.append(a)
@@ -493,18 +495,14 @@ class Replayer:
             variables = [(name, bytes(staging[off : off + n])) for name, off, n in req.get("variables", ())]
             for fill in POISONS:
                 init = self._image(spans, regions, staging, fill, total)
-                for name, data in variables:  # as the program's were at its launch, every run
-                    dev.set_variable(module, name, data)
-                err = self._run(spans, init, fn, req, params, ro_taken)
+                err = self._run(spans, init, module, fn, req, params, variables, ro_taken)
                 if err is not None:
                     return self._failed(base, err, total)
                 runs[fill] = (init, self._read(spans, total))
             rec = self._judge(base, spans, req, predicted, runs)
             if rec["reads"] == "missed":
                 init = runs[POISONS[0]][0]
-                for name, data in variables:
-                    dev.set_variable(module, name, data)
-                err = self._run(spans, init, fn, req, params, ro_taken)
+                err = self._run(spans, init, module, fn, req, params, variables, ro_taken)
                 if err is not None:
                     return self._failed(base, err, total)
                 again = self._read(spans, total)
@@ -542,8 +540,11 @@ class Replayer:
             init[pos : pos + r.size] = np.frombuffer(staging, np.uint8, r.size, r.offset)
         return init
 
-    def _run(self, spans, init: np.ndarray, fn, req, params, ro_taken: list[bool]) -> str | None:
+    def _run(self, spans, init: np.ndarray, module, fn, req, params, variables: list[tuple[str, bytes]],
+             ro_taken: list[bool]) -> str | None:
         dev = self.device
+        for name, data in variables:  # the module's variables as the program's were at its launch
+            dev.set_variable(module, name, data)
         pos = 0
         for start, size, ro in spans:
             if ro:

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpuos_tools.access.predict import Predictor
 from gpuos_tools.model import wire
+from gpuos_tools.model.records import symbol_record
 from gpuos_tools.model.allocs import Allocation
 
 #: allocation kinds whose memory lives on the GPU (host allocations are pinned host memory)
@@ -67,10 +68,7 @@ class ProcessView:
         elif tag == wire.STREAM:
             (self.streams.add if item[4] == "create" else self.streams.discard)(item[3])
         elif tag == wire.SYMBOL:
-            _, _, _, cbid, what, handle, parent, addr, size, name = item
-            api = wire.ASKED_API if cbid == wire.ASKED else self.apis.get(cbid, "")
-            self.pred.feed({"type": "symbol", "api": api, "of": what, "func": handle,
-                            "parent": parent, "addr": addr, "bytes": size if size >= 0 else None, "name": name})
+            self.pred.feed(symbol_record(item, self.apis))
         elif tag == wire.HELLO:
             self.apis = dict(item[4])
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuos_tools.model import wire
+from gpuos_tools.model.records import symbol_record
 from gpuos_tools.cuda import elf
 from gpuos_tools.stream import store_blob
 
@@ -195,17 +196,7 @@ class Decoder:
         return {"type": "validation", "ts": ts, "tid": tid, "seq": self.seq, **body}
 
     def _symbol(self, item: tuple) -> dict[str, Any]:
-        _, ts, tid, cbid, what, handle, parent, addr, size, name = item
-        api = wire.ASKED_API if cbid == wire.ASKED else self.api(cbid)
-        rec: dict[str, Any] = {"type": "symbol", "ts": ts, "tid": tid, "api": api, "of": what,
-                               "name": name, "parent": parent}
-        if what == "variable":
-            rec["addr"] = addr
-            if size >= 0:
-                rec["bytes"] = size
-        else:
-            rec["func"] = handle
-        return rec
+        return symbol_record(item, self.apis)
 
     def _end(self, item: tuple) -> None:
         self.end = dict(item[2])

@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from gpuos_tools.model import wire
+
 TRACE_TYPES = frozenset(
-    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "stream", "graph_launch", "graph",
+    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "symbol", "stream", "graph_launch", "graph",
      "validation",
      "exit"}
 )
@@ -30,3 +32,18 @@ def pointer_words(launch: dict[str, Any]) -> Iterator[tuple[int, int, int]]:
         raw = bytes.fromhex(p.get("hex", ""))
         for off in range(0, len(raw) - 7, 8):
             yield i, off, int.from_bytes(raw[off : off + 8], "little")
+
+
+def symbol_record(item: tuple, apis: dict[int, str]) -> dict[str, Any]:
+    """The ``symbol`` record of a SYMBOL wire tuple (``apis``: the HELLO's call names)."""
+    _, ts, tid, cbid, what, handle, parent, addr, size, name = item
+    api = wire.ASKED_API if cbid == wire.ASKED else apis.get(cbid, f"cbid:{cbid}")
+    rec: dict[str, Any] = {"type": "symbol", "ts": ts, "tid": tid, "api": api, "of": what,
+                           "name": name, "parent": parent}
+    if what == "variable":
+        rec["addr"] = addr
+        if size >= 0:
+            rec["bytes"] = size
+    else:
+        rec["func"] = handle
+    return rec
