@@ -14,6 +14,10 @@ import struct
 import numpy as np
 
 
+#: where reservations without a hint start: away from the tests' program addresses
+ANYWHERE = 0x7E0000000000
+
+
 class Fault(Exception):
     pass
 
@@ -68,6 +72,7 @@ class FakeDevice:
         self.read_only = read_only
         self.hints = hints  # False: the program's addresses lie outside this driver's own areas
         self.reserved: dict[int, int] = {}
+        self.anywhere = ANYWHERE  # where the next reservation without a hint goes
         self.maps: dict[int, np.ndarray] = {}  # start -> bytes
         self.ro: set[int] = set()
         self.launches = 0
@@ -77,6 +82,11 @@ class FakeDevice:
 
     # -- Device
     def reserve(self, addr: int, size: int) -> int:
+        if addr == 0:  # no hint: anywhere free, as the driver picks
+            got = self.anywhere
+            self.anywhere += -(-size // self.granularity) * self.granularity
+            self.reserved[got] = size
+            return got
         refused = not self.hints or addr in self.taken or (self.space is not None and self.space.holds(addr, size))
         refused = refused or any(s < addr + size and addr < s + n for s, n in self.reserved.items())
         got = addr if not refused else addr + (1 << 40)
@@ -215,6 +225,20 @@ def lut_copy(dev: FakeDevice, params) -> None:
     dev.store(y, dev.fetch(table, 4 * n))
 
 
-KERNELS = {f.__name__: f for f in (copy, copy_and_spill, sum_past, far_read, scribble_input, stamp, asserting)}
+def follow(dev: FakeDevice, params) -> None:
+    """y[i] = x[i] for i < n, x's address read from a pointer table: params (table, y, n)."""
+    table, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    dev.store(y, dev.fetch(ptr(dev.fetch(table, 8)), 4 * n))
+
+
+def follow_offset(dev: FakeDevice, params) -> None:
+    """As follow, but x lies at the table's address plus a 32-bit offset stored in the table: a
+    pointer no word holds."""
+    table, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    dev.store(y, dev.fetch(table + i32(dev.fetch(table, 4)), 4 * n))
+
+
+KERNELS = {f.__name__: f for f in (copy, copy_and_spill, sum_past, far_read, scribble_input, stamp, asserting,
+                                   follow, follow_offset)}
 KERNELS["_Z8lut_copyPfi"] = lut_copy  # void lut_copy(float*, int)
 KERNELS["_Z4copyIfEvPKT_PS0_i"] = copy  # void copy<float>(const float*, float*, int), as a program names it

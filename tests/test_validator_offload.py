@@ -70,10 +70,10 @@ ORDER = ["steer", "hold", "plain"]
 
 
 def make(mode: str = "ok", timeout_s: float = 20.0, fail: bool = False, kernel: str = COPY,
-         image: bytes | None = b"cubin") -> OffloadValidator:
+         image: bytes | None = b"cubin", relocate: bool = False) -> OffloadValidator:
     copier = FakeCopier(fail)
     v = OffloadValidator(samples=3, image_for=lambda name, sizes: image, timeout_s=timeout_s, copier=copier,
-                         strategies=ORDER)
+                         strategies=ORDER, relocate=relocate)
     v._command = [sys.executable, str(HERE / "fake_validator.py"), str(v.dir), mode]
     for addr in (X, Y, Z):
         v.on_alloc(addr, 4 * N, "device")
@@ -309,6 +309,32 @@ def test_when_no_strategy_gets_a_launchs_addresses_the_first_one_answers_the_nex
     assert launch(v, tid=3)["addresses"] == "steer"
     assert v.link.starts == 4
     assert v.addresses() == {"strategy": "steer", "kept": True, "lost": {"steer": 3, "hold": 1, "plain": 1}}
+
+
+def test_a_launch_no_strategy_gets_the_addresses_of_is_replayed_moved(validator):
+    """Every strategy's driver refuses the program's addresses: the validator answering last
+    replays the launch with its spans moved elsewhere and the pointers to them moved; the
+    record says what moved and why."""
+    v = validator("areas:none", relocate=True)
+    rec = launch(v)
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    assert {s[0] for s in rec["relocated"]["spans"]} == {X, Y}
+    assert rec["relocated"]["pointers"]["parameters"] == 2
+    assert [f["strategy"] for f in rec["address_fallback"]] == ["steer", "hold", "plain"]
+    assert rec["addresses"] == "steer" and "refused_by" not in rec  # the first, which answers from now on
+    again = launch(v, tid=2)
+    assert again["checked"] and again["addresses"] == "steer" and "relocated" in again, again
+    assert v.addresses()["moved"] == 2
+    from gpuos_tools.stream.records import check_written
+
+    assert check_written({"type": "validation", "ts": 1, "tid": 1, "seq": 1, **rec}) is None
+
+
+def test_an_address_the_validator_itself_holds_is_moved_too(validator):
+    v = validator("held", relocate=True)
+    rec = launch(v)
+    assert rec["checked"] and "relocated" in rec and rec["addresses"] == "steer", rec
+    assert v.link.starts == 1
 
 
 def test_a_strategy_under_which_the_validator_cannot_start_gives_way_to_the_next(validator):

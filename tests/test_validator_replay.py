@@ -360,3 +360,99 @@ def test_under_whole_a_refusal_outside_every_named_area_says_so():
     other = FakeDevice(KERNELS, G)
     Replayer(other).take_areas([[X, G]])  # not under whole: nothing asked
     assert other.reserved == {}
+
+
+# ------------------------------------------------------------------ replays moved elsewhere
+
+T = 0x7F0000020000  # a pointer table's address
+
+
+def table_request(kernel: str, table: bytes, relocate: bool = True, live=()) -> tuple[dict, bytes]:
+    """``kernel`` (table, y, n) under the prediction "reads the table and x[0:N], writes y[0:N]"."""
+    x = np.arange(N, dtype=np.float32)
+    regions = [[T, len(table), 0, "r"], [X, 4 * N, len(table), "r"], [Y, 4 * N, len(table) + 4 * N, "w"]]
+    req = request(kernel, [[T, len(table)], [X, 4 * N]], [[Y, 4 * N]], regions)
+    req["params"] = struct.pack("<QQi", T, Y, N).hex()
+    if relocate:
+        req.update(relocate=True, live=[list(r) for r in live])
+    return req, table + x.tobytes() + bytes(4 * N)
+
+
+def test_an_address_the_driver_will_not_give_is_replayed_moved_when_asked():
+    """X is the validator's driver's own: moved, the parameter pointing at it moved with it."""
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    x = np.arange(N, dtype=np.float32)
+    req = request("copy", [[X, 4 * N]], [[Y, 4 * N]], [[X, 4 * N, 0, "r"], [Y, 4 * N, 4 * N, "w"]])
+    req.update(relocate=True, live=[[X, 4 * N], [Y, 4 * N]])
+    rec = Replayer(dev).replay(req, staged(x, np.zeros(N, np.float32)), b"image")
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    (moved,) = rec["relocated"]["spans"]
+    assert moved[:2] == [X, G] and moved[2] != X
+    assert rec["relocated"]["pointers"] == {"parameters": 1, "memory": 0, "variables": 0}
+    assert rec["written"] == [[Y, 4 * N + (-4 * N) % 128]]  # in the program's addresses
+    no_leaks(dev)  # the moved span's room was given back
+
+
+def test_a_pointer_in_a_predicted_table_is_moved_with_its_span():
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    req, data = table_request("follow", struct.pack("<Q", X))
+    rec = Replayer(dev).replay(req, data, b"image")
+    assert rec["checked"] and rec["reads"] == "ok" and rec["missed_writes"] == [], rec
+    assert rec["relocated"]["pointers"] == {"parameters": 0, "memory": 1, "variables": 0}
+    assert rec["written"] == [[Y, 4 * N + (-4 * N) % 128]]
+    from gpuos_tools.stream.records import check_written
+
+    assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **rec}) is None
+
+
+def test_a_pointer_built_another_way_reads_the_programs_address_and_faults_there():
+    """x at the table's address plus an offset: no word holds x's address, so the moved replay
+    reads where x was; nothing of the validator's is mapped there in this fake, so it faults."""
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    req, data = table_request("follow_offset", struct.pack("<i", X - T) + bytes(4))
+    rec = Replayer(dev).replay(req, data, b"image")
+    assert rec["checked"] and rec["reads"] == "missed" and rec["fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS", rec
+
+
+def test_a_word_only_partly_predicted_is_not_taken_for_a_pointer():
+    """The table's last 2 bytes lie outside the prediction: the word is not moved (the poison
+    around it must not decide), so the kernel reads through an unpredicted byte and faults."""
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    req, data = table_request("follow", struct.pack("<Q", X))
+    req["reads"][0][1] = 6
+    req["regions"] = [[T, 6, 0, "r"], [X, 4 * N, 6, "r"], [Y, 4 * N, 6 + 4 * N, "w"]]
+    rec = Replayer(dev).replay(req, data[:6] + data[8:], b"image")
+    assert rec["relocated"]["pointers"]["memory"] == 0
+    assert rec["checked"] and rec["reads"] == "missed", rec
+
+
+def test_a_move_never_lands_on_a_live_allocation_of_the_programs():
+    """The driver's first offer lies on one of the program's live allocations: an unpredicted
+    access to it must fault, not find the moved copy; the room is taken above them all."""
+    from fake_vmm import ANYWHERE
+
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    req, data = table_request("follow", struct.pack("<Q", X), live=[[ANYWHERE, G], [X, 4 * N]])
+    rec = Replayer(dev).replay(req, data, b"image")
+    (moved,) = rec["relocated"]["spans"]
+    assert moved[2] != ANYWHERE and rec["checked"] and rec["reads"] == "ok", rec
+
+
+def test_without_relocate_a_refused_address_stays_unvalidated():
+    dev = FakeDevice(KERNELS, G, taken=(X,))
+    req, data = table_request("follow", struct.pack("<Q", X), relocate=False)
+    rec = Replayer(dev).replay(req, data, b"image")
+    assert rec["checked"] is False and rec["why"].startswith("unvalidated: address unavailable") and dev.launches == 0
+
+
+def test_moves_move_aligned_words_and_one_past_the_end_only_where_no_span_starts():
+    from gpuos_tools.agent.replay import Moves
+
+    spans = [(X, G, False), (X + G, G, False), (Y, G, False)]
+    moves = Moves([(X, X + G, 0x1000), (Y, Y + G, 0x9000)], spans)
+    words = np.array([X + 8, X + G, Y + G, Y - 1, 7], dtype="<u8")
+    assert list(moves.words(words)) == [0, 2]
+    assert list(words) == [0x1008, X + G, 0x9000 + G, Y - 1, 7]  # X + G starts a span of its own
+    data, n = moves.patch(struct.pack("<QQi", X, Y + 16, 3))
+    assert n == 2 and struct.unpack("<QQi", data) == (0x1000, 0x9010, 3)
+    assert moves.address(Y + 5) == 0x9005 and moves.address(X + G) == X + G

@@ -360,6 +360,9 @@ ZYGOTE = "zygote"
 CLAIMS = "claims.json"
 #: how a verdict that could not get the launch's addresses begins (replay.py)
 ADDRESS_UNAVAILABLE = "unvalidated: address unavailable"
+#: GPUOS_VALIDATOR_RELOCATE=0 in the traced program's environment: a launch whose addresses no
+#: validator got stays unvalidated instead of being replayed with its spans moved
+RELOCATE_ENV = "GPUOS_VALIDATOR_RELOCATE"
 
 
 def validator_command(directory: Path, bus_id: str) -> tuple[list[str], dict[str, str]]:
@@ -392,7 +395,7 @@ class OffloadValidator(Validator):
                  image_for: Callable[[str, tuple | None], bytes | None] = None,
                  timeout_s: float = TIMEOUT_S, copier: Any = None, command: list[str] | None = None,
                  env: dict[str, str] | None = None, strategies: list[str] | None = None,
-                 zygote_ok: bool = True) -> None:
+                 zygote_ok: bool = True, relocate: bool = True) -> None:
         super().__init__(samples, max_bytes, extents=False)
         self.image_for = image_for or (lambda name, sizes: None)
         self.copier = copier or DriverCopier()
@@ -414,6 +417,9 @@ class OffloadValidator(Validator):
         self.had: set[str] = set()  #: strategies whose validator got a launch's addresses in this run
         self.retried = 0  #: launches the kept strategy lost that the others tried
         self._var_sizes: dict[tuple[int, str], int | None] = {}  #: variables' sizes asked of the driver
+        #: a launch no strategy got the addresses of is replayed with its spans moved (replay.Moves)
+        self.relocate = relocate
+        self.moved = 0  #: launches answered so
 
     def _link(self) -> Link:
         if self.link is None:
@@ -445,6 +451,8 @@ class OffloadValidator(Validator):
         out = {"strategy": self.strategies[self.strategy], "kept": self.kept, "lost": dict(self.lost)}
         if self.retried:
             out["retried"] = self.retried
+        if self.moved:
+            out["moved"] = self.moved
         if self.zygote is not None:  # what the zygote's layout held when it was forked
             out["zygote"] = {"frameworks": self.zygote.frameworks}
         elif zygote.why_not():
@@ -668,11 +676,36 @@ class OffloadValidator(Validator):
             if isinstance(sent, str):
                 self._note_off()
                 return dict(self._skipped(state, [f"unvalidated: {sent}"]), address_fallback=fallback)
+        if self.relocate and str(rep.get("why", "")).startswith(ADDRESS_UNAVAILABLE) and self.link.off is None:
+            rep = self._moved(state, rep)
         if result:
             return {"kernel": state["kernel"], "checked": False, "mode": "validator",
                     "why": f"the launch failed (CUresult {result})"}
         rep["ms"] = round((time.perf_counter() - state["t0"]) * 1000, 3)
         return rep
+
+    def _moved(self, state: dict[str, Any], rep: dict[str, Any]) -> dict[str, Any]:
+        """No strategy got the launch's addresses: the validator now answering replays it with the
+        spans it could not have moved elsewhere and the pointers to them moved (replay.Moves); the
+        record's ``relocated`` says what moved, ``address_fallback`` why. Its verdict stands
+        unless that fails too."""
+        req = dict(state["req"], relocate=True, live=[[s, e - s] for s, e in self.live()])
+        link = self.link
+        sent = link.request(req)
+        got = sent if isinstance(sent, str) else link.answer()
+        if isinstance(got, str):
+            self._note_off()
+            return rep
+        if got.pop("seq", None) != state["seq"]:
+            link.kill()
+            return rep
+        if not (got.get("checked") or "fault" in got):
+            return rep
+        got["addresses"] = self.strategies[self.strategy]
+        got["address_fallback"] = rep.get("address_fallback", []) + [
+            {"strategy": rep.get("addresses", got["addresses"]), "why": rep["why"]}]
+        self.moved += 1
+        return got
 
     def _elsewhere(self, state: dict[str, Any], rep: dict[str, Any], fallback: list[dict[str, str]]) -> dict[str, Any]:
         """The kept strategy's driver would not give this launch's addresses (each strategy

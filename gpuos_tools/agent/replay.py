@@ -7,8 +7,11 @@ a request; this process recreates the launch:
 
 1. it reserves the program's virtual addresses with the VMM API, the address passed as the fixed
    hint, rounded out to the allocation granularity; when the driver gives another address the
-   launch is ``unvalidated: address unavailable`` with what holds the address (never replayed
-   elsewhere: pointers stored in the buffers would be wrong). The driver treats the address as a
+   launch is ``unvalidated: address unavailable`` with what holds the address, unless the request
+   asks for it to be moved (``relocate``, the program's last resort for that launch): then the
+   spans that could not be had are mapped where the driver offers, away from the program's live
+   allocations, and every 8-byte word that points into one of them, in the parameters, in the
+   predicted bytes and in the staged module variables, is moved with it (``Moves``). The driver treats the address as a
    hint only, and under unified addressing anything of this process's own at that address (its
    driver's context memory, module code, the staging file) makes it refuse; so the program's
    address windows are covered by placeholders before the driver is loaded (vaspace.py), lifted
@@ -327,6 +330,61 @@ def spans_of(regions: list[Region], granularity: int) -> list[tuple[int, int, bo
     return [(lo, hi - lo, ro) for lo, hi, ro in out]
 
 
+class Moves:
+    """Spans replayed away from the program's addresses: [lo, hi) of the program's moved to ``to``.
+
+    A kernel finds its buffers through pointers: in its parameters, in memory it reads (pointer
+    tables, argument structures), in its module's variables. Every aligned 8-byte word there whose
+    value lies in a moved span (or at its end, where no other span starts) is moved with it. A
+    word of data that happens to hold such a value (a subnormal double, an integer near 2^47) would
+    be moved too; a pointer the kernel builds from something else (an offset from another buffer,
+    a 32-bit index) is not, and reads the program's address, where this process has its own
+    memory or nothing."""
+
+    def __init__(self, moved: list[tuple[int, int, int]], spans: list[tuple[int, int, bool]]):
+        self.moved = sorted(moved)
+        starts = {s for s, _, _ in spans}
+        #: the span ends a one-past-the-end pointer may name without meaning the next span
+        self._ends = {hi for _, hi, _ in self.moved if hi not in starts}
+
+    def __bool__(self) -> bool:
+        return bool(self.moved)
+
+    def address(self, addr: int) -> int:
+        """Where the program's ``addr`` is in this process."""
+        for lo, hi, to in self.moved:
+            if lo <= addr < hi:
+                return to + addr - lo
+        return addr
+
+    def words(self, words: np.ndarray, eligible: np.ndarray | None = None) -> np.ndarray:
+        """Indices of the uint64 ``words`` that point into a moved span (only where ``eligible``),
+        and their values moved; in place."""
+        hit = np.zeros(len(words), dtype=bool)
+        out = words.copy()
+        for lo, hi, to in self.moved:
+            m = (words >= np.uint64(lo)) & (words < np.uint64(hi))
+            if hi in self._ends:
+                m |= words == np.uint64(hi)
+            if eligible is not None:
+                m &= eligible
+            if m.any():
+                out[m] = words[m] - np.uint64(lo) + np.uint64(to)
+                hit |= m
+        idx = np.flatnonzero(hit)
+        words[idx] = out[idx]
+        return idx
+
+    def patch(self, data: bytes) -> tuple[bytes, int]:
+        """``data`` (a parameter, a variable) with its aligned words moved, and how many were."""
+        n = len(data) // 8 * 8
+        if not n:
+            return data, 0
+        words = np.frombuffer(data[:n], dtype="<u8").copy()
+        idx = self.words(words)
+        return (words.tobytes() + data[n:], len(idx)) if len(idx) else (data, 0)
+
+
 def _chunks(byte_mask: np.ndarray) -> np.ndarray:
     return byte_mask.reshape(-1, CHUNK).any(axis=1)
 
@@ -460,6 +518,29 @@ class Replayer:
             self._claim([(lo, hi - lo)])
         return f"unvalidated: address unavailable ({start:#x}: {held}; the driver offered {got:#x})", by
 
+    def _room_elsewhere(self, spans: list[tuple[int, int]], live: list[list[int]]) -> list[tuple[int, int, int]]:
+        """Reserve room for each (start, size) span where the driver offers, never over one of the
+        program's ``live`` [addr, size] allocations (an unpredicted access to one must fault here,
+        not land in a moved copy): (start, end, address) of those placed, all of them or none."""
+        dev, g = self.device, self.device.granularity
+        busy = sorted((int(a), int(a) + int(n)) for a, n in live)
+        top = max([e for _, e in busy] + [s + n for s, n in spans])
+        placed: list[tuple[int, int, int]] = []
+        for start, size in spans:
+            got = None
+            for hint in (0, -(-top // g) * g + (1 << 30)):  # anywhere; else above all the program's
+                addr = dev.reserve(hint, size)
+                if not any(s < addr + size and addr < e for s, e in busy + [(t, t + h - l) for l, h, t in placed]):
+                    got = addr
+                    break
+                dev.free_address(addr, size)
+            if got is None:
+                for lo, hi, to in placed:
+                    dev.free_address(to, hi - lo)
+                return []
+            placed.append((start, start + size, got))
+        return placed
+
     def close(self) -> None:
         """Give back every reservation (at the end of the input)."""
         for s, n in self.reserved.items():
@@ -478,14 +559,26 @@ class Replayer:
         dev = self.device
         mapped: list[tuple[int, int]] = []
         module = None
+        moves = Moves([], spans)
         try:
+            refusals = []
             for start, size, _ in spans:
                 refused = self._reserve(start, size)
                 if refused is not None:
-                    return dict(base, checked=False, why=refused[0] + self._area_note(start), refused_by=refused[1])
+                    if not req.get("relocate"):
+                        return dict(base, checked=False, why=refused[0] + self._area_note(start),
+                                    refused_by=refused[1])
+                    refusals.append((start, size))
+            if refusals:
+                moved = self._room_elsewhere(refusals, req.get("live") or [])
+                moves = Moves(moved, spans)
+                if len(moved) < len(refusals):
+                    return dict(base, checked=False, why="unvalidated: address unavailable, and no "
+                                "address away from the program's live allocations to move it to")
+            at = moves.address
             for start, size, _ in spans:
-                dev.map(start, size)
-                mapped.append((start, size))
+                dev.map(at(start), size)
+                mapped.append((at(start), size))
             module, fn = dev.load(image, req["function"])
             params = _split(bytes.fromhex(req["params"]), req["sizes"])
             total = sum(s for _, s, _ in spans)
@@ -493,19 +586,36 @@ class Replayer:
             runs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             ro_taken: list[bool] = []
             variables = [(name, bytes(staging[off : off + n])) for name, off, n in req.get("variables", ())]
+            pointers = None
+            if moves:
+                params, n_params = zip(*(moves.patch(p) for p in params)) if params else ((), ())
+                params = list(params)
+                variables = [(name, *moves.patch(data)) for name, data in variables]
+                n_vars = sum(n for _, _, n in variables)
+                variables = [(name, data) for name, data, _ in variables]
+                # the pointers in the predicted bytes: words wholly predicted, found once (the
+                # poison around them must not decide which words are pointers)
+                words = self._image(spans, regions, staging, 0, total).view("<u8")
+                idx = moves.words(words, predicted.reshape(-1, 8).all(axis=1))
+                pointers = (idx, words[idx])
+                base["relocated"] = {"spans": [[lo, hi - lo, to] for lo, hi, to in moves.moved],
+                                     "pointers": {"parameters": int(sum(n_params)), "memory": int(len(idx)),
+                                                  "variables": int(n_vars)}}
             for fill in POISONS:
                 init = self._image(spans, regions, staging, fill, total)
-                err = self._run(spans, init, module, fn, req, params, variables, ro_taken)
+                if pointers is not None:
+                    init.view("<u8")[pointers[0]] = pointers[1]
+                err = self._run(spans, init, module, fn, req, params, variables, ro_taken, at)
                 if err is not None:
                     return self._failed(base, err, total)
-                runs[fill] = (init, self._read(spans, total))
+                runs[fill] = (init, self._read(spans, total, at))
             rec = self._judge(base, spans, req, predicted, runs)
             if rec["reads"] == "missed":
                 init = runs[POISONS[0]][0]
-                err = self._run(spans, init, module, fn, req, params, variables, ro_taken)
+                err = self._run(spans, init, module, fn, req, params, variables, ro_taken, at)
                 if err is not None:
                     return self._failed(base, err, total)
-                again = self._read(spans, total)
+                again = self._read(spans, total, at)
                 if np.any((again != runs[POISONS[0]][1]) & predicted):
                     rec["reads"] = "nondeterministic"
                     rec["nondeterministic"] = rec.pop("read_effects")
@@ -522,6 +632,8 @@ class Replayer:
                     dev.unload(module)
                 for start, size in mapped:
                     dev.unmap(start, size)
+                for lo, hi, to in moves.moved:  # held for this replay only
+                    dev.free_address(to, hi - lo)
 
     @staticmethod
     def _predicted_mask(spans, regions: list[Region], total: int) -> np.ndarray:
@@ -541,26 +653,27 @@ class Replayer:
         return init
 
     def _run(self, spans, init: np.ndarray, module, fn, req, params, variables: list[tuple[str, bytes]],
-             ro_taken: list[bool]) -> str | None:
+             ro_taken: list[bool], at=lambda addr: addr) -> str | None:
         dev = self.device
         for name, data in variables:  # the module's variables as the program's were at its launch
             dev.set_variable(module, name, data)
         pos = 0
         for start, size, ro in spans:
+            where = at(start)
             if ro:
-                dev.protect(start, size, False)
-            dev.upload(start, init[pos : pos + size])
+                dev.protect(where, size, False)
+            dev.upload(where, init[pos : pos + size])
             if ro:
-                ro_taken.append(dev.protect(start, size, True))
+                ro_taken.append(dev.protect(where, size, True))
             pos += size
         attributes = [(ident, bytes.fromhex(value)) for ident, value in req.get("attributes", ())]
         return dev.launch(fn, req["grid"], req["block"], req["shared"], params, attributes)
 
-    def _read(self, spans, total: int) -> np.ndarray:
+    def _read(self, spans, total: int, at=lambda addr: addr) -> np.ndarray:
         out = np.empty(total, dtype=np.uint8)
         pos = 0
         for start, size, _ in spans:
-            out[pos : pos + size] = self.device.download(start, size)
+            out[pos : pos + size] = self.device.download(at(start), size)
             pos += size
         return out
 

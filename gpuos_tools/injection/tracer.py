@@ -1062,7 +1062,10 @@ def start(cfg: BootConfig) -> Tracer:
         if v.where == "validator":
             from gpuos_tools.agent.offload import OffloadValidator
 
-            checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s)
+            from gpuos_tools.agent.offload import RELOCATE_ENV
+
+            checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s,
+                                       relocate=os.environ.get(RELOCATE_ENV) != "0")
             if v.zygote is not None and os.environ.get(zygote.ENV) != "0":
                 _arm_zygote(v.zygote)
         else:

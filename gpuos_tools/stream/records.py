@@ -426,6 +426,15 @@ VALIDATION = RecordType(
                                             Field("why", Str(), required=True)), text="{strategy, why}")),
               "address strategies that could not get this launch's addresses before the one named by "
               "`addresses`, and why"),
+        Field("relocated", Obj((Field("spans", List(List(Int(0, (1 << 64) - 1))), "[program address, size, "
+                                      "validator address] of each span replayed away from the program's address",
+                                      required=True),
+                                Field("pointers", Map(COUNT), "{parameters, memory, variables}: the 8-byte "
+                                      "words pointing into a moved span, moved with it", required=True)),
+                               text="{spans, pointers}"),
+              "`--validate-in validator`: no validator got this launch's addresses, so the replay moved the "
+              "spans it could not have and the pointers to them (a pointer built some other way reads the "
+              "program's address in the validator: not caught)"),
     ),
 )
 

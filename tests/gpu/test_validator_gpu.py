@@ -44,6 +44,10 @@ def summary(records: list[dict]) -> dict:
         "with_attributes": dict(Counter(str(v["attributes"]) for v in vals if v["checked"] and "attributes" in v)),
         "unvalidated": dict(Counter(v.get("why", "")[:200] for v in vals if not v["checked"])),
         "ms": sorted(v["ms"] for v in vals if "ms" in v),
+        # launches replayed with spans moved away from addresses no validator could have
+        "relocated": sum("relocated" in v for v in vals if v["checked"]),
+        "relocated_pointers": dict(sum((Counter(v["relocated"]["pointers"]) for v in vals if "relocated" in v),
+                                       Counter())),
         # the address strategy that answered, and the launches each strategy could not get the
         # addresses of (those it passed on to the next, and those left unvalidated)
         "addresses": dict(Counter(v["addresses"] for v in vals if "addresses" in v)),
@@ -173,7 +177,7 @@ def test_the_programs_addresses_are_had_and_one_strategy_is_kept(mode, tmp_root)
     r = runs(mode, tmp_root)
     vals = [v for v in r.get("records", []) if v["type"] == "validation" and "addresses" in v]
     assert vals, r["summary"]
-    got = [i for i, v in enumerate(vals) if v["checked"] or "fault" in v]
+    got = [i for i, v in enumerate(vals) if (v["checked"] or "fault" in v) and "relocated" not in v]
     assert got, r["summary"]
     kept = vals[got[0]]["addresses"]
     print(f"\nvalidator {mode}: addresses by {kept}, lost {r['summary']['address_lost']}", file=sys.stderr)
@@ -188,3 +192,14 @@ def test_library_kernels_miss_no_read_and_no_write(mode, tmp_root):
     s = r["summary"]
     assert s["checked"] > 0, s
     assert s["missed_write_launches"] == 0 and "missed" not in s["reads"], s
+
+
+@pytest.mark.parametrize("mode", list(NEEDS))
+def test_no_launch_is_left_unvalidated_for_want_of_its_addresses(mode, tmp_root):
+    """A launch whose addresses no validator got is replayed with those spans moved and the
+    pointers to them moved with them."""
+    r = runs(mode, tmp_root)
+    lost = {w: n for w, n in r["summary"]["unvalidated"].items() if w.startswith("unvalidated: address unavailable")}
+    print(f"\nvalidator {mode}: {r['summary']['relocated']} launches moved, pointers "
+          f"{r['summary']['relocated_pointers']}", file=sys.stderr)
+    assert not lost, r["summary"]

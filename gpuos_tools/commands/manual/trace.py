@@ -38,6 +38,8 @@ SECTIONS = {
         "owned allocator (`cupy` or `torch` for one of them; see OWNED ALLOCATIONS); opt-in, default off.\n"
         "- `GPUOS_VALIDATOR_ZYGOTE`: `0` starts every validator of `--validate-in validator` as a fresh "
         "process instead of forking the first from the program before its driver starts (see VALIDATION).\n"
+        "- `GPUOS_VALIDATOR_RELOCATE`: `0` leaves a launch whose addresses no validator could have "
+        "unvalidated instead of replaying it with those spans moved and the pointers to them rewritten.\n"
         "- `XDG_CACHE_HOME`: the native tracer and the owned allocator are cached in "
         "`$XDG_CACHE_HOME/gpuos-tools` (default `~/.cache/gpuos-tools`)."
     ),
