@@ -30,17 +30,18 @@ SUITE = ROOT / "workloads" / "suite"
 PROGRAMS = ("cupy_suite", "torch_cnn", "torch_optim", "transformer_block")
 
 
-def run_one(name: str, outdir: Path, samples: int, scale: int, prefix: str = "") -> dict:
+def run_one(name: str, outdir: Path, samples: int, scale: int, prefix: str = "", where: str = "process") -> dict:
     """Trace one suite program with --validate at one size; the run's facts (not yet scored)."""
     trace = outdir / f"{prefix}{name}.s{scale}.ndjson.zst"
     env = dict(os.environ, GPUOS_SUITE_SCALE=str(scale))
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--validate", "--validate-samples",
-         str(samples), "--no-images", "-o", str(trace), "--", sys.executable, str(SUITE / f"{name}.py")],
+         str(samples), "--validate-in", where, "--no-images", "-o", str(trace), "--", sys.executable,
+         str(SUITE / f"{name}.py")],
         cwd=ROOT, capture_output=True, text=True, env=env,
     )
-    result = {"program": name, "scale": scale, "exit": proc.returncode,
+    result = {"program": name, "scale": scale, "validate_in": where, "exit": proc.returncode,
               "wall_s": round(time.perf_counter() - t0, 2)}
     if proc.returncode != 0:
         result["stderr"] = proc.stderr[-3000:]
@@ -134,6 +135,8 @@ def main() -> int:
     ap.add_argument("--score-scale", type=int, default=2, help="program size whose run is scored")
     ap.add_argument("--score-only", action="store_true", help="score the traces already in --keep; run nothing")
     ap.add_argument("--prefix", default="", help="the traces' file names start with this (e.g. suite-)")
+    ap.add_argument("--validate-in", choices=("process", "validator"), default="process",
+                    help="where gpu-trace replays the sampled launches (see gpu-trace run --validate-in)")
     ap.add_argument("programs", nargs="*", default=list(PROGRAMS))
     args = ap.parse_args()
     outdir = args.keep or Path(os.environ.get("TMPDIR", "/tmp")) / "gpuos-access-suite"
@@ -142,7 +145,7 @@ def main() -> int:
     if not args.score_only:
         for name in args.programs:
             for scale in dict.fromkeys((args.learn_scale, args.score_scale)):
-                r = run_one(name, outdir, args.samples, scale, args.prefix)
+                r = run_one(name, outdir, args.samples, scale, args.prefix, args.validate_in)
                 runs.append(r)
                 print(json.dumps(r)[:2000], file=sys.stderr)
     results = []

@@ -656,3 +656,19 @@ def test_a_clusters_shape_goes_to_the_validator_with_the_launch(validator):
     assert v.pending[1]["req"]["attributes"] == cluster
     rec = v.exit(1, 0)
     assert rec["checked"] and rec["reads"] == "ok" and rec["attributes"] == [4], rec
+
+
+def test_the_validator_measures_read_extents_of_the_pointers_the_prediction_found(validator):
+    v = validator()
+    rec = launch(v)
+    assert rec["checked"], rec
+    ext = {e["ptr"]: e for e in rec["extents"]}
+    assert set(ext) == {X, Y}
+    assert ext[X]["read"] == 4 * N and ext[X]["limit"] == 4 * N  # x[0] = 0: zeroing it changes nothing
+    assert ext[Y]["written"] == 4 * N and ext[Y]["read"] == 0
+
+
+def test_without_extents_none_are_asked_for(validator):
+    v = validator()
+    v.extents = False
+    assert "extents" not in launch(v)

@@ -456,3 +456,49 @@ def test_moves_move_aligned_words_and_one_past_the_end_only_where_no_span_starts
     data, n = moves.patch(struct.pack("<QQi", X, Y + 16, 3))
     assert n == 2 and struct.unpack("<QQi", data) == (0x1000, 0x9010, 3)
     assert moves.address(Y + 5) == 0x9005 and moves.address(X + G) == X + G
+
+
+# ------------------------------------------------------------------ read extents
+
+def test_read_extents_are_bisected_per_pointer_as_in_the_programs_process():
+    """copy reads 400 bytes of x and writes 400 of y; x's whole granule is predicted read. The
+    read extent is the first chunk boundary past what it reads; the write extent, what changed."""
+    dev = FakeDevice(KERNELS, G)
+    x = np.arange(1, N + 1, dtype=np.float32)  # no zero among them: zeroing any changes the copy
+    regions = [[X, G, 0, "r"], [Y, 4 * N, G, "w"]]
+    req = request("copy", [[X, G]], [[Y, 4 * N]], regions)
+    req["extents"] = [[0, 0, X, X + G, X], [1, 0, Y, Y + G, Y]]
+    data = x.tobytes() + bytes(G - 4 * N) + bytes(4 * N)
+    rec = Replayer(dev).replay(req, data, b"image")
+    assert rec["checked"] and rec["reads"] == "ok", rec
+    ext = {e["param"]: e for e in rec["extents"]}
+    assert ext[0]["read"] == 512 and ext[0]["written"] == 0 and ext[0]["limit"] == G
+    assert ext[1]["read"] == 0 and ext[1]["written"] == 512
+    assert 0 < ext[0]["steps"] <= 6 and rec["extents"][0]["ptr"] == X
+    no_leaks(dev)
+    from gpuos_tools.stream.records import check_written
+
+    assert check_written({"type": "validation", "ts": 1, "tid": 2, "seq": 3, **rec}) is None
+
+
+def test_a_pointer_in_memory_is_never_zeroed_by_the_measurement():
+    """follow reads x through the table: zeroing the table's word would fault; it is kept, and
+    it counts as read, and x's 400 bytes are measured."""
+    dev = FakeDevice(KERNELS, G)
+    req, data = table_request("follow", struct.pack("<Q", X), relocate=False)
+    data = data[:8] + np.arange(1, N + 1, dtype=np.float32).tobytes() + data[8 + 4 * N :]
+    req["extents"] = [[0, 0, T, T + 8, T], [0, 0, X, X + 4 * N, X]]
+    rec = Replayer(dev).replay(req, data, b"image")
+    assert rec["checked"] and rec["reads"] == "ok" and not dev.maps, rec
+    ext = {e["ptr"]: e for e in rec["extents"]}
+    assert ext[X]["read"] == 4 * N and ext[T]["read"] == 8  # the table's word: never zeroed, counted read
+
+
+def test_the_measurement_stops_at_its_run_budget(monkeypatch):
+    monkeypatch.setattr(replay, "EXTENT_RUNS", 2)
+    dev = FakeDevice(KERNELS, G)
+    x = np.arange(1, N + 1, dtype=np.float32)
+    req = request("copy", [[X, G]], [[Y, 4 * N]], [[X, G, 0, "r"], [Y, 4 * N, G, "w"]])
+    req["extents"] = [[0, 0, X, X + G, X], [1, 0, Y, Y + G, Y]]
+    rec = Replayer(dev).replay(req, x.tobytes() + bytes(G - 4 * N) + bytes(4 * N), b"image")
+    assert rec["checked"] and rec["extents"] == [] and dev.launches == 2 + 2

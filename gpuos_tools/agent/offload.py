@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuos_tools.agent import replay, vaspace, zygote
-from gpuos_tools.agent.validate import CudaFailure, Validator, _ok
+from gpuos_tools.agent.validate import CudaFailure, Validator, _ok, extent_targets
 from gpuos_tools.agent.view import launch_record
 from gpuos_tools.image import clean_stale_temps, temp_name
 
@@ -395,8 +395,8 @@ class OffloadValidator(Validator):
                  image_for: Callable[[str, tuple | None], bytes | None] = None,
                  timeout_s: float = TIMEOUT_S, copier: Any = None, command: list[str] | None = None,
                  env: dict[str, str] | None = None, strategies: list[str] | None = None,
-                 zygote_ok: bool = True, relocate: bool = True) -> None:
-        super().__init__(samples, max_bytes, extents=False)
+                 zygote_ok: bool = True, relocate: bool = True, extents: bool = True) -> None:
+        super().__init__(samples, max_bytes, extents=extents)
         self.image_for = image_for or (lambda name, sizes: None)
         self.copier = copier or DriverCopier()
         self.dir = private_dir()
@@ -512,7 +512,7 @@ class OffloadValidator(Validator):
               args: bytes | None, geometry: tuple | None = None) -> None:
         """Copy the launch's predicted inputs out and hand them to the validator."""
         t0 = time.perf_counter()
-        acc, _info, _found = self.pred.launch(launch_record(kernel, sizes, args, func))
+        acc, _info, found = self.pred.launch(launch_record(kernel, sizes, args, func))
         state: dict[str, Any] = {"kernel": kernel, "t0": t0, "reads": self._absolute(acc["reads"]),
                                  "writes": self._absolute(acc["writes"]), "unknown": acc["unknown"]}
         why = self._refusal(state, sizes, args, geometry)
@@ -554,6 +554,8 @@ class OffloadValidator(Validator):
                "regions": staged, "reads": state["reads"], "writes": state["writes"]}
         if staged_vars:
             req["variables"] = staged_vars
+        if self.extents:  # the pointers whose read extents the validator measures
+            req["extents"] = [list(t) for t in extent_targets(found)]
         if len(geometry) > 5 and geometry[5]:  # launch attributes the replay sets (a cluster's shape)
             req["attributes"] = geometry[5]
         try:

@@ -37,14 +37,14 @@ Limits: reads of unpredicted bytes inside a mapped granule whose value does not 
 are invisible (as with in-process poisoning); module variables hold their initial values except
 those the program located by name (their bytes are staged with the launch); launch attributes
 that change no result are dropped (``DROPPED_ATTRIBUTES``), clusters and cooperative launches are
-replayed with theirs (``REPLAYED_ATTRIBUTES``), a launch with any other is not replayed; no read
-extents are measured.
+replayed with theirs (``REPLAYED_ATTRIBUTES``), a launch with any other is not replayed. Read
+extents are measured as in the program's process: a bisection per pointer over zeroed tails of
+the predicted bytes, at most ``EXTENT_RUNS`` replays a launch.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import mmap
 import os
@@ -57,7 +57,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from gpuos_tools.agent.validate import CHUNK, Layout
+from gpuos_tools.agent.cuda_device import CudaDevice, ReplayError
+from gpuos_tools.agent.validate import CHUNK, Layout, extent_cuts, shortest_prefix
 from gpuos_tools.agent.vaspace import KNOWN_STRATEGIES, STRATEGIES
 from gpuos_tools.model.allocs import Allocation
 
@@ -72,6 +73,8 @@ STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_
           "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_PC",
           "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_LAUNCH_TIMEOUT")
 POISONS = (0x00, 0xFF)
+#: replays a launch's read-extent measurement may take (each a bisection step of one pointer)
+EXTENT_RUNS = 256
 #: reservations tried in one driver area of the program's refused whole (halves, then quarters...)
 AREA_TRIES = 512
 
@@ -128,14 +131,6 @@ def read_frame(f: BinaryIO) -> Any | None:
 
 # ------------------------------------------------------------------ the device
 
-class ReplayError(Exception):
-    """A driver call failed; ``code`` is the CUresult's name."""
-
-    def __init__(self, what: str, code: str):
-        super().__init__(f"{what}: {code}")
-        self.code = code
-
-
 class Space(Protocol):
     """This process's hold on the program's addresses (vaspace.AddressClaims; tests pass a fake)."""
 
@@ -162,145 +157,6 @@ class Device(Protocol):
     def set_variable(self, module: Any, name: str, data: bytes) -> None: ...
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes],
                attributes: list[tuple[int, bytes]] = ()) -> str | None: ...
-
-
-class CudaDevice:
-    """The validator's own context on the program's GPU, through cuda-python's driver bindings."""
-
-    def __init__(self, bus_id: str):
-        from cuda.bindings import driver as drv
-
-        self.drv = drv
-        self._ok(drv.cuInit(0), "cuInit")
-        self.dev = self._ok(drv.cuDeviceGetByPCIBusId(bus_id.encode()), "cuDeviceGetByPCIBusId")
-        self.ctx = self._ok(drv.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
-        self._ok(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        prop = drv.CUmemAllocationProp()
-        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = int(self.dev)
-        self.prop = prop
-        self.granularity = int(self._ok(drv.cuMemGetAllocationGranularity(
-            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"))
-        self.handles: dict[int, Any] = {}
-
-    def _ok(self, result: tuple, what: str) -> Any:
-        err = result[0]
-        if err != self.drv.CUresult.CUDA_SUCCESS:
-            raise ReplayError(what, getattr(err, "name", str(err)))
-        return result[1] if len(result) == 2 else None
-
-    def reserve(self, addr: int, size: int) -> int:
-        return int(self._ok(self.drv.cuMemAddressReserve(size, self.granularity, addr, 0), "cuMemAddressReserve"))
-
-    def free_address(self, addr: int, size: int) -> None:
-        self.drv.cuMemAddressFree(addr, size)
-
-    def map(self, addr: int, size: int) -> None:
-        drv = self.drv
-        handle = self._ok(drv.cuMemCreate(size, self.prop, 0), "cuMemCreate")
-        err = drv.cuMemMap(addr, size, 0, handle, 0)[0]
-        if err != drv.CUresult.CUDA_SUCCESS:
-            drv.cuMemRelease(handle)
-            raise ReplayError("cuMemMap", getattr(err, "name", str(err)))
-        self.handles[addr] = handle
-        self._access(addr, size, drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-
-    def _access(self, addr: int, size: int, flags) -> None:
-        desc = self.drv.CUmemAccessDesc()
-        desc.location.type = self.drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = int(self.dev)
-        desc.flags = flags
-        self._ok(self.drv.cuMemSetAccess(addr, size, [desc], 1), "cuMemSetAccess")
-
-    def unmap(self, addr: int, size: int) -> None:
-        self.drv.cuMemUnmap(addr, size)
-        handle = self.handles.pop(addr, None)
-        if handle is not None:
-            self.drv.cuMemRelease(handle)
-
-    def protect(self, addr: int, size: int, read_only: bool) -> bool:
-        flags = self.drv.CUmemAccess_flags
-        try:
-            self._access(addr, size, flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
-                         else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-        except ReplayError:
-            return False
-        return True
-
-    def upload(self, addr: int, data: np.ndarray) -> None:
-        self._ok(self.drv.cuMemcpyHtoD(addr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
-
-    def download(self, addr: int, size: int) -> np.ndarray:
-        out = np.empty(size, dtype=np.uint8)
-        self._ok(self.drv.cuMemcpyDtoH(out.ctypes.data, addr, size), "cuMemcpyDtoH")
-        return out
-
-    def load(self, image: bytes, name: str) -> tuple[Any, Any]:
-        """(module, function). Loaded per replay, after the reservations, and unloaded after it:
-        a module's own device memory must not sit where a later launch's buffers need to go."""
-        if image[:4] != b"\x7fELF" and b".version" in image[:4096] and not image.endswith(b"\0"):
-            image += b"\0"  # PTX text: the driver reads it up to a NUL
-        mod = self._ok(self.drv.cuModuleLoadData(image), "cuModuleLoadData")
-        err, fn = self.drv.cuModuleGetFunction(mod, name.encode())
-        if err != self.drv.CUresult.CUDA_SUCCESS:
-            self.drv.cuModuleUnload(mod)
-            raise ReplayError("cuModuleGetFunction", getattr(err, "name", str(err)))
-        return mod, fn
-
-    def unload(self, module: Any) -> None:
-        self.drv.cuModuleUnload(module)
-
-    def set_variable(self, module: Any, name: str, data: bytes) -> None:
-        """Write the program's bytes of a module variable into this module's copy of it."""
-        err, addr, size = self.drv.cuModuleGetGlobal(module, name.encode())
-        self._ok((err,), f"cuModuleGetGlobal {name}")
-        n = min(int(size), len(data))
-        if n:
-            self._ok(self.drv.cuMemcpyHtoD(addr, data, n), f"cuMemcpyHtoD {name}")
-
-    def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes],
-               attributes: list[tuple[int, bytes]] = ()) -> str | None:
-        """Launch and synchronise: None, or the error's name (the launch's or the kernel's).
-        ``attributes``: (CUlaunchAttributeID, the value's bytes) of REPLAYED_ATTRIBUTES."""
-        drv = self.drv
-        if shared > 48 << 10:
-            drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                   shared)
-        bufs = [ctypes.create_string_buffer(p, max(len(p), 8)) for p in params]
-        ptrs = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.addressof(b) for b in bufs])
-        if attributes:
-            launched = drv.cuLaunchKernelEx(self._config(grid, block, shared, attributes), fn,
-                                            ctypes.addressof(ptrs), 0)[0]
-        else:
-            launched = drv.cuLaunchKernel(fn, *grid, *block, shared, 0, ctypes.addressof(ptrs), 0)[0]
-        for err in (launched, drv.cuCtxSynchronize()[0]):
-            if err != drv.CUresult.CUDA_SUCCESS:
-                return getattr(err, "name", str(err))
-        return None
-
-
-    def _config(self, grid: list[int], block: list[int], shared: int, attributes: list[tuple[int, bytes]]) -> Any:
-        drv = self.drv
-        cfg = drv.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-        cfg.sharedMemBytes = shared
-        attrs = []
-        for ident, value in attributes:
-            a = drv.CUlaunchAttribute()
-            a.id = drv.CUlaunchAttributeID(ident)
-            if ident == 4:
-                a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = struct.unpack_from("<3I", value)
-            elif ident == 5:
-                policy = struct.unpack_from("<I", value)[0]
-                a.value.clusterSchedulingPolicyPreference = drv.CUclusterSchedulingPolicy(policy)
-            elif ident == 2:
-                a.value.cooperative = struct.unpack_from("<i", value)[0]
-            attrs.append(a)
-        cfg.attrs = attrs
-        cfg.numAttrs = len(attrs)
-        return cfg
 
 
 # ------------------------------------------------------------------ the replay
@@ -621,6 +477,13 @@ class Replayer:
                     rec["nondeterministic"] = rec.pop("read_effects")
             if any(ro for _, _, ro in spans):
                 rec["read_only"] = "enforced" if all(ro_taken) else "refused"
+            if req.get("extents") and rec["reads"] != "nondeterministic":
+                holders = self._pointer_words(spans, regions, staging, predicted, total)
+                ext = self._extents(req["extents"], spans, predicted, holders, runs, rec["written"],
+                                    lambda image: self._run(spans, image, module, fn, req, params, variables, [], at),
+                                    lambda idx: self._read_spans(spans, idx, at))
+                if ext is not None:
+                    rec["extents"] = ext
             return rec
         except ReplayError as exc:
             if exc.code in STICKY:
@@ -634,6 +497,97 @@ class Replayer:
                     dev.unmap(start, size)
                 for lo, hi, to in moves.moved:  # held for this replay only
                     dev.free_address(to, hi - lo)
+
+    def _pointer_words(self, spans, regions: list[Region], staging, predicted: np.ndarray, total: int) -> np.ndarray:
+        """Bytes of the aligned words, wholly predicted, that hold an address inside a span: a
+        measurement never poisons them (a zeroed pointer would fault)."""
+        words = self._image(spans, regions, staging, 0, total).view("<u8")
+        hit = np.zeros(len(words), dtype=bool)
+        for start, size, _ in spans:
+            hit |= (words >= np.uint64(start)) & (words < np.uint64(start + size))
+        hit &= predicted.reshape(-1, 8).all(axis=1)
+        return np.repeat(hit, 8)
+
+    def _extents(self, targets, spans, predicted: np.ndarray, holders: np.ndarray, runs, written,
+                 run, read) -> list[dict[str, Any]] | None:
+        """How far past each pointer the kernel reads, as the in-process validator measures it
+        (validate.Validator._bisect): the shortest prefix of [pointer, end) whose predicted
+        tail, zeroed, leaves every chunk the launch wrote as the control run (poison 0x00) left
+        it; and how far past it the launch wrote. At most ``EXTENT_RUNS`` runs a launch; None
+        when a run failed (the control then does not hold)."""
+        init, control = runs[POISONS[0]]
+        chunks = np.zeros(len(predicted) // CHUNK, dtype=bool)
+        for i, after in runs.values():
+            chunks |= _chunks(i != after)
+        compare = np.repeat(chunks, CHUNK)
+        offsets = np.cumsum([0] + [n for _, n, _ in spans])
+        needed = [k for k in range(len(spans)) if compare[offsets[k] : offsets[k + 1]].any()]
+        done: dict[tuple[int, int], dict[str, Any]] = {}
+        out: list[dict[str, Any]] = []
+        budget = [EXTENT_RUNS]
+        failed: list[str] = []
+        for param, offset, ptr, end, base in targets:
+            if not any(s <= ptr < s + n for s, n, _ in spans):
+                continue  # not mapped here: the prediction named none of it
+            if (ptr, end) in done:
+                out.append(dict(done[(ptr, end)], param=param, offset=offset, steps=0))
+                continue
+            cuts = extent_cuts(ptr, end, base)
+
+            def ok(cut: int, end: int = end) -> bool:
+                if failed or budget[0] <= 0:
+                    raise _Stop
+                budget[0] -= 1
+                zeroed = np.zeros(len(predicted), dtype=bool)
+                for k, (s, n, _) in enumerate(spans):
+                    lo, hi = max(cut, s), min(end, s + n)
+                    if lo < hi:
+                        zeroed[offsets[k] + lo - s : offsets[k] + hi - s] = True
+                zeroed &= predicted & ~holders
+                image = init.copy()
+                image[zeroed] = 0
+                err = run(image)
+                if err is not None:
+                    failed.append(err)
+                    raise _Stop
+                got = read(needed)
+                keep = compare & ~zeroed
+                return all(np.array_equal(got[k][keep[offsets[k] : offsets[k + 1]]],
+                                          control[offsets[k] : offsets[k + 1]][keep[offsets[k] : offsets[k + 1]]])
+                           for k in needed)
+
+            try:
+                hi, steps = shortest_prefix(cuts, ok)
+            except _Stop:
+                break
+            wrote = [min(a + n, end) - ptr for a, n in written if a < end and ptr < a + n]
+            # a pointer stored in the range is never zeroed, so the bisection cannot see it read:
+            # it counts as read (a kernel finds its buffers through them)
+            held = self._held_end(holders, spans, offsets, ptr, end, cuts)
+            done[(ptr, end)] = {"param": param, "offset": offset, "ptr": ptr, "limit": end - ptr,
+                                "read": max(cuts[hi], held) - ptr, "written": max(wrote, default=0),
+                                "steps": steps}
+            out.append(done[(ptr, end)])
+        if failed:
+            if failed[0] in STICKY:
+                self.lost = True
+            return None
+        return out
+
+    @staticmethod
+    def _held_end(holders: np.ndarray, spans, offsets, ptr: int, end: int, cuts: list[int]) -> int:
+        """The first cut at or past the last pointer-holding byte in [ptr, end), or ptr."""
+        last = ptr
+        for k, (s, n, _) in enumerate(spans):
+            lo, hi = max(ptr, s), min(end, s + n)
+            if lo < hi:
+                idx = np.flatnonzero(holders[offsets[k] + lo - s : offsets[k] + hi - s])
+                if len(idx):
+                    last = max(last, lo + int(idx[-1]) + 1)
+        return next(c for c in cuts if c >= last) if last > ptr else ptr
+
+    def _read_spans(self, spans, idx: list[int], at) -> dict[int, np.ndarray]:
+        return {k: self.device.download(at(spans[k][0]), spans[k][1]) for k in idx}
 
     @staticmethod
     def _predicted_mask(spans, regions: list[Region], total: int) -> np.ndarray:
@@ -703,6 +657,10 @@ class Replayer:
         if effects.any():
             rec["read_effects"] = layout.ranges(effects)
         return rec
+
+
+class _Stop(Exception):
+    """A read-extent measurement ends early (out of runs, or a run failed)."""
 
 
 def _position(spans, addr: int) -> int:

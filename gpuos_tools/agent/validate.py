@@ -119,6 +119,43 @@ DONE:
 """
 
 
+def extent_targets(found) -> list[tuple[int, int, int, int, int]]:
+    """(param, offset, pointer, end, allocation start) of each pointer into device memory whose
+    read extent is measured: up to the next pointer into the same allocation, or its end."""
+    by_alloc: dict[int, list] = {}
+    for f in found:
+        if f.alloc is not None and f.alloc.kind in DEVICE_KINDS:
+            by_alloc.setdefault(f.alloc.id, []).append(f)
+    out = []
+    for fs in by_alloc.values():
+        starts = sorted({f.word for f in fs})
+        for f in fs:
+            nxt = [s for s in starts if s > f.word]
+            out.append((f.param, f.offset, f.word, nxt[0] if nxt else f.alloc.end, f.alloc.addr))
+    return out
+
+
+def extent_cuts(ptr: int, end: int, base: int) -> list[int]:
+    """The places a read extent may end: the pointer, each chunk boundary of its allocation
+    (which starts at ``base``) after it, the end."""
+    first = base + ((ptr - base) // CHUNK + 1) * CHUNK
+    return [ptr, *range(first, end, CHUNK), end]
+
+
+def shortest_prefix(cuts: list[int], ok) -> tuple[int, int]:
+    """Binary search: the index of the first cut for which ``ok`` holds (the last is assumed
+    to), and how many times ``ok`` was asked."""
+    lo, hi, steps = -1, len(cuts) - 1, 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        steps += 1
+        if ok(cuts[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return hi, steps
+
+
 class CudaFailure(Exception):
     """A driver call made by the validator failed."""
 
@@ -426,47 +463,30 @@ class Validator(ProcessView):
         form a prefix; a hole in them makes the answer an upper bound, never too small)."""
         from cuda.bindings import driver as drv
 
-        by_alloc: dict[int, list] = {}
-        for f in found:
-            if f.alloc is not None and f.alloc.kind in DEVICE_KINDS:
-                by_alloc.setdefault(f.alloc.id, []).append(f)
         out = []
         done: dict[tuple[int, int], dict[str, Any]] = {}
         pointer_chunks = [(int(full.addr[i]), int(full.addr[i] + full.len[i])) for i in np.flatnonzero(holders)]
-        for fs in by_alloc.values():
-            starts = sorted({f.word for f in fs})
-            for f in fs:
-                a, p = f.alloc, f.word
-                nxt = [s for s in starts if s > p]
-                end = nxt[0] if nxt else a.end
-                if (p, end) in done:  # the same pointer passed twice: measured once
-                    out.append(dict(done[(p, end)], param=f.param, offset=f.offset, steps=0))
-                    continue
-                first = a.addr + ((p - a.addr) // CHUNK + 1) * CHUNK
-                cuts = [p, *range(first, end, CHUNK), end]
+        for param, offset, p, end, base in extent_targets(found):
+            if (p, end) in done:  # the same pointer passed twice: measured once
+                out.append(dict(done[(p, end)], param=param, offset=offset, steps=0))
+                continue
+            cuts = extent_cuts(p, end, base)
 
-                def ok(cut: int) -> bool:
-                    spans = complement([Allocation(0, cut, end - cut)], pointer_chunks)
-                    try:
-                        for s, e in spans:
-                            _ok(drv.cuMemsetD8(s, 0, e - s), "cuMemsetD8(extent)")
-                        h = run()
-                    finally:
-                        self._copy(restores)
-                    untouched = ~layout.mask(spans)
-                    return bool(np.array_equal(h[untouched], control[untouched]))
+            def ok(cut: int, end: int = end) -> bool:
+                spans = complement([Allocation(0, cut, end - cut)], pointer_chunks)
+                try:
+                    for s, e in spans:
+                        _ok(drv.cuMemsetD8(s, 0, e - s), "cuMemsetD8(extent)")
+                    h = run()
+                finally:
+                    self._copy(restores)
+                untouched = ~layout.mask(spans)
+                return bool(np.array_equal(h[untouched], control[untouched]))
 
-                lo, hi, steps = -1, len(cuts) - 1, 0
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    steps += 1
-                    if ok(cuts[mid]):
-                        hi = mid
-                    else:
-                        lo = mid
-                done[(p, end)] = {"param": f.param, "offset": f.offset, "ptr": p, "limit": end - p,
-                                  "read": cuts[hi] - p, "steps": steps}
-                out.append(done[(p, end)])
+            hi, steps = shortest_prefix(cuts, ok)
+            done[(p, end)] = {"param": param, "offset": offset, "ptr": p, "limit": end - p,
+                              "read": cuts[hi] - p, "steps": steps}
+            out.append(done[(p, end)])
         return out
 
     def _snapshot(self, total: int) -> tuple[int | None, bool]:

@@ -103,8 +103,7 @@ def run(
         "process", "--validate-in", metavar="process|validator",
         help="With --validate: where a sampled launch is replayed. process: again in the program's own "
         "context (a fault there is the program's); validator: in a separate validator process on the same GPU, "
-        "fed with copies of the launch's predicted inputs, so nothing it does can reach the program (no "
-        "extents measured).",
+        "fed with copies of the launch's predicted inputs, so nothing it does can reach the program.",
     ),
     validate_extents: bool = typer.Option(
         True, "--validate-extents/--no-validate-extents",

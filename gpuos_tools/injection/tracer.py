@@ -1065,7 +1065,7 @@ def start(cfg: BootConfig) -> Tracer:
             from gpuos_tools.agent.offload import RELOCATE_ENV
 
             checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s,
-                                       relocate=os.environ.get(RELOCATE_ENV) != "0")
+                                       relocate=os.environ.get(RELOCATE_ENV) != "0", extents=v.extents)
             if v.zygote is not None and os.environ.get(zygote.ENV) != "0":
                 _arm_zygote(v.zygote)
         else:

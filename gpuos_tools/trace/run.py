@@ -174,7 +174,7 @@ def run_program(
             raise GpuosError(f"--validate-in: must be {' or '.join(VALIDATE_IN)}, not {validate_in!r}", ExitCode.USAGE)
         try:
             validation = ValidateConfig(validate_samples, parse_size(validate_max),
-                                        validate_extents and validate_in == "process", validate_in)
+                                        validate_extents, validate_in)
         except ValueError as exc:
             raise GpuosError(f"--validate-max: {exc}", ExitCode.USAGE) from None
         backend = "python"  # the validating launch handler is the Python tracer's
