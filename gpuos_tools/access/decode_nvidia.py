@@ -625,7 +625,79 @@ def plan_gemm_small_n(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+# -- cuBLAS's split-K SGEMM and cuBLASLt's epilogue kernel ---------------------------------------
+# Read off launches of the optimizer suite measured by the validator (H100, 2026-11-27), at two
+# problem sizes each, with transposed and plain A: every operand's extent is (columns - 1) *
+# leading dimension + rows, in floats.
+
+_LARGEK = ("float*, float const*, float const*, int, int, int, int, int, int, float const*, float const*, "
+           "float, float, int, int, int*, int*")
+_LARGEK_NAME = re.compile(r"^void sgemm_largek_lds64<(true|false), (true|false), ")
+
+
+def plan_sgemm_largek(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """``sgemm_largek_lds64<transA, transB, ...>(C, A, B, m, n, k, lda, ldb, ldc, alpha*, beta*,
+    alpha, beta, ?, ?, int* a, int* b)``: C is m x n (ldc), A is m x k or, transposed, k x m
+    (lda), B is k x n or, transposed, n x k (ldb); the two int arrays (split-K semaphores) hold
+    one int per tile of the grid's first two dimensions. C is taken as read (beta's place is not
+    certain)."""
+    m = _LARGEK_NAME.match(name)
+    if m is None or split_params(name) != [p.strip() for p in _LARGEK.split(",")] or len(sizes) != 17:
+        return None
+    ta, tb = m.group(1) == "true", m.group(2) == "true"
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        mm, n, k, lda, ldb, ldc = (i32(raw[i], 0) for i in range(3, 9))
+        grid = rec.get("grid") or (0, 0, 0)
+        a_rows, a_cols = (k, mm) if ta else (mm, k)
+        b_rows, b_cols = (n, k) if tb else (k, n)
+        if min(mm, n, k) < 1 or lda < a_rows or ldb < b_rows or ldc < mm or min(grid[0], grid[1]) < 1:
+            return None
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in (0, 1, 2, 15, 16)})
+        dec.read(0, 0, ((n - 1) * ldc + mm) * 4)
+        dec.write(0, 0, ((n - 1) * ldc + mm) * 4)
+        dec.read(1, 0, ((a_cols - 1) * lda + a_rows) * 4)
+        dec.read(2, 0, ((b_cols - 1) * ldb + b_rows) * 4)
+        for i in (15, 16):
+            if u64(raw[i], 0):
+                dec.read(i, 0, grid[0] * grid[1] * 4)
+                dec.write(i, 0, grid[0] * grid[1] * 4)
+        return dec
+
+    return plan
+
+
+_EPILOGUE = ("int, int, long, float*, cublasLtEpilogue_t, int, float*, long, void*, long, long, long, float*, "
+             "long, int*")
+
+
+def plan_lt_epilogue(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """cuBLASLt's ``epilogue::impl::globalKernel<..., float, float, float, ...>(m, n, ldc, C,
+    epilogue, ?, bias, ...)`` with epilogue 4 (bias) and nothing past the bias: C (m x n, ldc)
+    is updated in place, the bias is m floats."""
+    if not name.startswith("void cublasLt::epilogue::impl::globalKernel<") or len(sizes) != 15:
+        return None
+    targs = args_of(name, "cublasLt::epilogue::impl::globalKernel")
+    if not targs or targs[2:5] != ("float", "float", "float") or split_params(name) != [
+            p.strip() for p in _EPILOGUE.split(",")]:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        mm, n, ldc, kind = i32(raw[0], 0), i32(raw[1], 0), i64(raw[2], 0), i32(raw[4], 0)
+        if min(mm, n) < 1 or ldc < mm or kind != 4 or not u64(raw[6], 0) or any(u64(raw[i], 0) for i in (8, 12, 14)):
+            return None
+        dec = Decoded(VIA, regions={3: [(0, 8)], 6: [(0, 8)]})
+        dec.read(3, 0, ((n - 1) * ldc + mm) * 4)
+        dec.write(3, 0, ((n - 1) * ldc + mm) * 4)
+        dec.read(6, 0, mm * 4)
+        return dec
+
+    return plan
+
+
 PLANNERS = (
+    plan_sgemm_largek,
+    plan_lt_epilogue,
     plan_cub_reduce,
     plan_gemm_small_n,
     plan_xmma_gemm,

@@ -224,50 +224,94 @@ PLANNERS = (plan_vectorized, plan_legacy, plan_reduce)
 
 @dataclass(frozen=True, slots=True)
 class Simple:
-    """A kernel whose pointers' extents follow from its scalar arguments. ``params`` is its
-    parameter list as demangled, ``{T}`` standing for its first template argument: another
-    version's signature does not match and is left alone. ``spans`` maps the parameter values
-    (integers; pointers as addresses) and sizeof(T) to (param, "r" | "w" | "rw", bytes)."""
+    """A kernel whose pointers' extents follow from its scalar arguments (and its grid). ``params``
+    is its parameter list as demangled, ``{T}`` and ``{U}`` standing for its first and second
+    template arguments: another version's signature does not match and is left alone. ``spans``
+    maps the parameter values (integers; pointers as addresses), the sizes of T and U (None where
+    not a type) and the grid to (param, "r" | "w" | "rw", bytes), or None when the launch is
+    not one it knows the layout of."""
 
     kernel: str
     params: str
-    spans: Callable[[list[int], int], list[tuple[int, str, int]]]
+    spans: Callable[[list[int], tuple, tuple], list[tuple[int, str, int]] | None]
 
 
-def _max_pool_forward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+def _max_pool_forward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]]:
+    t = ts[0]
     # (nthreads, bottom, channels, height, width, pooled_h, pooled_w, ..., top, mask): one
     # thread per output element; each reads a window of its own (n, c) input plane
     planes = -(-v[0] // max(1, v[5] * v[6]))
     return [(1, "r", planes * v[3] * v[4] * t), (15, "w", v[0] * t), (16, "w", v[0] * 8)]
 
 
-def _max_pool_backward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+def _max_pool_backward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]]:
+    t = ts[0]
     # (top_diff, top_mask, num, channels, height, width, pooled_h, pooled_w, ..., bottom_diff)
     planes = v[2] * v[3]
     return [(0, "r", planes * v[6] * v[7] * t), (1, "r", planes * v[6] * v[7] * 8),
             (16, "w", planes * v[4] * v[5] * t)]
 
 
-def _nll_forward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+def _nll_forward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]]:
+    t = ts[0]
     # (output, total_weight, input, target, weights, size_average, nframe, ndim, n_classes, ignore)
     return [(0, "w", t), (1, "w", t), (2, "r", v[6] * v[7] * t), (3, "r", v[6] * 8), (4, "r", v[8] * t)]
 
 
-def _nll_backward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+def _nll_backward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]]:
+    t = ts[0]
     # (grad_input, grad_output, target, weights, total_weight, size_average, nframe, ndim, ...)
     return [(0, "w", v[6] * v[7] * t), (1, "r", t), (2, "r", v[6] * 8), (3, "r", v[8] * t), (4, "r", t)]
 
 
-def _softmax_forward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+def _softmax_forward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]]:
+    t = ts[0]
     # (dst, src, batch_size, stride, element_count, mask, ...): rows of `stride` elements
     rows = (v[2] - 1) * v[3] + v[4] if v[2] > 0 else 0
     return [(0, "w", rows * t), (1, "r", rows * t)]
 
 
-def _softmax_backward(v: list[int], t: int) -> list[tuple[int, str, int]]:
+def _softmax_backward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]]:
+    t = ts[0]
     # (grad_input, grad, output, batch_size, stride, element_count, mask)
     rows = (v[3] - 1) * v[4] + v[5] if v[3] > 0 else 0
     return [(0, "w", rows * t), (1, "r", rows * t), (2, "r", rows * t)]
+
+
+def _layer_norm(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
+    # (N, eps, X, gamma, beta, mean, rstd, Y): one block per row, M = grid.x rows of N
+    t, acc = ts[0], ts[1]
+    m, n = g[0], v[0]
+    if acc is None or g[1:] != (1, 1):
+        return None
+    return _present(v, [(2, "r", m * n * t), (3, "r", n * t), (4, "r", n * t), (5, "w", m * acc),
+                        (6, "w", m * acc), (7, "w", m * n * t)])
+
+
+def _layer_norm_grad_input(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
+    # (dY, X, mean, rstd, gamma, dX, N): one block per row
+    t, acc = ts[0], ts[1]
+    m, n = g[0], v[6]
+    if acc is None or g[1:] != (1, 1):
+        return None
+    return _present(v, [(0, "r", m * n * t), (1, "r", m * n * t), (2, "r", m * acc), (3, "r", m * acc),
+                        (4, "r", n * t), (5, "w", m * n * t)])
+
+
+def _gamma_beta_backward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
+    # (M, N, dY, X, mean, rstd, dgamma, dbeta); with more than one block row it writes partial
+    # sums elsewhere first: left to the range
+    t, acc = ts[0], ts[1]
+    m, n = v[0], v[1]
+    if acc is None or g[1:] != (1, 1):
+        return None
+    return _present(v, [(2, "r", m * n * t), (3, "r", m * n * t), (4, "r", m * acc), (5, "r", m * acc),
+                        (6, "w", n * t), (7, "w", n * t)])
+
+
+def _present(v: list[int], spans: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
+    """The spans whose pointer is not null (an output the caller did not ask for)."""
+    return [s for s in spans if v[s[0]]]
 
 
 _NS = "at::native::(anonymous namespace)::"
@@ -283,6 +327,12 @@ SIMPLE = (
            _softmax_forward),
     Simple("(anonymous namespace)::softmax_warp_backward", "{T}*, {T} const*, {T} const*, int, int, int, bool const*",
            _softmax_backward),
+    Simple(_NS + "vectorized_layer_norm_kernel", "int, {U}, {T} const*, {T} const*, {T} const*, {U}*, {U}*, {T}*",
+           _layer_norm),
+    Simple(_NS + "layer_norm_grad_input_kernel_vectorized",
+           "{T} const*, {T} const*, {U} const*, {U} const*, {T} const*, {T}*, int", _layer_norm_grad_input),
+    Simple(_NS + "GammaBetaBackwardCUDAKernelTemplate",
+           "long, long, {T} const*, {T} const*, {U} const*, {U} const*, {T}*, {T}*", _gamma_beta_backward),
 )  # fmt: skip
 
 
@@ -290,23 +340,27 @@ def plan_simple(name: str, sizes: tuple[int, ...]) -> Plan | None:
     for spec in SIMPLE:
         if not name.startswith(f"void {spec.kernel}<"):
             continue
-        targs = args_of(name, spec.kernel)
-        t = sizeof(targs[0]) if targs else None
+        targs = args_of(name, spec.kernel) or ()
+        ts = tuple(sizeof(a) for a in targs)
         params = split_params(name)
-        expected = [p.strip() for p in spec.params.replace("{T}", targs[0] if targs else "?").split(",")]
-        if t is None or params != expected or len(sizes) != len(expected):
+        expected = spec.params.replace("{T}", targs[0] if targs else "?")
+        expected = [p.strip() for p in expected.replace("{U}", targs[1] if len(targs) > 1 else "?").split(",")]
+        if not ts or ts[0] is None or params != expected or len(sizes) != len(expected):
             return None
-        return _simple_plan(spec, t, sizes)
+        return _simple_plan(spec, ts, sizes)
     return None
 
 
-def _simple_plan(spec: Simple, t: int, sizes: tuple[int, ...]) -> Plan:
+def _simple_plan(spec: Simple, ts: tuple, sizes: tuple[int, ...]) -> Plan:
     pointers = [i for i, p in enumerate(spec.params.split(",")) if p.strip().endswith("*")]
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         values = [int.from_bytes(r, "little", signed=True) for r in raw]
+        spans = spec.spans(values, ts, tuple(rec.get("grid") or (0, 0, 0)))
+        if spans is None:
+            return None
         dec = Decoded(VIA, regions={i: [(0, 8)] for i in pointers})
-        for param, how, size in spec.spans(values, t):
+        for param, how, size in spans:
             if size < 0:
                 return None
             if "r" in how:
