@@ -378,3 +378,21 @@ def test_foreach_optimizer_step_reads_the_gradients_it_was_given():
         assert off >= 64 * 8 and read == (0, numel[name] * 4) and write is None  # list 1: read only
         state_read, state_write = s[(0, off - 64 * 8)]  # the same tensor in list 0 (exp_avg)
         assert state_read == state_write == (0, numel[name] * 4)
+
+
+@pytest.mark.parametrize("functor, out", [
+    # recorded in the optimizer and transformer suites on the H100: their outputs are the
+    # inputs' type, which the lambdas' names do not show
+    ("at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() "
+     "const::{lambda()#2}::operator()() const::{lambda(float)#1}", 4),
+    ("at::native::GeluBackwardCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::"
+     "operator()() const::{lambda()#2}::operator()() const::{lambda(float, float)#1}", 4),
+    ("at::native::(anonymous namespace)::masked_scale_kernel<bool, float, float>(at::Tensor&, at::Tensor const&, "
+     "at::Tensor const&, float)::{lambda(float, bool)#1}", 4),
+    # any other lambda: bounded by the largest element
+    ("at::native::something_else(at::TensorIteratorBase&)::{lambda(float, float)#1}", 16),
+])
+def test_lambdas_known_to_return_their_first_parameters_type(functor, out):
+    from gpuos_tools.access.decode_torch import operands
+
+    assert operands(functor)[0] == out

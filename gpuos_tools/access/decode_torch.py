@@ -56,6 +56,12 @@ _FUNCTORS = {
 #: Functions whose GPU lambda returns its argument's type (they dispatch on one scalar_t and
 #: compute in it): clamp, clamp_min and clamp_max (ReLU's forward is clamp_min).
 _SAME_TYPE = ("at::native::(anonymous namespace)::launch_clamp_scalar(",)
+#: Functions whose GPU lambda returns its first parameter's type (ATen's source: GELU and its
+#: gradient, tanh's gradient, pow with a scalar exponent, dropout's masked scale).
+_FIRST_TYPE = ("at::native::GeluCUDAKernelImpl(", "at::native::GeluBackwardCUDAKernelImpl(",
+               "at::native::tanh_backward_kernel_cuda(",
+               "at::native::(anonymous namespace)::pow_tensor_scalar_kernel_impl<",
+               "at::native::(anonymous namespace)::masked_scale_kernel<")
 
 
 def operands(functor: str) -> tuple[int, list[int]] | None:
@@ -65,7 +71,7 @@ def operands(functor: str) -> tuple[int, list[int]] | None:
         ins = [sizeof(p) for p in params]
         if None in ins:
             return None
-        same = len(set(params)) == 1 and functor.startswith(_SAME_TYPE)
+        same = len(set(params)) == 1 and functor.startswith(_SAME_TYPE) or functor.startswith(_FIRST_TYPE)
         return (ins[0] if same else MAX_ELEMENT), ins  # type: ignore[return-value]
     base = base_name(functor)
     shape = _FUNCTORS.get(base)
