@@ -274,14 +274,14 @@ def test_read_extents_measured_in_the_validator_score_the_reads():
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_layer_norm_and_split_k_gemm_extents_match_what_the_validator_measured(size):
-    """PyTorch's layer-norm kernels, cuBLAS's split-K SGEMM and cuBLASLt's bias epilogue, decoded
-    from their arguments and grid: at both sizes of the optimizer suite, nothing missed and not
+    """PyTorch's layer-norm kernels and fused AdamW step, cuBLAS's split-K SGEMM and cuBLASLt's
+    bias epilogue, decoded from their arguments and grid: at both sizes of the optimizer suite, nothing missed and not
     a byte written past what the GPU showed (C, updated in place, is read: the measurement cannot
     see a read of what the kernel overwrites)."""
     records = load(f"validator-suite-torch_optim.s{size}.ndjson.zst")
-    names = ("layer_norm", "sgemm_largek", "epilogue4impl")
+    names = ("layer_norm", "sgemm_largek", "epilogue4impl", "fused_adamw")
     rows = [r for r in compute_report(records, "extent") if any(n in (r.kernel or "") for n in names)]
-    assert len(rows) == 5 and sum(r.validated for r in rows) == 17
+    assert len(rows) == 6 and sum(r.validated for r in rows) == 19
     for r in rows:
         assert r.missed_read_launches == r.missed_write_launches == 0, r.kernel
         assert r.extra_write_bytes == 0 and r.written_bytes > 0, r.kernel

@@ -478,4 +478,60 @@ def plan_foreach(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
-PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach)
+_CHUNK_ELEMENTS = 65536  #: multi_tensor_apply's kChunkSize: the elements one block works on
+_FUSED_ADAM = _NSA + "FusedAdamMathFunctor"
+
+
+def plan_fused_adam(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """The fused Adam and AdamW step: ``multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<n>,
+    FusedAdamMathFunctor<T, n, mode, amsgrad>, ...>``. The metadata holds addresses[n][max
+    tensors] (params, grads, exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad), the element
+    counts, one step-count tensor address per tensor, then which tensor and chunk each block
+    works on. Every tensor a block of the launch works on is read whole; each list but the
+    gradients is written; its step count (one float) is read."""
+    targs = _kernel_args(name, _NSA + "multi_tensor_apply_kernel")
+    if targs is None or len(targs) < 2 or not sizes:
+        return None
+    meta = args_of(targs[0], _NSA + "FusedOptimizerTensorListMetadata")
+    fargs = args_of(targs[1], _FUSED_ADAM) if targs[1].startswith(_FUSED_ADAM + "<") else None
+    if meta is None or fargs is None or len(meta) != 1 or len(fargs) != 4:
+        return None
+    depth, elem = int(meta[0]), sizeof(fargs[0])
+    if depth not in (4, 5) or int(fargs[1]) != depth or elem is None:
+        return None
+    max_t, max_s = _MAX_TENSORS[depth - 1], _MAX_TENSORS_SCALARLIST[depth - 1]
+    numels = 8 * depth * max_t
+    steps = numels + 8 * max_t
+    to_tensor = steps + 8 * max_s
+    to_chunk = (to_tensor + _MAX_BLOCKS + 3) & ~3
+    end = to_chunk + 4 * _MAX_BLOCKS + 4  # start_tensor_this_launch
+    if sizes[0] != (end + 7) & ~7:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        blocks = (rec.get("grid") or (0,))[0]
+        if not 1 <= blocks <= _MAX_BLOCKS:
+            return None
+        dec = Decoded(VIA, regions={0: [(0, end)]})
+        done = set()
+        for blk in range(blocks):
+            t, chunk = b[to_tensor + blk], i32(b, to_chunk + 4 * blk)
+            n = i64(b, numels + 8 * t) if t < max_t else -1
+            if n < 1 or not 0 <= chunk * _CHUNK_ELEMENTS < n:
+                return None  # not the layout read
+            if t in done:
+                continue
+            done.add(t)
+            for d in range(depth):
+                dec.read(0, 8 * (d * max_t + t), n * elem)
+                if d != 1:  # the gradients are only read
+                    dec.write(0, 8 * (d * max_t + t), n * elem)
+            dec.read(0, steps + 8 * t, 4)
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach,
+            plan_fused_adam)
