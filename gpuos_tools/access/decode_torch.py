@@ -284,40 +284,34 @@ def _softmax_backward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str,
     return [(0, "w", rows * t), (1, "r", rows * t), (2, "r", rows * t)]
 
 
-def _layer_norm(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
-    # (N, eps, X, gamma, beta, mean, rstd, Y): one block per row, M = grid.x rows of N
-    t, acc = ts[0], ts[1]
-    m, n = g[0], v[0]
+def _norm_rows(v: list[int], ts: tuple, g: tuple, m: int, n: int, layout) -> list[tuple[int, str, int]] | None:
+    """Spans of a row-normalisation kernel: (param, "r" | "w", "MN" | "N" | "M") as M·N elements of
+    T, N of T, or M of the accumulation type U; a null pointer (an output not asked for) is
+    left out. Only a grid of one block row is the layout read."""
+    t, acc = ts[0], ts[1] if len(ts) > 1 else None
     if acc is None or g[1:] != (1, 1):
         return None
-    return _present(v, [(2, "r", m * n * t), (3, "r", n * t), (4, "r", n * t), (5, "w", m * acc),
-                        (6, "w", m * acc), (7, "w", m * n * t)])
+    size = {"MN": m * n * t, "N": n * t, "M": m * acc}
+    return [(p, how, size[kind]) for p, how, kind in layout if v[p]]
+
+
+def _layer_norm(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
+    # (N, eps, X, gamma, beta, mean, rstd, Y): one block per row, M = grid.x rows of N
+    return _norm_rows(v, ts, g, g[0], v[0], ((2, "r", "MN"), (3, "r", "N"), (4, "r", "N"), (5, "w", "M"),
+                                             (6, "w", "M"), (7, "w", "MN")))
 
 
 def _layer_norm_grad_input(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
     # (dY, X, mean, rstd, gamma, dX, N): one block per row
-    t, acc = ts[0], ts[1]
-    m, n = g[0], v[6]
-    if acc is None or g[1:] != (1, 1):
-        return None
-    return _present(v, [(0, "r", m * n * t), (1, "r", m * n * t), (2, "r", m * acc), (3, "r", m * acc),
-                        (4, "r", n * t), (5, "w", m * n * t)])
+    return _norm_rows(v, ts, g, g[0], v[6], ((0, "r", "MN"), (1, "r", "MN"), (2, "r", "M"), (3, "r", "M"),
+                                             (4, "r", "N"), (5, "w", "MN")))
 
 
 def _gamma_beta_backward(v: list[int], ts: tuple, g: tuple) -> list[tuple[int, str, int]] | None:
     # (M, N, dY, X, mean, rstd, dgamma, dbeta); with more than one block row it writes partial
     # sums elsewhere first: left to the range
-    t, acc = ts[0], ts[1]
-    m, n = v[0], v[1]
-    if acc is None or g[1:] != (1, 1):
-        return None
-    return _present(v, [(2, "r", m * n * t), (3, "r", m * n * t), (4, "r", m * acc), (5, "r", m * acc),
-                        (6, "w", n * t), (7, "w", n * t)])
-
-
-def _present(v: list[int], spans: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
-    """The spans whose pointer is not null (an output the caller did not ask for)."""
-    return [s for s in spans if v[s[0]]]
+    return _norm_rows(v, ts, g, v[0], v[1], ((2, "r", "MN"), (3, "r", "MN"), (4, "r", "M"), (5, "r", "M"),
+                                             (6, "w", "N"), (7, "w", "N")))
 
 
 _NS = "at::native::(anonymous namespace)::"
@@ -429,6 +423,19 @@ _MAX_BLOCKS = 320
 _FOREACH = re.compile(r"^at::native::\(anonymous namespace\)::(?:(?:Unary|Binary|Pointwise|Ternary)Op\w*|Zero)Functor<")
 
 
+def _block_tables(to_tensor: int, start_field: bool) -> tuple[int, int]:
+    """Where block_to_chunk starts after block_to_tensor, and where the metadata ends (after
+    start_tensor_this_launch, where the structure has it)."""
+    to_chunk = (to_tensor + _MAX_BLOCKS + 3) & ~3
+    return to_chunk, to_chunk + 4 * _MAX_BLOCKS + (4 if start_field else 0)
+
+
+def _blocks(rec: dict[str, Any]) -> int | None:
+    """The launch's blocks, when the metadata can describe that many."""
+    blocks = (rec.get("grid") or (0,))[0]
+    return blocks if 1 <= blocks <= _MAX_BLOCKS else None
+
+
 def plan_foreach(name: str, sizes: tuple[int, ...]) -> Plan | None:
     targs = _kernel_args(name, _NSA + "multi_tensor_apply_kernel")
     if targs is None or len(targs) < 2 or not sizes:
@@ -452,15 +459,14 @@ def plan_foreach(name: str, sizes: tuple[int, ...]) -> Plan | None:
         return None
     numels = 8 * depth * max_t
     to_tensor = numels + 8 * max_t + scalar * max_t
-    to_chunk = (to_tensor + _MAX_BLOCKS + 3) & ~3
-    end = to_chunk + 4 * _MAX_BLOCKS + (4 if limits is _MAX_TENSORS else 0)  # start_tensor_this_launch
+    _, end = _block_tables(to_tensor, limits is _MAX_TENSORS)
     if sizes[0] != (end + 7) & ~7:
         return None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         b = raw[0]
-        blocks = (rec.get("grid") or (0,))[0]
-        if not 1 <= blocks <= _MAX_BLOCKS:
+        blocks = _blocks(rec)
+        if blocks is None:
             return None
         tensors = set(b[to_tensor : to_tensor + blocks])
         dec = Decoded(VIA, regions={0: [(0, end)]})
@@ -503,15 +509,14 @@ def plan_fused_adam(name: str, sizes: tuple[int, ...]) -> Plan | None:
     numels = 8 * depth * max_t
     steps = numels + 8 * max_t
     to_tensor = steps + 8 * max_s
-    to_chunk = (to_tensor + _MAX_BLOCKS + 3) & ~3
-    end = to_chunk + 4 * _MAX_BLOCKS + 4  # start_tensor_this_launch
+    to_chunk, end = _block_tables(to_tensor, True)
     if sizes[0] != (end + 7) & ~7:
         return None
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         b = raw[0]
-        blocks = (rec.get("grid") or (0,))[0]
-        if not 1 <= blocks <= _MAX_BLOCKS:
+        blocks = _blocks(rec)
+        if blocks is None:
             return None
         dec = Decoded(VIA, regions={0: [(0, end)]})
         done = set()
