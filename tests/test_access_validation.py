@@ -287,3 +287,16 @@ def test_layer_norm_and_split_k_gemm_extents_match_what_the_validator_measured(s
         assert r.extra_write_bytes == 0 and r.written_bytes > 0, r.kernel
     norms = [r for r in rows if "layer_norm" in r.kernel]
     assert sum(r.extra_read_bytes for r in norms) == 256  # LayerNorm's bias, all zeros: zeroing it shows nothing
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_embedding_gathers_write_exactly_what_the_validator_saw(size):
+    """The GPT-2 block's token and position lookups (vectorized_gather_kernel), decoded from
+    their count, slice size and strides: every row written and no byte more, at both sizes;
+    nothing in the program missed at extent."""
+    records = load(f"validator-suite-transformer_block.s{size}.ndjson.zst")
+    rows = compute_report(records, "extent")
+    assert sum(r.missed_read_launches + r.missed_write_launches for r in rows) == 0
+    gather = [r for r in rows if "vectorized_gather_kernel" in (r.kernel or "")]
+    assert len(gather) == 1 and gather[0].validated == 2
+    assert gather[0].extra_write_bytes == 0 and gather[0].written_bytes == 49152 * size

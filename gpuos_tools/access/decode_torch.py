@@ -484,6 +484,36 @@ def plan_foreach(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+_GATHER = "at::native::vectorized_gather_kernel"
+_GATHER_PARAMS = ["char*", "char*", "{I}*", "int", "long", "long", "long", "long", "bool"]
+
+
+def plan_gather(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """``vectorized_gather_kernel<alignment, index_t>(out, inp, idx, num_ind, slice_size,
+    ind_dim_size, inp_stride, out_stride, allow_neg)`` (index_select, embedding lookups): one
+    block per index copies a slice of ``slice_size`` bytes from row ``idx[i]`` of ``inp`` to row
+    i of ``out``, strides in bytes. Which rows it reads is in device memory: the whole table is
+    read."""
+    targs = _kernel_args(name, _GATHER)
+    index = sizeof(targs[1]) if targs and len(targs) == 2 else None
+    if index is None or split_params(name) != [p.replace("{I}", targs[1]) for p in _GATHER_PARAMS] or len(sizes) != 9:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n, size, rows = i32(raw[3], 0), i64(raw[4], 0), i64(raw[5], 0)
+        in_stride, out_stride = i64(raw[6], 0), i64(raw[7], 0)
+        grid = rec.get("grid") or (0, 0, 0)
+        if min(n, size, rows) < 1 or min(in_stride, out_stride) < size or grid[0] != n:
+            return None
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in range(3)})
+        dec.write(0, 0, (n - 1) * out_stride + size)
+        dec.read(1, 0, (rows - 1) * in_stride + size)
+        dec.read(2, 0, n * index)
+        return dec
+
+    return plan
+
+
 _CHUNK_ELEMENTS = 65536  #: multi_tensor_apply's kChunkSize: the elements one block works on
 _FUSED_ADAM = _NSA + "FusedAdamMathFunctor"
 
@@ -539,4 +569,4 @@ def plan_fused_adam(name: str, sizes: tuple[int, ...]) -> Plan | None:
 
 
 PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach,
-            plan_fused_adam)
+            plan_fused_adam, plan_gather)
