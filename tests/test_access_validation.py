@@ -290,13 +290,20 @@ def test_layer_norm_and_split_k_gemm_extents_match_what_the_validator_measured(s
 
 
 @pytest.mark.parametrize("size", [1, 2])
-def test_embedding_gathers_write_exactly_what_the_validator_saw(size):
+def test_embedding_gathers_and_dropout_write_exactly_what_the_validator_saw(size):
     """The GPT-2 block's token and position lookups (vectorized_gather_kernel), decoded from
-    their count, slice size and strides: every row written and no byte more, at both sizes;
-    nothing in the program missed at extent."""
+    their count, slice size and strides, and its dropouts: every byte written and no byte more,
+    at both sizes; nothing in the program missed at extent."""
     records = load(f"validator-suite-transformer_block.s{size}.ndjson.zst")
     rows = compute_report(records, "extent")
     assert sum(r.missed_read_launches + r.missed_write_launches for r in rows) == 0
     gather = [r for r in rows if "vectorized_gather_kernel" in (r.kernel or "")]
     assert len(gather) == 1 and gather[0].validated == 2
     assert gather[0].extra_write_bytes == 0 and gather[0].written_bytes == 49152 * size
+    # dropout's contiguous case (ADims 1): its output and mask, exactly
+    dropout = [r for r in rows if "fused_dropout_kernel_vec" in (r.kernel or "")]
+    assert len(dropout) == 1 and dropout[0].validated == 3 and dropout[0].extra_write_bytes == 0
+    # arange's positions: N elements of a type its name does not show, bounded by 16 bytes each
+    arange = [r for r in rows if "elementwise_kernel_with_index" in (r.kernel or "")]
+    assert len(arange) == 1 and arange[0].validated == 3
+    assert arange[0].extra_write_bytes <= arange[0].written_bytes + 128

@@ -514,6 +514,63 @@ def plan_gather(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+_WITH_INDEX = "(anonymous namespace)::elementwise_kernel_with_index"
+
+
+def plan_with_index(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """``elementwise_kernel_with_index<index_t, F>(N, f, result_type* data)`` (arange, linspace):
+    data[i] = f(i) for i < N. The result type is not in the name: bounded by the largest
+    element."""
+    targs = _kernel_args(name, _WITH_INDEX)
+    params = split_params(name)
+    if (targs is None or len(targs) != 2 or targs[0] not in ("int", "long") or len(params) != 3
+            or not params[2].endswith("::result_type*") or len(sizes) != 3 or sizes[2] != 8):
+        return None
+    index = sizeof(targs[0])
+    if sizes[0] != index:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n = int.from_bytes(raw[0], "little", signed=True)
+        if n < 0:
+            return None
+        dec = Decoded(VIA, regions={2: [(0, 8)]})
+        dec.write(2, 0, n * MAX_ELEMENT)
+        return dec
+
+    return plan
+
+
+_DROPOUT = _NSA + "fused_dropout_kernel_vec"
+_TENSOR_INFO = 8 + 4 * 25 + 4 * 25 + 4  #: TensorInfo<T, unsigned int>: data, sizes[25], strides[25], dims
+
+
+def plan_dropout(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """``fused_dropout_kernel_vec<T, acc, unsigned int, 1, vec, mask_t>(TensorInfo a,
+    TensorInfo b, TensorInfo mask, total, p, philox)``: with ADims 1 every tensor is one
+    contiguous dimension of ``total`` elements (checked in each TensorInfo); a is read, b and
+    the mask written. Other ADims index through the TensorInfo's strides: not decoded."""
+    targs = _kernel_args(name, _DROPOUT)
+    if targs is None or len(targs) != 6 or targs[2] != "unsigned int" or targs[3] != "1":
+        return None
+    elems = (sizeof(targs[0]), sizeof(targs[0]), sizeof(targs[5]))
+    if None in elems or len(sizes) != 6 or sizes[:3] != ((_TENSOR_INFO + 7) & ~7,) * 3 or sizes[3] != 4:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        total = int.from_bytes(raw[3][:4], "little")
+        for info in raw[:3]:  # one dimension of `total` elements, stride 1
+            if i32(info, 208) != 1 or int.from_bytes(info[8:12], "little") != total or i32(info, 108) != 1:
+                return None
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in range(3)})
+        dec.read(0, 0, total * elems[0])
+        dec.write(1, 0, total * elems[1])
+        dec.write(2, 0, total * elems[2])
+        return dec
+
+    return plan
+
+
 _CHUNK_ELEMENTS = 65536  #: multi_tensor_apply's kChunkSize: the elements one block works on
 _FUSED_ADAM = _NSA + "FusedAdamMathFunctor"
 
@@ -569,4 +626,4 @@ def plan_fused_adam(name: str, sizes: tuple[int, ...]) -> Plan | None:
 
 
 PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach,
-            plan_fused_adam, plan_gather)
+            plan_fused_adam, plan_gather, plan_dropout, plan_with_index)
