@@ -1060,9 +1060,7 @@ def start(cfg: BootConfig) -> Tracer:
 
         v = cfg.validate
         if v.where == "validator":
-            from gpuos_tools.agent.offload import OffloadValidator
-
-            from gpuos_tools.agent.offload import RELOCATE_ENV
+            from gpuos_tools.agent.offload import RELOCATE_ENV, OffloadValidator
 
             checker = OffloadValidator(v.samples, v.max_bytes, _image_for, v.timeout_s,
                                        relocate=os.environ.get(RELOCATE_ENV) != "0", extents=v.extents)
