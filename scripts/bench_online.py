@@ -17,6 +17,9 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
 - <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
           check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
           as written is saved), side by side with the same budget's run with it on;
+- <B>-nolastuse: at each --nolastuse-work intensity (--nolastuse for the GEMM), each budget
+          again with every eviction's save after everything the program enqueued
+          (GPUOS_SCHED_LAST_USE=0), not after the record's last use;
 - <B>-nopark: at each --nopark-work intensity, each budget again with parking off
           (GPUOS_ENGINE_NO_PARK=1: released physical memory goes back to the driver, and each
           load creates new memory, whose clearing by the driver halves host-to-device copies;
@@ -34,6 +37,13 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
           allocates more managed memory than the GPU has free; stencil_job.py --managed).
           um100 evicts nothing (managed memory resident on the GPU). Per row: speed vs hbm, and
           ours_vs_um = this UM row's loop time / the Belady run's at the same budget.
+
+--job gemm runs workloads/gemm_job.py instead (an out-of-core blocked GEMM, C += A B in 64 MiB
+float32 blocks, compute-bound: --gemm-args passes its options), with no intensity sweep: hbm,
+run100, each budget x policy x plan, `manual` (the hand-written double-buffered loop a user
+would write instead: B on the GPU, rows of A and C streamed through two slots; the upper bound
+to quote, at the share of the job's bytes it keeps on the GPU, `device_share`; --no-manual skips
+it) and the managed-memory baseline at each --um budget.
 
 A discarded hbm job runs first (--no-warmup skips it): the first job on a freshly started GPU
 machine ran its loop 1.5x slower than the same job next, which would skew every ratio.
@@ -58,6 +68,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -69,7 +80,7 @@ from gpuos_tools.cuda.nvml import gpu_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
-JOB = ROOT / "workloads" / "stencil_job.py"
+JOBS = {"stencil": ROOT / "workloads" / "stencil_job.py", "gemm": ROOT / "workloads" / "gemm_job.py"}
 
 
 def env() -> dict[str, str]:
@@ -79,10 +90,10 @@ def env() -> dict[str, str]:
 
 
 def run_job(job_args: list[str], sched: list[str] | None, timeout: float,
-            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+            extra_env: dict[str, str] | None = None, job: str = "stencil") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "job.json"
-        cmd = [sys.executable, str(JOB), *job_args, "--out", str(out)]
+        cmd = [sys.executable, str(JOBS[job]), *job_args, "--out", str(out)]
         if sched is not None:
             cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *sched, "--", *cmd]
         t = time.perf_counter()
@@ -108,6 +119,9 @@ def run_job(job_args: list[str], sched: list[str] | None, timeout: float,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=sorted(JOBS), default="stencil",
+                    help="stencil (default) or gemm: the out-of-core blocked GEMM (its own options in --gemm-args)")
+    ap.add_argument("--gemm-args", default="", help="--job gemm: workloads/gemm_job.py's options (default: its own)")
     ap.add_argument("--arrays", type=int, default=12)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--periods", type=int, default=40)
@@ -124,6 +138,10 @@ def main() -> int:
     ap.add_argument("--um-work", default="1024,4096", help="the --work values that get the managed-memory runs")
     ap.add_argument("--nopark-work", default="1024",
                     help="intensities whose budgets also run with parking off (empty: none)")
+    ap.add_argument("--nolastuse-work", default="",
+                    help="intensities whose budgets also run with saves after everything enqueued, "
+                         "not after the record's last use (GPUOS_SCHED_LAST_USE=0; empty: none)")
+    ap.add_argument("--nolastuse", action="store_true", help="--job gemm: each budget also with GPUOS_SCHED_LAST_USE=0")
     ap.add_argument("--nodigest-work", default="1024",
                     help="the --work values whose budgets also run with the digest check off (empty: none)")
     ap.add_argument("--coeffs", type=int, default=12, help="read-only arrays of the read-mostly variant (0: none)")
@@ -133,21 +151,31 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the discarded first hbm job (a fresh GPU machine's first job runs slower)")
+    ap.add_argument("--no-manual", dest="manual", action="store_false",
+                    help="--job gemm: skip the hand-written double-buffered loop (gemm_job.py --manual)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.job == "gemm":
+        args.nodigest_work = args.nopark_work = ""  # the stencil's intensity sweeps
     if any(x not in ("count", "time", "proactive") for x in args.plans.split(",") if x):
         ap.error("--plans: count, time and/or proactive")
 
     rows: list[dict[str, Any]] = []
-    works = [int(w) for w in args.work.split(",") if w]
+    gemm = args.job == "gemm"
+    works = [0] if gemm else [int(w) for w in args.work.split(",") if w]
+
+    def job_of(work: int) -> list[str]:
+        if gemm:
+            return shlex.split(args.gemm_args)
+        return ["--arrays", str(args.arrays), "--mib", str(args.mib), "--periods", str(args.periods), "--work", str(work)]
+
     if args.warmup and works:
         # discarded: the first job on a freshly started GPU machine ran its loop 1.5x slower
         # (H200: 0.471 s against 0.318 s for the same hbm loop run next), which skews every ratio
-        run_job(["--arrays", str(args.arrays), "--mib", str(args.mib), "--periods", str(args.periods),
-                 "--work", str(works[0])], None, args.timeout)
+        run_job(job_of(works[0]), None, args.timeout, job=args.job)
     for work in works:
-        job = ["--arrays", str(args.arrays), "--mib", str(args.mib), "--periods", str(args.periods), "--work", str(work)]
-        hbm = run_job(job, None, args.timeout)
+        job = job_of(work)
+        hbm = run_job(job, None, args.timeout, job=args.job)
         rows.append({"work": work, "config": "hbm", **hbm})
         if not hbm.get("ok"):
             print(f"hbm run failed (work {work}): {hbm.get('stderr', '')}", file=sys.stderr)
@@ -157,16 +185,29 @@ def main() -> int:
         configs = [("run100", "100%", "belady", look)] + [
             (f"{b}-{p}" + ("" if plan == "count" else f"-{plan}"), b, p, look)
             for b in args.budgets.split(",") if b for p in args.policies.split(",") if p for plan in plans]
-        if work == args.extra_work:
+        if work == args.extra_work and not gemm:
             configs += [("66%-lru", "66%", "lru", look), ("66%-look1", "66%", "belady", 1)]
         if str(work) in args.nodigest_work.split(","):
             configs += [(f"{b}-nodigest", b, "belady", look) for b in args.budgets.split(",") if b]
         if str(work) in args.nopark_work.split(","):
             configs += [(f"{b}-nopark", b, "belady", look) for b in args.budgets.split(",") if b]
+        if gemm and args.nolastuse or str(work) in args.nolastuse_work.split(","):
+            configs += [(f"{b}-nolastuse", b, "belady", look) for b in args.budgets.split(",") if b]
         for name, budget, policy, la in configs:
             rows.append(run_ours(args, job, hbm, work, name, budget, policy, la))
             save(args, rows)
-        if args.coeffs and work == args.coeffs_work:
+        if gemm and args.manual:
+            r = run_job([*job, "--manual"], None, args.timeout, job="gemm")
+            row = {"work": work, "config": "manual", **r}
+            if r.get("ok"):
+                row["identical"] = r["digests"] == hbm["digests"]
+                row["speed_vs_hbm"] = round(hbm["loop_s"] / r["loop_s"], 4)
+                row["device_share"] = round(r["device_bytes"] / r["total_bytes"], 4)
+            else:
+                print(f"manual failed: {r.get('stderr', '')}", file=sys.stderr)
+            rows.append(row)
+            save(args, rows)
+        if args.coeffs and work == args.coeffs_work and not gemm:
             cjob = [*job, "--coeffs", str(args.coeffs)]
             chbm = run_job(cjob, None, args.timeout)
             rows.append({"work": work, "config": "c-hbm", **chbm})
@@ -175,10 +216,10 @@ def main() -> int:
                     for suffix in ("", "-nodigest"):
                         rows.append(run_ours(args, cjob, chbm, work, f"c-{b}{suffix}", b, "belady", look))
                         save(args, rows)
-        if str(work) in args.um_work.split(","):
+        if gemm or str(work) in args.um_work.split(","):
             for budget in [b for b in args.um.split(",") if b]:
                 frac = float(budget.rstrip("%")) / 100
-                r = run_job([*job, "--managed", str(frac)], None, args.timeout)
+                r = run_job([*job, "--managed", str(frac)], None, args.timeout, job=args.job)
                 row = {"work": work, "config": f"um{budget.rstrip('%')}", "budget_spec": budget, **r}
                 if r.get("ok"):
                     row["identical"] = r["digests"] == hbm["digests"]
@@ -225,9 +266,10 @@ def main() -> int:
 def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work: int, name: str, budget: str,
          policy: str, la: int) -> dict[str, Any]:
     """One run under `gpu-prefetch-sched run` (a name ending in -nodigest: with the digest
-    check off; in -nopark: with parking off; in -time: with the time plan; in -proactive: and its proactive evictions), compared with ``hbm``."""
+    check off; in -nopark: with parking off; in -nolastuse: with saves after everything enqueued; in -time: with the time plan; in -proactive: and its proactive evictions), compared with ``hbm``."""
     extra = ({"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest")
-             else {"GPUOS_ENGINE_NO_PARK": "1"} if name.endswith("-nopark") else None)
+             else {"GPUOS_ENGINE_NO_PARK": "1"} if name.endswith("-nopark")
+             else {"GPUOS_SCHED_LAST_USE": "0"} if name.endswith("-nolastuse") else None)
     proactive = name.endswith("-proactive")
     plan = "time" if name.endswith("-time") or proactive else "count"
     opts = ["--budget", budget, "--policy", policy, "--lookahead", str(la), "--plan", plan]
@@ -235,7 +277,7 @@ def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work
         opts.append("--proactive")
     if plan == "time" and args.plan_bw:
         opts += ["--plan-bw", args.plan_bw]
-    r = run_job(job, opts, args.timeout, extra)
+    r = run_job(job, opts, args.timeout, extra, job=args.job)
     row: dict[str, Any] = {"work": work, "config": name, "budget_spec": budget, "policy": policy, "lookahead": la,
                            "plan": plan, "proactive": proactive,
                            "digest_check": not name.endswith("-nodigest"), "park": not name.endswith("-nopark"), **r}

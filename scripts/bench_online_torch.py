@@ -16,6 +16,13 @@ Per workload, side by side (--configs):
 - 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru;
 - with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
   DynamicCache (new memory per token and layer);
+- llm only, what a user would pick instead (torch_decode_job.py --accelerate): acc-offload,
+  Hugging Face accelerate's cpu_offload (every weight on the host, copied in per module), and
+  acc-map, dispatch_model over a device map with the GPU memory of our run named by
+  --acc-same-as (its summary's budget, all of it for weights: accelerate then holds more on
+  the GPU than that run, its cache and activations beside; --acc-gpu-bytes gives a number
+  instead); both report torch's peak allocated bytes in the decode loop (gpu_peak_bytes), and
+  per row ours_vs_acc = this row's loop time / the --acc-same-as run's;
 - um<B>, one per --um budget (e.g. --um 100%,66%,50%,33%; none by default): the fault-driven
   managed-memory baseline, the job's --managed B/100 (gpuos_tools/memory/managed.py): torch
   allocates CUDA managed memory, and before each aten operation the least recently used whole
@@ -69,7 +76,8 @@ LLM_ARGS = "--hidden 2048 --layers 16 --mlp 5632 --heads 16 --vocab 32000 --prom
 CNN_ARGS = "--width 64 --blocks 2 --batch 64 --image 64 --batches 4 --steps 12"
 SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "bytes_in", "bytes_out", "loads", "prefetches",
                 "demand_loads", "evictions", "evict_saves", "stalls", "over_budget", "peak_settled",
-                "peak_resident", "over_physical", "periods", "predicted", "error")
+                "peak_resident", "over_physical", "periods", "predicted", "error", "period_use", "period_breaks",
+                "breaks")
 
 
 def env() -> dict[str, str]:
@@ -110,6 +118,9 @@ def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | No
             out.append(("hbm", None, "", []))
         elif c == "run100":
             out.append(("run100", "100%", "belady", []))
+        elif c in ("acc-offload", "acc-map"):
+            if workload == "llm":
+                out.append((c, None, "accelerate", ["--accelerate", c[4:]]))
         else:
             budget, _, policy = c.partition("-")
             out.append((c, budget, policy or "belady", []))
@@ -128,6 +139,9 @@ def main() -> int:
     ap.add_argument("--um", default="", help="budgets of the fault-driven managed-memory baseline, e.g. 100%%,66%%,50%%,33%%")
     ap.add_argument("--llm-args", default=LLM_ARGS)
     ap.add_argument("--cnn-args", default=CNN_ARGS)
+    ap.add_argument("--acc-same-as", default="66%", help="acc-map: the GPU memory of this config's run (its budget)")
+    ap.add_argument("--acc-gpu-bytes", type=int, default=0, help="acc-map: this many bytes instead")
+    ap.add_argument("--plan", default="", help="run --plan for every scheduler run (empty: the command's default)")
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--link-gbps", type=float, default=50.0, help="one direction's pinned copy bandwidth, for the floor")
     ap.add_argument("--timeout", type=float, default=90)
@@ -150,13 +164,25 @@ def main() -> int:
             managed = policy == "managed"  # the UM baseline: untraced, the job's own --managed
             sched = None if budget is None or managed else ["--budget", budget, "--policy", policy,
                                                             "--lookahead", str(args.lookahead)]
+            if sched is not None and args.plan:
+                sched += ["--plan", args.plan]
+            if extra[:2] == ["--accelerate", "map"]:
+                same = next((x for x in reversed(rows) if x["workload"] == wl and x["config"] == args.acc_same_as
+                             and (x.get("summary") or {}).get("budget")), None)
+                gpu = args.acc_gpu_bytes or (same["summary"]["budget"] if same is not None else 0)
+                if not gpu:
+                    print(f"{wl} {name}: skipped (no --acc-gpu-bytes and no {args.acc_same_as} run to match)",
+                          file=sys.stderr)
+                    continue
+                extra = [*extra, "--gpu-bytes", str(gpu)]
             r = run_job(JOBS[wl], [*base_args, *extra], sched, args.timeout)
             row: dict[str, Any] = {"workload": wl, "config": name, "budget_spec": budget, "policy": policy or None,
                                    "job_args": [*base_args, *extra]}
             ref_name = "hbm-dyn" if "--cache" in extra else "hbm"
             if r.get("ok"):
                 row.update({k: r.get(k) for k in ("loop_s", "tokens_per_s", "its_per_s", "cache", "weights_bytes",
-                                                   "param_bytes", "data_bytes", "process_s", "nondeterministic")
+                                                   "param_bytes", "data_bytes", "process_s", "nondeterministic",
+                                                   "gpu_peak_bytes", "gpu_weight_bytes", "accelerate_version")
                             if k in r})
                 row["digest"] = r["digest"]
                 if budget is None or managed:
@@ -174,6 +200,13 @@ def main() -> int:
                     row["distinct_keys"] = (s.get("policy_stats") or {}).get("keys")
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
+                if policy == "accelerate":
+                    ours = next((x for x in rows if x["workload"] == wl and x["config"] == args.acc_same_as
+                                 and x.get("loop_s")), None)
+                    if ours is not None:
+                        row["ours_config"] = ours["config"]
+                        row["ours_vs_acc"] = round(r["loop_s"] / ours["loop_s"], 3)
+                        row["ours_peak_bytes"] = (ours.get("summary") or {}).get("peak_settled")
                 if managed:
                     row["um"] = r.get("um")
                     row["um_loop"] = r.get("um_loop")
@@ -209,6 +242,16 @@ def main() -> int:
               f"{lp.get('bytes_in', 0) / 1e9:>10.2f} {lp.get('bytes_out', 0) / 1e9:>7.2f} {lp.get('evictions', 0):>6} "
               f"{lp.get('stalls', 0):>6} {lp.get('unknown', 0):>5} {r.get('floor_s', 0):>8.3f} "
               f"{100 * (r.get('floor_share') or 0):>6.1f}", file=sys.stderr)
+    acc = [r for r in rows if r.get("policy") == "accelerate"]
+    if acc:
+        print(f"{'wl':<4} {'config':<12} {'tok/s':>7} {'same':>5} {'GPU peak GB':>11} {'ours':>6} {'ours peak GB':>12} "
+              f"{'ours/acc':>8}", file=sys.stderr)
+        for r in acc:
+            ours = next((x for x in rows if x["workload"] == r["workload"] and x["config"] == r.get("ours_config")), {})
+            print(f"{r['workload']:<4} {r['config']:<12} {r.get('tokens_per_s') or float('nan'):>7.2f} "
+                  f"{str(r.get('identical', '-')):>5} {(r.get('gpu_peak_bytes') or 0) / 1e9:>11.2f} "
+                  f"{ours.get('tokens_per_s') or float('nan'):>6.2f} {(r.get('ours_peak_bytes') or 0) / 1e9:>12.2f} "
+                  f"{r.get('ours_vs_acc', float('nan')):>8.2f}", file=sys.stderr)
     um = [r for r in rows if r.get("policy") == "managed"]
     if um:
         print(f"{'wl':<4} {'config':<6} {'loop_s':>8} {'speed':>6} {'same':>5} {'evict':>6} {'out GB':>7} "

@@ -584,3 +584,75 @@ def test_parking_is_off_under_the_switch():
     assert lib.limit == 0 and "park" not in ex.summary()
     ex.close()
     eng.close()
+
+
+
+def _save_waits_on(ops: FakeOps, base: int):
+    """The event the last eviction's save of ``base`` waited on (the wait just before its copy
+    out) and the log's index of that event's last record before the wait."""
+    log = ops.log
+    i = max(k for k, e in enumerate(log) if e[0] == "copy_out" and e[1] == base)
+    ev = [e for e in log[:i] if e[0] == "wait" and e[1] == log[i][2]][-1][2]
+    return ev, max(k for k, e in enumerate(log[:i]) if e[0] == "record" and e[1] == ev)
+
+
+def _three_then_a_fourth(**cfg):
+    """Four records, room for three; operations touch the first three in turn, then the fourth:
+    with no period yet the victim is the least recently used, the first (last used by operation
+    0). The program allocated all four before its first launch, so the first operations evict
+    to get under the budget; the last operation's eviction is the one looked at."""
+    bases, ops, eng, ex = setup(4, 3 * 64 * MIB, "lru", lookahead=0, **cfg)
+    for b in bases[:3]:
+        ex.before("k", [b], stream=0)
+    marks, issued = list(ex._mark_ev), len(ops.log)
+    ex.before("k", [bases[3]], stream=0)
+    settle(eng, ex)
+    ex.close()
+    eng.close()
+    return bases, ops, ex, marks, issued
+
+
+@pytest.mark.parametrize("last_use", [True, False])
+def test_an_evictions_save_waits_for_its_records_last_use_not_for_everything(last_use):
+    """With last-use marks the save of the first record waits on the mark recorded before
+    operation 1 -- the GPU has passed the record there -- not on an event recorded at the
+    eviction, after everything the program has enqueued since."""
+    bases, ops, ex, marks, issued = _three_then_a_fourth(last_use=last_use)
+    waited, at = _save_waits_on(ops, bases[0])
+    if last_use:
+        assert len(marks) == 3 and waited is marks[1] and at < issued
+        assert ex.counts["last_use_saves"] >= 1 and ex.counts["marks"] == 4
+    else:
+        assert marks == [] and at >= issued  # recorded at the eviction, behind everything enqueued
+        assert ex.counts["marks"] == 0 and ex.counts["last_use_saves"] == 0
+
+
+def test_last_use_marks_are_not_used_when_the_program_has_two_streams():
+    """A mark orders one stream: with a second stream in use the save waits for everything."""
+    bases, ops, eng, ex = setup(4, 3 * 64 * MIB, "lru", lookahead=0)
+    eng.agent.streams = {0, 7}
+    for b in bases[:3]:
+        ex.before("k", [b], stream=0)
+    issued = len(ops.log)
+    ex.before("k", [bases[3]], stream=0)
+    settle(eng, ex)
+    ex.close()
+    eng.close()
+    assert _save_waits_on(ops, bases[0])[1] >= issued and ex.counts["last_use_saves"] == 0
+
+
+def test_last_use_marks_are_recycled_beyond_their_bound():
+    """The marks list stays bounded: older events are recorded again, and a record whose last use
+    is older than every kept mark waits on the oldest kept one (the GPU has passed that too)."""
+    from gpuos_tools.sched import executor as mod
+
+    bases, ops, eng, ex = setup(2, 2 * 64 * MIB, "lru", lookahead=0)
+    for _ in range(3 * mod.MARKS):
+        ex.before("k", [bases[0]], stream=0)
+    assert ex.counts["marks"] == 3 * mod.MARKS
+    assert len(ex._mark_seq) <= 2 * mod.MARKS and ex._mark_seq == sorted(ex._mark_seq)
+    recorded = {e[1] for e in ops.log if e[0] == "record" and e[2] == 0}
+    assert len(recorded) <= 2 * mod.MARKS + 2  # events reused, not made per operation
+    assert ex._after_last_use(bases[1]) is ex._mark_ev[0]
+    ex.close()
+    eng.close()

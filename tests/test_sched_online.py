@@ -535,7 +535,29 @@ def test_each_break_of_the_period_says_what_differed():
     assert first["launch"] == 14
     last = st.breaks[-1]
     assert last["differs"] == "kernel" and last["got"] == "other" and last["expected"] == "k0"
-    assert st.as_dict()["breaks"] == st.breaks
+    assert st.as_dict()["breaks"] == st.breaks and st.breaks_last == []
+
+
+def test_the_last_breaks_are_kept_apart_from_the_first():
+    """A program's start-up breaks its periods first; what the loop's breaks were comes later:
+    past the first BREAKS_KEPT, the last BREAKS_KEPT are kept too, the newest last."""
+    from gpuos_tools.sched.online import BREAKS_KEPT
+
+    records = {0x1000 * (i + 1): MiB for i in range(4)}
+    a, b, c, d = sorted(records)
+    pol = OnlinePolicy(1 << 40)
+    loop = [("k0", [a]), ("k1", [b]), ("k2", [c])]
+    for rnd in range(3 * BREAKS_KEPT):
+        for _ in range(3):
+            for kernel, ws in loop:
+                pol.before(kernel, ws, records)
+        pol.before(f"odd{rnd}", [d], records)  # a kernel the period did not have
+    st = pol.stats
+    assert st.period_breaks >= 2 * BREAKS_KEPT
+    assert len(st.breaks) == len(st.breaks_last) == BREAKS_KEPT
+    assert st.breaks_last[-1]["got"] == f"odd{3 * BREAKS_KEPT - 1}"
+    assert st.breaks[-1]["launch"] < st.breaks_last[0]["launch"] < st.breaks_last[-1]["launch"]
+    assert st.as_dict()["breaks_last"] == st.breaks_last
 
 
 

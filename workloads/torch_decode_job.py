@@ -22,6 +22,15 @@ wall time (synchronised before and after; the first generated token, from the pr
 in it) and tokens/s, the weights' bytes, the cache kind; under `gpu-prefetch-sched run`, what its executor
 did inside the decode loop (`sched_loop`: bytes in and out, evictions, stalls, ...).
 
+--accelerate offload|map: what a user would pick instead of a memory manager, Hugging Face
+accelerate's offloading (the model is built on the GPU as above, so its weights are the same
+bits, then moved to the host): ``offload`` is ``accelerate.cpu_offload`` (every weight on the
+host, each module's copied in for its forward); ``map`` is ``dispatch_model`` over
+``infer_auto_device_map`` with --gpu-bytes of GPU memory for weights (whole decoder layers; the
+rest stay on the host and are copied in for each forward, as ``device_map`` with offload does).
+The output adds ``gpu_peak_bytes`` (torch's peak allocated bytes inside the decode loop) and,
+for ``map``, ``gpu_weight_bytes``.
+
 --managed FRACTION: the fault-driven managed-memory baseline (scripts/bench_online_torch.py
 --um), an EMULATION of the driver's eviction under pressure (gpuos_tools/memory/managed.py):
 torch allocates CUDA managed memory (a CUDAPluggableAllocator over csrc/gpuos_um.c; the job
@@ -80,6 +89,23 @@ def make_cache(kind: str, config, length: int, dev, dtype):
     return DynamicCache(), "dynamic"
 
 
+def offload_with_accelerate(model, args, dev, dtype):
+    """The model offloaded by accelerate (--accelerate): its weights moved to the host, then
+    ``cpu_offload`` or ``dispatch_model`` over a device map with --gpu-bytes on the GPU."""
+    import accelerate
+    import torch
+
+    model = model.to("cpu")
+    torch.cuda.empty_cache()
+    if args.accelerate == "offload":
+        accelerate.cpu_offload(model, execution_device=dev)
+        return model
+    layer = type(model.model.layers[0]).__name__
+    device_map = accelerate.infer_auto_device_map(model, max_memory={0: args.gpu_bytes, "cpu": 1 << 40},
+                                                  no_split_module_classes=[layer], dtype=dtype)
+    return accelerate.dispatch_model(model, device_map=device_map, main_device=0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=2048)
@@ -94,8 +120,16 @@ def main() -> None:
                     help="managed memory under a software budget of FRACTION of it (docstring)")
     ap.add_argument("--managed-reserve", type=int, default=1 << 30, metavar="BYTES",
                     help="--managed: GPU memory left free of managed memory (for what is not managed)")
+    ap.add_argument("--accelerate", choices=("offload", "map"), default="",
+                    help="Hugging Face accelerate's offloading instead (docstring)")
+    ap.add_argument("--gpu-bytes", type=int, default=0, metavar="BYTES",
+                    help="--accelerate map: GPU memory for weights (the rest offloaded to the host)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.accelerate == "map" and args.gpu_bytes <= 0:
+        ap.error("--accelerate map needs --gpu-bytes")
+    if args.accelerate and args.managed:
+        ap.error("--accelerate and --managed are two different baselines: one at a time")
 
     import torch
 
@@ -130,6 +164,11 @@ def main() -> None:
         torch.set_default_dtype(default_dtype)
     model = model.to(device=dev, dtype=dtype).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    accel: dict = {}
+    if args.accelerate:
+        model = offload_with_accelerate(model, args, dev, dtype)
+        accel = {"accelerate": args.accelerate, "accelerate_version": __import__("accelerate").__version__,
+                 "gpu_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)}
     build_s = time.perf_counter() - t
     gen = torch.Generator(device="cpu").manual_seed(1)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=gen).to(dev)
@@ -141,6 +180,8 @@ def main() -> None:
         toks = [nxt]
         pos = pos[-1:] + 1
         torch.cuda.synchronize()
+        if args.accelerate:
+            torch.cuda.reset_peak_memory_stats()
         c0 = sched_counts()
         u0 = um.counts() if um else None
         t0 = time.perf_counter()
@@ -151,6 +192,8 @@ def main() -> None:
             pos = pos + 1
         torch.cuda.synchronize()
         loop_s = time.perf_counter() - t0
+        if args.accelerate:
+            accel["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         region = delta(c0, sched_counts())
         um_loop = delta(u0, um.counts() if um else None)
     hooked.close()
@@ -161,6 +204,7 @@ def main() -> None:
            "weights_bytes": weights, "cache": kind, "build_s": round(build_s, 3),
            "layers": args.layers, "hidden": args.hidden, "mlp": args.mlp, "prompt": args.prompt,
            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    res.update(accel)
     if um is not None:
         res.update(um=um.summary(), um_loop=um_loop)
     print(f"torch_decode_job: {weights / 2**30:.2f} GiB of weights, {kind} cache, {args.tokens - 1} tokens in "

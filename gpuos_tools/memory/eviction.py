@@ -49,7 +49,7 @@ class Eviction:
         self._to_evictor(base)
         return True
 
-    def evict_from_operation(self, base: int, own: int = 1) -> bool:
+    def evict_from_operation(self, base: int, own: int = 1, after: Any = None) -> bool:
         """``evict`` for a caller inside one of the program's operation callbacks (the agent's
         lock held, that operation not issued yet: gpu-prefetch-sched's executor). The record's
         last use is what the program has enqueued so far, so the save is ordered here, on the
@@ -62,7 +62,9 @@ class Eviction:
         False when it is not a resident owned record, it is released or being evicted already,
         or another thread's operation did not reach the driver within ``OTHERS_SETTLE_S`` (a
         synchronous copy, say): the record then stays resident. ``own``: the caller's operations
-        counted as being issued (1 from its enter callback; 0 from before it, e.g. serve's gate)."""
+        counted as being issued (1 from its enter callback; 0 from before it, e.g. serve's gate).
+        ``after``: an event the caller recorded on the program's only stream after the record's
+        last use: the save waits for it alone, not for everything enqueued since."""
         ops = self.ops
         r = ops.lookup(base)
         if r is None or r.base != base or not r.resident or getattr(self.agent, "snap", None) is not None:
@@ -84,7 +86,10 @@ class Eviction:
                 ops.wait(side, e.event)  # the save comes after the load
                 self._drop(base)
             pieces = ops.host(base, r.size)
-            self._after_program(side)
+            if after is not None:
+                ops.wait(side, after)
+            else:
+                self._after_program(side)
             e, ev, how = self._start_save(base, r.size, pieces, side)
         self._to_evictor((base, e, ev, how))
         return True

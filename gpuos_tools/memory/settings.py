@@ -19,8 +19,11 @@ NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back t
 #: 0: under `gpu-prefetch-sched run` on the native core, every operation enters Python (the fast
 #: path, on by default there, lets operations with nothing to do skip it)
 FAST_ENV = "GPUOS_SCHED_FAST"
+#: 0: under `gpu-prefetch-sched run`, an eviction's save waits for everything the program has
+#: enqueued, not only for the record's last use
+LAST_USE_ENV = "GPUOS_SCHED_LAST_USE"
 #: every variable above: the launcher reads them and leaves them out of the program's environment
-VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, FAST_ENV)
+VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, FAST_ENV, LAST_USE_ENV)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class EngineSettings:
     #: default: its decisions are the ones every call would give, and on the GPU the jobs' results
     #: were bit-identical to the job alone (serve's jobs never take it)
     fast: bool = True
+    #: the scheduler's evictions wait on the GPU for the record's last use (an event on the
+    #: program's stream before each operation that enters Python), not for everything the program
+    #: has enqueued: a host running ahead of the GPU gets its room back as soon as the GPU has
+    #: passed the victim (docs/scheduler.md, "The executor"). One-stream programs only
+    last_use: bool = True
 
     def __post_init__(self) -> None:
         if self.digest_off_after < 0:
@@ -62,4 +70,5 @@ class EngineSettings:
         if off_after < 0:
             raise ValueError(f"{DIGEST_OFF_AFTER_ENV}={text!r}: expected a number of mismatches, 0 or more")
         return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
-                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV), fast=flag(FAST_ENV, default=True))
+                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV), fast=flag(FAST_ENV, default=True),
+                   last_use=flag(LAST_USE_ENV, default=True))

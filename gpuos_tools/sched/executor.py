@@ -95,6 +95,7 @@ KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 SAMPLE_EVERY = 31
 SAMPLES_MAX = 32  #: samples in flight at most (their timer events are reused)
 FAST_MAX = 4096  #: decisions the core's fast path may let go by at most before Python looks again
+MARKS = 256  #: last-use marks kept at least (``Executor._mark``)
 
 
 class Executor(AgentHooks):
@@ -209,6 +210,17 @@ class Executor(AgentHooks):
         self._api_of: Any = lambda cbid: ""
         self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0,
                             "fast_after_s": 0.0})
+        #: last-use marks (``_mark``, ``_after_last_use``): an event on the program's stream before
+        #: each operation that enters Python, so that an eviction's save waits for its record's last
+        #: use rather than for everything enqueued (on unless GPUOS_SCHED_LAST_USE=0)
+        self._last_use = bool(cfg.get("last_use", getattr(settings, "last_use", EngineSettings.last_use)))
+        self._seq = 0  #: operations decided or replayed so far (the order of last uses and marks)
+        self._used_at: dict[int, int] = {}  #: record base -> the ``_seq`` of the last operation touching it
+        self._unknown_at = -1  #: the ``_seq`` of the last operation touching every record
+        self._mark_seq: list[int] = []  #: ascending: the mark's event completes once operations before it have
+        self._mark_ev: list[Any] = []
+        self._mark_free: list[Any] = []
+        self.counts.update({"marks": 0, "last_use_saves": 0, "mark_errors": 0})
         self._park = (self.serve is None and (settings is None or settings.park)
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
@@ -541,6 +553,7 @@ class Executor(AgentHooks):
         before = self.policy.before
         profile = self._profile
         launched, touched_now = eng._launched, eng._touched
+        used = self._used_at
         late = 0
         with self._load_lock:
             for e in entries:
@@ -565,6 +578,10 @@ class Executor(AgentHooks):
                 if hit is False:  # a write that is no decision (not a copy or memset)
                     continue
                 kernel, bases, key, nbytes = hit
+                seq = self._seq
+                self._seq = seq + 1
+                for b in bases:
+                    used[b] = seq
                 profile(kernel, bases, recs, nbytes)
                 actions = before(kernel, bases, recs, key, version)
                 if (len(actions) != 1 or actions[0][0] != "require") and any(op != "require" for op, _ in actions):
@@ -722,6 +739,13 @@ class Executor(AgentHooks):
             self._unpinned.clear()
         over_before = self.policy.stats.over_budget
         bases = None if addrs is None else self.bases_of(addrs)
+        seq = self._seq
+        self._seq = seq + 1
+        if bases is None:
+            self._unknown_at = seq
+        else:
+            for b in bases:
+                self._used_at[b] = seq
         self._profile(kernel, bases, recs)
         with self._load_lock:  # the mover checks the policy's books and loads under it too
             key = None if bases is None or not self._small else [b for b in bases if b not in self._small]
@@ -744,10 +768,43 @@ class Executor(AgentHooks):
             elif op == "prefetch":
                 self._start_mover()
                 self._moves.put(arg)
+        if self._last_use:
+            self._mark(seq, stream)
         if self._timing:
             self._sample_start(stream)
         self._measure(budget, over)
         self._over_pending = False
+
+    # -- last-use marks -------------------------------------------------------------------------
+
+    def _mark(self, seq: int, stream: Any) -> None:
+        """An event on ``stream`` before operation ``seq`` is enqueued: once it completes, every
+        operation before ``seq`` on that stream has. The newest MARKS are kept; an older event
+        is recorded again (a wait enqueued on it already keeps the point it was recorded at)."""
+        try:
+            ev = self._mark_free.pop() if self._mark_free else self.engine.ops.event()
+            self.engine.ops.record(ev, stream)
+        except Exception as exc:  # noqa: BLE001 (no marks: every save waits for everything enqueued)
+            self._last_use = False
+            self.counts["mark_errors"] += 1
+            self.error = f"last-use marks off: {type(exc).__name__}: {exc}"
+            return
+        self._mark_seq.append(seq)
+        self._mark_ev.append(ev)
+        self.counts["marks"] += 1
+        if len(self._mark_seq) > 2 * MARKS:
+            self._mark_free += self._mark_ev[:MARKS]
+            del self._mark_seq[:MARKS], self._mark_ev[:MARKS]
+
+    def _after_last_use(self, base: int) -> Any:
+        """The first mark after the record's last use, for its eviction's save to wait on; None
+        (the save waits for everything enqueued) without marks, when the program has used more
+        than one stream (a mark orders one stream), or when no mark has been recorded since."""
+        if not self._last_use or not self._mark_seq or len(self.engine._program_streams()) != 1:
+            return None
+        last = max(self._used_at.get(base, -1), self._unknown_at)
+        i = bisect_right(self._mark_seq, last)
+        return self._mark_ev[i] if i < len(self._mark_ev) else None
 
     # -- the time plan's durations --------------------------------------------------------------
 
@@ -836,7 +893,10 @@ class Executor(AgentHooks):
         if self._core is not None:  # no operation on it goes by the hooks from now on
             self._core.fast_unready(base, self._records.get(base, 1))
         try:
-            ok = self.engine.evict_from_operation(base, own)
+            after = self._after_last_use(base) if own else None
+            ok = self.engine.evict_from_operation(base, own, after)
+            if ok and after is not None:
+                self.counts["last_use_saves"] += 1
         except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
             ok = False
             self.error = f"evict {base:#x}: {type(exc).__name__}: {exc}"
@@ -1260,6 +1320,7 @@ class Executor(AgentHooks):
             "periods": pol["periods"], "period_use": pol["period_use"], "predicted": pol["predicted"],
             # why the learned period broke (online.py's Stats.breaks: the first few)
             "period_breaks": pol["period_breaks"], "breaks": pol["breaks"],
+            "breaks_last": pol["breaks_last"],
             "wall_s": round(time.perf_counter() - self.t0, 6),
             # nothing to decide at this budget: the native core ran the program without the hooks
             "dormant": self.dormant,

@@ -349,6 +349,9 @@ class Stats:
     #: the first BREAKS_KEPT breaks: the launch (1-based), the period, the kernel the period
     #: predicted and the one that came, and whether the kernel or only its records differed
     breaks: list[dict[str, Any]] = field(default_factory=list)
+    #: the last BREAKS_KEPT breaks after those (a program's start-up breaks come first; the
+    #: loop's, which decide how much of it had a future, come later)
+    breaks_last: list[dict[str, Any]] = field(default_factory=list)
     #: distinct launch keys so far: about one period's worth when the program repeats, growing
     #: with every iteration when the records its launches touch do not repeat
     keys: int = 0
@@ -358,6 +361,7 @@ class Stats:
         d["periods"] = list(self.periods[-8:])
         d["period_use"] = sorted(([p, n] for p, n in self.period_use.items()), key=lambda x: -x[1])[:8]
         d["breaks"] = [dict(b) for b in self.breaks]
+        d["breaks_last"] = [dict(b) for b in self.breaks_last]
         return d
 
 
@@ -392,6 +396,7 @@ class OnlinePolicy:
         self.period = Period()
         self._ids: dict[tuple, int] = {}
         self._sets: list[tuple[int, ...] | None] = []  #: key id -> its working set (None: all)
+        self._key_of: list[tuple] = []  #: key id -> its key (kernel, key records)
         self._known: set[int] = set()  #: records seen by a decision (and not freed since)
         self._uses: dict[int, list[int]] = {}  #: base -> its phases in the period
         self._all: list[int] = []  #: phases of unknown launches (they use every record)
@@ -545,6 +550,7 @@ class OnlinePolicy:
         if kid is None:
             kid = self._ids[key] = len(self._sets)
             self._sets.append(ws)
+            self._key_of.append(key)
             self._dur.append(-1.0)
             self.stats.keys = len(self._sets)
         else:
@@ -562,18 +568,20 @@ class OnlinePolicy:
         if p is not None and p != before:
             self.stats.periods.append(p)
         self.stats.period_breaks = self.period.broken
-        if self.period.broken != broken and len(self.stats.breaks) < BREAKS_KEPT:
+        if self.period.broken != broken:
             self._log_break(before, expected, key)
         if p is None:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
 
     def _log_break(self, p: int | None, expected: int, key: tuple) -> None:
-        """One break of a known period ``p`` in ``Stats.breaks``: where, and what differed from
+        """One break of a known period ``p`` in ``Stats.breaks`` (the first BREAKS_KEPT) or
+        ``Stats.breaks_last`` (the last BREAKS_KEPT after them): where, and what differed from
         the launch the period predicted (``expected``'s key): the kernel, or its records."""
-        want = next((k for k, v in self._ids.items() if v == expected), None)  # once per break: a scan is fine
-        if want is None:
+        first = len(self.stats.breaks) < BREAKS_KEPT
+        if not 0 <= expected < len(self._key_of):
             return
+        want = self._key_of[expected]
         kernel, ws = key
         same = want[0] == kernel
         entry: dict[str, Any] = {"launch": self.stats.launches, "period": p, "expected": want[0],
@@ -581,7 +589,10 @@ class OnlinePolicy:
         if same and ws is not None and want[1] is not None:
             entry["records_new"] = len(set(ws) - set(want[1]))
             entry["records_gone"] = len(set(want[1]) - set(ws))
-        self.stats.breaks.append(entry)
+        if first:
+            self.stats.breaks.append(entry)
+        else:
+            self.stats.breaks_last = [*self.stats.breaks_last[-(BREAKS_KEPT - 1):], entry]
 
     def _table(self) -> tuple[int, int, dict[int, list[int]], int]:
         """(p, the next launch's phase, base -> its sorted phases in the period, launches to
