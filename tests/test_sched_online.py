@@ -538,6 +538,29 @@ def test_each_break_of_the_period_says_what_differed():
     assert st.as_dict()["breaks"] == st.breaks and st.breaks_last == []
 
 
+def test_one_record_more_or_fewer_on_the_predicted_kernel_does_not_break_the_period():
+    """A loop of three launches learned; then its second launch comes with one record more, and
+    a period later with one fewer than at first: the same launch all the same (the period holds,
+    counted as jitter), and what it predicts for that launch next is the records it last had."""
+    records = {0x1000 * (i + 1): MiB for i in range(5)}
+    a, b, c, d, e = sorted(records)
+    pol = OnlinePolicy(1 << 40)
+    loop = [("k0", [a]), ("k1", [b, c]), ("k2", [c])]
+    for _ in range(4):
+        for kernel, ws in loop:
+            pol.before(kernel, ws, records)
+    pol.before("k0", [a], records)
+    pol.before("k1", [b, c, d], records)  # one record more
+    pol.before("k2", [c], records)
+    pol.before("k0", [a], records)
+    assert pol.period.known == 3 and pol.stats.period_breaks == 0 and pol.stats.jitter == 1
+    assert pol._sets[pol.period.predict(1)[0]] == (b, c, d)
+    pol.before("k1", [b], records)  # one fewer than at first
+    assert pol.period.known == 3 and pol.stats.period_breaks == 0 and pol.stats.jitter == 2
+    pol.before("k2", [e], records)  # a record replaced by another: a break
+    assert pol.stats.period_breaks == 1
+
+
 def test_the_last_breaks_are_kept_apart_from_the_first():
     """A program's start-up breaks its periods first; what the loop's breaks were comes later:
     past the first BREAKS_KEPT, the last BREAKS_KEPT are kept too, the newest last."""

@@ -355,6 +355,9 @@ class Stats:
     #: distinct launch keys so far: about one period's worth when the program repeats, growing
     #: with every iteration when the records its launches touch do not repeat
     keys: int = 0
+    #: launches taken as the one the period predicted although one key record more or fewer
+    #: came (``OnlinePolicy._jitter``): the period held
+    jitter: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -555,13 +558,17 @@ class OnlinePolicy:
             self.stats.keys = len(self._sets)
         else:
             self._sets[kid] = ws
-        self.last_key = kid
         before = self.period.known
         expected = -1
         if before is not None:
             self.stats.predicted += 1
             self.stats.period_use[before] = self.stats.period_use.get(before, 0) + 1
             expected = self.period.predict(1)[0]
+            if expected != kid and self._jitter(expected, key):
+                kid = expected  # the period holds: the launch it predicted, with this launch's records
+                self._sets[kid] = ws
+                self.stats.jitter += 1
+        self.last_key = kid
         broken = self.period.broken
         self.period.push(kid)
         p = self.period.known
@@ -573,6 +580,19 @@ class OnlinePolicy:
         if p is None:
             return []
         return [self._sets[k] for k in self.period.predict(max(self.lookahead, 1))]
+
+    def _jitter(self, expected: int, key: tuple) -> bool:
+        """Whether a launch whose key is not the one the period predicted is that launch all the
+        same: the same kernel, and its key records differ by one record at most (one more, one
+        fewer). Seen on a transformers decode on an H100: PyTorch's reduction kernel of each
+        RMSNorm gained or lost one record from token to token, which broke the learned period
+        (one token's launches) about a hundred times a token, and with it the future. One
+        record replaced by another (a loop that moves along its arrays) is a break."""
+        want = self._key_of[expected]
+        if want[0] != key[0] or want[1] is None or key[1] is None:
+            return False
+        a, b = set(want[1]), set(key[1])
+        return len(a ^ b) <= 1
 
     def _log_break(self, p: int | None, expected: int, key: tuple) -> None:
         """One break of a known period ``p`` in ``Stats.breaks`` (the first BREAKS_KEPT) or
