@@ -198,6 +198,7 @@ def main() -> int:
                     row["agent"] = s.get("agent")
                     row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
                     row["distinct_keys"] = (s.get("policy_stats") or {}).get("keys")
+                    row["jitter"] = (s.get("policy_stats") or {}).get("jitter")
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
                 if policy == "accelerate":
