@@ -534,6 +534,28 @@ class ParkingOps(FakeOps):
         return mapped(self) + sum(self.lib.pool)
 
 
+def test_a_shortfall_sends_back_only_what_the_room_lacks_of_the_parked_memory():
+    """Parked memory counts against the budget; when a load is short of room by part of it, that
+    part goes back to the driver (the oldest first), not all of it: on a job of many record
+    sizes most loads would otherwise create memory anew."""
+    bases = [0x1000_0000 * (i + 1) for i in range(3)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    lib = ParkingLib(recs)
+    ops = ParkingOps(recs, lib)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops)
+    ex = Executor(eng, {"budget": 1 << 40, "policy": "belady", "lookahead": 2, "prepin": False}, lib=lib)
+    lib.pool = [32 * MIB, 64 * MIB, 96 * MIB]  # parked, the oldest first
+    ex.physical = lambda: 808 * MIB + sum(lib.pool)  # mapped + parked
+    assert ex._fits([], 64 * MIB, 1032 * MIB)  # short by 32 MiB of the 192 parked
+    assert lib.pool == [64 * MIB, 96 * MIB] and ex.counts["park_trims"] == 1
+    assert not ex._fits([], 64 * MIB, 700 * MIB)  # short by more than is parked: all goes, still short
+    assert lib.pool == []
+    ex.close()
+    eng.close()
+
+
 @pytest.mark.parametrize("sizes", [[64], [64, 32, 96]], ids=["one-size", "mixed"])
 def test_parked_memory_counts_against_the_budget_and_is_mapped_again(sizes, monkeypatch):
     n = 9

@@ -43,8 +43,8 @@ kept: gpuos_alloc.c, "parked physical memory") and the next load of a record of 
 maps it again, because creating and releasing physical memory makes the driver clear it on a
 copy engine, which halves host-to-device copies meanwhile (scripts/probe_swap.py). Parked memory
 is held, so it counts against the budget (`physical`); a load that maps parked memory again adds
-nothing, and when the room is short by parked memory no load here reuses, all of it goes back to
-the driver first (`_fits`; `park_trims` counts it). serve's jobs do not park (a yield must leave
+nothing, and when the room is short by parked memory no load here reuses, as much of it as the
+room lacks goes back to the driver first, the oldest first (`_fits`; `park_trims` counts it). serve's jobs do not park (a yield must leave
 the memory to the next job). GPUOS_ENGINE_NO_PARK=1 turns it off.
 
 Timeline. With the config's ``timeline`` (a path), the executor also keeps a bounded log of
@@ -221,6 +221,9 @@ class Executor(AgentHooks):
         self._mark_ev: list[Any] = []
         self._mark_free: list[Any] = []
         self.counts.update({"marks": 0, "last_use_saves": 0, "mark_errors": 0})
+        #: where a decision's time goes (``_before``): the wait for the mover's lock, the policy,
+        #: the evictions' issue, the require (its wait for room and loads), the marks and measures
+        self.counts.update({"lock_wait_s": 0.0, "policy_s": 0.0, "evict_s": 0.0, "require_s": 0.0, "measure_s": 0.0})
         self._park = (self.serve is None and (settings is None or settings.park)
                       and hasattr(self.lib, "set_park_limit"))
         if self._park:
@@ -488,8 +491,8 @@ class Executor(AgentHooks):
         """Whether loading the released records among ``bases`` (``need`` bytes) fits under
         ``budget`` (``_load_lock`` held: the load it allows comes before the next check). Parked
         memory of a record's size is mapped again by its load, so it is not counted twice; when
-        the room is short by parked memory that no load here maps again, all of it goes back to
-        the driver first."""
+        the room is short by parked memory that no load here maps again, what it is short by goes
+        back to the driver first (all of it, when the oldest parked were of the load's sizes)."""
         phys = self.physical()
         if phys + need <= budget:
             return True
@@ -505,10 +508,16 @@ class Executor(AgentHooks):
         reuse = sum(min(n, self.lib.parked(size)) for size, n in sizes.items())
         if phys + need - reuse <= budget:
             return True
-        if self.lib.parked_bytes():
-            self.lib.trim_parked(0)
+        parked = self.lib.parked_bytes()
+        if parked:
+            # only what the room is short by goes back to the driver (the oldest parked first):
+            # memory released and created again costs driver calls and a clearing copy, and on
+            # a job of many record sizes (an LLM's weights) dropping all of it at every shortfall
+            # gave most loads new memory
+            self.lib.trim_parked(max(0, parked - (phys + need - reuse - budget)))
             self.counts["park_trims"] += 1
-            return self.physical() + need <= budget
+            reuse = sum(min(n, self.lib.parked(size)) for size, n in sizes.items())
+            return self.physical() + need - reuse <= budget
         return False
 
     # -- the native core's fast path (docs/native-core.md, "The fast path") ---------------------
@@ -747,9 +756,16 @@ class Executor(AgentHooks):
             for b in bases:
                 self._used_at[b] = seq
         self._profile(kernel, bases, recs)
+        clock = time.perf_counter
+        c = self.counts
+        t0 = clock()
         with self._load_lock:  # the mover checks the policy's books and loads under it too
+            t1 = clock()
+            c["lock_wait_s"] += t1 - t0
             key = None if bases is None or not self._small else [b for b in bases if b not in self._small]
             actions = self.policy.before(kernel, bases, recs, key, self._key)
+            t0 = clock()
+            c["policy_s"] += t0 - t1
             self._budget = budget = self.policy.last_budget
             over = self.policy.stats.over_budget != over_before
             if over:
@@ -760,6 +776,8 @@ class Executor(AgentHooks):
             for op, arg in actions:
                 if op == "evict":
                     self._evict(arg)
+        t1 = clock()
+        c["evict_s"] += t1 - t0
         if self.ledger is not None and any(op == "evict" for op, _ in actions):
             self._say_inflight()
         for op, arg in actions:
@@ -768,12 +786,15 @@ class Executor(AgentHooks):
             elif op == "prefetch":
                 self._start_mover()
                 self._moves.put(arg)
+        t0 = clock()
+        c["require_s"] += t0 - t1
         if self._last_use:
             self._mark(seq, stream)
         if self._timing:
             self._sample_start(stream)
         self._measure(budget, over)
         self._over_pending = False
+        c["measure_s"] += clock() - t0
 
     # -- last-use marks -------------------------------------------------------------------------
 
