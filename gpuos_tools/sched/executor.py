@@ -480,12 +480,8 @@ class Executor(AgentHooks):
         eng = self.engine
         if not eng.pending:  # nothing released (the common case with room for everything); a
             return self._total + self._parked()  # released record the program freed may leave memory parked
-        # without the engine's lock, which the evict thread holds across its driver calls (an
-        # unmap, a release): the copy of the entries is taken at once under the GIL, and what
-        # may change meanwhile errs high. The evict thread releases a record's memory (parked:
-        # counted in both) before it marks it released; loads, which lower it, come only under
-        # ``_load_lock``, held by every caller that decides on it (``_fits``)
-        released = sum(e.size for e in list(eng.pending.values()) if e.state == "released")
+        with eng.lock:
+            released = sum(e.size for e in eng.pending.values() if e.state == "released")
         return self._total - released + self._parked()
 
     def _parked(self) -> int:
@@ -962,16 +958,9 @@ class Executor(AgentHooks):
             self._say_inflight()
 
     def _released(self, bases) -> int:
-        """Bytes of the records among ``bases`` that are released (to load). Without the engine's
-        lock (see ``physical``): a record the evict thread is releasing counts once it is marked
-        released, and the caller's next look sees it."""
-        pending = self.engine.pending
-        total = 0
-        for b in bases:
-            e = pending.get(b)
-            if e is not None and e.state == "released":
-                total += e.size
-        return total
+        eng = self.engine
+        with eng.lock:
+            return sum(eng.pending[b].size for b in bases if b in eng.pending and eng.pending[b].state == "released")
 
     def _require(self, bases, recs: dict[int, int], budget: int, stream: Any) -> None:
         """The engine's require of ``bases`` (None: all), once what it loads fits under the
