@@ -19,13 +19,6 @@ from typing import Any
 
 from gpuos_tools.model import wire
 
-TRACE_TYPES = frozenset(
-    {"alloc", "free", "launch", "memcpy", "memset", "module", "library", "symbol", "stream", "graph_launch", "graph",
-     "validation",
-     "exit"}
-)
-
-
 def pointer_words(launch: dict[str, Any]) -> Iterator[tuple[int, int, int]]:
     """Yield (param index, byte offset within the param, value) for each aligned 8-byte word."""
     for i, p in enumerate(launch.get("params") or ()):
