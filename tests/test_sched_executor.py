@@ -649,10 +649,12 @@ def test_an_evictions_save_waits_for_its_records_last_use_not_for_everything(las
         assert ex.counts["marks"] == 0 and ex.counts["last_use_saves"] == 0
 
 
-def test_last_use_marks_are_not_used_when_the_program_has_two_streams():
-    """A mark orders one stream: with a second stream in use the save waits for everything."""
+@pytest.mark.parametrize("streams", [{0, 7}, {0, 2}], ids=["another stream", "per-thread default"])
+def test_last_use_marks_are_not_used_when_the_program_has_two_streams(streams):
+    """A mark orders one stream: with a second stream in use the save waits for everything; so
+    with the per-thread default stream, which is one stream per thread of the program."""
     bases, ops, eng, ex = setup(4, 3 * 64 * MIB, "lru", lookahead=0)
-    eng.agent.streams = {0, 7}
+    eng.agent.streams = streams
     for b in bases[:3]:
         ex.before("k", [b], stream=0)
     issued = len(ops.log)

@@ -819,9 +819,11 @@ class Executor(AgentHooks):
 
     def _after_last_use(self, base: int) -> Any:
         """The first mark after the record's last use, for its eviction's save to wait on; None
-        (the save waits for everything enqueued) without marks, when the program has used more
-        than one stream (a mark orders one stream), or when no mark has been recorded since."""
-        if not self._last_use or not self._mark_seq or len(self.engine._program_streams()) != 1:
+        (the save waits for everything enqueued) without marks, when the program has used any
+        stream but the legacy default one (a mark orders one stream, and a per-thread default
+        stream is one per thread of the program, which the legacy one is not), or when no mark
+        has been recorded since."""
+        if not self._last_use or not self._mark_seq or not set(getattr(self.engine.agent, "streams", {0})) <= {0}:
             return None
         last = max(self._used_at.get(base, -1), self._unknown_at)
         i = bisect_right(self._mark_seq, last)

@@ -117,7 +117,7 @@ SECTIONS = {
         "that enters Python the executor records an event on the program's stream, and the save "
         "waits on the first one after the victim's last use, so a host running ahead of the GPU "
         "gets its room back once the GPU has passed the victim, not once it has run everything "
-        "enqueued. Programs that use more than one stream wait for everything. "
+        "enqueued. Programs that use any but the legacy default stream wait for everything. "
         "`GPUOS_SCHED_LAST_USE=0` turns it off; the summary's `executor` counts `marks` and "
         "`last_use_saves`.\n\n"
         "The fast path (on by default, `GPUOS_SCHED_FAST=0` turns it off; the agent's native core "
