@@ -30,7 +30,6 @@ until the kernel's blocks fit FRACTION of the blocks' bytes; kernels fault the r
 
 import argparse
 import hashlib
-import json
 import os
 import time
 
@@ -38,18 +37,8 @@ os.environ.setdefault("CUPY_TF32", "0")  # full float32 GEMMs, before cupy reads
 
 import cupy as cp  # noqa: E402
 
-from workloads.stencil_job import ManagedLRU  # noqa: E402  (the repository root is on PYTHONPATH)
-
-FILL = cp.ElementwiseKernel(
-    "uint64 seed", "float32 x",
-    """
-    unsigned long long z = (unsigned long long)i + seed + 0x9e3779b97f4a7c15ULL;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    x = (float)((z ^ (z >> 31)) & 0xffffff) * (1.0f / 16777216.0f);
-    """,
-    "gpuos_gemm_fill",
-)
+# the stencil's hash fill, managed-memory budget and output (the repository root is on PYTHONPATH)
+from workloads.stencil_job import FILL, ManagedLRU, write_result  # noqa: E402
 
 
 def blocks_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
@@ -221,12 +210,7 @@ def main() -> None:
            "gemms": steps * args.cols * args.inner, "block_bytes": nbytes, "total_bytes": total,
            "rows": args.rows, "inner": args.inner, "cols": args.cols, "periods": args.periods,
            "digests": digests, **extra}
-    line = json.dumps(out)
-    if args.out:  # not stdout: under gpu-prefetch-sched run, stdout carries its summary
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    else:
-        print(line, flush=True)
+    write_result(out, args.out)
 
 
 if __name__ == "__main__":

@@ -209,9 +209,15 @@ def main() -> None:
     out = {"loop_s": loop_s, "steps": steps, "arrays": m, "coeffs": kc, "array_bytes": n * 4,
            "total_bytes": (m + kc) * n * 4, "work": args.work, "t0_unix": t0_unix, "t1_unix": t1_unix,
            "digests": digests, **extra}
+    write_result(out, args.out)
+
+
+def write_result(out: dict, path: str) -> None:
+    """The result as one JSON line to ``path`` (not stdout: under gpu-prefetch-sched run, stdout
+    carries its summary), or to stdout without one."""
     line = json.dumps(out)
-    if args.out:  # not stdout: under gpu-prefetch-sched run, stdout carries its summary
-        with open(args.out, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(line + "\n")
     else:
         print(line, flush=True)
