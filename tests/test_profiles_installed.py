@@ -106,6 +106,46 @@ def test_status_waits_for_a_daemon(tmp_path: Path) -> None:
     assert bad.returncode == ExitCode.USAGE and "not a duration" in bad.stderr
 
 
+def test_status_waits_out_a_ring_whose_daemon_has_not_written_its_header() -> None:
+    """`serve &` then `status --wait`: the daemon's ring file can exist before its header does
+    (zeros, the magic written last). A waiting status waits that out, up to its limit; a status
+    that does not wait says what it found."""
+    from gpuos_tools.kinfer import ring as R
+
+    name = f"kinfer-unready-{uuid.uuid4().hex[:8]}"
+    path = R.ring_path(name)
+    path.write_bytes(bytes(2 * R.HEADER_SIZE))  # a file being made: no magic yet
+    try:
+        now = subprocess.run([*BRIDGE, "status", "--ring", name], capture_output=True, text=True,
+                             env=child_env(), timeout=60, check=False)
+        assert now.returncode == ExitCode.BAD_INPUT and "not a gpu-kinfer-bridge ring" in now.stderr
+        t = time.monotonic()
+        waited = subprocess.run([*BRIDGE, "status", "--ring", name, "--wait", "4s"], capture_output=True,
+                                text=True, env=child_env(), timeout=60, check=False)
+        # its deadline starts after its own start-up: it cannot have answered before 4 s
+        assert waited.returncode == ExitCode.BAD_INPUT and time.monotonic() - t >= 4, waited.stderr
+        path.write_bytes(bytes(10))  # shorter than a header: being made
+        waiting = subprocess.Popen([*BRIDGE, "status", "--ring", name, "--wait", "60s"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=child_env())
+        daemon = None
+        try:
+            time.sleep(3)  # its start-up, then polls of the unready file
+            assert waiting.poll() is None, waiting.communicate()
+            path.unlink()
+            daemon = subprocess.Popen([*BRIDGE, "serve", "--ring", name, "--gpu", "off", "--random-model", "1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+            out, err = waiting.communicate(timeout=60)
+            assert waiting.returncode == 0, err
+            assert json.loads(out.splitlines()[-1])["daemon_pid"] == daemon.pid
+        finally:
+            waiting.kill()
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(timeout=30)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_every_file_the_package_reads_at_run_time_is_package_data() -> None:
     """C sources, headers and the bootstrap are not modules: setuptools installs them only where
     pyproject's package-data names them (a non-editable install would lack them otherwise)."""

@@ -292,7 +292,9 @@ def _wait_for_daemon(name: str, limit: float, owners: tuple[int, ...] | None = N
         try:
             r = R.Ring.attach(name, owners=owners)
         except R.RingError as e:
-            if e.code != ExitCode.NO_INPUT or time.monotonic() >= deadline:
+            # missing, or made by a daemon that has not written its header yet (the tour's
+            # `serve &` then `status --wait` caught one so on a loaded machine): wait
+            if not (e.code == ExitCode.NO_INPUT or e.unready) or time.monotonic() >= deadline:
                 raise
         else:
             if r.daemon_alive():

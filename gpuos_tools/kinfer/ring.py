@@ -142,7 +142,13 @@ CONTROL_NAMES = {
 
 
 class RingError(GpuosError):
-    """A ring that cannot be used (missing, wrong magic or version, wrong sizes, no daemon)."""
+    """A ring that cannot be used (missing, wrong magic or version, wrong sizes, no daemon).
+    ``unready``: the file is there but its daemon has not written its header yet (shorter than
+    a header, or no magic: the magic goes last), which a caller waiting for a daemon waits out."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.FAILURE, unready: bool = False):
+        super().__init__(message, code)
+        self.unready = unready
 
 
 # -- futex ------------------------------------------------------------------------------------
@@ -329,11 +335,12 @@ class Ring:
                                 "a ring another user made", ExitCode.PERMISSION)
             size = st.st_size
             if size < HEADER_SIZE:
-                raise RingError(f"{path}: {size} bytes, too small for a ring header", ExitCode.BAD_INPUT)
+                raise RingError(f"{path}: {size} bytes, too small for a ring header", ExitCode.BAD_INPUT, unready=True)
             raw = os.pread(fd, HEADER_SIZE, 0)
             problem = check_header(raw, size)
             if problem:
-                raise RingError(f"{path}: {problem}", ExitCode.BAD_INPUT)
+                unready = np.frombuffer(raw[:HEADER_SIZE], dtype=HEADER_DTYPE)[0]["magic"] == 0
+                raise RingError(f"{path}: {problem}", ExitCode.BAD_INPUT, unready=bool(unready))
             geometry = header_geometry(raw)
             mm = mmap.mmap(fd, geometry.offsets()["total"])
         except BaseException:
