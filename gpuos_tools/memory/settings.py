@@ -44,7 +44,8 @@ class EngineSettings:
     #: the scheduler's evictions wait on the GPU for the record's last use (an event on the
     #: program's stream before each operation that enters Python), not for everything the program
     #: has enqueued: a host running ahead of the GPU gets its room back as soon as the GPU has
-    #: passed the victim (docs/scheduler.md, "The executor"). Programs on the legacy default stream only
+    #: passed the victim (docs/scheduler.md, "The executor"). Programs on the legacy default
+    #: stream only
     last_use: bool = True
 
     def __post_init__(self) -> None:

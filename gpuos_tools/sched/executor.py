@@ -44,8 +44,9 @@ maps it again, because creating and releasing physical memory makes the driver c
 copy engine, which halves host-to-device copies meanwhile (scripts/probe_swap.py). Parked memory
 is held, so it counts against the budget (`physical`); a load that maps parked memory again adds
 nothing, and when the room is short by parked memory no load here reuses, as much of it as the
-room lacks goes back to the driver first, the oldest first (`_fits`; `park_trims` counts it). serve's jobs do not park (a yield must leave
-the memory to the next job). GPUOS_ENGINE_NO_PARK=1 turns it off.
+room lacks goes back to the driver first, the oldest first (`_fits`; `park_trims` counts it).
+serve's jobs do not park (a yield must leave the memory to the next job). GPUOS_ENGINE_NO_PARK=1
+turns it off.
 
 Timeline. With the config's ``timeline`` (a path), the executor also keeps a bounded log of
 events ``[t_s, kind, value]`` (seconds from its start) and writes it there at the end (JSON:
