@@ -4,9 +4,9 @@ prefetch before each launch of a running program, under a byte budget.
 Pure decision logic: no CUDA here. Over 800 lines: the period learner, the count and time plans
 and their shared Belady books are one policy, each part reading the others' state per launch.
 
-The caller (gpuos_tools/sched/executor.py, inside the program under the agent) tells it, per launch, the kernel, the record bases the launch touches
-(from the residency engine's mapping; None when not trustworthy) and the live owned records with
-their sizes; it answers a list of actions in the order they must be applied to the engine
+The caller (gpuos_tools/sched/executor.py, inside the program under the agent) tells it, per
+launch, the kernel, the record bases the launch touches (from the residency engine's mapping;
+None when not trustworthy) and the live owned records with their sizes; it answers a list of actions in the order they must be applied to the engine
 (gpuos_tools/memory/engine.py): ``("evict", base)``, ``("require", bases)``,
 ``("prefetch", base)``.
 
