@@ -6,9 +6,9 @@ and their shared Belady books are one policy, each part reading the others' stat
 
 The caller (gpuos_tools/sched/executor.py, inside the program under the agent) tells it, per
 launch, the kernel, the record bases the launch touches (from the residency engine's mapping;
-None when not trustworthy) and the live owned records with their sizes; it answers a list of actions in the order they must be applied to the engine
-(gpuos_tools/memory/engine.py): ``("evict", base)``, ``("require", bases)``,
-``("prefetch", base)``.
+None when not trustworthy) and the live owned records with their sizes; it answers a list of
+actions in the order they must be applied to the engine (gpuos_tools/memory/engine.py):
+``("evict", base)``, ``("require", bases)``, ``("prefetch", base)``.
 
 - Working set: the launch's bases; None (unknown) means every live record (conservative: a
   kernel must never touch released memory).
