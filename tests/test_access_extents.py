@@ -136,8 +136,11 @@ def test_reduction_and_garbage_words_in_its_struct(torch2):
     # uninitialised dividers past `dims` hold words that point into an allocation: not pointers
     src = pred.allocs.find(0x7F0396000000)
     assert src is not None and src.id not in {e["alloc"] for e in acc["reads"] + acc["writes"]}
+    # range takes the decoded layout too; only alloc, which reads no structure, names it
     rng = launch_with(torch2, 36, "range")[2]
-    assert src.id in {e["alloc"] for e in rng["reads"]}
+    assert src.id not in {e["alloc"] for e in rng["reads"] + rng["writes"]}
+    whole = launch_with(torch2, 36, "alloc")[2]
+    assert src.id in {e["alloc"] for e in whole["reads"]}
 
 
 def test_cublas_gemm_of_the_linear_layer(torch2):

@@ -8,9 +8,11 @@ pointer to the end of its allocation (or as far as a size template says) and, fo
 memset, exactly the bytes it covers; `extent` is range where, for the kernels whose argument
 structures it can read (PyTorch's elementwise, reduction and other ATen kernels, CuPy's
 elementwise and random kernels, cuBLAS GEMMs, cuDNN convolutions, batch norm and layout
-transforms, CUB reductions), each pointer gets the bytes those structures say it reaches and
-the direction they say (an output is written, an input read). Anything a decoder cannot check
-falls back to range for that launch or pointer. A buffer that is both read and written is
+transforms, CUB reductions), each pointer gets the bytes those structures say it reaches.
+Range and extent both take the direction those structures say (an output is written, an input
+read) for the words of by-value parameters (structs, lambdas, untyped words), and leave out
+the words they say are not pointers; a typed pointer keeps its prototype's direction at range.
+Anything a decoder cannot check falls back to the prototype for that launch or pointer. A buffer that is both read and written is
 listed in both. Several pointers
 into one allocation give one entry per disjoint range (ranges that overlap or touch are merged;
 at alloc granularity that is one entry per allocation).
@@ -30,9 +32,10 @@ copied from the host (`data` of a memcpy record; how batched GEMM's pointer arra
 read and write assumed. A buffer found through the launched kernel's module is
 `variable:NAME`: a pointer the host copied into a `__device__` variable of the kernel's own
 module, which the program located by name (`symbol` records): read and write assumed. At
-extent granularity a decoded pointer's `how` is `dptr:DECODER` or
-`scan:DECODER` (`pytorch`, `cupy`, `nvidia`); a word inside a decoded structure that the
-structure says is not a pointer (padding, a size) is not listed. For copies: `copy source`,
+range and extent granularity a decoded pointer's `how` is `dptr:DECODER` or
+`scan:DECODER` (`pytorch`, `cupy`, `nvidia`; `template:DECODER` where a size template bounds it
+at range); a word inside a decoded structure that the structure says is not a pointer (padding,
+a size, an integer divider's constants) is not listed. For copies: `copy source`,
 `copy destination`; for memsets: `memset`.
 
 A launch is unknown when its layout is `none` (arguments not decoded), when a
@@ -50,8 +53,8 @@ variable the program located) or it runs past its allocation's end. Host address
 not traced allocations are not listed; pinned host memory from `cuMemHostAlloc` is a traced
 allocation (kind `host`) and is listed.
 
-Directions come from prototypes (and, at extent granularity, from the decoded structures),
-not from the kernels' code: `gpu-trace run --validate` checks them on the GPU.
+Directions come from prototypes (and, at range and extent granularity, from the decoded
+structures), not from the kernels' code: `gpu-trace run --validate` checks them on the GPU.
 """
 
 from gpuos_tools.access.predict import GRANULARITIES, Finding, KernelInfo, Predictor, kernel_info

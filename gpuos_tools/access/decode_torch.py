@@ -5,6 +5,9 @@
 - ``elementwise_kernel<nt, vt, gpu_kernel_impl_nocast<F>(...)::{lambda(int)#1}>(int N, closure)``:
   the closure holds an ``OffsetCalculator<K, uint32_t>`` (sizes and byte strides per operand),
   then ``data[K]``, then F.
+- ``unrolled_elementwise_kernel<F, std::array<char*, K>, vt, TrivialOffsetCalculator..., loader,
+  storer>(int N, F, data, in_calc, out_calc, loader, storer)``: contiguous operands, N elements
+  each; with casts, the loader and storer hold each operand's dtype and element size.
 - ``reduce_kernel<nt, vec, ReduceOp<scalar_t, ops_t, unsigned int, out_scalar_t, ...>>(ReduceOp)``:
   ops, ident, a ReduceConfig, the input and output calculators, src, dst[2], acc_buf, cta_buf,
   semaphores.
@@ -64,6 +67,18 @@ _FIRST_TYPE = ("at::native::GeluCUDAKernelImpl(", "at::native::GeluBackwardCUDAK
                "at::native::(anonymous namespace)::masked_scale_kernel<")
 
 
+#: Functions whose GPU lambdas capture no pointer (ATen's source): a closure's bytes past its data
+#: pointers hold only the functor's scalars.
+_PLAIN_LAMBDAS = _SAME_TYPE + _FIRST_TYPE + ("at::native::direct_copy_kernel_cuda(",)
+
+
+def plain(functor: str) -> bool:
+    """Whether an elementwise functor type holds no pointer (the named functors hold scalars)."""
+    if lambda_params(functor) is not None:
+        return functor.startswith(_PLAIN_LAMBDAS)
+    return base_name(functor) in _FUNCTORS
+
+
 def operands(functor: str) -> tuple[int, list[int]] | None:
     """(output element size, [input element sizes]) of an elementwise functor type, or None."""
     params = lambda_params(functor)
@@ -110,10 +125,13 @@ def plan_vectorized(name: str, sizes: tuple[int, ...]) -> Plan | None:
     if k != len(ins) + 1 or sizes[2] != 8 * k:
         return None
     elems = [out, *ins]
+    regions = {2: [(0, 8 * k)]}
+    if plain(targs[1]):
+        regions[1] = [(0, sizes[1])]
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         n = i32(raw[0], 0)
-        dec = Decoded(VIA, regions={2: [(0, 8 * k)]})
+        dec = Decoded(VIA, regions={i: list(r) for i, r in regions.items()})
         for i, size in enumerate(elems):
             if i == 0:
                 dec.write(2, 0, n * size)
@@ -144,6 +162,9 @@ def plan_legacy(name: str, sizes: tuple[int, ...]) -> Plan | None:
     data_at = (calculator_size(k) + 7) & ~7
     if sizes[1] < data_at + 8 * k:
         return None
+    # the closure is the calculator, the data pointers, then the functor (and padding, which
+    # holds whatever the host's stack did): all of it is laid out when the functor holds no pointer
+    laid = sizes[1] if plain(inner[0]) else data_at + 8 * k
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         n = i32(raw[0], 0)
@@ -151,13 +172,69 @@ def plan_legacy(name: str, sizes: tuple[int, ...]) -> Plan | None:
         if calc is None or numel(calc[0]) != n:
             return None
         dims, strides = calc
-        dec = Decoded(VIA, regions={1: [(0, data_at + 8 * k)]})
+        dec = Decoded(VIA, regions={1: [(0, laid)]})
         for i, size in enumerate(elems):
             extent = last_offset(dims, strides[i]) + size if n > 0 else 0
             if i == 0:
                 dec.write(1, data_at, extent)
             else:
                 dec.read(1, data_at + 8 * i, extent)
+        return dec
+
+    return plan
+
+
+# -- unrolled_elementwise_kernel (contiguous operands, casts through the loader and storer) ----
+
+_TRIVIAL = "TrivialOffsetCalculator<"
+_ELEMENT_SIZES = (1, 2, 4, 8, 16)
+
+
+def plan_unrolled(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, "at::native::unrolled_elementwise_kernel")
+    if targs is None or len(targs) != 7 or len(sizes) != 7 or sizes[0] != 4:
+        return None
+    array = args_of(targs[1], "std::array")
+    if array is None or array[0] != "char*" or not all(t.startswith(_TRIVIAL) for t in targs[3:5]):
+        return None
+    k = int(array[1].rstrip("ul") or 0)
+    loader, storer = base_name(targs[5]), base_name(targs[6])
+    if k < 1 or sizes[2] != 8 * k or sizes[3] != 1 or sizes[4] != 1:
+        return None
+    if (loader, storer) == ("at::native::memory::LoadWithCast", "at::native::memory::StoreWithCast"):
+        # LoadWithCast<N>: N one-byte dtypes, then N uint32 element sizes (4-aligned)
+        n_in, n_out = (int(args_of(t, base_name(t))[0]) for t in targs[5:7])  # type: ignore[index]
+        in_at, out_at = (n_in + 3) & ~3, (n_out + 3) & ~3
+        if n_in != k - 1 or n_out != 1 or sizes[5] != in_at + 4 * n_in or sizes[6] != out_at + 4:
+            return None
+        fixed = None
+    elif (loader, storer) == ("at::native::memory::LoadWithoutCast", "at::native::memory::StoreWithoutCast"):
+        ops = operands(targs[0])
+        if ops is None or len(ops[1]) != k - 1:
+            return None
+        fixed = [ops[0], *ops[1]]
+    else:
+        return None
+    regions = {2: [(0, 8 * k)], 5: [(0, sizes[5])], 6: [(0, sizes[6])]}
+    if plain(targs[0]):
+        regions[1] = [(0, sizes[1])]
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n = i32(raw[0], 0)
+        if n < 0:
+            return None
+        if fixed is None:
+            elems = [i32(raw[6], out_at)] + [i32(raw[5], in_at + 4 * i) for i in range(k - 1)]
+            if any(e not in _ELEMENT_SIZES for e in elems):
+                return None
+        else:
+            elems = fixed
+        dec = Decoded(VIA, regions={i: list(r) for i, r in regions.items()})
+        for i, size in enumerate(elems):
+            if i == 0:
+                dec.write(2, 0, n * size)
+            else:
+                dec.read(2, 8 * i, n * size)
         return dec
 
     return plan
@@ -220,8 +297,6 @@ def plan_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
 
     return plan
 
-
-PLANNERS = (plan_vectorized, plan_legacy, plan_reduce)
 
 
 
@@ -625,5 +700,5 @@ def plan_fused_adam(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
-PLANNERS = (plan_vectorized, plan_legacy, plan_reduce, plan_simple, plan_distribution, plan_foreach,
+PLANNERS = (plan_vectorized, plan_legacy, plan_unrolled, plan_reduce, plan_simple, plan_distribution, plan_foreach,
             plan_fused_adam, plan_gather, plan_dropout, plan_with_index)

@@ -39,19 +39,45 @@ class Decoders:
     def __init__(self) -> None:
         self._plans: dict[tuple[str, tuple[int, ...]], Any] = {}
 
-    def decode(self, kernel: str, name: str, rec: dict[str, Any]) -> Decoded | None:
-        params = rec.get("params") or ()
-        sizes = tuple(p.get("size", len(p.get("hex", "")) // 2) for p in params)
+    def plan(self, kernel: str, name: str, sizes: tuple[int, ...]) -> Plan | None:
+        """The plan for a kernel's launches with parameters of ``sizes`` bytes, or None."""
         key = (kernel, sizes)
         plan = self._plans.get(key, _NONE)
         if plan is _NONE:
             plan = self._plans[key] = make_plan(name, sizes)
+        return plan  # type: ignore[return-value]
+
+    def decode(self, kernel: str, name: str, rec: dict[str, Any]) -> Decoded | None:
+        params = rec.get("params") or ()
+        sizes = tuple(p.get("size", len(p.get("hex", "")) // 2) for p in params)
+        plan = self.plan(kernel, name, sizes)
         if plan is None:
             return None
         try:
             raw = [bytes.fromhex(p.get("hex", "")) for p in params]
             if any(len(r) != s for r, s in zip(raw, sizes)):
                 return None
-            return plan(raw, rec)
-        except (IndexError, ValueError, KeyError, ZeroDivisionError, struct.error):
-            return None  # bytes that are not the structure the plan reads
+            return _apply(plan, raw, rec)
+        except ValueError:
+            return None  # not hexadecimal
+
+    def decode_raw(self, kernel: str, name: str, sizes: tuple[int, ...], args: bytes) -> Decoded | None:
+        """``decode`` of a launch given as its parameters' sizes and their bytes back to back
+        (the agent's form; no grid or block, so plans that check them give None)."""
+        plan = self.plan(kernel, name, sizes)
+        if plan is None:
+            return None
+        raw, pos = [], 0
+        for n in sizes:
+            raw.append(args[pos : pos + n])
+            pos += n
+        if pos != len(args):
+            return None
+        return _apply(plan, raw, {})
+
+
+def _apply(plan: Plan, raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+    try:
+        return plan(raw, rec)
+    except (IndexError, ValueError, KeyError, ZeroDivisionError, struct.error):
+        return None  # bytes that are not the structure the plan reads

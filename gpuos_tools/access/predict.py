@@ -17,7 +17,7 @@ from typing import Any
 
 from gpuos_tools.access.decoded import Decoded, Span
 from gpuos_tools.access.extents import Decoders
-from gpuos_tools.access.proto import CONST, POINTERS, STRUCT, VALUE, prototype
+from gpuos_tools.access.proto import CONST, POINTERS, REFERENCE, STRUCT, VALUE, prototype
 from gpuos_tools.access.score import score
 from gpuos_tools.access.templates import Templates
 from gpuos_tools.access.variables import ModuleVariables
@@ -143,8 +143,10 @@ class Predictor:
             raise ValueError("size templates apply at range or extent granularity")
         self.granularity = granularity
         self.templates = templates if templates else None
-        #: argument decoders (extent granularity only)
-        self.decoders = Decoders() if granularity == "extent" else None
+        #: argument decoders: at extent their spans; at range which words are pointers and their
+        #: directions (a word inside a decoded structure that is not one of its pointers is not a
+        #: pointer: a size, a stride, the stack garbage in padding)
+        self.decoders = Decoders() if granularity != "alloc" else None
         self.allocs = AllocTable()
         self._kernels: dict[tuple[str, int], KernelInfo] = {}
         self._counts = {"memcpy": 0, "memset": 0, "graph_launch": 0}
@@ -301,6 +303,13 @@ class Predictor:
 
     # -- launches ----------------------------------------------------------------------------
 
+    def info_of(self, kernel: str, sizes: tuple[int, ...]) -> KernelInfo:
+        """``info`` of a launch of ``kernel`` with parameters of ``sizes`` bytes."""
+        info = self._kernels.get((kernel, len(sizes)))
+        if info is None:
+            info = self.info({"kernel": kernel, "params": [{"size": n} for n in sizes]})
+        return info
+
     def info(self, rec: dict[str, Any]) -> KernelInfo:
         """The (cached) prototype analysis for a launch record's kernel."""
         params = rec.get("params") or ()
@@ -344,9 +353,11 @@ class Predictor:
         on, with the allocation table and known contents as they are: (parameter, word, value)
         of each aligned 8-byte word of a parameter that lies inside the allocations' hull, as
         ``findings`` scans them. Launches with equal keys get equal predictions (the agent
-        memoises on it). None where that is not all (arguments not decoded, or size templates,
-        which read scalars too, and extent granularity, whose decoders do)."""
-        if sizes is None or args is None or self.templates is not None or self.decoders is not None:
+        memoises on it). Where a decoder knows the kernel, the words its layout says are not
+        pointers are left out and each pointer's direction is put in, so the key is as good as
+        the decoded arguments. None where that is not all (arguments not decoded, or size
+        templates, which read scalars too, and extent granularity, whose spans do)."""
+        if sizes is None or args is None or self.templates is not None or self.granularity != "range":
             return None
         hull = self.allocs.hull
         if hull is None:
@@ -364,6 +375,11 @@ class Predictor:
                 else:
                     found += [(i, j, w) for j, w in enumerate(ws) if low <= w < high]
             pos += size
+        if found and self.decoders is not None:
+            info = self.info_of(kernel, sizes)
+            decoded = self.decoders.decode_raw(kernel, info.name, sizes, args)
+            if decoded is not None:
+                return (kernel, sizes, tuple(_laid_key(decoded, info.bases, found)), decoded.via)
         return (kernel, sizes, tuple(found))
 
     def _stored(self, found: list[Finding]) -> list[Finding]:
@@ -466,18 +482,22 @@ class Predictor:
         decoded: Decoded | None = None
         if self.decoders is not None and rec.get("layout") != "none":
             decoded = self.decoders.decode(info.kernel, info.name, rec)
+        exact = self.granularity == "extent"
         for f in found:
             alloc = f.alloc
-            if decoded is not None and f.found != STORED:
+            if decoded is not None and f.found != STORED and (exact or _layout_decides(bases, f.param)):
                 spans = decoded.spans.get((f.param, f.offset))
                 if spans is None:
                     if decoded.laid_out(f.param, f.offset):
                         continue  # the decoded layout says this word is not a pointer
                 elif alloc is not None:
                     how = f"{f.found}:{decoded.via}"
-                    for into, span in zip((reads, writes), spans):
-                        if span is not None:
-                            _merge_span(into, alloc, f.word, span, how)
+                    if exact:
+                        for into, span in zip((reads, writes), spans):
+                            if span is not None:
+                                _merge_span(into, alloc, f.word, span, how)
+                    else:  # range: in the decoded directions, to the end or a template's size
+                        self._decoded_range(info, f, alloc, spans, params, reads, writes, how)
                     continue
             if alloc is None:
                 why.append(
@@ -530,6 +550,23 @@ class Predictor:
         if why:
             out["why"] = "; ".join(why)
         return out, info, found
+
+    def _decoded_range(self, info: KernelInfo, f: Finding, alloc: Allocation, spans: tuple,
+                       params: Any, reads: dict[int, list], writes: dict[int, list], how: str) -> None:
+        """A decoded pointer at range granularity: read and written as decoded, from the
+        pointer to the end of its allocation or as far as a size template says."""
+        offset = f.word - alloc.addr
+        size = alloc.size - offset
+        bounds: tuple = (None, None)
+        if self.templates is not None:
+            bounds = self.templates.sizes(info.kernel, f.param, f.offset, params) or bounds
+        for into, span, bound in zip((reads, writes), spans, bounds):
+            if span is None:
+                continue
+            if bound is not None and bound > 0:
+                _merge(into, alloc.id, offset, min(bound, size), "template:" + how.split(":")[-1])
+            else:
+                _merge(into, alloc.id, offset, size, how)
 
     def _variable_pointers(self, func: int | None, reads: dict[int, list], writes: dict[int, list],
                            whole: bool) -> None:
@@ -612,6 +649,29 @@ class Predictor:
         if why:
             out["why"] = "; ".join(why)
         return out
+
+
+#: parameters whose words the prototype cannot tell from pointers (nor their direction): at range
+#: a decoder's layout decides them; a typed pointer keeps its prototype's direction
+_SCANNED = frozenset((STRUCT, UNTYPED, REFERENCE))
+
+
+def _layout_decides(bases: tuple[str, ...] | list[str], param: int) -> bool:
+    return (bases[param] if param < len(bases) else UNTYPED) in _SCANNED
+
+
+def _laid_key(decoded: Decoded, bases: Any, found: list[tuple[int, int, int]]) -> Iterator[tuple]:
+    """The (param, word, value) of ``found`` that the decoded layout leaves as pointers, each
+    with the directions decoded for it (None: a word the layout does not decide)."""
+    for i, j, w in found:
+        if not _layout_decides(bases, i):
+            yield i, j, w, None
+            continue
+        spans = decoded.spans.get((i, 8 * j))
+        if spans is not None:
+            yield i, j, w, spans[0] is not None, spans[1] is not None
+        elif not decoded.laid_out(i, 8 * j):
+            yield i, j, w, None
 
 
 def _merge_span(into: dict[int, list], alloc: Allocation, word: int, span: Span, how: str) -> None:

@@ -36,8 +36,9 @@ def predict(
         None, "--granularity", metavar="alloc|range|extent",
         help="alloc (default): whole allocations; range (default with --templates): from each "
         "pointer to the end of its allocation, or as far as its size template says (copies and "
-        "memsets: exactly their bytes); extent: the bytes each pointer reaches as the launch's "
-        "argument structures say (PyTorch, CuPy, cuBLAS, cuDNN, CUB kernels), range elsewhere.",
+        "memsets: exactly their bytes), in the direction the launch's argument structures say "
+        "where they are decoded; extent: the bytes each pointer reaches as those structures say "
+        "(PyTorch, CuPy, cuBLAS, cuDNN, CUB kernels), range elsewhere.",
     ),
     explain_seq: Optional[int] = typer.Option(
         None, "--explain", metavar="SEQ", help="Explain the launch with this seq instead of writing the stream."
