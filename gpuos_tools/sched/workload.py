@@ -61,8 +61,8 @@ class Step:
     compute: float = 0.0  #: estimated run time in seconds
     unknown: bool = False  #: the access was unknown: ws is all of the job's live memory
     kernel: str | None = None
-    #: chunks it overwrites whole without reading them: every byte inside a predicted write
-    #: range and no predicted read range touching it (what it finds there is dead)
+    #: chunks it overwrites whole without reading them: every byte inside an exact write (a
+    #: copy's or memset's) and no predicted read range touching it (what it finds there is dead)
     covers: tuple[int, ...] = ()
 
     def label(self) -> dict[str, Any]:
@@ -237,7 +237,10 @@ def load_job(
                             target[c] = None
                             if target is wr_list:
                                 spans.setdefault(c, []).append((off, off + size))
-                covers = tuple(c for c in wr_list if c not in ws_list and _covered(chunks, c, spans[c]))
+                # only a copy's or memset's write is exact; a launch's (from its pointer to the end
+                # of the allocation, in the decoded direction) bounds it from above and proves nothing
+                covers = () if of not in ("memcpy", "memset") else tuple(
+                    c for c in wr_list if c not in ws_list and _covered(chunks, c, spans[c]))
                 for c in wr_list:
                     ws_list[c] = None
                 ws = tuple(ws_list)
