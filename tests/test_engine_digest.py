@@ -117,8 +117,27 @@ def test_a_changed_record_is_saved_and_its_old_digest_dropped():
     c = eng.counts
     assert c["evict_saves"] == 2 and c["digest_changed"] == 1 and c["digest_skips"] == 0
     assert BASE not in eng.digests
-    eng.launch(0, "r", None, None)  # back, with the new bytes; no digest: its back-off (below) began
-    assert ops.device[BASE] == b"written on the GPU" and not eng.digests and eng._backoff[BASE][0] > 0
+    eng.launch(0, "r", None, None)  # back, with the new bytes, and their digest: a first change is checked again
+    assert ops.device[BASE] == b"written on the GPU" and BASE in eng.digests and eng._backoff[BASE] == [0, 0]
+    eng.close()
+
+
+def test_a_record_written_once_is_not_saved_again():
+    """A weight initialised after its first save changes once: its evictions after that skip
+    the save (no back-off from a single change)."""
+    eng, ops, _ = cycle()
+    ops.device[BASE] = b"initialised"
+    assert eng.evict_from_operation(BASE)
+    assert wait_state(eng, BASE, RELEASED)
+    eng.launch(0, "r", None, None)
+    saves = eng.counts["evict_saves"]
+    for _ in range(3):
+        assert eng.evict_from_operation(BASE)
+        assert wait_state(eng, BASE, RELEASED)
+        eng.launch(0, "r", None, None)
+    c = eng.counts
+    assert c["evict_saves"] == saves and c["digest_skips"] == 3 and c["digest_backoff_saves"] == 0
+    assert BASE not in eng._backoff and ops.device[BASE] == b"initialised"
     eng.close()
 
 
@@ -223,9 +242,9 @@ def test_the_digests_definition_sees_order_shifts_tails_and_lengths():
 
 
 def test_after_a_change_the_next_evictions_save_without_digests_then_it_is_checked_again():
-    """Back-off: a record found changed saves its next BACKOFF[0] evictions at once (no digest
-    at their loads or evictions), then is checked again; each further change doubles the run;
-    an unchanged check ends it."""
+    """Back-off: a record found changed twice in a row saves its next BACKOFF[0] evictions at
+    once (no digest at their loads or evictions), then is checked again; each further change
+    doubles the run; an unchanged check ends it."""
 
     eng, ops, _ = cycle()
 
@@ -236,8 +255,10 @@ def test_after_a_change_the_next_evictions_save_without_digests_then_it_is_check
         assert wait_state(eng, BASE, RELEASED)
         eng.launch(0, "r", None, None)
 
-    evict_and_load(b"v1")  # checked: changed -> a run of BACKOFF[0] direct saves
-    assert eng.counts["digest_changed"] == 1 and eng._backoff[BASE] == [BACKOFF[0], BACKOFF[0]]
+    evict_and_load(b"v0")  # checked: changed once -> marked, checked again
+    assert eng.counts["digest_changed"] == 1 and eng._backoff[BASE] == [0, 0] and BASE in eng.digests
+    evict_and_load(b"v1")  # checked: changed again -> a run of BACKOFF[0] direct saves
+    assert eng.counts["digest_changed"] == 2 and eng._backoff[BASE] == [BACKOFF[0], BACKOFF[0]]
     n_dig = len(ops.calls("digest"))
     for i in range(BACKOFF[0]):
         evict_and_load(b"v%d" % (i + 2))
@@ -247,7 +268,7 @@ def test_after_a_change_the_next_evictions_save_without_digests_then_it_is_check
     # the last load of the run took the host copy's digest again: this eviction is checked
     assert BASE in eng.digests and eng._backoff[BASE][0] == 0
     evict_and_load(b"changed again")
-    assert eng.counts["digest_changed"] == 2 and eng._backoff[BASE] == [2 * BACKOFF[0]] * 2
+    assert eng.counts["digest_changed"] == 3 and eng._backoff[BASE] == [2 * BACKOFF[0]] * 2
     for _ in range(2 * BACKOFF[0]):
         evict_and_load(None)  # unchanged, but saved without a check during the run
     assert eng.counts["digest_skips"] == 0

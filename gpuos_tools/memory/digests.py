@@ -11,6 +11,7 @@ from typing import Any
 from gpuos_tools.memory.digest_kernel import DIGEST_SLOTS
 
 DIGEST_MIN = 256 << 10  #: smaller records get no digest (their save is cheap)
+CHECKED_SIZES = 32  #: record sizes whose check results are tallied (stats' digest_checks)
 BACKOFF = (4, 32)  #: evictions saved without a check after a check found the record changed: first, most
 
 
@@ -29,6 +30,9 @@ class Digests:
         self._backoff: dict[int, list[int]] = {}
         #: "on", "off (...)", "unavailable: ..."; None: not decided until the first eviction
         self.digest_mode: str | None = None
+        #: record size -> [checks that found it unchanged, changed] (the first CHECKED_SIZES
+        #: sizes): which kind of record keeps changing (a weight should not)
+        self.checked_sizes: dict[int, list[int]] = {}
         if not self.settings.digest:
             self.digest_mode = "off (GPUOS_ENGINE_NO_DIGEST=1)"
         elif not hasattr(self.ops, "digest"):
@@ -109,10 +113,16 @@ class Digests:
         self.counts["digests"] += 1
         return True
 
-    def _digests_equal(self, base: int) -> bool:
+    def _digests_equal(self, base: int, size: int) -> bool:
         """The host copy's digest against the one taken at eviction (both complete)."""
         k = self._slot_of[base]
-        return self.ops.digest_value(2 * k) == self.ops.digest_value(2 * k + 1)
+        same = self.ops.digest_value(2 * k) == self.ops.digest_value(2 * k + 1)
+        tally = self.checked_sizes.get(size)
+        if tally is None and len(self.checked_sizes) < CHECKED_SIZES:
+            tally = self.checked_sizes[size] = [0, 0]
+        if tally is not None:
+            tally[0 if same else 1] += 1
+        return same
 
 
     # -- back-off -----------------------------------------------------------------------------
@@ -129,10 +139,15 @@ class Digests:
 
     def _found_changed(self, base: int) -> None:
         """A check found ``base`` changed (engine lock held): its digest goes (the host copy is
-        saved anew), and its next evictions save without a check, a run that starts at
-        BACKOFF[0] and doubles at each further change, up to BACKOFF[1]."""
+        saved anew). A first change only marks it: a record written once (a weight being
+        initialised) is not written again, and its next eviction is checked as before. From a
+        second change in a row on, its next evictions save without a check, a run that starts
+        at BACKOFF[0] and doubles at each further change, up to BACKOFF[1]."""
         self.digests.pop(base, None)
         self.counts["digest_changed"] += 1
-        last = self._backoff.get(base, [0, 0])[1]
-        n = min(BACKOFF[1], max(BACKOFF[0], 2 * last))
+        back = self._backoff.get(base)
+        if back is None:
+            self._backoff[base] = [0, 0]
+            return
+        n = min(BACKOFF[1], max(BACKOFF[0], 2 * back[1]))
         self._backoff[base] = [n, n]

@@ -403,6 +403,8 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
                 "pending": {s: {"records": len(v), "bytes": sum(v)} for s, v in by_state.items()},
                 "clean": len(self.clean), "first_touched": len(self.first_touch), **self.counts,
                 "digest": self.digest_mode, "digested": len(self.digests),
+                "digest_checks": [{"size": n, "unchanged": t[0], "changed": t[1]}
+                                  for n, t in sorted(self.checked_sizes.items())],
                 "conservative": sorted(k[:160] for k in self.conservative), "mismatch": list(self.mismatch_log),
             }
         if self.lazy is not None:

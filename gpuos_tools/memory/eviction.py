@@ -221,7 +221,7 @@ class Eviction:
         ops.synchronize(ev)
         save = how == "save"
         if how == "digest":
-            same = self._digests_equal(base)
+            same = self._digests_equal(base, e.size)
             if not same:
                 with self.lock:
                     if e.suspects is not None:  # evidence even if an operation cancels the eviction
