@@ -130,16 +130,20 @@ def plan_vectorized(name: str, sizes: tuple[int, ...]) -> Plan | None:
         regions[1] = [(0, sizes[1])]
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
-        n = i32(raw[0], 0)
-        dec = Decoded(VIA, regions={i: list(r) for i, r in regions.items()})
-        for i, size in enumerate(elems):
-            if i == 0:
-                dec.write(2, 0, n * size)
-            else:
-                dec.read(2, 8 * i, n * size)
-        return dec
+        return _contiguous(regions, i32(raw[0], 0), elems)
 
     return plan
+
+
+def _contiguous(regions: dict[int, list[tuple[int, int]]], n: int, elems: list[int]) -> Decoded:
+    """N contiguous elements per operand of ``data`` (parameter 2): ``data[0]`` written, the rest read."""
+    dec = Decoded(VIA, regions={i: list(r) for i, r in regions.items()})
+    for i, size in enumerate(elems):
+        if i == 0:
+            dec.write(2, 0, n * size)
+        else:
+            dec.read(2, 8 * i, n * size)
+    return dec
 
 
 # -- elementwise_kernel with an offset calculator ----------------------------------------------
@@ -229,13 +233,7 @@ def plan_unrolled(name: str, sizes: tuple[int, ...]) -> Plan | None:
                 return None
         else:
             elems = fixed
-        dec = Decoded(VIA, regions={i: list(r) for i, r in regions.items()})
-        for i, size in enumerate(elems):
-            if i == 0:
-                dec.write(2, 0, n * size)
-            else:
-                dec.read(2, 8 * i, n * size)
-        return dec
+        return _contiguous(regions, n, elems)
 
     return plan
 
