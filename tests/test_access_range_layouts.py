@@ -111,3 +111,17 @@ def test_the_recorded_unrolled_copies_decode(decode):
         pred.feed(rec)
     # the decode's casts: bfloat16 to float, once a long to float
     assert sizes_seen == {(4, 2): 66, (4, 8): 1}
+
+
+@pytest.mark.parametrize("functor, holds_no_pointer", [
+    ("at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> >", True),
+    ("at::native::CUDAFunctor_add<float>", True),
+    ("at::native::FillFunctor<long>", True),
+    # a wrapped lambda of an operation not known to capture only scalars: its bytes stay scanned
+    ("at::native::BinaryFunctor<float, float, float, at::native::some_op(at::TensorIteratorBase&)::{lambda(float, float)#1}>", False),
+    ("at::native::some_op(at::TensorIteratorBase&)::{lambda(float)#1}", False),
+])
+def test_only_functors_known_to_hold_no_pointer_have_their_bytes_laid_out(functor, holds_no_pointer):
+    from gpuos_tools.access.decode_torch import plain
+
+    assert plain(functor) is holds_no_pointer

@@ -72,11 +72,24 @@ _FIRST_TYPE = ("at::native::GeluCUDAKernelImpl(", "at::native::GeluBackwardCUDAK
 _PLAIN_LAMBDAS = _SAME_TYPE + _FIRST_TYPE + ("at::native::direct_copy_kernel_cuda(",)
 
 
+#: The functors that wrap another (the operation of gpu_kernel_with_scalars): plain when it is.
+_WRAPPERS = ("at::native::BinaryFunctor", "at::native::AUnaryFunctor", "at::native::BUnaryFunctor")
+
+
 def plain(functor: str) -> bool:
-    """Whether an elementwise functor type holds no pointer (the named functors hold scalars)."""
+    """Whether an elementwise functor type holds no pointer: the named functors hold scalars
+    (an alpha, a fill value), ``binary_internal``'s operations nothing, and of lambdas only
+    those of ``_PLAIN_LAMBDAS`` are known."""
+    functor = functor.strip()
     if lambda_params(functor) is not None:
         return functor.startswith(_PLAIN_LAMBDAS)
-    return base_name(functor) in _FUNCTORS
+    base = base_name(functor)
+    if base.startswith("at::native::binary_internal::"):
+        return True
+    if base in _WRAPPERS:
+        targs = args_of(functor, base)
+        return bool(targs) and plain(targs[-1])
+    return base in _FUNCTORS
 
 
 def operands(functor: str) -> tuple[int, list[int]] | None:
@@ -207,7 +220,10 @@ def plan_unrolled(name: str, sizes: tuple[int, ...]) -> Plan | None:
         return None
     if (loader, storer) == ("at::native::memory::LoadWithCast", "at::native::memory::StoreWithCast"):
         # LoadWithCast<N>: N one-byte dtypes, then N uint32 element sizes (4-aligned)
-        n_in, n_out = (int(args_of(t, base_name(t))[0]) for t in targs[5:7])  # type: ignore[index]
+        counts = [args_of(t, base_name(t)) for t in targs[5:7]]
+        if not all(counts):
+            return None
+        n_in, n_out = (int(c[0]) for c in counts)  # type: ignore[index]
         in_at, out_at = (n_in + 3) & ~3, (n_out + 3) & ~3
         if n_in != k - 1 or n_out != 1 or sizes[5] != in_at + 4 * n_in or sizes[6] != out_at + 4:
             return None
@@ -217,6 +233,7 @@ def plan_unrolled(name: str, sizes: tuple[int, ...]) -> Plan | None:
         if ops is None or len(ops[1]) != k - 1:
             return None
         fixed = [ops[0], *ops[1]]
+        in_at = out_at = 0
     else:
         return None
     regions = {2: [(0, 8 * k)], 5: [(0, sizes[5])], 6: [(0, sizes[6])]}
