@@ -22,7 +22,7 @@ Per workload, side by side (--configs):
   --acc-same-as (its summary's budget, all of it for weights: accelerate then holds more on
   the GPU than that run, its cache and activations beside; --acc-gpu-bytes gives a number
   instead); both report torch's peak allocated bytes in the decode loop (gpu_peak_bytes), and
-  per row ours_vs_acc = this row's loop time / the --acc-same-as run's;
+  per row ours_vs_acc = this row's loop time / the --acc-same-as run's (of the same round);
 - um<B>, one per --um budget (e.g. --um 100%,66%,50%,33%; none by default): the fault-driven
   managed-memory baseline, the job's --managed B/100 (gpuos_tools/memory/managed.py): torch
   allocates CUDA managed memory, and before each aten operation the least recently used whole
@@ -36,7 +36,10 @@ Per workload, side by side (--configs):
   blocks faulted back and their bytes, the hook's time).
 
 A discarded hbm job of the first workload runs first (--no-warmup skips it): the first job on
-a freshly started GPU machine runs slower, and hbm is every ratio's anchor.
+a freshly started GPU machine runs slower, and hbm is every ratio's anchor. With --rounds N every
+config runs N times, interleaved (all configs, then all again: a machine's drift falls on all of
+them alike); each row says its round, its ratios pair it with runs of that round, and the JSON's
+`medians` gives each config's median loop time, rate and ratios.
 
 Per run: the timed loop's wall time, speed = hbm loop time / run loop time, whether the output
 (token ids; final parameters' sha256) is bit-identical to hbm's, the whole run's summary (bytes
@@ -49,7 +52,7 @@ run); a table on stderr. The kernels' prediction profile (share of unknown launc
 launched kernels and their mean predicted bytes) of each workload's 66% run is kept in the JSON.
 
     python3 scripts/bench_online_torch.py [--workloads llm,cnn] [--configs hbm,run100,66%,50%,33%,66%-lru]
-                                          [--um 100%,66%,50%,33%] [--dynamic] [--json FILE]
+                                          [--um 100%,66%,50%,33%] [--dynamic] [--rounds N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,8 +151,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=90)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the discarded first hbm job (a fresh GPU machine's first job runs slower)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every config this many times, interleaved (all configs, then all again); ratios "
+                    "pair runs of one round, and the JSON's `medians` (and a table) give each config's median")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be 1 or more")
 
     rows: list[dict[str, Any]] = []
     workloads = [w for w in args.workloads.split(",") if w]
@@ -157,9 +166,11 @@ def main() -> int:
         # hbm loop: 1.5x on an H200), and hbm, every ratio's anchor, comes first
         wl = workloads[0]
         run_job(JOBS[wl], shlex.split(args.llm_args if wl == "llm" else args.cnn_args), None, args.timeout)
-    for wl in workloads:
+    for rnd, wl in ((r, w) for r in range(args.rounds) for w in workloads):
         base_args = shlex.split(args.llm_args if wl == "llm" else args.cnn_args)
         refs: dict[str, dict[str, Any]] = {}
+        # rows of this round and workload: the runs a row's ratios pair it with
+        mine_so_far = [x for x in rows if x["workload"] == wl and x["round"] == rnd]
         for name, budget, policy, extra in configs(args, wl):
             managed = policy == "managed"  # the UM baseline: untraced, the job's own --managed
             sched = None if budget is None or managed else ["--budget", budget, "--policy", policy,
@@ -167,7 +178,7 @@ def main() -> int:
             if sched is not None and args.plan:
                 sched += ["--plan", args.plan]
             if extra[:2] == ["--accelerate", "map"]:
-                same = next((x for x in reversed(rows) if x["workload"] == wl and x["config"] == args.acc_same_as
+                same = next((x for x in mine_so_far if x["config"] == args.acc_same_as
                              and (x.get("summary") or {}).get("budget")), None)
                 gpu = args.acc_gpu_bytes or (same["summary"]["budget"] if same is not None else 0)
                 if not gpu:
@@ -176,8 +187,8 @@ def main() -> int:
                     continue
                 extra = [*extra, "--gpu-bytes", str(gpu)]
             r = run_job(JOBS[wl], [*base_args, *extra], sched, args.timeout)
-            row: dict[str, Any] = {"workload": wl, "config": name, "budget_spec": budget, "policy": policy or None,
-                                   "job_args": [*base_args, *extra]}
+            row: dict[str, Any] = {"workload": wl, "config": name, "round": rnd, "budget_spec": budget,
+                                   "policy": policy or None, "job_args": [*base_args, *extra]}
             ref_name = "hbm-dyn" if "--cache" in extra else "hbm"
             if r.get("ok"):
                 row.update({k: r.get(k) for k in ("loop_s", "tokens_per_s", "its_per_s", "cache", "weights_bytes",
@@ -202,8 +213,7 @@ def main() -> int:
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
                 if policy == "accelerate":
-                    ours = next((x for x in rows if x["workload"] == wl and x["config"] == args.acc_same_as
-                                 and x.get("loop_s")), None)
+                    ours = next((x for x in mine_so_far if x["config"] == args.acc_same_as and x.get("loop_s")), None)
                     if ours is not None:
                         row["ours_config"] = ours["config"]
                         row["ours_vs_acc"] = round(r["loop_s"] / ours["loop_s"], 3)
@@ -212,8 +222,7 @@ def main() -> int:
                     row["um"] = r.get("um")
                     row["um_loop"] = r.get("um_loop")
                     ours = "run100" if budget == "100%" else budget
-                    mine = next((x for x in rows if x["workload"] == wl and x["config"] == ours and x.get("loop_s")),
-                                None)
+                    mine = next((x for x in mine_so_far if x["config"] == ours and x.get("loop_s")), None)
                     if mine is not None:
                         row["ours_config"] = ours
                         row["ours_vs_um"] = round(r["loop_s"] / mine["loop_s"], 3)
@@ -229,8 +238,10 @@ def main() -> int:
                 row.update(ok=False, rc=r.get("rc"), stderr=r.get("stderr"))
                 print(f"{wl} {name} failed: {r.get('stderr', '')[-2000:]}", file=sys.stderr)
             rows.append(row)
+            mine_so_far.append(row)
             save(args, rows)
-            print(f"{wl} {name}: {_line(row)}", file=sys.stderr, flush=True)
+            print(f"{wl} {name}{f' (round {rnd + 1})' if args.rounds > 1 else ''}: {_line(row)}", file=sys.stderr,
+                  flush=True)
 
     save(args, rows)
     print(f"{'wl':<4} {'config':<8} {'loop_s':>8} {'rate':>8} {'speed':>6} {'same':>5} {'loop in GB':>10} "
@@ -266,7 +277,39 @@ def main() -> int:
                   f"{lp.get('faulted_bytes', 0) / 1e9:>8.2f} {lp.get('hook_s', 0):>7.3f} "
                   f"{r.get('vs_um100', float('nan')):>7.2f} {ours.get('speed_vs_hbm', float('nan')):>6.3f} "
                   f"{r.get('ours_vs_um', float('nan')):>8.2f}", file=sys.stderr)
+    if args.rounds > 1:
+        print(f"{'wl':<4} {'config':<12} {'rounds':>6} {'loop_s':>8} {'rate':>8} {'speed':>6} {'ours/acc':>8} "
+              f"{'ours/um':>8}  (medians)", file=sys.stderr)
+        for m in medians(rows):
+            def cell(key: str, width: int, prec: int) -> str:
+                v = m.get(key)
+                return f"{v:>{width}.{prec}f}" if v is not None else f"{'-':>{width}}"
+            print(f"{m['workload']:<4} {m['config']:<12} {m['rounds']:>6} {cell('loop_s', 8, 3)} "
+                  f"{cell('tokens_per_s' if m.get('tokens_per_s') is not None else 'its_per_s', 8, 2)} "
+                  f"{cell('speed_vs_hbm', 6, 3)} {cell('ours_vs_acc', 8, 2)} {cell('ours_vs_um', 8, 2)}",
+                  file=sys.stderr)
     return 0 if all(r.get("ok", True) and r.get("identical", True) for r in rows) else 1
+
+
+#: the figures of a row whose median over rounds `medians` gives
+MEDIAN_KEYS = ("loop_s", "tokens_per_s", "its_per_s", "speed_vs_hbm", "ours_vs_acc", "ours_vs_um", "vs_um100")
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload and config (in the order first run), the median of each figure over the
+    rounds that gave it, and how many rounds ran it well."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["config"]), []).append(r)
+    out = []
+    for (wl, config), rs in groups.items():
+        good = [r for r in rs if r.get("ok", True) and r.get("loop_s")]
+        m: dict[str, Any] = {"workload": wl, "config": config, "rounds": len(good)}
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in good if r.get(key) is not None]
+            m[key] = round(statistics.median(values), 4) if values else None
+        out.append(m)
+    return out
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -285,6 +328,8 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         return
     out = {"bench": "online_torch", "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(),
            "gpu": gpu_summary(), "args": vars(args), "rows": rows}
+    if args.rounds > 1:
+        out["medians"] = medians(rows)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 

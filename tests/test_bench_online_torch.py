@@ -1,6 +1,7 @@
 """scripts/bench_online_torch.py's rows without a GPU (run_job stubbed): the UM baseline's rows
 (--um) run the job untraced with --managed, are checked against hbm, and carry ours_vs_um (against
-the Belady run at the same budget) and vs_um100."""
+the Belady run at the same budget) and vs_um100; with --rounds the configs run interleaved, each
+ratio pairs runs of one round, and the medians come out."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +65,43 @@ def test_no_warmup_runs_only_the_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["b", "--workloads", "llm", "--configs", "hbm", "--no-warmup",
                                       "--json", str(tmp_path / "b.json")])
     assert mod.main() == 0 and calls == [None]
+
+
+def test_rounds_interleave_the_configs_pair_ratios_within_a_round_and_give_medians(tmp_path, monkeypatch):
+    mod = load()
+    calls = []
+    # round 1: a fast machine (hbm 1.0), round 2 a slow one (hbm 2.0): each ratio within its round
+    loops = {("hbm", 0): 1.0, ("66%", 0): 4.0, ("acc-offload", 0): 8.0,
+             ("hbm", 1): 2.0, ("66%", 1): 6.0, ("acc-offload", 1): 18.0,
+             ("hbm", 2): 1.5, ("66%", 2): 5.0, ("acc-offload", 2): 12.0}
+
+    def fake_run(job, job_args, sched, timeout):
+        name = "acc-offload" if "--accelerate" in job_args else ("hbm" if sched is None else sched[1])
+        rnd = sum(1 for c in calls if c == name)
+        calls.append(name)
+        return {"ok": True, "loop_s": loops[(name, rnd)], "digest": "d", "tokens_per_s": 10 / loops[(name, rnd)]}
+
+    monkeypatch.setattr(mod, "run_job", fake_run)
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "argv", ["b", "--workloads", "llm", "--configs", "hbm,66%,acc-offload", "--no-warmup",
+                                      "--rounds", "3", "--json", str(out)])
+    assert mod.main() == 0
+    assert calls == ["hbm", "66%", "acc-offload"] * 3
+    data = json.loads(out.read_text())
+    acc = [r for r in data["rows"] if r["config"] == "acc-offload"]
+    assert [r["round"] for r in acc] == [0, 1, 2]
+    assert [r["ours_vs_acc"] for r in acc] == [2.0, 3.0, 2.4]  # each against 66% of its own round
+    speeds = [r["speed_vs_hbm"] for r in data["rows"] if r["config"] == "66%"]
+    assert speeds == [0.25, round(2 / 6, 4), 0.3]
+    med = {m["config"]: m for m in data["medians"]}
+    assert med["acc-offload"]["ours_vs_acc"] == 2.4 and med["acc-offload"]["rounds"] == 3
+    assert med["66%"]["loop_s"] == 5.0 and med["66%"]["speed_vs_hbm"] == 0.3
+    assert med["hbm"]["tokens_per_s"] == round(10 / 1.5, 4)
+
+
+def test_rounds_must_be_positive(monkeypatch):
+    mod = load()
+    monkeypatch.setattr(sys, "argv", ["b", "--rounds", "0"])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    assert exc.value.code == 2
