@@ -16,7 +16,9 @@ periods after the first two) and in all:
   / ``overwritten`` / ``learning`` / ``early_victim`` / ``capacity``, saves ``dead`` / ``learning``
   / ``early_victim`` / ``capacity``;
 - what a percentage budget became (`run --budget N%`: a share of the steady working set once a
-  period is learned) against the same share of the footprint.
+  period is learned) against the same share of the footprint;
+- the decisions per period that move something (``acting``: under `run` on the native core the
+  operations of the others take the fast path), with --prefetch-batch as `run` takes it.
 
 
 A workload that names a file (``gpu-trace run -o FILE`` of a training loop) is read from it; with
@@ -51,13 +53,13 @@ def recorded(name: str, copies: int, chunk: int | None) -> Workload:
     return trace_workload(path, name, copies, chunk)
 
 
-def measure(w: Workload, period: int, fraction: float, plan: str, lookahead: int) -> dict[str, Any]:
+def measure(w: Workload, period: int, fraction: float, plan: str, lookahead: int, batch: int = 1) -> dict[str, Any]:
     budget = int(w.footprint * fraction)
     events: list[tuple] = []
     cfg = Config(budget, DEFAULT_BW, DEFAULT_BW)
-    r = simulate_online(w, cfg, plan=plan, lookahead=lookahead, events=events)
+    r = simulate_online(w, cfg, plan=plan, lookahead=lookahead, events=events, batch=batch)
     c = classify(w, events, period)
-    pct = simulate_online(w, cfg, plan=plan, lookahead=lookahead, fraction=fraction)
+    pct = simulate_online(w, cfg, plan=plan, lookahead=lookahead, fraction=fraction, batch=batch)
     steady = c["steady"] or c["total"]
     return {
         "fraction": fraction, "budget": budget, "footprint": w.footprint, "period_steps": period,
@@ -69,6 +71,8 @@ def measure(w: Workload, period: int, fraction: float, plan: str, lookahead: int
         "belady_min_skip": belady_min(w, budget, period, skip_dead=True)["steady"],
         "planner_belady_total": {"bytes_in": r["belady_bytes_in"], "bytes_out": r["belady_bytes_out"]},
         "stall_s": r["stall_s"], "periods": r["periods"],
+        # decisions that moved something, per period (on the native core the others take the fast path)
+        "acting_per_period": round(r["acting"] * period / max(len(w.steps), 1), 2),
         "percentage": {"budget": pct["budget"], "bytes_in": pct["bytes_in"], "bytes_out": pct["bytes_out"]},
     }
 
@@ -82,8 +86,11 @@ def main() -> int:
     ap.add_argument("--period", type=int, default=0, help="steps of one period (default: the trace's, repeated)")
     ap.add_argument("--plan", default="count", choices=("count", "time"))
     ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--prefetch-batch", type=int, default=1, help="run --prefetch-batch (the count plan)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.prefetch_batch < 1:
+        raise SystemExit("--prefetch-batch: 1 or more")
     if args.copies < 1 or (args.copies < 3 and not args.period):
         raise SystemExit("--copies: at least 3 (the steady state is the periods after the first two), or --period")
     fractions = [float(b.rstrip("%")) / 100 for b in args.budgets.split(",") if b]
@@ -91,7 +98,7 @@ def main() -> int:
     mb = 1e6
     print(f"{'workload':<20} {'rec':<5} {'bud':>4} | {'in MB':>7} {'out MB':>7} {'dem':>5} {'pref':>5} | "
           f"{'MIN in':>7} {'out':>7} | {'skip in':>7} {'out':>7} | in: {'unus':>5} {'over':>5} {'learn':>5} {'early':>5} {'cap':>7}"
-          f" | out: {'dead':>5} {'learn':>5} {'early':>5} {'cap':>7} | {'N% of steady':>12}", file=sys.stderr)
+          f" | out: {'dead':>5} {'learn':>5} {'early':>5} {'cap':>7} | {'N% of steady':>12} | {'acting':>6}", file=sys.stderr)
     for name in [x for x in args.workloads.split(",") if x]:
         for rec in [x for x in args.records.split(",") if x]:
             if rec not in ("alloc", "2MiB"):
@@ -99,7 +106,7 @@ def main() -> int:
             w = recorded(name, args.copies, None if rec == "alloc" else 2 << 20)
             period = args.period or len(w.steps) // args.copies
             for frac in fractions:
-                r = measure(w, period, frac, args.plan, args.lookahead)
+                r = measure(w, period, frac, args.plan, args.lookahead, args.prefetch_batch)
                 r.update(workload=name, records=rec, plan=args.plan)
                 rows.append(r)
                 o, m, s, ci, co = r["online"], r["belady_min"], r["belady_min_skip"], r["classes_in"], r["classes_out"]
@@ -108,7 +115,8 @@ def main() -> int:
                       f"{s['bytes_in'] / mb:>7.1f} {s['bytes_out'] / mb:>7.1f} | in: {ci['unused'] / mb:>5.1f} {ci['overwritten'] / mb:>5.1f} "
                       f"{ci['learning'] / mb:>5.1f} {ci['early_victim'] / mb:>5.1f} {ci['capacity'] / mb:>7.1f} | out: "
                       f"{co['dead'] / mb:>5.1f} {co['learning'] / mb:>5.1f} {co['early_victim'] / mb:>5.1f} "
-                      f"{co['capacity'] / mb:>7.1f} | {r['percentage']['budget'] / mb:>9.1f} MB", file=sys.stderr)
+                      f"{co['capacity'] / mb:>7.1f} | {r['percentage']['budget'] / mb:>9.1f} MB | "
+                      f"{r['acting_per_period']:>6.1f}", file=sys.stderr)
     if args.json:
         out = {"bench": "sched_moves", "simulated": True, "date": time.strftime("%Y-%m-%d", time.gmtime()),
                "host": platform.node(), "args": vars(args), "rows": rows}

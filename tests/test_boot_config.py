@@ -58,9 +58,9 @@ def test_the_online_part_is_the_executors_dict():
     assert FULL.agent.online.executor_config() == {
         "policy": "lru", "lookahead": 1, "budget": 1 << 28, "summary": "/tmp/s.json", "timeline": "/tmp/t.json",
         "serve": {"socket": "/tmp/serve.sock", "job": 2, "overlap": True, "ledger": "/tmp/serve.ledger"},
-        "plan": "count", "proactive": False}
+        "plan": "count", "proactive": False, "batch": 1}
     assert OnlineConfig(fraction=0.5).executor_config() == {"policy": "belady", "lookahead": 2, "fraction": 0.5,
-                                                           "plan": "count", "proactive": False}
+                                                           "plan": "count", "proactive": False, "batch": 1}
     assert OnlineConfig(fraction=0.5, plan="time", bw=(4e10, 4e10)).executor_config()["bw"] == (4e10, 4e10)
 
 

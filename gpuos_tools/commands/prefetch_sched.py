@@ -252,6 +252,14 @@ def run(
         "waits for its victim's save within one launch; from 2 on, saves and loads of different launches "
         "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would).",
     ),
+    prefetch_batch: int = typer.Option(
+        1, "--prefetch-batch", min=1, metavar="B",
+        help="With --plan count: a decision that finds the next --lookahead launches' records resident "
+        "moves nothing, and one that does not prefetches the next lookahead x B launches' records, so "
+        "that the moves come in fewer decisions and the launches between them take the fast path "
+        "(experimental: measured only in the CPU simulation, where B = 4 halved the decisions of an LLM "
+        "decode for 1.6 % more bytes; 1 stays the default until a GPU says).",
+    ),
     plan: str = typer.Option(
         "count", "--plan", metavar="count|time",
         help="How far ahead to prefetch. count: the next --lookahead launches. time (experimental: on an H100 "
@@ -316,6 +324,8 @@ def run(
         raise typer.BadParameter("one bandwidth above 0, or two: H2D,D2H", param_hint="--plan-bw")
     if proactive and plan != "time":
         raise typer.BadParameter("only with --plan time", param_hint="--proactive")
+    if prefetch_batch > 1 and plan != "count":
+        raise typer.BadParameter("only with --plan count", param_hint="--prefetch-batch")
     if plot_file is not None:
         figures.check_path(plot_file)  # before the program runs, not after
     size = fraction = None
@@ -349,7 +359,7 @@ def run(
         online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
                               summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served,
                               plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
-                              proactive=proactive)
+                              proactive=proactive, batch=prefetch_batch)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
                                       online=online, own=owned.FRAMEWORKS,
                                       warn=lambda m: warn(PROG, m))

@@ -129,6 +129,8 @@ class OnlineConfig:
     plan: str = "count"  #: how far ahead to prefetch: "count" (lookahead launches) or "time"
     bw: tuple[float, float] | None = None  #: the time plan's (H2D, D2H) bytes/s (None: the policy's default)
     proactive: bool = False  #: the time plan evicts Belady's next victims right after their last use
+    #: the count plan, once it must prefetch, prefetches lookahead x batch launches (online.py)
+    batch: int = 1
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "online.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -137,6 +139,7 @@ class OnlineConfig:
         _check(self.bw is None or (len(self.bw) == 2 and min(self.bw) > 0), "online.bw",
                f"{self.bw!r} is not two bandwidths above 0")
         _check(self.lookahead >= 0, "online.lookahead", f"{self.lookahead} is negative")
+        _check(self.batch >= 1, "online.batch", f"{self.batch} is not 1 or more")
         _check((self.budget is None) != (self.fraction is None), "online", "give one of budget and fraction")
         _check(self.budget is None or self.budget > 0, "online.budget", f"{self.budget} is not more than 0 bytes")
         _check(self.fraction is None or self.fraction > 0, "online.fraction", f"{self.fraction} is not more than 0")

@@ -113,7 +113,7 @@ class Executor(AgentHooks):
         self.cfg = cfg
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"),
-                                   proactive=bool(cfg.get("proactive", False)))
+                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)))
         if cfg.get("bw"):
             self.policy.note_bandwidth(*cfg["bw"])
         #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops
@@ -1323,7 +1323,7 @@ class Executor(AgentHooks):
         pol = self.policy.stats.as_dict()
         out = {
             "policy": self.policy.policy, "lookahead": self.policy.lookahead, "plan": self.policy.plan,
-            "proactive": self.policy.proactive, "fraction": self.cfg.get("fraction"),
+            "proactive": self.policy.proactive, "prefetch_batch": self.policy.batch, "fraction": self.cfg.get("fraction"),
             # a percentage: of the steady working set once a period is learned (online.py), and
             # the bytes it became at the last decision; bytes: the largest budget a decision had
             "budget": self.policy.last_budget if self.policy.fraction is not None else pol["budget_max"],

@@ -16,6 +16,8 @@ the executor makes it inside a program, and its actions are timed as simulate.py
   the order the loads were issued (a room clock that only moves forward, as the executor's
   load lock orders them), then copies in. Prefetches do not block the host; a require's wait
   for room does. A record first touched (never written) is mapped with nothing to copy.
+- ``acting`` counts the decisions that move something (an eviction, a prefetch, a load on
+  demand): under `run` on the native core the others' operations go by without entering Python.
 - A step starts when the one before it ended, the host has enqueued it and its records'
   loads are done; the wait is a stall. After it ends, its GPU time is reported to the policy
   (``note_duration``) when ``feed`` is on: exactly, where the executor samples it.
@@ -41,7 +43,8 @@ from gpuos_tools.sched.workload import Chunks, Job, Step, Workload, working_foot
 
 def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: int = 2, policy: str = "belady",
                     host_ahead: int = 1, feed: bool = True, proactive: bool = False,
-                    events: list[tuple] | None = None, fraction: float | None = None) -> dict[str, Any]:
+                    events: list[tuple] | None = None, fraction: float | None = None,
+                    batch: int = 1) -> dict[str, Any]:
     """The summary of the online policy with ``plan`` on ``w`` under ``cfg.budget`` bytes (or,
     with ``fraction``, a percentage budget as `run --budget N%` takes it: the policy's own).
 
@@ -50,7 +53,7 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
     ``("evict", step, record, bytes saved, period known, resident records at the decision)``."""
     sizes = w.chunks.sizes
     pol = OnlinePolicy(None if fraction is not None else cfg.budget, policy, lookahead, plan=plan,
-                       proactive=proactive, fraction=fraction)
+                       proactive=proactive, fraction=fraction, batch=batch)
     pol.note_bandwidth(cfg.h2d_bw, cfg.d2h_bw)
     budget = cfg.budget
     h2d, d2h = cfg.h2d_bw, cfg.d2h_bw
@@ -70,7 +73,7 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
     host_t = 0.0
     compute = stall_s = 0.0
     stalls = bytes_in = bytes_out = dropped = 0
-    demand = prefetch = evictions = room_waits = over_physical = 0
+    demand = prefetch = evictions = room_waits = over_physical = acting = 0
     room_wait_s = stall_known = 0.0
     peak = 0
     settled = True  #: mapped has been within the budget since the last allocation
@@ -145,6 +148,9 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
         enqueued = prev_end  # everything the program enqueued before this step ends then
         step_ready = dec
         over = len(st.ws) and sum(live[c] for c in st.ws) > budget
+        # a decision that moves something: on the native core's fast path, the operations of the
+        # others go by without entering Python (docs/native-core.md, "The fast path")
+        acting += any(op != "require" or any(b not in mapped_now for b in st.ws) for op, _ in actions)
         for op, arg in actions:
             if op == "evict":
                 b = arg
@@ -210,12 +216,13 @@ def simulate_online(w: Workload, cfg: Config, plan: str = "count", lookahead: in
     bel = simulate_planned(w, "belady", Config(budget, h2d, d2h, lookahead=None))
     ps = pol.stats
     return {
-        "type": "sched_online_sim", "plan": plan + ("+proactive" if proactive else ""), "policy": policy, "lookahead": lookahead, "budget": budget,
+        "type": "sched_online_sim", "plan": plan + ("+proactive" if proactive else ""), "policy": policy, "lookahead": lookahead, "batch": batch, "budget": budget,
         "footprint": w.footprint, "steps": len(w.steps), "compute_s": compute, "est_s": prev_end,
         "stall_s": stall_s, "stall_predicted_s": stall_known, "stalls": stalls, "speed_vs_in_memory": compute / prev_end if prev_end > 0 else 1.0,
         "bytes_in": bytes_in, "bytes_out": bytes_out, "bytes_dropped": dropped,
         "belady_bytes_in": bel["bytes_in"], "belady_bytes_out": bel["bytes_out"], "belady_est_s": bel["est_s"],
-        "demand_loads": demand, "prefetches": prefetch, "evictions": evictions, "proactive": ps.proactive,
+        "demand_loads": demand, "prefetches": prefetch, "evictions": evictions, "acting": acting,
+        "proactive": ps.proactive,
         "walk_max": ps.walk_max, "room_waits": room_waits, "room_wait_s": room_wait_s, "peak_mapped": peak,
         "over_physical": over_physical, "over_budget": ps.over_budget, "periods": ps.periods[-4:],
         "predicted": ps.predicted,

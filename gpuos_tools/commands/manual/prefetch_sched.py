@@ -135,7 +135,7 @@ SECTIONS = {
         "action: carried out late), replay_s (the replays' seconds), after_s (the seconds of the "
         "marks and allowances after the calls' decisions).\n\n"
         "The record on standard output at the end, `sched_summary` with `mode` online: policy, "
-        "lookahead, plan (count or time), proactive, budget (bytes: the largest a decision used; a "
+        "lookahead, plan (count or time), proactive, prefetch_batch, budget (bytes: the largest a decision used; a "
         "percentage: the bytes it became at the last decision), budget_of (bytes, steady working "
         "set, or live owned bytes before a period was learned), steady_bytes, fraction, footprint "
         "(owned bytes at the end), launches (operations decided: launches, copies, memsets), unknown, bytes_in, "
