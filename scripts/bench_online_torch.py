@@ -13,7 +13,8 @@ Per workload, side by side (--configs):
 - hbm:    the job alone, untraced, torch's own caching allocator (the ceiling);
 - run100: under `gpu-prefetch-sched run --budget 100%` (agent, owned memory, policy on, nothing
           to move: the cost of the python-callback agent and the policy on the launch path);
-- 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru;
+- 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru; a suffix -bN
+  (66%-b4) runs with `--prefetch-batch N`;
 - with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
   DynamicCache (new memory per token and layer);
 - llm only, what a user would pick instead (torch_decode_job.py --accelerate): acc-offload,
@@ -61,6 +62,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -114,24 +116,28 @@ def run_job(job: Path, job_args: list[str], sched: list[str] | None, timeout: fl
         return res
 
 
-def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | None, str, list[str]]]:
-    """(name, budget or None for untraced, policy, extra job args)."""
+def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | None, str, list[str], list[str]]]:
+    """(name, budget or None for untraced, policy, extra job args, extra `run` options)."""
     out = []
     for c in [c for c in args.configs.split(",") if c]:
         if c == "hbm":
-            out.append(("hbm", None, "", []))
+            out.append(("hbm", None, "", [], []))
         elif c == "run100":
-            out.append(("run100", "100%", "belady", []))
+            out.append(("run100", "100%", "belady", [], []))
         elif c in ("acc-offload", "acc-map"):
             if workload == "llm":
-                out.append((c, None, "accelerate", ["--accelerate", c[4:]]))
+                out.append((c, None, "accelerate", ["--accelerate", c[4:]], []))
         else:
-            budget, _, policy = c.partition("-")
-            out.append((c, budget, policy or "belady", []))
+            budget, *rest = c.split("-")
+            batch = [r for r in rest if re.fullmatch(r"b[0-9]+", r)]
+            policy = [r for r in rest if r not in batch]
+            out.append((c, budget, policy[0] if policy else "belady", [],
+                        ["--prefetch-batch", batch[-1][1:]] if batch else []))
     if args.dynamic and workload == "llm":
-        out += [("hbm-dyn", None, "", ["--cache", "dynamic"]), ("66%-dyn", "66%", "belady", ["--cache", "dynamic"])]
+        out += [("hbm-dyn", None, "", ["--cache", "dynamic"], []),
+                ("66%-dyn", "66%", "belady", ["--cache", "dynamic"], [])]
     for b in [b for b in args.um.split(",") if b]:
-        out.append((f"um{b.rstrip('%')}", b, "managed", ["--managed", str(float(b.rstrip("%")) / 100)]))
+        out.append((f"um{b.rstrip('%')}", b, "managed", ["--managed", str(float(b.rstrip("%")) / 100)], []))
     return out
 
 
@@ -171,10 +177,10 @@ def main() -> int:
         refs: dict[str, dict[str, Any]] = {}
         # rows of this round and workload: the runs a row's ratios pair it with
         mine_so_far = [x for x in rows if x["workload"] == wl and x["round"] == rnd]
-        for name, budget, policy, extra in configs(args, wl):
+        for name, budget, policy, extra, run_opts in configs(args, wl):
             managed = policy == "managed"  # the UM baseline: untraced, the job's own --managed
             sched = None if budget is None or managed else ["--budget", budget, "--policy", policy,
-                                                            "--lookahead", str(args.lookahead)]
+                                                            "--lookahead", str(args.lookahead), *run_opts]
             if sched is not None and args.plan:
                 sched += ["--plan", args.plan]
             if extra[:2] == ["--accelerate", "map"]:
