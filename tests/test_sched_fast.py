@@ -50,7 +50,8 @@ class Job:
     """The recorded step on the core, the agent, the executor and the engine on the fake driver."""
 
     def __init__(self, library: Path, tmp: Path, monkeypatch, fast: bool, fraction: float = 0.66,
-                 lookahead: int = 2, unseen: list[Rec] = (), budget: int | None = None, plan: str = "count") -> None:
+                 lookahead: int = 2, unseen: list[Rec] = (), budget: int | None = None, plan: str = "count",
+                 batch: int = 1) -> None:
         self.trace = records(TRACE)
         self.core = fresh(library, tmp)
         self.recs = [Rec(r["addr"], r["size"]) for r in self.trace if r["type"] == "alloc" and r.get("kind") == "device"]
@@ -61,7 +62,8 @@ class Job:
         monkeypatch.setattr(executor_mod, "_current", None)
         self.agent = agent = Agent(0)
         share = {"fraction": fraction} if budget is None else {"budget": budget}  # budget: bytes instead
-        executor_mod.attach(agent, {**share, "prepin": False, "fast": fast, "lookahead": lookahead, "plan": plan})
+        executor_mod.attach(agent, {**share, "prepin": False, "fast": fast, "lookahead": lookahead, "plan": plan,
+                                    "batch": batch})
         self.upcalls = AgentUpcalls(self.core, agent, dict(NAMES))
         lib = self.core.lib
         for r in self.trace:  # the program's allocations first (the core sees the owned records' maps)
@@ -221,6 +223,32 @@ def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_p
         assert s0["prefetches"] > 0 and min(acting[3:]) > 0
         assert all(step.count(False) <= 3 * a for step, a in zip(steps[3:], acting[3:]))
         assert sum(s.count(True) for s in steps[3:]) > 0
+
+
+def test_prefetch_batches_keep_the_fast_path_exact_and_call_less(library, tmp_path, monkeypatch):
+    """The CuPy suite's recorded step with --prefetch-batch 4: the same decisions with the fast
+    path off and on, none late; and in steady state fewer operations call than with batch 1,
+    for no more demand loads."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    runs = {}
+    for batch, fast in ((4, False), (4, True), (1, True)):
+        d = tmp_path / f"b{batch}f{int(fast)}"
+        d.mkdir()
+        job = Job(library, d, monkeypatch, fast, batch=batch)
+        per_step = []
+        for _ in range(STEPS):
+            n = len(job.ops_fast)
+            job.step()
+            per_step.append(job.ops_fast[n:])
+        summary = job.end()
+        runs[(batch, fast)] = (job, summary, per_step)
+    (slow, s0, _), (fast, s1, steps4), (one, s_one, steps1) = runs[(4, False)], runs[(4, True)], runs[(1, True)]
+    assert fast.decisions == slow.decisions and policy_state(fast.ex) == policy_state(slow.ex)
+    assert s1["fast"]["late"] == 0 and s1["prefetch_batch"] == 4 and s_one["prefetch_batch"] == 1
+    calls4 = sum(step.count(False) for step in steps4[3:])
+    calls1 = sum(step.count(False) for step in steps1[3:])
+    assert calls4 < calls1, (calls4, calls1)
+    assert s1["demand_loads"] <= s_one["demand_loads"]
 
 
 def test_under_the_time_plan_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_path, monkeypatch):
