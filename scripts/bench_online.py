@@ -13,7 +13,8 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
           default job's 12 arrays make 33% hold 3.96 arrays, less than a step's 4) with each
           --policies and each --plans (`run --plan`: count, the default, named <B>-<policy>;
           time, named <B>-<policy>-time; proactive, `--plan time --proactive`, named
-          <B>-<policy>-proactive; side by side; --plan-bw gives the time plan's link);
+          <B>-<policy>-proactive; bN, the count plan with --prefetch-batch N, named
+          <B>-<policy>-bN; side by side; --plan-bw gives the time plan's link);
 - <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
           check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
           as written is saved), side by side with the same budget's run with it on;
@@ -68,6 +69,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -129,7 +131,9 @@ def main() -> int:
     ap.add_argument("--budgets", default="66%,50%,33.34%")
     ap.add_argument("--policies", default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
-    ap.add_argument("--plans", default="count", help="run --plan values, each at every budget and policy (count,time,proactive)")
+    ap.add_argument("--plans", default="count",
+                    help="run --plan values, each at every budget and policy (count,time,proactive; bN: the count "
+                    "plan with --prefetch-batch N)")
     ap.add_argument("--plan-bw", default="", help="run --plan-bw for the time plan (empty: the command's default)")
     ap.add_argument("--extra-work", type=int, default=1024,
                     help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
@@ -157,8 +161,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.job == "gemm":
         args.nodigest_work = args.nopark_work = ""  # the stencil's intensity sweeps
-    if any(x not in ("count", "time", "proactive") for x in args.plans.split(",") if x):
-        ap.error("--plans: count, time and/or proactive")
+    if any(x not in ("count", "time", "proactive") and not re.fullmatch(r"b[1-9][0-9]*", x)
+           for x in args.plans.split(",") if x):
+        ap.error("--plans: count, time, proactive and/or bN (N 1 or more)")
 
     rows: list[dict[str, Any]] = []
     gemm = args.job == "gemm"
@@ -266,7 +271,7 @@ def main() -> int:
 def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work: int, name: str, budget: str,
          policy: str, la: int) -> dict[str, Any]:
     """One run under `gpu-prefetch-sched run` (a name ending in -nodigest: with the digest
-    check off; in -nopark: with parking off; in -nolastuse: with saves after everything enqueued; in -time: with the time plan; in -proactive: and its proactive evictions), compared with ``hbm``."""
+    check off; in -nopark: with parking off; in -nolastuse: with saves after everything enqueued; in -time: with the time plan; in -proactive: and its proactive evictions; in -bN: with --prefetch-batch N), compared with ``hbm``."""
     extra = ({"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest")
              else {"GPUOS_ENGINE_NO_PARK": "1"} if name.endswith("-nopark")
              else {"GPUOS_SCHED_LAST_USE": "0"} if name.endswith("-nolastuse") else None)
@@ -275,6 +280,9 @@ def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work
     opts = ["--budget", budget, "--policy", policy, "--lookahead", str(la), "--plan", plan]
     if proactive:
         opts.append("--proactive")
+    batch = re.search(r"-b([0-9]+)$", name)
+    if batch:
+        opts += ["--prefetch-batch", batch.group(1)]
     if plan == "time" and args.plan_bw:
         opts += ["--plan-bw", args.plan_bw]
     r = run_job(job, opts, args.timeout, extra, job=args.job)

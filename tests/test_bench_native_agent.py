@@ -130,3 +130,11 @@ def test_owned_memory_without_the_scheduler_has_its_own_configurations(tmp_path,
     for config in ("agent", "agent_cupti"):
         assert "GPUOS_AGENT_OWN" not in bench.command(config, workload, trace)[1], config
     assert {"plain_owned", "agent_owned"} <= set(bench.OPTIONAL)
+
+
+def test_the_batched_scheduler_config_passes_its_prefetch_batch(tmp_path):
+    workload = ["loop.py", "--model", "resnet50"]
+    cmd, _ = bench.command("sched_66_b4", workload, tmp_path / "t.ndjson")
+    i = cmd.index("--prefetch-batch")
+    assert cmd[i + 1] == "4" and cmd[cmd.index("--budget") + 1] == "66%" and "--plan" not in cmd
+    assert "--prefetch-batch" not in bench.command("sched_66", workload, tmp_path / "t.ndjson")[0]
