@@ -10,6 +10,8 @@ Workloads:
 - torch: the launches of a recorded PyTorch training step (tests/data/recorded/torch.ndjson.zst,
   92 launches, 13 allocations), repeated --steps times, their real arguments predicted by the
   agent's predictor;
+- decode: one token of an LLM decode recorded under the owned allocator
+  (tests/data/recorded/decode-owned.ndjson.zst, 3,057 launches, 249 records), the same way;
 - cnn: a synthetic loop shaped like the CNN job's (--ops launches a step over --params parameter
   records and --acts activation records, each launch touching one parameter and two
   activations). With --shuffle the activations are handed to the step's tensors in a new order
@@ -21,8 +23,8 @@ Per run: microseconds per operation of the hook (mean over the timed steps, afte
 steps), the period learned, loads and evictions. JSON on stdout; --profile prints cProfile's top
 functions (by own time) on stderr.
 
-    python3 scripts/bench_oppath.py [--workload cnn|torch] [--fraction 0.66] [--policy belady]
-                                    [--steps 30] [--shuffle] [--profile]
+    python3 scripts/bench_oppath.py [--workload cnn|torch|decode] [--fraction 0.66] [--policy belady]
+                                    [--prefetch-batch 1] [--steps 30] [--shuffle] [--profile]
 """
 
 from __future__ import annotations
@@ -151,14 +153,17 @@ Launch = tuple[str, tuple[int, ...], bytes]  # kernel, parameter sizes, argument
 
 
 def torch_workload(args) -> tuple[list[tuple[int, int]], list[list[Launch]]]:
-    """(allocations, launches of each step) of the recorded PyTorch step."""
+    """(allocations, launches of each step) of a recorded trace: the PyTorch step (torch), or
+    one token of an LLM decode under the owned allocator (decode)."""
     from gpuos_tools.stream import open_input
 
     allocs: list[tuple[int, int]] = []
     launches: list[Launch] = []
-    with open_input(ROOT / "tests" / "data" / "recorded" / "torch.ndjson.zst") as reader:
+    name, kinds = {"torch": ("torch.ndjson.zst", ("device",)),
+                   "decode": ("decode-owned.ndjson.zst", ("device", "vmm"))}[args.workload]
+    with open_input(ROOT / "tests" / "data" / "recorded" / name) as reader:
         for rec in reader:
-            if rec.get("type") == "alloc" and rec.get("kind") == "device":
+            if rec.get("type") == "alloc" and rec.get("kind") in kinds:
                 allocs.append((rec["addr"], rec["size"]))
             elif rec.get("type") == "launch" and rec.get("params"):
                 ps = rec["params"]
@@ -196,7 +201,7 @@ def cnn_workload(args) -> tuple[list[tuple[int, int]], list[list[Launch]]]:
 
 
 def run(args) -> dict[str, Any]:
-    allocs, steps = (torch_workload if args.workload == "torch" else cnn_workload)(args)
+    allocs, steps = (cnn_workload if args.workload == "cnn" else torch_workload)(args)
     recs = [Rec(a, s) for a, s in allocs]
     total = sum(s for _, s in allocs)
     agent = Agent()
@@ -206,7 +211,7 @@ def run(args) -> dict[str, Any]:
     ops = FastOps(recs)
     agent.engine = ResidencyEngine(agent, ops)
     ex = Executor(agent.engine, {"fraction": args.fraction, "policy": args.policy, "lookahead": args.lookahead,
-                                 "prepin": False}, lib=FakeLib(recs))
+                                 "prepin": False, "batch": args.prefetch_batch}, lib=FakeLib(recs))
     ex.attach(agent)  # as gpuos_tools.sched.executor.attach does when the engine starts
     hook = agent.before_launch
     prof = cProfile.Profile() if args.profile else None
@@ -246,10 +251,11 @@ def run(args) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=("cnn", "torch"), default="cnn")
+    ap.add_argument("--workload", choices=("cnn", "torch", "decode"), default="cnn")
     ap.add_argument("--fraction", type=float, default=0.66, help="budget: share of the owned bytes")
     ap.add_argument("--policy", choices=("belady", "lru"), default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--prefetch-batch", type=int, default=1, help="run --prefetch-batch")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps not timed")
     ap.add_argument("--ops", type=int, default=540, help="cnn: launches a step")
