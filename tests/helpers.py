@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,6 +25,28 @@ REGISTER_TEST_TYPES = (
     "from gpuos_tools.stream.schema import RecordType\n"
     f"register_output(*(RecordType(n, 'a test record') for n in {TEST_TYPES!r} if registered(n) is None))\n"
 )
+
+
+def load_script(name: str) -> Any:
+    """scripts/NAME.py as a fresh module (a benchmark's functions, without running it)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def usage_error(main: Any, argv: list[str]) -> int | str | None:
+    """The exit code of a script's ``main`` run with command line ``argv`` that must stop it
+    before anything runs (argparse's usage error: 2)."""
+    saved = sys.argv
+    sys.argv = ["script", *argv]
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        sys.argv = saved
+    return None
 
 
 def register_test_types() -> None:

@@ -4,20 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script, usage_error
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_online", ROOT / "scripts" / "bench_online.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_online")
 
 
 @pytest.mark.parametrize("name, want", [
@@ -40,9 +33,5 @@ def test_a_configs_name_gives_its_run_options(name, want, monkeypatch):
     assert opts[:6] == ["--budget", "66%", "--policy", "belady", "--lookahead", "2"] and opts[6:] == want
 
 
-def test_plans_take_batches_and_refuse_the_rest(monkeypatch):
-    mod = load()
-    monkeypatch.setattr(sys, "argv", ["b", "--plans", "count,b0"])
-    with pytest.raises(SystemExit) as exc:
-        mod.main()
-    assert exc.value.code == 2
+def test_plans_take_batches_and_refuse_the_rest():
+    assert usage_error(load().main, ["--plans", "count,b0"]) == 2

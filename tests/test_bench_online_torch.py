@@ -5,21 +5,14 @@ ratio pairs runs of one round, and the medians come out."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script, usage_error
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_online_torch", ROOT / "scripts" / "bench_online_torch.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_online_torch")
 
 
 def test_um_rows(tmp_path, monkeypatch):
@@ -99,12 +92,8 @@ def test_rounds_interleave_the_configs_pair_ratios_within_a_round_and_give_media
     assert med["hbm"]["tokens_per_s"] == round(10 / 1.5, 4)
 
 
-def test_rounds_must_be_positive(monkeypatch):
-    mod = load()
-    monkeypatch.setattr(sys, "argv", ["b", "--rounds", "0"])
-    with pytest.raises(SystemExit) as exc:
-        mod.main()
-    assert exc.value.code == 2
+def test_rounds_must_be_positive():
+    assert usage_error(load().main, ["--rounds", "0"]) == 2
 
 
 def test_a_config_suffix_gives_run_options():

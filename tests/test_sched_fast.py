@@ -147,6 +147,15 @@ class Job:
                 continue
             settle(self.eng, self.ex)
 
+    def run(self, steps: int) -> tuple[dict, list[list[bool]]]:
+        """``steps`` steps, then the end: (the summary, per step whether each operation went by)."""
+        per_step = []
+        for _ in range(steps):
+            n = len(self.ops_fast)
+            self.step()
+            per_step.append(self.ops_fast[n:])
+        return self.end(), per_step
+
     def end(self) -> dict:
         self.ex.fast_drain()
         out = self.ex.summary()
@@ -194,13 +203,7 @@ def test_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_p
         # (a percentage would be of that working set, and move records every step)
         job = Job(library, d, monkeypatch, fast, budget=allocated(0.66) if trace.startswith("torch") else None)
         assert bool(job.core.flags() & F_FAST) == fast
-        per_step = []
-        for _ in range(STEPS):
-            n = len(job.ops_fast)
-            job.step()
-            per_step.append(job.ops_fast[n:])
-        summary = job.end()
-        runs[fast] = (job, summary, per_step)
+        runs[fast] = (job, *job.run(STEPS))
     (slow, s0, _), (fast, s1, steps) = runs[False], runs[True]
     assert s1["fast"]["on"] and not s0["fast"]["on"]
     assert fast.decisions == slow.decisions
@@ -235,14 +238,8 @@ def test_prefetch_batches_keep_the_fast_path_exact_and_call_less(library, tmp_pa
         d = tmp_path / f"b{batch}f{int(fast)}"
         d.mkdir()
         job = Job(library, d, monkeypatch, fast, batch=batch)
-        per_step = []
-        for _ in range(STEPS):
-            n = len(job.ops_fast)
-            job.step()
-            per_step.append(job.ops_fast[n:])
-        summary = job.end()
-        runs[(batch, fast)] = (job, summary, per_step)
-    (slow, s0, _), (fast, s1, steps4), (one, s_one, steps1) = runs[(4, False)], runs[(4, True)], runs[(1, True)]
+        runs[(batch, fast)] = (job, *job.run(STEPS))
+    slow, (fast, s1, steps4), (_, s_one, steps1) = runs[(4, False)][0], runs[(4, True)], runs[(1, True)]
     assert fast.decisions == slow.decisions and policy_state(fast.ex) == policy_state(slow.ex)
     assert s1["fast"]["late"] == 0 and s1["prefetch_batch"] == 4 and s_one["prefetch_batch"] == 1
     calls4 = sum(step.count(False) for step in steps4[3:])
