@@ -758,29 +758,22 @@ class OnlinePolicy:
                          for ws in future[: self.lookahead]):
             return  # the next launches are served: the batch before this decision placed them
         window = self.lookahead if ahead is None else ahead
-        for t, ws in enumerate(future[:window], 1):
+        room = budget // BATCH_SHARE  # what the batch may load past the window
+        for t, ws in enumerate(future[: self.lookahead * self.batch if batch else window], 1):
             if ws is None:  # an unknown launch ahead: it will need everything; no guess
                 return
-            protected, _, _, placed = self._load_set(ws, t, records, budget, protected, actions)
+            if t == window + 1:  # the rest of the batch takes no victim from inside it: the walk
+                for rest in future[window:]:  # would load it back a few launches on
+                    if rest is None:
+                        break
+                    protected = protected | set(rest)
+            if t > window and room <= 0:
+                return
+            protected, loaded, _, placed = self._load_set(ws, t, records, budget, protected, actions)
+            if t > window:
+                room -= loaded
             if not placed:
                 return
-        if batch:
-            # the rest of the batch takes no victim from inside it: the walk would load it back
-            # a few launches on
-            rest = future[window : self.lookahead * self.batch]
-            inside = set(protected)
-            for ws in rest:
-                if ws is None:
-                    break
-                inside.update(ws)
-            room = budget // BATCH_SHARE
-            for t, ws in enumerate(rest, window + 1):
-                if ws is None or room <= 0:
-                    return
-                inside, loaded, _, placed = self._load_set(ws, t, records, budget, inside, actions)
-                room -= loaded
-                if not placed:
-                    return
 
     def _load_set(self, ws: tuple[int, ...], t: int, records: Mapping[int, int], budget: int, protected: set[int],
                   actions: list[Action]) -> tuple[set[int], int, int, bool]:
