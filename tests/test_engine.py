@@ -733,3 +733,51 @@ def test_no_eviction_starts_while_a_stream_of_the_program_captures_a_graph():
         time.sleep(0.005)
     assert eng.state(BASES[0]) == RELEASED
     eng.close()
+
+
+def _released_sum(eng) -> int:
+    with eng.lock:
+        return sum(e.size for e in eng.pending.values() if e.state == RELEASED)
+
+
+def test_released_bytes_follow_every_change_of_state():
+    """The engine's count of released bytes (read by the scheduler after every decision) equals
+    the sum over its pending records through adoption, prefetch, demand load, eviction, a
+    cancelled eviction and a free."""
+    eng, ops, agent = setup()
+    assert eng.released_bytes == _released_sum(eng) == 4 * 256 * MIB  # adopted: released
+    ev = eng.prefetch(BASES[0])
+    assert eng.state(BASES[0]) == LOADING and eng.released_bytes == _released_sum(eng) == 3 * 256 * MIB
+    ops.finish(ev)
+    agent.launches["k"] = (False, (2,), ())
+    eng.launch(1, "k", None, None)  # a demand load of the second
+    assert eng.released_bytes == _released_sum(eng) == 2 * 256 * MIB
+    ops.auto = True
+    ops.finish(*range(ops._n + 1))
+    eng.require(None, 0)  # an unknown launch: everything loaded, then done
+    ops.finish(*range(ops._n + 1))
+    eng.require(None, 0)
+    assert all(eng.state(b) == RESIDENT for b in BASES) and eng.released_bytes == _released_sum(eng) == 0
+    for b in (BASES[0], BASES[2]):
+        assert eng.evict(b)
+        for _ in range(200):
+            if eng.state(b) == RELEASED:
+                break
+            threading.Event().wait(0.01)
+    assert eng.state(BASES[2]) == RELEASED and eng.released_bytes == _released_sum(eng) == 2 * 256 * MIB
+    eng.access("cuMemUnmap", 0, BASES[2])  # freed while released
+    assert eng.released_bytes == _released_sum(eng) == 256 * MIB
+    ops.auto = False
+    eng.clean.discard(BASES[1])  # written since its load: the eviction saves it
+    saves = len(ops.calls("copy_out"))
+    assert eng.evict(BASES[1])
+    for _ in range(200):
+        if eng.state(BASES[1]) == EVICTING and len(ops.calls("copy_out")) > saves:
+            break
+        threading.Event().wait(0.01)
+    assert eng.released_bytes == _released_sum(eng) == 256 * MIB  # evicting counts as mapped
+    eng.access("cuMemcpyHtoDAsync_v2", 0, BASES[1], 0x42)  # cancelled: it stays
+    ops.auto = True
+    ops.finish(*range(ops._n + 1))
+    eng.close()
+    assert eng.state(BASES[1]) == RESIDENT and eng.released_bytes == _released_sum(eng) == 256 * MIB

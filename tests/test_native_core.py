@@ -343,6 +343,30 @@ def test_streams_and_operations_are_counted(core):
     lib.core_stream_event(9, 1)
     assert core.ops() == 5
     assert core.streams() == {0, 5, 11}
+    assert core.streams(used=True) == {0, 5}  # 11 only created: none of the program's work on it
+
+
+def test_a_stream_destroyed_and_made_again_is_used_again_from_every_thread(core):
+    """A thread that used a stream remembers it (most operations repeat theirs); once any stream
+    is destroyed, a new stream of the same handle is seen used again, from that thread too."""
+    lib = core.lib
+
+    def use(stream: int) -> None:
+        lib.core_enter(OP_WRITE, 0, 0, 0, stream, 0, None, None, 0, None, core_mod.NO_ARGS, 0, 0, 0)
+        lib.core_issued()
+
+    use(7)
+
+    def remake() -> None:  # another thread destroys it and makes a stream of the same handle
+        lib.core_stream_event(7, 1)
+        lib.core_stream_event(7, 0)
+
+    t = threading.Thread(target=remake)
+    t.start()
+    t.join()
+    assert 7 in core.streams() and 7 not in core.streams(used=True)
+    use(7)
+    assert 7 in core.streams(used=True)
 
 
 def test_the_view_queue_replays_into_the_agents_view(core):

@@ -252,8 +252,15 @@ class Agent(ProcessView):
 
     @property
     def streams(self) -> set[int]:  # type: ignore[override]
-        """The streams the program has used (the core's set when it runs)."""
+        """The streams the program has used or created (the core's set when it runs)."""
         return self.core.streams() | {0} if self.core is not None else self._streams
+
+    @property
+    def used_streams(self) -> set[int]:
+        """The streams an operation of the program has used: the only ones holding its work (a
+        stream only created holds none; the residency engine's own streams are created on the
+        program's context too). Without the core, the hooks see operations only: the same set."""
+        return self.core.streams(used=True) | {0} if self.core is not None else self._streams
 
     @streams.setter
     def streams(self, value: set[int]) -> None:

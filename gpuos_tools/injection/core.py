@@ -71,6 +71,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "core_own": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
     "core_skip": (ctypes.c_int, []),
     "core_streams": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]),
+    "core_used_streams": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]),
     "core_take_dirty": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_int)]),
     "core_forget_dirty": (None, []),
     "core_touches": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]),
@@ -241,11 +242,13 @@ class NativeCore:
     def ops(self) -> int:
         return int(self.lib.core_ops())
 
-    def streams(self) -> set[int]:
+    def streams(self, used: bool = False) -> set[int]:
+        """The streams the program used or created; ``used``: only those an operation used."""
+        read = self.lib.core_used_streams if used else self.lib.core_streams
         cap = 256
         while True:
             buf = (ctypes.c_uint64 * cap)()
-            n = self.lib.core_streams(buf, cap)
+            n = read(buf, cap)
             if n <= cap:
                 return {int(buf[i]) for i in range(n)}
             cap = n

@@ -47,6 +47,10 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
         self.lock = threading.RLock()
         self.pending: dict[int, Entry] = {}  #: base -> entry, records not simply resident
         self._bases: list[int] = []  #: sorted keys of pending
+        #: bytes of the pending records RELEASED, kept at every change of ``pending`` or of an
+        #: entry's state (``_put``, ``_drop``, ``_restate``): the executor's room checks read it
+        #: after every decision, and summing ``pending`` there cost more than the decision
+        self.released_bytes = 0
         self.clean: set[int] = set()  #: resident records whose own host copy equals the device's
         self.first_touch: dict[int, None] = {}  #: allocation ids in the order first touched
         #: allocation ids, least recently touched first (every operation while the engine is
@@ -103,9 +107,20 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
         unready = getattr(self.agent, "fast_unready", None)
         if unready is not None:
             unready(e.base, e.size)
-        if e.base not in self.pending:
+        old = self.pending.get(e.base)
+        if old is None:
             self._bases.insert(bisect_right(self._bases, e.base), e.base)
+        elif old.state == RELEASED:
+            self.released_bytes -= old.size
+        if e.state == RELEASED:
+            self.released_bytes += e.size
         self.pending[e.base] = e
+
+    def _restate(self, e: Entry, state: str) -> None:
+        """Set a pending entry's state (lock held), keeping ``released_bytes``."""
+        if self.pending.get(e.base) is e:
+            self.released_bytes += e.size * ((state == RELEASED) - (e.state == RELEASED))
+        e.state = state
 
     def _drop(self, base: int, destroy: bool = True) -> None:
         """Forget a pending record (lock held). Its event is destroyed, unless a thread of the
@@ -113,6 +128,8 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
         while the background loader runs (it is destroyed when the loader ends)."""
         e = self.pending.pop(base, None)
         if e is not None:
+            if e.state == RELEASED:
+                self.released_bytes -= e.size
             del self._bases[bisect_right(self._bases, base) - 1]
             if e.event is not None and destroy:
                 if self._loading:
@@ -362,7 +379,8 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             self._digest_host_copy(e.base, e.size, stream)
         ev = self.ops.event()
         self.ops.record(ev, stream)
-        e.event, e.state, e.ordered = ev, LOADING, set()
+        self._restate(e, LOADING)
+        e.event, e.ordered = ev, set()
         self.counts["loaded_bytes"] += e.size
         if e.own_copy:  # later writes are ordered after the load and discard it from clean
             self._busy()

@@ -133,9 +133,15 @@ class Eviction:
             self._after_program(stream)
 
     def _program_streams(self) -> set[Any]:
-        """Every stream the program has used (the per-thread stream as the legacy one, which
-        orders after it from another thread)."""
-        return {0 if s == PER_THREAD_STREAM else s for s in getattr(self.agent, "streams", {0})}
+        """Every stream an operation of the program has used (the per-thread stream as the
+        legacy one, which orders after it from another thread): a stream it only created holds
+        none of its work, and recording and querying each stream at every eviction cost more than
+        the eviction where libraries had made many."""
+        agent = self.agent
+        streams = getattr(agent, "used_streams", None)
+        if streams is None:
+            streams = getattr(agent, "streams", {0})
+        return {0 if s == PER_THREAD_STREAM else s for s in streams}
 
     def _capturing(self) -> bool:
         """Whether a stream the program has used is capturing a CUDA graph: an eviction cannot be
@@ -257,5 +263,6 @@ class Eviction:
                 c["digest_skips"] += 1
                 c["digest_skipped_bytes"] += e.size
                 self._backoff.pop(base, None)
-            e.state, e.event = RELEASED, None
+            self._restate(e, RELEASED)
+            e.event = None
             ops.destroy(ev)

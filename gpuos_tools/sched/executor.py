@@ -481,9 +481,8 @@ class Executor(AgentHooks):
         eng = self.engine
         if not eng.pending:  # nothing released (the common case with room for everything); a
             return self._total + self._parked()  # released record the program freed may leave memory parked
-        with eng.lock:
-            released = sum(e.size for e in eng.pending.values() if e.state == "released")
-        return self._total - released + self._parked()
+        with eng.lock:  # a release parks its memory and says RELEASED under it: read both at once
+            return self._total - eng.released_bytes + self._parked()
 
     def _parked(self) -> int:
         return self.lib.parked_bytes() if self._park else 0
@@ -820,11 +819,15 @@ class Executor(AgentHooks):
 
     def _after_last_use(self, base: int) -> Any:
         """The first mark after the record's last use, for its eviction's save to wait on; None
-        (the save waits for everything enqueued) without marks, when the program has used any
-        stream but the legacy default one (a mark orders one stream, and a per-thread default
+        (the save waits for everything enqueued) without marks, when an operation of the program
+        has used any stream but the legacy default one (a mark orders one stream, and a per-thread default
         stream is one per thread of the program, which the legacy one is not), or when no mark
         has been recorded since."""
-        if not self._last_use or not self._mark_seq or not set(getattr(self.engine.agent, "streams", {0})) <= {0}:
+        agent = self.engine.agent
+        streams = getattr(agent, "used_streams", None)
+        if streams is None:
+            streams = getattr(agent, "streams", {0})
+        if not self._last_use or not self._mark_seq or not set(streams) <= {0}:
             return None
         last = max(self._used_at.get(base, -1), self._unknown_at)
         i = bisect_right(self._mark_seq, last)

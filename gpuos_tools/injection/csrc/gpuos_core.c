@@ -180,12 +180,16 @@ int core_settle(double timeout_s, int own) {
     return left;
 }
 
-/* ---- streams the program used (operations) or created (resource callbacks) */
+/* ---- streams the program used (operations) or created (resource callbacks). Snapshots order
+   after every one of them; an eviction only after those an operation of the program used (a
+   stream only created holds none of its work: the agent's own streams, a library's idle ones). */
 static uint64_t *streams;
+static uint8_t *streams_used; /* per entry of streams: an operation used it */
 static int n_streams, cap_streams;
+static unsigned stream_gen; /* bumped at every destroy: a thread's cached last stream may be gone */
 static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static void stream_set(uint64_t s, int add) {
+static void stream_set(uint64_t s, int add, int used) {
     pthread_mutex_lock(&streams_mu);
     int i;
     for (i = 0; i < n_streams && streams[i] != s; i++) {}
@@ -193,37 +197,58 @@ static void stream_set(uint64_t s, int add) {
         if (n_streams == cap_streams) {
             int cap = cap_streams ? 2 * cap_streams : 64;
             uint64_t *p = realloc(streams, (size_t)cap * 8);
-            if (p) { streams = p; cap_streams = cap; }
+            if (p) streams = p;
+            uint8_t *u = p ? realloc(streams_used, (size_t)cap) : NULL;
+            if (u) { streams_used = u; cap_streams = cap; }
         }
-        if (n_streams < cap_streams) streams[n_streams++] = s;
+        if (n_streams < cap_streams) {
+            streams[n_streams] = s;
+            streams_used[n_streams++] = (uint8_t)used;
+        }
+    } else if (add && used) {
+        streams_used[i] = 1;
     } else if (!add && i < n_streams) {
-        streams[i] = streams[--n_streams];
+        n_streams--;
+        streams[i] = streams[n_streams];
+        streams_used[i] = streams_used[n_streams];
+        __atomic_add_fetch(&stream_gen, 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&streams_mu);
 }
 
 /* The last stream an operation used, per thread: most operations repeat it (no table walk). */
 static __thread uint64_t last_stream = ~0ull;
+static __thread unsigned last_gen;
 
 static inline void stream_used(uint64_t s) {
-    if (s == last_stream) return;
+    unsigned gen = __atomic_load_n(&stream_gen, __ATOMIC_ACQUIRE);
+    if (s == last_stream && gen == last_gen) return;
     last_stream = s;
-    stream_set(s, 1);
+    last_gen = gen;
+    stream_set(s, 1, 1);
 }
 
 void core_stream_event(uint64_t s, int destroyed) {
-    stream_set(s, !destroyed);
-    if (destroyed) last_stream = ~0ull;
+    stream_set(s, !destroyed, 0);
 }
 
-int core_streams(uint64_t *out, int cap) {
+static int copy_streams(uint64_t *out, int cap, int used_only) {
     pthread_mutex_lock(&streams_mu);
-    int n = n_streams < cap ? n_streams : cap;
-    memcpy(out, streams, (size_t)n * 8);
-    int all = n_streams;
+    int n = 0;
+    for (int i = 0; i < n_streams; i++) {
+        if (used_only && !streams_used[i]) continue;
+        if (n < cap) out[n] = streams[i];
+        n++;
+    }
     pthread_mutex_unlock(&streams_mu);
-    return all;
+    return n;
 }
+
+/* The streams the program used or created: up to cap into out; returns how many there are. */
+int core_streams(uint64_t *out, int cap) { return copy_streams(out, cap, 0); }
+
+/* The streams an operation of the program used (same contract). */
+int core_used_streams(uint64_t *out, int cap) { return copy_streams(out, cap, 1); }
 
 /* ---- live allocations, sorted by address, with the predictor's rules (model/allocs.py) */
 typedef struct {
