@@ -173,31 +173,37 @@ class Period:
         return p if p is not None and self.matched >= min(p, MATCH_CHECK) else None
 
     def push(self, key: int) -> None:
-        i = self.n
-        was = self.known
+        # once per launch, and once per operation the native core let go by: the properties
+        # (n, start, known) and the window's hash are computed inline
+        keys, off, p = self._keys, self._off, self.p
+        i = off + len(keys)
+        was = p if p is not None and self.matched >= min(p, MATCH_CHECK) else None
         broke = False
-        start = self.start  # of the keys before this one
-        if self.p is not None:
-            j = i - self.p
-            if j >= start and self._keys[j - self._off] == key:
+        start = max(off, i - self.history)  # of the keys before this one
+        if p is not None:
+            j = i - p
+            if j >= start and keys[j - off] == key:
                 self.matched += 1
             else:
                 if was is not None:
                     self.broken += 1
                     broke = True
-                self.p = None
-        if len(self._keys) >= 2 * self.history:
+                self.p = p = None
+        if len(keys) >= 2 * self.history:
             self._trim()
-        self._keys.append(key)
-        self._h.append((self._h[-1] * _BASE + key + 1) % _MOD)
+            keys, off = self._keys, self._off
+        keys.append(key)
+        hs = self._h
+        h = (hs[-1] * _BASE + key + 1) % _MOD
+        hs.append(h)
         # the hash of the MATCH_CHECK + 1 keys up to this one (None: fewer kept)
-        w = MATCH_CHECK + 1
-        hw = self._window(i + 1 - w, i + 1) if i + 1 - w >= self._off else None
-        if self.p is None:
+        a = i - MATCH_CHECK
+        hw = (h - hs[a - off] * _POW_W) % _MOD if a >= off else None
+        if p is None:
             self._search(i, key, start, hw)
         if hw is not None:
             self._note_window(i + 1, hw)
-        if self.known is not None and (was is None or broke):
+        if (was is None or broke) and self.known is not None:
             self.learned += 1
 
     def _trim(self) -> None:
@@ -332,6 +338,7 @@ class Ahead(Sequence[int]):
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 _POW = [pow(_BASE, k, _MOD) for k in range(MATCH_CHECK + 2)]  #: windows are at most MATCH_CHECK + 1 keys
+_POW_W = _POW[MATCH_CHECK + 1]  #: a whole window's
 
 
 @dataclass
@@ -576,28 +583,31 @@ class OnlinePolicy:
             self.stats.keys = len(self._sets)
         else:
             self._sets[kid] = ws
-        before = self.period.known
+        per = self.period
+        before = per.known
         expected = -1
         if before is not None:
-            self.stats.predicted += 1
-            self.stats.period_use[before] = self.stats.period_use.get(before, 0) + 1
-            expected = self.period.predict(1)[0]
+            st = self.stats
+            st.predicted += 1
+            st.period_use[before] = st.period_use.get(before, 0) + 1
+            expected = per._keys[per.n - before - per._off]  # predict(1)[0]
             if expected != kid and self._jitter(expected, key):
                 kid = expected  # the period holds: the launch it predicted, with this launch's records
                 self._sets[kid] = ws
                 self.stats.jitter += 1
         self.last_key = kid
-        broken = self.period.broken
-        self.period.push(kid)
-        p = self.period.known
+        broken = per.broken
+        per.push(kid)
+        p = per.known
         if p is not None and p != before:
             self.stats.periods.append(p)
-        self.stats.period_breaks = self.period.broken
-        if self.period.broken != broken:
+        self.stats.period_breaks = per.broken
+        if per.broken != broken:
             self._log_break(before, expected, key)
         if p is None:
             return []
-        return [self._sets[k] for k in self.period.predict(max(self.lookahead * self.batch, 1))]
+        sets = self._sets
+        return [sets[k] for k in per.ahead(max(self.lookahead * self.batch, 1))]
 
     def _jitter(self, expected: int, key: tuple) -> bool:
         """Whether a launch whose key is not the one the period predicted is that launch all the
@@ -754,10 +764,23 @@ class OnlinePolicy:
     def _prefetch(self, future: list[tuple[int, ...] | None], records: Mapping[int, int], budget: int,
                   protected: set[int], actions: list[Action], ahead: int | None = None) -> None:
         batch = ahead is None and self.batch > 1
-        if batch and all(ws is not None and all(b in self.resident or b not in records for b in ws)
-                         for ws in future[: self.lookahead]):
-            return  # the next launches are served: the batch before this decision placed them
         window = self.lookahead if ahead is None else ahead
+        res = self.resident
+        served = True
+        for ws in future[: self.lookahead if batch else window]:
+            if ws is None:
+                served = not batch  # the walk stops at an unknown launch; a batch must walk on
+                break
+            for b in ws:
+                if b not in res and b in records:
+                    served = False
+                    break
+            if not served:
+                break
+        if served:
+            # the next launches are served (the decisions before placed them): the walk would
+            # load nothing and evict nothing
+            return
         room = budget // BATCH_SHARE  # what the batch may load past the window
         for t, ws in enumerate(future[: self.lookahead * self.batch if batch else window], 1):
             if ws is None:  # an unknown launch ahead: it will need everything; no guess
