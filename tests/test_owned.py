@@ -449,11 +449,11 @@ def test_parked_memory_is_mapped_again_for_a_record_of_the_same_size(env):
     assert lib.parked(4 * G) == 4 * G and lib.parked(2 * G) == 0
     assert lib.stats()["mapped_bytes"] == 6 * G
     lib.release(b)  # 8 GiB would pass the limit: released
-    assert counters()["handles"] == 2 and lib.park_stats()["parked_bytes"] == 4 * G
+    assert counters()["handles"] == 2 and lib.park_stats()["parked_bytes"] == 4 * G == lib.parked_bytes()
     creates = lib.park_stats()["physical_creates"]
     lib.make_resident(b)  # same size: a's old memory, no new physical allocation
     st = lib.park_stats()
-    assert st["park_reuses"] == 1 and st["physical_creates"] == creates and st["parked_bytes"] == 0
+    assert st["park_reuses"] == 1 and st["physical_creates"] == creates and st["parked_bytes"] == 0 == lib.parked_bytes()
     assert counters()["handles"] == 2 and lib.lookup(b).resident  # b on a's old memory, and c
     lib.release(c)
     lib.make_resident(a)  # no parked 4 GiB allocation (c's is 2 GiB): a new one

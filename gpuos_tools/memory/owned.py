@@ -159,6 +159,8 @@ class OwnedLibrary:
         lib.gpuos_alloc_parked.argtypes = [ctypes.c_uint64, ctypes.c_int]
         lib.gpuos_alloc_parked.restype = ctypes.c_uint64
         lib.gpuos_alloc_park_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.gpuos_alloc_parked_total.argtypes = []
+        lib.gpuos_alloc_parked_total.restype = ctypes.c_uint64
         lib.gpuos_torch_round.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
         lib.gpuos_torch_round.restype = ctypes.c_size_t
         lib.gpuos_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -261,11 +263,9 @@ class OwnedLibrary:
         return self.lib.gpuos_alloc_parked(size, device)
 
     def parked_bytes(self) -> int:
-        """Bytes parked now (park_stats' first field, without building the dict: the executor
-        asks at every decision)."""
-        out = (ctypes.c_uint64 * 6)()
-        self.lib.gpuos_alloc_park_stats(out)
-        return int(out[0])
+        """Bytes parked now (park_stats' first field in one call: the executor asks at every
+        decision)."""
+        return int(self.lib.gpuos_alloc_parked_total())
 
     def park_stats(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 6)()

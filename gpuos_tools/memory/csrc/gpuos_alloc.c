@@ -212,7 +212,7 @@ static CUhandle unpark(size_t size, int device) {
         if (parked[i].size == size && parked[i].device == device) {
             h = parked[i].h;
             parked[i] = parked[--n_parked];
-            parked_bytes -= size;
+            __atomic_store_n(&parked_bytes, parked_bytes - size, __ATOMIC_RELEASE); /* read without plock */
             break;
         }
     }
@@ -232,7 +232,7 @@ static int park(CUhandle h, size_t size, int device) {
         }
         if (n_parked < cap_parked) {
             parked[n_parked++] = (parked_t){h, size, device};
-            parked_bytes += size;
+            __atomic_store_n(&parked_bytes, parked_bytes + size, __ATOMIC_RELEASE);
             kept = 1;
         }
     }
@@ -561,7 +561,7 @@ uint64_t gpuos_alloc_trim_parked(uint64_t keep) {
         gone = parked[0]; /* the oldest */
         memmove(&parked[0], &parked[1], (n_parked - 1) * sizeof *parked);
         n_parked--;
-        parked_bytes -= gone.size;
+        __atomic_store_n(&parked_bytes, parked_bytes - gone.size, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&plock);
         note_error(p_release(gone.h));
         __atomic_add_fetch(&pstats[P_DROPPED], 1, __ATOMIC_RELAXED);
@@ -577,6 +577,10 @@ uint64_t gpuos_alloc_parked(uint64_t size, int device) {
     pthread_mutex_unlock(&plock);
     return n;
 }
+
+/* Bytes parked now: one word, read without the park lock (the scheduler reads it after every
+   decision; a read racing a park or a trim sees the value before or after it). */
+uint64_t gpuos_alloc_parked_total(void) { return __atomic_load_n(&parked_bytes, __ATOMIC_ACQUIRE); }
 
 /* parked bytes, the limit, parks, reuses, parked allocations released, new physical allocations made */
 void gpuos_alloc_park_stats(uint64_t out[6]) {
