@@ -626,7 +626,7 @@ def _three_then_a_fourth(**cfg):
     bases, ops, eng, ex = setup(4, 3 * 64 * MIB, "lru", lookahead=0, **cfg)
     for b in bases[:3]:
         ex.before("k", [b], stream=0)
-    marks, issued = list(ex._mark_ev), len(ops.log)
+    marks, issued = {st: list(m[1]) for st, m in ex._marks.items()}, len(ops.log)
     ex.before("k", [bases[3]], stream=0)
     settle(eng, ex)
     ex.close()
@@ -640,6 +640,7 @@ def test_an_evictions_save_waits_for_its_records_last_use_not_for_everything(las
     operation 1 -- the GPU has passed the record there -- not on an event recorded at the
     eviction, after everything the program has enqueued since."""
     bases, ops, ex, marks, issued = _three_then_a_fourth(last_use=last_use)
+    marks = marks.get(0, [])
     waited, at = _save_waits_on(ops, bases[0])
     if last_use:
         assert len(marks) == 3 and waited is marks[1] and at < issued
@@ -649,20 +650,47 @@ def test_an_evictions_save_waits_for_its_records_last_use_not_for_everything(las
         assert ex.counts["marks"] == 0 and ex.counts["last_use_saves"] == 0
 
 
-@pytest.mark.parametrize("streams", [{0, 7}, {0, 2}], ids=["another stream", "per-thread default"])
-def test_last_use_marks_are_not_used_when_the_program_has_two_streams(streams):
-    """A mark orders one stream: with a second stream in use the save waits for everything; so
-    with the per-thread default stream, which is one stream per thread of the program."""
+def _first_on(streams: list, other: int | None = None, program_streams=None):
+    """Four records, room for three: operations touch the first three, the first on each of
+    ``streams`` in turn, the others on ``other`` (default: the first record's last stream); then
+    the fourth, whose decision evicts the first. (ops, the first record, the log's length before
+    the eviction, the marks by stream, the executor)."""
     bases, ops, eng, ex = setup(4, 3 * 64 * MIB, "lru", lookahead=0)
-    eng.agent.streams = streams
-    for b in bases[:3]:
-        ex.before("k", [b], stream=0)
+    if program_streams is not None:
+        eng.agent.streams = program_streams
+    for s in streams:
+        ex.before("k", [bases[0]], stream=s)
+    other = streams[-1] if other is None else other
+    for b in bases[1:3]:
+        ex.before("k", [b], stream=other)
+    marks = {s: list(m[1]) for s, m in ex._marks.items()}
     issued = len(ops.log)
-    ex.before("k", [bases[3]], stream=0)
+    ex.before("k", [bases[3]], stream=other)
     settle(eng, ex)
     ex.close()
     eng.close()
-    assert _save_waits_on(ops, bases[0])[1] >= issued and ex.counts["last_use_saves"] == 0
+    return ops, bases[0], issued, marks, ex
+
+
+def test_a_record_used_on_one_stream_waits_for_the_mark_on_that_stream_whatever_the_others():
+    """The program has a second stream, and the first record's operations all came on stream 7:
+    its save waits on the mark recorded on stream 7 after its last use (the operation after it
+    there), not for everything enqueued; the operations of stream 0 do not touch it."""
+    ops, first, issued, marks, ex = _first_on([7, 7], other=7, program_streams={0, 7})
+    waited, at = _save_waits_on(ops, first)
+    assert waited is marks[7][2] and at < issued and ex.counts["last_use_saves"] >= 1
+    ops, first, issued, marks, ex = _first_on([0], other=0, program_streams={0, 7})  # and on stream 0
+    assert _save_waits_on(ops, first)[0] is marks[0][1] and ex.counts["last_use_saves"] >= 1
+
+
+@pytest.mark.parametrize("streams", [[0, 7], [2]], ids=["two streams", "per-thread default"])
+def test_a_record_used_on_two_streams_waits_for_everything(streams):
+    """A mark orders one stream: a record whose operations came on two streams since its load
+    (or on the per-thread default stream, one stream per thread of the program) is saved after
+    everything the program has enqueued."""
+    ops, first, issued, _, ex = _first_on(streams, other=0, program_streams={0, 2, 7})
+    assert _save_waits_on(ops, first)[1] >= issued
+    assert ex.counts["last_use_mixed"] >= 1
 
 
 def test_last_use_marks_are_recycled_beyond_their_bound():
@@ -674,9 +702,10 @@ def test_last_use_marks_are_recycled_beyond_their_bound():
     for _ in range(3 * mod.MARKS):
         ex.before("k", [bases[0]], stream=0)
     assert ex.counts["marks"] == 3 * mod.MARKS
-    assert len(ex._mark_seq) <= 2 * mod.MARKS and ex._mark_seq == sorted(ex._mark_seq)
+    seqs, evs = ex._marks[0]
+    assert len(seqs) <= 2 * mod.MARKS and seqs == sorted(seqs) and list(ex._marks) == [0]
     recorded = {e[1] for e in ops.log if e[0] == "record" and e[2] == 0}
     assert len(recorded) <= 2 * mod.MARKS + 2  # events reused, not made per operation
-    assert ex._after_last_use(bases[1]) is ex._mark_ev[0]
+    assert ex._after_last_use(bases[1]) is evs[0]
     ex.close()
     eng.close()

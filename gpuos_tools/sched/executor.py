@@ -96,7 +96,9 @@ KERNELS_MAX = 2048  #: kernel names profiled one by one (the rest pooled)
 SAMPLE_EVERY = 31
 SAMPLES_MAX = 32  #: samples in flight at most (their timer events are reused)
 FAST_MAX = 4096  #: decisions the core's fast path may let go by at most before Python looks again
-MARKS = 256  #: last-use marks kept at least (``Executor._mark``)
+MARKS = 256  #: last-use marks kept at least per stream (``Executor._mark``)
+MIXED = -1  #: a record's operations came on more than one stream (``Executor._used_on``)
+PER_THREAD_STREAM = 2  #: CU_STREAM_PER_THREAD: a stream of each thread of the program
 
 
 class Executor(AgentHooks):
@@ -211,17 +213,22 @@ class Executor(AgentHooks):
         self._api_of: Any = lambda cbid: ""
         self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0,
                             "fast_after_s": 0.0})
-        #: last-use marks (``_mark``, ``_after_last_use``): an event on the program's stream before
-        #: each operation that enters Python, so that an eviction's save waits for its record's last
-        #: use rather than for everything enqueued (on unless GPUOS_SCHED_LAST_USE=0)
+        #: last-use marks (``_mark``, ``_after_last_use``): an event on the operation's stream
+        #: before each operation that enters Python, so that an eviction's save waits for its
+        #: record's last use rather than for everything enqueued (on unless GPUOS_SCHED_LAST_USE=0)
         self._last_use = bool(cfg.get("last_use", getattr(settings, "last_use", EngineSettings.last_use)))
         self._seq = 0  #: operations decided or replayed so far (the order of last uses and marks)
         self._used_at: dict[int, int] = {}  #: record base -> the ``_seq`` of the last operation touching it
+        #: record base -> the stream of the operations touching it since its last eviction (MIXED:
+        #: more than one, or the per-thread default stream, which is one stream per thread)
+        self._used_on: dict[int, int] = {}
         self._unknown_at = -1  #: the ``_seq`` of the last operation touching every record
-        self._mark_seq: list[int] = []  #: ascending: the mark's event completes once operations before it have
-        self._mark_ev: list[Any] = []
+        self._unknown_on: int | None = None  #: the stream of those operations (MIXED: several)
+        #: stream -> (ascending ``_seq``s, events): a mark's event completes once the operations
+        #: before it on its stream have
+        self._marks: dict[int, tuple[list[int], list[Any]]] = {}
         self._mark_free: list[Any] = []
-        self.counts.update({"marks": 0, "last_use_saves": 0, "mark_errors": 0})
+        self.counts.update({"marks": 0, "last_use_saves": 0, "mark_errors": 0, "last_use_mixed": 0})
         #: where a decision's time goes (``_before``): the wait for the mover's lock, the policy,
         #: the evictions' issue, the require (its wait for room and loads), the marks and measures
         self.counts.update({"lock_wait_s": 0.0, "policy_s": 0.0, "evict_s": 0.0, "require_s": 0.0, "measure_s": 0.0})
@@ -562,7 +569,7 @@ class Executor(AgentHooks):
         before = self.policy.before
         profile = self._profile
         launched, touched_now = eng._launched, eng._touched
-        used = self._used_at
+        used, on = self._used_at, self._used_on
         late = 0
         with self._load_lock:
             for e in entries:
@@ -589,8 +596,12 @@ class Executor(AgentHooks):
                 kernel, bases, key, nbytes = hit
                 seq = self._seq
                 self._seq = seq + 1
+                stream = e[3]
                 for b in bases:
                     used[b] = seq
+                    was = on.get(b)
+                    if was != stream:
+                        on[b] = _one_stream(was, stream)
                 profile(kernel, bases, recs, nbytes)
                 actions = before(kernel, bases, recs, key, version)
                 if (len(actions) != 1 or actions[0][0] != "require") and any(op != "require" for op, _ in actions):
@@ -752,9 +763,14 @@ class Executor(AgentHooks):
         self._seq = seq + 1
         if bases is None:
             self._unknown_at = seq
+            self._unknown_on = _one_stream(self._unknown_on, stream)
         else:
+            used, on = self._used_at, self._used_on
             for b in bases:
-                self._used_at[b] = seq
+                used[b] = seq
+                was = on.get(b)
+                if was != stream:
+                    on[b] = _one_stream(was, stream)
         self._profile(kernel, bases, recs)
         clock = time.perf_counter
         c = self.counts
@@ -810,28 +826,41 @@ class Executor(AgentHooks):
             self.counts["mark_errors"] += 1
             self.error = f"last-use marks off: {type(exc).__name__}: {exc}"
             return
-        self._mark_seq.append(seq)
-        self._mark_ev.append(ev)
+        marks = self._marks.get(stream)
+        if marks is None:
+            marks = self._marks[stream] = ([], [])
+        seqs, evs = marks
+        seqs.append(seq)
+        evs.append(ev)
         self.counts["marks"] += 1
-        if len(self._mark_seq) > 2 * MARKS:
-            self._mark_free += self._mark_ev[:MARKS]
-            del self._mark_seq[:MARKS], self._mark_ev[:MARKS]
+        if len(seqs) > 2 * MARKS:
+            self._mark_free += evs[:MARKS]
+            del seqs[:MARKS], evs[:MARKS]
 
     def _after_last_use(self, base: int) -> Any:
-        """The first mark after the record's last use, for its eviction's save to wait on; None
-        (the save waits for everything enqueued) without marks, when an operation of the program
-        has used any stream but the legacy default one (a mark orders one stream, and a per-thread default
-        stream is one per thread of the program, which the legacy one is not), or when no mark
-        has been recorded since."""
-        agent = self.engine.agent
-        streams = getattr(agent, "used_streams", None)
-        if streams is None:
-            streams = getattr(agent, "streams", {0})
-        if not self._last_use or not self._mark_seq or not set(streams) <= {0}:
+        """The first mark after the record's last use on the stream of its uses, for its
+        eviction's save to wait on; None (the save waits for everything enqueued) without marks,
+        when operations on more than one stream touched it since its last eviction (an operation
+        touching every record counts on each: a mark orders one stream; the per-thread default
+        stream is one per thread of the program), or when no mark on that stream came since. The
+        program's other streams do not matter: their operations do not touch the record."""
+        if not self._last_use:
+            return None
+        s = self._used_on.get(base)
+        u = self._unknown_on
+        if s is None:
+            s = u if u is not None else 0  # untouched since its load: any stream's mark will do
+        elif u is not None and u != s:
+            s = MIXED
+        if s == MIXED:
+            self.counts["last_use_mixed"] += 1
+            return None
+        marks = self._marks.get(s)
+        if marks is None:
             return None
         last = max(self._used_at.get(base, -1), self._unknown_at)
-        i = bisect_right(self._mark_seq, last)
-        return self._mark_ev[i] if i < len(self._mark_ev) else None
+        i = bisect_right(marks[0], last)
+        return marks[1][i] if i < len(marks[1]) else None
 
     # -- the time plan's durations --------------------------------------------------------------
 
@@ -922,8 +951,12 @@ class Executor(AgentHooks):
         try:
             after = self._after_last_use(base) if own else None
             ok = self.engine.evict_from_operation(base, own, after)
-            if ok and after is not None:
-                self.counts["last_use_saves"] += 1
+            if ok:
+                # later saves of it come after this one's wait on the evict stream: its uses from
+                # here on are what a later eviction waits for
+                self._used_on.pop(base, None)
+                if after is not None:
+                    self.counts["last_use_saves"] += 1
         except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
             ok = False
             self.error = f"evict {base:#x}: {type(exc).__name__}: {exc}"
@@ -1366,6 +1399,11 @@ class Executor(AgentHooks):
             out["agent"] = {"launch_hooks": calls, "launch_hook_s": round(agent.hook_ns / 1e9, 6),
                             "memo_misses": getattr(agent, "memo_misses", None),
                             "executor_s": round(self.counts["before_s"], 6)}
+        # the streams the marks were recorded on (an eviction's save waits on one of them) and
+        # the program's streams: those its operations used, and all it created
+        out["streams"] = {"marked": sorted(int(k) for k in self._marks if isinstance(k, int)),
+                          "used": len(getattr(agent, "used_streams", None) or getattr(agent, "streams", ()) or ()),
+                          "created": len(getattr(agent, "streams", ()) or ())}
         if self.error:
             out["error"] = self.error
         return out
@@ -1432,6 +1470,13 @@ class _LedgerOps:
     def release(self, base: int) -> None:
         self._ops.release(base)
         self._ex._on_unmap(base)
+
+
+def _one_stream(was: int | None, stream: Any) -> int:
+    """The stream of a record's uses after one more on ``stream`` (``was``: before; None: none)."""
+    if stream == PER_THREAD_STREAM or (was is not None and was != stream):
+        return MIXED
+    return stream
 
 
 def _touched_addrs(agent: Any, kernel: str, sizes: Any, args: Any) -> list[int] | None:
