@@ -212,6 +212,7 @@ def main() -> int:
                 if s is not None:
                     row["summary"] = {k: s.get(k) for k in SUMMARY_KEYS if k in s}
                     row["executor"] = s.get("executor")
+                    row["streams"] = s.get("streams")
                     row["agent"] = s.get("agent")
                     row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
                     row["distinct_keys"] = (s.get("policy_stats") or {}).get("keys")
