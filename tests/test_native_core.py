@@ -344,6 +344,9 @@ def test_streams_and_operations_are_counted(core):
     assert core.ops() == 5
     assert core.streams() == {0, 5, 11}
     assert core.streams(used=True) == {0, 5}  # 11 only created: none of the program's work on it
+    lib.core_enter(OP_GRAPH, 0, 0, 0, 11, 0, None, None, 0, None, core_mod.NO_ARGS, 0, 0, 0)  # a graph launched on it
+    lib.core_issued()
+    assert core.streams(used=True) == {0, 5, 11} and core.ops() == 5  # used, though not counted as an operation
 
 
 def test_a_stream_destroyed_and_made_again_is_used_again_from_every_thread(core):

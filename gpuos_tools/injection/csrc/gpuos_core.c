@@ -1018,7 +1018,10 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
         n_ops++; /* only recorded into a graph: it writes nothing now */
         goto out;
     }
-    if (op == OP_GRAPH) n_graphs++;
+    if (op == OP_GRAPH) {
+        n_graphs++;
+        stream_used(stream); /* its kernels run there: an eviction must order after them */
+    }
     if (coll && ++n_coll == arm_k) { /* the cut: T0 before this launch, on this thread */
         arm_k = 0;
         upcall_t c = {0};
