@@ -18,7 +18,11 @@ periods after the first two) and in all:
 - what a percentage budget became (`run --budget N%`: a share of the steady working set once a
   period is learned) against the same share of the footprint;
 - the decisions per period that move something (``acting``: under `run` on the native core the
-  operations of the others take the fast path), with --prefetch-batch as `run` takes it.
+  operations of the others take the fast path), with --prefetch-batch as `run` takes it;
+- a fixed plan, the same every period (moves.py ``fixed_plan``: each record pinned, or dropped
+  after its use before its longest gap and loaded two steps before the use after it): bytes in
+  and moves per period, ``*`` where records freed inside the period (a step's temporaries, which
+  it does not stream) leave it above the budget.
 
 
 A workload that names a file (``gpu-trace run -o FILE`` of a training loop) is read from it; with
@@ -38,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.sched.moves import belady_min, classify
+from gpuos_tools.sched.moves import belady_min, classify, fixed_plan
 from gpuos_tools.sched.online_sim import simulate_online
 from gpuos_tools.sched.simulate import DEFAULT_BW, Config
 from gpuos_tools.sched.workload import Workload, trace_workload
@@ -74,7 +78,15 @@ def measure(w: Workload, period: int, fraction: float, plan: str, lookahead: int
         # decisions that moved something, per period (on the native core the others take the fast path)
         "acting_per_period": round(r["acting"] * period / max(len(w.steps), 1), 2),
         "percentage": {"budget": pct["budget"], "bytes_in": pct["bytes_in"], "bytes_out": pct["bytes_out"]},
+        "fixed": fixed_plan(w, budget, period) if len(w.steps) >= 3 * period else None,
     }
+
+
+def _fixed(fx: dict[str, Any] | None) -> str:
+    """The fixed plan's bytes in (MB; * where it cannot fit the budget) and moves, per period."""
+    if fx is None:
+        return f"{'-':>8} {'-':>5}"
+    return f"{fx['bytes_in'] / 1e6:>7.1f}{' ' if fx['fits'] else '*'} {fx['moves']:>5}"
 
 
 def main() -> int:
@@ -98,7 +110,8 @@ def main() -> int:
     mb = 1e6
     print(f"{'workload':<20} {'rec':<5} {'bud':>4} | {'in MB':>7} {'out MB':>7} {'dem':>5} {'pref':>5} | "
           f"{'MIN in':>7} {'out':>7} | {'skip in':>7} {'out':>7} | in: {'unus':>5} {'over':>5} {'learn':>5} {'early':>5} {'cap':>7}"
-          f" | out: {'dead':>5} {'learn':>5} {'early':>5} {'cap':>7} | {'N% of steady':>12} | {'acting':>6}", file=sys.stderr)
+          f" | out: {'dead':>5} {'learn':>5} {'early':>5} {'cap':>7} | {'N% of steady':>12} | {'acting':>6}"
+          f" | {'fixed in':>8} {'moves':>5}", file=sys.stderr)
     for name in [x for x in args.workloads.split(",") if x]:
         for rec in [x for x in args.records.split(",") if x]:
             if rec not in ("alloc", "2MiB"):
@@ -116,7 +129,7 @@ def main() -> int:
                       f"{ci['learning'] / mb:>5.1f} {ci['early_victim'] / mb:>5.1f} {ci['capacity'] / mb:>7.1f} | out: "
                       f"{co['dead'] / mb:>5.1f} {co['learning'] / mb:>5.1f} {co['early_victim'] / mb:>5.1f} "
                       f"{co['capacity'] / mb:>7.1f} | {r['percentage']['budget'] / mb:>9.1f} MB | "
-                      f"{r['acting_per_period']:>6.1f}", file=sys.stderr)
+                      f"{r['acting_per_period']:>6.1f} | {_fixed(r['fixed'])}", file=sys.stderr)
     if args.json:
         out = {"bench": "sched_moves", "simulated": True, "date": time.strftime("%Y-%m-%d", time.gmtime()),
                "host": platform.node(), "args": vars(args), "rows": rows}

@@ -88,3 +88,50 @@ def test_bench_sched_moves_script_writes_its_figures(tmp_path):
     assert data["simulated"] is True and data["rows"]
     row = data["rows"][0]
     assert {"online", "belady_min", "belady_min_skip", "classes_in", "classes_out"} <= set(row)
+
+
+def _cycle(n: int, size: int, copies: int) -> Workload:
+    """``n`` records of ``size`` bytes, one step each in order, each updating its record: a
+    cyclic loop."""
+    from gpuos_tools.sched.workload import Chunks, Job, Step
+
+    chunks = Chunks(None, sizes=[size] * n, job=[0] * n, alloc=list(range(n)), offset=[0] * n)
+    steps = [Step(0, "launch", i, (i % n,), (i % n,)) for i in range(n * copies)]
+    return Workload(chunks, [Job(0, "cycle", steps)], steps, [], n * size)
+
+
+def test_a_fixed_plan_on_a_cycle_pins_what_fits_beside_the_records_in_flight():
+    """Ten records used in turn, room for six: each streamed record is live from two steps before
+    its use through it (three at a time), so three stay pinned and seven stream, every period the
+    same: what a plan made once costs against MIN's four demand loads."""
+    from gpuos_tools.sched.moves import fixed_plan
+
+    w = _cycle(10, 1 << 20, 4)
+    f = fixed_plan(w, 6 << 20, 10, lead=2)
+    assert f["fits"] and f["peak"] <= 6 << 20
+    assert f["streamed"] == 7 and f["pinned"] == 3 and f["moves"] == 14
+    assert f["bytes_in"] == f["bytes_out"] == 7 << 20  # each written: saved when dropped
+    m = belady_min(w, 6 << 20, 10)["steady"]
+    assert m["bytes_in"] == m["bytes_out"] == 4 << 20
+    assert fixed_plan(w, 6 << 20, 10, lead=0)["streamed"] == 5  # with no lead: one in flight
+    with pytest.raises(ValueError):
+        fixed_plan(w, 6 << 20, 10, period=4)  # only four periods
+
+
+def test_on_the_recorded_decode_a_fixed_plan_fits_and_moves_close_to_min():
+    """The decode's token (owned records, weights read once a token): a plan that repeats moves
+    within a tenth of MIN's bytes and fits the budget, with fewer moves a token than the online
+    policy makes."""
+    from gpuos_tools.sched.moves import fixed_plan
+
+    w = _recorded("decode-owned", 3, None)
+    period = len(w.steps) // 3
+    budget = int(w.footprint * 0.66)
+    f = fixed_plan(w, budget, period)
+    m = belady_min(w, budget, period)
+    assert f["fits"] and f["peak"] <= budget
+    assert m["steady"]["bytes_in"] <= f["bytes_in"] <= 1.1 * m["steady"]["bytes_in"]
+    events: list[tuple] = []
+    simulate_online(w, Config(budget), events=events)
+    online_moves = sum(1 for e in events if period * 2 <= e[1] < period * 3)
+    assert f["moves"] < online_moves

@@ -16,6 +16,10 @@ The classes, judged with the whole future known (the steps of the workload):
 furthest ahead (freed or never used again first), a dirty victim saved. With ``skip_dead`` it
 also copies nothing for a record about to be overwritten whole and saves nothing dead: what the
 access sequence allows at best when only the predictor's ranges prove it.
+
+`fixed_plan` is what a plan made once and repeated every period would move (pinned records,
+streamed ones dropped and loaded at fixed steps): the kind of plan that could be carried out with
+no decision per operation.
 """
 
 from __future__ import annotations
@@ -210,3 +214,72 @@ def _mean(rows: list[dict[str, Any]], acc: dict[str, Any]) -> dict[str, Any]:
         else:
             acc[k] = v / len(rows)
     return acc
+
+
+def fixed_plan(w: Workload, budget: int, period_steps: int, lead: int = 2, period: int = 2) -> dict[str, Any]:
+    """A plan that repeats unchanged every period, for a cyclic workload: each record either
+    stays resident (pinned) or is streamed, dropped after its use before the longest gap between
+    its uses in the period and loaded ``lead`` steps before the use after that gap. Greedy: while
+    the most memory live at one step exceeds ``budget``, the largest pinned record whose gap
+    covers that step is streamed instead. The online policy's moves drift from period to period
+    (its victims depend on ties and on what came before); a fixed plan repeats, so it could be
+    carried out without deciding anything per operation. Records freed inside the period
+    (temporaries) stay live from their first to their last use in it and are never streamed.
+
+    Measured on the steps of period number ``period`` (0-based: the first periods learn).
+    Returns the budget, the peak live bytes the plan reaches (above the budget when no choice is
+    left), the bytes it moves in and out per period (out: streamed records the period writes), the
+    number of streamed and pinned records, and the loads and drops per period."""
+    import numpy as np
+
+    sizes = w.chunks.sizes
+    s0 = period * period_steps
+    steps = w.steps[s0:s0 + period_steps]
+    p = len(steps)
+    if p < period_steps:
+        raise ValueError(f"the workload has fewer than {period + 1} periods of {period_steps} steps")
+    uses: dict[int, list[int]] = {}
+    written: set[int] = set()
+    freed: set[int] = set()
+    for t, st in enumerate(steps):
+        freed.update(st.frees)
+        for c in st.ws:
+            uses.setdefault(c, []).append(t)
+        written.update(st.writes)
+    live = np.zeros(p, dtype=np.int64)
+    gaps: dict[int, tuple[int, int]] = {}  #: record -> (first step off, steps off), cyclic
+    for c, ts in uses.items():
+        if c in freed:  # a temporary: live between its first and last use
+            live[ts[0]:ts[-1] + 1] += sizes[c]
+            continue
+        live += sizes[c]
+        best, at = -1, 0
+        for a, b in zip(ts, ts[1:] + [ts[0] + p]):
+            if b - a > best:
+                best, at = b - a, a
+        off = best - 1 - lead  # steps after the last use before the gap, until the load
+        if off > 0:
+            gaps[c] = ((at + 1) % p, off)
+    streamed: list[int] = []
+    spans = {c: np.arange(start, start + n) % p for c, (start, n) in gaps.items()}  #: pinned, streamable
+    while True:
+        t = int(np.argmax(live))
+        over = int(live[t])
+        if over <= budget:
+            break
+        best_c, best_key = None, None
+        for c in spans:
+            start, n = gaps[c]
+            if (t - start) % p < n:  # off at the peak step
+                key = (sizes[c], n)
+                if best_key is None or key > best_key:
+                    best_c, best_key = c, key
+        if best_c is None:
+            break  # nothing more to stream at that step: the plan runs above the budget there
+        streamed.append(best_c)
+        live[spans.pop(best_c)] -= sizes[best_c]
+    moved_in = sum(sizes[c] for c in streamed)
+    return {"budget": budget, "peak": over, "fits": over <= budget,
+            "bytes_in": moved_in, "bytes_out": sum(sizes[c] for c in streamed if c in written),
+            "streamed": len(streamed), "pinned": sum(1 for c in uses if c not in freed) - len(streamed),
+            "moves": 2 * len(streamed)}
