@@ -20,9 +20,8 @@ periods after the first two) and in all:
 - the decisions per period that move something (``acting``: under `run` on the native core the
   operations of the others take the fast path), with --prefetch-batch as `run` takes it;
 - a fixed plan, the same every period (moves.py ``fixed_plan``: each record pinned, or dropped
-  after its use before its longest gap and loaded two steps before the use after it): bytes in
-  and moves per period, ``*`` where records freed inside the period (a step's temporaries, which
-  it does not stream) leave it above the budget.
+  over gaps between its uses and loaded two steps before the next use where the room allows):
+  bytes in and moves per period, ``*`` where it cannot fit the budget.
 
 
 A workload that names a file (``gpu-trace run -o FILE`` of a training loop) is read from it; with

@@ -216,20 +216,24 @@ def _mean(rows: list[dict[str, Any]], acc: dict[str, Any]) -> dict[str, Any]:
     return acc
 
 
-def fixed_plan(w: Workload, budget: int, period_steps: int, lead: int = 2, period: int = 2) -> dict[str, Any]:
+def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, period: int = 2) -> dict[str, Any]:
     """A plan that repeats unchanged every period, for a cyclic workload: each record either
-    stays resident (pinned) or is streamed, dropped after its use before the longest gap between
-    its uses in the period and loaded ``lead`` steps before the use after that gap. Greedy: while
-    the most memory live at one step exceeds ``budget``, the largest pinned record whose gap
-    covers that step is streamed instead. The online policy's moves drift from period to period
-    (its victims depend on ties and on what came before); a fixed plan repeats, so it could be
-    carried out without deciding anything per operation. Records freed inside the period
-    (temporaries) stay live from their first to their last use in it and are never streamed.
+    stays resident (pinned) or is streamed over some of the gaps between its uses in the period:
+    dropped after the use before a gap and loaded ``ahead`` steps before the use after it, or
+    later where the room allows no earlier load (``short_leads``). Greedy: at the step whose live
+    memory exceeds ``budget`` the most, a load over it is made later if there is one (no bytes),
+    else the largest record with a gap over it (the longest such gap first) is dropped over that
+    gap. The online policy's moves drift from period to period (its victims depend on ties and
+    on what came before); a fixed plan repeats, so it could be carried out without deciding
+    anything per operation. Records freed inside the period (temporaries) are live from their
+    first to their last use in it, and may be dropped over the gaps between those.
 
-    Measured on the steps of period number ``period`` (0-based: the first periods learn).
-    Returns the budget, the peak live bytes the plan reaches (above the budget when no choice is
-    left), the bytes it moves in and out per period (out: streamed records the period writes), the
-    number of streamed and pinned records, and the loads and drops per period."""
+    A step whose own records exceed the budget runs above it, as under MIN: there the plan only
+    has to hold those. Measured on the steps of period number ``period`` (0-based: the first
+    periods learn). Returns the budget, the peak live bytes, whether the plan fits (every step
+    within the budget or its own bytes; not when no choice is left), the steps above the budget
+    by their own bytes, the bytes it moves in and out per period (out: the drops of records the
+    period writes), the records streamed and pinned, and the loads and drops per period."""
     import numpy as np
 
     sizes = w.chunks.sizes
@@ -247,39 +251,57 @@ def fixed_plan(w: Workload, budget: int, period_steps: int, lead: int = 2, perio
             uses.setdefault(c, []).append(t)
         written.update(st.writes)
     live = np.zeros(p, dtype=np.int64)
-    gaps: dict[int, tuple[int, int]] = {}  #: record -> (first step off, steps off), cyclic
+    cands: list[tuple[int, int, int, int]] = []  #: (bytes, steps between the uses, record, the use before), a gap each
     for c, ts in uses.items():
-        if c in freed:  # a temporary: live between its first and last use
+        if c in freed:  # a temporary: live between its first and last use, its gaps inside them
             live[ts[0]:ts[-1] + 1] += sizes[c]
-            continue
-        live += sizes[c]
-        best, at = -1, 0
-        for a, b in zip(ts, ts[1:] + [ts[0] + p]):
-            if b - a > best:
-                best, at = b - a, a
-        off = best - 1 - lead  # steps after the last use before the gap, until the load
-        if off > 0:
-            gaps[c] = ((at + 1) % p, off)
-    streamed: list[int] = []
-    spans = {c: np.arange(start, start + n) % p for c, (start, n) in gaps.items()}  #: pinned, streamable
+            nxt = ts[1:]
+        else:  # live all along, a gap may wrap around the period's end
+            live += sizes[c]
+            nxt = ts[1:] + [ts[0] + p]
+        for a, b in zip(ts, nxt):
+            if b - a > 1:
+                cands.append((sizes[c], b - a, c, a))
+    cands.sort(key=lambda x: (-x[0], -x[1]))  # the largest records first, then the longest gaps
+    # a step whose records alone exceed the budget runs above it (as under MIN): its own bytes
+    limit = np.array([max(budget, sum(sizes[c] for c in set(st.ws))) for st in steps], dtype=np.int64)
+    chosen: dict[int, int] = {}  #: candidate -> its load's lead (steps before the use after the gap)
     while True:
-        t = int(np.argmax(live))
-        over = int(live[t])
-        if over <= budget:
+        t = int(np.argmax(live - limit))
+        if live[t] <= limit[t]:
             break
-        best_c, best_key = None, None
-        for c in spans:
-            start, n = gaps[c]
-            if (t - start) % p < n:  # off at the peak step
-                key = (sizes[c], n)
-                if best_key is None or key > best_key:
-                    best_c, best_key = c, key
-        if best_c is None:
-            break  # nothing more to stream at that step: the plan runs above the budget there
-        streamed.append(best_c)
-        live[spans.pop(best_c)] -= sizes[best_c]
-    moved_in = sum(sizes[c] for c in streamed)
-    return {"budget": budget, "peak": over, "fits": over <= budget,
-            "bytes_in": moved_in, "bytes_out": sum(sizes[c] for c in streamed if c in written),
-            "streamed": len(streamed), "pinned": sum(1 for c in uses if c not in freed) - len(streamed),
-            "moves": 2 * len(streamed)}
+        # at that step, in order of preference: a load there made later (no bytes), a new drop
+        # whose load still comes ``ahead`` steps early, a new drop whose load comes later
+        pick: tuple[int, int, int] | None = None  #: (class, candidate, its lead)
+        for k, (size, n, _, a) in enumerate(cands):
+            d = (t - a) % p  # steps from the use before the gap to t
+            if not 0 < d < n:
+                continue
+            lead = chosen.get(k)
+            if lead is None:
+                c = (0 if n - 1 - ahead >= d else 1, k, min(ahead, n - 1 - d))
+            elif d > n - 1 - lead:  # t is in its load's lead
+                c = (-1, k, n - 1 - d)
+            else:
+                continue
+            if pick is None or c[0] < pick[0]:
+                pick = c
+                if c[0] < 0:
+                    break
+        if pick is None:
+            break  # nothing more to drop at that step: the plan runs above the budget there
+        _, k, lead = pick
+        size, n, _, a = cands[k]
+        old = chosen.get(k)
+        off_from = (a + 1) % p
+        if old is not None:  # extend the drop by the steps its load comes later
+            live[np.arange(a + n - old, a + n - lead) % p] -= size
+        else:
+            live[np.arange(off_from, off_from + n - 1 - lead) % p] -= size
+        chosen[k] = lead
+    over = int(np.max(live - limit))
+    recs = {cands[k][2] for k in chosen}
+    return {"budget": budget, "peak": int(np.max(live)), "fits": over <= 0, "above_steps": int(np.sum(limit > budget)),
+            "bytes_in": sum(cands[k][0] for k in chosen), "bytes_out": sum(cands[k][0] for k in chosen if cands[k][2] in written),
+            "streamed": len(recs), "pinned": len(uses) - len(recs), "moves": 2 * len(chosen),
+            "short_leads": sum(1 for v in chosen.values() if v < ahead)}
