@@ -60,12 +60,12 @@ from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.image import open_image
 from gpuos_tools.memory.engine import ResidencyEngine
+from gpuos_tools.memory.eviction import PER_THREAD_STREAM
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.staging import PIECE, Staging, driver_staging
 from gpuos_tools.model.allocs import Allocation
 
 UNSAVED, ENQUEUED, COW, HOST, DONE = range(5)
-PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 IN_FLIGHT = 4  # pieces in flight on the side stream
 SETTLE_S = 2.0  # how long T0 or a rollback waits for operations being issued
 MEMO_MAX = 65536  # launch predictions kept (see Agent.predict_launch)

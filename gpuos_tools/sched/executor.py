@@ -79,6 +79,7 @@ from gpuos_tools.agent.hooks import AgentHooks
 from gpuos_tools.cuda.driver import relax_capture
 from gpuos_tools.errors import GpuosError
 from gpuos_tools.memory.engine import opaque_copy
+from gpuos_tools.memory.eviction import PER_THREAD_STREAM
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.ledger import Ledger
 from gpuos_tools.sched.online import OnlinePolicy
@@ -98,7 +99,6 @@ SAMPLES_MAX = 32  #: samples in flight at most (their timer events are reused)
 FAST_MAX = 4096  #: decisions the core's fast path may let go by at most before Python looks again
 MARKS = 256  #: last-use marks kept at least per stream (``Executor._mark``)
 MIXED = -1  #: a record's operations came on more than one stream (``Executor._used_on``)
-PER_THREAD_STREAM = 2  #: CU_STREAM_PER_THREAD: a stream of each thread of the program
 
 
 class Executor(AgentHooks):

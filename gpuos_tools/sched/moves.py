@@ -293,11 +293,9 @@ def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, peri
         _, k, lead = pick
         size, n, _, a = cands[k]
         old = chosen.get(k)
-        off_from = (a + 1) % p
-        if old is not None:  # extend the drop by the steps its load comes later
-            live[np.arange(a + n - old, a + n - lead) % p] -= size
-        else:
-            live[np.arange(off_from, off_from + n - 1 - lead) % p] -= size
+        # off from the step after the use before the gap (or, a load made later, from where its
+        # lead began) until the load
+        live[np.arange(a + 1 if old is None else a + n - old, a + n - lead) % p] -= size
         chosen[k] = lead
     over = int(np.max(live - limit))
     recs = {cands[k][2] for k in chosen}

@@ -37,7 +37,8 @@ actions in the order they must be applied to the engine (gpuos_tools/memory/engi
   reuse). The moves come in fewer decisions, and the launches between them go by without one
   (the executor's fast path). On the recorded LLM decode token, in the CPU simulation, B = 4
   took the decisions that move something from 78 to 41 a token for 1.6 % more bytes; B = 16
-  moved 7-11 % more bytes on the blocked GEMM.
+  moved 7-11 % more bytes on the blocked GEMM. On an H100 the decode ran no faster with B = 4:
+  a decision's cost there is mostly fixed, not its moves.
 - ``plan="time"`` (opt-in; module docstring of the time plan below) replaces the fixed count of
   launches by the launches' measured durations.
 - A working set larger than the budget cannot fit: everything else is evicted, the launch is
