@@ -13,7 +13,8 @@ fast path off (GPUOS_SCHED_FAST=0). The caller's GPUOS_AGENT_MECHANISM and GPUOS
 leak in. --configs picks from the default list and more, asked for by name so that the default keeps
 its running time: `agent_cupti_after_snapshot`, `sched_100_cupti`, `sched_100_slow`, and the
 scheduler below the footprint, at --budget 66% (`sched_66`, `sched_66_slow`, `sched_66_cupti`,
-`sched_66_slow_cupti`; `sched_66_time` plans by time, --plan time; `sched_66_nolastuse` orders
+`sched_66_slow_cupti`; `sched_66_time` plans by time, --plan time, and `sched_66_fixed` with a fixed plan,
+--plan fixed; `sched_66_nolastuse` orders
 each eviction's save after everything enqueued, GPUOS_SCHED_LAST_USE=0; `sched_66_b4` prefetches in
 batches, --prefetch-batch 4). Two more take `--budget 100%` apart, where the scheduler does nothing but
 the program's memory is owned (torch through the owned allocator's pluggable allocator and its
@@ -59,7 +60,7 @@ CONFIGS = ("plain", "trace", "agent", "agent_cupti", "agent_after_snapshot", "sc
            "plain_again")
 OPTIONAL = ("agent_intercept", "agent_cupti_after_snapshot", "sched_100_cupti", "sched_100_slow", "sched_66",
             "sched_66_slow", "sched_66_cupti", "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4",
-            "plain_owned", "agent_owned")
+            "sched_66_fixed", "plain_owned", "agent_owned")
 AGENT = ("agent", "agent_cupti", "agent_intercept", "agent_after_snapshot", "agent_cupti_after_snapshot",
          "agent_python", "agent_owned")
 #: the configurations whose program allocates through the owned allocator without the scheduler
@@ -79,7 +80,7 @@ OWNED_WRAPPER = (
 )
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_cupti_after_snapshot")
 SCHED = ("sched_100", "sched_100_cupti", "sched_100_slow", "sched_66", "sched_66_slow", "sched_66_cupti",
-         "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4")
+         "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4", "sched_66_fixed")
 #: what a scheduler run's summary says, kept in its result
 SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
                 "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
@@ -122,7 +123,7 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         env["GPUOS_SCHED_FAST"] = "0" if "slow" in parts else "1"
         # saves wait for each victim's last use by default: "nolastuse" waits for everything enqueued
         env["GPUOS_SCHED_LAST_USE"] = "0" if "nolastuse" in parts else "1"
-        plan = ["--plan", "time"] if "time" in parts else []
+        plan = ["--plan", "time"] if "time" in parts else ["--plan", "fixed"] if "fixed" in parts else []
         plan += [x for b in parts if b[:1] == "b" and b[1:].isdigit() for x in ("--prefetch-batch", b[1:])]
         return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", *plan, "-o", str(trace), "--",
                 sys.executable, *workload], env

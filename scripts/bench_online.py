@@ -14,7 +14,8 @@ intensity); --periods repetitions of the n steps. For each --work value, side by
           --policies and each --plans (`run --plan`: count, the default, named <B>-<policy>;
           time, named <B>-<policy>-time; proactive, `--plan time --proactive`, named
           <B>-<policy>-proactive; bN, the count plan with --prefetch-batch N, named
-          <B>-<policy>-bN; side by side; --plan-bw gives the time plan's link);
+          <B>-<policy>-bN; fixed, `--plan fixed`, named <B>-<policy>-fixed; side by side;
+          --plan-bw gives the time plan's link);
 - <B>-nodigest: at each --nodigest-work intensity, each budget again with the engine's digest
           check off (GPUOS_ENGINE_NO_DIGEST=1: every eviction of a record the predictor counts
           as written is saved), side by side with the same budget's run with it on;
@@ -132,8 +133,8 @@ def main() -> int:
     ap.add_argument("--policies", default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--plans", default="count",
-                    help="run --plan values, each at every budget and policy (count,time,proactive; bN: the count "
-                    "plan with --prefetch-batch N)")
+                    help="run --plan values, each at every budget and policy (count,time,proactive,fixed; bN: the "
+                    "count plan with --prefetch-batch N)")
     ap.add_argument("--plan-bw", default="", help="run --plan-bw for the time plan (empty: the command's default)")
     ap.add_argument("--extra-work", type=int, default=1024,
                     help="at this --work also run 66%% with lru and with lookahead 1 (0: no extra runs)")
@@ -161,9 +162,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.job == "gemm":
         args.nodigest_work = args.nopark_work = ""  # the stencil's intensity sweeps
-    if any(x not in ("count", "time", "proactive") and not re.fullmatch(r"b[1-9][0-9]*", x)
+    if any(x not in ("count", "time", "proactive", "fixed") and not re.fullmatch(r"b[1-9][0-9]*", x)
            for x in args.plans.split(",") if x):
-        ap.error("--plans: count, time, proactive and/or bN (N 1 or more)")
+        ap.error("--plans: count, time, proactive, fixed and/or bN (N 1 or more)")
 
     rows: list[dict[str, Any]] = []
     gemm = args.job == "gemm"
@@ -271,12 +272,12 @@ def main() -> int:
 def run_ours(args: argparse.Namespace, job: list[str], hbm: dict[str, Any], work: int, name: str, budget: str,
          policy: str, la: int) -> dict[str, Any]:
     """One run under `gpu-prefetch-sched run` (a name ending in -nodigest: with the digest
-    check off; in -nopark: with parking off; in -nolastuse: with saves after everything enqueued; in -time: with the time plan; in -proactive: and its proactive evictions; in -bN: with --prefetch-batch N), compared with ``hbm``."""
+    check off; in -nopark: with parking off; in -nolastuse: with saves after everything enqueued; in -time: with the time plan; in -proactive: and its proactive evictions; in -bN: with --prefetch-batch N; in -fixed: with the fixed plan), compared with ``hbm``."""
     extra = ({"GPUOS_ENGINE_NO_DIGEST": "1"} if name.endswith("-nodigest")
              else {"GPUOS_ENGINE_NO_PARK": "1"} if name.endswith("-nopark")
              else {"GPUOS_SCHED_LAST_USE": "0"} if name.endswith("-nolastuse") else None)
     proactive = name.endswith("-proactive")
-    plan = "time" if name.endswith("-time") or proactive else "count"
+    plan = "time" if name.endswith("-time") or proactive else "fixed" if name.endswith("-fixed") else "count"
     opts = ["--budget", budget, "--policy", policy, "--lookahead", str(la), "--plan", plan]
     if proactive:
         opts.append("--proactive")

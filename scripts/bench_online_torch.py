@@ -14,7 +14,8 @@ Per workload, side by side (--configs):
 - run100: under `gpu-prefetch-sched run --budget 100%` (agent, owned memory, policy on, nothing
           to move: the cost of the python-callback agent and the policy on the launch path);
 - 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru; a suffix -bN
-  (66%-b4) runs with `--prefetch-batch N`;
+  (66%-b4) runs with `--prefetch-batch N`, -fixed with `--plan fixed` and -lN (66%-fixed-l64)
+  with `--lead N`;
 - with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
   DynamicCache (new memory per token and layer);
 - llm only, what a user would pick instead (torch_decode_job.py --accelerate): acc-offload,
@@ -130,9 +131,13 @@ def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | No
         else:
             budget, *rest = c.split("-")
             batch = [r for r in rest if re.fullmatch(r"b[0-9]+", r)]
-            policy = [r for r in rest if r not in batch]
-            out.append((c, budget, policy[0] if policy else "belady", [],
-                        ["--prefetch-batch", batch[-1][1:]] if batch else []))
+            lead = [r for r in rest if re.fullmatch(r"l[0-9]+", r)]
+            fixed = "fixed" in rest
+            policy = [r for r in rest if r not in batch and r not in lead and r != "fixed"]
+            opts = ["--prefetch-batch", batch[-1][1:]] if batch else []
+            opts += ["--plan", "fixed"] if fixed else []
+            opts += ["--lead", lead[-1][1:]] if lead else []
+            out.append((c, budget, policy[0] if policy else "belady", [], opts))
     if args.dynamic and workload == "llm":
         out += [("hbm-dyn", None, "", ["--cache", "dynamic"], []),
                 ("66%-dyn", "66%", "belady", ["--cache", "dynamic"], [])]
@@ -217,6 +222,11 @@ def main() -> int:
                     row["period_breaks"] = (s.get("policy_stats") or {}).get("period_breaks")
                     row["distinct_keys"] = (s.get("policy_stats") or {}).get("keys")
                     row["jitter"] = (s.get("policy_stats") or {}).get("jitter")
+                    pst = s.get("policy_stats") or {}
+                    if pst.get("fixed_plans"):
+                        row["fixed"] = {k: pst.get(k) for k in ("fixed_plans", "fixed_launches", "fixed_ends",
+                                                                 "fixed_end", "fixed")}
+                    row["fast"] = s.get("fast")
                     if name.startswith("66%") and "kernels" in s:
                         row["kernels"] = s["kernels"]
                 if policy == "accelerate":

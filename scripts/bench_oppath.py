@@ -31,7 +31,8 @@ steps), the period learned, loads and evictions. JSON on stdout; --profile print
 functions (by own time) on stderr.
 
     python3 scripts/bench_oppath.py [--workload cnn|torch|decode] [--fraction 0.66] [--policy belady]
-                                    [--prefetch-batch 1] [--steps 30] [--shuffle] [--core] [--profile]
+                                    [--prefetch-batch 1] [--plan count|time|fixed] [--lead 32]
+                                    [--steps 30] [--shuffle] [--core] [--profile]
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ def run(args) -> dict[str, Any]:
     total = sum(s for _, s, _ in allocs)
     ops = FastOps(recs)
     cfg = {"fraction": args.fraction, "policy": args.policy, "lookahead": args.lookahead, "prepin": False,
-           "batch": args.prefetch_batch}
+           "batch": args.prefetch_batch, "plan": args.plan, "lead": args.lead}
     if args.core:
         with tempfile.TemporaryDirectory() as build:
             agent, ex, hook, core = _core_path(allocs, recs, ops, cfg, Path(build))
@@ -308,8 +309,12 @@ def run(args) -> dict[str, Any]:
         "executor_us_per_op": round(summ["executor"]["before_s"] / max(1, summ["launches"]) * 1e6, 2),
         "periods": summ["periods"], "predicted": summ["predicted"], "launches": summ["launches"],
         "loads": summ["loads"], "demand_loads": summ["demand_loads"], "evictions": summ["evictions"],
-        "period_breaks": summ["policy_stats"]["period_breaks"],
+        "period_breaks": summ["policy_stats"]["period_breaks"], "plan": args.plan,
     }
+    if args.plan == "fixed":
+        st = summ["policy_stats"]
+        out.update(fixed_plans=st["fixed_plans"], fixed_launches=st["fixed_launches"], fixed_ends=st["fixed_ends"],
+                   fixed_end=st["fixed_end"], fixed=st["fixed"])
     if core is not None:
         fast = summ["fast"]
         py = summ["executor"]["before_s"] + fast["replay_s"] + fast["after_s"]
@@ -330,6 +335,8 @@ def main() -> int:
     ap.add_argument("--policy", choices=("belady", "lru"), default="belady")
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--prefetch-batch", type=int, default=1, help="run --prefetch-batch")
+    ap.add_argument("--plan", choices=("count", "time", "fixed"), default="count", help="run --plan")
+    ap.add_argument("--lead", type=int, default=32, help="run --lead (with --plan fixed)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps not timed")
     ap.add_argument("--ops", type=int, default=540, help="cnn: launches a step")

@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--records", default="alloc,2MiB", help="alloc (whole allocations) and/or 2MiB pieces")
     ap.add_argument("--copies", type=int, default=20, help="repetitions of a trace (periods)")
     ap.add_argument("--period", type=int, default=0, help="steps of one period (default: the trace's, repeated)")
-    ap.add_argument("--plan", default="count", choices=("count", "time"))
+    ap.add_argument("--plan", default="count", choices=("count", "time", "fixed"))
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--prefetch-batch", type=int, default=1, help="run --prefetch-batch (the count plan)")
     ap.add_argument("--json", default="")

@@ -17,6 +17,7 @@ def load():
     ("66%-belady", ["--plan", "count"]),
     ("66%-belady-time", ["--plan", "time"]),
     ("66%-belady-b4", ["--plan", "count", "--prefetch-batch", "4"]),
+    ("66%-belady-fixed", ["--plan", "fixed"]),
 ])
 def test_a_configs_name_gives_its_run_options(name, want, monkeypatch):
     mod = load()

@@ -98,7 +98,9 @@ def test_rounds_must_be_positive():
 
 def test_a_config_suffix_gives_run_options():
     mod = load()
-    args = type("A", (), {"configs": "66%,66%-b4,50%-lru,66%-lru-b2", "dynamic": False, "um": ""})()
+    args = type("A", (), {"configs": "66%,66%-b4,50%-lru,66%-lru-b2,66%-fixed,50%-fixed-l64", "dynamic": False, "um": ""})()
     got = {c[0]: (c[1], c[2], c[4]) for c in mod.configs(args, "llm")}
     assert got == {"66%": ("66%", "belady", []), "66%-b4": ("66%", "belady", ["--prefetch-batch", "4"]),
-                   "50%-lru": ("50%", "lru", []), "66%-lru-b2": ("66%", "lru", ["--prefetch-batch", "2"])}
+                   "50%-lru": ("50%", "lru", []), "66%-lru-b2": ("66%", "lru", ["--prefetch-batch", "2"]),
+                   "66%-fixed": ("66%", "belady", ["--plan", "fixed"]),
+                   "50%-fixed-l64": ("50%", "belady", ["--plan", "fixed", "--lead", "64"])}

@@ -51,7 +51,7 @@ class Job:
 
     def __init__(self, library: Path, tmp: Path, monkeypatch, fast: bool, fraction: float = 0.66,
                  lookahead: int = 2, unseen: list[Rec] = (), budget: int | None = None, plan: str = "count",
-                 batch: int = 1) -> None:
+                 batch: int = 1, lead: int = 32) -> None:
         self.trace = records(TRACE)
         self.core = fresh(library, tmp)
         self.recs = [Rec(r["addr"], r["size"]) for r in self.trace if r["type"] == "alloc" and r.get("kind") == "device"]
@@ -63,7 +63,7 @@ class Job:
         self.agent = agent = Agent(0)
         share = {"fraction": fraction} if budget is None else {"budget": budget}  # budget: bytes instead
         executor_mod.attach(agent, {**share, "prepin": False, "fast": fast, "lookahead": lookahead, "plan": plan,
-                                    "batch": batch})
+                                    "batch": batch, "lead": lead})
         self.upcalls = AgentUpcalls(self.core, agent, dict(NAMES))
         lib = self.core.lib
         for r in self.trace:  # the program's allocations first (the core sees the owned records' maps)
@@ -246,6 +246,44 @@ def test_prefetch_batches_keep_the_fast_path_exact_and_call_less(library, tmp_pa
     calls1 = sum(step.count(False) for step in steps1[3:])
     assert calls4 < calls1, (calls4, calls1)
     assert s1["demand_loads"] <= s_one["demand_loads"]
+
+
+@pytest.mark.parametrize("trace", ["torch.ndjson.zst", "suite-cupy_suite.s1.ndjson.zst"])
+def test_under_a_fixed_plan_the_fast_path_acts_where_every_upcall_would(library, tmp_path, monkeypatch, trace):
+    """The recorded steps under a fixed plan, the fast path off and on: the same actions in the
+    same order, the same books and moves. The operations between the plan's actions go by, and
+    their replay decides nothing: the policy decides where the plan acts, at the first touch of
+    what it loaded, and at its first launch."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / trace)
+    budget = allocated(0.66) if trace.startswith("torch") else None
+    runs = {}
+    for plan, fast in (("fixed", False), ("fixed", True), ("count", True)):
+        d = tmp_path / f"{plan}{int(fast)}"
+        d.mkdir()
+        job = Job(library, d, monkeypatch, fast, plan=plan, lookahead=2, budget=budget, lead=4)
+        runs[(plan, fast)] = (job, *job.run(STEPS))
+    (slow, s0, _), (fast, s1, steps), (_, sc, _) = runs[("fixed", False)], runs[("fixed", True)], runs[("count", True)]
+    acting = [d for d in fast.decisions if d[2]]
+    assert acting == [d for d in slow.decisions if d[2]]
+    assert policy_state(fast.ex) == policy_state(slow.ex)
+    for k in ("evictions", "loads", "prefetches", "demand_loads", "bytes_in", "bytes_out", "launches", "unknown"):
+        assert s1[k] == s0[k], k
+    st = s1["policy_stats"]
+    assert st["fixed_plans"] >= 1 and st["fixed_ends"] == 0 and s1["plan"] == "fixed"
+    assert st["fixed_launches"] > (STEPS - 3) * len(steps[-1])  # the steady steps, every operation
+    # late only where a plan was made in a replay: its first decision clears what it has no use for
+    assert s1["fast"]["late"] <= st["fixed_plans"]
+    # the replay decided only what the plan acts on: fewer decisions than operations replayed
+    assert len(fast.decisions) < len(slow.decisions) - s1["fast"]["replayed"] // 2
+    calls = sum(step.count(False) for step in steps[3:])
+    # a steady step calls where the plan acts and at the first touch of each record it loaded
+    fx = st["fixed"]
+    assert all(step.count(False) <= fx["acting_phases"] + fx["moves"] // 2 for step in steps[3:])
+    if trace.startswith("torch"):  # the steady step fits: a plan with nothing to do
+        assert st["fixed"]["moves"] == 0 and calls == 0
+    else:
+        assert st["fixed"]["moves"] > 0 and s1["prefetches"] > 0
+        assert s1["bytes_in"] <= 1.05 * sc["bytes_in"]  # about the count plan's bytes
 
 
 def test_under_the_time_plan_the_fast_path_leaves_the_policy_where_every_upcall_would(library, tmp_path, monkeypatch):

@@ -393,6 +393,25 @@ def test_random_programs_never_run_a_launch_without_its_memory(seed):
             drive(pol, records, launches, 12 * MiB)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_random_loops_under_a_fixed_plan_never_run_a_launch_without_its_memory(seed):
+    """Loops long enough for a fixed plan (at least STEADY_MIN launches), with a launch of an odd
+    kernel somewhere, which ends the plan; the engine's books are the policy's throughout."""
+    from gpuos_tools.sched.online import STEADY_MIN
+
+    rnd = random.Random(seed)
+    records = {0x100 * (i + 1): rnd.choice([1, 2, 4]) * MiB for i in range(14)}
+    bases = list(records)
+    body = [("k%d" % rnd.randrange(5), rnd.sample(bases, rnd.randint(1, 3)))
+            for _ in range(rnd.randint(STEADY_MIN, 2 * STEADY_MIN))]
+    launches = list(itertools.chain.from_iterable([body] * 10))
+    launches.insert(rnd.randrange(4 * len(body), 6 * len(body)), ("odd", bases[:2]))
+    for lead in (0, 2, 8):
+        pol = OnlinePolicy(12 * MiB, "belady", lookahead=2, plan="fixed", lead=lead)
+        drive(pol, records, launches, 12 * MiB)
+        assert pol.stats.fixed_plans >= 1 and pol.stats.fixed_launches > 0
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_victim_is_the_resident_record_used_furthest_ahead_lru_first_among_equals(seed):
     """_victim's inlined scan against the definition: max of _next_use over the resident
@@ -448,7 +467,9 @@ def _cli(*args: str):
                                   ["--budget", "66%", "--plan", "time", "--plan-bw", "fast"],
                                   ["--budget", "66%", "--plan", "time", "--plan-bw", "0GB/s"],
                                   ["--budget", "66%", "--proactive"], ["--budget", "66%", "--prefetch-batch", "0"],
-                                  ["--budget", "66%", "--plan", "time", "--prefetch-batch", "4"]])
+                                  ["--budget", "66%", "--plan", "time", "--prefetch-batch", "4"],
+                                  ["--budget", "66%", "--plan", "fixed", "--policy", "lru"],
+                                  ["--budget", "66%", "--plan", "fixed", "--lead", "-1"]])
 def test_run_refuses_bad_options_before_starting_anything(args, tmp_path):
     marker = tmp_path / "started"
     p = _cli("run", *args, "--", "python3", "-c", f"open({str(marker)!r}, 'w')")

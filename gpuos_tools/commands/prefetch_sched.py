@@ -21,7 +21,7 @@ from gpuos_tools.commands.cli import MECHANISM_DEFAULT, OutputOpt, UnbufferedOpt
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection.config import OnlineConfig, ServeConfig
 from gpuos_tools.memory import owned
-from gpuos_tools.sched.online import PLANS
+from gpuos_tools.sched.online import FIXED_LEAD, PLANS
 from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
 from gpuos_tools.sched.planner import PLANNERS
 from gpuos_tools.sched import records as _schemas  # noqa: F401 -- registers the schemas of what it writes
@@ -262,12 +262,19 @@ def run(
         "tokens/s, so 1 stays the default).",
     ),
     plan: str = typer.Option(
-        "count", "--plan", metavar="count|time",
+        "count", "--plan", metavar="count|time|fixed",
         help="How far ahead to prefetch. count: the next --lookahead launches. time (experimental: on an H100 "
         "it helped an out-of-core GEMM only at 300 % oversubscription, so count stays the default): as far ahead as the launches' GPU times "
         "(sampled with events) need for the copies to complete before their use, and a record is evicted "
         "right after its last use when the next loads will need its room; --lookahead applies until "
-        "durations are measured.",
+        "durations are measured. fixed (experimental): once the loop's launch sequence is learned, one plan "
+        "made for it and repeated every period (each record resident throughout, or dropped after a use and "
+        "loaded --lead launches before the next), so that only the launches where it acts are decided; "
+        "the count plan until then and again after a launch leaves the sequence.",
+    ),
+    lead: int = typer.Option(
+        FIXED_LEAD, "--lead", min=0, metavar="N",
+        help="With --plan fixed: launches ahead of its use that a record dropped by the plan is loaded again.",
     ),
     proactive: bool = typer.Option(
         False, "--proactive",
@@ -327,6 +334,8 @@ def run(
         raise typer.BadParameter("only with --plan time", param_hint="--proactive")
     if prefetch_batch > 1 and plan != "count":
         raise typer.BadParameter("only with --plan count", param_hint="--prefetch-batch")
+    if plan == "fixed" and policy != "belady":
+        raise typer.BadParameter("a fixed plan is made with --policy belady only", param_hint="--plan")
     if plot_file is not None:
         figures.check_path(plot_file)  # before the program runs, not after
     size = fraction = None
@@ -360,7 +369,7 @@ def run(
         online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
                               summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served,
                               plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
-                              proactive=proactive, batch=prefetch_batch)
+                              proactive=proactive, batch=prefetch_batch, lead=lead)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
                                       online=online, own=owned.FRAMEWORKS,
                                       warn=lambda m: warn(PROG, m))

@@ -82,7 +82,7 @@ from gpuos_tools.memory.engine import opaque_copy
 from gpuos_tools.memory.eviction import PER_THREAD_STREAM
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.ledger import Ledger
-from gpuos_tools.sched.online import OnlinePolicy
+from gpuos_tools.sched.online import FIXED_LEAD, OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
 from gpuos_tools.stream import atomic
 
@@ -115,7 +115,8 @@ class Executor(AgentHooks):
         self.cfg = cfg
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"),
-                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)))
+                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)),
+                                   lead=int(cfg.get("lead", FIXED_LEAD)))
         if cfg.get("bw"):
             self.policy.note_bandwidth(*cfg["bw"])
         #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops
@@ -567,6 +568,8 @@ class Executor(AgentHooks):
             self._replay_for = memo_for
         memo = self._replay_memo
         before = self.policy.before
+        # under a fixed plan, an operation the plan has nothing for only moves its phase on
+        fixed_next = self.policy.fixed_next if self.policy.plan == "fixed" else None
         profile = self._profile
         launched, touched_now = eng._launched, eng._touched
         used, on = self._used_at, self._used_on
@@ -603,6 +606,8 @@ class Executor(AgentHooks):
                     if was != stream:
                         on[b] = _one_stream(was, stream)
                 profile(kernel, bases, recs, nbytes)
+                if fixed_next is not None and fixed_next(kernel):
+                    continue
                 actions = before(kernel, bases, recs, key, version)
                 if (len(actions) != 1 or actions[0][0] != "require") and any(op != "require" for op, _ in actions):
                     late += 1  # an action besides the require: carried out late
@@ -701,6 +706,9 @@ class Executor(AgentHooks):
         pol, eng = self.policy, self.engine
         if pol.proactive or (eng.conservative and eng.digests):
             return 0
+        quiet = pol.fixed_quiet(FAST_MAX)
+        if quiet >= 0:  # a fixed plan: up to its next action (records it did not load are not marked)
+            return quiet
         if pol.plan == "time" and self._open is not None:
             return 0
         per = pol.period

@@ -28,6 +28,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
+from gpuos_tools.sched.fixed import choose_gaps
 from gpuos_tools.sched.planner import NEVER
 from gpuos_tools.sched.workload import Workload
 
@@ -236,70 +237,16 @@ def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, peri
     period writes), the records streamed and pinned, and the loads and drops per period."""
     import numpy as np
 
-    sizes = w.chunks.sizes
     s0 = period * period_steps
     steps = w.steps[s0:s0 + period_steps]
-    p = len(steps)
-    if p < period_steps:
+    if len(steps) < period_steps:
         raise ValueError(f"the workload has fewer than {period + 1} periods of {period_steps} steps")
-    uses: dict[int, list[int]] = {}
-    written: set[int] = set()
-    freed: set[int] = set()
-    for t, st in enumerate(steps):
-        freed.update(st.frees)
-        for c in st.ws:
-            uses.setdefault(c, []).append(t)
-        written.update(st.writes)
-    live = np.zeros(p, dtype=np.int64)
-    cands: list[tuple[int, int, int, int]] = []  #: (bytes, steps between the uses, record, the use before), a gap each
-    for c, ts in uses.items():
-        if c in freed:  # a temporary: live between its first and last use, its gaps inside them
-            live[ts[0]:ts[-1] + 1] += sizes[c]
-            nxt = ts[1:]
-        else:  # live all along, a gap may wrap around the period's end
-            live += sizes[c]
-            nxt = ts[1:] + [ts[0] + p]
-        for a, b in zip(ts, nxt):
-            if b - a > 1:
-                cands.append((sizes[c], b - a, c, a))
-    cands.sort(key=lambda x: (-x[0], -x[1]))  # the largest records first, then the longest gaps
-    # a step whose records alone exceed the budget runs above it (as under MIN): its own bytes
-    limit = np.array([max(budget, sum(sizes[c] for c in set(st.ws))) for st in steps], dtype=np.int64)
-    chosen: dict[int, int] = {}  #: candidate -> its load's lead (steps before the use after the gap)
-    while True:
-        t = int(np.argmax(live - limit))
-        if live[t] <= limit[t]:
-            break
-        # at that step, in order of preference: a load there made later (no bytes), a new drop
-        # whose load still comes ``ahead`` steps early, a new drop whose load comes later
-        pick: tuple[int, int, int] | None = None  #: (class, candidate, its lead)
-        for k, (size, n, _, a) in enumerate(cands):
-            d = (t - a) % p  # steps from the use before the gap to t
-            if not 0 < d < n:
-                continue
-            lead = chosen.get(k)
-            if lead is None:
-                c = (0 if n - 1 - ahead >= d else 1, k, min(ahead, n - 1 - d))
-            elif d > n - 1 - lead:  # t is in its load's lead
-                c = (-1, k, n - 1 - d)
-            else:
-                continue
-            if pick is None or c[0] < pick[0]:
-                pick = c
-                if c[0] < 0:
-                    break
-        if pick is None:
-            break  # nothing more to drop at that step: the plan runs above the budget there
-        _, k, lead = pick
-        size, n, _, a = cands[k]
-        old = chosen.get(k)
-        # off from the step after the use before the gap (or, a load made later, from where its
-        # lead began) until the load
-        live[np.arange(a + 1 if old is None else a + n - old, a + n - lead) % p] -= size
-        chosen[k] = lead
+    sets = [list(st.ws) for st in steps]
+    written = {c for st in steps for c in st.writes}
+    gaps, live, limit = choose_gaps(sets, w.chunks.sizes, budget, ahead, temporaries={c for st in steps for c in st.frees})
     over = int(np.max(live - limit))
-    recs = {cands[k][2] for k in chosen}
+    recs = {g.record for g in gaps}
     return {"budget": budget, "peak": int(np.max(live)), "fits": over <= 0, "above_steps": int(np.sum(limit > budget)),
-            "bytes_in": sum(cands[k][0] for k in chosen), "bytes_out": sum(cands[k][0] for k in chosen if cands[k][2] in written),
-            "streamed": len(recs), "pinned": len(uses) - len(recs), "moves": 2 * len(chosen),
-            "short_leads": sum(1 for v in chosen.values() if v < ahead)}
+            "bytes_in": sum(g.size for g in gaps), "bytes_out": sum(g.size for g in gaps if g.record in written),
+            "streamed": len(recs), "pinned": len({c for ws in sets for c in ws}) - len(recs), "moves": 2 * len(gaps),
+            "short_leads": sum(1 for g in gaps if g.lead < ahead)}

@@ -91,10 +91,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuos_tools.sched.fixed import FixedSchedule
 from gpuos_tools.sched.planner import NEVER
 
 POLICIES = ("belady", "lru")
-PLANS = ("count", "time")
+PLANS = ("count", "time", "fixed")
+#: launches ahead of its use a fixed plan loads a record, by default (``lookahead`` under the other plans)
+FIXED_LEAD = 32
 #: Each direction's bandwidth the time plan assumes until the executor says what its copies
 #: measured: half of the 101 GB/s both directions carried at once on an H200 (DESIGN.md).
 DEFAULT_BW = 50.5e9
@@ -380,6 +383,12 @@ class Stats:
     #: launches taken as the one the period predicted although one key record more or fewer
     #: came (``OnlinePolicy._jitter``): the period held
     jitter: int = 0
+    fixed_plans: int = 0  #: fixed plans made (``plan="fixed"``)
+    fixed_launches: int = 0  #: launches decided by one
+    fixed_ends: int = 0  #: fixed plans a launch ended (another kernel, an unknown launch, the records changed)
+    #: the last fixed plan made (FixedSchedule.as_dict), and why the last one ended
+    fixed: dict[str, Any] = field(default_factory=dict)
+    fixed_end: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -397,7 +406,7 @@ class OnlinePolicy:
 
     def __init__(self, budget: int | None, policy: str = "belady", lookahead: int = 2,
                  fraction: float | None = None, plan: str = "count", proactive: bool = False,
-                 batch: int = 1) -> None:
+                 batch: int = 1, lead: int = FIXED_LEAD) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if plan not in PLANS:
@@ -408,6 +417,10 @@ class OnlinePolicy:
             raise ValueError("lookahead must be 0 or more")
         if batch < 1:
             raise ValueError("batch must be 1 or more")
+        if lead < 0:
+            raise ValueError("lead must be 0 or more")
+        if plan == "fixed" and policy != "belady":
+            raise ValueError("a fixed plan is made the Belady way: policy belady only")
         self.fixed = budget
         self.fraction = fraction
         self.policy = policy
@@ -415,6 +428,14 @@ class OnlinePolicy:
         self.batch = batch  #: the count plan prefetches lookahead x batch launches once it must act
         self.plan = plan
         self.proactive = proactive
+        self.lead = lead  #: a fixed plan's loads come this many launches before the use
+        #: the fixed plan in force (``plan="fixed"``), the phase of the next launch in it, the
+        #: period (``Period.learned``) it was last tried for, and whether its first decision
+        #: is still to come (it evicts what no phase uses)
+        self._fixed: FixedSchedule | None = None
+        self._phase = 0
+        self._fixed_tried: int | None = None
+        self._fixed_fresh = False
         self.h2d_bw = self.d2h_bw = DEFAULT_BW
         self._dur: list[float] = []  #: key id -> its measured GPU seconds (-1.0: none yet)
         self._dur_sum = 0.0  #: of the measured ones
@@ -501,11 +522,17 @@ class OnlinePolicy:
         records are re-read only when it moved."""
         st = self.stats
         st.launches += 1
-        if version is None or version != self._version:
+        changed = version is None or version != self._version
+        if changed:
             self._sync(records)
             self._total = sum(records.values())
             self._version = version
             self._steady_bytes = -1
+        if self._fixed is not None:
+            end = self._fixed_holds(kernel, bases, records if changed else None)
+            if end is None:
+                return self._fixed_before(bases, records)
+            self._end_fixed(end)
         if bases is None:
             st.unknown += 1
             ws = tuple(sorted(records))
@@ -554,6 +581,8 @@ class OnlinePolicy:
             else:
                 self._prefetch(future, records, budget, protected, actions)
         st.peak_resident = max(st.peak_resident, self.used)
+        if self.plan == "fixed":
+            self._make_fixed(records, budget)
         return actions
 
     def _sync(self, records: Mapping[int, int]) -> None:
@@ -648,6 +677,9 @@ class OnlinePolicy:
         the next unknown launch or NEVER), with a period known. The phases table is made once
         per period learned: while the period holds, the key at phase i % p is the same for
         every i."""
+        fx = self._fixed
+        if fx is not None:
+            return fx.p, self._phase, fx.uses, NEVER
         per = self.period
         p = per.known
         assert p is not None
@@ -678,7 +710,7 @@ class OnlinePolicy:
     def _next_use(self, base: int) -> int:
         """Launches from the next one to the next use of ``base`` (1 = the next launch), NEVER
         if it is not in the period, or if no period is known."""
-        if self.period.known is None:
+        if self.period.known is None and self._fixed is None:
             return NEVER
         p, now, uses, best = self._table()
         phases = uses.get(base)
@@ -695,7 +727,7 @@ class OnlinePolicy:
         is computed inline from the period's phases table (``_next_use``'s arithmetic), and a
         record used neither in the period nor by an unknown launch ends the search (nothing
         is used later; the LRU one among those comes first)."""
-        if self.policy == "lru" or self.period.known is None:
+        if self.policy == "lru" or (self.period.known is None and self._fixed is None):
             for b in self.resident:
                 if b not in protected:
                     return b
@@ -726,6 +758,148 @@ class OnlinePolicy:
         self.stats.evictions += 1
         self.stats.evicted_bytes += size
         actions.append(("evict", b))
+
+    # -- the fixed plan (plan="fixed"; gpuos_tools/sched/fixed.py) ------------------------------
+
+    def _make_fixed(self, records: Mapping[int, int], budget: int) -> None:
+        """With a period of at least STEADY_MIN launches known (the loop, not a repeat inside
+        it) whose launches are all known, a fixed plan of it at ``budget``, its phase 0 the next
+        launch; tried once per period learned."""
+        per = self.period
+        p = per.known
+        if p is None or p < STEADY_MIN or per.matched < p or self._fixed_tried == per.learned:
+            return
+        self._fixed_tried = per.learned
+        keys = per.predict(p)
+        sets = [self._sets[k] for k in keys]
+        if any(ws is None for ws in sets):
+            self.stats.fixed_end = "an unknown launch in the period: no fixed plan"
+            return
+        live = [tuple(b for b in ws if b in records) for ws in sets]  # type: ignore[union-attr]
+        sizes = {b: records[b] for ws in live for b in ws}
+        self._fixed = FixedSchedule.make(keys, [self._key_of[k][0] for k in keys], live, sizes, budget, self.lead)
+        self._phase = 0
+        self._fixed_fresh = True
+        self.stats.fixed_plans += 1
+        self.stats.fixed = self._fixed.as_dict()
+
+    def _fixed_holds(self, kernel: str, bases: Sequence[int] | None, records: Mapping[int, int] | None) -> str | None:
+        """None when the launch is the one the fixed plan has next; else why the plan ends.
+        ``records``: the live records, when they changed since the last decision (a plan's
+        record freed, or of another size, ends it; a new record does not: it is resident and
+        no phase uses it, the first victim)."""
+        fx = self._fixed
+        assert fx is not None
+        if bases is None:
+            return "an unknown launch"
+        if fx.kernels[self._phase] != kernel:
+            return "another kernel than the period's"
+        if records is not None:
+            for b, size in fx.sizes.items():
+                if records.get(b) != size:
+                    return "a record of the plan freed or resized"
+        return None
+
+    def _end_fixed(self, why: str) -> None:
+        """The fixed plan no longer holds: the count plan decides this launch, and the period
+        learner (which got the plan's keys meanwhile) sees the break."""
+        self._fixed = None
+        self.stats.fixed_ends += 1
+        self.stats.fixed_end = why
+
+    def fixed_next(self, kernel: str) -> bool:
+        """A launch the executor's fast path let go by, under a fixed plan: True when it is the
+        kernel of the next phase and the plan has no action there (the phase moves on, as
+        ``before`` would have, with nothing to do); False: it must go through ``before``."""
+        fx = self._fixed
+        if fx is None:
+            return False
+        j = self._phase
+        if fx.kernels[j] != kernel or j in fx.act or self._fixed_fresh:
+            return False
+        self.period.push(fx.keys[j])
+        self._phase = j + 1 if j + 1 < len(fx.kernels) else 0
+        st = self.stats
+        st.launches += 1
+        st.predicted += 1
+        st.fixed_launches += 1
+        return True
+
+    def fixed_quiet(self, most: int) -> int:
+        """Under a fixed plan, how many next launches have no action in it (at most ``most``);
+        -1 without one."""
+        fx = self._fixed
+        if fx is None:
+            return -1
+        return 0 if self._fixed_fresh else fx.quiet(self._phase, most)
+
+    def _fixed_before(self, bases: Sequence[int], records: Mapping[int, int]) -> list[Action]:
+        """The actions at the next phase of the fixed plan: its drops, the launch's own
+        records required (a demand load makes room with Belady's victims along the plan's
+        period), its loads (each where it fits, evicting only records used after it)."""
+        fx = self._fixed
+        assert fx is not None
+        st = self.stats
+        j = self._phase
+        self.period.push(fx.keys[j])  # the plan's key: the period learner follows the launches
+        self._phase = j + 1 if j + 1 < fx.p else 0
+        st.predicted += 1
+        st.fixed_launches += 1
+        ws = tuple(sorted({b for b in bases if b in records}))
+        protected = set(ws)
+        actions: list[Action] = []
+        res = self.resident
+        if self._fixed_fresh:  # what no phase of the plan uses, and what it has dropped by now, go first
+            self._fixed_fresh = False
+            off = fx.off(j)
+            for b in [b for b in res if (b not in fx.uses or b in off) and b not in protected]:
+                self._evict(b, actions)
+        for b in fx.drops.get(j, ()):
+            if b in res and b not in protected:
+                self._evict(b, actions)
+        budget = self.last_budget = fx.budget
+        size = sum(records[b] for b in ws)
+        missing = [b for b in ws if b not in res]
+        need = sum(records[b] for b in missing)
+        if size > budget:
+            st.over_budget += 1
+            st.over_budget_bytes += size - budget
+            for b in [b for b in res if b not in protected]:
+                self._evict(b, actions)
+        else:
+            while self.used + need > budget:
+                v = self._victim(protected, 0)
+                if v is None:
+                    break
+                self._evict(v, actions)
+        if missing:
+            st.stalls += 1
+            st.demand_loads += len(missing)
+            st.demand_bytes += need
+            for b in missing:
+                res[b] = records[b]
+                self.used += records[b]
+        actions.append(("require", list(ws)))
+        for b in fx.loads.get(j, ()):
+            if b in res or b not in records:
+                continue
+            size = records[b]
+            nxt = self._next_use(b)
+            keep = protected | {b}
+            while self.used + size > budget:
+                v = self._victim(keep, nxt)
+                if v is None:
+                    break
+                self._evict(v, actions)
+            if self.used + size > budget:
+                continue  # no room for it now: it comes when its launch needs it
+            res[b] = size
+            self.used += size
+            st.prefetches += 1
+            st.prefetched_bytes += size
+            actions.append(("prefetch", b))
+        st.peak_resident = max(st.peak_resident, self.used)
+        return actions
 
     # -- a switch between jobs (gpu-prefetch-sched serve) ------------------------------------
 

@@ -1,0 +1,179 @@
+"""A fixed plan for a cyclic program: which records stay resident and which are dropped after a
+use and loaded again before the next one, at the same phases of every period.
+
+Pure logic, no CUDA. ``choose_gaps`` makes the plan from one period's working sets;
+``FixedSchedule`` reads it as actions per phase for the online policy's ``plan="fixed"``
+(online.py), and moves.py's ``fixed_plan`` measures its bytes on a recorded workload.
+
+Why a fixed plan: the online policy's Belady moves drift from period to period (its victims
+depend on ties and on what came before), so every operation has to be decided. A plan that
+repeats needs a decision only where it acts; the operations between go by on the native core's
+fast path with nothing to replay but a check that the period holds.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A record dropped over the gap between two of its uses in the period: after its use at
+    phase ``use``, until ``lead`` phases before its next use, ``steps`` phases after it (both
+    modulo the period)."""
+
+    record: int
+    size: int
+    use: int
+    steps: int
+    lead: int
+
+
+def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequence[int], budget: int, ahead: int,
+                temporaries: Iterable[int] = ()) -> tuple[list[Gap], np.ndarray, np.ndarray]:
+    """The gaps a fixed plan drops its records over, for a period whose phase t uses the records
+    of ``sets[t]``; with the live bytes per phase under that plan and the limit each phase had
+    (the budget, or a phase's own bytes where those alone exceed it: it runs above the budget,
+    as under MIN).
+
+    Each record is pinned, or dropped over some gaps between its uses and loaded ``ahead``
+    phases before the use after it, or later where the room allows no earlier load. Greedy: at
+    the phase whose live memory exceeds its limit the most, a load over it is made later if
+    there is one (no bytes), else the largest record with a gap over it (the longest such gap
+    first) is dropped over that gap; until every phase fits or no choice is left. Records in
+    ``temporaries`` (freed inside the period) are live from their first to their last use in
+    it, and may be dropped over the gaps between those; the others are live all along, and a
+    gap may wrap around the period's end."""
+    p = len(sets)
+    tmp = set(temporaries)
+    uses: dict[int, list[int]] = {}
+    for t, st in enumerate(sets):
+        for c in st:
+            uses.setdefault(c, []).append(t)
+    live = np.zeros(p, dtype=np.int64)
+    cands: list[tuple[int, int, int, int]] = []  #: (bytes, steps between the uses, record, the use before), a gap each
+    for c, ts in uses.items():
+        if c in tmp:  # a temporary: live between its first and last use, its gaps inside them
+            live[ts[0]:ts[-1] + 1] += sizes[c]
+            nxt = ts[1:]
+        else:  # live all along, a gap may wrap around the period's end
+            live += sizes[c]
+            nxt = ts[1:] + [ts[0] + p]
+        for a, b in zip(ts, nxt):
+            if b - a > 1:
+                cands.append((sizes[c], b - a, c, a))
+    cands.sort(key=lambda x: (-x[0], -x[1]))  # the largest records first, then the longest gaps
+    limit = np.array([max(budget, sum(sizes[c] for c in set(st))) for st in sets], dtype=np.int64)
+    chosen: dict[int, int] = {}  #: candidate -> its load's lead (phases before the use after the gap)
+    while p:
+        t = int(np.argmax(live - limit))
+        if live[t] <= limit[t]:
+            break
+        # at that phase, in order of preference: a load there made later (no bytes), a new drop
+        # whose load still comes ``ahead`` phases early, a new drop whose load comes later
+        pick: tuple[int, int, int] | None = None  #: (class, candidate, its lead)
+        for k, (size, n, _, a) in enumerate(cands):
+            d = (t - a) % p  # phases from the use before the gap to t
+            if not 0 < d < n:
+                continue
+            lead = chosen.get(k)
+            if lead is None:
+                c = (0 if n - 1 - ahead >= d else 1, k, min(ahead, n - 1 - d))
+            elif d > n - 1 - lead:  # t is in its load's lead
+                c = (-1, k, n - 1 - d)
+            else:
+                continue
+            if pick is None or c[0] < pick[0]:
+                pick = c
+                if c[0] < 0:
+                    break
+        if pick is None:
+            break  # nothing more to drop at that phase: the plan runs above the budget there
+        _, k, lead = pick
+        size, n, _, a = cands[k]
+        old = chosen.get(k)
+        # off from the phase after the use before the gap (or, a load made later, from where
+        # its lead began) until the load
+        live[np.arange(a + 1 if old is None else a + n - old, a + n - lead) % p] -= size
+        chosen[k] = lead
+    gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead) for k, lead in chosen.items()]
+    return gaps, live, limit
+
+
+@dataclass
+class FixedSchedule:
+    """A fixed plan read as actions per phase of the period: before the launch of phase t, drop
+    ``drops[t]`` (their last use before the gap was the launch before) and load ``loads[t]``
+    (their next use comes ``lead`` phases on). ``kernels[t]`` is the kernel the period has
+    there (``keys[t]``, the policy's launch key): a launch of another kernel ends the plan. ``uses`` gives, per record, its sorted
+    phases, for the victims of a load the plan did not foresee (Belady along the period).
+    ``acting`` are the phases to decide: those with a drop or a load, and those whose own
+    records exceed the budget (everything else has to go before them)."""
+
+    keys: list[int]
+    kernels: list[str]
+    sets: list[tuple[int, ...]]
+    sizes: dict[int, int]
+    budget: int
+    gaps: list[Gap]
+    fits: bool
+    drops: dict[int, list[int]] = field(default_factory=dict)
+    loads: dict[int, list[int]] = field(default_factory=dict)
+    uses: dict[int, list[int]] = field(default_factory=dict)
+    acting: list[int] = field(default_factory=list)  #: the phases to decide, ascending
+    act: frozenset[int] = frozenset()  #: the same, as a set
+
+    @classmethod
+    def make(cls, keys: Sequence[int], kernels: Sequence[str], sets: Sequence[tuple[int, ...]],
+             sizes: Mapping[int, int], budget: int, lead: int) -> FixedSchedule:
+        """The plan of a period whose phase t is the launch of ``kernels[t]`` (the policy's key
+        ``keys[t]``) touching ``sets[t]``, records of ``sizes`` bytes, loads ``lead`` launches
+        ahead."""
+        gaps, live, limit = choose_gaps(sets, sizes, budget, lead)
+        s = cls(list(keys), list(kernels), list(sets), dict(sizes), budget, gaps, bool(len(live) == 0 or int(np.max(live - limit)) <= 0))
+        p = len(sets)
+        for g in gaps:
+            s.drops.setdefault((g.use + 1) % p, []).append(g.record)
+            s.loads.setdefault((g.use + g.steps - g.lead) % p, []).append(g.record)
+        over = set()
+        for t, ws in enumerate(sets):
+            for b in ws:
+                s.uses.setdefault(b, []).append(t)
+            if sum(sizes[b] for b in set(ws)) > budget:
+                over.add(t)
+        s.act = frozenset(s.drops) | frozenset(s.loads) | over
+        s.acting = sorted(s.act)
+        return s
+
+    @property
+    def p(self) -> int:
+        return len(self.sets)
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes the plan loads per period."""
+        return sum(g.size for g in self.gaps)
+
+    def quiet(self, phase: int, most: int) -> int:
+        """How many phases from ``phase`` on (modulo the period) have no action, at most ``most``."""
+        acting, p = self.acting, self.p
+        if not acting:
+            return most
+        k = bisect_left(acting, phase)
+        nxt = acting[k] if k < len(acting) else acting[0] + p
+        return min(most, nxt - phase)
+
+    def off(self, t: int) -> set[int]:
+        """The records the plan has dropped before the launch of phase ``t``: in a gap, after
+        its drop and before its load."""
+        p = self.p
+        return {g.record for g in self.gaps if (t - g.use - 1) % p < g.steps - g.lead - 1}
+
+    def as_dict(self) -> dict[str, int | bool]:
+        return {"period": self.p, "budget": self.budget, "fits": self.fits, "bytes_in": self.bytes_in,
+                "streamed": len({g.record for g in self.gaps}), "pinned": len(self.uses) - len({g.record for g in self.gaps}),
+                "moves": 2 * len(self.gaps), "acting_phases": len(self.acting)}

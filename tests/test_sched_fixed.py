@@ -1,0 +1,128 @@
+"""The fixed plan (gpuos_tools/sched/fixed.py) and the online policy's ``plan="fixed"``."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuos_tools.sched.fixed import FixedSchedule
+from gpuos_tools.sched.online import STEADY_MIN, OnlinePolicy
+
+MIB = 1 << 20
+
+
+def cycle_schedule(lead: int) -> FixedSchedule:
+    """Ten records of 1 MiB used in turn, one a phase, room for six."""
+    n = 10
+    return FixedSchedule.make(list(range(n)), [f"k{i}" for i in range(n)], [(i,) for i in range(n)],
+                              {i: MIB for i in range(n)}, 6 * MIB, lead)
+
+
+def test_a_schedule_drops_after_the_use_and_loads_its_lead_before_the_next():
+    s = cycle_schedule(lead=0)
+    assert s.fits and s.p == 10 and len(s.gaps) == 5 and s.bytes_in == 5 * MIB
+    for g in s.gaps:  # each record streamed over the one gap it has, all the way round
+        assert g.steps == 10 and g.lead == 0
+        assert g.record in s.drops[(g.use + 1) % 10] and g.record in s.loads[g.use]
+    assert s.act == set(s.drops) | set(s.loads) and s.acting == sorted(s.act)
+    streamed = {g.record for g in s.gaps}
+    for t in range(10):  # what the plan has dropped: never the launch's own record, at most four others
+        off = s.off(t)
+        assert off <= streamed and t not in off and 4 <= len(off) <= 5
+        assert 10 - len(off) <= 6
+    first = s.acting[0]
+    assert s.quiet(first, 100) == 0
+    assert s.quiet((first + 1) % 10, 100) == (s.acting[1] - first - 1 if len(s.acting) > 1 else 9)
+    assert s.quiet(first + 1, 0) == 0
+    d = s.as_dict()
+    assert d["streamed"] == 5 and d["pinned"] == 5 and d["moves"] == 10 and d["fits"]
+
+
+def test_a_launch_alone_over_the_budget_is_a_phase_to_decide():
+    s = FixedSchedule.make([0, 1, 2], ["a", "b", "c"], [(0,), (1, 2), (0,)], {0: MIB, 1: 4 * MIB, 2: 4 * MIB},
+                           6 * MIB, 1)
+    assert 1 in s.act  # its own 8 MiB exceed the budget: everything else must go before it
+
+
+def drive(pol: OnlinePolicy, kernels: list[str], sets: list[tuple[int, ...]], records: dict[int, int],
+          budget_ok: list[bool]) -> list[list[tuple]]:
+    out = []
+    for k, ws in zip(kernels, sets):
+        actions = pol.before(k, list(ws), records, version=0)
+        budget_ok.append(pol.used <= pol.last_budget)
+        out.append([a for a in actions if a[0] != "require"])
+    return out
+
+
+def test_the_policy_makes_a_plan_once_the_loop_repeats_and_keeps_to_it():
+    """A loop of 40 launches over 20 records of 1 MiB, each used twice a period, at a budget of
+    12 MiB: the count plan learns the period, a fixed plan is made after one more period, and
+    from then on every period makes the same moves, within the budget; a launch of a kernel the
+    period does not have ends the plan, and the next period learned, once it has held for a
+    period, makes another."""
+    n, p = 20, 2 * STEADY_MIN
+    kernels = [f"k{t % 7}" for t in range(p)]
+    sets = [((t * 3) % n, (t * 7 + 1) % n) for t in range(p)]
+    records = {b: MIB for b in range(n)}
+    pol = OnlinePolicy(12 * MIB, "belady", 2, plan="fixed", lead=4)
+    ok: list[bool] = []
+    periods = [drive(pol, kernels, sets, records, ok) for _ in range(6)]
+    st = pol.stats
+    assert st.fixed_plans == 1 and st.fixed_ends == 0 and st.fixed["fits"]
+    assert st.fixed_launches >= 3 * p
+    steady = periods[4:]
+    assert steady[0] == steady[1] and any(a for a in steady[0])  # the same moves, every period
+    loads = sum(1 for acts in steady[0] for a in acts if a[0] == "prefetch")
+    assert loads * MIB <= st.fixed["bytes_in"]
+    assert all(ok[4 * p:])
+    # another kernel: the plan ends, the count plan decides, the period is learned again
+    pol.before("stray", [0], records, version=0)
+    assert st.fixed_ends == 1 and "another kernel" in st.fixed_end
+    for _ in range(14):  # the learner may take the loop with the stray launch as the period (385 launches)
+        drive(pol, kernels, sets, records, ok)
+    assert st.fixed_plans == 2 and pol._fixed is not None and st.fixed_ends == 1
+
+
+def test_a_record_of_the_plan_freed_ends_it_and_a_new_one_does_not():
+    n, p = 10, STEADY_MIN
+    kernels = [f"k{t}" for t in range(p)]
+    sets = [(t % n,) for t in range(p)]
+    records = {b: MIB for b in range(n)}
+    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed", lead=2)
+    ok: list[bool] = []
+    for _ in range(4):
+        drive(pol, kernels, sets, records, ok)
+    assert pol._fixed is not None
+    more = {**records, 99: MIB}  # a new record: resident, no phase uses it, the first victim
+    pol.before(kernels[pol._phase], list(sets[pol._phase]), more, version=1)
+    assert pol._fixed is not None
+    fewer = {b: s for b, s in more.items() if b != 3}
+    pol.before(kernels[pol._phase], list(sets[pol._phase]), fewer, version=2)
+    assert pol._fixed is None and "freed" in pol.stats.fixed_end
+
+
+def test_the_fast_path_replay_moves_the_phase_only_where_the_plan_has_nothing():
+    n, p = 10, STEADY_MIN
+    kernels = [f"k{t}" for t in range(p)]
+    sets = [(t % n,) for t in range(p)]
+    records = {b: MIB for b in range(n)}
+    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed", lead=2)
+    ok: list[bool] = []
+    for _ in range(4):
+        drive(pol, kernels, sets, records, ok)
+    fx = pol._fixed
+    assert fx is not None and not pol._fixed_fresh
+    j = pol._phase
+    quiet = pol.fixed_quiet(10_000)
+    assert quiet == fx.quiet(j, 10_000)
+    for t in range(quiet):
+        assert pol.fixed_next(kernels[(j + t) % p])
+    assert not pol.fixed_next(kernels[(j + quiet) % p])  # the plan acts there: a decision
+    assert pol._phase == (j + quiet) % p
+    assert not pol.fixed_next("stray")
+
+
+def test_a_fixed_plan_takes_belady_only():
+    with pytest.raises(ValueError, match="belady"):
+        OnlinePolicy(MIB, "lru", plan="fixed")
+    with pytest.raises(ValueError, match="lead"):
+        OnlinePolicy(MIB, plan="fixed", lead=-1)
