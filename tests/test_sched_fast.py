@@ -519,7 +519,12 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     assert calls[-1] == core_mod.UP_WRITE and len(calls) == n + 1
     core.fast_mark([0x20000], 2)
     write(1)
-    assert len(calls) == n + 1 and core.fast_counts() == {"fast": 2, "left": 1, "queued": 2}
+    counts = core.fast_counts()
+    assert len(calls) == n + 1 and {k: counts[k] for k in ("fast", "left", "queued")} == {"fast": 2, "left": 1, "queued": 2}
+    # why each call came: no allowance; a written record not ready (twice: the launch with nothing
+    # marked, the write to a readable-only record); a read one not readable
+    assert {k: v for k, v in counts.items() if v and k not in ("fast", "left", "queued")} == {
+        "why_left": 1, "why_unready_write": 2, "why_unready_read": 1}
     n = len(calls)
     core.fast_slow_cbid(3)
     write(3)  # an API whose addresses the core does not read
@@ -528,6 +533,8 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     assert core.fast_counts()["left"] == 0
     launch()  # the allowance is spent
     assert calls[-1] == core_mod.UP_LAUNCH and len(calls) == n + 2
+    counts = core.fast_counts()
+    assert counts["why_left"] == 2 and counts["why_slow_write"] == 1 and counts["marks_dropped"] == 0
     assert core.fast_take() == [("launch", 4, 0, 5, "k", (1,), (1, 2)), ("write", 6, 1, 5, 0x20000, 0x90000),
                                 ("launch", 8, 0, 5, "k", (1,), (1, 2))]
     assert core.fast_take() == []
@@ -549,6 +556,8 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     write(1)
     assert len(calls) == n + 1
     assert core.counters()["fast"] == 4
+    counts = core.fast_counts()
+    assert counts["marks_dropped"] == 1 and counts["why_moved"] == 1 and counts["why_unready_write"] == 4
 
 
 def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):

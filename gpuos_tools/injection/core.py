@@ -124,6 +124,9 @@ _F_LAUNCH, _F_WRITE = 1, 2
 #: the fast path's calls, made on the program's thread in each of its upcalls: they return at once
 #: and take no lock; through CDLL each call lets the GIL go and takes it back (a few µs each, and a
 #: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
+#: the counts of core_fast_counts after its first three, in order (the core's enum W_*)
+FAST_WHY = ("why_left", "why_moved", "why_full", "why_unknown", "why_unready_write", "why_unready_read",
+            "why_slow_write", "marks_dropped")
 HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts")
 _F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
 _F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
@@ -406,9 +409,14 @@ class NativeCore:
         return parse_fast(self._taken(self._held.core_fast_take(ctypes.byref(n), ctypes.byref(k)), n), self._fast_memo)
 
     def fast_counts(self) -> dict[str, int]:
-        out = (ctypes.c_uint64 * 3)()
+        """Operations let go, the allowance left, entries queued; then why operations that
+        would call the hooks did (``FAST_WHY``: the allowance spent, an allocation came or went,
+        the queue full, an unknown access set, a record written not ready, one read not
+        readable, a write that always calls) and how often every mark was dropped at once."""
+        out = (ctypes.c_uint64 * (3 + len(FAST_WHY)))()
         self._held.core_fast_counts(out)
-        return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2])}
+        return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2]),
+                **{k: int(v) for k, v in zip(FAST_WHY, out[3:])}}
 
     def set_upcall(self, fn: Callable[[Any], int]) -> None:
         self._upcall = UPCALL_FN(fn)

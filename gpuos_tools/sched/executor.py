@@ -1352,7 +1352,10 @@ class Executor(AgentHooks):
         if self.fast_off:
             out["off"] = self.fast_off
         if self._core is not None:
-            out["operations"] = self._core.fast_counts()["fast"]
+            counts = self._core.fast_counts()
+            out["operations"] = counts["fast"]
+            out["calls_why"] = {k[4:] if k.startswith("why_") else k: v for k, v in counts.items()
+                                if k.startswith("why_") or k == "marks_dropped"}
         return out
 
     def timeline(self) -> dict[str, Any]:

@@ -168,3 +168,28 @@ def test_torch_job_over_budget_on_the_fast_path_is_bit_identical_to_the_job_alon
           f"({fast['operations'] / max(1, s['launches']):.1%}), {fast['late']} replayed late, replay "
           f"{fast['replay_s']} s, marks and allowances {fast.get('after_s')} s; {s['evictions']} evictions, {s['loads']} loads, periods {s['periods']}",
           file=sys.stderr)
+
+
+@pytest.mark.parametrize("name", ["cnn", "llm"])
+def test_torch_job_under_a_fixed_plan_is_bit_identical_to_the_job_alone(tmp_path, name):
+    """`run --plan fixed`: once the loop is learned, one plan made for it decides only where it
+    drops or loads, the operations between go by on the fast path, and the job ends as it does
+    alone, with the plan in force for most of the loop."""
+    job_path, args = JOBS[name]
+    if name == "cnn":
+        args = [*args[:-2], "--steps", "10"]
+    else:  # tokens enough for the plan to be made (one token learns the period, one more holds it)
+        args = [*args[:-2], "--tokens", "14"]
+    plain = plain_run(name, tmp_path, args)
+    job, s = sched_run(name, tmp_path, "--budget", "66%", "--plan", "fixed", "--lead", "8", args=args)
+    assert job["digest"] == plain["digest"], (job, plain)
+    if name == "llm":
+        assert job["tokens"] == plain["tokens"]
+    assert s["plan"] == "fixed" and s["evictions"] > 0 and s["loads"] > 0, s
+    assert "error" not in s and s["executor"]["mover_errors"] == 0, s
+    assert s["engine"].get("evict_errors", 0) == 0, s["engine"]
+    st = s["policy_stats"]
+    assert st["fixed_plans"] >= 1 and st["fixed"]["moves"] > 0, st
+    assert st["fixed_launches"] > s["launches"] // 3, (st["fixed_launches"], s["launches"])
+    print(f"{name} fixed plan: {st['fixed']}, {st['fixed_launches']} of {s['launches']} operations under it, "
+          f"{st['fixed_ends']} ended ({st['fixed_end']!r}); fast path {s['fast']}", file=sys.stderr)

@@ -833,6 +833,12 @@ static int last_known;
 enum { FQ_LAUNCH = 1, FQ_WRITE = 2 };
 static int64_t fast_left;
 static uint64_t n_fast;
+/* why an operation that would call the hooks did call (core_fast_counts): the allowance spent,
+   an allocation came or went, the queue full, its access set unknown, a record it writes not
+   ready, one it reads not readable, a write of an API that always calls; and every mark dropped
+   at once (core_fast_unready_all) */
+enum { W_LEFT, W_MOVED, W_FULL, W_UNKNOWN, W_WRITE, W_READ, W_SLOW, W_ALL, W_N };
+static uint64_t why[W_N];
 static char *fq;
 static size_t fq_len, fq_cap;
 static uint32_t fq_entries;
@@ -872,6 +878,7 @@ void core_fast_mark(const uint64_t *addrs, uint32_t n, int level) {
 
 /* Every mark is gone (any thread, no lock needed). */
 void core_fast_unready_all(void) {
+    __atomic_add_fetch(&why[W_ALL], 1, __ATOMIC_RELAXED);
     uint32_t g = __atomic_add_fetch(&ready_gen, 1, __ATOMIC_ACQ_REL);
     if (!g) __atomic_add_fetch(&ready_gen, 1, __ATOMIC_ACQ_REL); /* 0 means "not ready" */
 }
@@ -937,12 +944,22 @@ static void fq_header(char *p, uint32_t kind, uint32_t bytes, uint32_t cbid, uin
 
 /* A launch with memo entry m goes on without a call: 1 (queued), 0 (Python must see it). */
 static int fast_launch(memo_t *m, uint32_t cbid, uint64_t stream, const char *name) {
-    if (!fast_allowed() || !m || m->unknown) return 0;
+    if (!fast_allowed()) return 0;
+    if (!m || m->unknown) {
+        why[W_UNKNOWN]++;
+        return 0;
+    }
     uint32_t n = m->nw + m->nt, g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
     for (uint32_t k = 0; k < m->nw; k++) /* written */
-        if (allocs[m->idx[k]].ready != g) return 0;
+        if (allocs[m->idx[k]].ready != g) {
+            why[W_WRITE]++;
+            return 0;
+        }
     for (uint32_t k = m->nw; k < n; k++) /* touched (the written ones again: checked above) */
-        if (allocs[m->idx[k]].readable != g) return 0;
+        if (allocs[m->idx[k]].readable != g) {
+            why[W_READ]++;
+            return 0;
+        }
     size_t nlen = name ? strnlen(name, 4096) : 0;
     size_t bytes = 40 + (size_t)n * 8 + nlen;
     char *p = fq_put(bytes);
@@ -961,10 +978,20 @@ static int fast_launch(memo_t *m, uint32_t cbid, uint64_t stream, const char *na
    decision of the policy: it goes on when what it frees is ready (or is not device memory). */
 static int fast_write(uint32_t op, uint32_t cbid, uint64_t stream, uint64_t dst, uint64_t src) {
     if (!fast_allowed()) return 0;
-    if (cbid < sizeof slow_cbid * 8 && (slow_cbid[cbid >> 3] >> (cbid & 7) & 1)) return 0;
+    if (cbid < sizeof slow_cbid * 8 && (slow_cbid[cbid >> 3] >> (cbid & 7) & 1)) {
+        why[W_SLOW]++;
+        return 0;
+    }
     alloc_t *d = find(dst), *s = find(src);
     uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
-    if ((d && d->ready != g) || (s && s->readable != g)) return 0;
+    if (d && d->ready != g) {
+        why[W_WRITE]++;
+        return 0;
+    }
+    if (s && s->readable != g) {
+        why[W_READ]++;
+        return 0;
+    }
     if (op == OP_FREE) {
         n_fast++;
         return 1;
@@ -979,10 +1006,12 @@ static int fast_write(uint32_t op, uint32_t cbid, uint64_t stream, uint64_t dst,
     return 1;
 }
 
-void core_fast_counts(uint64_t out[3]) {
+/* operations let go, allowance left, entries queued, then why[] */
+void core_fast_counts(uint64_t out[3 + W_N]) {
     out[0] = n_fast;
     out[1] = (uint64_t)(fast_left > 0 ? fast_left : 0);
     out[2] = fq_entries;
+    for (int k = 0; k < W_N; k++) out[3 + k] = __atomic_load_n(&why[k], __ATOMIC_RELAXED);
 }
 
 /* ---- the enter site */
@@ -1048,6 +1077,8 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
     memo_t *pre = NULL; /* the fast path looks the launch's access set up before the hook */
     uint64_t pre_epoch = 0;
     int fast = 0;
+    if ((flags & (F_ENGINE | F_EXEC)) && (flags & F_FAST) && !fast_allowed() && op != OP_GRAPH)
+        why[fast_left <= 0 ? W_LEFT : fast_moved ? W_MOVED : W_FULL]++;
     if ((flags & (F_ENGINE | F_EXEC)) && fast_allowed()) {
         if (op == OP_LAUNCH) {
             pre = access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
