@@ -320,7 +320,8 @@ def run(args) -> dict[str, Any]:
         py = summ["executor"]["before_s"] + fast["replay_s"] + fast["after_s"]
         out.update(core=True, fast_on=fast["on"], fast_off=fast.get("off"), fast_operations=fast.get("operations", 0), upcalls=core.counters()["upcalls"],
                    python_us_per_op=round(py / max(1, summ["launches"]) * 1e6, 2),
-                   replay_us_per_op=round(fast["replay_s"] / max(1, fast["replayed"]) * 1e6, 2))
+                   replay_us_per_op=round(fast["replay_s"] / max(1, fast["replayed"]) * 1e6, 2),
+                   calls_why=fast.get("calls_why"))
     if prof is not None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.profile_top)
