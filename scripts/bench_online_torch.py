@@ -15,7 +15,7 @@ Per workload, side by side (--configs):
           to move: the cost of the python-callback agent and the policy on the launch path);
 - 66%, 50%, 33% (150%, 200%, 300% oversubscription) with Belady, and 66%-lru; a suffix -bN
   (66%-b4) runs with `--prefetch-batch N`, -fixed with `--plan fixed` and -lN (66%-fixed-l64)
-  with `--lead N`;
+  with `--lookahead N`;
 - with --dynamic, llm only: hbm-dyn and 66%-dyn, the same decode with transformers'
   DynamicCache (new memory per token and layer);
 - llm only, what a user would pick instead (torch_decode_job.py --accelerate): acc-offload,
@@ -136,7 +136,7 @@ def configs(args: argparse.Namespace, workload: str) -> list[tuple[str, str | No
             policy = [r for r in rest if r not in batch and r not in lead and r != "fixed"]
             opts = ["--prefetch-batch", batch[-1][1:]] if batch else []
             opts += ["--plan", "fixed"] if fixed else []
-            opts += ["--lead", lead[-1][1:]] if lead else []
+            opts += ["--lookahead", lead[-1][1:]] if lead else []
             out.append((c, budget, policy[0] if policy else "belady", [], opts))
     if args.dynamic and workload == "llm":
         out += [("hbm-dyn", None, "", ["--cache", "dynamic"], []),

@@ -31,7 +31,7 @@ steps), the period learned, loads and evictions. JSON on stdout; --profile print
 functions (by own time) on stderr.
 
     python3 scripts/bench_oppath.py [--workload cnn|torch|decode] [--fraction 0.66] [--policy belady]
-                                    [--prefetch-batch 1] [--plan count|time|fixed] [--lead 32]
+                                    [--prefetch-batch 1] [--plan count|time|fixed]
                                     [--steps 30] [--shuffle] [--core] [--profile]
 """
 
@@ -275,7 +275,7 @@ def run(args) -> dict[str, Any]:
     total = sum(s for _, s, _ in allocs)
     ops = FastOps(recs)
     cfg = {"fraction": args.fraction, "policy": args.policy, "lookahead": args.lookahead, "prepin": False,
-           "batch": args.prefetch_batch, "plan": args.plan, "lead": args.lead}
+           "batch": args.prefetch_batch, "plan": args.plan}
     if args.core:
         with tempfile.TemporaryDirectory() as build:
             agent, ex, hook, core = _core_path(allocs, recs, ops, cfg, Path(build))
@@ -337,7 +337,6 @@ def main() -> int:
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--prefetch-batch", type=int, default=1, help="run --prefetch-batch")
     ap.add_argument("--plan", choices=("count", "time", "fixed"), default="count", help="run --plan")
-    ap.add_argument("--lead", type=int, default=32, help="run --lead (with --plan fixed)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps not timed")
     ap.add_argument("--ops", type=int, default=540, help="cnn: launches a step")

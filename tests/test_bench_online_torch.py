@@ -103,4 +103,4 @@ def test_a_config_suffix_gives_run_options():
     assert got == {"66%": ("66%", "belady", []), "66%-b4": ("66%", "belady", ["--prefetch-batch", "4"]),
                    "50%-lru": ("50%", "lru", []), "66%-lru-b2": ("66%", "lru", ["--prefetch-batch", "2"]),
                    "66%-fixed": ("66%", "belady", ["--plan", "fixed"]),
-                   "50%-fixed-l64": ("50%", "belady", ["--plan", "fixed", "--lead", "64"])}
+                   "50%-fixed-l64": ("50%", "belady", ["--plan", "fixed", "--lookahead", "64"])}

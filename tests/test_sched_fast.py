@@ -51,7 +51,7 @@ class Job:
 
     def __init__(self, library: Path, tmp: Path, monkeypatch, fast: bool, fraction: float = 0.66,
                  lookahead: int = 2, unseen: list[Rec] = (), budget: int | None = None, plan: str = "count",
-                 batch: int = 1, lead: int = 32) -> None:
+                 batch: int = 1) -> None:
         self.trace = records(TRACE)
         self.core = fresh(library, tmp)
         self.recs = [Rec(r["addr"], r["size"]) for r in self.trace if r["type"] == "alloc" and r.get("kind") == "device"]
@@ -63,7 +63,7 @@ class Job:
         self.agent = agent = Agent(0)
         share = {"fraction": fraction} if budget is None else {"budget": budget}  # budget: bytes instead
         executor_mod.attach(agent, {**share, "prepin": False, "fast": fast, "lookahead": lookahead, "plan": plan,
-                                    "batch": batch, "lead": lead})
+                                    "batch": batch})
         self.upcalls = AgentUpcalls(self.core, agent, dict(NAMES))
         lib = self.core.lib
         for r in self.trace:  # the program's allocations first (the core sees the owned records' maps)
@@ -260,7 +260,7 @@ def test_under_a_fixed_plan_the_fast_path_acts_where_every_upcall_would(library,
     for plan, fast in (("fixed", False), ("fixed", True), ("count", True)):
         d = tmp_path / f"{plan}{int(fast)}"
         d.mkdir()
-        job = Job(library, d, monkeypatch, fast, plan=plan, lookahead=2, budget=budget, lead=4)
+        job = Job(library, d, monkeypatch, fast, plan=plan, lookahead=4, budget=budget)
         runs[(plan, fast)] = (job, *job.run(STEPS))
     (slow, s0, _), (fast, s1, steps), (_, sc, _) = runs[("fixed", False)], runs[("fixed", True)], runs[("count", True)]
     acting = [d for d in fast.decisions if d[2]]

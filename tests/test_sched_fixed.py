@@ -63,7 +63,7 @@ def test_the_policy_makes_a_plan_once_the_loop_repeats_and_keeps_to_it():
     kernels = [f"k{t % 7}" for t in range(p)]
     sets = [((t * 3) % n, (t * 7 + 1) % n) for t in range(p)]
     records = {b: MIB for b in range(n)}
-    pol = OnlinePolicy(12 * MIB, "belady", 2, plan="fixed", lead=4)
+    pol = OnlinePolicy(12 * MIB, "belady", 4, plan="fixed")
     ok: list[bool] = []
     periods = [drive(pol, kernels, sets, records, ok) for _ in range(6)]
     st = pol.stats
@@ -87,7 +87,7 @@ def test_a_record_of_the_plan_freed_ends_it_and_a_new_one_does_not():
     kernels = [f"k{t}" for t in range(p)]
     sets = [(t % n,) for t in range(p)]
     records = {b: MIB for b in range(n)}
-    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed", lead=2)
+    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed")
     ok: list[bool] = []
     for _ in range(4):
         drive(pol, kernels, sets, records, ok)
@@ -105,7 +105,7 @@ def test_the_fast_path_replay_moves_the_phase_only_where_the_plan_has_nothing():
     kernels = [f"k{t}" for t in range(p)]
     sets = [(t % n,) for t in range(p)]
     records = {b: MIB for b in range(n)}
-    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed", lead=2)
+    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed")
     ok: list[bool] = []
     for _ in range(4):
         drive(pol, kernels, sets, records, ok)
@@ -124,5 +124,5 @@ def test_the_fast_path_replay_moves_the_phase_only_where_the_plan_has_nothing():
 def test_a_fixed_plan_takes_belady_only():
     with pytest.raises(ValueError, match="belady"):
         OnlinePolicy(MIB, "lru", plan="fixed")
-    with pytest.raises(ValueError, match="lead"):
-        OnlinePolicy(MIB, plan="fixed", lead=-1)
+    with pytest.raises(ValueError, match="lookahead"):
+        OnlinePolicy(MIB, plan="fixed", lookahead=-1)

@@ -407,7 +407,7 @@ def test_random_loops_under_a_fixed_plan_never_run_a_launch_without_its_memory(s
     launches = list(itertools.chain.from_iterable([body] * 10))
     launches.insert(rnd.randrange(4 * len(body), 6 * len(body)), ("odd", bases[:2]))
     for lead in (0, 2, 8):
-        pol = OnlinePolicy(12 * MiB, "belady", lookahead=2, plan="fixed", lead=lead)
+        pol = OnlinePolicy(12 * MiB, "belady", lookahead=lead, plan="fixed")
         drive(pol, records, launches, 12 * MiB)
         assert pol.stats.fixed_plans >= 1 and pol.stats.fixed_launches > 0
 
@@ -468,8 +468,7 @@ def _cli(*args: str):
                                   ["--budget", "66%", "--plan", "time", "--plan-bw", "0GB/s"],
                                   ["--budget", "66%", "--proactive"], ["--budget", "66%", "--prefetch-batch", "0"],
                                   ["--budget", "66%", "--plan", "time", "--prefetch-batch", "4"],
-                                  ["--budget", "66%", "--plan", "fixed", "--policy", "lru"],
-                                  ["--budget", "66%", "--plan", "fixed", "--lead", "-1"]])
+                                  ["--budget", "66%", "--plan", "fixed", "--policy", "lru"]])
 def test_run_refuses_bad_options_before_starting_anything(args, tmp_path):
     marker = tmp_path / "started"
     p = _cli("run", *args, "--", "python3", "-c", f"open({str(marker)!r}, 'w')")

@@ -21,7 +21,7 @@ from gpuos_tools.commands.cli import MECHANISM_DEFAULT, OutputOpt, UnbufferedOpt
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection.config import OnlineConfig, ServeConfig
 from gpuos_tools.memory import owned
-from gpuos_tools.sched.online import FIXED_LEAD, PLANS
+from gpuos_tools.sched.online import PLANS
 from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
 from gpuos_tools.sched.planner import PLANNERS
 from gpuos_tools.sched import records as _schemas  # noqa: F401 -- registers the schemas of what it writes
@@ -250,7 +250,8 @@ def run(
         2, "--lookahead", min=0, metavar="N",
         help="Launches ahead whose working sets are prefetched (0: load at the launch only). With 1, a load "
         "waits for its victim's save within one launch; from 2 on, saves and loads of different launches "
-        "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would).",
+        "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would). With --plan "
+        "fixed: how many launches before its use a record the plan dropped is loaded again.",
     ),
     prefetch_batch: int = typer.Option(
         1, "--prefetch-batch", min=1, metavar="B",
@@ -269,12 +270,8 @@ def run(
         "right after its last use when the next loads will need its room; --lookahead applies until "
         "durations are measured. fixed (experimental): once the loop's launch sequence is learned, one plan "
         "made for it and repeated every period (each record resident throughout, or dropped after a use and "
-        "loaded --lead launches before the next), so that only the launches where it acts are decided; "
+        "loaded --lookahead launches before the next), so that only the launches where it acts are decided; "
         "the count plan until then and again after a launch leaves the sequence.",
-    ),
-    lead: int = typer.Option(
-        FIXED_LEAD, "--lead", min=0, metavar="N",
-        help="With --plan fixed: launches ahead of its use that a record dropped by the plan is loaded again.",
     ),
     proactive: bool = typer.Option(
         False, "--proactive",
@@ -369,7 +366,7 @@ def run(
         online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
                               summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served,
                               plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
-                              proactive=proactive, batch=prefetch_batch, lead=lead)
+                              proactive=proactive, batch=prefetch_batch)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
                                       online=online, own=owned.FRAMEWORKS,
                                       warn=lambda m: warn(PROG, m))

@@ -32,7 +32,7 @@ from gpuos_tools.image.manifest import KEY_ENV, load_key
 from gpuos_tools.memory import owned
 from gpuos_tools.memory.settings import VARIABLES as ENGINE_VARIABLES
 from gpuos_tools.memory.settings import EngineSettings
-from gpuos_tools.sched.online import FIXED_LEAD, PLANS, POLICIES
+from gpuos_tools.sched.online import PLANS, POLICIES
 
 #: how the agent sees the program's driver calls: CUPTI callbacks, or the interposer (injection/intercept.py)
 MECHANISMS = ("cupti", "intercept")
@@ -132,7 +132,6 @@ class OnlineConfig:
     proactive: bool = False  #: the time plan evicts Belady's next victims right after their last use
     #: the count plan, once it must prefetch, prefetches lookahead x batch launches (online.py)
     batch: int = 1
-    lead: int = FIXED_LEAD  #: the fixed plan loads a record this many launches before its use
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "online.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -142,7 +141,6 @@ class OnlineConfig:
                f"{self.bw!r} is not two bandwidths above 0")
         _check(self.lookahead >= 0, "online.lookahead", f"{self.lookahead} is negative")
         _check(self.batch >= 1, "online.batch", f"{self.batch} is not 1 or more")
-        _check(self.lead >= 0, "online.lead", f"{self.lead} is negative")
         _check(self.plan != "fixed" or self.policy == "belady", "online.plan", "the fixed plan is made with belady only")
         _check((self.budget is None) != (self.fraction is None), "online", "give one of budget and fraction")
         _check(self.budget is None or self.budget > 0, "online.budget", f"{self.budget} is not more than 0 bytes")

@@ -82,7 +82,7 @@ from gpuos_tools.memory.engine import opaque_copy
 from gpuos_tools.memory.eviction import PER_THREAD_STREAM
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.sched.ledger import Ledger
-from gpuos_tools.sched.online import FIXED_LEAD, OnlinePolicy
+from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
 from gpuos_tools.stream import atomic
 
@@ -115,8 +115,7 @@ class Executor(AgentHooks):
         self.cfg = cfg
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"),
-                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)),
-                                   lead=int(cfg.get("lead", FIXED_LEAD)))
+                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)))
         if cfg.get("bw"):
             self.policy.note_bandwidth(*cfg["bw"])
         #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops

@@ -96,8 +96,6 @@ from gpuos_tools.sched.planner import NEVER
 
 POLICIES = ("belady", "lru")
 PLANS = ("count", "time", "fixed")
-#: launches ahead of its use a fixed plan loads a record, by default (``lookahead`` under the other plans)
-FIXED_LEAD = 32
 #: Each direction's bandwidth the time plan assumes until the executor says what its copies
 #: measured: half of the 101 GB/s both directions carried at once on an H200 (DESIGN.md).
 DEFAULT_BW = 50.5e9
@@ -406,7 +404,7 @@ class OnlinePolicy:
 
     def __init__(self, budget: int | None, policy: str = "belady", lookahead: int = 2,
                  fraction: float | None = None, plan: str = "count", proactive: bool = False,
-                 batch: int = 1, lead: int = FIXED_LEAD) -> None:
+                 batch: int = 1) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if plan not in PLANS:
@@ -417,8 +415,6 @@ class OnlinePolicy:
             raise ValueError("lookahead must be 0 or more")
         if batch < 1:
             raise ValueError("batch must be 1 or more")
-        if lead < 0:
-            raise ValueError("lead must be 0 or more")
         if plan == "fixed" and policy != "belady":
             raise ValueError("a fixed plan is made the Belady way: policy belady only")
         self.fixed = budget
@@ -428,7 +424,6 @@ class OnlinePolicy:
         self.batch = batch  #: the count plan prefetches lookahead x batch launches once it must act
         self.plan = plan
         self.proactive = proactive
-        self.lead = lead  #: a fixed plan's loads come this many launches before the use
         #: the fixed plan in force (``plan="fixed"``), the phase of the next launch in it, the
         #: period (``Period.learned``) it was last tried for, and whether its first decision
         #: is still to come (it evicts what no phase uses)
@@ -777,7 +772,7 @@ class OnlinePolicy:
             return
         live = [tuple(b for b in ws if b in records) for ws in sets]  # type: ignore[union-attr]
         sizes = {b: records[b] for ws in live for b in ws}
-        self._fixed = FixedSchedule.make(keys, [self._key_of[k][0] for k in keys], live, sizes, budget, self.lead)
+        self._fixed = FixedSchedule.make(keys, [self._key_of[k][0] for k in keys], live, sizes, budget, self.lookahead)
         self._phase = 0
         self._fixed_fresh = True
         self.stats.fixed_plans += 1

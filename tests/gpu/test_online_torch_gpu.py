@@ -181,7 +181,7 @@ def test_torch_job_under_a_fixed_plan_is_bit_identical_to_the_job_alone(tmp_path
     else:  # tokens enough for the plan to be made (one token learns the period, one more holds it)
         args = [*args[:-2], "--tokens", "14"]
     plain = plain_run(name, tmp_path, args)
-    job, s = sched_run(name, tmp_path, "--budget", "66%", "--plan", "fixed", "--lead", "8", args=args)
+    job, s = sched_run(name, tmp_path, "--budget", "66%", "--plan", "fixed", args=args)
     assert job["digest"] == plain["digest"], (job, plain)
     if name == "llm":
         assert job["tokens"] == plain["tokens"]
