@@ -177,9 +177,11 @@ def test_max_pool_and_cudnn_batch_norm(torch2):
 
 def test_cublas_split_k_through_its_workspace(cupy2):
     # a GEMM of 96x32 by 32x64 (n x k by k x m) split along k into one slice: CUTLASS's Kernel2
-    # writes the partial product into cuBLAS's 64 MiB workspace, splitKreduce reads it into C
+    # reads A and B (the validator measured 12288 and 8192 bytes) and writes the partial product
+    # into cuBLAS's 64 MiB workspace, splitKreduce reads it into C
     pred, rec, _ = launch_with(cupy2, 35)
-    assert spans(pred, rec) == {(0, 304): (None, (0, 96 * 64 * 4))}
+    assert spans(pred, rec) == {(0, 280): ((0, 96 * 32 * 4), None), (0, 288): ((0, 32 * 64 * 4), None),
+                                (0, 304): (None, (0, 96 * 64 * 4))}
     pred, rec, _ = launch_with(cupy2, 36)
     s = spans(pred, rec)
     assert s[(1, 0)] == ((0, 96 * 64 * 4), None) and s[(3, 0)] == (None, (0, 96 * 64 * 4))
@@ -399,3 +401,36 @@ def test_lambdas_known_to_return_their_first_parameters_type(functor, out):
     from gpuos_tools.access.decode_torch import operands
 
     assert operands(functor)[0] == out
+
+
+@pytest.fixture(scope="module")
+def optim2() -> list[dict]:
+    return load("validator-suite-torch_optim.s2.ndjson.zst")
+
+
+@pytest.fixture(scope="module")
+def block1() -> list[dict]:
+    return load("validator-suite-transformer_block.s1.ndjson.zst")
+
+
+def test_cutlass_split_k_gemm_operands(optim2, block1):
+    # workloads/suite/torch_optim.py at size 2: Linear(64, 256)'s weight gradient over a batch of
+    # 64, split along k into two slices of 64 x 256 partial products; the validator measured A
+    # read 64 x 64 floats (k contiguous) and B 64 x 256 (k strided), C not read
+    pred, rec, _ = launch_with(optim2, 18)
+    s = spans(pred, rec)
+    assert s == {(0, 280): ((0, 64 * 64 * 4), None), (0, 288): ((0, 64 * 256 * 4), None),
+                 (0, 304): (None, (0, 2 * 64 * 256 * 4))}
+    # the GPT-2 block at size 1: a 64 x 128 by 128 x 128 product ("tn": both k contiguous)
+    pred, rec, _ = launch_with(block1, 78)
+    assert spans(pred, rec) == {(0, 280): ((0, 64 * 128 * 4), None), (0, 288): ((0, 128 * 128 * 4), None),
+                                (0, 304): (None, (0, 4 * 64 * 128 * 4))}
+
+
+def test_cutlass_split_k_gemm_keeps_what_it_cannot_read(optim2):
+    pred, rec, _ = launch_with(optim2, 18)
+    s = spans(pred, with_bytes(rec, 0, 252, ONE))  # beta 1.0: C is read, how far is not decoded
+    assert s[(0, 296)] == ((0, None), None)
+    s = spans(pred, with_bytes(rec, 0, 80, (64).to_bytes(8, "little")))  # A's k step matches neither layout
+    assert s[(0, 280)] == s[(0, 288)] == ((0, None), (0, None))
+    assert pred.decoders.decode(pred.info(rec).kernel, pred.info(rec).name, {**rec, "grid": [1, 4, 2]}) is None
