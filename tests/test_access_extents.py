@@ -434,3 +434,28 @@ def test_cutlass_split_k_gemm_keeps_what_it_cannot_read(optim2):
     s = spans(pred, with_bytes(rec, 0, 80, (64).to_bytes(8, "little")))  # A's k step matches neither layout
     assert s[(0, 280)] == s[(0, 288)] == ((0, None), (0, None))
     assert pred.decoders.decode(pred.info(rec).kernel, pred.info(rec).name, {**rec, "grid": [1, 4, 2]}) is None
+
+
+def test_cublas_scal_before_a_split_k_sgemm(optim2):
+    # C of the split-K SGEMM after it (m 64, n 64, ldc 64) scaled in place; the validator saw
+    # its 16384 bytes written (the read of an operand updated in place it cannot see)
+    pred, rec, _ = launch_with(optim2, 48)
+    assert spans(pred, rec) == {(1, 0): ((0, 64 * 64 * 4), None), (2, 0): (None, (0, 64 * 64 * 4)),
+                                (3, 0): ((0, 4), None)}
+    pred, rec, _ = launch_with(optim2, 2)  # 256 x 64 on a grid of 64 x 32 tiles
+    assert spans(pred, rec)[(2, 0)] == (None, (0, 256 * 64 * 4))
+    info = pred.info(rec)
+    assert pred.decoders.decode(info.kernel, info.name, {**rec, "grid": [2, 2, 1]}) is None
+    other = {**rec, "params": [rec["params"][0], rec["params"][1], {**rec["params"][2], "hex": "00" * 8}, rec["params"][3]]}
+    assert pred.decoders.decode(info.kernel, info.name, other) is None  # not in place: not the pattern read
+
+
+def test_cublas_gemm_workspace_with_nothing_carved(block1):
+    # the GPT-2 block's c_attn GEMM: no split-K, the three workspace pointers one address and
+    # every region's size zero; the validator saw nothing written there
+    pred, rec, _ = launch_with(block1, 18)
+    s = spans(pred, rec)
+    assert s[(0, 376)] == s[(0, 392)] == s[(0, 400)] == (None, None)
+    assert s[(0, 48)][1] == (0, 64 * 384 * 4)
+    sized = with_bytes(rec, 0, 384, (64).to_bytes(4, "little"))  # a region that is not empty
+    assert spans(pred, sized)[(0, 376)] == ((0, None), (0, None))

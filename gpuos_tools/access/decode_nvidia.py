@@ -135,11 +135,17 @@ def carved(dec: Decoded, b: bytes, pointers: tuple[int, ...], sizes: list[int], 
     """A library workspace in consecutive regions (split-K partial results, then counters):
     ``pointers`` are where the regions' addresses are, ``sizes`` the sizes the parameters give.
     Bounded only when each region starts exactly where the one before ends (the sizes are then
-    what the library carved); otherwise each pointer is read and written to the end.
+    what the library carved); otherwise each pointer is read and written to the end. Every size
+    zero and one address for all (cuBLAS's GEMMs without split-K): nothing is carved, nothing
+    touched.
     ``partials_read`` False: the kernel reads a partial result only after writing it itself (its
     last slice sums them), so the first region's earlier contents are not read."""
     ws = [u64(b, off) for off in pointers]
     if not any(ws):
+        return
+    if not any(sizes) and len(set(ws)) == 1:
+        for off in pointers:  # a workspace handed over with nothing carved from it: not touched
+            dec.read(0, off, 0)
         return
     ok = all(ws) and min(sizes) > 0 and all(ws[i + 1] == ws[i] + sizes[i] for i in range(len(ws) - 1))
     for i, (off, ptr, size) in enumerate(zip(pointers, ws, sizes)):
@@ -747,7 +753,45 @@ def plan_lt_epilogue(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+# -- cuBLAS: scal_kernel, the scaling of C that precedes a split-K SGEMM ------------------------
+# scal_kernel<T, T, 1, true, R, C, ...>(cublasTransposeParams<T>, x, y, alpha): m and n at 8
+# and 12, two leading dimensions at 16 and 20; one block per 2^R x 2^C tile of the m x n
+# column-major matrix. Recorded only in place (x == y, one leading dimension), scaling the C of
+# the sgemm_largek_lds64 launch after it (its m, n and ldc), so only that pattern is decoded.
+
+_SCAL = "cublasTransposeParams<{T}>, {T} const*, {T}*, {T} const*"
+
+
+def plan_scal(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    elem = _signature(name, "scal_kernel", _SCAL, sizes)
+    targs = args_of(name, "scal_kernel")
+    if elem is None or not targs or len(targs) < 6 or targs[1] != targs[0] or sizes != (48, 8, 8, 8):
+        return None
+    try:
+        rows, cols = 1 << int(targs[4]), 1 << int(targs[5])
+    except ValueError:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        mm, n, lda, ldb = i32(b, 8), i32(b, 12), i32(b, 16), i32(b, 20)
+        grid = tuple(rec.get("grid") or (0, 0, 0))
+        if min(mm, n) < 1 or lda != ldb or lda < mm or raw[1] != raw[2] or any(b[24:48]):
+            return None
+        if grid[:2] != (-(-mm // rows), -(-n // cols)):
+            return None
+        size = ((n - 1) * lda + mm) * elem
+        dec = Decoded(VIA, regions={1: [(0, 8)], 2: [(0, 8)], 3: [(0, 8)]})
+        dec.read(1, 0, size)  # in place: the bisection cannot see this read
+        dec.write(2, 0, size)
+        dec.read(3, 0, elem)  # alpha, where it is in device memory
+        return dec
+
+    return plan
+
+
 PLANNERS = (
+    plan_scal,
     plan_sgemm_largek,
     plan_lt_epilogue,
     plan_cub_reduce,
