@@ -459,3 +459,11 @@ def test_cublas_gemm_workspace_with_nothing_carved(block1):
     assert s[(0, 48)][1] == (0, 64 * 384 * 4)
     sized = with_bytes(rec, 0, 384, (64).to_bytes(4, "little"))  # a region that is not empty
     assert spans(pred, sized)[(0, 376)] == ((0, None), (0, None))
+
+
+def test_broadcast_comparison_writes_bools(block1):
+    # the causal mask at size 1: two arange(32) of int64 compared with broadcasting into 32 x 32
+    # bools (CompareFunctor<long> holds only its operation); the validator saw 1024 bytes written
+    pred, rec, _ = launch_with(block1, 13)
+    s = spans(pred, rec)
+    assert sorted(s.values(), key=repr) == [((0, 32 * 8), None), ((0, 32 * 8), None), (None, (0, 32 * 32))]

@@ -45,14 +45,17 @@ VIA = "pytorch"
 #: the kernel's name does not show.
 MAX_ELEMENT = 16
 
-# functor -> (positions of its template arguments: output, inputs)
-_FUNCTORS = {
+# functor -> (positions of its template arguments: output, inputs; a type name where it is fixed)
+_FUNCTORS: dict[str, tuple[int | str, tuple[int, ...]]] = {
     "at::native::CUDAFunctor_add": (0, (0, 0)),
     "at::native::CUDAFunctorOnSelf_add": (0, (0,)),
     "at::native::FillFunctor": (0, ()),
     "at::native::BinaryFunctor": (2, (0, 1)),
     "at::native::AUnaryFunctor": (2, (1,)),
     "at::native::BUnaryFunctor": (2, (0,)),
+    # comparisons (CompareKernels.cu, CompareEQKernel.cu): two scalar_t in, bool out; they hold an enum
+    "at::native::(anonymous namespace)::CompareFunctor": ("bool", (0, 0)),
+    "at::native::(anonymous namespace)::CompareEqFunctor": ("bool", (0, 0)),
 }
 
 
@@ -107,9 +110,9 @@ def operands(functor: str) -> tuple[int, list[int]] | None:
     if shape is None or targs is None:
         return None
     out_at, in_at = shape
-    if max((out_at, *in_at)) >= len(targs):
+    if max((0, *in_at)) >= len(targs) or isinstance(out_at, int) and out_at >= len(targs):
         return None
-    out = sizeof(targs[out_at])
+    out = sizeof(out_at if isinstance(out_at, str) else targs[out_at])
     ins = [sizeof(targs[i]) for i in in_at]
     if out is None or None in ins:
         return None
