@@ -467,3 +467,28 @@ def test_broadcast_comparison_writes_bools(block1):
     pred, rec, _ = launch_with(block1, 13)
     s = spans(pred, rec)
     assert sorted(s.values(), key=repr) == [((0, 32 * 8), None), ((0, 32 * 8), None), (None, (0, 32 * 32))]
+
+
+def test_cat_through_its_input_metadata(block1):
+    # the GPT-2 block at size 1 (batch 2, 32 positions, 4 heads of 32): a head-split view of
+    # c_attn's output (strides 12288, 32, 384, 1) copied into a fresh 2 x 4 x 32 x 32 tensor
+    pred, rec, _ = launch_with(block1, 19)
+    s = spans(pred, rec)
+    assert s[(0, 0)] == (None, (0, 2 * 4 * 32 * 32 * 4))
+    assert s[(1, 8)] == ((0, (12288 + 3 * 32 + 31 * 384 + 31 + 1) * 4), None)
+    # the attention's backward: three 2 x 32 x 128 gradients side by side along the last
+    # dimension of a 2 x 32 x 384 output; each input at its offset, one through its transpose
+    pred, rec, _ = launch_with(block1, 93)
+    s = spans(pred, rec)
+    assert s[(0, 0)] == (None, (0, 2 * 32 * 384 * 4))
+    assert s[(1, 0)] == s[(1, 8)] == s[(1, 16)] == ((0, 2 * 32 * 128 * 4), None)
+    assert (1, 24) not in s  # past the grid: the host's uninitialised stack
+
+
+def test_cat_that_does_not_check_out_falls_back(block1):
+    pred, rec, _ = launch_with(block1, 93)
+    info = pred.info(rec)
+    # input 1's element count no longer the product of its shape
+    bad = with_bytes(rec, 1, 16 * 64 + 4, (8193).to_bytes(4, "little"))
+    assert pred.decoders.decode(info.kernel, info.name, bad) is None
+    assert pred.decoders.decode(info.kernel, info.name, {**rec, "grid": [264, 65, 1]}) is None
