@@ -79,7 +79,7 @@ def score_one(name: str, outdir: Path, learn_scale: int, score_scale: int, prefi
         rows = compute_report(iter(records), gran, tpl)
         agg = {k: 0 for k in ("launches", "unknown", "validated", "missed_write_launches", "missed_write_bytes",
                               "extra_write_bytes", "written_bytes", "missed_read_launches", "missed_read_bytes",
-                              "extra_read_bytes", "read_bytes", "read_measured")}
+                              "extra_read_bytes", "extra_read_written_bytes", "read_bytes", "read_measured")}
         unjudged: dict[str, int] = {}
         misses = []
         for r in rows:
@@ -121,6 +121,8 @@ def table(results: list[dict]) -> str:
         miss_r = " / ".join(str(x["missed_read_launches"]) for x in (t, g, e, a))
         ew = " / ".join(pct(x["extra_write_bytes"], x["written_bytes"]) for x in (t, g, e, a))
         er = " / ".join(pct(x["extra_read_bytes"], x["read_bytes"]) for x in (t, g, e, a))
+        if e["read_bytes"]:  # extent's extra reads on bytes the launch wrote: not judged by the bisection
+            er += f" (extent: {pct(e['extra_read_written_bytes'], e['read_bytes'])} on bytes written)"
         lines.append(f"| {r['program']} | {g['launches']} | {g['validated']} | {g['unknown']} | {miss_w} | {miss_r} "
                      f"| {unj} | {ew} | {er} |")
     return "\n".join(lines)

@@ -135,11 +135,17 @@ def carved(dec: Decoded, b: bytes, pointers: tuple[int, ...], sizes: list[int], 
     """A library workspace in consecutive regions (split-K partial results, then counters):
     ``pointers`` are where the regions' addresses are, ``sizes`` the sizes the parameters give.
     Bounded only when each region starts exactly where the one before ends (the sizes are then
-    what the library carved); otherwise each pointer is read and written to the end.
+    what the library carved); otherwise each pointer is read and written to the end. Every size
+    zero and one address for all (cuBLAS's GEMMs without split-K): nothing is carved, nothing
+    touched.
     ``partials_read`` False: the kernel reads a partial result only after writing it itself (its
     last slice sums them), so the first region's earlier contents are not read."""
     ws = [u64(b, off) for off in pointers]
     if not any(ws):
+        return
+    if not any(sizes) and len(set(ws)) == 1:
+        for off in pointers:  # a workspace handed over with nothing carved from it: not touched
+            dec.read(0, off, 0)
         return
     ok = all(ws) and min(sizes) > 0 and all(ws[i + 1] == ws[i] + sizes[i] for i in range(len(ws) - 1))
     for i, (off, ptr, size) in enumerate(zip(pointers, ws, sizes)):
@@ -524,31 +530,83 @@ def plan_cub_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
 
 
 # -- cuBLAS's split-K through CUTLASS: Kernel2 (partial products) and splitKreduce -------------
-# cutlass::Kernel2<cutlass_80_simt_sgemm_*>(Params): n, m, k at 0; the tile grid at 12 (its k:
-# the number of slices); the slice stride in elements at 40; the C and D iterators' row pitch
-# in bytes at 152 and 216; A, B, C, D at 280..304. D holds k slices of an n x m partial
-# product. A, B and C are not decoded (their pitches were not pinned down).
+# cutlass::Kernel2<cutlass_80_simt_sgemm_TMxTN_TKxS_LL_align1>(Params) is CUTLASS's
+# GemmUniversal: UniversalParamsBase (problem M, N, K at 0, the tile grid at 12, the swizzle's
+# log at 24, the mode at 28 (1: split-K parallel), the batch count at 32, gemm_k_size at 36,
+# D's batch stride in elements at 40, the semaphore at 48), the A and B tile iterators'
+# parameters (stride in elements, inc_strided, inc_next, inc_advance in bytes: 4 int64 each) at
+# 56 and 88, the C and D output iterators' (stride in bytes, ...: 8 int64 each) at 120 and 184,
+# LinearCombination's (alpha, beta, ...) at 248, A, B, C, D at 280..304, the batch strides of A,
+# B, C and the gather/scatter index pointers at 312..360. In split-K parallel mode slice z
+# reads K range [z * gemm_k_size, ...) of A and B and writes its M x N partial product to D +
+# z * batch stride. cuBLAS hands CUTLASS its column-major problem transposed: A, B and the
+# partial products are row-major M x N views.
 # splitKreduce_kernel(cublasSplitKParams<T>, workspace, C, D, D2, ...): m, n at 8, the
 # workspace pitch at 16, C's and D's at 20..28, the slice stride at 36, the slices at 40.
 
-_KERNEL2 = re.compile(r"^void cutlass::Kernel2<cutlass_80_simt_sgemm_\w+>\(cutlass_80_simt_sgemm_\w+::Params\)$")
+_KERNEL2 = re.compile(r"^void cutlass::Kernel2<cutlass_80_simt_sgemm_(\d+)x(\d+)_(\d+)x\d+_[nt][nt]_align1>"
+                      r"\(cutlass_80_simt_sgemm_\w+::Params\)$")
+
+
+def _tile_operand(b: bytes, at: int, tile_k: int, rows: int, k: int) -> int | None:
+    """Bytes a GEMM operand of ``rows`` x K floats spans, from its tile iterator's parameters at
+    ``at`` (CUTLASS's PredicatedTileAccessIteratorParams: the stride in elements, then byte
+    increments): K is the contiguous dimension when a k step advances ``tile_k`` elements
+    (``inc_advance`` = tile_k * 4), the strided one when it advances ``tile_k`` strides. None when
+    neither (or both) holds, or the stride cannot hold the contiguous dimension."""
+    stride, inc_strided, advance = i64(b, at), i64(b, at + 8), i64(b, at + 24)
+    if stride < 2 or inc_strided <= 0 or inc_strided % (stride * 4):
+        return None
+    if advance == tile_k * 4 and stride >= k:  # K contiguous: rows of K, `stride` apart
+        return ((rows - 1) * stride + k) * 4
+    if advance == tile_k * stride * 4 and stride >= rows:  # K strided: K rows of `rows`
+        return ((k - 1) * stride + rows) * 4
+    return None
+
+
+#: LinearCombination's parameters as every recorded launch shows them when C is not read:
+#: alpha (any finite non-zero float), beta 0.0, the float word 0x7fc00000, zeros to the pointers
+_KERNEL2_NO_C = (bytes(4), bytes.fromhex("0000c07f") + bytes(20))
 
 
 def plan_cutlass_split_k(name: str, sizes: tuple[int, ...]) -> Plan | None:
-    if not _KERNEL2.match(name) or sizes != (360,):
+    m = _KERNEL2.match(name)
+    if m is None or sizes != (360,):
         return None
+    tile_m, tile_n, tile_k = (int(g) for g in m.groups())
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         b = raw[0]
-        n, mm, k = i32(b, 0), i32(b, 4), i32(b, 8)
-        slices, stride, pitch = i32(b, 20), i64(b, 40), i64(b, 216)
-        grid = rec.get("grid") or (0, 0, 0)
-        if min(n, mm, k, slices) < 1 or slices != grid[2] or pitch != i64(b, 152) or pitch < mm * 4:
+        mm, n, k = i32(b, 0), i32(b, 4), i32(b, 8)
+        tiled = (i32(b, 12), i32(b, 16), i32(b, 20))
+        log, mode, k_size, stride = i32(b, 24), i32(b, 28), i32(b, 36), i64(b, 40)
+        pitch = i64(b, 184)
+        grid = tuple(rec.get("grid") or (0, 0, 0))
+        if min(mm, n, k, k_size) < 1 or mode != 1 or not 0 <= log < 8 or u64(b, 48) or any(b[312:360]):
             return None
-        if slices > 1 and stride < (n - 1) * pitch // 4 + mm:
+        slices = tiled[2]
+        if tiled[:2] != (-(-mm // tile_m), -(-n // tile_n)) or k_size * (slices - 1) >= k or k_size * slices < k:
+            return None  # the tiles do not cover the problem as CUTLASS splits it
+        if grid != (tiled[0] << log, (tiled[1] + (1 << log) - 1) >> log, slices):
+            return None  # not the identity swizzle's grid
+        if pitch != i64(b, 216) or pitch < n * 4 or i64(b, 120) != i64(b, 152):
+            return None
+        if slices > 1 and stride < (mm - 1) * pitch // 4 + n:
             return None  # slices would overlap: not the layout read
-        dec = Decoded(VIA, regions={0: [(304, 312)]})
-        dec.write(0, 304, (slices - 1) * stride * 4 + (n - 1) * pitch + mm * 4)
+        a = _tile_operand(b, 56, tile_k, mm, k)
+        bb = _tile_operand(b, 88, tile_k, n, k)
+        dec = Decoded(VIA, regions={0: [(0, 360)]})
+        if a is None or bb is None:  # the operands keep range: read and written to the end
+            for off in (280, 288):
+                dec.read(0, off, None)
+                dec.write(0, off, None)
+        else:
+            dec.read(0, 280, a)
+            dec.read(0, 288, bb)
+        alpha = struct.unpack("<f", b[248:252])[0]
+        if not (math.isfinite(alpha) and alpha != 0 and (b[252:256], b[256:280]) == _KERNEL2_NO_C):
+            dec.read(0, 296, None)  # C may be read: how far is not decoded
+        dec.write(0, 304, (slices - 1) * stride * 4 + (mm - 1) * pitch + n * 4)
         return dec
 
     return plan
@@ -695,7 +753,45 @@ def plan_lt_epilogue(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+# -- cuBLAS: scal_kernel, the scaling of C that precedes a split-K SGEMM ------------------------
+# scal_kernel<T, T, 1, true, R, C, ...>(cublasTransposeParams<T>, x, y, alpha): m and n at 8
+# and 12, two leading dimensions at 16 and 20; one block per 2^R x 2^C tile of the m x n
+# column-major matrix. Recorded only in place (x == y, one leading dimension), scaling the C of
+# the sgemm_largek_lds64 launch after it (its m, n and ldc), so only that pattern is decoded.
+
+_SCAL = "cublasTransposeParams<{T}>, {T} const*, {T}*, {T} const*"
+
+
+def plan_scal(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    elem = _signature(name, "scal_kernel", _SCAL, sizes)
+    targs = args_of(name, "scal_kernel")
+    if elem is None or not targs or len(targs) < 6 or targs[1] != targs[0] or sizes != (48, 8, 8, 8):
+        return None
+    try:
+        rows, cols = 1 << int(targs[4]), 1 << int(targs[5])
+    except ValueError:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b = raw[0]
+        mm, n, lda, ldb = i32(b, 8), i32(b, 12), i32(b, 16), i32(b, 20)
+        grid = tuple(rec.get("grid") or (0, 0, 0))
+        if min(mm, n) < 1 or lda != ldb or lda < mm or raw[1] != raw[2] or any(b[24:48]):
+            return None
+        if grid[:2] != (-(-mm // rows), -(-n // cols)):
+            return None
+        size = ((n - 1) * lda + mm) * elem
+        dec = Decoded(VIA, regions={1: [(0, 8)], 2: [(0, 8)], 3: [(0, 8)]})
+        dec.read(1, 0, size)  # in place: the bisection cannot see this read
+        dec.write(2, 0, size)
+        dec.read(3, 0, elem)  # alpha, where it is in device memory
+        return dec
+
+    return plan
+
+
 PLANNERS = (
+    plan_scal,
     plan_sgemm_largek,
     plan_lt_epilogue,
     plan_cub_reduce,

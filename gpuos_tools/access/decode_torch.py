@@ -36,6 +36,7 @@ from gpuos_tools.access.layouts import (
     numel,
     offset_calculator,
     sizeof,
+    u32,
     u64,
 )
 from gpuos_tools.access.proto import split_params
@@ -45,14 +46,17 @@ VIA = "pytorch"
 #: the kernel's name does not show.
 MAX_ELEMENT = 16
 
-# functor -> (positions of its template arguments: output, inputs)
-_FUNCTORS = {
+# functor -> (positions of its template arguments: output, inputs; a type name where it is fixed)
+_FUNCTORS: dict[str, tuple[int | str, tuple[int, ...]]] = {
     "at::native::CUDAFunctor_add": (0, (0, 0)),
     "at::native::CUDAFunctorOnSelf_add": (0, (0,)),
     "at::native::FillFunctor": (0, ()),
     "at::native::BinaryFunctor": (2, (0, 1)),
     "at::native::AUnaryFunctor": (2, (1,)),
     "at::native::BUnaryFunctor": (2, (0,)),
+    # comparisons (CompareKernels.cu, CompareEQKernel.cu): two scalar_t in, bool out; they hold an enum
+    "at::native::(anonymous namespace)::CompareFunctor": ("bool", (0, 0)),
+    "at::native::(anonymous namespace)::CompareEqFunctor": ("bool", (0, 0)),
 }
 
 
@@ -107,9 +111,9 @@ def operands(functor: str) -> tuple[int, list[int]] | None:
     if shape is None or targs is None:
         return None
     out_at, in_at = shape
-    if max((out_at, *in_at)) >= len(targs):
+    if max((0, *in_at)) >= len(targs) or isinstance(out_at, int) and out_at >= len(targs):
         return None
-    out = sizeof(targs[out_at])
+    out = sizeof(out_at if isinstance(out_at, str) else targs[out_at])
     ins = [sizeof(targs[i]) for i in in_at]
     if out is None or None in ins:
         return None
@@ -715,5 +719,81 @@ def plan_fused_adam(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
-PLANNERS = (plan_vectorized, plan_legacy, plan_unrolled, plan_reduce, plan_simple, plan_distribution, plan_foreach,
+# -- cat: CatArrayBatchedCopy (Shape.cu) -------------------------------------------------------
+# CatArrayBatchedCopy<T, unsigned int, Dims, n, stride_size>(T* output,
+# CatArrInputTensorMetadata<T, unsigned int, n, stride_size>, TensorSizeStride<unsigned int, 4>
+# os, int concatDim, unsigned int dimStride). The metadata: input[n], offset[n], dimSize[n],
+# nElements[n], isContiguous[n], then stride_size TensorSizeStride (sizes[4], strides[4]). Block
+# row y copies input y's nElements elements, read contiguously or through its own sizes and
+# strides, to output + offset * dimStride + the element's offset in os (its size along
+# concatDim being dimSize). Rows past the grid's are the host's uninitialised stack.
+
+_CAT = "at::native::(anonymous namespace)::CatArrayBatchedCopy"
+_OPAQUE = re.compile(r"^at::native::\(anonymous namespace\)::OpaqueType<(\d+)u>$")
+_CAT_DIMS = 4  #: CAT_ARRAY_MAX_INPUT_DIMS
+
+
+def _strided_extent(sizes: list[int], strides: list[int]) -> int:
+    """Elements from the first to one past the last of a strided tensor (sizes all positive)."""
+    return sum((n - 1) * st for n, st in zip(sizes, strides)) + 1
+
+
+def plan_cat(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    targs = _kernel_args(name, _CAT)
+    if targs is None or len(targs) != 5 or targs[1] != "unsigned int" or len(sizes) != 5:
+        return None
+    opaque = _OPAQUE.match(targs[0])
+    elem = int(opaque.group(1)) if opaque else sizeof(targs[0])
+    try:
+        dims, n, stride_size = int(targs[2]), int(targs[3]), int(targs[4])
+    except ValueError:
+        return None
+    meta = f"at::native::(anonymous namespace)::CatArrInputTensorMetadata<{targs[0]}, unsigned int, {n}, {stride_size}>"
+    expected = [f"{targs[0]}*", meta, f"at::native::(anonymous namespace)::TensorSizeStride<unsigned int, {_CAT_DIMS}u>",
+                "int", "unsigned int"]
+    strides_at = (21 * n + 3) & ~3
+    total = (strides_at + 32 * stride_size + 7) & ~7
+    if not elem or not 1 <= dims <= _CAT_DIMS or min(n, stride_size) < 1 or split_params(name) != expected:
+        return None
+    if sizes != (8, total, 32, 4, 4):
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        b, os_ = raw[1], raw[2]
+        concat, dim_stride = i32(raw[3], 0), u32(raw[4], 0)
+        out_sizes = [u32(os_, 4 * i) for i in range(dims)]
+        out_strides = [u32(os_, 16 + 4 * i) for i in range(dims)]
+        rows = (rec.get("grid") or (0, 0))[1]
+        if not 0 <= concat < dims or not 1 <= rows <= n or min(out_sizes) < 1:
+            return None
+        dec = Decoded(VIA, regions={0: [(0, 8)], 1: [(0, total)]})
+        for y in range(rows):
+            offset, dim, count = u32(b, 8 * n + 4 * y), u32(b, 12 * n + 4 * y), u32(b, 16 * n + 4 * y)
+            contiguous = b[20 * n + y]
+            if count == 0:  # the block returns at once: its pointer is not used
+                dec.read(1, 8 * y, 0)
+                continue
+            shape = [dim if i == concat else out_sizes[i] for i in range(dims)]
+            if contiguous > 1 or numel(shape) != count or offset + dim > out_sizes[concat]:
+                return None
+            if contiguous:
+                read = count
+            else:
+                at = strides_at + 32 * (y if stride_size > 1 else 0)
+                in_sizes = [u32(b, at + 4 * i) for i in range(dims)]
+                if [s for i, s in enumerate(in_sizes) if i != concat] != [s for i, s in enumerate(shape) if i != concat]:
+                    return None
+                read = _strided_extent(shape, [u32(b, at + 16 + 4 * i) for i in range(dims)])
+            start = offset * dim_stride
+            written = _strided_extent(shape, out_strides)
+            if start + written > 1 << 32 or read > 1 << 32:
+                return None  # unsigned int index arithmetic would wrap
+            dec.read(1, 8 * y, read * elem)
+            dec.write(0, 0, written * elem, start * elem)
+        return dec
+
+    return plan
+
+
+PLANNERS = (plan_cat, plan_vectorized, plan_legacy, plan_unrolled, plan_reduce, plan_simple, plan_distribution, plan_foreach,
             plan_fused_adam, plan_gather, plan_dropout, plan_with_index)

@@ -33,16 +33,17 @@ class Decoded:
         """Whether the word at ``offset`` of ``param`` lies in a range the decoder read."""
         return any(s <= offset < e for s, e in self.regions.get(param, ()))
 
-    def read(self, param: int, offset: int, size: int | None) -> None:
-        self._add(param, offset, size, 0)
+    def read(self, param: int, offset: int, size: int | None, start: int = 0) -> None:
+        """``size`` bytes read from ``start`` bytes past the pointer (None: to its allocation's end)."""
+        self._add(param, offset, size, 0, start)
 
-    def write(self, param: int, offset: int, size: int | None) -> None:
-        self._add(param, offset, size, 1)
+    def write(self, param: int, offset: int, size: int | None, start: int = 0) -> None:
+        self._add(param, offset, size, 1, start)
 
-    def _add(self, param: int, offset: int, size: int | None, which: int) -> None:
+    def _add(self, param: int, offset: int, size: int | None, which: int, start: int = 0) -> None:
         key = (param, offset)
         spans = list(self.spans.get(key, (None, None)))
-        new: Span | None = (0, None) if size is None else (0, size) if size > 0 else None
+        new: Span | None = (start, None) if size is None else (start, start + size) if size > 0 else None
         old = spans[which]
         if new is not None:
             if old is None:

@@ -43,6 +43,7 @@ class Row:
     missed_read_launches: int = 0
     missed_read_bytes: int = 0
     extra_read_bytes: int = 0
+    extra_read_written_bytes: int = 0  #: of them, on bytes the launch wrote or was predicted to write
     read_bytes: int = 0
     read_measured: int = 0  #: validated launches with read extents measured
     reads_unchecked: Counter[str] = field(default_factory=Counter)  #: nondeterministic, skipped...
@@ -61,6 +62,7 @@ class Row:
             self.read_bytes += v["read_bytes"]
             self.missed_read_bytes += v.get("missed_read_bytes", 0)
             self.extra_read_bytes += v.get("extra_read_bytes", 0)
+            self.extra_read_written_bytes += v.get("extra_read_written_bytes", 0)
 
 
 def compute_report(records: Iterable[dict[str, Any]], granularity: str = "alloc", templates=None) -> list[Row]:
@@ -148,6 +150,7 @@ def report_records(rows: list[Row], granularity: str) -> Iterable[dict[str, Any]
                 "read_measured": row.read_measured,
                 "missed_read_bytes": row.missed_read_bytes,
                 "extra_read_bytes": row.extra_read_bytes,
+                "extra_read_written_bytes": row.extra_read_written_bytes,
                 "read_bytes": row.read_bytes,
                 "reads_unchecked": dict(row.reads_unchecked),
             }

@@ -10,7 +10,11 @@ read and wrote (`extents`). Any prediction of that launch — another granularit
 - extra write bytes: predicted write bytes outside the changed chunks;
 - missed read bytes: bytes of the measured read extents outside the predicted reads; a launch
   whose poison trial changed the output missed a read even where no extent says how much;
-- extra read bytes: predicted read bytes outside the measured read extents.
+- extra read bytes: predicted read bytes outside the measured read extents; of them, those
+  the launch wrote or was predicted to write (``extra_read_written_bytes``) are where the
+  measurement cannot judge: the bisection compares only written chunks it did not zero, so the
+  read of an operand updated in place is invisible, and a write of the values already there
+  shows no change.
 
 A replay in the validator process that faulted (`fault`: an access outside every granule the
 prediction named) missed an access without saying which: it counts as a missed read, and its
@@ -54,6 +58,21 @@ def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple
             i += 1
         else:
             j += 1
+    return out
+
+
+def _subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merged ranges ``a`` less merged ranges ``b``."""
+    out = []
+    for s, e in a:
+        for bs, be in b:
+            if be <= s or bs >= e:
+                continue
+            if bs > s:
+                out.append((s, bs))
+            s = max(s, be)
+        if s < e:
+            out.append((s, e))
     return out
 
 
@@ -103,6 +122,7 @@ def score(access: dict[str, Any], val: dict[str, Any], by_id: dict[int, Allocati
         if not unknown:
             out["missed_read_bytes"] = _size(truth) - _size(_intersect(truth, _expand(reads, chunk)))
             out["extra_read_bytes"] = _size(reads) - _size(_intersect(reads, truth))
+            out["extra_read_written_bytes"] = _size(_intersect(_subtract(reads, truth), _merge(written + writes)))
     tested = _merge([(s, s + n) for s, n in val.get("predicted", {}).get("reads", ())])
     if unknown:
         out["reads"] = "unknown"
