@@ -139,7 +139,7 @@ class Executor(AgentHooks):
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
                        "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
                        "prefetch_skipped": 0, "mover_errors": 0, "pins": 0, "pin_errors": 0,
-                       "before_s": 0.0, "samples": 0, "sample_errors": 0}
+                       "before_s": 0.0, "decisions": 0, "samples": 0, "sample_errors": 0}
         self._under = False
         self._settled_key: tuple | None = None
         self.error: str | None = None
@@ -752,6 +752,7 @@ class Executor(AgentHooks):
             self._before(kernel, addrs, stream)
         finally:
             self.counts["before_s"] += time.perf_counter() - t
+            self.counts["decisions"] += 1
 
     def _before(self, kernel: str, addrs, stream: Any) -> None:
         if self._timing:
@@ -1431,10 +1432,15 @@ def current_counts() -> dict[str, Any] | None:
     if ex is None:
         return None
     e, p = ex.engine.counts, ex.policy.stats
-    return {"bytes_in": e["loaded_bytes"], "bytes_out": e["saved_bytes"], "evictions": e["evictions"],
-            "loads": e["prefetches"] + e["demand_loads"], "demand_loads": e["demand_loads"],
-            "stream_waits": e["stream_waits"], "stalls": p.stalls, "launches": p.launches, "unknown": p.unknown,
-            "over_budget": p.over_budget, "room_wait_s": round(ex.counts["room_wait_s"], 6), "t": time.perf_counter()}
+    out = {"bytes_in": e["loaded_bytes"], "bytes_out": e["saved_bytes"], "evictions": e["evictions"],
+           "loads": e["prefetches"] + e["demand_loads"], "demand_loads": e["demand_loads"],
+           "stream_waits": e["stream_waits"], "stalls": p.stalls, "launches": p.launches, "unknown": p.unknown,
+           "over_budget": p.over_budget, "room_wait_s": round(ex.counts["room_wait_s"], 6),
+           "decisions": ex.counts["decisions"], "t": time.perf_counter()}
+    core = ex._core
+    if core is not None:  # why the operations that called did (the native core's counts)
+        out.update({k: v for k, v in core.fast_counts().items() if k.startswith("why_")})
+    return out
 
 
 def attach(agent: Agent, cfg: dict[str, Any]) -> None:
