@@ -126,3 +126,47 @@ def test_a_fixed_plan_takes_belady_only():
         OnlinePolicy(MIB, "lru", plan="fixed")
     with pytest.raises(ValueError, match="lookahead"):
         OnlinePolicy(MIB, plan="fixed", lookahead=-1)
+
+
+def test_actions_close_together_are_taken_at_fewer_phases_where_the_room_allows():
+    """Three records of 1 MiB, each used once a period of 40 at phases 10, 12 and 14, dropped
+    after the use and loaded two phases before it: six phases act within eight launches. Taken
+    together, the loads come at phase 8 and the drops at phase 15, which holds all three from 8
+    to 15: with 3 MiB of room that fits and two phases act; with 2 MiB it does not, and the six
+    stay."""
+    import numpy as np
+
+    from gpuos_tools.sched.fixed import Gap, _coalesce
+
+    p = 40
+    gaps = [Gap(b, MIB, use, p, 2) for b, use in ((1, 10), (2, 12), (3, 14))]
+
+    def run(room: int) -> tuple[list[int], list[int], np.ndarray]:
+        drop_at = [(g.use + 1) % p for g in gaps]
+        load_at = [(g.use + g.steps - g.lead) % p for g in gaps]
+        live = np.zeros(p, dtype=np.int64)
+        for g, d, ld in zip(gaps, drop_at, load_at):  # held from its load to its drop
+            live[np.arange(ld, ld + (d - ld) % p) % p] += g.size
+        _coalesce(drop_at, load_at, gaps, live, np.full(p, room, dtype=np.int64), p, 8)
+        return drop_at, load_at, live
+
+    drop_at, load_at, live = run(3 * MIB)
+    assert load_at == [8, 8, 8] and drop_at == [15, 15, 15]
+    assert live[8:15].tolist() == [3 * MIB] * 7 and live[15] == 0 and live[7] == 0
+    drop_at, load_at, live = run(2 * MIB)
+    assert load_at == [8, 10, 12] and drop_at == [11, 13, 15]
+    assert live.max() == 2 * MIB
+
+
+def test_a_record_dropped_and_loaded_within_a_run_keeps_its_phases():
+    import numpy as np
+
+    from gpuos_tools.sched.fixed import Gap, _coalesce
+
+    p = 40
+    gaps = [Gap(1, MIB, 10, 4, 1), Gap(2, MIB, 9, p, 2)]  # the first: off at 11 and 12 only
+    drop_at, load_at = [11, 10], [13, 7]
+    live = np.zeros(p, dtype=np.int64)
+    _coalesce(drop_at, load_at, gaps, live, np.full(p, 4 * MIB, dtype=np.int64), p, 8)
+    assert (drop_at[0], load_at[0]) == (11, 13)  # moving it would turn its gap inside out
+    assert (drop_at[1], load_at[1]) == (13, 7)  # the other's drop moves to the run's last phase

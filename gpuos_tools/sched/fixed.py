@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: actions of a fixed plan this many phases apart or closer are taken together where the room
+#: allows (the loads at the first of them, the drops at the last): on an LLM decode each layer's
+#: three MLP weights were loaded and dropped at six phases within eight launches, six decisions
+COALESCE = 8
+
 
 @dataclass(frozen=True)
 class Gap:
@@ -126,19 +131,26 @@ class FixedSchedule:
     uses: dict[int, list[int]] = field(default_factory=dict)
     acting: list[int] = field(default_factory=list)  #: the phases to decide, ascending
     act: frozenset[int] = frozenset()  #: the same, as a set
+    drop_at: list[int] = field(default_factory=list)  #: per gap, the phase its record is dropped before
+    load_at: list[int] = field(default_factory=list)  #: per gap, the phase its record is loaded at
 
     @classmethod
     def make(cls, keys: Sequence[int], kernels: Sequence[str], sets: Sequence[tuple[int, ...]],
-             sizes: Mapping[int, int], budget: int, lead: int) -> FixedSchedule:
+             sizes: Mapping[int, int], budget: int, lead: int, coalesce: int = COALESCE) -> FixedSchedule:
         """The plan of a period whose phase t is the launch of ``kernels[t]`` (the policy's key
         ``keys[t]``) touching ``sets[t]``, records of ``sizes`` bytes, loads ``lead`` launches
-        ahead."""
+        ahead; actions ``coalesce`` phases apart or closer taken together where they fit
+        (``_coalesce``; 0: never)."""
         gaps, live, limit = choose_gaps(sets, sizes, budget, lead)
         s = cls(list(keys), list(kernels), list(sets), dict(sizes), budget, gaps, bool(len(live) == 0 or int(np.max(live - limit)) <= 0))
         p = len(sets)
-        for g in gaps:
-            s.drops.setdefault((g.use + 1) % p, []).append(g.record)
-            s.loads.setdefault((g.use + g.steps - g.lead) % p, []).append(g.record)
+        s.drop_at = [(g.use + 1) % p for g in gaps]
+        s.load_at = [(g.use + g.steps - g.lead) % p for g in gaps]
+        if coalesce > 0 and gaps:
+            _coalesce(s.drop_at, s.load_at, gaps, live, limit, p, coalesce)
+        for g, d, ld in zip(gaps, s.drop_at, s.load_at):
+            s.drops.setdefault(d, []).append(g.record)
+            s.loads.setdefault(ld, []).append(g.record)
         over = set()
         for t, ws in enumerate(sets):
             for b in ws:
@@ -171,9 +183,53 @@ class FixedSchedule:
         """The records the plan has dropped before the launch of phase ``t``: in a gap, after
         its drop and before its load."""
         p = self.p
-        return {g.record for g in self.gaps if (t - g.use - 1) % p < g.steps - g.lead - 1}
+        return {g.record for g, d, ld in zip(self.gaps, self.drop_at, self.load_at) if (t - d) % p < (ld - d) % p}
 
     def as_dict(self) -> dict[str, int | bool]:
         return {"period": self.p, "budget": self.budget, "fits": self.fits, "bytes_in": self.bytes_in,
                 "streamed": len({g.record for g in self.gaps}), "pinned": len(self.uses) - len({g.record for g in self.gaps}),
                 "moves": 2 * len(self.gaps), "acting_phases": len(self.acting)}
+
+
+def _coalesce(drop_at: list[int], load_at: list[int], gaps: Sequence[Gap], live: np.ndarray, limit: np.ndarray,
+              p: int, window: int) -> None:
+    """Take actions close together at fewer phases: in each run of acting phases at most
+    ``window`` apart, the loads move to its first phase and the drops to its last, where every
+    phase still fits its limit with the records held longer (``live`` is updated); a run that
+    would not fit stays as it was, and so does a record whose drop and load are in the same run. Each
+    phase that acts is a decision on the program's thread; a load earlier and a drop later only
+    hold room longer. ``drop_at`` and ``load_at`` are changed in place."""
+    acting = sorted(set(drop_at) | set(load_at))
+    runs: list[list[int]] = [[acting[0]]]
+    for t in acting[1:]:
+        if t - runs[-1][-1] <= window:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    by_drop: dict[int, list[int]] = {}
+    by_load: dict[int, list[int]] = {}
+    for i, (d, ld) in enumerate(zip(drop_at, load_at)):
+        by_drop.setdefault(d, []).append(i)
+        by_load.setdefault(ld, []).append(i)
+    for run in runs:
+        if len(run) < 2:
+            continue
+        t0, t1, inside = run[0], run[-1], set(run)
+        extra = np.zeros(p, dtype=np.int64)
+        moved: list[tuple[int, int, int]] = []
+        for i in {i for t in run for i in (*by_drop.get(t, ()), *by_load.get(t, ()))}:
+            d, ld = drop_at[i], load_at[i]
+            nd = t1 if d in inside else d
+            nl = t0 if ld in inside else ld
+            old, new = (ld - d) % p, (nl - nd) % p
+            if new == 0 or (nd - d) % p + new + (ld - nl) % p != old:
+                continue  # dropped and loaded within the run: it stays as it was
+            size = gaps[i].size
+            extra[np.arange(d, d + (nd - d) % p) % p] += size  # held until its later drop
+            extra[np.arange(nl, nl + (ld - nl) % p) % p] += size  # and from its earlier load
+            moved.append((i, nd, nl))
+        if not moved or np.any(live + extra > limit):
+            continue
+        live += extra
+        for i, nd, nl in moved:
+            drop_at[i], load_at[i] = nd, nl
