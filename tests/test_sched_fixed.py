@@ -82,7 +82,9 @@ def test_the_policy_makes_a_plan_once_the_loop_repeats_and_keeps_to_it():
     assert st.fixed_plans == 2 and pol._fixed is not None and st.fixed_ends == 1
 
 
-def test_a_record_of_the_plan_freed_ends_it_and_a_new_one_does_not():
+def planned_cycle() -> tuple[OnlinePolicy, list[str], list[tuple[int, ...]], dict[int, int]]:
+    """A policy under a fixed plan of a loop of STEADY_MIN launches, each its own kernel, over
+    ten records of 1 MiB in turn, room for six: (policy, kernels, sets, records)."""
     n, p = 10, STEADY_MIN
     kernels = [f"k{t}" for t in range(p)]
     sets = [(t % n,) for t in range(p)]
@@ -91,7 +93,12 @@ def test_a_record_of_the_plan_freed_ends_it_and_a_new_one_does_not():
     ok: list[bool] = []
     for _ in range(4):
         drive(pol, kernels, sets, records, ok)
-    assert pol._fixed is not None
+    assert pol._fixed is not None and all(ok)
+    return pol, kernels, sets, records
+
+
+def test_a_record_of_the_plan_freed_ends_it_and_a_new_one_does_not():
+    pol, kernels, sets, records = planned_cycle()
     more = {**records, 99: MIB}  # a new record: resident, no phase uses it, the first victim
     pol.before(kernels[pol._phase], list(sets[pol._phase]), more, version=1)
     assert pol._fixed is not None
@@ -101,14 +108,8 @@ def test_a_record_of_the_plan_freed_ends_it_and_a_new_one_does_not():
 
 
 def test_the_fast_path_replay_moves_the_phase_only_where_the_plan_has_nothing():
-    n, p = 10, STEADY_MIN
-    kernels = [f"k{t}" for t in range(p)]
-    sets = [(t % n,) for t in range(p)]
-    records = {b: MIB for b in range(n)}
-    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed")
-    ok: list[bool] = []
-    for _ in range(4):
-        drive(pol, kernels, sets, records, ok)
+    pol, kernels, _, _ = planned_cycle()
+    p = len(kernels)
     fx = pol._fixed
     assert fx is not None and not pol._fixed_fresh
     j = pol._phase

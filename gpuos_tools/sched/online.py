@@ -545,6 +545,30 @@ class OnlinePolicy:
         st.budget_max = max(st.budget_max, budget)
         actions: list[Action] = []
         protected = set(ws)
+        size, _ = self._room_for(ws, records, budget, protected, actions)
+        for b in ws:
+            if b in self.resident:
+                self.resident.move_to_end(b)
+            else:
+                self.resident[b] = records[b]
+                self.used += records[b]
+        actions.append(("require", None if bases is None else list(ws)))
+        if size <= budget:
+            if self.plan == "time" and self.period.known is not None and self._dur_n:
+                self._prefetch_time(records, budget, protected, actions)
+            else:
+                self._prefetch(future, records, budget, protected, actions)
+        st.peak_resident = max(st.peak_resident, self.used)
+        if self.plan == "fixed":
+            self._make_fixed(records, budget)
+        return actions
+
+    def _room_for(self, ws: tuple[int, ...], records: Mapping[int, int], budget: int, protected: set[int],
+                  actions: list[Action]) -> tuple[int, list[int]]:
+        """Room for a launch's own records ``ws``: a working set over the budget evicts everything
+        else (and is counted), one within it evicts victims until its missing records fit: (its
+        bytes, the records of it not resident: demand loads, counted)."""
+        st = self.stats
         size = sum(records[b] for b in ws)
         missing = [b for b in ws if b not in self.resident]
         need = sum(records[b] for b in missing)
@@ -563,22 +587,7 @@ class OnlinePolicy:
             st.stalls += 1
             st.demand_loads += len(missing)
             st.demand_bytes += need
-        for b in ws:
-            if b in self.resident:
-                self.resident.move_to_end(b)
-            else:
-                self.resident[b] = records[b]
-                self.used += records[b]
-        actions.append(("require", None if bases is None else list(ws)))
-        if size <= budget:
-            if self.plan == "time" and self.period.known is not None and self._dur_n:
-                self._prefetch_time(records, budget, protected, actions)
-            else:
-                self._prefetch(future, records, budget, protected, actions)
-        st.peak_resident = max(st.peak_resident, self.used)
-        if self.plan == "fixed":
-            self._make_fixed(records, budget)
-        return actions
+        return size, missing
 
     def _sync(self, records: Mapping[int, int]) -> None:
         """Records freed leave residency; records allocated since the last decision are
@@ -853,27 +862,10 @@ class OnlinePolicy:
             if b in res and b not in protected:
                 self._evict(b, actions)
         budget = self.last_budget = fx.budget
-        size = sum(records[b] for b in ws)
-        missing = [b for b in ws if b not in res]
-        need = sum(records[b] for b in missing)
-        if size > budget:
-            st.over_budget += 1
-            st.over_budget_bytes += size - budget
-            for b in [b for b in res if b not in protected]:
-                self._evict(b, actions)
-        else:
-            while self.used + need > budget:
-                v = self._victim(protected, 0)
-                if v is None:
-                    break
-                self._evict(v, actions)
-        if missing:
-            st.stalls += 1
-            st.demand_loads += len(missing)
-            st.demand_bytes += need
-            for b in missing:
-                res[b] = records[b]
-                self.used += records[b]
+        _, missing = self._room_for(ws, records, budget, protected, actions)
+        for b in missing:
+            res[b] = records[b]
+            self.used += records[b]
         actions.append(("require", list(ws)))
         for b in fx.loads.get(j, ()):
             if b in res or b not in records:
