@@ -584,3 +584,48 @@ def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):
     assert all(e[4] is first[4] and e[5] is first[5] and e[6] is first[6] for e in taken)
     with pytest.raises(ValueError, match="runs past its buffer"):
         core_mod.parse_fast(data[:-1], {})
+
+
+def test_a_record_the_mover_loads_is_ready_for_its_own_stream_once_that_stream_waits(library, tmp_path, monkeypatch):
+    """The mover's load of a record used on one stream before its eviction: that stream waits
+    for the load at once, and the core lets an operation on it read the record without a call;
+    on any other stream an operation still calls (the core counts it), and nothing is marked
+    for a record used on several streams."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
+    for _ in range(2):
+        job.step()
+    ex, eng, ops, core = job.ex, job.eng, job.ops, job.core
+    b = next(r.base for r in job.recs if r.base in ex.policy.resident and r.base not in eng.pending)
+    with job.agent.lock:
+        ex.policy.resident.pop(b)  # books and engine as the policy's eviction leaves them
+        ex.policy.used -= ex._records[b]
+        ex._used_on[b] = 0
+        ex._evict(b)
+    settle(eng, ex)
+    assert eng.state(b) == "released" and ex._stream_before[b] == 0
+    ops.auto = False  # the load stays in flight
+    with job.agent.lock:
+        ex.policy.resident[b] = ex._records[b]
+        ex.policy.used += ex._records[b]
+        ev = eng.prefetch(b)
+    assert eng.state(b) == "loading" and ev is not None
+    ex._ready_on_stream(b, ev)
+    assert ("wait", 0, ev) in ops.log and 0 in eng.pending[b].ordered
+    assert ex.counts["ready_on_stream"] == 1
+
+    def read_from(stream: int) -> bool:  # a copy out of the record to memory no allocation holds
+        before = core.counters()["fast"]
+        core.fast_allow(4)
+        core.lib.core_enter(OP_WRITE, 1, 0, 0, stream, 0, None, None, 0, None, core_mod.NO_ARGS, 0x10, b, 0)
+        core.lib.core_issued()
+        return core.counters()["fast"] > before
+
+    job.upcalls.fast = None  # the calls themselves are not under test: count them only
+    assert read_from(0)
+    assert not read_from(7) and core.fast_counts()["why_other_stream"] == 1
+    ex._stream_before[b] = executor_mod.MIXED
+    ex._ready_on_stream(b, ev)
+    assert ex.counts["ready_on_stream"] == 1 and ex.counts["ready_on_stream_skipped"] == 1
+    ops.finish(ev)
+    job.end()

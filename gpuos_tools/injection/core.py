@@ -109,6 +109,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # the scheduler's fast path
     "core_fast_allow": (None, [ctypes.c_int64]),
     "core_fast_mark": (None, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint32, ctypes.c_int]),
+    "core_fast_mark_on": (None, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64]),
     "core_fast_unready": (None, [ctypes.c_uint64, ctypes.c_uint64]),
     "core_fast_unready_all": (None, []),
     "core_fast_slow_cbid": (None, [ctypes.c_uint32]),
@@ -126,7 +127,7 @@ _F_LAUNCH, _F_WRITE = 1, 2
 #: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
 #: the counts of core_fast_counts after its first three, in order (the core's enum W_*)
 FAST_WHY = ("why_left", "why_moved", "why_full", "why_unknown", "why_unready_write", "why_unready_read",
-            "why_slow_write", "marks_dropped")
+            "why_slow_write", "marks_dropped", "why_other_stream")
 HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts")
 _F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
 _F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
@@ -383,6 +384,14 @@ class NativeCore:
         if a:
             self._held.core_fast_mark((ctypes.c_uint64 * len(a))(*a), len(a), int(level))
 
+    def fast_mark_on(self, addrs, level: int, stream: int) -> None:
+        """As ``fast_mark``, for operations on ``stream`` alone (its effective handle): a record
+        still loading, whose load that stream was made to wait for. The core lock must be held
+        (any thread: the allocation table must not change meanwhile)."""
+        a = list(addrs)
+        if a:
+            self.lib.core_fast_mark_on((ctypes.c_uint64 * len(a))(*a), len(a), int(level), int(stream))
+
     def fast_unready(self, base: int, size: int) -> None:
         self.lib.core_fast_unready(base, size)
 
@@ -412,7 +421,8 @@ class NativeCore:
         """Operations let go, the allowance left, entries queued; then why operations that
         would call the hooks did (``FAST_WHY``: the allowance spent, an allocation came or went,
         the queue full, an unknown access set, a record written not ready, one read not
-        readable, a write that always calls) and how often every mark was dropped at once."""
+        readable, a write that always calls), how often every mark was dropped at once, and
+        an allocation marked for another stream than the operation's."""
         out = (ctypes.c_uint64 * (3 + len(FAST_WHY)))()
         self._held.core_fast_counts(out)
         return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2]),

@@ -81,6 +81,7 @@ from gpuos_tools.errors import GpuosError
 from gpuos_tools.memory.engine import opaque_copy
 from gpuos_tools.memory.eviction import PER_THREAD_STREAM
 from gpuos_tools.memory.settings import EngineSettings
+from gpuos_tools.memory.states import LOADING
 from gpuos_tools.sched.ledger import Ledger
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
@@ -222,6 +223,10 @@ class Executor(AgentHooks):
         #: record base -> the stream of the operations touching it since its last eviction (MIXED:
         #: more than one, or the per-thread default stream, which is one stream per thread)
         self._used_on: dict[int, int] = {}
+        #: record base -> the stream of its uses before its last eviction (``_used_on`` then): the
+        #: stream the mover orders after its load (``_ready_on_stream``)
+        self._stream_before: dict[int, int] = {}
+        self.counts.update({"ready_on_stream": 0, "ready_on_stream_skipped": 0})
         self._unknown_at = -1  #: the ``_seq`` of the last operation touching every record
         self._unknown_on: int | None = None  #: the stream of those operations (MIXED: several)
         #: stream -> (ascending ``_seq``s, events): a mark's event completes once the operations
@@ -962,7 +967,9 @@ class Executor(AgentHooks):
             if ok:
                 # later saves of it come after this one's wait on the evict stream: its uses from
                 # here on are what a later eviction waits for
-                self._used_on.pop(base, None)
+                was = self._used_on.pop(base, None)
+                if was is not None:
+                    self._stream_before[base] = was
                 if after is not None:
                     self.counts["last_use_saves"] += 1
         except Exception as exc:  # noqa: BLE001 (safe: it stays resident, over the budget)
@@ -1110,6 +1117,7 @@ class Executor(AgentHooks):
                 continue
             try:
                 t = time.perf_counter()
+                issued = None  #: the event of the load issued, if one was
                 while not self._closing:
                     with self._load_lock:
                         if self._hold or base not in self.policy.resident:  # evicted again, or a switch came
@@ -1141,13 +1149,49 @@ class Executor(AgentHooks):
                                 # a load from the engine's own host copy leaves it clean until written
                                 if need:
                                     self._event("prefetch", need)
-                                eng.prefetch(base)
+                                issued = eng.prefetch(base)
                                 break
                     time.sleep(POLL_S)
+                if issued is not None:  # after the mover's lock: the core lock comes first elsewhere
+                    self._ready_on_stream(base, issued)
                 self._measure(self._budget, False)
             except Exception as exc:  # noqa: BLE001 (the launch that needs it loads it on demand)
                 self.counts["mover_errors"] += 1
                 self.error = f"{type(exc).__name__}: {exc}"
+
+    def _ready_on_stream(self, base: int, ev: Any) -> None:
+        """A load the mover just issued (event ``ev``): the one stream the record's operations
+        came on before its eviction waits for it now, and the native core may let operations on
+        that stream alone touch it without a call. Otherwise the first operation to touch it
+        would call, only to make its stream wait and see the load still in flight: on an LLM
+        decode under a fixed plan that was a call for every weight loaded. A stream the program
+        enqueues work on after the wait is ordered after the load; the mark is set after the
+        wait, under the core lock, so no operation of the program can come between. Skipped
+        (the first touch calls, as before): without the core, a record used on several streams
+        or on the per-thread default stream, a stream capturing a graph, an entry no longer
+        loading."""
+        core = self._core
+        s = self._stream_before.get(base)
+        if core is None or s is None or s == MIXED or s == PER_THREAD_STREAM or self._closing:
+            self.counts["ready_on_stream_skipped"] += 1
+            return
+        eng = self.engine
+        with eng.agent.lock:  # the core lock: the program's operations wait outside
+            with eng.lock:
+                e = eng.pending.get(base)
+                if e is None or e.state != LOADING or e.event is not ev or base not in self.policy.resident:
+                    self.counts["ready_on_stream_skipped"] += 1
+                    return
+                capturing = getattr(eng.ops, "capturing", None)
+                if capturing is not None and capturing(s):
+                    self.counts["ready_on_stream_skipped"] += 1
+                    return
+                if s not in e.ordered:
+                    eng.ops.wait(s, ev)
+                    e.ordered.add(s)
+                level = 1 if base in eng.clean else 2  # a write to a clean record must reach the engine
+                core.fast_mark_on((base,), level, s)
+        self.counts["ready_on_stream"] += 1
 
     # -- serving: the GPU turn (gpu-prefetch-sched serve, gpuos_tools/sched/serve.py) ---------
 

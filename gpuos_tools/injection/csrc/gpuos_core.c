@@ -262,8 +262,12 @@ typedef struct {
     uint8_t pad[3];
     /* the fast path: nothing for the executor or the engine to do on an operation that writes
        it while `ready` equals ready_gen, on one that only reads it while `readable` does
-       (Python marks them; 0: not) */
+       (Python marks them; 0: not). With `stream_only`, only an operation on `only_stream`
+       (its effective handle) may: the mark of a record still loading, set after that stream
+       was made to wait for the load */
     uint32_t ready, readable;
+    uint64_t only_stream;
+    uint8_t stream_only;
 } alloc_t;
 static alloc_t *allocs;
 static size_t n_allocs, cap_allocs;
@@ -836,8 +840,8 @@ static uint64_t n_fast;
 /* why an operation that would call the hooks did call (core_fast_counts): the allowance spent,
    an allocation came or went, the queue full, its access set unknown, a record it writes not
    ready, one it reads not readable, a write of an API that always calls; and every mark dropped
-   at once (core_fast_unready_all) */
-enum { W_LEFT, W_MOVED, W_FULL, W_UNKNOWN, W_WRITE, W_READ, W_SLOW, W_ALL, W_N };
+   at once (core_fast_unready_all); an allocation marked for another stream only */
+enum { W_LEFT, W_MOVED, W_FULL, W_UNKNOWN, W_WRITE, W_READ, W_SLOW, W_ALL, W_STREAM, W_N };
 static uint64_t why[W_N];
 static char *fq;
 static size_t fq_len, fq_cap;
@@ -872,8 +876,30 @@ void core_fast_mark(const uint64_t *addrs, uint32_t n, int level) {
         if (a) {
             a->ready = level >= 2 ? g : 0;
             a->readable = level >= 1 ? g : 0;
+            a->stream_only = 0;
         }
     }
+}
+
+/* The same for operations on `stream` alone (its effective handle: 2 for the per-thread default
+   stream): a record whose load that stream was made to wait for, still in flight (core lock held). */
+void core_fast_mark_on(const uint64_t *addrs, uint32_t n, int level, uint64_t stream) {
+    core_fast_mark(addrs, n, level);
+    for (uint32_t k = 0; k < n; k++) {
+        alloc_t *a = find(addrs[k]);
+        if (a) {
+            a->only_stream = stream;
+            a->stream_only = 1;
+        }
+    }
+}
+
+static inline int wrong_stream(const alloc_t *a, uint64_t stream) {
+    if (a->stream_only && a->only_stream != stream) {
+        why[W_STREAM]++;
+        return 1;
+    }
+    return 0;
 }
 
 /* Every mark is gone (any thread, no lock needed). */
@@ -960,6 +986,8 @@ static int fast_launch(memo_t *m, uint32_t cbid, uint64_t stream, const char *na
             why[W_READ]++;
             return 0;
         }
+    for (uint32_t k = 0; k < n; k++)
+        if (wrong_stream(&allocs[m->idx[k]], stream)) return 0;
     size_t nlen = name ? strnlen(name, 4096) : 0;
     size_t bytes = 40 + (size_t)n * 8 + nlen;
     char *p = fq_put(bytes);
@@ -992,6 +1020,7 @@ static int fast_write(uint32_t op, uint32_t cbid, uint64_t stream, uint64_t dst,
         why[W_READ]++;
         return 0;
     }
+    if ((d && wrong_stream(d, stream)) || (s && wrong_stream(s, stream))) return 0;
     if (op == OP_FREE) {
         n_fast++;
         return 1;
