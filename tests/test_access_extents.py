@@ -47,8 +47,8 @@ def totals(rows) -> dict[str, int]:
 VALIDATED_BOUNDS = {
     ("torch_optim", 1): (5, 68, 0.1),
     ("torch_optim", 2): (5, 61, 0.1),
-    ("transformer_block", 1): (37, None, None),
-    ("transformer_block", 2): (22, None, None),
+    ("transformer_block", 1): (8, None, None),
+    ("transformer_block", 2): (4, None, None),
 }
 
 
@@ -574,3 +574,59 @@ def test_split_k_reduce_bias_on_a_validated_compiled_mlp():
     a = pred.allocs.find(bias)
     assert all(not (e["alloc"] == a.id and e["offset"] <= bias - a.addr < e["offset"] + e["size"]) for e in acc["writes"])
 
+
+@pytest.fixture(scope="module")
+def block2() -> list[dict]:
+    return load("validator-suite-transformer_block.s2.ndjson.zst")
+
+
+def fed_until(records: list[dict], seq: int) -> tuple[Predictor, dict, dict]:
+    """(predictor, launch record, access record) of the launch ``seq``, fed in order."""
+    pred = Predictor("extent")
+    for rec in records:
+        if rec["type"] == "validation":
+            continue
+        acc = pred.feed(rec)
+        if rec["type"] == "launch" and rec["seq"] == seq:
+            return pred, rec, acc
+    raise LookupError(seq)
+
+
+def test_embedding_backward_after_the_zeroed_gradient(block2):
+    # the GPT-2 block at size 2: wte's gradient, 512 x 128 floats, zeroed by a fill of 65536
+    # floats (seq 104) just before the embedding backward (seq 105) adds the rows of 128 token
+    # gradients into it; the validator saw writes only inside those 256 KiB
+    pred, rec, acc = fed_until(block2, 105)
+    s = spans(pred, rec)
+    assert s[(0, 0)] == ((0, 128 * 8), None) and s[(1, 0)] == ((0, 128 * 128 * 4), None)
+    assert s[(2, 0)] == ((0, None), (0, None))  # alone, the rows are values in device memory
+    grad_weight = int.from_bytes(bytes.fromhex(rec["params"][2]["hex"]), "little")
+    a = pred.allocs.find(grad_weight)
+    assert [e for e in acc["writes"]] == [{"alloc": a.id, "offset": grad_weight - a.addr, "size": 512 * 128 * 4,
+                                           "how": "scan:pytorch"}]
+    # the same launch without the fill just before it, or on another stream: to the allocation's end
+    assert pred.launch(rec)[0]["writes"][0]["size"] == a.size - (grad_weight - a.addr)
+    pred2, _, _ = fed_until(block2, 104)
+    pred2.feed({"type": "memset", "dst": grad_weight, "bytes": 4, "stream": rec["stream"]})
+    assert pred2.feed(rec)["writes"][0]["size"] == a.size - (grad_weight - a.addr)
+    pred3, _, _ = fed_until(block2, 104)
+    assert pred3.feed({**rec, "stream": 7})["writes"][0]["size"] == a.size - (grad_weight - a.addr)
+    # the fill zeroes what it wrote; one of another value does not
+    fill = next(r for r in block2 if r["type"] == "launch" and r["seq"] == 104)
+    info = pred.info(fill)
+    assert pred.decoders.decode(info.kernel, info.name, fill).zeroes == (2, 0, 65536 * 4)
+    assert pred.decoders.decode(info.kernel, info.name, with_bytes(fill, 1, 0, ONE)).zeroes is None
+
+
+def test_embedding_backward_that_does_not_check_out(block2):
+    pred, rec, _ = fed_until(block2, 103)  # wpe's gradient: 64 positions, every row written
+    info = pred.info(rec)
+    assert pred.decoders.decode(info.kernel, info.name, {**rec, "grid": [2, 1, 1]}) is None
+    assert pred.decoders.decode(info.kernel, info.name, {**rec, "smem": 4096}) is None
+    # a zeroed block that is not whole rows does not bound it
+    pred2, _, _ = fed_until(block2, 101)
+    fill = next(r for r in block2 if r["type"] == "launch" and r["seq"] == 102)
+    pred2.feed(with_bytes(fill, 0, 0, (8192 - 1).to_bytes(4, "little")))
+    grad_weight = int.from_bytes(bytes.fromhex(rec["params"][2]["hex"]), "little")
+    a = pred2.allocs.find(grad_weight)
+    assert pred2.feed(rec)["writes"][0]["size"] == a.size - (grad_weight - a.addr)

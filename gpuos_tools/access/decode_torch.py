@@ -146,8 +146,13 @@ def plan_vectorized(name: str, sizes: tuple[int, ...]) -> Plan | None:
     if plain(targs[1]):
         regions[1] = [(0, sizes[1])]
 
+    fill = base_name(targs[1]) == "at::native::FillFunctor"
+
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
-        return _contiguous(regions, i32(raw[0], 0), elems)
+        dec = _contiguous(regions, i32(raw[0], 0), elems)
+        if fill and not any(raw[1]) and i32(raw[0], 0) > 0:  # a fill of zeros (at::zeros)
+            dec.zeroes = (2, 0, i32(raw[0], 0) * out)
+        return dec
 
     return plan
 
@@ -795,5 +800,45 @@ def plan_cat(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+_EMBEDDING_BACKWARD = _NSA + "embedding_backward_feature_kernel"
+
+
+def plan_embedding_backward(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """``embedding_backward_feature_kernel<scalar_t, accscalar_t, index_t>(indices, grad,
+    grad_weight, int n, long stride, int padding_idx)`` (Embedding.cu: blocks of 32 x 32
+    threads, one column of 32 features per block, shared memory of 1024 accumulators and 1024
+    ints): reads the n indices and the n rows of ``stride`` elements of grad, and adds each
+    row into row ``indices[i]`` of grad_weight. Which rows is in device memory, and the table's
+    size is not an argument: grad_weight is read and written to the end of its allocation,
+    unless the operation just before zeroed whole rows from it (its only caller,
+    ``embedding_dense_backward_cuda``, launches it right after ``at::zeros({num_weights,
+    stride})`` makes grad_weight; the indices are below num_weights, as the forward's lookup
+    asserted), see ``Decoded.fresh``."""
+    targs = _kernel_args(name, _EMBEDDING_BACKWARD)
+    if targs is None or len(targs) != 3 or sizes != (8, 8, 8, 4, 8, 4):
+        return None
+    elem, acc, index = sizeof(targs[0]), sizeof(targs[1]), sizeof(targs[2])
+    expected = [f"{targs[2]} const*", f"{targs[0]} const*", f"{targs[0]}*", "int", "long", "int"]
+    if None in (elem, acc, index) or split_params(name) != expected:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n, stride = i32(raw[3], 0), i64(raw[4], 0)
+        grid, block = tuple(rec.get("grid") or ()), tuple(rec.get("block") or ())
+        if min(n, stride) < 1 or stride >= 1 << 31 or block != (32, 32, 1) or grid != (-(-stride // 32), 1, 1):
+            return None
+        if rec.get("smem") != 1024 * (acc + 4):
+            return None
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in range(3)})
+        dec.read(0, 0, n * index)
+        dec.read(1, 0, n * stride * elem)
+        dec.read(2, 0, None)
+        dec.write(2, 0, None)
+        dec.fresh[(2, 0)] = stride * elem
+        return dec
+
+    return plan
+
+
 PLANNERS = (plan_cat, plan_vectorized, plan_legacy, plan_unrolled, plan_reduce, plan_simple, plan_distribution, plan_foreach,
-            plan_fused_adam, plan_gather, plan_dropout, plan_with_index)
+            plan_fused_adam, plan_gather, plan_dropout, plan_with_index, plan_embedding_backward)
