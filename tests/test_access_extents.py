@@ -641,3 +641,23 @@ def test_embedding_backward_that_does_not_check_out(block2):
     grad_weight = int.from_bytes(bytes.fromhex(rec["params"][2]["hex"]), "little")
     a = pred2.allocs.find(grad_weight)
     assert pred2.feed(rec)["writes"][0]["size"] == a.size - (grad_weight - a.addr)
+
+
+def test_memo_keeps_apart_a_launch_after_a_zero_fill_and_the_same_launch_alone(block2):
+    pred, rec, first = fed_until(block2, 105)
+    fill = next(r for r in block2 if r["type"] == "launch" and r["seq"] == 104)
+    pred.feed(fill)
+    again = pred.feed(rec)  # the same pair repeated, as a training loop does: from the memo
+    alone = pred.feed(rec)  # right after itself: nothing zeroed just before it
+    assert again["writes"] == first["writes"] and again["writes"][0]["size"] == 512 * 128 * 4
+    assert alone["writes"][0]["size"] > 512 * 128 * 4
+    direct = Predictor("extent")
+    for r in block2:  # every launch as the memo gives it and as predicted afresh agree
+        if r["type"] == "validation":
+            continue
+        if r["type"] == "launch":
+            fresh = direct.launch(r, direct.zeroed_before(r))[0]
+            memoised = direct.feed(r)
+            assert (memoised["reads"], memoised["writes"]) == (fresh["reads"], fresh["writes"])
+        else:
+            direct.feed(r)
