@@ -542,7 +542,14 @@ def plan_cub_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
 # z * batch stride. cuBLAS hands CUTLASS its column-major problem transposed: A, B and the
 # partial products are row-major M x N views.
 # splitKreduce_kernel(cublasSplitKParams<T>, workspace, C, D, D2, ...): m, n at 8, the
-# workspace pitch at 16, C's and D's at 20..28, the slice stride at 36, the slices at 40.
+# workspace pitch at 16, C's and D's at 20..28, the slice stride at 36, the slices at 40, the
+# epilogue at 56 (cublasLtEpilogue_t: 1 in every launch of the kernels whose name has no bias
+# flag, 4, CUBLASLT_EPILOGUE_BIAS, in every launch of those that have it). With the bias
+# epilogue the bias pointer comes twice, as the 7th pointer (``float const*``) and the 9th
+# (``float*``): cuBLASLt's one bias pointer is an input under CUBLASLT_EPILOGUE_BIAS and an
+# output (a bias gradient) only under the BGRAD epilogues (DRELU_BGRAD 152, DGELU_BGRAD 208,
+# BGRADA 256, BGRADB 512), so under 4 both copies are m floats read; the launches validated
+# with it (the GPT-2 block at two sizes, a torch.compile'd MLP) wrote only D.
 
 _KERNEL2 = re.compile(r"^void cutlass::Kernel2<cutlass_80_simt_sgemm_(\d+)x(\d+)_(\d+)x\d+_[nt][nt]_align1>"
                       r"\(cutlass_80_simt_sgemm_\w+::Params\)$")
@@ -621,6 +628,8 @@ def plan_split_k_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
     if params[1:5] != ["float const*", "float const*", "float*", "float*"]:
         return None
     others = [i for i in range(5, len(params)) if params[i].endswith("*") and sizes[i] == 8]
+    targs = args_of(name, "cublasLt::splitKreduce_kernel")
+    with_bias = bool(targs) and len(targs) == 15 and targs[12] == "true"  # the bias flag, as recorded
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         b = raw[0]
@@ -636,13 +645,33 @@ def plan_split_k_reduce(name: str, sizes: tuple[int, ...]) -> Plan | None:
         dec.read(2, 0, out)  # C, read when beta is not zero
         dec.write(3, 0, out)
         dec.write(4, 0, out)
-        for i in others:  # epilogue inputs and outputs: never seen set
-            if u64(raw[i], 0):
+        bias = _bias_epilogue(b, raw, others) if with_bias else None
+        if bias is not None:  # the bias, m floats, read through both of its copies
+            for i in bias:
+                dec.read(i, 0, mm * 4)
+        for i in others:  # other epilogue inputs and outputs: never seen set
+            if u64(raw[i], 0) and (bias is None or i not in bias):
                 dec.read(i, 0, None)
                 dec.write(i, 0, None)
         return dec
 
     return plan
+
+
+#: cublasLtEpilogue_t's CUBLASLT_EPILOGUE_BIAS: the bias is an input, m floats
+_EPILOGUE_BIAS = 4
+
+
+def _bias_epilogue(b: bytes, raw: list[bytes], others: list[int]) -> tuple[int, int] | None:
+    """The two parameters holding the bias of a splitKreduce launch with the bias epilogue, as
+    recorded: the epilogue word 4, the 7th and 9th pointers equal and not null, every other
+    pointer after the 6th null. None for any other pattern (those pointers keep range)."""
+    if i32(b, 56) != _EPILOGUE_BIAS or 7 not in others or 9 not in others:
+        return None
+    bias = u64(raw[7], 0)
+    if not bias or u64(raw[9], 0) != bias or any(u64(raw[i], 0) for i in others if i > 6 and i not in (7, 9)):
+        return None
+    return 7, 9
 
 
 # -- cuBLAS: gemmSN_TN_kernel (small-n GEMM) -------------------------------------------------

@@ -1,4 +1,6 @@
-"""PyTorch's TensorIterator kernels: exact extents from their arguments.
+"""PyTorch's kernels: exact extents from their arguments. One module over 800 lines: every
+decoder here shares the same name parsing and ATen conventions (functors, lambdas, element
+types), and the TensorIterator kernels come first:
 
 - ``vectorized_elementwise_kernel<vec, F, std::array<char*, K>>(int N, F, data)``: contiguous
   operands, N elements each; ``data[0]`` is the output (written), the rest inputs (read).
@@ -14,7 +16,8 @@
 
 Element sizes come from the functor's template arguments. A lambda's return type is not in its
 name: its output is bounded by the largest PyTorch element (16 bytes, complex<double>), except
-for the few functions known to return their argument's type (``_SAME_TYPE``).
+for the few functions known to return one of their parameters' types (``_SAME_TYPE``,
+``_FIRST_TYPE``, ``_LAST_TYPE``).
 """
 
 from __future__ import annotations
@@ -61,8 +64,11 @@ _FUNCTORS: dict[str, tuple[int | str, tuple[int, ...]]] = {
 
 
 #: Functions whose GPU lambda returns its argument's type (they dispatch on one scalar_t and
-#: compute in it): clamp, clamp_min and clamp_max (ReLU's forward is clamp_min).
-_SAME_TYPE = ("at::native::(anonymous namespace)::launch_clamp_scalar(",)
+#: compute in it): clamp, clamp_min and clamp_max (ReLU's forward is clamp_min); the plain copy
+#: (``[] GPU_LAMBDA(scalar_t x) { return x; }`` for every dtype it dispatches without casting);
+#: tanh (``[] GPU_LAMBDA(scalar_t a) -> scalar_t`` in its real and its complex branch).
+_SAME_TYPE = ("at::native::(anonymous namespace)::launch_clamp_scalar(", "at::native::direct_copy_kernel_cuda(",
+              "at::native::tanh_kernel_cuda(")
 #: Functions whose GPU lambda returns its first parameter's type (ATen's source: GELU and its
 #: gradient, tanh's gradient, pow with a scalar exponent, dropout's masked scale).
 _FIRST_TYPE = ("at::native::GeluCUDAKernelImpl(", "at::native::GeluBackwardCUDAKernelImpl(",
@@ -71,9 +77,14 @@ _FIRST_TYPE = ("at::native::GeluCUDAKernelImpl(", "at::native::GeluBackwardCUDAK
                "at::native::(anonymous namespace)::masked_scale_kernel<")
 
 
+#: Functions whose GPU lambda returns its last parameter's type: where, ``(bool cond, scalar_t
+#: self, scalar_t other) -> scalar_t``.
+_LAST_TYPE = ("at::native::(anonymous namespace)::where_kernel_impl(",)
+
+
 #: Functions whose GPU lambdas capture no pointer (ATen's source): a closure's bytes past its data
 #: pointers hold only the functor's scalars.
-_PLAIN_LAMBDAS = _SAME_TYPE + _FIRST_TYPE + ("at::native::direct_copy_kernel_cuda(",)
+_PLAIN_LAMBDAS = _SAME_TYPE + _FIRST_TYPE
 
 
 #: The functors that wrap another (the operation of gpu_kernel_with_scalars): plain when it is.
@@ -104,6 +115,8 @@ def operands(functor: str) -> tuple[int, list[int]] | None:
         if None in ins:
             return None
         same = len(set(params)) == 1 and functor.startswith(_SAME_TYPE) or functor.startswith(_FIRST_TYPE)
+        if functor.startswith(_LAST_TYPE):
+            return ins[-1], ins  # type: ignore[return-value]
         return (ins[0] if same else MAX_ELEMENT), ins  # type: ignore[return-value]
     base = base_name(functor)
     shape = _FUNCTORS.get(base)
@@ -146,8 +159,13 @@ def plan_vectorized(name: str, sizes: tuple[int, ...]) -> Plan | None:
     if plain(targs[1]):
         regions[1] = [(0, sizes[1])]
 
+    fill = base_name(targs[1]) == "at::native::FillFunctor"
+
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
-        return _contiguous(regions, i32(raw[0], 0), elems)
+        dec = _contiguous(regions, i32(raw[0], 0), elems)
+        if fill and not any(raw[1]) and i32(raw[0], 0) > 0:  # a fill of zeros (at::zeros)
+            dec.zeroes = (2, 0, i32(raw[0], 0) * out)
+        return dec
 
     return plan
 
@@ -609,12 +627,16 @@ def plan_gather(name: str, sizes: tuple[int, ...]) -> Plan | None:
 
 
 _WITH_INDEX = "(anonymous namespace)::elementwise_kernel_with_index"
+#: arange_cuda_out dispatches on AT_DISPATCH_ALL_TYPES_AND2(Half, BFloat16): no complex, so its
+#: element is at most 8 bytes (double, int64)
+_ARANGE_ELEMENT = 8
 
 
 def plan_with_index(name: str, sizes: tuple[int, ...]) -> Plan | None:
     """``elementwise_kernel_with_index<index_t, F>(N, f, result_type* data)`` (arange, linspace):
     data[i] = f(i) for i < N. The result type is not in the name: bounded by the largest
-    element."""
+    element of the dtypes the caller dispatches on (arange: all but complex, at most 8 bytes;
+    otherwise, as linspace and logspace take complex, the largest PyTorch element)."""
     targs = _kernel_args(name, _WITH_INDEX)
     params = split_params(name)
     if (targs is None or len(targs) != 2 or targs[0] not in ("int", "long") or len(params) != 3
@@ -623,13 +645,14 @@ def plan_with_index(name: str, sizes: tuple[int, ...]) -> Plan | None:
     index = sizeof(targs[0])
     if sizes[0] != index:
         return None
+    largest = _ARANGE_ELEMENT if targs[1].startswith("at::native::arange_cuda_out(") else MAX_ELEMENT
 
     def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
         n = int.from_bytes(raw[0], "little", signed=True)
         if n < 0:
             return None
         dec = Decoded(VIA, regions={2: [(0, 8)]})
-        dec.write(2, 0, n * MAX_ELEMENT)
+        dec.write(2, 0, n * largest)
         return dec
 
     return plan
@@ -795,5 +818,45 @@ def plan_cat(name: str, sizes: tuple[int, ...]) -> Plan | None:
     return plan
 
 
+_EMBEDDING_BACKWARD = _NSA + "embedding_backward_feature_kernel"
+
+
+def plan_embedding_backward(name: str, sizes: tuple[int, ...]) -> Plan | None:
+    """``embedding_backward_feature_kernel<scalar_t, accscalar_t, index_t>(indices, grad,
+    grad_weight, int n, long stride, int padding_idx)`` (Embedding.cu: blocks of 32 x 32
+    threads, one column of 32 features per block, shared memory of 1024 accumulators and 1024
+    ints): reads the n indices and the n rows of ``stride`` elements of grad, and adds each
+    row into row ``indices[i]`` of grad_weight. Which rows is in device memory, and the table's
+    size is not an argument: grad_weight is read and written to the end of its allocation,
+    unless the operation just before zeroed whole rows from it (its only caller,
+    ``embedding_dense_backward_cuda``, launches it right after ``at::zeros({num_weights,
+    stride})`` makes grad_weight; the indices are below num_weights, as the forward's lookup
+    asserted), see ``Decoded.fresh``."""
+    targs = _kernel_args(name, _EMBEDDING_BACKWARD)
+    if targs is None or len(targs) != 3 or sizes != (8, 8, 8, 4, 8, 4):
+        return None
+    elem, acc, index = sizeof(targs[0]), sizeof(targs[1]), sizeof(targs[2])
+    expected = [f"{targs[2]} const*", f"{targs[0]} const*", f"{targs[0]}*", "int", "long", "int"]
+    if None in (elem, acc, index) or split_params(name) != expected:
+        return None
+
+    def plan(raw: list[bytes], rec: dict[str, Any]) -> Decoded | None:
+        n, stride = i32(raw[3], 0), i64(raw[4], 0)
+        grid, block = tuple(rec.get("grid") or ()), tuple(rec.get("block") or ())
+        if min(n, stride) < 1 or stride >= 1 << 31 or block != (32, 32, 1) or grid != (-(-stride // 32), 1, 1):
+            return None
+        if rec.get("smem") != 1024 * (acc + 4):
+            return None
+        dec = Decoded(VIA, regions={i: [(0, 8)] for i in range(3)})
+        dec.read(0, 0, n * index)
+        dec.read(1, 0, n * stride * elem)
+        dec.read(2, 0, None)
+        dec.write(2, 0, None)
+        dec.fresh[(2, 0)] = stride * elem
+        return dec
+
+    return plan
+
+
 PLANNERS = (plan_cat, plan_vectorized, plan_legacy, plan_unrolled, plan_reduce, plan_simple, plan_distribution, plan_foreach,
-            plan_fused_adam, plan_gather, plan_dropout, plan_with_index)
+            plan_fused_adam, plan_gather, plan_dropout, plan_with_index, plan_embedding_backward)

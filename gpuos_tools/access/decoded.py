@@ -24,6 +24,15 @@ class Decoded:
     #: param -> [start, end) ranges of its bytes whose layout the decoder read: a word found
     #: there that is not in ``spans`` is not a pointer (uninitialised padding, a size, a stride)
     regions: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    #: (param, offset of the pointer word, bytes): the launch writes zeros to exactly the bytes
+    #: from that pointer (a fill of the value zero), and nothing else
+    zeroes: tuple[int, int, int] | None = None
+    #: (param, offset) -> row bytes: a pointer whose rows are chosen by values in device memory,
+    #: into a tensor its kernel's only caller creates zeroed just before the launch. Its spans
+    #: run to the end of the allocation, unless the operation just before the launch, on its
+    #: stream, zeroed whole rows from this pointer (``zeroes``): then they stop there
+    #: (gpuos_tools/access/predict.py)
+    fresh: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def known(self, param: int, start: int, end: int) -> None:
         """Bytes [start, end) of ``param`` are laid out as the decoder read them."""

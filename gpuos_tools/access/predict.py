@@ -170,6 +170,12 @@ class Predictor:
         #: access records found in the input by annotate(): dropped, each replaced by this
         #: predictor's own, so that a stream predicted twice is not a doubled workload
         self.replaced = 0
+        #: at extent, (stream, address, bytes) while the last operation fed was a launch that
+        #: wrote zeros to exactly those bytes (a decoded fill), else None: the launch after it on
+        #: the same stream may bound a pointer by it (``Decoded.fresh``); any copy, memset, graph
+        #: launch, free or other launch in between, on any stream, and it is gone
+        self.last_zeroed: tuple[Any, int, int] | None = None
+        self._zeroes: tuple[int, int] | None = None  #: what the last launch() zeroed, (address, bytes)
 
     # -- the stream --------------------------------------------------------------------------
 
@@ -184,6 +190,8 @@ class Predictor:
         kind = rec["type"]
         if kind == "launch":
             return self._launch_memo(rec)
+        if kind in ("memcpy", "memset", "graph_launch", "free"):
+            self.last_zeroed = None
         if kind == "alloc":
             a = self.allocs.add(rec)
             self.by_id[a.id] = a
@@ -457,19 +465,34 @@ class Predictor:
             key += (tuple(rec.get("grid") or ()), tuple(rec.get("block") or ()))
         if self.variables and self.variables.of_function(rec.get("func")):
             key += (rec.get("func"),)  # the same kernel in two loaded modules: two sets of variables
-        hit = self._memo.get(key)
-        if hit is None:
-            hit = self.launch(rec)[0]
+        after = self.zeroed_before(rec)
+        if after is not None:
+            key += (after,)
+        memo = self._memo.get(key)
+        if memo is None:
+            acc = self.launch(rec, after)[0]
+            memo = (acc, self._zeroes)
             if len(self._memo) >= 65536:
                 self._memo.clear()
-            self._memo[key] = hit
+            self._memo[key] = memo
+        hit, zeroes = memo
+        self.last_zeroed = (rec.get("stream"), *zeroes) if zeroes is not None and not rec.get("captured") else None
         out = hit.copy()  # the reads/writes lists are shared: records are not mutated downstream
         out["seq"] = rec.get("seq")
         return out
 
-    def launch(self, rec: dict[str, Any]) -> tuple[dict[str, Any], KernelInfo, list[Finding]]:
-        """The access record of a launch, with what it was inferred from."""
+    def zeroed_before(self, rec: dict[str, Any]) -> tuple[Any, int, int] | None:
+        """``last_zeroed`` when it is the operation just before this launch on its stream (the
+        launch runs now: not one captured into a graph)."""
+        last = self.last_zeroed
+        return last if last is not None and last[0] == rec.get("stream") and not rec.get("captured") else None
+
+    def launch(self, rec: dict[str, Any], after: tuple[Any, int, int] | None = None
+               ) -> tuple[dict[str, Any], KernelInfo, list[Finding]]:
+        """The access record of a launch, with what it was inferred from. ``after``: the
+        ``last_zeroed`` of the operation just before it on its stream, where the caller fed it."""
         info = self.info(rec)
+        self._zeroes = None
         found = self.findings(rec)
         bases = info.bases
         whole = self.granularity == "alloc"
@@ -487,6 +510,8 @@ class Predictor:
             alloc = f.alloc
             if decoded is not None and f.found != STORED and (exact or _layout_decides(bases, f.param)):
                 spans = decoded.spans.get((f.param, f.offset))
+                if exact and spans is not None and after is not None and (f.param, f.offset) in decoded.fresh:
+                    spans = _fresh(spans, decoded.fresh[(f.param, f.offset)], f.word, after)
                 if spans is None:
                     if decoded.laid_out(f.param, f.offset):
                         continue  # the decoded layout says this word is not a pointer
@@ -533,6 +558,10 @@ class Predictor:
                 _merge(writes, alloc.id, offset, size, how)
         if self.variables:
             self._variable_pointers(rec.get("func"), reads, writes, whole)
+        if exact and decoded is not None and decoded.zeroes is not None and not rec.get("result"):
+            param, offset, size = decoded.zeroes
+            word = next((f.word for f in found if (f.param, f.offset) == (param, offset) and f.found != STORED), None)
+            self._zeroes = (word, size) if word is not None else None
         out: dict[str, Any] = {"type": "access", "of": "launch", "seq": rec.get("seq"), "kernel": info.kernel}
         if rec.get("captured"):
             out["captured"] = True
@@ -672,6 +701,15 @@ def _laid_key(decoded: Decoded, bases: Any, found: list[tuple[int, int, int]]) -
             yield i, j, w, spans[0] is not None, spans[1] is not None
         elif not decoded.laid_out(i, 8 * j):
             yield i, j, w, None
+
+
+def _fresh(spans: tuple, row: int, word: int, after: tuple[Any, int, int]) -> tuple:
+    """A ``Decoded.fresh`` pointer's spans, stopped at the end of the bytes the operation just
+    before zeroed (``after``) when they start at the pointer and are whole rows."""
+    _stream, start, size = after
+    if start != word or size <= 0 or size % row:
+        return spans
+    return tuple(None if sp is None else (sp[0], size if sp[1] is None else min(sp[1], size)) for sp in spans)
 
 
 def _merge_span(into: dict[int, list], alloc: Allocation, word: int, span: Span, how: str) -> None:

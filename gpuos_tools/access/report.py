@@ -218,7 +218,7 @@ def explain(records: Iterable[dict[str, Any]], seq: int, granularity: str = "all
 
 def explain_launch(pred: Predictor, rec: dict[str, Any]) -> dict[str, Any]:
     """How each buffer of one launch was inferred, given the predictor's state just before it."""
-    access, info, found = pred.launch(rec)
+    access, info, found = pred.launch(rec, pred.zeroed_before(rec))
     params = rec.get("params") or ()
     decoded = None
     if pred.decoders is not None and rec.get("layout") != "none":
