@@ -709,3 +709,18 @@ def test_last_use_marks_are_recycled_beyond_their_bound():
     assert ex._after_last_use(bases[1]) is evs[0]
     ex.close()
     eng.close()
+
+
+def test_a_freed_records_uses_are_forgotten():
+    """A record freed leaves no last use, no stream of its uses and no stream from before its
+    eviction behind: a new record at its address starts with none (the mover would otherwise
+    order a stranger's stream after its load)."""
+    bases, ops, eng, ex = setup(3, 10 * 64 * MIB)
+    ex.records()
+    b, keep = bases[1], bases[0]
+    ex._used_at[b], ex._used_on[b], ex._stream_before[b] = 7, 0, 5
+    ex._used_at[keep] = 3
+    ex.lib.recs = [r for r in ex.lib.recs if r.base != b]
+    assert b not in ex.records()
+    assert b not in ex._used_at and b not in ex._used_on and b not in ex._stream_before
+    assert ex._used_at[keep] == 3

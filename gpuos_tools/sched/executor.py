@@ -328,6 +328,10 @@ class Executor(AgentHooks):
             self._bases = sorted(self._records)
             self._total = sum(self._records.values())
             self._key = key
+            for b in [b for b in old if b not in self._records]:  # freed: a new record may take its address
+                self._used_at.pop(b, None)
+                self._used_on.pop(b, None)
+                self._stream_before.pop(b, None)
             if self.ledger is not None:
                 self._book_records(old)
         return self._records
