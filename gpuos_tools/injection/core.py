@@ -122,12 +122,12 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 _V_HDR = struct.Struct("<II")
 _F_HDR = struct.Struct("<IIQIIQ")  #: fast queue entry: kind, bytes, operation, cbid, name length, stream
 _F_LAUNCH, _F_WRITE = 1, 2
-#: the fast path's calls, made on the program's thread in each of its upcalls: they return at once
-#: and take no lock; through CDLL each call lets the GIL go and takes it back (a few µs each, and a
-#: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
 #: the counts of core_fast_counts after its first three, in order (the core's enum W_*)
 FAST_WHY = ("why_left", "why_moved", "why_full", "why_unknown", "why_unready_write", "why_unready_read",
             "why_slow_write", "marks_dropped", "why_other_stream")
+#: the fast path's calls, made on the program's thread in each of its upcalls: they return at once
+#: and take no lock; through CDLL each call lets the GIL go and takes it back (a few µs each, and a
+#: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
 HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts")
 _F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
 _F_PAIR = struct.Struct("<QQ")  #: a write's destination and source

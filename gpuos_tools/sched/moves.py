@@ -28,6 +28,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from gpuos_tools.sched.fixed import choose_gaps
 from gpuos_tools.sched.planner import NEVER
 from gpuos_tools.sched.workload import Workload
@@ -218,25 +220,14 @@ def _mean(rows: list[dict[str, Any]], acc: dict[str, Any]) -> dict[str, Any]:
 
 
 def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, period: int = 2) -> dict[str, Any]:
-    """A plan that repeats unchanged every period, for a cyclic workload: each record either
-    stays resident (pinned) or is streamed over some of the gaps between its uses in the period:
-    dropped after the use before a gap and loaded ``ahead`` steps before the use after it, or
-    later where the room allows no earlier load (``short_leads``). Greedy: at the step whose live
-    memory exceeds ``budget`` the most, a load over it is made later if there is one (no bytes),
-    else the largest record with a gap over it (the longest such gap first) is dropped over that
-    gap. The online policy's moves drift from period to period (its victims depend on ties and
-    on what came before); a fixed plan repeats, so it could be carried out without deciding
-    anything per operation. Records freed inside the period (temporaries) are live from their
-    first to their last use in it, and may be dropped over the gaps between those.
-
-    A step whose own records exceed the budget runs above it, as under MIN: there the plan only
-    has to hold those. Measured on the steps of period number ``period`` (0-based: the first
-    periods learn). Returns the budget, the peak live bytes, whether the plan fits (every step
+    """What a plan repeated unchanged every period moves on a cyclic workload: fixed.py's
+    ``choose_gaps`` (the online policy's ``plan="fixed"`` makes its plans with it) over the steps
+    of period number ``period`` (0-based: the first periods learn), with loads ``ahead`` steps
+    before their use where the room allows (``short_leads``: those later); records freed inside
+    the period are its temporaries. Returns the budget, the peak live bytes, whether the plan fits (every step
     within the budget or its own bytes; not when no choice is left), the steps above the budget
     by their own bytes, the bytes it moves in and out per period (out: the drops of records the
     period writes), the records streamed and pinned, and the loads and drops per period."""
-    import numpy as np
-
     s0 = period * period_steps
     steps = w.steps[s0:s0 + period_steps]
     if len(steps) < period_steps:

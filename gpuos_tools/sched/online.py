@@ -821,13 +821,21 @@ class OnlinePolicy:
         j = self._phase
         if fx.kernels[j] != kernel or j in fx.act or self._fixed_fresh:
             return False
-        self.period.push(fx.keys[j])
-        self._phase = j + 1 if j + 1 < len(fx.kernels) else 0
-        st = self.stats
-        st.launches += 1
-        st.predicted += 1
-        st.fixed_launches += 1
+        self.stats.launches += 1
+        self._fixed_step()
         return True
+
+    def _fixed_step(self) -> int:
+        """The next phase of the fixed plan decided: the period learner gets the plan's key for
+        it (it follows the launches), the phase moves on. Its phase."""
+        fx = self._fixed
+        assert fx is not None
+        j = self._phase
+        self.period.push(fx.keys[j])
+        self._phase = j + 1 if j + 1 < fx.p else 0
+        self.stats.predicted += 1
+        self.stats.fixed_launches += 1
+        return j
 
     def fixed_quiet(self, most: int) -> int:
         """Under a fixed plan, how many next launches have no action in it (at most ``most``);
@@ -844,11 +852,7 @@ class OnlinePolicy:
         fx = self._fixed
         assert fx is not None
         st = self.stats
-        j = self._phase
-        self.period.push(fx.keys[j])  # the plan's key: the period learner follows the launches
-        self._phase = j + 1 if j + 1 < fx.p else 0
-        st.predicted += 1
-        st.fixed_launches += 1
+        j = self._fixed_step()
         ws = tuple(sorted({b for b in bases if b in records}))
         protected = set(ws)
         actions: list[Action] = []

@@ -884,10 +884,12 @@ void core_fast_mark(const uint64_t *addrs, uint32_t n, int level) {
 /* The same for operations on `stream` alone (its effective handle: 2 for the per-thread default
    stream): a record whose load that stream was made to wait for, still in flight (core lock held). */
 void core_fast_mark_on(const uint64_t *addrs, uint32_t n, int level, uint64_t stream) {
-    core_fast_mark(addrs, n, level);
+    uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
     for (uint32_t k = 0; k < n; k++) {
         alloc_t *a = find(addrs[k]);
         if (a) {
+            a->ready = level >= 2 ? g : 0;
+            a->readable = level >= 1 ? g : 0;
             a->only_stream = stream;
             a->stream_only = 1;
         }
