@@ -190,6 +190,11 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
             continue
         if isinstance(rec, dict) and rec.get("type") == "sched_summary":
             res["sched"] = {k: rec.get(k) for k in SUMMARY_KEYS if k in rec}
+            st = rec.get("policy_stats") or {}
+            if st.get("fixed_plans"):  # how much of the run a fixed plan decided, and why it ended
+                res["sched"]["fixed"] = {k: st.get(k) for k in ("fixed_plans", "fixed_launches", "fixed_ends", "fixed_end",
+                                                                 "fixed_acting_decisions", "fixed_other_decisions", "fixed")}
+                res["sched"]["breaks_last"] = st.get("breaks_last")
     for line in (err or "").splitlines():  # plain_owned: the owned cache's counts at the program's exit
         if line.startswith(OWNED_STATS):
             try:

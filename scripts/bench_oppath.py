@@ -314,14 +314,16 @@ def run(args) -> dict[str, Any]:
     if args.plan == "fixed":
         st = summ["policy_stats"]
         out.update(fixed_plans=st["fixed_plans"], fixed_launches=st["fixed_launches"], fixed_ends=st["fixed_ends"],
-                   fixed_end=st["fixed_end"], fixed=st["fixed"])
+                   fixed_end=st["fixed_end"], fixed=st["fixed"], fixed_acting_decisions=st["fixed_acting_decisions"],
+                   fixed_other_decisions=st["fixed_other_decisions"])
     if core is not None:
         fast = summ["fast"]
         py = summ["executor"]["before_s"] + fast["replay_s"] + fast["after_s"]
         out.update(core=True, fast_on=fast["on"], fast_off=fast.get("off"), fast_operations=fast.get("operations", 0), upcalls=core.counters()["upcalls"],
                    python_us_per_op=round(py / max(1, summ["launches"]) * 1e6, 2),
                    replay_us_per_op=round(fast["replay_s"] / max(1, fast["replayed"]) * 1e6, 2),
-                   calls_why=fast.get("calls_why"))
+                   calls_why=fast.get("calls_why"), fast_allowances=summ["executor"]["fast_allowances"],
+                   fast_allowed_none=summ["executor"]["fast_allowed_none"])
     if prof is not None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.profile_top)

@@ -55,10 +55,9 @@ def drive(pol: OnlinePolicy, kernels: list[str], sets: list[tuple[int, ...]], re
 
 def test_the_policy_makes_a_plan_once_the_loop_repeats_and_keeps_to_it():
     """A loop of 40 launches over 20 records of 1 MiB, each used twice a period, at a budget of
-    12 MiB: the count plan learns the period, a fixed plan is made after one more period, and
-    from then on every period makes the same moves, within the budget; a launch of a kernel the
-    period does not have ends the plan, and the next period learned, once it has held for a
-    period, makes another."""
+    12 MiB: the count plan learns the period, a fixed plan is made once it is known, and from
+    then on every period makes the same moves, within the budget; a launch of a kernel the
+    period does not have ends the plan, and the next period learned makes another."""
     n, p = 20, 2 * STEADY_MIN
     kernels = [f"k{t % 7}" for t in range(p)]
     sets = [((t * 3) % n, (t * 7 + 1) % n) for t in range(p)]
@@ -79,7 +78,12 @@ def test_the_policy_makes_a_plan_once_the_loop_repeats_and_keeps_to_it():
     assert st.fixed_ends == 1 and "another kernel" in st.fixed_end
     for _ in range(14):  # the learner may take the loop with the stray launch as the period (385 launches)
         drive(pol, kernels, sets, records, ok)
-    assert st.fixed_plans == 2 and pol._fixed is not None and st.fixed_ends == 1
+    # a period with the stray in it has its plan ended where the stray does not come again; one
+    # without it holds, and keeps the plan to the end
+    assert st.fixed_plans >= 2 and pol._fixed is not None and st.fixed_ends == st.fixed_plans - 1
+    held = st.fixed_launches
+    drive(pol, kernels, sets, records, ok)
+    assert st.fixed_launches == held + p and pol._fixed is not None
 
 
 def planned_cycle() -> tuple[OnlinePolicy, list[str], list[tuple[int, ...]], dict[int, int]]:

@@ -212,8 +212,8 @@ class Executor(AgentHooks):
         self._launch: tuple | None = None
         self.fast_off: str | None = None  #: why the fast path went off, if it did
         self._api_of: Any = lambda cbid: ""
-        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_replay_s": 0.0,
-                            "fast_after_s": 0.0})
+        self.counts.update({"fast_replayed": 0, "fast_late": 0, "fast_allowed": 0, "fast_allowances": 0,
+                            "fast_allowed_none": 0, "fast_replay_s": 0.0, "fast_after_s": 0.0})
         #: last-use marks (``_mark``, ``_after_last_use``): an event on the operation's stream
         #: before each operation that enters Python, so that an eviction's save waits for its
         #: record's last use rather than for everything enqueued (on unless GPUOS_SCHED_LAST_USE=0)
@@ -696,6 +696,8 @@ class Executor(AgentHooks):
                 core.fast_mark(at, level)
         n = self._fast_horizon()
         self.counts["fast_allowed"] += n
+        self.counts["fast_allowances"] += 1
+        self.counts["fast_allowed_none"] += n == 0
         core.fast_allow(n)
 
     def _fast_horizon(self) -> int:
@@ -1484,7 +1486,10 @@ def current_counts() -> dict[str, Any] | None:
            "loads": e["prefetches"] + e["demand_loads"], "demand_loads": e["demand_loads"],
            "stream_waits": e["stream_waits"], "stalls": p.stalls, "launches": p.launches, "unknown": p.unknown,
            "over_budget": p.over_budget, "room_wait_s": round(ex.counts["room_wait_s"], 6),
-           "decisions": ex.counts["decisions"], "t": time.perf_counter()}
+           "decisions": ex.counts["decisions"], "fast_allowances": ex.counts["fast_allowances"],
+           "fast_allowed": ex.counts["fast_allowed"], "fast_allowed_none": ex.counts["fast_allowed_none"],
+           "fixed_acting_decisions": p.fixed_acting_decisions, "fixed_other_decisions": p.fixed_other_decisions,
+           "t": time.perf_counter()}
     core = ex._core
     if core is not None:  # why the operations that called did (the native core's counts)
         out.update({k: v for k, v in core.fast_counts().items() if k.startswith("why_")})

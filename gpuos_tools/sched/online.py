@@ -383,6 +383,10 @@ class Stats:
     jitter: int = 0
     fixed_plans: int = 0  #: fixed plans made (``plan="fixed"``)
     fixed_launches: int = 0  #: launches decided by one
+    #: of them, decisions (not replays) at a phase where the plan acts, and elsewhere (a record
+    #: not ready for the launch, the core's allowance cut short): where a fixed plan's upcalls come from
+    fixed_acting_decisions: int = 0
+    fixed_other_decisions: int = 0
     fixed_ends: int = 0  #: fixed plans a launch ended (another kernel, an unknown launch, the records changed)
     #: the last fixed plan made (FixedSchedule.as_dict), and why the last one ended
     fixed: dict[str, Any] = field(default_factory=dict)
@@ -768,10 +772,14 @@ class OnlinePolicy:
     def _make_fixed(self, records: Mapping[int, int], budget: int) -> None:
         """With a period of at least STEADY_MIN launches known (the loop, not a repeat inside
         it) whose launches are all known, a fixed plan of it at ``budget``, its phase 0 the next
-        launch; tried once per period learned."""
+        launch; tried once per period learned. Made as soon as the period is known (its first
+        MATCH_CHECK launches repeated the period before): a loop that breaks its period now and
+        then (a ResNet step's, a decode's first tokens) would otherwise run a whole period more
+        under the count plan after each break; a wrong period ends its plan at its first
+        launch of another kernel."""
         per = self.period
         p = per.known
-        if p is None or p < STEADY_MIN or per.matched < p or self._fixed_tried == per.learned:
+        if p is None or p < STEADY_MIN or self._fixed_tried == per.learned:
             return
         self._fixed_tried = per.learned
         keys = per.predict(p)
@@ -853,6 +861,10 @@ class OnlinePolicy:
         assert fx is not None
         st = self.stats
         j = self._fixed_step()
+        if j in fx.act:
+            st.fixed_acting_decisions += 1
+        else:
+            st.fixed_other_decisions += 1
         ws = tuple(sorted({b for b in bases if b in records}))
         protected = set(ws)
         actions: list[Action] = []
