@@ -31,8 +31,8 @@ Known limits: a write that stores the value already there is invisible; poisonin
 cannot show reads of memory that already holds zeros (0xFF covers that for the whole-set check,
 not for extents); an update in place is seen only where the poisoned input changes a value
 the control visibly wrote (x *= 2 of a zeroed x: seen, except where x was zero already), and only
-while the control wrote at most ``INPLACE_MAX_BYTES`` in at most ``INPLACE_MAX_PIECES`` pieces
-(the record's `why` says when it wrote more); memory outside traced allocations (module globals)
+while the control wrote at most `INPLACE_MAX_BYTES` (64 MiB) in at most `INPLACE_MAX_PIECES`
+pieces (the record's `why` says when it wrote more); memory outside traced allocations (module globals)
 is neither hashed nor restored; a launch from another thread between the enter and exit
 callbacks is attributed to the validated kernel (a false missed write, never a silent pass); host
 (pinned) allocations are not checked.
