@@ -238,7 +238,31 @@ def follow_offset(dev: FakeDevice, params) -> None:
     dev.store(y, dev.fetch(table + i32(dev.fetch(table, 4)), 4 * n))
 
 
+def scale(dev: FakeDevice, params) -> None:
+    """x[i] = 2 x[i] + 1 for i < n: x updated in place (it reads what it overwrites); y unused."""
+    x, n = ptr(params[0]), i32(params[2])
+    dev.store(x, (2 * np.frombuffer(dev.fetch(x, 4 * n), np.float32) + 1).astype(np.float32).tobytes())
+
+
+def overwrite(dev: FakeDevice, params) -> None:
+    """x[i] = y[i] for i < n: x written from y only."""
+    x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    dev.store(x, dev.fetch(y, 4 * n))
+
+
+def partial(dev: FakeDevice, params) -> None:
+    """x[2i] = i + 0.5 for i < n: every other 4-byte word of x written, none of x read; y unused."""
+    x, n = ptr(params[0]), i32(params[2])
+    for i in range(n):
+        dev.store(x + 8 * i, struct.pack("<f", i + 0.5))
+
+
+def hidden_scale(dev: FakeDevice, params) -> None:
+    """scale, of the x whose address the table holds: params (table, y, n)."""
+    scale(dev, [dev.fetch(ptr(params[0]), 8), params[1], params[2]])
+
+
 KERNELS = {f.__name__: f for f in (copy, copy_and_spill, sum_past, far_read, scribble_input, stamp, asserting,
-                                   follow, follow_offset)}
+                                   follow, follow_offset, scale, overwrite, partial, hidden_scale)}
 KERNELS["_Z8lut_copyPfi"] = lut_copy  # void lut_copy(float*, int)
 KERNELS["_Z4copyIfEvPKT_PS0_i"] = copy  # void copy<float>(const float*, float*, int), as a program names it

@@ -502,3 +502,46 @@ def test_the_measurement_stops_at_its_run_budget(monkeypatch):
     req["extents"] = [[0, 0, X, X + G, X], [1, 0, Y, Y + G, Y]]
     rec = Replayer(dev).replay(req, x.tobytes() + bytes(G - 4 * N) + bytes(4 * N), b"image")
     assert rec["checked"] and rec["extents"] == [] and dev.launches == 2 + 2
+
+
+def both_read_and_written(kernel: str) -> dict:
+    """``kernel`` (x, y, n) with both whole granules predicted read and written, x = 1, 2, ... and
+    y = 1001, 1002, ... (no zero among them, and no value of x's), and both extents measured."""
+    x = np.arange(1, G // 4 + 1, dtype=np.float32)
+    y = np.arange(1001, 1001 + G // 4, dtype=np.float32)
+    req = request(kernel, [[X, G], [Y, G]], [[X, G], [Y, G]], [[X, G, 0, "rw"], [Y, G, G, "rw"]])
+    req["extents"] = [[0, 0, X, X + G, X], [1, 0, Y, Y + G, Y]]
+    rec = Replayer(FakeDevice(KERNELS, G)).replay(req, x.tobytes() + y.tobytes(), b"image")
+    assert rec["checked"] and rec["reads"] == "ok", rec
+    return {e["ptr"]: e for e in rec["extents"]}
+
+
+def test_an_update_in_place_reads_what_it_overwrites_in_the_validator_too():
+    """scale (x = 2x + 1) changes only x's chunks: zeroing them leaves nothing else to compare,
+    and the bytes the control wrote there show the read."""
+    ext = both_read_and_written("scale")
+    assert ext[X]["read"] == 512 and ext[X]["written"] == 512 and ext[X]["in_place"] > 0, ext
+    assert ext[Y]["read"] == 0 and ext[Y]["in_place"] == 0, ext
+
+
+def test_an_overwrite_and_a_partial_writer_read_none_of_what_they_overwrite():
+    ext = both_read_and_written("overwrite")  # x = y
+    assert ext[X]["read"] == 0 and ext[X]["in_place"] == 0 and ext[X]["written"] == 512, ext
+    assert ext[Y]["read"] == 512 and ext[Y]["in_place"] == 0, ext
+    ext = both_read_and_written("partial")  # every other word of x, none read: the rest keeps the zeros
+    assert ext[X]["read"] == 0 and ext[X]["in_place"] == 0 and ext[X]["written"] == 896, ext
+
+
+def test_an_unpredicted_byte_updated_in_place_is_a_missed_read():
+    """scale of 16 floats past the 100 predicted: they hold the poison, read and written back. No
+    chunk is wholly unpredicted, so no write is missed; the bytes either run visibly wrote differ
+    between the poisons. A partial writer there writes them alike under both: no read."""
+    x = np.arange(1, N + 1, dtype=np.float32)
+    regions = [[X, 4 * N, 0, "rw"], [Y, 4 * N, 4 * N, "w"]]
+    req = request("scale", [[X, 4 * N]], [[X, 4 * N], [Y, 4 * N]], regions, n=N + 16)
+    rec = Replayer(FakeDevice(KERNELS, G)).replay(req, staged(x, np.zeros(N, np.float32)), b"image")
+    assert rec["missed_writes"] == [] and rec["reads"] == "missed", rec
+    assert rec["read_effects"] == [[X + 384, 128]], rec
+    req = request("partial", [[X, 4 * N]], [[X, 4 * N], [Y, 4 * N]], regions, n=N // 2 + 6)  # to byte 448
+    rec = Replayer(FakeDevice(KERNELS, G)).replay(req, staged(x, np.zeros(N, np.float32)), b"image")
+    assert rec["missed_writes"] == [] and rec["reads"] == "ok", rec

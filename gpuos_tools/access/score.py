@@ -12,9 +12,10 @@ read and wrote (`extents`). Any prediction of that launch — another granularit
   whose poison trial changed the output missed a read even where no extent says how much;
 - extra read bytes: predicted read bytes outside the measured read extents; of them, those
   the launch wrote or was predicted to write (``extra_read_written_bytes``) are where the
-  measurement cannot judge: the bisection compares only written chunks it did not zero, so the
-  read of an operand updated in place is invisible, and a write of the values already there
-  shows no change.
+  measurement judges least: a write of the values already there shows no change, and where the
+  extents carry no ``in_place`` (traces recorded before it, or a launch that wrote more than the
+  comparison keeps) the bisection compared only written chunks it did not zero, so the read of
+  an operand updated in place was invisible.
 
 A replay in the validator process that faulted (`fault`: an access outside every granule the
 prediction named) missed an access without saying which: it counts as a missed read, and its

@@ -28,9 +28,10 @@ a request; this process recreates the launch:
 
 Verdicts (the `validation` record, gpuos_tools/stream/records.py): an illegal address is an access
 outside every mapped granule, a missed access (which buffer is not bisected); chunks that changed
-are the writes, those outside the predicted writes missed writes; predicted bytes that differ
-between the two poisons were computed from unpredicted memory, a missed read (a third run under
-the first poison tells that from a kernel that is not deterministic). After a sticky error the
+are the writes, those outside the predicted writes missed writes; predicted bytes, and bytes
+either run visibly wrote, that differ between the two poisons were computed from unpredicted
+memory, a missed read (a third run under the first poison tells that from a kernel that is not
+deterministic). After a sticky error the
 context is gone: the process answers, then exits, and the program's side starts a fresh one.
 
 Limits: reads of unpredicted bytes inside a mapped granule whose value does not change the output
@@ -39,7 +40,10 @@ those the program located by name (their bytes are staged with the launch); laun
 that change no result are dropped (``DROPPED_ATTRIBUTES``), clusters and cooperative launches are
 replayed with theirs (``REPLAYED_ATTRIBUTES``), a launch with any other is not replayed. Read
 extents are measured as in the program's process: a bisection per pointer over zeroed tails of
-the predicted bytes, at most ``EXTENT_RUNS`` replays a launch.
+the predicted bytes, which also compares the zeroed bytes the control run visibly wrote (an update
+in place), at most ``EXTENT_RUNS`` replays a launch. Bytes predicted written only hold their
+launch-time contents in both poisons' runs, so an in-place read of them is seen by the read
+extents only.
 """
 
 from __future__ import annotations
@@ -472,7 +476,7 @@ class Replayer:
                 if err is not None:
                     return self._failed(base, err, total)
                 again = self._read(spans, total, at)
-                if np.any((again != runs[POISONS[0]][1]) & predicted):
+                if np.any((again != runs[POISONS[0]][1]) & self._judged(predicted, runs)):
                     rec["reads"] = "nondeterministic"
                     rec["nondeterministic"] = rec.pop("read_effects")
             if any(ro for _, _, ro in spans):
@@ -513,9 +517,13 @@ class Replayer:
         """How far past each pointer the kernel reads, as the in-process validator measures it
         (validate.Validator._bisect): the shortest prefix of [pointer, end) whose predicted
         tail, zeroed, leaves every chunk the launch wrote as the control run (poison 0x00) left
-        it; and how far past it the launch wrote. At most ``EXTENT_RUNS`` runs a launch; None
-        when a run failed (the control then does not hold)."""
+        it, the zeroed bytes aside except those the control visibly wrote (an update in place
+        reads them: a kernel that does not read them writes there what the control wrote); and
+        how far past it the launch wrote. ``in_place``: the steps where only those bytes showed
+        the read. At most ``EXTENT_RUNS`` runs a launch; None when a run failed (the control then
+        does not hold)."""
         init, control = runs[POISONS[0]]
+        visible = init != control
         chunks = np.zeros(len(predicted) // CHUNK, dtype=bool)
         for i, after in runs.values():
             chunks |= _chunks(i != after)
@@ -533,6 +541,7 @@ class Replayer:
                 out.append(dict(done[(ptr, end)], param=param, offset=offset, steps=0))
                 continue
             cuts = extent_cuts(ptr, end, base)
+            in_place = [0]
 
             def ok(cut: int, end: int = end) -> bool:
                 if failed or budget[0] <= 0:
@@ -552,9 +561,16 @@ class Replayer:
                     raise _Stop
                 got = read(needed)
                 keep = compare & ~zeroed
-                return all(np.array_equal(got[k][keep[offsets[k] : offsets[k + 1]]],
+                if not all(np.array_equal(got[k][keep[offsets[k] : offsets[k + 1]]],
                                           control[offsets[k] : offsets[k + 1]][keep[offsets[k] : offsets[k + 1]]])
-                           for k in needed)
+                           for k in needed):
+                    return False
+                overwritten = zeroed & visible
+                if any(np.any((got[k] != control[offsets[k] : offsets[k + 1]])
+                              & overwritten[offsets[k] : offsets[k + 1]]) for k in needed):
+                    in_place[0] += 1
+                    return False
+                return True
 
             try:
                 hi, steps = shortest_prefix(cuts, ok)
@@ -566,7 +582,7 @@ class Replayer:
             held = self._held_end(holders, spans, offsets, ptr, end, cuts)
             done[(ptr, end)] = {"param": param, "offset": offset, "ptr": ptr, "limit": end - ptr,
                                 "read": max(cuts[hi], held) - ptr, "written": max(wrote, default=0),
-                                "steps": steps}
+                                "steps": steps, "in_place": in_place[0]}
             out.append(done[(ptr, end)])
         if failed:
             if failed[0] in STICKY:
@@ -642,6 +658,15 @@ class Replayer:
         return dict(base, checked=False, fault=err, why=f"unvalidated: the replay failed ({err})")
 
     @staticmethod
+    def _judged(predicted: np.ndarray, runs) -> np.ndarray:
+        """The bytes on which the two poisons' runs must agree: the predicted (the same launch-time
+        contents in both), and those either run visibly wrote (changed from its image): a kernel
+        that does not read the poison writes them alike in both, so an unpredicted byte updated
+        in place is a missed read too; a byte neither run changed may be one no run writes."""
+        (i0, a), (i1, b) = runs[POISONS[0]], runs[POISONS[1]]
+        return predicted | (i0 != a) | (i1 != b)
+
+    @staticmethod
     def _judge(base, spans, req, predicted: np.ndarray, runs) -> dict[str, Any]:
         layout = Layout([Allocation(0, s, n, "vmm") for s, n, _ in spans])
         written_b = np.zeros(len(predicted), dtype=bool)
@@ -650,7 +675,7 @@ class Replayer:
         written = _chunks(written_b)
         wmask = layout.mask([(s, s + n) for s, n in req["writes"]])
         (_, a), (_, b) = runs[POISONS[0]], runs[POISONS[1]]
-        effects = _chunks((a != b) & predicted)
+        effects = _chunks((a != b) & Replayer._judged(predicted, runs))
         rec = dict(base, checked=True, chunk=CHUNK, checked_bytes=int(len(predicted)),
                    written=layout.ranges(written), missed_writes=layout.ranges(written & ~wmask),
                    reads="missed" if effects.any() else "ok")

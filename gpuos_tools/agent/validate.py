@@ -13,10 +13,15 @@ API enter and with the context idle:
    chunks that changed are the bytes the kernel wrote, exactly, at chunk granularity.
 
 Writes outside the predicted write set are missed writes. A trial under poison whose output
-(every chunk the poison did not touch) differs from the control's read poisoned memory: a missed
-read. If the control and the real run differ, the kernel is not deterministic (atomics, clocks,
-random numbers) and the read checks are inconclusive. The extents (how far past each pointer the
-kernel reads and writes) are the raw material of `gpu-predict-access --learn` size templates.
+differs from the control's read poisoned memory: a missed read. Its output is every chunk the
+poison did not touch, and, in the chunks it touched that the control wrote, every byte the control
+visibly wrote (its value after the control differs from before): a kernel that does not read the
+poison writes the same values there, so a difference is a read of what the launch overwrites (an
+update in place); a byte the control did not visibly change is never compared, as it may be one
+the kernel does not write (it keeps the poison) or rewrites with the same value. If the control
+and the real run differ, the kernel is not deterministic (atomics, clocks, random numbers) and the
+read checks are inconclusive. The extents (how far past each pointer the kernel reads and writes)
+are the raw material of `gpu-predict-access --learn` size templates.
 
 The prediction checked here is gpu-predict-access's at `range` granularity, made in-process from
 the same records; the `validation` record carries absolute addresses so that any later
@@ -24,10 +29,13 @@ prediction (another granularity, templates) can be scored against the observatio
 
 Known limits: a write that stores the value already there is invisible; poisoning with 0x00
 cannot show reads of memory that already holds zeros (0xFF covers that for the whole-set check,
-not for extents); memory outside traced allocations (module globals) is neither hashed nor
-restored; a launch from another thread between the enter and exit callbacks is attributed to the
-validated kernel (a false missed write, never a silent pass); host (pinned) allocations are not
-checked.
+not for extents); an update in place is seen only where the poisoned input changes a value
+the control visibly wrote (x *= 2 of a zeroed x: seen, except where x was zero already), and only
+while the control wrote at most `INPLACE_MAX_BYTES` (64 MiB) in at most `INPLACE_MAX_PIECES`
+pieces (the record's `why` says when it wrote more); memory outside traced allocations (module globals)
+is neither hashed nor restored; a launch from another thread between the enter and exit
+callbacks is attributed to the validated kernel (a false missed write, never a silent pass); host
+(pinned) allocations are not checked.
 """
 
 from __future__ import annotations
@@ -46,6 +54,16 @@ from gpuos_tools.model.allocs import Allocation
 
 CHUNK = 128  #: bytes per hashed chunk (the PTX kernel below is written for this size)
 POISONS = (0x00, 0xFF)
+#: the most bytes (the chunks the control run changed, with the gaps between them) the in-place
+#: comparison keeps on the host, two bytes each (the value after the control, and whether it
+#: changed); a trial downloads those it poisoned
+INPLACE_MAX_BYTES = 64 << 20
+#: the most pieces those bytes may lie in (a trial downloads each piece it poisoned with a copy)
+INPLACE_MAX_PIECES = 4096
+#: changed chunks of one allocation closer than this are downloaded as one piece
+INPLACE_GAP = 64 << 10
+#: bytes downloaded at once when a trial's written bytes are compared
+_FETCH = 8 << 20
 _SEED = 0x9E3779B97F4A7C15
 
 # One thread per 128-byte chunk: h = seed; for each 8-byte word w: h = (h ^ w) * FNV prime;
@@ -228,6 +246,37 @@ class Layout:
                 m[lo:hi] = True
         return m
 
+    def runs(self, m: np.ndarray) -> list[tuple[int, int]]:
+        """[start, end) byte ranges of the chunks in a mask, chunks that touch merged."""
+        idx = np.flatnonzero(m)
+        if not len(idx):
+            return []
+        starts = self.addr[idx]
+        ends = starts + self.len[idx]
+        cut = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+        return list(zip(starts[np.r_[0, cut]].tolist(), ends[np.r_[cut - 1, len(idx) - 1]].tolist()))
+
+    def chunks_at(self, addrs) -> np.ndarray:
+        """A mask of the chunks holding any of the addresses (each inside some chunk)."""
+        m = np.zeros(self.n, dtype=bool)
+        if len(addrs):
+            m[np.searchsorted(self.addr, np.asarray(addrs, dtype=np.uint64), side="right") - 1] = True
+        return m
+
+    def pieces(self, m: np.ndarray, gap: int) -> list[tuple[int, int]]:
+        """[start, end) byte ranges covering the chunks in a mask, runs of one region less than
+        ``gap`` bytes apart merged (one driver copy never spans two allocations)."""
+        out: list[tuple[int, int]] = []
+        for a, base in zip(self.regions, self.base):
+            k = -(-a.size // CHUNK)
+            idx = np.flatnonzero(m[base : base + k])
+            if not len(idx):
+                continue
+            cut = np.flatnonzero(np.diff(idx) * CHUNK > gap + CHUNK) + 1
+            for first, last in zip(idx[np.r_[0, cut]].tolist(), idx[np.r_[cut - 1, len(idx) - 1]].tolist()):
+                out.append((a.addr + CHUNK * first, min(a.addr + CHUNK * (last + 1), a.end)))
+        return out
+
     def ranges(self, m: np.ndarray) -> list[list[int]]:
         """[start, size] byte ranges of the chunks in a mask, adjacent chunks merged."""
         out: list[list[int]] = []
@@ -239,6 +288,49 @@ class Layout:
             else:
                 out.append([a, ln])
         return out
+
+
+class WrittenBytes:
+    """The bytes of some pieces of memory as a control run left them, and which of them it visibly
+    wrote (changed from their value before the launch).
+
+    A trial that changed the launch's inputs and left one of those bytes otherwise computed it
+    from what the trial changed: a kernel that does not read it writes the same value to the same
+    place (it is deterministic: the control and the real run agreed). Bytes the control did not
+    visibly change are never compared: the kernel may not write them (a trial's poison stays
+    there) or write the value they held."""
+
+    def __init__(self, pieces: list[tuple[int, int]], after: list[np.ndarray], before: list[np.ndarray]):
+        self.pieces = pieces  # [start, end), by address, disjoint
+        self.after = after
+        self.visible = [a != b for a, b in zip(after, before)]
+
+    def differing(self, ranges: list[tuple[int, int]], fetch, first: bool = False) -> list[int]:
+        """Start addresses of the 128-byte chunks (counted from each piece's start) in which a
+        visibly written byte inside the sorted [start, end) ``ranges`` now differs from the
+        control's value; ``fetch(addr, n)`` reads the bytes there now. With ``first``, at most
+        one."""
+        out: list[int] = []
+        i = j = 0
+        while i < len(self.pieces) and j < len(ranges):
+            (ps, pe), (rs, re) = self.pieces[i], ranges[j]
+            lo, hi = max(ps, rs), min(pe, re)
+            for pos in range(lo, hi, _FETCH):
+                n = min(_FETCH, hi - pos)
+                vis = self.visible[i][pos - ps : pos - ps + n]
+                if not vis.any():
+                    continue
+                off = np.flatnonzero((fetch(pos, n) != self.after[i][pos - ps : pos - ps + n]) & vis)
+                if len(off):
+                    starts = np.unique((pos - ps + off) // CHUNK) * CHUNK + ps
+                    out.extend(starts[:1].tolist() if first else starts.tolist())
+                    if first:
+                        return out
+            if pe < re:
+                i += 1
+            else:
+                j += 1
+        return sorted(set(out))
 
 
 def complement(regions: list[Allocation], keep: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -262,11 +354,12 @@ class Validator(ProcessView):
     """Samples launches and checks their predicted access sets (see the module docstring)."""
 
     def __init__(self, samples: int = 3, max_bytes: int = 8 << 30, extents: bool = True,
-                 max_launches: int = 100_000) -> None:
+                 max_launches: int = 100_000, inplace_max_bytes: int = INPLACE_MAX_BYTES) -> None:
         self.samples = samples
         self.max_bytes = max_bytes
         self.extents = extents
         self.max_launches = max_launches
+        self.inplace_max_bytes = inplace_max_bytes
         super().__init__()
         self.seen: dict[int, int] = {}  # func -> launches seen
         self.validated = 0
@@ -349,6 +442,25 @@ class Validator(ProcessView):
                     found.append([addr + 8 * k, w])
         return found
 
+    def _download(self, addr: int, n: int) -> np.ndarray:
+        from cuda.bindings import driver as drv
+
+        out = np.empty(n, dtype=np.uint8)
+        if n:
+            _ok(drv.cuMemcpyDtoH(out.ctypes.data, addr, n), "cuMemcpyDtoH(written bytes)")
+        return out
+
+    def _written_pieces(self, layout: Layout, changed: np.ndarray, why: list[str]) -> list[tuple[int, int]] | None:
+        """The pieces of memory whose bytes the in-place comparison keeps: the chunks the control
+        changed; None (and why) when they are more than the limits allow."""
+        pieces = layout.pieces(changed, INPLACE_GAP)
+        size = sum(e - s for s, e in pieces)
+        if size > self.inplace_max_bytes or len(pieces) > INPLACE_MAX_PIECES:
+            why.append(f"in-place reads not compared: the launch wrote {size} B in {len(pieces)} pieces (at most "
+                       f"{self.inplace_max_bytes} B in {INPLACE_MAX_PIECES} are compared)")
+            return None
+        return pieces
+
     def _copy(self, pairs) -> None:
         from cuda.bindings import driver as drv
 
@@ -416,10 +528,17 @@ class Validator(ProcessView):
             try:
                 self._copy(saves)
                 run = lambda: (self._relaunch(raw), self.hash(layout, out_dev))[1]  # noqa: E731
+                pieces, after, written = None, [], None
                 try:
                     trials["control"] = run()
+                    changed = trials["control"] != h0
+                    if not state["unknown"]:  # what the control wrote, as it left it
+                        pieces = self._written_pieces(layout, changed, why)
+                        after = [self._download(s, e - s) for s, e in pieces or ()]
                 finally:
                     self._copy(restores)
+                if pieces is not None:  # and as it was before the launch
+                    written = WrittenBytes(pieces, after, [self._download(s, e - s) for s, e in pieces])
                 if state["unknown"]:
                     why.append("unknown launch: reads not checked (it may read anything)")
                 else:
@@ -427,22 +546,26 @@ class Validator(ProcessView):
                     keep += [(int(layout.addr[i]), int(layout.addr[i] + layout.len[i])) for i in np.flatnonzero(holders)]
                     poison = complement(regions, keep)
                     trials["poison_mask"] = layout.mask(poison)
+                    touched = layout.runs(trials["poison_mask"] & changed)
+                    trials["in_place"] = {}
                     for value in POISONS:
                         try:
                             for s, e in poison:
                                 _ok(drv.cuMemsetD8(s, value, e - s), "cuMemsetD8(poison)")
                             trials[value] = run()
+                            if written is not None and touched:
+                                seen = written.differing(touched, self._download)
+                                trials["in_place"][value] = layout.chunks_at(seen)
                         finally:
                             self._copy(restores)
                     if self.extents:
                         # a trial's output can only differ where the kernel writes: hash just that
-                        changed = trials["control"] != h0
                         sub = layout.subset(changed)
                         sub_dev = int(_ok(drv.cuMemAlloc(max(16, 9 * sub.n)), "cuMemAlloc(hashes)"))
                         try:
                             run_sub = lambda: (self._relaunch(raw), self.hash(sub, sub_dev))[1]  # noqa: E731
                             trials["extents"] = self._bisect(found, sub, run_sub, restores, trials["control"][changed],
-                                                             holders, layout)
+                                                             holders, layout, written)
                         finally:
                             drv.cuMemFree(sub_dev)
             except CudaFailure as exc:
@@ -456,11 +579,14 @@ class Validator(ProcessView):
         self.pending[tid] = state
 
     def _bisect(self, found, layout: Layout, run, restores, control: np.ndarray,
-                holders: np.ndarray, full: Layout) -> list[dict[str, Any]]:
+                holders: np.ndarray, full: Layout, written: WrittenBytes | None = None) -> list[dict[str, Any]]:
         """How far past each pointer the kernel reads: the shortest prefix whose poisoned tail
         (0x00, from there to the next pointer or the allocation's end) leaves every untouched
-        chunk as the control run left it. Binary search over chunk boundaries (reads assumed to
-        form a prefix; a hole in them makes the answer an upper bound, never too small)."""
+        chunk as the control run left it, and, with ``written``, every byte the control visibly
+        wrote in the touched chunks (``layout`` holds just the chunks the control changed).
+        Binary search over chunk boundaries (reads assumed to form a prefix; a hole in them makes
+        the answer an upper bound, never too small). ``in_place``: the steps where only the
+        written bytes showed the read."""
         from cuda.bindings import driver as drv
 
         out = []
@@ -471,6 +597,7 @@ class Validator(ProcessView):
                 out.append(dict(done[(p, end)], param=param, offset=offset, steps=0))
                 continue
             cuts = extent_cuts(p, end, base)
+            in_place = [0]
 
             def ok(cut: int, end: int = end) -> bool:
                 spans = complement([Allocation(0, cut, end - cut)], pointer_chunks)
@@ -478,14 +605,21 @@ class Validator(ProcessView):
                     for s, e in spans:
                         _ok(drv.cuMemsetD8(s, 0, e - s), "cuMemsetD8(extent)")
                     h = run()
+                    touched = layout.mask(spans)
+                    if not np.array_equal(h[~touched], control[~touched]):
+                        return False
+                    if written is not None and written.differing(layout.runs(touched), self._download, first=True):
+                        in_place[0] += 1
+                        return False
+                    return True
                 finally:
                     self._copy(restores)
-                untouched = ~layout.mask(spans)
-                return bool(np.array_equal(h[untouched], control[untouched]))
 
             hi, steps = shortest_prefix(cuts, ok)
             done[(p, end)] = {"param": param, "offset": offset, "ptr": p, "limit": end - p,
                               "read": cuts[hi] - p, "steps": steps}
+            if written is not None:
+                done[(p, end)]["in_place"] = in_place[0]
             out.append(done[(p, end)])
         return out
 
@@ -569,6 +703,8 @@ class Validator(ProcessView):
             for value in POISONS:
                 if value in trials:
                     diff |= (trials[value] != control) & untouched
+                if value in trials.get("in_place", {}):  # written bytes in chunks the poison touched
+                    diff |= trials["in_place"][value]
             rec["reads"] = "missed" if diff.any() else "ok"
             if diff.any():
                 rec["read_effects"] = layout.ranges(diff)

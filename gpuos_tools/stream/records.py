@@ -385,7 +385,9 @@ EXTENT = Obj((
     Field("read", BYTES, "bytes past the pointer read, chunk-rounded", required=True),
     Field("written", BYTES, "bytes past the pointer written, chunk-rounded"),
     Field("steps", COUNT),
-), text="{param, offset, ptr, limit, read, written, steps}")
+    Field("in_place", COUNT, "bisection steps whose read only the bytes the control run wrote showed (an "
+          "update in place; absent: those bytes were not compared)"),
+), text="{param, offset, ptr, limit, read, written, steps, in_place}")
 
 VALIDATION = RecordType(
     "validation", "with `--validate`: how a sampled launch's predicted accesses compared with what it did "

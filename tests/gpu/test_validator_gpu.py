@@ -221,3 +221,45 @@ def test_no_launch_is_left_unvalidated_for_want_of_its_addresses(mode, tmp_root)
     print(f"\nvalidator {mode}: {r['summary']['relocated']} launches moved, pointers "
           f"{r['summary']['relocated_pointers']}", file=sys.stderr)
     assert not lost, r["summary"]
+
+
+@pytest.mark.parametrize("where", ["process", "validator"])
+def test_in_place_reads_are_seen_and_overwrites_read_nothing(where, tmp_path):
+    """progs/validator_prog.py inplace, validated in the program's process and in the validator,
+    with read extents: the operands that scale and add_ update in place are read to their ends,
+    seen only through the bytes the control run wrote (``in_place``); the operand overwrite fills
+    from y, and the one partial writes every other word of, are not read at all."""
+    for lib in ("cupy", "torch"):
+        if importlib.util.find_spec(lib) is None:
+            pytest.skip(f"{lib} is not installed")
+    report, trace = tmp_path / "report.json", tmp_path / "trace.ndjson"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--validate", "--validate-in", where,
+         "--validate-samples", "1", "--no-images", "-o", str(trace), "--", sys.executable, str(PROG), "inplace"],
+        cwd=ROOT, env=dict(os.environ, GPUOS_TEST_REPORT=str(report)), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open_input(str(trace)) as reader:
+        records = list(reader)
+    keep = os.environ.get("GPUOS_KEEP_TRACES")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"inplace-{where}.ndjson").write_bytes(trace.read_bytes())
+    bufs = json.loads(report.read_text())["bufs"]
+    vals = [r for r in records if r["type"] == "validation"]
+    # each buffer's extent in the launch of the kernel that updates it (its name holds the word)
+    kernels = {"scaled": "scale", "over": "overwrite", "part": "partial", "a": "_add"}
+    ext, launch = {}, {}
+    for name, word in kernels.items():
+        launch[name] = v = next((v for v in vals if word in v["kernel"]), None)
+        assert v is not None, (name, sorted({v["kernel"] for v in vals}))
+        assert v["checked"] and v["reads"] == "ok" and v["missed_writes"] == [], v
+        ext[name] = {e["ptr"]: e for e in v["extents"]}[bufs[name][0]]
+    print(f"\nin-place extents ({where}): {json.dumps(ext)}", file=sys.stderr)
+    n = bufs["scaled"][1]
+    for name in ("scaled", "a"):  # read to the end of what they update, seen only by the written bytes
+        assert n <= ext[name]["read"] <= n + 128 and ext[name]["written"] >= n, ext[name]
+        assert ext[name]["in_place"] > 0, ext[name]
+    for name in ("over", "part"):
+        assert ext[name]["written"] >= n and ext[name]["read"] == 0 and ext[name]["in_place"] == 0, ext[name]
+    y = {e["ptr"]: e for e in launch["over"]["extents"]}[bufs["y"][0]]
+    assert n <= y["read"] <= n + 128 and y["in_place"] == 0, y  # what it copies: seen as before

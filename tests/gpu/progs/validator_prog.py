@@ -21,7 +21,10 @@ to $GPUOS_TEST_REPORT, so that a plain run and a validated one can be compared b
 - compiled: a torch.compile'd MLP's forward and backward (Triton kernels);
 - timm: one SGD step of a timm ResNet-18 with random weights (cuDNN deterministic);
 - gemm: cuBLAS GEMMs of 2048 x 2048 in half and single precision (Hopper kernels launched with a
-  cluster shape).
+  cluster shape);
+- inplace: CuPy raw kernels that overwrite an operand: scale (x *= 2, reading what it overwrites),
+  overwrite (x = y, reading none of x), partial (every other word of x, reading none of x); and
+  PyTorch's a.add_(b) (a read and written in place).
 """
 
 import hashlib
@@ -220,8 +223,54 @@ def gemm():
     return {k: digest(v) for k, v in res.items()}, {}
 
 
+def inplace():
+    import cupy as cp
+    import torch
+
+    src = r"""
+    template <typename T> __global__ void scale(T* x, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) x[i] *= 2;
+    }
+    template <typename T> __global__ void overwrite(T* x, const T* y, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) x[i] = y[i];
+    }
+    template <typename T> __global__ void partial(T* x, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) x[2 * i] = i + 0.5f;
+    }
+    """
+    names = ("scale<float>", "overwrite<float>", "partial<float>")
+    mod = cp.RawModule(code=src, options=("-std=c++17",), name_expressions=names)
+    n = 1 << 14  # 64 KiB of floats: an allocation of its own each, whole chunks
+    blocks = ((n + 255) // 256,)
+    # no zero among the values, and y none of x's: every byte a kernel writes changes
+    scaled = cp.arange(1, n + 1, dtype=cp.float32)
+    over = cp.arange(1, n + 1, dtype=cp.float32)
+    y = cp.arange(n + 1, 2 * n + 1, dtype=cp.float32)
+    part = cp.arange(1, 2 * n + 1, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    mod.get_function(names[0])(blocks, (256,), (scaled, cp.int32(n)))
+    mod.get_function(names[1])(blocks, (256,), (over, y, cp.int32(n)))
+    mod.get_function(names[2])(blocks, (256,), (part, cp.int32(n)))
+    a = torch.arange(1, n + 1, device="cuda", dtype=torch.float32)
+    b = torch.full((n,), 3.0, device="cuda")
+    torch.cuda.synchronize()
+    a.add_(b)
+    torch.cuda.synchronize()
+    assert float(scaled[-1]) == 2 * n and float(over[0]) == n + 1 and float(part[2]) == 1.5 and float(part[1]) == 2
+    assert float(a[-1]) == n + 3
+    bufs = {"scaled": scaled, "over": over, "y": y, "part": part}
+    out = {k: [v.data.ptr, v.nbytes] for k, v in bufs.items()}
+    out.update(a=[a.data_ptr(), 4 * n], b=[b.data_ptr(), 4 * n])
+    digests = {k: digest(v) for k, v in bufs.items()}
+    digests.update(a=digest(a), b=digest(b))
+    return digests, out
+
+
 MODES = {"kernels": kernels, "solve": solve, "fft": fft, "torch": torch_kernels, "sparse": sparse,
-         "compiled": compiled, "timm": timm_step, "gemm": gemm}
+         "compiled": compiled, "timm": timm_step, "gemm": gemm, "inplace": inplace}
 
 if __name__ == "__main__":
     digests, bufs = MODES[sys.argv[1]]()
