@@ -24,7 +24,9 @@ Per workload, side by side (--configs):
   --acc-same-as (its summary's budget, all of it for weights: accelerate then holds more on
   the GPU than that run, its cache and activations beside; --acc-gpu-bytes gives a number
   instead); both report torch's peak allocated bytes in the decode loop (gpu_peak_bytes), and
-  per row ours_vs_acc = this row's loop time / the --acc-same-as run's (of the same round);
+  per row ours_vs_acc = this row's loop time / the --acc-same-as run's (of the same round),
+  and ours_vs_acc_late the same over the loops' second halves (late_tokens_per_s: the rate
+  once the token is learned);
 - um<B>, one per --um budget (e.g. --um 100%,66%,50%,33%; none by default): the fault-driven
   managed-memory baseline, the job's --managed B/100 (gpuos_tools/memory/managed.py): torch
   allocates CUDA managed memory, and before each aten operation the least recently used whole
@@ -202,8 +204,8 @@ def main() -> int:
                                    "policy": policy or None, "job_args": [*base_args, *extra]}
             ref_name = "hbm-dyn" if "--cache" in extra else "hbm"
             if r.get("ok"):
-                row.update({k: r.get(k) for k in ("loop_s", "tokens_per_s", "its_per_s", "cache", "weights_bytes",
-                                                   "param_bytes", "data_bytes", "process_s", "nondeterministic",
+                row.update({k: r.get(k) for k in ("loop_s", "tokens_per_s", "late_tokens_per_s", "its_per_s", "cache",
+                                                   "weights_bytes", "param_bytes", "data_bytes", "process_s", "nondeterministic",
                                                    "gpu_peak_bytes", "gpu_weight_bytes", "accelerate_version")
                             if k in r})
                 row["digest"] = r["digest"]
@@ -234,6 +236,8 @@ def main() -> int:
                     if ours is not None:
                         row["ours_config"] = ours["config"]
                         row["ours_vs_acc"] = round(r["loop_s"] / ours["loop_s"], 3)
+                        if r.get("late_tokens_per_s") and ours.get("late_tokens_per_s"):
+                            row["ours_vs_acc_late"] = round(ours["late_tokens_per_s"] / r["late_tokens_per_s"], 3)
                         row["ours_peak_bytes"] = (ours.get("summary") or {}).get("peak_settled")
                 if managed:
                     row["um"] = r.get("um")
@@ -274,13 +278,14 @@ def main() -> int:
     acc = [r for r in rows if r.get("policy") == "accelerate"]
     if acc:
         print(f"{'wl':<4} {'config':<12} {'tok/s':>7} {'same':>5} {'GPU peak GB':>11} {'ours':>6} {'ours peak GB':>12} "
-              f"{'ours/acc':>8}", file=sys.stderr)
+              f"{'ours/acc':>8} {'late':>6}", file=sys.stderr)
         for r in acc:
             ours = next((x for x in rows if x["workload"] == r["workload"] and x["config"] == r.get("ours_config")), {})
             print(f"{r['workload']:<4} {r['config']:<12} {r.get('tokens_per_s') or float('nan'):>7.2f} "
                   f"{str(r.get('identical', '-')):>5} {(r.get('gpu_peak_bytes') or 0) / 1e9:>11.2f} "
                   f"{ours.get('tokens_per_s') or float('nan'):>6.2f} {(r.get('ours_peak_bytes') or 0) / 1e9:>12.2f} "
-                  f"{r.get('ours_vs_acc', float('nan')):>8.2f}", file=sys.stderr)
+                  f"{r.get('ours_vs_acc', float('nan')):>8.2f} {r.get('ours_vs_acc_late') or float('nan'):>6.2f}",
+                  file=sys.stderr)
     um = [r for r in rows if r.get("policy") == "managed"]
     if um:
         print(f"{'wl':<4} {'config':<6} {'loop_s':>8} {'speed':>6} {'same':>5} {'evict':>6} {'out GB':>7} "
@@ -309,7 +314,8 @@ def main() -> int:
 
 
 #: the figures of a row whose median over rounds `medians` gives
-MEDIAN_KEYS = ("loop_s", "tokens_per_s", "its_per_s", "speed_vs_hbm", "ours_vs_acc", "ours_vs_um", "vs_um100")
+MEDIAN_KEYS = ("loop_s", "tokens_per_s", "late_tokens_per_s", "its_per_s", "speed_vs_hbm", "ours_vs_acc",
+               "ours_vs_acc_late", "ours_vs_um", "vs_um100")
 
 
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -333,7 +339,8 @@ def _line(row: dict[str, Any]) -> str:
     if row.get("ok") is False:
         return f"FAILED rc={row.get('rc')}"
     lp = row.get("loop") or {}
-    return (f"loop {row.get('loop_s')} s, speed {row.get('speed_vs_hbm')}, identical {row.get('identical')}, "
+    late = f", late {row['late_tokens_per_s']} tok/s" if row.get("late_tokens_per_s") else ""
+    return (f"loop {row.get('loop_s')} s{late}, speed {row.get('speed_vs_hbm')}, identical {row.get('identical')}, "
             f"loop in {lp.get('bytes_in', 0) / 1e9:.2f} GB out {lp.get('bytes_out', 0) / 1e9:.2f} GB, "
             f"floor share {row.get('floor_share')}, periods {(row.get('summary') or {}).get('periods')}, "
             f"breaks {row.get('period_breaks')}, keys {row.get('distinct_keys')}")

@@ -19,7 +19,9 @@ imported, unless already set), cuDNN deterministic, torch.use_deterministic_algo
 warn_only=True). The output (one JSON line to --out, stdout without it): the generated token
 ids and their sha256 (what a run under any memory manager must reproduce), the decode loop's
 wall time (synchronised before and after; the first generated token, from the prefill, is not
-in it) and tokens/s, the weights' bytes, the cache kind; under `gpu-prefetch-sched run`, what its executor
+in it) and tokens/s, the same over the loop's second half alone (`late_tokens_per_s`: a longer
+decode's rate once a manager has learned the token), the weights' bytes, the cache kind; under
+`gpu-prefetch-sched run`, what its executor
 did inside the decode loop (`sched_loop`: bytes in and out, evictions, stalls, ...).
 
 --accelerate offload|map: what a user would pick instead of a memory manager, Hugging Face
@@ -184,14 +186,19 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         c0 = sched_counts()
         u0 = um.counts() if um else None
-        t0 = time.perf_counter()
-        for _ in range(args.tokens - 1):
+        n = args.tokens - 1
+        t0 = t_half = time.perf_counter()
+        for i in range(n):
+            if i == n // 2:
+                t_half = time.perf_counter()
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=pos)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(nxt)
             pos = pos + 1
         torch.cuda.synchronize()
-        loop_s = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        loop_s = t_end - t0
+        late_s = t_end - t_half  # the second half: the final synchronize is in it, as in loop_s
         if args.accelerate:
             accel["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         region = delta(c0, sched_counts())
@@ -201,6 +208,7 @@ def main() -> None:
     res = {"workload": "llm_decode", "tokens": ids, "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
            "loop_s": round(loop_s, 6), "sched_loop": region, "decode_tokens": args.tokens - 1,
            "tokens_per_s": round((args.tokens - 1) / loop_s, 3) if loop_s > 0 else None,
+           "late_tokens_per_s": round((n - n // 2) / late_s, 3) if late_s > 0 and n >= 2 else None,
            "weights_bytes": weights, "cache": kind, "build_s": round(build_s, 3),
            "layers": args.layers, "hidden": args.hidden, "mlp": args.mlp, "prompt": args.prompt,
            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
