@@ -3,11 +3,11 @@
 on the writing stream; later writes on a stream already ordered after the copy cost no driver
 call; another stream waits once for the copy's event, or not at all once it completed."""
 
-import sys
 import types
 
 import pytest
 
+from fake_cuda import install_driver
 from gpuos_tools.agent import agent as agent_mod
 from gpuos_tools.agent.agent import COW, ENQUEUED, HOST, UNSAVED, Agent, Snap
 from gpuos_tools.model.allocs import Allocation
@@ -58,15 +58,7 @@ class Staging:
 
 @pytest.fixture
 def drv(monkeypatch):
-    fake = FakeDriver()
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.driver = fake
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings
-    monkeypatch.setitem(sys.modules, "cuda", cuda)
-    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
-    return fake
+    return install_driver(monkeypatch, FakeDriver())
 
 
 def make_snap(n=2, budget=1 << 20, spare=(1, 2)):

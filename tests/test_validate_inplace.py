@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import sys
 import types
 
 import numpy as np
 import pytest
 
+from fake_cuda import install_driver
 from fake_vmm import KERNELS, FakeDevice
 from gpuos_tools.agent.validate import CHUNK, Layout, Validator, WrittenBytes
 from gpuos_tools.model.allocs import Allocation
@@ -105,15 +105,7 @@ class FakeValidator(Validator):
 
 @pytest.fixture
 def drv(monkeypatch) -> FakeDriver:
-    fake = FakeDriver()
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.driver = fake
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings
-    monkeypatch.setitem(sys.modules, "cuda", cuda)
-    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
-    return fake
+    return install_driver(monkeypatch, FakeDriver())
 
 
 def program(drv: FakeDriver, **kw) -> FakeValidator:
