@@ -165,7 +165,6 @@ class SlowPeriod:
                 if m == limit:
                     found = p
                     break
-            self.seen.setdefault(key, deque(maxlen=OCCURRENCES)).append(i)
 
             def holds(p: int) -> bool:  # the key and the MATCH_CHECK keys before it
                 return i - MATCH_CHECK - p >= st and all(at(i - m) == at(i - m - p) for m in range(w))
@@ -182,6 +181,7 @@ class SlowPeriod:
                     found = win
             if found is not None:
                 self.p, self.matched = found, min(found - 1, MATCH_CHECK) + 1
+        self.seen.setdefault(key, deque(maxlen=OCCURRENCES)).append(i)  # at every key
         if len(self.keys) == self.keys.maxlen:
             self.start += 1
         self.keys.append(key)

@@ -120,7 +120,8 @@ Action = tuple[str, Any]
 class Period:
     """Learns the period of a sequence of keys (small ints) as they come, and predicts ahead.
 
-    A key seen before suggests candidate periods (the distances to its last few positions);
+    A key seen before suggests candidate periods (the distances to its last few positions, kept
+    while a period holds too);
     the smallest candidate whose last min(p, MATCH_CHECK) keys match the keys p before them is
     taken. It counts as known once a whole period has repeated (or MATCH_CHECK keys matched);
     from then on each key must equal the one a period before it, else the period is dropped
@@ -203,6 +204,13 @@ class Period:
         hw = (h - hs[a - off] * _POW_W) % _MOD if a >= off else None
         if p is None:
             self._search(i, key, start, hw)
+        # every position, while a period holds too: after a break (a stray launch), a key's
+        # candidates are then its last positions in the loop, not those from before the period
+        # was learned (which suggested the loop with the stray in it, then a multiple of it)
+        occ = self.seen.get(key)
+        if occ is None:
+            occ = self.seen[key] = deque(maxlen=OCCURRENCES)
+        occ.append(i)
         if hw is not None:
             self._note_window(i + 1, hw)
         if (was is None or broke) and self.known is not None:
@@ -246,10 +254,6 @@ class Period:
             if self._matches(i, p, min(p - 1, MATCH_CHECK) + 1, start):
                 found = p
                 break
-        occ = self.seen.get(key)
-        if occ is None:
-            occ = self.seen[key] = deque(maxlen=OCCURRENCES)
-        occ.append(i)
         w = MATCH_CHECK + 1
         if found is None or found <= MATCH_CHECK:
             by_window = None if hw is None else self._by_window(i + 1, start, hw)
