@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The online policy's plans, `count` (the working sets of the next --lookahead launches), `time`
-(as far ahead as the launches' durations need) and `time+proactive` (with proactive eviction),
+(as far ahead as the launches' durations need), `time+proactive` (with proactive eviction),
+`fixed` (one plan for the learned period, each load as far ahead as the durations take to copy
+it) and `fixed-lead` (the same with every load --lookahead launches ahead: no durations known),
 side by side in the simulator's time model, on the CPU: SIMULATED, not measured on a GPU.
 
 gpuos_tools/sched/online_sim.py drives OnlinePolicy launch by launch against simulate.py's two
@@ -12,7 +14,10 @@ Workloads:
 - torch: the PyTorch training step recorded on an H200 (tests/data/recorded/torch.ndjson.zst,
   predicted at range granularity, 2 MiB records: --chunk-mib), repeated --copies times as a
   training loop repeats it;
-- suite-*: the validation suite's recorded CuPy and CNN traces, each repeated --copies times.
+- suite-*: the validation suite's recorded CuPy and CNN traces, each repeated --copies times;
+- training: a synthetic training loop (online_sim.training_step: 16 layers, activation records
+  of 192 MiB, 30 launches of 33 µs a layer forward and backward), short launches over large
+  records: two launches of lead are 66 µs, a record's copy 3.8 ms.
 
 A recorded trace's compute per step is the gap to the next record (capped at 1 ms, workload.py):
 an estimate, the same for both plans. Per workload, budget and plan: simulated stall (all, and
@@ -33,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuos_tools.sched.online_sim import blocked_gemm, simulate_online
+from gpuos_tools.sched.online_sim import blocked_gemm, simulate_online, training_step
 from gpuos_tools.sched.simulate import DEFAULT_BW, Config
 from gpuos_tools.sched.workload import Workload, trace_workload
 
@@ -59,18 +64,24 @@ def workloads(names: list[str], copies: int, chunk: int) -> list[tuple[str, Work
             out.append(("torch", recorded("torch", copies, chunk)))
         elif n == "suite":
             out.extend((s, recorded(s, copies, chunk)) for s in SUITE)
+        elif n == "training":
+            out.append(("training", training_step()))
         else:
-            raise SystemExit(f"unknown workload {n!r}: gemm, torch or suite")
+            raise SystemExit(f"unknown workload {n!r}: gemm, torch, suite or training")
     return out
 
 
 def compare(w: Workload, fraction: float, bw: tuple[float, float], lookahead: int, host_ahead: int) -> list[dict[str, Any]]:
-    """Both plans on ``w`` at ``fraction`` of its footprint."""
+    """The plans on ``w`` at ``fraction`` of its footprint."""
     cfg = Config(int(w.footprint * fraction), bw[0], bw[1])
     rows = []
-    for plan, proactive in (("count", False), ("time", False), ("time", True)):
+    for plan, proactive, feed in (("count", False, True), ("time", False, True), ("time", True, True),
+                                  ("fixed", False, True), ("fixed", False, False)):
         t = time.perf_counter()
-        r = simulate_online(w, cfg, plan=plan, lookahead=lookahead, host_ahead=host_ahead, proactive=proactive)
+        r = simulate_online(w, cfg, plan=plan, lookahead=lookahead, host_ahead=host_ahead, proactive=proactive,
+                            feed=feed)
+        if not feed:
+            r["plan"] += "-lead"
         r["cpu_s"] = round(time.perf_counter() - t, 3)
         r["fraction"] = fraction
         rows.append(r)
@@ -79,7 +90,7 @@ def compare(w: Workload, fraction: float, bw: tuple[float, float], lookahead: in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="gemm,torch,suite")
+    ap.add_argument("--workloads", default="gemm,torch,suite,training")
     ap.add_argument("--budgets", default="66%,50%,33%")
     ap.add_argument("--copies", type=int, default=20, help="repetitions of a recorded trace")
     ap.add_argument("--chunk-mib", type=int, default=2, help="a recorded trace's records, MiB")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpuos_tools.sched.fixed import FixedSchedule
+from gpuos_tools.sched.fixed import FixedSchedule, leads_by_time
 from gpuos_tools.sched.online import STEADY_MIN, OnlinePolicy
+from gpuos_tools.sched.online_sim import simulate_online, training_step
+from gpuos_tools.sched.simulate import Config
 
 MIB = 1 << 20
 
@@ -177,3 +179,26 @@ def test_a_record_dropped_and_loaded_within_a_run_keeps_its_phases():
     _coalesce(drop_at, load_at, gaps, live, np.full(p, 4 * MIB, dtype=np.int64), p, 8)
     assert (drop_at[0], load_at[0]) == (11, 13)  # moving it would turn its gap inside out
     assert (drop_at[1], load_at[1]) == (13, 7)  # the other's drop moves to the run's last phase
+
+
+def test_a_lead_by_time_covers_the_copy_with_the_launches_before_the_use():
+    """leads_by_time: the fewest phases before a use whose durations add up to the copy, at least
+    the least lead; the phases before phase 0 are the period's last ones; a copy longer than
+    the whole period gets the whole period."""
+    lead = leads_by_time([1.0] * 10, 1.0, 2)
+    assert [lead(5, n) for n in (0, 1, 3, 5, 10, 11)] == [2, 2, 3, 5, 10, 10]
+    lead = leads_by_time([0.0, 0.0, 5.0, 0.0], 1.0, 1)
+    assert [lead(u, 4) for u in range(4)] == [2, 3, 4, 1]  # phase 2 is the one that takes time
+    assert [lead(u, 6) for u in range(4)] == [4, 4, 4, 4]
+
+
+def test_a_fixed_plan_loads_large_records_as_far_ahead_as_their_copy_takes():
+    """SIMULATED: on a training loop of short launches over large records, the plan's loads a
+    copy's time ahead (the durations known) stall the loop less than loads two launches ahead,
+    for the same bytes."""
+    w = training_step(steps=6)
+    cfg = Config(int(w.footprint * 0.66))
+    by_time = simulate_online(w, cfg, plan="fixed")
+    by_count = simulate_online(w, cfg, plan="fixed", feed=False)
+    assert by_time["bytes_in"] == by_count["bytes_in"]
+    assert by_time["stall_s"] < 0.9 * by_count["stall_s"]

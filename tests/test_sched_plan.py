@@ -173,5 +173,5 @@ def test_bench_sched_plan_script_writes_both_plans() -> None:
     data = json.loads(out.stdout)
     assert data["simulated"] is True
     plans = {r["plan"]: r for r in data["rows"]}
-    assert set(plans) == {"count", "time", "time+proactive"}
+    assert set(plans) == {"count", "time", "time+proactive", "fixed", "fixed-lead"}
     assert plans["time"]["stall_s"] < plans["count"]["stall_s"]

@@ -251,7 +251,8 @@ def run(
         help="Launches ahead whose working sets are prefetched (0: load at the launch only). With 1, a load "
         "waits for its victim's save within one launch; from 2 on, saves and loads of different launches "
         "overlap, at the cost of more bytes moved (prefetching evicts earlier than Belady would). With --plan "
-        "fixed: how many launches before its use a record the plan dropped is loaded again.",
+        "fixed: the fewest launches before its use a record the plan dropped is loaded again (more where "
+        "the launches' measured durations are shorter than its copy).",
     ),
     prefetch_batch: int = typer.Option(
         1, "--prefetch-batch", min=1, metavar="B",
@@ -270,7 +271,8 @@ def run(
         "right after its last use when the next loads will need its room; --lookahead applies until "
         "durations are measured. fixed (experimental): once the loop's launch sequence is learned, one plan "
         "made for it and repeated every period (each record resident throughout, or dropped after a use and "
-        "loaded --lookahead launches before the next), so that only the launches where it acts are decided; "
+        "loaded again as many launches before the next as their sampled GPU times take to copy it, at least "
+        "--lookahead), so that only the launches where it acts are decided; "
         "the count plan until then and again after a launch leaves the sequence.",
     ),
     proactive: bool = typer.Option(

@@ -121,7 +121,10 @@ class Executor(AgentHooks):
             self.policy.note_bandwidth(*cfg["bw"])
         #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops
         #: without timer events)
-        self._timing = self.policy.plan == "time" and hasattr(engine.ops, "timer") and hasattr(engine.ops, "elapsed_ms")
+        # durations sampled for the plans that use them: the time plan's walk, the fixed plan's
+        # leads (``fixed.leads_by_time``)
+        self._timing = (self.policy.plan in ("time", "fixed") and hasattr(engine.ops, "timer")
+                        and hasattr(engine.ops, "elapsed_ms"))
         self._ops_n = 0
         self._open: tuple[int, Any, Any] | None = None  #: (key, stream, start event) of the sampled operation
         self._samples: list[tuple[int, Any, Any]] = []  #: (key, start, end) recorded, not read yet
@@ -708,19 +711,18 @@ class Executor(AgentHooks):
         lookahead launches before the one that prefetches for it. Under the time plan a decision
         walks its first max(lookahead, 1) launches and stops at the first launch after them that
         needs nothing (nothing queued, nothing missing: its copies take no time), so one launch
-        more than the count plan's must be resident; and while a duration sample is open, 0 (the
-        next operation closes it: ``_sample_end``). 0 (every decision calls) under proactive
+        more than the count plan's must be resident. Under a fixed plan, up to its next acting
+        phase. While a duration sample is open (the time and fixed plans), 0: the next operation
+        closes it (``_sample_end``). 0 (every decision calls) under proactive
         eviction, while digests of conservative kernels are kept (their launches must drop them),
         without a period, or above the budget. A launch off the period is caught by
         ``fast_replay`` (a late action)."""
         pol, eng = self.policy, self.engine
-        if pol.proactive or (eng.conservative and eng.digests):
+        if pol.proactive or (eng.conservative and eng.digests) or self._open is not None:
             return 0
         quiet = pol.fixed_quiet(FAST_MAX)
         if quiet >= 0:  # a fixed plan: up to its next action (records it did not load are not marked)
             return quiet
-        if pol.plan == "time" and self._open is not None:
-            return 0
         per = pol.period
         p = per.known
         if p is None or pol.used > pol.last_budget:

@@ -13,8 +13,8 @@ fast path with nothing to replay but a check that the period holds.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Iterable, Mapping, Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +38,12 @@ class Gap:
     lead: int
 
 
-def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequence[int], budget: int, ahead: int,
+#: how many phases before a use a record is loaded: a number, or a function of (the phase of the
+#: use, the record's bytes), e.g. the phases whose durations cover its copy (``leads_by_time``)
+Lead = int | Callable[[int, int], int]
+
+
+def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequence[int], budget: int, ahead: Lead,
                 temporaries: Iterable[int] = ()) -> tuple[list[Gap], np.ndarray, np.ndarray]:
     """The gaps a fixed plan drops its records over, for a period whose phase t uses the records
     of ``sets[t]``; with the live bytes per phase under that plan and the limit each phase had
@@ -46,7 +51,8 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
     as under MIN).
 
     Each record is pinned, or dropped over some gaps between its uses and loaded ``ahead``
-    phases before the use after it, or later where the room allows no earlier load. Greedy: at
+    phases before the use after it (a function: of that use's phase and the record's bytes; at
+    most the gap), or later where the room allows no earlier load. Greedy: at
     the phase whose live memory exceeds its limit the most, a load over it is made later if
     there is one (no bytes), else the largest record with a gap over it (the longest such gap
     first) is dropped over that gap; until every phase fits or no choice is left. Records in
@@ -61,6 +67,7 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
             uses.setdefault(c, []).append(t)
     live = np.zeros(p, dtype=np.int64)
     cands: list[tuple[int, int, int, int]] = []  #: (bytes, steps between the uses, record, the use before), a gap each
+    lead_of = ahead if callable(ahead) else None
     for c, ts in uses.items():
         if c in tmp:  # a temporary: live between its first and last use, its gaps inside them
             live[ts[0]:ts[-1] + 1] += sizes[c]
@@ -72,6 +79,9 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
             if b - a > 1:
                 cands.append((sizes[c], b - a, c, a))
     cands.sort(key=lambda x: (-x[0], -x[1]))  # the largest records first, then the longest gaps
+    # each gap's wanted lead (at most the gap: loaded right after the use before it)
+    want = [min(n - 1, lead_of((a + n) % p, size) if lead_of is not None else ahead)  # type: ignore[operator]
+            for size, n, _, a in cands]
     limit = np.array([max(budget, sum(sizes[c] for c in set(st))) for st in sets], dtype=np.int64)
     chosen: dict[int, int] = {}  #: candidate -> its load's lead (phases before the use after the gap)
     while p:
@@ -79,7 +89,7 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
         if live[t] <= limit[t]:
             break
         # at that phase, in order of preference: a load there made later (no bytes), a new drop
-        # whose load still comes ``ahead`` phases early, a new drop whose load comes later
+        # whose load still comes its wanted lead early, a new drop whose load comes later
         pick: tuple[int, int, int] | None = None  #: (class, candidate, its lead)
         for k, (size, n, _, a) in enumerate(cands):
             d = (t - a) % p  # phases from the use before the gap to t
@@ -87,7 +97,8 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
                 continue
             lead = chosen.get(k)
             if lead is None:
-                c = (0 if n - 1 - ahead >= d else 1, k, min(ahead, n - 1 - d))
+                w = want[k]
+                c = (0 if n - 1 - w >= d else 1, k, min(w, n - 1 - d))
             elif d > n - 1 - lead:  # t is in its load's lead
                 c = (-1, k, n - 1 - d)
             else:
@@ -107,6 +118,27 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
         chosen[k] = lead
     gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead) for k, lead in chosen.items()]
     return gaps, live, limit
+
+
+def leads_by_time(durations: Sequence[float], bandwidth: float, least: int) -> Callable[[int, int], int]:
+    """A lead by time for ``choose_gaps``: for a use at phase u of a record of n bytes, the
+    fewest phases before u whose ``durations`` (seconds, per phase of the period) add up to its
+    copy at ``bandwidth`` bytes/s, at least ``least``; the whole period where they never do. A
+    load issued at the decision of phase u - k then runs while the GPU runs those k launches:
+    on a loop of short kernels over large records (a training step's activations), two
+    launches of lead are microseconds, and each load a demand load."""
+    p = len(durations)
+    cum = [0.0]  # cum[j]: seconds of phases [0, j) of two periods laid end to end
+    for d in (*durations, *durations):
+        cum.append(cum[-1] + max(0.0, d))
+
+    def lead(u: int, size: int) -> int:
+        end = u + p  # phase u in the second period
+        # the latest start j whose phases [j, end) take the copy's time: the fewest that cover it
+        j = bisect_right(cum, cum[end] - size / bandwidth) - 1
+        return max(least, min(p, end - j if j >= 0 else p))
+
+    return lead
 
 
 @dataclass
@@ -136,11 +168,11 @@ class FixedSchedule:
 
     @classmethod
     def make(cls, keys: Sequence[int], kernels: Sequence[str], sets: Sequence[tuple[int, ...]],
-             sizes: Mapping[int, int], budget: int, lead: int, coalesce: int = COALESCE) -> FixedSchedule:
+             sizes: Mapping[int, int], budget: int, lead: Lead, coalesce: int = COALESCE) -> FixedSchedule:
         """The plan of a period whose phase t is the launch of ``kernels[t]`` (the policy's key
         ``keys[t]``) touching ``sets[t]``, records of ``sizes`` bytes, loads ``lead`` launches
-        ahead; actions ``coalesce`` phases apart or closer taken together where they fit
-        (``_coalesce``; 0: never)."""
+        ahead (``choose_gaps``); actions ``coalesce`` phases apart or closer taken together where
+        they fit (``_coalesce``; 0: never)."""
         gaps, live, limit = choose_gaps(sets, sizes, budget, lead)
         s = cls(list(keys), list(kernels), list(sets), dict(sizes), budget, gaps, bool(len(live) == 0 or int(np.max(live - limit)) <= 0))
         p = len(sets)

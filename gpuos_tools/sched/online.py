@@ -91,7 +91,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuos_tools.sched.fixed import FixedSchedule
+from gpuos_tools.sched.fixed import FixedSchedule, Lead, leads_by_time
 from gpuos_tools.sched.planner import NEVER
 
 POLICIES = ("belady", "lru")
@@ -793,7 +793,13 @@ class OnlinePolicy:
             return
         live = [tuple(b for b in ws if b in records) for ws in sets]  # type: ignore[union-attr]
         sizes = {b: records[b] for ws in live for b in ws}
-        self._fixed = FixedSchedule.make(keys, [self._key_of[k][0] for k in keys], live, sizes, budget, self.lookahead)
+        # loads as far ahead as the launches' measured durations take to copy them, once some
+        # are measured (the executor samples them, the simulator gives them; all zero: a fake
+        # clock, which would put every load a whole period ahead); else --lookahead
+        lead: Lead = self.lookahead
+        if self._dur_n and self._dur_sum > 0:
+            lead = leads_by_time([self.duration(k) for k in keys], self.h2d_bw, self.lookahead)
+        self._fixed = FixedSchedule.make(keys, [self._key_of[k][0] for k in keys], live, sizes, budget, lead)
         self._phase = 0
         self._fixed_fresh = True
         self.stats.fixed_plans += 1
@@ -843,6 +849,7 @@ class OnlinePolicy:
         fx = self._fixed
         assert fx is not None
         j = self._phase
+        self.last_key = fx.keys[j]
         self.period.push(fx.keys[j])
         self._phase = j + 1 if j + 1 < fx.p else 0
         self.stats.predicted += 1
