@@ -336,6 +336,44 @@ def test_under_the_time_plan_the_fast_path_leaves_the_policy_where_every_upcall_
     assert all(c == o + 1 for o, c in zip(opened, closed)), list(zip(opened, closed))[:10]
 
 
+def test_under_a_fixed_plan_the_fast_path_samples_one_operation_at_a_time(library, tmp_path, monkeypatch):
+    """Under the fixed plan the executor samples durations too (its leads are by time): with the
+    fast path on, each sample is closed by the operation right after the one it opened at (the
+    core lets none go by meanwhile), and the policy has the durations when it makes its plan."""
+    from test_engine import FakeOps
+
+    monkeypatch.setattr(FakeOps, "elapsed_ms", lambda self, start, end: 1e-4)
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
+    ex = job.ex
+    opened: list[int] = []
+    closed: list[int] = []
+    sample_start, sample_end = ex._sample_start, ex._sample_end
+
+    def opening(stream):
+        sample_start(stream)
+        if ex._open is not None:
+            opened.append(len(job.ops_fast))
+
+    def closing(stream):
+        if ex._open is not None:
+            closed.append(len(job.ops_fast))
+        sample_end(stream)
+
+    monkeypatch.setattr(ex, "_sample_start", opening)
+    monkeypatch.setattr(ex, "_sample_end", closing)
+    for _ in range(STEPS):
+        job.step()
+    s = job.end()
+    assert ex.policy.stats.fixed_plans >= 1 and ex.policy.stats.fixed["fits"] and s["fast"]["on"]
+    assert ex.policy._dur_n > 0 and ex.counts["samples"] > 0 and ex.counts["sample_errors"] == 0
+    assert opened and all(c == o + 1 for o, c in zip(opened, closed)), list(zip(opened, closed))[:10]
+    fx = ex.policy._fixed
+    # a copy of these records takes longer than two operations of 0.1 µs: leads past --lookahead
+    # where the room allows them (the greedy makes a load later where it does not)
+    assert fx is not None and fx.gaps and max(g.lead for g in fx.gaps) > 2
+
+
 def test_an_operation_on_a_record_being_evicted_always_calls(library, tmp_path, monkeypatch):
     """Once the loop runs fast, a record the policy evicts (and one the engine's own eviction
     takes) loses its mark before its save is enqueued: the next launch that touches it calls,
