@@ -67,7 +67,7 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
             uses.setdefault(c, []).append(t)
     live = np.zeros(p, dtype=np.int64)
     cands: list[tuple[int, int, int, int]] = []  #: (bytes, steps between the uses, record, the use before), a gap each
-    lead_of = ahead if callable(ahead) else None
+    lead_of = ahead if callable(ahead) else _constant(ahead)
     for c, ts in uses.items():
         if c in tmp:  # a temporary: live between its first and last use, its gaps inside them
             live[ts[0]:ts[-1] + 1] += sizes[c]
@@ -80,8 +80,7 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
                 cands.append((sizes[c], b - a, c, a))
     cands.sort(key=lambda x: (-x[0], -x[1]))  # the largest records first, then the longest gaps
     # each gap's wanted lead (at most the gap: loaded right after the use before it)
-    want = [min(n - 1, lead_of((a + n) % p, size) if lead_of is not None else ahead)  # type: ignore[operator]
-            for size, n, _, a in cands]
+    want = [min(n - 1, lead_of((a + n) % p, size)) for size, n, _, a in cands]
     limit = np.array([max(budget, sum(sizes[c] for c in set(st))) for st in sets], dtype=np.int64)
     chosen: dict[int, int] = {}  #: candidate -> its load's lead (phases before the use after the gap)
     while p:
@@ -118,6 +117,10 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
         chosen[k] = lead
     gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead) for k, lead in chosen.items()]
     return gaps, live, limit
+
+
+def _constant(lead: int) -> Callable[[int, int], int]:
+    return lambda u, size: lead
 
 
 def leads_by_time(durations: Sequence[float], bandwidth: float, least: int) -> Callable[[int, int], int]:
