@@ -14,7 +14,8 @@ leak in. --configs picks from the default list and more, asked for by name so th
 its running time: `agent_cupti_after_snapshot`, `sched_100_cupti`, `sched_100_slow`, and the
 scheduler below the footprint, at --budget 66% (`sched_66`, `sched_66_slow`, `sched_66_cupti`,
 `sched_66_slow_cupti`; `sched_66_time` plans by time, --plan time, and `sched_66_fixed` with a fixed plan,
---plan fixed; `sched_66_nolastuse` orders
+--plan fixed, `sched_66_fixed_keepdead` the same saving and loading records whose torch blocks are
+all freed like the others, GPUOS_ENGINE_KEEP_DEAD=1; `sched_66_nolastuse` orders
 each eviction's save after everything enqueued, GPUOS_SCHED_LAST_USE=0; `sched_66_b4` prefetches in
 batches, --prefetch-batch 4). Two more take `--budget 100%` apart, where the scheduler does nothing but
 the program's memory is owned (torch through the owned allocator's pluggable allocator and its
@@ -60,7 +61,7 @@ CONFIGS = ("plain", "trace", "agent", "agent_cupti", "agent_after_snapshot", "sc
            "plain_again")
 OPTIONAL = ("agent_intercept", "agent_cupti_after_snapshot", "sched_100_cupti", "sched_100_slow", "sched_66",
             "sched_66_slow", "sched_66_cupti", "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4",
-            "sched_66_fixed", "plain_owned", "agent_owned")
+            "sched_66_fixed", "sched_66_fixed_keepdead", "plain_owned", "agent_owned")
 AGENT = ("agent", "agent_cupti", "agent_intercept", "agent_after_snapshot", "agent_cupti_after_snapshot",
          "agent_python", "agent_owned")
 #: the configurations whose program allocates through the owned allocator without the scheduler
@@ -80,11 +81,13 @@ OWNED_WRAPPER = (
 )
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_cupti_after_snapshot")
 SCHED = ("sched_100", "sched_100_cupti", "sched_100_slow", "sched_66", "sched_66_slow", "sched_66_cupti",
-         "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4", "sched_66_fixed")
+         "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4", "sched_66_fixed",
+         "sched_66_fixed_keepdead")
 #: what a scheduler run's summary says, kept in its result
 SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
                 "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
-                "period_breaks", "breaks", "fast", "dormant", "agent")
+                "period_breaks", "breaks", "fast", "dormant", "agent", "evict_saves", "dead_evictions", "dead_bytes",
+                "dead_loads")
 
 
 def mechanism(config: str) -> str:
@@ -123,6 +126,8 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         env["GPUOS_SCHED_FAST"] = "0" if "slow" in parts else "1"
         # saves wait for each victim's last use by default: "nolastuse" waits for everything enqueued
         env["GPUOS_SCHED_LAST_USE"] = "0" if "nolastuse" in parts else "1"
+        # freed torch memory moves no bytes by default: "keepdead" saves and loads it too
+        env["GPUOS_ENGINE_KEEP_DEAD"] = "1" if "keepdead" in parts else "0"
         plan = ["--plan", "time"] if "time" in parts else ["--plan", "fixed"] if "fixed" in parts else []
         plan += [x for b in parts if b[:1] == "b" and b[1:].isdigit() for x in ("--prefetch-batch", b[1:])]
         return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", *plan, "-o", str(trace), "--",
@@ -190,6 +195,9 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
             continue
         if isinstance(rec, dict) and rec.get("type") == "sched_summary":
             res["sched"] = {k: rec.get(k) for k in SUMMARY_KEYS if k in rec}
+            ex = rec.get("executor") or {}  # where the program's thread waited for room
+            res["sched"]["executor"] = {k: ex.get(k) for k in ("room_waits", "room_wait_s", "prefetch_skipped",
+                                                               "ready_on_stream", "samples") if k in ex}
             st = rec.get("policy_stats") or {}
             if st.get("fixed_plans"):  # how much of the run a fixed plan decided, and why it ended
                 res["sched"]["fixed"] = {k: st.get(k) for k in ("fixed_plans", "fixed_launches", "fixed_ends", "fixed_end",

@@ -29,7 +29,7 @@ FULL = BootConfig(
     agent=AgentConfig(native="/cache/libgpuos_agent.so", cow_budget=1 << 30, stage_ahead=True, exit_wait_s=0.5,
                       exit_max_s=10.0, reference_at=(3, 40), reference_out="/tmp/refs",
                       engine=EngineSettings(digest=False, conserve=False, digest_off_after=2, yield_to_demand=False,
-                                            park=False),
+                                            park=False, drop_dead=False),
                       image_key="/keys/images.key",
                       online=OnlineConfig(policy="lru", lookahead=1, budget=1 << 28, summary="/tmp/s.json",
                                           timeline="/tmp/t.json",
@@ -279,9 +279,10 @@ def test_the_engine_switches_and_the_image_key_go_through_the_config(tmp_path):
     key.chmod(0o600)
     o = config.overrides_from_environment({"GPUOS_ENGINE_NO_DIGEST": "1", "GPUOS_ENGINE_NO_CONSERVE": "0",
                                            "GPUOS_ENGINE_DIGEST_OFF_AFTER": "3", "GPUOS_ENGINE_NO_YIELD": "1",
-                                           "GPUOS_ENGINE_NO_PARK": "1", "GPUOS_IMAGE_KEY": str(key)})
+                                           "GPUOS_ENGINE_NO_PARK": "1", "GPUOS_ENGINE_KEEP_DEAD": "1",
+                                           "GPUOS_IMAGE_KEY": str(key)})
     assert o.engine == EngineSettings(digest=False, conserve=True, digest_off_after=3, yield_to_demand=False,
-                                      park=False)
+                                      park=False, drop_dead=False)
     assert o.image_key == str(key)
     assert config.overrides_from_environment({}).engine == EngineSettings() and \
         config.overrides_from_environment({}).image_key is None

@@ -380,6 +380,62 @@ def test_evict_saves_after_the_last_use_then_releases_and_a_later_use_loads_it_b
     eng.close()
 
 
+def _released(eng, base):
+    for _ in range(200):
+        if eng.state(base) == RELEASED:
+            return True
+        threading.Event().wait(0.01)
+    return False
+
+
+@pytest.mark.parametrize("drop_dead", [True, False])
+def test_a_record_whose_torch_blocks_are_all_freed_goes_without_a_save_and_comes_back_without_a_copy(drop_dead):
+    recs = [Rec(b, 64 * MIB) for b in BASES[:2]]
+    ops = FakeOps(recs, auto=True)
+    dead = {BASES[0]}
+    ops.dead = lambda base: base in dead
+    agent = FakeAgent({1: BASES[0], 2: BASES[1]})
+    eng = ResidencyEngine(agent, ops, settings=EngineSettings(drop_dead=drop_dead))
+    assert eng.evict(BASES[0]) and _released(eng, BASES[0])
+    assert eng.evict(BASES[1]) and _released(eng, BASES[1])
+    saved = {c[1] for c in ops.calls("copy_out")}
+    if not drop_dead:  # the switch off: saved and loaded like any other
+        assert saved == {BASES[0], BASES[1]} and eng.counts["dead_evictions"] == 0
+        eng.close()
+        return
+    assert saved == {BASES[1]}
+    assert eng.counts["dead_evictions"] == 1 and eng.counts["dead_bytes"] == 64 * MIB
+    assert eng.counts["evict_saves"] == 1 and eng.counts["unsaved_bytes"] == 0
+    # the release still waits for the program's last use: the event recorded after the evict
+    # stream's waits on the program's streams, synchronised before it
+    i_release = ops.log.index(("release", BASES[0]))
+    sync = [c for c in ops.log[:i_release] if c[0] == "synchronize"]
+    rec = next(c for c in ops.log if c[0] == "record" and c[1] == sync[0][1])
+    assert ops.log.index(rec) > max(i for i, c in enumerate(ops.log[:i_release]) if c[0] == "wait")
+    # a launch touching it: mapped, nothing copied, nothing to wait for, not clean (its device
+    # bytes are not the host copy's)
+    agent.launches["k"] = (False, (1, 2), ())
+    before = len(ops.calls("wait"))
+    ops.auto = False  # the live one's load still in flight: the launch's stream waits for it
+    eng.launch(3, "k", None, None)
+    ops.auto = True
+    ops.finish(*range(100))
+    assert ops.recs[BASES[0]].resident and eng.state(BASES[0]) == RESIDENT
+    assert [c[1] for c in ops.calls("copy_in")] == [BASES[1]]
+    assert len(ops.calls("wait")) == before + 1  # on the live one's load alone
+    assert eng.counts["dead_loads"] == 1 and eng.counts["demand_loads"] == 1
+    assert eng.counts["loaded_bytes"] == 64 * MIB and BASES[0] not in eng.clean
+    # a prefetch of a dead record maps it and has nothing in flight to return
+    assert eng.evict(BASES[0]) and _released(eng, BASES[0])
+    assert eng.prefetch(BASES[0]) is None and eng.state(BASES[0]) == RESIDENT
+    assert eng.counts["dead_loads"] == 2 and eng.counts["prefetches"] == 0
+    # live again (a block handed out and written): saved as usual
+    dead.clear()
+    assert eng.evict(BASES[0]) and _released(eng, BASES[0])
+    assert [c[1] for c in ops.calls("copy_out")] == [BASES[1], BASES[0]]
+    eng.close()
+
+
 def test_a_write_makes_a_clean_record_dirty_again():
     recs = [Rec(BASES[0], 64 * MIB)]
     ops = FakeOps(recs, auto=True)

@@ -334,6 +334,36 @@ def test_cached_torch_blocks_are_records_residency_acts_on(env):
     assert lib.torch_malloc(3 * G, 0, S1) == a and lib.lookup(a).resident
 
 
+def test_a_record_is_dead_only_while_every_block_of_it_is_in_torchs_cache(env):
+    lib, _ = env
+    big = lib.torch_malloc(3 * G, 0, S1)
+    assert not lib.torch_dead(big)  # a live tensor
+    lib.torch_free(big, 3 * G, 0, S1)
+    assert lib.torch_dead(big)
+    assert lib.torch_malloc(3 * G, 0, S1) == big and not lib.torch_dead(big)  # handed out again
+    # a segment of 4 KiB blocks: dead once the last of its blocks is freed, whichever stream
+    a, b = lib.torch_malloc(3000, 0, S1), lib.torch_malloc(4000, 0, S2)
+    seg = lib.lookup(a).base
+    assert lib.lookup(b).base == seg and not lib.torch_dead(seg)
+    lib.torch_free(a, 3000, 0, S1)
+    assert not lib.torch_dead(seg)
+    lib.torch_free(b, 4000, 0, S2)
+    assert lib.torch_dead(seg)
+    c = lib.torch_malloc(4096, 0, S1)  # one block handed out again: live
+    assert lib.lookup(c).base == seg and not lib.torch_dead(seg)
+    # another record's cached block of the same class does not count for this one
+    e, f = lib.torch_malloc(3 * G, 0, S1), lib.torch_malloc(3 * G, 0, S1)
+    lib.torch_free(e, 3 * G, 0, S1)
+    assert lib.torch_dead(e) and not lib.torch_dead(f)
+    # CuPy's pool and direct callers keep their free blocks out of sight: never dead; nor an
+    # address no record starts at
+    d = lib.malloc(5 * G)
+    assert not lib.torch_dead(d) and not lib.torch_dead(d + 4096) and not lib.torch_dead(0x1234)
+    lib.torch_free(big, 3 * G, 0, S1)
+    lib.release(big)  # a released record's blocks stay torch's to hand out
+    assert lib.torch_dead(big)
+
+
 def test_concurrent_torch_traffic_on_several_streams_keeps_the_cache_sound(env):
     lib, counters = env
     errors: list[str] = []

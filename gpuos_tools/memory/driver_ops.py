@@ -40,6 +40,8 @@ class Ops(Protocol):
     def enter(self) -> None: ...  # make the program's context current on this thread
     # optional (DriverOps has it; without it no stream is ever capturing):
     # capturing(stream) -> bool: the stream is capturing a CUDA graph
+    # optional (DriverOps has it; without it no record's contents are dead):
+    # dead(base) -> bool: every torch block of the record is freed, its contents undefined
     # optional (DriverOps has them; without them the engine takes no digests):
     # digest_prepare() -> None: start building the digest kernel (no context needed)
     # digest_init() -> str | None: load it (the program's context current); None, or why not
@@ -129,6 +131,10 @@ class DriverOps:
 
     def lookup(self, addr: int) -> Any:
         return self.lib.lookup(addr) if self.lib is not None else None
+
+    def dead(self, base: int) -> bool:
+        """Whether every torch block of the record at ``base`` is freed (owned.py ``torch_dead``)."""
+        return self.lib is not None and self.lib.torch_dead(base)
 
     def make_resident(self, base: int) -> None:
         if self.lib is None:

@@ -63,7 +63,8 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
                        "unknown_requires": 0, "evictions": 0, "evict_saves": 0, "saved_bytes": 0, "evictions_cancelled": 0,
                        "loaded_bytes": 0, "freed_while_pending": 0, "evict_unsettled": 0, "unsaved_bytes": 0, "digests": 0,
                        "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0, "digest_backoff_saves": 0,
-                       "mismatches": 0, "conservative_launches": 0}
+                       "mismatches": 0, "conservative_launches": 0, "dead_evictions": 0, "dead_bytes": 0,
+                       "dead_loads": 0}
         self._start_lazy()
         self._start_eviction()
         self._start_mismatches()
@@ -371,6 +372,10 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
             return False
+        if e.dead:  # its contents were dead at the eviction: mapped, nothing to copy or wait for
+            self._drop(e.base)
+            self.counts["dead_loads"] += 1
+            return True
         return self._copy(e, stream)
 
     def _copy(self, e: Entry, stream: Any) -> bool:
@@ -405,8 +410,8 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
                 self.counts["evictions_cancelled"] += 1
                 return None
             if e.state == RELEASED:
-                if not self._load(e, self._stream("prefetch")):
-                    return None
+                if not self._load(e, self._stream("prefetch")) or e.dead:
+                    return None  # gone, or dead: mapped at once, nothing loading
                 self.counts["prefetches"] += 1
             return e.event
 

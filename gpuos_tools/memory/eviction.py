@@ -195,13 +195,18 @@ class Eviction:
 
     def _start_save(self, base: int, size: int, pieces: Any, side: Any) -> tuple[Entry, Any, str]:
         """Mark the record EVICTING and enqueue on ``side`` what the eviction needs (engine lock
-        held): the digest to compare with the host copy's (``how`` "digest"), nothing when the
-        host copy is known current without one ("clean"), else the save ("save"). Returns the
-        entry, the event after it, and ``how``."""
+        held): nothing when its contents are dead (``how`` "dead": every torch block of it is
+        freed), the digest to compare with the host copy's ("digest"), nothing when the host
+        copy is known current without one ("clean"), else the save ("save"). Returns the entry,
+        the event after it (the release waits for it: the program's last use), and ``how``."""
         e = Entry(base, size, EVICTING, pieces, own_copy=True)
         self._put(e)
         clean = base in self.clean
-        if self._backing_off(base):  # changed at its last check: save
+        if self._is_dead(base):  # nothing in it a tensor will read: no save, no copy back
+            how = "dead"
+            e.dead = True
+            self.digests.pop(base, None)  # its device bytes will differ from the host copy
+        elif self._backing_off(base):  # changed at its last check: save
             how = "save"
             self.digests.pop(base, None)
             self.ops.copy_out(base, pieces, side)
@@ -219,6 +224,17 @@ class Eviction:
         self.ops.record(ev, side)
         e.event = ev
         return e, ev, how
+
+    def _is_dead(self, base: int) -> bool:
+        """Whether the record's contents are dead now (the ops' ``dead``, where they have it and
+        the switch is on); an error of the question counts as live (it is saved)."""
+        dead = getattr(self.ops, "dead", None)
+        if dead is None or not self.settings.drop_dead:
+            return False
+        try:
+            return bool(dead(base))
+        except Exception:  # noqa: BLE001
+            return False
 
     def _evict_finish(self, base: int, e: Entry, ev: Any, how: str) -> None:
         """Once what ``_start_save`` enqueued has completed: with a digest, equal -> release,
@@ -258,7 +274,11 @@ class Eviction:
             c["evictions"] += 1
             c["evict_saves"] += int(save)
             c["saved_bytes"] += e.size if save else 0
-            c["unsaved_bytes"] += 0 if save else e.size
+            if how == "dead":
+                c["dead_evictions"] += 1
+                c["dead_bytes"] += e.size
+            else:
+                c["unsaved_bytes"] += 0 if save else e.size
             if how == "digest" and not save:
                 c["digest_skips"] += 1
                 c["digest_skipped_bytes"] += e.size

@@ -45,6 +45,8 @@ class LazyLoader:
         when it is gone. While the loader runs, the first PROBES demand loads are timed on the
         GPU, and the loader waits for each before it issues more."""
         demand = self._stream("demand")
+        if e.dead:  # mapped without a copy: no load to time, wait for or count
+            return self._load(e, demand)
         probe = self._loading and self._t0 is not None and len(self._probes) < PROBES
         if probe:
             before = self.ops.timer()
@@ -163,8 +165,8 @@ class LazyLoader:
                         e = self.pending.get(base)
                         if e is None or e.state != RELEASED:  # loaded on demand meanwhile, or freed
                             continue
-                        if not self._load(e, self._stream("background")):
-                            continue
+                        if not self._load(e, self._stream("background")) or e.dead:
+                            continue  # gone, or dead: mapped, nothing in flight
                         self.counts["background_loads"] += 1
                         in_flight.append((e.event, e.size))
                 if self._t0 is not None:  # after the last background copy

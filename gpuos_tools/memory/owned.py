@@ -166,6 +166,7 @@ class OwnedLibrary:
         lib.gpuos_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.gpuos_torch_malloc.restype = ctypes.c_uint64
         lib.gpuos_torch_free.argtypes = [ctypes.c_uint64, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpuos_torch_dead.argtypes = [ctypes.c_uint64]
         if lib.gpuos_alloc_record_size() != ctypes.sizeof(RECORD):
             raise OwnedError(f"{self.path}: record layout differs from owned.RECORD")
         rc = lib.gpuos_alloc_init(libcuda.encode() if libcuda else None)
@@ -209,6 +210,12 @@ class OwnedLibrary:
     def torch_trim(self) -> int:
         """Wait for the device once and give every cached block back; how many."""
         return self.lib.gpuos_torch_trim()
+
+    def torch_dead(self, base: int) -> bool:
+        """Whether the record at ``base`` holds only blocks torch has freed into the library's
+        cache: its contents are dead, an eviction need not save them nor a load copy them back
+        (False for a live block, for CuPy's records, and for an address no record starts at)."""
+        return self.lib.gpuos_torch_dead(base) == 1
 
     def torch_round(self, size: int, granule: int = 2 << 20) -> int:
         """The size class a request of ``size`` bytes is served from."""

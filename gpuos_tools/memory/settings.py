@@ -16,6 +16,8 @@ NO_CONSERVE_ENV = "GPUOS_ENGINE_NO_CONSERVE"  #: 1: mismatches reported, not act
 DIGEST_OFF_AFTER_ENV = "GPUOS_ENGINE_DIGEST_OFF_AFTER"  #: N: the digest check goes off after the Nth mismatch
 NO_YIELD_ENV = "GPUOS_ENGINE_NO_YIELD"  #: 1: the background loader does not pause for demand loads
 NO_PARK_ENV = "GPUOS_ENGINE_NO_PARK"  #: 1: released physical memory goes back to the driver at once
+#: 1: records whose torch blocks are all freed are saved and loaded like the others
+KEEP_DEAD_ENV = "GPUOS_ENGINE_KEEP_DEAD"
 #: 0: under `gpu-prefetch-sched run` on the native core, every operation enters Python (the fast
 #: path, on by default there, lets operations with nothing to do skip it)
 FAST_ENV = "GPUOS_SCHED_FAST"
@@ -23,7 +25,8 @@ FAST_ENV = "GPUOS_SCHED_FAST"
 #: enqueued, not only for the record's last use
 LAST_USE_ENV = "GPUOS_SCHED_LAST_USE"
 #: every variable above: the launcher reads them and leaves them out of the program's environment
-VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, FAST_ENV, LAST_USE_ENV)
+VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, KEEP_DEAD_ENV, FAST_ENV,
+             LAST_USE_ENV)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class EngineSettings:
     digest_off_after: int = 0  #: turn the digest check off after this many mismatches (0: never)
     yield_to_demand: bool = True  #: the background loader pauses while a demand load is in flight
     park: bool = True  #: keep released physical memory parked for reuse (`gpu-prefetch-sched run`)
+    #: a record whose every torch block the program has freed holds nothing a tensor will read
+    #: before writing it: its eviction saves nothing and its load copies nothing back (the
+    #: memory is mapped, its contents undefined, as a fresh allocation's are)
+    drop_dead: bool = True
     #: the scheduler's fast path on the native core (docs/native-core.md, "The fast path"): an
     #: operation whose records are all resident and settled, and for which the policy's plan has
     #: no action, goes on without entering Python; its bookkeeping is replayed in batches. On by
@@ -71,5 +78,6 @@ class EngineSettings:
         if off_after < 0:
             raise ValueError(f"{DIGEST_OFF_AFTER_ENV}={text!r}: expected a number of mismatches, 0 or more")
         return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
-                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV), fast=flag(FAST_ENV, default=True),
+                   yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV),
+                   drop_dead=not flag(KEEP_DEAD_ENV), fast=flag(FAST_ENV, default=True),
                    last_use=flag(LAST_USE_ENV, default=True))

@@ -25,5 +25,8 @@ class Entry:
     on_demand: bool = False
     own_copy: bool = False  #: ``pieces`` are the engine's own pinned copy (kept after the load)
     mapped: bool = False  #: a lazy rollback's: mapped all along, only the load is missing
+    #: evicted while every torch block of it was freed: nothing saved, and its load maps memory
+    #: without copying anything back (docs/residency-engine.md, "Dead records")
+    dead: bool = False
     #: evicting with a digest check while clean: the kernels that may have written it (a mismatch)
     suspects: tuple[list[str], str, bool] | None = None

@@ -1435,6 +1435,10 @@ class Executor(AgentHooks):
             # evictions whose host copy was current (engine.py, "Digests"): by digest, or clean
             "digest": eng.get("digest"), "digests": eng.get("digests", 0), "digest_skips": eng.get("digest_skips", 0),
             "bytes_not_written_back": eng.get("unsaved_bytes", 0),
+            # evictions of records whose torch blocks were all freed: nothing saved, nothing
+            # copied back at their loads (docs/residency-engine.md, "Dead records")
+            "dead_evictions": eng.get("dead_evictions", 0), "dead_bytes": eng.get("dead_bytes", 0),
+            "dead_loads": eng.get("dead_loads", 0),
             # writes no prediction showed, and the kernels treated as unknown since (engine.py, "Mismatches")
             "mismatches": eng.get("mismatches", 0), "conservative": eng.get("conservative", []),
             "stalls": pol["stalls"], "over_budget": pol["over_budget"], "over_budget_bytes": pol["over_budget_bytes"],

@@ -48,17 +48,20 @@ def plain_run(name: str, tmp: Path, args: list[str] | None = None) -> dict:
 
 
 def sched_run(name: str, tmp: Path, *opts: str, mechanism: str | None = None, fast: bool | None = None,
-              args: list[str] | None = None) -> tuple[dict, dict]:
+              args: list[str] | None = None, variables: dict[str, str] | None = None) -> tuple[dict, dict]:
     """The job under `gpu-prefetch-sched run OPTS`; ``mechanism``: GPUOS_AGENT_MECHANISM for it
     (None: as this process's environment says), checked against the header; ``fast``: with
     GPUOS_SCHED_FAST=1 or 0 (None: unset, the default, whatever this process's environment says);
-    ``args``: the job's arguments instead of its defaults."""
+    ``args``: the job's arguments instead of its defaults; ``variables``: more of the
+    environment (the engine's switches)."""
     job, default = JOBS[name]
     args = default if args is None else args
     out = tmp / "job.json"
     cmd = [sys.executable, "-m", "gpuos_tools.commands.prefetch_sched", "run", *opts, "--",
            sys.executable, str(job), *args, "--out", str(out)]
-    extra = {} if mechanism is None else {"GPUOS_AGENT_MECHANISM": mechanism}
+    extra = dict(variables or {})
+    if mechanism is not None:
+        extra["GPUOS_AGENT_MECHANISM"] = mechanism
     if fast is not None:
         extra["GPUOS_SCHED_FAST"] = "1" if fast else "0"
     environ = env(**extra)
@@ -193,3 +196,24 @@ def test_torch_job_under_a_fixed_plan_is_bit_identical_to_the_job_alone(tmp_path
     assert st["fixed_launches"] > s["launches"] // 3, (st["fixed_launches"], s["launches"])
     print(f"{name} fixed plan: {st['fixed']}, {st['fixed_launches']} of {s['launches']} operations under it, "
           f"{st['fixed_ends']} ended ({st['fixed_end']!r}); fast path {s['fast']}", file=sys.stderr)
+
+
+def test_freed_torch_memory_is_evicted_without_a_save_and_mapped_back_without_a_copy(tmp_path):
+    """A training step frees its activations and gradients after their last use: a record whose
+    blocks are all freed goes without a save and comes back without a copy, and the job ends
+    as it does alone -- and as it does when such records are saved and loaded like the others
+    (GPUOS_ENGINE_KEEP_DEAD=1), which moves more bytes for the same decisions."""
+    args = ["--width", "32", "--blocks", "1", "--batch", "32", "--image", "64", "--batches", "2", "--steps", "6"]
+    plain = plain_run("cnn", tmp_path, args)
+    job, s = sched_run("cnn", tmp_path, "--budget", "50%", args=args)
+    kept_job, kept = sched_run("cnn", tmp_path, "--budget", "50%", args=args,
+                               variables={"GPUOS_ENGINE_KEEP_DEAD": "1"})
+    assert job["digest"] == plain["digest"] == kept_job["digest"], (job, kept_job, plain)
+    for run in (s, kept):
+        assert "error" not in run and run["engine"].get("evict_errors", 0) == 0, run
+    assert s["dead_evictions"] > 0 and s["dead_loads"] > 0 and s["dead_bytes"] > 0, s
+    assert kept["dead_evictions"] == 0 and kept["dead_loads"] == 0, kept
+    assert s["bytes_out"] < kept["bytes_out"] and s["bytes_in"] < kept["bytes_in"], (s, kept)
+    print(f"dead: {s['dead_evictions']} of {s['evictions']} evictions, {s['dead_bytes']} B, "
+          f"{s['dead_loads']} maps; in/out {s['bytes_in']}/{s['bytes_out']} B against "
+          f"{kept['bytes_in']}/{kept['bytes_out']} B kept", file=sys.stderr)

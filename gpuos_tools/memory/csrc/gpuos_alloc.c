@@ -872,6 +872,28 @@ void gpuos_torch_reset_peaks(int device) {
     pthread_mutex_unlock(&tlock);
 }
 
+/* Whether the contents of the record at base are dead: every block of it the library handed to
+   torch is in torch's cache, freed by the program, so whatever the record holds no tensor will
+   read before writing it (a freshly allocated tensor's contents are undefined). 1: dead, 0: a
+   block is live (or the record is not torch's: CuPy's pool and direct callers keep their free
+   blocks out of sight), -ENOENT: no record starts at base. A moment's answer: a malloc may take
+   a block right after; its new tensor's contents are undefined all the same. */
+int gpuos_torch_dead(uint64_t base) {
+    gpuos_alloc_record_t r;
+    if (gpuos_alloc_lookup(base, &r) || r.base != base) return -ENOENT;
+    int small = (r.flags & F_SMALL) != 0;
+    uint64_t block = small ? r.block : r.size;
+    uint64_t live = small ? r.live : 1;
+    if (!live) return 1;
+    uint64_t n = 0;
+    pthread_mutex_lock(&tlock);
+    bucket_t *b = bucket(r.device, block, 0);
+    if (b)
+        for (size_t i = 0; i < b->n && n < live; i++) n += b->v[i].ptr >= base && b->v[i].ptr - base < r.size;
+    pthread_mutex_unlock(&tlock);
+    return n >= live;
+}
+
 /* torch.cuda.memory.CUDAPluggableAllocator's signatures (gpuos_alloc_init first: owned.py). */
 void *gpuos_torch_malloc(ssize_t size, int device, void *stream) {
     if (size <= 0 || !p_map) return NULL;
