@@ -15,7 +15,8 @@ its running time: `agent_cupti_after_snapshot`, `sched_100_cupti`, `sched_100_sl
 scheduler below the footprint, at --budget 66% (`sched_66`, `sched_66_slow`, `sched_66_cupti`,
 `sched_66_slow_cupti`; `sched_66_time` plans by time, --plan time, and `sched_66_fixed` with a fixed plan,
 --plan fixed, `sched_66_fixed_keepdead` the same saving and loading records whose torch blocks are
-all freed like the others, GPUOS_ENGINE_KEEP_DEAD=1; `sched_66_nolastuse` orders
+all freed like the others, GPUOS_ENGINE_KEEP_DEAD=1, `sched_66_fixed_deadplan` with a plan that asks
+where records are dead and drops them there, GPUOS_SCHED_DEAD_PLAN=1; `sched_66_nolastuse` orders
 each eviction's save after everything enqueued, GPUOS_SCHED_LAST_USE=0; `sched_66_b4` prefetches in
 batches, --prefetch-batch 4). Two more take `--budget 100%` apart, where the scheduler does nothing but
 the program's memory is owned (torch through the owned allocator's pluggable allocator and its
@@ -61,7 +62,7 @@ CONFIGS = ("plain", "trace", "agent", "agent_cupti", "agent_after_snapshot", "sc
            "plain_again")
 OPTIONAL = ("agent_intercept", "agent_cupti_after_snapshot", "sched_100_cupti", "sched_100_slow", "sched_66",
             "sched_66_slow", "sched_66_cupti", "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4",
-            "sched_66_fixed", "sched_66_fixed_keepdead", "plain_owned", "agent_owned")
+            "sched_66_fixed", "sched_66_fixed_keepdead", "sched_66_fixed_deadplan", "plain_owned", "agent_owned")
 AGENT = ("agent", "agent_cupti", "agent_intercept", "agent_after_snapshot", "agent_cupti_after_snapshot",
          "agent_python", "agent_owned")
 #: the configurations whose program allocates through the owned allocator without the scheduler
@@ -82,7 +83,7 @@ OWNED_WRAPPER = (
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_cupti_after_snapshot")
 SCHED = ("sched_100", "sched_100_cupti", "sched_100_slow", "sched_66", "sched_66_slow", "sched_66_cupti",
          "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4", "sched_66_fixed",
-         "sched_66_fixed_keepdead")
+         "sched_66_fixed_keepdead", "sched_66_fixed_deadplan")
 #: what a scheduler run's summary says, kept in its result
 SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
                 "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
@@ -128,6 +129,8 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         env["GPUOS_SCHED_LAST_USE"] = "0" if "nolastuse" in parts else "1"
         # freed torch memory moves no bytes by default: "keepdead" saves and loads it too
         env["GPUOS_ENGINE_KEEP_DEAD"] = "1" if "keepdead" in parts else "0"
+        # a fixed plan is blind to dead records by default: "deadplan" asks where they are
+        env["GPUOS_SCHED_DEAD_PLAN"] = "1" if "deadplan" in parts else "0"
         plan = ["--plan", "time"] if "time" in parts else ["--plan", "fixed"] if "fixed" in parts else []
         plan += [x for b in parts if b[:1] == "b" and b[1:].isdigit() for x in ("--prefetch-batch", b[1:])]
         return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", *plan, "-o", str(trace), "--",
@@ -197,7 +200,8 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
             res["sched"] = {k: rec.get(k) for k in SUMMARY_KEYS if k in rec}
             ex = rec.get("executor") or {}  # where the program's thread waited for room
             res["sched"]["executor"] = {k: ex.get(k) for k in ("room_waits", "room_wait_s", "prefetch_skipped",
-                                                               "ready_on_stream", "samples") if k in ex}
+                                                               "ready_on_stream", "ready_now", "samples", "dead_asked",
+                                                               "dead_ask_s") if k in ex}
             st = rec.get("policy_stats") or {}
             if st.get("fixed_plans"):  # how much of the run a fixed plan decided, and why it ended
                 res["sched"]["fixed"] = {k: st.get(k) for k in ("fixed_plans", "fixed_launches", "fixed_ends", "fixed_end",

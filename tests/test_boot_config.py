@@ -280,14 +280,16 @@ def test_the_engine_switches_and_the_image_key_go_through_the_config(tmp_path):
     o = config.overrides_from_environment({"GPUOS_ENGINE_NO_DIGEST": "1", "GPUOS_ENGINE_NO_CONSERVE": "0",
                                            "GPUOS_ENGINE_DIGEST_OFF_AFTER": "3", "GPUOS_ENGINE_NO_YIELD": "1",
                                            "GPUOS_ENGINE_NO_PARK": "1", "GPUOS_ENGINE_KEEP_DEAD": "1",
-                                           "GPUOS_IMAGE_KEY": str(key)})
+                                           "GPUOS_SCHED_DEAD_PLAN": "1", "GPUOS_IMAGE_KEY": str(key)})
     assert o.engine == EngineSettings(digest=False, conserve=True, digest_off_after=3, yield_to_demand=False,
-                                      park=False, drop_dead=False)
+                                      park=False, drop_dead=False, dead_plan=True)
     assert o.image_key == str(key)
     assert config.overrides_from_environment({}).engine == EngineSettings() and \
         config.overrides_from_environment({}).image_key is None
     # the scheduler's fast path is the one switch on by default: 0 turns it off
     assert config.overrides_from_environment({}).engine.fast and EngineSettings().fast
+    # dead records move no bytes by default; a fixed plan asks where they are only when told to
+    assert EngineSettings().drop_dead and not EngineSettings().dead_plan
     assert config.overrides_from_environment({"GPUOS_SCHED_FAST": "1"}).engine.fast
     assert not config.overrides_from_environment({"GPUOS_SCHED_FAST": "0"}).engine.fast
     # the Python agent (no native core): on CUPTI, whatever the default mechanism

@@ -433,6 +433,11 @@ def test_a_record_whose_torch_blocks_are_all_freed_goes_without_a_save_and_comes
     dead.clear()
     assert eng.evict(BASES[0]) and _released(eng, BASES[0])
     assert [c[1] for c in ops.calls("copy_out")] == [BASES[1], BASES[0]]
+    # freed while it was out: its load copies nothing back either
+    dead.add(BASES[0])
+    eng.launch(3, "k", None, None)
+    assert eng.state(BASES[0]) == RESIDENT and [c[1] for c in ops.calls("copy_in")] == [BASES[1]]
+    assert eng.counts["dead_loads"] == 3 and eng.counts["dead_evictions"] == 2
     eng.close()
 
 

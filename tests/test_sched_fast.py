@@ -669,3 +669,50 @@ def test_a_record_the_mover_loads_is_ready_for_its_own_stream_once_that_stream_w
     assert ex.counts["ready_on_stream"] == 1 and ex.counts["ready_on_stream_skipped"] == 1
     ops.finish(ev)
     job.end()
+
+
+def test_a_fixed_plan_asks_where_records_are_dead_and_drops_them_there_for_nothing(library, tmp_path, monkeypatch):
+    """The CuPy suite's recorded step under a fixed plan on the fast path, the driver saying that
+    half of the records are dead (every torch block freed), GPUOS_SCHED_DEAD_PLAN=1 (off by
+    default; a driver that knows of nothing dead makes it moot): the plan's first period is decided at
+    one phase in DEAD_EVERY, each asking which records are dead; the plan is then made again with
+    dead gaps, whose records the engine evicts without a save and maps back without a copy. The
+    same steps with a driver that knows of nothing dead move more bytes."""
+    from test_engine import FakeOps
+
+    from gpuos_tools.sched.online import DEAD_EVERY
+
+    from gpuos_tools.memory.settings import EngineSettings
+
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    init = Agent.__init__
+
+    def with_dead_plan(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.engine_settings = EngineSettings(dead_plan=True)
+
+    monkeypatch.setattr(Agent, "__init__", with_dead_plan)
+    runs = {}
+    for knows in (False, True):
+        d = tmp_path / f"dead{int(knows)}"
+        d.mkdir()
+        if knows:
+            bases = sorted(r["addr"] for r in records(TRACE) if r["type"] == "alloc" and r.get("kind") == "device")
+            dead = set(bases[::2])
+            monkeypatch.setattr(FakeOps, "dead", lambda self, base: base in dead, raising=False)
+        job = Job(library, d, monkeypatch, True, plan="fixed", lookahead=4)
+        for _ in range(STEPS):
+            job.step()
+        runs[knows] = (job, job.end())
+    (blind, s0), (job, s1) = runs[False], runs[True]
+    st0, st1 = s0["policy_stats"], s1["policy_stats"]
+    assert not blind.ex.policy.sees_dead and st0["fixed_dead_samples"] == 0 and s0["dead_evictions"] == 0
+    assert job.ex.policy.sees_dead and st1["fixed_plans"] == 1 and st1["fixed_dead_replans"] == 1
+    p = st1["fixed"]["period"]
+    assert st1["fixed_dead_samples"] == len(range(0, p, DEAD_EVERY))
+    assert job.ex.counts["dead_asked"] > 0 and "error" not in s1
+    assert st1["fixed"]["dead_gaps"] > 0 and st1["fixed"]["bytes_in"] < st0["fixed"]["bytes_in"]
+    assert s1["dead_evictions"] > 0 and s1["dead_loads"] > 0
+    assert s1["bytes_in"] < s0["bytes_in"] and s1["bytes_out"] < s0["bytes_out"]
+    # what the mover mapped with nothing to copy is marked ready for the core at once
+    assert s1["executor"]["ready_now"] > 0

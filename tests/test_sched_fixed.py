@@ -202,3 +202,93 @@ def test_a_fixed_plan_loads_large_records_as_far_ahead_as_their_copy_takes():
     by_count = simulate_online(w, cfg, plan="fixed", feed=False)
     assert by_time["bytes_in"] == by_count["bytes_in"]
     assert by_time["stall_s"] < 0.9 * by_count["stall_s"]
+
+
+def test_a_dead_gap_is_dropped_from_where_it_was_seen_dead_and_copies_nothing():
+    """Record 0 (4 MiB) is used at phases 0 and 10 of a period of 20 and seen dead at phases 2,
+    12 and 14, record 1 (6 MiB) at 5 and 15, live all along; room for one of them. Blind, each
+    is streamed over both of its gaps (20 MiB a period); with what was seen, record 0 goes over
+    its gaps from its first dead phase on with nothing copied, and only record 1's loads cost
+    bytes."""
+    p = 20
+    sets = [(0,) if t in (0, 10) else (1,) if t in (5, 15) else () for t in range(p)]
+    sizes = {0: 4 * MIB, 1: 6 * MIB}
+    keys, kernels = list(range(p)), [f"k{t}" for t in range(p)]
+    blind = FixedSchedule.make(keys, kernels, sets, sizes, 6 * MIB, 2)
+    seen = FixedSchedule.make(keys, kernels, sets, sizes, 6 * MIB, 2, dead={0: [2, 12, 14]})
+    p = len(sets)
+    assert blind.fits and blind.bytes_in == 20 * MIB and not any(g.dead for g in blind.gaps)
+    assert seen.fits and seen.bytes_in == 12 * MIB
+    dead = sorted((g.record, g.use, g.start) for g in seen.gaps if g.dead)
+    assert dead == [(0, 0, 2), (0, 10, 2)]  # from its first dead phase on
+    for g in seen.gaps:
+        if g.dead:  # mapped a phase before its use at most (or by the use's own require)
+            assert g.lead <= 1 and 0 in seen.drops[g.use + 2] and 0 in seen.loads[(g.use + 10 - g.lead) % p]
+    assert 0 not in seen.off(1) and all(0 in seen.off(t) for t in range(2, 9)) and 0 not in seen.off(10)
+    d = seen.as_dict()
+    assert d["dead_gaps"] == 2 and d["dead_bytes"] == 8 * MIB and d["bytes_in"] == 12 * MIB
+    # seen dead only on the phase before its use: nothing to drop it over, as blind
+    late = FixedSchedule.make(keys, kernels, sets, sizes, 6 * MIB, 2, dead={0: [9, 19]})
+    assert not any(g.dead for g in late.gaps) and late.bytes_in == blind.bytes_in
+
+
+def test_a_fixed_plan_asks_one_period_where_its_records_are_dead_then_is_made_again():
+    """With ``sees_dead``, the first period under a fixed plan is decided at one phase in
+    DEAD_EVERY (the fast path lets none of them go by), each asking which records are dead
+    there; after that period the plan is made again with what was seen, and asks no more."""
+    from gpuos_tools.sched.online import DEAD_EVERY
+
+    n, p = 10, STEADY_MIN
+    kernels = [f"k{t}" for t in range(p)]
+    sets = [(t % n,) for t in range(p)]
+    records = {b: MIB for b in range(n)}
+    pol = OnlinePolicy(6 * MIB, "belady", 2, plan="fixed")
+    pol.sees_dead = True
+    asked: list[int] = []
+    t = 0
+    while pol.stats.fixed_dead_replans == 0 and t < 8 * p:
+        k = t % p
+        if pol.fixed_quiet(1_000) > 0 and pol.fixed_next(kernels[k]):
+            t += 1
+            continue  # let go by, as the fast path does
+        pol.before(kernels[k], list(sets[k]), records, version=0)
+        ask = pol.dead_ask()
+        if ask is not None:
+            phase, bases = ask
+            asked.append(phase)
+            assert set(bases) == set(records)
+            # record r is dead at the phases after its use until two before its next one
+            pol.note_dead(phase, [b for b in bases if 0 < (phase - b) % n < n - 2])
+        t += 1
+    st = pol.stats
+    assert st.fixed_dead_replans == 1 and st.fixed_plans == 1
+    assert asked and all(j % DEAD_EVERY == 0 for j in asked) and len(asked) == len(set(asked))
+    assert set(asked) == set(range(0, p, DEAD_EVERY))
+    fx = pol._fixed
+    assert fx is not None and pol._fixed_inputs is not None and any(g.dead for g in fx.gaps)
+    assert fx.bytes_in < FixedSchedule.make(*pol._fixed_inputs).bytes_in
+    assert st.fixed["dead_gaps"] > 0
+    # from here on nothing is asked, and quiet phases go by again
+    for _ in range(2 * p):
+        k = pol._phase
+        if pol.fixed_next(kernels[k]):
+            continue
+        pol.before(kernels[k], list(sets[k]), records, version=0)
+        assert pol.dead_ask() is None
+    assert st.fixed_dead_replans == 1 and pol._fixed is fx
+
+
+def test_a_gap_needed_before_its_first_dead_phase_is_saved_but_mapped_back_without_a_copy():
+    """Record 0 (4 MiB) is used at phases 0 and 10 and seen dead from phase 5; record 1 (6 MiB)
+    is used at phases 1 to 4; room for one. Record 0 must be off from phase 1, before its dead
+    phases: dropped from its use on (saved), its load still copies nothing, so only record 1's
+    load is counted."""
+    p = 20
+    sets = [(0,) if t in (0, 10) else (1,) if 1 <= t <= 4 else () for t in range(p)]
+    sizes = {0: 4 * MIB, 1: 6 * MIB}
+    keys, kernels = list(range(p)), [f"k{t}" for t in range(p)]
+    blind = FixedSchedule.make(keys, kernels, sets, sizes, 6 * MIB, 2)
+    seen = FixedSchedule.make(keys, kernels, sets, sizes, 6 * MIB, 2, dead={0: [5, 15]})
+    assert blind.fits and seen.fits and blind.bytes_in == 10 * MIB and seen.bytes_in == 6 * MIB
+    (g,) = [g for g in seen.gaps if g.record == 0]
+    assert g.use == 0 and g.start == 1 and g.dead and all(0 in seen.off(t) for t in range(1, 5))

@@ -372,7 +372,8 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
             return False
-        if e.dead:  # its contents were dead at the eviction: mapped, nothing to copy or wait for
+        if e.dead or self._is_dead(e.base):  # dead at its eviction or since: mapped, nothing to copy or wait for
+            e.dead = True
             self._drop(e.base)
             self.counts["dead_loads"] += 1
             return True

@@ -24,9 +24,13 @@ FAST_ENV = "GPUOS_SCHED_FAST"
 #: 0: under `gpu-prefetch-sched run`, an eviction's save waits for everything the program has
 #: enqueued, not only for the record's last use
 LAST_USE_ENV = "GPUOS_SCHED_LAST_USE"
+#: 1: under `gpu-prefetch-sched run --plan fixed`, the plan asks where its records are dead and is
+#: made again to drop them there (their evictions and loads move nothing either way, with
+#: ``KEEP_DEAD_ENV`` unset)
+DEAD_PLAN_ENV = "GPUOS_SCHED_DEAD_PLAN"
 #: every variable above: the launcher reads them and leaves them out of the program's environment
 VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, KEEP_DEAD_ENV, FAST_ENV,
-             LAST_USE_ENV)
+             LAST_USE_ENV, DEAD_PLAN_ENV)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,12 @@ class EngineSettings:
     #: passed the victim (docs/scheduler.md, "The executor"). Programs on the legacy default
     #: stream only
     last_use: bool = True
+    #: a fixed plan's first period asks at one phase in eight which of its records are dead, and
+    #: the plan is made again with it: a record dropped where it is dead moves no bytes. Off by
+    #: default: on ResNet-50 training it halved the bytes but doubled the evictions, and the
+    #: loop, bound by the host's decisions, ran slower (docs/scheduler.md, the fixed plan's
+    #: "Dead records"); needs ``drop_dead``
+    dead_plan: bool = False
 
     def __post_init__(self) -> None:
         if self.digest_off_after < 0:
@@ -80,4 +90,4 @@ class EngineSettings:
         return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
                    yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV),
                    drop_dead=not flag(KEEP_DEAD_ENV), fast=flag(FAST_ENV, default=True),
-                   last_use=flag(LAST_USE_ENV, default=True))
+                   last_use=flag(LAST_USE_ENV, default=True), dead_plan=flag(DEAD_PLAN_ENV))

@@ -245,6 +245,12 @@ class Executor(AgentHooks):
         if self._park:
             self.lib.set_park_limit(PARK_LIMIT)
         self.counts["park_trims"] = 0
+        # a fixed plan asks where its records are dead (the owned library's torch cache says),
+        # and is made again with it: dropped there, they move no bytes
+        self._dead = getattr(engine.ops, "dead", None) if (settings is None or settings.drop_dead) else None
+        self.policy.sees_dead = (self._dead is not None and self.policy.plan == "fixed"
+                                 and (settings is None or settings.dead_plan))
+        self.counts.update({"dead_asked": 0, "dead_ask_s": 0.0, "ready_now": 0})
 
     # -- the hooks on the agent (gpuos_tools/agent/hooks.py) ------------------------------------
 
@@ -631,6 +637,7 @@ class Executor(AgentHooks):
                                 self._start_mover()
                                 self._moves.put(arg)
             self._budget = self.policy.last_budget
+        self.policy.dead_ask()  # a phase replayed is past: what is dead now is not what was there
         c = self.counts
         c["fast_replayed"] += len(entries)
         c["fast_late"] += late
@@ -825,6 +832,9 @@ class Executor(AgentHooks):
                 self._moves.put(arg)
         t0 = clock()
         c["require_s"] += t0 - t1
+        ask = self.policy.dead_ask() if self.policy.sees_dead else None
+        if ask is not None:
+            self._note_dead(*ask)
         if self._last_use:
             self._mark(seq, stream)
         if self._timing:
@@ -832,6 +842,18 @@ class Executor(AgentHooks):
         self._measure(budget, over)
         self._over_pending = False
         c["measure_s"] += clock() - t0
+
+    def _note_dead(self, phase: int, bases: tuple[int, ...]) -> None:
+        """Tell the policy which of ``bases`` are dead now, before the launch of ``phase``."""
+        t = time.perf_counter()
+        dead = self._dead
+        try:
+            self.policy.note_dead(phase, [b for b in bases if dead(b)])
+        except Exception as exc:  # noqa: BLE001 (the plan stays as it is)
+            self.policy.sees_dead = False
+            self.error = f"dead records: {type(exc).__name__}: {exc}"
+        self.counts["dead_asked"] += len(bases)
+        self.counts["dead_ask_s"] += time.perf_counter() - t
 
     # -- last-use marks -------------------------------------------------------------------------
 
@@ -1126,6 +1148,7 @@ class Executor(AgentHooks):
             try:
                 t = time.perf_counter()
                 issued = None  #: the event of the load issued, if one was
+                dead_before = eng.counts["dead_loads"]
                 while not self._closing:
                     with self._load_lock:
                         if self._hold or base not in self.policy.resident:  # evicted again, or a switch came
@@ -1162,6 +1185,8 @@ class Executor(AgentHooks):
                     time.sleep(POLL_S)
                 if issued is not None:  # after the mover's lock: the core lock comes first elsewhere
                     self._ready_on_stream(base, issued)
+                elif self._core is not None and eng.counts["dead_loads"] != dead_before:
+                    self._ready_now(base)  # mapped with nothing to copy: resident now
                 self._measure(self._budget, False)
             except Exception as exc:  # noqa: BLE001 (the launch that needs it loads it on demand)
                 self.counts["mover_errors"] += 1
@@ -1200,6 +1225,21 @@ class Executor(AgentHooks):
                 level = 1 if base in eng.clean else 2  # a write to a clean record must reach the engine
                 core.fast_mark_on((base,), level, s)
         self.counts["ready_on_stream"] += 1
+
+    def _ready_now(self, base: int) -> None:
+        """A record the mover mapped with nothing to copy (its contents dead): resident with
+        nothing in flight, so the native core may let any operation touch it without a call, as
+        after an operation's decision (``_fast_after``). Otherwise the first operation to touch
+        it would call only to find it resident."""
+        core, eng = self._core, self.engine
+        if core is None or self._closing:
+            return
+        with eng.agent.lock:  # the core lock: the program's operations wait outside
+            with eng.lock:
+                if base in eng.pending or base not in self.policy.resident:
+                    return
+                core.fast_mark((base,), 1 if base in eng.clean else 2)
+        self.counts["ready_now"] += 1
 
     # -- serving: the GPU turn (gpu-prefetch-sched serve, gpuos_tools/sched/serve.py) ---------
 

@@ -25,17 +25,26 @@ import numpy as np
 COALESCE = 8
 
 
+#: how many phases before its next use a record dropped over a dead gap is mapped again (no
+#: copy: only room is needed, which the mover waits for off the program's thread)
+DEAD_LEAD = 1
+
+
 @dataclass(frozen=True)
 class Gap:
-    """A record dropped over the gap between two of its uses in the period: after its use at
-    phase ``use``, until ``lead`` phases before its next use, ``steps`` phases after it (both
-    modulo the period)."""
+    """A record dropped over the gap between two of its uses in the period: ``start`` phases
+    after its use at phase ``use``, until ``lead`` phases before its next use, ``steps`` phases
+    after it (all modulo the period). ``dead``: its contents were seen dead inside the gap (every
+    torch block freed) before its load, which copies nothing back; dropped from there (``start``
+    past 1), it is not saved either."""
 
     record: int
     size: int
     use: int
     steps: int
     lead: int
+    start: int = 1
+    dead: bool = False
 
 
 #: how many phases before a use a record is loaded: a number, or a function of (the phase of the
@@ -44,7 +53,8 @@ Lead = int | Callable[[int, int], int]
 
 
 def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequence[int], budget: int, ahead: Lead,
-                temporaries: Iterable[int] = ()) -> tuple[list[Gap], np.ndarray, np.ndarray]:
+                temporaries: Iterable[int] = (), dead: Mapping[int, Sequence[int]] | None = None,
+                ) -> tuple[list[Gap], np.ndarray, np.ndarray]:
     """The gaps a fixed plan drops its records over, for a period whose phase t uses the records
     of ``sets[t]``; with the live bytes per phase under that plan and the limit each phase had
     (the budget, or a phase's own bytes where those alone exceed it: it runs above the budget,
@@ -58,8 +68,16 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
     first) is dropped over that gap; until every phase fits or no choice is left. Records in
     ``temporaries`` (freed inside the period) are live from their first to their last use in
     it, and may be dropped over the gaps between those; the others are live all along, and a
-    gap may wrap around the period's end."""
+    gap may wrap around the period's end.
+
+    ``dead`` gives, per record, the phases at which its contents were seen dead (before that
+    phase's launch). A gap holding such a phase costs nothing from the first of them on: the
+    record is dropped there and mapped again ``DEAD_LEAD`` phases before its use, with no copy
+    either way, so at a phase over its limit a dead gap is taken before anything else. Where a
+    phase before its first dead one needs the room too, it is dropped from the use on instead:
+    saved, and still mapped back without a copy (its gap is ``dead``, its ``start`` 1)."""
     p = len(sets)
+    dead = dead or {}
     tmp = set(temporaries)
     uses: dict[int, list[int]] = {}
     for t, st in enumerate(sets):
@@ -81,42 +99,70 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
     cands.sort(key=lambda x: (-x[0], -x[1]))  # the largest records first, then the longest gaps
     # each gap's wanted lead (at most the gap: loaded right after the use before it)
     want = [min(n - 1, lead_of((a + n) % p, size)) for size, n, _, a in cands]
+    # a dead gap's first phase seen dead (phases after the use); 0: not dead where it helps
+    dead_at = [_first_dead(dead.get(c, ()), a, n, p) for _, n, c, a in cands]
     limit = np.array([max(budget, sum(sizes[c] for c in set(st))) for st in sets], dtype=np.int64)
     chosen: dict[int, int] = {}  #: candidate -> its load's lead (phases before the use after the gap)
+    dropped_dead: set[int] = set()  #: the chosen candidates dropped over their dead phases only
     while p:
         t = int(np.argmax(live - limit))
         if live[t] <= limit[t]:
             break
-        # at that phase, in order of preference: a load there made later (no bytes), a new drop
-        # whose load still comes its wanted lead early, a new drop whose load comes later
+        # at that phase, in order of preference: a drop over dead phases (no bytes either way),
+        # a load there made later (no bytes), a new drop whose load still comes its wanted lead
+        # early, a new drop whose load comes later or a dead drop begun at the use (saved: bytes)
         pick: tuple[int, int, int] | None = None  #: (class, candidate, its lead)
         for k, (size, n, _, a) in enumerate(cands):
             d = (t - a) % p  # phases from the use before the gap to t
             if not 0 < d < n:
                 continue
             lead = chosen.get(k)
+            s0 = dead_at[k]
             if lead is None:
-                w = want[k]
-                c = (0 if n - 1 - w >= d else 1, k, min(w, n - 1 - d))
-            elif d > n - 1 - lead:  # t is in its load's lead
+                if s0 and s0 <= d < n - DEAD_LEAD:
+                    c = (-2, k, DEAD_LEAD)
+                else:
+                    w = want[k]
+                    c = (0 if n - 1 - w >= d else 1, k, min(w, n - 1 - d))
+            elif k in dropped_dead and d < s0:
+                c = (1, k, lead)  # t is before its first dead phase: dropped from the use on, saved
+            elif d > n - 1 - lead:  # t is in its load's (or map's) lead
                 c = (-1, k, n - 1 - d)
             else:
                 continue
             if pick is None or c[0] < pick[0]:
                 pick = c
-                if c[0] < 0:
+                if c[0] < -1:
                     break
         if pick is None:
             break  # nothing more to drop at that phase: the plan runs above the budget there
-        _, k, lead = pick
+        how, k, lead = pick
         size, n, _, a = cands[k]
         old = chosen.get(k)
-        # off from the phase after the use before the gap (or, a load made later, from where
-        # its lead began) until the load
-        live[np.arange(a + 1 if old is None else a + n - old, a + n - lead) % p] -= size
+        if old is None:  # off from the phase after the use (a dead drop: its first dead phase) until the load
+            first, last = a + (dead_at[k] if how == -2 else 1), a + n - lead
+            if how == -2:
+                dropped_dead.add(k)
+        elif how == 1:  # a dead drop begun at the use instead: off before its dead phases too
+            first, last = a + 1, a + dead_at[k]
+            dropped_dead.discard(k)
+        else:  # a load (or a map) made later: off from where its lead began
+            first, last = a + n - old, a + n - lead
+        live[np.arange(first, last) % p] -= size
         chosen[k] = lead
-    gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead) for k, lead in chosen.items()]
+    # dead: its contents are dead by its load (dead from a phase before it), which copies nothing;
+    # dropped over its dead phases only, it is not saved either (start: its first dead phase)
+    gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead, dead_at[k] if k in dropped_dead else 1,
+                0 < dead_at[k] <= cands[k][1] - lead) for k, lead in chosen.items()]
     return gaps, live, limit
+
+
+def _first_dead(phases: Sequence[int], use: int, n: int, p: int) -> int:
+    """Of the phases a record was seen dead at, the first inside the gap of ``n`` phases after
+    its use at ``use``, as phases after the use; 0 when none leaves a phase to drop it over."""
+    offs = [(t - use) % p for t in phases]
+    inside = [d for d in offs if 0 < d < n - DEAD_LEAD]
+    return min(inside) if inside else 0
 
 
 def _constant(lead: int) -> Callable[[int, int], int]:
@@ -171,15 +217,17 @@ class FixedSchedule:
 
     @classmethod
     def make(cls, keys: Sequence[int], kernels: Sequence[str], sets: Sequence[tuple[int, ...]],
-             sizes: Mapping[int, int], budget: int, lead: Lead, coalesce: int = COALESCE) -> FixedSchedule:
+             sizes: Mapping[int, int], budget: int, lead: Lead, coalesce: int = COALESCE,
+             dead: Mapping[int, Sequence[int]] | None = None) -> FixedSchedule:
         """The plan of a period whose phase t is the launch of ``kernels[t]`` (the policy's key
         ``keys[t]``) touching ``sets[t]``, records of ``sizes`` bytes, loads ``lead`` launches
-        ahead (``choose_gaps``); actions ``coalesce`` phases apart or closer taken together where
-        they fit (``_coalesce``; 0: never)."""
-        gaps, live, limit = choose_gaps(sets, sizes, budget, lead)
+        ahead (``choose_gaps``; ``dead``: the phases each record was seen dead at); actions
+        ``coalesce`` phases apart or closer taken together where they fit (``_coalesce``; 0:
+        never)."""
+        gaps, live, limit = choose_gaps(sets, sizes, budget, lead, dead=dead)
         s = cls(list(keys), list(kernels), list(sets), dict(sizes), budget, gaps, bool(len(live) == 0 or int(np.max(live - limit)) <= 0))
         p = len(sets)
-        s.drop_at = [(g.use + 1) % p for g in gaps]
+        s.drop_at = [(g.use + g.start) % p for g in gaps]
         s.load_at = [(g.use + g.steps - g.lead) % p for g in gaps]
         if coalesce > 0 and gaps:
             _coalesce(s.drop_at, s.load_at, gaps, live, limit, p, coalesce)
@@ -202,8 +250,8 @@ class FixedSchedule:
 
     @property
     def bytes_in(self) -> int:
-        """Bytes the plan loads per period."""
-        return sum(g.size for g in self.gaps)
+        """Bytes the plan loads per period (a dead gap's map copies none)."""
+        return sum(g.size for g in self.gaps if not g.dead)
 
     def quiet(self, phase: int, most: int) -> int:
         """How many phases from ``phase`` on (modulo the period) have no action, at most ``most``."""
@@ -223,7 +271,8 @@ class FixedSchedule:
     def as_dict(self) -> dict[str, int | bool]:
         return {"period": self.p, "budget": self.budget, "fits": self.fits, "bytes_in": self.bytes_in,
                 "streamed": len({g.record for g in self.gaps}), "pinned": len(self.uses) - len({g.record for g in self.gaps}),
-                "moves": 2 * len(self.gaps), "acting_phases": len(self.acting)}
+                "moves": 2 * len(self.gaps), "acting_phases": len(self.acting),
+                "dead_gaps": sum(g.dead for g in self.gaps), "dead_bytes": sum(g.size for g in self.gaps if g.dead)}
 
 
 def _coalesce(drop_at: list[int], load_at: list[int], gaps: Sequence[Gap], live: np.ndarray, limit: np.ndarray,

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,9 @@ BREAKS_KEPT = 16  #: breaks of a known period described in the stats
 #: launches a learned period needs before a percentage budget is taken of its working set (a
 #: training step of a small MLP with a foreach optimizer is about 35)
 STEADY_MIN = 32
+#: while a fixed plan's first period runs, one phase in this many is decided (not let go by on the
+#: fast path) so that the executor can see which records are dead there (``dead_ask``)
+DEAD_EVERY = 8
 
 Action = tuple[str, Any]
 
@@ -392,6 +395,9 @@ class Stats:
     fixed_acting_decisions: int = 0
     fixed_other_decisions: int = 0
     fixed_ends: int = 0  #: fixed plans a launch ended (another kernel, an unknown launch, the records changed)
+    #: fixed plans made again once a period showed where records are dead, and the phases asked
+    fixed_dead_replans: int = 0
+    fixed_dead_samples: int = 0
     #: the last fixed plan made (FixedSchedule.as_dict), and why the last one ended
     fixed: dict[str, Any] = field(default_factory=dict)
     fixed_end: str = ""
@@ -439,6 +445,15 @@ class OnlinePolicy:
         self._phase = 0
         self._fixed_tried: int | None = None
         self._fixed_fresh = False
+        #: whoever drives the policy can say which records are dead (every torch block freed:
+        #: the executor over the owned library); then a fixed plan's first period asks at one
+        #: phase in DEAD_EVERY (``dead_ask``/``note_dead``) and the plan is made again with
+        #: what it saw: dropped where it is dead, a record moves no bytes
+        self.sees_dead = False
+        self._dead_seen: dict[int, list[int]] | None = None  #: record -> phases seen dead, while asking
+        self._dead_left = 0  #: phases of the period still to go while asking
+        self._dead_ask: int | None = None  #: the phase just decided, when its dead records are wanted
+        self._fixed_inputs: tuple | None = None  #: what the plan in force was made from
         self.h2d_bw = self.d2h_bw = DEFAULT_BW
         self._dur: list[float] = []  #: key id -> its measured GPU seconds (-1.0: none yet)
         self._dur_sum = 0.0  #: of the measured ones
@@ -799,10 +814,48 @@ class OnlinePolicy:
         lead: Lead = self.lookahead
         if self._dur_n and self._dur_sum > 0:
             lead = leads_by_time([self.duration(k) for k in keys], self.h2d_bw, self.lookahead)
-        self._fixed = FixedSchedule.make(keys, [self._key_of[k][0] for k in keys], live, sizes, budget, lead)
+        self._fixed_inputs = (keys, [self._key_of[k][0] for k in keys], live, sizes, budget, lead)
+        self._fixed = FixedSchedule.make(*self._fixed_inputs)
         self._phase = 0
         self._fixed_fresh = True
         self.stats.fixed_plans += 1
+        self.stats.fixed = self._fixed.as_dict()
+        if self.sees_dead:  # one period asking where records are dead, then the plan again
+            self._dead_seen, self._dead_left = {}, p
+        else:
+            self._dead_seen = None
+
+    def _asking_dead(self) -> bool:
+        return self._dead_seen is not None and self._dead_left > 0
+
+    def dead_ask(self) -> tuple[int, tuple[int, ...]] | None:
+        """After a decision: (its phase, the plan's records) when the caller should say which of
+        them are dead now (``note_dead``); else None."""
+        j, self._dead_ask = self._dead_ask, None
+        fx = self._fixed
+        if j is None or fx is None or self._dead_seen is None:
+            return None
+        return j, tuple(fx.sizes)
+
+    def note_dead(self, phase: int, dead: Iterable[int]) -> None:
+        """The records (of ``dead_ask``'s) whose contents were dead before the launch of ``phase``."""
+        seen = self._dead_seen
+        if seen is None:
+            return
+        self.stats.fixed_dead_samples += 1
+        for b in dead:
+            seen.setdefault(b, []).append(phase)
+
+    def _replan_dead(self) -> None:
+        """The plan in force made again from the same period with the phases its records were
+        seen dead at (``_make_fixed``), its phase kept; its first decision drops what the new
+        plan has off there. Nothing seen dead: the plan stays."""
+        seen, self._dead_seen = self._dead_seen, None
+        if not seen or self._fixed_inputs is None:
+            return
+        self._fixed = FixedSchedule.make(*self._fixed_inputs, dead=seen)
+        self._fixed_fresh = True
+        self.stats.fixed_dead_replans += 1
         self.stats.fixed = self._fixed.as_dict()
 
     def _fixed_holds(self, kernel: str, bases: Sequence[int] | None, records: Mapping[int, int] | None) -> str | None:
@@ -826,6 +879,7 @@ class OnlinePolicy:
         """The fixed plan no longer holds: the count plan decides this launch, and the period
         learner (which got the plan's keys meanwhile) sees the break."""
         self._fixed = None
+        self._dead_seen = None
         self.stats.fixed_ends += 1
         self.stats.fixed_end = why
 
@@ -839,6 +893,8 @@ class OnlinePolicy:
         j = self._phase
         if fx.kernels[j] != kernel or j in fx.act or self._fixed_fresh:
             return False
+        if self._asking_dead() and j % DEAD_EVERY == 0:
+            return False  # decided, so that its dead records are asked for
         self.stats.launches += 1
         self._fixed_step()
         return True
@@ -852,6 +908,8 @@ class OnlinePolicy:
         self.last_key = fx.keys[j]
         self.period.push(fx.keys[j])
         self._phase = j + 1 if j + 1 < fx.p else 0
+        if self._dead_seen is not None:
+            self._dead_left -= 1
         self.stats.predicted += 1
         self.stats.fixed_launches += 1
         return j
@@ -862,16 +920,25 @@ class OnlinePolicy:
         fx = self._fixed
         if fx is None:
             return -1
-        return 0 if self._fixed_fresh else fx.quiet(self._phase, most)
+        if self._fixed_fresh:
+            return 0
+        if self._asking_dead():
+            most = min(most, -self._phase % DEAD_EVERY)
+        return fx.quiet(self._phase, most)
 
     def _fixed_before(self, bases: Sequence[int], records: Mapping[int, int]) -> list[Action]:
         """The actions at the next phase of the fixed plan: its drops, the launch's own
         records required (a demand load makes room with Belady's victims along the plan's
         period), its loads (each where it fits, evicting only records used after it)."""
+        if self._dead_seen is not None and self._dead_left <= 0:
+            self._replan_dead()  # a period asked: the plan again, with where its records were dead
         fx = self._fixed
         assert fx is not None
         st = self.stats
+        asking = self._asking_dead()
         j = self._fixed_step()
+        if asking and j % DEAD_EVERY == 0:
+            self._dead_ask = j
         if j in fx.act:
             st.fixed_acting_decisions += 1
         else:
