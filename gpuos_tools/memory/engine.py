@@ -379,6 +379,18 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             return True
         return self._copy(e, stream)
 
+    def _is_dead(self, base: int) -> bool:
+        """Whether the record's contents are dead now (the ops' ``dead``, where they have it and
+        the switch is on: evictions and loads ask); an error of the question counts as live (it
+        is saved and copied back)."""
+        dead = getattr(self.ops, "dead", None)
+        if dead is None or not self.settings.drop_dead:
+            return False
+        try:
+            return bool(dead(base))
+        except Exception:  # noqa: BLE001
+            return False
+
     def _copy(self, e: Entry, stream: Any) -> bool:
         self.ops.copy_in(e.base, e.pieces, stream)
         if e.own_copy:  # before the load's event: no operation of the program runs before the digest

@@ -225,17 +225,6 @@ class Eviction:
         e.event = ev
         return e, ev, how
 
-    def _is_dead(self, base: int) -> bool:
-        """Whether the record's contents are dead now (the ops' ``dead``, where they have it and
-        the switch is on); an error of the question counts as live (it is saved)."""
-        dead = getattr(self.ops, "dead", None)
-        if dead is None or not self.settings.drop_dead:
-            return False
-        try:
-            return bool(dead(base))
-        except Exception:  # noqa: BLE001
-            return False
-
     def _evict_finish(self, base: int, e: Entry, ev: Any, how: str) -> None:
         """Once what ``_start_save`` enqueued has completed: with a digest, equal -> release,
         different -> save first; then release, unless an operation touched it meanwhile."""

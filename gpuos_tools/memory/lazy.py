@@ -45,16 +45,15 @@ class LazyLoader:
         when it is gone. While the loader runs, the first PROBES demand loads are timed on the
         GPU, and the loader waits for each before it issues more."""
         demand = self._stream("demand")
-        if e.dead or self._is_dead(e.base):  # mapped without a copy: no load to time, wait for or count
-            return self._load(e, demand)
         probe = self._loading and self._t0 is not None and len(self._probes) < PROBES
         if probe:
             before = self.ops.timer()
             self.ops.record(before, demand)
-        if not self._load(e, demand):
+        loaded = self._load(e, demand)
+        if not loaded or e.dead:  # gone, or dead: mapped without a copy, nothing to time, wait for or count
             if probe:
                 self.ops.destroy(before)
-            return False
+            return loaded
         if probe:
             after = self.ops.timer()
             self.ops.record(after, demand)
