@@ -16,7 +16,10 @@ scheduler below the footprint, at --budget 66% (`sched_66`, `sched_66_slow`, `sc
 `sched_66_slow_cupti`; `sched_66_time` plans by time, --plan time, and `sched_66_fixed` with a fixed plan,
 --plan fixed, `sched_66_fixed_keepdead` the same saving and loading records whose torch blocks are
 all freed like the others, GPUOS_ENGINE_KEEP_DEAD=1, `sched_66_fixed_deadplan` with a plan that asks
-where records are dead and drops them there, GPUOS_SCHED_DEAD_PLAN=1; `sched_66_nolastuse` orders
+where records are dead and drops them there, GPUOS_SCHED_DEAD_PLAN=1, `sched_66_fixed_slackN` with
+the plan made at N % of the budget less, --slack N% (5, 10, 20), `sched_66_fixed_lateleads` with a
+plan that makes loads later than their copies take before it drops more, GPUOS_SCHED_KEEP_LEADS=0
+(and with `_slack10`); `sched_66_nolastuse` orders
 each eviction's save after everything enqueued, GPUOS_SCHED_LAST_USE=0; `sched_66_b4` prefetches in
 batches, --prefetch-batch 4). Two more take `--budget 100%` apart, where the scheduler does nothing but
 the program's memory is owned (torch through the owned allocator's pluggable allocator and its
@@ -62,7 +65,9 @@ CONFIGS = ("plain", "trace", "agent", "agent_cupti", "agent_after_snapshot", "sc
            "plain_again")
 OPTIONAL = ("agent_intercept", "agent_cupti_after_snapshot", "sched_100_cupti", "sched_100_slow", "sched_66",
             "sched_66_slow", "sched_66_cupti", "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4",
-            "sched_66_fixed", "sched_66_fixed_keepdead", "sched_66_fixed_deadplan", "plain_owned", "agent_owned")
+            "sched_66_fixed", "sched_66_fixed_keepdead", "sched_66_fixed_deadplan", "sched_66_fixed_slack5",
+            "sched_66_fixed_slack10", "sched_66_fixed_slack20", "sched_66_fixed_lateleads",
+            "sched_66_fixed_lateleads_slack10", "plain_owned", "agent_owned")
 AGENT = ("agent", "agent_cupti", "agent_intercept", "agent_after_snapshot", "agent_cupti_after_snapshot",
          "agent_python", "agent_owned")
 #: the configurations whose program allocates through the owned allocator without the scheduler
@@ -83,7 +88,8 @@ OWNED_WRAPPER = (
 AFTER_SNAPSHOT = ("agent_after_snapshot", "agent_cupti_after_snapshot")
 SCHED = ("sched_100", "sched_100_cupti", "sched_100_slow", "sched_66", "sched_66_slow", "sched_66_cupti",
          "sched_66_slow_cupti", "sched_66_time", "sched_66_nolastuse", "sched_66_b4", "sched_66_fixed",
-         "sched_66_fixed_keepdead", "sched_66_fixed_deadplan")
+         "sched_66_fixed_keepdead", "sched_66_fixed_deadplan", "sched_66_fixed_slack5", "sched_66_fixed_slack10",
+         "sched_66_fixed_slack20", "sched_66_fixed_lateleads", "sched_66_fixed_lateleads_slack10")
 #: what a scheduler run's summary says, kept in its result
 SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
                 "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
@@ -131,8 +137,13 @@ def command(config: str, workload: list[str], trace: Path) -> tuple[list[str], d
         env["GPUOS_ENGINE_KEEP_DEAD"] = "1" if "keepdead" in parts else "0"
         # a fixed plan is blind to dead records by default: "deadplan" asks where they are
         env["GPUOS_SCHED_DEAD_PLAN"] = "1" if "deadplan" in parts else "0"
+        # a fixed plan drops more rather than make a load later than its copy takes, by default:
+        # "lateleads" makes loads later first
+        env["GPUOS_SCHED_KEEP_LEADS"] = "0" if "lateleads" in parts else "1"
         plan = ["--plan", "time"] if "time" in parts else ["--plan", "fixed"] if "fixed" in parts else []
         plan += [x for b in parts if b[:1] == "b" and b[1:].isdigit() for x in ("--prefetch-batch", b[1:])]
+        # "slackN": the fixed plan made at N % of the budget less
+        plan += [x for b in parts if b.startswith("slack") for x in ("--slack", b[5:] + "%")]
         return [*tool("gpu-prefetch-sched"), "run", "--budget", f"{parts[1]}%", *plan, "-o", str(trace), "--",
                 sys.executable, *workload], env
     raise ValueError(config)

@@ -138,3 +138,12 @@ def test_the_batched_scheduler_config_passes_its_prefetch_batch(tmp_path):
     i = cmd.index("--prefetch-batch")
     assert cmd[i + 1] == "4" and cmd[cmd.index("--budget") + 1] == "66%" and "--plan" not in cmd
     assert "--prefetch-batch" not in bench.command("sched_66", workload, tmp_path / "t.ndjson")[0]
+
+
+def test_the_slack_and_late_leads_configs_pass_their_option_and_switch(tmp_path):
+    workload = ["loop.py", "--model", "resnet50"]
+    cmd, env = bench.command("sched_66_fixed_lateleads_slack10", workload, tmp_path / "t.ndjson")
+    assert cmd[cmd.index("--slack") + 1] == "10%" and cmd[cmd.index("--plan") + 1] == "fixed"
+    assert env["GPUOS_SCHED_KEEP_LEADS"] == "0"
+    cmd, env = bench.command("sched_66_fixed", workload, tmp_path / "t.ndjson")
+    assert "--slack" not in cmd and env["GPUOS_SCHED_KEEP_LEADS"] == "1"

@@ -59,9 +59,9 @@ def test_the_online_part_is_the_executors_dict():
     assert FULL.agent.online.executor_config() == {
         "policy": "lru", "lookahead": 1, "budget": 1 << 28, "summary": "/tmp/s.json", "timeline": "/tmp/t.json",
         "serve": {"socket": "/tmp/serve.sock", "job": 2, "overlap": True, "ledger": "/tmp/serve.ledger"},
-        "plan": "count", "proactive": False, "batch": 1}
+        "plan": "count", "proactive": False, "batch": 1, "slack": 0.0}
     assert OnlineConfig(fraction=0.5).executor_config() == {"policy": "belady", "lookahead": 2, "fraction": 0.5,
-                                                           "plan": "count", "proactive": False, "batch": 1}
+                                                           "plan": "count", "proactive": False, "batch": 1, "slack": 0.0}
     assert OnlineConfig(fraction=0.5, plan="time", bw=(4e10, 4e10)).executor_config()["bw"] == (4e10, 4e10)
 
 
@@ -103,6 +103,8 @@ def _edit(path: str, value) -> str:
     (_edit("agent.online.bw", [1.0]), "online.bw: (1.0,) is not two bandwidths"),
     (_edit("agent.online.proactive", True), "online.proactive: only with the time plan"),
     (_edit("agent.online.plan", "fixed"), "online.plan: the fixed plan is made with belady only"),
+    (_edit("agent.online.slack", 0.6), "online.slack: 0.6 is not from 0 to 0.5"),
+    (_edit("agent.online.slack", 0.1), "online.slack: only with the fixed plan"),
     (_edit("agent.online.fraction", 0.5), "online: give one of budget and fraction"),
     (_edit("agent.online.budget", None), "online: give one of budget and fraction"),
     (_edit("agent.online.serve.job", None), "agent.online.serve.job: expected int"),

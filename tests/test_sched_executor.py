@@ -724,3 +724,64 @@ def test_a_freed_records_uses_are_forgotten():
     assert b not in ex.records()
     assert b not in ex._used_at and b not in ex._used_on and b not in ex._stream_before
     assert ex._used_at[keep] == 3
+
+
+class LateOps(TimedOps):
+    """Every event completes ``delay`` seconds after it is recorded (a save, or the GPU passing a
+    victim's last use, takes that long), on its own."""
+
+    delay = 0.002
+
+    def record(self, ev, stream):
+        import threading
+
+        super().record(ev, stream)
+        threading.Timer(self.delay, self.finish, (ev,)).start()
+
+
+@pytest.mark.parametrize(("keep_leads", "slack"), [(False, 0.0), (False, 0.25), (True, 0.0)])
+def test_a_fixed_plan_keeping_its_leads_or_with_slack_goes_ahead_while_its_evictions_are_in_flight(keep_leads, slack):
+    """Twelve records of 64 MiB, one launch each in turn (a period of 36 launches), room for
+    eight; the program's thread takes 1 ms a launch and every save and last use completes 2 ms
+    after it is issued (a loop bound by the host). A plan that makes its loads later to spare
+    bytes loads at the use, waiting for the room of the drops just issued; made at a quarter of
+    the budget less, its loads find that room while those are in flight; keeping its leads (the
+    default), it loads ahead and nothing waits. The mapped bytes never pass the budget."""
+    n, p = 12, 36
+    bases = [0x1000_0000 * (i + 1) for i in range(n)]
+    recs = [Rec(b, 64 * MIB) for b in bases]
+    ops = LateOps(recs)
+    agent = FakeAgent({i + 1: b for i, b in enumerate(bases)})
+    agent.streams = {0}
+    eng = ResidencyEngine(agent, ops, settings=EngineSettings(keep_leads=keep_leads))
+    budget = 8 * 64 * MIB
+    ex = Executor(eng, {"budget": budget, "lookahead": 2, "plan": "fixed", "slack": slack, "prepin": False},
+                  lib=FakeLib(recs))
+    waits_at = demand_at = 0
+    peak = 0
+    for t in range(6 * p):
+        if t == 3 * p:
+            waits_at, demand_at = ex.counts["room_waits"], eng.counts["demand_loads"]
+        b = bases[t % n]
+        with agent.lock:
+            ex.before(f"k{t % p}", [b], 0)
+            agent.launches["k"] = (False, (t % n + 1,), (t % n + 1,))
+            eng.launch(0, "k", None, None)
+        assert ops.recs[b].resident, t
+        time.sleep(0.001)
+        if t >= 3 * p:
+            peak = max(peak, mapped(ops))
+    ex.close()
+    eng.close()
+    st = ex.summary()
+    fixed = st["policy_stats"]["fixed"]
+    assert st["policy_stats"]["fixed_plans"] == 1 and fixed["slack"] == int(budget * slack)
+    assert peak <= budget and st["executor"]["room_timeouts"] == 0
+    # over the last three periods, under the plan
+    waits, demand = ex.counts["room_waits"] - waits_at, eng.counts["demand_loads"] - demand_at
+    if keep_leads:
+        assert fixed["late_loads"] == 0 and demand == 0 and waits == 0, (fixed, demand, waits)
+    elif slack:
+        assert waits <= p // 6, waits
+    else:
+        assert fixed["demand_loads"] > 0 and demand > 0 and waits >= p // 3, (fixed, demand, waits)

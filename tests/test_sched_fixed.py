@@ -292,3 +292,53 @@ def test_a_gap_needed_before_its_first_dead_phase_is_saved_but_mapped_back_witho
     assert blind.fits and seen.fits and blind.bytes_in == 10 * MIB and seen.bytes_in == 6 * MIB
     (g,) = [g for g in seen.gaps if g.record == 0]
     assert g.use == 0 and g.start == 1 and g.dead and all(0 in seen.off(t) for t in range(1, 5))
+
+
+def test_a_plan_with_slack_fits_the_budget_less_the_slack_and_is_carried_out_at_the_budget():
+    """Ten records of 1 MiB in turn, room for six: with a slack of one record the plan keeps at
+    most five mapped at every phase (it drops more), its budget stays six, and the policy
+    carries it out within that budget."""
+    s = FixedSchedule.make(list(range(10)), [f"k{i}" for i in range(10)], [(i,) for i in range(10)],
+                           {i: MIB for i in range(10)}, 6 * MIB, 0, slack=MIB)
+    blind = cycle_schedule(lead=0)
+    assert s.budget == 6 * MIB and s.slack == MIB and s.as_dict()["slack"] == MIB and s.fits
+    assert len(s.gaps) > len(blind.gaps) and s.bytes_in > blind.bytes_in
+    for t in range(10):
+        assert 10 - len(s.off(t)) <= 5
+    # through the policy: a loop of STEADY_MIN launches, the plan made at 1/6 less
+    n, p = 10, STEADY_MIN
+    kernels = [f"k{t}" for t in range(p)]
+    sets = [(t % n,) for t in range(p)]
+    records = {b: MIB for b in range(n)}
+    pol = OnlinePolicy(6 * MIB, "belady", 0, plan="fixed", slack=1 / 6)
+    ok: list[bool] = []
+    for _ in range(4):
+        drive(pol, kernels, sets, records, ok)
+    fx = pol._fixed
+    assert fx is not None and fx.budget == 6 * MIB and fx.slack == MIB and pol.last_budget == 6 * MIB
+    assert all(ok)
+    used = []
+    for k, ws in zip(kernels, sets):  # a period under the plan: never more than the budget less the slack
+        pol.before(k, list(ws), records, version=0)
+        used.append(pol.used)
+    assert max(used) <= 5 * MIB
+    with pytest.raises(ValueError, match="slack"):
+        OnlinePolicy(MIB, plan="fixed", slack=0.6)
+
+
+def test_keeping_leads_drops_more_records_rather_than_load_one_at_its_use():
+    """Ten records of 1 MiB in turn, room for six, loads wanted two phases ahead: sparing bytes,
+    the greedy makes four of its five loads later, down to the use itself (a load the program's
+    thread makes and the GPU waits for); keeping the leads (the default) it streams two records
+    more and every load comes two phases ahead, within the same budget."""
+    n = 10
+    args = (list(range(n)), [f"k{i}" for i in range(n)], [(i,) for i in range(n)], {i: MIB for i in range(n)},
+            6 * MIB, 2)
+    late = FixedSchedule.make(*args, keep_leads=False)
+    kept = FixedSchedule.make(*args)
+    assert late.as_dict()["late_loads"] == 4 and late.as_dict()["demand_loads"] == 4
+    assert kept.fits and kept.as_dict()["late_loads"] == 0 and kept.as_dict()["demand_loads"] == 0
+    assert all(g.lead == g.want == 2 for g in kept.gaps)
+    assert kept.bytes_in == late.bytes_in + 2 * MIB
+    for t in range(n):  # within the budget at every phase
+        assert n - len(kept.off(t)) <= 6

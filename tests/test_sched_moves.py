@@ -103,8 +103,9 @@ def _cycle(n: int, size: int, copies: int) -> Workload:
 def test_a_fixed_plan_on_a_cycle_pins_what_fits_beside_the_record_in_flight():
     """Ten records used in turn, room for six: five stay pinned and five are dropped and loaded
     every period (one streamed record live at a time), against MIN's four demand loads. Asked to
-    load two steps ahead, the room allows it for one of the five: the others' loads come later
-    (made later costs no bytes, a sixth drop would), and the plan says how many."""
+    load two steps ahead, it streams two more records so that every load comes two steps ahead;
+    told to spare bytes instead, the room allows it for one of the five: the others' loads come
+    later (made later costs no bytes, a sixth drop would), and the plan says how many."""
     from gpuos_tools.sched.moves import fixed_plan
 
     w = _cycle(10, 1 << 20, 4)
@@ -115,7 +116,9 @@ def test_a_fixed_plan_on_a_cycle_pins_what_fits_beside_the_record_in_flight():
     assert now["streamed"] == 5 and now["pinned"] == 5 and now["moves"] == 10
     assert now["bytes_in"] == now["bytes_out"] == 5 << 20  # each written: saved when dropped
     early = fixed_plan(w, 6 << 20, 10, ahead=2)
-    assert early["fits"] and early["bytes_in"] == 5 << 20 and early["short_leads"] == 4
+    assert early["fits"] and early["bytes_in"] == 7 << 20 and early["short_leads"] == 0
+    late = fixed_plan(w, 6 << 20, 10, ahead=2, keep_leads=False)
+    assert late["fits"] and late["bytes_in"] == 5 << 20 and late["short_leads"] == 4
     assert fixed_plan(w, 10 << 20, 10)["moves"] == 0  # room for all: nothing moves
     with pytest.raises(ValueError):
         fixed_plan(w, 6 << 20, 10, period=4)  # only four periods

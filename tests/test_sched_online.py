@@ -468,7 +468,10 @@ def _cli(*args: str):
                                   ["--budget", "66%", "--plan", "time", "--plan-bw", "0GB/s"],
                                   ["--budget", "66%", "--proactive"], ["--budget", "66%", "--prefetch-batch", "0"],
                                   ["--budget", "66%", "--plan", "time", "--prefetch-batch", "4"],
-                                  ["--budget", "66%", "--plan", "fixed", "--policy", "lru"]])
+                                  ["--budget", "66%", "--plan", "fixed", "--policy", "lru"],
+                                  ["--budget", "66%", "--slack", "10%"],
+                                  ["--budget", "66%", "--plan", "fixed", "--slack", "60%"],
+                                  ["--budget", "66%", "--plan", "fixed", "--slack", "1GiB"]])
 def test_run_refuses_bad_options_before_starting_anything(args, tmp_path):
     marker = tmp_path / "started"
     p = _cli("run", *args, "--", "python3", "-c", f"open({str(marker)!r}, 'w')")

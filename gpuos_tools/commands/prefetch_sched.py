@@ -21,7 +21,7 @@ from gpuos_tools.commands.cli import MECHANISM_DEFAULT, OutputOpt, UnbufferedOpt
 from gpuos_tools.errors import ExitCode, GpuosError
 from gpuos_tools.injection.config import OnlineConfig, ServeConfig
 from gpuos_tools.memory import owned
-from gpuos_tools.sched.online import PLANS
+from gpuos_tools.sched.online import PLANS, SLACK_MAX
 from gpuos_tools.sched.online import POLICIES as ONLINE_POLICIES
 from gpuos_tools.sched.planner import PLANNERS
 from gpuos_tools.sched import records as _schemas  # noqa: F401 -- registers the schemas of what it writes
@@ -72,6 +72,17 @@ def _opt(parse, text: str, name: str):  # type: ignore[no-untyped-def]
         return parse(text)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint=name) from e
+
+
+def _slack(text: str) -> float:
+    """``--slack``'s share of the budget, from ``N%``."""
+    try:
+        _, percent = parse_budget_spec(text)
+    except ValueError:
+        percent = None
+    if percent is None or not 0 <= percent <= SLACK_MAX * 100:
+        raise typer.BadParameter(f"{text!r}: a percentage from 0% to {SLACK_MAX * 100:g}%", param_hint="--slack")
+    return percent / 100
 
 
 @app.command("simulate")
@@ -275,6 +286,13 @@ def run(
         "--lookahead), so that only the launches where it acts are decided; "
         "the count plan until then and again after a launch leaves the sequence.",
     ),
+    slack: str = typer.Option(
+        "0%", "--slack", metavar="N%",
+        help="With --plan fixed (experimental): make the plan at N% of the budget less (at most 50%), so that "
+        "its loads go ahead while evictions still in flight (a save the GPU has not finished, a release "
+        "waiting for the victim's last use) hold up to that much; the budget itself still holds. More bytes "
+        "move; the program's thread waits less for room.",
+    ),
     proactive: bool = typer.Option(
         False, "--proactive",
         help="With --plan time: evict the records the next loads will need the room of right after their last "
@@ -335,6 +353,9 @@ def run(
         raise typer.BadParameter("only with --plan count", param_hint="--prefetch-batch")
     if plan == "fixed" and policy != "belady":
         raise typer.BadParameter("a fixed plan is made with --policy belady only", param_hint="--plan")
+    slack_share = _slack(slack)
+    if slack_share and plan != "fixed":
+        raise typer.BadParameter("only with --plan fixed", param_hint="--slack")
     if plot_file is not None:
         figures.check_path(plot_file)  # before the program runs, not after
     size = fraction = None
@@ -368,7 +389,7 @@ def run(
         online = OnlineConfig(policy=policy, lookahead=lookahead, budget=size, fraction=fraction,
                               summary=os.path.join(tmp, "summary.json"), timeline=timeline_path, serve=served,
                               plan=plan, bw=(float(bws[0]), float(bws[-1])) if plan == "time" else None,
-                              proactive=proactive, batch=prefetch_batch)
+                              proactive=proactive, batch=prefetch_batch, slack=slack_share)
         traced = launcher.run_program(program, output=output or os.devnull, no_images=True, agent=True,
                                       online=online, own=owned.FRAMEWORKS,
                                       warn=lambda m: warn(PROG, m))

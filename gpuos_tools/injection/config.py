@@ -32,7 +32,7 @@ from gpuos_tools.image.manifest import KEY_ENV, load_key
 from gpuos_tools.memory import owned
 from gpuos_tools.memory.settings import VARIABLES as ENGINE_VARIABLES
 from gpuos_tools.memory.settings import EngineSettings
-from gpuos_tools.sched.online import PLANS, POLICIES
+from gpuos_tools.sched.online import PLANS, POLICIES, SLACK_MAX
 
 #: how the agent sees the program's driver calls: CUPTI callbacks, or the interposer (injection/intercept.py)
 MECHANISMS = ("cupti", "intercept")
@@ -132,6 +132,9 @@ class OnlineConfig:
     proactive: bool = False  #: the time plan evicts Belady's next victims right after their last use
     #: the count plan, once it must prefetch, prefetches lookahead x batch launches (online.py)
     batch: int = 1
+    #: the fixed plan is made at this share of the budget less (0 to 0.5): evictions still in
+    #: flight may hold that much while the plan's loads go ahead (online.py, ``_make_fixed``)
+    slack: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "online.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -141,6 +144,8 @@ class OnlineConfig:
                f"{self.bw!r} is not two bandwidths above 0")
         _check(self.lookahead >= 0, "online.lookahead", f"{self.lookahead} is negative")
         _check(self.batch >= 1, "online.batch", f"{self.batch} is not 1 or more")
+        _check(0 <= self.slack <= SLACK_MAX, "online.slack", f"{self.slack} is not from 0 to {SLACK_MAX}")
+        _check(not self.slack or self.plan == "fixed", "online.slack", "only with the fixed plan")
         _check(self.plan != "fixed" or self.policy == "belady", "online.plan", "the fixed plan is made with belady only")
         _check((self.budget is None) != (self.fraction is None), "online", "give one of budget and fraction")
         _check(self.budget is None or self.budget > 0, "online.budget", f"{self.budget} is not more than 0 bytes")

@@ -28,9 +28,12 @@ LAST_USE_ENV = "GPUOS_SCHED_LAST_USE"
 #: made again to drop them there (their evictions and loads move nothing either way, with
 #: ``KEEP_DEAD_ENV`` unset)
 DEAD_PLAN_ENV = "GPUOS_SCHED_DEAD_PLAN"
+#: 0: under `gpu-prefetch-sched run --plan fixed`, the plan makes a load later than its copy takes
+#: before it drops another record (on by default: it drops another record first)
+KEEP_LEADS_ENV = "GPUOS_SCHED_KEEP_LEADS"
 #: every variable above: the launcher reads them and leaves them out of the program's environment
 VARIABLES = (NO_DIGEST_ENV, NO_CONSERVE_ENV, DIGEST_OFF_AFTER_ENV, NO_YIELD_ENV, NO_PARK_ENV, KEEP_DEAD_ENV, FAST_ENV,
-             LAST_USE_ENV, DEAD_PLAN_ENV)
+             LAST_USE_ENV, DEAD_PLAN_ENV, KEEP_LEADS_ENV)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class EngineSettings:
     #: loop, bound by the host's decisions, ran slower (docs/scheduler.md, the fixed plan's
     #: "Dead records"); needs ``drop_dead``
     dead_plan: bool = False
+    #: a fixed plan over its budget at a phase drops another record (bytes) before it makes a
+    #: load later than its copy takes (a load the GPU waits for; at the use itself, one the
+    #: program's thread makes): on ResNet-50 training at 66 % the step went from 118 to 100 ms
+    #: (docs/scheduler.md, the fixed plan)
+    keep_leads: bool = True
 
     def __post_init__(self) -> None:
         if self.digest_off_after < 0:
@@ -90,4 +98,5 @@ class EngineSettings:
         return cls(digest=not flag(NO_DIGEST_ENV), conserve=not flag(NO_CONSERVE_ENV), digest_off_after=off_after,
                    yield_to_demand=not flag(NO_YIELD_ENV), park=not flag(NO_PARK_ENV),
                    drop_dead=not flag(KEEP_DEAD_ENV), fast=flag(FAST_ENV, default=True),
-                   last_use=flag(LAST_USE_ENV, default=True), dead_plan=flag(DEAD_PLAN_ENV))
+                   last_use=flag(LAST_USE_ENV, default=True), dead_plan=flag(DEAD_PLAN_ENV),
+                   keep_leads=flag(KEEP_LEADS_ENV, default=True))

@@ -116,7 +116,8 @@ class Executor(AgentHooks):
         self.cfg = cfg
         self.policy = OnlinePolicy(cfg.get("budget"), cfg.get("policy", "belady"), int(cfg.get("lookahead", 2)),
                                    fraction=cfg.get("fraction"), plan=cfg.get("plan", "count"),
-                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)))
+                                   proactive=bool(cfg.get("proactive", False)), batch=int(cfg.get("batch", 1)),
+                                   slack=float(cfg.get("slack", 0.0)))
         if cfg.get("bw"):
             self.policy.note_bandwidth(*cfg["bw"])
         #: the time plan's duration samples (``_sample``): None when off (the count plan, or ops
@@ -251,6 +252,7 @@ class Executor(AgentHooks):
         self.policy.sees_dead = (self._dead is not None and self.policy.plan == "fixed"
                                  and (settings is None or settings.dead_plan))
         self.counts.update({"dead_asked": 0, "dead_ask_s": 0.0, "ready_now": 0})
+        self.policy.keep_leads = settings is None or settings.keep_leads
 
     # -- the hooks on the agent (gpuos_tools/agent/hooks.py) ------------------------------------
 

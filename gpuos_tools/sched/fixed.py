@@ -45,6 +45,7 @@ class Gap:
     lead: int
     start: int = 1
     dead: bool = False
+    want: int = -1  #: the lead it wanted (its copy's time; -1: ``lead``): a lead below it stalls the GPU
 
 
 #: how many phases before a use a record is loaded: a number, or a function of (the phase of the
@@ -54,7 +55,7 @@ Lead = int | Callable[[int, int], int]
 
 def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequence[int], budget: int, ahead: Lead,
                 temporaries: Iterable[int] = (), dead: Mapping[int, Sequence[int]] | None = None,
-                ) -> tuple[list[Gap], np.ndarray, np.ndarray]:
+                keep_leads: bool = True) -> tuple[list[Gap], np.ndarray, np.ndarray]:
     """The gaps a fixed plan drops its records over, for a period whose phase t uses the records
     of ``sets[t]``; with the live bytes per phase under that plan and the limit each phase had
     (the budget, or a phase's own bytes where those alone exceed it: it runs above the budget,
@@ -75,7 +76,11 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
     record is dropped there and mapped again ``DEAD_LEAD`` phases before its use, with no copy
     either way, so at a phase over its limit a dead gap is taken before anything else. Where a
     phase before its first dead one needs the room too, it is dropped from the use on instead:
-    saved, and still mapped back without a copy (its gap is ``dead``, its ``start`` 1)."""
+    saved, and still mapped back without a copy (its gap is ``dead``, its ``start`` 1).
+
+    ``keep_leads``: at a phase over its limit, a new drop whose load still comes its wanted lead
+    early is taken before a chosen load is made later: more bytes, but a load later than its
+    copy takes is one the GPU waits for (and, at a lead of 0, one the program's thread loads)."""
     p = len(sets)
     dead = dead or {}
     tmp = set(temporaries)
@@ -104,6 +109,7 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
     limit = np.array([max(budget, sum(sizes[c] for c in set(st))) for st in sets], dtype=np.int64)
     chosen: dict[int, int] = {}  #: candidate -> its load's lead (phases before the use after the gap)
     dropped_dead: set[int] = set()  #: the chosen candidates dropped over their dead phases only
+    later = 0.5 if keep_leads else -1  #: the class of a load made later (below: preferred)
     while p:
         t = int(np.argmax(live - limit))
         if live[t] <= limit[t]:
@@ -127,7 +133,7 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
             elif k in dropped_dead and d < s0:
                 c = (1, k, lead)  # t is before its first dead phase: dropped from the use on, saved
             elif d > n - 1 - lead:  # t is in its load's (or map's) lead
-                c = (-1, k, n - 1 - d)
+                c = (later, k, n - 1 - d)
             else:
                 continue
             if pick is None or c[0] < pick[0]:
@@ -153,7 +159,8 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
     # dead: its contents are dead by its load (dead from a phase before it), which copies nothing;
     # dropped over its dead phases only, it is not saved either (start: its first dead phase)
     gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead, dead_at[k] if k in dropped_dead else 1,
-                0 < dead_at[k] <= cands[k][1] - lead) for k, lead in chosen.items()]
+                0 < dead_at[k] <= cands[k][1] - lead, DEAD_LEAD if 0 < dead_at[k] <= cands[k][1] - lead else want[k])
+            for k, lead in chosen.items()]
     return gaps, live, limit
 
 
@@ -207,6 +214,9 @@ class FixedSchedule:
     budget: int
     gaps: list[Gap]
     fits: bool
+    #: the plan was made at ``budget - slack``: the room evictions still in flight may hold
+    #: while its loads go ahead
+    slack: int = 0
     drops: dict[int, list[int]] = field(default_factory=dict)
     loads: dict[int, list[int]] = field(default_factory=dict)
     uses: dict[int, list[int]] = field(default_factory=dict)
@@ -217,15 +227,17 @@ class FixedSchedule:
 
     @classmethod
     def make(cls, keys: Sequence[int], kernels: Sequence[str], sets: Sequence[tuple[int, ...]],
-             sizes: Mapping[int, int], budget: int, lead: Lead, coalesce: int = COALESCE,
-             dead: Mapping[int, Sequence[int]] | None = None) -> FixedSchedule:
+             sizes: Mapping[int, int], budget: int, lead: Lead, slack: int = 0, coalesce: int = COALESCE,
+             dead: Mapping[int, Sequence[int]] | None = None, keep_leads: bool = True) -> FixedSchedule:
         """The plan of a period whose phase t is the launch of ``kernels[t]`` (the policy's key
         ``keys[t]``) touching ``sets[t]``, records of ``sizes`` bytes, loads ``lead`` launches
         ahead (``choose_gaps``; ``dead``: the phases each record was seen dead at); actions
         ``coalesce`` phases apart or closer taken together where they fit (``_coalesce``; 0:
-        never)."""
-        gaps, live, limit = choose_gaps(sets, sizes, budget, lead, dead=dead)
-        s = cls(list(keys), list(kernels), list(sets), dict(sizes), budget, gaps, bool(len(live) == 0 or int(np.max(live - limit)) <= 0))
+        never). The gaps are chosen to fit ``budget - slack``; a phase is over the budget (and
+        decided) when its own records exceed ``budget``."""
+        gaps, live, limit = choose_gaps(sets, sizes, max(0, budget - slack), lead, dead=dead, keep_leads=keep_leads)
+        s = cls(list(keys), list(kernels), list(sets), dict(sizes), budget, gaps,
+                bool(len(live) == 0 or int(np.max(live - limit)) <= 0), slack)
         p = len(sets)
         s.drop_at = [(g.use + g.start) % p for g in gaps]
         s.load_at = [(g.use + g.steps - g.lead) % p for g in gaps]
@@ -269,10 +281,12 @@ class FixedSchedule:
         return {g.record for g, d, ld in zip(self.gaps, self.drop_at, self.load_at) if (t - d) % p < (ld - d) % p}
 
     def as_dict(self) -> dict[str, int | bool]:
-        return {"period": self.p, "budget": self.budget, "fits": self.fits, "bytes_in": self.bytes_in,
+        return {"period": self.p, "budget": self.budget, "slack": self.slack, "fits": self.fits, "bytes_in": self.bytes_in,
                 "streamed": len({g.record for g in self.gaps}), "pinned": len(self.uses) - len({g.record for g in self.gaps}),
                 "moves": 2 * len(self.gaps), "acting_phases": len(self.acting),
-                "dead_gaps": sum(g.dead for g in self.gaps), "dead_bytes": sum(g.size for g in self.gaps if g.dead)}
+                "dead_gaps": sum(g.dead for g in self.gaps), "dead_bytes": sum(g.size for g in self.gaps if g.dead),
+                "late_loads": sum(g.lead < g.want for g in self.gaps),
+                "demand_loads": sum(g.lead == 0 for g in self.gaps)}
 
 
 def _coalesce(drop_at: list[int], load_at: list[int], gaps: Sequence[Gap], live: np.ndarray, limit: np.ndarray,

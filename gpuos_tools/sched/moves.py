@@ -219,11 +219,13 @@ def _mean(rows: list[dict[str, Any]], acc: dict[str, Any]) -> dict[str, Any]:
     return acc
 
 
-def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, period: int = 2) -> dict[str, Any]:
+def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, period: int = 2,
+               keep_leads: bool = True) -> dict[str, Any]:
     """What a plan repeated unchanged every period moves on a cyclic workload: fixed.py's
     ``choose_gaps`` (the online policy's ``plan="fixed"`` makes its plans with it) over the steps
     of period number ``period`` (0-based: the first periods learn), with loads ``ahead`` steps
-    before their use where the room allows (``short_leads``: those later); records freed inside
+    before their use (``short_leads``: those later; with ``keep_leads`` False, later wherever
+    that spares a drop, as ``choose_gaps`` says); records freed inside
     the period are its temporaries. Returns the budget, the peak live bytes, whether the plan fits (every step
     within the budget or its own bytes; not when no choice is left), the steps above the budget
     by their own bytes, the bytes it moves in and out per period (out: the drops of records the
@@ -234,7 +236,8 @@ def fixed_plan(w: Workload, budget: int, period_steps: int, ahead: int = 2, peri
         raise ValueError(f"the workload has fewer than {period + 1} periods of {period_steps} steps")
     sets = [list(st.ws) for st in steps]
     written = {c for st in steps for c in st.writes}
-    gaps, live, limit = choose_gaps(sets, w.chunks.sizes, budget, ahead, temporaries={c for st in steps for c in st.frees})
+    gaps, live, limit = choose_gaps(sets, w.chunks.sizes, budget, ahead, temporaries={c for st in steps for c in st.frees},
+                                    keep_leads=keep_leads)
     over = int(np.max(live - limit))
     recs = {g.record for g in gaps}
     return {"budget": budget, "peak": int(np.max(live)), "fits": over <= 0, "above_steps": int(np.sum(limit > budget)),

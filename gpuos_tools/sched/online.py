@@ -116,6 +116,8 @@ STEADY_MIN = 32
 #: while a fixed plan's first period runs, one phase in this many is decided (not let go by on the
 #: fast path) so that the executor can see which records are dead there (``dead_ask``)
 DEAD_EVERY = 8
+#: the most of the budget a fixed plan may leave as slack (``OnlinePolicy``'s ``slack``)
+SLACK_MAX = 0.5
 
 Action = tuple[str, Any]
 
@@ -418,7 +420,7 @@ class OnlinePolicy:
 
     def __init__(self, budget: int | None, policy: str = "belady", lookahead: int = 2,
                  fraction: float | None = None, plan: str = "count", proactive: bool = False,
-                 batch: int = 1) -> None:
+                 batch: int = 1, slack: float = 0.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if plan not in PLANS:
@@ -431,6 +433,8 @@ class OnlinePolicy:
             raise ValueError("batch must be 1 or more")
         if plan == "fixed" and policy != "belady":
             raise ValueError("a fixed plan is made the Belady way: policy belady only")
+        if not 0 <= slack <= SLACK_MAX:
+            raise ValueError(f"slack must be from 0 to {SLACK_MAX}")
         self.fixed = budget
         self.fraction = fraction
         self.policy = policy
@@ -438,6 +442,14 @@ class OnlinePolicy:
         self.batch = batch  #: the count plan prefetches lookahead x batch launches once it must act
         self.plan = plan
         self.proactive = proactive
+        #: a fixed plan is made at (1 - slack) of the budget and carried out at the budget: the
+        #: room between is what evictions still in flight (a save the GPU has not finished, a
+        #: release waiting for a victim's last use) may hold while the plan's loads go ahead,
+        #: instead of the program's thread waiting for it
+        self.slack = slack
+        #: a fixed plan takes a new drop before it makes a load later than its wanted lead
+        #: (fixed.py ``choose_gaps``' ``keep_leads``; the executor sets it from its settings)
+        self.keep_leads = True
         #: the fixed plan in force (``plan="fixed"``), the phase of the next launch in it, the
         #: period (``Period.learned``) it was last tried for, and whether its first decision
         #: is still to come (it evicts what no phase uses)
@@ -814,8 +826,9 @@ class OnlinePolicy:
         lead: Lead = self.lookahead
         if self._dur_n and self._dur_sum > 0:
             lead = leads_by_time([self.duration(k) for k in keys], self.h2d_bw, self.lookahead)
-        self._fixed_inputs = (keys, [self._key_of[k][0] for k in keys], live, sizes, budget, lead)
-        self._fixed = FixedSchedule.make(*self._fixed_inputs)
+        self._fixed_inputs = (keys, [self._key_of[k][0] for k in keys], live, sizes, budget, lead,
+                              int(budget * self.slack))
+        self._fixed = FixedSchedule.make(*self._fixed_inputs, keep_leads=self.keep_leads)
         self._phase = 0
         self._fixed_fresh = True
         self.stats.fixed_plans += 1
@@ -853,7 +866,7 @@ class OnlinePolicy:
         seen, self._dead_seen = self._dead_seen, None
         if not seen or self._fixed_inputs is None:
             return
-        self._fixed = FixedSchedule.make(*self._fixed_inputs, dead=seen)
+        self._fixed = FixedSchedule.make(*self._fixed_inputs, dead=seen, keep_leads=self.keep_leads)
         self._fixed_fresh = True
         self.stats.fixed_dead_replans += 1
         self.stats.fixed = self._fixed.as_dict()

@@ -173,18 +173,21 @@ def test_torch_job_over_budget_on_the_fast_path_is_bit_identical_to_the_job_alon
           file=sys.stderr)
 
 
+@pytest.mark.parametrize("variant", ["", "slack"])
 @pytest.mark.parametrize("name", ["cnn", "llm"])
-def test_torch_job_under_a_fixed_plan_is_bit_identical_to_the_job_alone(tmp_path, name):
+def test_torch_job_under_a_fixed_plan_is_bit_identical_to_the_job_alone(tmp_path, name, variant):
     """`run --plan fixed`: once the loop is learned, one plan made for it decides only where it
     drops or loads, the operations between go by on the fast path, and the job ends as it does
-    alone, with the plan in force for most of the loop."""
+    alone, with the plan in force for most of the loop. ``slack``: the plan made at 10 % of the
+    budget less, so that its loads go ahead while evictions are in flight."""
     job_path, args = JOBS[name]
     if name == "cnn":
         args = [*args[:-2], "--steps", "10"]
     else:  # tokens enough for the plan to be made (one token learns the period, one more holds it)
         args = [*args[:-2], "--tokens", "14"]
     plain = plain_run(name, tmp_path, args)
-    job, s = sched_run(name, tmp_path, "--budget", "66%", "--plan", "fixed", args=args)
+    opts = ["--slack", "10%"] if variant else []
+    job, s = sched_run(name, tmp_path, "--budget", "66%", "--plan", "fixed", *opts, args=args)
     assert job["digest"] == plain["digest"], (job, plain)
     if name == "llm":
         assert job["tokens"] == plain["tokens"]
@@ -194,6 +197,8 @@ def test_torch_job_under_a_fixed_plan_is_bit_identical_to_the_job_alone(tmp_path
     st = s["policy_stats"]
     assert st["fixed_plans"] >= 1 and st["fixed"]["moves"] > 0, st
     assert st["fixed_launches"] > s["launches"] // 3, (st["fixed_launches"], s["launches"])
+    if variant:
+        assert st["fixed"]["slack"] == int(st["fixed"]["budget"] * 0.1), st["fixed"]
     print(f"{name} fixed plan: {st['fixed']}, {st['fixed_launches']} of {s['launches']} operations under it, "
           f"{st['fixed_ends']} ended ({st['fixed_end']!r}); fast path {s['fast']}", file=sys.stderr)
 
