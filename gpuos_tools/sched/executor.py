@@ -593,6 +593,11 @@ class Executor(AgentHooks):
         launched, touched_now = eng._launched, eng._touched
         used, on = self._used_at, self._used_on
         late = 0
+        if eng.clean:
+            # first the writes, as the engine's hook takes them: a clean record written is clean
+            # no more (its host copy is stale), before any action below, or a decision after
+            # this replay, evicts it on the strength of a copy that is no longer current
+            self._replay_writes(entries)
         with self._load_lock:
             for e in entries:
                 if e[0] == "launch":
@@ -645,6 +650,21 @@ class Executor(AgentHooks):
         c["fast_late"] += late
         c["fast_replay_s"] += time.perf_counter() - t
         self._measure(self._budget, False)
+
+    def _replay_writes(self, entries: list[tuple]) -> None:
+        """The clean records the queued operations write (a launch's predicted writes, a copy's
+        or memset's destination) taken off the engine's clean set. The core lets a write to a
+        clean record go by (its mark is ready), so this is where the engine learns of it."""
+        eng = self.engine
+        clean, id_base, api_of = eng.clean, eng._id_base, self._api_of
+        for e in entries:
+            if e[0] == "launch":
+                for i in e[5]:
+                    clean.discard(id_base(i))
+            elif e[4] and api_of(e[2]).startswith(("cuMemcpy", "cuMemset")):
+                clean.discard(eng._record_base(e[4]))
+            if not clean:
+                return
 
     def _replay_entry(self, e: tuple, books: tuple) -> tuple | bool:
         """What a queued operation gives the replay: (its kernel or API name, the records it
@@ -700,8 +720,9 @@ class Executor(AgentHooks):
                 if not b:  # not owned: nothing to do on it
                     levels[2].append(a)
                 elif b[0] not in eng.pending and b[0] in self.policy.resident:
-                    # a write to a clean record must reach the engine (its host copy goes stale)
-                    levels[1 if b[0] in eng.clean else 2].append(a)
+                    # ready, clean or not: a write to a clean record that goes by reaches the
+                    # engine in the replay, before any eviction can ask whether it is clean
+                    levels[2].append(a)
                 else:
                     levels[0].append(a)
             for level, at in enumerate(levels):
@@ -1224,7 +1245,7 @@ class Executor(AgentHooks):
                 if s not in e.ordered:
                     eng.ops.wait(s, ev)
                     e.ordered.add(s)
-                level = 1 if base in eng.clean else 2  # a write to a clean record must reach the engine
+                level = 2  # a write to it, clean or not, reaches the engine in the replay
                 core.fast_mark_on((base,), level, s)
         self.counts["ready_on_stream"] += 1
 
@@ -1240,7 +1261,7 @@ class Executor(AgentHooks):
             with eng.lock:
                 if base in eng.pending or base not in self.policy.resident:
                     return
-                core.fast_mark((base,), 1 if base in eng.clean else 2)
+                core.fast_mark((base,), 2)
         self.counts["ready_now"] += 1
 
     # -- serving: the GPU turn (gpu-prefetch-sched serve, gpuos_tools/sched/serve.py) ---------
