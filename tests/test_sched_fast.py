@@ -423,9 +423,9 @@ def test_a_launch_upcall_predicts_its_records_once_for_the_decision_and_the_mark
         calls["hook"] += 1
         return hook(*a)
 
-    def counted_marks(addrs):
+    def counted_marks(addrs, stream=None):
         calls["marks"] += 1
-        return marks(addrs)
+        return marks(addrs, stream)
 
     def engine_launch(*a):
         in_engine[0] = True
@@ -670,6 +670,43 @@ def test_a_record_the_mover_loads_is_ready_for_its_own_stream_once_that_stream_w
     ex._ready_on_stream(b, ev)
     assert ex.counts["ready_on_stream"] == 1 and ex.counts["ready_on_stream_skipped"] == 1
     ops.finish(ev)
+    job.end()
+
+
+def test_a_record_loaded_on_demand_is_ready_for_the_stream_that_waits_for_it(library, tmp_path, monkeypatch):
+    """A decision that loads a record on demand makes its operation's stream wait for the load;
+    the marks after it let the next operations on that stream touch the record without a call
+    while it is still loading, and an operation on another stream still calls."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
+    for _ in range(2):
+        job.step()
+    ex, eng, ops, core = job.ex, job.eng, job.ops, job.core
+    b = next(r.base for r in job.recs if r.base in ex.policy.resident and r.base not in eng.pending)
+    with job.agent.lock:
+        ex.policy.resident.pop(b)
+        ex.policy.used -= ex._records[b]
+        ex._evict(b)
+    settle(eng, ex)
+    assert eng.state(b) == "released"
+    ops.auto = False  # the load stays in flight
+    with job.agent.lock:
+        ex.before("k", [b], 0)  # its require loads it on demand, stream 0 waits
+        assert eng.state(b) == "loading" and 0 in eng.pending[b].ordered
+        ex.fast_after([b], 0)
+    assert ex.counts["ready_loading"] == 1
+    job.upcalls.fast = None  # the calls themselves are not under test: count them only
+
+    def read_from(stream: int) -> bool:
+        before = core.counters()["fast"]
+        core.fast_allow(4)
+        core.lib.core_enter(OP_WRITE, 1, 0, 0, stream, 0, None, None, 0, None, core_mod.NO_ARGS, 0x10, b, 0)
+        core.lib.core_issued()
+        return core.counters()["fast"] > before
+
+    assert read_from(0)
+    assert not read_from(7) and core.fast_counts()["why_other_stream"] == 1
+    ops.finish(*[c[1] for c in ops.calls("record")])
     job.end()
 
 

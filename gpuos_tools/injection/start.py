@@ -132,11 +132,11 @@ class AgentUpcalls:
                 kernel = (u.name or b"").decode(errors="replace")
                 agent.before_launch(api, u.raw_stream, kernel, sizes, args)
                 if fast is not None:  # the addresses its hook found for this launch
-                    fast.fast_after(fast.launch_addrs(agent, kernel, sizes, args))
+                    fast.fast_after(fast.launch_addrs(agent, kernel, sizes, args), u.raw_stream)
             elif what == UP_WRITE:
                 agent.before_write(api, u.dst, u.raw_stream, u.src)
                 if fast is not None:
-                    fast.fast_after([a for a in (u.dst, u.src) if a])
+                    fast.fast_after([a for a in (u.dst, u.src) if a], u.raw_stream)
             elif what == UP_GRAPH:
                 agent.before_graph(u.raw_stream)
                 if fast is not None:

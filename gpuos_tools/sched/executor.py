@@ -230,7 +230,7 @@ class Executor(AgentHooks):
         #: record base -> the stream of its uses before its last eviction (``_used_on`` then): the
         #: stream the mover orders after its load (``_ready_on_stream``)
         self._stream_before: dict[int, int] = {}
-        self.counts.update({"ready_on_stream": 0, "ready_on_stream_skipped": 0})
+        self.counts.update({"ready_on_stream": 0, "ready_on_stream_skipped": 0, "ready_loading": 0})
         self._unknown_at = -1  #: the ``_seq`` of the last operation touching every record
         self._unknown_on: int | None = None  #: the stream of those operations (MIXED: several)
         #: stream -> (ascending ``_seq``s, events): a mark's event completes once the operations
@@ -684,20 +684,21 @@ class Executor(AgentHooks):
         key = None if not small else [b for b in bases if b not in small]
         return kernel, bases, key, sum(recs.get(b, 0) for b in set(bases))
 
-    def fast_after(self, addrs) -> None:
+    def fast_after(self, addrs, stream: Any = None) -> None:
         """After an operation's decision and the engine's hook (agent's lock held): the
         allocations at ``addrs`` (its records and others) marked ready or not, and the number of
-        next decisions the core may let go by (``_fast_horizon``)."""
+        next decisions the core may let go by (``_fast_horizon``). ``stream``: the operation's,
+        whose wait for a record still loading lets later operations on it go by too."""
         core = self._core
         if core is None:
             return
         t = time.perf_counter()
         try:
-            self._fast_after(core, addrs)
+            self._fast_after(core, addrs, stream)
         finally:
             self.counts["fast_after_s"] += time.perf_counter() - t
 
-    def _fast_after(self, core: Any, addrs) -> None:
+    def _fast_after(self, core: Any, addrs, stream: Any = None) -> None:
         recs = self.records()
         self._fast_books = (self._records, self._bases, self._small, self._key)  # what the next replay uses
         if self._key != self._fast_checked:
@@ -713,20 +714,40 @@ class Executor(AgentHooks):
                 core.set_flag(self._fast_flag, False)
                 return
         eng = self.engine
-        levels: tuple[list[int], list[int], list[int]] = ([], [], [])
+        ready: list[int] = []
+        unready: list[int] = []
+        on_stream: list[int] = []  #: still loading, the operation's stream made to wait for the load
+        loading_ok = stream is not None and stream != PER_THREAD_STREAM and not self._closing
         with eng.lock:  # the engine's threads change pending and clean under it
             for a in addrs:
                 b = self.bases_of((a,))
                 if not b:  # not owned: nothing to do on it
-                    levels[2].append(a)
-                elif b[0] not in eng.pending and b[0] in self.policy.resident:
+                    ready.append(a)
+                    continue
+                e = eng.pending.get(b[0])
+                if b[0] not in self.policy.resident:
+                    unready.append(a)
+                elif e is None:
                     # ready, clean or not: a write to a clean record that goes by reaches the
                     # engine in the replay, before any eviction can ask whether it is clean
-                    levels[2].append(a)
+                    ready.append(a)
+                elif loading_ok and e.state == LOADING and stream in e.ordered:
+                    # loaded for this operation (a demand load): its stream waits for the load
+                    # already, so the next operations on that stream may touch it without a
+                    # call, as after the mover's loads (``_ready_on_stream``); others still call
+                    on_stream.append(a)
                 else:
-                    levels[0].append(a)
-            for level, at in enumerate(levels):
-                core.fast_mark(at, level)
+                    unready.append(a)
+            if on_stream:
+                capturing = getattr(eng.ops, "capturing", None)
+                if capturing is not None and capturing(stream):  # its wait would be in the graph
+                    unready += on_stream
+                    on_stream = []
+            core.fast_mark(unready, 0)
+            core.fast_mark(ready, 2)
+            if on_stream:
+                core.fast_mark_on(on_stream, 2, stream)
+                self.counts["ready_loading"] += len(on_stream)
         n = self._fast_horizon()
         self.counts["fast_allowed"] += n
         self.counts["fast_allowances"] += 1
