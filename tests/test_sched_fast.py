@@ -628,24 +628,35 @@ def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):
         core_mod.parse_fast(data[:-1], {})
 
 
+def evicted_under_a_fixed_plan(library, tmp_path, monkeypatch, stream: int | None = None) -> tuple[Job, int]:
+    """The CuPy suite's step twice under a fixed plan, then one of its resident records evicted
+    as the policy's eviction leaves books and engine; ``stream``: the stream of its uses before
+    (the one a load of it is ordered on). (the job, the record)."""
+    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
+    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
+    for _ in range(2):
+        job.step()
+    ex, eng = job.ex, job.eng
+    b = next(r.base for r in job.recs if r.base in ex.policy.resident and r.base not in eng.pending)
+    with job.agent.lock:
+        ex.policy.resident.pop(b)
+        ex.policy.used -= ex._records[b]
+        if stream is not None:
+            ex._used_on[b] = stream
+        ex._evict(b)
+    settle(eng, ex)
+    assert eng.state(b) == "released"
+    return job, b
+
+
 def test_a_record_the_mover_loads_is_ready_for_its_own_stream_once_that_stream_waits(library, tmp_path, monkeypatch):
     """The mover's load of a record used on one stream before its eviction: that stream waits
     for the load at once, and the core lets an operation on it read the record without a call;
     on any other stream an operation still calls (the core counts it), and nothing is marked
     for a record used on several streams."""
-    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
-    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
-    for _ in range(2):
-        job.step()
+    job, b = evicted_under_a_fixed_plan(library, tmp_path, monkeypatch, stream=0)
     ex, eng, ops, core = job.ex, job.eng, job.ops, job.core
-    b = next(r.base for r in job.recs if r.base in ex.policy.resident and r.base not in eng.pending)
-    with job.agent.lock:
-        ex.policy.resident.pop(b)  # books and engine as the policy's eviction leaves them
-        ex.policy.used -= ex._records[b]
-        ex._used_on[b] = 0
-        ex._evict(b)
-    settle(eng, ex)
-    assert eng.state(b) == "released" and ex._stream_before[b] == 0
+    assert ex._stream_before[b] == 0
     ops.auto = False  # the load stays in flight
     with job.agent.lock:
         ex.policy.resident[b] = ex._records[b]
@@ -677,18 +688,8 @@ def test_a_record_loaded_on_demand_is_ready_for_the_stream_that_waits_for_it(lib
     """A decision that loads a record on demand makes its operation's stream wait for the load;
     the marks after it let the next operations on that stream touch the record without a call
     while it is still loading, and an operation on another stream still calls."""
-    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
-    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
-    for _ in range(2):
-        job.step()
+    job, b = evicted_under_a_fixed_plan(library, tmp_path, monkeypatch)
     ex, eng, ops, core = job.ex, job.eng, job.ops, job.core
-    b = next(r.base for r in job.recs if r.base in ex.policy.resident and r.base not in eng.pending)
-    with job.agent.lock:
-        ex.policy.resident.pop(b)
-        ex.policy.used -= ex._records[b]
-        ex._evict(b)
-    settle(eng, ex)
-    assert eng.state(b) == "released"
     ops.auto = False  # the load stays in flight
     with job.agent.lock:
         ex.before("k", [b], 0)  # its require loads it on demand, stream 0 waits
@@ -715,18 +716,8 @@ def test_a_write_to_a_clean_record_goes_by_and_reaches_the_engine_in_the_replay(
     ready for its stream: a memset into it goes by without a call, the replay takes it off the
     clean set before anything else, and its next eviction saves it instead of trusting the stale
     host copy."""
-    monkeypatch.setattr(sys.modules[__name__], "TRACE", RECORDED / "suite-cupy_suite.s1.ndjson.zst")
-    job = Job(library, tmp_path, monkeypatch, True, plan="fixed")
-    for _ in range(2):
-        job.step()
+    job, b = evicted_under_a_fixed_plan(library, tmp_path, monkeypatch, stream=0)
     ex, eng, ops, core = job.ex, job.eng, job.ops, job.core
-    b = next(r.base for r in job.recs if r.base in ex.policy.resident and r.base not in eng.pending)
-    with job.agent.lock:
-        ex.policy.resident.pop(b)
-        ex.policy.used -= ex._records[b]
-        ex._used_on[b] = 0
-        ex._evict(b)
-    settle(eng, ex)
     with job.agent.lock:
         ex.policy.resident[b] = ex._records[b]
         ex.policy.used += ex._records[b]
