@@ -559,6 +559,7 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     assert len(calls) == n
     write(1)  # writes the second: the engine must see it
     assert calls[-1] == core_mod.UP_WRITE and len(calls) == n + 1
+    assert core.fast_last_unready() == 0x20000 and core.fast_last_unready() == 0  # the one it called for, once
     core.fast_mark([0x20000], 2)
     write(1)
     counts = core.fast_counts()
@@ -709,6 +710,31 @@ def test_a_record_loaded_on_demand_is_ready_for_the_stream_that_waits_for_it(lib
     assert not read_from(7) and core.fast_counts()["why_other_stream"] == 1
     ops.finish(*[c[1] for c in ops.calls("record")])
     job.end()
+
+
+def test_a_call_for_an_unmarked_record_is_counted_by_why_it_was_not_marked(library, tmp_path, monkeypatch):
+    """The upcall asks the core which allocation's missing mark made the operation call, and the
+    executor counts why, as things stood: the recorded steps' first touches through the upcalls,
+    then here a record evicted (outside the policy's books), loading on demand for another
+    stream, and resident again with its mark gone."""
+    job, b = evicted_under_a_fixed_plan(library, tmp_path, monkeypatch)
+    ex, eng, ops, core = job.ex, job.eng, job.ops, job.core
+    steps = dict(ex.unready_why)
+    assert sum(steps.values()) > 0  # counted through the upcalls
+    ex.note_unready(b)
+    ex.note_unready(0x10)  # no allocation of the program's owned memory
+    ops.auto = False
+    with job.agent.lock:
+        ex.before("k", [b], 7)  # loaded on demand, for stream 7
+    ex.note_unready(b)
+    ops.finish(*[c[1] for c in ops.calls("record")])
+    with job.agent.lock:
+        ex.before("k", [b], 7)  # the load complete: resident, and nobody marked it since
+    ex.note_unready(b)
+    out = job.end()
+    got = {k: v - steps.get(k, 0) for k, v in out["fast"]["unready_why"].items()}
+    assert {k: v for k, v in got.items() if v} == {"not_in_books": 1, "not_owned": 1, "loading": 1,
+                                                   "resident_unmarked": 1}
 
 
 def test_a_write_to_a_clean_record_goes_by_and_reaches_the_engine_in_the_replay(library, tmp_path, monkeypatch):

@@ -117,6 +117,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
                                               ctypes.c_uint32]),
     "core_fast_take": (ctypes.c_void_p, [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint32)]),
     "core_fast_counts": (None, [ctypes.POINTER(ctypes.c_uint64)]),
+    "core_fast_last_unready": (ctypes.c_uint64, []),
 }
 
 _V_HDR = struct.Struct("<II")
@@ -128,7 +129,7 @@ FAST_WHY = ("why_left", "why_moved", "why_full", "why_unknown", "why_unready_wri
 #: the fast path's calls, made on the program's thread in each of its upcalls: they return at once
 #: and take no lock; through CDLL each call lets the GIL go and takes it back (a few µs each, and a
 #: wait when another Python thread, the mover or the engine's, took it meanwhile); PyDLL keeps it
-HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts")
+HOLD_GIL = ("core_fast_allow", "core_fast_mark", "core_fast_take", "core_fast_counts", "core_fast_last_unready")
 _F_COUNTS = struct.Struct("<II")  #: a launch's written and touched ids
 _F_PAIR = struct.Struct("<QQ")  #: a write's destination and source
 _V_ALLOC = struct.Struct("<4Q")
@@ -427,6 +428,11 @@ class NativeCore:
         self._held.core_fast_counts(out)
         return {"fast": int(out[0]), "left": int(out[1]), "queued": int(out[2]),
                 **{k: int(v) for k, v in zip(FAST_WHY, out[3:])}}
+
+    def fast_last_unready(self) -> int:
+        """The start of the allocation whose missing mark made the last operation call, then
+        forgotten (0: none since the last ask). Core lock held."""
+        return int(self._held.core_fast_last_unready())
 
     def set_upcall(self, fn: Callable[[Any], int]) -> None:
         self._upcall = UPCALL_FN(fn)

@@ -125,7 +125,11 @@ class AgentUpcalls:
                 return 0
             api = self.names.get(u.cbid, "")
             fast = self.fast
-            if fast is not None:  # the operations the core let go by come first, in order
+            if fast is not None:
+                unready = self.core.fast_last_unready()
+                if unready:  # why the allocation this call came for was not marked, as things stand
+                    fast.note_unready(unready)
+                # the operations the core let go by come first, in order
                 fast.fast_replay(self.core.fast_take())
             if what == UP_LAUNCH:
                 sizes, args = launch_args(u)

@@ -231,6 +231,9 @@ class Executor(AgentHooks):
         #: stream the mover orders after its load (``_ready_on_stream``)
         self._stream_before: dict[int, int] = {}
         self.counts.update({"ready_on_stream": 0, "ready_on_stream_skipped": 0, "ready_loading": 0})
+        #: why the allocation an operation called for (a write not ready, a read not readable)
+        #: was not marked, as things stood when the call came (``note_unready``)
+        self.unready_why: dict[str, int] = {}
         self._unknown_at = -1  #: the ``_seq`` of the last operation touching every record
         self._unknown_on: int | None = None  #: the stream of those operations (MIXED: several)
         #: stream -> (ascending ``_seq``s, events): a mark's event completes once the operations
@@ -650,6 +653,23 @@ class Executor(AgentHooks):
         c["fast_late"] += late
         c["fast_replay_s"] += time.perf_counter() - t
         self._measure(self._budget, False)
+
+    def note_unready(self, addr: int) -> None:
+        """An operation called because the allocation starting at ``addr`` had no mark it needed
+        (agent's lock held, before the replay and the decision): counted by why, as things stand
+        now (``unready_why`` in the summary): not an owned record; a record the policy's books
+        do not hold (freed, new, or evicted); one the engine has an entry for (its state); or
+        a resident one whose mark went (an eviction since cancelled, or never marked since its
+        load) -- the last is what more marks could save."""
+        b = self.bases_of((addr,))
+        if not b:
+            why = "not_owned"
+        elif b[0] not in self.policy.resident:
+            why = "not_in_books"
+        else:
+            e = self.engine.pending.get(b[0])
+            why = "resident_unmarked" if e is None else e.state
+        self.unready_why[why] = self.unready_why.get(why, 0) + 1
 
     def _replay_writes(self, entries: list[tuple]) -> None:
         """The clean records the queued operations write (a launch's predicted writes, a copy's
@@ -1492,6 +1512,7 @@ class Executor(AgentHooks):
             out["operations"] = counts["fast"]
             out["calls_why"] = {k[4:] if k.startswith("why_") else k: v for k, v in counts.items()
                                 if k.startswith("why_") or k == "marks_dropped"}
+            out["unready_why"] = dict(self.unready_why)
         return out
 
     def timeline(self) -> dict[str, Any]:

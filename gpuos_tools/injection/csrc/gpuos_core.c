@@ -843,6 +843,9 @@ static uint64_t n_fast;
    at once (core_fast_unready_all); an allocation marked for another stream only */
 enum { W_LEFT, W_MOVED, W_FULL, W_UNKNOWN, W_WRITE, W_READ, W_SLOW, W_ALL, W_STREAM, W_N };
 static uint64_t why[W_N];
+/* the start of the allocation whose missing mark made the last operation call (0: none since
+   the last core_fast_last_unready), for Python to say why it was not marked */
+static uint64_t last_unready;
 static char *fq;
 static size_t fq_len, fq_cap;
 static uint32_t fq_entries;
@@ -981,11 +984,13 @@ static int fast_launch(memo_t *m, uint32_t cbid, uint64_t stream, const char *na
     for (uint32_t k = 0; k < m->nw; k++) /* written */
         if (allocs[m->idx[k]].ready != g) {
             why[W_WRITE]++;
+            last_unready = allocs[m->idx[k]].start;
             return 0;
         }
     for (uint32_t k = m->nw; k < n; k++) /* touched (the written ones again: checked above) */
         if (allocs[m->idx[k]].readable != g) {
             why[W_READ]++;
+            last_unready = allocs[m->idx[k]].start;
             return 0;
         }
     for (uint32_t k = 0; k < n; k++)
@@ -1016,10 +1021,12 @@ static int fast_write(uint32_t op, uint32_t cbid, uint64_t stream, uint64_t dst,
     uint32_t g = __atomic_load_n(&ready_gen, __ATOMIC_ACQUIRE);
     if (d && d->ready != g) {
         why[W_WRITE]++;
+        last_unready = d->start;
         return 0;
     }
     if (s && s->readable != g) {
         why[W_READ]++;
+        last_unready = s->start;
         return 0;
     }
     if ((d && wrong_stream(d, stream)) || (s && wrong_stream(s, stream))) return 0;
@@ -1043,6 +1050,14 @@ void core_fast_counts(uint64_t out[3 + W_N]) {
     out[1] = (uint64_t)(fast_left > 0 ? fast_left : 0);
     out[2] = fq_entries;
     for (int k = 0; k < W_N; k++) out[3 + k] = __atomic_load_n(&why[k], __ATOMIC_RELAXED);
+}
+
+/* the allocation whose missing mark made the last call (its start; 0: none), then forgotten
+   (core lock held) */
+uint64_t core_fast_last_unready(void) {
+    uint64_t a = last_unready;
+    last_unready = 0;
+    return a;
 }
 
 /* ---- the enter site */
