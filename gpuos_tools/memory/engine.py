@@ -235,8 +235,7 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             if unknown:
                 self.clean.clear()
             else:
-                for i in writes:
-                    self.clean.discard(self._id_base(i))
+                self.written(ids=writes)
                 for i in touched:  # the predicted readers of clean records (a mismatch's suspects)
                     if i in writes:
                         continue
@@ -249,6 +248,16 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             with self.lock:
                 self.digests.clear()
             self.clean.clear()
+
+    def written(self, ids: Iterable[int] = (), addrs: Iterable[int] = ()) -> None:
+        """Allocations ``ids`` and the records holding ``addrs`` were written (by an operation
+        at hand, or by ones the native core let go by): their host copies are stale, none of
+        them is clean any more (program thread, agent's lock held)."""
+        clean = self.clean
+        for i in ids:
+            clean.discard(self._id_base(i))
+        for a in addrs:
+            clean.discard(self._record_base(a))
 
     def _id_base(self, i: int) -> int | None:
         """The record base of allocation ``i`` (its address when not owned; None: not known)."""
@@ -289,7 +298,7 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             if bases:
                 self.require(bases, stream)
         if self.clean and dst:  # after the require, as in ``launch``
-            self.clean.discard(self._record_base(dst))
+            self.written(addrs=(dst,))
 
     def graph(self, stream: int) -> None:
         """Before a graph launch: what its kernels touch is not predicted here (and one of

@@ -672,19 +672,15 @@ class Executor(AgentHooks):
         self.unready_why[why] = self.unready_why.get(why, 0) + 1
 
     def _replay_writes(self, entries: list[tuple]) -> None:
-        """The clean records the queued operations write (a launch's predicted writes, a copy's
-        or memset's destination) taken off the engine's clean set. The core lets a write to a
-        clean record go by (its mark is ready), so this is where the engine learns of it."""
-        eng = self.engine
-        clean, id_base, api_of = eng.clean, eng._id_base, self._api_of
-        for e in entries:
-            if e[0] == "launch":
-                for i in e[5]:
-                    clean.discard(id_base(i))
-            elif e[4] and api_of(e[2]).startswith(("cuMemcpy", "cuMemset")):
-                clean.discard(eng._record_base(e[4]))
-            if not clean:
-                return
+        """What the queued operations write (a launch's predicted writes, a copy's or memset's
+        destination), told to the engine, which takes it off its clean set. The core lets a
+        write to a clean record go by (its mark is ready), so this is where the engine learns
+        of it."""
+        api_of = self._api_of
+        ids = [i for e in entries if e[0] == "launch" for i in e[5]]
+        addrs = [e[4] for e in entries
+                 if e[0] != "launch" and e[4] and api_of(e[2]).startswith(("cuMemcpy", "cuMemset"))]
+        self.engine.written(ids, addrs)
 
     def _replay_entry(self, e: tuple, books: tuple) -> tuple | bool:
         """What a queued operation gives the replay: (its kernel or API name, the records it
@@ -1286,8 +1282,8 @@ class Executor(AgentHooks):
                 if s not in e.ordered:
                     eng.ops.wait(s, ev)
                     e.ordered.add(s)
-                level = 2  # a write to it, clean or not, reaches the engine in the replay
-                core.fast_mark_on((base,), level, s)
+                # ready: a write to it, clean or not, reaches the engine in the replay
+                core.fast_mark_on((base,), 2, s)
         self.counts["ready_on_stream"] += 1
 
     def _ready_now(self, base: int) -> None:

@@ -158,9 +158,12 @@ def choose_gaps(sets: Sequence[Iterable[int]], sizes: Mapping[int, int] | Sequen
         chosen[k] = lead
     # dead: its contents are dead by its load (dead from a phase before it), which copies nothing;
     # dropped over its dead phases only, it is not saved either (start: its first dead phase)
-    gaps = [Gap(cands[k][2], cands[k][0], cands[k][3], cands[k][1], lead, dead_at[k] if k in dropped_dead else 1,
-                0 < dead_at[k] <= cands[k][1] - lead, DEAD_LEAD if 0 < dead_at[k] <= cands[k][1] - lead else want[k])
-            for k, lead in chosen.items()]
+    gaps = []
+    for k, lead in chosen.items():
+        size, n, c, a = cands[k]
+        dead_gap = 0 < dead_at[k] <= n - lead
+        gaps.append(Gap(c, size, a, n, lead, dead_at[k] if k in dropped_dead else 1, dead_gap,
+                        DEAD_LEAD if dead_gap else want[k]))
     return gaps, live, limit
 
 
