@@ -98,6 +98,7 @@ def _edit(path: str, value) -> str:
     (_edit("agent.reference_at", "3,40"), "agent.reference_at: expected a list"),
     (_edit("agent.reference_at", [3, "x"]), "agent.reference_at[1]: expected int"),
     (_edit("agent.reference_out", None), "agent.reference_out: needed with reference_at"),
+    (_edit("agent.profile_out", "p.txt"), "agent.profile_out: 'p.txt' is not an absolute path"),
     (_edit("agent.online.policy", "fifo"), "online.policy: 'fifo' is not one of"),
     (_edit("agent.online.plan", "launches"), "online.plan: 'launches' is not one of"),
     (_edit("agent.online.bw", [1.0]), "online.bw: (1.0,) is not two bandwidths"),
@@ -125,9 +126,9 @@ def test_overrides_are_read_from_the_launchers_environment():
     assert o == config.Overrides(own=(), exit_wait_s=30.0, exit_max_s=600.0, reference_at=(), reference_out=None)
     o = config.overrides_from_environment({"GPUOS_AGENT_OWN": "1", "GPUOS_AGENT_EXIT_WAIT": "0",
                                            "GPUOS_AGENT_EXIT_MAX": " 2.5 ", "GPUOS_AGENT_REFERENCE_AT": "5, 9",
-                                           "GPUOS_AGENT_REFERENCE_OUT": "/tmp/r"})
+                                           "GPUOS_AGENT_REFERENCE_OUT": "/tmp/r", "GPUOS_AGENT_PROFILE_OUT": "p.txt"})
     assert o == config.Overrides(own=("cupy", "torch"), exit_wait_s=0.0, exit_max_s=2.5, reference_at=(5, 9),
-                                 reference_out="/tmp/r")
+                                 reference_out="/tmp/r", profile_out=os.path.abspath("p.txt"))
     # the caller decides what is owned (gpu-prefetch-sched run): the variable is not read
     assert config.overrides_from_environment({"GPUOS_AGENT_OWN": "jax"}, own=False).own == ()
 

@@ -737,6 +737,20 @@ def test_a_call_for_an_unmarked_record_is_counted_by_why_it_was_not_marked(libra
                                                    "resident_unmarked": 1}
 
 
+def test_the_upcalls_profile_shows_where_the_agents_time_went(library, tmp_path, monkeypatch):
+    """GPUOS_AGENT_PROFILE_OUT's profile: every upcall under cProfile, written as text."""
+    job = Job(library, tmp_path, monkeypatch, fast=True, plan="fixed")
+    job.upcalls.profile_to(str(tmp_path / "profile.txt"))
+    job.run(3)
+    job.upcalls.write_profile()
+    text = (tmp_path / "profile.txt").read_text()
+    assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
+    upcalls = job.core.counters()["upcalls"]
+    dispatch = [line.split() for line in text.splitlines() if line.endswith("(dispatch)")]
+    assert upcalls > 0 and dispatch and all(int(row[0]) == upcalls for row in dispatch), (upcalls, dispatch)
+    assert "(fast_replay)" in text
+
+
 def test_a_write_to_a_clean_record_goes_by_and_reaches_the_engine_in_the_replay(library, tmp_path, monkeypatch):
     """A record the mover loaded from the engine's host copy is clean (the copy is current) and
     ready for its stream: a memset into it goes by without a call, the replay takes it off the

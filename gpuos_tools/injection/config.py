@@ -10,8 +10,9 @@ wrong type or out of range (`ConfigError`).
 
 A few settings have variables documented for users, set in the environment of the command that
 starts the program (GPUOS_AGENT_OWN, GPUOS_AGENT_EXIT_WAIT, GPUOS_AGENT_EXIT_MAX, GPUOS_IMAGE_KEY,
-the residency engine's GPUOS_ENGINE_* switches) and two for tests (GPUOS_AGENT_REFERENCE_AT,
-GPUOS_AGENT_REFERENCE_OUT): `overrides_from_environment` reads them, in the launcher, into the
+the residency engine's GPUOS_ENGINE_* switches), two for tests (GPUOS_AGENT_REFERENCE_AT,
+GPUOS_AGENT_REFERENCE_OUT) and one for developers (GPUOS_AGENT_PROFILE_OUT: where the native
+agent writes a cProfile of its upcalls): `overrides_from_environment` reads them, in the launcher, into the
 config, and `boot_environment` leaves them out of the program's environment.
 """
 
@@ -44,8 +45,10 @@ DEFAULT_MECHANISM = "intercept"
 ENV = "GPUOS_BOOT"
 REFERENCE_AT_ENV = "GPUOS_AGENT_REFERENCE_AT"
 REFERENCE_OUT_ENV = "GPUOS_AGENT_REFERENCE_OUT"
+PROFILE_OUT_ENV = "GPUOS_AGENT_PROFILE_OUT"
 #: variables of the launcher's environment that go into the config, not to the program
-OVERRIDES = (owned.ENV, EXIT_WAIT_ENV, EXIT_MAX_ENV, REFERENCE_AT_ENV, REFERENCE_OUT_ENV, KEY_ENV, *ENGINE_VARIABLES)
+OVERRIDES = (owned.ENV, EXIT_WAIT_ENV, EXIT_MAX_ENV, REFERENCE_AT_ENV, REFERENCE_OUT_ENV, PROFILE_OUT_ENV, KEY_ENV,
+             *ENGINE_VARIABLES)
 
 
 class ConfigError(GpuosError):
@@ -172,6 +175,8 @@ class AgentConfig:
     exit_max_s: float = EXIT_MAX_S  #: ... and in all
     reference_at: tuple[int, ...] = ()  #: tests: operation counts after which the state is dumped
     reference_out: str | None = None  #: tests: the file the dumps are appended to
+    #: developers: the file the native agent writes a profile of its upcalls to at the exit
+    profile_out: str | None = None
     online: OnlineConfig | None = None
     engine: EngineSettings = field(default_factory=EngineSettings)  #: the residency engine's switches
     image_key: str | None = None  #: the file holding the MAC key of the agent's images (None: unsigned)
@@ -189,6 +194,8 @@ class AgentConfig:
         _check(all(k >= 0 for k in self.reference_at), "agent.reference_at", "a negative operation count")
         _check(not self.reference_at or bool(self.reference_out), "agent.reference_out",
                "needed with reference_at")
+        _check(self.profile_out is None or os.path.isabs(self.profile_out), "agent.profile_out",
+               f"{self.profile_out!r} is not an absolute path")
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,7 @@ class Overrides:
     exit_max_s: float = EXIT_MAX_S
     reference_at: tuple[int, ...] = ()
     reference_out: str | None = None
+    profile_out: str | None = None  #: an absolute path
     engine: EngineSettings = field(default_factory=EngineSettings)
     image_key: str | None = None  #: an absolute path, its key checked readable and private
 
@@ -340,9 +348,12 @@ def overrides_from_environment(environ: Mapping[str, str] | None = None, *, own:
     if key_path is not None:
         key_path = os.path.abspath(key_path)
         load_key(key_path)  # unreadable, too open or too short: refused before the program starts
+    profile_out = env.get(PROFILE_OUT_ENV) or None
     return Overrides(own=owning, exit_wait_s=_seconds(env, EXIT_WAIT_ENV, EXIT_WAIT_S),
                      exit_max_s=_seconds(env, EXIT_MAX_ENV, EXIT_MAX_S), reference_at=at,
-                     reference_out=env.get(REFERENCE_OUT_ENV) or None, engine=engine, image_key=key_path)
+                     reference_out=env.get(REFERENCE_OUT_ENV) or None,
+                     profile_out=os.path.abspath(profile_out) if profile_out else None,
+                     engine=engine, image_key=key_path)
 
 
 def boot_environment(environ: Mapping[str, str], config: BootConfig) -> dict[str, str]:

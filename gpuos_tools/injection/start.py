@@ -6,7 +6,10 @@ Python agent (injection/tracer.py), or the agent on the native per-operation cor
 from __future__ import annotations
 
 import atexit
+import cProfile
+import io
 import os
+import pstats
 import threading
 import time
 from typing import Any
@@ -56,6 +59,8 @@ def start_native_agent(cfg: BootConfig) -> NativeAgentTracer:
     threads.set_own_threads(agent.own)  # memory's own-thread marks: the core's table (set by the upcalls)
     # the handle to the running agent that programs under test look up, as for the Python agent
     tracer._tracer = t
+    if cfg.agent.profile_out:
+        t.upcalls.profile_to(cfg.agent.profile_out)
     t.start()
     if cfg.agent.stage_ahead:
         agent.stage_ahead()
@@ -86,6 +91,34 @@ class AgentUpcalls:
         #: the hooks that run the core's fast path (the scheduler's executor), once the engine starts
         self.fast: Any = None
         core.set_upcall(self.dispatch)
+
+    def profile_to(self, path: str) -> None:
+        """Run every upcall under cProfile (a developer's view of where the agent's time goes on
+        the program's thread; the mover's and the engine's threads are not in it, but the time
+        an upcall waited for the GIL they held is) and write its statistics to ``path`` at the
+        exit (`write_profile`)."""
+        prof = self._profile = cProfile.Profile()
+        plain = self.dispatch
+
+        def dispatch(ptr: Any) -> int:
+            prof.enable()
+            try:
+                return plain(ptr)
+            finally:
+                prof.disable()
+
+        self._profile_path = path
+        self.core.set_upcall(dispatch)
+        atexit.register(self.write_profile)
+
+    def write_profile(self) -> None:
+        """The upcalls' profile so far, by own time and by cumulative time, into its file."""
+        out = io.StringIO()
+        stats = pstats.Stats(self._profile, stream=out)
+        stats.sort_stats("tottime").print_stats(60)
+        stats.sort_stats("cumulative").print_stats(60)
+        with open(self._profile_path, "w") as f:
+            f.write(out.getvalue())
 
     def drain(self) -> None:
         """Bring the agent's view up to date (core lock held)."""

@@ -341,7 +341,8 @@ def trace_program(
             native=agent_library, mechanism=used,
             cow_budget=cow_budget, stage_ahead=stage_ahead,
             exit_wait_s=overrides.exit_wait_s, exit_max_s=overrides.exit_max_s,
-            reference_at=overrides.reference_at, reference_out=overrides.reference_out, online=online,
+            reference_at=overrides.reference_at, reference_out=overrides.reference_out,
+            profile_out=overrides.profile_out, online=online,
             engine=overrides.engine, image_key=overrides.image_key)
     if images_dir is not None:
         images_dir.mkdir(parents=True, exist_ok=True)
