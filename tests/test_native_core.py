@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,66 @@ def test_a_pointer_array_copied_from_the_host_changes_the_prediction(core):
     copy_table([base + 0x200000, base + 0x300000])  # now it points elsewhere
     second = check()
     assert set(first[2]) != set(second[2])
+
+
+def test_a_pointer_moved_within_its_allocation_is_memoised_unless_it_points_into_host_bytes(core):
+    """The memo keys a word by the allocation it points into (a decode's cache tensors move
+    within their segment every token), but by the word itself where it points into bytes
+    copied from the host, whose stored pointers the predictor follows from there on."""
+    agent, _ = wired(core)
+    track(agent)
+    drv = Driver(core, agent)
+    base = 0x7F0000000000
+    for i in range(4):  # a pointer table, then three arrays
+        drv.alloc({"addr": base + i * 0x100000, "size": 0x100000, "kind": "device"})
+    drv.alloc({"addr": base + 0x600000, "size": 0x100000, "kind": "device"})  # a hole before it
+    table = base
+    data = b"".join(t.to_bytes(8, "little") for t in (base + 0x100000, base + 0x200000))
+    drv.write({"type": "memcpy", "dir": "HtoD", "dst": table, "src": 0x1000, "bytes": len(data), "data": data.hex()})
+
+    def launch(ptr: int) -> tuple:
+        rec = {"func": 0xF00, "kernel": "kernel_ptrs", "layout": "x",
+               "params": [{"size": 8, "hex": ptr.to_bytes(8, "little").hex()}, {"size": 8, "hex": "07" + "00" * 7}]}
+        name, sizes, args = drv.launch(rec)
+        got = core.last_access()
+        want = reference(drv.ref, name, sizes, args)
+        assert (got[0], set(got[1]), set(got[2])) == (want[0], set(want[1]), set(want[2])), hex(ptr)
+        return want[0], set(want[1]), set(want[2])
+
+    misses = core.counters()["memo_misses"]
+    assert launch(base + 0x300000) == launch(base + 0x300000 + 4096) == launch(base + 0x3FFFF8)
+    assert core.counters()["memo_misses"] == misses + 1
+    both, second = launch(table), launch(table + 8)  # into the copied bytes: each word its own
+    assert core.counters()["memo_misses"] == misses + 3
+    assert len(both[2]) == 3 and len(second[2]) == 2
+    assert launch(table + 0x1000) == launch(table + 0x2000)  # past them: the allocation counts
+    assert core.counters()["memo_misses"] == misses + 4
+    assert launch(base + 0x500000)[2] == set()  # in the hull's hole: no allocation
+    assert launch(base + 0x500000 + 64)[2] == set()
+    assert core.counters()["memo_misses"] == misses + 5
+
+
+def test_a_hooked_launch_takes_the_access_set_it_was_handed(core):
+    """The hook's predictions of the launch the core handed an access set with take it: the
+    predictor does not run; another launch's arguments, or none handed, predict as before; a
+    kernel the engine made conservative is unknown either way."""
+    agent, _ = wired(core)
+    drv = Driver(core, agent)
+    for i in range(2):
+        drv.alloc({"addr": 0x7F0000000000 + i * 0x100000, "size": 0x100000, "kind": "device"})
+    with agent.lock:  # drains the view: the agent knows the allocations
+        pass
+    sizes, args = (8,), (0x7F0000000000).to_bytes(8, "little")
+    handed = (False, (2,), (1, 2))  # not what the predictor would say: the point is it is not asked
+    agent.given_access(sizes, args, handed)
+    assert agent.predict_launch("k", sizes, args) == handed and agent.memo_misses == 0
+    assert agent.predict_launch("k", sizes, bytes(bytearray(args))) == (False, (1,), (1,))  # other objects: predicted
+    assert agent.memo_misses == 1
+    agent.engine = types.SimpleNamespace(conservative={"k"})
+    assert agent.predict_launch("k", sizes, args) == (True, (2,), (1, 2))
+    agent.given_access(None, None, None)
+    assert agent.predict_launch("k", sizes, args) == (True, (1,), (1,))
+    agent.engine = None
 
 
 def test_dirty_ids_follow_the_predicted_writes_as_the_python_agent_does(core):

@@ -545,10 +545,11 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
         lib.core_issued()
 
     launch()
-    assert calls == [core_mod.UP_LAUNCH]  # nothing allowed yet (no lookup either: no snapshot)
+    # nothing allowed yet; the access set looked up (predicted) first, for the hook
+    assert calls == [core_mod.UP_PREDICT, core_mod.UP_LAUNCH]
     core.fast_allow(3)
     launch()
-    assert calls[1:] == [core_mod.UP_PREDICT, core_mod.UP_LAUNCH]  # allowed, but nothing marked
+    assert calls[2:] == [core_mod.UP_LAUNCH]  # allowed, but nothing marked
     core.fast_mark([0x10000], 2)
     core.fast_allow(3)
     launch()
@@ -601,6 +602,32 @@ def test_the_core_alone_calls_for_an_unmarked_allocation_and_queues_the_rest(lib
     assert core.counters()["fast"] == 4
     counts = core.fast_counts()
     assert counts["marks_dropped"] == 1 and counts["why_moved"] == 1 and counts["why_unready_write"] == 4
+
+
+def test_a_launch_hook_is_handed_the_access_set_the_memo_holds(library, tmp_path):
+    """The hook's upcall carries the launch's access set (writes, then every touched id), so
+    that Python does not predict it again; predicted once, on the first launch."""
+    calls: list[int] = []
+    core, lib, sizes, args = two_allocation_core(library, tmp_path, calls)
+    plain = core._upcall
+    handed: list[tuple] = []
+
+    def up(ptr):
+        u = ptr.contents
+        if u.what == core_mod.UP_LAUNCH:
+            n = u.nw + u.nt
+            handed.append((bool(u.ids), u.unknown, u.ids[:u.nw] if u.ids else [], u.ids[u.nw:n] if u.ids else []))
+        return plain(ptr)
+
+    core.set_upcall(up)
+    for _ in range(3):
+        lib.core_enter(OP_LAUNCH, 0, 0, 0, 5, 0xF00, b"k", sizes, 2, args, 16, 0, 0, 0)
+        lib.core_issued()
+    assert calls == [core_mod.UP_PREDICT] + [core_mod.UP_LAUNCH] * 3
+    assert handed == [(True, 0, [1], [1, 2])] * 3
+    lib.core_enter(OP_LAUNCH, 0, 0, 0, 5, 0xF00, b"k", None, 0, None, core_mod.NO_ARGS, 0, 0, 0)
+    lib.core_issued()
+    assert calls[-2:] == [core_mod.UP_PREDICT, core_mod.UP_LAUNCH]  # no arguments: what Python says of it
 
 
 def test_the_queue_parser_decodes_a_repeated_launch_once(library, tmp_path):

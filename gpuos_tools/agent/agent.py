@@ -185,6 +185,7 @@ class Agent(ProcessView):
         self._memo: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}  #: see predict_launch
         self._memo_words: dict[tuple, tuple[bool, tuple[int, ...], tuple[int, ...]]] = {}
         self._memo_epoch = -1
+        self._given: tuple[Any, Any, tuple[bool, tuple[int, ...], tuple[int, ...]]] | None = None
         self.memo_misses = 0
         #: kernel -> the predictor's reason for its last unknown prediction (at most WHY_MAX kernels)
         self.unknown_why: dict[str, str] = {}
@@ -454,6 +455,9 @@ class Agent(ProcessView):
         inside the allocations' address range, which are all a range prediction depends on: a
         launch whose arguments differ only in scalars (a step count, a random seed, a learning
         rate) reuses the prediction."""
+        given = self._given
+        if given is not None and given[0] is sizes and given[1] is args:
+            return self._conservative(kernel, given[2])
         if self._memo_epoch != self.pred.epoch:
             self._memo.clear()
             self._memo_words.clear()
@@ -478,11 +482,22 @@ class Agent(ProcessView):
             if len(self._memo) >= MEMO_MAX:
                 self._memo.clear()
             self._memo[key] = hit
+        return self._conservative(kernel, hit)
+
+    def _conservative(self, kernel: str, hit: tuple[bool, tuple[int, ...], tuple[int, ...]]
+                      ) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
         eng = getattr(self, "engine", None)
         if eng is not None and getattr(eng, "conservative", None) and kernel in eng.conservative:
             # a write its prediction did not show was detected (engine.py, "Mismatches"): unknown from now on
             return (True, *hit[1:])
         return hit
+
+    def given_access(self, sizes: Any, args: Any, access: tuple[bool, tuple[int, ...], tuple[int, ...]] | None
+                     ) -> None:
+        """The access set of the launch about to be hooked, as the native core's memo holds it
+        (``predict_launch``'s form): the hook's predictions of that launch (the same ``sizes``
+        and ``args`` objects) take it instead of predicting again. None: forget it."""
+        self._given = None if access is None else (sizes, args, access)
 
     def before_write(self, api: str, addr: int, stream: int, src: int = 0) -> None:
         """A copy or memset into ``addr`` (from ``src``, for a copy), or a free of it, is about

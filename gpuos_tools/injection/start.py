@@ -167,9 +167,16 @@ class AgentUpcalls:
             if what == UP_LAUNCH:
                 sizes, args = launch_args(u)
                 kernel = (u.name or b"").decode(errors="replace")
-                agent.before_launch(api, u.raw_stream, kernel, sizes, args)
-                if fast is not None:  # the addresses its hook found for this launch
-                    fast.fast_after(fast.launch_addrs(agent, kernel, sizes, args), u.raw_stream)
+                if u.ids:  # the core's memo holds its access set: the hook's predictions take it
+                    n = u.nw + u.nt
+                    ids = u.ids[:n]
+                    agent.given_access(sizes, args, (bool(u.unknown), tuple(ids[:u.nw]), tuple(ids[u.nw:n])))
+                try:
+                    agent.before_launch(api, u.raw_stream, kernel, sizes, args)
+                    if fast is not None:  # the addresses its hook found for this launch
+                        fast.fast_after(fast.launch_addrs(agent, kernel, sizes, args), u.raw_stream)
+                finally:
+                    agent.given_access(None, None, None)
             elif what == UP_WRITE:
                 agent.before_write(api, u.dst, u.raw_stream, u.src)
                 if fast is not None:

@@ -524,6 +524,27 @@ static uint32_t scan(const uint32_t *sizes, uint32_t np, const uint8_t *args, ui
     return n;
 }
 
+/* The scanned words as the memo keys them (and their hash): a range prediction's allocation
+   set depends on which allocation each word points into, not where in it (each pointer reads
+   and writes from itself to its allocation's end), except where the word points into bytes
+   copied from the host, whose stored pointers the predictor follows from there on: then the
+   word itself counts. So a launch whose pointers moved within their allocations (a decode's growing
+   cache, a tensor the caching allocator placed elsewhere in the same segment) hits. */
+#define KEY_IN 0x8000000000000000ull /* (KEY_IN | id): somewhere in allocation id */
+#define KEY_NONE 0xffffffffffffffffull /* in no allocation */
+static uint64_t coarse(uint32_t n) {
+    uint64_t h = 0x12345;
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t w = found_buf[2 * k + 1];
+        alloc_t *a = find(w);
+        if (!a) w = KEY_NONE;
+        else if (w < a->pay_lo || w >= a->pay_hi) w = KEY_IN | a->id;
+        found_buf[2 * k + 1] = w;
+        h = mix(mix(h, found_buf[2 * k]), w);
+    }
+    return h;
+}
+
 /* id -> index of the live allocations, for storing Python's answer (built once per epoch) */
 static uint64_t (*by_id)[2];
 static size_t n_by_id;
@@ -567,6 +588,7 @@ static memo_t *access_of(uint32_t cbid, uint64_t stream, uint64_t raw, uint64_t 
     int known = args_len != CORE_NO_ARGS;
     if (known) nf = scan(sizes, np, args, &h, &overflow);
     if (overflow) return NULL;
+    if (nf) h = coarse(nf);
     h = mix(mix(h, func), known);
     size_t b = h % MEMO_BUCKETS;
     for (memo_t *m = memo[b]; m; m = m->next)
@@ -1136,6 +1158,22 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
     }
     if ((flags & (F_ENGINE | F_EXEC)) && !fast) { /* the engine or the scheduler has work: the agent's hook */
         upcall_t u = {0};
+        uint64_t *given = NULL;
+        if (op == OP_LAUNCH) {
+            /* the hook's prediction is the memo's: looked up (or predicted, once) here and handed
+               over, so that Python does not predict the launch again */
+            if (!pre || pre_epoch != epoch) {
+                pre = access_of(cbid, eff, stream, func, name, sizes, np, args, args_len);
+                pre_epoch = epoch;
+            }
+            if (pre && (given = malloc(((size_t)pre->nw + pre->nt + 1) * 8))) {
+                for (uint32_t k = 0; k < pre->nw + pre->nt; k++) given[k] = allocs[pre->idx[k]].id;
+                u.ids = given;
+                u.nw = pre->nw;
+                u.nt = pre->nt;
+                u.unknown = pre->unknown;
+            }
+        }
         u.what = op == OP_LAUNCH ? UP_LAUNCH : op == OP_GRAPH ? UP_GRAPH : UP_WRITE;
         u.cbid = cbid;
         u.stream = eff;
@@ -1149,6 +1187,7 @@ void core_enter(uint32_t op, uint32_t cbid, int ptsz, int gated, uint64_t stream
         u.dst = dst;
         u.src = src;
         call_up(&u);
+        free(given);
     }
     last_known = 0;
     if (op == OP_LAUNCH) {

@@ -35,7 +35,8 @@ typedef struct {
     const uint8_t *args;
     uint64_t dst, src;
     /* UP_PREDICT: Python writes nw write ids then nt touched ids into ids (cap of them), and
-       unknown; returns 0 (non-zero: failed, taken as unknown) */
+       unknown; returns 0 (non-zero: failed, taken as unknown). UP_LAUNCH: where ids is set, the
+       launch's access set (the memo's) in the same form, for the hook */
     int32_t unknown;
     uint32_t nw, nt, cap;
     uint64_t *ids;
