@@ -94,7 +94,7 @@ SCHED = ("sched_100", "sched_100_cupti", "sched_100_slow", "sched_66", "sched_66
 SUMMARY_KEYS = ("budget", "budget_of", "steady_bytes", "footprint", "launches", "unknown", "evictions", "loads",
                 "prefetches", "demand_loads", "stalls", "bytes_in", "bytes_out", "over_budget", "periods", "period_use",
                 "period_breaks", "breaks", "fast", "dormant", "agent", "evict_saves", "dead_evictions", "dead_bytes",
-                "dead_loads")
+                "dead_loads", "engine_lock_waits", "mover_lock_waits")
 
 
 def mechanism(config: str) -> str:
@@ -212,7 +212,9 @@ def run_one(config: str, model: str, steps: int, warmup: int, timeout: float, tm
             ex = rec.get("executor") or {}  # where the program's thread waited for room
             res["sched"]["executor"] = {k: ex.get(k) for k in ("room_waits", "room_wait_s", "prefetch_skipped",
                                                                "ready_on_stream", "ready_now", "samples", "dead_asked",
-                                                               "dead_ask_s") if k in ex}
+                                                               "dead_ask_s", "before_s", "require_s", "evict_s",
+                                                               "measure_s", "policy_s", "fast_replay_s",
+                                                               "fast_after_s") if k in ex}
             st = rec.get("policy_stats") or {}
             if st.get("fixed_plans"):  # how much of the run a fixed plan decided, and why it ended
                 res["sched"]["fixed"] = {k: st.get(k) for k in ("fixed_plans", "fixed_launches", "fixed_ends", "fixed_end",

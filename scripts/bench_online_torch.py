@@ -86,7 +86,7 @@ CNN_ARGS = "--width 64 --blocks 2 --batch 64 --image 64 --batches 4 --steps 12"
 SUMMARY_KEYS = ("budget", "footprint", "launches", "unknown", "bytes_in", "bytes_out", "loads", "prefetches",
                 "demand_loads", "evictions", "evict_saves", "stalls", "over_budget", "peak_settled",
                 "peak_resident", "over_physical", "periods", "predicted", "error", "period_use", "period_breaks",
-                "breaks", "breaks_last", "park")
+                "breaks", "breaks_last", "park", "engine_lock_waits", "mover_lock_waits")
 
 
 def env() -> dict[str, str]:

@@ -114,3 +114,28 @@ def test_driver_ops_without_an_agent_mark_their_threads_in_the_registered_set(re
     tid = ops._builder.native_id
     assert registered.log == [("add", tid), ("discard", tid)]
     assert not registered.ids
+
+
+def test_the_engines_lock_counts_who_waited_for_it_and_how_long():
+    lock = threads.WaitCountingLock()
+    with lock, lock:  # re-entrant, and nobody waited
+        pass
+    assert lock.waits() == {}
+    held, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            go.wait(5)
+
+    t = threading.Thread(target=holder, name="gpuos-evict")
+    t.start()
+    held.wait(5)
+    assert not lock.acquire(blocking=False) and lock.waits() == {}  # a try is no wait
+    threading.Timer(0.05, go.set).start()
+    with lock:
+        pass
+    t.join()
+    waits = lock.waits()
+    assert list(waits) == [threading.current_thread().name] and waits[threading.current_thread().name]["waits"] == 1
+    assert waits[threading.current_thread().name]["wait_s"] >= 0.04

@@ -11,7 +11,7 @@ The design, the rules and the switches (settings.py): docs/residency-engine.md.
 
 from __future__ import annotations
 
-import threading
+import time
 from bisect import bisect_right
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -24,7 +24,7 @@ from gpuos_tools.memory.eviction import Eviction
 from gpuos_tools.memory.lazy import AHEAD, LazyLoader
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.states import EVICTING, LOADING, RELEASED, RESIDENT, Entry
-from gpuos_tools.memory.threads import agents_thread
+from gpuos_tools.memory.threads import WaitCountingLock, agents_thread
 
 SAMPLE = 16  #: once everything is learnt, one operation of the program in SAMPLE is looked at for recency
 RECENT_MAX = 4096  #: allocation ids kept in ``recent`` (the least recent dropped beyond it)
@@ -44,7 +44,7 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
         self.owned = owned
         self.ops = ops if ops is not None else DriverOps(agent, owned=owned)
         self.ahead = ahead
-        self.lock = threading.RLock()
+        self.lock = WaitCountingLock()  #: re-entrant; counts who waited for it (``stats``)
         self.pending: dict[int, Entry] = {}  #: base -> entry, records not simply resident
         self._bases: list[int] = []  #: sorted keys of pending
         #: bytes of the pending records RELEASED, kept at every change of ``pending`` or of an
@@ -64,7 +64,9 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
                        "loaded_bytes": 0, "freed_while_pending": 0, "evict_unsettled": 0, "unsaved_bytes": 0, "digests": 0,
                        "digest_skips": 0, "digest_skipped_bytes": 0, "digest_changed": 0, "digest_backoff_saves": 0,
                        "mismatches": 0, "conservative_launches": 0, "dead_evictions": 0, "dead_bytes": 0,
-                       "dead_loads": 0}
+                       "dead_loads": 0,
+                       # seconds in the driver's unmaps (evict thread) and maps (loads), engine lock held
+                       "release_s": 0.0, "map_s": 0.0}
         self._start_lazy()
         self._start_eviction()
         self._start_mismatches()
@@ -375,7 +377,9 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
             self._drop(e.base)
             self.counts["freed_while_pending"] += 1
             return False
+        t = time.perf_counter()
         self.ops.make_resident(e.base)
+        self.counts["map_s"] += time.perf_counter() - t
         r = self.ops.lookup(e.base)
         if r is None or r.base != e.base:  # a free came during make_resident and was carried out
             self._drop(e.base)
@@ -451,6 +455,7 @@ class ResidencyEngine(LazyLoader, Eviction, Digests, Mismatches):
                 "digest_checks": [{"size": n, "unchanged": t[0], "changed": t[1]}
                                   for n, t in sorted(self.checked_sizes.items())],
                 "conservative": sorted(k[:160] for k in self.conservative), "mismatch": list(self.mismatch_log),
+                "lock_waits": self.lock.waits(),
             }
         if self.lazy is not None:
             out["lazy"] = {k: v for k, v in self.lazy.items() if not k.startswith("t_")}

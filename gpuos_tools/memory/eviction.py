@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -255,7 +256,9 @@ class Eviction:
             if e.cancelled or self.pending.get(base) is not e:
                 ops.destroy(ev)
                 return
+            t = time.perf_counter()
             ops.release(base)
+            self.counts["release_s"] += time.perf_counter() - t
             self.clean.discard(base)
             # counted before the state says RELEASED, nothing between: a reader of ``counts``
             # without the lock (``state`` takes none) never sees a released record uncounted

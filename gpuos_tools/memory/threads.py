@@ -10,6 +10,7 @@ when it started (``set_own_threads``): memory never looks the agent up, it is a 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,3 +44,43 @@ def agents_thread(marks: Any = None) -> Iterator[None]:
     finally:
         if mine:
             own.discard(me)
+
+
+class WaitCountingLock:
+    """A re-entrant lock that counts, per thread name, how often and how long a thread had to
+    wait for it (the uncontended path is one try). The residency engine's threads issue driver
+    calls under its lock, and the program's thread takes it at every decision: where the
+    program's time goes on a GPU host is in these figures."""
+
+    __slots__ = ("_lock", "waited")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waited: dict[str, list[float]] = {}  #: thread name -> [waits, seconds]
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        lock = self._lock
+        if lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        t = time.perf_counter()
+        got = lock.acquire(True, timeout)
+        w = self.waited.setdefault(threading.current_thread().name, [0, 0.0])
+        w[0] += 1
+        w[1] += time.perf_counter() - t
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def waits(self) -> dict[str, dict[str, float]]:
+        """Per thread name: the waits and their seconds."""
+        return {name: {"waits": int(n), "wait_s": round(s, 6)} for name, (n, s) in sorted(self.waited.items())}
+

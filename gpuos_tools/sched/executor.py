@@ -82,6 +82,7 @@ from gpuos_tools.memory.engine import opaque_copy
 from gpuos_tools.memory.eviction import PER_THREAD_STREAM
 from gpuos_tools.memory.settings import EngineSettings
 from gpuos_tools.memory.states import LOADING
+from gpuos_tools.memory.threads import WaitCountingLock
 from gpuos_tools.sched.ledger import Ledger
 from gpuos_tools.sched.online import OnlinePolicy
 from gpuos_tools.sched.serve import CoordinatorClient
@@ -139,7 +140,8 @@ class Executor(AgentHooks):
         self._budget = 0
         self._moves: queue.Queue[Any] = queue.Queue()
         self._mover: threading.Thread | None = None
-        self._load_lock = threading.Lock()  #: a room check and the load it allows, together
+        #: a room check and the load it allows, together (who waited for it: the summary's ``mover_lock_waits``)
+        self._load_lock = WaitCountingLock()
         self._demand = threading.Event()  #: the program's thread waits for room: the mover holds off
         self.counts = {"room_waits": 0, "room_wait_s": 0.0, "room_timeouts": 0, "over_physical": 0,
                        "peak_resident": 0, "peak_settled": 0, "settled": 0, "evict_refused": 0,
@@ -1540,6 +1542,8 @@ class Executor(AgentHooks):
             # copied back at their loads (docs/residency-engine.md, "Dead records")
             "dead_evictions": eng.get("dead_evictions", 0), "dead_bytes": eng.get("dead_bytes", 0),
             "dead_loads": eng.get("dead_loads", 0),
+            # who waited for the engine's lock, and how long (its threads issue driver calls under it)
+            "engine_lock_waits": eng.get("lock_waits", {}), "mover_lock_waits": self._load_lock.waits(),
             # writes no prediction showed, and the kernels treated as unknown since (engine.py, "Mismatches")
             "mismatches": eng.get("mismatches", 0), "conservative": eng.get("conservative", []),
             "stalls": pol["stalls"], "over_budget": pol["over_budget"], "over_budget_bytes": pol["over_budget_bytes"],
