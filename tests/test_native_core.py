@@ -195,72 +195,70 @@ def test_repeated_launches_come_from_the_memo_and_an_allocation_invalidates_it(c
     assert core.counters()["memo_misses"] == misses + 1
 
 
-def test_a_pointer_array_copied_from_the_host_changes_the_prediction(core):
-    """A kernel given a pointer to device memory that holds pointers (copied from the host):
-    the predictor follows them, so a new copy into that memory must reach the core's memo."""
+TABLE = 0x7F0000000000  #: a pointer table, then three arrays of 1 MiB (``table_and_arrays``)
+
+
+def table_and_arrays(core: NativeCore) -> Driver:
+    """A driver for the core tracking writes, with the pointer table at TABLE and three arrays
+    after it."""
     agent, _ = wired(core)
     track(agent)
     drv = Driver(core, agent)
-    base = 0x7F0000000000
-    for i in range(4):  # a pointer table, then three arrays
-        drv.alloc({"addr": base + i * 0x100000, "size": 0x100000, "kind": "device"})
-    table = base
-    kernel = {"func": 0xF00, "kernel": "kernel_ptrs", "layout": "x",
-              "params": [{"size": 8, "hex": table.to_bytes(8, "little").hex()}]}
+    for i in range(4):
+        drv.alloc({"addr": TABLE + i * 0x100000, "size": 0x100000, "kind": "device"})
+    return drv
 
-    def copy_table(targets):
-        data = b"".join(t.to_bytes(8, "little") for t in targets)
-        drv.write({"type": "memcpy", "dir": "HtoD", "dst": table, "src": 0x1000, "bytes": len(data),
-                   "data": data.hex()})
 
-    def check():
-        name, sizes, args = drv.launch(kernel)
-        got = core.last_access()
-        want = reference(drv.ref, name, sizes, args)
-        assert (got[0], set(got[1]), set(got[2])) == (want[0], set(want[1]), set(want[2]))
-        return want
+def copy_pointers(drv: Driver, targets: list[int]) -> None:
+    """The host copies ``targets`` into the pointer table."""
+    data = b"".join(t.to_bytes(8, "little") for t in targets)
+    drv.write({"type": "memcpy", "dir": "HtoD", "dst": TABLE, "src": 0x1000, "bytes": len(data), "data": data.hex()})
 
-    copy_table([base + 0x100000])
-    first = check()
-    copy_table([base + 0x200000, base + 0x300000])  # now it points elsewhere
-    second = check()
-    assert set(first[2]) != set(second[2])
+
+def checked_launch(core: NativeCore, drv: Driver, ptr: int) -> tuple:
+    """A launch of a kernel given ``ptr`` (and a scalar): the core's access set, required equal
+    to the predictor's without a memo, as (unknown, writes, touched) of sets."""
+    rec = {"func": 0xF00, "kernel": "kernel_ptrs", "layout": "x",
+           "params": [{"size": 8, "hex": ptr.to_bytes(8, "little").hex()}, {"size": 8, "hex": "07" + "00" * 7}]}
+    name, sizes, args = drv.launch(rec)
+    got = core.last_access()
+    want = reference(drv.ref, name, sizes, args)
+    assert (got[0], set(got[1]), set(got[2])) == (want[0], set(want[1]), set(want[2])), hex(ptr)
+    return want[0], set(want[1]), set(want[2])
+
+
+def test_a_pointer_array_copied_from_the_host_changes_the_prediction(core):
+    """A kernel given a pointer to device memory that holds pointers (copied from the host):
+    the predictor follows them, so a new copy into that memory must reach the core's memo."""
+    drv = table_and_arrays(core)
+    copy_pointers(drv, [TABLE + 0x100000])
+    first = checked_launch(core, drv, TABLE)
+    copy_pointers(drv, [TABLE + 0x200000, TABLE + 0x300000])  # now it points elsewhere
+    second = checked_launch(core, drv, TABLE)
+    assert first[2] != second[2]
 
 
 def test_a_pointer_moved_within_its_allocation_is_memoised_unless_it_points_into_host_bytes(core):
     """The memo keys a word by the allocation it points into (a decode's cache tensors move
     within their segment every token), but by the word itself where it points into bytes
     copied from the host, whose stored pointers the predictor follows from there on."""
-    agent, _ = wired(core)
-    track(agent)
-    drv = Driver(core, agent)
-    base = 0x7F0000000000
-    for i in range(4):  # a pointer table, then three arrays
-        drv.alloc({"addr": base + i * 0x100000, "size": 0x100000, "kind": "device"})
-    drv.alloc({"addr": base + 0x600000, "size": 0x100000, "kind": "device"})  # a hole before it
-    table = base
-    data = b"".join(t.to_bytes(8, "little") for t in (base + 0x100000, base + 0x200000))
-    drv.write({"type": "memcpy", "dir": "HtoD", "dst": table, "src": 0x1000, "bytes": len(data), "data": data.hex()})
+    drv = table_and_arrays(core)
+    drv.alloc({"addr": TABLE + 0x600000, "size": 0x100000, "kind": "device"})  # a hole before it
+    copy_pointers(drv, [TABLE + 0x100000, TABLE + 0x200000])
 
     def launch(ptr: int) -> tuple:
-        rec = {"func": 0xF00, "kernel": "kernel_ptrs", "layout": "x",
-               "params": [{"size": 8, "hex": ptr.to_bytes(8, "little").hex()}, {"size": 8, "hex": "07" + "00" * 7}]}
-        name, sizes, args = drv.launch(rec)
-        got = core.last_access()
-        want = reference(drv.ref, name, sizes, args)
-        assert (got[0], set(got[1]), set(got[2])) == (want[0], set(want[1]), set(want[2])), hex(ptr)
-        return want[0], set(want[1]), set(want[2])
+        return checked_launch(core, drv, ptr)
 
     misses = core.counters()["memo_misses"]
-    assert launch(base + 0x300000) == launch(base + 0x300000 + 4096) == launch(base + 0x3FFFF8)
+    assert launch(TABLE + 0x300000) == launch(TABLE + 0x300000 + 4096) == launch(TABLE + 0x3FFFF8)
     assert core.counters()["memo_misses"] == misses + 1
-    both, second = launch(table), launch(table + 8)  # into the copied bytes: each word its own
+    both, second = launch(TABLE), launch(TABLE + 8)  # into the copied bytes: each word its own
     assert core.counters()["memo_misses"] == misses + 3
     assert len(both[2]) == 3 and len(second[2]) == 2
-    assert launch(table + 0x1000) == launch(table + 0x2000)  # past them: the allocation counts
+    assert launch(TABLE + 0x1000) == launch(TABLE + 0x2000)  # past them: the allocation counts
     assert core.counters()["memo_misses"] == misses + 4
-    assert launch(base + 0x500000)[2] == set()  # in the hull's hole: no allocation
-    assert launch(base + 0x500000 + 64)[2] == set()
+    assert launch(TABLE + 0x500000)[2] == set()  # in the hull's hole: no allocation
+    assert launch(TABLE + 0x500000 + 64)[2] == set()
     assert core.counters()["memo_misses"] == misses + 5
 
 
