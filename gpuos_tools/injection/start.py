@@ -94,8 +94,9 @@ class AgentUpcalls:
 
     def profile_to(self, path: str) -> None:
         """Run every upcall under cProfile (a developer's view of where the agent's time goes on
-        the program's thread; the mover's and the engine's threads are not in it, but the time
-        an upcall waited for the GIL they held is) and write its statistics to ``path`` at the
+        the program's thread, the time an upcall waited for the GIL or a lock included; on
+        Python 3.12 cProfile sees every thread while it is on, so the mover's and the evict
+        thread's work during an upcall shows too) and write its statistics to ``path`` at the
         exit (`write_profile`)."""
         prof = self._profile = cProfile.Profile()
         plain = self.dispatch
