@@ -81,6 +81,7 @@ class WaitCountingLock:
         self._lock.release()
 
     def waits(self) -> dict[str, dict[str, float]]:
-        """Per thread name: the waits and their seconds."""
-        return {name: {"waits": int(n), "wait_s": round(s, 6)} for name, (n, s) in sorted(self.waited.items())}
+        """Per thread name: the waits and their seconds (a copy first: a thread waiting for the
+        first time adds its name meanwhile)."""
+        return {name: {"waits": int(n), "wait_s": round(s, 6)} for name, (n, s) in sorted(dict(self.waited).items())}
 
