@@ -13,6 +13,8 @@ import struct
 
 import numpy as np
 
+from gpuos_tools.agent.cuda_device import TIMED_OUT
+
 
 #: where reservations without a hint start: away from the tests' program addresses
 ANYWHERE = 0x7E0000000000
@@ -20,6 +22,10 @@ ANYWHERE = 0x7E0000000000
 
 class Fault(Exception):
     pass
+
+
+class Spins(Exception):
+    """A kernel that would never end (it waits for a value it will not see)."""
 
 
 class FakeSpace:
@@ -79,6 +85,7 @@ class FakeDevice:
         self.loaded: list[bytes] = []  # modules loaded now
         self.state = 0  # a counter kernels may use to be nondeterministic
         self.variables: dict[str, bytes] = {}  # the loaded module's variables, as set
+        self.timeouts: list[float | None] = []  # each launch's timeout
 
     # -- Device
     def reserve(self, addr: int, size: int) -> int:
@@ -135,15 +142,19 @@ class FakeDevice:
         assert module in self.loaded
         self.variables[name] = bytes(data)
 
-    def launch(self, fn, grid, block, shared, params, attributes=()):
+    def launch(self, fn, grid, block, shared, params, attributes=(), timeout=None):
         self.launches += 1
         self.attributes = list(attributes)
+        self.timeouts.append(timeout)
         try:
             self.kernels[fn](self, params)
         except Fault:
             return "CUDA_ERROR_ILLEGAL_ADDRESS"
         except AssertionError:
             return "CUDA_ERROR_ASSERT"
+        except Spins:
+            assert timeout is not None, "a kernel that never ends, waited for with no timeout"
+            return TIMED_OUT
         return None
 
     # -- what kernels use
@@ -262,7 +273,26 @@ def hidden_scale(dev: FakeDevice, params) -> None:
     scale(dev, [dev.fetch(ptr(params[0]), 8), params[1], params[2]])
 
 
+def accumulate(dev: FakeDevice, params) -> None:
+    """x[i] += y[i] for i < n: x read and updated in place, as an optimizer's state or an output
+    accumulated from zero."""
+    x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    vals = np.frombuffer(dev.fetch(x, 4 * n), np.float32) + np.frombuffer(dev.fetch(y, 4 * n), np.float32)
+    dev.store(x, vals.astype(np.float32).tobytes())
+
+
+def turnstile(dev: FakeDevice, params) -> None:
+    """Waits until the 32-bit counter at x is 0, then sets it to 1 and copies n floats from
+    y + 4 to x + 4: a kernel that spins forever on a counter it is not given at zero."""
+    x, y, n = ptr(params[0]), ptr(params[1]), i32(params[2])
+    if i32(dev.fetch(x, 4)) != 0:
+        raise Spins
+    dev.store(x, struct.pack("<i", 1))
+    dev.store(x + 4, dev.fetch(y + 4, 4 * n))
+
+
 KERNELS = {f.__name__: f for f in (copy, copy_and_spill, sum_past, far_read, scribble_input, stamp, asserting,
-                                   follow, follow_offset, scale, overwrite, partial, hidden_scale)}
+                                   follow, follow_offset, scale, overwrite, partial, hidden_scale, accumulate,
+                                   turnstile)}
 KERNELS["_Z8lut_copyPfi"] = lut_copy  # void lut_copy(float*, int)
 KERNELS["_Z4copyIfEvPKT_PS0_i"] = copy  # void copy<float>(const float*, float*, int), as a program names it

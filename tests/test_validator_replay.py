@@ -504,14 +504,15 @@ def test_the_measurement_stops_at_its_run_budget(monkeypatch):
     assert rec["checked"] and rec["extents"] == [] and dev.launches == 2 + 2
 
 
-def both_read_and_written(kernel: str) -> dict:
-    """``kernel`` (x, y, n) with both whole granules predicted read and written, x = 1, 2, ... and
-    y = 1001, 1002, ... (no zero among them, and no value of x's), and both extents measured."""
-    x = np.arange(1, G // 4 + 1, dtype=np.float32)
+def both_read_and_written(kernel: str, x: np.ndarray | None = None, replayer: Replayer | None = None) -> dict:
+    """``kernel`` (x, y, n) with both whole granules predicted read and written, x = 1, 2, ...
+    unless given and y = 1001, 1002, ... (no zero among them, and no value of x's), and both
+    extents measured."""
+    x = np.arange(1, G // 4 + 1, dtype=np.float32) if x is None else x
     y = np.arange(1001, 1001 + G // 4, dtype=np.float32)
     req = request(kernel, [[X, G], [Y, G]], [[X, G], [Y, G]], [[X, G, 0, "rw"], [Y, G, G, "rw"]])
     req["extents"] = [[0, 0, X, X + G, X], [1, 0, Y, Y + G, Y]]
-    rec = Replayer(FakeDevice(KERNELS, G)).replay(req, x.tobytes() + y.tobytes(), b"image")
+    rec = (replayer or Replayer(FakeDevice(KERNELS, G))).replay(req, x.tobytes() + y.tobytes(), b"image")
     assert rec["checked"] and rec["reads"] == "ok", rec
     return {e["ptr"]: e for e in rec["extents"]}
 
@@ -545,3 +546,32 @@ def test_an_unpredicted_byte_updated_in_place_is_a_missed_read():
     req = request("partial", [[X, 4 * N]], [[X, 4 * N], [Y, 4 * N]], regions, n=N // 2 + 6)  # to byte 448
     rec = Replayer(FakeDevice(KERNELS, G)).replay(req, staged(x, np.zeros(N, np.float32)), b"image")
     assert rec["missed_writes"] == [] and rec["reads"] == "ok", rec
+
+
+def test_an_update_in_place_of_zeros_reads_them():
+    """accumulate (x += y) on x all zeros: zeroing x changes nothing, so only the zeros' poison
+    shows the read; the first bisection alone measured x unread."""
+    ext = both_read_and_written("accumulate", np.zeros(G // 4, np.float32))
+    assert ext[X]["read"] == 512 and ext[X]["in_place_zeros"] > 0 and ext[X]["written"] == 512, ext
+    assert ext[Y]["read"] == 512 and "in_place_zeros" not in ext[Y], ext  # y holds no zeros x's update wrote
+
+
+def test_an_overwrite_of_zeros_still_reads_none_of_them():
+    ext = both_read_and_written("overwrite", np.zeros(G // 4, np.float32))  # x = y
+    assert ext[X]["read"] == 0 and ext[X]["in_place_zeros"] == 0 and ext[X]["written"] == 512, ext
+    ext = both_read_and_written("partial", np.zeros(G // 4, np.float32))
+    assert ext[X]["read"] == 0 and ext[X]["written"] == 896, ext
+
+
+def test_a_kernel_that_spins_under_the_zeros_poison_times_out_and_keeps_the_first_answer():
+    """turnstile waits for its counter at zero: under the zeros' poison it never ends. That run
+    is bounded, the context is counted lost, and each pointer keeps the first bisection's extent."""
+    dev = FakeDevice(KERNELS, G)
+    replayer = Replayer(dev)
+    ext = both_read_and_written("turnstile", np.zeros(G // 4, np.float32), replayer)
+    assert replayer.lost
+    assert ext[X]["written"] == 512 and "in_place_zeros" not in ext[X], ext
+    assert ext[Y]["read"] == 512, ext
+    bounded = [t for t in dev.timeouts if t is not None]
+    assert bounded and all(t >= replay.TIMEOUT_FLOOR_S for t in bounded), dev.timeouts
+    assert dev.timeouts[:2] == [None, None]  # the two poisons' runs wait as long as the kernel takes

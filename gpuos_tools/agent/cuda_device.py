@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import time
 from typing import Any
 
 import numpy as np
+
+#: what a launch waited for past its timeout answers; the context still runs the kernel
+TIMED_OUT = "timed out"
 
 
 class ReplayError(Exception):
@@ -116,9 +120,11 @@ class CudaDevice:
             self._ok(self.drv.cuMemcpyHtoD(addr, data, n), f"cuMemcpyHtoD {name}")
 
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes],
-               attributes: list[tuple[int, bytes]] = ()) -> str | None:
+               attributes: list[tuple[int, bytes]] = (), timeout: float | None = None) -> str | None:
         """Launch and synchronise: None, or the error's name (the launch's or the kernel's).
-        ``attributes``: (CUlaunchAttributeID, the value's bytes) of REPLAYED_ATTRIBUTES."""
+        ``attributes``: (CUlaunchAttributeID, the value's bytes) of REPLAYED_ATTRIBUTES.
+        ``timeout``: seconds to wait for the kernel, polling; past them TIMED_OUT (the
+        kernel still runs: the context is of no further use)."""
         drv = self.drv
         if shared > 48 << 10:
             drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -130,6 +136,15 @@ class CudaDevice:
                                             ctypes.addressof(ptrs), 0)[0]
         else:
             launched = drv.cuLaunchKernel(fn, *grid, *block, shared, 0, ctypes.addressof(ptrs), 0)[0]
+        if timeout is not None and launched == drv.CUresult.CUDA_SUCCESS:
+            deadline, pause = time.monotonic() + timeout, 1e-5
+            while (state := drv.cuStreamQuery(0)[0]) == drv.CUresult.CUDA_ERROR_NOT_READY:
+                if time.monotonic() > deadline:
+                    return TIMED_OUT
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+            if state != drv.CUresult.CUDA_SUCCESS:
+                return getattr(state, "name", str(state))
         for err in (launched, drv.cuCtxSynchronize()[0]):
             if err != drv.CUresult.CUDA_SUCCESS:
                 return getattr(err, "name", str(err))

@@ -41,7 +41,8 @@ that change no result are dropped (``DROPPED_ATTRIBUTES``), clusters and coopera
 replayed with theirs (``REPLAYED_ATTRIBUTES``), a launch with any other is not replayed. Read
 extents are measured as in the program's process: a bisection per pointer over zeroed tails of
 the predicted bytes, which also compares the zeroed bytes the control run visibly wrote (an update
-in place), at most ``EXTENT_RUNS`` replays a launch. Bytes predicted written only hold their
+in place), then over the rest of each tail with the zeros among those bytes poisoned non-zero
+(zeroing a zero shows nothing), at most ``EXTENT_RUNS`` replays a launch. Bytes predicted written only hold their
 launch-time contents in both poisons' runs, so an in-place read of them is seen by the read
 extents only.
 """
@@ -61,7 +62,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from gpuos_tools.agent.cuda_device import CudaDevice, ReplayError
+from gpuos_tools.agent.cuda_device import TIMED_OUT, CudaDevice, ReplayError
 from gpuos_tools.agent.validate import CHUNK, Layout, extent_cuts, shortest_prefix
 from gpuos_tools.agent.vaspace import KNOWN_STRATEGIES, STRATEGIES
 from gpuos_tools.model.allocs import Allocation
@@ -75,8 +76,16 @@ ACCESS_FAULTS = ("CUDA_ERROR_ILLEGAL_ADDRESS",)
 #: errors after which the context is unusable
 STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_FAILED",
           "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_PC",
-          "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_LAUNCH_TIMEOUT")
+          "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_LAUNCH_TIMEOUT",
+          TIMED_OUT)
 POISONS = (0x00, 0xFF)
+#: the byte that replaces zeros a launch updated in place, where zeroing them cannot show a read
+#: (0x3F3F... is 0.75 as float32 and bfloat16, 1.8 as float16, 4.8e-4 as float64)
+ZERO_POISON = 0x3F
+#: a replay under ZERO_POISON runs at most this many times the control's time (a kernel that
+#: waits on a counter it was given at zero may never end), and at least TIMEOUT_FLOOR_S
+TIMEOUT_FACTOR = 50
+TIMEOUT_FLOOR_S = 2.0
 #: replays a launch's read-extent measurement may take (each a bisection step of one pointer)
 EXTENT_RUNS = 256
 #: reservations tried in one driver area of the program's refused whole (halves, then quarters...)
@@ -160,7 +169,7 @@ class Device(Protocol):
     def unload(self, module: Any) -> None: ...
     def set_variable(self, module: Any, name: str, data: bytes) -> None: ...
     def launch(self, fn: Any, grid: list[int], block: list[int], shared: int, params: list[bytes],
-               attributes: list[tuple[int, bytes]] = ()) -> str | None: ...
+               attributes: list[tuple[int, bytes]] = (), timeout: float | None = None) -> str | None: ...
 
 
 # ------------------------------------------------------------------ the replay
@@ -461,11 +470,14 @@ class Replayer:
                 base["relocated"] = {"spans": [[lo, hi - lo, to] for lo, hi, to in moves.moved],
                                      "pointers": {"parameters": int(sum(n_params)), "memory": int(len(idx)),
                                                   "variables": int(n_vars)}}
+            control_s = 0.0
             for fill in POISONS:
                 init = self._image(spans, regions, staging, fill, total)
                 if pointers is not None:
                     init.view("<u8")[pointers[0]] = pointers[1]
+                began = time.monotonic()
                 err = self._run(spans, init, module, fn, req, params, variables, ro_taken, at)
+                control_s = max(control_s, time.monotonic() - began)
                 if err is not None:
                     return self._failed(base, err, total)
                 runs[fill] = (init, self._read(spans, total, at))
@@ -483,9 +495,11 @@ class Replayer:
                 rec["read_only"] = "enforced" if all(ro_taken) else "refused"
             if req.get("extents") and rec["reads"] != "nondeterministic":
                 holders = self._pointer_words(spans, regions, staging, predicted, total)
+                deadline = max(TIMEOUT_FLOOR_S, TIMEOUT_FACTOR * control_s)
                 ext = self._extents(req["extents"], spans, predicted, holders, runs, rec["written"],
-                                    lambda image: self._run(spans, image, module, fn, req, params, variables, [], at),
-                                    lambda idx: self._read_spans(spans, idx, at))
+                                    lambda image, timeout=None: self._run(spans, image, module, fn, req, params,
+                                                                          variables, [], at, timeout),
+                                    lambda idx: self._read_spans(spans, idx, at), deadline)
                 if ext is not None:
                     rec["extents"] = ext
             return rec
@@ -513,17 +527,26 @@ class Replayer:
         return np.repeat(hit, 8)
 
     def _extents(self, targets, spans, predicted: np.ndarray, holders: np.ndarray, runs, written,
-                 run, read) -> list[dict[str, Any]] | None:
+                 run, read, deadline: float | None = None) -> list[dict[str, Any]] | None:
         """How far past each pointer the kernel reads, as the in-process validator measures it
         (validate.Validator._bisect): the shortest prefix of [pointer, end) whose predicted
         tail, zeroed, leaves every chunk the launch wrote as the control run (poison 0x00) left
         it, the zeroed bytes aside except those the control visibly wrote (an update in place
         reads them: a kernel that does not read them writes there what the control wrote); and
         how far past it the launch wrote. ``in_place``: the steps where only those bytes showed
-        the read. At most ``EXTENT_RUNS`` runs a launch; None when a run failed (the control then
-        does not hold)."""
+        the read.
+
+        Zeroing bytes that held zeros shows nothing, so an update in place of zeros (optimizer
+        state at its first step, an output accumulated from zero) looked unread. Once every
+        pointer is measured, a second bisection over the rest of each tail gives those bytes
+        ZERO_POISON instead (``in_place_zeros``: the steps it showed a read), each run bounded
+        by ``deadline`` seconds; where such a run fails the context is lost and the pointers not
+        yet measured so keep the first answer. At most ``EXTENT_RUNS`` runs a launch; None when a
+        run of the first bisection failed (the control then does not hold)."""
         init, control = runs[POISONS[0]]
         visible = init != control
+        # zeros the control overwrote: zeroing them cannot show whether the kernel read them
+        zero_updates = visible & (init == 0) & predicted & ~holders
         chunks = np.zeros(len(predicted) // CHUNK, dtype=bool)
         for i, after in runs.values():
             chunks |= _chunks(i != after)
@@ -534,6 +557,43 @@ class Replayer:
         out: list[dict[str, Any]] = []
         budget = [EXTENT_RUNS]
         failed: list[str] = []
+
+        def tail(cut: int, end: int) -> np.ndarray:
+            zeroed = np.zeros(len(predicted), dtype=bool)
+            for k, (s, n, _) in enumerate(spans):
+                lo, hi = max(cut, s), min(end, s + n)
+                if lo < hi:
+                    zeroed[offsets[k] + lo - s : offsets[k] + hi - s] = True
+            return zeroed & predicted & ~holders
+
+        def unchanged(cut: int, end: int, seen: list[int], fill: bool) -> bool:
+            """Whether poisoning [cut, end) left the launch's output as the control's."""
+            if failed or budget[0] <= 0:
+                raise _Stop
+            budget[0] -= 1
+            zeroed = tail(cut, end)
+            image = init.copy()
+            image[zeroed] = 0
+            if fill:
+                image[zeroed & zero_updates] = ZERO_POISON
+            err = run(image, deadline) if fill else run(image)
+            if err is not None:
+                failed.append(err)
+                raise _Stop
+            got = read(needed)
+            keep = compare & ~zeroed
+            if not all(np.array_equal(got[k][keep[offsets[k] : offsets[k + 1]]],
+                                      control[offsets[k] : offsets[k + 1]][keep[offsets[k] : offsets[k + 1]]])
+                       for k in needed):
+                return False
+            overwritten = zeroed & visible
+            if any(np.any((got[k] != control[offsets[k] : offsets[k + 1]])
+                          & overwritten[offsets[k] : offsets[k + 1]]) for k in needed):
+                seen[0] += 1
+                return False
+            return True
+
+        later: list[tuple[dict[str, Any], list[int], int, int]] = []  # second bisection: (extent, cuts, from, held)
         for param, offset, ptr, end, base in targets:
             if not any(s <= ptr < s + n for s, n, _ in spans):
                 continue  # not mapped here: the prediction named none of it
@@ -542,38 +602,8 @@ class Replayer:
                 continue
             cuts = extent_cuts(ptr, end, base)
             in_place = [0]
-
-            def ok(cut: int, end: int = end) -> bool:
-                if failed or budget[0] <= 0:
-                    raise _Stop
-                budget[0] -= 1
-                zeroed = np.zeros(len(predicted), dtype=bool)
-                for k, (s, n, _) in enumerate(spans):
-                    lo, hi = max(cut, s), min(end, s + n)
-                    if lo < hi:
-                        zeroed[offsets[k] + lo - s : offsets[k] + hi - s] = True
-                zeroed &= predicted & ~holders
-                image = init.copy()
-                image[zeroed] = 0
-                err = run(image)
-                if err is not None:
-                    failed.append(err)
-                    raise _Stop
-                got = read(needed)
-                keep = compare & ~zeroed
-                if not all(np.array_equal(got[k][keep[offsets[k] : offsets[k + 1]]],
-                                          control[offsets[k] : offsets[k + 1]][keep[offsets[k] : offsets[k + 1]]])
-                           for k in needed):
-                    return False
-                overwritten = zeroed & visible
-                if any(np.any((got[k] != control[offsets[k] : offsets[k + 1]])
-                              & overwritten[offsets[k] : offsets[k + 1]]) for k in needed):
-                    in_place[0] += 1
-                    return False
-                return True
-
             try:
-                hi, steps = shortest_prefix(cuts, ok)
+                hi, steps = shortest_prefix(cuts, lambda cut, end=end: unchanged(cut, end, in_place, False))
             except _Stop:
                 break
             wrote = [min(a + n, end) - ptr for a, n in written if a < end and ptr < a + n]
@@ -584,10 +614,29 @@ class Replayer:
                                 "read": max(cuts[hi], held) - ptr, "written": max(wrote, default=0),
                                 "steps": steps, "in_place": in_place[0]}
             out.append(done[(ptr, end)])
+            if hi < len(cuts) - 1 and (tail(cuts[hi], end) & zero_updates).any():
+                later.append((done[(ptr, end)], cuts, hi, held))
         if failed:
             if failed[0] in STICKY:
                 self.lost = True
             return None
+        for ext, cuts, first, held in later:
+            seen = [0]
+            end = cuts[-1]
+            try:
+                more, steps = shortest_prefix(cuts[first:], lambda cut: unchanged(cut, end, seen, True))
+            except _Stop:
+                break
+            ext["read"] = max(cuts[first + more], held) - ext["ptr"]
+            ext["steps"] += steps
+            ext["in_place_zeros"] = seen[0]
+        for ext in out:  # the copies of a measured extent take what its second bisection found
+            src = done[(ext["ptr"], ext["ptr"] + ext["limit"])]
+            if src is not ext:
+                ext.update(read=src["read"], **({"in_place_zeros": src["in_place_zeros"]}
+                                                if "in_place_zeros" in src else {}))
+        if failed and failed[0] in STICKY:
+            self.lost = True
         return out
 
     @staticmethod
@@ -623,7 +672,7 @@ class Replayer:
         return init
 
     def _run(self, spans, init: np.ndarray, module, fn, req, params, variables: list[tuple[str, bytes]],
-             ro_taken: list[bool], at=lambda addr: addr) -> str | None:
+             ro_taken: list[bool], at=lambda addr: addr, timeout: float | None = None) -> str | None:
         dev = self.device
         for name, data in variables:  # the module's variables as the program's were at its launch
             dev.set_variable(module, name, data)
@@ -637,7 +686,9 @@ class Replayer:
                 ro_taken.append(dev.protect(where, size, True))
             pos += size
         attributes = [(ident, bytes.fromhex(value)) for ident, value in req.get("attributes", ())]
-        return dev.launch(fn, req["grid"], req["block"], req["shared"], params, attributes)
+        if timeout is None:
+            return dev.launch(fn, req["grid"], req["block"], req["shared"], params, attributes)
+        return dev.launch(fn, req["grid"], req["block"], req["shared"], params, attributes, timeout=timeout)
 
     def _read(self, spans, total: int, at=lambda addr: addr) -> np.ndarray:
         out = np.empty(total, dtype=np.uint8)

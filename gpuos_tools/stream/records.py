@@ -387,7 +387,10 @@ EXTENT = Obj((
     Field("steps", COUNT),
     Field("in_place", COUNT, "bisection steps whose read only the bytes the control run wrote showed (an "
           "update in place; absent: those bytes were not compared)"),
-), text="{param, offset, ptr, limit, read, written, steps, in_place}")
+    Field("in_place_zeros", COUNT, "steps of the second bisection, over zeros the launch updated in place "
+          "poisoned non-zero, that showed a read (validator process only; absent: not run, or its run "
+          "failed)"),
+), text="{param, offset, ptr, limit, read, written, steps, in_place, in_place_zeros}")
 
 VALIDATION = RecordType(
     "validation", "with `--validate`: how a sampled launch's predicted accesses compared with what it did "
