@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--score-scale", type=int, default=2, help="program size whose run is scored")
     ap.add_argument("--score-only", action="store_true", help="score the traces already in --keep; run nothing")
     ap.add_argument("--prefix", default="", help="the traces' file names start with this (e.g. suite-)")
-    ap.add_argument("--validate-in", choices=("process", "validator"), default="process",
+    ap.add_argument("--validate-in", choices=("validator", "process"), default="validator",
                     help="where gpu-trace replays the sampled launches (see gpu-trace run --validate-in)")
     ap.add_argument("programs", nargs="*", default=list(PROGRAMS))
     args = ap.parse_args()

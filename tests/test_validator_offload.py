@@ -446,7 +446,7 @@ def test_validate_in_is_checked_before_anything_runs():
     from gpuos_tools.errors import ExitCode, GpuosError
     from gpuos_tools.trace.run import run_program
 
-    for kw, words in (({"validate": True, "validate_in": "gpu"}, "--validate-in: must be process or validator"),
+    for kw, words in (({"validate": True, "validate_in": "gpu"}, "--validate-in: must be validator or process"),
                       ({"validate_in": "validator"}, "--validate-in is an option of --validate")):
         with pytest.raises(GpuosError) as err:
             run_program(["true"], **kw)
@@ -458,9 +458,9 @@ def test_the_boot_config_carries_where_validation_runs():
 
     cfg = BootConfig(TraceConfig(3), validate=ValidateConfig(2, 1 << 30, False, "validator", 5.0))
     assert BootConfig.from_json(cfg.to_json()) == cfg
-    # a config written before the field existed still reads, as the in-process validator
+    # a config without the field reads as the default: the validator process
     old = cfg.to_json().replace(',"where":"validator","timeout_s":5.0', "")
-    assert BootConfig.from_json(old).validate.where == "process"
+    assert BootConfig.from_json(old).validate.where == "validator"
     with pytest.raises(ConfigError, match="validate.where"):
         ValidateConfig(2, 1 << 30, False, "elsewhere")
 

@@ -99,11 +99,12 @@ def run(
         "built with the system's C compiler, so not --backend python). Without it: "
         f"$GPUOS_AGENT_MECHANISM; without that, {MECHANISM_DEFAULT}.",
     ),
-    validate_in: str = typer.Option(
-        "process", "--validate-in", metavar="process|validator",
-        help="With --validate: where a sampled launch is replayed. process: again in the program's own "
-        "context (a fault there is the program's); validator: in a separate validator process on the same GPU, "
-        "fed with copies of the launch's predicted inputs, so nothing it does can reach the program.",
+    validate_in: Optional[str] = typer.Option(
+        None, "--validate-in", metavar="validator|process",
+        help="With --validate: where a sampled launch is replayed. validator (the default): in a separate "
+        "validator process on the same GPU, fed with copies of the launch's predicted inputs, so nothing it "
+        "does can reach the program; process: again in the program's own context (a fault or a device-side "
+        "assert there ends the program).",
     ),
     validate_extents: bool = typer.Option(
         True, "--validate-extents/--no-validate-extents",

@@ -79,8 +79,9 @@ class TraceConfig:
         _check(0 < self.fail_code < 256, "trace.fail_code", f"{self.fail_code} is not an exit status (1-255)")
 
 
-#: where `--validate` replays a sampled launch (gpu-trace run --validate-in)
-VALIDATE_IN = ("process", "validator")
+#: where `--validate` replays a sampled launch (gpu-trace run --validate-in), the default first:
+#: a validator process, where a replay that faults cannot reach the program
+VALIDATE_IN = ("validator", "process")
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class ValidateConfig:
     max_bytes: int  #: skip launches while more device memory than this is live
     extents: bool  #: also measure how far past each pointer a kernel reads
     #: where the sampled launch is replayed: in the program's own context, or in a validator process
-    where: str = "process"
+    where: str = VALIDATE_IN[0]
     timeout_s: float = 60.0  #: with the validator: the longest the program waits for one verdict
     #: with the validator: the preloaded interposer whose hook forks the validators' zygote in the
     #: program's first cuInit (agent/zygote.py); None: every validator starts as a fresh process

@@ -145,7 +145,7 @@ def run_program(
     program: list[str], *, output: str = "-", images: Path | None = None, no_images: bool = False,
     flush_ms: float = 20.0, unbuffered: bool = False, backend: str = "auto", check_pointers: bool = False,
     validate: bool = False, validate_samples: int = 3, validate_max: str = "8GiB", validate_extents: bool = True,
-    validate_in: str = "process", agent: bool = False, cow_budget: str | None = None, stage_ahead: bool = False,
+    validate_in: str | None = None, agent: bool = False, cow_budget: str | None = None, stage_ahead: bool = False,
     online: OnlineConfig | None = None, own: tuple[str, ...] | None = None, mechanism: str | None = None,
     warn: Callable[[str], None] = _silent,
 ) -> RunSummary:
@@ -170,6 +170,7 @@ def run_program(
             raise GpuosError("--backend native: --validate runs in the python backend", ExitCode.USAGE)
         if agent:
             raise GpuosError("--agent and --validate exclude each other", ExitCode.USAGE)
+        validate_in = validate_in or VALIDATE_IN[0]  # the validator process
         if validate_in not in VALIDATE_IN:
             raise GpuosError(f"--validate-in: must be {' or '.join(VALIDATE_IN)}, not {validate_in!r}", ExitCode.USAGE)
         try:
@@ -180,7 +181,7 @@ def run_program(
         backend = "python"  # the validating launch handler is the Python tracer's
         if validate_in == "validator":
             validation = replace(validation, zygote=validator_zygote(warn))
-    elif validate_in != "process":
+    elif validate_in is not None:
         raise GpuosError("--validate-in is an option of --validate", ExitCode.USAGE)
     choice = agent_mechanism(mechanism, agent, backend)
     if stage_ahead and not agent:

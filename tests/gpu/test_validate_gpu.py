@@ -1,4 +1,6 @@
-"""`gpu-trace run --validate` on kernels whose true accesses are known (pytest -m gpu)."""
+"""`gpu-trace run --validate --validate-in process` (replays in the program's own context) on
+kernels whose true accesses are known (pytest -m gpu); the validator process, the default, is
+tests/gpu/test_validator_gpu.py's."""
 
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ def validated(tmp_path_factory):
     report = tmp / "report.json"
     env = dict(os.environ, GPUOS_TEST_REPORT=str(report))
     proc = subprocess.run(
-        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--validate", "--no-images", "-o", str(out),
-         "--", sys.executable, str(PROGS / "validate_prog.py")],
+        [sys.executable, "-m", "gpuos_tools.commands.trace", "run", "--validate", "--validate-in", "process",
+         "--no-images", "-o", str(out), "--", sys.executable, str(PROGS / "validate_prog.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
