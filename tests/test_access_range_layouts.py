@@ -136,8 +136,8 @@ DELIBERATE = {"validate.ndjson.zst": (1, 1), "validator-kernels.ndjson.zst": (0,
 RANGE_BOUNDS = {
     "suite-torch_cnn.s2.ndjson.zst": (514, 600),
     "suite-cupy_suite.s2.ndjson.zst": (390, 540),
-    "validator-suite-torch_optim.s2.ndjson.zst": (4020, 4068),
-    "validator-suite-transformer_block.s2.ndjson.zst": (1497, 0),
+    "validator-suite-torch_optim.s2.ndjson.zst": (3893, 2659),
+    "validator-suite-transformer_block.s2.ndjson.zst": (1364, 1043),
     "validator-timm.ndjson.zst": (833, 0),
 }
 
