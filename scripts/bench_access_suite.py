@@ -30,7 +30,7 @@ SUITE = ROOT / "workloads" / "suite"
 PROGRAMS = ("cupy_suite", "torch_cnn", "torch_optim", "transformer_block")
 
 
-def run_one(name: str, outdir: Path, samples: int, scale: int, prefix: str = "", where: str = "process") -> dict:
+def run_one(name: str, outdir: Path, samples: int, scale: int, prefix: str = "", where: str = "validator") -> dict:
     """Trace one suite program with --validate at one size; the run's facts (not yet scored)."""
     trace = outdir / f"{prefix}{name}.s{scale}.ndjson.zst"
     env = dict(os.environ, GPUOS_SUITE_SCALE=str(scale))
