@@ -575,3 +575,19 @@ def test_a_kernel_that_spins_under_the_zeros_poison_times_out_and_keeps_the_firs
     bounded = [t for t in dev.timeouts if t is not None]
     assert bounded and all(t >= replay.TIMEOUT_FLOOR_S for t in bounded), dev.timeouts
     assert dev.timeouts[:2] == [None, None]  # the two poisons' runs wait as long as the kernel takes
+
+
+def test_a_pointer_table_stored_after_the_array_is_not_read_by_the_launch():
+    """copy reads 400 bytes of x; a pointer to y sits 2 KiB into x's allocation (another array's
+    table, packed there by a caching allocator): never zeroed, and not counted read, as the
+    table a pointer argument points at is."""
+    dev = FakeDevice(KERNELS, G)
+    x = np.arange(1, N + 1, dtype=np.float32)
+    tail = bytearray(G - 4 * N)
+    struct.pack_into("<Q", tail, 2048 - 4 * N, Y)
+    regions = [[X, G, 0, "r"], [Y, 4 * N, G, "w"]]
+    req = request("copy", [[X, G]], [[Y, 4 * N]], regions)
+    req["extents"] = [[0, 0, X, X + G, X]]
+    rec = Replayer(dev).replay(req, x.tobytes() + bytes(tail) + bytes(4 * N), b"image")
+    assert rec["checked"] and rec["reads"] == "ok", rec
+    assert rec["extents"][0]["read"] == 512, rec["extents"]

@@ -608,7 +608,7 @@ class Replayer:
                 break
             wrote = [min(a + n, end) - ptr for a, n in written if a < end and ptr < a + n]
             # a pointer stored in the range is never zeroed, so the bisection cannot see it read:
-            # it counts as read (a kernel finds its buffers through them)
+            # those the argument points at count as read (a kernel finds its buffers through them)
             held = self._held_end(holders, spans, offsets, ptr, end, cuts)
             done[(ptr, end)] = {"param": param, "offset": offset, "ptr": ptr, "limit": end - ptr,
                                 "read": max(cuts[hi], held) - ptr, "written": max(wrote, default=0),
@@ -641,14 +641,20 @@ class Replayer:
 
     @staticmethod
     def _held_end(holders: np.ndarray, spans, offsets, ptr: int, end: int, cuts: list[int]) -> int:
-        """The first cut at or past the last pointer-holding byte in [ptr, end), or ptr."""
+        """The first cut at or past the end of the pointer-holding words that start at ``ptr``
+        (a table of pointers the argument points at), or ptr. Pointers stored further on, past
+        bytes the bisection may zero, count only where it finds them read: a table that a
+        caching allocator put after the array the argument names (cuBLAS's batched pointer
+        arrays in CuPy's pool) is not the launch's."""
         last = ptr
         for k, (s, n, _) in enumerate(spans):
-            lo, hi = max(ptr, s), min(end, s + n)
-            if lo < hi:
-                idx = np.flatnonzero(holders[offsets[k] + lo - s : offsets[k] + hi - s])
-                if len(idx):
-                    last = max(last, lo + int(idx[-1]) + 1)
+            if not s <= last < s + n:
+                continue
+            run = holders[offsets[k] + last - s : offsets[k] + min(end, s + n) - s]
+            stop = np.flatnonzero(~run)
+            last += int(stop[0]) if len(stop) else len(run)
+            if len(stop) or last >= end:
+                break
         return next(c for c in cuts if c >= last) if last > ptr else ptr
 
     def _read_spans(self, spans, idx: list[int], at) -> dict[int, np.ndarray]:
