@@ -1,50 +1,22 @@
 """The validator process: replays a sampled launch in its own CUDA context, never in the program's.
 
-`gpu-trace run --validate --validate-in validator` starts one of these per traced program (lazily,
-at the first sampled launch; gpuos_tools/agent/offload.py is the program's side). The program
-copies the launch's inputs (the bytes the prediction names) into a shared staging file and sends
-a request; this process recreates the launch:
+`gpu-trace run --validate` starts one of these per traced program (lazily, at the first sampled
+launch; gpuos_tools/agent/offload.py is the program's side). The program copies the bytes the
+prediction names into a shared staging file and sends a request; this process
 
-1. it reserves the program's virtual addresses with the VMM API, the address passed as the fixed
-   hint, rounded out to the allocation granularity; when the driver gives another address the
-   launch is ``unvalidated: address unavailable`` with what holds the address, unless the request
-   asks for it to be moved (``relocate``, the program's last resort for that launch): then the
-   spans that could not be had are mapped where the driver offers, away from the program's live
-   allocations, and every 8-byte word that points into one of them, in the parameters, in the
-   predicted bytes and in the staged module variables, is moved with it (``Moves``). The driver treats the address as a
-   hint only, and under unified addressing anything of this process's own at that address (its
-   driver's context memory, module code, the staging file) makes it refuse; so the program's
-   address windows are covered by placeholders before the driver is loaded (vaspace.py), lifted
-   only to reserve, and the reservations are kept for later launches. A driver that honours the
-   hint only inside the areas it reserved for itself needs those areas over the program's: how
-   this process goes about it is its address strategy (vaspace.AddressStrategy, ``--strategy``);
-   a refusal says whether anything but the driver's own sat at the address (``refused_by``), so
-   that the program's side can try the next strategy;
-2. it maps physical memory there, only for the granules the prediction names, fills the bytes the
-   prediction names with their launch-time contents and the rest of each granule with a poison
-   value, maps the granules holding only predicted reads read-only where the driver takes it;
-3. it loads the kernel's module from its image, launches it with the program's parameter bytes and
-   geometry, synchronises, and reads the granules back; twice, poisoned with 0x00 then 0xFF.
+1. reserves the program's virtual addresses with the VMM API (its placeholders and address
+   strategies are vaspace.py's), or, when the request says ``relocate``, maps the spans it could
+   not have elsewhere and moves every word that points into them (``Moves``);
+2. maps only the granules the prediction names: the predicted bytes hold their launch-time
+   contents, the rest a poison, granules only read are mapped read-only where the driver takes it;
+3. loads the kernel from its module image and launches it twice, under poisons 0x00 and 0xFF,
+   then, where asked, bisects each pointer's read extent (``Replayer._extents``).
 
-Verdicts (the `validation` record, gpuos_tools/stream/records.py): an illegal address is an access
-outside every mapped granule, a missed access (which buffer is not bisected); chunks that changed
-are the writes, those outside the predicted writes missed writes; predicted bytes, and bytes
-either run visibly wrote, that differ between the two poisons were computed from unpredicted
-memory, a missed read (a third run under the first poison tells that from a kernel that is not
-deterministic). After a sticky error the
-context is gone: the process answers, then exits, and the program's side starts a fresh one.
-
-Limits: reads of unpredicted bytes inside a mapped granule whose value does not change the output
-are invisible (as with in-process poisoning); module variables hold their initial values except
-those the program located by name (their bytes are staged with the launch); launch attributes
-that change no result are dropped (``DROPPED_ATTRIBUTES``), clusters and cooperative launches are
-replayed with theirs (``REPLAYED_ATTRIBUTES``), a launch with any other is not replayed. Read
-extents are measured as in the program's process: a bisection per pointer over zeroed tails of
-the predicted bytes, which also compares the zeroed bytes the control run visibly wrote (an update
-in place), then over the rest of each tail with the zeros among those bytes poisoned non-zero
-(zeroing a zero shows nothing), at most ``EXTENT_RUNS`` replays a launch. Bytes predicted written only hold their
-launch-time contents in both poisons' runs, so an in-place read of them is seen by the read
-extents only.
+An illegal address is an access outside the prediction; changed chunks are the writes; bytes
+that differ between the poisons were computed from unpredicted memory, a missed read. After a
+sticky error the process answers, then exits, and the program's side starts a fresh one. The
+verdicts, the limits and the read bisection are described in docs/access-prediction.md
+("Where validation runs").
 """
 
 from __future__ import annotations
