@@ -526,7 +526,7 @@ class Replayer:
         offsets = np.cumsum([0] + [n for _, n, _ in spans])
         needed = [k for k in range(len(spans)) if compare[offsets[k] : offsets[k + 1]].any()]
         done: dict[tuple[int, int], dict[str, Any]] = {}
-        out: list[dict[str, Any]] = []
+        order: list[tuple[int, int, tuple[int, int]]] = []  # (param, offset, its pointer's done key)
         budget = [EXTENT_RUNS]
         failed: list[str] = []
 
@@ -569,8 +569,8 @@ class Replayer:
         for param, offset, ptr, end, base in targets:
             if not any(s <= ptr < s + n for s, n, _ in spans):
                 continue  # not mapped here: the prediction named none of it
-            if (ptr, end) in done:
-                out.append(dict(done[(ptr, end)], param=param, offset=offset, steps=0))
+            if (ptr, end) in done:  # the same pointer passed twice: measured once
+                order.append((param, offset, (ptr, end)))
                 continue
             cuts = extent_cuts(ptr, end, base)
             in_place = [0]
@@ -585,7 +585,7 @@ class Replayer:
             done[(ptr, end)] = {"param": param, "offset": offset, "ptr": ptr, "limit": end - ptr,
                                 "read": max(cuts[hi], held) - ptr, "written": max(wrote, default=0),
                                 "steps": steps, "in_place": in_place[0]}
-            out.append(done[(ptr, end)])
+            order.append((param, offset, (ptr, end)))
             if hi < len(cuts) - 1 and (tail(cuts[hi], end) & zero_updates).any():
                 later.append((done[(ptr, end)], cuts, hi, held))
         if failed:
@@ -602,14 +602,10 @@ class Replayer:
             ext["read"] = max(cuts[first + more], held) - ext["ptr"]
             ext["steps"] += steps
             ext["in_place_zeros"] = seen[0]
-        for ext in out:  # the copies of a measured extent take what its second bisection found
-            src = done[(ext["ptr"], ext["ptr"] + ext["limit"])]
-            if src is not ext:
-                ext.update(read=src["read"], **({"in_place_zeros": src["in_place_zeros"]}
-                                                if "in_place_zeros" in src else {}))
         if failed and failed[0] in STICKY:
             self.lost = True
-        return out
+        return [done[key] if (done[key]["param"], done[key]["offset"]) == (param, offset)
+                else dict(done[key], param=param, offset=offset, steps=0) for param, offset, key in order]
 
     @staticmethod
     def _held_end(holders: np.ndarray, spans, offsets, ptr: int, end: int, cuts: list[int]) -> int:
